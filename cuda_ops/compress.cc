@@ -1,0 +1,355 @@
+// CPU XLA FFI handlers for the compress family (see docs/DESIGN.md):
+//   jax_tq_compress, jax_tq_decompress, jax_tq_compress_write.
+// The handler symbols (ffi::Ffi::Bind) live in cpu_module.cc; this file holds the
+// implementations.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "jax_tq/format.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jax_tq {
+namespace cpu {
+namespace {
+
+// ---------------------------------------------------------------------------
+// bf16 / f16 <-> f32 with round-to-nearest-even.
+// ---------------------------------------------------------------------------
+inline uint32_t f32_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+inline float bits_f32(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline float bf16_to_f32(uint16_t h) { return bits_f32(uint32_t(h) << 16); }
+
+inline uint16_t f32_to_bf16(float f) {
+  const uint32_t u = f32_bits(f);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return uint16_t((u >> 16) | 0x0040u);  // quiet NaN
+  const uint32_t rounding = 0x7FFFu + ((u >> 16) & 1u);
+  return uint16_t((u + rounding) >> 16);
+}
+
+inline float f16_to_f32(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1Fu;
+  uint32_t mant = h & 0x3FFu;
+  if (exp == 0x1F) return bits_f32(sign | 0x7F800000u | (mant << 13));  // inf / nan
+  if (exp == 0) {
+    if (mant == 0) return bits_f32(sign);
+    // Subnormal: value = mant * 2^-24.
+    const float v = float(mant) * 5.9604644775390625e-08f;
+    return sign ? -v : v;
+  }
+  return bits_f32(sign | ((exp + 112u) << 23) | (mant << 13));
+}
+
+inline uint16_t f32_to_f16(float f) {
+  const uint32_t u = f32_bits(f);
+  const uint16_t sign = uint16_t((u >> 16) & 0x8000u);
+  const uint32_t a = u & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) return uint16_t(sign | 0x7E00u | ((a >> 13) & 0x3FFu));  // NaN
+  if (a >= 0x477FF000u) return uint16_t(sign | 0x7C00u);  // rounds to >= 65520 -> inf
+  if (a < 0x38800000u) {
+    // Result is subnormal (or zero) in f16: units of 2^-24, RNE.
+    if (a < 0x33000000u) return sign;  // < 2^-25 -> 0 (2^-25 exactly ties to even 0)
+    const uint32_t e = a >> 23;                      // biased f32 exponent, 102..112
+    const uint32_t m = (a & 0x7FFFFFu) | 0x800000u;  // 24-bit significand
+    const uint32_t shift = 126u - e;                 // value = m * 2^(e-150); /2^-24
+    uint32_t q = m >> shift;
+    const uint32_t rem = m & ((1u << shift) - 1u);
+    const uint32_t half = 1u << (shift - 1u);
+    if (rem > half || (rem == half && (q & 1u))) ++q;
+    return uint16_t(sign | q);
+  }
+  // Normal: rebias exponent (127 -> 15) and round 13 dropped mantissa bits.
+  uint32_t r = a - 0x38000000u;  // exponent - 112 in place
+  r = r + 0xFFFu + ((r >> 13) & 1u);
+  return uint16_t(sign | (r >> 13));
+}
+
+enum class FloatKind { kF32, kBF16, kF16, kOther };
+
+inline FloatKind kind_of(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::F32: return FloatKind::kF32;
+    case ffi::DataType::BF16: return FloatKind::kBF16;
+    case ffi::DataType::F16: return FloatKind::kF16;
+    default: return FloatKind::kOther;
+  }
+}
+
+// Load n elements starting at element index `start` of an untyped buffer into float.
+inline void load_row(const void* base, FloatKind k, int64_t start, int n, float* out) {
+  switch (k) {
+    case FloatKind::kF32: {
+      const float* p = static_cast<const float*>(base) + start;
+      for (int i = 0; i < n; ++i) out[i] = p[i];
+      break;
+    }
+    case FloatKind::kBF16: {
+      const uint16_t* p = static_cast<const uint16_t*>(base) + start;
+      for (int i = 0; i < n; ++i) out[i] = bf16_to_f32(p[i]);
+      break;
+    }
+    case FloatKind::kF16: {
+      const uint16_t* p = static_cast<const uint16_t*>(base) + start;
+      for (int i = 0; i < n; ++i) out[i] = f16_to_f32(p[i]);
+      break;
+    }
+    default: break;
+  }
+}
+
+inline void store_row(void* base, FloatKind k, int64_t start, int n, const float* in) {
+  switch (k) {
+    case FloatKind::kF32: {
+      float* p = static_cast<float*>(base) + start;
+      for (int i = 0; i < n; ++i) p[i] = in[i];
+      break;
+    }
+    case FloatKind::kBF16: {
+      uint16_t* p = static_cast<uint16_t*>(base) + start;
+      for (int i = 0; i < n; ++i) p[i] = f32_to_bf16(in[i]);
+      break;
+    }
+    case FloatKind::kF16: {
+      uint16_t* p = static_cast<uint16_t*>(base) + start;
+      for (int i = 0; i < n; ++i) p[i] = f32_to_f16(in[i]);
+      break;
+    }
+    default: break;
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Validation helpers.
+// ---------------------------------------------------------------------------
+std::string dims_str(ffi::Span<const int64_t> dims) {
+  std::string s = "[";
+  for (size_t i = 0; i < dims.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(dims[i]);
+  }
+  return s + "]";
+}
+
+// Returns an empty string when `dims` equals `want`, otherwise an error message.
+std::string check_dims(const char* op, const char* name, ffi::Span<const int64_t> dims,
+                       std::initializer_list<int64_t> want) {
+  bool ok = dims.size() == want.size();
+  if (ok) {
+    size_t i = 0;
+    for (int64_t w : want) ok = ok && dims[i++] == w;
+  }
+  if (ok) return {};
+  std::vector<int64_t> w(want);
+  return std::string(op) + ": " + name + " has shape " + dims_str(dims) + ", expected " +
+         dims_str(ffi::Span<const int64_t>(w.data(), w.size()));
+}
+
+#define JTQ_CHECK_DIMS(op, name, dims, ...)                                   \
+  do {                                                                        \
+    std::string _msg = check_dims(op, name, dims, __VA_ARGS__);               \
+    if (!_msg.empty()) return ffi::Error::InvalidArgument(std::move(_msg));   \
+  } while (0)
+
+ffi::Error check_bits_dim(const char* op, int32_t bits, int64_t d) {
+  if (!is_supported_bits(bits))
+    return ffi::Error::InvalidArgument(std::string(op) + ": bits must be 2, 3 or 4, got " +
+                                       std::to_string(bits));
+  if (!is_supported_head_dim(int(d)))
+    return ffi::Error::InvalidArgument(std::string(op) +
+                                       ": head_dim must be one of 64, 80, 96, 128, 192, 256, "
+                                       "got " + std::to_string(d));
+  return ffi::Error::Success();
+}
+
+const char* kDtypeMsg = ": dtype must be float32, bfloat16 or float16";
+
+// ---------------------------------------------------------------------------
+// Per-row codec. Workspace sized for kMaxHeadDim.
+// ---------------------------------------------------------------------------
+struct RowCompressor {
+  int d;
+  int bits;
+  const float* rot;  // [d, d], Pi
+  float boundaries[kMaxCentroids];
+  int nb;
+
+  RowCompressor(int d_, int bits_, const float* rot_, const float* centroids)
+      : d(d_), bits(bits_), rot(rot_), nb((1 << bits_) - 1) {
+    for (int i = 0; i < nb; ++i) boundaries[i] = centroid_boundary(centroids, i);
+  }
+
+  // x: d floats. Writes packed row (packed_bytes) and returns the norm.
+  float operator()(const float* x, uint8_t* row) const {
+    double ss = 0.0;
+    for (int i = 0; i < d; ++i) ss += double(x[i]) * double(x[i]);
+    const float norm = float(std::sqrt(ss));
+    const float inv = norm > 0.0f ? 1.0f / norm : 0.0f;
+    float u[kMaxHeadDim];
+    uint8_t codes[kMaxHeadDim];
+    for (int i = 0; i < d; ++i) u[i] = x[i] * inv;
+    for (int j = 0; j < d; ++j) {
+      const float* pj = rot + int64_t(j) * d;
+      double acc = 0.0;
+      for (int k = 0; k < d; ++k) acc += double(pj[k]) * double(u[k]);
+      codes[j] = uint8_t(bucketize(float(acc), boundaries, nb));
+    }
+    pack_row(codes, d, bits, row);
+    return norm;
+  }
+};
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+// jax_tq_compress: x [N, d] -> codes [N, packed], norms [N]
+// ---------------------------------------------------------------------------
+ffi::Error CompressImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> rotation,
+                        ffi::Buffer<ffi::F32> centroids,
+                        ffi::Result<ffi::Buffer<ffi::U8>> codes,
+                        ffi::Result<ffi::Buffer<ffi::F32>> norms, int32_t bits) {
+  static const char* op = "jax_tq_compress";
+  const FloatKind k = kind_of(x.element_type());
+  if (k == FloatKind::kOther) return ffi::Error::InvalidArgument(std::string(op) + ": x" + kDtypeMsg);
+  const auto xd = x.dimensions();
+  if (xd.size() != 2)
+    return ffi::Error::InvalidArgument(std::string(op) + ": x must be rank 2 [N, d], got " +
+                                       dims_str(xd));
+  const int64_t n = xd[0], d = xd[1];
+  if (auto e = check_bits_dim(op, bits, d); e.failure()) return e;
+  const int64_t pb = packed_bytes(int(d), bits);
+  JTQ_CHECK_DIMS(op, "rotation", rotation.dimensions(), {d, d});
+  JTQ_CHECK_DIMS(op, "centroids", centroids.dimensions(), {int64_t(1) << bits});
+  JTQ_CHECK_DIMS(op, "codes (result)", codes->dimensions(), {n, pb});
+  JTQ_CHECK_DIMS(op, "norms (result)", norms->dimensions(), {n});
+
+  RowCompressor comp(int(d), bits, rotation.typed_data(), centroids.typed_data());
+  const void* xp = x.untyped_data();
+  uint8_t* cp = codes->typed_data();
+  float* np_ = norms->typed_data();
+  float row[kMaxHeadDim];
+  for (int64_t i = 0; i < n; ++i) {
+    load_row(xp, k, i * d, int(d), row);
+    np_[i] = comp(row, cp + i * pb);
+  }
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------
+// jax_tq_decompress: codes [N, packed], norms [N] -> x [N, d]
+// ---------------------------------------------------------------------------
+ffi::Error DecompressImpl(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::F32> norms,
+                          ffi::Buffer<ffi::F32> rotation, ffi::Buffer<ffi::F32> centroids,
+                          ffi::Result<ffi::AnyBuffer> x, int32_t bits) {
+  static const char* op = "jax_tq_decompress";
+  const FloatKind k = kind_of(x->element_type());
+  if (k == FloatKind::kOther)
+    return ffi::Error::InvalidArgument(std::string(op) + ": result x" + kDtypeMsg);
+  const auto xd = x->dimensions();
+  if (xd.size() != 2)
+    return ffi::Error::InvalidArgument(std::string(op) + ": result x must be rank 2 [N, d], got " +
+                                       dims_str(xd));
+  const int64_t n = xd[0], d = xd[1];
+  if (auto e = check_bits_dim(op, bits, d); e.failure()) return e;
+  const int64_t pb = packed_bytes(int(d), bits);
+  JTQ_CHECK_DIMS(op, "codes", codes.dimensions(), {n, pb});
+  JTQ_CHECK_DIMS(op, "norms", norms.dimensions(), {n});
+  JTQ_CHECK_DIMS(op, "rotation", rotation.dimensions(), {d, d});
+  JTQ_CHECK_DIMS(op, "centroids", centroids.dimensions(), {int64_t(1) << bits});
+
+  const float* rot = rotation.typed_data();
+  const float* cent = centroids.typed_data();
+  const uint8_t* cp = codes.typed_data();
+  const float* nrm = norms.typed_data();
+  void* xp = x->untyped_data();
+  uint8_t c[kMaxHeadDim];
+  double acc[kMaxHeadDim];
+  float out[kMaxHeadDim];
+  for (int64_t i = 0; i < n; ++i) {
+    unpack_row(cp + i * pb, int(d), bits, c);
+    for (int j = 0; j < d; ++j) acc[j] = 0.0;
+    // x_hat = norm * (c @ Pi): x_j = norm * sum_k cent[c_k] * Pi[k, j]
+    for (int kk = 0; kk < d; ++kk) {
+      const double ck = cent[c[kk]];
+      const float* pk = rot + int64_t(kk) * d;
+      for (int j = 0; j < d; ++j) acc[j] += ck * double(pk[j]);
+    }
+    const float nv = nrm[i];
+    for (int j = 0; j < d; ++j) out[j] = nv * float(acc[j]);
+    store_row(xp, k, i * d, int(d), out);
+  }
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------
+// jax_tq_compress_write: x [T, Hkv, d] written into paged codes/norms at slots.
+// ---------------------------------------------------------------------------
+ffi::Error CompressWriteImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U8> codes_in,
+                             ffi::Buffer<ffi::F32> norms_in, ffi::Buffer<ffi::F32> rotation,
+                             ffi::Buffer<ffi::F32> centroids, ffi::Buffer<ffi::S32> slot_mapping,
+                             ffi::Result<ffi::Buffer<ffi::U8>> codes_out,
+                             ffi::Result<ffi::Buffer<ffi::F32>> norms_out, int32_t bits) {
+  static const char* op = "jax_tq_compress_write";
+  const FloatKind k = kind_of(x.element_type());
+  if (k == FloatKind::kOther) return ffi::Error::InvalidArgument(std::string(op) + ": x" + kDtypeMsg);
+  const auto xd = x.dimensions();
+  if (xd.size() != 3)
+    return ffi::Error::InvalidArgument(std::string(op) + ": x must be rank 3 [T, Hkv, d], got " +
+                                       dims_str(xd));
+  const int64_t t_n = xd[0], hkv = xd[1], d = xd[2];
+  if (auto e = check_bits_dim(op, bits, d); e.failure()) return e;
+  const int64_t pb = packed_bytes(int(d), bits);
+  const auto cd = codes_in.dimensions();
+  if (cd.size() != 4)
+    return ffi::Error::InvalidArgument(std::string(op) +
+                                       ": codes must be rank 4 [P, Hkv, page_size, packed], got " +
+                                       dims_str(cd));
+  const int64_t num_pages = cd[0], page_size = cd[2];
+  JTQ_CHECK_DIMS(op, "codes", cd, {num_pages, hkv, page_size, pb});
+  JTQ_CHECK_DIMS(op, "norms", norms_in.dimensions(), {num_pages, hkv, page_size});
+  JTQ_CHECK_DIMS(op, "rotation", rotation.dimensions(), {d, d});
+  JTQ_CHECK_DIMS(op, "centroids", centroids.dimensions(), {int64_t(1) << bits});
+  JTQ_CHECK_DIMS(op, "slot_mapping", slot_mapping.dimensions(), {t_n});
+  JTQ_CHECK_DIMS(op, "codes (result)", codes_out->dimensions(), {num_pages, hkv, page_size, pb});
+  JTQ_CHECK_DIMS(op, "norms (result)", norms_out->dimensions(), {num_pages, hkv, page_size});
+
+  uint8_t* cp = codes_out->typed_data();
+  float* np_ = norms_out->typed_data();
+  if (static_cast<const void*>(cp) != codes_in.untyped_data() && codes_in.size_bytes() > 0)
+    std::memcpy(cp, codes_in.untyped_data(), codes_in.size_bytes());
+  if (static_cast<const void*>(np_) != norms_in.untyped_data() && norms_in.size_bytes() > 0)
+    std::memcpy(np_, norms_in.untyped_data(), norms_in.size_bytes());
+
+  const int64_t total_slots = num_pages * page_size;
+  RowCompressor comp(int(d), bits, rotation.typed_data(), centroids.typed_data());
+  const int32_t* slots = slot_mapping.typed_data();
+  const void* xp = x.untyped_data();
+  float row[kMaxHeadDim];
+  for (int64_t t = 0; t < t_n; ++t) {
+    const int64_t s = slots[t];
+    if (s < 0 || s >= total_slots) continue;
+    const int64_t page = s / page_size, off = s % page_size;
+    for (int64_t h = 0; h < hkv; ++h) {
+      load_row(xp, k, (t * hkv + h) * d, int(d), row);
+      np_[norms_offset(page, h, off, hkv, page_size)] =
+          comp(row, cp + codes_offset(page, h, off, hkv, page_size, pb));
+    }
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace cpu
+}  // namespace jax_tq

@@ -1,0 +1,189 @@
+// jax_tq storage format: THE single C++ definition, shared by the CPU (.cc) and
+// CUDA (.cu) kernels. Mirrors jax_tq/format.py and docs/DESIGN.md.
+//
+// Packed codes: packed_bytes = head_dim * bits / 8. The bit stream is LSB-first:
+// code i occupies bits [i*bits, (i+1)*bits) of the little-endian byte stream.
+//   4-bit: byte j = c[2j] | c[2j+1] << 4
+//   2-bit: byte j = c[4j] | c[4j+1] << 2 | c[4j+2] << 4 | c[4j+3] << 6
+//   3-bit: each group of 8 codes is one 24-bit little-endian word
+//          w = sum_k c[8g+k] << (3k), stored as bytes w&255, (w>>8)&255, (w>>16)&255.
+//
+// Paged cache (one pool per K and per V):
+//   codes uint8 [num_pages, num_kv_heads, page_size, packed_bytes]
+//   norms f32   [num_pages, num_kv_heads, page_size]
+#ifndef JAX_TQ_FORMAT_H_
+#define JAX_TQ_FORMAT_H_
+
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define JTQ_HD __host__ __device__ __forceinline__
+#define JTQ_UNROLL _Pragma("unroll")
+#else
+#define JTQ_HD inline
+#define JTQ_UNROLL
+#endif
+
+namespace jax_tq {
+
+// ---------------------------------------------------------------------------
+// Supported configurations.
+// ---------------------------------------------------------------------------
+constexpr int kMinBits = 2;
+constexpr int kMaxBits = 4;
+constexpr int kMaxCentroids = 1 << kMaxBits;  // 16
+constexpr int kMaxHeadDim = 256;
+constexpr int kNumSupportedHeadDims = 6;
+// Host-side list (for messages / loops); device code should use
+// is_supported_head_dim().
+constexpr int kSupportedHeadDims[kNumSupportedHeadDims] = {64, 80, 96, 128, 192, 256};
+
+JTQ_HD bool is_supported_head_dim(int head_dim) {
+  switch (head_dim) {
+    case 64: case 80: case 96: case 128: case 192: case 256: return true;
+    default: return false;
+  }
+}
+
+JTQ_HD bool is_supported_bits(int bits) { return bits >= kMinBits && bits <= kMaxBits; }
+
+// Number of bytes of one packed row. Every supported head_dim is a multiple of 16,
+// so head_dim * bits is always a multiple of 8 (and head_dim a multiple of 8 for
+// the 3-bit grouping).
+JTQ_HD int packed_bytes(int head_dim, int bits) { return head_dim * bits / 8; }
+
+// Codes per packing group and bytes per packing group:
+//   4-bit: 2 codes / 1 byte, 2-bit: 4 codes / 1 byte, 3-bit: 8 codes / 3 bytes.
+JTQ_HD int group_codes(int bits) { return bits == 3 ? 8 : 8 / bits; }
+JTQ_HD int group_bytes(int bits) { return bits == 3 ? 3 : 1; }
+
+// ---------------------------------------------------------------------------
+// Single-code access.
+// ---------------------------------------------------------------------------
+JTQ_HD uint32_t load_word3(const uint8_t* p) {
+  return uint32_t(p[0]) | (uint32_t(p[1]) << 8) | (uint32_t(p[2]) << 16);
+}
+
+JTQ_HD uint32_t get_code(const uint8_t* row, int i, int bits) {
+  if (bits == 4) return (uint32_t(row[i >> 1]) >> ((i & 1) * 4)) & 0xFu;
+  if (bits == 2) return (uint32_t(row[i >> 2]) >> ((i & 3) * 2)) & 0x3u;
+  // bits == 3
+  const uint8_t* p = row + 3 * (i >> 3);
+  return (load_word3(p) >> (3 * (i & 7))) & 0x7u;
+}
+
+JTQ_HD void set_code(uint8_t* row, int i, int bits, uint32_t code) {
+  if (bits == 4) {
+    const int sh = (i & 1) * 4;
+    uint8_t& b = row[i >> 1];
+    b = uint8_t((b & ~(0xFu << sh)) | ((code & 0xFu) << sh));
+  } else if (bits == 2) {
+    const int sh = (i & 3) * 2;
+    uint8_t& b = row[i >> 2];
+    b = uint8_t((b & ~(0x3u << sh)) | ((code & 0x3u) << sh));
+  } else {  // bits == 3
+    uint8_t* p = row + 3 * (i >> 3);
+    const int sh = 3 * (i & 7);
+    uint32_t w = load_word3(p);
+    w = (w & ~(0x7u << sh)) | ((code & 0x7u) << sh);
+    p[0] = uint8_t(w & 0xFFu);
+    p[1] = uint8_t((w >> 8) & 0xFFu);
+    p[2] = uint8_t((w >> 16) & 0xFFu);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Group helpers (what a GPU thread wants: a few bytes -> several codes).
+// ---------------------------------------------------------------------------
+JTQ_HD void unpack8_3bit(uint8_t b0, uint8_t b1, uint8_t b2, uint8_t out[8]) {
+  const uint32_t w = uint32_t(b0) | (uint32_t(b1) << 8) | (uint32_t(b2) << 16);
+JTQ_UNROLL
+  for (int k = 0; k < 8; ++k) out[k] = uint8_t((w >> (3 * k)) & 0x7u);
+}
+
+JTQ_HD void unpack2_4bit(uint8_t b, uint8_t out[2]) {
+  out[0] = uint8_t(b & 0xFu);
+  out[1] = uint8_t(b >> 4);
+}
+
+JTQ_HD void unpack4_2bit(uint8_t b, uint8_t out[4]) {
+  out[0] = uint8_t(b & 0x3u);
+  out[1] = uint8_t((b >> 2) & 0x3u);
+  out[2] = uint8_t((b >> 4) & 0x3u);
+  out[3] = uint8_t(b >> 6);
+}
+
+JTQ_HD uint32_t pack8_3bit(const uint8_t c[8]) {
+  uint32_t w = 0;
+JTQ_UNROLL
+  for (int k = 0; k < 8; ++k) w |= uint32_t(c[k] & 0x7u) << (3 * k);
+  return w;  // store as bytes w&255, (w>>8)&255, (w>>16)&255
+}
+
+// ---------------------------------------------------------------------------
+// Whole-row pack / unpack. codes: one uint8 per coordinate, head_dim of them.
+// row: packed_bytes(head_dim, bits) bytes.
+// ---------------------------------------------------------------------------
+JTQ_HD void pack_row(const uint8_t* codes, int head_dim, int bits, uint8_t* row) {
+  if (bits == 4) {
+    for (int j = 0; j < head_dim / 2; ++j)
+      row[j] = uint8_t((codes[2 * j] & 0xFu) | ((codes[2 * j + 1] & 0xFu) << 4));
+  } else if (bits == 2) {
+    for (int j = 0; j < head_dim / 4; ++j)
+      row[j] = uint8_t((codes[4 * j] & 0x3u) | ((codes[4 * j + 1] & 0x3u) << 2) |
+                       ((codes[4 * j + 2] & 0x3u) << 4) | ((codes[4 * j + 3] & 0x3u) << 6));
+  } else {  // bits == 3
+    for (int g = 0; g < head_dim / 8; ++g) {
+      const uint32_t w = pack8_3bit(codes + 8 * g);
+      row[3 * g + 0] = uint8_t(w & 0xFFu);
+      row[3 * g + 1] = uint8_t((w >> 8) & 0xFFu);
+      row[3 * g + 2] = uint8_t((w >> 16) & 0xFFu);
+    }
+  }
+}
+
+JTQ_HD void unpack_row(const uint8_t* row, int head_dim, int bits, uint8_t* codes) {
+  if (bits == 4) {
+    for (int j = 0; j < head_dim / 2; ++j) unpack2_4bit(row[j], codes + 2 * j);
+  } else if (bits == 2) {
+    for (int j = 0; j < head_dim / 4; ++j) unpack4_2bit(row[j], codes + 4 * j);
+  } else {  // bits == 3
+    for (int g = 0; g < head_dim / 8; ++g)
+      unpack8_3bit(row[3 * g], row[3 * g + 1], row[3 * g + 2], codes + 8 * g);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Quantizer: code = number of boundaries strictly less than y, where
+// boundary_i = (c_i + c_{i+1}) / 2 (computed in float32), nb = 2**bits - 1.
+// y exactly on a boundary goes to the lower centroid.
+// ---------------------------------------------------------------------------
+JTQ_HD float centroid_boundary(const float* centroids, int i) {
+  return (centroids[i] + centroids[i + 1]) * 0.5f;
+}
+
+JTQ_HD uint32_t bucketize(float y, const float* boundaries, int nb) {
+  uint32_t n = 0;
+  for (int i = 0; i < nb; ++i) n += (boundaries[i] < y) ? 1u : 0u;
+  return n;
+}
+
+// ---------------------------------------------------------------------------
+// Paged cache indexing (int64 arithmetic throughout).
+// ---------------------------------------------------------------------------
+// Element offset of the first byte of the packed row in
+// codes[num_pages, num_kv_heads, page_size, packed].
+JTQ_HD int64_t codes_offset(int64_t page, int64_t head, int64_t slot_in_page,
+                            int64_t num_kv_heads, int64_t page_size, int64_t packed) {
+  return ((page * num_kv_heads + head) * page_size + slot_in_page) * packed;
+}
+
+// Element offset in norms[num_pages, num_kv_heads, page_size].
+JTQ_HD int64_t norms_offset(int64_t page, int64_t head, int64_t slot_in_page,
+                            int64_t num_kv_heads, int64_t page_size) {
+  return (page * num_kv_heads + head) * page_size + slot_in_page;
+}
+
+}  // namespace jax_tq
+
+#endif  // JAX_TQ_FORMAT_H_

@@ -1,0 +1,231 @@
+// CPU XLA FFI handler implementation for jax_tq_paged_decode (see docs/DESIGN.md).
+// The handler symbol (ffi::Ffi::Bind) lives in cpu_module.cc.
+//
+// Split-K: for each (seq, kv head, split) every K/V token row is decoded once and
+// reused by all query heads of the GQA group; each (seq, q head, split) writes its
+// partial (lse = m + log(l), out = o / l) into the workspace results, then a
+// log-sum-exp combine produces out_rot. Softmax accumulation is in double with
+// running-max subtraction, so huge logits never give inf/NaN.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "jax_tq/format.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jax_tq {
+namespace cpu {
+namespace {
+
+std::string dims_str(ffi::Span<const int64_t> dims) {
+  std::string s = "[";
+  for (size_t i = 0; i < dims.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(dims[i]);
+  }
+  return s + "]";
+}
+
+std::string check_dims(const char* name, ffi::Span<const int64_t> dims,
+                       std::initializer_list<int64_t> want) {
+  bool ok = dims.size() == want.size();
+  if (ok) {
+    size_t i = 0;
+    for (int64_t w : want) ok = ok && dims[i++] == w;
+  }
+  if (ok) return {};
+  std::vector<int64_t> w(want);
+  return std::string("jax_tq_paged_decode: ") + name + " has shape " + dims_str(dims) +
+         ", expected " + dims_str(ffi::Span<const int64_t>(w.data(), w.size()));
+}
+
+#define JTQ_CHECK_DIMS(name, dims, ...)                                     \
+  do {                                                                      \
+    std::string _msg = check_dims(name, dims, __VA_ARGS__);                 \
+    if (!_msg.empty()) return ffi::Error::InvalidArgument(std::move(_msg)); \
+  } while (0)
+
+ffi::Error invalid(const std::string& msg) {
+  return ffi::Error::InvalidArgument("jax_tq_paged_decode: " + msg);
+}
+
+constexpr double kNegInf = -std::numeric_limits<double>::infinity();
+
+}  // namespace
+
+ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q_rot, ffi::Buffer<ffi::U8> k_codes,
+                           ffi::Buffer<ffi::F32> k_norms, ffi::Buffer<ffi::U8> v_codes,
+                           ffi::Buffer<ffi::F32> v_norms, ffi::Buffer<ffi::F32> k_centroids,
+                           ffi::Buffer<ffi::F32> v_centroids, ffi::Buffer<ffi::S32> block_tables,
+                           ffi::Buffer<ffi::S32> seq_lens,
+                           ffi::Result<ffi::Buffer<ffi::F32>> out_rot,
+                           ffi::Result<ffi::Buffer<ffi::F32>> partial_out,
+                           ffi::Result<ffi::Buffer<ffi::F32>> partial_lse, int32_t k_bits,
+                           int32_t v_bits, int32_t num_splits, float scale) {
+  // ---- validation --------------------------------------------------------
+  if (!is_supported_bits(k_bits)) return invalid("k_bits must be 2, 3 or 4, got " + std::to_string(k_bits));
+  if (!is_supported_bits(v_bits)) return invalid("v_bits must be 2, 3 or 4, got " + std::to_string(v_bits));
+  if (num_splits < 1) return invalid("num_splits must be >= 1, got " + std::to_string(num_splits));
+  const auto qd = q_rot.dimensions();
+  if (qd.size() != 3) return invalid("q_rot must be rank 3 [S, H, d], got " + dims_str(qd));
+  const int64_t S = qd[0], H = qd[1], d = qd[2];
+  if (!is_supported_head_dim(int(d)))
+    return invalid("head_dim must be one of 64, 80, 96, 128, 192, 256, got " + std::to_string(d));
+  const auto kd = k_codes.dimensions();
+  if (kd.size() != 4)
+    return invalid("k_codes must be rank 4 [P, Hkv, page_size, packed], got " + dims_str(kd));
+  const int64_t P = kd[0], Hkv = kd[1], page = kd[2];
+  const int64_t kpb = packed_bytes(int(d), k_bits), vpb = packed_bytes(int(d), v_bits);
+  if (Hkv <= 0 || H % Hkv != 0)
+    return invalid("num_heads (" + std::to_string(H) + ") must be a multiple of num_kv_heads (" +
+                   std::to_string(Hkv) + ")");
+  const auto bd = block_tables.dimensions();
+  if (bd.size() != 2) return invalid("block_tables must be rank 2 [S, max_pages], got " + dims_str(bd));
+  const int64_t max_pages = bd[1];
+  const int64_t ns = num_splits;
+  JTQ_CHECK_DIMS("k_codes", kd, {P, Hkv, page, kpb});
+  JTQ_CHECK_DIMS("k_norms", k_norms.dimensions(), {P, Hkv, page});
+  JTQ_CHECK_DIMS("v_codes", v_codes.dimensions(), {P, Hkv, page, vpb});
+  JTQ_CHECK_DIMS("v_norms", v_norms.dimensions(), {P, Hkv, page});
+  JTQ_CHECK_DIMS("k_centroids", k_centroids.dimensions(), {int64_t(1) << k_bits});
+  JTQ_CHECK_DIMS("v_centroids", v_centroids.dimensions(), {int64_t(1) << v_bits});
+  JTQ_CHECK_DIMS("block_tables", bd, {S, max_pages});
+  JTQ_CHECK_DIMS("seq_lens", seq_lens.dimensions(), {S});
+  JTQ_CHECK_DIMS("out_rot (result)", out_rot->dimensions(), {S, H, d});
+  JTQ_CHECK_DIMS("partial_out (result)", partial_out->dimensions(), {S, H, ns, d});
+  JTQ_CHECK_DIMS("partial_lse (result)", partial_lse->dimensions(), {S, H, ns});
+
+  const float* q = q_rot.typed_data();
+  const uint8_t* kc = k_codes.typed_data();
+  const float* kn = k_norms.typed_data();
+  const uint8_t* vc = v_codes.typed_data();
+  const float* vn = v_norms.typed_data();
+  const float* kcent = k_centroids.typed_data();
+  const float* vcent = v_centroids.typed_data();
+  const int32_t* bt = block_tables.typed_data();
+  const int32_t* sl = seq_lens.typed_data();
+  float* out = out_rot->typed_data();
+  float* pout = partial_out->typed_data();
+  float* plse = partial_lse->typed_data();
+
+  const int64_t G = (Hkv > 0) ? H / Hkv : 0;  // query heads per kv head
+  const double dscale = double(scale);
+
+  // Per-group workspace: running max / sum / unnormalised output per query head.
+  std::vector<double> m(G), l(G), o(G * d);
+  std::vector<double> qg(G * d);  // query rows of the group, in double
+  // Double copy of each split's lse for the combine (the f32 workspace copy loses
+  // ~ulp(max logit) which matters for huge logits); o/l is combined from the f32
+  // workspace.
+  std::vector<double> lse_d(G * ns);
+  uint8_t codes[kMaxHeadDim];
+  double krow[kMaxHeadDim], vrow[kMaxHeadDim];
+
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t seq_len = std::clamp<int64_t>(sl[s], 0, max_pages * page);
+    const int64_t n_pages = page > 0 ? (seq_len + page - 1) / page : 0;
+    const int64_t pps = (n_pages + ns - 1) / ns;  // pages per split
+    const int32_t* bts = bt + s * max_pages;
+
+    for (int64_t g = 0; g < Hkv; ++g) {
+      const int64_t h0 = g * G;
+      for (int64_t hh = 0; hh < G; ++hh)
+        for (int64_t i = 0; i < d; ++i) qg[hh * d + i] = q[((s * H) + h0 + hh) * d + i];
+
+      for (int64_t sp = 0; sp < ns; ++sp) {
+        std::fill(m.begin(), m.end(), kNegInf);
+        std::fill(l.begin(), l.end(), 0.0);
+        std::fill(o.begin(), o.end(), 0.0);
+        const int64_t p_begin = std::min(sp * pps, n_pages);
+        const int64_t p_end = std::min(p_begin + pps, n_pages);
+
+        for (int64_t j = p_begin; j < p_end; ++j) {
+          const int64_t phys = bts[j];
+          if (phys < 0 || phys >= P) continue;  // invalid entry: contributes nothing
+          const int64_t ntok = std::min(page, seq_len - j * page);
+          for (int64_t t = 0; t < ntok; ++t) {
+            // Decode K and V rows once for the whole group.
+            const int64_t nidx = norms_offset(phys, g, t, Hkv, page);
+            unpack_row(kc + codes_offset(phys, g, t, Hkv, page, kpb), int(d), k_bits, codes);
+            for (int64_t i = 0; i < d; ++i) krow[i] = kcent[codes[i]];
+            unpack_row(vc + codes_offset(phys, g, t, Hkv, page, vpb), int(d), v_bits, codes);
+            const double vnorm = vn[nidx];
+            for (int64_t i = 0; i < d; ++i) vrow[i] = vnorm * double(vcent[codes[i]]);
+            const double kscale = dscale * double(kn[nidx]);
+
+            for (int64_t hh = 0; hh < G; ++hh) {
+              const double* qh = &qg[hh * d];
+              double dot = 0.0;
+              for (int64_t i = 0; i < d; ++i) dot += qh[i] * krow[i];
+              const double score = kscale * dot;
+              if (!(score > kNegInf)) continue;  // -inf (or NaN) logit contributes nothing
+              double* oh = &o[hh * d];
+              double p;
+              if (score > m[hh]) {
+                const double alpha = std::exp(m[hh] - score);  // 0 when m = -inf
+                l[hh] *= alpha;
+                for (int64_t i = 0; i < d; ++i) oh[i] *= alpha;
+                m[hh] = score;
+                p = 1.0;
+              } else {
+                p = std::exp(score - m[hh]);
+              }
+              l[hh] += p;
+              for (int64_t i = 0; i < d; ++i) oh[i] += p * vrow[i];
+            }
+          }
+        }
+
+        // Write partials for this split.
+        for (int64_t hh = 0; hh < G; ++hh) {
+          const int64_t h = h0 + hh;
+          const int64_t li = (s * H + h) * ns + sp;
+          float* po = pout + li * d;
+          if (l[hh] > 0.0) {
+            lse_d[hh * ns + sp] = m[hh] + std::log(l[hh]);
+            plse[li] = float(lse_d[hh * ns + sp]);
+            const double inv = 1.0 / l[hh];
+            for (int64_t i = 0; i < d; ++i) po[i] = float(o[hh * d + i] * inv);
+          } else {
+            lse_d[hh * ns + sp] = kNegInf;
+            plse[li] = -std::numeric_limits<float>::infinity();
+            for (int64_t i = 0; i < d; ++i) po[i] = 0.0f;
+          }
+        }
+      }
+
+      // Log-sum-exp combine of the splits.
+      for (int64_t hh = 0; hh < G; ++hh) {
+        const int64_t h = h0 + hh;
+        const double* lse = &lse_d[hh * ns];
+        const float* po = pout + (s * H + h) * ns * d;
+        float* oh = out + (s * H + h) * d;
+        double gmax = kNegInf;
+        for (int64_t sp = 0; sp < ns; ++sp) gmax = std::max(gmax, lse[sp]);
+        if (!(gmax > kNegInf)) {
+          for (int64_t i = 0; i < d; ++i) oh[i] = 0.0f;
+          continue;
+        }
+        double acc[kMaxHeadDim] = {0.0};
+        double wsum = 0.0;
+        for (int64_t sp = 0; sp < ns; ++sp) {
+          if (!(lse[sp] > kNegInf)) continue;
+          const double w = std::exp(lse[sp] - gmax);
+          wsum += w;
+          for (int64_t i = 0; i < d; ++i) acc[i] += w * double(po[sp * d + i]);
+        }
+        const double inv = 1.0 / wsum;  // wsum >= 1 (the max split has w = 1)
+        for (int64_t i = 0; i < d; ++i) oh[i] = float(acc[i] * inv);
+      }
+    }
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace cpu
+}  // namespace jax_tq
