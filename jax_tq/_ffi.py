@@ -1,0 +1,55 @@
+"""FFI loader: imports the compiled kernel modules and registers their XLA FFI targets.
+
+``jax_tq._cpu_ops`` holds the C++ CPU handlers, ``jax_tq._cuda_ops`` the CUDA ones (built only where
+nvcc was found). Both expose ``registrations() -> {target_name: capsule}`` with the same target names.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+
+from jax_tq import _compat
+
+# platform name as lowering rules see it -> (module, platform name for register_ffi_target)
+_MODULES = {"cpu": ("jax_tq._cpu_ops", "cpu"), "cuda": ("jax_tq._cuda_ops", "CUDA")}
+
+
+@functools.lru_cache(maxsize=None)
+def _load(platform: str):
+    """Import and register the module for ``platform``; returns (module or None, error message)."""
+    module_name, ffi_platform = _MODULES[platform]
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        return None, f"{module_name} is not built or cannot be imported ({err})"
+    if platform == "cuda" and not _jax_has_cuda():
+        return None, "JAX has no CUDA backend"
+    for name, capsule in module.registrations().items():
+        _compat.register_ffi_target(name, capsule, ffi_platform)
+    return module, ""
+
+
+def _jax_has_cuda() -> bool:
+    import jax
+
+    try:
+        return any(d.platform == "gpu" for d in jax.devices("gpu"))
+    except RuntimeError:
+        return False
+
+
+def kernels_available(platform: str) -> bool:
+    """Whether FFI kernels for ``platform`` ("cpu" or "cuda") are built and registered."""
+    return platform in _MODULES and _load(platform)[0] is not None
+
+
+def unavailable_reason(platform: str) -> str:
+    """Why :func:`kernels_available` is False for ``platform`` (empty string when it is True)."""
+    if platform not in _MODULES:
+        return f"jax_tq has no FFI kernels for platform {platform!r}"
+    return _load(platform)[1]
+
+
+def cuda_module():
+    """The loaded CUDA module, or None."""
+    return _load("cuda")[0] if "cuda" in _MODULES else None

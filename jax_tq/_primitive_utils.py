@@ -1,0 +1,103 @@
+"""Machinery shared by the primitive modules (compress.py, paged_decode.py).
+
+A jax_tq primitive has: an impl that jit-compiles its own bind, an abstract eval, a lowering per
+platform (the FFI kernel, or the reference through ``mlir.lower_fun`` when the backend is "auto"
+and no kernel exists for that platform), and a batching rule defined next to it.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+from jax_tq import _compat, _ffi
+from jax_tq.backend import BackendUnavailableError
+
+_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted_bind(prim, params: tuple):
+    return jax.jit(functools.partial(prim.bind, **dict(params)))
+
+
+def define_impl(prim) -> None:
+    """Eager calls of ``prim`` run through a cached ``jax.jit`` of its bind."""
+
+    def impl(*args, **params):
+        return _jitted_bind(prim, tuple(sorted(params.items())))(*args)
+
+    prim.def_impl(impl)
+
+
+def has_zero_size(avals: Sequence[Any]) -> bool:
+    """Whether any of ``avals`` has no elements (kernels are never launched on empty arrays)."""
+    return any(int(np.prod(a.shape)) == 0 for a in avals)
+
+
+def register_lowerings(
+    prim,
+    reference_impl: Callable[..., Any],
+    ffi_rule: Callable[..., Any],
+) -> None:
+    """Register a lowering for every platform.
+
+    ``ffi_rule(ctx, *operands, **params)`` emits the FFI custom call; ``reference_impl(*operands,
+    **params)`` is the pure-jnp version used for empty arrays and, under backend "auto", on platforms
+    without kernels. Both receive the primitive's params without ``backend``.
+    """
+    for platform in _PLATFORMS:
+        _compat.mlir.register_lowering(
+            prim, functools.partial(_lower, platform, reference_impl, ffi_rule), platform=platform
+        )
+
+
+def _lower(platform, reference_impl, ffi_rule, ctx, *operands, backend: str, **params):
+    use_kernel = _ffi.kernels_available(platform)
+    if not use_kernel and backend == "ffi":
+        raise BackendUnavailableError(
+            f"jax_tq backend 'ffi' was chosen but cannot serve {platform!r}: "
+            f"{_ffi.unavailable_reason(platform)}. Use backend 'auto' or 'xla'."
+        )
+    if not use_kernel or has_zero_size(ctx.avals_in) or has_zero_size(ctx.avals_out):
+        fallback = functools.partial(reference_impl, **params)
+        return _compat.mlir.lower_fun(fallback, multiple_results=True)(ctx, *operands)
+    return ffi_rule(ctx, *operands, **params)
+
+
+def move_batch_to_front(x, bdim, size: int):
+    """Move ``bdim`` of ``x`` to axis 0, broadcasting an unbatched operand to ``size``."""
+    if bdim is _compat.NOT_MAPPED:
+        return jax.numpy.broadcast_to(x, (size,) + x.shape)
+    return jax.numpy.moveaxis(x, bdim, 0)
+
+
+def batch_size(args, dims) -> int:
+    """The vmapped axis size from the first batched operand."""
+    for x, d in zip(args, dims):
+        if d is not _compat.NOT_MAPPED:
+            return x.shape[d]
+    raise AssertionError("batching rule called with no batched operand")
+
+
+def require_unbatched(names: Sequence[str], dims: Sequence[Any], op: str) -> None:
+    """Raise a clear error if a codec operand (rotation, centroids) is vmapped."""
+    for name, d in zip(names, dims):
+        if d is not _compat.NOT_MAPPED:
+            raise NotImplementedError(
+                f"jax_tq.{op}: vmap over the codec's {name} is not supported; close over one codec "
+                "(the same rotation and centroids for the whole batch)."
+            )
+
+
+def fold_pool_batch(block_ids, batch: int, pool_size: int):
+    """Offset per-batch page (or slot) ids into a pool of ``batch * pool_size`` entries.
+
+    ``block_ids`` is [batch, ...] int32; entries outside [0, pool_size) stay invalid (become -1).
+    """
+    jnp = jax.numpy
+    offsets = (jnp.arange(batch, dtype=jnp.int32) * pool_size).reshape((batch,) + (1,) * (block_ids.ndim - 1))
+    valid = (block_ids >= 0) & (block_ids < pool_size)
+    return jnp.where(valid, block_ids + offsets, -1).astype(jnp.int32)

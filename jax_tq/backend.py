@@ -1,0 +1,65 @@
+"""Backend selection: which implementation serves an op.
+
+Backends:
+  ``"auto"`` (default): the compiled FFI kernel for the platform the op is lowered for; where there
+      is none (e.g. a GPU build without CUDA kernels, or TPU), the pure-jnp reference.
+  ``"ffi"``: the compiled FFI kernel only; lowering for a platform without one raises
+      :class:`BackendUnavailableError`.
+  ``"xla"``: the pure-jnp reference (:mod:`jax_tq.reference`), compiled by XLA.
+
+The choice is read when an op is traced: the innermost :func:`use_backend` context wins, then the
+environment variable ``JAX_TQ_BACKEND``, then ``"auto"``.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+
+BACKENDS = ("auto", "ffi", "xla")
+ENV_VAR = "JAX_TQ_BACKEND"
+
+_override: contextvars.ContextVar[str | None] = contextvars.ContextVar("jax_tq_backend", default=None)
+
+
+class BackendUnavailableError(RuntimeError):
+    """An explicitly chosen backend cannot serve a call (e.g. ``"ffi"`` with no kernel built)."""
+
+
+def _checked(name: str, source: str) -> str:
+    if name not in BACKENDS:
+        raise ValueError(f"{source}: unknown jax_tq backend {name!r}; expected one of {BACKENDS}")
+    return name
+
+
+def get_backend() -> str:
+    """The backend in force: ``"auto"``, ``"ffi"`` or ``"xla"``.
+
+    Raises:
+      ValueError: ``JAX_TQ_BACKEND`` holds an unknown name.
+    """
+    chosen = _override.get()
+    if chosen is not None:
+        return chosen
+    return _checked(os.environ.get(ENV_VAR, "auto").strip().lower() or "auto", ENV_VAR)
+
+
+@contextlib.contextmanager
+def use_backend(name: str):
+    """Context manager choosing the backend for ops traced inside it.
+
+    Example::
+
+        with jax_tq.use_backend("xla"):
+            out = jax_tq.paged_decode(q, cache, block_tables, seq_lens)
+
+    Note that a ``jax.jit`` function traced once keeps the backend it was traced with.
+
+    Raises:
+      ValueError: ``name`` is not one of ``"auto"``, ``"ffi"``, ``"xla"``.
+    """
+    token = _override.set(_checked(name, "use_backend"))
+    try:
+        yield
+    finally:
+        _override.reset(token)

@@ -1,0 +1,118 @@
+"""Paged TurboQuant KV cache: page pools for K and V, and the compress-and-write into them."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jax_tq.checks import check_slot_mapping
+from jax_tq.codec import TurboQuant
+from jax_tq.compress import compress_write
+from jax_tq.format import cache_codes_shape, cache_norms_shape, check_bits
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedKVCache:
+    """A paged, TurboQuant-compressed KV cache for one attention layer (a JAX pytree).
+
+    Fields (layout in docs/FORMAT.md):
+      k_codes: uint8 [num_pages, num_kv_heads, page_size, head_dim * k_bits / 8]
+      k_norms: float32 [num_pages, num_kv_heads, page_size]
+      v_codes: uint8 [num_pages, num_kv_heads, page_size, head_dim * v_bits / 8]
+      v_norms: float32 [num_pages, num_kv_heads, page_size]
+      k_codec, v_codec: the :class:`jax_tq.TurboQuant` codecs (K and V may use different bit widths).
+    """
+
+    k_codes: jax.Array
+    k_norms: jax.Array
+    v_codes: jax.Array
+    v_norms: jax.Array
+    k_codec: TurboQuant
+    v_codec: TurboQuant
+
+    @classmethod
+    def create(cls, *, num_pages: int, page_size: int, num_kv_heads: int, k_codec: TurboQuant, v_codec: TurboQuant):
+        """An empty cache (all codes 0, all norms 0: every slot decodes to the zero vector).
+
+        Args:
+          num_pages: pages in each pool (>= 1).
+          page_size: tokens per page, 1 to 256 (any value, not only powers of two).
+          num_kv_heads: KV heads (>= 1).
+          k_codec, v_codec: codecs with the same head_dim and bits in {2, 3, 4}.
+
+        Raises:
+          ValueError: non-positive sizes, page_size > 256, codecs with different head_dim or
+            unsupported bits.
+        """
+        for name, value in (("num_pages", num_pages), ("page_size", page_size), ("num_kv_heads", num_kv_heads)):
+            if int(value) < 1:
+                raise ValueError(f"PagedKVCache.create: {name} must be >= 1, got {value}")
+        if page_size > 256:
+            raise ValueError(f"PagedKVCache.create: page_size must be <= 256, got {page_size}")
+        if k_codec.head_dim != v_codec.head_dim:
+            raise ValueError(
+                f"PagedKVCache.create: k_codec.head_dim {k_codec.head_dim} != v_codec.head_dim {v_codec.head_dim}"
+            )
+        check_bits(k_codec.bits, name="PagedKVCache.create: k_codec.bits")
+        check_bits(v_codec.bits, name="PagedKVCache.create: v_codec.bits")
+        d = k_codec.head_dim
+        return cls(
+            k_codes=jnp.zeros(cache_codes_shape(num_pages, num_kv_heads, page_size, d, k_codec.bits), jnp.uint8),
+            k_norms=jnp.zeros(cache_norms_shape(num_pages, num_kv_heads, page_size), jnp.float32),
+            v_codes=jnp.zeros(cache_codes_shape(num_pages, num_kv_heads, page_size, d, v_codec.bits), jnp.uint8),
+            v_norms=jnp.zeros(cache_norms_shape(num_pages, num_kv_heads, page_size), jnp.float32),
+            k_codec=k_codec,
+            v_codec=v_codec,
+        )
+
+    @property
+    def num_pages(self) -> int:
+        return self.k_norms.shape[-3]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.k_norms.shape[-2]
+
+    @property
+    def page_size(self) -> int:
+        return self.k_norms.shape[-1]
+
+    @property
+    def head_dim(self) -> int:
+        return self.k_codec.head_dim
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_pages * self.page_size
+
+    def bytes_per_token(self) -> int:
+        """Bytes one token occupies across all KV heads, K and V: packed codes plus fp32 norms."""
+        per_head = self.k_codec.packed_bytes + self.v_codec.packed_bytes + 8
+        return per_head * self.num_kv_heads
+
+
+def write_cache(cache: PagedKVCache, k, v, slot_mapping) -> PagedKVCache:
+    """Compress K and V of new tokens and write them into the cache's pages (fused, one pass each).
+
+    Args:
+      cache: the :class:`PagedKVCache` to update.
+      k, v: [num_tokens, num_kv_heads, head_dim] float32/bfloat16/float16.
+      slot_mapping: int32 [num_tokens]; token i goes to page slot_mapping[i] // page_size at offset
+        slot_mapping[i] % page_size. Negative slots (padding) and slots >= num_pages * page_size are
+        skipped.
+
+    Returns:
+      The updated cache. The pools are aliased to the inputs of the FFI call: donate the cache to the
+      enclosing ``jax.jit`` (``donate_argnums``) and it is updated in place. Without donation the
+      caller's arrays are left untouched (XLA copies first).
+
+    Raises:
+      TypeError / ValueError: dtypes or shapes that do not match the cache (message names the argument).
+    """
+    k, v, slot_mapping = jnp.asarray(k), jnp.asarray(v), jnp.asarray(slot_mapping)
+    check_slot_mapping(slot_mapping, num_slots=cache.num_slots)
+    k_codes, k_norms = compress_write(k, cache.k_codes, cache.k_norms, cache.k_codec, slot_mapping)
+    v_codes, v_norms = compress_write(v, cache.v_codes, cache.v_norms, cache.v_codec, slot_mapping)
+    return dataclasses.replace(cache, k_codes=k_codes, k_norms=k_norms, v_codes=v_codes, v_norms=v_norms)

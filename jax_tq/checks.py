@@ -1,0 +1,90 @@
+"""Opt-in run-time validation of what shapes cannot show (``jax.experimental.checkify``).
+
+Without checked mode the kernels never read or write out of bounds, but bad indices are handled
+silently (docs/FORMAT.md): a block-table entry outside [0, num_pages) contributes no tokens, a
+seq_len above the table's capacity is clamped, a slot outside the pool is not written. Checked mode
+turns each of these into an error that names the sequence or token::
+
+    step = jax.jit(jax_tq.checked(decode_step))
+    err, out = step(q, cache, block_tables, seq_lens)
+    err.throw()      # raises JaxRuntimeError: "jax_tq.paged_decode: block_tables[1, 2] = 57 ..."
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+
+import jax.numpy as jnp
+from jax.experimental import checkify
+
+_enabled: contextvars.ContextVar[bool] = contextvars.ContextVar("jax_tq_checked", default=False)
+
+
+def checks_enabled() -> bool:
+    """Whether ops traced now insert run-time checks."""
+    return _enabled.get()
+
+
+@contextlib.contextmanager
+def _checking():
+    token = _enabled.set(True)
+    try:
+        yield
+    finally:
+        _enabled.reset(token)
+
+
+def checked(fn):
+    """Wrap ``fn`` so the jax_tq ops it traces validate indices at run time.
+
+    Returns a function with ``fn``'s arguments that returns ``(error, fn's result)`` as
+    ``checkify.checkify`` does; call ``error.throw()`` to raise. Put ``jax.jit`` outside:
+    ``jax.jit(checked(fn))`` (a function jitted before wrapping keeps its unchecked trace).
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with _checking():
+            return checkify.checkify(fn, errors=checkify.user_checks)(*args, **kwargs)
+
+    return wrapper
+
+
+def check_decode_indices(block_tables, seq_lens, *, num_pages: int, page_size: int) -> None:
+    """Insert checks: 0 <= seq_lens <= max_pages * page_size, and every block-table entry a sequence
+    uses lies in [0, num_pages). No-op outside checked mode."""
+    if not checks_enabled():
+        return
+    capacity = block_tables.shape[1] * page_size
+    bad_len = (seq_lens < 0) | (seq_lens > capacity)
+    first = jnp.argmax(bad_len)
+    checkify.check(
+        ~jnp.any(bad_len),
+        "jax_tq.paged_decode: seq_lens[{i}] = {n} is outside [0, {cap}] (max_pages * page_size)",
+        i=first, n=seq_lens[first], cap=jnp.int32(capacity),
+    )
+    pages_used = (jnp.clip(seq_lens, 0, capacity) + page_size - 1) // page_size
+    used = jnp.arange(block_tables.shape[1])[None, :] < pages_used[:, None]
+    bad = used & ((block_tables < 0) | (block_tables >= num_pages))
+    flat = jnp.argmax(bad.reshape(-1))
+    row, col = flat // block_tables.shape[1], flat % block_tables.shape[1]
+    checkify.check(
+        ~jnp.any(bad),
+        "jax_tq.paged_decode: block_tables[{r}, {c}] = {p} is outside the pool [0, {n}) but the sequence uses that page",
+        r=row, c=col, p=block_tables.reshape(-1)[flat], n=jnp.int32(num_pages),
+    )
+
+
+def check_slot_mapping(slot_mapping, *, num_slots: int) -> None:
+    """Insert a check that every non-negative slot is < num_pages * page_size (negative slots mark
+    padding tokens and are allowed). No-op outside checked mode."""
+    if not checks_enabled():
+        return
+    bad = slot_mapping >= num_slots
+    first = jnp.argmax(bad)
+    checkify.check(
+        ~jnp.any(bad),
+        "jax_tq.write_cache: slot_mapping[{i}] = {s} is outside the pool (num_pages * page_size = {n})",
+        i=first, s=slot_mapping[first], n=jnp.int32(num_slots),
+    )

@@ -1,0 +1,276 @@
+"""TurboQuant compress / decompress / compress-and-write: public functions and their primitives.
+
+Implements TurboQuant_mse (Zandieh et al., "TurboQuant: Online Vector Quantization with Near-optimal
+Distortion Rate", arXiv 2504.19874, Algorithm 1): store ||x|| in fp32, rotate x/||x|| by the codec's
+random orthogonal Pi, quantize each rotated coordinate to the nearest Lloyd-Max centroid, pack the
+b-bit indices (docs/FORMAT.md).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_tq import _compat, reference
+from jax_tq import _primitive_utils as pu
+from jax_tq.backend import get_backend
+from jax_tq.format import check_bits, packed_bytes
+
+FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+compress_p = _compat.Primitive("jax_tq_compress")
+compress_p.multiple_results = True
+decompress_p = _compat.Primitive("jax_tq_decompress")
+decompress_p.multiple_results = True
+compress_write_p = _compat.Primitive("jax_tq_compress_write")
+compress_write_p.multiple_results = True
+
+
+# ----------------------------------------------------------------------------- validation
+
+def check_float_input(x, name: str, op: str) -> None:
+    """Raise TypeError unless ``x`` is float32, bfloat16 or float16."""
+    if jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in FLOAT_DTYPES]:
+        raise TypeError(f"jax_tq.{op}: {name} must be float32, bfloat16 or float16, got {x.dtype}")
+
+
+def check_last_dim(x, head_dim: int, name: str, op: str) -> None:
+    """Raise ValueError unless the last axis of ``x`` is the codec's ``head_dim``."""
+    if x.ndim < 1 or x.shape[-1] != head_dim:
+        raise ValueError(
+            f"jax_tq.{op}: {name} has shape {tuple(x.shape)}; its last axis must be the codec's "
+            f"head_dim {head_dim}"
+        )
+
+
+def check_packed_codec(codec, op: str) -> None:
+    """Raise ValueError unless ``codec.bits`` has a packed storage format (2, 3 or 4)."""
+    check_bits(codec.bits, name=f"jax_tq.{op}: codec.bits")
+
+
+# ----------------------------------------------------------------------------- public API
+
+def compress(x, codec):
+    """Compress vectors with TurboQuant_mse.
+
+    Args:
+      x: [..., head_dim] float32, bfloat16 or float16.
+      codec: :class:`jax_tq.TurboQuant` with ``bits`` in {2, 3, 4} and ``head_dim == x.shape[-1]``.
+
+    Returns:
+      (codes, norms): codes uint8 [..., head_dim * bits / 8] packed as in docs/FORMAT.md, norms float32
+      [...] (the L2 norm of each vector, in the units of x). A zero vector gives norm 0.
+
+    Raises:
+      TypeError: x is not a float32/bfloat16/float16 array.
+      ValueError: the last axis of x is not codec.head_dim; codec.bits has no packed format.
+    """
+    x = jnp.asarray(x)
+    check_float_input(x, "x", "compress")
+    check_last_dim(x, codec.head_dim, "x", "compress")
+    check_packed_codec(codec, "compress")
+    lead = x.shape[:-1]
+    flat = x.reshape((-1, codec.head_dim))
+    backend = get_backend()
+    if backend == "xla":
+        codes, norms = reference.compress(flat, codec.rotation, codec.centroids, codec.bits)
+    else:
+        codes, norms = compress_p.bind(flat, codec.rotation, codec.centroids, bits=codec.bits, backend=backend)
+    return codes.reshape(lead + (codec.packed_bytes,)), norms.reshape(lead)
+
+
+def decompress(codes, norms, codec, dtype=jnp.float32):
+    """Reconstruct vectors: x_hat = norm * Pi^T c[codes] (TurboQuant, Algorithm 1, DeQuant).
+
+    Args:
+      codes: uint8 [..., head_dim * bits / 8] from :func:`compress`.
+      norms: float32 [...] (same leading shape as codes).
+      codec: the :class:`jax_tq.TurboQuant` that produced them.
+      dtype: output dtype, float32, bfloat16 or float16.
+
+    Returns:
+      [..., head_dim] array of ``dtype``.
+
+    Raises:
+      TypeError: codes not uint8, norms not float32, or unsupported dtype.
+      ValueError: shapes disagree with each other or with the codec.
+    """
+    codes, norms = jnp.asarray(codes), jnp.asarray(norms)
+    check_packed_codec(codec, "decompress")
+    dtype = jnp.dtype(dtype)
+    if dtype not in [jnp.dtype(d) for d in FLOAT_DTYPES]:
+        raise TypeError(f"jax_tq.decompress: dtype must be float32, bfloat16 or float16, got {dtype}")
+    if codes.dtype != jnp.uint8:
+        raise TypeError(f"jax_tq.decompress: codes must be uint8, got {codes.dtype}")
+    if norms.dtype != jnp.float32:
+        raise TypeError(f"jax_tq.decompress: norms must be float32, got {norms.dtype}")
+    if codes.ndim < 1 or codes.shape[-1] != codec.packed_bytes or codes.shape[:-1] != norms.shape:
+        raise ValueError(
+            f"jax_tq.decompress: codes {tuple(codes.shape)} and norms {tuple(norms.shape)} do not match "
+            f"codes [..., {codec.packed_bytes}] and norms [...] for head_dim {codec.head_dim}, bits {codec.bits}"
+        )
+    lead = norms.shape
+    flat_codes = codes.reshape((-1, codec.packed_bytes))
+    flat_norms = norms.reshape((-1,))
+    backend = get_backend()
+    if backend == "xla":
+        x = reference.decompress(flat_codes, flat_norms, codec.rotation, codec.centroids, codec.bits, dtype)
+    else:
+        (x,) = decompress_p.bind(
+            flat_codes, flat_norms, codec.rotation, codec.centroids, bits=codec.bits, dtype=dtype, backend=backend
+        )
+    return x.reshape(lead + (codec.head_dim,))
+
+
+def compress_write(x, codes, norms, codec, slot_mapping):
+    """Compress ``x`` and scatter it into a page pool at ``slot_mapping`` (in place when donated).
+
+    Args:
+      x: [num_tokens, num_kv_heads, head_dim] float32/bfloat16/float16.
+      codes: uint8 [num_pages, num_kv_heads, page_size, packed_bytes] page pool.
+      norms: float32 [num_pages, num_kv_heads, page_size].
+      codec: the pool's :class:`jax_tq.TurboQuant`.
+      slot_mapping: int32 [num_tokens]; token i goes to page slot_mapping[i] // page_size, offset
+        slot_mapping[i] % page_size. Negative or out-of-pool slots are skipped.
+
+    Returns:
+      (codes, norms), the updated pools. The FFI call aliases them to the inputs, so under
+      ``jax.jit(..., donate_argnums=...)`` the pools are updated in place.
+
+    Raises:
+      TypeError / ValueError on dtypes and shapes that do not match (message names the argument).
+    """
+    check_packed_codec(codec, "write_cache")
+    _check_write_args(x, codes, norms, codec, slot_mapping)
+    backend = get_backend()
+    if backend == "xla":
+        return reference.compress_write(x, codes, norms, codec.rotation, codec.centroids, slot_mapping, codec.bits)
+    return tuple(
+        compress_write_p.bind(
+            x, codes, norms, codec.rotation, codec.centroids, slot_mapping, bits=codec.bits, backend=backend
+        )
+    )
+
+
+def _check_write_args(x, codes, norms, codec, slot_mapping) -> None:
+    op = "write_cache"
+    check_float_input(x, "k/v", op)
+    if x.ndim != 3:
+        raise ValueError(f"jax_tq.{op}: k/v must be [num_tokens, num_kv_heads, head_dim], got shape {tuple(x.shape)}")
+    check_last_dim(x, codec.head_dim, "k/v", op)
+    num_tokens, num_kv_heads, _ = x.shape
+    if codes.ndim != 4 or codes.shape[1] != num_kv_heads or codes.shape[3] != codec.packed_bytes:
+        raise ValueError(
+            f"jax_tq.{op}: cache codes have shape {tuple(codes.shape)}, expected [num_pages, {num_kv_heads}, "
+            f"page_size, {codec.packed_bytes}] for k/v with {num_kv_heads} KV heads and the codec "
+            f"(head_dim {codec.head_dim}, bits {codec.bits})"
+        )
+    if codes.dtype != jnp.uint8 or norms.dtype != jnp.float32 or norms.shape != codes.shape[:3]:
+        raise ValueError(f"jax_tq.{op}: cache norms {norms.dtype}{tuple(norms.shape)} do not match codes {tuple(codes.shape)}")
+    if slot_mapping.dtype != jnp.int32 or slot_mapping.shape != (num_tokens,):
+        raise TypeError(
+            f"jax_tq.{op}: slot_mapping must be int32 [{num_tokens}], got {slot_mapping.dtype}{tuple(slot_mapping.shape)}"
+        )
+
+
+# ----------------------------------------------------------------------------- abstract eval
+
+def _compress_abstract(x, rotation, centroids, *, bits, backend):
+    n, d = x.shape
+    return (_compat.ShapedArray((n, packed_bytes(d, bits)), jnp.uint8), _compat.ShapedArray((n,), jnp.float32))
+
+
+def _decompress_abstract(codes, norms, rotation, centroids, *, bits, dtype, backend):
+    return (_compat.ShapedArray((codes.shape[0], rotation.shape[0]), dtype),)
+
+
+def _compress_write_abstract(x, codes, norms, rotation, centroids, slot_mapping, *, bits, backend):
+    return (_compat.ShapedArray(codes.shape, codes.dtype), _compat.ShapedArray(norms.shape, norms.dtype))
+
+
+compress_p.def_abstract_eval(_compress_abstract)
+decompress_p.def_abstract_eval(_decompress_abstract)
+compress_write_p.def_abstract_eval(_compress_write_abstract)
+for _prim in (compress_p, decompress_p, compress_write_p):
+    pu.define_impl(_prim)
+
+
+# ----------------------------------------------------------------------------- lowering
+
+def _compress_reference(x, rotation, centroids, *, bits):
+    return reference.compress(x, rotation, centroids, bits)
+
+
+def _decompress_reference(codes, norms, rotation, centroids, *, bits, dtype):
+    return (reference.decompress(codes, norms, rotation, centroids, bits, dtype),)
+
+
+def _compress_write_reference(x, codes, norms, rotation, centroids, slot_mapping, *, bits):
+    return reference.compress_write(x, codes, norms, rotation, centroids, slot_mapping, bits)
+
+
+def _compress_ffi(ctx, *operands, bits):
+    return _compat.ffi_lowering("jax_tq_compress")(ctx, *operands, bits=np.int32(bits))
+
+
+def _decompress_ffi(ctx, *operands, bits, dtype):
+    return _compat.ffi_lowering("jax_tq_decompress")(ctx, *operands, bits=np.int32(bits))
+
+
+def _compress_write_ffi(ctx, *operands, bits):
+    rule = _compat.ffi_lowering("jax_tq_compress_write", operand_output_aliases={1: 0, 2: 1})
+    return rule(ctx, *operands, bits=np.int32(bits))
+
+
+pu.register_lowerings(compress_p, _compress_reference, _compress_ffi)
+pu.register_lowerings(decompress_p, _decompress_reference, _decompress_ffi)
+pu.register_lowerings(compress_write_p, _compress_write_reference, _compress_write_ffi)
+
+
+# ----------------------------------------------------------------------------- batching
+
+def _rows_batch(prim, n_row_operands: int, args, dims, **params):
+    """Fold the vmapped axis into the row axis of the first ``n_row_operands`` operands."""
+    pu.require_unbatched(("rotation", "centroids"), dims[n_row_operands:], prim.name)
+    size = pu.batch_size(args, dims)
+    rows = [pu.move_batch_to_front(a, d, size) for a, d in zip(args[:n_row_operands], dims[:n_row_operands])]
+    n = rows[0].shape[1]
+    folded = [r.reshape((size * n,) + r.shape[2:]) for r in rows]
+    outs = prim.bind(*folded, *args[n_row_operands:], **params)
+    return [o.reshape((size, n) + o.shape[1:]) for o in outs], [0] * len(outs)
+
+
+def _compress_batch(args, dims, **params):
+    return _rows_batch(compress_p, 1, args, dims, **params)
+
+
+def _decompress_batch(args, dims, **params):
+    return _rows_batch(decompress_p, 2, args, dims, **params)
+
+
+def _compress_write_batch(args, dims, *, bits, backend):
+    """vmap of a cache write: each batch element gets its own pool (shared pools are broadcast)."""
+    x, codes, norms, rotation, centroids, slots = args
+    xd, cd, nd, rd, ctd, sd = dims
+    pu.require_unbatched(("rotation", "centroids"), (rd, ctd), "write_cache")
+    size = pu.batch_size(args, dims)
+    x, codes, norms, slots = (pu.move_batch_to_front(a, d, size) for a, d in ((x, xd), (codes, cd), (norms, nd), (slots, sd)))
+    num_pages, _, page_size = norms.shape[1:]
+    pool_slots = num_pages * page_size
+    folded_slots = pu.fold_pool_batch(slots, size, pool_slots).reshape(-1)
+    new_codes, new_norms = compress_write_p.bind(
+        x.reshape((-1,) + x.shape[2:]),
+        codes.reshape((-1,) + codes.shape[2:]),
+        norms.reshape((-1,) + norms.shape[2:]),
+        rotation,
+        centroids,
+        folded_slots,
+        bits=bits,
+        backend=backend,
+    )
+    return [new_codes.reshape(codes.shape), new_norms.reshape(norms.shape)], [0, 0]
+
+
+_compat.batching.primitive_batchers[compress_p] = _compress_batch
+_compat.batching.primitive_batchers[decompress_p] = _decompress_batch
+_compat.batching.primitive_batchers[compress_write_p] = _compress_write_batch

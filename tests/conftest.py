@@ -1,0 +1,44 @@
+"""Shared test helpers: fresh random inputs, float64 oracle, poisoning."""
+from __future__ import annotations
+
+import os
+import zlib
+
+import jax
+import numpy as np
+import pytest
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if any(d.platform == "gpu" for d in jax.devices()):
+        return
+    skip = pytest.mark.skip(reason="no GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+_SEED = np.random.SeedSequence(int(os.environ["JAX_TQ_TEST_SEED"]) if "JAX_TQ_TEST_SEED" in os.environ else None)
+
+
+def pytest_report_header(config):
+    return f"jax_tq random inputs: JAX_TQ_TEST_SEED={_SEED.entropy} reproduces this run"
+
+
+@pytest.fixture
+def rng(request):
+    """A fresh generator per test; the seed is printed on failure via the test id + entropy."""
+    seed = np.random.SeedSequence(entropy=_SEED.entropy, spawn_key=(zlib.crc32(request.node.nodeid.encode()),))
+    return np.random.default_rng(seed)
+
+
+def poison_device_memory(nbytes: int) -> None:
+    """Fill and free a NaN buffer so a kernel that skips output elements leaves NaN, not stale values."""
+    n = max(1, nbytes // 4)
+    buf = jax.numpy.full((n,), jax.numpy.nan, jax.numpy.float32)
+    buf.block_until_ready()
+    del buf

@@ -1,0 +1,137 @@
+"""Each FFI op (CPU kernels, backend "ffi") against the float64 reference on fresh random inputs."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_tq as tq
+from oracle import compress_f64, decode_f64, decompress_f64, random_cache, random_tables, rel_err
+
+HEAD_DIMS = (64, 80, 96, 128, 192, 256)
+
+
+@pytest.fixture(autouse=True)
+def ffi_backend():
+    with tq.use_backend("ffi"):
+        yield
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("bits", (2, 3, 4))
+@pytest.mark.parametrize("dtype", (jnp.float32, jnp.bfloat16, jnp.float16))
+def test_compress_matches_f64(rng, head_dim, bits, dtype):
+    codec = tq.TurboQuant(head_dim=head_dim, bits=bits, seed=int(rng.integers(1000)))
+    x = jnp.asarray(rng.normal(size=(257, head_dim)) * rng.uniform(0.1, 10, size=(257, 1)), dtype)
+    codes, norms = jax.jit(tq.compress)(x, codec)
+    want_codes, want_norms = compress_f64(np.asarray(x, np.float64), codec)
+    assert codes.dtype == jnp.uint8 and codes.shape == (257, head_dim * bits // 8)
+    np.testing.assert_allclose(np.asarray(norms), want_norms, rtol=2e-6)
+    from jax_tq.format import unpack_codes
+    got_idx = unpack_codes(np.asarray(codes), bits, head_dim)
+    want_idx = unpack_codes(want_codes, bits, head_dim)
+    assert np.mean(got_idx == want_idx) > 0.999, "codes differ beyond boundary ties"
+    assert np.all(np.abs(got_idx.astype(int) - want_idx.astype(int)) <= 1)
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("bits", (2, 3, 4))
+@pytest.mark.parametrize("dtype", (jnp.float32, jnp.bfloat16, jnp.float16))
+def test_decompress_matches_f64(rng, head_dim, bits, dtype):
+    codec = tq.TurboQuant(head_dim=head_dim, bits=bits, seed=int(rng.integers(1000)))
+    codes = jnp.asarray(rng.integers(0, 256, size=(33, codec.packed_bytes), dtype=np.uint8))
+    norms = jnp.asarray(rng.uniform(0.1, 5, size=(33,)).astype(np.float32))
+    got = jax.jit(tq.decompress, static_argnums=3)(codes, norms, codec, dtype)
+    want = decompress_f64(np.asarray(codes), np.asarray(norms), codec)
+    assert got.dtype == dtype and got.shape == (33, head_dim)
+    tol = {jnp.float32: 1e-6, jnp.bfloat16: 8e-3, jnp.float16: 1e-3}[dtype]
+    assert rel_err(got, want) < tol
+
+
+def test_zero_vectors_round_trip_to_zero(rng):
+    codec = tq.TurboQuant(head_dim=128, bits=4)
+    x = jnp.asarray(rng.normal(size=(4, 128)).astype(np.float32)).at[1].set(0.0)
+    codes, norms = tq.compress(x, codec)
+    x_hat = tq.decompress(codes, norms, codec)
+    assert float(norms[1]) == 0.0
+    assert np.all(np.asarray(x_hat[1]) == 0.0)
+    assert np.all(np.isfinite(np.asarray(x_hat)))
+
+
+@pytest.mark.parametrize("head_dim,k_bits,v_bits,page_size,num_kv_heads",
+                         [(64, 4, 4, 16, 3), (80, 3, 2, 8, 2), (96, 2, 4, 48, 1), (128, 4, 2, 16, 2),
+                          (192, 3, 3, 8, 1), (256, 4, 3, 32, 2)])
+def test_write_cache_matches_f64_and_keeps_other_slots(rng, head_dim, k_bits, v_bits, page_size, num_kv_heads):
+    num_pages, num_tokens = 6, 20
+    cache = random_cache(rng, num_pages=num_pages, page_size=page_size, num_kv_heads=num_kv_heads,
+                         head_dim=head_dim, k_bits=k_bits, v_bits=v_bits)  # random bytes = poison
+    slots = rng.choice(num_pages * page_size, size=num_tokens, replace=False).astype(np.int32)
+    slots[3] = -1                      # padding token: skipped
+    slots[7] = num_pages * page_size   # outside the pool: skipped
+    k = jnp.asarray(rng.normal(size=(num_tokens, num_kv_heads, head_dim)), jnp.bfloat16)
+    v = jnp.asarray(rng.normal(size=(num_tokens, num_kv_heads, head_dim)), jnp.float32)
+    new = jax.jit(tq.write_cache)(cache, k, v, jnp.asarray(slots))
+    for name, x, codec in (("k", k, cache.k_codec), ("v", v, cache.v_codec)):
+        codes_before = np.asarray(getattr(cache, f"{name}_codes")).reshape(num_pages, num_kv_heads, page_size, -1)
+        norms_before = np.asarray(getattr(cache, f"{name}_norms"))
+        codes_after = np.asarray(getattr(new, f"{name}_codes"))
+        norms_after = np.asarray(getattr(new, f"{name}_norms"))
+        want_codes, want_norms = compress_f64(np.asarray(x, np.float64), codec)
+        written = np.zeros((num_pages, page_size), bool)
+        for t, s in enumerate(slots):
+            if not 0 <= s < num_pages * page_size:
+                continue
+            p, o = divmod(int(s), page_size)
+            written[p, o] = True
+            np.testing.assert_allclose(norms_after[p, :, o], want_norms[t], rtol=2e-6)
+            assert np.mean(codes_after[p, :, o] == want_codes[t]) > 0.97
+        keep = ~written
+        np.testing.assert_array_equal(codes_after.transpose(0, 2, 1, 3)[keep], codes_before.transpose(0, 2, 1, 3)[keep])
+        np.testing.assert_array_equal(norms_after.transpose(0, 2, 1)[keep], norms_before.transpose(0, 2, 1)[keep])
+
+
+DECODE_CASES = [
+    # head_dim, k_bits, v_bits, page_size, num_kv_heads, group, seq_lens, num_splits
+    (64, 4, 4, 16, 3, 3, [37, 0, 5, 64], 1),
+    (128, 4, 2, 16, 2, 4, [100, 1, 17], 3),
+    (80, 3, 3, 8, 1, 5, [33, 9], 7),
+    (96, 2, 4, 48, 2, 1, [96, 200, 0], 2),
+    (192, 3, 2, 8, 1, 8, [15, 70], 20),
+    (256, 4, 3, 32, 1, 6, [31, 64, 65], None),
+    (128, 2, 2, 256, 2, 8, [300, 1], 2),
+    (64, 4, 4, 96, 1, 16, [97, 191], 1),
+]
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=[str(i) for i in range(len(DECODE_CASES))])
+@pytest.mark.parametrize("q_dtype", (jnp.float32, jnp.bfloat16))
+def test_paged_decode_matches_f64(rng, case, q_dtype):
+    head_dim, k_bits, v_bits, page_size, num_kv_heads, group, seq_lens, num_splits = case
+    num_pages = 3 + sum(-(-n // page_size) for n in seq_lens)
+    cache = random_cache(rng, num_pages=num_pages, page_size=page_size, num_kv_heads=num_kv_heads,
+                         head_dim=head_dim, k_bits=k_bits, v_bits=v_bits, seed=int(rng.integers(100)))
+    seq_lens = jnp.asarray(seq_lens, jnp.int32)
+    tables = random_tables(rng, np.asarray(seq_lens), page_size, num_pages, max_pages=1 + max(-(-int(n) // page_size) for n in seq_lens))
+    q = jnp.asarray(rng.normal(size=(len(seq_lens), num_kv_heads * group, head_dim)) * 3, q_dtype)
+    fn = jax.jit(lambda q, c, t, s: tq.paged_decode(q, c, t, s, num_splits=num_splits))
+    got = fn(q, cache, tables, seq_lens)
+    want = decode_f64(np.asarray(q, np.float64), cache, tables, seq_lens)
+    assert got.shape == q.shape and got.dtype == q_dtype
+    tol = 1e-5 if q_dtype == jnp.float32 else 1e-2
+    assert rel_err(got, want) < tol
+    empty = np.asarray(seq_lens) == 0
+    assert np.all(np.asarray(got)[empty] == 0)
+
+
+@pytest.mark.parametrize("q_scale", (1e3, 1e4))
+def test_paged_decode_huge_logits(rng, q_scale):
+    cache = random_cache(rng, num_pages=12, page_size=16, num_kv_heads=2, head_dim=128, k_bits=4, v_bits=4)
+    seq_lens = jnp.asarray([150, 7, 33], jnp.int32)
+    tables = random_tables(rng, np.asarray(seq_lens), 16, 12)
+    q = jnp.asarray(rng.normal(size=(3, 4, 128)) * q_scale, jnp.float32)
+    for splits in (1, 4, 11):
+        got = tq.paged_decode(q, cache, tables, seq_lens, num_splits=splits)
+        want = decode_f64(np.asarray(q, np.float64), cache, tables, seq_lens)
+        assert rel_err(got, want) < 1e-3
+        assert np.abs(np.asarray(got)).max() > 0

@@ -1,0 +1,183 @@
+"""jit, vmap (batching rules fold into the kernel batch), in-place cache update, backend selection."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_tq as tq
+from jax_tq.compress import compress_write_p
+from jax_tq.paged_decode import paged_decode_p
+from oracle import decode_f64, random_cache, random_tables, rel_err
+
+
+@pytest.fixture(autouse=True)
+def ffi_backend():
+    with tq.use_backend("ffi"):
+        yield
+
+
+def _setup(rng, num_seqs=4, lens=(37, 5, 0, 64)):
+    cache = random_cache(rng, num_pages=16, page_size=16, num_kv_heads=2, head_dim=64, k_bits=4, v_bits=3)
+    seq_lens = jnp.asarray(lens[:num_seqs], jnp.int32)
+    tables = random_tables(rng, np.asarray(seq_lens), 16, 16, max_pages=5)
+    return cache, tables, seq_lens
+
+
+def _primitive_count(jaxpr, prim):
+    return sum(1 for e in jaxpr.eqns if e.primitive is prim)
+
+
+def test_vmap_over_sequences_with_shared_cache(rng):
+    cache, tables, lens = _setup(rng)
+    batch = 3
+    q = jnp.asarray(rng.normal(size=(batch, 4, 6, 64)), jnp.float32)
+    tables_b = jnp.stack([jnp.roll(tables, i, axis=0) for i in range(batch)])
+    lens_b = jnp.stack([jnp.roll(lens, i) for i in range(batch)])
+    fn = jax.vmap(tq.paged_decode, in_axes=(0, None, 0, 0))
+    jaxpr = jax.make_jaxpr(fn)(q, cache, tables_b, lens_b).jaxpr
+    assert _primitive_count(jaxpr, paged_decode_p) == 1, "vmap must fold into one kernel call"
+    got = jax.jit(fn)(q, cache, tables_b, lens_b)
+    for b in range(batch):
+        want = decode_f64(np.asarray(q[b], np.float64), cache, tables_b[b], lens_b[b])
+        assert rel_err(got[b], want) < 1e-5
+
+
+def test_vmap_non_leading_axes(rng):
+    cache, tables, lens = _setup(rng)
+    q = jnp.asarray(rng.normal(size=(4, 6, 2, 64)), jnp.float32)  # batch on axis 2 of q
+    fn = jax.vmap(tq.paged_decode, in_axes=(2, None, None, None), out_axes=1)
+    got = fn(q, cache, tables, lens)
+    assert got.shape == (4, 2, 6, 64)
+    for b in range(2):
+        want = decode_f64(np.asarray(q[:, :, b], np.float64), cache, tables, lens)
+        assert rel_err(got[:, b], want) < 1e-5
+
+
+def test_nested_vmap_over_different_arguments(rng):
+    cache, tables, lens = _setup(rng)
+    q = jnp.asarray(rng.normal(size=(2, 4, 6, 64)), jnp.float32)
+    lens_b = jnp.stack([lens, jnp.minimum(lens, 9), jnp.maximum(lens - 3, 0)])  # [3, num_seqs]
+    inner = jax.vmap(tq.paged_decode, in_axes=(0, None, None, None))        # over q
+    outer = jax.vmap(inner, in_axes=(None, None, None, 0))                  # over seq_lens
+    fn = jax.jit(outer)
+    jaxpr = jax.make_jaxpr(outer)(q, cache, tables, lens_b).jaxpr
+    assert _primitive_count(jaxpr, paged_decode_p) == 1
+    got = fn(q, cache, tables, lens_b)
+    assert got.shape == (3, 2, 4, 6, 64)
+    for i in range(3):
+        for j in range(2):
+            want = decode_f64(np.asarray(q[j], np.float64), cache, tables, lens_b[i])
+            assert rel_err(got[i, j], want) < 1e-5
+
+
+def test_vmap_over_caches_folds_pools(rng):
+    caches = [_setup(rng)[0] for _ in range(2)]
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *caches)
+    _, tables, lens = _setup(rng)
+    q = jnp.asarray(rng.normal(size=(2, 4, 6, 64)), jnp.float32)
+    got = jax.vmap(tq.paged_decode, in_axes=(0, 0, None, None))(q, stacked, tables, lens)
+    for b in range(2):
+        want = decode_f64(np.asarray(q[b], np.float64), caches[b], tables, lens)
+        assert rel_err(got[b], want) < 1e-5
+
+
+def test_vmap_write_cache_gives_each_element_its_writes(rng):
+    cache, _, _ = _setup(rng)
+    k = jnp.asarray(rng.normal(size=(3, 5, 2, 64)), jnp.float32)
+    v = jnp.asarray(rng.normal(size=(3, 5, 2, 64)), jnp.float32)
+    slots = jnp.asarray(np.stack([rng.choice(256, 5, replace=False) for _ in range(3)]).astype(np.int32))
+    fn = jax.vmap(tq.write_cache, in_axes=(None, 0, 0, 0))
+    assert _primitive_count(jax.make_jaxpr(fn)(cache, k, v, slots).jaxpr, compress_write_p) == 2
+    got = fn(cache, k, v, slots)
+    for b in range(3):
+        want = tq.write_cache(cache, k[b], v[b], slots[b])
+        for name in ("k_codes", "k_norms", "v_codes", "v_norms"):
+            np.testing.assert_array_equal(np.asarray(getattr(got, name)[b]), np.asarray(getattr(want, name)))
+
+
+def test_vmap_compress_batch_of_size_zero(rng):
+    codec = tq.TurboQuant(head_dim=64, bits=4)
+    x = jnp.zeros((0, 3, 64), jnp.float32)
+    codes, norms = jax.vmap(tq.compress, in_axes=(0, None))(x, codec)
+    assert codes.shape == (0, 3, 32) and norms.shape == (0, 3)
+
+
+def test_paged_decode_batch_of_size_zero(rng):
+    cache, tables, lens = _setup(rng)
+    q = jnp.zeros((0, 4, 6, 64), jnp.float32)
+    out = jax.vmap(tq.paged_decode, in_axes=(0, None, None, None))(q, cache, tables, lens)
+    assert out.shape == (0, 4, 6, 64)
+
+
+def test_write_cache_is_in_place_under_donation(rng):
+    cache, _, _ = _setup(rng)
+    k = jnp.asarray(rng.normal(size=(4, 2, 64)), jnp.float32)
+    slots = jnp.asarray([3, 40, 41, 200], jnp.int32)
+    step = jax.jit(tq.write_cache, donate_argnums=0)
+    hlo = step.lower(cache, k, k, slots).compile().as_text()
+    assert "custom_call_target=\"jax_tq_compress_write\"" in hlo
+    assert "output_to_operand_aliasing" in hlo
+    pointers = [x.unsafe_buffer_pointer() for x in (cache.k_codes, cache.k_norms, cache.v_codes, cache.v_norms)]
+    new = step(cache, k, k, slots)
+    after = [x.unsafe_buffer_pointer() for x in (new.k_codes, new.k_norms, new.v_codes, new.v_norms)]
+    assert after == pointers, "donated cache buffers must be updated in place"
+
+
+def test_write_cache_without_donation_leaves_input_untouched(rng):
+    cache, _, _ = _setup(rng)
+    before = jax.tree.map(np.asarray, cache)
+    k = jnp.asarray(rng.normal(size=(4, 2, 64)), jnp.float32)
+    new = jax.jit(tq.write_cache)(cache, k, k, jnp.asarray([3, 40, 41, 200], jnp.int32))
+    jax.block_until_ready(new)
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(cache)):
+        np.testing.assert_array_equal(a, np.asarray(b))
+    assert not np.array_equal(np.asarray(new.k_norms), before.k_norms)
+
+
+def test_backends_agree_and_context_manager_switches(rng):
+    cache, tables, lens = _setup(rng)
+    q = jnp.asarray(rng.normal(size=(4, 6, 64)), jnp.float32)
+    ffi_out = tq.paged_decode(q, cache, tables, lens)
+    with tq.use_backend("xla"):
+        assert tq.get_backend() == "xla"
+        jaxpr = jax.make_jaxpr(tq.paged_decode)(q, cache, tables, lens).jaxpr
+        assert _primitive_count(jaxpr, paged_decode_p) == 0
+        xla_out = tq.paged_decode(q, cache, tables, lens)
+    assert tq.get_backend() == "ffi"
+    assert rel_err(ffi_out, xla_out) < 1e-5
+
+
+def test_backend_env_var(monkeypatch):
+    from jax_tq import backend
+    token = backend._override.set(None)  # no use_backend context in force
+    try:
+        monkeypatch.setenv("JAX_TQ_BACKEND", "xla")
+        assert tq.get_backend() == "xla"
+        monkeypatch.delenv("JAX_TQ_BACKEND")
+        assert tq.get_backend() == "auto"
+        monkeypatch.setenv("JAX_TQ_BACKEND", "bogus")
+        with pytest.raises(ValueError, match="JAX_TQ_BACKEND"):
+            tq.get_backend()
+    finally:
+        backend._override.reset(token)
+    with pytest.raises(ValueError, match="use_backend"):
+        with tq.use_backend("cuda"):
+            pass
+
+
+def test_explicit_ffi_backend_raises_where_no_kernel(monkeypatch, rng):
+    from jax_tq import _ffi
+    monkeypatch.setattr(_ffi, "kernels_available", lambda platform: False)
+    codec = tq.TurboQuant(head_dim=64, bits=4)
+    x = jnp.asarray(rng.normal(size=(7, 64)), jnp.float32)  # a shape no other test compiles
+    with pytest.raises(tq.BackendUnavailableError, match="ffi"):
+        jax.jit(lambda x: tq.compress(x, codec))(x)
+    with tq.use_backend("auto"):  # auto falls back to the reference (a fresh trace: jit keeps the backend it traced with)
+        codes, _ = jax.jit(lambda x: tq.compress(x, codec))(x)
+    with tq.use_backend("xla"):
+        want, _ = tq.compress(x, codec)
+    np.testing.assert_array_equal(np.asarray(codes), np.asarray(want))
