@@ -1,0 +1,159 @@
+"""The TurboQuant codec: rotation + codebook + static (head_dim, bits, seed, rotation kind).
+
+Implements the parameters of TurboQuant_mse (Zandieh et al., "TurboQuant", arXiv 2504.19874,
+Algorithm 1): the random rotation Pi (line 2) and the Lloyd-Max codebook of the Beta coordinate
+law (line 3). The codec is a JAX pytree with no array leaves: the float32 ``rotation`` [d, d] and
+``centroids`` [2**bits] are fixed by the static fields, so it passes through ``jax.jit``, ``vmap``
+and donation as static data and can be stored inside other pytrees.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_tq import codebook, format as tq_format, rotation as tq_rotation
+
+__all__ = ["TurboQuant", "CODEC_BITS"]
+
+#: Bit widths the codec accepts (packed storage additionally requires bits in 2..4).
+CODEC_BITS = (1, 2, 3, 4)
+
+
+def _validate_spec(head_dim, bits, seed, rotation) -> None:
+    """Raise TypeError / ValueError naming the offending constructor argument."""
+    tq_format.check_head_dim(head_dim)
+    if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)):
+        raise TypeError(f"bits must be an int, got {type(bits).__name__} ({bits!r})")
+    if bits not in CODEC_BITS:
+        raise ValueError(f"bits must be one of {CODEC_BITS}, got {bits}")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise TypeError(f"seed must be an int, got {type(seed).__name__} ({seed!r})")
+    if seed < 0:
+        raise ValueError(f"seed must be >= 0, got {seed}")
+    if not isinstance(rotation, str) or rotation not in tq_rotation.ROTATION_KINDS:
+        raise ValueError(f"rotation must be one of {tq_rotation.ROTATION_KINDS}, got {rotation!r}")
+
+
+@functools.lru_cache(maxsize=None)
+def _float32_parameters(head_dim: int, bits: int, seed: int, kind: str):
+    """Read-only float32 numpy (rotation [d, d], centroids [2**bits]) for one spec."""
+    rotation = tq_rotation.make_rotation(kind, head_dim, seed).astype(np.float32)
+    centroids = codebook.lloyd_max_centroids(head_dim, bits).astype(np.float32)
+    rotation.setflags(write=False)
+    centroids.setflags(write=False)
+    return rotation, centroids
+
+
+_DEVICE_PARAMETERS: dict = {}
+
+
+def _device_parameters(spec):
+    """jnp float32 (rotation, centroids) for one spec; cached once made outside any trace."""
+    cached = _DEVICE_PARAMETERS.get(spec)
+    if cached is not None:
+        return cached
+    params = tuple(jnp.asarray(a) for a in _float32_parameters(*spec))
+    if not any(isinstance(a, jax.core.Tracer) for a in params):
+        _DEVICE_PARAMETERS[spec] = params
+    return params
+
+
+@jax.tree_util.register_pytree_node_class
+class TurboQuant:
+    """TurboQuant_mse codec parameters (arXiv 2504.19874, Algorithm 1).
+
+    Args:
+      head_dim: int in (64, 80, 96, 128, 192, 256).
+      bits: int in 1..4 (packed cache storage needs 2..4; see ``jax_tq.format``).
+      seed: int >= 0, seeds the rotation (numpy default_rng).
+      rotation: ``"haar"`` (QR of a Gaussian, sign-fixed) or ``"hadamard"`` (randomized
+        block-Hadamard); see ``jax_tq.rotation``.
+    Attributes:
+      rotation: float32 jax array [head_dim, head_dim], Pi with y = Pi @ u.
+      centroids: float32 jax array [2**bits], sorted ascending, unit-sphere scale.
+      head_dim, bits, seed, rotation_kind (``spec`` is the tuple of them).
+    Raises:
+      TypeError / ValueError: an argument of the wrong type or an unsupported value (the message
+        names the argument).
+
+    The codec is a pytree with no array leaves: rotation and codebook are fixed by the spec, so
+    they travel as static data (compile-time constants). A cache holding the same codec for K and
+    V can be donated, stacked per layer, scanned or vmapped without duplicating or batching them.
+    Codecs compare and hash by spec, so they can also be static arguments of ``jax.jit``.
+    """
+
+    __slots__ = ("head_dim", "bits", "seed", "rotation_kind")
+
+    def __init__(self, head_dim: int = 128, bits: int = 4, seed: int = 0,
+                 rotation: str = "haar"):
+        _validate_spec(head_dim, bits, seed, rotation)
+        spec = (int(head_dim), int(bits), int(seed), rotation)
+        _float32_parameters(*spec)  # computed (and cached) now, not inside a trace
+        self._set_fields(spec)
+
+    def _set_fields(self, spec) -> None:
+        self.head_dim, self.bits, self.seed, self.rotation_kind = spec
+
+    # ---- pytree protocol -------------------------------------------------------------------
+    def tree_flatten(self):
+        """No leaves; aux data = spec tuple."""
+        return (), self.spec
+
+    @classmethod
+    def tree_unflatten(cls, spec, leaves):
+        """Rebuild without validation or recomputation."""
+        codec = object.__new__(cls)
+        codec._set_fields(spec)
+        return codec
+
+    @property
+    def rotation(self):
+        """float32 [head_dim, head_dim] rotation Pi (y = Pi @ u)."""
+        return _device_parameters(self.spec)[0]
+
+    @property
+    def centroids(self):
+        """float32 [2**bits] Lloyd-Max centroids, ascending, unit-sphere scale."""
+        return _device_parameters(self.spec)[1]
+
+    def __eq__(self, other):
+        return isinstance(other, TurboQuant) and self.spec == other.spec
+
+    def __hash__(self):
+        return hash(("TurboQuant", self.spec))
+
+    # ---- derived properties ----------------------------------------------------------------
+    @property
+    def spec(self) -> tuple[int, int, int, str]:
+        """Static configuration (head_dim, bits, seed, rotation_kind)."""
+        return (self.head_dim, self.bits, self.seed, self.rotation_kind)
+
+    @property
+    def num_levels(self) -> int:
+        """Number of centroids, 2**bits."""
+        return 1 << self.bits
+
+    @property
+    def packed_bytes(self) -> int:
+        """Bytes of packed codes per vector, head_dim * bits / 8.
+
+        Raises ValueError for bits = 1 (no packed storage format)."""
+        return tq_format.packed_bytes(self.head_dim, self.bits)
+
+    @property
+    def boundaries(self):
+        """Quantizer boundaries (c_i + c_{i+1}) / 2, float32 [2**bits - 1] (DESIGN.md rule:
+        code = number of boundaries strictly less than y)."""
+        return (self.centroids[1:] + self.centroids[:-1]) * jnp.float32(0.5)
+
+    def same_spec(self, other) -> bool:
+        """True if ``other`` is a TurboQuant with the same (head_dim, bits, seed, rotation_kind)."""
+        return isinstance(other, TurboQuant) and self.spec == other.spec
+
+    def __repr__(self) -> str:
+        return (f"TurboQuant(head_dim={self.head_dim}, bits={self.bits}, seed={self.seed}, "
+                f"rotation={self.rotation_kind!r})")

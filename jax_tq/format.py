@@ -1,0 +1,199 @@
+"""THE Python specification of the jax_tq storage format (mirrors cuda_ops/include/jax_tq/format.h).
+
+See docs/DESIGN.md and docs/FORMAT.md. Summary:
+
+* Codes are b-bit indices (b in 2, 3, 4) into the 2**b centroids, one per coordinate of the
+  rotated unit vector (TurboQuant, Zandieh et al., arXiv 2504.19874, Algorithm 1, "idx").
+* Packing is an LSB-first bit stream: code i occupies bits [i*b, (i+1)*b) of the little-endian
+  byte stream, so ``packed_bytes = head_dim * b / 8``. Every group of 8 codes is exactly b bytes:
+  the group word w = sum_k c[8g+k] << (b*k) (< 2**32) is stored as bytes (w >> 8j) & 255,
+  j = 0 .. b-1. For b = 4 this is byte j = c[2j] | c[2j+1] << 4; for b = 2,
+  byte j = c[4j] | c[4j+1] << 2 | c[4j+2] << 4 | c[4j+3] << 6; for b = 3, 3 bytes per 8 codes.
+* Paged cache pools: codes uint8 [num_pages, num_kv_heads, page_size, packed_bytes],
+  norms float32 [num_pages, num_kv_heads, page_size].
+
+:func:`pack_codes` / :func:`unpack_codes` accept numpy arrays (computed with numpy) or jax arrays /
+tracers (computed with jnp; jit-able, vectorised, uint32 integer ops only).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = [
+    "SUPPORTED_HEAD_DIMS", "PACKED_BITS", "CODES_PER_GROUP", "packed_bytes", "check_head_dim",
+    "check_bits", "pack_codes", "unpack_codes", "cache_codes_shape", "cache_norms_shape",
+]
+
+#: head_dims the storage format (and the kernels) support.
+SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 192, 256)
+#: Bit widths of packed storage.
+PACKED_BITS = (2, 3, 4)
+#: Codes per packing group; a group of 8 b-bit codes is exactly b bytes.
+CODES_PER_GROUP = 8
+
+
+def _is_int(value) -> bool:
+    """True for Python / numpy integers (bool excluded)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def check_head_dim(head_dim, name: str = "head_dim") -> int:
+    """Validate a head_dim for packed storage and return it as int.
+
+    Raises:
+      TypeError: not an int.  ValueError: not in SUPPORTED_HEAD_DIMS (64, 80, 96, 128, 192, 256).
+    """
+    if not _is_int(head_dim):
+        raise TypeError(f"{name} must be an int, got {type(head_dim).__name__} ({head_dim!r})")
+    if int(head_dim) not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"{name} must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
+    return int(head_dim)
+
+
+def check_bits(bits, name: str = "bits") -> int:
+    """Validate a bit width for packed storage and return it as int.
+
+    Raises:
+      TypeError: not an int.  ValueError: not in PACKED_BITS (2, 3, 4); 1-bit codebooks exist
+      for the codec but have no packed storage format.
+    """
+    if not _is_int(bits):
+        raise TypeError(f"{name} must be an int, got {type(bits).__name__} ({bits!r})")
+    if int(bits) not in PACKED_BITS:
+        raise ValueError(f"{name} must be one of {PACKED_BITS} for packed storage, got {bits}")
+    return int(bits)
+
+
+def packed_bytes(head_dim: int, bits: int) -> int:
+    """Bytes of packed codes per token per KV head: head_dim * bits / 8 (e.g. 128, 4 -> 64).
+
+    Raises:
+      TypeError / ValueError: unsupported head_dim or bits (see check_head_dim / check_bits).
+    """
+    return check_head_dim(head_dim) * check_bits(bits) // 8
+
+
+def _check_positive_int(name: str, value) -> int:
+    """Return value as int; TypeError if not an int, ValueError if < 1."""
+    if not _is_int(value):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return int(value)
+
+
+def cache_codes_shape(num_pages: int, num_kv_heads: int, page_size: int, head_dim: int,
+                      bits: int) -> tuple[int, int, int, int]:
+    """Shape of one codes pool: (num_pages, num_kv_heads, page_size, packed_bytes), dtype uint8.
+
+    Raises:
+      TypeError / ValueError: a size that is not a positive int, or unsupported head_dim / bits.
+    """
+    return (_check_positive_int("num_pages", num_pages),
+            _check_positive_int("num_kv_heads", num_kv_heads),
+            _check_positive_int("page_size", page_size),
+            packed_bytes(head_dim, bits))
+
+
+def cache_norms_shape(num_pages: int, num_kv_heads: int, page_size: int) -> tuple[int, int, int]:
+    """Shape of one norms pool: (num_pages, num_kv_heads, page_size), dtype float32.
+
+    Raises:
+      TypeError / ValueError: a size that is not a positive int.
+    """
+    return (_check_positive_int("num_pages", num_pages),
+            _check_positive_int("num_kv_heads", num_kv_heads),
+            _check_positive_int("page_size", page_size))
+
+
+def _array_module(array):
+    """numpy for numpy arrays / scalars / lists, jax.numpy for jax arrays and tracers."""
+    if isinstance(array, (np.ndarray, np.generic, list, tuple)):
+        return np
+    import jax.numpy as jnp  # deferred so the numpy path works without importing jax
+    return jnp
+
+
+def _check_integer_dtype(name: str, dtype) -> None:
+    """TypeError unless dtype is an integer dtype."""
+    if not np.issubdtype(np.dtype(dtype), np.integer):
+        raise TypeError(f"{name} must have an integer dtype, got {np.dtype(dtype)}")
+
+
+def _bitwise_or_last_axis(xp, array):
+    """Bitwise OR over the (short) last axis of a uint32 array.
+
+    numpy: a loop over the few columns (much faster than a ufunc reduce over a length-8 axis).
+    jnp: one lax.reduce (a chain of masked ORs makes XLA:CPU compile for seconds).
+    """
+    if xp is np:
+        result = array[..., 0].copy()
+        for column in range(1, array.shape[-1]):
+            result |= array[..., column]
+        return result
+    import jax
+    return jax.lax.reduce(array, np.uint32(0), jax.lax.bitwise_or, (array.ndim - 1,))
+
+
+def pack_codes(codes, bits: int):
+    """Pack b-bit codes into the LSB-first byte stream of the storage format.
+
+    Args:
+      codes: integer array [..., head_dim] (numpy or jax), values in [0, 2**bits);
+        head_dim in SUPPORTED_HEAD_DIMS.
+      bits: 2, 3 or 4.
+    Returns:
+      uint8 array [..., head_dim * bits / 8], same array module as the input.
+    Raises:
+      TypeError: codes not of an integer dtype.
+      ValueError: unsupported bits or head_dim (last axis); for numpy input also a code value
+        outside [0, 2**bits). (jax input cannot be checked under jit: values are masked to the
+        low ``bits`` bits.)
+    Source: storage format of docs/DESIGN.md (TurboQuant, arXiv 2504.19874, Algorithm 1 "idx").
+    """
+    xp = _array_module(codes)
+    codes = xp.asarray(codes)
+    bits = check_bits(bits)
+    _check_integer_dtype("codes", codes.dtype)
+    head_dim = check_head_dim(codes.shape[-1] if codes.ndim else 0, name="codes.shape[-1]")
+    if xp is np and codes.size and (codes.min() < 0 or codes.max() >= 1 << bits):
+        raise ValueError(f"codes must lie in [0, {1 << bits}) for bits={bits}, got values in "
+                         f"[{codes.min()}, {codes.max()}]")
+    groups = codes.reshape(codes.shape[:-1] + (head_dim // 8, 8)).astype(xp.uint32)
+    groups = groups & xp.uint32((1 << bits) - 1)
+    code_shifts = xp.asarray(bits * np.arange(8, dtype=np.uint32))
+    words = _bitwise_or_last_axis(xp, groups << code_shifts)            # [..., d/8] uint32
+    byte_shifts = xp.asarray(8 * np.arange(bits, dtype=np.uint32))
+    group_bytes = (words[..., None] >> byte_shifts).astype(xp.uint8)   # keeps the low 8 bits
+    return group_bytes.reshape(codes.shape[:-1] + (head_dim * bits // 8,))
+
+
+def unpack_codes(packed, bits: int, head_dim: int):
+    """Unpack the storage byte stream back to b-bit codes (inverse of :func:`pack_codes`).
+
+    Args:
+      packed: uint8 array [..., head_dim * bits / 8] (numpy or jax).
+      bits: 2, 3 or 4.
+      head_dim: int in SUPPORTED_HEAD_DIMS.
+    Returns:
+      uint8 array [..., head_dim] of codes in [0, 2**bits), same array module as the input.
+    Raises:
+      TypeError: packed not uint8.
+      ValueError: unsupported bits / head_dim, or packed.shape[-1] != head_dim * bits / 8.
+    Source: storage format of docs/DESIGN.md.
+    """
+    xp = _array_module(packed)
+    packed = xp.asarray(packed)
+    num_bytes = packed_bytes(head_dim, bits)
+    if np.dtype(packed.dtype) != np.uint8:
+        raise TypeError(f"packed must be uint8, got {np.dtype(packed.dtype)}")
+    if packed.ndim == 0 or packed.shape[-1] != num_bytes:
+        raise ValueError(f"packed.shape[-1] must be head_dim*bits/8 = {num_bytes} for "
+                         f"head_dim={head_dim}, bits={bits}, got shape {packed.shape}")
+    group_bytes = packed.reshape(packed.shape[:-1] + (head_dim // 8, bits)).astype(xp.uint32)
+    byte_shifts = xp.asarray(8 * np.arange(bits, dtype=np.uint32))
+    words = _bitwise_or_last_axis(xp, group_bytes << byte_shifts)      # [..., d/8] uint32
+    code_shifts = xp.asarray(bits * np.arange(8, dtype=np.uint32))
+    codes = (words[..., None] >> code_shifts) & xp.uint32((1 << bits) - 1)
+    return codes.astype(xp.uint8).reshape(packed.shape[:-1] + (head_dim,))

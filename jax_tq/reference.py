@@ -1,0 +1,449 @@
+"""Pure-jnp reference of every jax_tq op: the test oracle and the "xla" backend.
+
+Imports no kernels / FFI. Signatures mirror the FFI targets of docs/DESIGN.md (with optional
+leading batch axes where noted). Algorithm: TurboQuant_mse (Zandieh et al., "TurboQuant",
+arXiv 2504.19874, Algorithm 1) for compress / decompress, and attention in the rotated domain
+(<Pi q, c[idx]> = <q, Pi^T c[idx]>) for paged decode.
+
+Precision: the compute dtype is promote(input dtype, float32). With float64 inputs under
+``jax.enable_x64(True)`` (``jax.experimental.enable_x64`` no longer exists in jax 0.10) everything,
+norms included, is computed and returned in float64; otherwise float32. Matrix products use
+Precision.HIGHEST.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jax_tq import format as tq_format
+
+__all__ = [
+    "compress", "decompress", "compress_write", "dequantize_rotated", "paged_decode_rotated",
+    "paged_decode", "attention_dense", "quantize_rotated",
+]
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def _jit(*static_argnames):
+    """jax.jit with static argument names (one compile per shape instead of per-op dispatch)."""
+    return functools.partial(jax.jit, static_argnames=static_argnames)
+
+
+# ---------------------------------------------------------------------------------------------
+# validation helpers
+# ---------------------------------------------------------------------------------------------
+def _compute_dtype(*dtypes):
+    """promote(dtypes..., float32): float32 normally, float64 for float64 inputs under x64."""
+    return jnp.result_type(jnp.float32, *dtypes)
+
+
+def _check_float(name: str, array) -> None:
+    """TypeError unless ``array`` has a floating dtype."""
+    if not jnp.issubdtype(array.dtype, jnp.floating):
+        raise TypeError(f"{name} must have a floating dtype, got {array.dtype}")
+
+
+def _check_rotation(rotation, head_dim: int) -> None:
+    """ValueError unless rotation is [head_dim, head_dim] and head_dim is supported."""
+    tq_format.check_head_dim(head_dim)
+    if rotation.shape != (head_dim, head_dim):
+        raise ValueError(f"rotation must have shape ({head_dim}, {head_dim}), got {rotation.shape}")
+    _check_float("rotation", rotation)
+
+
+def _check_centroids(name: str, centroids, bits: int) -> None:
+    """ValueError unless centroids is [2**bits] with bits a packed width."""
+    tq_format.check_bits(bits)
+    if centroids.shape != (1 << bits,):
+        raise ValueError(f"{name} must have shape ({1 << bits},) for bits={bits}, "
+                         f"got {centroids.shape}")
+    _check_float(name, centroids)
+
+
+def _check_int_array(name: str, array, ndim: int) -> None:
+    """TypeError unless integer dtype, ValueError unless ``ndim`` dims."""
+    if not jnp.issubdtype(array.dtype, jnp.integer):
+        raise TypeError(f"{name} must have an integer dtype (int32), got {array.dtype}")
+    if array.ndim != ndim:
+        raise ValueError(f"{name} must have {ndim} dims, got shape {array.shape}")
+
+
+# ---------------------------------------------------------------------------------------------
+# compress / decompress
+# ---------------------------------------------------------------------------------------------
+def quantize_rotated(y, centroids):
+    """Scalar quantizer: code = number of boundaries (c_i + c_{i+1})/2 strictly less than y.
+
+    Args:
+      y: float array [..., d] (rotated unit-vector coordinates).
+      centroids: float [2**bits], ascending.
+    Returns:
+      uint8 codes [..., d]; a y exactly on a boundary gets the lower code.
+    Source: TurboQuant (arXiv 2504.19874), Algorithm 1 line 5 (nearest centroid).
+    """
+    boundaries = ((centroids[1:] + centroids[:-1]) * 0.5).astype(y.dtype)
+    return jnp.sum(y[..., None] > boundaries, axis=-1, dtype=jnp.int32).astype(jnp.uint8)
+
+
+def _safe_inverse(norms):
+    """1/norm where norm > 0, else 0 (no division by zero, clean gradients)."""
+    positive = norms > 0
+    return jnp.where(positive, 1.0 / jnp.where(positive, norms, 1.0), 0.0).astype(norms.dtype)
+
+
+def compress(x, rotation, centroids, bits: int):
+    """TurboQuant_mse quantization of vectors x (FFI target ``jax_tq_compress``).
+
+    Args:
+      x: float32 | bfloat16 | float16 (| float64 under x64) array [..., d].
+      rotation: float [d, d], Pi (y = Pi @ u).
+      centroids: float [2**bits], ascending.
+      bits: 2, 3 or 4.
+    Returns:
+      (codes uint8 [..., d*bits/8], norms [...]) with norms = ||x||_2 in the compute dtype
+      (float32, or float64 for float64 x under x64). A zero vector gets norm 0 and all codes
+      equal to the code of y = 0 (it decodes to exactly 0 because its norm is 0).
+    Raises:
+      TypeError: non-floating x / rotation / centroids.  ValueError: bad shapes, bits, head_dim.
+    Source: TurboQuant (arXiv 2504.19874), Algorithm 1 (Quant_mse): y = Pi x / ||x||, idx_j =
+      argmin_k |y_j - c_k|.
+    """
+    x, rotation, centroids = jnp.asarray(x), jnp.asarray(rotation), jnp.asarray(centroids)
+    _check_float("x", x)
+    head_dim = x.shape[-1] if x.ndim else 0
+    _check_rotation(rotation, head_dim)
+    _check_centroids("centroids", centroids, bits)
+    _check_float("rotation", rotation)
+    _check_float("centroids", centroids)
+    return _compress_impl(x, rotation, centroids, bits=bits)
+
+
+def _safe_norm(x):
+    """||x||_2 over the last axis with a gradient of 0 (not NaN) at x = 0."""
+    squared = jnp.sum(x * x, axis=-1)
+    positive = squared > 0
+    return jnp.where(positive, jnp.sqrt(jnp.where(positive, squared, 1.0)), 0.0)
+
+
+@_jit("bits")
+def _compress_impl(x, rotation, centroids, bits):
+    """compress after validation."""
+    compute_dtype = _compute_dtype(x.dtype)
+    x = x.astype(compute_dtype)
+    norms = _safe_norm(x)
+    unit = x * _safe_inverse(norms)[..., None]
+    rotated = jnp.matmul(unit, rotation.astype(compute_dtype).T, precision=_HIGHEST)
+    codes = quantize_rotated(rotated, centroids.astype(compute_dtype))
+    return tq_format.pack_codes(codes, bits), norms
+
+
+def dequantize_rotated(codes, norms, centroids, bits: int):
+    """Decoded vectors in the ROTATED domain: norm * c[idx] (no Pi^T applied).
+
+    Args:
+      codes: uint8 [..., d*bits/8].  norms: float [...].  centroids: float [2**bits].
+      bits: 2, 3 or 4.
+    Returns:
+      array [..., d] in promote(norms.dtype, centroids.dtype, float32); d = 8*codes.shape[-1]/bits.
+    Raises:
+      TypeError / ValueError: bad dtypes, shapes or bits.
+    """
+    codes, norms, centroids = jnp.asarray(codes), jnp.asarray(norms), jnp.asarray(centroids)
+    _check_centroids("centroids", centroids, bits)
+    _check_float("norms", norms)
+    head_dim = codes.shape[-1] * 8 // bits if codes.ndim else 0
+    if codes.shape[:-1] != norms.shape:
+        raise ValueError(f"codes.shape[:-1] {codes.shape[:-1]} must equal norms.shape {norms.shape}")
+    if codes.dtype != jnp.uint8:
+        raise TypeError(f"codes must be uint8, got {codes.dtype}")
+    tq_format.check_head_dim(head_dim, name="codes head_dim (8*codes.shape[-1]/bits)")
+    return _dequantize_rotated_impl(codes, norms, centroids, bits=bits)
+
+
+@_jit("bits")
+def _dequantize_rotated_impl(codes, norms, centroids, bits):
+    """dequantize_rotated after validation."""
+    head_dim = codes.shape[-1] * 8 // bits
+    indices = tq_format.unpack_codes(codes, bits, head_dim)
+    compute_dtype = _compute_dtype(norms.dtype, centroids.dtype)
+    values = centroids.astype(compute_dtype)[indices.astype(jnp.int32)]
+    return norms.astype(compute_dtype)[..., None] * values
+
+
+def decompress(codes, norms, rotation, centroids, bits: int, dtype=jnp.float32):
+    """TurboQuant_mse dequantization (FFI target ``jax_tq_decompress``).
+
+    Args:
+      codes: uint8 [..., d*bits/8].  norms: float [...].  rotation: float [d, d].
+      centroids: float [2**bits].  bits: 2, 3 or 4.
+      dtype: output dtype (float32, bfloat16, float16; float64 under x64).
+    Returns:
+      x_hat = norm * (c[idx] @ Pi), shape [..., d], ``dtype``; computed in
+      promote(dtype, norms, rotation, centroids, float32).
+    Raises:
+      TypeError / ValueError: bad dtypes, shapes, bits or head_dim.
+    Source: TurboQuant (arXiv 2504.19874), Algorithm 1 (DeQuant_mse): x_hat = Pi^T c[idx].
+    """
+    rotation = jnp.asarray(rotation)
+    _check_rotation(rotation, rotation.shape[0] if rotation.ndim else 0)
+    if rotation.shape[0] * bits != jnp.shape(codes)[-1] * 8:
+        raise ValueError(f"codes.shape[-1] must be d*bits/8 = {rotation.shape[0] * bits // 8}, "
+                         f"got {jnp.shape(codes)[-1]}")
+    rotated = dequantize_rotated(codes, norms, centroids, bits)
+    return _rotate_back(rotated, rotation, dtype=jnp.dtype(dtype))
+
+
+@_jit("dtype")
+def _rotate_back(rotated, rotation, dtype):
+    """(norm * c[idx]) @ Pi in promote(dtype, inputs, float32), cast to dtype."""
+    compute_dtype = _compute_dtype(dtype, rotated.dtype, rotation.dtype)
+    decoded = jnp.matmul(rotated.astype(compute_dtype), rotation.astype(compute_dtype),
+                         precision=_HIGHEST)
+    return decoded.astype(dtype)
+
+
+def compress_write(x, codes, norms, rotation, centroids, slot_mapping, bits: int):
+    """Compress tokens and scatter them into the paged pools (FFI target ``jax_tq_compress_write``).
+
+    Args:
+      x: float [T, Hkv, d].
+      codes: uint8 [P, Hkv, page_size, d*bits/8] pool.
+      norms: float32 [P, Hkv, page_size] pool.
+      rotation: float [d, d].  centroids: float [2**bits].
+      slot_mapping: int32 [T]; token t goes to page slot // page_size, offset slot % page_size.
+        Slots < 0 or >= P * page_size are skipped. Duplicates: one writer wins (unspecified).
+      bits: 2, 3 or 4.
+    Returns:
+      (codes, norms): updated copies of the pools (same shapes / dtypes).
+    Raises:
+      TypeError / ValueError: bad dtypes or shapes (message names the argument).
+    Source: TurboQuant (arXiv 2504.19874), Algorithm 1 applied per token; layout of DESIGN.md.
+    """
+    x, codes, norms = jnp.asarray(x), jnp.asarray(codes), jnp.asarray(norms)
+    slot_mapping = jnp.asarray(slot_mapping)
+    _check_pools("codes", "norms", codes, norms, bits)
+    if x.ndim != 3 or x.shape[1:] != (codes.shape[1], codes.shape[3] * 8 // bits):
+        raise ValueError(f"x must have shape [T, {codes.shape[1]}, {codes.shape[3] * 8 // bits}], "
+                         f"got {x.shape}")
+    _check_int_array("slot_mapping", slot_mapping, 1)
+    if slot_mapping.shape[0] != x.shape[0]:
+        raise ValueError(f"slot_mapping must have shape [{x.shape[0]}], got {slot_mapping.shape}")
+    new_codes, new_norms = compress(x, rotation, centroids, bits)
+    return _scatter_slots(codes, norms, new_codes, new_norms, slot_mapping)
+
+
+@jax.jit
+def _scatter_slots(codes, norms, new_codes, new_norms, slot_mapping):
+    """Write token rows into their slots, dropping slots outside [0, P*page_size)."""
+    num_pages, _, page_size = norms.shape
+    slots = slot_mapping.astype(jnp.int32)
+    valid = (slots >= 0) & (slots < num_pages * page_size)
+    pages = jnp.where(valid, slots // page_size, num_pages)  # out of range -> dropped
+    offsets = jnp.where(valid, slots % page_size, 0)
+    codes = codes.at[pages, :, offsets].set(new_codes, mode="drop")
+    norms = norms.at[pages, :, offsets].set(new_norms.astype(norms.dtype), mode="drop")
+    return codes, norms
+
+
+def _check_pools(codes_name: str, norms_name: str, codes, norms, bits: int) -> None:
+    """Validate a (codes, norms) pool pair against the DESIGN.md layout."""
+    tq_format.check_bits(bits)
+    if codes.dtype != jnp.uint8:
+        raise TypeError(f"{codes_name} must be uint8, got {codes.dtype}")
+    if codes.ndim != 4:
+        raise ValueError(f"{codes_name} must be [P, Hkv, page_size, packed], got {codes.shape}")
+    if codes.shape[3] * 8 % bits:
+        raise ValueError(f"{codes_name}.shape[3]={codes.shape[3]} is not d*bits/8 for bits={bits}")
+    tq_format.check_head_dim(codes.shape[3] * 8 // bits, name=f"{codes_name} head_dim")
+    _check_float(norms_name, norms)
+    if norms.shape != codes.shape[:3]:
+        raise ValueError(f"{norms_name} must have shape {codes.shape[:3]}, got {norms.shape}")
+
+
+# ---------------------------------------------------------------------------------------------
+# paged decode
+# ---------------------------------------------------------------------------------------------
+def _gather_sequence_tokens(codes, norms, centroids, bits, safe_pages):
+    """Dequantized rotated tokens per sequence: [S, Hkv, max_pages*page_size, d]."""
+    gathered = _dequantize_rotated_impl(codes[safe_pages], norms[safe_pages], centroids, bits=bits)
+    num_seqs, max_pages, num_kv_heads, page_size, head_dim = gathered.shape
+    tokens = jnp.transpose(gathered, (0, 2, 1, 3, 4))
+    return tokens.reshape(num_seqs, num_kv_heads, max_pages * page_size, head_dim)
+
+
+def _valid_token_mask(block_tables, seq_lens, num_pages, page_size):
+    """bool [S, max_pages*page_size]: token < clamped seq_len and its page id in [0, P)."""
+    max_pages = block_tables.shape[1]
+    lengths = jnp.clip(seq_lens.astype(jnp.int32), 0, max_pages * page_size)
+    positions = jnp.arange(max_pages * page_size, dtype=jnp.int32)
+    page_ok = (block_tables >= 0) & (block_tables < num_pages)
+    token_page_ok = jnp.repeat(page_ok, page_size, axis=1)
+    return (positions[None, :] < lengths[:, None]) & token_page_ok
+
+
+def _masked_softmax_weights(logits, valid):
+    """Stable softmax over the last axis restricted to ``valid``; all-invalid rows give 0."""
+    row_max = jnp.max(jnp.where(valid, logits, -jnp.inf), axis=-1, keepdims=True)
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    shifted = jnp.where(valid, logits - row_max, 0.0)
+    weights = jnp.where(valid, jnp.exp(shifted), 0.0)
+    total = jnp.sum(weights, axis=-1, keepdims=True)
+    return weights / jnp.where(total > 0, total, 1.0)
+
+
+def paged_decode_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids,
+                         block_tables, seq_lens, k_bits: int, v_bits: int, scale: float):
+    """Single-query attention over a TurboQuant paged cache, in the rotated domain
+    (FFI target ``jax_tq_paged_decode``, without the split-K workspace).
+
+    Args:
+      q_rot: float [S, H, d], queries already rotated by K's Pi, not scaled.
+      k_codes: uint8 [P, Hkv, page_size, d*k_bits/8];  k_norms: float32 [P, Hkv, page_size].
+      v_codes: uint8 [P, Hkv, page_size, d*v_bits/8];  v_norms: float32 [P, Hkv, page_size].
+      k_centroids: float [2**k_bits];  v_centroids: float [2**v_bits].
+      block_tables: int32 [S, max_pages]; logical page j of sequence i is physical page
+        block_tables[i, j]; ids outside [0, P) are skipped (never read out of bounds).
+      seq_lens: int32 [S], clamped to [0, max_pages*page_size].
+      k_bits, v_bits: 2, 3 or 4.  scale: softmax scale (float).
+    Returns:
+      out_rot [S, H, d] in promote(q_rot.dtype, float32): sum_t p_t v_norm_t c_v[vcode_t] with
+      p = softmax_t(scale * k_norm_t * <q_rot, c_k[kcode_t]>) over valid tokens; query head h
+      uses KV head h // (H / Hkv). Rows with no valid token are exactly 0.
+    Raises:
+      TypeError / ValueError: bad dtypes / shapes, H not a multiple of Hkv, bad bits.
+    Source: TurboQuant (arXiv 2504.19874), Sec. 4 (KV cache quantization); scores use
+      <Pi q, c[idx]> = <q, Pi^T c[idx]> (Algorithm 1 DeQuant_mse), so keys are never un-rotated.
+    """
+    q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids = (
+        jnp.asarray(a) for a in (q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids,
+                                 v_centroids))
+    block_tables, seq_lens = jnp.asarray(block_tables), jnp.asarray(seq_lens)
+    _check_decode_args(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids,
+                       block_tables, seq_lens, k_bits, v_bits)
+    return _paged_decode_rotated_impl(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids,
+                                      v_centroids, block_tables, seq_lens, scale,
+                                      k_bits=k_bits, v_bits=v_bits)
+
+
+@_jit("k_bits", "v_bits")
+def _paged_decode_rotated_impl(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids,
+                               v_centroids, block_tables, seq_lens, scale, k_bits, v_bits):
+    """paged_decode_rotated after validation."""
+    num_seqs, num_heads, head_dim = q_rot.shape
+    num_pages, num_kv_heads, page_size, _ = k_codes.shape
+    group = num_heads // num_kv_heads
+    compute_dtype = _compute_dtype(q_rot.dtype)
+    page_ok = (block_tables >= 0) & (block_tables < num_pages)
+    safe_pages = jnp.where(page_ok, block_tables, 0)
+    keys = _gather_sequence_tokens(k_codes, k_norms, k_centroids, k_bits, safe_pages)
+    values = _gather_sequence_tokens(v_codes, v_norms, v_centroids, v_bits, safe_pages)
+    valid = _valid_token_mask(block_tables, seq_lens, num_pages, page_size)[:, None, None, :]
+    queries = q_rot.astype(compute_dtype).reshape(num_seqs, num_kv_heads, group, head_dim)
+    logits = jnp.einsum("skgd,sktd->skgt", queries, keys.astype(compute_dtype),
+                        precision=_HIGHEST) * jnp.asarray(scale, compute_dtype)
+    weights = _masked_softmax_weights(logits, valid)
+    out = jnp.einsum("skgt,sktd->skgd", weights, values.astype(compute_dtype), precision=_HIGHEST)
+    return out.reshape(num_seqs, num_heads, head_dim)
+
+
+def _check_decode_args(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids,
+                       block_tables, seq_lens, k_bits, v_bits) -> None:
+    """Shape / dtype validation for paged_decode_rotated (messages name the argument)."""
+    _check_float("q_rot", q_rot)
+    if q_rot.ndim != 3:
+        raise ValueError(f"q_rot must be [S, H, d], got shape {q_rot.shape}")
+    _check_pools("k_codes", "k_norms", k_codes, k_norms, k_bits)
+    _check_pools("v_codes", "v_norms", v_codes, v_norms, v_bits)
+    _check_centroids("k_centroids", k_centroids, k_bits)
+    _check_centroids("v_centroids", v_centroids, v_bits)
+    num_seqs, num_heads, head_dim = q_rot.shape
+    num_pages, num_kv_heads, page_size, k_packed = k_codes.shape
+    if k_packed * 8 // k_bits != head_dim or v_codes.shape[3] * 8 // v_bits != head_dim:
+        raise ValueError(f"k_codes / v_codes head_dim must equal q_rot head_dim {head_dim}")
+    if v_codes.shape[:3] != k_codes.shape[:3]:
+        raise ValueError(f"v_codes.shape[:3] {v_codes.shape[:3]} must equal k_codes.shape[:3] "
+                         f"{k_codes.shape[:3]}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"q_rot heads H={num_heads} must be a multiple of Hkv={num_kv_heads}")
+    _check_int_array("block_tables", block_tables, 2)
+    _check_int_array("seq_lens", seq_lens, 1)
+    if block_tables.shape[0] != num_seqs or seq_lens.shape[0] != num_seqs:
+        raise ValueError(f"block_tables [{block_tables.shape}] and seq_lens [{seq_lens.shape}] "
+                         f"must have S={num_seqs} rows")
+
+
+def paged_decode(q, k_codes, k_norms, v_codes, v_norms, k_rotation, v_rotation, k_centroids,
+                 v_centroids, block_tables, seq_lens, k_bits: int, v_bits: int, scale: float):
+    """Paged decode in the original domain: rotate q by Pi_k, attend, rotate out by Pi_v^T.
+
+    Args:
+      q: float [S, H, d] (not scaled).  k_rotation, v_rotation: float [d, d].
+      Others as :func:`paged_decode_rotated`.
+    Returns:
+      out [S, H, d] in promote(q.dtype, float32): (attention output in V's rotated space) @ Pi_v.
+    Raises:
+      TypeError / ValueError: as :func:`paged_decode_rotated`, or bad rotation shapes.
+    Source: TurboQuant (arXiv 2504.19874), Algorithm 1 (x_hat = Pi^T c[idx]), applied once to q
+      and once to the output instead of to every key and value.
+    """
+    q = jnp.asarray(q)
+    _check_float("q", q)
+    head_dim = q.shape[-1] if q.ndim else 0
+    k_rotation, v_rotation = jnp.asarray(k_rotation), jnp.asarray(v_rotation)
+    _check_rotation(k_rotation, head_dim)
+    _check_rotation(v_rotation, head_dim)
+    compute_dtype = _compute_dtype(q.dtype)
+    q_rot = jnp.matmul(q.astype(compute_dtype), k_rotation.astype(compute_dtype).T,
+                       precision=_HIGHEST)
+    out_rot = paged_decode_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids,
+                                   v_centroids, block_tables, seq_lens, k_bits, v_bits, scale)
+    return jnp.matmul(out_rot, v_rotation.astype(compute_dtype), precision=_HIGHEST)
+
+
+def attention_dense(q, k, v, seq_lens, scale: float):
+    """Plain masked softmax attention on uncompressed K/V (test reference).
+
+    Args:
+      q: float [S, H, d].  k, v: float [S, T, Hkv, d] (token t of sequence s at [s, t]).
+      seq_lens: int [S]; tokens t >= seq_lens[s] are masked (clamped to [0, T]).
+      scale: softmax scale.
+    Returns:
+      [S, H, d] in promote(q, k, v, float32); query head h uses KV head h // (H / Hkv); rows with
+      seq_len 0 are exactly 0.
+    Raises:
+      TypeError / ValueError: non-float inputs, inconsistent shapes, H not a multiple of Hkv.
+    """
+    q, k, v, seq_lens = (jnp.asarray(a) for a in (q, k, v, seq_lens))
+    for name, array in (("q", q), ("k", k), ("v", v)):
+        _check_float(name, array)
+    if q.ndim != 3 or k.ndim != 4 or v.shape != k.shape:
+        raise ValueError(f"q must be [S,H,d] and k, v [S,T,Hkv,d]; got {q.shape}, {k.shape}, "
+                         f"{v.shape}")
+    num_seqs, num_heads, head_dim = q.shape
+    _, num_tokens, num_kv_heads, _ = k.shape
+    if k.shape[0] != num_seqs or k.shape[3] != head_dim or num_heads % num_kv_heads:
+        raise ValueError(f"inconsistent shapes q {q.shape}, k {k.shape}")
+    _check_int_array("seq_lens", seq_lens, 1)
+    if seq_lens.shape[0] != num_seqs:
+        raise ValueError(f"seq_lens must have shape [{num_seqs}], got {seq_lens.shape}")
+    return _attention_dense_impl(q, k, v, seq_lens, scale)
+
+
+@jax.jit
+def _attention_dense_impl(q, k, v, seq_lens, scale):
+    """attention_dense after validation."""
+    num_seqs, num_heads, head_dim = q.shape
+    _, num_tokens, num_kv_heads, _ = k.shape
+    compute_dtype = _compute_dtype(q.dtype, k.dtype, v.dtype)
+    queries = q.astype(compute_dtype).reshape(num_seqs, num_kv_heads, -1, head_dim)
+    logits = jnp.einsum("skgd,stkd->skgt", queries, k.astype(compute_dtype),
+                        precision=_HIGHEST) * jnp.asarray(scale, compute_dtype)
+    lengths = jnp.clip(seq_lens, 0, num_tokens)
+    valid = (jnp.arange(num_tokens)[None, :] < lengths[:, None])[:, None, None, :]
+    weights = _masked_softmax_weights(logits, valid)
+    out = jnp.einsum("skgt,stkd->skgd", weights, v.astype(compute_dtype), precision=_HIGHEST)
+    return out.reshape(num_seqs, num_heads, head_dim)
