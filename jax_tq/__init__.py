@@ -1,0 +1,33 @@
+"""jax_tq: TurboQuant-compressed paged KV caches for JAX, with XLA FFI kernels (CPU and CUDA).
+
+Public API::
+
+    import jax_tq as tq
+    codec = tq.TurboQuant(head_dim=128, bits=4, seed=0)
+    codes, norms = tq.compress(x, codec)
+    x_hat = tq.decompress(codes, norms, codec, dtype=jnp.float32)
+    cache = tq.PagedKVCache.create(num_pages=..., page_size=16, num_kv_heads=..., k_codec=..., v_codec=...)
+    cache = tq.write_cache(cache, k, v, slot_mapping)
+    out = tq.paged_decode(q, cache, block_tables, seq_lens)
+"""
+from jax_tq.backend import BackendUnavailableError, get_backend, use_backend
+from jax_tq.checks import checked
+from jax_tq.cache import PagedKVCache, write_cache
+from jax_tq.codec import TurboQuant
+from jax_tq.compress import compress, decompress
+from jax_tq.paged_decode import paged_decode
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BackendUnavailableError",
+    "PagedKVCache",
+    "TurboQuant",
+    "checked",
+    "compress",
+    "decompress",
+    "get_backend",
+    "paged_decode",
+    "use_backend",
+    "write_cache",
+]
