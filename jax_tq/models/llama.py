@@ -1,0 +1,504 @@
+"""Llama-architecture decoder in flax.nnx with an optional TurboQuant-compressed paged KV cache.
+
+Architecture (Touvron et al. 2023, "LLaMA: Open and Efficient Foundation Language Models"):
+pre-norm blocks with RMSNorm (Zhang & Sennrich 2019), rotary position embeddings in the
+Hugging Face / GPT-NeoX ``rotate_half`` layout (Su et al. 2021, "RoFormer"), grouped-query
+attention (Ainslie et al. 2023, "GQA"), SwiGLU MLP (Shazeer 2020) and a tied or untied lm head.
+
+Three execution paths, all jit-compiled through ``nnx.split`` / ``nnx.merge`` into pure functions:
+
+* :func:`forward_logits` - uncompressed, full causal attention over a token sequence (baseline
+  perplexity, reference).
+* :func:`forward_compressed` - evaluation / prefill through the compressed paged cache: each
+  layer writes K (after RoPE) and V of all tokens with :func:`jax_tq.write_cache`, then calls
+  :func:`jax_tq.paged_decode` once with one "sequence" per query position (the chunk's block
+  table repeated, ``seq_lens = position + 1``), i.e. exactly decoding attention, batched.
+* :func:`decode_step` - one new token per sequence: write its K/V into the cache, attend with
+  :func:`jax_tq.paged_decode`; the caches are donated.
+
+A "cache" here is a Python list with one :class:`jax_tq.PagedKVCache` per layer (see
+:func:`init_caches`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from .gguf_loader import LlamaConfig
+
+__all__ = [
+    "LlamaConfig",
+    "RMSNorm",
+    "Attention",
+    "MLP",
+    "Block",
+    "Llama",
+    "rope_cos_sin",
+    "apply_rope",
+    "init_caches",
+    "slot_mapping_for",
+    "forward_logits",
+    "forward_compressed",
+    "decode_step",
+    "make_decode_step",
+]
+
+
+# ----------------------------------------------------------------------------------------------
+# Building blocks
+# ----------------------------------------------------------------------------------------------
+
+
+class RMSNorm(nnx.Module):
+    """Root-mean-square layer norm: ``x / sqrt(mean(x^2) + eps) * weight`` (computed in float32).
+
+    Args:
+      dim: feature size; ``weight`` is ``[dim]``, initialised to ones.
+      eps: epsilon added to the mean square.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-5, dtype=jnp.float32):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x ``[..., dim]`` -> same shape and dtype."""
+        xf = x.astype(jnp.float32)
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return (y * self.weight[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float):
+    """RoPE tables for the ``rotate_half`` (NeoX / HF) layout (Su et al. 2021).
+
+    Args:
+      positions: int ``[...]`` absolute token positions.
+      head_dim: even rotary dimension.
+      theta: base frequency.
+    Returns:
+      ``(cos, sin)`` float32 ``[..., head_dim]`` where entries ``i`` and ``i + head_dim/2`` share
+      the frequency ``theta ** (-2i / head_dim)``.
+    """
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    inv_freq = jnp.asarray(inv_freq, jnp.float32)
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate ``x [T, heads, d]`` with tables ``cos, sin [T, d]``: ``x*cos + rotate_half(x)*sin``.
+
+    Computed in float32, returned in ``x.dtype``.
+    """
+    xf = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rot = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
+    return (xf * cos[:, None, :] + rot * sin[:, None, :]).astype(x.dtype)
+
+
+def _dense(rngs: nnx.Rngs, n_in: int, n_out: int, dtype) -> nnx.Param:
+    w = jax.random.normal(rngs.params(), (n_in, n_out), jnp.float32) / np.sqrt(n_in)
+    return nnx.Param(w.astype(dtype))
+
+
+class Attention(nnx.Module):
+    """Grouped-query self-attention with RoPE (no biases).
+
+    Weights (``y = x @ W``): ``wq [hidden, H*d]``, ``wk, wv [hidden, Hkv*d]``, ``wo [H*d, hidden]``.
+    Query head ``h`` uses KV head ``h // (H // Hkv)`` (same grouping as :func:`jax_tq.paged_decode`).
+    """
+
+    def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        c = config
+        self.num_heads = c.num_heads
+        self.num_kv_heads = c.num_kv_heads
+        self.head_dim = c.head_dim
+        self.rope_theta = c.rope_theta
+        self.wq = _dense(rngs, c.hidden_size, c.num_heads * c.head_dim, dtype)
+        self.wk = _dense(rngs, c.hidden_size, c.num_kv_heads * c.head_dim, dtype)
+        self.wv = _dense(rngs, c.hidden_size, c.num_kv_heads * c.head_dim, dtype)
+        self.wo = _dense(rngs, c.num_heads * c.head_dim, c.hidden_size, dtype)
+
+    def qkv(self, x: jax.Array, positions: jax.Array):
+        """Project and rotate.
+
+        Args:
+          x: ``[T, hidden]``; positions: int32 ``[T]``.
+        Returns:
+          ``q [T, H, d]``, ``k [T, Hkv, d]`` (both after RoPE), ``v [T, Hkv, d]``.
+        """
+        T = x.shape[0]
+        q = (x @ self.wq[...]).reshape(T, self.num_heads, self.head_dim)
+        k = (x @ self.wk[...]).reshape(T, self.num_kv_heads, self.head_dim)
+        v = (x @ self.wv[...]).reshape(T, self.num_kv_heads, self.head_dim)
+        cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def out(self, attn: jax.Array) -> jax.Array:
+        """``attn [T, H, d]`` -> ``[T, hidden]``."""
+        return attn.reshape(attn.shape[0], -1).astype(self.wo.dtype) @ self.wo[...]
+
+    def causal(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        """Uncompressed causal attention over the whole sequence ``x [T, hidden]`` -> ``[T, hidden]``."""
+        q, k, v = self.qkv(x, positions)
+        return self.out(causal_attention(q, k, v))
+
+    def compressed(self, x, positions, cache, slot_mapping, block_tables, seq_lens):
+        """Attention through a compressed paged cache.
+
+        Writes this call's K/V (``[T, Hkv, d]``) at ``slot_mapping [T]`` with
+        :func:`jax_tq.write_cache`, then runs :func:`jax_tq.paged_decode` with query row ``t``
+        as sequence ``t`` (``block_tables [T, max_pages]``, ``seq_lens [T]``).
+
+        Returns:
+          ``(y [T, hidden], new_cache)``.
+        """
+        import jax_tq as tq
+
+        q, k, v = self.qkv(x, positions)
+        cache = tq.write_cache(cache, k, v, slot_mapping)
+        o = tq.paged_decode(q, cache, block_tables, seq_lens)
+        return self.out(o), cache
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, scale: float | None = None):
+    """Plain causal GQA softmax attention.
+
+    Args:
+      q: ``[T, H, d]``; k, v: ``[T, Hkv, d]`` with ``H % Hkv == 0``.
+      scale: softmax scale, default ``1/sqrt(d)``.
+    Returns:
+      ``[T, H, d]`` in ``q.dtype``; logits and softmax in float32.
+    """
+    T, H, d = q.shape
+    Hkv = k.shape[1]
+    G = H // Hkv
+    scale = (1.0 / np.sqrt(d)) if scale is None else scale
+    qg = q.reshape(T, Hkv, G, d).astype(jnp.float32)
+    s = jnp.einsum("tkgd,skd->kgts", qg, k.astype(jnp.float32)) * scale
+    mask = jnp.tril(jnp.ones((T, T), bool))
+    s = jnp.where(mask, s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)
+    o = jnp.einsum("kgts,skd->tkgd", p, v.astype(jnp.float32))
+    return o.reshape(T, H, d).astype(q.dtype)
+
+
+class MLP(nnx.Module):
+    """SwiGLU feed-forward: ``(silu(x @ w_gate) * (x @ w_up)) @ w_down`` (Shazeer 2020)."""
+
+    def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.w_gate = _dense(rngs, config.hidden_size, config.intermediate_size, dtype)
+        self.w_up = _dense(rngs, config.hidden_size, config.intermediate_size, dtype)
+        self.w_down = _dense(rngs, config.intermediate_size, config.hidden_size, dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """``x [..., hidden]`` -> ``[..., hidden]``."""
+        return (jax.nn.silu(x @ self.w_gate[...]) * (x @ self.w_up[...])) @ self.w_down[...]
+
+
+class Block(nnx.Module):
+    """Pre-norm transformer block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+
+    def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.attn = Attention(config, dtype=dtype, rngs=rngs)
+        self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = MLP(config, dtype=dtype, rngs=rngs)
+
+    def causal(self, x, positions):
+        """Uncompressed block on ``x [T, hidden]``."""
+        x = x + self.attn.causal(self.attn_norm(x), positions)
+        return x + self.mlp(self.ffn_norm(x))
+
+    def compressed(self, x, positions, cache, slot_mapping, block_tables, seq_lens):
+        """Block with attention through the compressed cache; returns ``(x, new_cache)``."""
+        h, cache = self.attn.compressed(self.attn_norm(x), positions, cache, slot_mapping,
+                                        block_tables, seq_lens)
+        x = x + h
+        return x + self.mlp(self.ffn_norm(x)), cache
+
+
+class Llama(nnx.Module):
+    """Llama decoder-only language model (Touvron et al. 2023) in flax.nnx.
+
+    Args:
+      config: :class:`LlamaConfig`.
+      dtype: parameter / activation dtype (float32 recommended on CPU).
+      rngs: ``nnx.Rngs`` for random initialisation (use :meth:`from_params` for real weights).
+
+    Attributes:
+      embed: ``nnx.Param [vocab, hidden]``; layers: list of :class:`Block`; final_norm;
+      lm_head: ``nnx.Param [hidden, vocab]`` or None when tied to ``embed``.
+    """
+
+    def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.config = config
+        self.embed = nnx.Param(
+            (jax.random.normal(rngs.params(), (config.vocab_size, config.hidden_size)) * 0.02)
+            .astype(dtype))
+        self.layers = nnx.List([Block(config, dtype=dtype, rngs=rngs)
+                                for _ in range(config.num_layers)])
+        self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = _dense(rngs, config.hidden_size, config.vocab_size, dtype)
+
+    @classmethod
+    def from_params(cls, config: LlamaConfig, params: dict, dtype=jnp.float32) -> "Llama":
+        """Build a model from the nested numpy dict produced by
+        :func:`jax_tq.models.gguf_loader.load_params` (linear weights ``[in, out]``).
+
+        Raises:
+          ValueError: on a shape mismatch.
+        """
+        model = nnx.eval_shape(lambda: cls(config, dtype=dtype, rngs=nnx.Rngs(0)))
+
+        def put(var, value):
+            value = np.asarray(value)
+            if tuple(var.shape) != tuple(value.shape):
+                raise ValueError(f"shape mismatch: expected {var.shape}, got {value.shape}")
+            return jnp.asarray(value, dtype)
+
+        model.embed = nnx.Param(put(model.embed, params["embed"]))
+        model.final_norm.weight = nnx.Param(put(model.final_norm.weight, params["final_norm"]))
+        if model.lm_head is not None:
+            model.lm_head = nnx.Param(put(model.lm_head, params["lm_head"]))
+        for blk, p in zip(model.layers, params["layers"], strict=True):
+            blk.attn_norm.weight = nnx.Param(put(blk.attn_norm.weight, p["attn_norm"]))
+            blk.ffn_norm.weight = nnx.Param(put(blk.ffn_norm.weight, p["ffn_norm"]))
+            for name in ("wq", "wk", "wv", "wo"):
+                setattr(blk.attn, name, nnx.Param(put(getattr(blk.attn, name), p[name])))
+            for name in ("w_gate", "w_up", "w_down"):
+                setattr(blk.mlp, name, nnx.Param(put(getattr(blk.mlp, name), p[name])))
+        return model
+
+    # -- pieces ---------------------------------------------------------------------------------
+    def logits(self, h: jax.Array) -> jax.Array:
+        """Final norm + lm head: ``h [..., hidden]`` -> float32 logits ``[..., vocab]``."""
+        h = self.final_norm(h)
+        w = self.embed[...].T if self.lm_head is None else self.lm_head[...]
+        return (h @ w).astype(jnp.float32)
+
+    # -- un-jitted implementations (call inside jit) --------------------------------------------
+    def apply_causal(self, token_ids: jax.Array, start_pos: int = 0) -> jax.Array:
+        """Uncompressed forward: int32 ``token_ids [T]`` -> float32 logits ``[T, vocab]``."""
+        positions = start_pos + jnp.arange(token_ids.shape[0], dtype=jnp.int32)
+        x = self.embed[...][token_ids]
+        for blk in self.layers:
+            x = blk.causal(x, positions)
+        return self.logits(x)
+
+    def apply_compressed(self, token_ids, positions, caches, slot_mapping, block_tables, seq_lens):
+        """Forward through the compressed caches (one :class:`jax_tq.PagedKVCache` per layer).
+
+        Args:
+          token_ids: int32 ``[T]``; positions: int32 ``[T]`` (RoPE positions);
+          caches: list (len ``num_layers``); slot_mapping: int32 ``[T]`` cache slots to write;
+          block_tables: int32 ``[T, max_pages]``; seq_lens: int32 ``[T]`` (row ``t`` attends to
+          ``seq_lens[t]`` cached tokens of its table, including itself).
+        Returns:
+          ``(logits float32 [T, vocab], new_caches list)``.
+        """
+        if len(caches) != len(self.layers):
+            raise ValueError(f"expected {len(self.layers)} caches, got {len(caches)}")
+        x = self.embed[...][token_ids]
+        new = []
+        for blk, cache in zip(self.layers, caches):
+            x, cache = blk.compressed(x, positions, cache, slot_mapping, block_tables, seq_lens)
+            new.append(cache)
+        return self.logits(x), new
+
+    # -- jitted conveniences ----------------------------------------------------------------------
+    def forward_logits(self, token_ids) -> jax.Array:
+        """Jitted uncompressed causal forward; see :func:`forward_logits`."""
+        return forward_logits(self, token_ids)
+
+    def forward_compressed(self, token_ids, caches, block_table, start_pos: int = 0):
+        """Jitted evaluation path through the compressed cache; see :func:`forward_compressed`."""
+        return forward_compressed(self, token_ids, caches, block_table, start_pos)
+
+
+# ----------------------------------------------------------------------------------------------
+# Caches
+# ----------------------------------------------------------------------------------------------
+
+
+def init_caches(config: LlamaConfig, k_bits: int, v_bits: int, num_pages: int,
+                page_size: int = 16, seed: int = 0):
+    """One empty :class:`jax_tq.PagedKVCache` per layer with TurboQuant K/V codecs.
+
+    The K codec uses ``seed`` and the V codec ``seed + 1``; all layers share the codecs.
+
+    Args:
+      config: model config (``num_layers``, ``num_kv_heads``, ``head_dim``).
+      k_bits, v_bits: TurboQuant bits per coordinate (2, 3 or 4).
+      num_pages: physical pages per layer pool; page_size: tokens per page.
+    Returns:
+      list of ``num_layers`` caches.
+    """
+    import jax_tq as tq
+
+    k_codec = tq.TurboQuant(head_dim=config.head_dim, bits=k_bits, seed=seed)
+    v_codec = tq.TurboQuant(head_dim=config.head_dim, bits=v_bits, seed=seed + 1)
+    return [tq.PagedKVCache.create(num_pages=num_pages, page_size=page_size,
+                                   num_kv_heads=config.num_kv_heads,
+                                   k_codec=k_codec, v_codec=v_codec)
+            for _ in range(config.num_layers)]
+
+
+def _page_size(cache) -> int:
+    return int(cache.page_size)
+
+
+_POOL_FIELDS = ("k_codes", "k_norms", "v_codes", "v_norms")
+
+
+def _split_caches(caches):
+    """Separate the page pools (donated) from the rest of each cache (codecs; not donated, since
+    layers may share one codec and a buffer must not be donated twice)."""
+    pools = [tuple(getattr(c, f) for f in _POOL_FIELDS) for c in caches]
+    rest = [dataclasses.replace(c, **{f: None for f in _POOL_FIELDS}) for c in caches]
+    return pools, rest
+
+
+def _join_caches(pools, rest):
+    return [dataclasses.replace(r, **dict(zip(_POOL_FIELDS, p))) for p, r in zip(pools, rest)]
+
+
+def slot_mapping_for(block_tables: jax.Array, positions: jax.Array, page_size: int) -> jax.Array:
+    """Cache slots of ``positions`` for sequences with ``block_tables``.
+
+    Args:
+      block_tables: int32 ``[S, max_pages]`` (or ``[max_pages]`` broadcast to every position).
+      positions: int32 ``[S]`` token positions within each sequence.
+    Returns:
+      int32 ``[S]``: ``block_tables[s, pos // page_size] * page_size + pos % page_size``.
+    """
+    positions = positions.astype(jnp.int32)
+    page = positions // page_size
+    if block_tables.ndim == 1:
+        phys = block_tables[page]
+    else:
+        phys = jnp.take_along_axis(block_tables, page[:, None], axis=1)[:, 0]
+    return (phys * page_size + positions % page_size).astype(jnp.int32)
+
+
+# ----------------------------------------------------------------------------------------------
+# Jitted pure functions (split / merge)
+# ----------------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3))
+def _causal_pure(graphdef, state, token_ids, start_pos):
+    model = nnx.merge(graphdef, state)
+    return model.apply_causal(token_ids, start_pos)
+
+
+def forward_logits(model: Llama, token_ids, start_pos: int = 0) -> jax.Array:
+    """Uncompressed full causal forward (jit-compiled per length).
+
+    Args:
+      model: :class:`Llama`.
+      token_ids: int ``[T]`` token ids (no batch axis).
+      start_pos: RoPE position of the first token.
+    Returns:
+      float32 logits ``[T, vocab]``; row ``t`` predicts token ``t + 1``.
+    """
+    graphdef, state = nnx.split(model)
+    return _causal_pure(graphdef, state, jnp.asarray(token_ids, jnp.int32), int(start_pos))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 6), donate_argnums=(3,))
+def _compressed_pure(graphdef, state, token_ids, pools, rest, block_table, start_pos):
+    model = nnx.merge(graphdef, state)
+    caches = _join_caches(pools, rest)
+    T = token_ids.shape[0]
+    positions = start_pos + jnp.arange(T, dtype=jnp.int32)
+    page_size = _page_size(caches[0])
+    slots = slot_mapping_for(block_table, positions, page_size)
+    tables = jnp.broadcast_to(block_table[None, :], (T, block_table.shape[0]))
+    logits, caches = model.apply_compressed(token_ids, positions, caches, slots, tables,
+                                            positions + 1)
+    return logits, _split_caches(caches)[0]
+
+
+def forward_compressed(model: Llama, token_ids, caches: Sequence, block_table, start_pos: int = 0):
+    """Evaluation / prefill path through the compressed paged caches (jit-compiled, caches donated).
+
+    Token ``t`` (position ``start_pos + t``) is written to its slot given by ``block_table``; then
+    every position attends, via :func:`jax_tq.paged_decode`, to the compressed K/V of itself and all
+    earlier positions of the sequence (including any tokens cached before ``start_pos``) -
+    exactly what decoding would see.
+
+    Args:
+      model: :class:`Llama`.
+      token_ids: int ``[T]``.
+      caches: list of per-layer :class:`jax_tq.PagedKVCache` (donated: do not reuse the inputs).
+      block_table: int32 ``[max_pages]`` physical pages of this sequence; must cover
+        ``start_pos + T`` tokens.
+      start_pos: position of ``token_ids[0]`` (tokens before it must already be cached).
+    Returns:
+      ``(logits float32 [T, vocab], new_caches)``.
+    """
+    graphdef, state = nnx.split(model)
+    pools, rest = _split_caches(caches)
+    logits, pools = _compressed_pure(graphdef, state, jnp.asarray(token_ids, jnp.int32), pools, rest,
+                                     jnp.asarray(block_table, jnp.int32), int(start_pos))
+    return logits, _join_caches(pools, rest)
+
+
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
+def _decode_pure(graphdef, state, pools, rest, token, position, block_tables, seq_lens):
+    model = nnx.merge(graphdef, state)
+    caches = _join_caches(pools, rest)
+    page_size = _page_size(caches[0])
+    slots = slot_mapping_for(block_tables, position, page_size)
+    # A sequence with seq_len 0 (inactive) writes nothing.
+    slots = jnp.where(seq_lens > 0, slots, -1)
+    logits, caches = model.apply_compressed(token, position, caches, slots, block_tables, seq_lens)
+    return logits, _split_caches(caches)[0]
+
+
+def decode_step(model: Llama, caches: Sequence, token, position, block_tables, seq_lens):
+    """One decoding step for a batch of sequences (jit-compiled; caches donated).
+
+    Args:
+      model: :class:`Llama`.
+      caches: list of per-layer :class:`jax_tq.PagedKVCache` (donated).
+      token: int32 ``[S]`` the new token of each sequence.
+      position: int32 ``[S]`` its position (number of tokens already cached for the sequence).
+      block_tables: int32 ``[S, max_pages]``.
+      seq_lens: int32 ``[S]`` sequence length INCLUDING the new token (normally ``position + 1``);
+        0 marks an inactive row (nothing written, zero attention output).
+    Returns:
+      ``(logits float32 [S, vocab], new_caches)``.
+    """
+    return make_decode_step(model)(caches, token, position, block_tables, seq_lens)
+
+
+def make_decode_step(model: Llama):
+    """Return ``step(caches, token, position, block_tables, seq_lens) -> (logits, caches)``.
+
+    Same as :func:`decode_step` but splits the model once (lower Python overhead per token).
+    Later in-place changes to ``model`` are not seen by the returned function.
+    """
+    graphdef, state = nnx.split(model)
+
+    def step(caches, token, position, block_tables, seq_lens):
+        pools, rest = _split_caches(caches)
+        logits, pools = _decode_pure(graphdef, state, pools, rest, jnp.asarray(token, jnp.int32),
+                                     jnp.asarray(position, jnp.int32),
+                                     jnp.asarray(block_tables, jnp.int32),
+                                     jnp.asarray(seq_lens, jnp.int32))
+        return logits, _join_caches(pools, rest)
+
+    return step

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One device call on the GPU machine: build jax_tq with CUDA, run the GPU tests, the benchmarks,
+# and optionally the main job; print short tables. Usage: bash scripts/gpu_run.sh [build tests bench model]
+# (default: build tests bench). Logs go to $OUT (the device tool brings them back).
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/jax_tq_out}; mkdir -p "$OUT"
+stages=${*:-build tests bench}
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
+has() { [[ " $stages " == *" $1 "* ]]; }
+t0=$(date +%s)
+if has build; then
+  nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv,noheader
+  if ! JAX_TQ_CUDA=ON JAX_TQ_CUDA_ARCHS=${JAX_TQ_CUDA_ARCHS:-90} python3 -m pip install --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1; then
+    tail -n 80 "$OUT/build.log"; echo "BUILD FAILED"; exit 1
+  fi
+  python3 -c "import jax, jax_tq, jax_tq._cuda_ops as m; from jax_tq import _ffi; print('jax', jax.__version__, jax.devices(), 'cuda kernels:', _ffi.kernels_available('cuda'), _ffi.unavailable_reason('cuda'))"
+  echo "build: $(( $(date +%s) - t0 )) s"
+fi
+if has tests; then
+  python3 -m pytest -q -x -m gpu tests/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 25
+  # The op tests run on the default device: on this machine they test the CUDA kernels against float64.
+  python3 -m pytest -q tests/test_ops.py tests/test_transforms.py tests/test_checks.py 2>&1 | tee "$OUT/op_tests.log" | tail -n 15
+  echo "tests: $(( $(date +%s) - t0 )) s"
+fi
+if has bench; then
+  python3 benchmarks/bench_compress.py 2>&1 | tee "$OUT/bench_compress.txt" | tail -n 20
+  python3 benchmarks/bench_decode.py 2>&1 | tee "$OUT/bench_decode.txt" | tail -n 30
+  echo "bench: $(( $(date +%s) - t0 )) s"
+fi
+if has model; then
+  python3 examples/smollm2_wikitext.py ${MODEL_ARGS:-} 2>&1 | tee "$OUT/model.txt" | tail -n 40
+fi

