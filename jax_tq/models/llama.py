@@ -15,14 +15,17 @@ Three execution paths, all jit-compiled through ``nnx.split`` / ``nnx.merge`` in
   table repeated, ``seq_lens = position + 1``), i.e. exactly decoding attention, batched.
 * :func:`decode_step` - one new token per sequence: write its K/V into the cache, attend with
   :func:`jax_tq.paged_decode`; the caches are donated.
+* :func:`make_dense_decode_step` - the uncompressed baseline for decoding: one new token per
+  sequence into a dense per-layer K/V cache (bfloat16 by default; see :func:`init_dense_caches`),
+  masked softmax attention over the valid prefix; the caches are donated.
 
-A "cache" here is a Python list with one :class:`jax_tq.PagedKVCache` per layer (see
-:func:`init_caches`).
+A compressed "cache" is a Python list with one :class:`jax_tq.PagedKVCache` per layer (see
+:func:`init_caches`); all layers share the same two codecs, which have no array leaves, so the
+whole list is donated as is. A dense cache is a list of ``(k, v)`` array pairs per layer.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Sequence
 
@@ -48,6 +51,9 @@ __all__ = [
     "forward_compressed",
     "decode_step",
     "make_decode_step",
+    "init_dense_caches",
+    "dense_decode_attention",
+    "make_dense_decode_step",
 ]
 
 
@@ -168,6 +174,27 @@ class Attention(nnx.Module):
         o = tq.paged_decode(q, cache, block_tables, seq_lens)
         return self.out(o), cache
 
+    def dense(self, x, positions, k_cache, v_cache):
+        """Decode attention through a dense (uncompressed) cache, one new token per sequence.
+
+        Args:
+          x: ``[B, hidden]``; positions: int32 ``[B]`` (must be ``< max_len``);
+          k_cache, v_cache: ``[B, max_len, Hkv, d]``.
+        Returns:
+          ``(y [B, hidden], k_cache, v_cache)``: this token's K/V written at ``positions``
+          (``dynamic_update_slice``, in the cache dtype); row ``b`` attends to cache rows
+          ``0 .. positions[b]``.
+        """
+        q, k, v = self.qkv(x, positions)
+
+        def put(cache, new, pos):  # cache [max_len, Hkv, d], new [Hkv, d]
+            return jax.lax.dynamic_update_slice_in_dim(cache, new[None].astype(cache.dtype), pos, 0)
+
+        k_cache = jax.vmap(put)(k_cache, k, positions)
+        v_cache = jax.vmap(put)(v_cache, v, positions)
+        o = dense_decode_attention(q, k_cache, v_cache, positions + 1)
+        return self.out(o), k_cache, v_cache
+
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, scale: float | None = None):
     """Plain causal GQA softmax attention.
@@ -189,6 +216,28 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, scale: float | No
     p = jax.nn.softmax(s, axis=-1)
     o = jnp.einsum("kgts,skd->tkgd", p, v.astype(jnp.float32))
     return o.reshape(T, H, d).astype(q.dtype)
+
+
+def dense_decode_attention(q, k_cache, v_cache, seq_lens, scale: float | None = None):
+    """Masked GQA softmax attention of one query per sequence over a dense cache.
+
+    Args:
+      q: ``[B, H, d]``; k_cache, v_cache: ``[B, max_len, Hkv, d]`` (any float dtype);
+      seq_lens: int32 ``[B]`` >= 1, number of valid cache rows of each sequence.
+      scale: softmax scale, default ``1/sqrt(d)``.
+    Returns:
+      ``[B, H, d]`` in ``q.dtype``; logits, softmax and accumulation in float32.
+    """
+    B, H, d = q.shape
+    S, Hkv = k_cache.shape[1], k_cache.shape[2]
+    scale = (1.0 / np.sqrt(d)) if scale is None else scale
+    qg = q.reshape(B, Hkv, H // Hkv, d)
+    s = jnp.einsum("bkgd,bskd->bkgs", qg, k_cache, preferred_element_type=jnp.float32) * scale
+    valid = jnp.arange(S, dtype=jnp.int32)[None, :] < seq_lens[:, None]  # [B, S]
+    s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)
+    o = jnp.einsum("bkgs,bskd->bkgd", p, v_cache, preferred_element_type=jnp.float32)
+    return o.reshape(B, H, d).astype(q.dtype)
 
 
 class MLP(nnx.Module):
@@ -224,6 +273,12 @@ class Block(nnx.Module):
                                         block_tables, seq_lens)
         x = x + h
         return x + self.mlp(self.ffn_norm(x)), cache
+
+    def dense(self, x, positions, k_cache, v_cache):
+        """Block with decode attention through a dense cache; returns ``(x, k_cache, v_cache)``."""
+        h, k_cache, v_cache = self.attn.dense(self.attn_norm(x), positions, k_cache, v_cache)
+        x = x + h
+        return x + self.mlp(self.ffn_norm(x)), k_cache, v_cache
 
 
 class Llama(nnx.Module):
@@ -317,6 +372,23 @@ class Llama(nnx.Module):
             new.append(cache)
         return self.logits(x), new
 
+    def apply_dense(self, token, position, caches):
+        """One decode step through dense caches (one ``(k, v)`` pair per layer).
+
+        Args:
+          token, position: int32 ``[B]``; caches: list of ``(k [B, max_len, Hkv, d], v)``.
+        Returns:
+          ``(logits float32 [B, vocab], new_caches list)``.
+        """
+        if len(caches) != len(self.layers):
+            raise ValueError(f"expected {len(self.layers)} caches, got {len(caches)}")
+        x = self.embed[...][token]
+        new = []
+        for blk, (k_cache, v_cache) in zip(self.layers, caches):
+            x, k_cache, v_cache = blk.dense(x, position, k_cache, v_cache)
+            new.append((k_cache, v_cache))
+        return self.logits(x), new
+
     # -- jitted conveniences ----------------------------------------------------------------------
     def forward_logits(self, token_ids) -> jax.Array:
         """Jitted uncompressed causal forward; see :func:`forward_logits`."""
@@ -355,23 +427,15 @@ def init_caches(config: LlamaConfig, k_bits: int, v_bits: int, num_pages: int,
             for _ in range(config.num_layers)]
 
 
+def init_dense_caches(config: LlamaConfig, batch: int, max_len: int, dtype=jnp.bfloat16):
+    """Uncompressed decode caches: per layer a pair of zero arrays
+    ``(k, v) [batch, max_len, num_kv_heads, head_dim]`` in ``dtype`` (bfloat16 by default)."""
+    shape = (batch, max_len, config.num_kv_heads, config.head_dim)
+    return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(config.num_layers)]
+
+
 def _page_size(cache) -> int:
     return int(cache.page_size)
-
-
-_POOL_FIELDS = ("k_codes", "k_norms", "v_codes", "v_norms")
-
-
-def _split_caches(caches):
-    """Separate the page pools (donated) from the rest of each cache (codecs; not donated, since
-    layers may share one codec and a buffer must not be donated twice)."""
-    pools = [tuple(getattr(c, f) for f in _POOL_FIELDS) for c in caches]
-    rest = [dataclasses.replace(c, **{f: None for f in _POOL_FIELDS}) for c in caches]
-    return pools, rest
-
-
-def _join_caches(pools, rest):
-    return [dataclasses.replace(r, **dict(zip(_POOL_FIELDS, p))) for p, r in zip(pools, rest)]
 
 
 def slot_mapping_for(block_tables: jax.Array, positions: jax.Array, page_size: int) -> jax.Array:
@@ -417,18 +481,15 @@ def forward_logits(model: Llama, token_ids, start_pos: int = 0) -> jax.Array:
     return _causal_pure(graphdef, state, jnp.asarray(token_ids, jnp.int32), int(start_pos))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 6), donate_argnums=(3,))
-def _compressed_pure(graphdef, state, token_ids, pools, rest, block_table, start_pos):
+@functools.partial(jax.jit, static_argnums=(0, 5), donate_argnums=(3,))
+def _compressed_pure(graphdef, state, token_ids, caches, block_table, start_pos):
     model = nnx.merge(graphdef, state)
-    caches = _join_caches(pools, rest)
     T = token_ids.shape[0]
     positions = start_pos + jnp.arange(T, dtype=jnp.int32)
     page_size = _page_size(caches[0])
     slots = slot_mapping_for(block_table, positions, page_size)
     tables = jnp.broadcast_to(block_table[None, :], (T, block_table.shape[0]))
-    logits, caches = model.apply_compressed(token_ids, positions, caches, slots, tables,
-                                            positions + 1)
-    return logits, _split_caches(caches)[0]
+    return model.apply_compressed(token_ids, positions, caches, slots, tables, positions + 1)
 
 
 def forward_compressed(model: Llama, token_ids, caches: Sequence, block_table, start_pos: int = 0):
@@ -450,22 +511,18 @@ def forward_compressed(model: Llama, token_ids, caches: Sequence, block_table, s
       ``(logits float32 [T, vocab], new_caches)``.
     """
     graphdef, state = nnx.split(model)
-    pools, rest = _split_caches(caches)
-    logits, pools = _compressed_pure(graphdef, state, jnp.asarray(token_ids, jnp.int32), pools, rest,
-                                     jnp.asarray(block_table, jnp.int32), int(start_pos))
-    return logits, _join_caches(pools, rest)
+    return _compressed_pure(graphdef, state, jnp.asarray(token_ids, jnp.int32), list(caches),
+                            jnp.asarray(block_table, jnp.int32), int(start_pos))
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
-def _decode_pure(graphdef, state, pools, rest, token, position, block_tables, seq_lens):
+def _decode_pure(graphdef, state, caches, token, position, block_tables, seq_lens):
     model = nnx.merge(graphdef, state)
-    caches = _join_caches(pools, rest)
     page_size = _page_size(caches[0])
     slots = slot_mapping_for(block_tables, position, page_size)
     # A sequence with seq_len 0 (inactive) writes nothing.
     slots = jnp.where(seq_lens > 0, slots, -1)
-    logits, caches = model.apply_compressed(token, position, caches, slots, block_tables, seq_lens)
-    return logits, _split_caches(caches)[0]
+    return model.apply_compressed(token, position, caches, slots, block_tables, seq_lens)
 
 
 def decode_step(model: Llama, caches: Sequence, token, position, block_tables, seq_lens):
@@ -494,11 +551,30 @@ def make_decode_step(model: Llama):
     graphdef, state = nnx.split(model)
 
     def step(caches, token, position, block_tables, seq_lens):
-        pools, rest = _split_caches(caches)
-        logits, pools = _decode_pure(graphdef, state, pools, rest, jnp.asarray(token, jnp.int32),
-                                     jnp.asarray(position, jnp.int32),
-                                     jnp.asarray(block_tables, jnp.int32),
-                                     jnp.asarray(seq_lens, jnp.int32))
-        return logits, _join_caches(pools, rest)
+        return _decode_pure(graphdef, state, list(caches), jnp.asarray(token, jnp.int32),
+                            jnp.asarray(position, jnp.int32), jnp.asarray(block_tables, jnp.int32),
+                            jnp.asarray(seq_lens, jnp.int32))
+
+    return step
+
+
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
+def _dense_decode_pure(graphdef, state, caches, token, position):
+    model = nnx.merge(graphdef, state)
+    return model.apply_dense(token, position, caches)
+
+
+def make_dense_decode_step(model: Llama):
+    """Return ``step(caches, token, position) -> (logits, caches)`` for dense caches.
+
+    ``caches`` from :func:`init_dense_caches` (donated); ``token``, ``position`` int32 ``[B]``
+    (``position`` = tokens already cached for the sequence, ``< max_len``); logits float32
+    ``[B, vocab]``. The uncompressed baseline of :func:`make_decode_step`.
+    """
+    graphdef, state = nnx.split(model)
+
+    def step(caches, token, position):
+        return _dense_decode_pure(graphdef, state, list(caches), jnp.asarray(token, jnp.int32),
+                                  jnp.asarray(position, jnp.int32))
 
     return step
