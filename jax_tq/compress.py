@@ -168,7 +168,7 @@ def _check_write_args(x, codes, norms, codec, slot_mapping) -> None:
     if codes.dtype != jnp.uint8 or norms.dtype != jnp.float32 or norms.shape != codes.shape[:3]:
         raise ValueError(f"jax_tq.{op}: cache norms {norms.dtype}{tuple(norms.shape)} do not match codes {tuple(codes.shape)}")
     if slot_mapping.dtype != jnp.int32 or slot_mapping.shape != (num_tokens,):
-        raise TypeError(
+        raise (TypeError if slot_mapping.dtype != jnp.int32 else ValueError)(
             f"jax_tq.{op}: slot_mapping must be int32 [{num_tokens}], got {slot_mapping.dtype}{tuple(slot_mapping.shape)}"
         )
 

@@ -85,18 +85,30 @@ def _check_decode_args(q, cache, block_tables, seq_lens, num_splits) -> None:
     for name, codec in (("k_codec", cache.k_codec), ("v_codec", cache.v_codec)):
         if codec.head_dim != head_dim:
             raise ValueError(f"{op}: q has head_dim {head_dim} but the cache's {name} has head_dim {codec.head_dim}")
+    for name, codec in (("k", cache.k_codec), ("v", cache.v_codec)):
+        codes, norms = getattr(cache, f"{name}_codes"), getattr(cache, f"{name}_norms")
+        expected = (cache.num_pages, cache.num_kv_heads, cache.page_size, codec.packed_bytes)
+        if codes.dtype != jnp.uint8 or tuple(codes.shape) != expected:
+            raise ValueError(
+                f"{op}: cache {name}_codes is {codes.dtype}{tuple(codes.shape)}, expected uint8{expected} for the "
+                f"cache's {name}_codec (head_dim {codec.head_dim}, bits {codec.bits})"
+            )
+        if norms.dtype != jnp.float32 or tuple(norms.shape) != expected[:3]:
+            raise ValueError(f"{op}: cache {name}_norms is {norms.dtype}{tuple(norms.shape)}, expected float32{expected[:3]}")
     if num_heads % cache.num_kv_heads != 0:
         raise ValueError(
             f"{op}: num_heads {num_heads} is not a multiple of the cache's num_kv_heads {cache.num_kv_heads} (GQA)"
         )
     block_tables, seq_lens = jnp.asarray(block_tables), jnp.asarray(seq_lens)
     if block_tables.dtype != jnp.int32 or block_tables.ndim != 2 or block_tables.shape[0] != num_seqs:
-        raise TypeError(
+        error = TypeError if block_tables.dtype != jnp.int32 else ValueError
+        raise error(
             f"{op}: block_tables must be int32 [num_seqs={num_seqs}, max_pages], got "
             f"{block_tables.dtype}{tuple(block_tables.shape)}"
         )
     if seq_lens.dtype != jnp.int32 or seq_lens.shape != (num_seqs,):
-        raise TypeError(f"{op}: seq_lens must be int32 [num_seqs={num_seqs}], got {seq_lens.dtype}{tuple(seq_lens.shape)}")
+        error = TypeError if seq_lens.dtype != jnp.int32 else ValueError
+        raise error(f"{op}: seq_lens must be int32 [num_seqs={num_seqs}], got {seq_lens.dtype}{tuple(seq_lens.shape)}")
     if num_splits is not None and int(num_splits) < 1:
         raise ValueError(f"{op}: num_splits must be >= 1 (or None for automatic), got {num_splits}")
 

@@ -287,7 +287,7 @@ def _valid_token_mask(block_tables, seq_lens, num_pages, page_size):
 
 def _masked_softmax_weights(logits, valid):
     """Stable softmax over the last axis restricted to ``valid``; all-invalid rows give 0."""
-    row_max = jnp.max(jnp.where(valid, logits, -jnp.inf), axis=-1, keepdims=True)
+    row_max = jnp.max(jnp.where(valid, logits, -jnp.inf), axis=-1, keepdims=True, initial=-jnp.inf)
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
     shifted = jnp.where(valid, logits - row_max, 0.0)
     weights = jnp.where(valid, jnp.exp(shifted), 0.0)
@@ -346,7 +346,9 @@ def _paged_decode_rotated_impl(q_rot, k_codes, k_norms, v_codes, v_norms, k_cent
     logits = jnp.einsum("skgd,sktd->skgt", queries, keys.astype(compute_dtype),
                         precision=_HIGHEST) * jnp.asarray(scale, compute_dtype)
     weights = _masked_softmax_weights(logits, valid)
-    out = jnp.einsum("skgt,sktd->skgd", weights, values.astype(compute_dtype), precision=_HIGHEST)
+    # Slots outside the sequences may hold anything (NaN norms included): 0 * NaN must not leak in.
+    values = jnp.where(valid[:, :, 0, :, None], values.astype(compute_dtype), 0)
+    out = jnp.einsum("skgt,sktd->skgd", weights, values, precision=_HIGHEST)
     return out.reshape(num_seqs, num_heads, head_dim)
 
 
