@@ -1,0 +1,233 @@
+"""Decode-attention benchmark on one GPU: jax_tq paged decode (K4V4 TurboQuant cache) against bf16
+attention through XLA (jax.nn.dot_product_attention implementation="xla"), cuDNN
+(implementation="cudnn") and the Pallas GPU paged-attention kernel, plus a device copy for the
+bandwidth ceiling.
+
+Shapes: 32 query heads, 8 KV heads, head_dim 128, page_size 16, bf16 queries, one query token per
+sequence, (num_seqs, seq_len) in (1, 32768), (8, 8192), (32, 8192), (64, 4096), (128, 2048).
+
+Timing: each measured function is jitted as R back-to-back calls over distinct input copies (the
+copies together exceed the 60 MB L2 several times, so no call finds its K/V in L2), timed with
+block_until_ready and a host clock; the time per call is the median over many such runs divided by
+R. Bytes counted: K/V bytes the op must read (codes + fp32 norms for jax_tq, bf16 K/V for the
+others) + q + output.
+
+Usage: python benchmarks/bench_decode.py [--quick] [--splits auto,1,2,4,8] [--shapes 32x8192,...]
+Prints a markdown table at the end.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_tq as tq
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE = 32, 8, 128, 16
+SHAPES = ((1, 32768), (8, 8192), (32, 8192), (64, 4096), (128, 2048))
+L2_BYTES = 60 * 2**20
+ROTATE_BYTES = 4 * L2_BYTES  # the distinct copies of one benchmark's inputs add up to at least this
+
+
+def time_calls(fn, arg_sets, inner=None, outer=15, warmup=2):
+    """Median seconds per call of fn(*args), cycling over arg_sets inside one jitted program."""
+    inner = inner or max(4, len(arg_sets))
+
+    @jax.jit
+    def many(sets):
+        return [fn(*sets[i % len(sets)]) for i in range(inner)]
+
+    for _ in range(warmup):
+        jax.block_until_ready(many(arg_sets))
+    times = []
+    for _ in range(outer):
+        t0 = time.perf_counter()
+        jax.block_until_ready(many(arg_sets))
+        times.append((time.perf_counter() - t0) / inner)
+    return statistics.median(times), min(times)
+
+
+def copy_bandwidth():
+    """Device-to-device copy (read + write) bandwidth in bytes/s over a 2 GiB f32 buffer."""
+    n = 512 * 2**20
+    x = jnp.arange(n, dtype=jnp.float32)
+    f = lambda a: a * 1.0001 + 1.0  # one fused elementwise pass: read 4n bytes, write 4n bytes
+    med, _ = time_calls(f, [(x,)], inner=4, outer=10)
+    return 2 * 4 * n / med
+
+
+def n_copies(bytes_one):
+    return min(32, max(1, math.ceil(ROTATE_BYTES / max(bytes_one, 1))))
+
+
+def make_tq_inputs(num_seqs, seq_len, key, copies):
+    k_codec = tq.TurboQuant(head_dim=HEAD_DIM, bits=4, seed=0)
+    v_codec = tq.TurboQuant(head_dim=HEAD_DIM, bits=4, seed=1)
+    pages_per_seq = -(-seq_len // PAGE_SIZE)
+    num_pages = num_seqs * pages_per_seq
+    sets = []
+    for c in range(copies):
+        kc = jax.random.fold_in(key, c)
+        k1, k2, k3, k4, k5, k6 = jax.random.split(kc, 6)
+        cache = tq.PagedKVCache.create(num_pages=num_pages, page_size=PAGE_SIZE, num_kv_heads=NUM_KV_HEADS,
+                                       k_codec=k_codec, v_codec=v_codec)
+        cache = dataclasses.replace(
+            cache,
+            k_codes=jax.random.randint(k1, cache.k_codes.shape, 0, 256, jnp.int32).astype(jnp.uint8),
+            v_codes=jax.random.randint(k2, cache.v_codes.shape, 0, 256, jnp.int32).astype(jnp.uint8),
+            k_norms=jax.random.uniform(k3, cache.k_norms.shape, jnp.float32, 0.5, 2.0) * math.sqrt(HEAD_DIM),
+            v_norms=jax.random.uniform(k4, cache.v_norms.shape, jnp.float32, 0.5, 2.0),
+        )
+        perm = jax.random.permutation(k5, num_pages).astype(jnp.int32)
+        tables = perm.reshape(num_seqs, pages_per_seq)
+        lens = jnp.full((num_seqs,), seq_len, jnp.int32)
+        q = jax.random.normal(k6, (num_seqs, NUM_HEADS, HEAD_DIM), jnp.bfloat16)
+        sets.append((q, cache, tables, lens))
+    return sets
+
+
+def tq_bytes(num_seqs, seq_len, num_splits):
+    kv = num_seqs * seq_len * NUM_KV_HEADS * (HEAD_DIM // 2 * 2 + 8)
+    q_out = num_seqs * NUM_HEADS * HEAD_DIM * (4 + 4)  # q_rot f32 in, out_rot f32 out
+    return kv + q_out
+
+
+def bf16_bytes(num_seqs, seq_len):
+    kv = 2 * num_seqs * seq_len * NUM_KV_HEADS * HEAD_DIM * 2
+    return kv + 2 * num_seqs * NUM_HEADS * HEAD_DIM * 2
+
+
+def make_dense_inputs(num_seqs, seq_len, key, copies):
+    sets = []
+    for c in range(copies):
+        k1, k2, k3 = jax.random.split(jax.random.fold_in(key, 1000 + c), 3)
+        q = jax.random.normal(k1, (num_seqs, 1, NUM_HEADS, HEAD_DIM), jnp.bfloat16)
+        k = jax.random.normal(k2, (num_seqs, seq_len, NUM_KV_HEADS, HEAD_DIM), jnp.bfloat16)
+        v = jax.random.normal(k3, (num_seqs, seq_len, NUM_KV_HEADS, HEAD_DIM), jnp.bfloat16)
+        lens = jnp.full((num_seqs,), seq_len, jnp.int32)
+        sets.append((q, k, v, lens))
+    return sets
+
+
+def make_pallas_inputs(num_seqs, seq_len, key, copies):
+    pages_per_seq = -(-seq_len // PAGE_SIZE)
+    num_pages = num_seqs * pages_per_seq
+    sets = []
+    for c in range(copies):
+        k1, k2, k3, k4 = jax.random.split(jax.random.fold_in(key, 2000 + c), 4)
+        q = jax.random.normal(k1, (num_seqs, NUM_HEADS, HEAD_DIM), jnp.bfloat16)
+        kp = jax.random.normal(k2, (NUM_KV_HEADS, num_pages, PAGE_SIZE, HEAD_DIM), jnp.bfloat16)
+        vp = jax.random.normal(k3, (NUM_KV_HEADS, num_pages, PAGE_SIZE, HEAD_DIM), jnp.bfloat16)
+        tables = jax.random.permutation(k4, num_pages).astype(jnp.int32).reshape(num_seqs, pages_per_seq)
+        lens = jnp.full((num_seqs,), seq_len, jnp.int32)
+        sets.append((q, kp, vp, tables, lens))
+    return sets
+
+
+def bench_shape(num_seqs, seq_len, splits_list, copy_bw, quick):
+    key = jax.random.PRNGKey(num_seqs * 100003 + seq_len)
+    outer = 5 if quick else 15
+    rows = []
+    # ---- jax_tq --------------------------------------------------------------------------------
+    one = tq_bytes(num_seqs, seq_len, 1)
+    sets = make_tq_inputs(num_seqs, seq_len, key, n_copies(one))
+    for splits in splits_list:
+        ns = None if splits == "auto" else int(splits)
+        fn = lambda q, c, t, l, ns=ns: tq.paged_decode(q, c, t, l, num_splits=ns)
+        med, best = time_calls(fn, sets, outer=outer)
+        rows.append((f"jax_tq K4V4 (splits={splits})", med, best, one))
+    # kernel only (no q / output rotation): the primitive on q_rot
+    try:
+        import importlib
+        pd_mod = importlib.import_module("jax_tq.paged_decode")  # the module, not the function
+
+        def kernel_only(q, c, t, l):
+            q_rot = q.astype(jnp.float32)  # stands in for Pi q (same shape / dtype)
+            (o,) = pd_mod.paged_decode_p.bind(
+                q_rot, c.k_codes, c.k_norms, c.v_codes, c.v_norms, c.k_codec.centroids, c.v_codec.centroids,
+                t, l, k_bits=4, v_bits=4, scale=1.0 / math.sqrt(HEAD_DIM), num_splits=0, backend="ffi")
+            return o
+        med, best = time_calls(kernel_only, sets, outer=outer)
+        rows.append(("jax_tq K4V4 kernel only (auto splits)", med, best, one))
+    except Exception as err:  # noqa: BLE001
+        print(f"  kernel-only timing failed: {type(err).__name__}: {err}")
+    del sets
+    # ---- dense bf16 baselines -------------------------------------------------------------------
+    dense = bf16_bytes(num_seqs, seq_len)
+    dsets = make_dense_inputs(num_seqs, seq_len, key, n_copies(dense))
+    for impl in ("cudnn", "xla"):
+        def attn(q, k, v, l, impl=impl):
+            return jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=l, implementation=impl)
+        try:
+            med, best = time_calls(attn, dsets, outer=outer)
+            rows.append((f"bf16 dot_product_attention {impl}", med, best, dense))
+        except Exception as err:  # noqa: BLE001
+            print(f"  {impl} failed: {type(err).__name__}: {str(err)[:200]}")
+            rows.append((f"bf16 dot_product_attention {impl}", float("nan"), float("nan"), dense))
+    del dsets
+    try:
+        from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+        psets = make_pallas_inputs(num_seqs, seq_len, key, n_copies(dense))
+        fn = lambda q, kp, vp, t, l: paged_attention(q, kp, vp, t, l)
+        med, best = time_calls(fn, psets, outer=outer)
+        rows.append(("bf16 Pallas paged_attention", med, best, dense))
+        del psets
+    except Exception as err:  # noqa: BLE001
+        print(f"  pallas paged_attention failed: {type(err).__name__}: {str(err)[:200]}")
+        rows.append(("bf16 Pallas paged_attention", float("nan"), float("nan"), dense))
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="fewer repetitions")
+    ap.add_argument("--splits", default="auto", help="comma list of split counts to time for jax_tq (auto = library choice)")
+    ap.add_argument("--shapes", default=None, help="comma list like 32x8192,1x32768")
+    args = ap.parse_args()
+    shapes = SHAPES if args.shapes is None else tuple(tuple(int(v) for v in s.split("x")) for s in args.shapes.split(","))
+    splits_list = args.splits.split(",")
+    dev = jax.devices()[0]
+    print(f"device: {dev.device_kind} ({dev.platform}), jax {jax.__version__}")
+    try:
+        from jax_tq import _ffi
+        mod = _ffi.cuda_module()
+        if mod is not None and hasattr(mod, "device_info"):
+            print("device_info:", mod.device_info())
+    except Exception as err:  # noqa: BLE001
+        print("device_info unavailable:", err)
+    bw = copy_bandwidth()
+    print(f"device copy bandwidth (read + write): {bw / 1e12:.2f} TB/s")
+    table = []
+    for num_seqs, seq_len in shapes:
+        print(f"== num_seqs={num_seqs} seq_len={seq_len}")
+        rows = bench_shape(num_seqs, seq_len, splits_list, bw, args.quick)
+        t_cudnn = next((r[1] for r in rows if r[0].endswith("cudnn")), float("nan"))
+        t_xla = next((r[1] for r in rows if r[0].endswith(" xla")), float("nan"))
+        for name, med, best, nbytes in rows:
+            gbs = nbytes / med / 1e9 if med == med else float("nan")
+            line = dict(shape=f"{num_seqs}x{seq_len}", impl=name, us=med * 1e6, best_us=best * 1e6,
+                        mb=nbytes / 1e6, gbs=gbs, pct=100 * nbytes / med / bw if med == med else float("nan"),
+                        vs_cudnn=t_cudnn / med if med == med else float("nan"),
+                        vs_xla=t_xla / med if med == med else float("nan"))
+            table.append(line)
+            print(f"  {name:42s} {line['us']:9.1f} us (best {line['best_us']:.1f})  {line['mb']:8.1f} MB  "
+                  f"{gbs:7.0f} GB/s  {line['pct']:5.1f}% copy bw  x{line['vs_cudnn']:.2f} vs cuDNN  "
+                  f"x{line['vs_xla']:.2f} vs XLA")
+    print()
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s; times are medians per call; bytes = K/V read + q + out")
+    print()
+    print("| shape (seqs x len) | implementation | time (us) | MB read+written | GB/s | % copy bw | speedup vs cuDNN | speedup vs XLA |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for r in table:
+        print(f"| {r['shape']} | {r['impl']} | {r['us']:.1f} | {r['mb']:.1f} | {r['gbs']:.0f} | {r['pct']:.1f} | "
+              f"{r['vs_cudnn']:.2f} | {r['vs_xla']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

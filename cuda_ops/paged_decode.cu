@@ -1,0 +1,895 @@
+// CUDA XLA FFI handler for jax_tq_paged_decode (see docs/DESIGN.md).
+//
+// Two launches on the stream:
+//   1. split kernel, grid (num_splits * num_seqs, num_kv_heads * group_tiles), 128 threads.
+//      One CTA = one (sequence, split, kv head, tile of up to GT query heads of the GQA group).
+//      It streams its token range in chunks of kChunk tokens through a kStages-deep cp.async
+//      ring in shared memory (K codes, K norms, V codes, V norms), decodes every K/V row ONCE and
+//      uses it for all GT query heads, and keeps an fp32 online softmax (running max per head in
+//      log2 units, rescaled) and the V accumulators in registers.
+//        K phase: LPT lanes per token, each lane owns D/LPT contiguous coordinates of TPL tokens;
+//                 centroid lookups from a 16-entry fp32 shared table (conflict-free), q of the
+//                 group in shared memory (broadcast float4 reads), partial dots reduced with
+//                 shuffles; the K norm is folded into the score.
+//        softmax: one warp per head (chunk max, rescale factor, p, row sum); p * v_norm stored.
+//        V phase: one lane per 8 coordinates of a token, acc[GT][8] in registers.
+//      Writes (o / l, m + log l) per head into the workspace, or the final output when
+//      num_splits == 1.
+//   2. combine kernel (num_splits > 1 only), one CTA per (sequence, query head): log-sum-exp merge.
+// Instantiations: head_dim (6) x GT (1, 2, 4, 8; 4 max at d=256) = 23 kernels; k_bits / v_bits are a
+// uniform run-time switch inside the K and V phases (smem code rows sized for 4 bits), which keeps
+// the build to ~1 min for sm_80 + sm_90. Copy loops use run-time row sizes (not unrolled).
+// All pool address arithmetic is int64. Tokens >= seq_len and pages outside [0, num_pages) are
+// never read. Empty splits write lse = -inf and are ignored by the combine; a row with no valid
+// token is exactly 0.
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+#include "jax_tq/format.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jax_tq {
+namespace cuda {
+namespace {
+
+constexpr int kThreads = 128;
+constexpr int kWarps = kThreads / 32;
+constexpr int kChunk = 64;   // tokens per pipeline stage
+constexpr int kStages = 3;   // cp.async ring depth
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// ---------------------------------------------------------------------------------------------
+// Small device helpers.
+// ---------------------------------------------------------------------------------------------
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+template <int BYTES>
+__device__ __forceinline__ void cp_async(void* dst_smem, const void* src_gmem) {
+  static_assert(BYTES == 4 || BYTES == 8 || BYTES == 16, "cp.async size");
+  if constexpr (BYTES == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst_smem)),
+                 "l"(src_gmem)
+                 : "memory");
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(smem_addr(dst_smem)),
+                 "l"(src_gmem), "n"(BYTES)
+                 : "memory");
+  }
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {
+  // ex2.approx: exp2(-inf) = 0, relative error ~2^-22.
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Division by a runtime constant d (1 <= d < 2^31) for 0 <= x < 2^31:
+// q = (umulhi(x, mul) + x) >> shift (round-up method, 33-bit intermediate fits since x < 2^31).
+struct FastDiv {
+  uint32_t mul;
+  uint32_t shift;
+  __device__ __forceinline__ uint32_t div(uint32_t x) const {
+    return (__umulhi(x, mul) + x) >> shift;
+  }
+};
+
+FastDiv make_fastdiv(uint32_t d) {
+  uint32_t s = 0;
+  while ((uint64_t(1) << s) < d) ++s;
+  const uint64_t m = ((uint64_t(1) << 32) * ((uint64_t(1) << s) - d)) / d + 1;
+  return FastDiv{static_cast<uint32_t>(m), s};
+}
+
+// Load NB bytes starting at smem pointer p into little-endian words w[0..ceil(NB/4)).
+// Bytes past NB in the last word are garbage (never used as codes). The unaligned path may read
+// up to 7 bytes past the range; callers keep that inside the shared allocation.
+template <int NB>
+__device__ __forceinline__ void load_bytes(const uint8_t* p, uint32_t (&w)[(NB + 3) / 4]) {
+  constexpr int NW = (NB + 3) / 4;
+  if constexpr (NB % 16 == 0) {
+#pragma unroll
+    for (int i = 0; i < NB / 16; ++i) {
+      const uint4 v = reinterpret_cast<const uint4*>(p)[i];
+      w[4 * i + 0] = v.x;
+      w[4 * i + 1] = v.y;
+      w[4 * i + 2] = v.z;
+      w[4 * i + 3] = v.w;
+    }
+  } else if constexpr (NB % 8 == 0) {
+#pragma unroll
+    for (int i = 0; i < NB / 8; ++i) {
+      const uint2 v = reinterpret_cast<const uint2*>(p)[i];
+      w[2 * i + 0] = v.x;
+      w[2 * i + 1] = v.y;
+    }
+  } else if constexpr (NB % 4 == 0) {
+#pragma unroll
+    for (int i = 0; i < NW; ++i) w[i] = reinterpret_cast<const uint32_t*>(p)[i];
+  } else {
+    const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+    const uint32_t* q = reinterpret_cast<const uint32_t*>(a & ~uintptr_t(3));
+    const uint32_t sh = uint32_t(a & 3) * 8u;
+    uint32_t raw[NW + 1];
+#pragma unroll
+    for (int i = 0; i <= NW; ++i) raw[i] = q[i];
+#pragma unroll
+    for (int i = 0; i < NW; ++i) w[i] = __funnelshift_r(raw[i], raw[i + 1], sh);
+  }
+}
+
+// Byte offset (code * 4) of code i (compile-time after unrolling) of an LSB-first bit stream held
+// in little-endian words: ready to index a float table.
+template <int BITS, int NW>
+__device__ __forceinline__ uint32_t code_off4(const uint32_t (&w)[NW], int i) {
+  constexpr uint32_t kMask4 = ((1u << BITS) - 1u) << 2;
+  const int b = i * BITS;
+  const int wi = b >> 5;
+  const int sh = b & 31;
+  if (sh + BITS <= 32) {
+    if (sh >= 2) return (w[wi] >> (sh - 2)) & kMask4;
+    return (w[wi] << (2 - sh)) & kMask4;
+  }
+  return __funnelshift_r(w[wi], w[wi + 1], sh - 2) & kMask4;
+}
+
+__device__ __forceinline__ float table_at(const float* table, uint32_t off4) {
+  return *reinterpret_cast<const float*>(reinterpret_cast<const char*>(table) + off4);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Kernel geometry.
+// ---------------------------------------------------------------------------------------------
+constexpr int round16(int x) { return (x + 15) / 16 * 16; }
+
+template <int D>
+struct KGeom {
+  // Lanes per token in the K phase; each lane owns D / LPT contiguous coordinates (a multiple of
+  // 8, so every lane starts on a 3-bit packing group).
+  static constexpr int LPT = (D == 64 || D == 80) ? 2 : (D == 256 ? 8 : 4);
+  static constexpr int DL = D / LPT;
+  static_assert(DL % 8 == 0 && DL % 4 == 0, "lane slice must hold whole 8-code groups");
+  static constexpr int TPW = 32 / LPT;               // tokens per warp per pass
+  static constexpr int TPL = kChunk / (kWarps * TPW);  // tokens per lane per chunk
+  static_assert(TPL * kWarps * TPW == kChunk, "chunk must be covered exactly");
+  static constexpr int QROW = DL + 4;  // padded q slice (floats): conflict-free float4 reads
+  // V phase: one lane per 8 coordinates.
+  static constexpr int SPT = D / 8;
+  static constexpr int TPWV = 32 / SPT;  // tokens per warp per V step (>= 1)
+  static constexpr int VPASS = kWarps * TPWV;
+  static constexpr bool kPow2Spt = (SPT & (SPT - 1)) == 0;
+};
+
+// Shared-memory carve-up. Code rows are sized for the widest (4-bit) codes so that one kernel
+// serves every k_bits / v_bits (the bit widths are a uniform run-time switch inside the phases).
+template <int D, int GT>
+struct Layout {
+  static constexpr int KROW = round16(D * kMaxBits / 8);
+  static constexpr int VROW = KROW;
+  using G = KGeom<D>;
+  static constexpr int kc_off = 0;
+  static constexpr int vc_off = kc_off + kStages * kChunk * KROW;
+  static constexpr int kn_off = vc_off + kStages * kChunk * VROW;
+  static constexpr int vn_off = kn_off + round16(kStages * kChunk * 4);
+  static constexpr int valid_off = vn_off + round16(kStages * kChunk * 4);
+  static constexpr int q_off = valid_off + round16(kStages * kChunk * 4);
+  static constexpr int s_off = q_off + round16(GT * G::LPT * G::QROW * 4);
+  static constexpr int w_off = s_off + round16(kChunk * GT * 4);
+  static constexpr int alpha_off = w_off + round16(kChunk * GT * 4);
+  static constexpr int ml_off = alpha_off + round16(GT * 4);
+  static constexpr int o_off = ml_off + round16(2 * GT * 4);
+  static constexpr int total = o_off + round16(GT * D * 4);
+};
+
+// How one pool's code rows are copied: row bytes, bytes per copy op (16 / 4 / 2), ops per row.
+struct CopyPlan {
+  int bytes, gran, segs;
+  FastDiv segdiv;  // division by segs
+};
+
+struct DecodeParams {
+  const float* q;       // [S, H, D]
+  const uint8_t* kc;    // [P, Hkv, page, D * k_bits / 8]
+  const float* kn;      // [P, Hkv, page]
+  const uint8_t* vc;    // [P, Hkv, page, D * v_bits / 8]
+  const float* vn;      // [P, Hkv, page]
+  const float* kcent;   // [2**KB]
+  const float* vcent;   // [2**VB]
+  const int32_t* bt;    // [S, max_pages]
+  const int32_t* sl;    // [S]
+  float* out;           // [S, H, D]
+  float* pout;          // [S, H, ns, D]
+  float* plse;          // [S, H, ns]
+  int S, H, Hkv, G, ntiles, P, page_size, max_pages, num_splits;
+  FastDiv pdiv;         // division by page_size
+  float qscale;         // scale * log2(e)
+  CopyPlan kcopy, vcopy;
+  int k_bits, v_bits;
+};
+
+// Row index ((phys * Hkv + kvh) * page + off) of logical token `tok`, or -1 when the token is
+// past the split end or its page id is outside [0, P).
+__device__ __forceinline__ int64_t token_row(const DecodeParams& p, const int32_t* bt_seq,
+                                             int tok, int tok_end, int kvh) {
+  if (tok >= tok_end) return -1;
+  const uint32_t lp = p.pdiv.div(static_cast<uint32_t>(tok));
+  const int off = tok - static_cast<int>(lp) * p.page_size;
+  const int phys = __ldg(bt_seq + lp);
+  if (phys < 0 || phys >= p.P) return -1;
+  return (static_cast<int64_t>(phys) * p.Hkv + kvh) * p.page_size + off;
+}
+
+// Copy the code rows of one chunk (c.bytes per token, c.gran bytes per op) into smem rows of ROW
+// bytes. Run-time sizes keep a single (not unrolled) copy loop per pool: small code, fast builds.
+template <int ROW>
+__device__ __forceinline__ void copy_code_rows(uint8_t* dst, const uint8_t* pool,
+                                               const CopyPlan& c, const DecodeParams& p,
+                                               const int32_t* bt_seq, int ctok0, int tok_end,
+                                               int kvh) {
+  const int nops = kChunk * c.segs;
+#pragma unroll 1
+  for (int op = threadIdx.x; op < nops; op += kThreads) {
+    const int t = static_cast<int>(c.segdiv.div(static_cast<uint32_t>(op)));
+    const int sg = op - t * c.segs;
+    const int64_t row = token_row(p, bt_seq, ctok0 + t, tok_end, kvh);
+    if (row < 0) continue;
+    const uint8_t* src = pool + row * c.bytes + sg * c.gran;
+    uint8_t* d = dst + t * ROW + sg * c.gran;
+    if (c.gran == 16) {
+      cp_async<16>(d, src);
+    } else if (c.gran == 4) {
+      cp_async<4>(d, src);
+    } else {
+      *reinterpret_cast<uint16_t*>(d) = __ldg(reinterpret_cast<const unsigned short*>(src));
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// K phase: s[t][g] = kn_t * <q_g, c_k[codes_t]> (q pre-scaled: log2 units) for the kChunk tokens
+// of one stage. LPT lanes per token, each lane owns DL contiguous coordinates of TPL tokens.
+// ---------------------------------------------------------------------------------------------
+template <int D, int GT, int KB>
+__device__ __forceinline__ void k_phase(const uint8_t* kcs, const float* kns, const int* vals,
+                                        const float* q_s, const float* kcent_s, float* s_s,
+                                        int warp, int lane) {
+  using Geo = KGeom<D>;
+  constexpr int LPT = Geo::LPT, DL = Geo::DL, TPW = Geo::TPW, TPL = Geo::TPL;
+  constexpr int QROW = Geo::QROW;
+  constexpr int KROW = Layout<D, GT>::KROW;
+  constexpr int KL = DL * KB / 8;  // bytes per lane
+  constexpr int NWK = (KL + 3) / 4;
+  const int kj = lane % LPT;     // coordinate slice
+  const int kslot = lane / LPT;  // token slot in the warp
+
+  uint32_t kw[TPL][NWK];
+#pragma unroll
+  for (int tt = 0; tt < TPL; ++tt) {
+    const int t = tt * (kWarps * TPW) + warp * TPW + kslot;
+    load_bytes<KL>(kcs + t * KROW + kj * KL, kw[tt]);
+  }
+  float acc[GT][TPL];
+#pragma unroll
+  for (int g = 0; g < GT; ++g)
+#pragma unroll
+    for (int tt = 0; tt < TPL; ++tt) acc[g][tt] = 0.f;
+  const float* qlane = q_s + kj * QROW;
+#pragma unroll
+  for (int i4 = 0; i4 < DL / 4; ++i4) {
+    float cv[4][TPL];
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+#pragma unroll
+      for (int tt = 0; tt < TPL; ++tt)
+        cv[e][tt] = table_at(kcent_s, code_off4<KB>(kw[tt], i4 * 4 + e));
+#pragma unroll
+    for (int g = 0; g < GT; ++g) {
+      const float4 qv = *reinterpret_cast<const float4*>(qlane + g * LPT * QROW + i4 * 4);
+#pragma unroll
+      for (int tt = 0; tt < TPL; ++tt) {
+        float a = acc[g][tt];
+        a = fmaf(qv.x, cv[0][tt], a);
+        a = fmaf(qv.y, cv[1][tt], a);
+        a = fmaf(qv.z, cv[2][tt], a);
+        a = fmaf(qv.w, cv[3][tt], a);
+        acc[g][tt] = a;
+      }
+    }
+  }
+#pragma unroll
+  for (int tt = 0; tt < TPL; ++tt) {
+    const int t = tt * (kWarps * TPW) + warp * TPW + kslot;
+    const bool ok = vals[t] != 0;
+    const float kn = kns[t];
+#pragma unroll
+    for (int g = 0; g < GT; ++g) {
+      float v = acc[g][tt];
+#pragma unroll
+      for (int o = LPT / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+      float sc = v * kn;
+      if (!ok || !(sc > -INFINITY)) sc = -INFINITY;  // invalid token or NaN: no weight
+      if ((g % LPT) == kj) s_s[t * GT + g] = sc;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// V phase: acc[g][e] += w[t][g] * c_v[code_t(8 * seg + e)], one lane per 8 coordinates.
+// ---------------------------------------------------------------------------------------------
+template <int D, int GT, int VB>
+__device__ __forceinline__ void v_phase(const uint8_t* vcs, const int* vals, const float* w_s,
+                                        const float* vcent_s, float (&acc_v)[GT][8], int warp,
+                                        int lane) {
+  using Geo = KGeom<D>;
+  constexpr int SPT = Geo::SPT, TPWV = Geo::TPWV, VPASS = Geo::VPASS;
+  constexpr int VROW = Layout<D, GT>::VROW;
+  const int vseg = lane % SPT;
+  const int vslot = lane / SPT;
+  if (vslot >= TPWV) return;
+  for (int t = warp * TPWV + vslot; t < kChunk; t += VPASS) {
+    if (vals[t] == 0) continue;
+    uint32_t vw[(VB + 3) / 4];
+    load_bytes<VB>(vcs + t * VROW + vseg * VB, vw);
+    float wv[GT];
+    if constexpr (GT % 4 == 0) {
+#pragma unroll
+      for (int g4 = 0; g4 < GT / 4; ++g4) {
+        const float4 x = *reinterpret_cast<const float4*>(w_s + t * GT + 4 * g4);
+        wv[4 * g4 + 0] = x.x;
+        wv[4 * g4 + 1] = x.y;
+        wv[4 * g4 + 2] = x.z;
+        wv[4 * g4 + 3] = x.w;
+      }
+    } else {
+#pragma unroll
+      for (int g = 0; g < GT; ++g) wv[g] = w_s[t * GT + g];
+    }
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const float cv = table_at(vcent_s, code_off4<VB>(vw, e));
+#pragma unroll
+      for (int g = 0; g < GT; ++g) acc_v[g][e] = fmaf(wv[g], cv, acc_v[g][e]);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Split kernel.
+// ---------------------------------------------------------------------------------------------
+template <int D, int GT>
+__global__ void __launch_bounds__(kThreads)
+    paged_decode_split_kernel(const DecodeParams p) {
+  using L = Layout<D, GT>;
+  using Geo = KGeom<D>;
+  constexpr int LPT = Geo::LPT, DL = Geo::DL, QROW = Geo::QROW;
+  constexpr int SPT = Geo::SPT, TPWV = Geo::TPWV, VPASS = Geo::VPASS;
+  constexpr int GPW = (GT + kWarps - 1) / kWarps;  // heads per warp in the softmax phase
+  static_assert(kChunk == 64, "softmax phase assumes two tokens per lane");
+
+  extern __shared__ __align__(16) uint8_t smem[];
+  __shared__ float kcent_s[16];
+  __shared__ float vcent_s[16];
+  uint8_t* kc_s = smem + L::kc_off;
+  uint8_t* vc_s = smem + L::vc_off;
+  float* kn_s = reinterpret_cast<float*>(smem + L::kn_off);
+  float* vn_s = reinterpret_cast<float*>(smem + L::vn_off);
+  int* valid_s = reinterpret_cast<int*>(smem + L::valid_off);
+  float* q_s = reinterpret_cast<float*>(smem + L::q_off);
+  float* s_s = reinterpret_cast<float*>(smem + L::s_off);
+  float* w_s = reinterpret_cast<float*>(smem + L::w_off);
+  float* alpha_s = reinterpret_cast<float*>(smem + L::alpha_off);
+  float* ml_s = reinterpret_cast<float*>(smem + L::ml_off);
+  float* o_s = reinterpret_cast<float*>(smem + L::o_off);
+
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5;
+  const int lane = tid & 31;
+  const int ns = p.num_splits;
+  const int seq = blockIdx.x / ns;
+  const int split = blockIdx.x - seq * ns;
+  const int kvh = blockIdx.y / p.ntiles;
+  const int tile = blockIdx.y - kvh * p.ntiles;
+  const int kb = p.k_bits, vb = p.v_bits;
+
+  // ---- token range of this split ------------------------------------------------------------
+  const int64_t max_tok = static_cast<int64_t>(p.max_pages) * p.page_size;
+  int64_t seq_len = p.sl[seq];
+  seq_len = seq_len < 0 ? 0 : (seq_len > max_tok ? max_tok : seq_len);
+  const int64_t n_pages = (seq_len + p.page_size - 1) / p.page_size;
+  const int64_t pps = (n_pages + ns - 1) / ns;
+  int64_t p0 = static_cast<int64_t>(split) * pps;
+  if (p0 > n_pages) p0 = n_pages;
+  int64_t p1 = p0 + pps;
+  if (p1 > n_pages) p1 = n_pages;
+  const int tok0 = static_cast<int>(p0 * p.page_size);
+  const int tok_end = static_cast<int>(p1 * p.page_size < seq_len ? p1 * p.page_size : seq_len);
+  const int ntok = tok_end > tok0 ? tok_end - tok0 : 0;
+  const int nchunks = (ntok + kChunk - 1) / kChunk;
+  const int32_t* bt_seq = p.bt + static_cast<int64_t>(seq) * p.max_pages;
+
+  // ---- prologue: q (pre-scaled, log2 units), centroids, zero the output accumulator ----------
+  for (int idx = tid; idx < GT * D; idx += kThreads) {
+    const int g = idx / D;
+    const int dd = idx - g * D;
+    const int hl = tile * GT + g;
+    float v = 0.f;
+    if (hl < p.G) {
+      const int h = kvh * p.G + hl;
+      v = p.q[(static_cast<int64_t>(seq) * p.H + h) * D + dd] * p.qscale;
+    }
+    q_s[(g * LPT + dd / DL) * QROW + (dd % DL)] = v;
+    o_s[idx] = 0.f;
+  }
+  if (tid < 16) {
+    kcent_s[tid] = tid < (1 << kb) ? p.kcent[tid] : 0.f;
+    vcent_s[tid] = tid < (1 << vb) ? p.vcent[tid] : 0.f;
+  }
+
+  auto issue = [&](int c, int st) {
+    const int ctok0 = tok0 + c * kChunk;
+    copy_code_rows<L::KROW>(kc_s + st * kChunk * L::KROW, p.kc, p.kcopy, p, bt_seq, ctok0,
+                            tok_end, kvh);
+    copy_code_rows<L::VROW>(vc_s + st * kChunk * L::VROW, p.vc, p.vcopy, p, bt_seq, ctok0,
+                            tok_end, kvh);
+    if (tid < kChunk) {
+      const int64_t row = token_row(p, bt_seq, ctok0 + tid, tok_end, kvh);
+      valid_s[st * kChunk + tid] = row >= 0 ? 1 : 0;
+      if (row >= 0) {
+        cp_async<4>(kn_s + st * kChunk + tid, p.kn + row);
+        cp_async<4>(vn_s + st * kChunk + tid, p.vn + row);
+      }
+    }
+  };
+
+  // Softmax state (owned by warp g % kWarps, replicated in its lanes).
+  float m_r[GPW], l_r[GPW];
+#pragma unroll
+  for (int i = 0; i < GPW; ++i) {
+    m_r[i] = -INFINITY;
+    l_r[i] = 0.f;
+  }
+  float acc_v[GT][8];
+#pragma unroll
+  for (int g = 0; g < GT; ++g)
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc_v[g][e] = 0.f;
+
+#pragma unroll 1
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < nchunks) issue(s, s);
+    cp_async_commit();
+  }
+
+  for (int c = 0; c < nchunks; ++c) {
+    cp_async_wait<kStages - 2>();
+    __syncthreads();  // chunk c visible to all; everyone is done with chunk c - 1
+    {
+      const int cn = c + kStages - 1;
+      if (cn < nchunks) issue(cn, cn % kStages);
+      cp_async_commit();
+    }
+    const int st = c % kStages;
+    const uint8_t* kcs = kc_s + st * kChunk * L::KROW;
+    const uint8_t* vcs = vc_s + st * kChunk * L::VROW;
+    const float* kns = kn_s + st * kChunk;
+    const float* vns = vn_s + st * kChunk;
+    const int* vals = valid_s + st * kChunk;
+
+    if (kb == 4) {
+      k_phase<D, GT, 4>(kcs, kns, vals, q_s, kcent_s, s_s, warp, lane);
+    } else if (kb == 3) {
+      k_phase<D, GT, 3>(kcs, kns, vals, q_s, kcent_s, s_s, warp, lane);
+    } else {
+      k_phase<D, GT, 2>(kcs, kns, vals, q_s, kcent_s, s_s, warp, lane);
+    }
+    __syncthreads();
+
+    // ---- softmax update: one warp per head ----------------------------------------------------
+#pragma unroll
+    for (int gi = 0; gi < GPW; ++gi) {
+      const int g = warp + gi * kWarps;
+      if (g < GT) {
+        const float s0 = s_s[lane * GT + g];
+        const float s1 = s_s[(lane + 32) * GT + g];
+        const float cmax = warp_max(fmaxf(s0, s1));
+        const float m_new = fmaxf(m_r[gi], cmax);
+        float alpha, p0, p1;
+        if (m_new == -INFINITY) {
+          alpha = 1.f;
+          p0 = 0.f;
+          p1 = 0.f;
+        } else {
+          alpha = fast_exp2(m_r[gi] - m_new);  // m_r = -inf -> 0
+          p0 = fast_exp2(s0 - m_new);          // s = -inf -> 0
+          p1 = fast_exp2(s1 - m_new);
+        }
+        const float psum = warp_sum(p0 + p1);
+        l_r[gi] = l_r[gi] * alpha + psum;
+        m_r[gi] = m_new;
+        w_s[lane * GT + g] = p0 > 0.f ? p0 * vns[lane] : 0.f;
+        w_s[(lane + 32) * GT + g] = p1 > 0.f ? p1 * vns[lane + 32] : 0.f;
+        if (lane == 0) alpha_s[g] = alpha;
+      }
+    }
+    __syncthreads();
+
+    // ---- V phase --------------------------------------------------------------------------------
+#pragma unroll
+    for (int g = 0; g < GT; ++g) {
+      const float a = alpha_s[g];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc_v[g][e] *= a;
+    }
+    if (vb == 4) {
+      v_phase<D, GT, 4>(vcs, vals, w_s, vcent_s, acc_v, warp, lane);
+    } else if (vb == 3) {
+      v_phase<D, GT, 3>(vcs, vals, w_s, vcent_s, acc_v, warp, lane);
+    } else {
+      v_phase<D, GT, 2>(vcs, vals, w_s, vcent_s, acc_v, warp, lane);
+    }
+  }
+  cp_async_wait<0>();
+
+  // ---- reduce V accumulators over token slots and warps --------------------------------------
+  const int vseg = lane % SPT;
+  const int vslot = lane / SPT;
+  const bool vactive = vslot < TPWV;
+  if constexpr (Geo::kPow2Spt) {
+    // Lanes with the same segment differ only in the bits above log2(SPT).
+#pragma unroll
+    for (int off = SPT; off < 32; off <<= 1)
+#pragma unroll
+      for (int g = 0; g < GT; ++g)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc_v[g][e] += __shfl_xor_sync(0xffffffffu, acc_v[g][e], off);
+    for (int r = 0; r < kWarps; ++r) {
+      __syncthreads();
+      if (warp == r && vslot == 0) {
+#pragma unroll
+        for (int g = 0; g < GT; ++g)
+#pragma unroll
+          for (int e = 0; e < 8; ++e) o_s[g * D + vseg * 8 + e] += acc_v[g][e];
+      }
+    }
+  } else {
+    for (int r = 0; r < VPASS; ++r) {
+      __syncthreads();
+      if (vactive && warp * TPWV + vslot == r) {
+#pragma unroll
+        for (int g = 0; g < GT; ++g)
+#pragma unroll
+          for (int e = 0; e < 8; ++e) o_s[g * D + vseg * 8 + e] += acc_v[g][e];
+      }
+    }
+  }
+  // Softmax state to smem.
+#pragma unroll
+  for (int gi = 0; gi < GPW; ++gi) {
+    const int g = warp + gi * kWarps;
+    if (g < GT && lane == 0) {
+      ml_s[g] = m_r[gi];
+      ml_s[GT + g] = l_r[gi];
+    }
+  }
+  __syncthreads();
+
+  // ---- write partials (or the final output when there is a single split) ---------------------
+  const bool direct = ns == 1;
+  for (int idx = tid; idx < GT * D; idx += kThreads) {
+    const int g = idx / D;
+    const int dd = idx - g * D;
+    const int hl = tile * GT + g;
+    if (hl >= p.G) continue;
+    const int h = kvh * p.G + hl;
+    const float l = ml_s[GT + g];
+    const float o = l > 0.f ? o_s[idx] / l : 0.f;
+    const int64_t sh = static_cast<int64_t>(seq) * p.H + h;
+    if (direct) {
+      p.out[sh * D + dd] = o;
+    } else {
+      const int64_t li = sh * ns + split;
+      p.pout[li * D + dd] = o;
+      if (dd == 0) p.plse[li] = l > 0.f ? (ml_s[g] + log2f(l)) * kLn2 : -INFINITY;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Combine kernel: one CTA per (seq, head).
+// ---------------------------------------------------------------------------------------------
+__global__ void __launch_bounds__(128)
+    paged_decode_combine_kernel(const float* __restrict__ pout, const float* __restrict__ plse,
+                                float* __restrict__ out, int ns, int D) {
+  const int64_t sh = blockIdx.x;
+  const float* lse = plse + sh * ns;
+  const float* po = pout + sh * ns * D;
+  float gmax = -INFINITY;
+  for (int s = 0; s < ns; ++s) gmax = fmaxf(gmax, lse[s]);
+  float* o = out + sh * D;
+  if (gmax == -INFINITY) {
+    for (int d = threadIdx.x; d < D; d += blockDim.x) o[d] = 0.f;
+    return;
+  }
+  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    float acc = 0.f, wsum = 0.f;
+    for (int s = 0; s < ns; ++s) {
+      const float ls = lse[s];
+      if (ls == -INFINITY) continue;
+      const float w = expf(ls - gmax);
+      wsum += w;
+      acc = fmaf(w, po[static_cast<int64_t>(s) * D + d], acc);
+    }
+    o[d] = acc / wsum;  // wsum >= 1: the max split has weight 1
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host side.
+// ---------------------------------------------------------------------------------------------
+std::string dims_str(ffi::Span<const int64_t> dims) {
+  std::string s = "[";
+  for (size_t i = 0; i < dims.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(dims[i]);
+  }
+  return s + "]";
+}
+
+std::string check_dims(const char* name, ffi::Span<const int64_t> dims,
+                       std::initializer_list<int64_t> want) {
+  bool ok = dims.size() == want.size();
+  if (ok) {
+    size_t i = 0;
+    for (int64_t w : want) ok = ok && dims[i++] == w;
+  }
+  if (ok) return {};
+  std::string ws = "[";
+  size_t i = 0;
+  for (int64_t w : want) {
+    if (i++) ws += ", ";
+    ws += std::to_string(w);
+  }
+  return std::string("jax_tq_paged_decode (CUDA): ") + name + " has shape " + dims_str(dims) +
+         ", expected " + ws + "]";
+}
+
+#define JTQ_CHECK_DIMS(name, dims, ...)                                     \
+  do {                                                                      \
+    std::string _msg = check_dims(name, dims, __VA_ARGS__);                 \
+    if (!_msg.empty()) return ffi::Error::InvalidArgument(std::move(_msg)); \
+  } while (0)
+
+ffi::Error invalid(const std::string& msg) {
+  return ffi::Error::InvalidArgument("jax_tq_paged_decode (CUDA): " + msg);
+}
+
+ffi::Error cuda_error(const char* what, cudaError_t e) {
+  return ffi::Error::Internal(std::string("jax_tq_paged_decode (CUDA): ") + what + ": " +
+                              cudaGetErrorString(e));
+}
+
+int copy_gran(int64_t bytes, uintptr_t ptr) {
+  if (bytes % 16 == 0 && ptr % 16 == 0) return 16;
+  if (bytes % 4 == 0 && ptr % 4 == 0) return 4;
+  return 2;
+}
+
+template <int D, int GT>
+ffi::Error launch_split(cudaStream_t stream, const DecodeParams& p, dim3 grid) {
+  auto kernel = paged_decode_split_kernel<D, GT>;
+  constexpr int smem = Layout<D, GT>::total;
+  if (smem > 48 * 1024) {
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (e != cudaSuccess) return cuda_error("cudaFuncSetAttribute", e);
+  }
+  kernel<<<grid, kThreads, smem, stream>>>(p);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return cuda_error("split kernel launch", e);
+  return ffi::Error::Success();
+}
+
+// Largest query-head tile per head_dim (register budget: acc_v[GT][8] stays in registers).
+constexpr int max_gt(int d) { return d >= 256 ? 4 : 8; }
+
+template <int D>
+ffi::Error dispatch_gt(int gt, cudaStream_t stream, const DecodeParams& p, dim3 grid) {
+  switch (gt) {
+    case 1: return launch_split<D, 1>(stream, p, grid);
+    case 2: return launch_split<D, 2>(stream, p, grid);
+    case 4: return launch_split<D, 4>(stream, p, grid);
+    default: return launch_split<D, max_gt(D)>(stream, p, grid);
+  }
+}
+
+// JTQ_DEV_ONLY_D=<head_dim>: developer builds that instantiate one head_dim only.
+#if defined(JTQ_DEV_ONLY_D)
+#define JTQ_HAS_D(x) (JTQ_DEV_ONLY_D == (x))
+#else
+#define JTQ_HAS_D(x) 1
+#endif
+
+ffi::Error dispatch_d(int d, int gt, cudaStream_t stream, const DecodeParams& p, dim3 grid) {
+  switch (d) {
+#if JTQ_HAS_D(64)
+    case 64: return dispatch_gt<64>(gt, stream, p, grid);
+#endif
+#if JTQ_HAS_D(80)
+    case 80: return dispatch_gt<80>(gt, stream, p, grid);
+#endif
+#if JTQ_HAS_D(96)
+    case 96: return dispatch_gt<96>(gt, stream, p, grid);
+#endif
+#if JTQ_HAS_D(128)
+    case 128: return dispatch_gt<128>(gt, stream, p, grid);
+#endif
+#if JTQ_HAS_D(192)
+    case 192: return dispatch_gt<192>(gt, stream, p, grid);
+#endif
+#if JTQ_HAS_D(256)
+    case 256: return dispatch_gt<256>(gt, stream, p, grid);
+#endif
+    default: return invalid("head_dim " + std::to_string(d) + " not compiled in");
+  }
+}
+
+}  // namespace
+
+ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot,
+                               ffi::Buffer<ffi::U8> k_codes, ffi::Buffer<ffi::F32> k_norms,
+                               ffi::Buffer<ffi::U8> v_codes, ffi::Buffer<ffi::F32> v_norms,
+                               ffi::Buffer<ffi::F32> k_centroids,
+                               ffi::Buffer<ffi::F32> v_centroids,
+                               ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens,
+                               ffi::Result<ffi::Buffer<ffi::F32>> out_rot,
+                               ffi::Result<ffi::Buffer<ffi::F32>> partial_out,
+                               ffi::Result<ffi::Buffer<ffi::F32>> partial_lse, int32_t k_bits,
+                               int32_t v_bits, int32_t num_splits, float scale) {
+  // ---- validation (mirrors the CPU handler) ---------------------------------------------------
+  if (!is_supported_bits(k_bits)) return invalid("k_bits must be 2, 3 or 4, got " + std::to_string(k_bits));
+  if (!is_supported_bits(v_bits)) return invalid("v_bits must be 2, 3 or 4, got " + std::to_string(v_bits));
+  if (num_splits < 1) return invalid("num_splits must be >= 1, got " + std::to_string(num_splits));
+  const auto qd = q_rot.dimensions();
+  if (qd.size() != 3) return invalid("q_rot must be rank 3 [S, H, d], got " + dims_str(qd));
+  const int64_t S = qd[0], H = qd[1], d = qd[2];
+  if (!is_supported_head_dim(static_cast<int>(d)))
+    return invalid("head_dim must be one of 64, 80, 96, 128, 192, 256, got " + std::to_string(d));
+  const auto kd = k_codes.dimensions();
+  if (kd.size() != 4)
+    return invalid("k_codes must be rank 4 [P, Hkv, page_size, packed], got " + dims_str(kd));
+  const int64_t P = kd[0], Hkv = kd[1], page = kd[2];
+  const int64_t kpb = packed_bytes(static_cast<int>(d), k_bits);
+  const int64_t vpb = packed_bytes(static_cast<int>(d), v_bits);
+  if (Hkv <= 0 || H % Hkv != 0)
+    return invalid("num_heads (" + std::to_string(H) + ") must be a multiple of num_kv_heads (" +
+                   std::to_string(Hkv) + ")");
+  const auto bd = block_tables.dimensions();
+  if (bd.size() != 2) return invalid("block_tables must be rank 2 [S, max_pages], got " + dims_str(bd));
+  const int64_t max_pages = bd[1];
+  const int64_t ns = num_splits;
+  JTQ_CHECK_DIMS("k_codes", kd, {P, Hkv, page, kpb});
+  JTQ_CHECK_DIMS("k_norms", k_norms.dimensions(), {P, Hkv, page});
+  JTQ_CHECK_DIMS("v_codes", v_codes.dimensions(), {P, Hkv, page, vpb});
+  JTQ_CHECK_DIMS("v_norms", v_norms.dimensions(), {P, Hkv, page});
+  JTQ_CHECK_DIMS("k_centroids", k_centroids.dimensions(), {int64_t(1) << k_bits});
+  JTQ_CHECK_DIMS("v_centroids", v_centroids.dimensions(), {int64_t(1) << v_bits});
+  JTQ_CHECK_DIMS("block_tables", bd, {S, max_pages});
+  JTQ_CHECK_DIMS("seq_lens", seq_lens.dimensions(), {S});
+  JTQ_CHECK_DIMS("out_rot (result)", out_rot->dimensions(), {S, H, d});
+  JTQ_CHECK_DIMS("partial_out (result)", partial_out->dimensions(), {S, H, ns, d});
+  JTQ_CHECK_DIMS("partial_lse (result)", partial_lse->dimensions(), {S, H, ns});
+  if (S == 0 || H == 0) return ffi::Error::Success();
+  if (page <= 0) return invalid("page_size must be >= 1");
+  if (max_pages * page >= (int64_t(1) << 31) - kChunk * kStages)
+    return invalid("max_pages * page_size must be < 2^31");
+  if (S * ns >= (int64_t(1) << 31)) return invalid("num_seqs * num_splits too large");
+
+  const int64_t G = H / Hkv;
+  int gt;
+  if (G <= 1) gt = 1;
+  else if (G == 2) gt = 2;
+  else if (G <= 4) gt = 4;
+  else gt = max_gt(static_cast<int>(d));
+  const int64_t ntiles = (G + gt - 1) / gt;
+  if (Hkv * ntiles > 65535) return invalid("num_kv_heads * ceil(group / 8) must be <= 65535");
+
+  DecodeParams p;
+  p.q = q_rot.typed_data();
+  p.kc = k_codes.typed_data();
+  p.kn = k_norms.typed_data();
+  p.vc = v_codes.typed_data();
+  p.vn = v_norms.typed_data();
+  p.kcent = k_centroids.typed_data();
+  p.vcent = v_centroids.typed_data();
+  p.bt = block_tables.typed_data();
+  p.sl = seq_lens.typed_data();
+  p.out = out_rot->typed_data();
+  p.pout = partial_out->typed_data();
+  p.plse = partial_lse->typed_data();
+  p.S = static_cast<int>(S);
+  p.H = static_cast<int>(H);
+  p.Hkv = static_cast<int>(Hkv);
+  p.G = static_cast<int>(G);
+  p.ntiles = static_cast<int>(ntiles);
+  p.P = static_cast<int>(P < (int64_t(1) << 31) - 1 ? P : (int64_t(1) << 31) - 1);
+  p.page_size = static_cast<int>(page);
+  p.max_pages = static_cast<int>(max_pages);
+  p.num_splits = static_cast<int>(ns);
+  p.pdiv = make_fastdiv(static_cast<uint32_t>(page));
+  p.qscale = scale * kLog2e;
+  for (int which = 0; which < 2; ++which) {
+    CopyPlan& c = which == 0 ? p.kcopy : p.vcopy;
+    c.bytes = static_cast<int>(which == 0 ? kpb : vpb);
+    c.gran = copy_gran(c.bytes, reinterpret_cast<uintptr_t>(which == 0 ? static_cast<const void*>(p.kc)
+                                                                        : static_cast<const void*>(p.vc)));
+    c.segs = c.bytes / c.gran;
+    c.segdiv = make_fastdiv(static_cast<uint32_t>(c.segs));
+  }
+  p.k_bits = k_bits;
+  p.v_bits = v_bits;
+  if (P == 0) {  // nothing can be read: every row is 0 (all page ids are out of range)
+    p.P = 0;
+  }
+
+  const dim3 grid(static_cast<unsigned>(S * ns), static_cast<unsigned>(Hkv * ntiles));
+  if (auto e = dispatch_d(static_cast<int>(d), gt, stream, p, grid); e.failure())
+    return e;
+  if (ns > 1) {
+    paged_decode_combine_kernel<<<static_cast<unsigned>(S * H), 128, 0, stream>>>(
+        p.pout, p.plse, p.out, static_cast<int>(ns), static_cast<int>(d));
+    cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) return cuda_error("combine kernel launch", e);
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace cuda
+}  // namespace jax_tq
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTqPagedDecodeCuda, jax_tq::cuda::PagedDecodeCudaImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // q_rot [S, H, d]
+                                  .Arg<ffi::Buffer<ffi::U8>>()     // k_codes
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // k_norms
+                                  .Arg<ffi::Buffer<ffi::U8>>()     // v_codes
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // v_norms
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // k_centroids
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // v_centroids
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // block_tables [S, max_pages]
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // seq_lens [S]
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // out_rot [S, H, d]
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // partial_out [S, H, ns, d]
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // partial_lse [S, H, ns]
+                                  .Attr<int32_t>("k_bits")
+                                  .Attr<int32_t>("v_bits")
+                                  .Attr<int32_t>("num_splits")
+                                  .Attr<float>("scale"));

@@ -1,0 +1,310 @@
+"""CUDA kernels (backend "ffi" on a GPU) against the float64 reference (computed on the CPU) and the
+CPU kernels, on fresh random inputs. Skipped unless the default JAX device is a GPU.
+
+Covers: compress / decompress for every head_dim x bits x dtype (small and large batches: the two
+tile shapes of the CUDA GEMM), compress_write into poisoned pools (written slots match compress,
+every other byte untouched, donated and non-donated), paged decode over a cross product of
+head_dim, K/V bits, page sizes, GQA groups, split counts (1, 3, more than pages), seq_lens with 0
+and non-multiples of the page size, invalid block-table entries, q dtypes, huge logits, jit and
+vmap.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_tq as tq
+from jax_tq.format import unpack_codes
+from oracle import compress_f64, decode_f64, decompress_f64, random_cache, random_tables, rel_err
+
+
+def _has_gpu() -> bool:
+    try:
+        return jax.devices()[0].platform == "gpu"
+    except RuntimeError:
+        return False
+
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _has_gpu(), reason="needs a CUDA GPU")]
+
+HEAD_DIMS = (64, 80, 96, 128, 192, 256)
+
+
+@pytest.fixture(autouse=True)
+def ffi_backend():
+    with tq.use_backend("ffi"):
+        yield
+
+
+def _cpu():
+    return jax.devices("cpu")[0]
+
+
+def _gpu():
+    return jax.devices()[0]
+
+
+def _on_cpu(fn, *args, **kwargs):
+    """Run fn with every array argument (pytrees included) on the CPU: the CPU kernel / oracle."""
+    def to_cpu(a):
+        return jax.device_put(a, _cpu()) if isinstance(a, (jax.Array, np.ndarray)) else a
+    with jax.default_device(_cpu()):
+        return fn(*jax.tree_util.tree_map(to_cpu, args), **kwargs)
+
+
+def _poison_device(nbytes: int) -> None:
+    buf = jnp.full((max(1, nbytes // 4),), jnp.nan, jnp.float32, device=_gpu())
+    buf.block_until_ready()
+    del buf
+
+
+def _codes_agree(got, want, bits, head_dim):
+    g = unpack_codes(np.asarray(got), bits, head_dim).astype(int)
+    w = unpack_codes(np.asarray(want), bits, head_dim).astype(int)
+    frac = np.mean(g == w)
+    assert frac >= 0.999, f"only {frac:.5f} of the codes agree"
+    assert np.all(np.abs(g - w) <= 1), "a code differs by more than one level (not a boundary tie)"
+
+
+# ----------------------------------------------------------------------------- compress / decompress
+
+DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+# every head_dim x bits once, the dtype cycling; all three dtypes at d=128, 4 bits
+COMPRESS_CASES = [(d, b, DTYPES[(i + b) % 3]) for i, d in enumerate(HEAD_DIMS) for b in (2, 3, 4)]
+COMPRESS_CASES += [(128, 4, dt) for dt in DTYPES if (128, 4, dt) not in COMPRESS_CASES]
+
+
+@pytest.mark.parametrize("head_dim,bits,dtype", COMPRESS_CASES)
+def test_compress_gpu_vs_reference_and_cpu(rng, head_dim, bits, dtype):
+    codec = tq.TurboQuant(head_dim=head_dim, bits=bits, seed=int(rng.integers(1000)))
+    n = int(rng.integers(1, 300))
+    x = jnp.asarray(rng.normal(size=(n, head_dim)) * rng.uniform(0.1, 10, size=(n, 1)), dtype)
+    x = x.at[0].set(0)  # a zero vector: norm 0, decodes to 0
+    codes, norms = jax.jit(tq.compress)(x, codec)
+    assert codes.devices() == {_gpu()}
+    want_codes, want_norms = compress_f64(np.asarray(x.astype(jnp.float32), np.float64), codec)
+    np.testing.assert_allclose(np.asarray(norms), want_norms, rtol=2e-6)
+    _codes_agree(codes, want_codes, bits, head_dim)
+    cpu_codes, cpu_norms = _on_cpu(jax.jit(tq.compress), x, codec)
+    np.testing.assert_allclose(np.asarray(norms), np.asarray(cpu_norms), rtol=2e-6)
+    _codes_agree(codes, cpu_codes, bits, head_dim)
+    assert float(norms[0]) == 0.0
+
+
+@pytest.mark.parametrize("head_dim,bits", [(128, 4), (80, 3), (256, 2)])
+def test_compress_large_batch(rng, head_dim, bits):
+    """Large N takes the 64-vectors-per-CTA tile; N not a multiple of it."""
+    codec = tq.TurboQuant(head_dim=head_dim, bits=bits, seed=int(rng.integers(1000)))
+    n = 20000 + int(rng.integers(1, 63))
+    x = jnp.asarray(rng.normal(size=(n, head_dim)), jnp.bfloat16)
+    codes, norms = jax.jit(tq.compress)(x, codec)
+    want_codes, want_norms = compress_f64(np.asarray(x.astype(jnp.float32), np.float64), codec)
+    np.testing.assert_allclose(np.asarray(norms), want_norms, rtol=2e-6)
+    _codes_agree(codes, want_codes, bits, head_dim)
+    # Same vectors through the small-batch tile give identical codes (same fp32 operation order).
+    small_codes, small_norms = jax.jit(tq.compress)(x[:100], codec)
+    np.testing.assert_array_equal(np.asarray(small_codes), np.asarray(codes[:100]))
+    np.testing.assert_array_equal(np.asarray(small_norms), np.asarray(norms[:100]))
+
+
+@pytest.mark.parametrize("head_dim,bits,dtype", COMPRESS_CASES)
+def test_decompress_gpu_vs_reference(rng, head_dim, bits, dtype):
+    codec = tq.TurboQuant(head_dim=head_dim, bits=bits, seed=int(rng.integers(1000)))
+    n = int(rng.integers(1, 200))
+    codes = jnp.asarray(rng.integers(0, 256, size=(n, codec.packed_bytes), dtype=np.uint8))
+    norms = jnp.asarray(rng.uniform(0.1, 5, size=(n,)).astype(np.float32))
+    _poison_device(n * head_dim * 4 * 4)
+    got = jax.jit(tq.decompress, static_argnums=(2, 3))(codes, norms, codec, dtype)
+    want = decompress_f64(np.asarray(codes), np.asarray(norms), codec)
+    assert got.dtype == dtype and got.shape == (n, head_dim)
+    tol = {jnp.float32: 1e-6, jnp.bfloat16: 8e-3, jnp.float16: 1e-3}[dtype]
+    assert rel_err(got, want) < tol
+    cpu = _on_cpu(jax.jit(tq.decompress, static_argnums=(2, 3)), codes, norms, codec, dtype)
+    assert rel_err(got, cpu) < tol
+
+
+def test_decompress_large_batch(rng):
+    codec = tq.TurboQuant(head_dim=128, bits=4, seed=3)
+    n = 20000 + 17
+    codes = jnp.asarray(rng.integers(0, 256, size=(n, codec.packed_bytes), dtype=np.uint8))
+    norms = jnp.asarray(rng.uniform(0.1, 5, size=(n,)).astype(np.float32))
+    got = jax.jit(tq.decompress, static_argnums=(2, 3))(codes, norms, codec, jnp.float32)
+    want = decompress_f64(np.asarray(codes), np.asarray(norms), codec)
+    assert rel_err(got, want) < 1e-6
+    small = jax.jit(tq.decompress, static_argnums=(2, 3))(codes[-50:], norms[-50:], codec, jnp.float32)
+    assert rel_err(small, want[-50:]) < 1e-6
+
+
+# ----------------------------------------------------------------------------- compress_write
+
+WRITE_CASES = [(128, 4, 4, 16, 8), (64, 2, 3, 8, 2), (80, 3, 3, 48, 1), (96, 4, 2, 256, 4),
+               (192, 3, 4, 16, 3), (256, 2, 2, 8, 2)]
+
+
+@pytest.mark.parametrize("donate", [False, True])
+@pytest.mark.parametrize("head_dim,k_bits,v_bits,page_size,hkv", WRITE_CASES)
+def test_compress_write_poisoned_pools(rng, head_dim, k_bits, v_bits, page_size, hkv, donate):
+    num_pages = 7
+    k_codec = tq.TurboQuant(head_dim=head_dim, bits=k_bits, seed=int(rng.integers(1000)))
+    v_codec = tq.TurboQuant(head_dim=head_dim, bits=v_bits, seed=int(rng.integers(1000)))
+    cache = tq.PagedKVCache.create(num_pages=num_pages, page_size=page_size, num_kv_heads=hkv,
+                                   k_codec=k_codec, v_codec=v_codec)
+    poison = dict(
+        k_codes=jnp.full(cache.k_codes.shape, 0xAB, jnp.uint8), v_codes=jnp.full(cache.v_codes.shape, 0xAB, jnp.uint8),
+        k_norms=jnp.full(cache.k_norms.shape, jnp.nan, jnp.float32),
+        v_norms=jnp.full(cache.v_norms.shape, jnp.nan, jnp.float32))
+    cache = dataclasses.replace(cache, **poison)
+    total = num_pages * page_size
+    t = int(rng.integers(1, min(total, 70) + 1))
+    slots = rng.choice(total, size=t, replace=False).astype(np.int32)
+    # Some padding / out-of-range slots that must be skipped.
+    bad = rng.random(t) < 0.2
+    slots[bad] = rng.choice(np.array([-1, -7, total, total + 5], np.int32), size=int(bad.sum()))
+    k = jnp.asarray(rng.normal(size=(t, hkv, head_dim)) * 3, jnp.bfloat16)
+    v = jnp.asarray(rng.normal(size=(t, hkv, head_dim)), jnp.float16)
+    write = jax.jit(tq.write_cache, donate_argnums=(0,) if donate else ())
+    before = {n: np.asarray(getattr(cache, n)) for n in ("k_codes", "v_codes", "k_norms", "v_norms")}
+    out = write(cache, k, v, jnp.asarray(slots))
+    jax.block_until_ready(out)
+    if not donate:  # the caller's pools are untouched
+        for name in ("k_codes", "v_codes", "k_norms", "v_norms"):
+            np.testing.assert_array_equal(np.asarray(getattr(cache, name)), before[name])
+    kc, kn = jax.jit(tq.compress)(k, k_codec)
+    vc, vn = jax.jit(tq.compress)(v, v_codec)
+    written = np.zeros((num_pages, page_size), bool)
+    for i, s in enumerate(slots):
+        if 0 <= s < total:
+            written[s // page_size, s % page_size] = True
+    for name, codes_new, norms_new, bits in (("k", kc, kn, k_bits), ("v", vc, vn, v_bits)):
+        got_codes = np.asarray(getattr(out, f"{name}_codes"))
+        got_norms = np.asarray(getattr(out, f"{name}_norms"))
+        for i, s in enumerate(slots):
+            if not 0 <= s < total:
+                continue
+            p, o = divmod(int(s), page_size)
+            np.testing.assert_array_equal(got_codes[p, :, o], np.asarray(codes_new[i]))
+            np.testing.assert_array_equal(got_norms[p, :, o], np.asarray(norms_new[i]))
+        # everything else untouched
+        assert np.all(got_codes.transpose(0, 2, 1, 3)[~written] == 0xAB)
+        assert np.all(np.isnan(got_norms.transpose(0, 2, 1)[~written]))
+        # and the written values agree with the float64 reference
+        x = np.asarray((k if name == "k" else v).astype(jnp.float32), np.float64)
+        codec = k_codec if name == "k" else v_codec
+        want_codes, want_norms = compress_f64(x.reshape(-1, head_dim), codec)
+        _codes_agree(np.asarray(codes_new).reshape(-1, codec.packed_bytes), want_codes, bits, head_dim)
+        np.testing.assert_allclose(np.asarray(norms_new).reshape(-1), want_norms, rtol=2e-6)
+
+
+# ----------------------------------------------------------------------------- paged decode
+
+# (head_dim, k_bits, v_bits, page_size, group, num_kv_heads, num_splits, q dtype)
+DECODE_CASES = [
+    (128, 4, 4, 16, 4, 2, None, jnp.bfloat16),
+    (128, 4, 4, 16, 4, 2, 1, jnp.float32),
+    (128, 4, 4, 16, 4, 2, 3, jnp.float32),
+    (128, 3, 2, 8, 8, 1, 64, jnp.float32),   # more splits than pages
+    (128, 2, 4, 48, 16, 2, 3, jnp.float16),  # group 16: two head tiles
+    (64, 4, 3, 16, 1, 3, 3, jnp.float32),
+    (64, 2, 2, 256, 2, 2, 1, jnp.bfloat16),
+    (80, 3, 3, 16, 3, 2, 3, jnp.float32),
+    (80, 4, 2, 48, 6, 1, 5, jnp.float16),
+    (96, 3, 4, 8, 4, 2, 3, jnp.float32),
+    (96, 2, 3, 16, 7, 1, 1, jnp.float32),
+    (192, 4, 4, 16, 8, 1, 3, jnp.float32),
+    (192, 3, 2, 256, 2, 2, 2, jnp.bfloat16),
+    (256, 4, 4, 16, 8, 1, 3, jnp.float32),   # group 8 at d=256: two tiles of 4
+    (256, 2, 3, 48, 4, 2, 64, jnp.float32),
+    (256, 3, 3, 8, 24, 1, 3, jnp.float32),   # group 24: three tiles
+]
+
+
+def _decode_inputs(rng, head_dim, k_bits, v_bits, page_size, group, hkv, qdtype, num_seqs=5, max_len=700):
+    seq_lens = rng.integers(1, max_len, size=num_seqs).astype(np.int32)
+    seq_lens[0] = 0  # empty sequence -> zeros
+    seq_lens[-1] = page_size * int(rng.integers(1, 4))  # an exact multiple of the page size
+    need = sum(-(-int(n) // page_size) for n in seq_lens)
+    num_pages = need + 3
+    cache = random_cache(rng, num_pages=num_pages, page_size=page_size, num_kv_heads=hkv, head_dim=head_dim,
+                         k_bits=k_bits, v_bits=v_bits, seed=int(rng.integers(1000)))
+    tables = np.array(random_tables(rng, seq_lens, page_size, num_pages))
+    # An invalid page id among the attended pages of one sequence: its tokens are skipped.
+    if -(-int(seq_lens[1]) // page_size) >= 2:
+        tables[1, 1] = -3
+    q = jnp.asarray(rng.normal(size=(num_seqs, hkv * group, head_dim)), qdtype)
+    return q, cache, jnp.asarray(tables), jnp.asarray(seq_lens)
+
+
+_decode = jax.jit(tq.paged_decode, static_argnames=("scale", "num_splits"))
+
+
+@pytest.mark.parametrize("head_dim,k_bits,v_bits,page_size,group,hkv,num_splits,qdtype", DECODE_CASES)
+def test_paged_decode_gpu(rng, head_dim, k_bits, v_bits, page_size, group, hkv, num_splits, qdtype):
+    q, cache, tables, lens = _decode_inputs(rng, head_dim, k_bits, v_bits, page_size, group, hkv, qdtype)
+    _poison_device(q.size * 4 * 8 * 70)
+    got = _decode(q, cache, tables, lens, num_splits=num_splits)
+    assert got.shape == q.shape and got.dtype == q.dtype
+    got64 = np.asarray(got.astype(jnp.float32), np.float64)
+    assert np.all(np.isfinite(got64))
+    assert np.all(got64[0] == 0.0), "seq_len 0 must give an all-zero row"
+    want = _on_cpu(decode_f64, np.asarray(q.astype(jnp.float32)), cache, tables, lens)
+    tol = {jnp.dtype(jnp.float32): 2e-5, jnp.dtype(jnp.bfloat16): 1e-2, jnp.dtype(jnp.float16): 2e-3}[jnp.dtype(qdtype)]
+    assert rel_err(got64, want) < tol
+    # Every row individually (a wrong row could hide in the global norm).
+    for s in range(1, q.shape[0]):
+        assert rel_err(got64[s], want[s]) < 5 * tol, f"sequence {s}"
+    cpu = _on_cpu(_decode, q, cache, tables, lens, num_splits=num_splits)
+    assert rel_err(got64, np.asarray(cpu.astype(jnp.float32), np.float64)) < tol
+
+
+def test_paged_decode_split_counts_agree(rng):
+    q, cache, tables, lens = _decode_inputs(rng, 128, 4, 4, 16, 4, 2, jnp.float32, num_seqs=3, max_len=2000)
+    outs = [np.asarray(_decode(q, cache, tables, lens, num_splits=s)) for s in (1, 2, 3, 7, 200)]
+    for o in outs[1:]:
+        assert rel_err(o, outs[0]) < 1e-5
+
+
+def test_paged_decode_huge_logits(rng):
+    q, cache, tables, lens = _decode_inputs(rng, 128, 4, 4, 16, 4, 2, jnp.float32, num_seqs=4, max_len=1500)
+    q = q * 1e4
+    for splits in (1, 5):
+        got = np.asarray(_decode(q, cache, tables, lens, num_splits=splits), np.float64)
+        assert np.all(np.isfinite(got))
+        want = _on_cpu(decode_f64, np.asarray(q), cache, tables, lens)
+        # near one-hot softmax: fp32 logits of magnitude ~1e5 carry ~1e-2 absolute rounding
+        assert rel_err(got, want) < 2e-2
+
+
+def test_paged_decode_vmap_and_jit(rng):
+    caches, qs, tabs, lens_ = [], [], [], []
+    for _ in range(3):
+        q, cache, tables, lens = _decode_inputs(rng, 64, 4, 2, 16, 2, 2, jnp.float32, num_seqs=2, max_len=300)
+        # make pools the same shape for stacking
+        caches.append(cache)
+        qs.append(q)
+        tabs.append(tables)
+        lens_.append(lens)
+    shapes = {c.k_codes.shape for c in caches}
+    if len(shapes) != 1:  # different page counts: pad to the largest pool
+        p = max(c.num_pages for c in caches)
+        def pad(c):
+            extra = p - c.num_pages
+            padded = {n: jnp.concatenate([getattr(c, n), jnp.zeros((extra,) + getattr(c, n).shape[1:], getattr(c, n).dtype)])
+                      for n in ("k_codes", "k_norms", "v_codes", "v_norms")}
+            return dataclasses.replace(c, **padded)
+        caches = [pad(c) for c in caches]
+    mp = max(t.shape[1] for t in tabs)
+    tabs = [jnp.pad(t, ((0, 0), (0, mp - t.shape[1])), constant_values=-1) for t in tabs]
+    # All three caches must share the codecs for stacking: rebuild with the first one's codecs.
+    caches = [dataclasses.replace(c, k_codec=caches[0].k_codec, v_codec=caches[0].v_codec) for c in caches]
+    stacked = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *caches)
+    batched = jax.jit(jax.vmap(lambda q, c, t, l: tq.paged_decode(q, c, t, l, num_splits=2)))(
+        jnp.stack(qs), stacked, jnp.stack(tabs), jnp.stack(lens_))
+    for i in range(3):
+        one = _decode(qs[i], caches[i], tabs[i], lens_[i], num_splits=2)
+        assert rel_err(batched[i], one) < 1e-6
+        want = _on_cpu(decode_f64, np.asarray(qs[i]), caches[i], tabs[i], lens_[i])
+        assert rel_err(batched[i], want) < 2e-5
