@@ -21,16 +21,16 @@ if has build; then
   echo "build: $(( $(date +%s) - t0 )) s"
 fi
 if has tests; then
-  python3 -m pytest -q -x -m gpu tests/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 25
+  timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -m gpu tests/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 25
   # The op tests run on the default device: on this machine they test the CUDA kernels against float64.
-  python3 -m pytest -q tests/test_ops.py tests/test_transforms.py tests/test_checks.py 2>&1 | tee "$OUT/op_tests.log" | tail -n 15
+  timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q tests/test_ops.py tests/test_edge_cases.py tests/test_transforms.py tests/test_checks.py 2>&1 | tee "$OUT/op_tests.log" | tail -n 15
   echo "tests: $(( $(date +%s) - t0 )) s"
 fi
 if has bench; then
-  python3 benchmarks/bench_compress.py 2>&1 | tee "$OUT/bench_compress.txt" | tail -n 20
-  python3 benchmarks/bench_decode.py 2>&1 | tee "$OUT/bench_decode.txt" | tail -n 30
+  timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/bench_compress.py 2>&1 | tee "$OUT/bench_compress.txt" | tail -n 20
+  timeout ${BENCH_TIMEOUT:-200} python3 benchmarks/bench_decode.py ${DECODE_ARGS:-} 2>&1 | tee "$OUT/bench_decode.txt" | tail -n 30
   echo "bench: $(( $(date +%s) - t0 )) s"
 fi
 if has model; then
-  python3 examples/smollm2_wikitext.py ${MODEL_ARGS:-} 2>&1 | tee "$OUT/model.txt" | tail -n 40
+  timeout ${MODEL_TIMEOUT:-400} python3 examples/smollm2_wikitext.py ${MODEL_ARGS:-} 2>&1 | tee "$OUT/model.txt" | tail -n 40
 fi
