@@ -6,10 +6,11 @@ bandwidth ceiling.
 Shapes: 32 query heads, 8 KV heads, head_dim 128, page_size 16, bf16 queries, one query token per
 sequence, (num_seqs, seq_len) in (1, 32768), (8, 8192), (32, 8192), (64, 4096), (128, 2048).
 
-Timing: each measured function is jitted as R back-to-back calls over distinct input copies (the
-copies together exceed the 60 MB L2 several times, so no call finds its K/V in L2), timed with
+Timing: each measured function is jitted as R chained calls over distinct input copies (each call's
+queries depend on the sum of the previous call's output, so XLA cannot merge or overlap them; the copies
+together exceed the 60 MB L2 several times, so no call finds its K/V in L2), timed with
 block_until_ready and a host clock; the time per call is the median over many such runs divided by
-R. Bytes counted: K/V bytes the op must read (codes + fp32 norms for jax_tq, bf16 K/V for the
+R (the one dispatch per run is amortised over R calls). Bytes counted: K/V bytes the op must read (codes + fp32 norms for jax_tq, bf16 K/V for the
 others) + q + output.
 
 Usage: python benchmarks/bench_decode.py [--quick] [--splits auto,1,2,4,8] [--shapes 32x8192,...]
@@ -36,19 +37,29 @@ ROTATE_BYTES = 4 * L2_BYTES  # the distinct copies of one benchmark's inputs add
 
 
 def time_calls(fn, arg_sets, inner=None, outer=15, warmup=2):
-    """Median seconds per call of fn(*args), cycling over arg_sets inside one jitted program."""
-    inner = inner or max(4, len(arg_sets))
+    """Median seconds per call of fn(*args), cycling over arg_sets inside one jitted program.
+
+    The calls are chained: call i's first argument (the queries) gets ``0 * out_{i-1}[0]`` added, so
+    XLA can neither merge identical calls (CSE) nor run them concurrently, and every call reads its
+    K/V from HBM (the distinct sets together exceed L2, or one set alone does).
+    """
+    inner = inner or max(8, len(arg_sets))
 
     @jax.jit
-    def many(sets):
-        return [fn(*sets[i % len(sets)]) for i in range(inner)]
+    def chain(sets):
+        carry = jnp.zeros((), jnp.float32)
+        for i in range(inner):
+            args = list(sets[i % len(sets)])
+            args[0] = args[0] + (carry * 0).astype(args[0].dtype)
+            carry = jnp.sum(fn(*args).astype(jnp.float32))  # outputs are small; a slice could be sunk into XLA ops
+        return carry
 
     for _ in range(warmup):
-        jax.block_until_ready(many(arg_sets))
+        jax.block_until_ready(chain(arg_sets))
     times = []
     for _ in range(outer):
         t0 = time.perf_counter()
-        jax.block_until_ready(many(arg_sets))
+        jax.block_until_ready(chain(arg_sets))
         times.append((time.perf_counter() - t0) / inner)
     return statistics.median(times), min(times)
 
@@ -57,9 +68,19 @@ def copy_bandwidth():
     """Device-to-device copy (read + write) bandwidth in bytes/s over a 2 GiB f32 buffer."""
     n = 512 * 2**20
     x = jnp.arange(n, dtype=jnp.float32)
-    f = lambda a: a * 1.0001 + 1.0  # one fused elementwise pass: read 4n bytes, write 4n bytes
-    med, _ = time_calls(f, [(x,)], inner=4, outer=10)
-    return 2 * 4 * n / med
+    inner = 8
+
+    @jax.jit
+    def passes(a):  # each pass reads 4n bytes and writes 4n bytes; pass i+1 reads pass i's output
+        return jax.lax.fori_loop(0, inner, lambda i, b: b * 1.0001 + 1.0, a)
+
+    jax.block_until_ready(passes(x))
+    times = []
+    for _ in range(10):
+        t0 = time.perf_counter()
+        jax.block_until_ready(passes(x))
+        times.append((time.perf_counter() - t0) / inner)
+    return 2 * 4 * n / statistics.median(times)
 
 
 def n_copies(bytes_one):

@@ -31,6 +31,11 @@ if has bench; then
   timeout ${BENCH_TIMEOUT:-200} python3 benchmarks/bench_decode.py ${DECODE_ARGS:-} 2>&1 | tee "$OUT/bench_decode.txt" | tail -n 30
   echo "bench: $(( $(date +%s) - t0 )) s"
 fi
+if has profile; then
+  ncu --clock-control none -k regex:"tq_|paged_decode" --section SpeedOfLight --section LaunchStats \
+      --section Occupancy python3 benchmarks/profile_kernels.py >"$OUT/ncu.txt" 2>&1
+  grep -E "tq_|paged_decode|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)|Registers Per|Achieved Occupancy|Grid Size" "$OUT/ncu.txt" | head -n 80
+fi
 if has model; then
   timeout ${MODEL_TIMEOUT:-400} python3 examples/smollm2_wikitext.py ${MODEL_ARGS:-} 2>&1 | tee "$OUT/model.txt" | tail -n 40
 fi

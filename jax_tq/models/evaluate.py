@@ -191,6 +191,9 @@ def check_decode_matches_eval(model: Llama, token_ids, cache_config=(4, 4),
                               atol: float = 1e-2) -> dict:
     """Check that the jitted decode step reproduces the evaluation path's logits.
 
+    Matrix products run at full float32 precision for the check (on GPUs XLA's default is TF32,
+    whose rounding differs between the two paths' shapes and flips 4-bit codes).
+
     Runs ``token_ids [n]`` (a) through :func:`jax_tq.models.forward_compressed` in one call and
     (b) one token at a time through the jitted decode step (batch of 2 sequences sharing the pool:
     the real one, with a scrambled block table, and an inactive row with ``seq_len 0``), both into
@@ -201,6 +204,11 @@ def check_decode_matches_eval(model: Llama, token_ids, cache_config=(4, 4),
       (fraction of positions with equal argmax), ``last_argmax_equal`` and ``ok``
       (``last_max_abs_diff <= atol`` and last argmax equal).
     """
+    with jax.default_matmul_precision("float32"):
+        return _check_decode_matches_eval(model, token_ids, cache_config, atol)
+
+
+def _check_decode_matches_eval(model, token_ids, cache_config, atol):
     cfg = parse_cache_config(cache_config) or CacheConfig()
     ids = np.asarray(token_ids, np.int32)
     n = ids.shape[0]
