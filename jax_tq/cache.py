@@ -51,6 +51,9 @@ class PagedKVCache:
                 raise ValueError(f"PagedKVCache.create: {name} must be >= 1, got {value}")
         if page_size > 256:
             raise ValueError(f"PagedKVCache.create: page_size must be <= 256, got {page_size}")
+        for name, codec in (("k_codec", k_codec), ("v_codec", v_codec)):
+            if not isinstance(codec, TurboQuant):
+                raise TypeError(f"PagedKVCache.create: {name} must be a jax_tq.TurboQuant, got {type(codec).__name__}")
         if k_codec.head_dim != v_codec.head_dim:
             raise ValueError(
                 f"PagedKVCache.create: k_codec.head_dim {k_codec.head_dim} != v_codec.head_dim {v_codec.head_dim}"
@@ -112,7 +115,9 @@ def write_cache(cache: PagedKVCache, k, v, slot_mapping) -> PagedKVCache:
       TypeError / ValueError: dtypes or shapes that do not match the cache (message names the argument).
     """
     k, v, slot_mapping = jnp.asarray(k), jnp.asarray(v), jnp.asarray(slot_mapping)
+    if k.ndim >= 1 and v.ndim >= 1 and k.shape[0] != v.shape[0]:
+        raise ValueError(f"jax_tq.write_cache: k has {k.shape[0]} tokens but v has {v.shape[0]}")
     check_slot_mapping(slot_mapping, num_slots=cache.num_slots)
-    k_codes, k_norms = compress_write(k, cache.k_codes, cache.k_norms, cache.k_codec, slot_mapping)
-    v_codes, v_norms = compress_write(v, cache.v_codes, cache.v_norms, cache.v_codec, slot_mapping)
+    k_codes, k_norms = compress_write(k, cache.k_codes, cache.k_norms, cache.k_codec, slot_mapping, name="k")
+    v_codes, v_norms = compress_write(v, cache.v_codes, cache.v_norms, cache.v_codec, slot_mapping, name="v")
     return dataclasses.replace(cache, k_codes=k_codes, k_norms=k_norms, v_codes=v_codes, v_norms=v_norms)

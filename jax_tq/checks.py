@@ -40,13 +40,19 @@ def checked(fn):
 
     Returns a function with ``fn``'s arguments that returns ``(error, fn's result)`` as
     ``checkify.checkify`` does; call ``error.throw()`` to raise. Put ``jax.jit`` outside:
-    ``jax.jit(checked(fn))`` (a function jitted before wrapping keeps its unchecked trace).
+    ``jax.jit(checked(fn))``. If ``fn`` itself is a ``jax.jit`` function, the undecorated function
+    is checked instead (its jit cache would otherwise hand back an unchecked trace, or leak checks
+    into later unchecked calls); ``jax.jit`` functions called *inside* ``fn`` should be created
+    inside it or left unjitted.
     """
+    inner = fn
+    while hasattr(inner, "lower") and hasattr(inner, "__wrapped__"):  # a jax.jit wrapper
+        inner = inner.__wrapped__
 
-    @functools.wraps(fn)
+    @functools.wraps(inner)
     def wrapper(*args, **kwargs):
         with _checking():
-            return checkify.checkify(fn, errors=checkify.user_checks)(*args, **kwargs)
+            return checkify.checkify(inner, errors=checkify.user_checks)(*args, **kwargs)
 
     return wrapper
 

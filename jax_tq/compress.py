@@ -122,7 +122,7 @@ def decompress(codes, norms, codec, dtype=jnp.float32):
     return x.reshape(lead + (codec.head_dim,))
 
 
-def compress_write(x, codes, norms, codec, slot_mapping):
+def compress_write(x, codes, norms, codec, slot_mapping, *, name="k/v"):
     """Compress ``x`` and scatter it into a page pool at ``slot_mapping`` (in place when donated).
 
     Args:
@@ -132,6 +132,7 @@ def compress_write(x, codes, norms, codec, slot_mapping):
       codec: the pool's :class:`jax_tq.TurboQuant`.
       slot_mapping: int32 [num_tokens]; token i goes to page slot_mapping[i] // page_size, offset
         slot_mapping[i] % page_size. Negative or out-of-pool slots are skipped.
+      name: what ``x`` is called in error messages ("k" or "v").
 
     Returns:
       (codes, norms), the updated pools. The FFI call aliases them to the inputs, so under
@@ -141,7 +142,7 @@ def compress_write(x, codes, norms, codec, slot_mapping):
       TypeError / ValueError on dtypes and shapes that do not match (message names the argument).
     """
     check_packed_codec(codec, "write_cache")
-    _check_write_args(x, codes, norms, codec, slot_mapping)
+    _check_write_args(x, codes, norms, codec, slot_mapping, name)
     backend = get_backend()
     if backend == "xla":
         return reference.compress_write(x, codes, norms, codec.rotation, codec.centroids, slot_mapping, codec.bits)
@@ -152,21 +153,21 @@ def compress_write(x, codes, norms, codec, slot_mapping):
     )
 
 
-def _check_write_args(x, codes, norms, codec, slot_mapping) -> None:
+def _check_write_args(x, codes, norms, codec, slot_mapping, name="k/v") -> None:
     op = "write_cache"
-    check_float_input(x, "k/v", op)
+    check_float_input(x, name, op)
     if x.ndim != 3:
-        raise ValueError(f"jax_tq.{op}: k/v must be [num_tokens, num_kv_heads, head_dim], got shape {tuple(x.shape)}")
-    check_last_dim(x, codec.head_dim, "k/v", op)
+        raise ValueError(f"jax_tq.{op}: {name} must be [num_tokens, num_kv_heads, head_dim], got shape {tuple(x.shape)}")
+    check_last_dim(x, codec.head_dim, name, op)
     num_tokens, num_kv_heads, _ = x.shape
     if codes.ndim != 4 or codes.shape[1] != num_kv_heads or codes.shape[3] != codec.packed_bytes:
         raise ValueError(
-            f"jax_tq.{op}: cache codes have shape {tuple(codes.shape)}, expected [num_pages, {num_kv_heads}, "
-            f"page_size, {codec.packed_bytes}] for k/v with {num_kv_heads} KV heads and the codec "
+            f"jax_tq.{op}: cache {name} codes have shape {tuple(codes.shape)}, expected [num_pages, {num_kv_heads}, "
+            f"page_size, {codec.packed_bytes}] for {name} with {num_kv_heads} KV heads and the codec "
             f"(head_dim {codec.head_dim}, bits {codec.bits})"
         )
     if codes.dtype != jnp.uint8 or norms.dtype != jnp.float32 or norms.shape != codes.shape[:3]:
-        raise ValueError(f"jax_tq.{op}: cache norms {norms.dtype}{tuple(norms.shape)} do not match codes {tuple(codes.shape)}")
+        raise ValueError(f"jax_tq.{op}: cache {name} norms {norms.dtype}{tuple(norms.shape)} do not match codes {tuple(codes.shape)}")
     if slot_mapping.dtype != jnp.int32 or slot_mapping.shape != (num_tokens,):
         raise (TypeError if slot_mapping.dtype != jnp.int32 else ValueError)(
             f"jax_tq.{op}: slot_mapping must be int32 [{num_tokens}], got {slot_mapping.dtype}{tuple(slot_mapping.shape)}"

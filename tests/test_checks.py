@@ -56,3 +56,17 @@ def test_unchecked_bad_indices_are_skipped_not_read(rng):
         got = tq.paged_decode(q, cache, jnp.asarray([[3, 1000]], jnp.int32), jnp.asarray([32], jnp.int32))
     want = decode_f64(np.asarray(q, np.float64), cache, jnp.asarray([[3, 0]], jnp.int32), jnp.asarray([16], jnp.int32))
     assert rel_err(got, want) < 1e-5
+
+
+def test_checked_accepts_a_jitted_function_without_poisoning_its_cache(rng):
+    cache = _cache(rng)
+    q = jnp.asarray(rng.normal(size=(1, 2, 64)), jnp.float32)
+    step = jax.jit(lambda q, c, t, s: tq.paged_decode(q, c, t, s))
+    good, bad = jnp.asarray([[0, 1]], jnp.int32), jnp.asarray([[0, 57]], jnp.int32)
+    lens = jnp.asarray([20], jnp.int32)
+    step(q, cache, good, lens)                       # traced unchecked first
+    err, _ = tq.checked(step)(q, cache, bad, lens)   # still checked
+    with pytest.raises(Exception, match=r"block_tables\[0, 1\] = 57"):
+        err.throw()
+    out = step(q, cache, good, lens)                 # and the plain jit still works
+    assert np.all(np.isfinite(np.asarray(out)))

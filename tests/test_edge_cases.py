@@ -611,7 +611,7 @@ def test_refuses_cache_whose_codec_does_not_match_its_pools():
         trace(dataclasses.replace(cache, v_codec=tq.TurboQuant(64, bits=4)))
     with pytest.raises(ValueError, match=r"v_norms is float32\(3, 1, 8\), expected float32\(3, 2, 8\)"):
         trace(dataclasses.replace(cache, v_norms=cache.v_norms[:, :1]))
-    with pytest.raises(ValueError, match=r"cache codes have shape \(3, 2, 8, 32\), expected \[num_pages, 2, page_size, 16\]"):
+    with pytest.raises(ValueError, match=r"cache k codes have shape \(3, 2, 8, 32\), expected \[num_pages, 2, page_size, 16\]"):
         jax.eval_shape(tq.write_cache, dataclasses.replace(cache, k_codec=tq.TurboQuant(64, bits=2)),
                        jnp.zeros((1, 2, 64)), jnp.zeros((1, 2, 64)), jnp.zeros((1,), jnp.int32))
 
@@ -623,14 +623,16 @@ def test_refuses_bad_write_and_codec_op_arguments_at_trace_time():
     slots = jnp.zeros((3,), jnp.int32)
     trace = lambda c, k, v, s: jax.eval_shape(tq.write_cache, c, k, v, s)  # noqa: E731
     trace(cache, k, k, slots)
-    with pytest.raises(ValueError, match=r"k/v has shape \(3, 2, 80\); its last axis must be the codec's head_dim 64"):
+    with pytest.raises(ValueError, match=r"write_cache: k has shape \(3, 2, 80\); its last axis must be the codec's head_dim 64"):
         trace(cache, jnp.zeros((3, 2, 80)), jnp.zeros((3, 2, 80)), slots)
-    with pytest.raises(ValueError, match=r"expected \[num_pages, 3, page_size, 32\] for k/v with 3 KV heads"):
+    with pytest.raises(ValueError, match=r"cache k codes .*expected \[num_pages, 3, page_size, 32\] for k with 3 KV heads"):
         trace(cache, jnp.zeros((3, 3, 64)), jnp.zeros((3, 3, 64)), slots)
-    with pytest.raises(ValueError, match=r"k/v must be \[num_tokens, num_kv_heads, head_dim\], got shape \(3, 64\)"):
+    with pytest.raises(ValueError, match=r"write_cache: k must be \[num_tokens, num_kv_heads, head_dim\], got shape \(3, 64\)"):
         trace(cache, k[:, 0], k[:, 0], slots)
-    with pytest.raises(TypeError, match=r"k/v must be float32, bfloat16 or float16, got int32"):
+    with pytest.raises(TypeError, match=r"write_cache: v must be float32, bfloat16 or float16, got int32"):
         trace(cache, k, k.astype(jnp.int32), slots)
+    with pytest.raises(ValueError, match=r"write_cache: k has 3 tokens but v has 2"):
+        trace(cache, k, k[:2], slots)
     with pytest.raises(TypeError, match=r"slot_mapping must be int32 \[3\], got float32\(3,\)"):
         trace(cache, k, k, slots.astype(jnp.float32))
     with pytest.raises(ValueError, match=r"slot_mapping must be int32 \[3\], got int32\(3, 1\)"):
@@ -638,7 +640,7 @@ def test_refuses_bad_write_and_codec_op_arguments_at_trace_time():
     with pytest.raises(ValueError, match=r"slot_mapping must be int32 \[3\], got int32\(4,\)"):
         trace(cache, k, k, jnp.zeros((4,), jnp.int32))
     with _compat.enable_x64():
-        with pytest.raises(TypeError, match=r"k/v must be float32, bfloat16 or float16, got float64"):
+        with pytest.raises(TypeError, match=r"write_cache: k must be float32, bfloat16 or float16, got float64"):
             trace(cache, k.astype(jnp.float64), k, slots)
         with pytest.raises(TypeError, match=r"slot_mapping must be int32 \[3\], got int64"):
             trace(cache, k, k, slots.astype(jnp.int64))
