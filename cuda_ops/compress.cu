@@ -16,6 +16,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 
@@ -408,6 +409,513 @@ __global__ void __launch_bounds__(kThreads) tq_gemm_kernel(const GemmParams p) {
   }
 }
 
+// =============================================================================================
+// v2: tensor-core kernels (mma.sync m16n8k16, fp32 accumulate; sm_80+).
+//
+// One warp owns a tile of 16 vectors (rows) x NC output coordinates; a CTA of WARPS warps holds
+// Bt = the NC rows of the [d, d] operand it needs (Bt[o][k]) in shared memory, converted once per
+// CTA, and loops over 16-row tiles (persistent grid: tile = blockIdx.x * WARPS + warp, stride
+// gridDim.x * WARPS). blockIdx.y picks the block of NC output coordinates.
+//
+// k ordering: a dot product may visit k in any order as long as A and B agree. Thread (g, t) of
+// the warp (g = lane / 4, t = lane % 4) takes, in 32-wide k chunk j, the 8 consecutive k
+// 32j + 8t .. 32j + 8t + 7 of its rows g and g + 8: one 16-byte load of a row of x (A) and one
+// 16-byte shared load of a row of Bt (B) give the fragments of two m16n8k16 steps:
+//   step 0: a = {P0, Q0, P1, Q1}, b = {B0, B1};  step 1: a = {P2, Q2, P3, Q3}, b = {B2, B3}
+// (P = row g, Q = row g + 8, word i = elements 2i, 2i + 1). d % 32 == 16 (d = 80) adds one k16
+// step in which thread t takes k = 32 * KC + 4t .. + 3 (8-byte loads). The per-output MMA
+// sequence is the same for every NC / WARPS, so the small- and large-batch configurations give
+// bit-identical results.
+//
+// compress:   y = (x Pi^T) / ||x||  (linear: normalise after the product). Pi is split into
+//             bf16 hi + lo (Pi_hi = bf16(Pi), Pi_lo = bf16(Pi - Pi_hi)); bf16 x is exact in bf16:
+//             y = x Pi_hi^T + x Pi_lo^T (2 MMAs per k-step, ~2^-16 relative). f32 / f16 x are
+//             split too (x_hi + x_lo): hi*hi + hi*lo + lo*hi (3 MMAs). Norms: fp32 sum of
+//             squares in a fixed order (thread: chunk by chunk, then a quad butterfly).
+//             Epilogue: y = acc * (1 / norm), binary search over the 15 (+inf padded) centroid
+//             midpoints (code = #boundaries < y, as v1 / format.h), codes staged per warp in
+//             shared memory, packed per 8-code group (format.h layout), written to rows or to
+//             the paged slots.
+// decompress: x_hat = norm * (c @ Pi) for bf16 / f16 outputs: one fp16 MMA per k-step (fp16 has
+//             11 significant bits: ~3e-4 relative, under bf16 output rounding; centroids scaled
+//             by a power of two into [-1, 1)). A fragments straight from the packed codes through
+//             a pair table (two codes -> half2). f32 output keeps the v1 fp32-FMA kernel (1e-6).
+// =============================================================================================
+
+// Row stride (bytes) of Bt in shared memory: 2d rounded so that stride % 128 == 64 (the 8 lanes
+// of a quarter-warp 16-byte load cover rows g, g + 1 x 64 bytes: conflict-free).
+constexpr int bt_stride_bytes(int d) { return 2 * d + ((64 - (2 * d) % 128) + 128) % 128; }
+
+template <int D, int NC, int WARPS>
+struct MmaGeom {
+  static constexpr int KC = D / 32;              // full 32-wide k chunks
+  static constexpr bool KREM = (D % 32) != 0;    // one more k16 step (D % 32 == 16)
+  static constexpr int NT = NC / 8;              // n8 tiles per warp
+  static constexpr int NG = NC / 8;              // 8-code packing groups per row per CTA
+  static constexpr int SB = bt_stride_bytes(D);  // Bt row stride, bytes
+  static constexpr int SBE = SB / 2;             // ... in 16-bit elements
+  static constexpr int CST = NC + 8;             // per-warp code staging row stride (bytes)
+  static constexpr int bt_bytes = NC * SB;
+  static constexpr int comp_smem = 2 * bt_bytes + WARPS * 16 * CST;  // Bt hi, Bt lo, codes
+  static constexpr int decomp_smem = bt_bytes;                       // Bt (fp16)
+  static_assert(D % 16 == 0 && NC % 8 == 0 && D % NC == 0, "tile shape");
+  static_assert(SB % 16 == 0 && CST % 8 == 0, "alignment");
+};
+
+__device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                         uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void mma_f16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                        uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t bf2_bits(__nv_bfloat162 h) {
+  uint32_t u;
+  memcpy(&u, &h, 4);
+  return u;
+}
+
+__device__ __forceinline__ uint32_t h2_bits(__half2 h) {
+  uint32_t u;
+  memcpy(&u, &h, 4);
+  return u;
+}
+
+// (a, b) -> bf16x2 hi and lo words: hi = bf16(a, b), lo = bf16(a - hi_a, b - hi_b).
+__device__ __forceinline__ void split2(float a, float b, uint32_t& hi, uint32_t& lo) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+  const float ha = __low2float(h), hb = __high2float(h);
+  hi = bf2_bits(h);
+  lo = bf2_bits(__floats2bfloat162_rn(a - ha, b - hb));
+}
+
+// Raw x words of one thread for one row: 8 elements (chunk) or 4 (the d = 80 remainder).
+template <int XT, int E>
+struct XRaw {
+  static constexpr int W = XT == static_cast<int>(FType::kF32) ? E : E / 2;  // 32-bit words
+  uint32_t w[W];
+};
+
+// Loads elements [i, i + E) (E = 8 or 4) of x; zeros when !valid. vec: x is 16-byte aligned.
+template <int XT, int E>
+__device__ __forceinline__ void load_raw(XRaw<XT, E>& r, const void* x, int64_t i, bool valid,
+                                         bool vec) {
+  constexpr int W = XRaw<XT, E>::W;
+  if (!valid) {
+#pragma unroll
+    for (int k = 0; k < W; ++k) r.w[k] = 0u;
+    return;
+  }
+  if constexpr (XT == static_cast<int>(FType::kF32)) {
+    const float* f = static_cast<const float*>(x) + i;
+    if (vec) {
+#pragma unroll
+      for (int k = 0; k < W / 4; ++k) {
+        const uint4 v = __ldg(reinterpret_cast<const uint4*>(f) + k);
+        r.w[4 * k] = v.x; r.w[4 * k + 1] = v.y; r.w[4 * k + 2] = v.z; r.w[4 * k + 3] = v.w;
+      }
+    } else {
+#pragma unroll
+      for (int k = 0; k < W; ++k) r.w[k] = __float_as_uint(__ldg(f + k));
+    }
+  } else {
+    const uint16_t* h = static_cast<const uint16_t*>(x) + i;
+    if (vec) {
+      if constexpr (W == 4) {
+        const uint4 v = __ldg(reinterpret_cast<const uint4*>(h));
+        r.w[0] = v.x; r.w[1] = v.y; r.w[2] = v.z; r.w[3] = v.w;
+      } else {
+        const uint2 v = __ldg(reinterpret_cast<const uint2*>(h));
+        r.w[0] = v.x; r.w[1] = v.y;
+      }
+    } else {
+#pragma unroll
+      for (int k = 0; k < W; ++k)
+        r.w[k] = uint32_t(__ldg(h + 2 * k)) | (uint32_t(__ldg(h + 2 * k + 1)) << 16);
+    }
+  }
+}
+
+// Raw words -> E/2 bf16x2 hi (and lo) words; ss += x_e^2 in element order.
+template <int XT, int E>
+__device__ __forceinline__ void convert_raw(const XRaw<XT, E>& r, uint32_t (&hi)[E / 2],
+                                            uint32_t (&lo)[E / 2], float& ss) {
+#pragma unroll
+  for (int k = 0; k < E / 2; ++k) {
+    float a, b;
+    if constexpr (XT == static_cast<int>(FType::kF32)) {
+      a = __uint_as_float(r.w[2 * k]);
+      b = __uint_as_float(r.w[2 * k + 1]);
+    } else if constexpr (XT == static_cast<int>(FType::kBF16)) {
+      a = __uint_as_float(r.w[k] << 16);
+      b = __uint_as_float(r.w[k] & 0xFFFF0000u);
+    } else {
+      __half2 h;
+      memcpy(&h, &r.w[k], 4);
+      const float2 f = __half22float2(h);
+      a = f.x;
+      b = f.y;
+    }
+    ss = fmaf(a, a, ss);
+    ss = fmaf(b, b, ss);
+    if constexpr (XT == static_cast<int>(FType::kBF16)) {
+      hi[k] = r.w[k];  // exact
+      lo[k] = 0u;
+    } else {
+      split2(a, b, hi[k], lo[k]);
+    }
+  }
+}
+
+// One k32 chunk (E = 8: 2 k16 steps) or the k16 remainder (E = 4: 1 step) for all n8 tiles.
+// bofs: element offset of this thread's k range inside a Bt row.
+template <int NT, int SBE, bool SPLIT, int E>
+__device__ __forceinline__ void compress_mma_chunk(float (&acc)[NT][4], const uint32_t (&ph)[E / 2],
+                                                   const uint32_t (&qh)[E / 2],
+                                                   const uint32_t (&pl)[E / 2],
+                                                   const uint32_t (&ql)[E / 2],
+                                                   const uint16_t* bhi, const uint16_t* blo) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    if constexpr (E == 8) {
+      const uint4 bh = *reinterpret_cast<const uint4*>(bhi + nt * 8 * SBE);
+      const uint4 bl = *reinterpret_cast<const uint4*>(blo + nt * 8 * SBE);
+      mma_bf16(acc[nt], ph[0], qh[0], ph[1], qh[1], bh.x, bh.y);
+      mma_bf16(acc[nt], ph[0], qh[0], ph[1], qh[1], bl.x, bl.y);
+      if constexpr (SPLIT) mma_bf16(acc[nt], pl[0], ql[0], pl[1], ql[1], bh.x, bh.y);
+      mma_bf16(acc[nt], ph[2], qh[2], ph[3], qh[3], bh.z, bh.w);
+      mma_bf16(acc[nt], ph[2], qh[2], ph[3], qh[3], bl.z, bl.w);
+      if constexpr (SPLIT) mma_bf16(acc[nt], pl[2], ql[2], pl[3], ql[3], bh.z, bh.w);
+    } else {
+      const uint2 bh = *reinterpret_cast<const uint2*>(bhi + nt * 8 * SBE);
+      const uint2 bl = *reinterpret_cast<const uint2*>(blo + nt * 8 * SBE);
+      mma_bf16(acc[nt], ph[0], qh[0], ph[1], qh[1], bh.x, bh.y);
+      mma_bf16(acc[nt], ph[0], qh[0], ph[1], qh[1], bl.x, bl.y);
+      if constexpr (SPLIT) mma_bf16(acc[nt], pl[0], ql[0], pl[1], ql[1], bh.x, bh.y);
+    }
+  }
+}
+
+// code = number of boundaries strictly less than y; bnd: 15 ascending midpoints padded with +inf
+// (bnd[15] is never read); b7 = bnd[7].
+__device__ __forceinline__ uint32_t bucketize16(float y, const float* bnd, float b7) {
+  int pos = (b7 < y) ? 8 : 0;
+  pos += (bnd[pos + 3] < y) ? 4 : 0;
+  pos += (bnd[pos + 1] < y) ? 2 : 0;
+  pos += (bnd[pos] < y) ? 1 : 0;
+  return static_cast<uint32_t>(pos);
+}
+
+// Register caps: bf16 x: 128 (2 CTAs of 8 warps per SM); f32 / f16 x (hi + lo fragments) may
+// take up to ~160 on the large tile rather than spill (1-2 CTAs per SM).
+template <int D, int NC, int WARPS, int XT>
+__global__ void __launch_bounds__(WARPS * 32,
+                                  (WARPS >= 8 ? (XT == static_cast<int>(FType::kBF16) ? 2 : 1) : 4))
+    tq_compress_mma_kernel(const GemmParams p) {
+  using G = MmaGeom<D, NC, WARPS>;
+  constexpr int NT = G::NT, SBE = G::SBE, CST = G::CST, KC = G::KC;
+  constexpr bool SPLIT = XT != static_cast<int>(FType::kBF16);
+  constexpr int kThr = WARPS * 32;
+
+  extern __shared__ __align__(16) uint8_t smem[];
+  uint16_t* bt_hi = reinterpret_cast<uint16_t*>(smem);
+  uint16_t* bt_lo = reinterpret_cast<uint16_t*>(smem + G::bt_bytes);
+  __shared__ float bnd_s[16];
+
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int col0 = blockIdx.y * NC;
+  uint8_t* cw = smem + 2 * G::bt_bytes + warp * 16 * CST;  // this warp's [16][CST] codes
+
+  const int bits = p.bits;
+  const int ncent = 1 << bits;
+  if (tid < 16) {
+    // boundary_i = (c_i + c_{i+1}) / 2 in float32, as format.h / the reference.
+    bnd_s[tid] = tid < ncent - 1 ? (p.cent[tid] + p.cent[tid + 1]) * 0.5f : INFINITY;
+  }
+  // Bt[o][k] = Pi[col0 + o][k], split into bf16 hi / lo.
+  for (int e = tid; e < NC * (D / 4); e += kThr) {
+    const int o = e / (D / 4);
+    const int k4 = e - o * (D / 4);
+    const float4 v =
+        __ldg(reinterpret_cast<const float4*>(p.rot + static_cast<int64_t>(col0 + o) * D) + k4);
+    uint2 h, l;
+    split2(v.x, v.y, h.x, l.x);
+    split2(v.z, v.w, h.y, l.y);
+    *reinterpret_cast<uint2*>(bt_hi + o * SBE + 4 * k4) = h;
+    *reinterpret_cast<uint2*>(bt_lo + o * SBE + 4 * k4) = l;
+  }
+  __syncthreads();
+  const float b7 = bnd_s[7];
+
+  const int64_t ntiles = (p.N + 15) / 16;
+  const int pb = D * bits / 8;
+  // This thread's Bt rows (n = g of every n8 tile) at its k offset.
+  const uint16_t* bhi0 = bt_hi + g * SBE + 8 * t;
+  const uint16_t* blo0 = bt_lo + g * SBE + 8 * t;
+
+  for (int64_t tile = static_cast<int64_t>(blockIdx.x) * WARPS + warp; tile < ntiles;
+       tile += static_cast<int64_t>(gridDim.x) * WARPS) {
+    const int64_t r0 = tile * 16 + g, r1 = r0 + 8;
+    const bool v0 = r0 < p.N, v1 = r1 < p.N;
+    const int64_t x0 = r0 * D + 8 * t, x1 = r1 * D + 8 * t;  // element offsets, chunk 0
+
+    float acc[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+    float ss0 = 0.f, ss1 = 0.f;
+
+    // bf16 x: chunk j + 1 is loaded while chunk j runs (8 registers); f32 / f16 x (hi + lo
+    // fragments, 3 MMAs) load chunk j at the top of its iteration (register budget).
+    constexpr bool PREFETCH = !SPLIT;
+    XRaw<XT, 8> cur0, cur1;
+    if constexpr (PREFETCH && KC > 0) {
+      load_raw<XT, 8>(cur0, p.x, x0, v0, p.vec_io);
+      load_raw<XT, 8>(cur1, p.x, x1, v1, p.vec_io);
+    }
+#pragma unroll 1
+    for (int j = 0; j < KC; ++j) {
+      if constexpr (!PREFETCH) {
+        load_raw<XT, 8>(cur0, p.x, x0 + 32 * j, v0, p.vec_io);
+        load_raw<XT, 8>(cur1, p.x, x1 + 32 * j, v1, p.vec_io);
+      }
+      XRaw<XT, 8> nxt0, nxt1;
+      if constexpr (PREFETCH) {
+        if (j + 1 < KC) {
+          load_raw<XT, 8>(nxt0, p.x, x0 + 32 * (j + 1), v0, p.vec_io);
+          load_raw<XT, 8>(nxt1, p.x, x1 + 32 * (j + 1), v1, p.vec_io);
+        }
+      }
+      uint32_t ph[4], pl[4], qh[4], ql[4];
+      convert_raw<XT, 8>(cur0, ph, pl, ss0);
+      convert_raw<XT, 8>(cur1, qh, ql, ss1);
+      compress_mma_chunk<NT, SBE, SPLIT, 8>(acc, ph, qh, pl, ql, bhi0 + 32 * j, blo0 + 32 * j);
+      if constexpr (PREFETCH) {
+        if (j + 1 < KC) {
+          cur0 = nxt0;
+          cur1 = nxt1;
+        }
+      }
+    }
+    if constexpr (G::KREM) {
+      XRaw<XT, 4> rr0, rr1;
+      load_raw<XT, 4>(rr0, p.x, r0 * D + 32 * KC + 4 * t, v0, p.vec_io);
+      load_raw<XT, 4>(rr1, p.x, r1 * D + 32 * KC + 4 * t, v1, p.vec_io);
+      uint32_t ph[2], pl[2], qh[2], ql[2];
+      convert_raw<XT, 4>(rr0, ph, pl, ss0);
+      convert_raw<XT, 4>(rr1, qh, ql, ss1);
+      const int kb = 32 * KC + 4 * t;
+      compress_mma_chunk<NT, SBE, SPLIT, 4>(acc, ph, qh, pl, ql, bt_hi + g * SBE + kb,
+                                            bt_lo + g * SBE + kb);
+    }
+
+    // ---- norms: quad butterfly (bitwise identical in the 4 lanes) ----
+    ss0 += __shfl_xor_sync(0xFFFFFFFFu, ss0, 1);
+    ss0 += __shfl_xor_sync(0xFFFFFFFFu, ss0, 2);
+    ss1 += __shfl_xor_sync(0xFFFFFFFFu, ss1, 1);
+    ss1 += __shfl_xor_sync(0xFFFFFFFFu, ss1, 2);
+    const float n0 = sqrtf(ss0), n1 = sqrtf(ss1);
+    const float inv0 = n0 > 0.f ? 1.0f / n0 : 0.f;
+    const float inv1 = n1 > 0.f ? 1.0f / n1 : 0.f;
+
+    // ---- bucketize into the warp's staging rows ----
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const uint32_t c0 = bucketize16(acc[nt][0] * inv0, bnd_s, b7);
+      const uint32_t c1 = bucketize16(acc[nt][1] * inv0, bnd_s, b7);
+      const uint32_t c2 = bucketize16(acc[nt][2] * inv1, bnd_s, b7);
+      const uint32_t c3 = bucketize16(acc[nt][3] * inv1, bnd_s, b7);
+      *reinterpret_cast<uint16_t*>(cw + g * CST + nt * 8 + 2 * t) =
+          static_cast<uint16_t>(c0 | (c1 << 8));
+      *reinterpret_cast<uint16_t*>(cw + (g + 8) * CST + nt * 8 + 2 * t) =
+          static_cast<uint16_t>(c2 | (c3 << 8));
+    }
+    __syncwarp();
+
+    // ---- pack (format.h) and write: 16 rows x NG groups of 8 codes ----
+    for (int e = lane; e < 16 * G::NG; e += 32) {
+      const int r = e / G::NG;
+      const int q = e - r * G::NG;
+      const int64_t n = tile * 16 + r;
+      if (n >= p.N) continue;
+      const int64_t row = dest_row(p, n);
+      if (row < 0) continue;
+      const uint2 cv = *reinterpret_cast<const uint2*>(cw + r * CST + 8 * q);
+      uint32_t w = 0;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        w |= ((cv.x >> (8 * k)) & 0xFFu) << (bits * k);
+        w |= ((cv.y >> (8 * k)) & 0xFFu) << (bits * (k + 4));
+      }
+      uint8_t* dst = p.codes + row * pb + (col0 / 8 + q) * bits;  // bits bytes per group
+      if (bits == 4) {
+        *reinterpret_cast<uint32_t*>(dst) = w;
+      } else if (bits == 2) {
+        *reinterpret_cast<uint16_t*>(dst) = static_cast<uint16_t>(w);
+      } else {
+        dst[0] = static_cast<uint8_t>(w & 0xFFu);
+        dst[1] = static_cast<uint8_t>((w >> 8) & 0xFFu);
+        dst[2] = static_cast<uint8_t>((w >> 16) & 0xFFu);
+      }
+    }
+    if (blockIdx.y == 0 && t == 0) {
+      if (v0) {
+        const int64_t row = dest_row(p, r0);
+        if (row >= 0) p.norms[row] = n0;
+      }
+      if (v1) {
+        const int64_t row = dest_row(p, r1);
+        if (row >= 0) p.norms[row] = n1;
+      }
+    }
+    __syncwarp();  // staging rows reused by the next tile
+  }
+}
+
+// Packed group word (8 codes, LSB-first) of row `row`, codes [k0, k0 + 8) (k0 % 8 == 0).
+__device__ __forceinline__ uint32_t load_group(const uint8_t* row, int k0, int bits) {
+  if (bits == 4) return __ldg(reinterpret_cast<const uint32_t*>(row + k0 / 2));
+  if (bits == 2) return __ldg(reinterpret_cast<const uint16_t*>(row + k0 / 4));
+  const uint8_t* q = row + (k0 / 8) * 3;
+  return uint32_t(__ldg(q)) | (uint32_t(__ldg(q + 1)) << 8) | (uint32_t(__ldg(q + 2)) << 16);
+}
+
+// Four codes [k0, k0 + 4) (k0 % 4 == 0), LSB-first in the low 4 * bits bits.
+__device__ __forceinline__ uint32_t load_quad(const uint8_t* row, int k0, int bits) {
+  const int bit = k0 * bits;
+  const uint8_t* q = row + bit / 8;
+  const int sh = bit % 8;
+  uint32_t w = __ldg(q);
+  if (sh + 4 * bits > 8) w |= uint32_t(__ldg(q + 1)) << 8;
+  return (w >> sh) & ((1u << (4 * bits)) - 1u);
+}
+
+template <int D, int NC, int WARPS>
+__global__ void __launch_bounds__(WARPS * 32, (WARPS >= 8 ? 2 : 4))
+    tq_decompress_mma_kernel(const GemmParams p) {
+  using G = MmaGeom<D, NC, WARPS>;
+  constexpr int NT = G::NT, SBE = G::SBE, KC = G::KC;
+  constexpr int kThr = WARPS * 32;
+
+  extern __shared__ __align__(16) uint8_t smem[];
+  uint16_t* bt = reinterpret_cast<uint16_t*>(smem);
+  __shared__ float cent_s[16];
+  __shared__ uint32_t ptab[256];  // (c_a | c_b << bits) -> half2(c_a, c_b) * cscale
+
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int col0 = blockIdx.y * NC;
+  const int bits = p.bits;
+  const int ncent = 1 << bits;
+  const uint32_t pmask = (1u << (2 * bits)) - 1u;
+  if (tid < 16) cent_s[tid] = tid < ncent ? p.cent[tid] : 0.f;
+  // Bt[o][k] = fp16(Pi[k][col0 + o])
+  for (int e = tid; e < D * NC; e += kThr) {
+    const int k = e / NC;
+    const int o = e - k * NC;
+    bt[o * SBE + k] = __half_as_ushort(__float2half_rn(__ldg(p.rot + k * D + col0 + o)));
+  }
+  __syncthreads();
+  float cmax = 0.f;
+  for (int i = 0; i < ncent; ++i) cmax = fmaxf(cmax, fabsf(cent_s[i]));
+  int ex = 0;
+  (void)frexpf(cmax, &ex);  // cmax = m * 2^ex, m in [0.5, 1)
+  const float cscale = ldexpf(1.f, -ex);
+  const float cunscale = ldexpf(1.f, ex);
+  for (int i = tid; i < 256; i += kThr) {
+    const float a = cent_s[i & (ncent - 1)] * cscale;
+    const float b = cent_s[(i >> bits) & (ncent - 1)] * cscale;
+    ptab[i] = h2_bits(__floats2half2_rn(a, b));
+  }
+  __syncthreads();
+
+  const int64_t ntiles = (p.N + 15) / 16;
+  const int pb = D * bits / 8;
+  const bool bf16_out = p.dtype == static_cast<int>(FType::kBF16);
+  const uint16_t* b0 = bt + g * SBE + 8 * t;
+
+  for (int64_t tile = static_cast<int64_t>(blockIdx.x) * WARPS + warp; tile < ntiles;
+       tile += static_cast<int64_t>(gridDim.x) * WARPS) {
+    const int64_t r0 = tile * 16 + g, r1 = r0 + 8;
+    const bool v0 = r0 < p.N, v1 = r1 < p.N;
+    const uint8_t* row0 = p.codes + r0 * pb;
+    const uint8_t* row1 = p.codes + r1 * pb;
+    uint32_t wr0 = 0, wr1 = 0;
+    if constexpr (G::KREM) {
+      wr0 = v0 ? load_quad(row0, 32 * KC + 4 * t, bits) : 0u;
+      wr1 = v1 ? load_quad(row1, 32 * KC + 4 * t, bits) : 0u;
+    }
+    const float s0 = (v0 ? __ldg(p.norms + r0) : 0.f) * cunscale;
+    const float s1 = (v1 ? __ldg(p.norms + r1) : 0.f) * cunscale;
+
+    float acc[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+
+    // chunk j's group words (8 codes of rows r0 / r1), one chunk prefetched ahead
+    uint32_t cw0 = (KC > 0 && v0) ? load_group(row0, 8 * t, bits) : 0u;
+    uint32_t cw1 = (KC > 0 && v1) ? load_group(row1, 8 * t, bits) : 0u;
+#pragma unroll 1
+    for (int j = 0; j < KC; ++j) {
+      uint32_t nw0 = 0u, nw1 = 0u;
+      if (j + 1 < KC) {
+        nw0 = v0 ? load_group(row0, 32 * (j + 1) + 8 * t, bits) : 0u;
+        nw1 = v1 ? load_group(row1, 32 * (j + 1) + 8 * t, bits) : 0u;
+      }
+      uint32_t a[4], c[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        a[i] = ptab[(cw0 >> (2 * bits * i)) & pmask];
+        c[i] = ptab[(cw1 >> (2 * bits * i)) & pmask];
+      }
+      const uint16_t* bj = b0 + 32 * j;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const uint4 b = *reinterpret_cast<const uint4*>(bj + nt * 8 * SBE);
+        mma_f16(acc[nt], a[0], c[0], a[1], c[1], b.x, b.y);
+        mma_f16(acc[nt], a[2], c[2], a[3], c[3], b.z, b.w);
+      }
+      cw0 = nw0;
+      cw1 = nw1;
+    }
+    if constexpr (G::KREM) {
+      const uint32_t a0 = ptab[wr0 & pmask], a1 = ptab[(wr0 >> (2 * bits)) & pmask];
+      const uint32_t c0 = ptab[wr1 & pmask], c1 = ptab[(wr1 >> (2 * bits)) & pmask];
+      const uint16_t* bb = bt + g * SBE + 32 * KC + 4 * t;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const uint2 b = *reinterpret_cast<const uint2*>(bb + nt * 8 * SBE);
+        mma_f16(acc[nt], a0, c0, a1, c1, b.x, b.y);
+      }
+    }
+
+    // ---- epilogue: rows r0 (acc[.][0..1]) and r1 (acc[.][2..3]), 2 outputs per store ----
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const int col = col0 + nt * 8 + 2 * t;
+      uint32_t u0, u1;
+      if (bf16_out) {
+        u0 = bf2_bits(__floats2bfloat162_rn(acc[nt][0] * s0, acc[nt][1] * s0));
+        u1 = bf2_bits(__floats2bfloat162_rn(acc[nt][2] * s1, acc[nt][3] * s1));
+      } else {
+        u0 = h2_bits(__floats2half2_rn(acc[nt][0] * s0, acc[nt][1] * s0));
+        u1 = h2_bits(__floats2half2_rn(acc[nt][2] * s1, acc[nt][3] * s1));
+      }
+      if (v0) *reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(p.out) + r0 * D + col) = u0;
+      if (v1) *reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(p.out) + r1 * D + col) = u1;
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Host side.
 // ---------------------------------------------------------------------------------------------
@@ -470,22 +978,44 @@ int ftype_of(ffi::DataType t) {
 }
 
 int sm_count() {
-  int dev = 0, n = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) return 132;
-  if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n <= 0)
-    return 132;
+  static const int n = [] {
+    int dev = 0, v = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) return 132;
+    if (cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || v <= 0)
+      return 132;
+    return v;
+  }();
   return n;
 }
 
+// Per-kernel-instantiation launch setup, done once: raise the dynamic shared-memory limit and
+// read the occupancy (blocks per SM).
+struct KernelCfg {
+  cudaError_t err;
+  int blocks_per_sm;
+};
+
+template <typename Kernel>
+KernelCfg make_cfg(Kernel kernel, int threads, int smem) {
+  KernelCfg c{cudaSuccess, 1};
+  if (smem > 48 * 1024) {
+    c.err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (c.err != cudaSuccess) return c;
+  }
+  int occ = 0;
+  c.err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kernel, threads, smem);
+  c.blocks_per_sm = occ > 0 ? occ : 1;
+  return c;
+}
+
+// v1 fp32-FMA kernel (decompress to f32, or unaligned buffers).
 template <int D, int VPT, bool DECOMP>
 ffi::Error launch_gemm_t(const char* op, cudaStream_t stream, const GemmParams& p) {
   using L = GemmLayout<D, VPT>;
   auto kernel = tq_gemm_kernel<D, VPT, DECOMP>;
   constexpr int smem = L::total;
-  if (smem > 48 * 1024) {
-    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (e != cudaSuccess) return cuda_error(op, "cudaFuncSetAttribute", e);
-  }
+  static const KernelCfg cfg = make_cfg(kernel, kThreads, smem);
+  if (cfg.err != cudaSuccess) return cuda_error(op, "kernel setup", cfg.err);
   const int64_t blocks = (p.N + L::MV - 1) / L::MV;
   if (blocks > 0x7FFFFFFF) return invalid(op, "too many vectors");
   kernel<<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(p);
@@ -497,8 +1027,7 @@ ffi::Error launch_gemm_t(const char* op, cudaStream_t stream, const GemmParams& 
 template <bool DECOMP>
 ffi::Error launch_gemm(const char* op, cudaStream_t stream, int d, const GemmParams& p) {
   if (p.N == 0) return ffi::Error::Success();
-  // Large batches: 64 vectors per CTA (more reuse of each Pi tile); small ones (a decode step's
-  // write): 16 per CTA so that enough CTAs run.
+  // Large batches: 64 vectors per CTA (more reuse of each Pi tile); small ones: 16 per CTA.
   const bool big = (p.N + 63) / 64 >= 2 * static_cast<int64_t>(sm_count());
   switch (d) {
     case 64: return big ? launch_gemm_t<64, 4, DECOMP>(op, stream, p) : launch_gemm_t<64, 1, DECOMP>(op, stream, p);
@@ -511,8 +1040,85 @@ ffi::Error launch_gemm(const char* op, cudaStream_t stream, int d, const GemmPar
   }
 }
 
+// v2 tensor-core kernels. DECOMP: tq_decompress_mma_kernel (XT unused), else
+// tq_compress_mma_kernel<..., XT>.
+template <int D, int NC, int WARPS, bool DECOMP, int XT>
+ffi::Error launch_mma_t(const char* op, cudaStream_t stream, const GemmParams& p) {
+  using G = MmaGeom<D, NC, WARPS>;
+  constexpr int threads = WARPS * 32;
+  constexpr int smem = DECOMP ? G::decomp_smem : G::comp_smem;
+  auto kernel = [] {
+    if constexpr (DECOMP) return tq_decompress_mma_kernel<D, NC, WARPS>;
+    else return tq_compress_mma_kernel<D, NC, WARPS, XT>;
+  }();
+  static const KernelCfg cfg = make_cfg(kernel, threads, smem);
+  if (cfg.err != cudaSuccess) return cuda_error(op, "kernel setup", cfg.err);
+  constexpr int ncb = D / NC;  // column blocks (grid.y)
+  const int64_t ntiles = (p.N + 15) / 16;
+  int64_t gx = (ntiles + WARPS - 1) / WARPS;
+  const int64_t cap = std::max<int64_t>(
+      1, static_cast<int64_t>(cfg.blocks_per_sm) * sm_count() / ncb);  // persistent grid
+  gx = std::min(gx, cap);
+  kernel<<<dim3(static_cast<unsigned>(gx), ncb), threads, smem, stream>>>(p);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return cuda_error(op, "kernel launch", e);
+  return ffi::Error::Success();
+}
+
+// Large batches: a warp tile is 16 rows x NC = min(d, 128 or d/2) outputs, 8 warps per CTA,
+// persistent grid. Small batches (a decode step's write): 16 x 16 tiles, 4 warps per CTA,
+// d/16 column blocks, so that enough CTAs run. Same per-output MMA sequence in both.
+template <int D, bool DECOMP, int XT>
+ffi::Error launch_mma_d(const char* op, cudaStream_t stream, const GemmParams& p) {
+  // f32 / f16 x (3 MMAs, hi + lo x fragments) and decompress: narrower tiles keep the
+  // accumulators + prefetch within 128 registers (2 CTAs of 256 threads per SM).
+  constexpr bool narrow = !DECOMP && XT != static_cast<int>(FType::kBF16);
+  constexpr int NCB = narrow ? (D <= 128 ? D / 2 : D / 4)
+                     : DECOMP ? (D <= 96 ? D : (D == 192 ? 96 : 64))
+                              : (D <= 128 ? D : D / 2);
+  const int64_t ntiles = (p.N + 15) / 16;
+  if (ntiles >= 8 * static_cast<int64_t>(sm_count()))
+    return launch_mma_t<D, NCB, 8, DECOMP, XT>(op, stream, p);
+  return launch_mma_t<D, 16, 4, DECOMP, XT>(op, stream, p);
+}
+
+template <bool DECOMP, int XT>
+ffi::Error launch_mma_x(const char* op, cudaStream_t stream, int d, const GemmParams& p) {
+  switch (d) {
+    case 64: return launch_mma_d<64, DECOMP, XT>(op, stream, p);
+    case 80: return launch_mma_d<80, DECOMP, XT>(op, stream, p);
+    case 96: return launch_mma_d<96, DECOMP, XT>(op, stream, p);
+    case 128: return launch_mma_d<128, DECOMP, XT>(op, stream, p);
+    case 192: return launch_mma_d<192, DECOMP, XT>(op, stream, p);
+    case 256: return launch_mma_d<256, DECOMP, XT>(op, stream, p);
+    default: return invalid(op, "unsupported head_dim " + std::to_string(d));
+  }
+}
+
+ffi::Error launch_compress(const char* op, cudaStream_t stream, int d, const GemmParams& p) {
+  if (p.N == 0) return ffi::Error::Success();
+  if (p.N > (int64_t(1) << 40)) return invalid(op, "too many vectors");
+  switch (p.dtype) {
+    case static_cast<int>(FType::kBF16):
+      return launch_mma_x<false, static_cast<int>(FType::kBF16)>(op, stream, d, p);
+    case static_cast<int>(FType::kF16):
+      return launch_mma_x<false, static_cast<int>(FType::kF16)>(op, stream, d, p);
+    default:
+      return launch_mma_x<false, static_cast<int>(FType::kF32)>(op, stream, d, p);
+  }
+}
+
 bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
 bool aligned4(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 3u) == 0; }
+
+ffi::Error launch_decompress(const char* op, cudaStream_t stream, int d, const GemmParams& p) {
+  if (p.N == 0) return ffi::Error::Success();
+  if (p.N > (int64_t(1) << 40)) return invalid(op, "too many vectors");
+  // f32 output needs ~1e-6: the v1 fp32 kernel. bf16 / f16: one fp16 MMA per k-step.
+  if (p.dtype == static_cast<int>(FType::kF32) || !aligned4(p.codes) || !aligned4(p.out))
+    return launch_gemm<true>(op, stream, d, p);
+  return launch_mma_x<true, 0>(op, stream, d, p);
+}
 
 }  // namespace
 
@@ -553,7 +1159,7 @@ ffi::Error CompressCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<f
   p.page_size = 1;
   p.total_slots = 0;
   if (!aligned16(p.rot)) return invalid(op, "rotation buffer is not 16-byte aligned");
-  return launch_gemm<false>(op, stream, static_cast<int>(d), p);
+  return launch_compress(op, stream, static_cast<int>(d), p);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -592,7 +1198,7 @@ ffi::Error DecompressCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::U8> codes,
   p.page_size = 1;
   p.total_slots = 0;
   if (!aligned16(p.rot)) return invalid(op, "rotation buffer is not 16-byte aligned");
-  return launch_gemm<true>(op, stream, static_cast<int>(d), p);
+  return launch_decompress(op, stream, static_cast<int>(d), p);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -655,7 +1261,7 @@ ffi::Error CompressWriteCudaImpl(cudaStream_t stream, ffi::AnyBuffer x,
   p.page_size = static_cast<int>(page_size);
   p.total_slots = num_pages * page_size;
   if (!aligned16(p.rot)) return invalid(op, "rotation buffer is not 16-byte aligned");
-  return launch_gemm<false>(op, stream, static_cast<int>(d), p);
+  return launch_compress(op, stream, static_cast<int>(d), p);
 }
 
 }  // namespace cuda
