@@ -25,6 +25,7 @@
 #include <cuda_runtime.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstdint>
 #include <string>
 
@@ -623,6 +624,322 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// =============================================================================================
+// v2 split kernel: warp-independent streaming (head_dim 64 / 128 / 256, any bits, GT 1/2/4/8,
+// GT <= 4 at d = 256). Same grid, same token range per CTA, same partial / output writes as v1.
+//
+//   Lane mapping: LPT = D / 8 lanes per token; lane j = lane % LPT owns coordinates 8j .. 8j+7
+//   of its token (k_bits / v_bits bytes of codes each); TPS = 32 / LPT tokens per warp step
+//   (slot = lane / LPT). q of those 8 coordinates for all GT heads lives in registers, pre-scaled
+//   by scale * log2(e). A warp processes token groups of TG = NSTEP * TPS consecutive tokens;
+//   group gi goes to warp gi % 4. Each slot (LPT lanes) keeps its own online softmax (m, l) per
+//   head and acc[GT][8]; no block barrier in the main loop. Loads go straight from global memory
+//   into registers: the codes / norms of group gi + 4 are issued before group gi is computed,
+//   the block-table entries of group gi + 8 one iteration earlier still (so the code loads never
+//   wait on a block-table load). Codes of any width are expanded to 8 nibbles in one word; the
+//   centroid lookup is a 16-entry fp32 table in shared memory (conflict-free).
+//   End: slots merged with shuffles, the 4 warps through shared memory (one barrier).
+//   Invalid tokens (>= tok_end, page id outside [0, P)) are never read: their K norm is set to
+//   NaN, which the score clamp turns into -inf (weight 0), and their V codes / norm to 0.
+// =============================================================================================
+namespace v2 {
+
+template <int D, int GT>
+struct Geo2 {
+  static constexpr int LPT = D / 8;                 // lanes per token
+  static constexpr int TPS = 32 / LPT;              // tokens per warp step
+  static constexpr int NSTEP = GT >= 8 ? 4 : 8;     // steps per token group (register budget)
+  static constexpr int TG = NSTEP * TPS;            // tokens per group
+  static_assert(LPT >= 8 && LPT <= 32 && (LPT & (LPT - 1)) == 0, "v2 needs D in {64, 128, 256}");
+};
+
+// Raw code bits of coordinates 8j .. 8j+7 of one row (bits * 8 bits, LSB-first).
+__device__ __forceinline__ uint32_t load_codes(const uint8_t* rowp, int bits, int j) {
+  if (bits == 4) return __ldg(reinterpret_cast<const unsigned int*>(rowp) + j);
+  if (bits == 2) return __ldg(reinterpret_cast<const unsigned short*>(rowp) + j);
+  const uint8_t* b = rowp + 3 * j;
+  return uint32_t(__ldg(b)) | (uint32_t(__ldg(b + 1)) << 8) | (uint32_t(__ldg(b + 2)) << 16);
+}
+
+// 8 codes of `bits` bits (code i at bit bits*i) -> 8 nibbles (code i at bit 4i).
+__device__ __forceinline__ uint32_t to_nibbles(uint32_t x, int bits) {
+  if (bits == 4) return x;
+  if (bits == 2) {
+    x = (x | (x << 8)) & 0x00FF00FFu;
+    x = (x | (x << 4)) & 0x0F0F0F0Fu;
+    x = (x | (x << 2)) & 0x33333333u;
+    return x;
+  }
+  x = (x & 0x00000FFFu) | ((x & 0x00FFF000u) << 4);
+  x = (x & 0x003F003Fu) | ((x & 0x0FC00FC0u) << 2);
+  x = (x & 0x07070707u) | ((x & 0x38383838u) << 1);
+  return x;
+}
+
+// c[e] = table[code e] for the 8 nibbles of n.
+__device__ __forceinline__ void decode8(uint32_t n, const float* tab, float (&c)[8]) {
+  const uint32_t a = (n << 2) & 0x3C3C3C3Cu;  // even coordinates, byte offsets
+  const uint32_t b = (n >> 2) & 0x3C3C3C3Cu;  // odd coordinates, byte offsets
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    c[2 * k] = table_at(tab, __byte_perm(a, 0u, 0x4440u + k));
+    c[2 * k + 1] = table_at(tab, __byte_perm(b, 0u, 0x4440u + k));
+  }
+}
+
+template <int D, int GT>
+__global__ void __launch_bounds__(kThreads)
+    paged_decode_v2_kernel(const DecodeParams p) {
+  using Geo = Geo2<D, GT>;
+  constexpr int LPT = Geo::LPT, TPS = Geo::TPS, NSTEP = Geo::NSTEP, TG = Geo::TG;
+
+  __shared__ float kcent_s[16];
+  __shared__ float vcent_s[16];
+  __shared__ float m_s[kWarps][GT];
+  __shared__ float l_s[kWarps][GT];
+  __shared__ __align__(16) float o_s[kWarps][GT * D];
+
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5;
+  const int lane = tid & 31;
+  const int j = lane % LPT;     // coordinate slice 8j .. 8j+7
+  const int slot = lane / LPT;  // token slot within a warp step
+  const int ns = p.num_splits;
+  const int seq = blockIdx.x / ns;
+  const int split = blockIdx.x - seq * ns;
+  const int kvh = blockIdx.y / p.ntiles;
+  const int tile = blockIdx.y - kvh * p.ntiles;
+  const int kb = p.k_bits, vb = p.v_bits;
+  const int64_t kbytes = p.kcopy.bytes, vbytes = p.vcopy.bytes;
+
+  // ---- token range of this split (identical to v1) ------------------------------------------
+  const int64_t max_tok = static_cast<int64_t>(p.max_pages) * p.page_size;
+  int64_t seq_len = p.sl[seq];
+  seq_len = seq_len < 0 ? 0 : (seq_len > max_tok ? max_tok : seq_len);
+  const int64_t n_pages = (seq_len + p.page_size - 1) / p.page_size;
+  const int64_t pps = (n_pages + ns - 1) / ns;
+  int64_t p0 = static_cast<int64_t>(split) * pps;
+  if (p0 > n_pages) p0 = n_pages;
+  int64_t p1 = p0 + pps;
+  if (p1 > n_pages) p1 = n_pages;
+  const int tok0 = static_cast<int>(p0 * p.page_size);
+  const int tok_end = static_cast<int>(p1 * p.page_size < seq_len ? p1 * p.page_size : seq_len);
+  const int ntok = tok_end > tok0 ? tok_end - tok0 : 0;
+  const int ngroups = (ntok + TG - 1) / TG;
+  const int32_t* bt_seq = p.bt + static_cast<int64_t>(seq) * p.max_pages;
+
+  if (tid < 16) {
+    kcent_s[tid] = tid < (1 << kb) ? p.kcent[tid] : 0.f;
+    vcent_s[tid] = tid < (1 << vb) ? p.vcent[tid] : 0.f;
+  }
+
+  // q of coordinates 8j .. 8j+7 for every head of the tile (0 for heads past the group).
+  float q[GT][8];
+#pragma unroll
+  for (int g = 0; g < GT; ++g) {
+    const int hl = tile * GT + g;
+    if (hl < p.G) {
+      const float* qp = p.q + (static_cast<int64_t>(seq) * p.H + kvh * p.G + hl) * D + 8 * j;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) q[g][e] = qp[e] * p.qscale;
+    } else {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) q[g][e] = 0.f;
+    }
+  }
+
+  float m[GT], l[GT], acc[GT][8];
+#pragma unroll
+  for (int g = 0; g < GT; ++g) {
+    m[g] = -INFINITY;
+    l[g] = 0.f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[g][e] = 0.f;
+  }
+
+  // Physical page id (raw block-table entry; -1 when the token is outside the split) of this
+  // lane's token at every step of group gi. Validated against [0, P) only when used, so the
+  // loads stay in flight.
+  auto lookup = [&](int gi, int (&ph)[NSTEP]) {
+#pragma unroll
+    for (int s = 0; s < NSTEP; ++s) {
+      int r = -1;
+      if (gi < ngroups) {
+        const int tok = tok0 + gi * TG + s * TPS + slot;
+        if (tok < tok_end) r = __ldg(bt_seq + p.pdiv.div(static_cast<uint32_t>(tok)));
+      }
+      ph[s] = r;
+    }
+  };
+  // Codes and norms of this lane's token at every step of group gi (ph from lookup(gi)).
+  auto load = [&](int gi, const int (&ph)[NSTEP], uint32_t (&kw)[NSTEP], uint32_t (&vw)[NSTEP],
+                  float (&kn)[NSTEP], float (&vn)[NSTEP]) {
+#pragma unroll
+    for (int s = 0; s < NSTEP; ++s) {
+      kw[s] = 0u;
+      vw[s] = 0u;
+      kn[s] = __int_as_float(0x7fc00000);  // NaN: score -> -inf (token masked)
+      vn[s] = 0.f;
+      if (static_cast<uint32_t>(ph[s]) < static_cast<uint32_t>(p.P)) {  // also false for -1
+        const int tok = tok0 + gi * TG + s * TPS + slot;
+        const int lp = static_cast<int>(p.pdiv.div(static_cast<uint32_t>(tok)));
+        const int off = tok - lp * p.page_size;
+        const int64_t row = (static_cast<int64_t>(ph[s]) * p.Hkv + kvh) * p.page_size + off;
+        kw[s] = load_codes(p.kc + row * kbytes, kb, j);
+        vw[s] = load_codes(p.vc + row * vbytes, vb, j);
+        kn[s] = __ldg(p.kn + row);
+        vn[s] = __ldg(p.vn + row);
+      }
+    }
+  };
+
+  __syncthreads();  // centroid tables visible
+
+  int ph[NSTEP];
+  uint32_t kw[NSTEP], vw[NSTEP];
+  float kn[NSTEP], vn[NSTEP];
+  int gi = warp;
+  lookup(gi, ph);
+  load(gi, ph, kw, vw, kn, vn);
+  lookup(gi + kWarps, ph);
+
+#pragma unroll 1
+  for (; gi < ngroups; gi += kWarps) {
+    // Prefetch: codes / norms of the next group, block-table entries of the one after.
+    uint32_t kw2[NSTEP], vw2[NSTEP];
+    float kn2[NSTEP], vn2[NSTEP];
+    load(gi + kWarps, ph, kw2, vw2, kn2, vn2);
+    lookup(gi + 2 * kWarps, ph);
+
+    // ---- scores (log2 units), all heads, all steps -----------------------------------------
+    float sc[GT][NSTEP];
+#pragma unroll
+    for (int s = 0; s < NSTEP; ++s) {
+      float c[8];
+      decode8(to_nibbles(kw[s], kb), kcent_s, c);
+#pragma unroll
+      for (int g = 0; g < GT; ++g) {
+        float a = q[g][0] * c[0];
+#pragma unroll
+        for (int e = 1; e < 8; ++e) a = fmaf(q[g][e], c[e], a);
+#pragma unroll
+        for (int o = LPT / 2; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
+        float v = a * kn[s];
+        if (!(v > -INFINITY)) v = -INFINITY;  // masked token (NaN norm) or NaN: no weight
+        sc[g][s] = v;
+      }
+    }
+
+    // ---- online softmax per head (per slot; identical in the slot's LPT lanes) -------------
+#pragma unroll
+    for (int g = 0; g < GT; ++g) {
+      float gm = sc[g][0];
+#pragma unroll
+      for (int s = 1; s < NSTEP; ++s) gm = fmaxf(gm, sc[g][s]);
+      const float mn = fmaxf(m[g], gm);
+      const bool any = mn > -INFINITY;
+      const float alpha = any ? fast_exp2(m[g] - mn) : 1.f;  // m = -inf -> 0
+      float ps = 0.f;
+#pragma unroll
+      for (int s = 0; s < NSTEP; ++s) {
+        const float pr = any ? fast_exp2(sc[g][s] - mn) : 0.f;  // s = -inf -> 0
+        ps += pr;
+        sc[g][s] = pr > 0.f ? pr * vn[s] : 0.f;  // V weight: p * v_norm
+      }
+      l[g] = l[g] * alpha + ps;
+      m[g] = mn;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[g][e] *= alpha;
+    }
+
+    // ---- V accumulation ----------------------------------------------------------------------
+#pragma unroll
+    for (int s = 0; s < NSTEP; ++s) {
+      float c[8];
+      decode8(to_nibbles(vw[s], vb), vcent_s, c);
+#pragma unroll
+      for (int g = 0; g < GT; ++g) {
+        const float w = sc[g][s];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[g][e] = fmaf(w, c[e], acc[g][e]);
+      }
+    }
+
+#pragma unroll
+    for (int s = 0; s < NSTEP; ++s) {
+      kw[s] = kw2[s];
+      vw[s] = vw2[s];
+      kn[s] = kn2[s];
+      vn[s] = vn2[s];
+    }
+  }
+
+  // ---- merge the TPS slots of the warp (lanes with equal j differ in the bits >= log2(LPT)) ---
+#pragma unroll
+  for (int g = 0; g < GT; ++g) {
+    if constexpr (TPS > 1) {
+      float mw = m[g];
+#pragma unroll
+      for (int o = LPT; o < 32; o <<= 1) mw = fmaxf(mw, __shfl_xor_sync(0xffffffffu, mw, o));
+      const float f = m[g] > -INFINITY ? fast_exp2(m[g] - mw) : 0.f;  // mw >= m[g]
+      float lg = l[g] * f;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[g][e] *= f;
+#pragma unroll
+      for (int o = LPT; o < 32; o <<= 1) {
+        lg += __shfl_xor_sync(0xffffffffu, lg, o);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[g][e] += __shfl_xor_sync(0xffffffffu, acc[g][e], o);
+      }
+      m[g] = mw;
+      l[g] = lg;
+    }
+    if (slot == 0) {
+      float4* dst = reinterpret_cast<float4*>(&o_s[warp][g * D + 8 * j]);
+      dst[0] = make_float4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
+      dst[1] = make_float4(acc[g][4], acc[g][5], acc[g][6], acc[g][7]);
+    }
+    if (lane == 0) {
+      m_s[warp][g] = m[g];
+      l_s[warp][g] = l[g];
+    }
+  }
+  __syncthreads();
+
+  // ---- merge the warps; write partials (or the final output when there is a single split) ---
+  const bool direct = ns == 1;
+  for (int idx = tid; idx < GT * D; idx += kThreads) {
+    const int g = idx / D;
+    const int dd = idx - g * D;
+    const int hl = tile * GT + g;
+    if (hl >= p.G) continue;
+    float M = m_s[0][g];
+#pragma unroll
+    for (int w = 1; w < kWarps; ++w) M = fmaxf(M, m_s[w][g]);
+    float L = 0.f, O = 0.f;
+    if (M > -INFINITY) {
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) {
+        const float f = fast_exp2(m_s[w][g] - M);  // m = -inf -> 0 (its l and acc are 0)
+        L = fmaf(l_s[w][g], f, L);
+        O = fmaf(o_s[w][idx], f, O);
+      }
+    }
+    const int h = kvh * p.G + hl;
+    const float o = L > 0.f ? O / L : 0.f;
+    const int64_t sh = static_cast<int64_t>(seq) * p.H + h;
+    if (direct) {
+      p.out[sh * D + dd] = o;
+    } else {
+      const int64_t li = sh * ns + split;
+      p.pout[li * D + dd] = o;
+      if (dd == 0) p.plse[li] = L > 0.f ? (M + log2f(L)) * kLn2 : -INFINITY;
+    }
+  }
+}
+
+}  // namespace v2
+
 // ---------------------------------------------------------------------------------------------
 // Combine kernel: one CTA per (seq, head).
 // ---------------------------------------------------------------------------------------------
@@ -717,6 +1034,14 @@ ffi::Error launch_split(cudaStream_t stream, const DecodeParams& p, dim3 grid) {
   return ffi::Error::Success();
 }
 
+template <int D, int GT>
+ffi::Error launch_v2(cudaStream_t stream, const DecodeParams& p, dim3 grid) {
+  v2::paged_decode_v2_kernel<D, GT><<<grid, kThreads, 0, stream>>>(p);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return cuda_error("v2 split kernel launch", e);
+  return ffi::Error::Success();
+}
+
 // Largest query-head tile per head_dim (register budget: acc_v[GT][8] stays in registers).
 constexpr int max_gt(int d) { return d >= 256 ? 4 : 8; }
 
@@ -737,7 +1062,45 @@ ffi::Error dispatch_gt(int gt, cudaStream_t stream, const DecodeParams& p, dim3 
 #define JTQ_HAS_D(x) 1
 #endif
 
+template <int D>
+ffi::Error dispatch_gt_v2(int gt, cudaStream_t stream, const DecodeParams& p, dim3 grid) {
+  switch (gt) {
+    case 1: return launch_v2<D, 1>(stream, p, grid);
+    case 2: return launch_v2<D, 2>(stream, p, grid);
+    case 4: return launch_v2<D, 4>(stream, p, grid);
+    default: return launch_v2<D, max_gt(D)>(stream, p, grid);
+  }
+}
+
+// Kernel choice (explicit):
+//   v2 (warp-independent streaming, no barrier in the main loop) for head_dim 64 / 128 / 256
+//      (8 coordinates per lane, a power-of-two number of lanes per token), every k_bits /
+//      v_bits, every GQA tile (same GT and grid as v1), when both code pools are 4-byte aligned
+//      (v2 reads 4-bit codes as 32-bit words and 2-bit codes as 16-bit words);
+//   v1 (block-synchronous cp.async pipeline) for head_dim 80 / 96 / 192, misaligned pools, or
+//      when the environment variable JAX_TQ_CUDA_DECODE_V1 is set (A/B timing, fallback).
+bool use_v2(int d, const DecodeParams& p) {
+  static const bool force_v1 = std::getenv("JAX_TQ_CUDA_DECODE_V1") != nullptr;
+  if (force_v1) return false;
+  if (d != 64 && d != 128 && d != 256) return false;
+  return reinterpret_cast<uintptr_t>(p.kc) % 4 == 0 && reinterpret_cast<uintptr_t>(p.vc) % 4 == 0;
+}
+
 ffi::Error dispatch_d(int d, int gt, cudaStream_t stream, const DecodeParams& p, dim3 grid) {
+  if (use_v2(d, p)) {
+    switch (d) {
+#if JTQ_HAS_D(64)
+      case 64: return dispatch_gt_v2<64>(gt, stream, p, grid);
+#endif
+#if JTQ_HAS_D(128)
+      case 128: return dispatch_gt_v2<128>(gt, stream, p, grid);
+#endif
+#if JTQ_HAS_D(256)
+      case 256: return dispatch_gt_v2<256>(gt, stream, p, grid);
+#endif
+      default: break;
+    }
+  }
   switch (d) {
 #if JTQ_HAS_D(64)
     case 64: return dispatch_gt<64>(gt, stream, p, grid);

@@ -21,10 +21,9 @@ from jax_tq.checks import check_decode_indices
 paged_decode_p = _compat.Primitive("jax_tq_paged_decode")
 paged_decode_p.multiple_results = True
 
-#: On a GPU, aim for this many CTAs per streaming multiprocessor when choosing the split count.
-CTAS_PER_SM = 4
-#: Each split gets at least this many pages, so the combine stays cheap next to the split's work.
-MIN_PAGES_PER_SPLIT = 4
+#: Each split streams at least this many tokens, so its prefetch has work to overlap and the
+#: combine stays cheap next to the split's own work.
+MIN_TOKENS_PER_SPLIT = 256
 
 
 def paged_decode(q, cache, block_tables, seq_lens, *, scale=None, num_splits=None):
@@ -113,14 +112,21 @@ def _check_decode_args(q, cache, block_tables, seq_lens, num_splits) -> None:
         raise ValueError(f"{op}: num_splits must be >= 1 (or None for automatic), got {num_splits}")
 
 
-def choose_num_splits(platform: str, num_seqs: int, num_kv_heads: int, max_pages: int) -> int:
-    """Split-K count for a launch: 1 on CPU; on a GPU enough (seq, kv_head, split) CTAs to put
-    ``CTAS_PER_SM`` on every multiprocessor, with at least ``MIN_PAGES_PER_SPLIT`` pages per split."""
+def choose_num_splits(platform: str, num_seqs: int, num_kv_heads: int, max_pages: int, *,
+                      group: int = 1, page_size: int = 16, head_dim: int = 128) -> int:
+    """Split-K count for a launch: 1 on CPU. On a GPU, enough (sequence, KV head, head tile, split)
+    CTAs for whole waves on every multiprocessor (2 resident CTAs per SM for head tiles of 4 or 8
+    query heads, whose register use limits residency, 4 otherwise), with at least
+    ``MIN_TOKENS_PER_SPLIT`` tokens (and 4 pages) per split."""
     if platform == "cpu":
         return 1
-    ctas_wanted = CTAS_PER_SM * _compat.gpu_core_count()
-    by_occupancy = -(-ctas_wanted // max(1, num_seqs * num_kv_heads))
-    by_length = max(1, max_pages // MIN_PAGES_PER_SPLIT)
+    tile = 1 if group <= 1 else 2 if group <= 2 else 4 if group <= 4 else 8
+    if head_dim >= 256:
+        tile = min(tile, 4)
+    head_tiles = -(-group // tile)
+    ctas_wanted = (2 if tile >= 4 else 4) * _compat.gpu_core_count()
+    by_occupancy = -(-ctas_wanted // max(1, num_seqs * num_kv_heads * head_tiles))
+    by_length = max(1, max_pages // max(4, MIN_TOKENS_PER_SPLIT // page_size))
     return int(max(1, min(by_occupancy, by_length)))
 
 
@@ -139,7 +145,9 @@ def _ffi(ctx, *operands, k_bits, v_bits, scale, num_splits):
     num_seqs, num_heads, head_dim = q_aval.shape
     if num_splits == 0:
         platform = _compat.lowering_platforms(ctx)[0]
-        num_splits = choose_num_splits(platform, num_seqs, ctx.avals_in[2].shape[1], ctx.avals_in[7].shape[1])
+        num_kv_heads, page_size = ctx.avals_in[2].shape[1], ctx.avals_in[2].shape[2]
+        num_splits = choose_num_splits(platform, num_seqs, num_kv_heads, ctx.avals_in[7].shape[1],
+                                       group=num_heads // num_kv_heads, page_size=page_size, head_dim=head_dim)
     workspace = (
         _compat.ShapedArray((num_seqs, num_heads, num_splits, head_dim), jnp.float32),
         _compat.ShapedArray((num_seqs, num_heads, num_splits), jnp.float32),
