@@ -1073,15 +1073,14 @@ ffi::Error dispatch_gt_v2(int gt, cudaStream_t stream, const DecodeParams& p, di
 }
 
 // Kernel choice (explicit):
-//   v2 (warp-independent streaming, no barrier in the main loop) for head_dim 64 / 128 / 256
-//      (8 coordinates per lane, a power-of-two number of lanes per token), every k_bits /
-//      v_bits, every GQA tile (same GT and grid as v1), when both code pools are 4-byte aligned
-//      (v2 reads 4-bit codes as 32-bit words and 2-bit codes as 16-bit words);
-//   v1 (block-synchronous cp.async pipeline) for head_dim 80 / 96 / 192, misaligned pools, or
-//      when the environment variable JAX_TQ_CUDA_DECODE_V1 is set (A/B timing, fallback).
+//   v1 (block-synchronous cp.async pipeline): the default, every head_dim. Measured faster on the
+//      H200 (docs/performance.md: K4V4 32x8192 389 us vs 615 us for v2).
+//   v2 (warp-independent streaming, no barrier in the main loop) only when the environment
+//      variable JAX_TQ_CUDA_DECODE_V2 is set (A/B timing), for head_dim 64 / 128 / 256 with both
+//      code pools 4-byte aligned (v2 reads 4-bit codes as 32-bit words, 2-bit as 16-bit words).
 bool use_v2(int d, const DecodeParams& p) {
-  static const bool force_v1 = std::getenv("JAX_TQ_CUDA_DECODE_V1") != nullptr;
-  if (force_v1) return false;
+  static const bool want_v2 = std::getenv("JAX_TQ_CUDA_DECODE_V2") != nullptr;
+  if (!want_v2) return false;
   if (d != 64 && d != 128 && d != 256) return false;
   return reinterpret_cast<uintptr_t>(p.kc) % 4 == 0 && reinterpret_cast<uintptr_t>(p.vc) % 4 == 0;
 }
