@@ -7,6 +7,7 @@ back once (out = Pi_v^T o_rot): TurboQuant (arXiv 2504.19874), Sec. 3, applied t
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -44,7 +45,9 @@ def paged_decode(q, cache, block_tables, seq_lens, *, scale=None, num_splits=Non
         value >= 1 is correct, also more splits than pages.
 
     Returns:
-      [num_seqs, num_heads, head_dim] array of q's dtype.
+      [num_seqs, num_heads, head_dim] array of q's dtype. Differentiable in q and in the cache's
+      norms (``jax.grad``/``vjp``; the backward pass runs the jnp reference). The codes are integers
+      and get no gradient; :func:`jax_tq.compress` (rounding to centroids) is not differentiable.
 
     Raises:
       TypeError: q not float32/bfloat16/float16; block_tables or seq_lens not int32.
@@ -66,12 +69,41 @@ def paged_decode(q, cache, block_tables, seq_lens, *, scale=None, num_splits=Non
     if backend == "xla":
         out_rot = reference.paged_decode_rotated(*operands, k_codec.bits, v_codec.bits, scale)
     else:
-        (out_rot,) = paged_decode_p.bind(
-            *operands, k_bits=k_codec.bits, v_bits=v_codec.bits, scale=scale,
-            num_splits=int(num_splits or 0), backend=backend,
-        )
+        out_rot = _decode_rotated(*operands, k_codec.bits, v_codec.bits, scale, int(num_splits or 0), backend)
     out = jnp.einsum("she,ed->shd", out_rot, v_codec.rotation, precision=hi)
     return out.astype(q.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11, 12, 13))
+def _decode_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens,
+                    k_bits, v_bits, scale, num_splits, backend):
+    """The kernel call, differentiable in q_rot, k_norms and v_norms (the codes are integers)."""
+    (out_rot,) = paged_decode_p.bind(
+        q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens,
+        k_bits=k_bits, v_bits=v_bits, scale=scale, num_splits=num_splits, backend=backend,
+    )
+    return out_rot
+
+
+def _decode_rotated_fwd(*args):
+    operands, static = args[:9], args[9:]
+    return _decode_rotated(*operands, *static), operands
+
+
+def _decode_rotated_bwd(k_bits, v_bits, scale, num_splits, backend, operands, cotangent):
+    """Backward pass through the reference (recomputes the softmax; memory O(num_seqs x tokens))."""
+    q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens = operands
+
+    def attend(q, kn, vn):
+        return reference.paged_decode_rotated(q, k_codes, kn, v_codes, vn, k_cent, v_cent, tables, lens,
+                                              k_bits, v_bits, scale)
+
+    _, vjp = jax.vjp(attend, q_rot, k_norms, v_norms)
+    dq, dk_norms, dv_norms = vjp(cotangent)
+    return dq, None, dk_norms, None, dv_norms, None, None, None, None
+
+
+_decode_rotated.defvjp(_decode_rotated_fwd, _decode_rotated_bwd)
 
 
 def _check_decode_args(q, cache, block_tables, seq_lens, num_splits) -> None:
