@@ -151,7 +151,7 @@ def make_pallas_inputs(num_seqs, seq_len, key, copies):
     return sets
 
 
-def bench_shape(num_seqs, seq_len, splits_list, copy_bw, quick):
+def bench_shape(num_seqs, seq_len, splits_list, copy_bw, quick, only_tq=False):
     key = jax.random.PRNGKey(num_seqs * 100003 + seq_len)
     outer = 5 if quick else 15
     rows = []
@@ -179,6 +179,8 @@ def bench_shape(num_seqs, seq_len, splits_list, copy_bw, quick):
     except Exception as err:  # noqa: BLE001
         print(f"  kernel-only timing failed: {type(err).__name__}: {err}")
     del sets
+    if only_tq:
+        return rows
     # ---- dense bf16 baselines -------------------------------------------------------------------
     dense = bf16_bytes(num_seqs, seq_len)
     dsets = make_dense_inputs(num_seqs, seq_len, key, n_copies(dense))
@@ -209,6 +211,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
     ap.add_argument("--splits", default="auto", help="comma list of split counts to time for jax_tq (auto = library choice)")
+    ap.add_argument("--only-tq", action="store_true", help="time jax_tq only (split sweeps)")
     ap.add_argument("--shapes", default=None, help="comma list like 32x8192,1x32768")
     args = ap.parse_args()
     shapes = SHAPES if args.shapes is None else tuple(tuple(int(v) for v in s.split("x")) for s in args.shapes.split(","))
@@ -227,7 +230,7 @@ def main():
     table = []
     for num_seqs, seq_len in shapes:
         print(f"== num_seqs={num_seqs} seq_len={seq_len}")
-        rows = bench_shape(num_seqs, seq_len, splits_list, bw, args.quick)
+        rows = bench_shape(num_seqs, seq_len, splits_list, bw, args.quick, args.only_tq)
         t_cudnn = next((r[1] for r in rows if r[0].endswith("cudnn")), float("nan"))
         t_xla = next((r[1] for r in rows if r[0].endswith(" xla")), float("nan"))
         for name, med, best, nbytes in rows:
