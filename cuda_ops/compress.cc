@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "jax_tq/ffi_checks.h"
 #include "jax_tq/format.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -16,6 +17,10 @@ namespace ffi = xla::ffi;
 namespace jax_tq {
 namespace cpu {
 namespace {
+
+using ffi_checks::CompressDims;
+using ffi_checks::CompressWriteDims;
+using ffi_checks::Op;
 
 // ---------------------------------------------------------------------------
 // bf16 / f16 <-> f32 with round-to-nearest-even.
@@ -132,50 +137,7 @@ inline void store_row(void* base, FloatKind k, int64_t start, int n, const float
   }
 }
 
-// ---------------------------------------------------------------------------
-// Validation helpers.
-// ---------------------------------------------------------------------------
-std::string dims_str(ffi::Span<const int64_t> dims) {
-  std::string s = "[";
-  for (size_t i = 0; i < dims.size(); ++i) {
-    if (i) s += ", ";
-    s += std::to_string(dims[i]);
-  }
-  return s + "]";
-}
-
-// Returns an empty string when `dims` equals `want`, otherwise an error message.
-std::string check_dims(const char* op, const char* name, ffi::Span<const int64_t> dims,
-                       std::initializer_list<int64_t> want) {
-  bool ok = dims.size() == want.size();
-  if (ok) {
-    size_t i = 0;
-    for (int64_t w : want) ok = ok && dims[i++] == w;
-  }
-  if (ok) return {};
-  std::vector<int64_t> w(want);
-  return std::string(op) + ": " + name + " has shape " + dims_str(dims) + ", expected " +
-         dims_str(ffi::Span<const int64_t>(w.data(), w.size()));
-}
-
-#define JTQ_CHECK_DIMS(op, name, dims, ...)                                   \
-  do {                                                                        \
-    std::string _msg = check_dims(op, name, dims, __VA_ARGS__);               \
-    if (!_msg.empty()) return ffi::Error::InvalidArgument(std::move(_msg));   \
-  } while (0)
-
-ffi::Error check_bits_dim(const char* op, int32_t bits, int64_t d) {
-  if (!is_supported_bits(bits))
-    return ffi::Error::InvalidArgument(std::string(op) + ": bits must be 2, 3 or 4, got " +
-                                       std::to_string(bits));
-  if (!is_supported_head_dim(int(d)))
-    return ffi::Error::InvalidArgument(std::string(op) +
-                                       ": head_dim must be one of 64, 80, 96, 128, 192, 256, "
-                                       "got " + std::to_string(d));
-  return ffi::Error::Success();
-}
-
-const char* kDtypeMsg = ": dtype must be float32, bfloat16 or float16";
+constexpr const char* kDtypeMsg = ": dtype must be float32, bfloat16 or float16";
 
 // ---------------------------------------------------------------------------
 // Per-row codec. Workspace sized for kMaxHeadDim.
@@ -221,20 +183,13 @@ ffi::Error CompressImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> rotation,
                         ffi::Buffer<ffi::F32> centroids,
                         ffi::Result<ffi::Buffer<ffi::U8>> codes,
                         ffi::Result<ffi::Buffer<ffi::F32>> norms, int32_t bits) {
-  static const char* op = "jax_tq_compress";
+  static constexpr Op op{"jax_tq_compress", ffi_checks::kCpuTag};
   const FloatKind k = kind_of(x.element_type());
-  if (k == FloatKind::kOther) return ffi::Error::InvalidArgument(std::string(op) + ": x" + kDtypeMsg);
-  const auto xd = x.dimensions();
-  if (xd.size() != 2)
-    return ffi::Error::InvalidArgument(std::string(op) + ": x must be rank 2 [N, d], got " +
-                                       dims_str(xd));
-  const int64_t n = xd[0], d = xd[1];
-  if (auto e = check_bits_dim(op, bits, d); e.failure()) return e;
-  const int64_t pb = packed_bytes(int(d), bits);
-  JTQ_CHECK_DIMS(op, "rotation", rotation.dimensions(), {d, d});
-  JTQ_CHECK_DIMS(op, "centroids", centroids.dimensions(), {int64_t(1) << bits});
-  JTQ_CHECK_DIMS(op, "codes (result)", codes->dimensions(), {n, pb});
-  JTQ_CHECK_DIMS(op, "norms (result)", norms->dimensions(), {n});
+  if (k == FloatKind::kOther) return op.invalid(std::string("x") + kDtypeMsg);
+  CompressDims dims;
+  JTQ_RETURN_IF_ERROR(
+      ffi_checks::validate_compress(op, x, rotation, centroids, *codes, *norms, bits, &dims));
+  const int64_t n = dims.n, d = dims.d, pb = dims.pb;
 
   RowCompressor comp(int(d), bits, rotation.typed_data(), centroids.typed_data());
   const void* xp = x.untyped_data();
@@ -254,21 +209,14 @@ ffi::Error CompressImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> rotation,
 ffi::Error DecompressImpl(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::F32> norms,
                           ffi::Buffer<ffi::F32> rotation, ffi::Buffer<ffi::F32> centroids,
                           ffi::Result<ffi::AnyBuffer> x, int32_t bits) {
-  static const char* op = "jax_tq_decompress";
+  static constexpr Op op{"jax_tq_decompress", ffi_checks::kCpuTag};
   const FloatKind k = kind_of(x->element_type());
   if (k == FloatKind::kOther)
-    return ffi::Error::InvalidArgument(std::string(op) + ": result x" + kDtypeMsg);
-  const auto xd = x->dimensions();
-  if (xd.size() != 2)
-    return ffi::Error::InvalidArgument(std::string(op) + ": result x must be rank 2 [N, d], got " +
-                                       dims_str(xd));
-  const int64_t n = xd[0], d = xd[1];
-  if (auto e = check_bits_dim(op, bits, d); e.failure()) return e;
-  const int64_t pb = packed_bytes(int(d), bits);
-  JTQ_CHECK_DIMS(op, "codes", codes.dimensions(), {n, pb});
-  JTQ_CHECK_DIMS(op, "norms", norms.dimensions(), {n});
-  JTQ_CHECK_DIMS(op, "rotation", rotation.dimensions(), {d, d});
-  JTQ_CHECK_DIMS(op, "centroids", centroids.dimensions(), {int64_t(1) << bits});
+    return op.invalid(std::string("result x") + kDtypeMsg);
+  CompressDims dims;
+  JTQ_RETURN_IF_ERROR(
+      ffi_checks::validate_decompress(op, codes, norms, rotation, centroids, *x, bits, &dims));
+  const int64_t n = dims.n, d = dims.d, pb = dims.pb;
 
   const float* rot = rotation.typed_data();
   const float* cent = centroids.typed_data();
@@ -302,29 +250,15 @@ ffi::Error CompressWriteImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U8> codes_in,
                              ffi::Buffer<ffi::F32> centroids, ffi::Buffer<ffi::S32> slot_mapping,
                              ffi::Result<ffi::Buffer<ffi::U8>> codes_out,
                              ffi::Result<ffi::Buffer<ffi::F32>> norms_out, int32_t bits) {
-  static const char* op = "jax_tq_compress_write";
+  static constexpr Op op{"jax_tq_compress_write", ffi_checks::kCpuTag};
   const FloatKind k = kind_of(x.element_type());
-  if (k == FloatKind::kOther) return ffi::Error::InvalidArgument(std::string(op) + ": x" + kDtypeMsg);
-  const auto xd = x.dimensions();
-  if (xd.size() != 3)
-    return ffi::Error::InvalidArgument(std::string(op) + ": x must be rank 3 [T, Hkv, d], got " +
-                                       dims_str(xd));
-  const int64_t t_n = xd[0], hkv = xd[1], d = xd[2];
-  if (auto e = check_bits_dim(op, bits, d); e.failure()) return e;
-  const int64_t pb = packed_bytes(int(d), bits);
-  const auto cd = codes_in.dimensions();
-  if (cd.size() != 4)
-    return ffi::Error::InvalidArgument(std::string(op) +
-                                       ": codes must be rank 4 [P, Hkv, page_size, packed], got " +
-                                       dims_str(cd));
-  const int64_t num_pages = cd[0], page_size = cd[2];
-  JTQ_CHECK_DIMS(op, "codes", cd, {num_pages, hkv, page_size, pb});
-  JTQ_CHECK_DIMS(op, "norms", norms_in.dimensions(), {num_pages, hkv, page_size});
-  JTQ_CHECK_DIMS(op, "rotation", rotation.dimensions(), {d, d});
-  JTQ_CHECK_DIMS(op, "centroids", centroids.dimensions(), {int64_t(1) << bits});
-  JTQ_CHECK_DIMS(op, "slot_mapping", slot_mapping.dimensions(), {t_n});
-  JTQ_CHECK_DIMS(op, "codes (result)", codes_out->dimensions(), {num_pages, hkv, page_size, pb});
-  JTQ_CHECK_DIMS(op, "norms (result)", norms_out->dimensions(), {num_pages, hkv, page_size});
+  if (k == FloatKind::kOther) return op.invalid(std::string("x") + kDtypeMsg);
+  CompressWriteDims dims;
+  JTQ_RETURN_IF_ERROR(ffi_checks::validate_compress_write(op, x, codes_in, norms_in, rotation,
+                                                          centroids, slot_mapping, *codes_out,
+                                                          *norms_out, bits, &dims));
+  const int64_t t_n = dims.t_n, hkv = dims.hkv, d = dims.d, pb = dims.pb;
+  const int64_t num_pages = dims.num_pages, page_size = dims.page_size;
 
   uint8_t* cp = codes_out->typed_data();
   float* np_ = norms_out->typed_data();

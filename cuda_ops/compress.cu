@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <string>
 
+#include "jax_tq/ffi_checks.h"
 #include "jax_tq/format.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -919,53 +920,14 @@ __global__ void __launch_bounds__(WARPS * 32, (WARPS >= 8 ? 2 : 4))
 // ---------------------------------------------------------------------------------------------
 // Host side.
 // ---------------------------------------------------------------------------------------------
-std::string dims_str(ffi::Span<const int64_t> dims) {
-  std::string s = "[";
-  for (size_t i = 0; i < dims.size(); ++i) {
-    if (i) s += ", ";
-    s += std::to_string(dims[i]);
-  }
-  return s + "]";
-}
+// Messages: "<op> (CUDA): ..."; the operand checks are shared with the CPU handlers
+// (jax_tq/ffi_checks.h).
+ffi_checks::Op cuda_op(const char* op) { return ffi_checks::Op{op, ffi_checks::kCudaTag}; }
 
-std::string check_dims(const char* op, const char* name, ffi::Span<const int64_t> dims,
-                       std::initializer_list<int64_t> want) {
-  bool ok = dims.size() == want.size();
-  if (ok) {
-    size_t i = 0;
-    for (int64_t w : want) ok = ok && dims[i++] == w;
-  }
-  if (ok) return {};
-  std::string ws = "[";
-  size_t i = 0;
-  for (int64_t w : want) {
-    if (i++) ws += ", ";
-    ws += std::to_string(w);
-  }
-  return std::string(op) + " (CUDA): " + name + " has shape " + dims_str(dims) + ", expected " +
-         ws + "]";
-}
-
-#define JTQ_CHECK_DIMS(op, name, dims, ...)                                 \
-  do {                                                                      \
-    std::string _msg = check_dims(op, name, dims, __VA_ARGS__);             \
-    if (!_msg.empty()) return ffi::Error::InvalidArgument(std::move(_msg)); \
-  } while (0)
-
-ffi::Error invalid(const char* op, const std::string& msg) {
-  return ffi::Error::InvalidArgument(std::string(op) + " (CUDA): " + msg);
-}
+ffi::Error invalid(const char* op, const std::string& msg) { return cuda_op(op).invalid(msg); }
 
 ffi::Error cuda_error(const char* op, const char* what, cudaError_t e) {
-  return ffi::Error::Internal(std::string(op) + " (CUDA): " + what + ": " + cudaGetErrorString(e));
-}
-
-ffi::Error check_bits_dim(const char* op, int32_t bits, int64_t d) {
-  if (!is_supported_bits(bits))
-    return invalid(op, "bits must be 2, 3 or 4, got " + std::to_string(bits));
-  if (!is_supported_head_dim(static_cast<int>(d)))
-    return invalid(op, "head_dim must be one of 64, 80, 96, 128, 192, 256, got " + std::to_string(d));
-  return ffi::Error::Success();
+  return cuda_op(op).internal(std::string(what) + ": " + cudaGetErrorString(e));
 }
 
 int ftype_of(ffi::DataType t) {
@@ -1132,15 +1094,10 @@ ffi::Error CompressCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<f
   static const char* op = "jax_tq_compress";
   const int ft = ftype_of(x.element_type());
   if (ft < 0) return invalid(op, "x dtype must be float32, bfloat16 or float16");
-  const auto xd = x.dimensions();
-  if (xd.size() != 2) return invalid(op, "x must be rank 2 [N, d], got " + dims_str(xd));
-  const int64_t n = xd[0], d = xd[1];
-  if (auto e = check_bits_dim(op, bits, d); e.failure()) return e;
-  const int64_t pb = packed_bytes(static_cast<int>(d), bits);
-  JTQ_CHECK_DIMS(op, "rotation", rotation.dimensions(), {d, d});
-  JTQ_CHECK_DIMS(op, "centroids", centroids.dimensions(), {int64_t(1) << bits});
-  JTQ_CHECK_DIMS(op, "codes (result)", codes->dimensions(), {n, pb});
-  JTQ_CHECK_DIMS(op, "norms (result)", norms->dimensions(), {n});
+  ffi_checks::CompressDims dims;
+  JTQ_RETURN_IF_ERROR(ffi_checks::validate_compress(cuda_op(op), x, rotation, centroids, *codes,
+                                                    *norms, bits, &dims));
+  const int64_t n = dims.n, d = dims.d;
   if (!aligned4(codes->typed_data())) return invalid(op, "codes buffer is not 4-byte aligned");
 
   GemmParams p{};
@@ -1172,15 +1129,10 @@ ffi::Error DecompressCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::U8> codes,
   static const char* op = "jax_tq_decompress";
   const int ft = ftype_of(x->element_type());
   if (ft < 0) return invalid(op, "result x dtype must be float32, bfloat16 or float16");
-  const auto xd = x->dimensions();
-  if (xd.size() != 2) return invalid(op, "result x must be rank 2 [N, d], got " + dims_str(xd));
-  const int64_t n = xd[0], d = xd[1];
-  if (auto e = check_bits_dim(op, bits, d); e.failure()) return e;
-  const int64_t pb = packed_bytes(static_cast<int>(d), bits);
-  JTQ_CHECK_DIMS(op, "codes", codes.dimensions(), {n, pb});
-  JTQ_CHECK_DIMS(op, "norms", norms.dimensions(), {n});
-  JTQ_CHECK_DIMS(op, "rotation", rotation.dimensions(), {d, d});
-  JTQ_CHECK_DIMS(op, "centroids", centroids.dimensions(), {int64_t(1) << bits});
+  ffi_checks::CompressDims dims;
+  JTQ_RETURN_IF_ERROR(ffi_checks::validate_decompress(cuda_op(op), codes, norms, rotation,
+                                                      centroids, *x, bits, &dims));
+  const int64_t n = dims.n, d = dims.d;
 
   GemmParams p{};
   p.x = nullptr;
@@ -1213,22 +1165,12 @@ ffi::Error CompressWriteCudaImpl(cudaStream_t stream, ffi::AnyBuffer x,
   static const char* op = "jax_tq_compress_write";
   const int ft = ftype_of(x.element_type());
   if (ft < 0) return invalid(op, "x dtype must be float32, bfloat16 or float16");
-  const auto xd = x.dimensions();
-  if (xd.size() != 3) return invalid(op, "x must be rank 3 [T, Hkv, d], got " + dims_str(xd));
-  const int64_t t_n = xd[0], hkv = xd[1], d = xd[2];
-  if (auto e = check_bits_dim(op, bits, d); e.failure()) return e;
-  const int64_t pb = packed_bytes(static_cast<int>(d), bits);
-  const auto cd = codes_in.dimensions();
-  if (cd.size() != 4)
-    return invalid(op, "codes must be rank 4 [P, Hkv, page_size, packed], got " + dims_str(cd));
-  const int64_t num_pages = cd[0], page_size = cd[2];
-  JTQ_CHECK_DIMS(op, "codes", cd, {num_pages, hkv, page_size, pb});
-  JTQ_CHECK_DIMS(op, "norms", norms_in.dimensions(), {num_pages, hkv, page_size});
-  JTQ_CHECK_DIMS(op, "rotation", rotation.dimensions(), {d, d});
-  JTQ_CHECK_DIMS(op, "centroids", centroids.dimensions(), {int64_t(1) << bits});
-  JTQ_CHECK_DIMS(op, "slot_mapping", slot_mapping.dimensions(), {t_n});
-  JTQ_CHECK_DIMS(op, "codes (result)", codes_out->dimensions(), {num_pages, hkv, page_size, pb});
-  JTQ_CHECK_DIMS(op, "norms (result)", norms_out->dimensions(), {num_pages, hkv, page_size});
+  ffi_checks::CompressWriteDims dims;
+  JTQ_RETURN_IF_ERROR(ffi_checks::validate_compress_write(cuda_op(op), x, codes_in, norms_in,
+                                                          rotation, centroids, slot_mapping,
+                                                          *codes_out, *norms_out, bits, &dims));
+  const int64_t t_n = dims.t_n, hkv = dims.hkv, d = dims.d;
+  const int64_t num_pages = dims.num_pages, page_size = dims.page_size;
 
   uint8_t* cp = codes_out->typed_data();
   float* np_ = norms_out->typed_data();
@@ -1268,34 +1210,13 @@ ffi::Error CompressWriteCudaImpl(cudaStream_t stream, ffi::AnyBuffer x,
 }  // namespace jax_tq
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTqCompressCuda, jax_tq::cuda::CompressCudaImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()           // x [N, d]
-                                  .Arg<ffi::Buffer<ffi::F32>>()    // rotation [d, d]
-                                  .Arg<ffi::Buffer<ffi::F32>>()    // centroids [2**bits]
-                                  .Ret<ffi::Buffer<ffi::U8>>()     // codes [N, packed]
-                                  .Ret<ffi::Buffer<ffi::F32>>()    // norms [N]
-                                  .Attr<int32_t>("bits"));
+                              jax_tq::ffi_checks::BindCompress(
+                                  ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTqDecompressCuda, jax_tq::cuda::DecompressCudaImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()     // codes [N, packed]
-                                  .Arg<ffi::Buffer<ffi::F32>>()    // norms [N]
-                                  .Arg<ffi::Buffer<ffi::F32>>()    // rotation [d, d]
-                                  .Arg<ffi::Buffer<ffi::F32>>()    // centroids [2**bits]
-                                  .Ret<ffi::AnyBuffer>()           // x [N, d]
-                                  .Attr<int32_t>("bits"));
+                              jax_tq::ffi_checks::BindDecompress(
+                                  ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTqCompressWriteCuda, jax_tq::cuda::CompressWriteCudaImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()           // x [T, Hkv, d]
-                                  .Arg<ffi::Buffer<ffi::U8>>()     // codes [P, Hkv, page, packed]
-                                  .Arg<ffi::Buffer<ffi::F32>>()    // norms [P, Hkv, page]
-                                  .Arg<ffi::Buffer<ffi::F32>>()    // rotation [d, d]
-                                  .Arg<ffi::Buffer<ffi::F32>>()    // centroids [2**bits]
-                                  .Arg<ffi::Buffer<ffi::S32>>()    // slot_mapping [T]
-                                  .Ret<ffi::Buffer<ffi::U8>>()     // codes (aliases operand 1)
-                                  .Ret<ffi::Buffer<ffi::F32>>()    // norms (aliases operand 2)
-                                  .Attr<int32_t>("bits"));
+                              jax_tq::ffi_checks::BindCompressWrite(
+                                  ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));

@@ -10,6 +10,7 @@
 
 #include <pybind11/pybind11.h>
 
+#include "jax_tq/ffi_module.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace py = pybind11;
@@ -19,26 +20,11 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxTqDecompressCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxTqCompressWriteCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxTqPagedDecodeCuda);
 
-namespace {
-
-template <typename T>
-py::capsule EncapsulateFfiHandler(T* fn) {
-  static_assert(std::is_invocable_r_v<XLA_FFI_Error*, T, XLA_FFI_CallFrame*>,
-                "Encapsulated function must be an XLA FFI handler");
-  return py::capsule(reinterpret_cast<void*>(fn));
-}
-
-}  // namespace
-
 PYBIND11_MODULE(_cuda_ops, m) {
   m.doc() = "jax_tq CUDA XLA FFI handlers";
   m.def("registrations", []() {
-    py::dict d;
-    d["jax_tq_compress"] = EncapsulateFfiHandler(JaxTqCompressCuda);
-    d["jax_tq_decompress"] = EncapsulateFfiHandler(JaxTqDecompressCuda);
-    d["jax_tq_compress_write"] = EncapsulateFfiHandler(JaxTqCompressWriteCuda);
-    d["jax_tq_paged_decode"] = EncapsulateFfiHandler(JaxTqPagedDecodeCuda);
-    return d;
+    return jax_tq::FfiRegistrations(JaxTqCompressCuda, JaxTqDecompressCuda, JaxTqCompressWriteCuda,
+                                    JaxTqPagedDecodeCuda);
   });
   m.def(
       "device_info",

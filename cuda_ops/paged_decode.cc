@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "jax_tq/ffi_checks.h"
 #include "jax_tq/format.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -21,38 +22,6 @@ namespace ffi = xla::ffi;
 namespace jax_tq {
 namespace cpu {
 namespace {
-
-std::string dims_str(ffi::Span<const int64_t> dims) {
-  std::string s = "[";
-  for (size_t i = 0; i < dims.size(); ++i) {
-    if (i) s += ", ";
-    s += std::to_string(dims[i]);
-  }
-  return s + "]";
-}
-
-std::string check_dims(const char* name, ffi::Span<const int64_t> dims,
-                       std::initializer_list<int64_t> want) {
-  bool ok = dims.size() == want.size();
-  if (ok) {
-    size_t i = 0;
-    for (int64_t w : want) ok = ok && dims[i++] == w;
-  }
-  if (ok) return {};
-  std::vector<int64_t> w(want);
-  return std::string("jax_tq_paged_decode: ") + name + " has shape " + dims_str(dims) +
-         ", expected " + dims_str(ffi::Span<const int64_t>(w.data(), w.size()));
-}
-
-#define JTQ_CHECK_DIMS(name, dims, ...)                                     \
-  do {                                                                      \
-    std::string _msg = check_dims(name, dims, __VA_ARGS__);                 \
-    if (!_msg.empty()) return ffi::Error::InvalidArgument(std::move(_msg)); \
-  } while (0)
-
-ffi::Error invalid(const std::string& msg) {
-  return ffi::Error::InvalidArgument("jax_tq_paged_decode: " + msg);
-}
 
 constexpr double kNegInf = -std::numeric_limits<double>::infinity();
 
@@ -68,37 +37,14 @@ ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q_rot, ffi::Buffer<ffi::U8> k_c
                            ffi::Result<ffi::Buffer<ffi::F32>> partial_lse, int32_t k_bits,
                            int32_t v_bits, int32_t num_splits, float scale) {
   // ---- validation --------------------------------------------------------
-  if (!is_supported_bits(k_bits)) return invalid("k_bits must be 2, 3 or 4, got " + std::to_string(k_bits));
-  if (!is_supported_bits(v_bits)) return invalid("v_bits must be 2, 3 or 4, got " + std::to_string(v_bits));
-  if (num_splits < 1) return invalid("num_splits must be >= 1, got " + std::to_string(num_splits));
-  const auto qd = q_rot.dimensions();
-  if (qd.size() != 3) return invalid("q_rot must be rank 3 [S, H, d], got " + dims_str(qd));
-  const int64_t S = qd[0], H = qd[1], d = qd[2];
-  if (!is_supported_head_dim(int(d)))
-    return invalid("head_dim must be one of 64, 80, 96, 128, 192, 256, got " + std::to_string(d));
-  const auto kd = k_codes.dimensions();
-  if (kd.size() != 4)
-    return invalid("k_codes must be rank 4 [P, Hkv, page_size, packed], got " + dims_str(kd));
-  const int64_t P = kd[0], Hkv = kd[1], page = kd[2];
-  const int64_t kpb = packed_bytes(int(d), k_bits), vpb = packed_bytes(int(d), v_bits);
-  if (Hkv <= 0 || H % Hkv != 0)
-    return invalid("num_heads (" + std::to_string(H) + ") must be a multiple of num_kv_heads (" +
-                   std::to_string(Hkv) + ")");
-  const auto bd = block_tables.dimensions();
-  if (bd.size() != 2) return invalid("block_tables must be rank 2 [S, max_pages], got " + dims_str(bd));
-  const int64_t max_pages = bd[1];
-  const int64_t ns = num_splits;
-  JTQ_CHECK_DIMS("k_codes", kd, {P, Hkv, page, kpb});
-  JTQ_CHECK_DIMS("k_norms", k_norms.dimensions(), {P, Hkv, page});
-  JTQ_CHECK_DIMS("v_codes", v_codes.dimensions(), {P, Hkv, page, vpb});
-  JTQ_CHECK_DIMS("v_norms", v_norms.dimensions(), {P, Hkv, page});
-  JTQ_CHECK_DIMS("k_centroids", k_centroids.dimensions(), {int64_t(1) << k_bits});
-  JTQ_CHECK_DIMS("v_centroids", v_centroids.dimensions(), {int64_t(1) << v_bits});
-  JTQ_CHECK_DIMS("block_tables", bd, {S, max_pages});
-  JTQ_CHECK_DIMS("seq_lens", seq_lens.dimensions(), {S});
-  JTQ_CHECK_DIMS("out_rot (result)", out_rot->dimensions(), {S, H, d});
-  JTQ_CHECK_DIMS("partial_out (result)", partial_out->dimensions(), {S, H, ns, d});
-  JTQ_CHECK_DIMS("partial_lse (result)", partial_lse->dimensions(), {S, H, ns});
+  static constexpr ffi_checks::Op op{"jax_tq_paged_decode", ffi_checks::kCpuTag};
+  ffi_checks::DecodeDims dims;
+  JTQ_RETURN_IF_ERROR(ffi_checks::validate_paged_decode(
+      op, q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids, block_tables,
+      seq_lens, *out_rot, *partial_out, *partial_lse, k_bits, v_bits, num_splits, &dims));
+  const int64_t S = dims.S, H = dims.H, d = dims.d;
+  const int64_t P = dims.P, Hkv = dims.Hkv, page = dims.page;
+  const int64_t kpb = dims.kpb, vpb = dims.vpb, max_pages = dims.max_pages, ns = dims.ns;
 
   const float* q = q_rot.typed_data();
   const uint8_t* kc = k_codes.typed_data();

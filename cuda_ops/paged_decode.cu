@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <string>
 
+#include "jax_tq/ffi_checks.h"
 #include "jax_tq/format.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -972,46 +973,14 @@ __global__ void __launch_bounds__(128)
 // ---------------------------------------------------------------------------------------------
 // Host side.
 // ---------------------------------------------------------------------------------------------
-std::string dims_str(ffi::Span<const int64_t> dims) {
-  std::string s = "[";
-  for (size_t i = 0; i < dims.size(); ++i) {
-    if (i) s += ", ";
-    s += std::to_string(dims[i]);
-  }
-  return s + "]";
-}
+// Messages: "jax_tq_paged_decode (CUDA): ..."; the operand checks are shared with the CPU
+// handler (jax_tq/ffi_checks.h).
+constexpr ffi_checks::Op kOp{"jax_tq_paged_decode", ffi_checks::kCudaTag};
 
-std::string check_dims(const char* name, ffi::Span<const int64_t> dims,
-                       std::initializer_list<int64_t> want) {
-  bool ok = dims.size() == want.size();
-  if (ok) {
-    size_t i = 0;
-    for (int64_t w : want) ok = ok && dims[i++] == w;
-  }
-  if (ok) return {};
-  std::string ws = "[";
-  size_t i = 0;
-  for (int64_t w : want) {
-    if (i++) ws += ", ";
-    ws += std::to_string(w);
-  }
-  return std::string("jax_tq_paged_decode (CUDA): ") + name + " has shape " + dims_str(dims) +
-         ", expected " + ws + "]";
-}
-
-#define JTQ_CHECK_DIMS(name, dims, ...)                                     \
-  do {                                                                      \
-    std::string _msg = check_dims(name, dims, __VA_ARGS__);                 \
-    if (!_msg.empty()) return ffi::Error::InvalidArgument(std::move(_msg)); \
-  } while (0)
-
-ffi::Error invalid(const std::string& msg) {
-  return ffi::Error::InvalidArgument("jax_tq_paged_decode (CUDA): " + msg);
-}
+ffi::Error invalid(const std::string& msg) { return kOp.invalid(msg); }
 
 ffi::Error cuda_error(const char* what, cudaError_t e) {
-  return ffi::Error::Internal(std::string("jax_tq_paged_decode (CUDA): ") + what + ": " +
-                              cudaGetErrorString(e));
+  return kOp.internal(std::string(what) + ": " + cudaGetErrorString(e));
 }
 
 int copy_gran(int64_t bytes, uintptr_t ptr) {
@@ -1135,39 +1104,14 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot,
                                ffi::Result<ffi::Buffer<ffi::F32>> partial_out,
                                ffi::Result<ffi::Buffer<ffi::F32>> partial_lse, int32_t k_bits,
                                int32_t v_bits, int32_t num_splits, float scale) {
-  // ---- validation (mirrors the CPU handler) ---------------------------------------------------
-  if (!is_supported_bits(k_bits)) return invalid("k_bits must be 2, 3 or 4, got " + std::to_string(k_bits));
-  if (!is_supported_bits(v_bits)) return invalid("v_bits must be 2, 3 or 4, got " + std::to_string(v_bits));
-  if (num_splits < 1) return invalid("num_splits must be >= 1, got " + std::to_string(num_splits));
-  const auto qd = q_rot.dimensions();
-  if (qd.size() != 3) return invalid("q_rot must be rank 3 [S, H, d], got " + dims_str(qd));
-  const int64_t S = qd[0], H = qd[1], d = qd[2];
-  if (!is_supported_head_dim(static_cast<int>(d)))
-    return invalid("head_dim must be one of 64, 80, 96, 128, 192, 256, got " + std::to_string(d));
-  const auto kd = k_codes.dimensions();
-  if (kd.size() != 4)
-    return invalid("k_codes must be rank 4 [P, Hkv, page_size, packed], got " + dims_str(kd));
-  const int64_t P = kd[0], Hkv = kd[1], page = kd[2];
-  const int64_t kpb = packed_bytes(static_cast<int>(d), k_bits);
-  const int64_t vpb = packed_bytes(static_cast<int>(d), v_bits);
-  if (Hkv <= 0 || H % Hkv != 0)
-    return invalid("num_heads (" + std::to_string(H) + ") must be a multiple of num_kv_heads (" +
-                   std::to_string(Hkv) + ")");
-  const auto bd = block_tables.dimensions();
-  if (bd.size() != 2) return invalid("block_tables must be rank 2 [S, max_pages], got " + dims_str(bd));
-  const int64_t max_pages = bd[1];
-  const int64_t ns = num_splits;
-  JTQ_CHECK_DIMS("k_codes", kd, {P, Hkv, page, kpb});
-  JTQ_CHECK_DIMS("k_norms", k_norms.dimensions(), {P, Hkv, page});
-  JTQ_CHECK_DIMS("v_codes", v_codes.dimensions(), {P, Hkv, page, vpb});
-  JTQ_CHECK_DIMS("v_norms", v_norms.dimensions(), {P, Hkv, page});
-  JTQ_CHECK_DIMS("k_centroids", k_centroids.dimensions(), {int64_t(1) << k_bits});
-  JTQ_CHECK_DIMS("v_centroids", v_centroids.dimensions(), {int64_t(1) << v_bits});
-  JTQ_CHECK_DIMS("block_tables", bd, {S, max_pages});
-  JTQ_CHECK_DIMS("seq_lens", seq_lens.dimensions(), {S});
-  JTQ_CHECK_DIMS("out_rot (result)", out_rot->dimensions(), {S, H, d});
-  JTQ_CHECK_DIMS("partial_out (result)", partial_out->dimensions(), {S, H, ns, d});
-  JTQ_CHECK_DIMS("partial_lse (result)", partial_lse->dimensions(), {S, H, ns});
+  // ---- validation (shared with the CPU handler) ----------------------------------------------
+  ffi_checks::DecodeDims dims;
+  JTQ_RETURN_IF_ERROR(ffi_checks::validate_paged_decode(
+      kOp, q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids, block_tables,
+      seq_lens, *out_rot, *partial_out, *partial_lse, k_bits, v_bits, num_splits, &dims));
+  const int64_t S = dims.S, H = dims.H, d = dims.d;
+  const int64_t P = dims.P, Hkv = dims.Hkv, page = dims.page;
+  const int64_t kpb = dims.kpb, vpb = dims.vpb, max_pages = dims.max_pages, ns = dims.ns;
   if (S == 0 || H == 0) return ffi::Error::Success();
   if (page <= 0) return invalid("page_size must be >= 1");
   if (max_pages * page >= (int64_t(1) << 31) - kChunk * kStages)
@@ -1237,21 +1181,5 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot,
 }  // namespace jax_tq
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTqPagedDecodeCuda, jax_tq::cuda::PagedDecodeCudaImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()    // q_rot [S, H, d]
-                                  .Arg<ffi::Buffer<ffi::U8>>()     // k_codes
-                                  .Arg<ffi::Buffer<ffi::F32>>()    // k_norms
-                                  .Arg<ffi::Buffer<ffi::U8>>()     // v_codes
-                                  .Arg<ffi::Buffer<ffi::F32>>()    // v_norms
-                                  .Arg<ffi::Buffer<ffi::F32>>()    // k_centroids
-                                  .Arg<ffi::Buffer<ffi::F32>>()    // v_centroids
-                                  .Arg<ffi::Buffer<ffi::S32>>()    // block_tables [S, max_pages]
-                                  .Arg<ffi::Buffer<ffi::S32>>()    // seq_lens [S]
-                                  .Ret<ffi::Buffer<ffi::F32>>()    // out_rot [S, H, d]
-                                  .Ret<ffi::Buffer<ffi::F32>>()    // partial_out [S, H, ns, d]
-                                  .Ret<ffi::Buffer<ffi::F32>>()    // partial_lse [S, H, ns]
-                                  .Attr<int32_t>("k_bits")
-                                  .Attr<int32_t>("v_bits")
-                                  .Attr<int32_t>("num_splits")
-                                  .Attr<float>("scale"));
+                              jax_tq::ffi_checks::BindPagedDecode(
+                                  ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));

@@ -1,0 +1,309 @@
+// jax_tq host-side FFI operand validation: THE single definition of the shape /
+// attribute checks of every FFI target, shared by the CPU (.cc) and CUDA (.cu)
+// handlers. Plain C++17, host only (never called from device code).
+//
+// Every message is "<target><tag>: <text>", where <tag> is "" for the CPU
+// handlers and " (CUDA)" for the CUDA handlers (Op below), e.g.
+//   "jax_tq_compress: rotation has shape [64, 32], expected [64, 64]"
+//   "jax_tq_paged_decode (CUDA): num_splits must be >= 1, got 0"
+// Tests match on some of these messages: keep them stable.
+//
+// The element-type (dtype) checks stay in the handlers (each backend has its own
+// float-kind enum and wording); they run before the validators below.
+#ifndef JAX_TQ_FFI_CHECKS_H_
+#define JAX_TQ_FFI_CHECKS_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+#include <utility>
+
+#include "jax_tq/format.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_tq {
+namespace ffi_checks {
+
+namespace ffi = xla::ffi;
+
+// Backend tags.
+constexpr const char kCpuTag[] = "";
+constexpr const char kCudaTag[] = " (CUDA)";
+
+// An FFI target as named in error messages; the prefix is only built on the error path.
+struct Op {
+  const char* name;  // e.g. "jax_tq_compress"
+  const char* tag;   // kCpuTag or kCudaTag
+
+  std::string prefix() const { return std::string(name) + tag + ": "; }
+  ffi::Error invalid(const std::string& msg) const {
+    return ffi::Error::InvalidArgument(prefix() + msg);
+  }
+  ffi::Error internal(const std::string& msg) const {
+    return ffi::Error::Internal(prefix() + msg);
+  }
+};
+
+// Returns from the enclosing function when `expr` (an ffi::Error) is a failure.
+#define JTQ_RETURN_IF_ERROR(expr)                 \
+  do {                                            \
+    ::xla::ffi::Error _jtq_err = (expr);          \
+    if (_jtq_err.failure()) return _jtq_err;      \
+  } while (0)
+
+// "[a, b, c]"
+template <typename Dims>
+std::string dims_str(const Dims& dims) {
+  std::string s = "[";
+  size_t i = 0;
+  for (int64_t v : dims) {
+    if (i++) s += ", ";
+    s += std::to_string(v);
+  }
+  return s + "]";
+}
+
+// Success when `dims` equals `want`, else "<name> has shape [..], expected [..]".
+inline ffi::Error check_dims(const Op& op, const char* name, ffi::Span<const int64_t> dims,
+                             std::initializer_list<int64_t> want) {
+  bool ok = dims.size() == want.size();
+  if (ok) {
+    size_t i = 0;
+    for (int64_t w : want) ok = ok && dims[i++] == w;
+  }
+  if (ok) return ffi::Error::Success();
+  return op.invalid(std::string(name) + " has shape " + dims_str(dims) + ", expected " +
+                    dims_str(want));
+}
+
+// Success when `dims` has `rank` axes, else "<what>, got [..]".
+inline ffi::Error check_rank(const Op& op, ffi::Span<const int64_t> dims, size_t rank,
+                             const char* what) {
+  if (dims.size() == rank) return ffi::Error::Success();
+  return op.invalid(std::string(what) + ", got " + dims_str(dims));
+}
+
+inline ffi::Error check_head_dim(const Op& op, int64_t d) {
+  if (is_supported_head_dim(static_cast<int>(d))) return ffi::Error::Success();
+  return op.invalid("head_dim must be one of 64, 80, 96, 128, 192, 256, got " +
+                    std::to_string(d));
+}
+
+// `what` names the attribute ("bits", "k_bits", "v_bits").
+inline ffi::Error check_bits(const Op& op, const char* what, int32_t bits) {
+  if (is_supported_bits(bits)) return ffi::Error::Success();
+  return op.invalid(std::string(what) + " must be 2, 3 or 4, got " + std::to_string(bits));
+}
+
+inline ffi::Error check_bits_dim(const Op& op, int32_t bits, int64_t d) {
+  JTQ_RETURN_IF_ERROR(check_bits(op, "bits", bits));
+  return check_head_dim(op, d);
+}
+
+// ---------------------------------------------------------------------------
+// jax_tq_compress: x [N, d], rotation [d, d], centroids [2**bits]
+//   -> codes [N, packed], norms [N]
+// ---------------------------------------------------------------------------
+struct CompressDims {
+  int64_t n, d, pb;
+};
+
+inline ffi::Error validate_compress(const Op& op, const ffi::AnyBuffer& x,
+                                    const ffi::Buffer<ffi::F32>& rotation,
+                                    const ffi::Buffer<ffi::F32>& centroids,
+                                    const ffi::Buffer<ffi::U8>& codes,
+                                    const ffi::Buffer<ffi::F32>& norms, int32_t bits,
+                                    CompressDims* out) {
+  const auto xd = x.dimensions();
+  JTQ_RETURN_IF_ERROR(check_rank(op, xd, 2, "x must be rank 2 [N, d]"));
+  const int64_t n = xd[0], d = xd[1];
+  JTQ_RETURN_IF_ERROR(check_bits_dim(op, bits, d));
+  const int64_t pb = packed_bytes(static_cast<int>(d), bits);
+  JTQ_RETURN_IF_ERROR(check_dims(op, "rotation", rotation.dimensions(), {d, d}));
+  JTQ_RETURN_IF_ERROR(check_dims(op, "centroids", centroids.dimensions(), {int64_t(1) << bits}));
+  JTQ_RETURN_IF_ERROR(check_dims(op, "codes (result)", codes.dimensions(), {n, pb}));
+  JTQ_RETURN_IF_ERROR(check_dims(op, "norms (result)", norms.dimensions(), {n}));
+  *out = CompressDims{n, d, pb};
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------
+// jax_tq_decompress: codes [N, packed], norms [N], rotation [d, d],
+//   centroids [2**bits] -> x [N, d]
+// ---------------------------------------------------------------------------
+inline ffi::Error validate_decompress(const Op& op, const ffi::Buffer<ffi::U8>& codes,
+                                      const ffi::Buffer<ffi::F32>& norms,
+                                      const ffi::Buffer<ffi::F32>& rotation,
+                                      const ffi::Buffer<ffi::F32>& centroids,
+                                      const ffi::AnyBuffer& x, int32_t bits, CompressDims* out) {
+  const auto xd = x.dimensions();
+  JTQ_RETURN_IF_ERROR(check_rank(op, xd, 2, "result x must be rank 2 [N, d]"));
+  const int64_t n = xd[0], d = xd[1];
+  JTQ_RETURN_IF_ERROR(check_bits_dim(op, bits, d));
+  const int64_t pb = packed_bytes(static_cast<int>(d), bits);
+  JTQ_RETURN_IF_ERROR(check_dims(op, "codes", codes.dimensions(), {n, pb}));
+  JTQ_RETURN_IF_ERROR(check_dims(op, "norms", norms.dimensions(), {n}));
+  JTQ_RETURN_IF_ERROR(check_dims(op, "rotation", rotation.dimensions(), {d, d}));
+  JTQ_RETURN_IF_ERROR(check_dims(op, "centroids", centroids.dimensions(), {int64_t(1) << bits}));
+  *out = CompressDims{n, d, pb};
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------
+// jax_tq_compress_write: x [T, Hkv, d], codes [P, Hkv, page_size, packed],
+//   norms [P, Hkv, page_size], rotation [d, d], centroids [2**bits],
+//   slot_mapping [T] -> codes, norms (same shapes as the operands)
+// ---------------------------------------------------------------------------
+struct CompressWriteDims {
+  int64_t t_n, hkv, d, pb, num_pages, page_size;
+};
+
+inline ffi::Error validate_compress_write(
+    const Op& op, const ffi::AnyBuffer& x, const ffi::Buffer<ffi::U8>& codes_in,
+    const ffi::Buffer<ffi::F32>& norms_in, const ffi::Buffer<ffi::F32>& rotation,
+    const ffi::Buffer<ffi::F32>& centroids, const ffi::Buffer<ffi::S32>& slot_mapping,
+    const ffi::Buffer<ffi::U8>& codes_out, const ffi::Buffer<ffi::F32>& norms_out, int32_t bits,
+    CompressWriteDims* out) {
+  const auto xd = x.dimensions();
+  JTQ_RETURN_IF_ERROR(check_rank(op, xd, 3, "x must be rank 3 [T, Hkv, d]"));
+  const int64_t t_n = xd[0], hkv = xd[1], d = xd[2];
+  JTQ_RETURN_IF_ERROR(check_bits_dim(op, bits, d));
+  const int64_t pb = packed_bytes(static_cast<int>(d), bits);
+  const auto cd = codes_in.dimensions();
+  JTQ_RETURN_IF_ERROR(check_rank(op, cd, 4, "codes must be rank 4 [P, Hkv, page_size, packed]"));
+  const int64_t num_pages = cd[0], page_size = cd[2];
+  JTQ_RETURN_IF_ERROR(check_dims(op, "codes", cd, {num_pages, hkv, page_size, pb}));
+  JTQ_RETURN_IF_ERROR(check_dims(op, "norms", norms_in.dimensions(), {num_pages, hkv, page_size}));
+  JTQ_RETURN_IF_ERROR(check_dims(op, "rotation", rotation.dimensions(), {d, d}));
+  JTQ_RETURN_IF_ERROR(check_dims(op, "centroids", centroids.dimensions(), {int64_t(1) << bits}));
+  JTQ_RETURN_IF_ERROR(check_dims(op, "slot_mapping", slot_mapping.dimensions(), {t_n}));
+  JTQ_RETURN_IF_ERROR(check_dims(op, "codes (result)", codes_out.dimensions(),
+                                 {num_pages, hkv, page_size, pb}));
+  JTQ_RETURN_IF_ERROR(check_dims(op, "norms (result)", norms_out.dimensions(),
+                                 {num_pages, hkv, page_size}));
+  *out = CompressWriteDims{t_n, hkv, d, pb, num_pages, page_size};
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------
+// jax_tq_paged_decode: q_rot [S, H, d], k/v codes [P, Hkv, page_size, packed],
+//   k/v norms [P, Hkv, page_size], k/v centroids [2**bits],
+//   block_tables [S, max_pages], seq_lens [S]
+//   -> out_rot [S, H, d], partial_out [S, H, ns, d], partial_lse [S, H, ns]
+// ---------------------------------------------------------------------------
+struct DecodeDims {
+  int64_t S, H, d;        // q_rot
+  int64_t P, Hkv, page;   // k/v pools
+  int64_t kpb, vpb;       // packed bytes per K / V row
+  int64_t max_pages, ns;  // block_tables columns, num_splits
+};
+
+inline ffi::Error validate_paged_decode(
+    const Op& op, const ffi::Buffer<ffi::F32>& q_rot, const ffi::Buffer<ffi::U8>& k_codes,
+    const ffi::Buffer<ffi::F32>& k_norms, const ffi::Buffer<ffi::U8>& v_codes,
+    const ffi::Buffer<ffi::F32>& v_norms, const ffi::Buffer<ffi::F32>& k_centroids,
+    const ffi::Buffer<ffi::F32>& v_centroids, const ffi::Buffer<ffi::S32>& block_tables,
+    const ffi::Buffer<ffi::S32>& seq_lens, const ffi::Buffer<ffi::F32>& out_rot,
+    const ffi::Buffer<ffi::F32>& partial_out, const ffi::Buffer<ffi::F32>& partial_lse,
+    int32_t k_bits, int32_t v_bits, int32_t num_splits, DecodeDims* out) {
+  JTQ_RETURN_IF_ERROR(check_bits(op, "k_bits", k_bits));
+  JTQ_RETURN_IF_ERROR(check_bits(op, "v_bits", v_bits));
+  if (num_splits < 1) return op.invalid("num_splits must be >= 1, got " + std::to_string(num_splits));
+  const auto qd = q_rot.dimensions();
+  JTQ_RETURN_IF_ERROR(check_rank(op, qd, 3, "q_rot must be rank 3 [S, H, d]"));
+  const int64_t S = qd[0], H = qd[1], d = qd[2];
+  JTQ_RETURN_IF_ERROR(check_head_dim(op, d));
+  const auto kd = k_codes.dimensions();
+  JTQ_RETURN_IF_ERROR(check_rank(op, kd, 4, "k_codes must be rank 4 [P, Hkv, page_size, packed]"));
+  const int64_t P = kd[0], Hkv = kd[1], page = kd[2];
+  const int64_t kpb = packed_bytes(static_cast<int>(d), k_bits);
+  const int64_t vpb = packed_bytes(static_cast<int>(d), v_bits);
+  if (Hkv <= 0 || H % Hkv != 0)
+    return op.invalid("num_heads (" + std::to_string(H) + ") must be a multiple of num_kv_heads (" +
+                      std::to_string(Hkv) + ")");
+  const auto bd = block_tables.dimensions();
+  JTQ_RETURN_IF_ERROR(check_rank(op, bd, 2, "block_tables must be rank 2 [S, max_pages]"));
+  const int64_t max_pages = bd[1];
+  const int64_t ns = num_splits;
+  JTQ_RETURN_IF_ERROR(check_dims(op, "k_codes", kd, {P, Hkv, page, kpb}));
+  JTQ_RETURN_IF_ERROR(check_dims(op, "k_norms", k_norms.dimensions(), {P, Hkv, page}));
+  JTQ_RETURN_IF_ERROR(check_dims(op, "v_codes", v_codes.dimensions(), {P, Hkv, page, vpb}));
+  JTQ_RETURN_IF_ERROR(check_dims(op, "v_norms", v_norms.dimensions(), {P, Hkv, page}));
+  JTQ_RETURN_IF_ERROR(
+      check_dims(op, "k_centroids", k_centroids.dimensions(), {int64_t(1) << k_bits}));
+  JTQ_RETURN_IF_ERROR(
+      check_dims(op, "v_centroids", v_centroids.dimensions(), {int64_t(1) << v_bits}));
+  JTQ_RETURN_IF_ERROR(check_dims(op, "block_tables", bd, {S, max_pages}));
+  JTQ_RETURN_IF_ERROR(check_dims(op, "seq_lens", seq_lens.dimensions(), {S}));
+  JTQ_RETURN_IF_ERROR(check_dims(op, "out_rot (result)", out_rot.dimensions(), {S, H, d}));
+  JTQ_RETURN_IF_ERROR(
+      check_dims(op, "partial_out (result)", partial_out.dimensions(), {S, H, ns, d}));
+  JTQ_RETURN_IF_ERROR(
+      check_dims(op, "partial_lse (result)", partial_lse.dimensions(), {S, H, ns}));
+  *out = DecodeDims{S, H, d, P, Hkv, page, kpb, vpb, max_pages, ns};
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------
+// Operand / result / attribute binding of each FFI target (docs/DESIGN.md), for
+// XLA_FFI_DEFINE_HANDLER_SYMBOL. `b` is ffi::Ffi::Bind() on CPU and
+// ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>() on CUDA.
+// ---------------------------------------------------------------------------
+template <typename B>
+auto BindCompress(B b) {
+  return std::move(b).template Arg<ffi::AnyBuffer>()           // x [N, d]
+      .template Arg<ffi::Buffer<ffi::F32>>()        // rotation [d, d]
+      .template Arg<ffi::Buffer<ffi::F32>>()        // centroids [2**bits]
+      .template Ret<ffi::Buffer<ffi::U8>>()         // codes [N, packed]
+      .template Ret<ffi::Buffer<ffi::F32>>()        // norms [N]
+      .template Attr<int32_t>("bits");
+}
+
+template <typename B>
+auto BindDecompress(B b) {
+  return std::move(b).template Arg<ffi::Buffer<ffi::U8>>()     // codes [N, packed]
+      .template Arg<ffi::Buffer<ffi::F32>>()        // norms [N]
+      .template Arg<ffi::Buffer<ffi::F32>>()        // rotation [d, d]
+      .template Arg<ffi::Buffer<ffi::F32>>()        // centroids [2**bits]
+      .template Ret<ffi::AnyBuffer>()               // x [N, d]
+      .template Attr<int32_t>("bits");
+}
+
+template <typename B>
+auto BindCompressWrite(B b) {
+  return std::move(b).template Arg<ffi::AnyBuffer>()           // x [T, Hkv, d]
+      .template Arg<ffi::Buffer<ffi::U8>>()         // codes [P, Hkv, page, packed]
+      .template Arg<ffi::Buffer<ffi::F32>>()        // norms [P, Hkv, page]
+      .template Arg<ffi::Buffer<ffi::F32>>()        // rotation [d, d]
+      .template Arg<ffi::Buffer<ffi::F32>>()        // centroids [2**bits]
+      .template Arg<ffi::Buffer<ffi::S32>>()        // slot_mapping [T]
+      .template Ret<ffi::Buffer<ffi::U8>>()         // codes (aliases operand 1)
+      .template Ret<ffi::Buffer<ffi::F32>>()        // norms (aliases operand 2)
+      .template Attr<int32_t>("bits");
+}
+
+template <typename B>
+auto BindPagedDecode(B b) {
+  return std::move(b).template Arg<ffi::Buffer<ffi::F32>>()    // q_rot [S, H, d]
+      .template Arg<ffi::Buffer<ffi::U8>>()         // k_codes
+      .template Arg<ffi::Buffer<ffi::F32>>()        // k_norms
+      .template Arg<ffi::Buffer<ffi::U8>>()         // v_codes
+      .template Arg<ffi::Buffer<ffi::F32>>()        // v_norms
+      .template Arg<ffi::Buffer<ffi::F32>>()        // k_centroids
+      .template Arg<ffi::Buffer<ffi::F32>>()        // v_centroids
+      .template Arg<ffi::Buffer<ffi::S32>>()        // block_tables [S, max_pages]
+      .template Arg<ffi::Buffer<ffi::S32>>()        // seq_lens [S]
+      .template Ret<ffi::Buffer<ffi::F32>>()        // out_rot [S, H, d]
+      .template Ret<ffi::Buffer<ffi::F32>>()        // partial_out [S, H, ns, d]
+      .template Ret<ffi::Buffer<ffi::F32>>()        // partial_lse [S, H, ns]
+      .template Attr<int32_t>("k_bits")
+      .template Attr<int32_t>("v_bits")
+      .template Attr<int32_t>("num_splits")
+      .template Attr<float>("scale");
+}
+
+}  // namespace ffi_checks
+}  // namespace jax_tq
+
+#endif  // JAX_TQ_FFI_CHECKS_H_

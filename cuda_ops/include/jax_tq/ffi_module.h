@@ -1,0 +1,36 @@
+// jax_tq pybind11 module plumbing shared by jax_tq._cpu_ops (cpu_module.cc) and
+// jax_tq._cuda_ops (cuda_module.cc): registrations() -> {target_name: capsule}.
+// Host only.
+#ifndef JAX_TQ_FFI_MODULE_H_
+#define JAX_TQ_FFI_MODULE_H_
+
+#include <type_traits>
+
+#include <pybind11/pybind11.h>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_tq {
+
+template <typename T>
+pybind11::capsule EncapsulateFfiHandler(T* fn) {
+  static_assert(std::is_invocable_r_v<XLA_FFI_Error*, T, XLA_FFI_CallFrame*>,
+                "Encapsulated function must be an XLA FFI handler");
+  return pybind11::capsule(reinterpret_cast<void*>(fn));
+}
+
+// {target_name: capsule} for the four FFI targets of one platform (docs/DESIGN.md).
+inline pybind11::dict FfiRegistrations(XLA_FFI_Handler* compress, XLA_FFI_Handler* decompress,
+                                       XLA_FFI_Handler* compress_write,
+                                       XLA_FFI_Handler* paged_decode) {
+  pybind11::dict d;
+  d["jax_tq_compress"] = EncapsulateFfiHandler(compress);
+  d["jax_tq_decompress"] = EncapsulateFfiHandler(decompress);
+  d["jax_tq_compress_write"] = EncapsulateFfiHandler(compress_write);
+  d["jax_tq_paged_decode"] = EncapsulateFfiHandler(paged_decode);
+  return d;
+}
+
+}  // namespace jax_tq
+
+#endif  // JAX_TQ_FFI_MODULE_H_
