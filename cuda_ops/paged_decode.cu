@@ -22,6 +22,7 @@
 // All pool address arithmetic is int64. Tokens >= seq_len and pages outside [0, num_pages) are
 // never read. Empty splits write lse = -inf and are ignored by the combine; a row with no valid
 // token is exactly 0.
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -941,6 +942,10 @@ __global__ void __launch_bounds__(kThreads)
 
 }  // namespace v2
 
+// Experimental tensor-core split kernel v3 (head_dim 128, K4V4, GT 4 / 8), behind
+// JAX_TQ_CUDA_DECODE_V3. Included textually here: it uses the helpers above.
+#include "paged_decode_mma.cuh"
+
 // ---------------------------------------------------------------------------------------------
 // Combine kernel: one CTA per (seq, head).
 // ---------------------------------------------------------------------------------------------
@@ -1011,6 +1016,14 @@ ffi::Error launch_v2(cudaStream_t stream, const DecodeParams& p, dim3 grid) {
   return ffi::Error::Success();
 }
 
+template <int GT>
+ffi::Error launch_v3(cudaStream_t stream, const DecodeParams& p, dim3 grid) {
+  v3::paged_decode_v3_kernel<GT><<<grid, kThreads, 0, stream>>>(p);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return cuda_error("v3 split kernel launch", e);
+  return ffi::Error::Success();
+}
+
 // Largest query-head tile per head_dim (register budget: acc_v[GT][8] stays in registers).
 constexpr int max_gt(int d) { return d >= 256 ? 4 : 8; }
 
@@ -1054,7 +1067,20 @@ bool use_v2(int d, const DecodeParams& p) {
   return reinterpret_cast<uintptr_t>(p.kc) % 4 == 0 && reinterpret_cast<uintptr_t>(p.vc) % 4 == 0;
 }
 
+//   v3 (EXPERIMENTAL tensor-core mma.sync kernel, paged_decode_mma.cuh) only when the environment
+//      variable JAX_TQ_CUDA_DECODE_V3 is set, for head_dim 128, k_bits = v_bits = 4, GQA tile 4 or 8,
+//      K code pool 16-byte aligned and V code pool 8-byte aligned (16- / 8-byte code loads).
+bool use_v3(int d, int gt, const DecodeParams& p) {
+  static const bool want_v3 = std::getenv("JAX_TQ_CUDA_DECODE_V3") != nullptr;
+  if (!want_v3) return false;
+  if (d != 128 || p.k_bits != 4 || p.v_bits != 4 || (gt != 4 && gt != 8)) return false;
+  return reinterpret_cast<uintptr_t>(p.kc) % 16 == 0 && reinterpret_cast<uintptr_t>(p.vc) % 8 == 0;
+}
+
 ffi::Error dispatch_d(int d, int gt, cudaStream_t stream, const DecodeParams& p, dim3 grid) {
+#if JTQ_HAS_D(128)
+  if (use_v3(d, gt, p)) return gt == 4 ? launch_v3<4>(stream, p, grid) : launch_v3<8>(stream, p, grid);
+#endif
   if (use_v2(d, p)) {
     switch (d) {
 #if JTQ_HAS_D(64)

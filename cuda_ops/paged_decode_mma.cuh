@@ -1,0 +1,370 @@
+// EXPERIMENTAL v3 split kernel for jax_tq_paged_decode: tensor-core (mma.sync m16n8k16, f16 in,
+// f32 accumulate) version of the split kernel, for the hot configuration ONLY:
+//   head_dim 128, k_bits = v_bits = 4, GQA tile GT in {4, 8} (padded to the MMA's n = 8 heads).
+// Dispatched only when the environment variable JAX_TQ_CUDA_DECODE_V3 is set and the configuration
+// matches (see use_v3 in paged_decode.cu); otherwise v1 runs as before.
+//
+// This header is NOT self-contained: paged_decode.cu includes it textually inside
+// namespace jax_tq::cuda::{anonymous}, after the v2 kernel; it uses DecodeParams, token_row,
+// fast_exp2, warp_max, kThreads / kWarps, kLn2 from there, and <cuda_fp16.h> (included at the top
+// of paged_decode.cu).
+//
+// Contract (identical to v1 / v2): same grid (num_splits * num_seqs, num_kv_heads * group_tiles),
+// 128 threads, same per-split token range, same partial (o / l, m + log l) writes (or the final
+// output when num_splits == 1), so the combine kernel applies unchanged. Tokens >= tok_end and
+// block-table entries outside [0, P) are never read; empty splits write lse = -inf; a row with no
+// valid token is exactly 0; pool addressing is int64.
+//
+// ---- Fragment layouts relied on (PTX ISA, mma.m16n8k16, .f16 A/B, .f32 C/D) ------------------
+//   lane = 4 * gid + t4 (gid = groupID = lane >> 2, t4 = threadID_in_group = lane & 3).
+//   A (16 x 16, row-major), four .f16x2 registers; the lower 16 bits hold the lower column:
+//     a0: (row gid,     cols 2*t4, 2*t4+1)     a1: (row gid + 8, cols 2*t4, 2*t4+1)
+//     a2: (row gid,     cols 2*t4+8, 2*t4+9)   a3: (row gid + 8, cols 2*t4+8, 2*t4+9)
+//   B (16 x 8, "col"), two .f16x2 registers; lower 16 bits = lower row (k):
+//     b0: (rows 2*t4, 2*t4+1, col gid)         b1: (rows 2*t4+8, 2*t4+9, col gid)
+//   C / D (16 x 8, f32):
+//     c0: (row gid, col 2*t4)  c1: (row gid, col 2*t4+1)
+//     c2: (row gid+8, col 2*t4) c3: (row gid+8, col 2*t4+1)
+//
+// ---- K phase: S^T[16 tokens x 8 heads] = Kdec[16 x 128] * Q^T[128 x 8] ------------------------
+//   Rows of A = tokens (identity: row r = token r of the 16-token tile). The contraction index is
+//   PERMUTED (any permutation works as long as A and B agree): in k-step ks (0..7), k position
+//   2*t4 + e (e = 0, 1) is coordinate 32*t4 + 4*ks + e and k position 2*t4 + 8 + e is coordinate
+//   32*t4 + 4*ks + 2 + e. So lane (gid, t4) needs bytes 16*t4 .. 16*t4+15 of the 64-byte code
+//   rows of tokens gid and gid + 8 (one 16-byte load each), and in step ks uses byte 2*ks
+//   (-> a0 / a1) and byte 2*ks + 1 (-> a2 / a3): one byte = two consecutive coordinates
+//   (low nibble = even coordinate = lower half), looked up in a 256-entry half2 table.
+//   B = Q^T: lane needs q[head gid][32*t4 .. 32*t4+31], kept in registers (hi / lo f16 split).
+//   Three MMAs per k-step: Khi*Qhi (own accumulator) + Khi*Qlo + Klo*Qhi (second accumulator).
+//   Each head's q is pre-scaled by scale * log2(e) and a power of two so that |q| < 1 (no f16
+//   overflow with huge logits); the power of two and the K norm are applied to the f32 scores.
+//   S fragment: the lane holds tokens gid, gid + 8 for heads 2*t4, 2*t4 + 1.
+//
+// ---- softmax: per head in f32, lane state m / l for heads 2*t4, 2*t4 + 1 (m replicated over the
+//   8 gid lanes, l a per-lane partial summed at the end); P = p * v_norm goes through a per-warp
+//   16 x 8 shared tile to be re-read in the B layout of the V MMA.
+//
+// ---- V phase: O^T[128 dims x 8 heads] += Vdec^T[128 x 16 tokens] * P^T[16 tokens x 8 heads] ---
+//   Eight m-tiles mt (16 output rows each). Both the rows and the contraction are PERMUTED:
+//     row r of m-tile mt (r = gid + 8*h2)  ->  coordinate 16*gid + 2*mt + h2
+//     k position 2*t4 + e   -> token 4*t4 + e,   k position 2*t4 + 8 + e -> token 4*t4 + 2 + e.
+//   So lane (gid, t4) needs bytes 8*gid .. 8*gid+7 of the code rows of tokens 4*t4 .. 4*t4+3 (one
+//   8-byte load each), and in m-tile mt byte mt of each: a0 = (low nibbles of tokens 4t4, 4t4+1),
+//   a1 = (high nibbles of tokens 4t4, 4t4+1), a2 / a3 the same for tokens 4t4+2, 4t4+3, each a
+//   lookup of the index (code_a | code_b << 4) in the same kind of 256-entry half2 table.
+//   B = P^T: b0 = (P[4t4][gid], P[4t4+1][gid]), b1 = (P[4t4+2][gid], P[4t4+3][gid]), hi / lo.
+//   O fragment: c0 / c2 = coordinates 16gid+2mt / +1 of head 2t4, c1 / c3 the same of head 2t4+1
+//   (the same heads as the lane's softmax state: the rescale by alpha is lane-local).
+//
+// Each warp streams its own 16-token tiles (tile i -> warp i % 4), codes / norms loaded straight
+// from global memory into registers one tile ahead; no block barrier in the main loop; the 4 warps
+// are merged through shared memory at the end (as in v2).
+//
+// Known limits (experimental): p * v_norm must stay below 65504 (f16 range) - larger V norms give
+// inf; contributions far below the running max lose relative (not absolute) precision in f16
+// subnormals.
+#ifndef JAX_TQ_PAGED_DECODE_MMA_CUH_
+#define JAX_TQ_PAGED_DECODE_MMA_CUH_
+
+namespace v3 {
+
+constexpr int kD = 128;     // head_dim
+constexpr int kNH = 8;      // MMA n: heads per tile (GT padded)
+constexpr int kTT = 16;     // tokens per warp tile
+constexpr int kRowB = 64;   // code bytes per row (128 coordinates x 4 bits)
+constexpr int kWRow = 10;   // padded row (floats) of the per-warp P tile: conflict-free B reads
+
+__device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t h2_bits(__half2 h) {
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+// (x0, x1) -> hi = f16x2(x0, x1) (x0 in the lower half), lo = f16x2 of the rounding residuals.
+__device__ __forceinline__ void split2(float x0, float x1, uint32_t& hi, uint32_t& lo) {
+  const __half2 h = __floats2half2_rn(x0, x1);
+  const float2 hf = __half22float2(h);
+  hi = h2_bits(h);
+  lo = h2_bits(__floats2half2_rn(x0 - hf.x, x1 - hf.y));
+}
+
+// One 4-bit-per-row tile of a warp, held in registers.
+struct Tile {
+  uint4 k0, k1;    // K code bytes 16*t4 .. +15 of tokens gid, gid + 8
+  uint2 v[4];      // V code bytes 8*gid .. +7 of tokens 4*t4 + e
+  float kn0, kn1;  // K norms of tokens gid, gid + 8 (NaN: token masked)
+  float vn0, vn1;  // V norms of tokens gid, gid + 8 (0 when masked)
+};
+
+template <int GT>
+__global__ void __launch_bounds__(kThreads)
+    paged_decode_v3_kernel(const DecodeParams p) {
+  static_assert(GT == 4 || GT == 8, "v3: GT in {4, 8}");
+  static_assert(kNH == 2 * kWarps, "prologue: two heads per warp");
+  constexpr int D = kD;
+
+  __shared__ uint2 ktab[256];  // {hi, lo} f16x2 of (c_k[b & 15], c_k[b >> 4])
+  __shared__ uint2 vtab[256];  // same for c_v
+  __shared__ float qexp_s[kNH];
+  __shared__ float w_s[kWarps][kTT * kWRow];
+  __shared__ float m_s[kWarps][kNH];
+  __shared__ float l_s[kWarps][kNH];
+  __shared__ __align__(16) float o_s[kWarps][kNH * D];  // prologue: q staging (first kNH * D)
+
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5;
+  const int lane = tid & 31;
+  const int gid = lane >> 2;
+  const int t4 = lane & 3;
+  const int ns = p.num_splits;
+  const int seq = blockIdx.x / ns;
+  const int split = blockIdx.x - seq * ns;
+  const int kvh = blockIdx.y / p.ntiles;
+  const int tile = blockIdx.y - kvh * p.ntiles;
+
+  // ---- token range of this split (identical to v1) ------------------------------------------
+  const int64_t max_tok = static_cast<int64_t>(p.max_pages) * p.page_size;
+  int64_t seq_len = p.sl[seq];
+  seq_len = seq_len < 0 ? 0 : (seq_len > max_tok ? max_tok : seq_len);
+  const int64_t n_pages = (seq_len + p.page_size - 1) / p.page_size;
+  const int64_t pps = (n_pages + ns - 1) / ns;
+  int64_t p0 = static_cast<int64_t>(split) * pps;
+  if (p0 > n_pages) p0 = n_pages;
+  int64_t p1 = p0 + pps;
+  if (p1 > n_pages) p1 = n_pages;
+  const int tok0 = static_cast<int>(p0 * p.page_size);
+  const int tok_end = static_cast<int>(p1 * p.page_size < seq_len ? p1 * p.page_size : seq_len);
+  const int ntok = tok_end > tok0 ? tok_end - tok0 : 0;
+  const int ntt = (ntok + kTT - 1) / kTT;
+  const int32_t* bt_seq = p.bt + static_cast<int64_t>(seq) * p.max_pages;
+
+  // ---- prologue: centroid pair tables, q (scaled, per-head power of two) --------------------
+  for (int i = tid; i < 256; i += kThreads) {
+    uint2 e;
+    split2(p.kcent[i & 15], p.kcent[i >> 4], e.x, e.y);
+    ktab[i] = e;
+    split2(p.vcent[i & 15], p.vcent[i >> 4], e.x, e.y);
+    vtab[i] = e;
+  }
+  float* q_s = &o_s[0][0];
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int g = 2 * warp + hh;
+    const int hl = tile * GT + g;
+    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (g < GT && hl < p.G) {
+      const float* qp = p.q + (static_cast<int64_t>(seq) * p.H + kvh * p.G + hl) * D + 4 * lane;
+      v = make_float4(qp[0] * p.qscale, qp[1] * p.qscale, qp[2] * p.qscale, qp[3] * p.qscale);
+    }
+    const float mx =
+        warp_max(fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+    int ex = 0;
+    if (mx > 0.f && mx <= 3.0e38f) frexpf(mx, &ex);  // mx < 2^ex
+    const float down = ldexpf(1.f, -ex);
+    *reinterpret_cast<float4*>(q_s + g * D + 4 * lane) =
+        make_float4(v.x * down, v.y * down, v.z * down, v.w * down);
+    if (lane == 0) qexp_s[g] = ldexpf(1.f, ex);
+  }
+  __syncthreads();
+  // B fragments of Q^T: head gid, coordinates 32*t4 + 4*ks + {0,1} (b0), {2,3} (b1).
+  uint32_t qh[8][2], ql[8][2];
+  {
+    const float* qr = q_s + gid * D + 32 * t4;
+#pragma unroll
+    for (int ks = 0; ks < 8; ++ks) {
+      const float4 v = *reinterpret_cast<const float4*>(qr + 4 * ks);
+      split2(v.x, v.y, qh[ks][0], ql[ks][0]);
+      split2(v.z, v.w, qh[ks][1], ql[ks][1]);
+    }
+  }
+  const float qx0 = qexp_s[2 * t4], qx1 = qexp_s[2 * t4 + 1];
+  __syncthreads();  // q_s (aliases o_s) consumed by every warp
+
+  auto load = [&](int ti, Tile& t) {
+    t.k0 = make_uint4(0u, 0u, 0u, 0u);
+    t.k1 = t.k0;
+    t.kn0 = t.kn1 = __int_as_float(0x7fc00000);  // NaN: score -> -inf
+    t.vn0 = t.vn1 = 0.f;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) t.v[e] = make_uint2(0u, 0u);
+    if (ti >= ntt) return;
+    const int base = tok0 + ti * kTT;
+    const int64_t r0 = token_row(p, bt_seq, base + gid, tok_end, kvh);
+    const int64_t r1 = token_row(p, bt_seq, base + gid + 8, tok_end, kvh);
+    if (r0 >= 0) {
+      t.k0 = __ldg(reinterpret_cast<const uint4*>(p.kc + r0 * kRowB) + t4);
+      t.kn0 = __ldg(p.kn + r0);
+      t.vn0 = __ldg(p.vn + r0);
+    }
+    if (r1 >= 0) {
+      t.k1 = __ldg(reinterpret_cast<const uint4*>(p.kc + r1 * kRowB) + t4);
+      t.kn1 = __ldg(p.kn + r1);
+      t.vn1 = __ldg(p.vn + r1);
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int64_t r = token_row(p, bt_seq, base + 4 * t4 + e, tok_end, kvh);
+      if (r >= 0) t.v[e] = __ldg(reinterpret_cast<const uint2*>(p.vc + r * kRowB) + gid);
+    }
+  };
+
+  float m[2] = {-INFINITY, -INFINITY};
+  float l[2] = {0.f, 0.f};
+  float o[8][4];
+#pragma unroll
+  for (int mt = 0; mt < 8; ++mt)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) o[mt][c] = 0.f;
+
+  float* wt = w_s[warp];
+  Tile cur, nxt;
+  load(warp, cur);
+
+#pragma unroll 1
+  for (int ti = warp; ti < ntt; ti += kWarps) {
+    load(ti + kWarps, nxt);
+
+    // ---- S^T = Kdec * Q^T (3 MMAs per k-step) ----------------------------------------------
+    float sh[4] = {0.f, 0.f, 0.f, 0.f}, sx[4] = {0.f, 0.f, 0.f, 0.f};
+    const uint32_t ka[4] = {cur.k0.x, cur.k0.y, cur.k0.z, cur.k0.w};
+    const uint32_t kb[4] = {cur.k1.x, cur.k1.y, cur.k1.z, cur.k1.w};
+#pragma unroll
+    for (int ks = 0; ks < 8; ++ks) {
+      const int w = ks >> 1;
+      const int s0 = (ks & 1) * 16;  // bit offset of byte 2*ks within its word
+      const uint2 t00 = ktab[(ka[w] >> s0) & 0xFFu];        // token gid,   byte 2ks
+      const uint2 t01 = ktab[(kb[w] >> s0) & 0xFFu];        // token gid+8, byte 2ks
+      const uint2 t10 = ktab[(ka[w] >> (s0 + 8)) & 0xFFu];  // token gid,   byte 2ks+1
+      const uint2 t11 = ktab[(kb[w] >> (s0 + 8)) & 0xFFu];  // token gid+8, byte 2ks+1
+      const uint32_t ahi[4] = {t00.x, t01.x, t10.x, t11.x};
+      const uint32_t alo[4] = {t00.y, t01.y, t10.y, t11.y};
+      mma16816(sh, ahi, qh[ks][0], qh[ks][1]);
+      mma16816(sx, ahi, ql[ks][0], ql[ks][1]);
+      mma16816(sx, alo, qh[ks][0], qh[ks][1]);
+    }
+    // c0: (gid, head 2t4), c1: (gid, 2t4+1), c2: (gid+8, 2t4), c3: (gid+8, 2t4+1)
+    float s[4];
+    s[0] = (sh[0] + sx[0]) * qx0 * cur.kn0;
+    s[1] = (sh[1] + sx[1]) * qx1 * cur.kn0;
+    s[2] = (sh[2] + sx[2]) * qx0 * cur.kn1;
+    s[3] = (sh[3] + sx[3]) * qx1 * cur.kn1;
+#pragma unroll
+    for (int c = 0; c < 4; ++c)
+      if (!(s[c] > -INFINITY)) s[c] = -INFINITY;  // masked token (NaN norm) or NaN: no weight
+
+    // ---- online softmax (f32), heads 2t4 + hh ----------------------------------------------
+    __syncwarp();  // previous tile's P reads are done
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      float tm = fmaxf(s[hh], s[2 + hh]);
+#pragma unroll
+      for (int off = 4; off < 32; off <<= 1) tm = fmaxf(tm, __shfl_xor_sync(0xffffffffu, tm, off));
+      const float mn = fmaxf(m[hh], tm);
+      const bool any = mn > -INFINITY;
+      const float alpha = any ? fast_exp2(m[hh] - mn) : 1.f;  // m = -inf -> 0
+      const float pa = any ? fast_exp2(s[hh] - mn) : 0.f;     // s = -inf -> 0
+      const float pb = any ? fast_exp2(s[2 + hh] - mn) : 0.f;
+      l[hh] = l[hh] * alpha + pa + pb;
+      m[hh] = mn;
+#pragma unroll
+      for (int mt = 0; mt < 8; ++mt) {
+        o[mt][hh] *= alpha;
+        o[mt][2 + hh] *= alpha;
+      }
+      wt[gid * kWRow + 2 * t4 + hh] = pa > 0.f ? pa * cur.vn0 : 0.f;
+      wt[(gid + 8) * kWRow + 2 * t4 + hh] = pb > 0.f ? pb * cur.vn1 : 0.f;
+    }
+    __syncwarp();
+    // B of the V MMA: head gid, tokens 4t4 + {0,1} (b0), 4t4 + {2,3} (b1).
+    uint32_t ph0, pl0, ph1, pl1;
+    split2(wt[(4 * t4 + 0) * kWRow + gid], wt[(4 * t4 + 1) * kWRow + gid], ph0, pl0);
+    split2(wt[(4 * t4 + 2) * kWRow + gid], wt[(4 * t4 + 3) * kWRow + gid], ph1, pl1);
+
+    // ---- O^T += Vdec^T * P^T ----------------------------------------------------------------
+    uint32_t lo01[2], hi01[2], lo23[2], hi23[2];  // byte mt of word (mt >> 2): table indices
+#pragma unroll
+    for (int wd = 0; wd < 2; ++wd) {
+      const uint32_t x0 = wd ? cur.v[0].y : cur.v[0].x;
+      const uint32_t x1 = wd ? cur.v[1].y : cur.v[1].x;
+      const uint32_t x2 = wd ? cur.v[2].y : cur.v[2].x;
+      const uint32_t x3 = wd ? cur.v[3].y : cur.v[3].x;
+      lo01[wd] = (x0 & 0x0F0F0F0Fu) | ((x1 & 0x0F0F0F0Fu) << 4);
+      hi01[wd] = ((x0 >> 4) & 0x0F0F0F0Fu) | (x1 & 0xF0F0F0F0u);
+      lo23[wd] = (x2 & 0x0F0F0F0Fu) | ((x3 & 0x0F0F0F0Fu) << 4);
+      hi23[wd] = ((x2 >> 4) & 0x0F0F0F0Fu) | (x3 & 0xF0F0F0F0u);
+    }
+#pragma unroll
+    for (int mt = 0; mt < 8; ++mt) {
+      const int wd = mt >> 2;
+      const int sb = (mt & 3) * 8;
+      const uint2 e0 = vtab[(lo01[wd] >> sb) & 0xFFu];  // row gid   (coord 16gid+2mt),   tok 4t4+{0,1}
+      const uint2 e1 = vtab[(hi01[wd] >> sb) & 0xFFu];  // row gid+8 (coord 16gid+2mt+1), tok 4t4+{0,1}
+      const uint2 e2 = vtab[(lo23[wd] >> sb) & 0xFFu];  // row gid,   tok 4t4+{2,3}
+      const uint2 e3 = vtab[(hi23[wd] >> sb) & 0xFFu];  // row gid+8, tok 4t4+{2,3}
+      const uint32_t ahi[4] = {e0.x, e1.x, e2.x, e3.x};
+      const uint32_t alo[4] = {e0.y, e1.y, e2.y, e3.y};
+      mma16816(o[mt], ahi, ph0, ph1);
+      mma16816(o[mt], ahi, pl0, pl1);
+      mma16816(o[mt], alo, ph0, ph1);
+    }
+
+    cur = nxt;
+  }
+
+  // ---- per-warp state to shared memory -------------------------------------------------------
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+#pragma unroll
+    for (int off = 4; off < 32; off <<= 1) l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], off);
+    float* orow = &o_s[warp][(2 * t4 + hh) * D + 16 * gid];
+#pragma unroll
+    for (int mt = 0; mt < 8; ++mt)
+      *reinterpret_cast<float2*>(orow + 2 * mt) = make_float2(o[mt][hh], o[mt][2 + hh]);
+    if (gid == 0) {
+      m_s[warp][2 * t4 + hh] = m[hh];
+      l_s[warp][2 * t4 + hh] = l[hh];
+    }
+  }
+  __syncthreads();
+
+  // ---- merge the warps; write partials (or the final output when there is a single split) ---
+  const bool direct = ns == 1;
+  for (int idx = tid; idx < GT * D; idx += kThreads) {
+    const int g = idx / D;
+    const int dd = idx - g * D;
+    const int hl = tile * GT + g;
+    if (hl >= p.G) continue;
+    float M = m_s[0][g];
+#pragma unroll
+    for (int w = 1; w < kWarps; ++w) M = fmaxf(M, m_s[w][g]);
+    float L = 0.f, O = 0.f;
+    if (M > -INFINITY) {
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) {
+        const float f = fast_exp2(m_s[w][g] - M);  // m = -inf -> 0 (its l and o are 0)
+        L = fmaf(l_s[w][g], f, L);
+        O = fmaf(o_s[w][idx], f, O);
+      }
+    }
+    const int h = kvh * p.G + hl;
+    const float ov = L > 0.f ? O / L : 0.f;
+    const int64_t shd = static_cast<int64_t>(seq) * p.H + h;
+    if (direct) {
+      p.out[shd * D + dd] = ov;
+    } else {
+      const int64_t li = shd * ns + split;
+      p.pout[li * D + dd] = ov;
+      if (dd == 0) p.plse[li] = L > 0.f ? (M + log2f(L)) * kLn2 : -INFINITY;
+    }
+  }
+}
+
+}  // namespace v3
+
+#endif  // JAX_TQ_PAGED_DECODE_MMA_CUH_
