@@ -644,6 +644,46 @@ __global__ void __launch_bounds__(kThreads)
 //   Invalid tokens (>= tok_end, page id outside [0, P)) are never read: their K norm is set to
 //   NaN, which the score clamp turns into -inf (weight 0), and their V codes / norm to 0.
 // =============================================================================================
+// Warp-independent kernels (v2, v3) end the same way: each warp staged its (m, l, o) per query
+// head of the tile in shared memory; merge them with log-sum-exp and write the split's partial (or
+// the output when there is a single split). NH is the row width of the staging arrays (>= GT).
+template <int D, int GT, int NH>
+__device__ __forceinline__ void merge_warps_and_store(const DecodeParams& p, const float (&m_s)[kWarps][NH],
+                                                      const float (&l_s)[kWarps][NH],
+                                                      const float (&o_s)[kWarps][NH * D], int seq,
+                                                      int split, int kvh, int tile) {
+  const int ns = p.num_splits;
+  const bool direct = ns == 1;
+  for (int idx = threadIdx.x; idx < GT * D; idx += kThreads) {
+    const int g = idx / D;
+    const int dd = idx - g * D;
+    const int hl = tile * GT + g;
+    if (hl >= p.G) continue;
+    float M = m_s[0][g];
+#pragma unroll
+    for (int w = 1; w < kWarps; ++w) M = fmaxf(M, m_s[w][g]);
+    float L = 0.f, O = 0.f;
+    if (M > -INFINITY) {
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) {
+        const float f = fast_exp2(m_s[w][g] - M);  // m = -inf -> 0 (its l and o are 0)
+        L = fmaf(l_s[w][g], f, L);
+        O = fmaf(o_s[w][idx], f, O);
+      }
+    }
+    const int h = kvh * p.G + hl;
+    const float o = L > 0.f ? O / L : 0.f;
+    const int64_t sh = static_cast<int64_t>(seq) * p.H + h;
+    if (direct) {
+      p.out[sh * D + dd] = o;
+    } else {
+      const int64_t li = sh * ns + split;
+      p.pout[li * D + dd] = o;
+      if (dd == 0) p.plse[li] = L > 0.f ? (M + log2f(L)) * kLn2 : -INFINITY;
+    }
+  }
+}
+
 namespace v2 {
 
 template <int D, int GT>
@@ -908,36 +948,7 @@ __global__ void __launch_bounds__(kThreads)
   }
   __syncthreads();
 
-  // ---- merge the warps; write partials (or the final output when there is a single split) ---
-  const bool direct = ns == 1;
-  for (int idx = tid; idx < GT * D; idx += kThreads) {
-    const int g = idx / D;
-    const int dd = idx - g * D;
-    const int hl = tile * GT + g;
-    if (hl >= p.G) continue;
-    float M = m_s[0][g];
-#pragma unroll
-    for (int w = 1; w < kWarps; ++w) M = fmaxf(M, m_s[w][g]);
-    float L = 0.f, O = 0.f;
-    if (M > -INFINITY) {
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) {
-        const float f = fast_exp2(m_s[w][g] - M);  // m = -inf -> 0 (its l and acc are 0)
-        L = fmaf(l_s[w][g], f, L);
-        O = fmaf(o_s[w][idx], f, O);
-      }
-    }
-    const int h = kvh * p.G + hl;
-    const float o = L > 0.f ? O / L : 0.f;
-    const int64_t sh = static_cast<int64_t>(seq) * p.H + h;
-    if (direct) {
-      p.out[sh * D + dd] = o;
-    } else {
-      const int64_t li = sh * ns + split;
-      p.pout[li * D + dd] = o;
-      if (dd == 0) p.plse[li] = L > 0.f ? (M + log2f(L)) * kLn2 : -INFINITY;
-    }
-  }
+  merge_warps_and_store<D, GT, GT>(p, m_s, l_s, o_s, seq, split, kvh, tile);
 }
 
 }  // namespace v2

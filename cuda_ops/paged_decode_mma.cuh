@@ -333,36 +333,7 @@ __global__ void __launch_bounds__(kThreads)
   }
   __syncthreads();
 
-  // ---- merge the warps; write partials (or the final output when there is a single split) ---
-  const bool direct = ns == 1;
-  for (int idx = tid; idx < GT * D; idx += kThreads) {
-    const int g = idx / D;
-    const int dd = idx - g * D;
-    const int hl = tile * GT + g;
-    if (hl >= p.G) continue;
-    float M = m_s[0][g];
-#pragma unroll
-    for (int w = 1; w < kWarps; ++w) M = fmaxf(M, m_s[w][g]);
-    float L = 0.f, O = 0.f;
-    if (M > -INFINITY) {
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) {
-        const float f = fast_exp2(m_s[w][g] - M);  // m = -inf -> 0 (its l and o are 0)
-        L = fmaf(l_s[w][g], f, L);
-        O = fmaf(o_s[w][idx], f, O);
-      }
-    }
-    const int h = kvh * p.G + hl;
-    const float ov = L > 0.f ? O / L : 0.f;
-    const int64_t shd = static_cast<int64_t>(seq) * p.H + h;
-    if (direct) {
-      p.out[shd * D + dd] = ov;
-    } else {
-      const int64_t li = shd * ns + split;
-      p.pout[li * D + dd] = ov;
-      if (dd == 0) p.plse[li] = L > 0.f ? (M + log2f(L)) * kLn2 : -INFINITY;
-    }
-  }
+  merge_warps_and_store<D, GT, kNH>(p, m_s, l_s, o_s, seq, split, kvh, tile);
 }
 
 }  // namespace v3
