@@ -73,9 +73,6 @@ ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q_rot, ffi::Buffer<ffi::U8> k_c
   double krow[kMaxHeadDim], vrow[kMaxHeadDim];
 
   for (int64_t s = 0; s < S; ++s) {
-    const int64_t seq_len = std::clamp<int64_t>(sl[s], 0, max_pages * page);
-    const int64_t n_pages = page > 0 ? (seq_len + page - 1) / page : 0;
-    const int64_t pps = (n_pages + ns - 1) / ns;  // pages per split
     const int32_t* bts = bt + s * max_pages;
 
     for (int64_t g = 0; g < Hkv; ++g) {
@@ -87,8 +84,8 @@ ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q_rot, ffi::Buffer<ffi::U8> k_c
         std::fill(m.begin(), m.end(), kNegInf);
         std::fill(l.begin(), l.end(), 0.0);
         std::fill(o.begin(), o.end(), 0.0);
-        const int64_t p_begin = std::min(sp * pps, n_pages);
-        const int64_t p_end = std::min(p_begin + pps, n_pages);
+        const SplitRange range = split_range(sl[s], max_pages, page, ns, sp);
+        const int64_t seq_len = range.seq_len, p_begin = range.page_begin, p_end = range.page_end;
 
         for (int64_t j = p_begin; j < p_end; ++j) {
           const int64_t phys = bts[j];

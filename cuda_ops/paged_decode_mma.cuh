@@ -129,17 +129,9 @@ __global__ void __launch_bounds__(kThreads)
   const int tile = blockIdx.y - kvh * p.ntiles;
 
   // ---- token range of this split (identical to v1) ------------------------------------------
-  const int64_t max_tok = static_cast<int64_t>(p.max_pages) * p.page_size;
-  int64_t seq_len = p.sl[seq];
-  seq_len = seq_len < 0 ? 0 : (seq_len > max_tok ? max_tok : seq_len);
-  const int64_t n_pages = (seq_len + p.page_size - 1) / p.page_size;
-  const int64_t pps = (n_pages + ns - 1) / ns;
-  int64_t p0 = static_cast<int64_t>(split) * pps;
-  if (p0 > n_pages) p0 = n_pages;
-  int64_t p1 = p0 + pps;
-  if (p1 > n_pages) p1 = n_pages;
-  const int tok0 = static_cast<int>(p0 * p.page_size);
-  const int tok_end = static_cast<int>(p1 * p.page_size < seq_len ? p1 * p.page_size : seq_len);
+  const SplitRange range = split_range(p.sl[seq], p.max_pages, p.page_size, ns, split);
+  const int tok0 = static_cast<int>(range.tok_begin);
+  const int tok_end = static_cast<int>(range.tok_end);
   const int ntok = tok_end > tok0 ? tok_end - tok0 : 0;
   const int ntt = (ntok + kTT - 1) / kTT;
   const int32_t* bt_seq = p.bt + static_cast<int64_t>(seq) * p.max_pages;

@@ -184,6 +184,28 @@ JTQ_HD int64_t norms_offset(int64_t page, int64_t head, int64_t slot_in_page,
   return (page * num_kv_heads + head) * page_size + slot_in_page;
 }
 
+// Split-K partition of one sequence (docs/DESIGN.md): seq_len is clamped to
+// [0, max_pages * page_size]; its ceil(seq_len / page_size) logical pages are cut into num_splits
+// contiguous ranges of ceil(n_pages / num_splits) pages. Split `split` covers logical pages
+// [page_begin, page_end) and tokens [tok_begin, tok_end); empty when they are equal.
+struct SplitRange {
+  int64_t seq_len, page_begin, page_end, tok_begin, tok_end;
+};
+
+JTQ_HD SplitRange split_range(int64_t seq_len, int64_t max_pages, int64_t page_size,
+                              int64_t num_splits, int64_t split) {
+  const int64_t max_tok = max_pages * page_size;
+  seq_len = seq_len < 0 ? 0 : (seq_len > max_tok ? max_tok : seq_len);
+  const int64_t n_pages = page_size > 0 ? (seq_len + page_size - 1) / page_size : 0;
+  const int64_t pages_per_split = (n_pages + num_splits - 1) / num_splits;
+  int64_t p0 = split * pages_per_split;
+  if (p0 > n_pages) p0 = n_pages;
+  int64_t p1 = p0 + pages_per_split;
+  if (p1 > n_pages) p1 = n_pages;
+  const int64_t t1 = p1 * page_size < seq_len ? p1 * page_size : seq_len;
+  return SplitRange{seq_len, p0, p1, p0 * page_size, t1};
+}
+
 }  // namespace jax_tq
 
 #endif  // JAX_TQ_FORMAT_H_
