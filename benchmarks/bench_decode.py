@@ -172,7 +172,7 @@ def bench_shape(num_seqs, seq_len, splits_list, copy_bw, quick, only_tq=False):
             q_rot = q.astype(jnp.float32)  # stands in for Pi q (same shape / dtype)
             (o,) = pd_mod.paged_decode_p.bind(
                 q_rot, c.k_codes, c.k_norms, c.v_codes, c.v_norms, c.k_codec.centroids, c.v_codec.centroids,
-                t, l, k_bits=4, v_bits=4, scale=1.0 / math.sqrt(HEAD_DIM), num_splits=0, backend="ffi")
+                t, l, k_bits=4, v_bits=4, scale=1.0 / math.sqrt(HEAD_DIM), num_splits=0, f16_products=True, backend="ffi")
             return o
         med, best = time_calls(kernel_only, sets, outer=outer)
         rows.append(("jax_tq K4V4 kernel only (auto splits)", med, best, one))

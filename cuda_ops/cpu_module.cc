@@ -35,7 +35,8 @@ ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q_rot, ffi::Buffer<ffi::U8> k_c
                            ffi::Result<ffi::Buffer<ffi::F32>> out_rot,
                            ffi::Result<ffi::Buffer<ffi::F32>> partial_out,
                            ffi::Result<ffi::Buffer<ffi::F32>> partial_lse, int32_t k_bits,
-                           int32_t v_bits, int32_t num_splits, float scale);
+                           int32_t v_bits, int32_t num_splits, float scale,
+                           int32_t f16_products);
 }  // namespace cpu
 }  // namespace jax_tq
 

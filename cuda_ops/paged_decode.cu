@@ -25,6 +25,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstdint>
@@ -1011,9 +1012,25 @@ ffi::Error launch_v2(cudaStream_t stream, const DecodeParams& p, dim3 grid) {
   return ffi::Error::Success();
 }
 
-template <int GT>
+// The dynamic shared memory limit is a per-device setting: set it once on each device used.
+template <int GT, bool SPLIT>
+cudaError_t allow_v3_shared_memory() {
+  static std::atomic<uint64_t> done{0};
+  int dev = 0;
+  if (cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) return e;
+  const uint64_t bit = dev < 64 ? uint64_t(1) << dev : 0;
+  if (bit && (done.load(std::memory_order_acquire) & bit)) return cudaSuccess;
+  const cudaError_t e = cudaFuncSetAttribute(v3::paged_decode_v3_kernel<GT, SPLIT>,
+                                             cudaFuncAttributeMaxDynamicSharedMemorySize, v3::kSmemBytes);
+  if (e == cudaSuccess) done.fetch_or(bit, std::memory_order_acq_rel);
+  return e;
+}
+
+template <int GT, bool SPLIT>
 ffi::Error launch_v3(cudaStream_t stream, const DecodeParams& p, dim3 grid) {
-  v3::paged_decode_v3_kernel<GT><<<grid, kThreads, 0, stream>>>(p);
+  if (cudaError_t attr = allow_v3_shared_memory<GT, SPLIT>(); attr != cudaSuccess)
+    return cuda_error("v3 shared memory attribute", attr);
+  v3::paged_decode_v3_kernel<GT, SPLIT><<<grid, kThreads, v3::kSmemBytes, stream>>>(p);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return cuda_error("v3 split kernel launch", e);
   return ffi::Error::Success();
@@ -1049,32 +1066,54 @@ ffi::Error dispatch_gt_v2(int gt, cudaStream_t stream, const DecodeParams& p, di
   }
 }
 
-// Kernel choice (explicit):
-//   v1 (block-synchronous cp.async pipeline): the default, every head_dim. Measured faster on the
-//      H200 (docs/performance.md: K4V4 32x8192 389 us vs 615 us for v2).
-//   v2 (warp-independent streaming, no barrier in the main loop) only when the environment
-//      variable JAX_TQ_CUDA_DECODE_V2 is set (A/B timing), for head_dim 64 / 128 / 256 with both
-//      code pools 4-byte aligned (v2 reads 4-bit codes as 32-bit words, 2-bit as 16-bit words).
+// Kernel choice (environment variable JAX_TQ_CUDA_DECODE = v1 | v2 | v3, read once; jax_tq's
+// split-count rule reads the same variable):
+//   v3 (tensor-core mma.sync kernel, paged_decode_mma.cuh): the default where it applies - head_dim
+//      128, k_bits = v_bits = 4, GQA group >= 3 (head tiles of 4 or 8), K code pool 16-byte and V
+//      code pool 8-byte aligned (16- / 8-byte code loads).
+//   v1 (block-synchronous cp.async pipeline, fp32 CUDA-core math): every other configuration, and
+//      everywhere with JAX_TQ_CUDA_DECODE=v1.
+//   v2 (warp-independent streaming, fp32): only with JAX_TQ_CUDA_DECODE=v2 (A/B timing; slower than
+//      v1 on the H200, docs/performance.md), for head_dim 64 / 128 / 256 with 4-byte aligned pools.
+enum class DecodeKernel { kDefault, kV1, kV2, kV3 };
+
+DecodeKernel requested_kernel() {
+  static const DecodeKernel k = [] {
+    const char* env = std::getenv("JAX_TQ_CUDA_DECODE");
+    const std::string v = env ? env : "";
+    if (v == "v1") return DecodeKernel::kV1;
+    if (v == "v2") return DecodeKernel::kV2;
+    if (v == "v3") return DecodeKernel::kV3;
+    return DecodeKernel::kDefault;
+  }();
+  return k;
+}
+
 bool use_v2(int d, const DecodeParams& p) {
-  static const bool want_v2 = std::getenv("JAX_TQ_CUDA_DECODE_V2") != nullptr;
-  if (!want_v2) return false;
+  if (requested_kernel() != DecodeKernel::kV2) return false;
   if (d != 64 && d != 128 && d != 256) return false;
   return reinterpret_cast<uintptr_t>(p.kc) % 4 == 0 && reinterpret_cast<uintptr_t>(p.vc) % 4 == 0;
 }
 
-//   v3 (EXPERIMENTAL tensor-core mma.sync kernel, paged_decode_mma.cuh) only when the environment
-//      variable JAX_TQ_CUDA_DECODE_V3 is set, for head_dim 128, k_bits = v_bits = 4, GQA tile 4 or 8,
-//      K code pool 16-byte aligned and V code pool 8-byte aligned (16- / 8-byte code loads).
 bool use_v3(int d, int gt, const DecodeParams& p) {
-  static const bool want_v3 = std::getenv("JAX_TQ_CUDA_DECODE_V3") != nullptr;
-  if (!want_v3) return false;
+  const DecodeKernel k = requested_kernel();
+  if (k != DecodeKernel::kDefault && k != DecodeKernel::kV3) return false;
   if (d != 128 || p.k_bits != 4 || p.v_bits != 4 || (gt != 4 && gt != 8)) return false;
   return reinterpret_cast<uintptr_t>(p.kc) % 16 == 0 && reinterpret_cast<uintptr_t>(p.vc) % 8 == 0;
 }
 
-ffi::Error dispatch_d(int d, int gt, cudaStream_t stream, const DecodeParams& p, dim3 grid) {
 #if JTQ_HAS_D(128)
-  if (use_v3(d, gt, p)) return gt == 4 ? launch_v3<4>(stream, p, grid) : launch_v3<8>(stream, p, grid);
+ffi::Error dispatch_v3(int gt, bool f16, cudaStream_t stream, const DecodeParams& p, dim3 grid) {
+  if (gt == 4) return f16 ? launch_v3<4, false>(stream, p, grid) : launch_v3<4, true>(stream, p, grid);
+  return f16 ? launch_v3<8, false>(stream, p, grid) : launch_v3<8, true>(stream, p, grid);
+}
+#endif
+
+ffi::Error dispatch_d(int d, int gt, bool f16, cudaStream_t stream, const DecodeParams& p, dim3 grid) {
+#if JTQ_HAS_D(128)
+  if (use_v3(d, gt, p)) return dispatch_v3(gt, f16, stream, p, grid);
+#else
+  (void)f16;
 #endif
   if (use_v2(d, p)) {
     switch (d) {
@@ -1124,7 +1163,8 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot,
                                ffi::Result<ffi::Buffer<ffi::F32>> out_rot,
                                ffi::Result<ffi::Buffer<ffi::F32>> partial_out,
                                ffi::Result<ffi::Buffer<ffi::F32>> partial_lse, int32_t k_bits,
-                               int32_t v_bits, int32_t num_splits, float scale) {
+                               int32_t v_bits, int32_t num_splits, float scale,
+                               int32_t f16_products) {
   // ---- validation (shared with the CPU handler) ----------------------------------------------
   ffi_checks::DecodeDims dims;
   JTQ_RETURN_IF_ERROR(ffi_checks::validate_paged_decode(
@@ -1187,7 +1227,7 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot,
   }
 
   const dim3 grid(static_cast<unsigned>(S * ns), static_cast<unsigned>(Hkv * ntiles));
-  if (auto e = dispatch_d(static_cast<int>(d), gt, stream, p, grid); e.failure())
+  if (auto e = dispatch_d(static_cast<int>(d), gt, f16_products != 0, stream, p, grid); e.failure())
     return e;
   if (ns > 1) {
     paged_decode_combine_kernel<<<static_cast<unsigned>(S * H), 128, 0, stream>>>(
@@ -1201,6 +1241,10 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot,
 }  // namespace cuda
 }  // namespace jax_tq
 
+// Command-buffer compatible: the handler only launches kernels on the given stream (its launch
+// parameters depend on shapes, attributes and buffer addresses only), so XLA may capture it into
+// a CUDA graph together with the surrounding ops.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTqPagedDecodeCuda, jax_tq::cuda::PagedDecodeCudaImpl,
                               jax_tq::ffi_checks::BindPagedDecode(
-                                  ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
+                                  ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              {ffi::Traits::kCmdBufferCompatible});

@@ -60,9 +60,9 @@
 // from global memory into registers one tile ahead; no block barrier in the main loop; the 4 warps
 // are merged through shared memory at the end (as in v2).
 //
-// Known limits (experimental): p * v_norm must stay below 65504 (f16 range) - larger V norms give
-// inf; contributions far below the running max lose relative (not absolute) precision in f16
-// subnormals.
+// Range: the V weights p * v_norm are taken relative to a running max that includes log2 v_norm,
+// so they are <= 1 for any norm; contributions far below the running max lose relative (not
+// absolute) precision in f16 subnormals.
 #ifndef JAX_TQ_PAGED_DECODE_MMA_CUH_
 #define JAX_TQ_PAGED_DECODE_MMA_CUH_
 
@@ -73,6 +73,9 @@ constexpr int kNH = 8;      // MMA n: heads per tile (GT padded)
 constexpr int kTT = 16;     // tokens per warp tile
 constexpr int kRowB = 64;   // code bytes per row (128 coordinates x 4 bits)
 constexpr int kWRow = 10;   // padded row (floats) of the per-warp P tile: conflict-free B reads
+constexpr int kCtasPerSm = 3;                 // residency the launch bounds and shared memory allow
+constexpr int kTabBytes = 256 * 128;          // one replicated pair table (see Lut)
+constexpr int kSmemBytes = 2 * kTabBytes;     // K table, V table (o_s and the q staging alias them)
 
 __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
                                          uint32_t b1) {
@@ -94,6 +97,37 @@ __device__ __forceinline__ void split2(float x0, float x1, uint32_t& hi, uint32_
   lo = h2_bits(__floats2half2_rn(x0 - hf.x, x1 - hf.y));
 }
 
+// Centroid-pair look-up table: entry e (a code byte) = f16x2 (c[e & 15], c[e >> 4]), as {hi, lo}
+// when SPLIT (f32-accurate products) or hi only. 128 bytes per entry: 16 copies of the 8-byte
+// {hi, lo} or 32 copies of the 4-byte hi, and lane l reads copy l & 15 (resp. l): every lane of a
+// (half-)warp reads its own bank(s), so the random look-ups never conflict.
+template <bool SPLIT>
+struct Lut {
+  const uint32_t* lane_base;
+  __device__ __forceinline__ Lut(const uint8_t* table, int lane)
+      : lane_base(reinterpret_cast<const uint32_t*>(table) + (SPLIT ? 2 * (lane & 15) : lane)) {}
+  __device__ __forceinline__ uint2 operator()(uint32_t e) const {  // e in [0, 256)
+    if constexpr (SPLIT) return *reinterpret_cast<const uint2*>(lane_base + (e << 5));
+    else return make_uint2(lane_base[e << 5], 0u);
+  }
+};
+
+// Fill both tables (K: kcent, V: vcent) at smem; every thread writes whole 128-byte entries, its
+// 16-byte stores rotated by thread so that a quarter warp's stores hit distinct banks.
+template <bool SPLIT>
+__device__ __forceinline__ void build_luts(uint8_t* smem, const float* kcent, const float* vcent) {
+  for (int i = threadIdx.x; i < 512; i += kThreads) {
+    const float* cent = i < 256 ? kcent : vcent;
+    const int e = i & 255;
+    uint32_t hi, lo;
+    split2(cent[e & 15], cent[e >> 4], hi, lo);
+    const uint4 v = SPLIT ? make_uint4(hi, lo, hi, lo) : make_uint4(hi, hi, hi, hi);
+    uint4* entry = reinterpret_cast<uint4*>(smem + (i >> 8) * kTabBytes + e * 128);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) entry[(j + threadIdx.x) & 7] = v;
+  }
+}
+
 // One 4-bit-per-row tile of a warp, held in registers.
 struct Tile {
   uint4 k0, k1;    // K code bytes 16*t4 .. +15 of tokens gid, gid + 8
@@ -102,20 +136,22 @@ struct Tile {
   float vn0, vn1;  // V norms of tokens gid, gid + 8 (0 when masked)
 };
 
-template <int GT>
-__global__ void __launch_bounds__(kThreads)
+// SPLIT: q, P and the centroids enter the MMAs as f16 hi + lo (3 MMAs per product, ~f32 accurate);
+// otherwise as f16 (1 MMA; relative error ~2^-11 per product term, for bf16 / f16 queries).
+template <int GT, bool SPLIT>
+__global__ void __launch_bounds__(kThreads, kCtasPerSm)
     paged_decode_v3_kernel(const DecodeParams p) {
   static_assert(GT == 4 || GT == 8, "v3: GT in {4, 8}");
   static_assert(kNH == 2 * kWarps, "prologue: two heads per warp");
+  static_assert(kWarps * kNH * kD * 4 <= kSmemBytes, "o_s must fit in the table space");
   constexpr int D = kD;
 
-  __shared__ uint2 ktab[256];  // {hi, lo} f16x2 of (c_k[b & 15], c_k[b >> 4])
-  __shared__ uint2 vtab[256];  // same for c_v
+  extern __shared__ __align__(16) uint8_t smem[];  // kSmemBytes: [K table | V table]
   __shared__ float qexp_s[kNH];
   __shared__ float w_s[kWarps][kTT * kWRow];
   __shared__ float m_s[kWarps][kNH];
   __shared__ float l_s[kWarps][kNH];
-  __shared__ __align__(16) float o_s[kWarps][kNH * D];  // prologue: q staging (first kNH * D)
+  auto& o_s = *reinterpret_cast<float(*)[kWarps][kNH * D]>(smem);  // after the main loop only
 
   const int tid = threadIdx.x;
   const int warp = tid >> 5;
@@ -136,15 +172,8 @@ __global__ void __launch_bounds__(kThreads)
   const int ntt = (ntok + kTT - 1) / kTT;
   const int32_t* bt_seq = p.bt + static_cast<int64_t>(seq) * p.max_pages;
 
-  // ---- prologue: centroid pair tables, q (scaled, per-head power of two) --------------------
-  for (int i = tid; i < 256; i += kThreads) {
-    uint2 e;
-    split2(p.kcent[i & 15], p.kcent[i >> 4], e.x, e.y);
-    ktab[i] = e;
-    split2(p.vcent[i & 15], p.vcent[i >> 4], e.x, e.y);
-    vtab[i] = e;
-  }
-  float* q_s = &o_s[0][0];
+  // ---- prologue: q (scaled, per-head power of two) staged in the table space, then the tables -
+  float* q_s = reinterpret_cast<float*>(smem);
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
     const int g = 2 * warp + hh;
@@ -176,8 +205,14 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   const float qx0 = qexp_s[2 * t4], qx1 = qexp_s[2 * t4 + 1];
-  __syncthreads();  // q_s (aliases o_s) consumed by every warp
+  __syncthreads();  // q_s consumed by every warp: the tables may overwrite it
+  build_luts<SPLIT>(smem, p.kcent, p.vcent);
+  __syncthreads();
+  const Lut<SPLIT> klut(smem, lane), vlut(smem + kTabBytes, lane);
 
+  // Split ranges start on a page boundary, so with page_size a multiple of 16 every 16-token
+  // tile lies in one page: one block-table read per tile, rows row0 + t.
+  const bool one_page_tiles = (p.page_size & (kTT - 1)) == 0;
   auto load = [&](int ti, Tile& t) {
     t.k0 = make_uint4(0u, 0u, 0u, 0u);
     t.k1 = t.k0;
@@ -187,8 +222,24 @@ __global__ void __launch_bounds__(kThreads)
     for (int e = 0; e < 4; ++e) t.v[e] = make_uint2(0u, 0u);
     if (ti >= ntt) return;
     const int base = tok0 + ti * kTT;
-    const int64_t r0 = token_row(p, bt_seq, base + gid, tok_end, kvh);
-    const int64_t r1 = token_row(p, bt_seq, base + gid + 8, tok_end, kvh);
+    int64_t r0, r1, rv[4];
+    if (one_page_tiles) {
+      const uint32_t lp = p.pdiv.div(static_cast<uint32_t>(base));
+      const int phys = __ldg(bt_seq + lp);
+      const bool page_ok = phys >= 0 && phys < p.P;
+      const int64_t row0 = (static_cast<int64_t>(phys) * p.Hkv + kvh) * p.page_size +
+                           (base - static_cast<int>(lp) * p.page_size);
+      const int n = page_ok ? tok_end - base : 0;  // valid tokens of this tile (may exceed 16)
+      r0 = gid < n ? row0 + gid : -1;
+      r1 = gid + 8 < n ? row0 + gid + 8 : -1;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) rv[e] = 4 * t4 + e < n ? row0 + 4 * t4 + e : -1;
+    } else {
+      r0 = token_row(p, bt_seq, base + gid, tok_end, kvh);
+      r1 = token_row(p, bt_seq, base + gid + 8, tok_end, kvh);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) rv[e] = token_row(p, bt_seq, base + 4 * t4 + e, tok_end, kvh);
+    }
     if (r0 >= 0) {
       t.k0 = __ldg(reinterpret_cast<const uint4*>(p.kc + r0 * kRowB) + t4);
       t.kn0 = __ldg(p.kn + r0);
@@ -200,10 +251,8 @@ __global__ void __launch_bounds__(kThreads)
       t.vn1 = __ldg(p.vn + r1);
     }
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int64_t r = token_row(p, bt_seq, base + 4 * t4 + e, tok_end, kvh);
-      if (r >= 0) t.v[e] = __ldg(reinterpret_cast<const uint2*>(p.vc + r * kRowB) + gid);
-    }
+    for (int e = 0; e < 4; ++e)
+      if (rv[e] >= 0) t.v[e] = __ldg(reinterpret_cast<const uint2*>(p.vc + rv[e] * kRowB) + gid);
   };
 
   float m[2] = {-INFINITY, -INFINITY};
@@ -222,55 +271,72 @@ __global__ void __launch_bounds__(kThreads)
   for (int ti = warp; ti < ntt; ti += kWarps) {
     load(ti + kWarps, nxt);
 
-    // ---- S^T = Kdec * Q^T (3 MMAs per k-step) ----------------------------------------------
-    float sh[4] = {0.f, 0.f, 0.f, 0.f}, sx[4] = {0.f, 0.f, 0.f, 0.f};
+    // ---- S^T = Kdec * Q^T ------------------------------------------------------------------
+    float sh[2][4] = {}, sx[2][4] = {};  // even / odd k-steps: two independent MMA chains
     const uint32_t ka[4] = {cur.k0.x, cur.k0.y, cur.k0.z, cur.k0.w};
     const uint32_t kb[4] = {cur.k1.x, cur.k1.y, cur.k1.z, cur.k1.w};
 #pragma unroll
     for (int ks = 0; ks < 8; ++ks) {
       const int w = ks >> 1;
       const int s0 = (ks & 1) * 16;  // bit offset of byte 2*ks within its word
-      const uint2 t00 = ktab[(ka[w] >> s0) & 0xFFu];        // token gid,   byte 2ks
-      const uint2 t01 = ktab[(kb[w] >> s0) & 0xFFu];        // token gid+8, byte 2ks
-      const uint2 t10 = ktab[(ka[w] >> (s0 + 8)) & 0xFFu];  // token gid,   byte 2ks+1
-      const uint2 t11 = ktab[(kb[w] >> (s0 + 8)) & 0xFFu];  // token gid+8, byte 2ks+1
+      const uint2 t00 = klut((ka[w] >> s0) & 0xFFu);        // token gid,   byte 2ks
+      const uint2 t01 = klut((kb[w] >> s0) & 0xFFu);        // token gid+8, byte 2ks
+      const uint2 t10 = klut((ka[w] >> (s0 + 8)) & 0xFFu);  // token gid,   byte 2ks+1
+      const uint2 t11 = klut((kb[w] >> (s0 + 8)) & 0xFFu);  // token gid+8, byte 2ks+1
       const uint32_t ahi[4] = {t00.x, t01.x, t10.x, t11.x};
-      const uint32_t alo[4] = {t00.y, t01.y, t10.y, t11.y};
-      mma16816(sh, ahi, qh[ks][0], qh[ks][1]);
-      mma16816(sx, ahi, ql[ks][0], ql[ks][1]);
-      mma16816(sx, alo, qh[ks][0], qh[ks][1]);
+      mma16816(sh[ks & 1], ahi, qh[ks][0], qh[ks][1]);
+      if constexpr (SPLIT) {
+        const uint32_t alo[4] = {t00.y, t01.y, t10.y, t11.y};
+        mma16816(sx[ks & 1], ahi, ql[ks][0], ql[ks][1]);
+        mma16816(sx[ks & 1], alo, qh[ks][0], qh[ks][1]);
+      }
     }
     // c0: (gid, head 2t4), c1: (gid, 2t4+1), c2: (gid+8, 2t4), c3: (gid+8, 2t4+1)
     float s[4];
-    s[0] = (sh[0] + sx[0]) * qx0 * cur.kn0;
-    s[1] = (sh[1] + sx[1]) * qx1 * cur.kn0;
-    s[2] = (sh[2] + sx[2]) * qx0 * cur.kn1;
-    s[3] = (sh[3] + sx[3]) * qx1 * cur.kn1;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) s[c] = (sh[0][c] + sh[1][c]) + (sx[0][c] + sx[1][c]);
+    s[0] *= qx0 * cur.kn0;
+    s[1] *= qx1 * cur.kn0;
+    s[2] *= qx0 * cur.kn1;
+    s[3] *= qx1 * cur.kn1;
 #pragma unroll
     for (int c = 0; c < 4; ++c)
       if (!(s[c] > -INFINITY)) s[c] = -INFINITY;  // masked token (NaN norm) or NaN: no weight
 
     // ---- online softmax (f32), heads 2t4 + hh ----------------------------------------------
+    // The V MMA weight of a token is p * v_norm = exp2(s + log2 v_norm - m): the running max m
+    // covers s and s + log2 v_norm, so every weight (and p) is <= 1 and fits f16 for any norm.
+    // l sums exp2(s - m) against the same m.
+    const float lv0 = cur.vn0 > 0.f ? __log2f(cur.vn0) : -INFINITY;  // NaN / 0 norm: no V weight
+    const float lv1 = cur.vn1 > 0.f ? __log2f(cur.vn1) : -INFINITY;
     __syncwarp();  // previous tile's P reads are done
+    float alpha[2];
+    bool grew = false;
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
-      float tm = fmaxf(s[hh], s[2 + hh]);
+      const float ua = s[hh] + lv0, ub = s[2 + hh] + lv1;
+      float tm = fmaxf(fmaxf(s[hh], s[2 + hh]), fmaxf(ua, ub));
 #pragma unroll
       for (int off = 4; off < 32; off <<= 1) tm = fmaxf(tm, __shfl_xor_sync(0xffffffffu, tm, off));
       const float mn = fmaxf(m[hh], tm);
       const bool any = mn > -INFINITY;
-      const float alpha = any ? fast_exp2(m[hh] - mn) : 1.f;  // m = -inf -> 0
-      const float pa = any ? fast_exp2(s[hh] - mn) : 0.f;     // s = -inf -> 0
+      grew |= m[hh] > -INFINITY && mn > m[hh];              // o != 0 needs rescaling
+      alpha[hh] = any ? fast_exp2(m[hh] - mn) : 1.f;        // m = -inf -> 0
+      const float pa = any ? fast_exp2(s[hh] - mn) : 0.f;   // s = -inf -> 0
       const float pb = any ? fast_exp2(s[2 + hh] - mn) : 0.f;
-      l[hh] = l[hh] * alpha + pa + pb;
+      l[hh] = l[hh] * alpha[hh] + pa + pb;
       m[hh] = mn;
+      wt[gid * kWRow + 2 * t4 + hh] = any ? fast_exp2(ua - mn) : 0.f;
+      wt[(gid + 8) * kWRow + 2 * t4 + hh] = any ? fast_exp2(ub - mn) : 0.f;
+    }
+    if (__any_sync(0xffffffffu, grew)) {
 #pragma unroll
       for (int mt = 0; mt < 8; ++mt) {
-        o[mt][hh] *= alpha;
-        o[mt][2 + hh] *= alpha;
+        o[mt][0] *= alpha[0];
+        o[mt][2] *= alpha[0];
+        o[mt][1] *= alpha[1];
+        o[mt][3] *= alpha[1];
       }
-      wt[gid * kWRow + 2 * t4 + hh] = pa > 0.f ? pa * cur.vn0 : 0.f;
-      wt[(gid + 8) * kWRow + 2 * t4 + hh] = pb > 0.f ? pb * cur.vn1 : 0.f;
     }
     __syncwarp();
     // B of the V MMA: head gid, tokens 4t4 + {0,1} (b0), 4t4 + {2,3} (b1).
@@ -295,25 +361,31 @@ __global__ void __launch_bounds__(kThreads)
     for (int mt = 0; mt < 8; ++mt) {
       const int wd = mt >> 2;
       const int sb = (mt & 3) * 8;
-      const uint2 e0 = vtab[(lo01[wd] >> sb) & 0xFFu];  // row gid   (coord 16gid+2mt),   tok 4t4+{0,1}
-      const uint2 e1 = vtab[(hi01[wd] >> sb) & 0xFFu];  // row gid+8 (coord 16gid+2mt+1), tok 4t4+{0,1}
-      const uint2 e2 = vtab[(lo23[wd] >> sb) & 0xFFu];  // row gid,   tok 4t4+{2,3}
-      const uint2 e3 = vtab[(hi23[wd] >> sb) & 0xFFu];  // row gid+8, tok 4t4+{2,3}
+      const uint2 e0 = vlut((lo01[wd] >> sb) & 0xFFu);  // row gid   (coord 16gid+2mt),   tok 4t4+{0,1}
+      const uint2 e1 = vlut((hi01[wd] >> sb) & 0xFFu);  // row gid+8 (coord 16gid+2mt+1), tok 4t4+{0,1}
+      const uint2 e2 = vlut((lo23[wd] >> sb) & 0xFFu);  // row gid,   tok 4t4+{2,3}
+      const uint2 e3 = vlut((hi23[wd] >> sb) & 0xFFu);  // row gid+8, tok 4t4+{2,3}
       const uint32_t ahi[4] = {e0.x, e1.x, e2.x, e3.x};
-      const uint32_t alo[4] = {e0.y, e1.y, e2.y, e3.y};
       mma16816(o[mt], ahi, ph0, ph1);
-      mma16816(o[mt], ahi, pl0, pl1);
-      mma16816(o[mt], alo, ph0, ph1);
+      if constexpr (SPLIT) {
+        const uint32_t alo[4] = {e0.y, e1.y, e2.y, e3.y};
+        mma16816(o[mt], ahi, pl0, pl1);
+        mma16816(o[mt], alo, ph0, ph1);
+      }
     }
 
     cur = nxt;
   }
 
-  // ---- per-warp state to shared memory -------------------------------------------------------
+  // ---- per-warp state to shared memory (o_s reuses the tables: wait for every warp) ---------
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
 #pragma unroll
     for (int off = 4; off < 32; off <<= 1) l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], off);
+  }
+  __syncthreads();
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
     float* orow = &o_s[warp][(2 * t4 + hh) * D + 16 * gid];
 #pragma unroll
     for (int mt = 0; mt < 8; ++mt)

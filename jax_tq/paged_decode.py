@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +28,7 @@ paged_decode_p.multiple_results = True
 MIN_TOKENS_PER_SPLIT = 256
 
 
-def paged_decode(q, cache, block_tables, seq_lens, *, scale=None, num_splits=None):
+def paged_decode(q, cache, block_tables, seq_lens, *, scale=None, num_splits=None, precision=None):
     """Decode attention of one query token per sequence over a compressed paged KV cache.
 
     Args:
@@ -43,6 +44,12 @@ def paged_decode(q, cache, block_tables, seq_lens, *, scale=None, num_splits=Non
       scale: softmax scale; default 1 / sqrt(head_dim).
       num_splits: split-K count; default chosen per platform to fill the device (1 on CPU). Any
         value >= 1 is correct, also more splits than pages.
+      precision: ``jax.lax.Precision`` (or its name) of the kernel's q.k and p.v products.
+        ``HIGHEST``: float32-accurate (relative error ~1e-6). ``DEFAULT``/``HIGH``: the GPU kernel
+        may round q, the softmax weights and the centroids to float16 inside its tensor-core
+        products (relative error ~2^-11 per term, below a bfloat16 query's own rounding of 2^-9).
+        Default: ``HIGHEST`` for float32 queries, ``DEFAULT`` for bfloat16/float16 queries. The
+        CPU kernel and the reference always compute in float64/float32.
 
     Returns:
       [num_seqs, num_heads, head_dim] array of q's dtype. Differentiable in q and in the cache's
@@ -52,10 +59,11 @@ def paged_decode(q, cache, block_tables, seq_lens, *, scale=None, num_splits=Non
     Raises:
       TypeError: q not float32/bfloat16/float16; block_tables or seq_lens not int32.
       ValueError: wrong ranks or shapes, head_dim differs from the cache's codecs, num_heads not a
-        multiple of num_kv_heads, num_splits < 1.
+        multiple of num_kv_heads, num_splits < 1, an unknown precision.
     """
     q, block_tables, seq_lens = jnp.asarray(q), jnp.asarray(block_tables), jnp.asarray(seq_lens)
     _check_decode_args(q, cache, block_tables, seq_lens, num_splits)
+    f16_products = _allows_f16_products(precision, q.dtype)
     check_decode_indices(block_tables, seq_lens, num_pages=cache.num_pages, page_size=cache.page_size)
     k_codec, v_codec = cache.k_codec, cache.v_codec
     scale = float(1.0 / math.sqrt(k_codec.head_dim) if scale is None else scale)
@@ -69,18 +77,32 @@ def paged_decode(q, cache, block_tables, seq_lens, *, scale=None, num_splits=Non
     if backend == "xla":
         out_rot = reference.paged_decode_rotated(*operands, k_codec.bits, v_codec.bits, scale)
     else:
-        out_rot = _decode_rotated(*operands, k_codec.bits, v_codec.bits, scale, int(num_splits or 0), backend)
+        out_rot = _decode_rotated(*operands, k_codec.bits, v_codec.bits, scale, int(num_splits or 0),
+                                  f16_products, backend)
     out = jnp.einsum("she,ed->shd", out_rot, v_codec.rotation, precision=hi)
     return out.astype(q.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11, 12, 13))
+def _allows_f16_products(precision, q_dtype) -> bool:
+    """Whether ``precision`` (see paged_decode) lets the kernel use float16 products."""
+    if precision is None:
+        return jnp.dtype(q_dtype) != jnp.dtype(jnp.float32)
+    try:
+        precision = jax.lax.Precision(precision.lower() if isinstance(precision, str) else precision)
+    except (ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"jax_tq.paged_decode: precision must be a jax.lax.Precision or one of "
+                         f"'default', 'high', 'highest', got {precision!r}") from err
+    return precision != jax.lax.Precision.HIGHEST
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11, 12, 13, 14))
 def _decode_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens,
-                    k_bits, v_bits, scale, num_splits, backend):
+                    k_bits, v_bits, scale, num_splits, f16_products, backend):
     """The kernel call, differentiable in q_rot, k_norms and v_norms (the codes are integers)."""
     (out_rot,) = paged_decode_p.bind(
         q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens,
-        k_bits=k_bits, v_bits=v_bits, scale=scale, num_splits=num_splits, backend=backend,
+        k_bits=k_bits, v_bits=v_bits, scale=scale, num_splits=num_splits, f16_products=f16_products,
+        backend=backend,
     )
     return out_rot
 
@@ -90,7 +112,7 @@ def _decode_rotated_fwd(*args):
     return _decode_rotated(*operands, *static), operands
 
 
-def _decode_rotated_bwd(k_bits, v_bits, scale, num_splits, backend, operands, cotangent):
+def _decode_rotated_bwd(k_bits, v_bits, scale, num_splits, f16_products, backend, operands, cotangent):
     """Backward pass through the reference (recomputes the softmax; memory O(num_seqs x tokens))."""
     q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens = operands
 
@@ -144,21 +166,55 @@ def _check_decode_args(q, cache, block_tables, seq_lens, num_splits) -> None:
         raise ValueError(f"{op}: num_splits must be >= 1 (or None for automatic), got {num_splits}")
 
 
+#: Resident CTAs per SM of the tensor-core decode kernel (v3): its registers and shared memory.
+V3_CTAS_PER_SM = 3
+
+
+def uses_tensor_core_kernel(head_dim: int, k_bits: int, v_bits: int, group: int) -> bool:
+    """Whether the CUDA decode runs its tensor-core kernel (v3) for this configuration: head_dim
+    128, 4-bit K and V, GQA group >= 3, unless ``JAX_TQ_CUDA_DECODE`` asks for v1 or v2 (the
+    kernel handler reads the same variable)."""
+    requested = os.environ.get("JAX_TQ_CUDA_DECODE", "")
+    return requested in ("", "v3") and head_dim == 128 and k_bits == 4 and v_bits == 4 and group >= 3
+
+
+def whole_wave_splits(units: int, slots: int, max_splits: int) -> int:
+    """The split count whose ``units * splits`` CTAs best fill whole waves of ``slots`` resident
+    CTAs (a last, partly filled wave leaves SMs idle), preferring fewer splits unless more fill
+    clearly (>= 2 points) better; searched up to ~4 waves or ``max_splits``."""
+    best, best_fill = 1, 0.0
+    for splits in range(1, max(1, max_splits) + 1):
+        waves = units * splits / slots
+        fill = waves / math.ceil(waves)
+        if fill > best_fill + 0.02:
+            best, best_fill = splits, fill
+        if waves >= 4:
+            break
+    return best
+
+
 def choose_num_splits(platform: str, num_seqs: int, num_kv_heads: int, max_pages: int, *,
-                      group: int = 1, page_size: int = 16, head_dim: int = 128) -> int:
-    """Split-K count for a launch: 1 on CPU. On a GPU, enough (sequence, KV head, head tile, split)
-    CTAs for whole waves on every multiprocessor (2 resident CTAs per SM for head tiles of 4 or 8
-    query heads, whose register use limits residency, 4 otherwise), with at least
-    ``MIN_TOKENS_PER_SPLIT`` tokens (and 4 pages) per split."""
+                      group: int = 1, page_size: int = 16, head_dim: int = 128, k_bits: int = 4,
+                      v_bits: int = 4) -> int:
+    """Split-K count for a launch: 1 on CPU. On a GPU, with at most one split per
+    ``MIN_TOKENS_PER_SPLIT`` tokens (and 4 pages):
+
+    * tensor-core kernel (:func:`uses_tensor_core_kernel`): the count whose (sequence, KV head,
+      head tile, split) CTAs best fill whole waves of ``V3_CTAS_PER_SM`` CTAs per SM;
+    * otherwise one wave: 2 resident CTAs per SM for head tiles of 4 or 8 query heads, 4 else.
+    """
     if platform == "cpu":
         return 1
+    by_length = max(1, max_pages // max(4, MIN_TOKENS_PER_SPLIT // page_size))
+    if uses_tensor_core_kernel(head_dim, k_bits, v_bits, group):
+        units = num_seqs * num_kv_heads * -(-group // (4 if group <= 4 else 8))
+        return whole_wave_splits(max(1, units), V3_CTAS_PER_SM * _compat.gpu_core_count(), by_length)
     tile = 1 if group <= 1 else 2 if group <= 2 else 4 if group <= 4 else 8
     if head_dim >= 256:
         tile = min(tile, 4)
     head_tiles = -(-group // tile)
     ctas_wanted = (2 if tile >= 4 else 4) * _compat.gpu_core_count()
     by_occupancy = -(-ctas_wanted // max(1, num_seqs * num_kv_heads * head_tiles))
-    by_length = max(1, max_pages // max(4, MIN_TOKENS_PER_SPLIT // page_size))
     return int(max(1, min(by_occupancy, by_length)))
 
 
@@ -168,18 +224,19 @@ def _abstract(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroid
     return (_compat.ShapedArray(q_rot.shape, jnp.float32),)
 
 
-def _reference(*operands, k_bits, v_bits, scale, num_splits):
+def _reference(*operands, k_bits, v_bits, scale, num_splits, f16_products):
     return (reference.paged_decode_rotated(*operands, k_bits, v_bits, scale),)
 
 
-def _ffi(ctx, *operands, k_bits, v_bits, scale, num_splits):
+def _ffi(ctx, *operands, k_bits, v_bits, scale, num_splits, f16_products):
     q_aval = ctx.avals_in[0]
     num_seqs, num_heads, head_dim = q_aval.shape
     if num_splits == 0:
         platform = _compat.lowering_platforms(ctx)[0]
         num_kv_heads, page_size = ctx.avals_in[2].shape[1], ctx.avals_in[2].shape[2]
         num_splits = choose_num_splits(platform, num_seqs, num_kv_heads, ctx.avals_in[7].shape[1],
-                                       group=num_heads // num_kv_heads, page_size=page_size, head_dim=head_dim)
+                                       group=num_heads // num_kv_heads, page_size=page_size, head_dim=head_dim,
+                                       k_bits=k_bits, v_bits=v_bits)
     workspace = (
         _compat.ShapedArray((num_seqs, num_heads, num_splits, head_dim), jnp.float32),
         _compat.ShapedArray((num_seqs, num_heads, num_splits), jnp.float32),
@@ -187,7 +244,7 @@ def _ffi(ctx, *operands, k_bits, v_bits, scale, num_splits):
     ctx = ctx.replace(avals_out=[ctx.avals_out[0], *workspace])
     results = _compat.ffi_lowering("jax_tq_paged_decode")(
         ctx, *operands, k_bits=np.int32(k_bits), v_bits=np.int32(v_bits),
-        num_splits=np.int32(num_splits), scale=np.float32(scale),
+        num_splits=np.int32(num_splits), scale=np.float32(scale), f16_products=np.int32(f16_products),
     )
     return results[:1]
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on the GPU machine: build jax_tq with CUDA, run the GPU tests, the benchmarks,
 # and optionally the main job; print short tables. Usage: bash scripts/gpu_run.sh [build tests bench model]
-# (default: build tests bench). Logs go to $OUT (the device tool brings them back).
+# stages: build v3 ncu tests bench profile model (default: build tests bench). Logs go to $OUT (the device tool brings them back).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/jax_tq_out}; mkdir -p "$OUT"
@@ -20,6 +20,16 @@ if has build; then
   python3 -c "import jax, jax_tq, jax_tq._cuda_ops as m; from jax_tq import _ffi; print('jax', jax.__version__, jax.devices(), 'cuda kernels:', _ffi.kernels_available('cuda'), _ffi.unavailable_reason('cuda'))"
   echo "build: $(( $(date +%s) - t0 )) s"
 fi
+if has v3; then  # tensor-core decode (the default where it applies): correctness, then v1 vs v3
+  timeout ${V3_TIMEOUT:-150} python3 -m pytest -q -x -m gpu tests/test_gpu.py -k decode 2>&1 | tee "$OUT/v3_tests.log" | tail -n 15
+  for v in 1 3; do
+    echo "== decode v$v"
+    splits=auto; [ $v = 3 ] && splits=${V3_SPLITS:-auto}
+    JAX_TQ_CUDA_DECODE=v$v timeout ${V3_TIMEOUT:-150} python3 benchmarks/bench_decode.py --only-tq \
+      --splits $splits --shapes ${V3_SHAPES:-32x8192,1x32768,128x2048} 2>&1 | tee "$OUT/v3_bench_v$v.txt" | grep "^|" | grep -v -- "---" | cut -d'|' -f2-6
+  done
+  echo "v3: $(( $(date +%s) - t0 )) s"
+fi
 if has tests; then
   timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -m gpu tests/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 25
   # The op tests run on the default device: on this machine they test the CUDA kernels against float64.
@@ -35,6 +45,19 @@ if has profile; then
   ncu --clock-control none -k regex:"tq_|paged_decode" --section SpeedOfLight --section LaunchStats \
       --section Occupancy python3 benchmarks/profile_kernels.py >"$OUT/ncu.txt" 2>&1
   grep -E "tq_|paged_decode|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)|Registers Per|Achieved Occupancy|Grid Size" "$OUT/ncu.txt" | head -n 80
+fi
+if has ncu; then  # decode kernels under Nsight Compute (NCU_VERSIONS default "3", NCU_SHAPES default 32x8192)
+  for v in ${NCU_VERSIONS:-3}; do
+    JAX_TQ_CUDA_DECODE=v$v PYTHONPATH=benchmarks:${PYTHONPATH:-} timeout ${NCU_TIMEOUT:-200} \
+      ncu --clock-control none -k regex:"paged_decode_(split|v2|v3)" --launch-skip 1 --launch-count ${NCU_COUNT:-1} \
+      --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
+      --section MemoryWorkloadAnalysis --section SchedulerStats --section InstructionStats \
+      --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio \
+      python3 benchmarks/ncu_decode.py ${NCU_SHAPES:-32x8192} >"$OUT/ncu_v$v.txt" 2>&1
+    echo "== ncu decode v$v"
+    grep -E "  [a-z_:<>0-9 ]*paged_decode|Duration|DRAM Throughput|L1/TEX Cache Thr|Compute \(SM\) Thr|Registers Per|Achieved Occupancy|Issued Warp Per|Executed Ipc A|issue_stalled" "$OUT/ncu_v$v.txt" \
+      | grep -vE "ratio +0(\.0[0-9])?$" | sed -E 's/smsp__average_warps_issue_stalled_//; s/_per_issue_active.ratio//' | head -n 70
+  done
 fi
 if has model; then
   timeout ${MODEL_TIMEOUT:-400} python3 examples/smollm2_wikitext.py ${MODEL_ARGS:-} 2>&1 | tee "$OUT/model.txt" | tail -n 40

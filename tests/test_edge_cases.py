@@ -591,6 +591,11 @@ def test_refuses_bad_decode_arguments_at_trace_time():
         trace(q, cache, tables, lens[:, None])
     with pytest.raises(ValueError, match=r"num_splits must be >= 1"):
         trace(q, cache, tables, lens, num_splits=0)
+    for bad in ("fast", 3.5, None.__class__):
+        with pytest.raises(ValueError, match=r"precision must be a jax.lax.Precision"):
+            trace(q, cache, tables, lens, precision=bad)
+    for good in ("highest", "DEFAULT", jax.lax.Precision.HIGH):
+        trace(q, cache, tables, lens, precision=good)
     with _compat.enable_x64():
         with pytest.raises(TypeError, match=r"block_tables must be int32 .* got int64"):
             trace(q, cache, jnp.zeros((2, 3), jnp.int64), lens)

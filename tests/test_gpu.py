@@ -260,6 +260,47 @@ def test_paged_decode_gpu(rng, head_dim, k_bits, v_bits, page_size, group, hkv, 
     assert rel_err(got64, np.asarray(cpu.astype(jnp.float32), np.float64)) < tol
 
 
+# The tensor-core kernel (head_dim 128, K4V4, group >= 3): one-page tiles (page_size a multiple
+# of 16) and the per-token path (8, 24), head tiles of 4 and 8 with padding (3, 6, 12), both
+# product precisions. Tolerances: HIGHEST ~f32; DEFAULT rounds q, p and centroids to f16.
+TC_CASES = [
+    (16, 4, None, jnp.bfloat16, None, 1e-2),
+    (16, 3, 2, jnp.float32, "highest", 2e-5),
+    (32, 8, 5, jnp.float32, None, 2e-5),
+    (8, 6, 3, jnp.float32, "default", 3e-3),
+    (24, 12, 4, jnp.float16, None, 3e-3),
+    (64, 4, 1, jnp.float32, jax.lax.Precision.DEFAULT, 3e-3),
+    (256, 8, 2, jnp.bfloat16, "highest", 1e-2),
+]
+
+
+@pytest.mark.parametrize("page_size,group,num_splits,qdtype,precision,tol", TC_CASES)
+def test_paged_decode_tensor_core_cases(rng, page_size, group, num_splits, qdtype, precision, tol):
+    q, cache, tables, lens = _decode_inputs(rng, 128, 4, 4, page_size, group, 2, qdtype, max_len=900)
+    _poison_device(q.size * 4 * 8 * 70)
+    fn = jax.jit(lambda *a: tq.paged_decode(*a, num_splits=num_splits, precision=precision))
+    got = np.asarray(fn(q, cache, tables, lens).astype(jnp.float32), np.float64)
+    assert np.all(np.isfinite(got)) and np.all(got[0] == 0.0)
+    want = _on_cpu(decode_f64, np.asarray(q.astype(jnp.float32)), cache, tables, lens)
+    assert rel_err(got, want) < tol
+    for s in range(1, q.shape[0]):
+        assert rel_err(got[s], want[s]) < 5 * tol, f"sequence {s}"
+
+
+@pytest.mark.parametrize("qdtype", [jnp.float32, jnp.bfloat16])
+def test_paged_decode_huge_v_norms(rng, qdtype):
+    """V norms far beyond the f16 range (1e6 .. 1e30) stay finite and exact in relative terms."""
+    q, cache, tables, lens = _decode_inputs(rng, 128, 4, 4, 16, 4, 2, qdtype, num_seqs=4, max_len=800)
+    big = jnp.asarray(10.0 ** rng.uniform(6, 30, size=cache.v_norms.shape), jnp.float32)
+    cache = dataclasses.replace(cache, v_norms=big)
+    got = np.asarray(_decode(q, cache, tables, lens, num_splits=3).astype(jnp.float32), np.float64)
+    want = _on_cpu(decode_f64, np.asarray(q.astype(jnp.float32)), cache, tables, lens)
+    assert np.all(np.isfinite(got))
+    tol = 2e-5 if qdtype == jnp.float32 else 1e-2
+    for s in range(1, q.shape[0]):
+        assert rel_err(got[s], want[s]) < tol, f"sequence {s}"
+
+
 def test_paged_decode_split_counts_agree(rng):
     q, cache, tables, lens = _decode_inputs(rng, 128, 4, 4, 16, 4, 2, jnp.float32, num_seqs=3, max_len=2000)
     outs = [np.asarray(_decode(q, cache, tables, lens, num_splits=s)) for s in (1, 2, 3, 7, 200)]
