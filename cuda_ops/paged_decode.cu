@@ -938,8 +938,8 @@ __global__ void __launch_bounds__(kThreads)
 
 }  // namespace v2
 
-// Experimental tensor-core split kernel v3 (head_dim 128, K4V4, GT 4 / 8), behind
-// JAX_TQ_CUDA_DECODE_V3. Included textually here: it uses the helpers above.
+// Tensor-core split kernel v3 (head_dim 128, K4V4, GT 4 / 8): the default where it applies (see
+// use_v3). Included textually here: it uses the helpers above.
 #include "paged_decode_mma.cuh"
 
 // ---------------------------------------------------------------------------------------------

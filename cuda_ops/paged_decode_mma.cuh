@@ -1,8 +1,9 @@
-// EXPERIMENTAL v3 split kernel for jax_tq_paged_decode: tensor-core (mma.sync m16n8k16, f16 in,
-// f32 accumulate) version of the split kernel, for the hot configuration ONLY:
+// v3 split kernel for jax_tq_paged_decode: tensor-core (mma.sync m16n8k16, f16 in, f32
+// accumulate) version of the split kernel, for the hot configuration only:
 //   head_dim 128, k_bits = v_bits = 4, GQA tile GT in {4, 8} (padded to the MMA's n = 8 heads).
-// Dispatched only when the environment variable JAX_TQ_CUDA_DECODE_V3 is set and the configuration
-// matches (see use_v3 in paged_decode.cu); otherwise v1 runs as before.
+// The default where the configuration matches (see use_v3 in paged_decode.cu; JAX_TQ_CUDA_DECODE
+// = v1 / v2 turns it off); v1 serves every other configuration. History and measurements:
+// docs/performance.md.
 //
 // This header is NOT self-contained: paged_decode.cu includes it textually inside
 // namespace jax_tq::cuda::{anonymous}, after the v2 kernel; it uses DecodeParams, token_row,

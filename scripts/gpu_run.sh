@@ -32,6 +32,9 @@ if has v3; then  # tensor-core decode (the default where it applies): correctnes
 fi
 if has tests; then
   timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -m gpu tests/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 25
+  # The same decode cases on the CUDA-core kernel v1 (the default routes head_dim 128 K4V4 to v3).
+  JAX_TQ_CUDA_DECODE=v1 timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -m gpu tests/test_gpu.py -k decode 2>&1 \
+    | tee "$OUT/gpu_tests_v1.log" | tail -n 5
   # The op tests run on the default device: on this machine they test the CUDA kernels against float64.
   timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q tests/test_ops.py tests/test_edge_cases.py tests/test_transforms.py tests/test_checks.py 2>&1 | tee "$OUT/op_tests.log" | tail -n 15
   echo "tests: $(( $(date +%s) - t0 )) s"

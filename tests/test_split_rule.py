@@ -1,0 +1,63 @@
+"""The split-count rule (jax_tq.paged_decode.choose_num_splits) and the kernel selection it mirrors.
+Pure Python: runs everywhere; the GPU tests check that every split count gives the same output."""
+from __future__ import annotations
+
+import importlib
+import math
+
+import pytest
+
+pd = importlib.import_module("jax_tq.paged_decode")  # the module (jax_tq.paged_decode is also the function)
+
+
+def _fill(units, splits, slots):
+    waves = units * splits / slots
+    return waves / math.ceil(waves)
+
+
+@pytest.mark.parametrize("units,slots,expected", [
+    (256, 396, 3),    # (32 seqs x 8 KV heads): 1.94 waves beats 1.29 (2 splits) and 2.59 (4)
+    (64, 396, 6),     # (8, 8192): 3.88 waves
+    (8, 396, 49),     # (1, 32768): one full wave of 392 CTAs
+    (1024, 396, 1),   # more units than a wave already
+    (1, 396, 392),    # 392 of 396 slots: within 2 points of a full wave (max_splits caps it in practice)
+])
+def test_whole_wave_splits_picks_the_best_filled_wave(units, slots, expected):
+    got = pd.whole_wave_splits(units, slots, max_splits=10_000)
+    assert got == expected
+    # No split count up to 4 waves fills whole waves clearly (>= 2 points) better.
+    best = max(_fill(units, s, slots) for s in range(1, got + 1))
+    assert _fill(units, got, slots) >= best - 1e-12
+
+
+def test_whole_wave_splits_respects_max_splits():
+    assert pd.whole_wave_splits(8, 396, max_splits=16) <= 16
+    assert pd.whole_wave_splits(8, 396, max_splits=0) == 1
+
+
+def test_tensor_core_kernel_selection_follows_the_environment(monkeypatch):
+    monkeypatch.delenv("JAX_TQ_CUDA_DECODE", raising=False)
+    assert pd.uses_tensor_core_kernel(128, 4, 4, 4)
+    assert pd.uses_tensor_core_kernel(128, 4, 4, 3)
+    for args in ((64, 4, 4, 4), (128, 3, 4, 4), (128, 4, 2, 4), (128, 4, 4, 2), (256, 4, 4, 8)):
+        assert not pd.uses_tensor_core_kernel(*args), args
+    monkeypatch.setenv("JAX_TQ_CUDA_DECODE", "v1")
+    assert not pd.uses_tensor_core_kernel(128, 4, 4, 4)
+    monkeypatch.setenv("JAX_TQ_CUDA_DECODE", "v3")
+    assert pd.uses_tensor_core_kernel(128, 4, 4, 4)
+
+
+def test_choose_num_splits(monkeypatch):
+    monkeypatch.delenv("JAX_TQ_CUDA_DECODE", raising=False)
+    monkeypatch.setattr(pd._compat, "gpu_core_count", lambda default=132: 132)
+    assert pd.choose_num_splits("cpu", 32, 8, 512, group=4) == 1
+    # Tensor-core kernel: 3 CTAs per SM, whole waves.
+    assert pd.choose_num_splits("cuda", 32, 8, 512, group=4) == 3
+    assert pd.choose_num_splits("cuda", 1, 8, 2048, group=4) == 49
+    # Length bound: at least MIN_TOKENS_PER_SPLIT tokens (16 pages of 16) per split.
+    assert pd.choose_num_splits("cuda", 1, 8, 64, group=4) == 4
+    # Other configurations (v1): one wave of 2 CTAs/SM (tiles of 4-8 heads) or 4 CTAs/SM.
+    assert pd.choose_num_splits("cuda", 4, 8, 2048, group=4, head_dim=64) == math.ceil(264 / 32)
+    assert pd.choose_num_splits("cuda", 4, 8, 2048, group=1, head_dim=128) == math.ceil(528 / 32)
+    monkeypatch.setenv("JAX_TQ_CUDA_DECODE", "v1")
+    assert pd.choose_num_splits("cuda", 32, 8, 512, group=4) == 2
