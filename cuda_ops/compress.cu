@@ -17,9 +17,11 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <string>
 
+#include "jax_tq/cuda_launch.h"
 #include "jax_tq/ffi_checks.h"
 #include "jax_tq/format.h"
 #include "xla/ffi/api/ffi.h"
@@ -950,24 +952,19 @@ int sm_count() {
   return n;
 }
 
-// Per-kernel-instantiation launch setup, done once: raise the dynamic shared-memory limit and
-// read the occupancy (blocks per SM).
+// Occupancy (blocks per SM) of a kernel whose dynamic shared-memory limit is already raised; the
+// call sites read it once per kernel instantiation, after allow_dynamic_smem (cuda_launch.h), which
+// they call at every launch because that limit is a per-device attribute.
 struct KernelCfg {
   cudaError_t err;
   int blocks_per_sm;
 };
 
 template <typename Kernel>
-KernelCfg make_cfg(Kernel kernel, int threads, int smem) {
-  KernelCfg c{cudaSuccess, 1};
-  if (smem > 48 * 1024) {
-    c.err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (c.err != cudaSuccess) return c;
-  }
+KernelCfg occupancy_cfg(Kernel kernel, int threads, int smem) {
   int occ = 0;
-  c.err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kernel, threads, smem);
-  c.blocks_per_sm = occ > 0 ? occ : 1;
-  return c;
+  const cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kernel, threads, smem);
+  return KernelCfg{e, occ > 0 ? occ : 1};
 }
 
 // v1 fp32-FMA kernel (decompress to f32, or unaligned buffers).
@@ -976,7 +973,10 @@ ffi::Error launch_gemm_t(const char* op, cudaStream_t stream, const GemmParams& 
   using L = GemmLayout<D, VPT>;
   auto kernel = tq_gemm_kernel<D, VPT, DECOMP>;
   constexpr int smem = L::total;
-  static const KernelCfg cfg = make_cfg(kernel, kThreads, smem);
+  static std::atomic<uint64_t> smem_set{0};
+  if (cudaError_t e = allow_dynamic_smem(smem_set, kernel, smem); e != cudaSuccess)
+    return cuda_error(op, "shared memory attribute", e);
+  static const KernelCfg cfg = occupancy_cfg(kernel, kThreads, smem);
   if (cfg.err != cudaSuccess) return cuda_error(op, "kernel setup", cfg.err);
   const int64_t blocks = (p.N + L::MV - 1) / L::MV;
   if (blocks > 0x7FFFFFFF) return invalid(op, "too many vectors");
@@ -1013,7 +1013,10 @@ ffi::Error launch_mma_t(const char* op, cudaStream_t stream, const GemmParams& p
     if constexpr (DECOMP) return tq_decompress_mma_kernel<D, NC, WARPS>;
     else return tq_compress_mma_kernel<D, NC, WARPS, XT>;
   }();
-  static const KernelCfg cfg = make_cfg(kernel, threads, smem);
+  static std::atomic<uint64_t> smem_set{0};
+  if (cudaError_t e = allow_dynamic_smem(smem_set, kernel, smem); e != cudaSuccess)
+    return cuda_error(op, "shared memory attribute", e);
+  static const KernelCfg cfg = occupancy_cfg(kernel, threads, smem);
   if (cfg.err != cudaSuccess) return cuda_error(op, "kernel setup", cfg.err);
   constexpr int ncb = D / NC;  // column blocks (grid.y)
   const int64_t ntiles = (p.N + 15) / 16;
@@ -1209,14 +1212,21 @@ ffi::Error CompressWriteCudaImpl(cudaStream_t stream, ffi::AnyBuffer x,
 }  // namespace cuda
 }  // namespace jax_tq
 
+// Command-buffer compatible (as the decode handler): each handler only enqueues work on the given
+// stream, and what it enqueues depends on shapes, attributes and buffer addresses only, so XLA may
+// capture it into a CUDA graph with the surrounding ops (one decode step's writes then cost no
+// separate launch gaps).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTqCompressCuda, jax_tq::cuda::CompressCudaImpl,
                               jax_tq::ffi_checks::BindCompress(
-                                  ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
+                                  ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTqDecompressCuda, jax_tq::cuda::DecompressCudaImpl,
                               jax_tq::ffi_checks::BindDecompress(
-                                  ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
+                                  ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTqCompressWriteCuda, jax_tq::cuda::CompressWriteCudaImpl,
                               jax_tq::ffi_checks::BindCompressWrite(
-                                  ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
+                                  ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              {ffi::Traits::kCmdBufferCompatible});

@@ -31,6 +31,7 @@
 #include <cstdint>
 #include <string>
 
+#include "jax_tq/cuda_launch.h"
 #include "jax_tq/ffi_checks.h"
 #include "jax_tq/format.h"
 #include "xla/ffi/api/ffi.h"
@@ -994,10 +995,9 @@ template <int D, int GT>
 ffi::Error launch_split(cudaStream_t stream, const DecodeParams& p, dim3 grid) {
   auto kernel = paged_decode_split_kernel<D, GT>;
   constexpr int smem = Layout<D, GT>::total;
-  if (smem > 48 * 1024) {
-    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (e != cudaSuccess) return cuda_error("cudaFuncSetAttribute", e);
-  }
+  static std::atomic<uint64_t> smem_set{0};
+  if (cudaError_t e = allow_dynamic_smem(smem_set, kernel, smem); e != cudaSuccess)
+    return cuda_error("cudaFuncSetAttribute", e);
   kernel<<<grid, kThreads, smem, stream>>>(p);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return cuda_error("split kernel launch", e);
@@ -1012,24 +1012,12 @@ ffi::Error launch_v2(cudaStream_t stream, const DecodeParams& p, dim3 grid) {
   return ffi::Error::Success();
 }
 
-// The dynamic shared memory limit is a per-device setting: set it once on each device used.
-template <int GT, bool SPLIT>
-cudaError_t allow_v3_shared_memory() {
-  static std::atomic<uint64_t> done{0};
-  int dev = 0;
-  if (cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) return e;
-  const uint64_t bit = dev < 64 ? uint64_t(1) << dev : 0;
-  if (bit && (done.load(std::memory_order_acquire) & bit)) return cudaSuccess;
-  const cudaError_t e = cudaFuncSetAttribute(v3::paged_decode_v3_kernel<GT, SPLIT>,
-                                             cudaFuncAttributeMaxDynamicSharedMemorySize, v3::kSmemBytes);
-  if (e == cudaSuccess) done.fetch_or(bit, std::memory_order_acq_rel);
-  return e;
-}
-
 template <int GT, bool SPLIT>
 ffi::Error launch_v3(cudaStream_t stream, const DecodeParams& p, dim3 grid) {
-  if (cudaError_t attr = allow_v3_shared_memory<GT, SPLIT>(); attr != cudaSuccess)
-    return cuda_error("v3 shared memory attribute", attr);
+  static std::atomic<uint64_t> smem_set{0};
+  if (cudaError_t e = allow_dynamic_smem(smem_set, v3::paged_decode_v3_kernel<GT, SPLIT>, v3::kSmemBytes);
+      e != cudaSuccess)
+    return cuda_error("v3 shared memory attribute", e);
   v3::paged_decode_v3_kernel<GT, SPLIT><<<grid, kThreads, v3::kSmemBytes, stream>>>(p);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return cuda_error("v3 split kernel launch", e);

@@ -1,0 +1,32 @@
+// Launch helpers shared by the CUDA handlers (CUDA only; the CPU build never includes this).
+#ifndef JAX_TQ_CUDA_LAUNCH_H_
+#define JAX_TQ_CUDA_LAUNCH_H_
+
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cstdint>
+
+namespace jax_tq {
+namespace cuda {
+
+// Raise `kernel`'s dynamic shared-memory limit to `smem` bytes on the current device. The limit is
+// a per-device function attribute: it must be set on every device the kernel runs on, not once per
+// process. `done` (one per kernel, static at the call site) remembers devices 0..63; on others the
+// attribute is set at every launch.
+template <typename Kernel>
+cudaError_t allow_dynamic_smem(std::atomic<uint64_t>& done, Kernel kernel, int smem) {
+  if (smem <= 48 * 1024) return cudaSuccess;
+  int dev = 0;
+  if (cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) return e;
+  const uint64_t bit = dev >= 0 && dev < 64 ? uint64_t(1) << dev : 0;
+  if (bit && (done.load(std::memory_order_acquire) & bit)) return cudaSuccess;
+  const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (e == cudaSuccess) done.fetch_or(bit, std::memory_order_acq_rel);
+  return e;
+}
+
+}  // namespace cuda
+}  // namespace jax_tq
+
+#endif  // JAX_TQ_CUDA_LAUNCH_H_
