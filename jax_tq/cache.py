@@ -5,6 +5,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_tq.checks import check_slot_mapping
 from jax_tq.codec import TurboQuant
@@ -42,11 +43,19 @@ class PagedKVCache:
           num_kv_heads: KV heads (>= 1).
           k_codec, v_codec: codecs with the same head_dim and bits in {2, 3, 4}.
 
+        Returns:
+          A :class:`PagedKVCache` with pools k_codes / v_codes uint8
+          [num_pages, num_kv_heads, page_size, head_dim * bits / 8] and k_norms / v_norms float32
+          [num_pages, num_kv_heads, page_size] (layout: docs/FORMAT.md).
+
         Raises:
+          TypeError: a size that is not a Python int; a codec that is not a TurboQuant.
           ValueError: non-positive sizes, page_size > 256, codecs with different head_dim or
             unsupported bits.
         """
         for name, value in (("num_pages", num_pages), ("page_size", page_size), ("num_kv_heads", num_kv_heads)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise TypeError(f"PagedKVCache.create: {name} must be an int, got {type(value).__name__} {value!r}")
             if int(value) < 1:
                 raise ValueError(f"PagedKVCache.create: {name} must be >= 1, got {value}")
         if page_size > 256:
@@ -72,28 +81,39 @@ class PagedKVCache:
 
     @property
     def num_pages(self) -> int:
+        """Pages in each pool (axis -3 of the norms)."""
         return self.k_norms.shape[-3]
 
     @property
     def num_kv_heads(self) -> int:
+        """KV heads stored per page (axis -2 of the norms)."""
         return self.k_norms.shape[-2]
 
     @property
     def page_size(self) -> int:
+        """Tokens per page (axis -1 of the norms)."""
         return self.k_norms.shape[-1]
 
     @property
     def head_dim(self) -> int:
+        """Vector length of K and V before compression (the codecs' head_dim)."""
         return self.k_codec.head_dim
 
     @property
     def num_slots(self) -> int:
+        """Token slots in the cache: num_pages * page_size (valid slot_mapping values are 0 .. num_slots-1)."""
         return self.num_pages * self.page_size
 
     def bytes_per_token(self) -> int:
         """Bytes one token occupies across all KV heads, K and V: packed codes plus fp32 norms."""
         per_head = self.k_codec.packed_bytes + self.v_codec.packed_bytes + 8
         return per_head * self.num_kv_heads
+
+
+def check_cache(cache, op: str) -> None:
+    """Raise TypeError unless ``cache`` is a :class:`PagedKVCache`."""
+    if not isinstance(cache, PagedKVCache):
+        raise TypeError(f"jax_tq.{op}: cache must be a jax_tq.PagedKVCache, got {type(cache).__name__}")
 
 
 def write_cache(cache: PagedKVCache, k, v, slot_mapping) -> PagedKVCache:
@@ -112,8 +132,10 @@ def write_cache(cache: PagedKVCache, k, v, slot_mapping) -> PagedKVCache:
       caller's arrays are left untouched (XLA copies first).
 
     Raises:
-      TypeError / ValueError: dtypes or shapes that do not match the cache (message names the argument).
+      TypeError / ValueError: cache not a PagedKVCache; dtypes or shapes that do not match the cache
+        (message names the argument).
     """
+    check_cache(cache, "write_cache")
     k, v, slot_mapping = jnp.asarray(k), jnp.asarray(v), jnp.asarray(slot_mapping)
     if k.ndim >= 1 and v.ndim >= 1 and k.shape[0] != v.shape[0]:
         raise ValueError(f"jax_tq.write_cache: k has {k.shape[0]} tokens but v has {v.shape[0]}")

@@ -44,7 +44,19 @@ def checked(fn):
     is checked instead (its jit cache would otherwise hand back an unchecked trace, or leak checks
     into later unchecked calls); ``jax.jit`` functions called *inside* ``fn`` should be created
     inside it or left unjitted.
+
+    Args:
+      fn: a function (or ``jax.jit`` function) that calls jax_tq ops.
+
+    Returns:
+      ``checked_fn(*args, **kwargs) -> (checkify.Error, fn(*args, **kwargs))``.
+
+    Raises:
+      Nothing itself; ``error.throw()`` raises ``checkify.JaxRuntimeError`` naming the first bad
+      block-table entry, seq_lens value or slot_mapping value.
     """
+    if not callable(fn):
+        raise TypeError(f"jax_tq.checked: fn must be callable, got {type(fn).__name__}")
     inner = fn
     while hasattr(inner, "lower") and hasattr(inner, "__wrapped__"):  # a jax.jit wrapper
         inner = inner.__wrapped__

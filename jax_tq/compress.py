@@ -14,6 +14,7 @@ import numpy as np
 from jax_tq import _compat, reference
 from jax_tq import _primitive_utils as pu
 from jax_tq.backend import get_backend
+from jax_tq.codec import TurboQuant
 from jax_tq.format import check_bits, packed_bytes
 
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -44,7 +45,10 @@ def check_last_dim(x, head_dim: int, name: str, op: str) -> None:
 
 
 def check_packed_codec(codec, op: str) -> None:
-    """Raise ValueError unless ``codec.bits`` has a packed storage format (2, 3 or 4)."""
+    """Raise TypeError unless ``codec`` is a TurboQuant, ValueError unless ``codec.bits`` has a
+    packed storage format (2, 3 or 4)."""
+    if not isinstance(codec, TurboQuant):
+        raise TypeError(f"jax_tq.{op}: codec must be a jax_tq.TurboQuant, got {type(codec).__name__}")
     check_bits(codec.bits, name=f"jax_tq.{op}: codec.bits")
 
 
@@ -62,13 +66,15 @@ def compress(x, codec):
       [...] (the L2 norm of each vector, in the units of x). A zero vector gives norm 0.
 
     Raises:
-      TypeError: x is not a float32/bfloat16/float16 array.
+      TypeError: x is not a float32/bfloat16/float16 array; codec is not a TurboQuant.
       ValueError: the last axis of x is not codec.head_dim; codec.bits has no packed format.
+
+    Not differentiable (rounding to centroids has no useful gradient).
     """
     x = jnp.asarray(x)
+    check_packed_codec(codec, "compress")
     check_float_input(x, "x", "compress")
     check_last_dim(x, codec.head_dim, "x", "compress")
-    check_packed_codec(codec, "compress")
     lead = x.shape[:-1]
     flat = x.reshape((-1, codec.head_dim))
     backend = get_backend()
@@ -92,8 +98,10 @@ def decompress(codes, norms, codec, dtype=jnp.float32):
       [..., head_dim] array of ``dtype``.
 
     Raises:
-      TypeError: codes not uint8, norms not float32, or unsupported dtype.
+      TypeError: codes not uint8, norms not float32, unsupported dtype, codec not a TurboQuant.
       ValueError: shapes disagree with each other or with the codec.
+
+    Differentiable only with the ``xla`` backend (the FFI kernel has no transpose rule).
     """
     codes, norms = jnp.asarray(codes), jnp.asarray(norms)
     check_packed_codec(codec, "decompress")
@@ -166,8 +174,13 @@ def _check_write_args(x, codes, norms, codec, slot_mapping, name="k/v") -> None:
             f"page_size, {codec.packed_bytes}] for {name} with {num_kv_heads} KV heads and the codec "
             f"(head_dim {codec.head_dim}, bits {codec.bits})"
         )
-    if codes.dtype != jnp.uint8 or norms.dtype != jnp.float32 or norms.shape != codes.shape[:3]:
-        raise ValueError(f"jax_tq.{op}: cache {name} norms {norms.dtype}{tuple(norms.shape)} do not match codes {tuple(codes.shape)}")
+    if codes.dtype != jnp.uint8:
+        raise TypeError(f"jax_tq.{op}: cache {name} codes must be uint8, got {codes.dtype}")
+    if norms.dtype != jnp.float32 or norms.shape != codes.shape[:3]:
+        raise ValueError(
+            f"jax_tq.{op}: cache {name} norms {norms.dtype}{tuple(norms.shape)} do not match codes "
+            f"{tuple(codes.shape)}: expected float32{tuple(codes.shape[:3])}"
+        )
     if slot_mapping.dtype != jnp.int32 or slot_mapping.shape != (num_tokens,):
         raise (TypeError if slot_mapping.dtype != jnp.int32 else ValueError)(
             f"jax_tq.{op}: slot_mapping must be int32 [{num_tokens}], got {slot_mapping.dtype}{tuple(slot_mapping.shape)}"

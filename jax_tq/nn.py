@@ -10,8 +10,10 @@ decode-step attention over a paged compressed cache.
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
+import jax
 import jax.numpy as jnp
 
 from jax_tq.cache import PagedKVCache, write_cache
@@ -31,7 +33,10 @@ def turboquant_attention_fn(k_codec: TurboQuant, v_codec: TurboQuant, base_atten
     Returns:
       ``fn(query, key, value, *args, **kwargs)``: query [..., q_len, num_heads, head_dim], key and
       value [..., kv_len, num_kv_heads, head_dim] (any float dtype the kernels take); returns what
-      ``base_attention_fn`` returns. Reconstructed K/V keep the input dtype.
+      ``base_attention_fn`` returns. Reconstructed K/V keep the input dtype. Differentiable: the
+      compress/decompress round trip passes gradients straight through (identity; the
+      straight-through estimator of quantization-aware training, Bengio et al. 2013), so
+      ``jax.grad`` / ``nnx.grad`` work through the module.
 
     Raises:
       ValueError: head_dim of key/value differs from the codecs' (raised by :func:`jax_tq.compress`).
@@ -42,23 +47,39 @@ def turboquant_attention_fn(k_codec: TurboQuant, v_codec: TurboQuant, base_atten
         base_attention_fn = nnx.dot_product_attention
 
     def attention_fn(query, key, value, *args, **kwargs):
-        key_hat = decompress(*compress(key, k_codec), k_codec, dtype=key.dtype)
-        value_hat = decompress(*compress(value, v_codec), v_codec, dtype=value.dtype)
+        key_hat = _round_trip(key, k_codec)
+        value_hat = _round_trip(value, v_codec)
         return base_attention_fn(query, key_hat, value_hat, *args, **kwargs)
 
     return attention_fn
 
 
-def paged_attention(q, k, v, cache: PagedKVCache, slot_mapping, block_tables, seq_lens, *, scale=None):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _round_trip(x, codec):
+    """decompress(compress(x)) in x's dtype, with the identity as its derivative."""
+    return decompress(*compress(x, codec), codec, dtype=x.dtype)
+
+
+@_round_trip.defjvp
+def _round_trip_jvp(codec, primals, tangents):
+    (x,), (dx,) = primals, tangents
+    return _round_trip(x, codec), dx
+
+
+def paged_attention(q, k, v, cache: PagedKVCache, slot_mapping, block_tables, seq_lens, *, scale=None,
+                    num_splits=None, precision=None):
     """One decode step of attention over a compressed paged cache: write, then attend.
 
     Args:
-      q: [num_seqs, num_heads, head_dim] queries of the new token of each sequence.
-      k, v: [num_seqs, num_kv_heads, head_dim] keys/values of those tokens (after RoPE).
+      q: [num_seqs, num_heads, head_dim] float32/bfloat16/float16 queries of the new token of each
+        sequence.
+      k, v: [num_seqs, num_kv_heads, head_dim] float32/bfloat16/float16 keys/values of those tokens
+        (after RoPE).
       cache: the layer's :class:`PagedKVCache` (donate it to the enclosing jit for an in-place update).
       slot_mapping: int32 [num_seqs], where each new token is stored.
       block_tables: int32 [num_seqs, max_pages]; seq_lens: int32 [num_seqs], lengths INCLUDING the new token.
-      scale: softmax scale, default 1/sqrt(head_dim).
+      scale, num_splits, precision: as in :func:`jax_tq.paged_decode` (softmax scale, default
+        1/sqrt(head_dim); split-K count; product precision).
 
     Returns:
       (out [num_seqs, num_heads, head_dim] of q's dtype, updated cache).
@@ -67,4 +88,5 @@ def paged_attention(q, k, v, cache: PagedKVCache, slot_mapping, block_tables, se
       TypeError / ValueError from :func:`jax_tq.write_cache` and :func:`jax_tq.paged_decode`.
     """
     cache = write_cache(cache, k, v, slot_mapping)
-    return paged_decode(q, cache, block_tables, seq_lens, scale=scale), cache
+    out = paged_decode(q, cache, block_tables, seq_lens, scale=scale, num_splits=num_splits, precision=precision)
+    return out, cache

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import os
 
 import jax
@@ -18,6 +19,7 @@ import numpy as np
 from jax_tq import _compat, reference
 from jax_tq import _primitive_utils as pu
 from jax_tq.backend import get_backend
+from jax_tq.cache import check_cache
 from jax_tq.checks import check_decode_indices
 
 paged_decode_p = _compat.Primitive("jax_tq_paged_decode")
@@ -41,9 +43,11 @@ def paged_decode(q, cache, block_tables, seq_lens, *, scale=None, num_splits=Non
         outside [0, num_pages) is skipped (see docs/FORMAT.md; use checked mode to catch it).
       seq_lens: int32 [num_seqs], number of cached tokens each query attends to, clamped to
         [0, max_pages * page_size]. A sequence with 0 tokens gets an all-zero output.
-      scale: softmax scale; default 1 / sqrt(head_dim).
-      num_splits: split-K count; default chosen per platform to fill the device (1 on CPU). Any
-        value >= 1 is correct, also more splits than pages.
+      scale: softmax scale, a finite Python number (static: not a traced value); default
+        1 / sqrt(head_dim).
+      num_splits: split-K count, a Python int >= 1 (static); default chosen per platform to fill
+        the device (1 on CPU). Any value is correct; values above max_pages act as max_pages (the
+        extra splits would be empty).
       precision: ``jax.lax.Precision`` (or its name) of the kernel's q.k and p.v products.
         ``HIGHEST``: float32-accurate (relative error ~1e-6). ``DEFAULT``/``HIGH``: the GPU kernel
         may round q, the softmax weights and the centroids to float16 inside its tensor-core
@@ -52,21 +56,27 @@ def paged_decode(q, cache, block_tables, seq_lens, *, scale=None, num_splits=Non
         CPU kernel and the reference always compute in float64/float32.
 
     Returns:
-      [num_seqs, num_heads, head_dim] array of q's dtype. Differentiable in q and in the cache's
-      norms (``jax.grad``/``vjp``; the backward pass runs the jnp reference). The codes are integers
+      [num_seqs, num_heads, head_dim] array of q's dtype. A query row holding a NaN or inf gives a
+      NaN output row. Differentiable in q and in the cache's norms (``jax.grad``/``vjp``, reverse
+      mode only: a custom VJP whose backward pass runs the jnp reference). The codes are integers
       and get no gradient; :func:`jax_tq.compress` (rounding to centroids) is not differentiable.
 
     Raises:
-      TypeError: q not float32/bfloat16/float16; block_tables or seq_lens not int32.
+      TypeError: q not float32/bfloat16/float16; block_tables or seq_lens not int32; cache not a
+        PagedKVCache; scale or num_splits not a concrete Python number of the right kind.
       ValueError: wrong ranks or shapes, head_dim differs from the cache's codecs, num_heads not a
-        multiple of num_kv_heads, num_splits < 1, an unknown precision.
+        multiple of num_kv_heads, num_splits < 1, a non-finite scale, an unknown precision.
     """
+    check_cache(cache, "paged_decode")
     q, block_tables, seq_lens = jnp.asarray(q), jnp.asarray(block_tables), jnp.asarray(seq_lens)
+    scale, num_splits = _static_scale(scale), _static_num_splits(num_splits)
     _check_decode_args(q, cache, block_tables, seq_lens, num_splits)
     f16_products = _allows_f16_products(precision, q.dtype)
+    if num_splits is not None:
+        num_splits = min(num_splits, max(1, block_tables.shape[1]))
     check_decode_indices(block_tables, seq_lens, num_pages=cache.num_pages, page_size=cache.page_size)
     k_codec, v_codec = cache.k_codec, cache.v_codec
-    scale = float(1.0 / math.sqrt(k_codec.head_dim) if scale is None else scale)
+    scale = 1.0 / math.sqrt(k_codec.head_dim) if scale is None else scale
     hi = jax.lax.Precision.HIGHEST
     q_rot = jnp.einsum("shd,ed->she", q.astype(jnp.float32), k_codec.rotation, precision=hi)
     operands = (
@@ -80,13 +90,48 @@ def paged_decode(q, cache, block_tables, seq_lens, *, scale=None, num_splits=Non
         out_rot = _decode_rotated(*operands, k_codec.bits, v_codec.bits, scale, int(num_splits or 0),
                                   f16_products, backend)
     out = jnp.einsum("she,ed->shd", out_rot, v_codec.rotation, precision=hi)
+    # The kernels give a row whose scores are all NaN no weight (an all-zero row): make a
+    # non-finite query visible instead, as the reference does.
+    out = jnp.where(jnp.all(jnp.isfinite(q), axis=-1, keepdims=True), out, jnp.nan)
     return out.astype(q.dtype)
+
+
+def _static_scale(scale):
+    """``scale`` as a Python float (None stays None); TypeError / ValueError naming it otherwise."""
+    if scale is None:
+        return None
+    if isinstance(scale, (bool, str, bytes)):
+        raise TypeError(f"jax_tq.paged_decode: scale must be a Python number, got {type(scale).__name__} {scale!r}")
+    try:
+        value = float(scale)
+    except (TypeError, jax.errors.ConcretizationTypeError) as err:
+        raise TypeError(f"jax_tq.paged_decode: scale must be a concrete Python number (static), got "
+                        f"{type(scale).__name__}; pass it as a static argument under jit") from err
+    if not math.isfinite(value):
+        raise ValueError(f"jax_tq.paged_decode: scale must be finite, got {value}")
+    return value
+
+
+def _static_num_splits(num_splits):
+    """``num_splits`` as a Python int (None stays None); TypeError naming it otherwise."""
+    if num_splits is None:
+        return None
+    if isinstance(num_splits, bool):
+        raise TypeError(f"jax_tq.paged_decode: num_splits must be an int, got bool {num_splits!r}")
+    try:
+        return operator.index(num_splits)
+    except TypeError as err:
+        raise TypeError(f"jax_tq.paged_decode: num_splits must be a concrete Python int (static), got "
+                        f"{type(num_splits).__name__} {num_splits!r}") from err
 
 
 def _allows_f16_products(precision, q_dtype) -> bool:
     """Whether ``precision`` (see paged_decode) lets the kernel use float16 products."""
     if precision is None:
         return jnp.dtype(q_dtype) != jnp.dtype(jnp.float32)
+    if not isinstance(precision, (str, jax.lax.Precision)):
+        raise ValueError(f"jax_tq.paged_decode: precision must be a jax.lax.Precision or one of "
+                         f"'default', 'high', 'highest', got {type(precision).__name__} {precision!r}")
     try:
         precision = jax.lax.Precision(precision.lower() if isinstance(precision, str) else precision)
     except (ValueError, KeyError, TypeError) as err:

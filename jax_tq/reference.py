@@ -89,12 +89,6 @@ def quantize_rotated(y, centroids):
     return jnp.sum(y[..., None] > boundaries, axis=-1, dtype=jnp.int32).astype(jnp.uint8)
 
 
-def _safe_inverse(norms):
-    """1/norm where norm > 0, else 0 (no division by zero, clean gradients)."""
-    positive = norms > 0
-    return jnp.where(positive, 1.0 / jnp.where(positive, norms, 1.0), 0.0).astype(norms.dtype)
-
-
 def compress(x, rotation, centroids, bits: int):
     """TurboQuant_mse quantization of vectors x (FFI target ``jax_tq_compress``).
 
@@ -122,11 +116,18 @@ def compress(x, rotation, centroids, bits: int):
     return _compress_impl(x, rotation, centroids, bits=bits)
 
 
-def _safe_norm(x):
-    """||x||_2 over the last axis with a gradient of 0 (not NaN) at x = 0."""
-    squared = jnp.sum(x * x, axis=-1)
-    positive = squared > 0
-    return jnp.where(positive, jnp.sqrt(jnp.where(positive, squared, 1.0)), 0.0)
+def _norm_and_unit(x):
+    """(||x||_2 over the last axis, x / ||x||), computed on x / max|x_i| so that the squares
+    neither overflow (|x| ~1e30) nor underflow (|x| ~1e-30). A zero vector gives (0, 0) with a
+    gradient of 0 (not NaN); a NaN anywhere in x gives a NaN norm."""
+    largest = jnp.max(jnp.abs(x), axis=-1)
+    positive = largest > 0  # False for 0 and NaN
+    scale = jnp.where(positive & jnp.isfinite(largest), largest, 1.0)
+    scaled = x / scale[..., None]
+    root = jnp.sqrt(jnp.where(positive, jnp.sum(scaled * scaled, axis=-1), 1.0))
+    norms = jnp.where(positive, scale * root, jnp.where(jnp.isnan(largest), jnp.nan, 0.0))
+    unit = jnp.where(positive[..., None], scaled / root[..., None], 0.0)
+    return norms.astype(x.dtype), unit.astype(x.dtype)
 
 
 @_jit("bits")
@@ -134,8 +135,7 @@ def _compress_impl(x, rotation, centroids, bits):
     """compress after validation."""
     compute_dtype = _compute_dtype(x.dtype)
     x = x.astype(compute_dtype)
-    norms = _safe_norm(x)
-    unit = x * _safe_inverse(norms)[..., None]
+    norms, unit = _norm_and_unit(x)
     rotated = jnp.matmul(unit, rotation.astype(compute_dtype).T, precision=_HIGHEST)
     codes = quantize_rotated(rotated, centroids.astype(compute_dtype))
     return tq_format.pack_codes(codes, bits), norms
@@ -289,7 +289,9 @@ def _masked_softmax_weights(logits, valid):
     """Stable softmax over the last axis restricted to ``valid``; all-invalid rows give 0."""
     row_max = jnp.max(jnp.where(valid, logits, -jnp.inf), axis=-1, keepdims=True, initial=-jnp.inf)
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-    shifted = jnp.where(valid, logits - row_max, 0.0)
+    # XLA may compute the logits twice (once for the max, once here) with different roundings: at
+    # |logits| ~1e9 a shifted value can come out at +256 and exp overflows. Clamp to <= 0.
+    shifted = jnp.minimum(jnp.where(valid, logits - row_max, 0.0), 0.0)
     weights = jnp.where(valid, jnp.exp(shifted), 0.0)
     total = jnp.sum(weights, axis=-1, keepdims=True)
     return weights / jnp.where(total > 0, total, 1.0)

@@ -706,3 +706,111 @@ def test_inputs_are_not_modified_without_donation(rng, jit):
     x_hat = wrap(tq.decompress)(codes, norms, new.v_codec)
     jax.block_until_ready((codes, norms, x_hat))
     _assert_unchanged(before, (v, codes, norms))
+
+
+# ----------------------------------------------------------------------------- static options, extremes
+
+def test_refuses_bad_static_decode_options():
+    cache = _small_cache()
+    q, tables, lens = _decode_args()
+    call = lambda **kw: jax.eval_shape(lambda q: tq.paged_decode(q, cache, tables, lens, **kw), q)  # noqa: E731
+    for bad in (1.5, True, "2"):
+        with pytest.raises(TypeError, match=r"num_splits must be"):
+            call(num_splits=bad)
+    for bad in ("0.1", True, b"1"):
+        with pytest.raises(TypeError, match=r"scale must be a Python number"):
+            call(scale=bad)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        with pytest.raises(ValueError, match=r"scale must be finite"):
+            call(scale=bad)
+    with pytest.raises(TypeError, match=r"scale must be a concrete Python number \(static\)"):
+        jax.jit(lambda q, s: tq.paged_decode(q, cache, tables, lens, scale=s))(q, 0.1)
+    with pytest.raises(TypeError, match=r"num_splits must be a concrete Python int \(static\)"):
+        jax.jit(lambda q, n: tq.paged_decode(q, cache, tables, lens, num_splits=n))(q, 2)
+    for bad in (True, 1, 2.0, (jax.lax.Precision.HIGHEST,)):
+        with pytest.raises(ValueError, match=r"precision must be a jax.lax.Precision"):
+            call(precision=bad)
+    for bad in (None, (cache,), {"k_codes": cache.k_codes}):
+        with pytest.raises(TypeError, match=r"cache must be a jax_tq.PagedKVCache"):
+            tq.paged_decode(q, bad, tables, lens)
+        with pytest.raises(TypeError, match=r"write_cache: cache must be a jax_tq.PagedKVCache"):
+            tq.write_cache(bad, q[:, :2], q[:, :2], jnp.zeros((2,), jnp.int32))
+    for fn, args in ((tq.compress, (q, 4)), (tq.decompress, (jnp.zeros((2, 32), jnp.uint8), jnp.ones((2,)), None))):
+        with pytest.raises(TypeError, match=r"codec must be a jax_tq.TurboQuant"):
+            fn(*args)
+    for name, bad in (("num_pages", None), ("page_size", "16"), ("num_kv_heads", 2.0), ("num_pages", True)):
+        sizes = dict(num_pages=3, page_size=8, num_kv_heads=2) | {name: bad}
+        with pytest.raises(TypeError, match=rf"{name} must be an int"):
+            tq.PagedKVCache.create(**sizes, k_codec=tq.TurboQuant(64, 4), v_codec=tq.TurboQuant(64, 4))
+    bad_codes = dataclasses.replace(cache, k_codes=cache.k_codes.astype(jnp.int8))
+    with pytest.raises(TypeError, match=r"cache k codes must be uint8, got int8"):
+        tq.write_cache(bad_codes, q[:, :2], q[:, :2], jnp.zeros((2,), jnp.int32))
+
+
+@pytest.mark.parametrize("backend", ["ffi", "xla"])
+def test_huge_num_splits_act_as_max_pages(rng, backend):
+    cache = random_cache(rng, num_pages=12, page_size=8, num_kv_heads=2, head_dim=64, k_bits=4, v_bits=3)
+    lens = jnp.asarray([40, 17, 1], jnp.int32)
+    tables = random_tables(rng, np.asarray(lens), 8, 12, max_pages=5)
+    q = jnp.asarray(rng.normal(size=(3, 4, 64)), jnp.float32)
+    want = decode_f64(q, cache, tables, lens)
+    with tq.use_backend(backend):
+        for splits in (5, 10**7, 2**31, 2**40):
+            assert rel_err(tq.paged_decode(q, cache, tables, lens, num_splits=splits), want) < 2e-5
+
+
+@pytest.mark.parametrize("backend", ["ffi", "xla"])
+def test_non_finite_query_rows_give_nan_rows_only(rng, backend):
+    cache = random_cache(rng, num_pages=6, page_size=8, num_kv_heads=2, head_dim=64, k_bits=4, v_bits=4)
+    lens = jnp.asarray([30, 9], jnp.int32)
+    tables = random_tables(rng, np.asarray(lens), 8, 6)
+    q = jnp.asarray(rng.normal(size=(2, 4, 64)), jnp.float32)
+    q = q.at[0, 1, 5].set(jnp.nan).at[1, 3, 0].set(jnp.inf)
+    with tq.use_backend(backend):
+        got = np.asarray(tq.paged_decode(q, cache, tables, lens))
+    bad = np.zeros((2, 4), bool)
+    bad[0, 1] = bad[1, 3] = True
+    assert np.all(np.isnan(got[bad]))
+    assert np.all(np.isfinite(got[~bad]))
+    want = decode_f64(jnp.where(jnp.isfinite(q), q, 0.0), cache, tables, lens)
+    assert rel_err(got[~bad], np.asarray(want)[~bad]) < 2e-5
+
+
+@pytest.mark.parametrize("magnitude", [1e9, 1e12])
+def test_reference_backend_survives_huge_logits_and_its_gradient(rng, magnitude):
+    """XLA may compute the logits twice with different roundings; the reference must not overflow."""
+    cache = random_cache(rng, num_pages=6, page_size=8, num_kv_heads=2, head_dim=64, k_bits=4, v_bits=4)
+    lens = jnp.asarray([40, 13], jnp.int32)
+    tables = random_tables(rng, np.asarray(lens), 8, 6)
+    q = jnp.asarray(rng.normal(size=(2, 4, 64)), jnp.float32) * magnitude
+    with tq.use_backend("ffi"):
+        kernel = tq.paged_decode(q, cache, tables, lens)
+    with tq.use_backend("xla"):
+        ref = jax.jit(tq.paged_decode)(q, cache, tables, lens)
+    assert np.all(np.isfinite(np.asarray(ref)))
+    assert rel_err(ref, kernel) < 1e-3
+    grad = jax.grad(lambda q: jnp.sum(tq.paged_decode(q, cache, tables, lens)))(q)
+    assert np.all(np.isfinite(np.asarray(grad)))
+
+
+@pytest.mark.parametrize("value", [1e30, 1e-30, 3e-38])
+def test_compress_norms_neither_overflow_nor_underflow(value):
+    codec = tq.TurboQuant(128, 4)
+    x = jnp.full((3, 128), value, jnp.float32).at[1].multiply(-2.0)
+    expected = np.array([1, 2, 1]) * value * np.sqrt(128.0)
+    results = {}
+    for backend in ("ffi", "xla"):
+        with tq.use_backend(backend):
+            codes, norms = tq.compress(x, codec)
+        np.testing.assert_allclose(np.asarray(norms, np.float64), expected, rtol=1e-6)
+        results[backend] = np.asarray(codes)
+    np.testing.assert_array_equal(results["ffi"], results["xla"])
+
+
+def test_compress_nan_vector_gives_nan_norm_in_both_backends():
+    codec = tq.TurboQuant(64, 4)
+    x = jnp.ones((2, 64), jnp.float32).at[1, 3].set(jnp.nan)
+    for backend in ("ffi", "xla"):
+        with tq.use_backend(backend):
+            _, norms = tq.compress(x, codec)
+        assert np.isfinite(float(norms[0])) and np.isnan(float(norms[1])), backend
