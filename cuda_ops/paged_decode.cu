@@ -1012,13 +1012,13 @@ ffi::Error launch_v2(cudaStream_t stream, const DecodeParams& p, dim3 grid) {
   return ffi::Error::Success();
 }
 
-template <int GT, bool SPLIT>
+template <int GT, bool SPLIT, bool PF>
 ffi::Error launch_v3(cudaStream_t stream, const DecodeParams& p, dim3 grid) {
+  auto kernel = v3::paged_decode_v3_kernel<GT, SPLIT, PF>;
   static std::atomic<uint64_t> smem_set{0};
-  if (cudaError_t e = allow_dynamic_smem(smem_set, v3::paged_decode_v3_kernel<GT, SPLIT>, v3::kSmemBytes);
-      e != cudaSuccess)
+  if (cudaError_t e = allow_dynamic_smem(smem_set, kernel, v3::kSmemBytes); e != cudaSuccess)
     return cuda_error("v3 shared memory attribute", e);
-  v3::paged_decode_v3_kernel<GT, SPLIT><<<grid, kThreads, v3::kSmemBytes, stream>>>(p);
+  kernel<<<grid, kThreads, v3::kSmemBytes, stream>>>(p);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return cuda_error("v3 split kernel launch", e);
   return ffi::Error::Success();
@@ -1063,7 +1063,9 @@ ffi::Error dispatch_gt_v2(int gt, cudaStream_t stream, const DecodeParams& p, di
 //      everywhere with JAX_TQ_CUDA_DECODE=v1.
 //   v2 (warp-independent streaming, fp32): only with JAX_TQ_CUDA_DECODE=v2 (A/B timing; slower than
 //      v1 on the H200, docs/performance.md), for head_dim 64 / 128 / 256 with 4-byte aligned pools.
-enum class DecodeKernel { kDefault, kV1, kV2, kV3 };
+//   v3p: v3 with the block-table read one tile ahead (EXPERIMENTAL, not yet run on a GPU), only with
+//      JAX_TQ_CUDA_DECODE=v3p, where v3 applies.
+enum class DecodeKernel { kDefault, kV1, kV2, kV3, kV3P };
 
 DecodeKernel requested_kernel() {
   static const DecodeKernel k = [] {
@@ -1072,6 +1074,7 @@ DecodeKernel requested_kernel() {
     if (v == "v1") return DecodeKernel::kV1;
     if (v == "v2") return DecodeKernel::kV2;
     if (v == "v3") return DecodeKernel::kV3;
+    if (v == "v3p") return DecodeKernel::kV3P;
     return DecodeKernel::kDefault;
   }();
   return k;
@@ -1085,15 +1088,22 @@ bool use_v2(int d, const DecodeParams& p) {
 
 bool use_v3(int d, int gt, const DecodeParams& p) {
   const DecodeKernel k = requested_kernel();
-  if (k != DecodeKernel::kDefault && k != DecodeKernel::kV3) return false;
+  if (k != DecodeKernel::kDefault && k != DecodeKernel::kV3 && k != DecodeKernel::kV3P) return false;
   if (d != 128 || p.k_bits != 4 || p.v_bits != 4 || (gt != 4 && gt != 8)) return false;
   return reinterpret_cast<uintptr_t>(p.kc) % 16 == 0 && reinterpret_cast<uintptr_t>(p.vc) % 8 == 0;
 }
 
 #if JTQ_HAS_D(128)
+template <bool PF>
+ffi::Error dispatch_v3_pf(int gt, bool f16, cudaStream_t stream, const DecodeParams& p, dim3 grid) {
+  if (gt == 4)
+    return f16 ? launch_v3<4, false, PF>(stream, p, grid) : launch_v3<4, true, PF>(stream, p, grid);
+  return f16 ? launch_v3<8, false, PF>(stream, p, grid) : launch_v3<8, true, PF>(stream, p, grid);
+}
+
 ffi::Error dispatch_v3(int gt, bool f16, cudaStream_t stream, const DecodeParams& p, dim3 grid) {
-  if (gt == 4) return f16 ? launch_v3<4, false>(stream, p, grid) : launch_v3<4, true>(stream, p, grid);
-  return f16 ? launch_v3<8, false>(stream, p, grid) : launch_v3<8, true>(stream, p, grid);
+  if (requested_kernel() == DecodeKernel::kV3P) return dispatch_v3_pf<true>(gt, f16, stream, p, grid);
+  return dispatch_v3_pf<false>(gt, f16, stream, p, grid);
 }
 #endif
 

@@ -139,7 +139,10 @@ struct Tile {
 
 // SPLIT: q, P and the centroids enter the MMAs as f16 hi + lo (3 MMAs per product, ~f32 accurate);
 // otherwise as f16 (1 MMA; relative error ~2^-11 per product term, for bf16 / f16 queries).
-template <int GT, bool SPLIT>
+// PF (EXPERIMENTAL, JAX_TQ_CUDA_DECODE=v3p, not yet run on a GPU): with one-page tiles, the page
+// id of a warp's next-but-one tile is read one iteration ahead, so the code loads of its next
+// tile no longer wait for a block-table read first (one memory latency per tile instead of two).
+template <int GT, bool SPLIT, bool PF>
 __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     paged_decode_v3_kernel(const DecodeParams p) {
   static_assert(GT == 4 || GT == 8, "v3: GT in {4, 8}");
@@ -214,7 +217,11 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
   // Split ranges start on a page boundary, so with page_size a multiple of 16 every 16-token
   // tile lies in one page: one block-table read per tile, rows row0 + t.
   const bool one_page_tiles = (p.page_size & (kTT - 1)) == 0;
-  auto load = [&](int ti, Tile& t) {
+  const bool page_ahead = PF && one_page_tiles;
+  auto tile_page = [&](int ti) -> int {  // physical page of tile ti (one_page_tiles), -1 past the end
+    return ti < ntt ? __ldg(bt_seq + p.pdiv.div(static_cast<uint32_t>(tok0 + ti * kTT))) : -1;
+  };
+  auto load = [&](int ti, Tile& t, int phys_ahead) {
     t.k0 = make_uint4(0u, 0u, 0u, 0u);
     t.k1 = t.k0;
     t.kn0 = t.kn1 = __int_as_float(0x7fc00000);  // NaN: score -> -inf
@@ -226,7 +233,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     int64_t r0, r1, rv[4];
     if (one_page_tiles) {
       const uint32_t lp = p.pdiv.div(static_cast<uint32_t>(base));
-      const int phys = __ldg(bt_seq + lp);
+      const int phys = page_ahead ? phys_ahead : __ldg(bt_seq + lp);
       const bool page_ok = phys >= 0 && phys < p.P;
       const int64_t row0 = (static_cast<int64_t>(phys) * p.Hkv + kvh) * p.page_size +
                            (base - static_cast<int>(lp) * p.page_size);
@@ -266,11 +273,13 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
 
   float* wt = w_s[warp];
   Tile cur, nxt;
-  load(warp, cur);
+  int phys_next = page_ahead ? tile_page(warp + kWarps) : -1;
+  load(warp, cur, page_ahead ? tile_page(warp) : -1);
 
 #pragma unroll 1
   for (int ti = warp; ti < ntt; ti += kWarps) {
-    load(ti + kWarps, nxt);
+    load(ti + kWarps, nxt, phys_next);
+    if (page_ahead) phys_next = tile_page(ti + 2 * kWarps);
 
     // ---- S^T = Kdec * Q^T ------------------------------------------------------------------
     float sh[2][4] = {}, sx[2][4] = {};  // even / odd k-steps: two independent MMA chains

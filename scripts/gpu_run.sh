@@ -20,11 +20,15 @@ if has build; then
   python3 -c "import jax, jax_tq, jax_tq._cuda_ops as m; from jax_tq import _ffi; print('jax', jax.__version__, jax.devices(), 'cuda kernels:', _ffi.kernels_available('cuda'), _ffi.unavailable_reason('cuda'))"
   echo "build: $(( $(date +%s) - t0 )) s"
 fi
-if has v3; then  # tensor-core decode (the default where it applies): correctness, then v1 vs v3
-  timeout ${V3_TIMEOUT:-150} python3 -m pytest -q -x -m gpu tests/test_gpu.py -k decode 2>&1 | tee "$OUT/v3_tests.log" | tail -n 15
-  for v in 1 3; do
+if has v3; then  # tensor-core decode (default where it applies) and its variants: correctness, then timing
+  for v in ${V3_TEST_VERSIONS:-3 3p}; do
+    echo "== decode tests, JAX_TQ_CUDA_DECODE=v$v"
+    JAX_TQ_CUDA_DECODE=v$v timeout ${V3_TIMEOUT:-150} python3 -m pytest -q -x -m gpu tests/test_gpu.py -k decode 2>&1 \
+      | tee "$OUT/v3_tests_v$v.log" | tail -n 5
+  done
+  for v in ${V3_VERSIONS:-1 3 3p}; do
     echo "== decode v$v"
-    splits=auto; [ $v = 3 ] && splits=${V3_SPLITS:-auto}
+    splits=auto; [ $v != 1 ] && splits=${V3_SPLITS:-auto}
     JAX_TQ_CUDA_DECODE=v$v timeout ${V3_TIMEOUT:-150} python3 benchmarks/bench_decode.py --only-tq \
       --splits $splits --shapes ${V3_SHAPES:-32x8192,1x32768,128x2048} 2>&1 | tee "$OUT/v3_bench_v$v.txt" | grep "^|" | grep -v -- "---" | cut -d'|' -f2-6
   done
