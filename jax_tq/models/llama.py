@@ -65,9 +65,12 @@ __all__ = [
 class RMSNorm(nnx.Module):
     """Root-mean-square layer norm: ``x / sqrt(mean(x^2) + eps) * weight`` (computed in float32).
 
+    RMSNorm: Zhang & Sennrich 2019, "Root Mean Square Layer Normalization".
+
     Args:
       dim: feature size; ``weight`` is ``[dim]``, initialised to ones.
       eps: epsilon added to the mean square.
+      dtype: dtype of ``weight``.
     """
 
     def __init__(self, dim: int, eps: float = 1e-5, dtype=jnp.float32):
@@ -75,7 +78,13 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        """x ``[..., dim]`` -> same shape and dtype."""
+        """Normalise over the last axis.
+
+        Args:
+          x: float ``[..., dim]``.
+        Returns:
+          ``[..., dim]`` in ``x.dtype``.
+        """
         xf = x.astype(jnp.float32)
         y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
         return (y * self.weight[...].astype(jnp.float32)).astype(x.dtype)
@@ -102,7 +111,14 @@ def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float):
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """Rotate ``x [T, heads, d]`` with tables ``cos, sin [T, d]``: ``x*cos + rotate_half(x)*sin``.
 
-    Computed in float32, returned in ``x.dtype``.
+    RoPE (Su et al. 2021, "RoFormer") in the NeoX / HF ``rotate_half`` layout: coordinate ``i``
+    pairs with ``i + d/2``. Computed in float32.
+
+    Args:
+      x: float ``[T, heads, d]`` (``d`` even).
+      cos, sin: float32 ``[T, d]`` from :func:`rope_cos_sin`.
+    Returns:
+      ``[T, heads, d]`` in ``x.dtype``.
     """
     xf = x.astype(jnp.float32)
     half = x.shape[-1] // 2
@@ -118,8 +134,15 @@ def _dense(rngs: nnx.Rngs, n_in: int, n_out: int, dtype) -> nnx.Param:
 class Attention(nnx.Module):
     """Grouped-query self-attention with RoPE (no biases).
 
-    Weights (``y = x @ W``): ``wq [hidden, H*d]``, ``wk, wv [hidden, Hkv*d]``, ``wo [H*d, hidden]``.
-    Query head ``h`` uses KV head ``h // (H // Hkv)`` (same grouping as :func:`jax_tq.paged_decode`).
+    GQA: Ainslie et al. 2023; RoPE: Su et al. 2021. Weights (``y = x @ W``): ``wq [hidden, H*d]``,
+    ``wk, wv [hidden, Hkv*d]``, ``wo [H*d, hidden]``. Query head ``h`` uses KV head
+    ``h // (H // Hkv)`` (same grouping as :func:`jax_tq.paged_decode`).
+
+    Args:
+      config: :class:`LlamaConfig` (``hidden_size``, ``num_heads`` = H, ``num_kv_heads`` = Hkv,
+        ``head_dim`` = d, ``rope_theta``).
+      dtype: weight dtype.
+      rngs: ``nnx.Rngs`` for the random (``N(0, 1/n_in)``) weight initialisation.
     """
 
     def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
@@ -137,9 +160,11 @@ class Attention(nnx.Module):
         """Project and rotate.
 
         Args:
-          x: ``[T, hidden]``; positions: int32 ``[T]``.
+          x: float ``[T, hidden]``.
+          positions: int32 ``[T]`` RoPE positions.
         Returns:
-          ``q [T, H, d]``, ``k [T, Hkv, d]`` (both after RoPE), ``v [T, Hkv, d]``.
+          ``q [T, H, d]``, ``k [T, Hkv, d]`` (both after RoPE), ``v [T, Hkv, d]``, in the
+          dtype of ``x @ W``.
         """
         T = x.shape[0]
         q = (x @ self.wq[...]).reshape(T, self.num_heads, self.head_dim)
@@ -149,11 +174,24 @@ class Attention(nnx.Module):
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def out(self, attn: jax.Array) -> jax.Array:
-        """``attn [T, H, d]`` -> ``[T, hidden]``."""
+        """Output projection.
+
+        Args:
+          attn: float ``[T, H, d]`` attention output (cast to the ``wo`` dtype).
+        Returns:
+          ``[T, hidden]`` in the ``wo`` dtype.
+        """
         return attn.reshape(attn.shape[0], -1).astype(self.wo.dtype) @ self.wo[...]
 
     def causal(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        """Uncompressed causal attention over the whole sequence ``x [T, hidden]`` -> ``[T, hidden]``."""
+        """Uncompressed causal attention over the whole sequence.
+
+        Args:
+          x: float ``[T, hidden]``.
+          positions: int32 ``[T]`` RoPE positions.
+        Returns:
+          ``[T, hidden]``.
+        """
         q, k, v = self.qkv(x, positions)
         return self.out(causal_attention(q, k, v))
 
@@ -164,8 +202,18 @@ class Attention(nnx.Module):
         :func:`jax_tq.write_cache`, then runs :func:`jax_tq.paged_decode` with query row ``t``
         as sequence ``t`` (``block_tables [T, max_pages]``, ``seq_lens [T]``).
 
+        Args:
+          x: float ``[T, hidden]``.
+          positions: int32 ``[T]`` RoPE positions.
+          cache: this layer's :class:`jax_tq.PagedKVCache`.
+          slot_mapping: int32 ``[T]`` cache slots to write (negative: not written).
+          block_tables: int32 ``[T, max_pages]``.
+          seq_lens: int32 ``[T]`` cached tokens row ``t`` attends to (including itself).
         Returns:
           ``(y [T, hidden], new_cache)``.
+        Raises:
+          TypeError / ValueError: propagated from :func:`jax_tq.write_cache` /
+            :func:`jax_tq.paged_decode` (wrong cache type, dtypes or shapes).
         """
         import jax_tq as tq
 
@@ -241,7 +289,13 @@ def dense_decode_attention(q, k_cache, v_cache, seq_lens, scale: float | None = 
 
 
 class MLP(nnx.Module):
-    """SwiGLU feed-forward: ``(silu(x @ w_gate) * (x @ w_up)) @ w_down`` (Shazeer 2020)."""
+    """SwiGLU feed-forward: ``(silu(x @ w_gate) * (x @ w_up)) @ w_down`` (Shazeer 2020).
+
+    Args:
+      config: :class:`LlamaConfig` (``hidden_size``, ``intermediate_size``).
+      dtype: weight dtype.
+      rngs: ``nnx.Rngs`` for the random weight initialisation.
+    """
 
     def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.w_gate = _dense(rngs, config.hidden_size, config.intermediate_size, dtype)
@@ -249,12 +303,24 @@ class MLP(nnx.Module):
         self.w_down = _dense(rngs, config.intermediate_size, config.hidden_size, dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        """``x [..., hidden]`` -> ``[..., hidden]``."""
+        """Apply the feed-forward.
+
+        Args:
+          x: float ``[..., hidden]``.
+        Returns:
+          ``[..., hidden]``.
+        """
         return (jax.nn.silu(x @ self.w_gate[...]) * (x @ self.w_up[...])) @ self.w_down[...]
 
 
 class Block(nnx.Module):
-    """Pre-norm transformer block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+    """Pre-norm transformer block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``.
+
+    Args:
+      config: :class:`LlamaConfig`.
+      dtype: parameter dtype.
+      rngs: ``nnx.Rngs`` for the random weight initialisation.
+    """
 
     def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
@@ -263,19 +329,42 @@ class Block(nnx.Module):
         self.mlp = MLP(config, dtype=dtype, rngs=rngs)
 
     def causal(self, x, positions):
-        """Uncompressed block on ``x [T, hidden]``."""
+        """Uncompressed block (full causal attention).
+
+        Args:
+          x: float ``[T, hidden]``.
+          positions: int32 ``[T]`` RoPE positions.
+        Returns:
+          ``[T, hidden]``.
+        """
         x = x + self.attn.causal(self.attn_norm(x), positions)
         return x + self.mlp(self.ffn_norm(x))
 
     def compressed(self, x, positions, cache, slot_mapping, block_tables, seq_lens):
-        """Block with attention through the compressed cache; returns ``(x, new_cache)``."""
+        """Block with attention through the compressed cache.
+
+        Args:
+          x: float ``[T, hidden]``; the other arguments as in :meth:`Attention.compressed`.
+        Returns:
+          ``(x [T, hidden], new_cache)``.
+        Raises:
+          TypeError / ValueError: propagated from :meth:`Attention.compressed`.
+        """
         h, cache = self.attn.compressed(self.attn_norm(x), positions, cache, slot_mapping,
                                         block_tables, seq_lens)
         x = x + h
         return x + self.mlp(self.ffn_norm(x)), cache
 
     def dense(self, x, positions, k_cache, v_cache):
-        """Block with decode attention through a dense cache; returns ``(x, k_cache, v_cache)``."""
+        """Block with decode attention through a dense cache (one new token per sequence).
+
+        Args:
+          x: float ``[B, hidden]``.
+          positions: int32 ``[B]`` (``< max_len``).
+          k_cache, v_cache: ``[B, max_len, Hkv, d]``.
+        Returns:
+          ``(x [B, hidden], k_cache, v_cache)``, see :meth:`Attention.dense`.
+        """
         h, k_cache, v_cache = self.attn.dense(self.attn_norm(x), positions, k_cache, v_cache)
         x = x + h
         return x + self.mlp(self.ffn_norm(x)), k_cache, v_cache
@@ -312,8 +401,15 @@ class Llama(nnx.Module):
         """Build a model from the nested numpy dict produced by
         :func:`jax_tq.models.gguf_loader.load_params` (linear weights ``[in, out]``).
 
+        Args:
+          config: :class:`LlamaConfig` matching ``params``.
+          params: nested dict of float arrays (keys as in ``load_params``).
+          dtype: parameter dtype.
+        Returns:
+          a :class:`Llama` holding ``params`` cast to ``dtype``.
         Raises:
-          ValueError: on a shape mismatch.
+          ValueError: on a shape mismatch, or ``len(params["layers"]) != config.num_layers``.
+          KeyError: a missing key in ``params``.
         """
         model = nnx.eval_shape(lambda: cls(config, dtype=dtype, rngs=nnx.Rngs(0)))
 
@@ -338,14 +434,27 @@ class Llama(nnx.Module):
 
     # -- pieces ---------------------------------------------------------------------------------
     def logits(self, h: jax.Array) -> jax.Array:
-        """Final norm + lm head: ``h [..., hidden]`` -> float32 logits ``[..., vocab]``."""
+        """Final norm + lm head (the tied ``embed.T`` when ``lm_head`` is None).
+
+        Args:
+          h: float ``[..., hidden]`` hidden states.
+        Returns:
+          float32 logits ``[..., vocab]``.
+        """
         h = self.final_norm(h)
         w = self.embed[...].T if self.lm_head is None else self.lm_head[...]
         return (h @ w).astype(jnp.float32)
 
     # -- un-jitted implementations (call inside jit) --------------------------------------------
     def apply_causal(self, token_ids: jax.Array, start_pos: int = 0) -> jax.Array:
-        """Uncompressed forward: int32 ``token_ids [T]`` -> float32 logits ``[T, vocab]``."""
+        """Uncompressed causal forward (call inside ``jit``).
+
+        Args:
+          token_ids: int32 ``[T]``.
+          start_pos: RoPE position of ``token_ids[0]``.
+        Returns:
+          float32 logits ``[T, vocab]``.
+        """
         positions = start_pos + jnp.arange(token_ids.shape[0], dtype=jnp.int32)
         x = self.embed[...][token_ids]
         for blk in self.layers:
@@ -362,6 +471,10 @@ class Llama(nnx.Module):
           ``seq_lens[t]`` cached tokens of its table, including itself).
         Returns:
           ``(logits float32 [T, vocab], new_caches list)``.
+        Raises:
+          ValueError: ``len(caches) != num_layers``.
+          TypeError / ValueError: propagated from :func:`jax_tq.write_cache` /
+            :func:`jax_tq.paged_decode`.
         """
         if len(caches) != len(self.layers):
             raise ValueError(f"expected {len(self.layers)} caches, got {len(caches)}")
@@ -379,6 +492,8 @@ class Llama(nnx.Module):
           token, position: int32 ``[B]``; caches: list of ``(k [B, max_len, Hkv, d], v)``.
         Returns:
           ``(logits float32 [B, vocab], new_caches list)``.
+        Raises:
+          ValueError: ``len(caches) != num_layers``.
         """
         if len(caches) != len(self.layers):
             raise ValueError(f"expected {len(self.layers)} caches, got {len(caches)}")
@@ -391,11 +506,26 @@ class Llama(nnx.Module):
 
     # -- jitted conveniences ----------------------------------------------------------------------
     def forward_logits(self, token_ids) -> jax.Array:
-        """Jitted uncompressed causal forward; see :func:`forward_logits`."""
+        """Jitted uncompressed causal forward; see :func:`forward_logits`.
+
+        Args:
+          token_ids: int ``[T]``.
+        Returns:
+          float32 logits ``[T, vocab]``.
+        """
         return forward_logits(self, token_ids)
 
     def forward_compressed(self, token_ids, caches, block_table, start_pos: int = 0):
-        """Jitted evaluation path through the compressed cache; see :func:`forward_compressed`."""
+        """Jitted evaluation path through the compressed cache; see :func:`forward_compressed`.
+
+        Args:
+          token_ids: int ``[T]``; caches: per-layer :class:`jax_tq.PagedKVCache` list (donated);
+          block_table: int32 ``[max_pages]``; start_pos: position of ``token_ids[0]``.
+        Returns:
+          ``(logits float32 [T, vocab], new_caches)``.
+        Raises:
+          TypeError / ValueError: as :func:`forward_compressed`.
+        """
         return forward_compressed(self, token_ids, caches, block_table, start_pos)
 
 
@@ -413,9 +543,14 @@ def init_caches(config: LlamaConfig, k_bits: int, v_bits: int, num_pages: int,
     Args:
       config: model config (``num_layers``, ``num_kv_heads``, ``head_dim``).
       k_bits, v_bits: TurboQuant bits per coordinate (2, 3 or 4).
-      num_pages: physical pages per layer pool; page_size: tokens per page.
+      num_pages: physical pages per layer pool; page_size: tokens per page (1 to 256).
+      seed: codec seed.
     Returns:
       list of ``num_layers`` caches.
+    Raises:
+      TypeError / ValueError: propagated from :class:`jax_tq.TurboQuant` /
+        :meth:`jax_tq.PagedKVCache.create` (unsupported ``head_dim`` or bits, non-int or
+        non-positive sizes, ``page_size > 256``).
     """
     import jax_tq as tq
 
@@ -428,8 +563,16 @@ def init_caches(config: LlamaConfig, k_bits: int, v_bits: int, num_pages: int,
 
 
 def init_dense_caches(config: LlamaConfig, batch: int, max_len: int, dtype=jnp.bfloat16):
-    """Uncompressed decode caches: per layer a pair of zero arrays
-    ``(k, v) [batch, max_len, num_kv_heads, head_dim]`` in ``dtype`` (bfloat16 by default)."""
+    """Uncompressed decode caches for :func:`make_dense_decode_step`.
+
+    Args:
+      config: model config (``num_layers``, ``num_kv_heads``, ``head_dim``).
+      batch: number of sequences; max_len: token capacity per sequence.
+      dtype: cache dtype (bfloat16 by default).
+    Returns:
+      list of ``num_layers`` pairs of zero arrays ``(k, v)``, each
+      ``[batch, max_len, num_kv_heads, head_dim]`` in ``dtype``.
+    """
     shape = (batch, max_len, config.num_kv_heads, config.head_dim)
     return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(config.num_layers)]
 
@@ -444,6 +587,7 @@ def slot_mapping_for(block_tables: jax.Array, positions: jax.Array, page_size: i
     Args:
       block_tables: int32 ``[S, max_pages]`` (or ``[max_pages]`` broadcast to every position).
       positions: int32 ``[S]`` token positions within each sequence.
+      page_size: tokens per cache page.
     Returns:
       int32 ``[S]``: ``block_tables[s, pos // page_size] * page_size + pos % page_size``.
     """
@@ -509,6 +653,10 @@ def forward_compressed(model: Llama, token_ids, caches: Sequence, block_table, s
       start_pos: position of ``token_ids[0]`` (tokens before it must already be cached).
     Returns:
       ``(logits float32 [T, vocab], new_caches)``.
+    Raises:
+      ValueError: ``len(caches) != num_layers``.
+      TypeError / ValueError: propagated from :func:`jax_tq.write_cache` /
+        :func:`jax_tq.paged_decode`.
     """
     graphdef, state = nnx.split(model)
     return _compressed_pure(graphdef, state, jnp.asarray(token_ids, jnp.int32), list(caches),
@@ -538,6 +686,10 @@ def decode_step(model: Llama, caches: Sequence, token, position, block_tables, s
         0 marks an inactive row (nothing written, zero attention output).
     Returns:
       ``(logits float32 [S, vocab], new_caches)``.
+    Raises:
+      ValueError: ``len(caches) != num_layers``.
+      TypeError / ValueError: propagated from :func:`jax_tq.write_cache` /
+        :func:`jax_tq.paged_decode`.
     """
     return make_decode_step(model)(caches, token, position, block_tables, seq_lens)
 
@@ -547,6 +699,12 @@ def make_decode_step(model: Llama):
 
     Same as :func:`decode_step` but splits the model once (lower Python overhead per token).
     Later in-place changes to ``model`` are not seen by the returned function.
+
+    Args:
+      model: :class:`Llama`.
+    Returns:
+      the jitted ``step``; arguments, results and errors as in :func:`decode_step` (caches
+      donated, logits float32 ``[S, vocab]``).
     """
     graphdef, state = nnx.split(model)
 
@@ -567,9 +725,15 @@ def _dense_decode_pure(graphdef, state, caches, token, position):
 def make_dense_decode_step(model: Llama):
     """Return ``step(caches, token, position) -> (logits, caches)`` for dense caches.
 
-    ``caches`` from :func:`init_dense_caches` (donated); ``token``, ``position`` int32 ``[B]``
-    (``position`` = tokens already cached for the sequence, ``< max_len``); logits float32
-    ``[B, vocab]``. The uncompressed baseline of :func:`make_decode_step`.
+    The uncompressed baseline of :func:`make_decode_step`; splits the model once.
+
+    Args:
+      model: :class:`Llama`.
+    Returns:
+      the jitted ``step``: ``caches`` from :func:`init_dense_caches` (donated); ``token``,
+      ``position`` int32 ``[B]`` (``position`` = tokens already cached for the sequence,
+      ``< max_len``); returns ``(logits float32 [B, vocab], new_caches)`` and raises
+      ``ValueError`` when ``len(caches) != num_layers``.
     """
     graphdef, state = nnx.split(model)
 
