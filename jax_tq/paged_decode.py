@@ -49,7 +49,7 @@ def paged_decode(q, cache, block_tables, seq_lens, *, scale=None, num_splits=Non
         the device (1 on CPU). Any value is correct; values above max_pages act as max_pages (the
         extra splits would be empty).
       precision: ``jax.lax.Precision`` (or its name) of the kernel's q.k and p.v products.
-        ``HIGHEST``: float32-accurate (relative error ~1e-6). ``DEFAULT``/``HIGH``: the GPU kernel
+        ``HIGHEST``: float32-accurate (relative error ~1e-5 or less). ``DEFAULT``/``HIGH``: the GPU kernel
         may round q, the softmax weights and the centroids to float16 inside its tensor-core
         products (relative error ~2^-11 per term, below a bfloat16 query's own rounding of 2^-9).
         Default: ``HIGHEST`` for float32 queries, ``DEFAULT`` for bfloat16/float16 queries. The
