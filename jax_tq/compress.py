@@ -7,6 +7,8 @@ b-bit indices (docs/FORMAT.md).
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -101,7 +103,8 @@ def decompress(codes, norms, codec, dtype=jnp.float32):
       TypeError: codes not uint8, norms not float32, unsupported dtype, codec not a TurboQuant.
       ValueError: shapes disagree with each other or with the codec.
 
-    Differentiable only with the ``xla`` backend (the FFI kernel has no transpose rule).
+    Differentiable in ``norms`` (x_hat is linear in them: d x_hat = d norm * Pi^T c[codes]) on every
+    backend; the codes are integers and get no gradient.
     """
     codes, norms = jnp.asarray(codes), jnp.asarray(norms)
     check_packed_codec(codec, "decompress")
@@ -124,10 +127,24 @@ def decompress(codes, norms, codec, dtype=jnp.float32):
     if backend == "xla":
         x = reference.decompress(flat_codes, flat_norms, codec.rotation, codec.centroids, codec.bits, dtype)
     else:
-        (x,) = decompress_p.bind(
-            flat_codes, flat_norms, codec.rotation, codec.centroids, bits=codec.bits, dtype=dtype, backend=backend
-        )
+        x = _decompress_kernel(flat_codes, flat_norms, codec, dtype, backend)
     return x.reshape(lead + (codec.head_dim,))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4))
+def _decompress_kernel(codes, norms, codec, dtype, backend):
+    """The decompress kernel on flat rows; its JVP in norms is norms' tangent times Pi^T c[codes]."""
+    (x,) = decompress_p.bind(codes, norms, codec.rotation, codec.centroids, bits=codec.bits, dtype=dtype,
+                             backend=backend)
+    return x
+
+
+@_decompress_kernel.defjvp
+def _decompress_kernel_jvp(codec, dtype, backend, primals, tangents):
+    codes, norms = primals
+    d_norms = tangents[1]
+    directions = _decompress_kernel(codes, jnp.ones_like(norms), codec, jnp.dtype(jnp.float32), backend)
+    return _decompress_kernel(codes, norms, codec, dtype, backend), (d_norms[:, None] * directions).astype(dtype)
 
 
 def compress_write(x, codes, norms, codec, slot_mapping, *, name="k/v"):

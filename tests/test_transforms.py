@@ -11,7 +11,7 @@ import pytest
 import jax_tq as tq
 from jax_tq.compress import compress_write_p
 from jax_tq.paged_decode import paged_decode_p
-from oracle import decode_f64, random_cache, random_tables, rel_err
+from oracle import decode_f64, decompress_f64, random_cache, random_tables, rel_err
 
 
 @pytest.fixture(autouse=True)
@@ -207,3 +207,24 @@ def test_grad_of_paged_decode_matches_the_reference(rng):
     eps = 1e-3  # and the reference gradient is the true one: a finite difference along w
     fd = (loss(q + eps * w, cache.k_norms) - loss(q - eps * w, cache.k_norms)) / (2 * eps)
     assert abs(float(fd) - float(jnp.sum(dq * w))) < 2e-3 * max(1.0, abs(float(fd)))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_decompress_is_differentiable_in_norms_on_every_backend(rng, dtype):
+    codec = tq.TurboQuant(64, bits=3, seed=4)
+    codes, norms = tq.compress(jnp.asarray(rng.normal(size=(2, 5, 64)), jnp.float32), codec)
+    weights = jnp.asarray(rng.normal(size=(2, 5, 64)), jnp.float32)
+    loss = lambda n: jnp.sum(tq.decompress(codes, n, codec, dtype=dtype).astype(jnp.float32) * weights)  # noqa: E731
+    grads = {}
+    for backend in ("ffi", "xla"):
+        with tq.use_backend(backend):
+            grads[backend] = np.asarray(jax.jit(jax.grad(loss))(norms))
+            # forward mode too: the tangent is d_norm * Pi^T c[codes]
+            _, tangent = jax.jvp(lambda n: tq.decompress(codes, n, codec), (norms,), (jnp.ones_like(norms),))
+            np.testing.assert_allclose(np.asarray(tangent), np.asarray(tq.decompress(codes, jnp.ones_like(norms), codec)),
+                                       rtol=1e-5, atol=1e-6)
+    # d loss / d norm = <weights, Pi^T c[codes]>
+    want = np.sum(np.asarray(weights) * np.asarray(decompress_f64(codes, np.ones(norms.shape), codec)), axis=-1)
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    assert rel_err(grads["ffi"], want) < tol
+    assert rel_err(grads["xla"], want) < tol
