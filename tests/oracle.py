@@ -70,3 +70,14 @@ def rel_err(got, want):
     got, want = to_f64(got), to_f64(want)
     assert np.all(np.isfinite(got)), "non-finite output"
     return np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
+
+
+def primitive_count(jaxpr, prim):
+    """Occurrences of ``prim`` in ``jaxpr`` and the jaxprs nested in it (custom_jvp/vjp, pjit, ...)."""
+    from jax.extend.core import jaxprs_in_params
+
+    total = 0
+    for eqn in jaxpr.eqns:
+        total += eqn.primitive is prim
+        total += sum(primitive_count(getattr(sub, "jaxpr", sub), prim) for sub in jaxprs_in_params(eqn.params))
+    return total

@@ -11,7 +11,7 @@ import pytest
 import jax_tq as tq
 from jax_tq.compress import compress_write_p
 from jax_tq.paged_decode import paged_decode_p
-from oracle import decode_f64, decompress_f64, random_cache, random_tables, rel_err
+from oracle import decode_f64, decompress_f64, primitive_count as _primitive_count, random_cache, random_tables, rel_err
 
 
 @pytest.fixture(autouse=True)
@@ -25,17 +25,6 @@ def _setup(rng, num_seqs=4, lens=(37, 5, 0, 64)):
     seq_lens = jnp.asarray(lens[:num_seqs], jnp.int32)
     tables = random_tables(rng, np.asarray(seq_lens), 16, 16, max_pages=5)
     return cache, tables, seq_lens
-
-
-def _primitive_count(jaxpr, prim):
-    """Occurrences of ``prim`` in ``jaxpr`` and the jaxprs nested in it (custom_vjp, pjit, ...)."""
-    from jax.extend.core import jaxprs_in_params
-
-    total = 0
-    for eqn in jaxpr.eqns:
-        total += eqn.primitive is prim
-        total += sum(_primitive_count(getattr(sub, "jaxpr", sub), prim) for sub in jaxprs_in_params(eqn.params))
-    return total
 
 
 def test_vmap_over_sequences_with_shared_cache(rng):
