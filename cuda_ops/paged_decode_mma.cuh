@@ -129,6 +129,43 @@ __device__ __forceinline__ void build_luts(uint8_t* smem, const float* kcent, co
   }
 }
 
+// Interleaved variant (v3p): entry e holds its K part at e*256 + [0, 128) and its V part at
+// e*256 + [128, 256), each laid out as in Lut. Then a look-up's shared-memory offset is ONE byte
+// permute: byte 0 = the lane's copy offset (+128 for V), byte 1 = the code byte, bytes 2-3 = 0,
+// instead of extract + shift + add.
+template <bool SPLIT>
+struct InterleavedLut {
+  const uint8_t* table;
+  uint32_t k_lane, v_lane;  // byte-0 offsets of this lane's copy in the K and V parts
+  __device__ __forceinline__ InterleavedLut(const uint8_t* smem, int lane)
+      : table(smem),
+        k_lane(SPLIT ? 8u * (lane & 15) : 4u * lane),
+        v_lane(128u + (SPLIT ? 8u * (lane & 15) : 4u * lane)) {}
+  // Entry of byte j (0..3) of `word`, from the part at `lane_off` (k_lane or v_lane).
+  __device__ __forceinline__ uint2 at(uint32_t word, int j, uint32_t lane_off) const {
+    const uint32_t off = __byte_perm(word, lane_off, 0x7604u | (static_cast<uint32_t>(j) << 4));
+    if constexpr (SPLIT) return *reinterpret_cast<const uint2*>(table + off);
+    else return make_uint2(*reinterpret_cast<const uint32_t*>(table + off), 0u);
+  }
+};
+
+template <bool SPLIT>
+__device__ __forceinline__ void build_interleaved_luts(uint8_t* smem, const float* kcent,
+                                                       const float* vcent) {
+  static_assert(256 * 256 <= kSmemBytes, "interleaved tables: 256 entries of 256 bytes");
+  for (int i = threadIdx.x; i < 512; i += kThreads) {
+    const int is_v = i >> 8;
+    const int e = i & 255;
+    const float* cent = is_v ? vcent : kcent;
+    uint32_t hi, lo;
+    split2(cent[e & 15], cent[e >> 4], hi, lo);
+    const uint4 v = SPLIT ? make_uint4(hi, lo, hi, lo) : make_uint4(hi, hi, hi, hi);
+    uint4* part = reinterpret_cast<uint4*>(smem + e * 256 + is_v * 128);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) part[(j + threadIdx.x) & 7] = v;
+  }
+}
+
 // One 4-bit-per-row tile of a warp, held in registers.
 struct Tile {
   uint4 k0, k1;    // K code bytes 16*t4 .. +15 of tokens gid, gid + 8
@@ -139,9 +176,10 @@ struct Tile {
 
 // SPLIT: q, P and the centroids enter the MMAs as f16 hi + lo (3 MMAs per product, ~f32 accurate);
 // otherwise as f16 (1 MMA; relative error ~2^-11 per product term, for bf16 / f16 queries).
-// PF (EXPERIMENTAL, JAX_TQ_CUDA_DECODE=v3p, not yet run on a GPU): with one-page tiles, the page
-// id of a warp's next-but-one tile is read one iteration ahead, so the code loads of its next
-// tile no longer wait for a block-table read first (one memory latency per tile instead of two).
+// PF (EXPERIMENTAL, JAX_TQ_CUDA_DECODE=v3p, not yet run on a GPU): (a) with one-page tiles, the
+// page id of a warp's next-but-one tile is read one iteration ahead, so the code loads of its next
+// tile no longer wait for a block-table read first (one memory latency per tile instead of two);
+// (b) the K and V tables are interleaved (InterleavedLut): one byte permute per look-up address.
 template <int GT, bool SPLIT, bool PF>
 __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     paged_decode_v3_kernel(const DecodeParams p) {
@@ -210,9 +248,20 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
   }
   const float qx0 = qexp_s[2 * t4], qx1 = qexp_s[2 * t4 + 1];
   __syncthreads();  // q_s consumed by every warp: the tables may overwrite it
-  build_luts<SPLIT>(smem, p.kcent, p.vcent);
+  if constexpr (PF) build_interleaved_luts<SPLIT>(smem, p.kcent, p.vcent);
+  else build_luts<SPLIT>(smem, p.kcent, p.vcent);
   __syncthreads();
   const Lut<SPLIT> klut(smem, lane), vlut(smem + kTabBytes, lane);
+  const InterleavedLut<SPLIT> ilut(smem, lane);
+  // Entry of byte j of word w, K or V table.
+  auto klook = [&](uint32_t w, int j) -> uint2 {
+    if constexpr (PF) return ilut.at(w, j, ilut.k_lane);
+    else return klut((w >> (8 * j)) & 0xFFu);
+  };
+  auto vlook = [&](uint32_t w, int j) -> uint2 {
+    if constexpr (PF) return ilut.at(w, j, ilut.v_lane);
+    else return vlut((w >> (8 * j)) & 0xFFu);
+  };
 
   // Split ranges start on a page boundary, so with page_size a multiple of 16 every 16-token
   // tile lies in one page: one block-table read per tile, rows row0 + t.
@@ -289,10 +338,11 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     for (int ks = 0; ks < 8; ++ks) {
       const int w = ks >> 1;
       const int s0 = (ks & 1) * 16;  // bit offset of byte 2*ks within its word
-      const uint2 t00 = klut((ka[w] >> s0) & 0xFFu);        // token gid,   byte 2ks
-      const uint2 t01 = klut((kb[w] >> s0) & 0xFFu);        // token gid+8, byte 2ks
-      const uint2 t10 = klut((ka[w] >> (s0 + 8)) & 0xFFu);  // token gid,   byte 2ks+1
-      const uint2 t11 = klut((kb[w] >> (s0 + 8)) & 0xFFu);  // token gid+8, byte 2ks+1
+      const int j0 = s0 / 8;                 // byte of the word: 2ks, then 2ks+1
+      const uint2 t00 = klook(ka[w], j0);      // token gid,   byte 2ks
+      const uint2 t01 = klook(kb[w], j0);      // token gid+8, byte 2ks
+      const uint2 t10 = klook(ka[w], j0 + 1);  // token gid,   byte 2ks+1
+      const uint2 t11 = klook(kb[w], j0 + 1);  // token gid+8, byte 2ks+1
       const uint32_t ahi[4] = {t00.x, t01.x, t10.x, t11.x};
       mma16816(sh[ks & 1], ahi, qh[ks][0], qh[ks][1]);
       if constexpr (SPLIT) {
@@ -371,10 +421,11 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     for (int mt = 0; mt < 8; ++mt) {
       const int wd = mt >> 2;
       const int sb = (mt & 3) * 8;
-      const uint2 e0 = vlut((lo01[wd] >> sb) & 0xFFu);  // row gid   (coord 16gid+2mt),   tok 4t4+{0,1}
-      const uint2 e1 = vlut((hi01[wd] >> sb) & 0xFFu);  // row gid+8 (coord 16gid+2mt+1), tok 4t4+{0,1}
-      const uint2 e2 = vlut((lo23[wd] >> sb) & 0xFFu);  // row gid,   tok 4t4+{2,3}
-      const uint2 e3 = vlut((hi23[wd] >> sb) & 0xFFu);  // row gid+8, tok 4t4+{2,3}
+      const int jb = sb / 8;
+      const uint2 e0 = vlook(lo01[wd], jb);  // row gid   (coord 16gid+2mt),   tok 4t4+{0,1}
+      const uint2 e1 = vlook(hi01[wd], jb);  // row gid+8 (coord 16gid+2mt+1), tok 4t4+{0,1}
+      const uint2 e2 = vlook(lo23[wd], jb);  // row gid,   tok 4t4+{2,3}
+      const uint2 e3 = vlook(hi23[wd], jb);  // row gid+8, tok 4t4+{2,3}
       const uint32_t ahi[4] = {e0.x, e1.x, e2.x, e3.x};
       mma16816(o[mt], ahi, ph0, ph1);
       if constexpr (SPLIT) {
