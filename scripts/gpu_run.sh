@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on the GPU machine: build jax_tq with CUDA, run the GPU tests, the benchmarks,
 # and optionally the main job; print short tables. Usage: bash scripts/gpu_run.sh [build tests bench model]
-# stages: build v3 ncu tests bench profile model (default: build tests bench). Logs go to $OUT (the device tool brings them back).
+# stages: build v3 ncu tests bench graphs profile model (default: build tests bench). Logs go to $OUT (the device tool brings them back).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/jax_tq_out}; mkdir -p "$OUT"
@@ -52,6 +52,10 @@ if has profile; then
   ncu --clock-control none -k regex:"tq_|paged_decode" --section SpeedOfLight --section LaunchStats \
       --section Occupancy python3 benchmarks/profile_kernels.py >"$OUT/ncu.txt" 2>&1
   grep -E "tq_|paged_decode|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)|Registers Per|Achieved Occupancy|Grid Size" "$OUT/ncu.txt" | head -n 80
+fi
+if has graphs; then  # the same decode timing with XLA command buffers (CUDA graphs) including custom calls
+  XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN --xla_gpu_graph_min_graph_size=1" \
+    timeout ${BENCH_TIMEOUT:-200} python3 benchmarks/bench_decode.py ${DECODE_ARGS:-} 2>&1 | tee "$OUT/bench_decode_graphs.txt" | tail -n 30
 fi
 if has ncu; then  # decode kernels under Nsight Compute (NCU_VERSIONS default "3", NCU_SHAPES default 32x8192)
   for v in ${NCU_VERSIONS:-3}; do
