@@ -46,6 +46,20 @@ def gpu_core_count(default: int = 132) -> int:
     return int(getattr(gpus[0], "core_count", default) or default)
 
 
+def gpu_compute_capability(default: tuple[int, int] = (9, 0)) -> tuple[int, int]:
+    """(major, minor) compute capability of the first GPU, or ``default`` when unknown."""
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:
+        return default
+    text = str(getattr(gpus[0], "compute_capability", "") or "") if gpus else ""
+    try:
+        major, minor = (int(v) for v in text.split(".")[:2])
+    except ValueError:
+        return default
+    return major, minor
+
+
 def enable_x64():
     """Context manager turning on 64-bit types (``jax.enable_x64(True)``; older: jax.experimental)."""
     if hasattr(jax, "enable_x64"):

@@ -211,8 +211,18 @@ def _check_decode_args(q, cache, block_tables, seq_lens, num_splits) -> None:
         raise ValueError(f"{op}: num_splits must be >= 1 (or None for automatic), got {num_splits}")
 
 
-#: Resident CTAs per SM of the tensor-core decode kernel (v3): its registers and shared memory.
-V3_CTAS_PER_SM = 3
+#: Shared memory of one tensor-core decode CTA (v3): 64 KB of tables + static arrays + the
+#: driver's per-CTA reserve; its registers allow 3 CTAs per SM.
+V3_SMEM_PER_CTA = 65536 + 2848 + 1024
+V3_MAX_CTAS_BY_REGISTERS = 3
+
+
+def v3_ctas_per_sm(compute_capability: tuple[int, int]) -> int:
+    """Resident v3 CTAs per SM: 3 on sm_90 (228 KB shared memory per SM), 2 on sm_80 / sm_87
+    (164 KB), 1 on other sm_8x (100 KB)."""
+    major, minor = compute_capability
+    smem_per_sm = 228 * 1024 if major >= 9 else 164 * 1024 if (major, minor) in ((8, 0), (8, 7)) else 100 * 1024
+    return max(1, min(V3_MAX_CTAS_BY_REGISTERS, smem_per_sm // V3_SMEM_PER_CTA))
 
 
 def uses_tensor_core_kernel(head_dim: int, k_bits: int, v_bits: int, group: int) -> bool:
@@ -245,7 +255,7 @@ def choose_num_splits(platform: str, num_seqs: int, num_kv_heads: int, max_pages
     ``MIN_TOKENS_PER_SPLIT`` tokens (and 4 pages):
 
     * tensor-core kernel (:func:`uses_tensor_core_kernel`): the count whose (sequence, KV head,
-      head tile, split) CTAs best fill whole waves of ``V3_CTAS_PER_SM`` CTAs per SM;
+      head tile, split) CTAs best fill whole waves of :func:`v3_ctas_per_sm` CTAs per SM;
     * otherwise one wave: 2 resident CTAs per SM for head tiles of 4 or 8 query heads, 4 else.
     """
     if platform == "cpu":
@@ -253,7 +263,8 @@ def choose_num_splits(platform: str, num_seqs: int, num_kv_heads: int, max_pages
     by_length = max(1, max_pages // max(4, MIN_TOKENS_PER_SPLIT // page_size))
     if uses_tensor_core_kernel(head_dim, k_bits, v_bits, group):
         units = num_seqs * num_kv_heads * -(-group // (4 if group <= 4 else 8))
-        return whole_wave_splits(max(1, units), V3_CTAS_PER_SM * _compat.gpu_core_count(), by_length)
+        slots = v3_ctas_per_sm(_compat.gpu_compute_capability()) * _compat.gpu_core_count()
+        return whole_wave_splits(max(1, units), slots, by_length)
     tile = 1 if group <= 1 else 2 if group <= 2 else 4 if group <= 4 else 8
     if head_dim >= 256:
         tile = min(tile, 4)

@@ -61,3 +61,21 @@ def test_choose_num_splits(monkeypatch):
     assert pd.choose_num_splits("cuda", 4, 8, 2048, group=1, head_dim=128) == math.ceil(528 / 32)
     monkeypatch.setenv("JAX_TQ_CUDA_DECODE", "v1")
     assert pd.choose_num_splits("cuda", 32, 8, 512, group=4) == 2
+
+
+def test_v3_residency_follows_shared_memory():
+    assert pd.v3_ctas_per_sm((9, 0)) == 3      # H100 / H200: 228 KB per SM
+    assert pd.v3_ctas_per_sm((8, 0)) == 2      # A100: 164 KB
+    assert pd.v3_ctas_per_sm((8, 9)) == 1      # L4 / RTX 40xx: 100 KB
+    assert pd.v3_ctas_per_sm((10, 0)) == 3
+
+
+def test_choose_num_splits_on_an_a100(monkeypatch):
+    monkeypatch.delenv("JAX_TQ_CUDA_DECODE", raising=False)
+    monkeypatch.setattr(pd._compat, "gpu_core_count", lambda default=132: 108)
+    monkeypatch.setattr(pd._compat, "gpu_compute_capability", lambda default=(9, 0): (8, 0))
+    # 256 units on 2 x 108 slots: 3 splits fill 3.56 of 4 waves (89%), 4 splits 4.74 of 5 (95%);
+    # the search stops at the first count reaching 4 waves.
+    got = pd.choose_num_splits("cuda", 32, 8, 512, group=4)
+    fills = {s: (256 * s / 216) / math.ceil(256 * s / 216) for s in range(1, 5)}
+    assert got == max(fills, key=fills.get) == 4
