@@ -72,3 +72,27 @@ def test_paged_attention_step_equals_write_then_decode(rng):
     again = tq.paged_decode(q, new_cache, tables, lens)
     np.testing.assert_allclose(np.asarray(out), np.asarray(again), rtol=1e-6, atol=1e-6)
     assert float(new_cache.k_norms[1, 0, 4]) == pytest.approx(float(jnp.linalg.norm(k[0, 0])), rel=1e-6)
+
+
+def test_linen_multihead_attention_with_turboquant_kv(rng):
+    linen = pytest.importorskip("flax.linen")
+    codec_k = tq.TurboQuant(head_dim=64, bits=4, seed=1)
+    codec_v = tq.TurboQuant(head_dim=64, bits=3, seed=2)
+    seen = {}
+
+    def spy(q, k, v, *args, **kw):
+        seen["k"], seen["v"] = k, v
+        return linen.dot_product_attention(q, k, v, *args, **kw)
+
+    plain = linen.MultiHeadDotProductAttention(num_heads=4, qkv_features=256)
+    compressed = linen.MultiHeadDotProductAttention(num_heads=4, qkv_features=256,
+                                                    attention_fn=turboquant_attention_fn(codec_k, codec_v, spy))
+    x = jnp.asarray(rng.normal(size=(2, 10, 256)), jnp.float32)
+    params = plain.init(jax.random.PRNGKey(0), x)
+    out_plain, out_tq = plain.apply(params, x), compressed.apply(params, x)
+    # The attention ran over decompress(compress(V)) of the module's own V projection.
+    v_proj = linen.DenseGeneral(features=(4, 64), name="value").apply({"params": params["params"]["value"]}, x)
+    v_hat = tq.decompress(*tq.compress(v_proj, codec_v), codec_v)
+    np.testing.assert_allclose(np.asarray(seen["v"]), np.asarray(v_hat), rtol=1e-5, atol=1e-6)
+    err = rel_err(out_tq, out_plain)
+    assert 1e-4 < err < 0.3, f"4/3-bit K/V should perturb the output a little, got rel err {err}"
