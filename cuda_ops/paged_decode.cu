@@ -1054,7 +1054,7 @@ ffi::Error dispatch_gt_v2(int gt, cudaStream_t stream, const DecodeParams& p, di
   }
 }
 
-// Kernel choice (environment variable JAX_TQ_CUDA_DECODE = v1 | v2 | v3, read once; jax_tq's
+// Kernel choice (environment variable JAX_TQ_CUDA_DECODE = v1 | v2 | v3 | v3p, read once; jax_tq's
 // split-count rule reads the same variable):
 //   v3 (tensor-core mma.sync kernel, paged_decode_mma.cuh): the default where it applies - head_dim
 //      128, k_bits = v_bits = 4, GQA group >= 3 (head tiles of 4 or 8), K code pool 16-byte and V
@@ -1063,8 +1063,9 @@ ffi::Error dispatch_gt_v2(int gt, cudaStream_t stream, const DecodeParams& p, di
 //      everywhere with JAX_TQ_CUDA_DECODE=v1.
 //   v2 (warp-independent streaming, fp32): only with JAX_TQ_CUDA_DECODE=v2 (A/B timing; slower than
 //      v1 on the H200, docs/performance.md), for head_dim 64 / 128 / 256 with 4-byte aligned pools.
-//   v3p: v3 with the block-table read one tile ahead (EXPERIMENTAL, not yet run on a GPU), only with
-//      JAX_TQ_CUDA_DECODE=v3p, where v3 applies.
+//   v3p: v3 with the block-table read one tile ahead and interleaved K/V look-up tables (PF in
+//      paged_decode_mma.cuh; EXPERIMENTAL, not yet run on a GPU), only with JAX_TQ_CUDA_DECODE=v3p,
+//      where v3 applies.
 enum class DecodeKernel { kDefault, kV1, kV2, kV3, kV3P };
 
 DecodeKernel requested_kernel() {

@@ -35,24 +35,23 @@ def lowering_platforms(ctx) -> tuple[str, ...]:
     return tuple(platforms)
 
 
-def gpu_core_count(default: int = 132) -> int:
-    """Number of streaming multiprocessors of the first GPU, or ``default`` when unknown."""
+def _first_gpu():
+    """The first GPU device, or None when JAX has none."""
     try:
         gpus = jax.devices("gpu")
     except RuntimeError:
-        return default
-    if not gpus:
-        return default
-    return int(getattr(gpus[0], "core_count", default) or default)
+        return None
+    return gpus[0] if gpus else None
+
+
+def gpu_core_count(default: int = 132) -> int:
+    """Number of streaming multiprocessors of the first GPU, or ``default`` when unknown."""
+    return int(getattr(_first_gpu(), "core_count", default) or default)
 
 
 def gpu_compute_capability(default: tuple[int, int] = (9, 0)) -> tuple[int, int]:
     """(major, minor) compute capability of the first GPU, or ``default`` when unknown."""
-    try:
-        gpus = jax.devices("gpu")
-    except RuntimeError:
-        return default
-    text = str(getattr(gpus[0], "compute_capability", "") or "") if gpus else ""
+    text = str(getattr(_first_gpu(), "compute_capability", "") or "")
     try:
         major, minor = (int(v) for v in text.split(".")[:2])
     except ValueError:
