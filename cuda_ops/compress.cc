@@ -1,5 +1,5 @@
 // CPU XLA FFI handlers for the compress family (see docs/DESIGN.md):
-//   jax_tq_compress, jax_tq_decompress, jax_tq_compress_write.
+//   jax_tq_compress, jax_tq_decompress, jax_tq_compress_write, jax_tq_write_cache.
 // The handler symbols (ffi::Ffi::Bind) live in cpu_module.cc; this file holds the
 // implementations.
 #include <cmath>
@@ -245,23 +245,26 @@ ffi::Error DecompressImpl(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::F32> norm
 // ---------------------------------------------------------------------------
 // jax_tq_compress_write: x [T, Hkv, d] written into paged codes/norms at slots.
 // ---------------------------------------------------------------------------
-ffi::Error CompressWriteImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U8> codes_in,
-                             ffi::Buffer<ffi::F32> norms_in, ffi::Buffer<ffi::F32> rotation,
-                             ffi::Buffer<ffi::F32> centroids, ffi::Buffer<ffi::S32> slot_mapping,
-                             ffi::Result<ffi::Buffer<ffi::U8>> codes_out,
-                             ffi::Result<ffi::Buffer<ffi::F32>> norms_out, int32_t bits) {
-  static constexpr Op op{"jax_tq_compress_write", ffi_checks::kCpuTag};
+namespace {
+
+// Validates one pool's operands, copies the pool when the results are not aliased to it, and
+// writes x's rows at slot_mapping. `name` ("x", "k" or "v") names x in messages.
+ffi::Error write_pool(const Op& op, const char* name, const ffi::AnyBuffer& x,
+                      const ffi::Buffer<ffi::U8>& codes_in, const ffi::Buffer<ffi::F32>& norms_in,
+                      const ffi::Buffer<ffi::F32>& rotation, const ffi::Buffer<ffi::F32>& centroids,
+                      const ffi::Buffer<ffi::S32>& slot_mapping, ffi::Buffer<ffi::U8>& codes_out,
+                      ffi::Buffer<ffi::F32>& norms_out, int32_t bits) {
   const FloatKind k = kind_of(x.element_type());
-  if (k == FloatKind::kOther) return op.invalid(std::string("x") + kDtypeMsg);
+  if (k == FloatKind::kOther) return op.invalid(std::string(name) + kDtypeMsg);
   CompressWriteDims dims;
   JTQ_RETURN_IF_ERROR(ffi_checks::validate_compress_write(op, x, codes_in, norms_in, rotation,
-                                                          centroids, slot_mapping, *codes_out,
-                                                          *norms_out, bits, &dims));
+                                                          centroids, slot_mapping, codes_out,
+                                                          norms_out, bits, &dims));
   const int64_t t_n = dims.t_n, hkv = dims.hkv, d = dims.d, pb = dims.pb;
   const int64_t num_pages = dims.num_pages, page_size = dims.page_size;
 
-  uint8_t* cp = codes_out->typed_data();
-  float* np_ = norms_out->typed_data();
+  uint8_t* cp = codes_out.typed_data();
+  float* np_ = norms_out.typed_data();
   if (static_cast<const void*>(cp) != codes_in.untyped_data() && codes_in.size_bytes() > 0)
     std::memcpy(cp, codes_in.untyped_data(), codes_in.size_bytes());
   if (static_cast<const void*>(np_) != norms_in.untyped_data() && norms_in.size_bytes() > 0)
@@ -283,6 +286,38 @@ ffi::Error CompressWriteImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U8> codes_in,
     }
   }
   return ffi::Error::Success();
+}
+
+}  // namespace
+
+ffi::Error CompressWriteImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U8> codes_in,
+                             ffi::Buffer<ffi::F32> norms_in, ffi::Buffer<ffi::F32> rotation,
+                             ffi::Buffer<ffi::F32> centroids, ffi::Buffer<ffi::S32> slot_mapping,
+                             ffi::Result<ffi::Buffer<ffi::U8>> codes_out,
+                             ffi::Result<ffi::Buffer<ffi::F32>> norms_out, int32_t bits) {
+  static constexpr Op op{"jax_tq_compress_write", ffi_checks::kCpuTag};
+  return write_pool(op, "x", x, codes_in, norms_in, rotation, centroids, slot_mapping, *codes_out,
+                    *norms_out, bits);
+}
+
+// ---------------------------------------------------------------------------
+// jax_tq_write_cache: compress_write of k and of v at the same slots.
+// ---------------------------------------------------------------------------
+ffi::Error WriteCacheImpl(ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::U8> k_codes_in,
+                          ffi::Buffer<ffi::F32> k_norms_in, ffi::Buffer<ffi::U8> v_codes_in,
+                          ffi::Buffer<ffi::F32> v_norms_in, ffi::Buffer<ffi::F32> k_rotation,
+                          ffi::Buffer<ffi::F32> k_centroids, ffi::Buffer<ffi::F32> v_rotation,
+                          ffi::Buffer<ffi::F32> v_centroids, ffi::Buffer<ffi::S32> slot_mapping,
+                          ffi::Result<ffi::Buffer<ffi::U8>> k_codes_out,
+                          ffi::Result<ffi::Buffer<ffi::F32>> k_norms_out,
+                          ffi::Result<ffi::Buffer<ffi::U8>> v_codes_out,
+                          ffi::Result<ffi::Buffer<ffi::F32>> v_norms_out, int32_t k_bits,
+                          int32_t v_bits) {
+  static constexpr Op op{"jax_tq_write_cache", ffi_checks::kCpuTag};
+  JTQ_RETURN_IF_ERROR(write_pool(op, "k", k, k_codes_in, k_norms_in, k_rotation, k_centroids,
+                                 slot_mapping, *k_codes_out, *k_norms_out, k_bits));
+  return write_pool(op, "v", v, v_codes_in, v_norms_in, v_rotation, v_centroids, slot_mapping,
+                    *v_codes_out, *v_norms_out, v_bits);
 }
 
 }  // namespace cpu

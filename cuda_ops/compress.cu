@@ -1,5 +1,5 @@
 // CUDA XLA FFI handlers for the compress family (see docs/DESIGN.md):
-//   jax_tq_compress, jax_tq_decompress, jax_tq_compress_write.
+//   jax_tq_compress, jax_tq_decompress, jax_tq_compress_write, jax_tq_write_cache.
 //
 // All three are one tiled fp32 GEMM kernel (CUDA-core FMA, no tensor cores, so that codes match
 // the float32 reference except at exact ties), with a fused prologue / epilogue:
@@ -623,7 +623,9 @@ __device__ __forceinline__ uint32_t bucketize16(float y, const float* bnd, float
 template <int D, int NC, int WARPS, int XT>
 __global__ void __launch_bounds__(WARPS * 32,
                                   (WARPS >= 8 ? (XT == static_cast<int>(FType::kBF16) ? 2 : 1) : 4))
-    tq_compress_mma_kernel(const GemmParams p) {
+    tq_compress_mma_kernel(const GemmParams p0, const GemmParams p1) {
+  // grid.z selects the problem: 0 -> p0, 1 -> p1 (write_cache: K and V in one launch).
+  const GemmParams p = blockIdx.z == 0 ? p0 : p1;
   using G = MmaGeom<D, NC, WARPS>;
   constexpr int NT = G::NT, SBE = G::SBE, CST = G::CST, KC = G::KC;
   constexpr bool SPLIT = XT != static_cast<int>(FType::kBF16);
@@ -641,6 +643,19 @@ __global__ void __launch_bounds__(WARPS * 32,
 
   const int bits = p.bits;
   const int ncent = 1 << bits;
+  const int64_t ntiles = (p.N + 15) / 16;
+  const int64_t first_tile = static_cast<int64_t>(blockIdx.x) * WARPS + warp;
+  // bf16 x: chunk j + 1 is loaded while chunk j runs (8 registers); f32 / f16 x (hi + lo
+  // fragments, 3 MMAs) load chunk j at the top of its iteration (register budget). The first
+  // tile's chunk 0 is requested before the Pi staging below, so the two loads overlap (a decode
+  // step's write is one tile per warp: latency-bound).
+  constexpr bool PREFETCH = !SPLIT;
+  XRaw<XT, 8> cur0, cur1;
+  if constexpr (PREFETCH && KC > 0) {
+    const int64_t r0 = first_tile * 16 + g, r1 = r0 + 8;
+    load_raw<XT, 8>(cur0, p.x, r0 * D + 8 * t, r0 < p.N, p.vec_io);
+    load_raw<XT, 8>(cur1, p.x, r1 * D + 8 * t, r1 < p.N, p.vec_io);
+  }
   if (tid < 16) {
     // boundary_i = (c_i + c_{i+1}) / 2 in float32, as format.h / the reference.
     bnd_s[tid] = tid < ncent - 1 ? (p.cent[tid] + p.cent[tid + 1]) * 0.5f : INFINITY;
@@ -660,14 +675,12 @@ __global__ void __launch_bounds__(WARPS * 32,
   __syncthreads();
   const float b7 = bnd_s[7];
 
-  const int64_t ntiles = (p.N + 15) / 16;
   const int pb = D * bits / 8;
   // This thread's Bt rows (n = g of every n8 tile) at its k offset.
   const uint16_t* bhi0 = bt_hi + g * SBE + 8 * t;
   const uint16_t* blo0 = bt_lo + g * SBE + 8 * t;
 
-  for (int64_t tile = static_cast<int64_t>(blockIdx.x) * WARPS + warp; tile < ntiles;
-       tile += static_cast<int64_t>(gridDim.x) * WARPS) {
+  for (int64_t tile = first_tile; tile < ntiles; tile += static_cast<int64_t>(gridDim.x) * WARPS) {
     const int64_t r0 = tile * 16 + g, r1 = r0 + 8;
     const bool v0 = r0 < p.N, v1 = r1 < p.N;
     const int64_t x0 = r0 * D + 8 * t, x1 = r1 * D + 8 * t;  // element offsets, chunk 0
@@ -677,13 +690,11 @@ __global__ void __launch_bounds__(WARPS * 32,
     for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
     float ss0 = 0.f, ss1 = 0.f;
 
-    // bf16 x: chunk j + 1 is loaded while chunk j runs (8 registers); f32 / f16 x (hi + lo
-    // fragments, 3 MMAs) load chunk j at the top of its iteration (register budget).
-    constexpr bool PREFETCH = !SPLIT;
-    XRaw<XT, 8> cur0, cur1;
     if constexpr (PREFETCH && KC > 0) {
-      load_raw<XT, 8>(cur0, p.x, x0, v0, p.vec_io);
-      load_raw<XT, 8>(cur1, p.x, x1, v1, p.vec_io);
+      if (tile != first_tile) {
+        load_raw<XT, 8>(cur0, p.x, x0, v0, p.vec_io);
+        load_raw<XT, 8>(cur1, p.x, x1, v1, p.vec_io);
+      }
     }
 #pragma unroll 1
     for (int j = 0; j < KC; ++j) {
@@ -1004,8 +1015,11 @@ ffi::Error launch_gemm(const char* op, cudaStream_t stream, int d, const GemmPar
 
 // v2 tensor-core kernels. DECOMP: tq_decompress_mma_kernel (XT unused), else
 // tq_compress_mma_kernel<..., XT>.
+// p1: a second problem of the same shape and x dtype, run by grid.z = 1 of the same launch
+// (compress only; nullptr: none).
 template <int D, int NC, int WARPS, bool DECOMP, int XT>
-ffi::Error launch_mma_t(const char* op, cudaStream_t stream, const GemmParams& p) {
+ffi::Error launch_mma_t(const char* op, cudaStream_t stream, const GemmParams& p,
+                        const GemmParams* p1) {
   using G = MmaGeom<D, NC, WARPS>;
   constexpr int threads = WARPS * 32;
   constexpr int smem = DECOMP ? G::decomp_smem : G::comp_smem;
@@ -1024,7 +1038,12 @@ ffi::Error launch_mma_t(const char* op, cudaStream_t stream, const GemmParams& p
   const int64_t cap = std::max<int64_t>(
       1, static_cast<int64_t>(cfg.blocks_per_sm) * sm_count() / ncb);  // persistent grid
   gx = std::min(gx, cap);
-  kernel<<<dim3(static_cast<unsigned>(gx), ncb), threads, smem, stream>>>(p);
+  if constexpr (DECOMP) {
+    kernel<<<dim3(static_cast<unsigned>(gx), ncb), threads, smem, stream>>>(p);
+  } else {
+    const unsigned nz = p1 != nullptr ? 2u : 1u;
+    kernel<<<dim3(static_cast<unsigned>(gx), ncb, nz), threads, smem, stream>>>(p, p1 ? *p1 : p);
+  }
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return cuda_error(op, "kernel launch", e);
   return ffi::Error::Success();
@@ -1034,7 +1053,8 @@ ffi::Error launch_mma_t(const char* op, cudaStream_t stream, const GemmParams& p
 // persistent grid. Small batches (a decode step's write): 16 x 16 tiles, 4 warps per CTA,
 // d/16 column blocks, so that enough CTAs run. Same per-output MMA sequence in both.
 template <int D, bool DECOMP, int XT>
-ffi::Error launch_mma_d(const char* op, cudaStream_t stream, const GemmParams& p) {
+ffi::Error launch_mma_d(const char* op, cudaStream_t stream, const GemmParams& p,
+                        const GemmParams* p1) {
   // f32 / f16 x (3 MMAs, hi + lo x fragments) and decompress: narrower tiles keep the
   // accumulators + prefetch within 128 registers (2 CTAs of 256 threads per SM).
   constexpr bool narrow = !DECOMP && XT != static_cast<int>(FType::kBF16);
@@ -1043,33 +1063,36 @@ ffi::Error launch_mma_d(const char* op, cudaStream_t stream, const GemmParams& p
                               : (D <= 128 ? D : D / 2);
   const int64_t ntiles = (p.N + 15) / 16;
   if (ntiles >= 8 * static_cast<int64_t>(sm_count()))
-    return launch_mma_t<D, NCB, 8, DECOMP, XT>(op, stream, p);
-  return launch_mma_t<D, 16, 4, DECOMP, XT>(op, stream, p);
+    return launch_mma_t<D, NCB, 8, DECOMP, XT>(op, stream, p, p1);
+  return launch_mma_t<D, 16, 4, DECOMP, XT>(op, stream, p, p1);
 }
 
 template <bool DECOMP, int XT>
-ffi::Error launch_mma_x(const char* op, cudaStream_t stream, int d, const GemmParams& p) {
+ffi::Error launch_mma_x(const char* op, cudaStream_t stream, int d, const GemmParams& p,
+                        const GemmParams* p1 = nullptr) {
   switch (d) {
-    case 64: return launch_mma_d<64, DECOMP, XT>(op, stream, p);
-    case 80: return launch_mma_d<80, DECOMP, XT>(op, stream, p);
-    case 96: return launch_mma_d<96, DECOMP, XT>(op, stream, p);
-    case 128: return launch_mma_d<128, DECOMP, XT>(op, stream, p);
-    case 192: return launch_mma_d<192, DECOMP, XT>(op, stream, p);
-    case 256: return launch_mma_d<256, DECOMP, XT>(op, stream, p);
+    case 64: return launch_mma_d<64, DECOMP, XT>(op, stream, p, p1);
+    case 80: return launch_mma_d<80, DECOMP, XT>(op, stream, p, p1);
+    case 96: return launch_mma_d<96, DECOMP, XT>(op, stream, p, p1);
+    case 128: return launch_mma_d<128, DECOMP, XT>(op, stream, p, p1);
+    case 192: return launch_mma_d<192, DECOMP, XT>(op, stream, p, p1);
+    case 256: return launch_mma_d<256, DECOMP, XT>(op, stream, p, p1);
     default: return invalid(op, "unsupported head_dim " + std::to_string(d));
   }
 }
 
-ffi::Error launch_compress(const char* op, cudaStream_t stream, int d, const GemmParams& p) {
+// p1 (optional): a second problem with p's N, head_dim and x dtype, run in the same launch.
+ffi::Error launch_compress(const char* op, cudaStream_t stream, int d, const GemmParams& p,
+                           const GemmParams* p1 = nullptr) {
   if (p.N == 0) return ffi::Error::Success();
   if (p.N > (int64_t(1) << 40)) return invalid(op, "too many vectors");
   switch (p.dtype) {
     case static_cast<int>(FType::kBF16):
-      return launch_mma_x<false, static_cast<int>(FType::kBF16)>(op, stream, d, p);
+      return launch_mma_x<false, static_cast<int>(FType::kBF16)>(op, stream, d, p, p1);
     case static_cast<int>(FType::kF16):
-      return launch_mma_x<false, static_cast<int>(FType::kF16)>(op, stream, d, p);
+      return launch_mma_x<false, static_cast<int>(FType::kF16)>(op, stream, d, p, p1);
     default:
-      return launch_mma_x<false, static_cast<int>(FType::kF32)>(op, stream, d, p);
+      return launch_mma_x<false, static_cast<int>(FType::kF32)>(op, stream, d, p, p1);
   }
 }
 
@@ -1159,24 +1182,28 @@ ffi::Error DecompressCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::U8> codes,
 // ---------------------------------------------------------------------------------------------
 // jax_tq_compress_write: x [T, Hkv, d] written into paged codes/norms at slot_mapping.
 // ---------------------------------------------------------------------------------------------
-ffi::Error CompressWriteCudaImpl(cudaStream_t stream, ffi::AnyBuffer x,
-                                 ffi::Buffer<ffi::U8> codes_in, ffi::Buffer<ffi::F32> norms_in,
-                                 ffi::Buffer<ffi::F32> rotation, ffi::Buffer<ffi::F32> centroids,
-                                 ffi::Buffer<ffi::S32> slot_mapping,
-                                 ffi::Result<ffi::Buffer<ffi::U8>> codes_out,
-                                 ffi::Result<ffi::Buffer<ffi::F32>> norms_out, int32_t bits) {
-  static const char* op = "jax_tq_compress_write";
+namespace {
+
+// Validates one pool's operands, copies the pool when the results are not aliased to it (XLA
+// without donation), and fills *p for the compress kernel. p->N == 0: nothing to write.
+ffi::Error prepare_write(const char* op, const char* name, cudaStream_t stream,
+                         const ffi::AnyBuffer& x, const ffi::Buffer<ffi::U8>& codes_in,
+                         const ffi::Buffer<ffi::F32>& norms_in,
+                         const ffi::Buffer<ffi::F32>& rotation,
+                         const ffi::Buffer<ffi::F32>& centroids,
+                         const ffi::Buffer<ffi::S32>& slot_mapping, ffi::Buffer<ffi::U8>& codes_out,
+                         ffi::Buffer<ffi::F32>& norms_out, int32_t bits, GemmParams* p) {
   const int ft = ftype_of(x.element_type());
-  if (ft < 0) return invalid(op, "x dtype must be float32, bfloat16 or float16");
+  if (ft < 0) return invalid(op, std::string(name) + " dtype must be float32, bfloat16 or float16");
   ffi_checks::CompressWriteDims dims;
   JTQ_RETURN_IF_ERROR(ffi_checks::validate_compress_write(cuda_op(op), x, codes_in, norms_in,
                                                           rotation, centroids, slot_mapping,
-                                                          *codes_out, *norms_out, bits, &dims));
-  const int64_t t_n = dims.t_n, hkv = dims.hkv, d = dims.d;
+                                                          codes_out, norms_out, bits, &dims));
+  const int64_t t_n = dims.t_n, hkv = dims.hkv;
   const int64_t num_pages = dims.num_pages, page_size = dims.page_size;
 
-  uint8_t* cp = codes_out->typed_data();
-  float* np_ = norms_out->typed_data();
+  uint8_t* cp = codes_out.typed_data();
+  float* np_ = norms_out.typed_data();
   if (!aligned4(cp)) return invalid(op, "codes buffer is not 4-byte aligned");
   if (static_cast<const void*>(cp) != codes_in.untyped_data() && codes_in.size_bytes() > 0) {
     cudaError_t e = cudaMemcpyAsync(cp, codes_in.untyped_data(), codes_in.size_bytes(),
@@ -1188,25 +1215,68 @@ ffi::Error CompressWriteCudaImpl(cudaStream_t stream, ffi::AnyBuffer x,
                                     cudaMemcpyDeviceToDevice, stream);
     if (e != cudaSuccess) return cuda_error(op, "cudaMemcpyAsync(norms)", e);
   }
-  if (t_n == 0 || hkv == 0 || num_pages == 0 || page_size == 0) return ffi::Error::Success();
+  *p = GemmParams{};
+  p->x = x.untyped_data();
+  p->codes = cp;
+  p->norms = np_;
+  p->rot = rotation.typed_data();
+  p->cent = centroids.typed_data();
+  p->slots = slot_mapping.typed_data();
+  p->out = nullptr;
+  p->N = (num_pages == 0 || page_size == 0) ? 0 : t_n * hkv;
+  p->bits = bits;
+  p->dtype = ft;
+  p->vec_io = aligned16(p->x);
+  p->Hkv = static_cast<int>(hkv);
+  p->page_size = static_cast<int>(page_size);
+  p->total_slots = num_pages * page_size;
+  if (!aligned16(p->rot)) return invalid(op, "rotation buffer is not 16-byte aligned");
+  return ffi::Error::Success();
+}
 
-  GemmParams p{};
-  p.x = x.untyped_data();
-  p.codes = cp;
-  p.norms = np_;
-  p.rot = rotation.typed_data();
-  p.cent = centroids.typed_data();
-  p.slots = slot_mapping.typed_data();
-  p.out = nullptr;
-  p.N = t_n * hkv;
-  p.bits = bits;
-  p.dtype = ft;
-  p.vec_io = aligned16(p.x);
-  p.Hkv = static_cast<int>(hkv);
-  p.page_size = static_cast<int>(page_size);
-  p.total_slots = num_pages * page_size;
-  if (!aligned16(p.rot)) return invalid(op, "rotation buffer is not 16-byte aligned");
-  return launch_compress(op, stream, static_cast<int>(d), p);
+}  // namespace
+
+ffi::Error CompressWriteCudaImpl(cudaStream_t stream, ffi::AnyBuffer x,
+                                 ffi::Buffer<ffi::U8> codes_in, ffi::Buffer<ffi::F32> norms_in,
+                                 ffi::Buffer<ffi::F32> rotation, ffi::Buffer<ffi::F32> centroids,
+                                 ffi::Buffer<ffi::S32> slot_mapping,
+                                 ffi::Result<ffi::Buffer<ffi::U8>> codes_out,
+                                 ffi::Result<ffi::Buffer<ffi::F32>> norms_out, int32_t bits) {
+  static const char* op = "jax_tq_compress_write";
+  GemmParams p;
+  JTQ_RETURN_IF_ERROR(prepare_write(op, "x", stream, x, codes_in, norms_in, rotation, centroids,
+                                    slot_mapping, *codes_out, *norms_out, bits, &p));
+  return launch_compress(op, stream, static_cast<int>(x.dimensions()[2]), p);
+}
+
+// ---------------------------------------------------------------------------------------------
+// jax_tq_write_cache: compress_write of k and of v at the same slots, in ONE kernel launch
+// (grid.z = 2) when k and v share a dtype (the common case; else two launches).
+// ---------------------------------------------------------------------------------------------
+ffi::Error WriteCacheCudaImpl(cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                              ffi::Buffer<ffi::U8> k_codes_in, ffi::Buffer<ffi::F32> k_norms_in,
+                              ffi::Buffer<ffi::U8> v_codes_in, ffi::Buffer<ffi::F32> v_norms_in,
+                              ffi::Buffer<ffi::F32> k_rotation, ffi::Buffer<ffi::F32> k_centroids,
+                              ffi::Buffer<ffi::F32> v_rotation, ffi::Buffer<ffi::F32> v_centroids,
+                              ffi::Buffer<ffi::S32> slot_mapping,
+                              ffi::Result<ffi::Buffer<ffi::U8>> k_codes_out,
+                              ffi::Result<ffi::Buffer<ffi::F32>> k_norms_out,
+                              ffi::Result<ffi::Buffer<ffi::U8>> v_codes_out,
+                              ffi::Result<ffi::Buffer<ffi::F32>> v_norms_out, int32_t k_bits,
+                              int32_t v_bits) {
+  static const char* op = "jax_tq_write_cache";
+  GemmParams pk, pv;
+  JTQ_RETURN_IF_ERROR(prepare_write(op, "k", stream, k, k_codes_in, k_norms_in, k_rotation,
+                                    k_centroids, slot_mapping, *k_codes_out, *k_norms_out, k_bits,
+                                    &pk));
+  JTQ_RETURN_IF_ERROR(prepare_write(op, "v", stream, v, v_codes_in, v_norms_in, v_rotation,
+                                    v_centroids, slot_mapping, *v_codes_out, *v_norms_out, v_bits,
+                                    &pv));
+  const int dk = static_cast<int>(k.dimensions()[2]), dv = static_cast<int>(v.dimensions()[2]);
+  if (pk.N == pv.N && dk == dv && pk.dtype == pv.dtype && pk.vec_io == pv.vec_io)
+    return launch_compress(op, stream, dk, pk, &pv);
+  JTQ_RETURN_IF_ERROR(launch_compress(op, stream, dk, pk));
+  return launch_compress(op, stream, dv, pv);
 }
 
 }  // namespace cuda
@@ -1228,5 +1298,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTqDecompressCuda, jax_tq::cuda::DecompressCudaI
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTqCompressWriteCuda, jax_tq::cuda::CompressWriteCudaImpl,
                               jax_tq::ffi_checks::BindCompressWrite(
+                                  ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTqWriteCacheCuda, jax_tq::cuda::WriteCacheCudaImpl,
+                              jax_tq::ffi_checks::BindWriteCache(
                                   ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});

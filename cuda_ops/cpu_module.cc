@@ -27,6 +27,16 @@ ffi::Error CompressWriteImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U8> codes_in,
                              ffi::Buffer<ffi::F32> centroids, ffi::Buffer<ffi::S32> slot_mapping,
                              ffi::Result<ffi::Buffer<ffi::U8>> codes_out,
                              ffi::Result<ffi::Buffer<ffi::F32>> norms_out, int32_t bits);
+ffi::Error WriteCacheImpl(ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::U8> k_codes_in,
+                          ffi::Buffer<ffi::F32> k_norms_in, ffi::Buffer<ffi::U8> v_codes_in,
+                          ffi::Buffer<ffi::F32> v_norms_in, ffi::Buffer<ffi::F32> k_rotation,
+                          ffi::Buffer<ffi::F32> k_centroids, ffi::Buffer<ffi::F32> v_rotation,
+                          ffi::Buffer<ffi::F32> v_centroids, ffi::Buffer<ffi::S32> slot_mapping,
+                          ffi::Result<ffi::Buffer<ffi::U8>> k_codes_out,
+                          ffi::Result<ffi::Buffer<ffi::F32>> k_norms_out,
+                          ffi::Result<ffi::Buffer<ffi::U8>> v_codes_out,
+                          ffi::Result<ffi::Buffer<ffi::F32>> v_norms_out, int32_t k_bits,
+                          int32_t v_bits);
 ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q_rot, ffi::Buffer<ffi::U8> k_codes,
                            ffi::Buffer<ffi::F32> k_norms, ffi::Buffer<ffi::U8> v_codes,
                            ffi::Buffer<ffi::F32> v_norms, ffi::Buffer<ffi::F32> k_centroids,
@@ -49,6 +59,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTqDecompressCpu, jax_tq::cpu::DecompressImpl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTqCompressWriteCpu, jax_tq::cpu::CompressWriteImpl,
                               jax_tq::ffi_checks::BindCompressWrite(ffi::Ffi::Bind()));
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTqWriteCacheCpu, jax_tq::cpu::WriteCacheImpl,
+                              jax_tq::ffi_checks::BindWriteCache(ffi::Ffi::Bind()));
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTqPagedDecodeCpu, jax_tq::cpu::PagedDecodeImpl,
                               jax_tq::ffi_checks::BindPagedDecode(ffi::Ffi::Bind()));
 
@@ -56,6 +69,6 @@ PYBIND11_MODULE(_cpu_ops, m) {
   m.doc() = "jax_tq CPU XLA FFI handlers";
   m.def("registrations", []() {
     return jax_tq::FfiRegistrations(JaxTqCompressCpu, JaxTqDecompressCpu, JaxTqCompressWriteCpu,
-                                    JaxTqPagedDecodeCpu);
+                                    JaxTqWriteCacheCpu, JaxTqPagedDecodeCpu);
   });
 }

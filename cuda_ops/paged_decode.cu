@@ -944,31 +944,70 @@ __global__ void __launch_bounds__(kThreads)
 #include "paged_decode_mma.cuh"
 
 // ---------------------------------------------------------------------------------------------
-// Combine kernel: one CTA per (seq, head).
+// Combine kernel: one CTA of kCombineThreads per (seq, head). The split weights
+// w_s = exp(lse_s - max lse) go through shared memory first, so that the partial-output loads of
+// the main loop are independent of each other (unrolled: several in flight per thread) instead of
+// one dependent load + exp per split (49 splits took 24 us that way on the H200).
 // ---------------------------------------------------------------------------------------------
-__global__ void __launch_bounds__(128)
+constexpr int kCombineThreads = 128;
+constexpr int kCombineMaxSplits = 1024;  // weights staged in shared memory; more splits: loop
+
+__device__ __forceinline__ float block_reduce(float v, float* red, bool is_max) {
+  for (int off = 16; off > 0; off >>= 1) {
+    const float o = __shfl_xor_sync(0xffffffffu, v, off);
+    v = is_max ? fmaxf(v, o) : v + o;
+  }
+  const int warp = threadIdx.x >> 5;
+  __syncthreads();  // red is reused between calls
+  if ((threadIdx.x & 31) == 0) red[warp] = v;
+  __syncthreads();
+  v = red[0];
+  for (int w = 1; w < kCombineThreads / 32; ++w) v = is_max ? fmaxf(v, red[w]) : v + red[w];
+  return v;
+}
+
+__global__ void __launch_bounds__(kCombineThreads)
     paged_decode_combine_kernel(const float* __restrict__ pout, const float* __restrict__ plse,
                                 float* __restrict__ out, int ns, int D) {
+  __shared__ float w_s[kCombineMaxSplits];
+  __shared__ float red[kCombineThreads / 32];
   const int64_t sh = blockIdx.x;
   const float* lse = plse + sh * ns;
   const float* po = pout + sh * ns * D;
-  float gmax = -INFINITY;
-  for (int s = 0; s < ns; ++s) gmax = fmaxf(gmax, lse[s]);
   float* o = out + sh * D;
+  float gmax = -INFINITY;
+  for (int s = threadIdx.x; s < ns; s += kCombineThreads) gmax = fmaxf(gmax, lse[s]);
+  gmax = block_reduce(gmax, red, true);
   if (gmax == -INFINITY) {
-    for (int d = threadIdx.x; d < D; d += blockDim.x) o[d] = 0.f;
+    for (int d = threadIdx.x; d < D; d += kCombineThreads) o[d] = 0.f;
     return;
   }
-  for (int d = threadIdx.x; d < D; d += blockDim.x) {
-    float acc = 0.f, wsum = 0.f;
-    for (int s = 0; s < ns; ++s) {
-      const float ls = lse[s];
-      if (ls == -INFINITY) continue;
-      const float w = expf(ls - gmax);
-      wsum += w;
-      acc = fmaf(w, po[static_cast<int64_t>(s) * D + d], acc);
+  float wpart = 0.f;
+  for (int s = threadIdx.x; s < kCombineMaxSplits && s < ns; s += kCombineThreads) {
+    const float ls = lse[s];
+    const float w = ls == -INFINITY ? 0.f : expf(ls - gmax);
+    w_s[s] = w;
+    wpart += w;
+  }
+  for (int s = kCombineMaxSplits + threadIdx.x; s < ns; s += kCombineThreads) {
+    const float ls = lse[s];
+    wpart += ls == -INFINITY ? 0.f : expf(ls - gmax);
+  }
+  const float wsum = block_reduce(wpart, red, false);  // >= 1: the max split has weight 1
+  for (int d = threadIdx.x; d < D; d += kCombineThreads) {
+    float acc = 0.f;
+    const int staged = ns < kCombineMaxSplits ? ns : kCombineMaxSplits;
+#pragma unroll 8
+    for (int s = 0; s < staged; ++s) {  // an empty split's partial output is never written: skip it
+      const float w = w_s[s];
+      const float v = po[static_cast<int64_t>(s) * D + d];
+      acc = w != 0.f ? fmaf(w, v, acc) : acc;
     }
-    o[d] = acc / wsum;  // wsum >= 1: the max split has weight 1
+    for (int s = kCombineMaxSplits; s < ns; ++s) {
+      const float ls = lse[s];
+      if (ls != -INFINITY) acc = fmaf(expf(ls - gmax), po[static_cast<int64_t>(s) * D + d], acc);
+    }
+    o[d] = acc / wsum;
   }
 }
 
@@ -1012,9 +1051,9 @@ ffi::Error launch_v2(cudaStream_t stream, const DecodeParams& p, dim3 grid) {
   return ffi::Error::Success();
 }
 
-template <int GT, bool SPLIT, bool PF>
+template <int GT, bool SPLIT>
 ffi::Error launch_v3(cudaStream_t stream, const DecodeParams& p, dim3 grid) {
-  auto kernel = v3::paged_decode_v3_kernel<GT, SPLIT, PF>;
+  auto kernel = v3::paged_decode_v3_kernel<GT, SPLIT>;
   static std::atomic<uint64_t> smem_set{0};
   if (cudaError_t e = allow_dynamic_smem(smem_set, kernel, v3::kSmemBytes); e != cudaSuccess)
     return cuda_error("v3 shared memory attribute", e);
@@ -1054,7 +1093,7 @@ ffi::Error dispatch_gt_v2(int gt, cudaStream_t stream, const DecodeParams& p, di
   }
 }
 
-// Kernel choice (environment variable JAX_TQ_CUDA_DECODE = v1 | v2 | v3 | v3p, read once; jax_tq's
+// Kernel choice (environment variable JAX_TQ_CUDA_DECODE = v1 | v2 | v3, read once; jax_tq's
 // split-count rule reads the same variable):
 //   v3 (tensor-core mma.sync kernel, paged_decode_mma.cuh): the default where it applies - head_dim
 //      128, k_bits = v_bits = 4, GQA group >= 3 (head tiles of 4 or 8), K code pool 16-byte and V
@@ -1063,10 +1102,7 @@ ffi::Error dispatch_gt_v2(int gt, cudaStream_t stream, const DecodeParams& p, di
 //      everywhere with JAX_TQ_CUDA_DECODE=v1.
 //   v2 (warp-independent streaming, fp32): only with JAX_TQ_CUDA_DECODE=v2 (A/B timing; slower than
 //      v1 on the H200, docs/performance.md), for head_dim 64 / 128 / 256 with 4-byte aligned pools.
-//   v3p: v3 with the block-table read one tile ahead and interleaved K/V look-up tables (PF in
-//      paged_decode_mma.cuh; EXPERIMENTAL, not yet run on a GPU), only with JAX_TQ_CUDA_DECODE=v3p,
-//      where v3 applies.
-enum class DecodeKernel { kDefault, kV1, kV2, kV3, kV3P };
+enum class DecodeKernel { kDefault, kV1, kV2, kV3 };
 
 DecodeKernel requested_kernel() {
   static const DecodeKernel k = [] {
@@ -1075,7 +1111,6 @@ DecodeKernel requested_kernel() {
     if (v == "v1") return DecodeKernel::kV1;
     if (v == "v2") return DecodeKernel::kV2;
     if (v == "v3") return DecodeKernel::kV3;
-    if (v == "v3p") return DecodeKernel::kV3P;
     return DecodeKernel::kDefault;
   }();
   return k;
@@ -1089,22 +1124,15 @@ bool use_v2(int d, const DecodeParams& p) {
 
 bool use_v3(int d, int gt, const DecodeParams& p) {
   const DecodeKernel k = requested_kernel();
-  if (k != DecodeKernel::kDefault && k != DecodeKernel::kV3 && k != DecodeKernel::kV3P) return false;
+  if (k != DecodeKernel::kDefault && k != DecodeKernel::kV3) return false;
   if (d != 128 || p.k_bits != 4 || p.v_bits != 4 || (gt != 4 && gt != 8)) return false;
   return reinterpret_cast<uintptr_t>(p.kc) % 16 == 0 && reinterpret_cast<uintptr_t>(p.vc) % 8 == 0;
 }
 
 #if JTQ_HAS_D(128)
-template <bool PF>
-ffi::Error dispatch_v3_pf(int gt, bool f16, cudaStream_t stream, const DecodeParams& p, dim3 grid) {
-  if (gt == 4)
-    return f16 ? launch_v3<4, false, PF>(stream, p, grid) : launch_v3<4, true, PF>(stream, p, grid);
-  return f16 ? launch_v3<8, false, PF>(stream, p, grid) : launch_v3<8, true, PF>(stream, p, grid);
-}
-
 ffi::Error dispatch_v3(int gt, bool f16, cudaStream_t stream, const DecodeParams& p, dim3 grid) {
-  if (requested_kernel() == DecodeKernel::kV3P) return dispatch_v3_pf<true>(gt, f16, stream, p, grid);
-  return dispatch_v3_pf<false>(gt, f16, stream, p, grid);
+  if (gt == 4) return f16 ? launch_v3<4, false>(stream, p, grid) : launch_v3<4, true>(stream, p, grid);
+  return f16 ? launch_v3<8, false>(stream, p, grid) : launch_v3<8, true>(stream, p, grid);
 }
 #endif
 
@@ -1229,7 +1257,7 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot,
   if (auto e = dispatch_d(static_cast<int>(d), gt, f16_products != 0, stream, p, grid); e.failure())
     return e;
   if (ns > 1) {
-    paged_decode_combine_kernel<<<static_cast<unsigned>(S * H), 128, 0, stream>>>(
+    paged_decode_combine_kernel<<<static_cast<unsigned>(S * H), kCombineThreads, 0, stream>>>(
         p.pout, p.plse, p.out, static_cast<int>(ns), static_cast<int>(d));
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return cuda_error("combine kernel launch", e);

@@ -77,8 +77,7 @@ constexpr int kTT = 16;     // tokens per warp tile
 constexpr int kRowB = 64;   // code bytes per row (128 coordinates x 4 bits)
 constexpr int kWRow = 10;   // padded row (floats) of the per-warp P tile: conflict-free B reads
 constexpr int kCtasPerSm = 3;                 // residency the launch bounds and shared memory allow
-constexpr int kTabBytes = 256 * 128;          // one replicated pair table (see Lut)
-constexpr int kSmemBytes = 2 * kTabBytes;     // K table, V table (o_s and the q staging alias them)
+constexpr int kSmemBytes = 256 * 256;  // interleaved K / V tables (o_s and the q staging alias them)
 
 __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
                                          uint32_t b1) {
@@ -100,46 +99,18 @@ __device__ __forceinline__ void split2(float x0, float x1, uint32_t& hi, uint32_
   lo = h2_bits(__floats2half2_rn(x0 - hf.x, x1 - hf.y));
 }
 
-// Centroid-pair look-up table: entry e (a code byte) = f16x2 (c[e & 15], c[e >> 4]), as {hi, lo}
-// when SPLIT (f32-accurate products) or hi only. 128 bytes per entry: 16 copies of the 8-byte
-// {hi, lo} or 32 copies of the 4-byte hi, and lane l reads copy l & 15 (resp. l): every lane of a
-// (half-)warp reads its own bank(s), so the random look-ups never conflict.
+// Centroid-pair look-up tables, K and V interleaved: entry e (a code byte) = f16x2 (c[e & 15],
+// c[e >> 4]), as {hi, lo} when SPLIT (f32-accurate products) or hi only. Entry e holds its K part
+// at e*256 + [0, 128) and its V part at e*256 + [128, 256). Each 128-byte part holds 16 copies of
+// the 8-byte {hi, lo} or 32 copies of the 4-byte hi, and lane l reads copy l & 15 (resp. l): every
+// lane of a (half-)warp reads its own bank(s), so the random look-ups never conflict. A look-up's
+// shared-memory offset is ONE byte permute: byte 0 = the lane's copy offset (+128 for V), byte 1 =
+// the code byte, bytes 2-3 = 0.
 template <bool SPLIT>
-struct Lut {
-  const uint32_t* lane_base;
-  __device__ __forceinline__ Lut(const uint8_t* table, int lane)
-      : lane_base(reinterpret_cast<const uint32_t*>(table) + (SPLIT ? 2 * (lane & 15) : lane)) {}
-  __device__ __forceinline__ uint2 operator()(uint32_t e) const {  // e in [0, 256)
-    if constexpr (SPLIT) return *reinterpret_cast<const uint2*>(lane_base + (e << 5));
-    else return make_uint2(lane_base[e << 5], 0u);
-  }
-};
-
-// Fill both tables (K: kcent, V: vcent) at smem; every thread writes whole 128-byte entries, its
-// 16-byte stores rotated by thread so that a quarter warp's stores hit distinct banks.
-template <bool SPLIT>
-__device__ __forceinline__ void build_luts(uint8_t* smem, const float* kcent, const float* vcent) {
-  for (int i = threadIdx.x; i < 512; i += kThreads) {
-    const float* cent = i < 256 ? kcent : vcent;
-    const int e = i & 255;
-    uint32_t hi, lo;
-    split2(cent[e & 15], cent[e >> 4], hi, lo);
-    const uint4 v = SPLIT ? make_uint4(hi, lo, hi, lo) : make_uint4(hi, hi, hi, hi);
-    uint4* entry = reinterpret_cast<uint4*>(smem + (i >> 8) * kTabBytes + e * 128);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) entry[(j + threadIdx.x) & 7] = v;
-  }
-}
-
-// Interleaved variant (v3p): entry e holds its K part at e*256 + [0, 128) and its V part at
-// e*256 + [128, 256), each laid out as in Lut. Then a look-up's shared-memory offset is ONE byte
-// permute: byte 0 = the lane's copy offset (+128 for V), byte 1 = the code byte, bytes 2-3 = 0,
-// instead of extract + shift + add.
-template <bool SPLIT>
-struct InterleavedLut {
+struct PairLut {
   const uint8_t* table;
   uint32_t k_lane, v_lane;  // byte-0 offsets of this lane's copy in the K and V parts
-  __device__ __forceinline__ InterleavedLut(const uint8_t* smem, int lane)
+  __device__ __forceinline__ PairLut(const uint8_t* smem, int lane)
       : table(smem),
         k_lane(SPLIT ? 8u * (lane & 15) : 4u * lane),
         v_lane(128u + (SPLIT ? 8u * (lane & 15) : 4u * lane)) {}
@@ -151,10 +122,11 @@ struct InterleavedLut {
   }
 };
 
+// Fill both tables; every thread writes whole 128-byte parts, its 16-byte stores rotated by
+// thread so that a quarter warp's stores hit distinct banks.
 template <bool SPLIT>
-__device__ __forceinline__ void build_interleaved_luts(uint8_t* smem, const float* kcent,
+__device__ __forceinline__ void build_pair_luts(uint8_t* smem, const float* kcent,
                                                        const float* vcent) {
-  static_assert(256 * 256 <= kSmemBytes, "interleaved tables: 256 entries of 256 bytes");
   for (int i = threadIdx.x; i < 512; i += kThreads) {
     const int is_v = i >> 8;
     const int e = i & 255;
@@ -178,11 +150,10 @@ struct Tile {
 
 // SPLIT: q, P and the centroids enter the MMAs as f16 hi + lo (3 MMAs per product, ~f32 accurate);
 // otherwise as f16 (1 MMA; relative error ~2^-11 per product term, for bf16 / f16 queries).
-// PF (EXPERIMENTAL, JAX_TQ_CUDA_DECODE=v3p, not yet run on a GPU): (a) with one-page tiles, the
-// page id of a warp's next-but-one tile is read one iteration ahead, so the code loads of its next
-// tile no longer wait for a block-table read first (one memory latency per tile instead of two);
-// (b) the K and V tables are interleaved (InterleavedLut): one byte permute per look-up address.
-template <int GT, bool SPLIT, bool PF>
+// With one-page tiles the page id of a warp's next-but-one tile is read one iteration ahead, so the
+// code loads of its next tile never wait for a block-table read first (one memory latency per tile
+// instead of two).
+template <int GT, bool SPLIT>
 __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     paged_decode_v3_kernel(const DecodeParams p) {
   static_assert(GT == 4 || GT == 8, "v3: GT in {4, 8}");
@@ -190,7 +161,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
   static_assert(kWarps * kNH * kD * 4 <= kSmemBytes, "o_s must fit in the table space");
   constexpr int D = kD;
 
-  extern __shared__ __align__(16) uint8_t smem[];  // kSmemBytes: [K table | V table]
+  extern __shared__ __align__(16) uint8_t smem[];  // kSmemBytes: interleaved K / V tables
   __shared__ float qexp_s[kNH];
   __shared__ float w_s[kWarps][kTT * kWRow];
   __shared__ float m_s[kWarps][kNH];
@@ -250,29 +221,21 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
   }
   const float qx0 = qexp_s[2 * t4], qx1 = qexp_s[2 * t4 + 1];
   __syncthreads();  // q_s consumed by every warp: the tables may overwrite it
-  if constexpr (PF) build_interleaved_luts<SPLIT>(smem, p.kcent, p.vcent);
-  else build_luts<SPLIT>(smem, p.kcent, p.vcent);
+  build_pair_luts<SPLIT>(smem, p.kcent, p.vcent);
   __syncthreads();
-  const Lut<SPLIT> klut(smem, lane), vlut(smem + kTabBytes, lane);
-  const InterleavedLut<SPLIT> ilut(smem, lane);
+  const PairLut<SPLIT> ilut(smem, lane);
   // Entry of byte j of word w, K or V table.
-  auto klook = [&](uint32_t w, int j) -> uint2 {
-    if constexpr (PF) return ilut.at(w, j, ilut.k_lane);
-    else return klut((w >> (8 * j)) & 0xFFu);
-  };
-  auto vlook = [&](uint32_t w, int j) -> uint2 {
-    if constexpr (PF) return ilut.at(w, j, ilut.v_lane);
-    else return vlut((w >> (8 * j)) & 0xFFu);
-  };
+  auto klook = [&](uint32_t w, int j) -> uint2 { return ilut.at(w, j, ilut.k_lane); };
+  auto vlook = [&](uint32_t w, int j) -> uint2 { return ilut.at(w, j, ilut.v_lane); };
 
   // Split ranges start on a page boundary, so with page_size a multiple of 16 every 16-token
   // tile lies in one page: one block-table read per tile, rows row0 + t.
   const bool one_page_tiles = (p.page_size & (kTT - 1)) == 0;
-  const bool page_ahead = PF && one_page_tiles;
   auto tile_page = [&](int ti) -> int {  // physical page of tile ti (one_page_tiles), -1 past the end
     return ti < ntt ? __ldg(bt_seq + p.pdiv.div(static_cast<uint32_t>(tok0 + ti * kTT))) : -1;
   };
-  auto load = [&](int ti, Tile& t, int phys_ahead) {
+  // phys: tile ti's physical page, read ahead by the caller (used with one_page_tiles only).
+  auto load = [&](int ti, Tile& t, int phys) {
     t.k0 = make_uint4(0u, 0u, 0u, 0u);
     t.k1 = t.k0;
     t.kn0 = t.kn1 = __int_as_float(0x7fc00000);  // NaN: score -> -inf
@@ -284,7 +247,6 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     int64_t r0, r1, rv[4];
     if (one_page_tiles) {
       const uint32_t lp = p.pdiv.div(static_cast<uint32_t>(base));
-      const int phys = page_ahead ? phys_ahead : __ldg(bt_seq + lp);
       const bool page_ok = phys >= 0 && phys < p.P;
       const int64_t row0 = (static_cast<int64_t>(phys) * p.Hkv + kvh) * p.page_size +
                            (base - static_cast<int>(lp) * p.page_size);
@@ -324,13 +286,13 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
 
   float* wt = w_s[warp];
   Tile cur, nxt;
-  int phys_next = page_ahead ? tile_page(warp + kWarps) : -1;
-  load(warp, cur, page_ahead ? tile_page(warp) : -1);
+  int phys_next = one_page_tiles ? tile_page(warp + kWarps) : -1;
+  load(warp, cur, one_page_tiles ? tile_page(warp) : -1);
 
 #pragma unroll 1
   for (int ti = warp; ti < ntt; ti += kWarps) {
     load(ti + kWarps, nxt, phys_next);
-    if (page_ahead) phys_next = tile_page(ti + 2 * kWarps);
+    if (one_page_tiles) phys_next = tile_page(ti + 2 * kWarps);
 
     // ---- S^T = Kdec * Q^T ------------------------------------------------------------------
     float sh[2][4] = {}, sx[2][4] = {};  // even / odd k-steps: two independent MMA chains

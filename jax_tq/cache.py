@@ -9,7 +9,7 @@ import numpy as np
 
 from jax_tq.checks import check_slot_mapping
 from jax_tq.codec import TurboQuant
-from jax_tq.compress import compress_write
+from jax_tq.compress import write_kv
 from jax_tq.format import cache_codes_shape, cache_norms_shape, check_bits
 
 
@@ -117,7 +117,7 @@ def check_cache(cache, op: str) -> None:
 
 
 def write_cache(cache: PagedKVCache, k, v, slot_mapping) -> PagedKVCache:
-    """Compress K and V of new tokens and write them into the cache's pages (fused, one pass each).
+    """Compress K and V of new tokens and write them into the cache's pages (fused: one kernel call for both).
 
     Args:
       cache: the :class:`PagedKVCache` to update.
@@ -140,6 +140,6 @@ def write_cache(cache: PagedKVCache, k, v, slot_mapping) -> PagedKVCache:
     if k.ndim >= 1 and v.ndim >= 1 and k.shape[0] != v.shape[0]:
         raise ValueError(f"jax_tq.write_cache: k has {k.shape[0]} tokens but v has {v.shape[0]}")
     check_slot_mapping(slot_mapping, num_slots=cache.num_slots)
-    k_codes, k_norms = compress_write(k, cache.k_codes, cache.k_norms, cache.k_codec, slot_mapping, name="k")
-    v_codes, v_norms = compress_write(v, cache.v_codes, cache.v_norms, cache.v_codec, slot_mapping, name="v")
+    k_codes, k_norms, v_codes, v_norms = write_kv(k, v, (cache.k_codes, cache.k_norms), (cache.v_codes, cache.v_norms),
+                                                  cache.k_codec, cache.v_codec, slot_mapping)
     return dataclasses.replace(cache, k_codes=k_codes, k_norms=k_norms, v_codes=v_codes, v_norms=v_norms)

@@ -27,6 +27,8 @@ decompress_p = _compat.Primitive("jax_tq_decompress")
 decompress_p.multiple_results = True
 compress_write_p = _compat.Primitive("jax_tq_compress_write")
 compress_write_p.multiple_results = True
+write_kv_p = _compat.Primitive("jax_tq_write_cache")  # compress_write of K and V in one call
+write_kv_p.multiple_results = True
 
 
 # ----------------------------------------------------------------------------- validation
@@ -178,6 +180,45 @@ def compress_write(x, codes, norms, codec, slot_mapping, *, name="k/v"):
     )
 
 
+def write_kv(k, v, k_pools, v_pools, k_codec, v_codec, slot_mapping):
+    """Compress K and V of new tokens and write both into their page pools in ONE kernel call.
+
+    The fused form of ``compress_write(k, ...)`` then ``compress_write(v, ...)`` that
+    :func:`jax_tq.write_cache` uses: on the GPU one launch serves both (a decode step's write is
+    latency-bound, so the second launch would cost as much as the first).
+
+    Args:
+      k, v: [num_tokens, num_kv_heads, head_dim] float32/bfloat16/float16.
+      k_pools, v_pools: (codes uint8 [num_pages, num_kv_heads, page_size, packed_bytes],
+        norms float32 [num_pages, num_kv_heads, page_size]) of K and of V.
+      k_codec, v_codec: the pools' :class:`jax_tq.TurboQuant` codecs.
+      slot_mapping: int32 [num_tokens], shared by K and V (see :func:`compress_write`).
+
+    Returns:
+      (k_codes, k_norms, v_codes, v_norms), the updated pools, aliased to the inputs of the FFI call
+      (in place under donation).
+
+    Raises:
+      TypeError / ValueError on dtypes and shapes that do not match (message names the argument).
+    Source: TurboQuant (arXiv 2504.19874), Algorithm 1 per token; page layout of docs/FORMAT.md.
+    """
+    check_packed_codec(k_codec, "write_cache")
+    check_packed_codec(v_codec, "write_cache")
+    _check_write_args(k, *k_pools, k_codec, slot_mapping, "k")
+    _check_write_args(v, *v_pools, v_codec, slot_mapping, "v")
+    backend = get_backend()
+    if backend == "xla":
+        k_new = reference.compress_write(k, *k_pools, k_codec.rotation, k_codec.centroids, slot_mapping, k_codec.bits)
+        v_new = reference.compress_write(v, *v_pools, v_codec.rotation, v_codec.centroids, slot_mapping, v_codec.bits)
+        return (*k_new, *v_new)
+    return tuple(
+        write_kv_p.bind(
+            k, v, *k_pools, *v_pools, k_codec.rotation, k_codec.centroids, v_codec.rotation, v_codec.centroids,
+            slot_mapping, k_bits=k_codec.bits, v_bits=v_codec.bits, backend=backend,
+        )
+    )
+
+
 def _check_write_args(x, codes, norms, codec, slot_mapping, name="k/v") -> None:
     op = "write_cache"
     check_float_input(x, name, op)
@@ -219,10 +260,15 @@ def _compress_write_abstract(x, codes, norms, rotation, centroids, slot_mapping,
     return (_compat.ShapedArray(codes.shape, codes.dtype), _compat.ShapedArray(norms.shape, norms.dtype))
 
 
+def _write_kv_abstract(k, v, k_codes, k_norms, v_codes, v_norms, *codecs_and_slots, k_bits, v_bits, backend):
+    return tuple(_compat.ShapedArray(a.shape, a.dtype) for a in (k_codes, k_norms, v_codes, v_norms))
+
+
 compress_p.def_abstract_eval(_compress_abstract)
 decompress_p.def_abstract_eval(_decompress_abstract)
 compress_write_p.def_abstract_eval(_compress_write_abstract)
-for _prim in (compress_p, decompress_p, compress_write_p):
+write_kv_p.def_abstract_eval(_write_kv_abstract)
+for _prim in (compress_p, decompress_p, compress_write_p, write_kv_p):
     pu.define_impl(_prim)
 
 
@@ -240,6 +286,13 @@ def _compress_write_reference(x, codes, norms, rotation, centroids, slot_mapping
     return reference.compress_write(x, codes, norms, rotation, centroids, slot_mapping, bits)
 
 
+def _write_kv_reference(k, v, k_codes, k_norms, v_codes, v_norms, k_rot, k_cent, v_rot, v_cent, slots, *,
+                        k_bits, v_bits):
+    k_new = reference.compress_write(k, k_codes, k_norms, k_rot, k_cent, slots, k_bits)
+    v_new = reference.compress_write(v, v_codes, v_norms, v_rot, v_cent, slots, v_bits)
+    return (*k_new, *v_new)
+
+
 def _compress_ffi(ctx, *operands, bits):
     return _compat.ffi_lowering("jax_tq_compress")(ctx, *operands, bits=np.int32(bits))
 
@@ -255,7 +308,13 @@ def _compress_write_ffi(ctx, *operands, bits):
 
 pu.register_lowerings(compress_p, _compress_reference, _compress_ffi)
 pu.register_lowerings(decompress_p, _decompress_reference, _decompress_ffi)
+def _write_kv_ffi(ctx, *operands, k_bits, v_bits):
+    rule = _compat.ffi_lowering("jax_tq_write_cache", operand_output_aliases={2: 0, 3: 1, 4: 2, 5: 3})
+    return rule(ctx, *operands, k_bits=np.int32(k_bits), v_bits=np.int32(v_bits))
+
+
 pu.register_lowerings(compress_write_p, _compress_write_reference, _compress_write_ffi)
+pu.register_lowerings(write_kv_p, _write_kv_reference, _write_kv_ffi)
 
 
 # ----------------------------------------------------------------------------- batching
@@ -304,4 +363,20 @@ def _compress_write_batch(args, dims, *, bits, backend):
 
 _compat.batching.primitive_batchers[compress_p] = _compress_batch
 _compat.batching.primitive_batchers[decompress_p] = _decompress_batch
+def _write_kv_batch(args, dims, *, k_bits, v_bits, backend):
+    """vmap of a K+V cache write: as :func:`_compress_write_batch`, for both pools at once."""
+    k, v, kc, kn, vc, vn, k_rot, k_cent, v_rot, v_cent, slots = args
+    pu.require_unbatched(("k rotation", "k centroids", "v rotation", "v centroids"), dims[6:10], "write_cache")
+    size = pu.batch_size(args, dims)
+    moved = [pu.move_batch_to_front(a, d, size) for a, d in zip((k, v, kc, kn, vc, vn, slots), dims[:6] + dims[10:])]
+    k, v, kc, kn, vc, vn, slots = moved
+    num_pages, _, page_size = kn.shape[1:]
+    folded_slots = pu.fold_pool_batch(slots, size, num_pages * page_size).reshape(-1)
+    fold = lambda a: a.reshape((-1,) + a.shape[2:])
+    outs = write_kv_p.bind(fold(k), fold(v), fold(kc), fold(kn), fold(vc), fold(vn), k_rot, k_cent, v_rot, v_cent,
+                           folded_slots, k_bits=k_bits, v_bits=v_bits, backend=backend)
+    return [o.reshape(a.shape) for o, a in zip(outs, (kc, kn, vc, vn))], [0, 0, 0, 0]
+
+
 _compat.batching.primitive_batchers[compress_write_p] = _compress_write_batch
+_compat.batching.primitive_batchers[write_kv_p] = _write_kv_batch

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on the GPU machine: build jax_tq with CUDA, run the GPU tests, the benchmarks,
 # and optionally the main job; print short tables. Usage: bash scripts/gpu_run.sh [build tests bench model]
-# stages: build v3 ncu tests bench graphs profile model (default: build tests bench). Logs go to $OUT (the device tool brings them back).
+# stages: build v3 ncu tests bench graphs profile breakdown model (default: build tests bench). Logs go to $OUT (the device tool brings them back).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/jax_tq_out}; mkdir -p "$OUT"
@@ -21,12 +21,12 @@ if has build; then
   echo "build: $(( $(date +%s) - t0 )) s"
 fi
 if has v3; then  # tensor-core decode (default where it applies) and its variants: correctness, then timing
-  for v in ${V3_TEST_VERSIONS:-3 3p}; do
+  for v in ${V3_TEST_VERSIONS:-3}; do
     echo "== decode tests, JAX_TQ_CUDA_DECODE=v$v"
     JAX_TQ_CUDA_DECODE=v$v timeout ${V3_TIMEOUT:-150} python3 -m pytest -q -x -m gpu tests/test_gpu.py -k decode 2>&1 \
       | tee "$OUT/v3_tests_v$v.log" | tail -n 5
   done
-  for v in ${V3_VERSIONS:-1 3 3p}; do
+  for v in ${V3_VERSIONS:-1 3}; do
     echo "== decode v$v"
     splits=auto; [ $v != 1 ] && splits=${V3_SPLITS:-auto}
     JAX_TQ_CUDA_DECODE=v$v timeout ${V3_TIMEOUT:-150} python3 benchmarks/bench_decode.py --only-tq \
@@ -69,6 +69,22 @@ if has ncu; then  # decode kernels under Nsight Compute (NCU_VERSIONS default "3
     grep -E "  [a-z_:<>0-9 ]*paged_decode|Duration|DRAM Throughput|L1/TEX Cache Thr|Compute \(SM\) Thr|Registers Per|Achieved Occupancy|Issued Warp Per|Executed Ipc A|issue_stalled" "$OUT/ncu_v$v.txt" \
       | grep -vE "ratio +0(\.0[0-9])?$" | sed -E 's/smsp__average_warps_issue_stalled_//; s/_per_issue_active.ratio//' | head -n 70
   done
+fi
+if has breakdown; then  # every kernel of profile_kernels.py (decode calls, a cache write, a compress) with its duration
+  timeout ${NCU_TIMEOUT:-200} ncu --clock-control none --metrics gpu__time_duration.sum --csv \
+    --log-file "$OUT/breakdown.csv" python3 benchmarks/profile_kernels.py >/dev/null 2>&1
+  python3 - "$OUT/breakdown.csv" <<'PY'
+import csv, sys
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 5]
+head, rows = rows[0], rows[1:]
+name, val, unit = head.index("Kernel Name"), head.index("Metric Value"), head.index("Metric Unit")
+scale = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}
+noise = ("Redzone", "DelayKernel", "fp_comparison")
+rows = [r for r in rows if not any(k in r[name] for k in noise)]
+first = next((i for i, r in enumerate(rows) if "paged_decode" in r[name]), 0)
+for r in rows[max(0, first - 3):]:
+    print(f"{float(r[val].replace(',', '')) * scale.get(r[unit], float('nan')):9.1f} us  {r[name][:90]}")
+PY
 fi
 if has model; then
   timeout ${MODEL_TIMEOUT:-400} python3 examples/smollm2_wikitext.py ${MODEL_ARGS:-} 2>&1 | tee "$OUT/model.txt" | tail -n 40

@@ -145,9 +145,11 @@ WRITE_CASES = [(128, 4, 4, 16, 8), (64, 2, 3, 8, 2), (80, 3, 3, 48, 1), (96, 4, 
                (192, 3, 4, 16, 3), (256, 2, 2, 8, 2)]
 
 
-@pytest.mark.parametrize("donate", [False, True])
+# K and V of one dtype run in ONE launch (grid.z = 2); of different dtypes in two.
+@pytest.mark.parametrize("donate,k_dtype,v_dtype", [(False, jnp.bfloat16, jnp.float16), (True, jnp.bfloat16, jnp.bfloat16),
+                                                    (False, jnp.float32, jnp.float32), (True, jnp.float16, jnp.float32)])
 @pytest.mark.parametrize("head_dim,k_bits,v_bits,page_size,hkv", WRITE_CASES)
-def test_compress_write_poisoned_pools(rng, head_dim, k_bits, v_bits, page_size, hkv, donate):
+def test_compress_write_poisoned_pools(rng, head_dim, k_bits, v_bits, page_size, hkv, donate, k_dtype, v_dtype):
     num_pages = 7
     k_codec = tq.TurboQuant(head_dim=head_dim, bits=k_bits, seed=int(rng.integers(1000)))
     v_codec = tq.TurboQuant(head_dim=head_dim, bits=v_bits, seed=int(rng.integers(1000)))
@@ -164,8 +166,8 @@ def test_compress_write_poisoned_pools(rng, head_dim, k_bits, v_bits, page_size,
     # Some padding / out-of-range slots that must be skipped.
     bad = rng.random(t) < 0.2
     slots[bad] = rng.choice(np.array([-1, -7, total, total + 5], np.int32), size=int(bad.sum()))
-    k = jnp.asarray(rng.normal(size=(t, hkv, head_dim)) * 3, jnp.bfloat16)
-    v = jnp.asarray(rng.normal(size=(t, hkv, head_dim)), jnp.float16)
+    k = jnp.asarray(rng.normal(size=(t, hkv, head_dim)) * 3, k_dtype)
+    v = jnp.asarray(rng.normal(size=(t, hkv, head_dim)), v_dtype)
     write = jax.jit(tq.write_cache, donate_argnums=(0,) if donate else ())
     before = {n: np.asarray(getattr(cache, n)) for n in ("k_codes", "v_codes", "k_norms", "v_norms")}
     out = write(cache, k, v, jnp.asarray(slots))
@@ -197,6 +199,27 @@ def test_compress_write_poisoned_pools(rng, head_dim, k_bits, v_bits, page_size,
         want_codes, want_norms = compress_f64(x.reshape(-1, head_dim), codec)
         _codes_agree(np.asarray(codes_new).reshape(-1, codec.packed_bytes), want_codes, bits, head_dim)
         np.testing.assert_allclose(np.asarray(norms_new).reshape(-1), want_norms, rtol=2e-6)
+
+
+def test_write_cache_prefill_size_one_launch(rng):
+    """A prefill-size write (24k vectors per pool: the large-tile kernel, K and V in one launch)
+    writes exactly what compress gives, at every slot, and nothing else."""
+    hkv, d, page_size, num_pages, t = 8, 128, 16, 256, 3000
+    k_codec, v_codec = tq.TurboQuant(head_dim=d, bits=4, seed=3), tq.TurboQuant(head_dim=d, bits=3, seed=4)
+    cache = tq.PagedKVCache.create(num_pages=num_pages, page_size=page_size, num_kv_heads=hkv,
+                                   k_codec=k_codec, v_codec=v_codec)
+    cache = dataclasses.replace(cache, k_norms=jnp.full(cache.k_norms.shape, jnp.nan, jnp.float32),
+                                v_norms=jnp.full(cache.v_norms.shape, jnp.nan, jnp.float32))
+    slots = rng.choice(num_pages * page_size, size=t, replace=False).astype(np.int32)
+    k = jnp.asarray(rng.normal(size=(t, hkv, d)), jnp.bfloat16)
+    v = jnp.asarray(rng.normal(size=(t, hkv, d)) * 0.1, jnp.bfloat16)
+    out = jax.jit(tq.write_cache, donate_argnums=0)(cache, k, v, jnp.asarray(slots))
+    p, o = slots // page_size, slots % page_size
+    for name, x, codec in (("k", k, k_codec), ("v", v, v_codec)):
+        codes, norms = jax.jit(tq.compress)(x, codec)
+        np.testing.assert_array_equal(np.asarray(getattr(out, f"{name}_codes"))[p, :, o], np.asarray(codes))
+        np.testing.assert_array_equal(np.asarray(getattr(out, f"{name}_norms"))[p, :, o], np.asarray(norms))
+        assert int(np.isnan(np.asarray(getattr(out, f"{name}_norms"))).sum()) == (num_pages * page_size - t) * hkv
 
 
 # ----------------------------------------------------------------------------- paged decode

@@ -283,6 +283,28 @@ auto BindCompressWrite(B b) {
       .template Attr<int32_t>("bits");
 }
 
+// jax_tq_write_cache: compress_write of K and of V (same slot_mapping) in one call.
+template <typename B>
+auto BindWriteCache(B b) {
+  return std::move(b).template Arg<ffi::AnyBuffer>()           // k [T, Hkv, d]
+      .template Arg<ffi::AnyBuffer>()               // v [T, Hkv, d]
+      .template Arg<ffi::Buffer<ffi::U8>>()         // k_codes [P, Hkv, page, packed_k]
+      .template Arg<ffi::Buffer<ffi::F32>>()        // k_norms [P, Hkv, page]
+      .template Arg<ffi::Buffer<ffi::U8>>()         // v_codes [P, Hkv, page, packed_v]
+      .template Arg<ffi::Buffer<ffi::F32>>()        // v_norms [P, Hkv, page]
+      .template Arg<ffi::Buffer<ffi::F32>>()        // k_rotation [d, d]
+      .template Arg<ffi::Buffer<ffi::F32>>()        // k_centroids [2**k_bits]
+      .template Arg<ffi::Buffer<ffi::F32>>()        // v_rotation [d, d]
+      .template Arg<ffi::Buffer<ffi::F32>>()        // v_centroids [2**v_bits]
+      .template Arg<ffi::Buffer<ffi::S32>>()        // slot_mapping [T]
+      .template Ret<ffi::Buffer<ffi::U8>>()         // k_codes (aliases operand 2)
+      .template Ret<ffi::Buffer<ffi::F32>>()        // k_norms (aliases operand 3)
+      .template Ret<ffi::Buffer<ffi::U8>>()         // v_codes (aliases operand 4)
+      .template Ret<ffi::Buffer<ffi::F32>>()        // v_norms (aliases operand 5)
+      .template Attr<int32_t>("k_bits")
+      .template Attr<int32_t>("v_bits");
+}
+
 template <typename B>
 auto BindPagedDecode(B b) {
   return std::move(b).template Arg<ffi::Buffer<ffi::F32>>()    // q_rot [S, H, d]
