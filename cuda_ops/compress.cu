@@ -645,13 +645,26 @@ __global__ void __launch_bounds__(WARPS * 32,
   const int ncent = 1 << bits;
   const int64_t ntiles = (p.N + 15) / 16;
   const int64_t first_tile = static_cast<int64_t>(blockIdx.x) * WARPS + warp;
-  // bf16 x: chunk j + 1 is loaded while chunk j runs (8 registers); f32 / f16 x (hi + lo
-  // fragments, 3 MMAs) load chunk j at the top of its iteration (register budget). The first
-  // tile's chunk 0 is requested before the Pi staging below, so the two loads overlap (a decode
-  // step's write is one tile per warp: latency-bound).
+  // x loads. Small-batch tiles (4 warps, few accumulators: a decode step's write, one tile per
+  // warp, latency-bound): ALL of a tile's chunks are requested at once (ALL_AHEAD), the first
+  // tile's before the Pi staging below, so that every load overlaps it. Otherwise bf16 x: chunk
+  // j + 1 is loaded while chunk j runs (8 registers), the first tile's chunk 0 before the staging;
+  // f32 / f16 x (hi + lo fragments, 3 MMAs): chunk j at the top of its iteration (registers).
   constexpr bool PREFETCH = !SPLIT;
+  constexpr bool ALL_AHEAD = WARPS == 4 && KC > 0 && 2 * KC * XRaw<XT, 8>::W <= (SPLIT ? 32 : 64);
   XRaw<XT, 8> cur0, cur1;
-  if constexpr (PREFETCH && KC > 0) {
+  XRaw<XT, 8> all0[ALL_AHEAD ? KC : 1], all1[ALL_AHEAD ? KC : 1];
+  auto load_all = [&](int64_t tile) {
+    const int64_t r0 = tile * 16 + g, r1 = r0 + 8;
+#pragma unroll
+    for (int j = 0; j < (ALL_AHEAD ? KC : 1); ++j) {
+      load_raw<XT, 8>(all0[j], p.x, r0 * D + 8 * t + 32 * j, r0 < p.N, p.vec_io);
+      load_raw<XT, 8>(all1[j], p.x, r1 * D + 8 * t + 32 * j, r1 < p.N, p.vec_io);
+    }
+  };
+  if constexpr (ALL_AHEAD) {
+    load_all(first_tile);
+  } else if constexpr (PREFETCH && KC > 0) {
     const int64_t r0 = first_tile * 16 + g, r1 = r0 + 8;
     load_raw<XT, 8>(cur0, p.x, r0 * D + 8 * t, r0 < p.N, p.vec_io);
     load_raw<XT, 8>(cur1, p.x, r1 * D + 8 * t, r1 < p.N, p.vec_io);
@@ -690,14 +703,23 @@ __global__ void __launch_bounds__(WARPS * 32,
     for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
     float ss0 = 0.f, ss1 = 0.f;
 
-    if constexpr (PREFETCH && KC > 0) {
+    if constexpr (ALL_AHEAD) {
+      if (tile != first_tile) load_all(tile);
+#pragma unroll
+      for (int j = 0; j < KC; ++j) {
+        uint32_t ph[4], pl[4], qh[4], ql[4];
+        convert_raw<XT, 8>(all0[j], ph, pl, ss0);
+        convert_raw<XT, 8>(all1[j], qh, ql, ss1);
+        compress_mma_chunk<NT, SBE, SPLIT, 8>(acc, ph, qh, pl, ql, bhi0 + 32 * j, blo0 + 32 * j);
+      }
+    } else if constexpr (PREFETCH && KC > 0) {
       if (tile != first_tile) {
         load_raw<XT, 8>(cur0, p.x, x0, v0, p.vec_io);
         load_raw<XT, 8>(cur1, p.x, x1, v1, p.vec_io);
       }
     }
 #pragma unroll 1
-    for (int j = 0; j < KC; ++j) {
+    for (int j = 0; j < (ALL_AHEAD ? 0 : KC); ++j) {
       if constexpr (!PREFETCH) {
         load_raw<XT, 8>(cur0, p.x, x0 + 32 * j, v0, p.vec_io);
         load_raw<XT, 8>(cur1, p.x, x1 + 32 * j, v1, p.vec_io);

@@ -945,24 +945,26 @@ __global__ void __launch_bounds__(kThreads)
 
 // ---------------------------------------------------------------------------------------------
 // Combine kernel: one CTA of kCombineThreads per (seq, head). The split weights
-// w_s = exp(lse_s - max lse) go through shared memory first, so that the partial-output loads of
-// the main loop are independent of each other (unrolled: several in flight per thread) instead of
-// one dependent load + exp per split (49 splits took 24 us that way on the H200).
+// w_s = exp(lse_s - max lse) go through shared memory first; then each warp sums every
+// kCombineGroups-th split's partial output (float4 columns), so that the loads are independent of
+// each other and spread over the whole CTA, and the warps' sums are added through shared memory.
+// (One dependent load + exp per split per thread took 24 us for 49 splits on the H200.)
 // ---------------------------------------------------------------------------------------------
-constexpr int kCombineThreads = 128;
-constexpr int kCombineMaxSplits = 1024;  // weights staged in shared memory; more splits: loop
+constexpr int kCombineThreads = 256;
+constexpr int kCombineGroups = kCombineThreads / 32;
+constexpr int kCombineMaxSplits = 1024;  // weights staged in shared memory; more splits: exp inline
+constexpr int kCombineMaxD = 256;        // the largest head_dim the handlers accept
 
 __device__ __forceinline__ float block_reduce(float v, float* red, bool is_max) {
   for (int off = 16; off > 0; off >>= 1) {
     const float o = __shfl_xor_sync(0xffffffffu, v, off);
     v = is_max ? fmaxf(v, o) : v + o;
   }
-  const int warp = threadIdx.x >> 5;
   __syncthreads();  // red is reused between calls
-  if ((threadIdx.x & 31) == 0) red[warp] = v;
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
   __syncthreads();
   v = red[0];
-  for (int w = 1; w < kCombineThreads / 32; ++w) v = is_max ? fmaxf(v, red[w]) : v + red[w];
+  for (int w = 1; w < kCombineGroups; ++w) v = is_max ? fmaxf(v, red[w]) : v + red[w];
   return v;
 }
 
@@ -970,7 +972,8 @@ __global__ void __launch_bounds__(kCombineThreads)
     paged_decode_combine_kernel(const float* __restrict__ pout, const float* __restrict__ plse,
                                 float* __restrict__ out, int ns, int D) {
   __shared__ float w_s[kCombineMaxSplits];
-  __shared__ float red[kCombineThreads / 32];
+  __shared__ float red[kCombineGroups];
+  __shared__ __align__(16) float acc_s[kCombineGroups][kCombineMaxD];
   const int64_t sh = blockIdx.x;
   const float* lse = plse + sh * ns;
   const float* po = pout + sh * ns * D;
@@ -982,31 +985,42 @@ __global__ void __launch_bounds__(kCombineThreads)
     for (int d = threadIdx.x; d < D; d += kCombineThreads) o[d] = 0.f;
     return;
   }
+  const int staged = ns < kCombineMaxSplits ? ns : kCombineMaxSplits;
   float wpart = 0.f;
-  for (int s = threadIdx.x; s < kCombineMaxSplits && s < ns; s += kCombineThreads) {
+  for (int s = threadIdx.x; s < ns; s += kCombineThreads) {
     const float ls = lse[s];
     const float w = ls == -INFINITY ? 0.f : expf(ls - gmax);
-    w_s[s] = w;
+    if (s < staged) w_s[s] = w;
     wpart += w;
   }
-  for (int s = kCombineMaxSplits + threadIdx.x; s < ns; s += kCombineThreads) {
-    const float ls = lse[s];
-    wpart += ls == -INFINITY ? 0.f : expf(ls - gmax);
-  }
   const float wsum = block_reduce(wpart, red, false);  // >= 1: the max split has weight 1
+  const int group = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int c = lane; c < D / 4; c += 32) {
+    float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+    for (int s = group; s < ns; s += kCombineGroups) {
+      float w;
+      if (s < staged) {
+        w = w_s[s];
+      } else {
+        const float ls = lse[s];
+        w = ls == -INFINITY ? 0.f : expf(ls - gmax);
+      }
+      const float4 v = *reinterpret_cast<const float4*>(po + static_cast<int64_t>(s) * D + 4 * c);
+      if (w != 0.f) {  // an empty split's partial output is never written: skip it
+        a.x = fmaf(w, v.x, a.x);
+        a.y = fmaf(w, v.y, a.y);
+        a.z = fmaf(w, v.z, a.z);
+        a.w = fmaf(w, v.w, a.w);
+      }
+    }
+    *reinterpret_cast<float4*>(&acc_s[group][4 * c]) = a;
+  }
+  __syncthreads();
   for (int d = threadIdx.x; d < D; d += kCombineThreads) {
     float acc = 0.f;
-    const int staged = ns < kCombineMaxSplits ? ns : kCombineMaxSplits;
-#pragma unroll 8
-    for (int s = 0; s < staged; ++s) {  // an empty split's partial output is never written: skip it
-      const float w = w_s[s];
-      const float v = po[static_cast<int64_t>(s) * D + d];
-      acc = w != 0.f ? fmaf(w, v, acc) : acc;
-    }
-    for (int s = kCombineMaxSplits; s < ns; ++s) {
-      const float ls = lse[s];
-      if (ls != -INFINITY) acc = fmaf(expf(ls - gmax), po[static_cast<int64_t>(s) * D + d], acc);
-    }
+#pragma unroll
+    for (int g = 0; g < kCombineGroups; ++g) acc += acc_s[g][d];
     o[d] = acc / wsum;
   }
 }
@@ -1257,6 +1271,8 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot,
   if (auto e = dispatch_d(static_cast<int>(d), gt, f16_products != 0, stream, p, grid); e.failure())
     return e;
   if (ns > 1) {
+    if (reinterpret_cast<uintptr_t>(p.pout) % 16 != 0)  // XLA's buffers are aligned; float4 reads
+      return invalid("partial_out workspace is not 16-byte aligned");
     paged_decode_combine_kernel<<<static_cast<unsigned>(S * H), kCombineThreads, 0, stream>>>(
         p.pout, p.plse, p.out, static_cast<int>(ns), static_cast<int>(d));
     cudaError_t e = cudaGetLastError();
