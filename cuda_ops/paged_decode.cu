@@ -1267,12 +1267,14 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot,
     p.P = 0;
   }
 
+  // Checked before any launch. XLA's buffers are aligned, and head_dim is validated above.
+  if (ns > 1 && reinterpret_cast<uintptr_t>(p.pout) % 16 != 0)
+    return invalid("partial_out workspace is not 16-byte aligned");
+  if (ns > 1 && d > kCombineMaxD) return invalid("head_dim above the combine kernel's 256");
   const dim3 grid(static_cast<unsigned>(S * ns), static_cast<unsigned>(Hkv * ntiles));
   if (auto e = dispatch_d(static_cast<int>(d), gt, f16_products != 0, stream, p, grid); e.failure())
     return e;
   if (ns > 1) {
-    if (reinterpret_cast<uintptr_t>(p.pout) % 16 != 0)  // XLA's buffers are aligned; float4 reads
-      return invalid("partial_out workspace is not 16-byte aligned");
     paged_decode_combine_kernel<<<static_cast<unsigned>(S * H), kCombineThreads, 0, stream>>>(
         p.pout, p.plse, p.out, static_cast<int>(ns), static_cast<int>(d));
     cudaError_t e = cudaGetLastError();

@@ -48,12 +48,12 @@ def check_last_dim(x, head_dim: int, name: str, op: str) -> None:
         )
 
 
-def check_packed_codec(codec, op: str) -> None:
+def check_packed_codec(codec, op: str, name: str = "codec") -> None:
     """Raise TypeError unless ``codec`` is a TurboQuant, ValueError unless ``codec.bits`` has a
-    packed storage format (2, 3 or 4)."""
+    packed storage format (2, 3 or 4); messages call it ``name``."""
     if not isinstance(codec, TurboQuant):
-        raise TypeError(f"jax_tq.{op}: codec must be a jax_tq.TurboQuant, got {type(codec).__name__}")
-    check_bits(codec.bits, name=f"jax_tq.{op}: codec.bits")
+        raise TypeError(f"jax_tq.{op}: {name} must be a jax_tq.TurboQuant, got {type(codec).__name__}")
+    check_bits(codec.bits, name=f"jax_tq.{op}: {name}.bits")
 
 
 # ----------------------------------------------------------------------------- public API
@@ -199,13 +199,19 @@ def write_kv(k, v, k_pools, v_pools, k_codec, v_codec, slot_mapping):
       (in place under donation).
 
     Raises:
-      TypeError / ValueError on dtypes and shapes that do not match (message names the argument).
+      TypeError / ValueError on dtypes and shapes that do not match (message names the argument),
+      and ValueError when the K and V pools differ in num_pages or page_size.
     Source: TurboQuant (arXiv 2504.19874), Algorithm 1 per token; page layout of docs/FORMAT.md.
     """
-    check_packed_codec(k_codec, "write_cache")
-    check_packed_codec(v_codec, "write_cache")
+    check_packed_codec(k_codec, "write_cache", "k_codec")
+    check_packed_codec(v_codec, "write_cache", "v_codec")
     _check_write_args(k, *k_pools, k_codec, slot_mapping, "k")
     _check_write_args(v, *v_pools, v_codec, slot_mapping, "v")
+    if k_pools[1].shape[::2] != v_pools[1].shape[::2]:  # (num_pages, page_size): one slot_mapping
+        raise ValueError(
+            f"jax_tq.write_cache: the K and V pools must have the same num_pages and page_size (one "
+            f"slot_mapping addresses both), got K norms {tuple(k_pools[1].shape)} and V norms "
+            f"{tuple(v_pools[1].shape)}")
     backend = get_backend()
     if backend == "xla":
         k_new = reference.compress_write(k, *k_pools, k_codec.rotation, k_codec.centroids, slot_mapping, k_codec.bits)

@@ -230,7 +230,7 @@ def uses_tensor_core_kernel(head_dim: int, k_bits: int, v_bits: int, group: int)
     128, 4-bit K and V, GQA group >= 3, unless ``JAX_TQ_CUDA_DECODE`` asks for v1 or v2 (the
     kernel handler reads the same variable)."""
     requested = os.environ.get("JAX_TQ_CUDA_DECODE", "")
-    return requested in ("", "v3") and head_dim == 128 and k_bits == 4 and v_bits == 4 and group >= 3
+    return requested not in ("v1", "v2") and head_dim == 128 and k_bits == 4 and v_bits == 4 and group >= 3
 
 
 def whole_wave_splits(units: int, slots: int, max_splits: int) -> int:

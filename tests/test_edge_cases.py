@@ -639,6 +639,11 @@ def test_refuses_bad_write_and_codec_op_arguments_at_trace_time():
         trace(cache, k, k.astype(jnp.int32), slots)
     with pytest.raises(ValueError, match=r"write_cache: k has 3 tokens but v has 2"):
         trace(cache, k, k[:2], slots)
+    bigger_v = dataclasses.replace(cache, v_codes=jnp.concatenate([cache.v_codes] * 2),
+                                   v_norms=jnp.concatenate([cache.v_norms] * 2))
+    with pytest.raises(ValueError, match=r"K and V pools must have the same num_pages and page_size .*"
+                                         r"K norms \(3, 2, 8\) and V norms \(6, 2, 8\)"):
+        trace(bigger_v, k, k, slots)
     with pytest.raises(TypeError, match=r"slot_mapping must be int32 \[3\], got float32\(3,\)"):
         trace(cache, k, k, slots.astype(jnp.float32))
     with pytest.raises(ValueError, match=r"slot_mapping must be int32 \[3\], got int32\(3, 1\)"):
