@@ -662,25 +662,8 @@ __global__ void __launch_bounds__(WARPS * 32,
       load_raw<XT, 8>(all1[j], p.x, r1 * D + 8 * t + 32 * j, r1 < p.N, p.vec_io);
     }
   };
-  // Destination rows (slot_mapping reads) of the lane's pack entries and of its norms, requested
-  // with the x loads in the ALL_AHEAD configuration instead of after the MMAs (one memory latency
-  // less at the end of a latency-bound tile).
-  constexpr int kPackIters = (16 * G::NG + 31) / 32;
-  int64_t pack_row[ALL_AHEAD ? kPackIters : 1], norm_row0 = -1, norm_row1 = -1;
-  auto find_rows = [&](int64_t tile) {
-#pragma unroll
-    for (int i = 0; i < (ALL_AHEAD ? kPackIters : 1); ++i) {
-      const int e = lane + 32 * i;
-      const int64_t n = tile * 16 + e / G::NG;
-      pack_row[i] = e < 16 * G::NG && n < p.N ? dest_row(p, n) : -1;
-    }
-    const int64_t r0 = tile * 16 + g, r1 = r0 + 8;
-    norm_row0 = r0 < p.N ? dest_row(p, r0) : -1;
-    norm_row1 = r1 < p.N ? dest_row(p, r1) : -1;
-  };
   if constexpr (ALL_AHEAD) {
     load_all(first_tile);
-    find_rows(first_tile);
   } else if constexpr (PREFETCH && KC > 0) {
     const int64_t r0 = first_tile * 16 + g, r1 = r0 + 8;
     load_raw<XT, 8>(cur0, p.x, r0 * D + 8 * t, r0 < p.N, p.vec_io);
@@ -721,10 +704,7 @@ __global__ void __launch_bounds__(WARPS * 32,
     float ss0 = 0.f, ss1 = 0.f;
 
     if constexpr (ALL_AHEAD) {
-      if (tile != first_tile) {
-        load_all(tile);
-        find_rows(tile);
-      }
+      if (tile != first_tile) load_all(tile);
 #pragma unroll
       for (int j = 0; j < KC; ++j) {
         uint32_t ph[4], pl[4], qh[4], ql[4];
@@ -798,9 +778,13 @@ __global__ void __launch_bounds__(WARPS * 32,
     __syncwarp();
 
     // ---- pack (format.h) and write: 16 rows x NG groups of 8 codes ----
-    auto pack_store = [&](int e, int64_t row) {  // entry e = (row r, group q) to pool row `row`
+    for (int e = lane; e < 16 * G::NG; e += 32) {
       const int r = e / G::NG;
       const int q = e - r * G::NG;
+      const int64_t n = tile * 16 + r;
+      if (n >= p.N) continue;
+      const int64_t row = dest_row(p, n);
+      if (row < 0) continue;
       const uint2 cv = *reinterpret_cast<const uint2*>(cw + r * CST + 8 * q);
       uint32_t w = 0;
 #pragma unroll
@@ -818,28 +802,16 @@ __global__ void __launch_bounds__(WARPS * 32,
         dst[1] = static_cast<uint8_t>((w >> 8) & 0xFFu);
         dst[2] = static_cast<uint8_t>((w >> 16) & 0xFFu);
       }
-    };
-    if constexpr (ALL_AHEAD) {
-#pragma unroll
-      for (int i = 0; i < kPackIters; ++i) {
-        const int e = lane + 32 * i;
-        if (e < 16 * G::NG && pack_row[i] >= 0) pack_store(e, pack_row[i]);
-      }
-    } else {
-      for (int e = lane; e < 16 * G::NG; e += 32) {
-        const int64_t n = tile * 16 + e / G::NG;
-        if (n >= p.N) continue;
-        const int64_t row = dest_row(p, n);
-        if (row >= 0) pack_store(e, row);
-      }
     }
     if (blockIdx.y == 0 && t == 0) {
-      if constexpr (!ALL_AHEAD) {
-        norm_row0 = v0 ? dest_row(p, r0) : -1;
-        norm_row1 = v1 ? dest_row(p, r1) : -1;
+      if (v0) {
+        const int64_t row = dest_row(p, r0);
+        if (row >= 0) p.norms[row] = n0;
       }
-      if (norm_row0 >= 0) p.norms[norm_row0] = n0;
-      if (norm_row1 >= 0) p.norms[norm_row1] = n1;
+      if (v1) {
+        const int64_t row = dest_row(p, r1);
+        if (row >= 0) p.norms[row] = n1;
+      }
     }
     __syncwarp();  // staging rows reused by the next tile
   }
