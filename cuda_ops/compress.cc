@@ -163,11 +163,17 @@ struct RowCompressor {
     float u[kMaxHeadDim];
     uint8_t codes[kMaxHeadDim];
     for (int i = 0; i < d; ++i) u[i] = x[i] * inv;
-    for (int j = 0; j < d; ++j) {
-      const float* pj = rot + int64_t(j) * d;
-      double acc = 0.0;
-      for (int k = 0; k < d; ++k) acc += double(pj[k]) * double(u[k]);
-      codes[j] = uint8_t(bucketize(float(acc), boundaries, nb));
+    // y_j = sum_k Pi[j, k] u_k, summed in k order in double; kRows outputs at a time, so that
+    // their kRows independent sums overlap (one sum alone is a chain of dependent adds).
+    constexpr int kRows = 8;  // every supported head_dim is a multiple of 16
+    for (int j0 = 0; j0 < d; j0 += kRows) {
+      double acc[kRows] = {};
+      for (int k = 0; k < d; ++k) {
+        const double uk = u[k];
+        for (int r = 0; r < kRows; ++r) acc[r] += double(rot[int64_t(j0 + r) * d + k]) * uk;
+      }
+      for (int r = 0; r < kRows; ++r)
+        codes[j0 + r] = uint8_t(bucketize(float(acc[r]), boundaries, nb));
     }
     pack_row(codes, d, bits, row);
     return norm;

@@ -25,6 +25,31 @@ namespace {
 
 constexpr double kNegInf = -std::numeric_limits<double>::infinity();
 
+// dots[h] = sum_i q[h, i] * k[i] for the G query rows of a group, each summed in i order (so the
+// result does not depend on the grouping); four heads per pass, so that their four sums overlap.
+void group_dots(const double* q, const double* k, int64_t G, int64_t d, double* dots) {
+  int64_t h = 0;
+  for (; h + 4 <= G; h += 4) {
+    const double *q0 = q + h * d, *q1 = q0 + d, *q2 = q1 + d, *q3 = q2 + d;
+    double a0 = 0.0, a1 = 0.0, a2 = 0.0, a3 = 0.0;
+    for (int64_t i = 0; i < d; ++i) {
+      a0 += q0[i] * k[i];
+      a1 += q1[i] * k[i];
+      a2 += q2[i] * k[i];
+      a3 += q3[i] * k[i];
+    }
+    dots[h] = a0;
+    dots[h + 1] = a1;
+    dots[h + 2] = a2;
+    dots[h + 3] = a3;
+  }
+  for (; h < G; ++h) {
+    double a = 0.0;
+    for (int64_t i = 0; i < d; ++i) a += q[h * d + i] * k[i];
+    dots[h] = a;
+  }
+}
+
 }  // namespace
 
 ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q_rot, ffi::Buffer<ffi::U8> k_codes,
@@ -66,6 +91,7 @@ ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q_rot, ffi::Buffer<ffi::U8> k_c
   // Per-group workspace: running max / sum / unnormalised output per query head.
   std::vector<double> m(G), l(G), o(G * d);
   std::vector<double> qg(G * d);  // query rows of the group, in double
+  std::vector<double> dots(G);    // q . k of each query head for the current token
   // Double copy of each split's lse for the combine (the f32 workspace copy loses
   // ~ulp(max logit) which matters for huge logits); o/l is combined from the f32
   // workspace.
@@ -102,11 +128,9 @@ ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q_rot, ffi::Buffer<ffi::U8> k_c
             for (int64_t i = 0; i < d; ++i) vrow[i] = vnorm * double(vcent[codes[i]]);
             const double kscale = dscale * double(kn[nidx]);
 
+            group_dots(qg.data(), krow, G, d, dots.data());
             for (int64_t hh = 0; hh < G; ++hh) {
-              const double* qh = &qg[hh * d];
-              double dot = 0.0;
-              for (int64_t i = 0; i < d; ++i) dot += qh[i] * krow[i];
-              const double score = kscale * dot;
+              const double score = kscale * dots[hh];
               if (!(score > kNegInf)) continue;  // -inf (or NaN) logit contributes nothing
               double* oh = &o[hh * d];
               double p;
