@@ -53,12 +53,15 @@ def use_backend(name: str):
         with jax_tq.use_backend("xla"):
             out = jax_tq.paged_decode(q, cache, block_tables, seq_lens)
 
-    Note that a ``jax.jit`` function traced once keeps the backend it was traced with.
+    Note that a ``jax.jit`` function traced once keeps the backend it was traced with: JAX caches
+    the trace of ``jax.jit(jax_tq.paged_decode)``, so to compare backends jit a fresh wrapper inside
+    each block (``jax.jit(lambda *a: jax_tq.paged_decode(*a))``) or call ``jax.clear_caches()``.
+    The name is case-insensitive, as in ``JAX_TQ_BACKEND``.
 
     Raises:
       ValueError: ``name`` is not one of ``"auto"``, ``"ffi"``, ``"xla"``.
     """
-    token = _override.set(_checked(name, "use_backend"))
+    token = _override.set(_checked(name.strip().lower() if isinstance(name, str) else name, "use_backend"))
     try:
         yield
     finally:

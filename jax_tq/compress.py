@@ -8,6 +8,7 @@ b-bit indices (docs/FORMAT.md).
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -288,14 +289,21 @@ def _decompress_reference(codes, norms, rotation, centroids, *, bits, dtype):
     return (reference.decompress(codes, norms, rotation, centroids, bits, dtype),)
 
 
+def _flat_pools(codes, norms):
+    """Pools with vmap's leading batch axes folded into num_pages (the FFI handlers do the same)."""
+    return codes.reshape((-1,) + codes.shape[-3:]), norms.reshape((-1,) + norms.shape[-2:])
+
+
 def _compress_write_reference(x, codes, norms, rotation, centroids, slot_mapping, *, bits):
-    return reference.compress_write(x, codes, norms, rotation, centroids, slot_mapping, bits)
+    new_codes, new_norms = reference.compress_write(x, *_flat_pools(codes, norms), rotation, centroids,
+                                                    slot_mapping, bits)
+    return new_codes.reshape(codes.shape), new_norms.reshape(norms.shape)
 
 
 def _write_kv_reference(k, v, k_codes, k_norms, v_codes, v_norms, k_rot, k_cent, v_rot, v_cent, slots, *,
                         k_bits, v_bits):
-    k_new = reference.compress_write(k, k_codes, k_norms, k_rot, k_cent, slots, k_bits)
-    v_new = reference.compress_write(v, v_codes, v_norms, v_rot, v_cent, slots, v_bits)
+    k_new = _compress_write_reference(k, k_codes, k_norms, k_rot, k_cent, slots, bits=k_bits)
+    v_new = _compress_write_reference(v, v_codes, v_norms, v_rot, v_cent, slots, bits=v_bits)
     return (*k_new, *v_new)
 
 
@@ -351,20 +359,16 @@ def _compress_write_batch(args, dims, *, bits, backend):
     pu.require_unbatched(("rotation", "centroids"), (rd, ctd), "write_cache")
     size = pu.batch_size(args, dims)
     x, codes, norms, slots = (pu.move_batch_to_front(a, d, size) for a, d in ((x, xd), (codes, cd), (norms, nd), (slots, sd)))
-    num_pages, _, page_size = norms.shape[1:]
-    pool_slots = num_pages * page_size
-    folded_slots = pu.fold_pool_batch(slots, size, pool_slots).reshape(-1)
+    folded_slots = pu.fold_pool_batch(slots, size, _pool_slots(norms)).reshape(-1)
+    # The pools keep their batch axis: a reshape would make XLA copy the donated pools.
     new_codes, new_norms = compress_write_p.bind(
-        x.reshape((-1,) + x.shape[2:]),
-        codes.reshape((-1,) + codes.shape[2:]),
-        norms.reshape((-1,) + norms.shape[2:]),
-        rotation,
-        centroids,
-        folded_slots,
-        bits=bits,
-        backend=backend,
-    )
-    return [new_codes.reshape(codes.shape), new_norms.reshape(norms.shape)], [0, 0]
+        x.reshape((-1,) + x.shape[2:]), codes, norms, rotation, centroids, folded_slots, bits=bits, backend=backend)
+    return [new_codes, new_norms], [0, 0]
+
+
+def _pool_slots(norms_batched):
+    """Slots of one batch element's pool: norms [batch, ..., num_pages, num_kv_heads, page_size]."""
+    return math.prod(norms_batched.shape[1:-2]) * norms_batched.shape[-1]
 
 
 _compat.batching.primitive_batchers[compress_p] = _compress_batch
@@ -376,12 +380,12 @@ def _write_kv_batch(args, dims, *, k_bits, v_bits, backend):
     size = pu.batch_size(args, dims)
     moved = [pu.move_batch_to_front(a, d, size) for a, d in zip((k, v, kc, kn, vc, vn, slots), dims[:6] + dims[10:])]
     k, v, kc, kn, vc, vn, slots = moved
-    num_pages, _, page_size = kn.shape[1:]
-    folded_slots = pu.fold_pool_batch(slots, size, num_pages * page_size).reshape(-1)
-    fold = lambda a: a.reshape((-1,) + a.shape[2:])
-    outs = write_kv_p.bind(fold(k), fold(v), fold(kc), fold(kn), fold(vc), fold(vn), k_rot, k_cent, v_rot, v_cent,
+    folded_slots = pu.fold_pool_batch(slots, size, _pool_slots(kn)).reshape(-1)
+    fold = lambda a: a.reshape((-1,) + a.shape[2:])  # noqa: E731
+    # The pools keep their batch axis: a reshape would make XLA copy the donated pools.
+    outs = write_kv_p.bind(fold(k), fold(v), kc, kn, vc, vn, k_rot, k_cent, v_rot, v_cent,
                            folded_slots, k_bits=k_bits, v_bits=v_bits, backend=backend)
-    return [o.reshape(a.shape) for o, a in zip(outs, (kc, kn, vc, vn))], [0, 0, 0, 0]
+    return list(outs), [0, 0, 0, 0]
 
 
 _compat.batching.primitive_batchers[compress_write_p] = _compress_write_batch

@@ -124,6 +124,24 @@ def test_write_cache_is_in_place_under_donation(rng):
     assert after == pointers, "donated cache buffers must be updated in place"
 
 
+def test_vmap_write_cache_is_in_place_under_donation(rng):
+    """Stacked per-layer caches written under vmap: the pools keep their batch axis into the FFI
+    call, so XLA aliases the donated buffers instead of copying every pool twice."""
+    caches = jax.tree.map(lambda *xs: jnp.stack(xs), *[_setup(rng)[0] for _ in range(3)])
+    k = jnp.asarray(rng.normal(size=(3, 4, 2, 64)), jnp.float32)
+    slots = jnp.asarray(np.stack([rng.choice(256, 4, replace=False) for _ in range(3)]).astype(np.int32))
+    want = [tq.write_cache(jax.tree.map(lambda a, b=b: a[b], caches), k[b], -k[b], slots[b]) for b in range(3)]
+    step = jax.jit(jax.vmap(tq.write_cache), donate_argnums=0)
+    hlo = step.lower(caches, k, -k, slots).compile().as_text()
+    assert " copy(" not in hlo and "copy_fusion" not in hlo, "the donated pools must not be copied"
+    pointers = [x.unsafe_buffer_pointer() for x in (caches.k_codes, caches.k_norms, caches.v_codes, caches.v_norms)]
+    new = step(caches, k, -k, slots)
+    assert [x.unsafe_buffer_pointer() for x in (new.k_codes, new.k_norms, new.v_codes, new.v_norms)] == pointers
+    for b in range(3):
+        for name in ("k_codes", "k_norms", "v_codes", "v_norms"):
+            np.testing.assert_array_equal(np.asarray(getattr(new, name)[b]), np.asarray(getattr(want[b], name)))
+
+
 def test_write_cache_without_donation_leaves_input_untouched(rng):
     cache, _, _ = _setup(rng)
     before = jax.tree.map(np.asarray, cache)

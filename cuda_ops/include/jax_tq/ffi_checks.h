@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <string>
+#include <vector>
 #include <utility>
 
 #include "jax_tq/format.h"
@@ -75,6 +76,20 @@ inline ffi::Error check_dims(const Op& op, const char* name, ffi::Span<const int
   if (ok) return ffi::Error::Success();
   return op.invalid(std::string(name) + " has shape " + dims_str(dims) + ", expected " +
                     dims_str(want));
+}
+
+// `dims` with every axis before the last `rank - 1` folded into one: a pool [B, P, Hkv, page, pb]
+// (vmap's batch axes left in place, so that XLA can alias it without a copy) reads as
+// [B * P, Hkv, page, pb]. Fewer than `rank` axes: unchanged (the rank check then fails).
+inline std::vector<int64_t> fold_leading(ffi::Span<const int64_t> dims, size_t rank) {
+  std::vector<int64_t> out(dims.begin(), dims.end());
+  if (dims.size() <= rank) return out;
+  const size_t extra = dims.size() - rank;
+  int64_t lead = 1;
+  for (size_t i = 0; i <= extra; ++i) lead *= dims[i];
+  out.erase(out.begin(), out.begin() + static_cast<std::ptrdiff_t>(extra));
+  out[0] = lead;
+  return out;
 }
 
 // Success when `dims` has `rank` axes, else "<what>, got [..]".
@@ -153,7 +168,8 @@ inline ffi::Error validate_decompress(const Op& op, const ffi::Buffer<ffi::U8>& 
 // ---------------------------------------------------------------------------
 // jax_tq_compress_write: x [T, Hkv, d], codes [P, Hkv, page_size, packed],
 //   norms [P, Hkv, page_size], rotation [d, d], centroids [2**bits],
-//   slot_mapping [T] -> codes, norms (same shapes as the operands)
+//   slot_mapping [T] -> codes, norms (same shapes as the operands). The pools may carry leading
+//   batch axes ([..., P, Hkv, page_size, packed]; slots then index the folded pool).
 // ---------------------------------------------------------------------------
 struct CompressWriteDims {
   int64_t t_n, hkv, d, pb, num_pages, page_size;
@@ -170,17 +186,21 @@ inline ffi::Error validate_compress_write(
   const int64_t t_n = xd[0], hkv = xd[1], d = xd[2];
   JTQ_RETURN_IF_ERROR(check_bits_dim(op, bits, d));
   const int64_t pb = packed_bytes(static_cast<int>(d), bits);
-  const auto cd = codes_in.dimensions();
+  const std::vector<int64_t> cd = fold_leading(codes_in.dimensions(), 4);
   JTQ_RETURN_IF_ERROR(check_rank(op, cd, 4, "codes must be rank 4 [P, Hkv, page_size, packed]"));
   const int64_t num_pages = cd[0], page_size = cd[2];
   JTQ_RETURN_IF_ERROR(check_dims(op, "codes", cd, {num_pages, hkv, page_size, pb}));
-  JTQ_RETURN_IF_ERROR(check_dims(op, "norms", norms_in.dimensions(), {num_pages, hkv, page_size}));
+  if (norms_in.dimensions().size() + 1 != codes_in.dimensions().size())
+    return op.invalid("norms " + dims_str(norms_in.dimensions()) + " and codes " +
+                      dims_str(codes_in.dimensions()) + " must have the same leading axes");
+  JTQ_RETURN_IF_ERROR(check_dims(op, "norms", fold_leading(norms_in.dimensions(), 3),
+                                 {num_pages, hkv, page_size}));
   JTQ_RETURN_IF_ERROR(check_dims(op, "rotation", rotation.dimensions(), {d, d}));
   JTQ_RETURN_IF_ERROR(check_dims(op, "centroids", centroids.dimensions(), {int64_t(1) << bits}));
   JTQ_RETURN_IF_ERROR(check_dims(op, "slot_mapping", slot_mapping.dimensions(), {t_n}));
-  JTQ_RETURN_IF_ERROR(check_dims(op, "codes (result)", codes_out.dimensions(),
+  JTQ_RETURN_IF_ERROR(check_dims(op, "codes (result)", fold_leading(codes_out.dimensions(), 4),
                                  {num_pages, hkv, page_size, pb}));
-  JTQ_RETURN_IF_ERROR(check_dims(op, "norms (result)", norms_out.dimensions(),
+  JTQ_RETURN_IF_ERROR(check_dims(op, "norms (result)", fold_leading(norms_out.dimensions(), 3),
                                  {num_pages, hkv, page_size}));
   *out = CompressWriteDims{t_n, hkv, d, pb, num_pages, page_size};
   return ffi::Error::Success();
