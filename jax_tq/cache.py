@@ -134,6 +134,9 @@ def write_cache(cache: PagedKVCache, k, v, slot_mapping) -> PagedKVCache:
     Raises:
       TypeError / ValueError: cache not a PagedKVCache; dtypes or shapes that do not match the cache
         (message names the argument).
+
+    Differentiable in k and v through the written norms (d norm = <x, dx> / norm), and in the
+    pools' norms for the slots not written, the same on every backend; the codes get no gradient.
     """
     check_cache(cache, "write_cache")
     k, v, slot_mapping = jnp.asarray(k), jnp.asarray(v), jnp.asarray(slot_mapping)

@@ -74,7 +74,9 @@ def compress(x, codec):
       TypeError: x is not a float32/bfloat16/float16 array; codec is not a TurboQuant.
       ValueError: the last axis of x is not codec.head_dim; codec.bits has no packed format.
 
-    Not differentiable (rounding to centroids has no useful gradient).
+    Differentiable in x through the norms only, on every backend: d norm = <x, dx> / norm (0 for a
+    zero vector); the codes are integers and get no gradient (rounding to centroids has none worth
+    using).
     """
     x = jnp.asarray(x)
     check_packed_codec(codec, "compress")
@@ -86,7 +88,7 @@ def compress(x, codec):
     if backend == "xla":
         codes, norms = reference.compress(flat, codec.rotation, codec.centroids, codec.bits)
     else:
-        codes, norms = compress_p.bind(flat, codec.rotation, codec.centroids, bits=codec.bits, backend=backend)
+        codes, norms = _compress_kernel(flat, codec, backend)
     return codes.reshape(lead + (codec.packed_bytes,)), norms.reshape(lead)
 
 
@@ -132,6 +134,28 @@ def decompress(codes, norms, codec, dtype=jnp.float32):
     else:
         x = _decompress_kernel(flat_codes, flat_norms, codec, dtype, backend)
     return x.reshape(lead + (codec.head_dim,))
+
+
+def _norm_tangent(x, dx, norms):
+    """d ||x|| = <x / ||x||, dx> per row of x [n, d] (0 for a zero row), float32 [n]."""
+    inv = jnp.where(norms > 0, 1.0 / jnp.where(norms > 0, norms, 1.0), 0.0)
+    return jnp.sum(x.astype(jnp.float32) * inv[:, None] * dx.astype(jnp.float32), axis=-1)
+
+
+def _float0_zeros(a):
+    return np.zeros(a.shape, jax.dtypes.float0)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
+def _compress_kernel(flat, codec, backend):
+    """The compress kernel on flat rows; its JVP is the norms' (the codes are integers)."""
+    return tuple(compress_p.bind(flat, codec.rotation, codec.centroids, bits=codec.bits, backend=backend))
+
+
+@_compress_kernel.defjvp
+def _compress_kernel_jvp(codec, backend, primals, tangents):
+    codes, norms = _compress_kernel(primals[0], codec, backend)
+    return (codes, norms), (_float0_zeros(codes), _norm_tangent(primals[0], tangents[0], norms))
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4))
@@ -218,12 +242,40 @@ def write_kv(k, v, k_pools, v_pools, k_codec, v_codec, slot_mapping):
         k_new = reference.compress_write(k, *k_pools, k_codec.rotation, k_codec.centroids, slot_mapping, k_codec.bits)
         v_new = reference.compress_write(v, *v_pools, v_codec.rotation, v_codec.centroids, slot_mapping, v_codec.bits)
         return (*k_new, *v_new)
-    return tuple(
-        write_kv_p.bind(
-            k, v, *k_pools, *v_pools, k_codec.rotation, k_codec.centroids, v_codec.rotation, v_codec.centroids,
-            slot_mapping, k_bits=k_codec.bits, v_bits=v_codec.bits, backend=backend,
-        )
-    )
+    return _write_kv_kernel(k, v, *k_pools, *v_pools, slot_mapping, k_codec, v_codec, backend)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(7, 8, 9))
+def _write_kv_kernel(k, v, k_codes, k_norms, v_codes, v_norms, slot_mapping, k_codec, v_codec, backend):
+    """The fused K+V write; its JVP carries the pools' norm tangents, with the written slots'
+    replaced by the new tokens' norm tangents (the codes are integers)."""
+    return tuple(write_kv_p.bind(
+        k, v, k_codes, k_norms, v_codes, v_norms, k_codec.rotation, k_codec.centroids, v_codec.rotation,
+        v_codec.centroids, slot_mapping, k_bits=k_codec.bits, v_bits=v_codec.bits, backend=backend))
+
+
+@_write_kv_kernel.defjvp
+def _write_kv_kernel_jvp(k_codec, v_codec, backend, primals, tangents):
+    k, v, k_codes, k_norms, v_codes, v_norms, slots = primals
+    outs = _write_kv_kernel(*primals, k_codec, v_codec, backend)
+    num_pages, _, page_size = k_norms.shape
+    valid = (slots >= 0) & (slots < num_pages * page_size)
+    page = jnp.where(valid, slots // page_size, num_pages)  # out of range: dropped by the scatter
+    offset = jnp.where(valid, slots % page_size, 0)
+
+    def scatter(pool_dot, x, x_dot, new_norms):
+        flat_x, flat_dot = x.reshape(-1, x.shape[-1]), x_dot.reshape(-1, x.shape[-1])
+        rows_norms = new_norms[page[:, None], jnp.arange(x.shape[1])[None, :], offset[:, None]].reshape(-1)
+        dn = _norm_tangent(flat_x, flat_dot, rows_norms).reshape(x.shape[:2])
+        # set = keep the unwritten rows + add at the written ones (a scatter-add transposes; a
+        # scatter-set does only with unique indices).
+        zeros = jnp.zeros_like(pool_dot)
+        written = zeros.at[page, :, offset].add(1.0, mode="drop") > 0
+        return jnp.where(written, 0.0, pool_dot) + zeros.at[page, :, offset].add(dn, mode="drop")
+
+    k_norms_dot = scatter(tangents[3], k, tangents[0], outs[1])
+    v_norms_dot = scatter(tangents[5], v, tangents[1], outs[3])
+    return outs, (_float0_zeros(k_codes), k_norms_dot, _float0_zeros(v_codes), v_norms_dot)
 
 
 def _check_write_args(x, codes, norms, codec, slot_mapping, name="k/v") -> None:

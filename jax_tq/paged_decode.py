@@ -59,7 +59,7 @@ def paged_decode(q, cache, block_tables, seq_lens, *, scale=None, num_splits=Non
       [num_seqs, num_heads, head_dim] array of q's dtype. A query row holding a NaN or inf gives a
       NaN output row. Differentiable in q and in the cache's norms (``jax.grad``/``vjp``, reverse
       mode only: a custom VJP whose backward pass runs the jnp reference). The codes are integers
-      and get no gradient; :func:`jax_tq.compress` (rounding to centroids) is not differentiable.
+      and get no gradient (:func:`jax_tq.compress` passes gradients through the norms only).
 
     Raises:
       TypeError: q not float32/bfloat16/float16; block_tables or seq_lens not int32; cache not a

@@ -236,3 +236,46 @@ def test_decompress_is_differentiable_in_norms_on_every_backend(rng, dtype):
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
     assert rel_err(grads["ffi"], want) < tol
     assert rel_err(grads["xla"], want) < tol
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_compress_is_differentiable_through_its_norms_on_every_backend(rng, dtype):
+    codec = tq.TurboQuant(64, bits=3, seed=5)
+    x = jnp.asarray(rng.normal(size=(3, 4, 64)) * 2, dtype).at[1, 2].set(0)  # one zero vector
+    w = jnp.asarray(rng.normal(size=(3, 4)), jnp.float32)
+    loss = lambda x: jnp.sum(tq.compress(x, codec)[1] * w)  # noqa: E731
+    x64 = np.asarray(x, np.float64)
+    norm = np.linalg.norm(x64, axis=-1, keepdims=True)
+    want = np.asarray(w, np.float64)[..., None] * np.divide(x64, norm, out=np.zeros_like(x64), where=norm > 0)
+    for backend in ("ffi", "xla"):
+        with tq.use_backend(backend):
+            got = np.asarray(jax.jit(jax.grad(loss))(x), np.float64)
+        assert np.all(got[1, 2] == 0), backend  # the zero vector: no gradient, no NaN
+        assert rel_err(got, want) < (1e-5 if dtype == jnp.float32 else 1e-2), backend
+
+
+def test_write_cache_gradients_match_across_backends(rng):
+    """d/dk, d/dv through the written norms, and the pool norms' gradient kept at the unwritten
+    slots only; a padding token (slot -1) gets none."""
+    cache, _, _ = _setup(rng)
+    k = jnp.asarray(rng.normal(size=(4, 2, 64)), jnp.float32)
+    v = jnp.asarray(rng.normal(size=(4, 2, 64)), jnp.float32)
+    slots = jnp.asarray([3, -1, 40, 200], jnp.int32)
+    weights = jnp.asarray(rng.normal(size=cache.k_norms.shape), jnp.float32)
+
+    def loss(k, v, k_norms):
+        new = tq.write_cache(dataclasses.replace(cache, k_norms=k_norms), k, v, slots)
+        return jnp.sum(new.k_norms * weights) + jnp.sum(new.v_norms ** 2)
+
+    grads = {}
+    for backend in ("ffi", "xla"):
+        with tq.use_backend(backend):
+            grads[backend] = [np.asarray(g) for g in jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(k, v, cache.k_norms)]
+    for got, want in zip(grads["ffi"], grads["xla"]):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    dk, dv, dpool = grads["ffi"]
+    assert np.all(dk[1] == 0) and np.all(dv[1] == 0) and np.any(dk[0] != 0)
+    page_size = cache.k_norms.shape[2]
+    for s in (3, 40, 200):  # written slots: the pool's old norms no longer matter
+        assert np.all(dpool[s // page_size, :, s % page_size] == 0)
+    np.testing.assert_array_equal(dpool[1], np.asarray(weights)[1])  # an unwritten page: pass-through
