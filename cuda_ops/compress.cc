@@ -1,5 +1,5 @@
 // CPU XLA FFI handlers for the compress family (see docs/DESIGN.md):
-//   jax_tq_compress, jax_tq_decompress, jax_tq_compress_write, jax_tq_write_cache.
+//   jax_tq_compress, jax_tq_decompress, jax_tq_write_cache.
 // The handler symbols (ffi::Ffi::Bind) live in cpu_module.cc; this file holds the
 // implementations.
 #include <cmath>
@@ -249,7 +249,7 @@ ffi::Error DecompressImpl(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::F32> norm
 }
 
 // ---------------------------------------------------------------------------
-// jax_tq_compress_write: x [T, Hkv, d] written into paged codes/norms at slots.
+// Cache writes: x [T, Hkv, d] written into paged codes/norms at slots.
 // ---------------------------------------------------------------------------
 namespace {
 
@@ -296,18 +296,8 @@ ffi::Error write_pool(const Op& op, const char* name, const ffi::AnyBuffer& x,
 
 }  // namespace
 
-ffi::Error CompressWriteImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U8> codes_in,
-                             ffi::Buffer<ffi::F32> norms_in, ffi::Buffer<ffi::F32> rotation,
-                             ffi::Buffer<ffi::F32> centroids, ffi::Buffer<ffi::S32> slot_mapping,
-                             ffi::Result<ffi::Buffer<ffi::U8>> codes_out,
-                             ffi::Result<ffi::Buffer<ffi::F32>> norms_out, int32_t bits) {
-  static constexpr Op op{"jax_tq_compress_write", ffi_checks::kCpuTag};
-  return write_pool(op, "x", x, codes_in, norms_in, rotation, centroids, slot_mapping, *codes_out,
-                    *norms_out, bits);
-}
-
 // ---------------------------------------------------------------------------
-// jax_tq_write_cache: compress_write of k and of v at the same slots.
+// jax_tq_write_cache: k and v written into their pools at the same slots.
 // ---------------------------------------------------------------------------
 ffi::Error WriteCacheImpl(ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::U8> k_codes_in,
                           ffi::Buffer<ffi::F32> k_norms_in, ffi::Buffer<ffi::U8> v_codes_in,

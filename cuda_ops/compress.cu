@@ -1,5 +1,5 @@
 // CUDA XLA FFI handlers for the compress family (see docs/DESIGN.md):
-//   jax_tq_compress, jax_tq_decompress, jax_tq_compress_write, jax_tq_write_cache.
+//   jax_tq_compress, jax_tq_decompress, jax_tq_write_cache.
 //
 // All three are one tiled fp32 GEMM kernel (CUDA-core FMA, no tensor cores, so that codes match
 // the float32 reference except at exact ties), with a fused prologue / epilogue:
@@ -8,7 +8,7 @@
 //               shared memory [d][MV] (k-major); main loop y = u @ Pi^T with Pi^T streamed through
 //               shared memory in k-tiles; epilogue bucketizes (binary search over the midpoints of
 //               the centroids: code = #boundaries < y), packs (format.h bit layout) and writes the
-//               codes + norms, either to rows [N] or, for compress_write, to the paged slots.
+//               codes + norms, either to rows [N] or, for write_cache, to the paged slots.
 //   decompress: prologue decodes the codes to centroid values [d][MV]; main loop x = c @ Pi;
 //               epilogue scales by the norm and writes f32 / bf16 / f16 rows (coalesced).
 // Grid: ceil(N / MV) CTAs of 256 threads (16 x 16); a thread owns VPT vectors x d/16 outputs.
@@ -61,20 +61,20 @@ struct GemmLayout {
 };
 
 struct GemmParams {
-  // compress / compress_write
+  // compress / write_cache
   const void* x;           // [N, D] input (compress) ; unused for decompress
   uint8_t* codes;          // compress: [N, pb] or pool [P, Hkv, page, pb]; decompress: input
   float* norms;            // compress: [N] or pool [P, Hkv, page]; decompress: input
   const float* rot;        // [D, D]
   const float* cent;       // [2**bits]
-  const int32_t* slots;    // compress_write only (else nullptr)
+  const int32_t* slots;    // write_cache only (else nullptr)
   void* out;               // decompress output [N, D]
   int64_t N;
   int bits;
   int dtype;               // FType of x (compress) or out (decompress)
   bool vec_io;             // 16-byte vector access to x / out allowed (alignment)
-  int Hkv, page_size;      // compress_write
-  int64_t total_slots;     // compress_write: P * page_size
+  int Hkv, page_size;      // write_cache
+  int64_t total_slots;     // write_cache: P * page_size
 };
 
 __device__ __forceinline__ float load_elem(const void* base, int dtype, int64_t i) {
@@ -163,7 +163,7 @@ __device__ __forceinline__ int out_coord(int tx, int j) {
   }
 }
 
-// Byte offset of the packed row of vector n (compress / compress_write), or -1 to skip.
+// Byte offset of the packed row of vector n (compress / write_cache), or -1 to skip.
 __device__ __forceinline__ int64_t dest_row(const GemmParams& p, int64_t n) {
   if (p.slots == nullptr) return n;
   const int64_t t = n / p.Hkv;
@@ -1202,7 +1202,7 @@ ffi::Error DecompressCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::U8> codes,
 }
 
 // ---------------------------------------------------------------------------------------------
-// jax_tq_compress_write: x [T, Hkv, d] written into paged codes/norms at slot_mapping.
+// Cache writes: x [T, Hkv, d] written into paged codes/norms at slot_mapping.
 // ---------------------------------------------------------------------------------------------
 namespace {
 
@@ -1258,21 +1258,8 @@ ffi::Error prepare_write(const char* op, const char* name, cudaStream_t stream,
 
 }  // namespace
 
-ffi::Error CompressWriteCudaImpl(cudaStream_t stream, ffi::AnyBuffer x,
-                                 ffi::Buffer<ffi::U8> codes_in, ffi::Buffer<ffi::F32> norms_in,
-                                 ffi::Buffer<ffi::F32> rotation, ffi::Buffer<ffi::F32> centroids,
-                                 ffi::Buffer<ffi::S32> slot_mapping,
-                                 ffi::Result<ffi::Buffer<ffi::U8>> codes_out,
-                                 ffi::Result<ffi::Buffer<ffi::F32>> norms_out, int32_t bits) {
-  static const char* op = "jax_tq_compress_write";
-  GemmParams p;
-  JTQ_RETURN_IF_ERROR(prepare_write(op, "x", stream, x, codes_in, norms_in, rotation, centroids,
-                                    slot_mapping, *codes_out, *norms_out, bits, &p));
-  return launch_compress(op, stream, static_cast<int>(x.dimensions()[2]), p);
-}
-
 // ---------------------------------------------------------------------------------------------
-// jax_tq_write_cache: compress_write of k and of v at the same slots, in ONE kernel launch
+// jax_tq_write_cache: k and v written at the same slots, in ONE kernel launch
 // (grid.z = 2) when k and v share a dtype (the common case; else two launches).
 // ---------------------------------------------------------------------------------------------
 ffi::Error WriteCacheCudaImpl(cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuffer v,
@@ -1315,11 +1302,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTqCompressCuda, jax_tq::cuda::CompressCudaImpl,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTqDecompressCuda, jax_tq::cuda::DecompressCudaImpl,
                               jax_tq::ffi_checks::BindDecompress(
-                                  ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTqCompressWriteCuda, jax_tq::cuda::CompressWriteCudaImpl,
-                              jax_tq::ffi_checks::BindCompressWrite(
                                   ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 

@@ -22,11 +22,6 @@ ffi::Error CompressImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> rotation,
 ffi::Error DecompressImpl(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::F32> norms,
                           ffi::Buffer<ffi::F32> rotation, ffi::Buffer<ffi::F32> centroids,
                           ffi::Result<ffi::AnyBuffer> x, int32_t bits);
-ffi::Error CompressWriteImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U8> codes_in,
-                             ffi::Buffer<ffi::F32> norms_in, ffi::Buffer<ffi::F32> rotation,
-                             ffi::Buffer<ffi::F32> centroids, ffi::Buffer<ffi::S32> slot_mapping,
-                             ffi::Result<ffi::Buffer<ffi::U8>> codes_out,
-                             ffi::Result<ffi::Buffer<ffi::F32>> norms_out, int32_t bits);
 ffi::Error WriteCacheImpl(ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::U8> k_codes_in,
                           ffi::Buffer<ffi::F32> k_norms_in, ffi::Buffer<ffi::U8> v_codes_in,
                           ffi::Buffer<ffi::F32> v_norms_in, ffi::Buffer<ffi::F32> k_rotation,
@@ -56,9 +51,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTqCompressCpu, jax_tq::cpu::CompressImpl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTqDecompressCpu, jax_tq::cpu::DecompressImpl,
                               jax_tq::ffi_checks::BindDecompress(ffi::Ffi::Bind()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTqCompressWriteCpu, jax_tq::cpu::CompressWriteImpl,
-                              jax_tq::ffi_checks::BindCompressWrite(ffi::Ffi::Bind()));
-
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTqWriteCacheCpu, jax_tq::cpu::WriteCacheImpl,
                               jax_tq::ffi_checks::BindWriteCache(ffi::Ffi::Bind()));
 
@@ -68,7 +60,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTqPagedDecodeCpu, jax_tq::cpu::PagedDecodeImpl,
 PYBIND11_MODULE(_cpu_ops, m) {
   m.doc() = "jax_tq CPU XLA FFI handlers";
   m.def("registrations", []() {
-    return jax_tq::FfiRegistrations(JaxTqCompressCpu, JaxTqDecompressCpu, JaxTqCompressWriteCpu,
-                                    JaxTqWriteCacheCpu, JaxTqPagedDecodeCpu);
+    return jax_tq::FfiRegistrations(JaxTqCompressCpu, JaxTqDecompressCpu, JaxTqWriteCacheCpu,
+                                    JaxTqPagedDecodeCpu);
   });
 }

@@ -17,15 +17,14 @@ namespace py = pybind11;
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxTqCompressCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxTqDecompressCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxTqCompressWriteCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxTqWriteCacheCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxTqPagedDecodeCuda);
 
 PYBIND11_MODULE(_cuda_ops, m) {
   m.doc() = "jax_tq CUDA XLA FFI handlers";
   m.def("registrations", []() {
-    return jax_tq::FfiRegistrations(JaxTqCompressCuda, JaxTqDecompressCuda, JaxTqCompressWriteCuda,
-                                    JaxTqWriteCacheCuda, JaxTqPagedDecodeCuda);
+    return jax_tq::FfiRegistrations(JaxTqCompressCuda, JaxTqDecompressCuda, JaxTqWriteCacheCuda,
+                                    JaxTqPagedDecodeCuda);
   });
   m.def(
       "device_info",

@@ -1,4 +1,4 @@
-"""TurboQuant compress / decompress / compress-and-write: public functions and their primitives.
+"""TurboQuant compress / decompress / cache write (K and V): functions and their primitives.
 
 Implements TurboQuant_mse (Zandieh et al., "TurboQuant: Online Vector Quantization with Near-optimal
 Distortion Rate", arXiv 2504.19874, Algorithm 1): store ||x|| in fp32, rotate x/||x|| by the codec's
@@ -26,9 +26,7 @@ compress_p = _compat.Primitive("jax_tq_compress")
 compress_p.multiple_results = True
 decompress_p = _compat.Primitive("jax_tq_decompress")
 decompress_p.multiple_results = True
-compress_write_p = _compat.Primitive("jax_tq_compress_write")
-compress_write_p.multiple_results = True
-write_kv_p = _compat.Primitive("jax_tq_write_cache")  # compress_write of K and V in one call
+write_kv_p = _compat.Primitive("jax_tq_write_cache")  # compress and write of K and V in one call
 write_kv_p.multiple_results = True
 
 
@@ -174,50 +172,20 @@ def _decompress_kernel_jvp(codec, dtype, backend, primals, tangents):
     return _decompress_kernel(codes, norms, codec, dtype, backend), (d_norms[:, None] * directions).astype(dtype)
 
 
-def compress_write(x, codes, norms, codec, slot_mapping, *, name="k/v"):
-    """Compress ``x`` and scatter it into a page pool at ``slot_mapping`` (in place when donated).
-
-    Args:
-      x: [num_tokens, num_kv_heads, head_dim] float32/bfloat16/float16.
-      codes: uint8 [num_pages, num_kv_heads, page_size, packed_bytes] page pool.
-      norms: float32 [num_pages, num_kv_heads, page_size].
-      codec: the pool's :class:`jax_tq.TurboQuant`.
-      slot_mapping: int32 [num_tokens]; token i goes to page slot_mapping[i] // page_size, offset
-        slot_mapping[i] % page_size. Negative or out-of-pool slots are skipped.
-      name: what ``x`` is called in error messages ("k" or "v").
-
-    Returns:
-      (codes, norms), the updated pools. The FFI call aliases them to the inputs, so under
-      ``jax.jit(..., donate_argnums=...)`` the pools are updated in place.
-
-    Raises:
-      TypeError / ValueError on dtypes and shapes that do not match (message names the argument).
-    """
-    check_packed_codec(codec, "write_cache")
-    _check_write_args(x, codes, norms, codec, slot_mapping, name)
-    backend = get_backend()
-    if backend == "xla":
-        return reference.compress_write(x, codes, norms, codec.rotation, codec.centroids, slot_mapping, codec.bits)
-    return tuple(
-        compress_write_p.bind(
-            x, codes, norms, codec.rotation, codec.centroids, slot_mapping, bits=codec.bits, backend=backend
-        )
-    )
-
-
 def write_kv(k, v, k_pools, v_pools, k_codec, v_codec, slot_mapping):
     """Compress K and V of new tokens and write both into their page pools in ONE kernel call.
 
-    The fused form of ``compress_write(k, ...)`` then ``compress_write(v, ...)`` that
-    :func:`jax_tq.write_cache` uses: on the GPU one launch serves both (a decode step's write is
-    latency-bound, so the second launch would cost as much as the first).
+    What :func:`jax_tq.write_cache` runs: on the GPU one launch serves both (a decode step's write
+    is latency-bound, so a second launch would cost as much as the first).
 
     Args:
       k, v: [num_tokens, num_kv_heads, head_dim] float32/bfloat16/float16.
       k_pools, v_pools: (codes uint8 [num_pages, num_kv_heads, page_size, packed_bytes],
         norms float32 [num_pages, num_kv_heads, page_size]) of K and of V.
       k_codec, v_codec: the pools' :class:`jax_tq.TurboQuant` codecs.
-      slot_mapping: int32 [num_tokens], shared by K and V (see :func:`compress_write`).
+      slot_mapping: int32 [num_tokens], shared by K and V; token i goes to page
+        slot_mapping[i] // page_size, offset slot_mapping[i] % page_size. Negative or out-of-pool
+        slots are skipped.
 
     Returns:
       (k_codes, k_norms, v_codes, v_norms), the updated pools, aliased to the inputs of the FFI call
@@ -315,19 +283,14 @@ def _decompress_abstract(codes, norms, rotation, centroids, *, bits, dtype, back
     return (_compat.ShapedArray((codes.shape[0], rotation.shape[0]), dtype),)
 
 
-def _compress_write_abstract(x, codes, norms, rotation, centroids, slot_mapping, *, bits, backend):
-    return (_compat.ShapedArray(codes.shape, codes.dtype), _compat.ShapedArray(norms.shape, norms.dtype))
-
-
 def _write_kv_abstract(k, v, k_codes, k_norms, v_codes, v_norms, *codecs_and_slots, k_bits, v_bits, backend):
     return tuple(_compat.ShapedArray(a.shape, a.dtype) for a in (k_codes, k_norms, v_codes, v_norms))
 
 
 compress_p.def_abstract_eval(_compress_abstract)
 decompress_p.def_abstract_eval(_decompress_abstract)
-compress_write_p.def_abstract_eval(_compress_write_abstract)
 write_kv_p.def_abstract_eval(_write_kv_abstract)
-for _prim in (compress_p, decompress_p, compress_write_p, write_kv_p):
+for _prim in (compress_p, decompress_p, write_kv_p):
     pu.define_impl(_prim)
 
 
@@ -346,7 +309,7 @@ def _flat_pools(codes, norms):
     return codes.reshape((-1,) + codes.shape[-3:]), norms.reshape((-1,) + norms.shape[-2:])
 
 
-def _compress_write_reference(x, codes, norms, rotation, centroids, slot_mapping, *, bits):
+def _pool_write_reference(x, codes, norms, rotation, centroids, slot_mapping, *, bits):
     new_codes, new_norms = reference.compress_write(x, *_flat_pools(codes, norms), rotation, centroids,
                                                     slot_mapping, bits)
     return new_codes.reshape(codes.shape), new_norms.reshape(norms.shape)
@@ -354,8 +317,8 @@ def _compress_write_reference(x, codes, norms, rotation, centroids, slot_mapping
 
 def _write_kv_reference(k, v, k_codes, k_norms, v_codes, v_norms, k_rot, k_cent, v_rot, v_cent, slots, *,
                         k_bits, v_bits):
-    k_new = _compress_write_reference(k, k_codes, k_norms, k_rot, k_cent, slots, bits=k_bits)
-    v_new = _compress_write_reference(v, v_codes, v_norms, v_rot, v_cent, slots, bits=v_bits)
+    k_new = _pool_write_reference(k, k_codes, k_norms, k_rot, k_cent, slots, bits=k_bits)
+    v_new = _pool_write_reference(v, v_codes, v_norms, v_rot, v_cent, slots, bits=v_bits)
     return (*k_new, *v_new)
 
 
@@ -367,19 +330,13 @@ def _decompress_ffi(ctx, *operands, bits, dtype):
     return _compat.ffi_lowering("jax_tq_decompress")(ctx, *operands, bits=np.int32(bits))
 
 
-def _compress_write_ffi(ctx, *operands, bits):
-    rule = _compat.ffi_lowering("jax_tq_compress_write", operand_output_aliases={1: 0, 2: 1})
-    return rule(ctx, *operands, bits=np.int32(bits))
-
-
-pu.register_lowerings(compress_p, _compress_reference, _compress_ffi)
-pu.register_lowerings(decompress_p, _decompress_reference, _decompress_ffi)
 def _write_kv_ffi(ctx, *operands, k_bits, v_bits):
     rule = _compat.ffi_lowering("jax_tq_write_cache", operand_output_aliases={2: 0, 3: 1, 4: 2, 5: 3})
     return rule(ctx, *operands, k_bits=np.int32(k_bits), v_bits=np.int32(v_bits))
 
 
-pu.register_lowerings(compress_write_p, _compress_write_reference, _compress_write_ffi)
+pu.register_lowerings(compress_p, _compress_reference, _compress_ffi)
+pu.register_lowerings(decompress_p, _decompress_reference, _decompress_ffi)
 pu.register_lowerings(write_kv_p, _write_kv_reference, _write_kv_ffi)
 
 
@@ -404,29 +361,14 @@ def _decompress_batch(args, dims, **params):
     return _rows_batch(decompress_p, 2, args, dims, **params)
 
 
-def _compress_write_batch(args, dims, *, bits, backend):
-    """vmap of a cache write: each batch element gets its own pool (shared pools are broadcast)."""
-    x, codes, norms, rotation, centroids, slots = args
-    xd, cd, nd, rd, ctd, sd = dims
-    pu.require_unbatched(("rotation", "centroids"), (rd, ctd), "write_cache")
-    size = pu.batch_size(args, dims)
-    x, codes, norms, slots = (pu.move_batch_to_front(a, d, size) for a, d in ((x, xd), (codes, cd), (norms, nd), (slots, sd)))
-    folded_slots = pu.fold_pool_batch(slots, size, _pool_slots(norms)).reshape(-1)
-    # The pools keep their batch axis: a reshape would make XLA copy the donated pools.
-    new_codes, new_norms = compress_write_p.bind(
-        x.reshape((-1,) + x.shape[2:]), codes, norms, rotation, centroids, folded_slots, bits=bits, backend=backend)
-    return [new_codes, new_norms], [0, 0]
-
-
 def _pool_slots(norms_batched):
     """Slots of one batch element's pool: norms [batch, ..., num_pages, num_kv_heads, page_size]."""
     return math.prod(norms_batched.shape[1:-2]) * norms_batched.shape[-1]
 
 
-_compat.batching.primitive_batchers[compress_p] = _compress_batch
-_compat.batching.primitive_batchers[decompress_p] = _decompress_batch
 def _write_kv_batch(args, dims, *, k_bits, v_bits, backend):
-    """vmap of a K+V cache write: as :func:`_compress_write_batch`, for both pools at once."""
+    """vmap of a K+V cache write: each batch element gets its own pools (shared pools are
+    broadcast); the pools keep their batch axis, the handlers fold it into num_pages."""
     k, v, kc, kn, vc, vn, k_rot, k_cent, v_rot, v_cent, slots = args
     pu.require_unbatched(("k rotation", "k centroids", "v rotation", "v centroids"), dims[6:10], "write_cache")
     size = pu.batch_size(args, dims)
@@ -440,5 +382,6 @@ def _write_kv_batch(args, dims, *, k_bits, v_bits, backend):
     return list(outs), [0, 0, 0, 0]
 
 
-_compat.batching.primitive_batchers[compress_write_p] = _compress_write_batch
+_compat.batching.primitive_batchers[compress_p] = _compress_batch
+_compat.batching.primitive_batchers[decompress_p] = _decompress_batch
 _compat.batching.primitive_batchers[write_kv_p] = _write_kv_batch

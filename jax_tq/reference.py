@@ -207,7 +207,7 @@ def _rotate_back(rotated, rotation, dtype):
 
 
 def compress_write(x, codes, norms, rotation, centroids, slot_mapping, bits: int):
-    """Compress tokens and scatter them into the paged pools (FFI target ``jax_tq_compress_write``).
+    """Compress tokens and scatter them into the paged pools (one pool of FFI target ``jax_tq_write_cache``).
 
     Args:
       x: float [T, Hkv, d].

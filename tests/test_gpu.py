@@ -149,7 +149,7 @@ WRITE_CASES = [(128, 4, 4, 16, 8), (64, 2, 3, 8, 2), (80, 3, 3, 48, 1), (96, 4, 
 @pytest.mark.parametrize("donate,k_dtype,v_dtype", [(False, jnp.bfloat16, jnp.float16), (True, jnp.bfloat16, jnp.bfloat16),
                                                     (False, jnp.float32, jnp.float32), (True, jnp.float16, jnp.float32)])
 @pytest.mark.parametrize("head_dim,k_bits,v_bits,page_size,hkv", WRITE_CASES)
-def test_compress_write_poisoned_pools(rng, head_dim, k_bits, v_bits, page_size, hkv, donate, k_dtype, v_dtype):
+def test_write_cache_poisoned_pools(rng, head_dim, k_bits, v_bits, page_size, hkv, donate, k_dtype, v_dtype):
     num_pages = 7
     k_codec = tq.TurboQuant(head_dim=head_dim, bits=k_bits, seed=int(rng.integers(1000)))
     v_codec = tq.TurboQuant(head_dim=head_dim, bits=v_bits, seed=int(rng.integers(1000)))

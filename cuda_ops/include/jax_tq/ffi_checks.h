@@ -166,7 +166,8 @@ inline ffi::Error validate_decompress(const Op& op, const ffi::Buffer<ffi::U8>& 
 }
 
 // ---------------------------------------------------------------------------
-// jax_tq_compress_write: x [T, Hkv, d], codes [P, Hkv, page_size, packed],
+// One pool of a cache write (jax_tq_write_cache checks K's and V's): x [T, Hkv, d],
+//   codes [P, Hkv, page_size, packed],
 //   norms [P, Hkv, page_size], rotation [d, d], centroids [2**bits],
 //   slot_mapping [T] -> codes, norms (same shapes as the operands). The pools may carry leading
 //   batch axes ([..., P, Hkv, page_size, packed]; slots then index the folded pool).
@@ -290,20 +291,7 @@ auto BindDecompress(B b) {
       .template Attr<int32_t>("bits");
 }
 
-template <typename B>
-auto BindCompressWrite(B b) {
-  return std::move(b).template Arg<ffi::AnyBuffer>()           // x [T, Hkv, d]
-      .template Arg<ffi::Buffer<ffi::U8>>()         // codes [P, Hkv, page, packed]
-      .template Arg<ffi::Buffer<ffi::F32>>()        // norms [P, Hkv, page]
-      .template Arg<ffi::Buffer<ffi::F32>>()        // rotation [d, d]
-      .template Arg<ffi::Buffer<ffi::F32>>()        // centroids [2**bits]
-      .template Arg<ffi::Buffer<ffi::S32>>()        // slot_mapping [T]
-      .template Ret<ffi::Buffer<ffi::U8>>()         // codes (aliases operand 1)
-      .template Ret<ffi::Buffer<ffi::F32>>()        // norms (aliases operand 2)
-      .template Attr<int32_t>("bits");
-}
-
-// jax_tq_write_cache: compress_write of K and of V (same slot_mapping) in one call.
+// jax_tq_write_cache: K and V written into their pools (same slot_mapping) in one call.
 template <typename B>
 auto BindWriteCache(B b) {
   return std::move(b).template Arg<ffi::AnyBuffer>()           // k [T, Hkv, d]

@@ -19,15 +19,13 @@ pybind11::capsule EncapsulateFfiHandler(T* fn) {
   return pybind11::capsule(reinterpret_cast<void*>(fn));
 }
 
-// {target_name: capsule} for the five FFI targets of one platform (docs/DESIGN.md).
+// {target_name: capsule} for the four FFI targets of one platform (docs/DESIGN.md).
 inline pybind11::dict FfiRegistrations(XLA_FFI_Handler* compress, XLA_FFI_Handler* decompress,
-                                       XLA_FFI_Handler* compress_write,
                                        XLA_FFI_Handler* write_cache,
                                        XLA_FFI_Handler* paged_decode) {
   pybind11::dict d;
   d["jax_tq_compress"] = EncapsulateFfiHandler(compress);
   d["jax_tq_decompress"] = EncapsulateFfiHandler(decompress);
-  d["jax_tq_compress_write"] = EncapsulateFfiHandler(compress_write);
   d["jax_tq_write_cache"] = EncapsulateFfiHandler(write_cache);
   d["jax_tq_paged_decode"] = EncapsulateFfiHandler(paged_decode);
   return d;
