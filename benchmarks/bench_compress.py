@@ -2,7 +2,7 @@
 (jax_tq.reference, jitted; backend "xla").
 
   1. one decode step's cache write: 64 tokens x 8 KV heads, head_dim 128, bf16 K and V, K4V4, into a
-     4096-page cache (write_cache = compress_write of K and of V, donated: in place);
+     4096-page cache (write_cache: K and V in one fused call, donated: in place);
   2. bulk compress of 1M vectors, head_dim 128, bf16, 4 bits;
   3. bulk decompress of 1M vectors to bf16.
 
