@@ -390,6 +390,23 @@ __device__ __forceinline__ void v_phase(const uint8_t* vcs, const int* vals, con
 // ---------------------------------------------------------------------------------------------
 // Split kernel.
 // ---------------------------------------------------------------------------------------------
+// Coordinate dd of query head h's result for one split, from its softmax state (m in log2 units,
+// l, and the unnormalised output acc): the final output when there is a single split, else the
+// split's partial output and (at dd == 0) its log-sum-exp for the combine kernel.
+template <int D>
+__device__ __forceinline__ void store_head_output(const DecodeParams& p, int seq, int h, int split,
+                                                  int dd, float m, float l, float acc) {
+  const float o = l > 0.f ? acc / l : 0.f;
+  const int64_t sh = static_cast<int64_t>(seq) * p.H + h;
+  if (p.num_splits == 1) {
+    p.out[sh * D + dd] = o;
+    return;
+  }
+  const int64_t li = sh * p.num_splits + split;
+  p.pout[li * D + dd] = o;
+  if (dd == 0) p.plse[li] = l > 0.f ? (m + log2f(l)) * kLn2 : -INFINITY;
+}
+
 template <int D, int GT>
 __global__ void __launch_bounds__(kThreads)
     paged_decode_split_kernel(const DecodeParams p) {
@@ -600,23 +617,12 @@ __global__ void __launch_bounds__(kThreads)
   __syncthreads();
 
   // ---- write partials (or the final output when there is a single split) ---------------------
-  const bool direct = ns == 1;
   for (int idx = tid; idx < GT * D; idx += kThreads) {
     const int g = idx / D;
     const int dd = idx - g * D;
     const int hl = tile * GT + g;
     if (hl >= p.G) continue;
-    const int h = kvh * p.G + hl;
-    const float l = ml_s[GT + g];
-    const float o = l > 0.f ? o_s[idx] / l : 0.f;
-    const int64_t sh = static_cast<int64_t>(seq) * p.H + h;
-    if (direct) {
-      p.out[sh * D + dd] = o;
-    } else {
-      const int64_t li = sh * ns + split;
-      p.pout[li * D + dd] = o;
-      if (dd == 0) p.plse[li] = l > 0.f ? (ml_s[g] + log2f(l)) * kLn2 : -INFINITY;
-    }
+    store_head_output<D>(p, seq, kvh * p.G + hl, split, dd, ml_s[g], ml_s[GT + g], o_s[idx]);
   }
 }
 
@@ -646,8 +652,6 @@ __device__ __forceinline__ void merge_warps_and_store(const DecodeParams& p, con
                                                       const float (&l_s)[kWarps][NH],
                                                       const float (&o_s)[kWarps][NH * D], int seq,
                                                       int split, int kvh, int tile) {
-  const int ns = p.num_splits;
-  const bool direct = ns == 1;
   for (int idx = threadIdx.x; idx < GT * D; idx += kThreads) {
     const int g = idx / D;
     const int dd = idx - g * D;
@@ -665,16 +669,7 @@ __device__ __forceinline__ void merge_warps_and_store(const DecodeParams& p, con
         O = fmaf(o_s[w][idx], f, O);
       }
     }
-    const int h = kvh * p.G + hl;
-    const float o = L > 0.f ? O / L : 0.f;
-    const int64_t sh = static_cast<int64_t>(seq) * p.H + h;
-    if (direct) {
-      p.out[sh * D + dd] = o;
-    } else {
-      const int64_t li = sh * ns + split;
-      p.pout[li * D + dd] = o;
-      if (dd == 0) p.plse[li] = L > 0.f ? (M + log2f(L)) * kLn2 : -INFINITY;
-    }
+    store_head_output<D>(p, seq, kvh * p.G + hl, split, dd, M, L, O);
   }
 }
 
