@@ -17,10 +17,12 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <atomic>
 #include <cstdint>
 #include <string>
 
+#include "jax_tq/cuda_float.cuh"
 #include "jax_tq/cuda_launch.h"
 #include "jax_tq/ffi_checks.h"
 #include "jax_tq/format.h"
@@ -33,8 +35,6 @@ namespace cuda {
 namespace {
 
 constexpr int kThreads = 256;
-
-enum class FType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
 
 template <int D>
 struct GemmGeom {
@@ -77,13 +77,6 @@ struct GemmParams {
   int64_t total_slots;     // write_cache: P * page_size
 };
 
-__device__ __forceinline__ float load_elem(const void* base, int dtype, int64_t i) {
-  if (dtype == static_cast<int>(FType::kF32)) return static_cast<const float*>(base)[i];
-  if (dtype == static_cast<int>(FType::kBF16))
-    return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[i]);
-  return __half2float(static_cast<const __half*>(base)[i]);
-}
-
 // Eight consecutive elements starting at element i (i a multiple of 8) as float.
 __device__ __forceinline__ void load8(const void* base, int dtype, bool vec, int64_t i,
                                       float (&v)[8]) {
@@ -114,16 +107,6 @@ __device__ __forceinline__ void load8(const void* base, int dtype, bool vec, int
   }
 #pragma unroll
   for (int k = 0; k < 8; ++k) v[k] = load_elem(base, dtype, i + k);
-}
-
-__device__ __forceinline__ void store_elem(void* base, int dtype, int64_t i, float v) {
-  if (dtype == static_cast<int>(FType::kF32)) {
-    static_cast<float*>(base)[i] = v;
-  } else if (dtype == static_cast<int>(FType::kBF16)) {
-    static_cast<__nv_bfloat16*>(base)[i] = __float2bfloat16_rn(v);
-  } else {
-    static_cast<__half*>(base)[i] = __float2half_rn(v);
-  }
 }
 
 // Four consecutive elements starting at element i (i a multiple of 4).
@@ -173,6 +156,40 @@ __device__ __forceinline__ int64_t dest_row(const GemmParams& p, int64_t n) {
   const int64_t page = s / p.page_size;
   const int64_t off = s - page * p.page_size;
   return (page * p.Hkv + h) * p.page_size + off;  // row index into [P, Hkv, page]
+}
+
+// ---------------------------------------------------------------------------------------------
+// Norms without overflow or underflow. The kernels sum squares in f32, which overflows for
+// |x| >~ 1e19 and loses the sum below ~1e-19; a row whose sum lies outside [kSafeSumSq, FLT_MAX]
+// (or is NaN) takes this rare path: re-read the row, scale it by a power of two (exact) so that its
+// largest element is ~1, sum the squares, scale back. kLanes lanes of consecutive ids share a row
+// (each sums the elements k = lane_in_row mod kLanes); the others of those lanes must call too.
+// Returns -1 when the row holds no finite nonzero element (the plain sum is right then).
+// ---------------------------------------------------------------------------------------------
+constexpr float kSafeSumSq = 0x1p-80f;
+
+__device__ __forceinline__ bool needs_scaled_norm(float sum_sq) {
+  return !(sum_sq >= kSafeSumSq && sum_sq <= FLT_MAX);
+}
+
+template <int D, int kLanes>
+__device__ __noinline__ float scaled_row_norm(const void* x, int dtype, int64_t row, int lane_in_row) {
+  const unsigned mask = kLanes == 1 ? 1u << (threadIdx.x & 31)
+                                    : ((1u << kLanes) - 1u) << ((threadIdx.x & 31) & ~(kLanes - 1));
+  float mx = 0.f;
+  for (int k = lane_in_row; k < D; k += kLanes) mx = fmaxf(mx, fabsf(load_elem(x, dtype, row * D + k)));
+  for (int o = 1; o < kLanes; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(mask, mx, o));
+  if (!(mx > 0.f && mx <= FLT_MAX)) return -1.f;
+  int e;
+  frexpf(mx, &e);
+  const float down = ldexpf(1.f, -e);
+  float s = 0.f;
+  for (int k = lane_in_row; k < D; k += kLanes) {
+    const float v = load_elem(x, dtype, row * D + k) * down;
+    s = fmaf(v, v, s);
+  }
+  for (int o = 1; o < kLanes; o <<= 1) s += __shfl_xor_sync(mask, s, o);
+  return sqrtf(s) * ldexpf(1.f, e);
 }
 
 template <int D, int VPT, bool DECOMP>
@@ -228,7 +245,11 @@ __global__ void __launch_bounds__(kThreads) tq_gemm_kernel(const GemmParams p) {
     if (tid < MV) {
       float s = 0.f;
       for (int c = 0; c < GROUPS; ++c) s += ss[c * MV + tid];
-      const float norm = sqrtf(s);
+      float norm = sqrtf(s);
+      if (n0 + tid < p.N && needs_scaled_norm(s)) {
+        const float scaled = scaled_row_norm<D, 1>(p.x, p.dtype, n0 + tid, 0);
+        if (scaled >= 0.f) norm = scaled;
+      }
       nrm[tid] = norm;
       inv[tid] = norm > 0.f ? 1.0f / norm : 0.f;
     }
@@ -759,7 +780,15 @@ __global__ void __launch_bounds__(WARPS * 32,
     ss0 += __shfl_xor_sync(0xFFFFFFFFu, ss0, 2);
     ss1 += __shfl_xor_sync(0xFFFFFFFFu, ss1, 1);
     ss1 += __shfl_xor_sync(0xFFFFFFFFu, ss1, 2);
-    const float n0 = sqrtf(ss0), n1 = sqrtf(ss1);
+    float n0 = sqrtf(ss0), n1 = sqrtf(ss1);
+    if (v0 && needs_scaled_norm(ss0)) {  // same in the quad's 4 lanes: they all take it
+      const float scaled = scaled_row_norm<D, 4>(p.x, p.dtype, r0, t);
+      if (scaled >= 0.f) n0 = scaled;
+    }
+    if (v1 && needs_scaled_norm(ss1)) {
+      const float scaled = scaled_row_norm<D, 4>(p.x, p.dtype, r1, t);
+      if (scaled >= 0.f) n1 = scaled;
+    }
     const float inv0 = n0 > 0.f ? 1.0f / n0 : 0.f;
     const float inv1 = n1 > 0.f ? 1.0f / n1 : 0.f;
 
@@ -963,26 +992,6 @@ ffi::Error invalid(const char* op, const std::string& msg) { return cuda_op(op).
 
 ffi::Error cuda_error(const char* op, const char* what, cudaError_t e) {
   return cuda_op(op).internal(std::string(what) + ": " + cudaGetErrorString(e));
-}
-
-int ftype_of(ffi::DataType t) {
-  switch (t) {
-    case ffi::DataType::F32: return static_cast<int>(FType::kF32);
-    case ffi::DataType::BF16: return static_cast<int>(FType::kBF16);
-    case ffi::DataType::F16: return static_cast<int>(FType::kF16);
-    default: return -1;
-  }
-}
-
-int sm_count() {
-  static const int n = [] {
-    int dev = 0, v = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess) return 132;
-    if (cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || v <= 0)
-      return 132;
-    return v;
-  }();
-  return n;
 }
 
 // Occupancy (blocks per SM) of a kernel whose dynamic shared-memory limit is already raised; the

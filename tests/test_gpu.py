@@ -324,6 +324,29 @@ def test_paged_decode_huge_v_norms(rng, qdtype):
         assert rel_err(got[s], want[s]) < tol, f"sequence {s}"
 
 
+@pytest.mark.parametrize("num_seqs,qdtype", [(2, jnp.bfloat16), (11, jnp.float16), (43, jnp.float32),
+                                             (171, jnp.bfloat16)])
+def test_paged_decode_row_counts(rng, num_seqs, qdtype):
+    """24, 132, 516 and 2052 query rows: the query rotation's row tiles and the combine's heads per
+    CTA (1 to 16, the last CTA partly filled), with NaN / inf query rows among them; the device
+    memory is poisoned first."""
+    q, cache, tables, lens = _decode_inputs(rng, 128, 4, 4, 16, 4, 3, qdtype, num_seqs=num_seqs, max_len=90)
+    bad = np.zeros(q.shape[:2], bool)
+    bad[-1, 5] = bad[num_seqs // 2, 0] = True
+    q = q.at[-1, 5, 7].set(jnp.nan).at[num_seqs // 2, 0, 100].set(-jnp.inf)
+    for splits in (1, 3):
+        _poison_device(q.size * 4 * 8 * 10)
+        got = np.asarray(_decode(q, cache, tables, lens, num_splits=splits).astype(jnp.float32), np.float64)
+        assert np.all(np.isnan(got[bad])) and np.all(np.isfinite(got[~bad]))
+        want = _on_cpu(decode_f64, np.asarray(jnp.where(jnp.isfinite(q), q, 0).astype(jnp.float32)), cache,
+                       tables, lens)
+        tol = 2e-5 if qdtype == jnp.float32 else 1e-2
+        assert rel_err(got[~bad], want[~bad]) < tol
+        for s in range(1, num_seqs):
+            ok = ~bad[s]
+            assert rel_err(got[s][ok], want[s][ok]) < 5 * tol, f"sequence {s}"
+
+
 def test_paged_decode_split_counts_agree(rng):
     q, cache, tables, lens = _decode_inputs(rng, 128, 4, 4, 16, 4, 2, jnp.float32, num_seqs=3, max_len=2000)
     outs = [np.asarray(_decode(q, cache, tables, lens, num_splits=s)) for s in (1, 2, 3, 7, 200)]
