@@ -30,6 +30,7 @@
 #include <cstdlib>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "jax_tq/cuda_float.cuh"
 #include "jax_tq/cuda_launch.h"
@@ -965,29 +966,60 @@ __global__ void __launch_bounds__(kThreads)
 // first (every load in flight at once), then thread (i, rr) sums rows rr and rr + 8 of output i.
 // (A thread-per-output loop over global Pi took 9-11 us: one L2 latency per step.)
 // ---------------------------------------------------------------------------------------------
+template <typename T>
+__device__ __forceinline__ float to_f32(T v) {
+  if constexpr (std::is_same_v<T, float>) return v;
+  else if constexpr (std::is_same_v<T, __nv_bfloat16>) return __bfloat162float(v);
+  else return __half2float(v);
+}
+
+template <typename T>
+__device__ __forceinline__ T from_f32(float v) {
+  if constexpr (std::is_same_v<T, float>) return v;
+  else if constexpr (std::is_same_v<T, __nv_bfloat16>) return __float2bfloat16_rn(v);
+  else return __float2half_rn(v);
+}
+
 constexpr int kRotThreads = 128;
 constexpr int kRotTile = 16;
 constexpr int kRotStride = kMaxHeadDim + 4;  // padded rows: conflict-free float4 column reads
 
+// Every global load of a thread is issued before the first shared-memory store (register arrays
+// with compile-time bounds): the staging costs one memory latency, not one per load.
+template <typename T>
 __global__ void __launch_bounds__(kRotThreads)
-    rotate_queries_kernel(const void* __restrict__ q, int dtype, const float* __restrict__ pi,
+    rotate_queries_kernel(const T* __restrict__ q, const float* __restrict__ pi,
                           float* __restrict__ q_rot, int64_t rows, int d) {
+  constexpr int kPiPer = kRotTile * kMaxHeadDim / 4 / kRotThreads;  // float4 per thread, at most
+  constexpr int kXPer = kRotTile * kMaxHeadDim / kRotThreads;       // q elements per thread, at most
   __shared__ __align__(16) float pi_s[kRotTile][kRotStride];
   __shared__ __align__(16) float x_s[kRotTile][kRotStride];
   const int tid = threadIdx.x;
   const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kRotTile;
   const int i0 = blockIdx.y * kRotTile;
   const int d4 = d / 4;
-#pragma unroll 4
-  for (int k = tid; k < kRotTile * d4; k += kRotThreads) {
-    const int ii = k / d4, j4 = k - ii * d4;
-    *reinterpret_cast<float4*>(&pi_s[ii][4 * j4]) =
-        __ldg(reinterpret_cast<const float4*>(pi + static_cast<int64_t>(i0 + ii) * d) + j4);
+  float4 wv[kPiPer];
+  float xv[kXPer];
+#pragma unroll
+  for (int u = 0; u < kPiPer; ++u) {
+    const int k = tid + u * kRotThreads, ii = k / d4;
+    if (k < kRotTile * d4)
+      wv[u] = __ldg(reinterpret_cast<const float4*>(pi + static_cast<int64_t>(i0 + ii) * d) + (k - ii * d4));
   }
-#pragma unroll 16
-  for (int k = tid; k < kRotTile * d; k += kRotThreads) {
-    const int r = k / d, j = k - r * d;
-    x_s[r][j] = r0 + r < rows ? load_elem(q, dtype, (r0 + r) * d + j) : 0.f;
+#pragma unroll
+  for (int u = 0; u < kXPer; ++u) {
+    const int k = tid + u * kRotThreads, r = k / d;
+    xv[u] = k < kRotTile * d && r0 + r < rows ? to_f32(q[(r0 + r) * d + (k - r * d)]) : 0.f;
+  }
+#pragma unroll
+  for (int u = 0; u < kPiPer; ++u) {
+    const int k = tid + u * kRotThreads, ii = k / d4;
+    if (k < kRotTile * d4) *reinterpret_cast<float4*>(&pi_s[ii][4 * (k - ii * d4)]) = wv[u];
+  }
+#pragma unroll
+  for (int u = 0; u < kXPer; ++u) {
+    const int k = tid + u * kRotThreads, r = k / d;
+    if (k < kRotTile * d) x_s[r][k - r * d] = xv[u];
   }
   __syncthreads();
   pdl_launch_dependents();  // the split kernel may start its prologue
@@ -1044,8 +1076,10 @@ __device__ __forceinline__ float split_weight(float lse, float gmax) {
   return lse == -INFINITY ? 0.f : expf(lse - gmax);
 }
 
+template <typename T>
 __global__ void __launch_bounds__(kCombineThreads)
     combine_rotate_kernel(const CombineParams c) {
+  constexpr int kPiPer = kMaxHeadDim * kCombineCols / kCombineThreads;  // Pi_v loads per thread, at most
   extern __shared__ __align__(16) float csm[];
   __shared__ float gmax_s[kCombineMaxHeads], wsum_s[kCombineMaxHeads];
   __shared__ int bad_s[kCombineMaxHeads];
@@ -1063,16 +1097,28 @@ __global__ void __launch_bounds__(kCombineThreads)
 
   // 0. inputs of the call: Pi_v's columns, the query rows' finiteness.
   if (tid < kCombineMaxHeads) bad_s[tid] = 0;
-#pragma unroll 16
-  for (int k = tid; k < d * kCombineCols; k += kCombineThreads) {
-    const int i = k / kCombineCols, j = k - i * kCombineCols;
-    pi_s[k] = j0 + j < d ? __ldg(c.pi + static_cast<int64_t>(i) * d + j0 + j) : 0.f;
+  float wv[kPiPer];
+#pragma unroll
+  for (int u = 0; u < kPiPer; ++u) {
+    const int k = tid + u * kCombineThreads, i = k / kCombineCols, j = k - i * kCombineCols;
+    wv[u] = k < d * kCombineCols && j0 + j < d ? __ldg(c.pi + static_cast<int64_t>(i) * d + j0 + j) : 0.f;
+  }
+  const T* qrows = static_cast<const T*>(c.q) + r0 * d;
+  bool bad[kCombineMaxHeads * kMaxHeadDim / kCombineThreads];
+#pragma unroll
+  for (int u = 0; u < kCombineMaxHeads * kMaxHeadDim / kCombineThreads; ++u) {
+    const int k = tid + u * kCombineThreads;
+    bad[u] = k < nh * d && !isfinite(to_f32(qrows[k]));
+  }
+#pragma unroll
+  for (int u = 0; u < kPiPer; ++u) {
+    const int k = tid + u * kCombineThreads;
+    if (k < d * kCombineCols) pi_s[k] = wv[u];
   }
   __syncthreads();
-  for (int k = tid; k < nh * d; k += kCombineThreads) {
-    const int h = k / d;
-    if (!isfinite(load_elem(c.q, c.dtype, (r0 + h) * d + (k - h * d)))) bad_s[h] = 1;
-  }
+#pragma unroll
+  for (int u = 0; u < kCombineMaxHeads * kMaxHeadDim / kCombineThreads; ++u)
+    if (bad[u]) bad_s[(tid + u * kCombineThreads) / d] = 1;
   pdl_wait();
 
   // 1. split weights, one warp per head.
@@ -1156,7 +1202,7 @@ __global__ void __launch_bounds__(kCombineThreads)
     float v = 0.f;
 #pragma unroll
     for (int g = 0; g < kCombineWarps; ++g) v += red_s[(g * hb + h) * kCombineCols + j];
-    store_elem(c.out, c.dtype, (r0 + h) * d + j0 + j, bad_s[h] ? NAN : v);
+    static_cast<T*>(c.out)[(r0 + h) * d + j0 + j] = from_f32<T>(bad_s[h] ? NAN : v);
   }
 }
 
@@ -1181,6 +1227,34 @@ int combine_heads(int64_t rows, int d) {
   int heads = 1;
   while (heads < most && heads * 2 <= want) heads *= 2;
   return heads;
+}
+
+cudaError_t launch_rotate_queries(int dtype, dim3 grid, cudaStream_t stream, const void* q,
+                                  const float* pi, float* q_rot, int64_t rows, int d) {
+  auto go = [&](auto kernel, auto typed_q) {
+    return launch_kernel(kernel, grid, kRotThreads, 0, stream, false, typed_q, pi, q_rot, rows, d);
+  };
+  if (dtype == static_cast<int>(FType::kF32))
+    return go(rotate_queries_kernel<float>, static_cast<const float*>(q));
+  if (dtype == static_cast<int>(FType::kBF16))
+    return go(rotate_queries_kernel<__nv_bfloat16>, static_cast<const __nv_bfloat16*>(q));
+  return go(rotate_queries_kernel<__half>, static_cast<const __half*>(q));
+}
+
+template <typename T>
+cudaError_t launch_combine_typed(dim3 grid, cudaStream_t stream, bool pdl, const CombineParams& c) {
+  const int smem = combine_smem_bytes(c.d, c.heads);
+  static std::atomic<uint64_t> smem_set{0};
+  if (cudaError_t e = allow_dynamic_smem(smem_set, combine_rotate_kernel<T>, smem); e != cudaSuccess)
+    return e;
+  return launch_kernel(combine_rotate_kernel<T>, grid, kCombineThreads, smem, stream, pdl, c);
+}
+
+cudaError_t launch_combine(int dtype, dim3 grid, cudaStream_t stream, bool pdl, const CombineParams& c) {
+  if (dtype == static_cast<int>(FType::kF32)) return launch_combine_typed<float>(grid, stream, pdl, c);
+  if (dtype == static_cast<int>(FType::kBF16))
+    return launch_combine_typed<__nv_bfloat16>(grid, stream, pdl, c);
+  return launch_combine_typed<__half>(grid, stream, pdl, c);
 }
 
 // Where a split kernel goes: stream, grid, and whether it is a programmatic dependent launch.
@@ -1431,9 +1505,9 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::AnyBuffer q,
   // 1. q_rot = Pi_k q (f32).
   const dim3 rot_grid(static_cast<unsigned>((rows + kRotTile - 1) / kRotTile),
                       static_cast<unsigned>(d / kRotTile));
-  if (cudaError_t e = launch_kernel(rotate_queries_kernel, rot_grid, kRotThreads, 0, stream, false,
-                                    q.untyped_data(), dtype, k_rotation.typed_data(),
-                                    q_rot->typed_data(), rows, static_cast<int>(d));
+  if (cudaError_t e = launch_rotate_queries(dtype, rot_grid, stream, q.untyped_data(),
+                                            k_rotation.typed_data(), q_rot->typed_data(), rows,
+                                            static_cast<int>(d));
       e != cudaSuccess)
     return cuda_error("query rotation launch", e);
 
@@ -1454,15 +1528,9 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::AnyBuffer q,
   c.d = static_cast<int>(d);
   c.heads = combine_heads(rows, static_cast<int>(d));
   c.dtype = dtype;
-  const int smem = combine_smem_bytes(c.d, c.heads);
-  static std::atomic<uint64_t> smem_set{0};
-  if (cudaError_t e = allow_dynamic_smem(smem_set, combine_rotate_kernel, smem); e != cudaSuccess)
-    return cuda_error("combine shared memory attribute", e);
   const dim3 comb_grid(static_cast<unsigned>((rows + c.heads - 1) / c.heads),
                        static_cast<unsigned>((d + kCombineCols - 1) / kCombineCols));
-  if (cudaError_t e = launch_kernel(combine_rotate_kernel, comb_grid, kCombineThreads, smem, stream,
-                                    pdl, c);
-      e != cudaSuccess)
+  if (cudaError_t e = launch_combine(dtype, comb_grid, stream, pdl, c); e != cudaSuccess)
     return cuda_error("combine kernel launch", e);
   return ffi::Error::Success();
 }
