@@ -22,7 +22,6 @@
 #include <cstdint>
 #include <string>
 
-#include "jax_tq/cuda_float.cuh"
 #include "jax_tq/cuda_launch.h"
 #include "jax_tq/ffi_checks.h"
 #include "jax_tq/format.h"
@@ -35,6 +34,8 @@ namespace cuda {
 namespace {
 
 constexpr int kThreads = 256;
+
+enum class FType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
 
 template <int D>
 struct GemmGeom {
@@ -77,6 +78,13 @@ struct GemmParams {
   int64_t total_slots;     // write_cache: P * page_size
 };
 
+__device__ __forceinline__ float load_elem(const void* base, int dtype, int64_t i) {
+  if (dtype == static_cast<int>(FType::kF32)) return static_cast<const float*>(base)[i];
+  if (dtype == static_cast<int>(FType::kBF16))
+    return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[i]);
+  return __half2float(static_cast<const __half*>(base)[i]);
+}
+
 // Eight consecutive elements starting at element i (i a multiple of 8) as float.
 __device__ __forceinline__ void load8(const void* base, int dtype, bool vec, int64_t i,
                                       float (&v)[8]) {
@@ -107,6 +115,16 @@ __device__ __forceinline__ void load8(const void* base, int dtype, bool vec, int
   }
 #pragma unroll
   for (int k = 0; k < 8; ++k) v[k] = load_elem(base, dtype, i + k);
+}
+
+__device__ __forceinline__ void store_elem(void* base, int dtype, int64_t i, float v) {
+  if (dtype == static_cast<int>(FType::kF32)) {
+    static_cast<float*>(base)[i] = v;
+  } else if (dtype == static_cast<int>(FType::kBF16)) {
+    static_cast<__nv_bfloat16*>(base)[i] = __float2bfloat16_rn(v);
+  } else {
+    static_cast<__half*>(base)[i] = __float2half_rn(v);
+  }
 }
 
 // Four consecutive elements starting at element i (i a multiple of 4).
@@ -992,6 +1010,26 @@ ffi::Error invalid(const char* op, const std::string& msg) { return cuda_op(op).
 
 ffi::Error cuda_error(const char* op, const char* what, cudaError_t e) {
   return cuda_op(op).internal(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+int ftype_of(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::F32: return static_cast<int>(FType::kF32);
+    case ffi::DataType::BF16: return static_cast<int>(FType::kBF16);
+    case ffi::DataType::F16: return static_cast<int>(FType::kF16);
+    default: return -1;
+  }
+}
+
+int sm_count() {
+  static const int n = [] {
+    int dev = 0, v = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) return 132;
+    if (cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || v <= 0)
+      return 132;
+    return v;
+  }();
+  return n;
 }
 
 // Occupancy (blocks per SM) of a kernel whose dynamic shared-memory limit is already raised; the

@@ -4,10 +4,8 @@
 // Split-K: for each (seq, kv head, split) every K/V token row is decoded once and
 // reused by all query heads of the GQA group; each (seq, q head, split) writes its
 // partial (lse = m + log(l), out = o / l) into the workspace results, then a
-// log-sum-exp combine produces the output in V's rotated space, rotated back by Pi_v^T.
-// q is rotated into K's space first (q_rot = Pi_k q, in double; its f32 copy goes to the
-// q_rot workspace). Softmax accumulation is in double with running-max subtraction, so huge
-// logits never give inf/NaN. A query row holding a NaN or inf gives a NaN output row.
+// log-sum-exp combine produces out_rot. Softmax accumulation is in double with
+// running-max subtraction, so huge logits never give inf/NaN.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -17,7 +15,6 @@
 
 #include "jax_tq/ffi_checks.h"
 #include "jax_tq/format.h"
-#include "jax_tq/host_float.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -53,32 +50,14 @@ void group_dots(const double* q, const double* k, int64_t G, int64_t d, double* 
   }
 }
 
-// y = Pi x (y_i = sum_j Pi[i, j] x_j), in double.
-void rotate(const float* pi, const float* x, int64_t d, double* y) {
-  for (int64_t i = 0; i < d; ++i) {
-    double a = 0.0;
-    for (int64_t j = 0; j < d; ++j) a += double(pi[i * d + j]) * double(x[j]);
-    y[i] = a;
-  }
-}
-
-// y = Pi^T x (y_j = sum_i x_i Pi[i, j]), in double, rounded to float.
-void rotate_back(const float* pi, const double* x, int64_t d, float* y) {
-  double acc[kMaxHeadDim] = {0.0};
-  for (int64_t i = 0; i < d; ++i)
-    for (int64_t j = 0; j < d; ++j) acc[j] += x[i] * double(pi[i * d + j]);
-  for (int64_t j = 0; j < d; ++j) y[j] = float(acc[j]);
-}
-
 }  // namespace
 
-ffi::Error PagedDecodeImpl(ffi::AnyBuffer q, ffi::Buffer<ffi::U8> k_codes,
+ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q_rot, ffi::Buffer<ffi::U8> k_codes,
                            ffi::Buffer<ffi::F32> k_norms, ffi::Buffer<ffi::U8> v_codes,
                            ffi::Buffer<ffi::F32> v_norms, ffi::Buffer<ffi::F32> k_centroids,
-                           ffi::Buffer<ffi::F32> v_centroids, ffi::Buffer<ffi::F32> k_rotation,
-                           ffi::Buffer<ffi::F32> v_rotation, ffi::Buffer<ffi::S32> block_tables,
-                           ffi::Buffer<ffi::S32> seq_lens, ffi::Result<ffi::AnyBuffer> out,
-                           ffi::Result<ffi::Buffer<ffi::F32>> q_rot,
+                           ffi::Buffer<ffi::F32> v_centroids, ffi::Buffer<ffi::S32> block_tables,
+                           ffi::Buffer<ffi::S32> seq_lens,
+                           ffi::Result<ffi::Buffer<ffi::F32>> out_rot,
                            ffi::Result<ffi::Buffer<ffi::F32>> partial_out,
                            ffi::Result<ffi::Buffer<ffi::F32>> partial_lse, int32_t k_bits,
                            int32_t v_bits, int32_t num_splits, float scale,
@@ -87,19 +66,13 @@ ffi::Error PagedDecodeImpl(ffi::AnyBuffer q, ffi::Buffer<ffi::U8> k_codes,
   static constexpr ffi_checks::Op op{"jax_tq_paged_decode", ffi_checks::kCpuTag};
   ffi_checks::DecodeDims dims;
   JTQ_RETURN_IF_ERROR(ffi_checks::validate_paged_decode(
-      op, q, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids, k_rotation, v_rotation,
-      block_tables, seq_lens, *out, *q_rot, *partial_out, *partial_lse, k_bits, v_bits,
-      num_splits, &dims));
+      op, q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids, block_tables,
+      seq_lens, *out_rot, *partial_out, *partial_lse, k_bits, v_bits, num_splits, &dims));
   const int64_t S = dims.S, H = dims.H, d = dims.d;
   const int64_t P = dims.P, Hkv = dims.Hkv, page = dims.page;
   const int64_t kpb = dims.kpb, vpb = dims.vpb, max_pages = dims.max_pages, ns = dims.ns;
 
-  const FloatKind qkind = kind_of(q.element_type());
-  const void* qdata = q.untyped_data();
-  void* odata = out->untyped_data();
-  float* qr = q_rot->typed_data();
-  const float* kpi = k_rotation.typed_data();
-  const float* vpi = v_rotation.typed_data();
+  const float* q = q_rot.typed_data();
   const uint8_t* kc = k_codes.typed_data();
   const float* kn = k_norms.typed_data();
   const uint8_t* vc = v_codes.typed_data();
@@ -108,6 +81,7 @@ ffi::Error PagedDecodeImpl(ffi::AnyBuffer q, ffi::Buffer<ffi::U8> k_codes,
   const float* vcent = v_centroids.typed_data();
   const int32_t* bt = block_tables.typed_data();
   const int32_t* sl = seq_lens.typed_data();
+  float* out = out_rot->typed_data();
   float* pout = partial_out->typed_data();
   float* plse = partial_lse->typed_data();
 
@@ -116,8 +90,7 @@ ffi::Error PagedDecodeImpl(ffi::AnyBuffer q, ffi::Buffer<ffi::U8> k_codes,
 
   // Per-group workspace: running max / sum / unnormalised output per query head.
   std::vector<double> m(G), l(G), o(G * d);
-  std::vector<double> qg(G * d);  // rotated query rows of the group, in double
-  std::vector<uint8_t> finite(G);  // whether each query row of the group is finite
+  std::vector<double> qg(G * d);  // query rows of the group, in double
   std::vector<double> dots(G);    // q . k of each query head for the current token
   // Double copy of each split's lse for the combine (the f32 workspace copy loses
   // ~ulp(max logit) which matters for huge logits); o/l is combined from the f32
@@ -125,21 +98,14 @@ ffi::Error PagedDecodeImpl(ffi::AnyBuffer q, ffi::Buffer<ffi::U8> k_codes,
   std::vector<double> lse_d(G * ns);
   uint8_t codes[kMaxHeadDim];
   double krow[kMaxHeadDim], vrow[kMaxHeadDim];
-  float qrow[kMaxHeadDim], orow[kMaxHeadDim];
 
   for (int64_t s = 0; s < S; ++s) {
     const int32_t* bts = bt + s * max_pages;
 
     for (int64_t g = 0; g < Hkv; ++g) {
       const int64_t h0 = g * G;
-      for (int64_t hh = 0; hh < G; ++hh) {
-        const int64_t row = (s * H + h0 + hh) * d;
-        load_row(qdata, qkind, row, static_cast<int>(d), qrow);
-        finite[hh] = 1;
-        for (int64_t j = 0; j < d; ++j) finite[hh] &= std::isfinite(qrow[j]) ? 1 : 0;
-        rotate(kpi, qrow, d, &qg[hh * d]);  // q_rot = Pi_k q
-        for (int64_t i = 0; i < d; ++i) qr[row + i] = float(qg[hh * d + i]);
-      }
+      for (int64_t hh = 0; hh < G; ++hh)
+        for (int64_t i = 0; i < d; ++i) qg[hh * d + i] = q[((s * H) + h0 + hh) * d + i];
 
       for (int64_t sp = 0; sp < ns; ++sp) {
         std::fill(m.begin(), m.end(), kNegInf);
@@ -206,25 +172,23 @@ ffi::Error PagedDecodeImpl(ffi::AnyBuffer q, ffi::Buffer<ffi::U8> k_codes,
         const int64_t h = h0 + hh;
         const double* lse = &lse_d[hh * ns];
         const float* po = pout + (s * H + h) * ns * d;
-        const int64_t row = (s * H + h) * d;
-        double orot[kMaxHeadDim] = {0.0};
+        float* oh = out + (s * H + h) * d;
         double gmax = kNegInf;
         for (int64_t sp = 0; sp < ns; ++sp) gmax = std::max(gmax, lse[sp]);
-        if (gmax > kNegInf) {
-          double wsum = 0.0;
-          for (int64_t sp = 0; sp < ns; ++sp) {
-            if (!(lse[sp] > kNegInf)) continue;
-            const double w = std::exp(lse[sp] - gmax);
-            wsum += w;
-            for (int64_t i = 0; i < d; ++i) orot[i] += w * double(po[sp * d + i]);
-          }
-          const double inv = 1.0 / wsum;  // wsum >= 1 (the max split has w = 1)
-          for (int64_t i = 0; i < d; ++i) orot[i] *= inv;
+        if (!(gmax > kNegInf)) {
+          for (int64_t i = 0; i < d; ++i) oh[i] = 0.0f;
+          continue;
         }
-        rotate_back(vpi, orot, d, orow);  // out = Pi_v^T o_rot
-        if (!finite[hh])
-          for (int64_t i = 0; i < d; ++i) orow[i] = std::numeric_limits<float>::quiet_NaN();
-        store_row(odata, qkind, row, static_cast<int>(d), orow);
+        double acc[kMaxHeadDim] = {0.0};
+        double wsum = 0.0;
+        for (int64_t sp = 0; sp < ns; ++sp) {
+          if (!(lse[sp] > kNegInf)) continue;
+          const double w = std::exp(lse[sp] - gmax);
+          wsum += w;
+          for (int64_t i = 0; i < d; ++i) acc[i] += w * double(po[sp * d + i]);
+        }
+        const double inv = 1.0 / wsum;  // wsum >= 1 (the max split has w = 1)
+        for (int64_t i = 0; i < d; ++i) oh[i] = float(acc[i] * inv);
       }
     }
   }

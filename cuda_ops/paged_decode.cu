@@ -30,9 +30,7 @@
 #include <cstdlib>
 #include <cstdint>
 #include <string>
-#include <type_traits>
 
-#include "jax_tq/cuda_float.cuh"
 #include "jax_tq/cuda_launch.h"
 #include "jax_tq/ffi_checks.h"
 #include "jax_tq/format.h"
@@ -98,24 +96,6 @@ __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
-}
-
-// ---------------------------------------------------------------------------------------------
-// Programmatic dependent launch (sm_90): a kernel launched with the programmatic-serialization
-// attribute may start while its predecessor on the stream still runs; pdl_wait() blocks until the
-// predecessor has finished and its writes are visible (a no-op without the attribute or below
-// sm_90). pdl_launch_dependents() lets the next kernel start early.
-// ---------------------------------------------------------------------------------------------
-__device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void pdl_launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
 }
 
 // Division by a runtime constant d (1 <= d < 2^31) for 0 <= x < 2^31:
@@ -440,7 +420,6 @@ __global__ void __launch_bounds__(kThreads)
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ float kcent_s[16];
   __shared__ float vcent_s[16];
-  pdl_wait();  // q is the query-rotation kernel's output
   uint8_t* kc_s = smem + L::kc_off;
   uint8_t* vc_s = smem + L::vc_off;
   float* kn_s = reinterpret_cast<float*>(smem + L::kn_off);
@@ -750,7 +729,6 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ float m_s[kWarps][GT];
   __shared__ float l_s[kWarps][GT];
   __shared__ __align__(16) float o_s[kWarps][GT * D];
-  pdl_wait();  // q is the query-rotation kernel's output
 
   const int tid = threadIdx.x;
   const int warp = tid >> 5;
@@ -961,248 +939,84 @@ __global__ void __launch_bounds__(kThreads)
 #include "paged_decode_mma.cuh"
 
 // ---------------------------------------------------------------------------------------------
-// Query rotation: q_rot[r, i] = sum_j Pi_k[i, j] q[r, j] in f32 (q of any float dtype). One CTA
-// per tile of 16 rows x 16 outputs i: the tile's rows of q and of Pi_k are staged in shared memory
-// first (every load in flight at once), then thread (i, rr) sums rows rr and rr + 8 of output i.
-// (A thread-per-output loop over global Pi took 9-11 us: one L2 latency per step.)
-// ---------------------------------------------------------------------------------------------
-template <typename T>
-__device__ __forceinline__ float to_f32(T v) {
-  if constexpr (std::is_same_v<T, float>) return v;
-  else if constexpr (std::is_same_v<T, __nv_bfloat16>) return __bfloat162float(v);
-  else return __half2float(v);
-}
-
-template <typename T>
-__device__ __forceinline__ T from_f32(float v) {
-  if constexpr (std::is_same_v<T, float>) return v;
-  else if constexpr (std::is_same_v<T, __nv_bfloat16>) return __float2bfloat16_rn(v);
-  else return __float2half_rn(v);
-}
-
-constexpr int kRotThreads = 128;
-constexpr int kRotTile = 16;
-constexpr int kRotStride = kMaxHeadDim + 4;  // padded rows: conflict-free float4 column reads
-
-// Every global load of a thread is issued before the first shared-memory store (register arrays
-// with compile-time bounds): the staging costs one memory latency, not one per load.
-template <typename T>
-__global__ void __launch_bounds__(kRotThreads)
-    rotate_queries_kernel(const T* __restrict__ q, const float* __restrict__ pi,
-                          float* __restrict__ q_rot, int64_t rows, int d) {
-  constexpr int kPiPer = kRotTile * kMaxHeadDim / 4 / kRotThreads;  // float4 per thread, at most
-  constexpr int kXPer = kRotTile * kMaxHeadDim / kRotThreads;       // q elements per thread, at most
-  __shared__ __align__(16) float pi_s[kRotTile][kRotStride];
-  __shared__ __align__(16) float x_s[kRotTile][kRotStride];
-  const int tid = threadIdx.x;
-  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kRotTile;
-  const int i0 = blockIdx.y * kRotTile;
-  const int d4 = d / 4;
-  float4 wv[kPiPer];
-  float xv[kXPer];
-#pragma unroll
-  for (int u = 0; u < kPiPer; ++u) {
-    const int k = tid + u * kRotThreads, ii = k / d4;
-    if (k < kRotTile * d4)
-      wv[u] = __ldg(reinterpret_cast<const float4*>(pi + static_cast<int64_t>(i0 + ii) * d) + (k - ii * d4));
-  }
-#pragma unroll
-  for (int u = 0; u < kXPer; ++u) {
-    const int k = tid + u * kRotThreads, r = k / d;
-    xv[u] = k < kRotTile * d && r0 + r < rows ? to_f32(q[(r0 + r) * d + (k - r * d)]) : 0.f;
-  }
-#pragma unroll
-  for (int u = 0; u < kPiPer; ++u) {
-    const int k = tid + u * kRotThreads, ii = k / d4;
-    if (k < kRotTile * d4) *reinterpret_cast<float4*>(&pi_s[ii][4 * (k - ii * d4)]) = wv[u];
-  }
-#pragma unroll
-  for (int u = 0; u < kXPer; ++u) {
-    const int k = tid + u * kRotThreads, r = k / d;
-    if (k < kRotTile * d) x_s[r][k - r * d] = xv[u];
-  }
-  __syncthreads();
-  pdl_launch_dependents();  // the split kernel may start its prologue
-  const int i = tid % kRotTile, rr = tid / kRotTile;
-  float a0 = 0.f, a1 = 0.f;
-  for (int j4 = 0; j4 < d4; ++j4) {
-    const float4 w = *reinterpret_cast<const float4*>(&pi_s[i][4 * j4]);
-    const float4 x0 = *reinterpret_cast<const float4*>(&x_s[rr][4 * j4]);
-    const float4 x1 = *reinterpret_cast<const float4*>(&x_s[rr + 8][4 * j4]);
-    a0 = fmaf(w.x, x0.x, fmaf(w.y, x0.y, fmaf(w.z, x0.z, fmaf(w.w, x0.w, a0))));
-    a1 = fmaf(w.x, x1.x, fmaf(w.y, x1.y, fmaf(w.z, x1.z, fmaf(w.w, x1.w, a1))));
-  }
-  if (r0 + rr < rows) q_rot[(r0 + rr) * d + i0 + i] = a0;
-  if (r0 + rr + 8 < rows) q_rot[(r0 + rr + 8) * d + i0 + i] = a1;
-}
-
-// ---------------------------------------------------------------------------------------------
-// Combine + output: one CTA of kCombineThreads per (block of `heads` consecutive (seq, head) rows,
-// block of kCombineCols output columns j):
-//   0. Pi_v[:, j0:j0+32] is staged in shared memory and the non-finite query rows are flagged
-//      before waiting for the split kernel (both are inputs of the call);
-//   1. per head, the split weights w_s = exp(lse_s - max lse) (one warp per head, shuffles);
-//   2. o_rot = sum_s w_s partial_s / sum_s w_s for the block's heads: each thread sums one float4
-//      column of one head over every groups-th split (independent loads spread over the CTA); with
-//      one split the partial is the split kernel's o / l itself;
-//   3. out[h, j] = sum_i o_rot[h, i] Pi_v[i, j]: warp g sums the i = g mod 8 terms of column
-//      j = lane for every head, the 8 warps' sums are added through shared memory; NaN where the
-//      query row holds a NaN or inf; cast to the output dtype.
-// The merge of step 2 is repeated by the d / 32 column blocks of a head block (L2 reads).
+// Combine kernel: one CTA of kCombineThreads per (seq, head). The split weights
+// w_s = exp(lse_s - max lse) go through shared memory first; then each warp sums every
+// kCombineGroups-th split's partial output (float4 columns), so that the loads are independent of
+// each other and spread over the whole CTA, and the warps' sums are added through shared memory.
+// (One dependent load + exp per split per thread took 24 us for 49 splits on the H200.)
 // ---------------------------------------------------------------------------------------------
 constexpr int kCombineThreads = 256;
-constexpr int kCombineWarps = kCombineThreads / 32;
-constexpr int kCombineCols = 32;
-constexpr int kCombineMaxHeads = 16;
-constexpr int kCombineStaged = 512;  // staged split weights per CTA (heads * ns); beyond: exp inline
+constexpr int kCombineGroups = kCombineThreads / 32;
+constexpr int kCombineMaxSplits = 1024;  // weights staged in shared memory; more splits: exp inline
+constexpr int kCombineMaxD = 256;        // the largest head_dim the handlers accept
 
-struct CombineParams {
-  const float* pout;   // [rows, ns, d]
-  const float* plse;   // [rows, ns] (ns > 1)
-  const void* q;       // [rows, d], for the non-finite check
-  const float* pi;     // Pi_v [d, d]
-  void* out;           // [rows, d]
-  int64_t rows;
-  int ns, d, heads, dtype;
-};
-
-// Dynamic shared memory of combine_rotate_kernel: Pi_v columns [d][32], o_rot [heads][d], the
-// merge's group sums (256 float4), the staged split weights.
-inline int combine_smem_bytes(int d, int heads) {
-  return 4 * (d * kCombineCols + heads * d + 4 * kCombineThreads + kCombineStaged);
+__device__ __forceinline__ float block_reduce(float v, float* red, bool is_max) {
+  for (int off = 16; off > 0; off >>= 1) {
+    const float o = __shfl_xor_sync(0xffffffffu, v, off);
+    v = is_max ? fmaxf(v, o) : v + o;
+  }
+  __syncthreads();  // red is reused between calls
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+  __syncthreads();
+  v = red[0];
+  for (int w = 1; w < kCombineGroups; ++w) v = is_max ? fmaxf(v, red[w]) : v + red[w];
+  return v;
 }
 
-__device__ __forceinline__ float split_weight(float lse, float gmax) {
-  return lse == -INFINITY ? 0.f : expf(lse - gmax);
-}
-
-template <typename T>
 __global__ void __launch_bounds__(kCombineThreads)
-    combine_rotate_kernel(const CombineParams c) {
-  constexpr int kPiPer = kMaxHeadDim * kCombineCols / kCombineThreads;  // Pi_v loads per thread, at most
-  extern __shared__ __align__(16) float csm[];
-  __shared__ float gmax_s[kCombineMaxHeads], wsum_s[kCombineMaxHeads];
-  __shared__ int bad_s[kCombineMaxHeads];
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int d = c.d, ns = c.ns, hb = c.heads;
-  float* pi_s = csm;                        // [d][32]
-  float* o_s = pi_s + d * kCombineCols;     // [hb][d]
-  float* acc_s = o_s + hb * d;              // [4 * 256]
-  float* w_s = acc_s + 4 * kCombineThreads; // [hb][ns] when hb * ns <= kCombineStaged
-  float* red_s = csm;                       // step 3: [8][hb][32], over pi_s and o_s
-  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * hb;
-  const int nh = static_cast<int>(c.rows - r0 < hb ? c.rows - r0 : hb);
-  const int j0 = blockIdx.y * kCombineCols;
-  const bool staged = hb * ns <= kCombineStaged;
-
-  // 0. inputs of the call: Pi_v's columns, the query rows' finiteness.
-  if (tid < kCombineMaxHeads) bad_s[tid] = 0;
-  float wv[kPiPer];
-#pragma unroll
-  for (int u = 0; u < kPiPer; ++u) {
-    const int k = tid + u * kCombineThreads, i = k / kCombineCols, j = k - i * kCombineCols;
-    wv[u] = k < d * kCombineCols && j0 + j < d ? __ldg(c.pi + static_cast<int64_t>(i) * d + j0 + j) : 0.f;
+    paged_decode_combine_kernel(const float* __restrict__ pout, const float* __restrict__ plse,
+                                float* __restrict__ out, int ns, int D) {
+  __shared__ float w_s[kCombineMaxSplits];
+  __shared__ float red[kCombineGroups];
+  __shared__ __align__(16) float acc_s[kCombineGroups][kCombineMaxD];
+  const int64_t sh = blockIdx.x;
+  const float* lse = plse + sh * ns;
+  const float* po = pout + sh * ns * D;
+  float* o = out + sh * D;
+  float gmax = -INFINITY;
+  for (int s = threadIdx.x; s < ns; s += kCombineThreads) gmax = fmaxf(gmax, lse[s]);
+  gmax = block_reduce(gmax, red, true);
+  if (gmax == -INFINITY) {
+    for (int d = threadIdx.x; d < D; d += kCombineThreads) o[d] = 0.f;
+    return;
   }
-  const T* qrows = static_cast<const T*>(c.q) + r0 * d;
-  bool bad[kCombineMaxHeads * kMaxHeadDim / kCombineThreads];
-#pragma unroll
-  for (int u = 0; u < kCombineMaxHeads * kMaxHeadDim / kCombineThreads; ++u) {
-    const int k = tid + u * kCombineThreads;
-    bad[u] = k < nh * d && !isfinite(to_f32(qrows[k]));
+  const int staged = ns < kCombineMaxSplits ? ns : kCombineMaxSplits;
+  float wpart = 0.f;
+  for (int s = threadIdx.x; s < ns; s += kCombineThreads) {
+    const float ls = lse[s];
+    const float w = ls == -INFINITY ? 0.f : expf(ls - gmax);
+    if (s < staged) w_s[s] = w;
+    wpart += w;
   }
-#pragma unroll
-  for (int u = 0; u < kPiPer; ++u) {
-    const int k = tid + u * kCombineThreads;
-    if (k < d * kCombineCols) pi_s[k] = wv[u];
-  }
-  __syncthreads();
-#pragma unroll
-  for (int u = 0; u < kCombineMaxHeads * kMaxHeadDim / kCombineThreads; ++u)
-    if (bad[u]) bad_s[(tid + u * kCombineThreads) / d] = 1;
-  pdl_wait();
-
-  // 1. split weights, one warp per head.
-  for (int h = warp; h < nh; h += kCombineWarps) {
-    if (ns == 1) {
-      if (lane == 0) { w_s[h] = 1.f; gmax_s[h] = 0.f; wsum_s[h] = 1.f; }
-      continue;
-    }
-    const float* lse = c.plse + (r0 + h) * ns;
-    float gmax = -INFINITY;
-    for (int s = lane; s < ns; s += 32) gmax = fmaxf(gmax, lse[s]);
-    gmax = warp_max(gmax);
-    float wsum = 0.f;
-    for (int s = lane; s < ns; s += 32) {
-      const float w = gmax == -INFINITY ? 0.f : split_weight(lse[s], gmax);
-      if (staged) w_s[h * ns + s] = w;
-      wsum += w;
-    }
-    wsum = warp_sum(wsum);
-    if (lane == 0) { gmax_s[h] = gmax; wsum_s[h] = wsum; }
-  }
-  __syncthreads();
-
-  // 2. o_rot of the block's heads: `units` (head, float4 column) pairs, `groups` split groups.
-  const int cols4 = d / 4, units = nh * cols4;
-  const int groups = units >= kCombineThreads ? 1 : kCombineThreads / units;
-  for (int k = tid; k < units * groups; k += kCombineThreads) {
-    const int g = k / units, u = k - g * units;
-    const int h = u / cols4, c4 = u - h * cols4;
-    const float* po = c.pout + (r0 + h) * ns * d + 4 * c4;
-    const float gmax = gmax_s[h];
+  const float wsum = block_reduce(wpart, red, false);  // >= 1: the max split has weight 1
+  const int group = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int c = lane; c < D / 4; c += 32) {
     float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (gmax > -INFINITY) {
 #pragma unroll 4
-      for (int s = g; s < ns; s += groups) {
-        const float w = staged ? w_s[h * ns + s] : split_weight(c.plse[(r0 + h) * ns + s], gmax);
-        const float4 v = *reinterpret_cast<const float4*>(po + static_cast<int64_t>(s) * d);
-        if (w != 0.f) {  // an empty split's partial output is never written: skip it
-          a.x = fmaf(w, v.x, a.x);
-          a.y = fmaf(w, v.y, a.y);
-          a.z = fmaf(w, v.z, a.z);
-          a.w = fmaf(w, v.w, a.w);
-        }
+    for (int s = group; s < ns; s += kCombineGroups) {
+      float w;
+      if (s < staged) {
+        w = w_s[s];
+      } else {
+        const float ls = lse[s];
+        w = ls == -INFINITY ? 0.f : expf(ls - gmax);
+      }
+      const float4 v = *reinterpret_cast<const float4*>(po + static_cast<int64_t>(s) * D + 4 * c);
+      if (w != 0.f) {  // an empty split's partial output is never written: skip it
+        a.x = fmaf(w, v.x, a.x);
+        a.y = fmaf(w, v.y, a.y);
+        a.z = fmaf(w, v.z, a.z);
+        a.w = fmaf(w, v.w, a.w);
       }
     }
-    const float inv = wsum_s[h] > 0.f ? 1.f / wsum_s[h] : 0.f;
-    if (groups == 1) {
-      *reinterpret_cast<float4*>(&o_s[h * d + 4 * c4]) =
-          make_float4(a.x * inv, a.y * inv, a.z * inv, a.w * inv);
-    } else {
-      *reinterpret_cast<float4*>(&acc_s[4 * k]) = a;
-    }
+    *reinterpret_cast<float4*>(&acc_s[group][4 * c]) = a;
   }
   __syncthreads();
-  if (groups > 1) {
-    for (int k = tid; k < nh * d; k += kCombineThreads) {
-      const int h = k / d, i = k - h * d;
-      float acc = 0.f;
-      for (int g = 0; g < groups; ++g) acc += acc_s[4 * (g * units + h * cols4) + i];
-      o_s[k] = wsum_s[h] > 0.f ? acc / wsum_s[h] : 0.f;
-    }
-    __syncthreads();
-  }
-
-  // 3. out[h, j0 + lane] = sum_i o_rot[h, i] Pi_v[i, j0 + lane], i = warp mod 8 in this warp.
-  float acc[kCombineMaxHeads] = {};
-  for (int i = warp; i < d; i += kCombineWarps) {
-    const float w = pi_s[i * kCombineCols + lane];
+  for (int d = threadIdx.x; d < D; d += kCombineThreads) {
+    float acc = 0.f;
 #pragma unroll
-    for (int h = 0; h < kCombineMaxHeads; ++h)
-      if (h < nh) acc[h] = fmaf(o_s[h * d + i], w, acc[h]);
-  }
-  __syncthreads();  // pi_s and o_s are read: red_s may overwrite them
-#pragma unroll
-  for (int h = 0; h < kCombineMaxHeads; ++h)
-    if (h < nh) red_s[(warp * hb + h) * kCombineCols + lane] = acc[h];
-  __syncthreads();
-  for (int k = tid; k < nh * kCombineCols; k += kCombineThreads) {
-    const int h = k / kCombineCols, j = k - h * kCombineCols;
-    if (j0 + j >= d) continue;
-    float v = 0.f;
-#pragma unroll
-    for (int g = 0; g < kCombineWarps; ++g) v += red_s[(g * hb + h) * kCombineCols + j];
-    static_cast<T*>(c.out)[(r0 + h) * d + j0 + j] = from_f32<T>(bad_s[h] ? NAN : v);
+    for (int g = 0; g < kCombineGroups; ++g) acc += acc_s[g][d];
+    o[d] = acc / wsum;
   }
 }
 
@@ -1219,51 +1033,6 @@ ffi::Error cuda_error(const char* what, cudaError_t e) {
   return kOp.internal(std::string(what) + ": " + cudaGetErrorString(e));
 }
 
-// Heads per combine CTA: about 512 CTAs (rows / heads head blocks x d / 32 column blocks), a power
-// of two up to kCombineMaxHeads (8 for head_dim 256: the CTA's shared memory stays under 64 KB).
-int combine_heads(int64_t rows, int d) {
-  const int64_t want = rows * ((d + kCombineCols - 1) / kCombineCols) / 512;
-  const int most = d > 128 ? 8 : kCombineMaxHeads;
-  int heads = 1;
-  while (heads < most && heads * 2 <= want) heads *= 2;
-  return heads;
-}
-
-cudaError_t launch_rotate_queries(int dtype, dim3 grid, cudaStream_t stream, const void* q,
-                                  const float* pi, float* q_rot, int64_t rows, int d) {
-  auto go = [&](auto kernel, auto typed_q) {
-    return launch_kernel(kernel, grid, kRotThreads, 0, stream, false, typed_q, pi, q_rot, rows, d);
-  };
-  if (dtype == static_cast<int>(FType::kF32))
-    return go(rotate_queries_kernel<float>, static_cast<const float*>(q));
-  if (dtype == static_cast<int>(FType::kBF16))
-    return go(rotate_queries_kernel<__nv_bfloat16>, static_cast<const __nv_bfloat16*>(q));
-  return go(rotate_queries_kernel<__half>, static_cast<const __half*>(q));
-}
-
-template <typename T>
-cudaError_t launch_combine_typed(dim3 grid, cudaStream_t stream, bool pdl, const CombineParams& c) {
-  const int smem = combine_smem_bytes(c.d, c.heads);
-  static std::atomic<uint64_t> smem_set{0};
-  if (cudaError_t e = allow_dynamic_smem(smem_set, combine_rotate_kernel<T>, smem); e != cudaSuccess)
-    return e;
-  return launch_kernel(combine_rotate_kernel<T>, grid, kCombineThreads, smem, stream, pdl, c);
-}
-
-cudaError_t launch_combine(int dtype, dim3 grid, cudaStream_t stream, bool pdl, const CombineParams& c) {
-  if (dtype == static_cast<int>(FType::kF32)) return launch_combine_typed<float>(grid, stream, pdl, c);
-  if (dtype == static_cast<int>(FType::kBF16))
-    return launch_combine_typed<__nv_bfloat16>(grid, stream, pdl, c);
-  return launch_combine_typed<__half>(grid, stream, pdl, c);
-}
-
-// Where a split kernel goes: stream, grid, and whether it is a programmatic dependent launch.
-struct Launch {
-  cudaStream_t stream;
-  dim3 grid;
-  bool pdl;
-};
-
 int copy_gran(int64_t bytes, uintptr_t ptr) {
   if (bytes % 16 == 0 && ptr % 16 == 0) return 16;
   if (bytes % 4 == 0 && ptr % 4 == 0) return 4;
@@ -1271,32 +1040,34 @@ int copy_gran(int64_t bytes, uintptr_t ptr) {
 }
 
 template <int D, int GT>
-ffi::Error launch_split(const Launch& ln, const DecodeParams& p) {
+ffi::Error launch_split(cudaStream_t stream, const DecodeParams& p, dim3 grid) {
   auto kernel = paged_decode_split_kernel<D, GT>;
   constexpr int smem = Layout<D, GT>::total;
   static std::atomic<uint64_t> smem_set{0};
   if (cudaError_t e = allow_dynamic_smem(smem_set, kernel, smem); e != cudaSuccess)
     return cuda_error("cudaFuncSetAttribute", e);
-  cudaError_t e = launch_kernel(kernel, ln.grid, kThreads, smem, ln.stream, ln.pdl, p);
+  kernel<<<grid, kThreads, smem, stream>>>(p);
+  cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return cuda_error("split kernel launch", e);
   return ffi::Error::Success();
 }
 
 template <int D, int GT>
-ffi::Error launch_v2(const Launch& ln, const DecodeParams& p) {
-  cudaError_t e =
-      launch_kernel(v2::paged_decode_v2_kernel<D, GT>, ln.grid, kThreads, 0, ln.stream, ln.pdl, p);
+ffi::Error launch_v2(cudaStream_t stream, const DecodeParams& p, dim3 grid) {
+  v2::paged_decode_v2_kernel<D, GT><<<grid, kThreads, 0, stream>>>(p);
+  cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return cuda_error("v2 split kernel launch", e);
   return ffi::Error::Success();
 }
 
 template <int GT, bool SPLIT>
-ffi::Error launch_v3(const Launch& ln, const DecodeParams& p) {
+ffi::Error launch_v3(cudaStream_t stream, const DecodeParams& p, dim3 grid) {
   auto kernel = v3::paged_decode_v3_kernel<GT, SPLIT>;
   static std::atomic<uint64_t> smem_set{0};
   if (cudaError_t e = allow_dynamic_smem(smem_set, kernel, v3::kSmemBytes); e != cudaSuccess)
     return cuda_error("v3 shared memory attribute", e);
-  cudaError_t e = launch_kernel(kernel, ln.grid, kThreads, v3::kSmemBytes, ln.stream, ln.pdl, p);
+  kernel<<<grid, kThreads, v3::kSmemBytes, stream>>>(p);
+  cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return cuda_error("v3 split kernel launch", e);
   return ffi::Error::Success();
 }
@@ -1305,12 +1076,12 @@ ffi::Error launch_v3(const Launch& ln, const DecodeParams& p) {
 constexpr int max_gt(int d) { return d >= 256 ? 4 : 8; }
 
 template <int D>
-ffi::Error dispatch_gt(int gt, const Launch& ln, const DecodeParams& p) {
+ffi::Error dispatch_gt(int gt, cudaStream_t stream, const DecodeParams& p, dim3 grid) {
   switch (gt) {
-    case 1: return launch_split<D, 1>(ln, p);
-    case 2: return launch_split<D, 2>(ln, p);
-    case 4: return launch_split<D, 4>(ln, p);
-    default: return launch_split<D, max_gt(D)>(ln, p);
+    case 1: return launch_split<D, 1>(stream, p, grid);
+    case 2: return launch_split<D, 2>(stream, p, grid);
+    case 4: return launch_split<D, 4>(stream, p, grid);
+    default: return launch_split<D, max_gt(D)>(stream, p, grid);
   }
 }
 
@@ -1322,12 +1093,12 @@ ffi::Error dispatch_gt(int gt, const Launch& ln, const DecodeParams& p) {
 #endif
 
 template <int D>
-ffi::Error dispatch_gt_v2(int gt, const Launch& ln, const DecodeParams& p) {
+ffi::Error dispatch_gt_v2(int gt, cudaStream_t stream, const DecodeParams& p, dim3 grid) {
   switch (gt) {
-    case 1: return launch_v2<D, 1>(ln, p);
-    case 2: return launch_v2<D, 2>(ln, p);
-    case 4: return launch_v2<D, 4>(ln, p);
-    default: return launch_v2<D, max_gt(D)>(ln, p);
+    case 1: return launch_v2<D, 1>(stream, p, grid);
+    case 2: return launch_v2<D, 2>(stream, p, grid);
+    case 4: return launch_v2<D, 4>(stream, p, grid);
+    default: return launch_v2<D, max_gt(D)>(stream, p, grid);
   }
 }
 
@@ -1368,50 +1139,50 @@ bool use_v3(int d, int gt, const DecodeParams& p) {
 }
 
 #if JTQ_HAS_D(128)
-ffi::Error dispatch_v3(int gt, bool f16, const Launch& ln, const DecodeParams& p) {
-  if (gt == 4) return f16 ? launch_v3<4, false>(ln, p) : launch_v3<4, true>(ln, p);
-  return f16 ? launch_v3<8, false>(ln, p) : launch_v3<8, true>(ln, p);
+ffi::Error dispatch_v3(int gt, bool f16, cudaStream_t stream, const DecodeParams& p, dim3 grid) {
+  if (gt == 4) return f16 ? launch_v3<4, false>(stream, p, grid) : launch_v3<4, true>(stream, p, grid);
+  return f16 ? launch_v3<8, false>(stream, p, grid) : launch_v3<8, true>(stream, p, grid);
 }
 #endif
 
-ffi::Error dispatch_d(int d, int gt, bool f16, const Launch& ln, const DecodeParams& p) {
+ffi::Error dispatch_d(int d, int gt, bool f16, cudaStream_t stream, const DecodeParams& p, dim3 grid) {
 #if JTQ_HAS_D(128)
-  if (use_v3(d, gt, p)) return dispatch_v3(gt, f16, ln, p);
+  if (use_v3(d, gt, p)) return dispatch_v3(gt, f16, stream, p, grid);
 #else
   (void)f16;
 #endif
   if (use_v2(d, p)) {
     switch (d) {
 #if JTQ_HAS_D(64)
-      case 64: return dispatch_gt_v2<64>(gt, ln, p);
+      case 64: return dispatch_gt_v2<64>(gt, stream, p, grid);
 #endif
 #if JTQ_HAS_D(128)
-      case 128: return dispatch_gt_v2<128>(gt, ln, p);
+      case 128: return dispatch_gt_v2<128>(gt, stream, p, grid);
 #endif
 #if JTQ_HAS_D(256)
-      case 256: return dispatch_gt_v2<256>(gt, ln, p);
+      case 256: return dispatch_gt_v2<256>(gt, stream, p, grid);
 #endif
       default: break;
     }
   }
   switch (d) {
 #if JTQ_HAS_D(64)
-    case 64: return dispatch_gt<64>(gt, ln, p);
+    case 64: return dispatch_gt<64>(gt, stream, p, grid);
 #endif
 #if JTQ_HAS_D(80)
-    case 80: return dispatch_gt<80>(gt, ln, p);
+    case 80: return dispatch_gt<80>(gt, stream, p, grid);
 #endif
 #if JTQ_HAS_D(96)
-    case 96: return dispatch_gt<96>(gt, ln, p);
+    case 96: return dispatch_gt<96>(gt, stream, p, grid);
 #endif
 #if JTQ_HAS_D(128)
-    case 128: return dispatch_gt<128>(gt, ln, p);
+    case 128: return dispatch_gt<128>(gt, stream, p, grid);
 #endif
 #if JTQ_HAS_D(192)
-    case 192: return dispatch_gt<192>(gt, ln, p);
+    case 192: return dispatch_gt<192>(gt, stream, p, grid);
 #endif
 #if JTQ_HAS_D(256)
-    case 256: return dispatch_gt<256>(gt, ln, p);
+    case 256: return dispatch_gt<256>(gt, stream, p, grid);
 #endif
     default: return invalid("head_dim " + std::to_string(d) + " not compiled in");
   }
@@ -1419,15 +1190,13 @@ ffi::Error dispatch_d(int d, int gt, bool f16, const Launch& ln, const DecodePar
 
 }  // namespace
 
-ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::AnyBuffer q,
+ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot,
                                ffi::Buffer<ffi::U8> k_codes, ffi::Buffer<ffi::F32> k_norms,
                                ffi::Buffer<ffi::U8> v_codes, ffi::Buffer<ffi::F32> v_norms,
                                ffi::Buffer<ffi::F32> k_centroids,
                                ffi::Buffer<ffi::F32> v_centroids,
-                               ffi::Buffer<ffi::F32> k_rotation, ffi::Buffer<ffi::F32> v_rotation,
                                ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens,
-                               ffi::Result<ffi::AnyBuffer> out,
-                               ffi::Result<ffi::Buffer<ffi::F32>> q_rot,
+                               ffi::Result<ffi::Buffer<ffi::F32>> out_rot,
                                ffi::Result<ffi::Buffer<ffi::F32>> partial_out,
                                ffi::Result<ffi::Buffer<ffi::F32>> partial_lse, int32_t k_bits,
                                int32_t v_bits, int32_t num_splits, float scale,
@@ -1435,9 +1204,8 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::AnyBuffer q,
   // ---- validation (shared with the CPU handler) ----------------------------------------------
   ffi_checks::DecodeDims dims;
   JTQ_RETURN_IF_ERROR(ffi_checks::validate_paged_decode(
-      kOp, q, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids, k_rotation,
-      v_rotation, block_tables, seq_lens, *out, *q_rot, *partial_out, *partial_lse, k_bits,
-      v_bits, num_splits, &dims));
+      kOp, q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids, block_tables,
+      seq_lens, *out_rot, *partial_out, *partial_lse, k_bits, v_bits, num_splits, &dims));
   const int64_t S = dims.S, H = dims.H, d = dims.d;
   const int64_t P = dims.P, Hkv = dims.Hkv, page = dims.page;
   const int64_t kpb = dims.kpb, vpb = dims.vpb, max_pages = dims.max_pages, ns = dims.ns;
@@ -1457,7 +1225,7 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::AnyBuffer q,
   if (Hkv * ntiles > 65535) return invalid("num_kv_heads * ceil(group / 8) must be <= 65535");
 
   DecodeParams p;
-  p.q = q_rot->typed_data();
+  p.q = q_rot.typed_data();
   p.kc = k_codes.typed_data();
   p.kn = k_norms.typed_data();
   p.vc = v_codes.typed_data();
@@ -1466,7 +1234,7 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::AnyBuffer q,
   p.vcent = v_centroids.typed_data();
   p.bt = block_tables.typed_data();
   p.sl = seq_lens.typed_data();
-  p.out = partial_out->typed_data();  // one split: its o / l is the combine's only partial
+  p.out = out_rot->typed_data();
   p.pout = partial_out->typed_data();
   p.plse = partial_lse->typed_data();
   p.S = static_cast<int>(S);
@@ -1495,43 +1263,18 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::AnyBuffer q,
   }
 
   // Checked before any launch. XLA's buffers are aligned, and head_dim is validated above.
-  if (reinterpret_cast<uintptr_t>(p.pout) % 16 != 0 ||
-      reinterpret_cast<uintptr_t>(k_rotation.typed_data()) % 16 != 0)
-    return invalid("partial_out workspace and k_rotation must be 16-byte aligned");
-  const int dtype = ftype_of(q.element_type());
-  const bool pdl = pdl_requested();
-  const int64_t rows = S * H;
-
-  // 1. q_rot = Pi_k q (f32).
-  const dim3 rot_grid(static_cast<unsigned>((rows + kRotTile - 1) / kRotTile),
-                      static_cast<unsigned>(d / kRotTile));
-  if (cudaError_t e = launch_rotate_queries(dtype, rot_grid, stream, q.untyped_data(),
-                                            k_rotation.typed_data(), q_rot->typed_data(), rows,
-                                            static_cast<int>(d));
-      e != cudaSuccess)
-    return cuda_error("query rotation launch", e);
-
-  // 2. split kernel.
-  const Launch ln{stream, dim3(static_cast<unsigned>(S * ns), static_cast<unsigned>(Hkv * ntiles)), pdl};
-  if (auto e = dispatch_d(static_cast<int>(d), gt, f16_products != 0, ln, p); e.failure())
+  if (ns > 1 && reinterpret_cast<uintptr_t>(p.pout) % 16 != 0)
+    return invalid("partial_out workspace is not 16-byte aligned");
+  if (ns > 1 && d > kCombineMaxD) return invalid("head_dim above the combine kernel's 256");
+  const dim3 grid(static_cast<unsigned>(S * ns), static_cast<unsigned>(Hkv * ntiles));
+  if (auto e = dispatch_d(static_cast<int>(d), gt, f16_products != 0, stream, p, grid); e.failure())
     return e;
-
-  // 3. combine, rotate back by Pi_v^T, NaN rows, cast.
-  CombineParams c;
-  c.pout = p.pout;
-  c.plse = p.plse;
-  c.q = q.untyped_data();
-  c.pi = v_rotation.typed_data();
-  c.out = out->untyped_data();
-  c.rows = rows;
-  c.ns = static_cast<int>(ns);
-  c.d = static_cast<int>(d);
-  c.heads = combine_heads(rows, static_cast<int>(d));
-  c.dtype = dtype;
-  const dim3 comb_grid(static_cast<unsigned>((rows + c.heads - 1) / c.heads),
-                       static_cast<unsigned>((d + kCombineCols - 1) / kCombineCols));
-  if (cudaError_t e = launch_combine(dtype, comb_grid, stream, pdl, c); e != cudaSuccess)
-    return cuda_error("combine kernel launch", e);
+  if (ns > 1) {
+    paged_decode_combine_kernel<<<static_cast<unsigned>(S * H), kCombineThreads, 0, stream>>>(
+        p.pout, p.plse, p.out, static_cast<int>(ns), static_cast<int>(d));
+    cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) return cuda_error("combine kernel launch", e);
+  }
   return ffi::Error::Success();
 }
 

@@ -167,7 +167,6 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
   __shared__ float m_s[kWarps][kNH];
   __shared__ float l_s[kWarps][kNH];
   auto& o_s = *reinterpret_cast<float(*)[kWarps][kNH * D]>(smem);  // after the main loop only
-  pdl_wait();  // q is the query-rotation kernel's output
 
   const int tid = threadIdx.x;
   const int warp = tid >> 5;

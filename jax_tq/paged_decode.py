@@ -77,26 +77,20 @@ def paged_decode(q, cache, block_tables, seq_lens, *, scale=None, num_splits=Non
     check_decode_indices(block_tables, seq_lens, num_pages=cache.num_pages, page_size=cache.page_size)
     k_codec, v_codec = cache.k_codec, cache.v_codec
     scale = 1.0 / math.sqrt(k_codec.head_dim) if scale is None else scale
+    hi = jax.lax.Precision.HIGHEST
+    q_rot = jnp.einsum("shd,ed->she", q.astype(jnp.float32), k_codec.rotation, precision=hi)
     operands = (
-        q, cache.k_codes, cache.k_norms, cache.v_codes, cache.v_norms, k_codec.centroids, v_codec.centroids,
-        k_codec.rotation, v_codec.rotation, block_tables, seq_lens,
+        q_rot, cache.k_codes, cache.k_norms, cache.v_codes, cache.v_norms,
+        k_codec.centroids, v_codec.centroids, block_tables, seq_lens,
     )
     backend = get_backend()
     if backend == "xla":
-        return _decode_reference(*operands, k_codec.bits, v_codec.bits, scale)
-    return _decode(*operands, k_codec.bits, v_codec.bits, scale, int(num_splits or 0), f16_products, backend)
-
-
-def _decode_reference(q, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, k_rot, v_rot, tables, lens,
-                      k_bits, v_bits, scale):
-    """The whole op in jnp (the xla backend and the test oracle's path): q_rot = Pi_k q, attention in
-    the rotated space, out = Pi_v^T o_rot, NaN rows for non-finite queries, cast to q's dtype."""
-    hi = jax.lax.Precision.HIGHEST
-    q_rot = jnp.einsum("shd,ed->she", q.astype(jnp.float32), k_rot, precision=hi)
-    out_rot = reference.paged_decode_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent,
-                                             tables, lens, k_bits, v_bits, scale)
-    out = jnp.einsum("she,ed->shd", out_rot, v_rot, precision=hi)
-    # The attention gives a row whose scores are all NaN no weight (an all-zero row): make a
+        out_rot = reference.paged_decode_rotated(*operands, k_codec.bits, v_codec.bits, scale)
+    else:
+        out_rot = _decode_rotated(*operands, k_codec.bits, v_codec.bits, scale, int(num_splits or 0),
+                                  f16_products, backend)
+    out = jnp.einsum("she,ed->shd", out_rot, v_codec.rotation, precision=hi)
+    # The kernels give a row whose scores are all NaN no weight (an all-zero row): make a
     # non-finite query visible instead, as the reference does.
     out = jnp.where(jnp.all(jnp.isfinite(q), axis=-1, keepdims=True), out, jnp.nan)
     return out.astype(q.dtype)
@@ -146,38 +140,37 @@ def _allows_f16_products(precision, q_dtype) -> bool:
     return precision != jax.lax.Precision.HIGHEST
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(11, 12, 13, 14, 15, 16))
-def _decode(q, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, k_rot, v_rot, tables, lens,
-            k_bits, v_bits, scale, num_splits, f16_products, backend):
-    """The kernel call, differentiable in q and the norms (the codes are integers; the codec's rotations
-    and centroids are constants of its spec, not pytree leaves)."""
-    (out,) = paged_decode_p.bind(
-        q, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, k_rot, v_rot, tables, lens,
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11, 12, 13, 14))
+def _decode_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens,
+                    k_bits, v_bits, scale, num_splits, f16_products, backend):
+    """The kernel call, differentiable in q_rot, k_norms and v_norms (the codes are integers)."""
+    (out_rot,) = paged_decode_p.bind(
+        q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens,
         k_bits=k_bits, v_bits=v_bits, scale=scale, num_splits=num_splits, f16_products=f16_products,
         backend=backend,
     )
-    return out
+    return out_rot
 
 
-def _decode_fwd(*args):
-    operands, static = args[:11], args[11:]
-    return _decode(*operands, *static), operands
+def _decode_rotated_fwd(*args):
+    operands, static = args[:9], args[9:]
+    return _decode_rotated(*operands, *static), operands
 
 
-def _decode_bwd(k_bits, v_bits, scale, num_splits, f16_products, backend, operands, cotangent):
+def _decode_rotated_bwd(k_bits, v_bits, scale, num_splits, f16_products, backend, operands, cotangent):
     """Backward pass through the reference (recomputes the softmax; memory O(num_seqs x tokens))."""
-    q, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, k_rot, v_rot, tables, lens = operands
+    q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens = operands
 
     def attend(q, kn, vn):
-        return _decode_reference(q, k_codes, kn, v_codes, vn, k_cent, v_cent, k_rot, v_rot, tables, lens,
-                                 k_bits, v_bits, scale)
+        return reference.paged_decode_rotated(q, k_codes, kn, v_codes, vn, k_cent, v_cent, tables, lens,
+                                              k_bits, v_bits, scale)
 
-    _, vjp = jax.vjp(attend, q, k_norms, v_norms)
+    _, vjp = jax.vjp(attend, q_rot, k_norms, v_norms)
     dq, dk_norms, dv_norms = vjp(cotangent)
-    return dq, None, dk_norms, None, dv_norms, None, None, None, None, None, None
+    return dq, None, dk_norms, None, dv_norms, None, None, None, None
 
 
-_decode.defvjp(_decode_fwd, _decode_bwd)
+_decode_rotated.defvjp(_decode_rotated_fwd, _decode_rotated_bwd)
 
 
 def _check_decode_args(q, cache, block_tables, seq_lens, num_splits) -> None:
@@ -283,13 +276,12 @@ def choose_num_splits(platform: str, num_seqs: int, num_kv_heads: int, max_pages
 
 # ----------------------------------------------------------------------------- primitive
 
-def _abstract(q, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids, k_rotation, v_rotation,
-              block_tables, seq_lens, **params):
-    return (_compat.ShapedArray(q.shape, q.dtype),)
+def _abstract(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids, block_tables, seq_lens, **params):
+    return (_compat.ShapedArray(q_rot.shape, jnp.float32),)
 
 
 def _reference(*operands, k_bits, v_bits, scale, num_splits, f16_products):
-    return (_decode_reference(*operands, k_bits, v_bits, scale),)
+    return (reference.paged_decode_rotated(*operands, k_bits, v_bits, scale),)
 
 
 def _ffi(ctx, *operands, k_bits, v_bits, scale, num_splits, f16_products):
@@ -298,11 +290,10 @@ def _ffi(ctx, *operands, k_bits, v_bits, scale, num_splits, f16_products):
     if num_splits == 0:
         platform = _compat.lowering_platforms(ctx)[0]
         num_kv_heads, page_size = ctx.avals_in[2].shape[1], ctx.avals_in[2].shape[2]
-        num_splits = choose_num_splits(platform, num_seqs, num_kv_heads, ctx.avals_in[9].shape[1],
+        num_splits = choose_num_splits(platform, num_seqs, num_kv_heads, ctx.avals_in[7].shape[1],
                                        group=num_heads // num_kv_heads, page_size=page_size, head_dim=head_dim,
                                        k_bits=k_bits, v_bits=v_bits)
     workspace = (
-        _compat.ShapedArray((num_seqs, num_heads, head_dim), jnp.float32),
         _compat.ShapedArray((num_seqs, num_heads, num_splits, head_dim), jnp.float32),
         _compat.ShapedArray((num_seqs, num_heads, num_splits), jnp.float32),
     )
@@ -322,23 +313,23 @@ pu.register_lowerings(paged_decode_p, _reference, _ffi)
 def _batch(args, dims, **params):
     """Fold vmapped axes into the kernel's sequence axis; a batched cache is folded into one page pool
     (each batch element's block table is offset into its own slice of the pool)."""
-    q, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, k_rot, v_rot, tables, lens = args
-    pu.require_unbatched(("k centroids", "v centroids", "k rotation", "v rotation"), dims[5:9], "paged_decode")
+    q, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens = args
+    pu.require_unbatched(("k centroids", "v centroids"), dims[5:7], "paged_decode")
     size = pu.batch_size(args, dims)
     pool_dims = dims[1:5]
     pools = list(args[1:5])
     if any(d is not _compat.NOT_MAPPED for d in pool_dims):
         pools = [pu.move_batch_to_front(a, d, size) for a, d in zip(pools, pool_dims)]
         pages_per_pool = pools[0].shape[1]
-        tables = pu.fold_pool_batch(pu.move_batch_to_front(tables, dims[9], size), size, pages_per_pool)
+        tables = pu.fold_pool_batch(pu.move_batch_to_front(tables, dims[7], size), size, pages_per_pool)
         pools = [p.reshape((-1,) + p.shape[2:]) for p in pools]
     else:
-        tables = pu.move_batch_to_front(tables, dims[9], size)
+        tables = pu.move_batch_to_front(tables, dims[7], size)
     q = pu.move_batch_to_front(q, dims[0], size)
-    lens = pu.move_batch_to_front(lens, dims[10], size)
+    lens = pu.move_batch_to_front(lens, dims[8], size)
     num_seqs = q.shape[1]
     (out,) = paged_decode_p.bind(
-        q.reshape((-1,) + q.shape[2:]), *pools, k_cent, v_cent, k_rot, v_rot,
+        q.reshape((-1,) + q.shape[2:]), *pools, k_cent, v_cent,
         tables.reshape((-1, tables.shape[-1])), lens.reshape(-1), **params,
     )
     return [out.reshape((size, num_seqs) + out.shape[1:])], [0]

@@ -327,9 +327,8 @@ def test_paged_decode_huge_v_norms(rng, qdtype):
 @pytest.mark.parametrize("num_seqs,qdtype", [(2, jnp.bfloat16), (11, jnp.float16), (43, jnp.float32),
                                              (171, jnp.bfloat16)])
 def test_paged_decode_row_counts(rng, num_seqs, qdtype):
-    """24, 132, 516 and 2052 query rows: the query rotation's row tiles and the combine's heads per
-    CTA (1 to 16, the last CTA partly filled), with NaN / inf query rows among them; the device
-    memory is poisoned first."""
+    """24 to 2052 query rows with NaN / inf query rows among them: NaN rows exactly there, every
+    other row against float64; the device memory is poisoned first."""
     q, cache, tables, lens = _decode_inputs(rng, 128, 4, 4, 16, 4, 3, qdtype, num_seqs=num_seqs, max_len=90)
     bad = np.zeros(q.shape[:2], bool)
     bad[-1, 5] = bad[num_seqs // 2, 0] = True

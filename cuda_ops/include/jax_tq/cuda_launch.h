@@ -6,8 +6,6 @@
 
 #include <atomic>
 #include <cstdint>
-#include <cstdlib>
-#include <utility>
 
 namespace jax_tq {
 namespace cuda {
@@ -26,50 +24,6 @@ cudaError_t allow_dynamic_smem(std::atomic<uint64_t>& done, Kernel kernel, int s
   const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (e == cudaSuccess) done.fetch_or(bit, std::memory_order_acq_rel);
   return e;
-}
-
-// Launch `kernel` on `stream`; with `pdl` as a programmatic dependent launch (sm_90: the kernel may
-// start before its predecessor on the stream ends and waits for it with griddepcontrol.wait).
-template <typename Kernel, typename... Args>
-cudaError_t launch_kernel(Kernel kernel, dim3 grid, int threads, int smem, cudaStream_t stream,
-                          bool pdl, Args&&... args) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = dim3(static_cast<unsigned>(threads));
-  cfg.dynamicSmemBytes = static_cast<size_t>(smem);
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
-}
-
-// Whether the decode handler chains its kernels with programmatic dependent launches:
-// JAX_TQ_CUDA_PDL=1 (read once), on devices of compute capability >= 9.
-inline bool pdl_requested() {
-  static const bool on = [] {
-    const char* env = std::getenv("JAX_TQ_CUDA_PDL");
-    if (!env || env[0] != '1') return false;
-    int dev = 0, major = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess) return false;
-    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) return false;
-    return major >= 9;
-  }();
-  return on;
-}
-
-// Streaming multiprocessors of the current device (read once per process; 132 if the query fails).
-inline int sm_count() {
-  static const int n = [] {
-    int dev = 0, v = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess) return 132;
-    if (cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || v <= 0)
-      return 132;
-    return v;
-  }();
-  return n;
 }
 
 }  // namespace cuda
