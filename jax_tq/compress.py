@@ -207,9 +207,8 @@ def write_kv(k, v, k_pools, v_pools, k_codec, v_codec, slot_mapping):
             f"{tuple(v_pools[1].shape)}")
     backend = get_backend()
     if backend == "xla":
-        k_new = reference.compress_write(k, *k_pools, k_codec.rotation, k_codec.centroids, slot_mapping, k_codec.bits)
-        v_new = reference.compress_write(v, *v_pools, v_codec.rotation, v_codec.centroids, slot_mapping, v_codec.bits)
-        return (*k_new, *v_new)
+        return _write_kv_reference(k, v, *k_pools, *v_pools, k_codec.rotation, k_codec.centroids, v_codec.rotation,
+                                   v_codec.centroids, slot_mapping, k_bits=k_codec.bits, v_bits=v_codec.bits)
     return _write_kv_kernel(k, v, *k_pools, *v_pools, slot_mapping, k_codec, v_codec, backend)
 
 
