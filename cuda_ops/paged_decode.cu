@@ -26,6 +26,7 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
+#include <cfloat>
 #include <cmath>
 #include <cstdlib>
 #include <cstdint>
@@ -647,23 +648,24 @@ __global__ void __launch_bounds__(kThreads)
 // Warp-independent kernels (v2, v3) end the same way: each warp staged its (m, l, o) per query
 // head of the tile in shared memory; merge them with log-sum-exp and write the split's partial (or
 // the output when there is a single split). NH is the row width of the staging arrays (>= GT).
-template <int D, int GT, int NH>
-__device__ __forceinline__ void merge_warps_and_store(const DecodeParams& p, const float (&m_s)[kWarps][NH],
-                                                      const float (&l_s)[kWarps][NH],
-                                                      const float (&o_s)[kWarps][NH * D], int seq,
+// W: warps of the CTA (blockDim.x = 32 * W).
+template <int D, int GT, int NH, int W = kWarps>
+__device__ __forceinline__ void merge_warps_and_store(const DecodeParams& p, const float (&m_s)[W][NH],
+                                                      const float (&l_s)[W][NH],
+                                                      const float (&o_s)[W][NH * D], int seq,
                                                       int split, int kvh, int tile) {
-  for (int idx = threadIdx.x; idx < GT * D; idx += kThreads) {
+  for (int idx = threadIdx.x; idx < GT * D; idx += 32 * W) {
     const int g = idx / D;
     const int dd = idx - g * D;
     const int hl = tile * GT + g;
     if (hl >= p.G) continue;
     float M = m_s[0][g];
 #pragma unroll
-    for (int w = 1; w < kWarps; ++w) M = fmaxf(M, m_s[w][g]);
+    for (int w = 1; w < W; ++w) M = fmaxf(M, m_s[w][g]);
     float L = 0.f, O = 0.f;
     if (M > -INFINITY) {
 #pragma unroll
-      for (int w = 0; w < kWarps; ++w) {
+      for (int w = 0; w < W; ++w) {
         const float f = fast_exp2(m_s[w][g] - M);  // m = -inf -> 0 (its l and o are 0)
         L = fmaf(l_s[w][g], f, L);
         O = fmaf(o_s[w][idx], f, O);
@@ -1072,6 +1074,18 @@ ffi::Error launch_v3(cudaStream_t stream, const DecodeParams& p, dim3 grid) {
   return ffi::Error::Success();
 }
 
+template <int GT, bool SPLIT>
+ffi::Error launch_v4(cudaStream_t stream, const DecodeParams& p, dim3 grid) {
+  auto kernel = v3::paged_decode_v4_kernel<GT, SPLIT>;
+  static std::atomic<uint64_t> smem_set{0};
+  if (cudaError_t e = allow_dynamic_smem(smem_set, kernel, v3::kSmemBytes); e != cudaSuccess)
+    return cuda_error("v4 shared memory attribute", e);
+  kernel<<<grid, v3::kT4, v3::kSmemBytes, stream>>>(p);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return cuda_error("v4 split kernel launch", e);
+  return ffi::Error::Success();
+}
+
 // Largest query-head tile per head_dim (register budget: acc_v[GT][8] stays in registers).
 constexpr int max_gt(int d) { return d >= 256 ? 4 : 8; }
 
@@ -1111,7 +1125,7 @@ ffi::Error dispatch_gt_v2(int gt, cudaStream_t stream, const DecodeParams& p, di
 //      everywhere with JAX_TQ_CUDA_DECODE=v1.
 //   v2 (warp-independent streaming, fp32): only with JAX_TQ_CUDA_DECODE=v2 (A/B timing; slower than
 //      v1 on the H200, docs/performance.md), for head_dim 64 / 128 / 256 with 4-byte aligned pools.
-enum class DecodeKernel { kDefault, kV1, kV2, kV3 };
+enum class DecodeKernel { kDefault, kV1, kV2, kV3, kV4 };
 
 DecodeKernel requested_kernel() {
   static const DecodeKernel k = [] {
@@ -1120,6 +1134,7 @@ DecodeKernel requested_kernel() {
     if (v == "v1") return DecodeKernel::kV1;
     if (v == "v2") return DecodeKernel::kV2;
     if (v == "v3") return DecodeKernel::kV3;
+    if (v == "v4") return DecodeKernel::kV4;
     return DecodeKernel::kDefault;
   }();
   return k;
@@ -1133,13 +1148,17 @@ bool use_v2(int d, const DecodeParams& p) {
 
 bool use_v3(int d, int gt, const DecodeParams& p) {
   const DecodeKernel k = requested_kernel();
-  if (k != DecodeKernel::kDefault && k != DecodeKernel::kV3) return false;
+  if (k == DecodeKernel::kV1 || k == DecodeKernel::kV2) return false;
   if (d != 128 || p.k_bits != 4 || p.v_bits != 4 || (gt != 4 && gt != 8)) return false;
   return reinterpret_cast<uintptr_t>(p.kc) % 16 == 0 && reinterpret_cast<uintptr_t>(p.vc) % 8 == 0;
 }
 
 #if JTQ_HAS_D(128)
 ffi::Error dispatch_v3(int gt, bool f16, cudaStream_t stream, const DecodeParams& p, dim3 grid) {
+  // v4 (8 warps per CTA in 128 registers) for f16 products; f32-accurate (hi / lo) products need
+  // more registers than that and stay on v3.
+  if (f16 && requested_kernel() != DecodeKernel::kV3)
+    return gt == 4 ? launch_v4<4, false>(stream, p, grid) : launch_v4<8, false>(stream, p, grid);
   if (gt == 4) return f16 ? launch_v3<4, false>(stream, p, grid) : launch_v3<4, true>(stream, p, grid);
   return f16 ? launch_v3<8, false>(stream, p, grid) : launch_v3<8, true>(stream, p, grid);
 }

@@ -124,10 +124,10 @@ struct PairLut {
 
 // Fill both tables; every thread writes whole 128-byte parts, its 16-byte stores rotated by
 // thread so that a quarter warp's stores hit distinct banks.
-template <bool SPLIT>
+template <bool SPLIT, int T = kThreads>
 __device__ __forceinline__ void build_pair_luts(uint8_t* smem, const float* kcent,
                                                        const float* vcent) {
-  for (int i = threadIdx.x; i < 512; i += kThreads) {
+  for (int i = threadIdx.x; i < 512; i += T) {
     const int is_v = i >> 8;
     const int e = i & 255;
     const float* cent = is_v ? vcent : kcent;
@@ -423,6 +423,296 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
   __syncthreads();
 
   merge_warps_and_store<D, GT, kNH>(p, m_s, l_s, o_s, seq, split, kvh, tile);
+}
+
+
+// ---- v4: the v3 tile loop with 8 warps per CTA sharing one set of tables ---------------------
+// v3 is issue- and latency-bound at 12 warps per SM (3 CTAs of 4 warps: its 139 registers and the
+// 64 KB of tables per CTA). v4 runs 8 warps per CTA over the same tables, 2 CTAs per SM (16 warps)
+// within 128 registers, which the fast path makes room for: a one-page tile's loads always read
+// inside a real page (a tile past the split end or a page id outside [0, P) reads page 0), so its
+// codes need no zero fill; masked tokens get a NaN K norm (score -inf) and a 0 V norm (weight 0);
+// the addresses are one 64-bit row base per pool plus per-lane constant offsets.
+constexpr int kW4 = 8;                 // warps per CTA
+constexpr int kT4 = 32 * kW4;          // threads per CTA
+constexpr int kCtasPerSm4 = 2;
+
+template <int GT, bool SPLIT>
+__global__ void __launch_bounds__(kT4, kCtasPerSm4)
+    paged_decode_v4_kernel(const DecodeParams p) {
+  static_assert(GT == 4 || GT == 8, "v4: GT in {4, 8}");
+  static_assert(kNH == kW4, "prologue: one head per warp");
+  static_assert(kW4 * kNH * kD * 4 <= kSmemBytes, "o_s must fit in the table space");
+  constexpr int D = kD;
+
+  extern __shared__ __align__(16) uint8_t smem[];  // kSmemBytes: interleaved K / V tables
+  __shared__ float qexp_s[kNH];
+  __shared__ float w_s[kW4][kTT * kWRow];
+  __shared__ float m_s[kW4][kNH];
+  __shared__ float l_s[kW4][kNH];
+  auto& o_s = *reinterpret_cast<float(*)[kW4][kNH * D]>(smem);  // after the main loop only
+
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5;
+  const int lane = tid & 31;
+  const int gid = lane >> 2;
+  const int t4 = lane & 3;
+  const int ns = p.num_splits;
+  const int seq = blockIdx.x / ns;
+  const int split = blockIdx.x - seq * ns;
+  const int kvh = blockIdx.y / p.ntiles;
+  const int tile = blockIdx.y - kvh * p.ntiles;
+
+  const SplitRange range = split_range(p.sl[seq], p.max_pages, p.page_size, ns, split);
+  const int tok0 = static_cast<int>(range.tok_begin);
+  const int tok_end = static_cast<int>(range.tok_end);
+  const int ntok = tok_end > tok0 && p.P > 0 ? tok_end - tok0 : 0;  // P = 0: nothing to read
+  const int ntt = (ntok + kTT - 1) / kTT;
+  const int32_t* bt_seq = p.bt + static_cast<int64_t>(seq) * p.max_pages;
+
+  const bool one_page_tiles = (p.page_size & (kTT - 1)) == 0;
+  auto tile_page = [&](int ti) -> int {
+    return ti < ntt ? __ldg(bt_seq + p.pdiv.div(static_cast<uint32_t>(tok0 + ti * kTT))) : -1;
+  };
+  // Per-lane byte offsets inside a 16-token tile's rows: K bytes 16*t4.. of token gid (token
+  // gid + 8 at + 8 rows); V bytes 8*gid.. of token 4*t4 (token 4*t4 + e at + e rows).
+  const int k_lane = gid * kRowB + 16 * t4;
+  const int v_lane = 4 * t4 * kRowB + 8 * gid;
+  const float kNaN = __int_as_float(0x7fc00000);
+  // Called with ntt > 0 only (so P > 0). A tile past the end (ti >= ntt, phys = -1) reads page 0
+  // with every token masked.
+  auto load = [&](int ti, Tile& t, int phys) {
+    const int base = tok0 + ti * kTT;
+    if (one_page_tiles) {
+      const int lp = static_cast<int>(p.pdiv.div(static_cast<uint32_t>(base)));
+      const bool page_ok = phys >= 0 && phys < p.P;
+      const int64_t row0 = (static_cast<int64_t>(page_ok ? phys : 0) * p.Hkv + kvh) * p.page_size +
+                           (base - lp * p.page_size);
+      const int n = page_ok ? tok_end - base : 0;  // valid tokens of this tile (may exceed 16)
+      const uint8_t* kp = p.kc + row0 * kRowB + k_lane;
+      const uint8_t* vp = p.vc + row0 * kRowB + v_lane;
+      t.k0 = __ldg(reinterpret_cast<const uint4*>(kp));
+      t.k1 = __ldg(reinterpret_cast<const uint4*>(kp + 8 * kRowB));
+#pragma unroll
+      for (int e = 0; e < 4; ++e) t.v[e] = __ldg(reinterpret_cast<const uint2*>(vp + e * kRowB));
+      const float* knp = p.kn + row0 + gid;
+      const float* vnp = p.vn + row0 + gid;
+      const float kn0 = __ldg(knp), kn1 = __ldg(knp + 8);
+      const float vn0 = __ldg(vnp), vn1 = __ldg(vnp + 8);
+      t.kn0 = gid < n ? kn0 : kNaN;
+      t.kn1 = gid + 8 < n ? kn1 : kNaN;
+      t.vn0 = gid < n ? vn0 : 0.f;
+      t.vn1 = gid + 8 < n ? vn1 : 0.f;
+      return;
+    }
+    t.k0 = t.k1 = make_uint4(0u, 0u, 0u, 0u);
+    t.kn0 = t.kn1 = kNaN;
+    t.vn0 = t.vn1 = 0.f;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) t.v[e] = make_uint2(0u, 0u);
+    if (ti >= ntt) return;
+    const int64_t r0 = token_row(p, bt_seq, base + gid, tok_end, kvh);
+    const int64_t r1 = token_row(p, bt_seq, base + gid + 8, tok_end, kvh);
+    if (r0 >= 0) {
+      t.k0 = __ldg(reinterpret_cast<const uint4*>(p.kc + r0 * kRowB) + t4);
+      t.kn0 = __ldg(p.kn + r0);
+      t.vn0 = __ldg(p.vn + r0);
+    }
+    if (r1 >= 0) {
+      t.k1 = __ldg(reinterpret_cast<const uint4*>(p.kc + r1 * kRowB) + t4);
+      t.kn1 = __ldg(p.kn + r1);
+      t.vn1 = __ldg(p.vn + r1);
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int64_t rv = token_row(p, bt_seq, base + 4 * t4 + e, tok_end, kvh);
+      if (rv >= 0) t.v[e] = __ldg(reinterpret_cast<const uint2*>(p.vc + rv * kRowB) + gid);
+    }
+  };
+
+  // The first tile's block-table and code reads are issued before the prologue, whose q staging
+  // and table build then overlap their latency.
+  Tile cur, nxt;
+  int phys_next = one_page_tiles ? tile_page(warp + kW4) : -1;
+  if (warp < ntt) load(warp, cur, one_page_tiles ? tile_page(warp) : -1);
+
+  // ---- prologue: q of head `warp` (scaled, per-head power of two) in the table space ----------
+  float* q_s = reinterpret_cast<float*>(smem);
+  {
+    const int g = warp;
+    const int hl = tile * GT + g;
+    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (g < GT && hl < p.G) {
+      const float* qp = p.q + (static_cast<int64_t>(seq) * p.H + kvh * p.G + hl) * D + 4 * lane;
+      v = make_float4(qp[0] * p.qscale, qp[1] * p.qscale, qp[2] * p.qscale, qp[3] * p.qscale);
+    }
+    const float mx =
+        warp_max(fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+    int ex = 0;
+    if (mx > 0.f && mx <= 3.0e38f) frexpf(mx, &ex);  // mx < 2^ex
+    const float down = ldexpf(1.f, -ex);
+    *reinterpret_cast<float4*>(q_s + g * D + 4 * lane) =
+        make_float4(v.x * down, v.y * down, v.z * down, v.w * down);
+    if (lane == 0) qexp_s[g] = ldexpf(1.f, ex);
+  }
+  __syncthreads();
+  uint32_t qh[8][2], ql[8][2];
+  {
+    const float* qr = q_s + gid * D + 32 * t4;
+#pragma unroll
+    for (int ks = 0; ks < 8; ++ks) {
+      const float4 v = *reinterpret_cast<const float4*>(qr + 4 * ks);
+      split2(v.x, v.y, qh[ks][0], ql[ks][0]);
+      split2(v.z, v.w, qh[ks][1], ql[ks][1]);
+    }
+  }
+  const float qx0 = qexp_s[2 * t4], qx1 = qexp_s[2 * t4 + 1];
+  __syncthreads();
+  build_pair_luts<SPLIT, kT4>(smem, p.kcent, p.vcent);
+  __syncthreads();
+  const PairLut<SPLIT> ilut(smem, lane);
+  auto klook = [&](uint32_t w, int j) -> uint2 { return ilut.at(w, j, ilut.k_lane); };
+  auto vlook = [&](uint32_t w, int j) -> uint2 { return ilut.at(w, j, ilut.v_lane); };
+
+  // The running max starts finite (-FLT_MAX), so no exp2 argument is -inf - (-inf): no "any valid
+  // token yet" selects. A row with no valid token keeps l = 0 (its output is 0, its lse -inf).
+  float m[2] = {-FLT_MAX, -FLT_MAX};
+  float l[2] = {0.f, 0.f};
+  float o[8][4];
+#pragma unroll
+  for (int mt = 0; mt < 8; ++mt)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) o[mt][c] = 0.f;
+
+  float* wt = w_s[warp];
+
+  // One tile: prefetch tile ti + kW4 into `next`, then consume `cur`. Called on alternating
+  // register sets (no tile copy between iterations).
+  auto step = [&](int ti, const Tile& cur, Tile& next) {
+    load(ti + kW4, next, phys_next);
+    if (one_page_tiles) phys_next = tile_page(ti + 2 * kW4);
+
+    float sh[2][4] = {}, sx[2][4] = {};
+    const uint32_t ka[4] = {cur.k0.x, cur.k0.y, cur.k0.z, cur.k0.w};
+    const uint32_t kb[4] = {cur.k1.x, cur.k1.y, cur.k1.z, cur.k1.w};
+#pragma unroll
+    for (int ks = 0; ks < 8; ++ks) {
+      const int w = ks >> 1;
+      const int j0 = (ks & 1) * 2;
+      const uint2 t00 = klook(ka[w], j0);
+      const uint2 t01 = klook(kb[w], j0);
+      const uint2 t10 = klook(ka[w], j0 + 1);
+      const uint2 t11 = klook(kb[w], j0 + 1);
+      const uint32_t ahi[4] = {t00.x, t01.x, t10.x, t11.x};
+      mma16816(sh[ks & 1], ahi, qh[ks][0], qh[ks][1]);
+      if constexpr (SPLIT) {
+        const uint32_t alo[4] = {t00.y, t01.y, t10.y, t11.y};
+        mma16816(sx[ks & 1], ahi, ql[ks][0], ql[ks][1]);
+        mma16816(sx[ks & 1], alo, qh[ks][0], qh[ks][1]);
+      }
+    }
+    float s[4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) s[c] = (sh[0][c] + sh[1][c]) + (sx[0][c] + sx[1][c]);
+    s[0] *= qx0 * cur.kn0;
+    s[1] *= qx1 * cur.kn0;
+    s[2] *= qx0 * cur.kn1;
+    s[3] *= qx1 * cur.kn1;
+#pragma unroll
+    for (int c = 0; c < 4; ++c)
+      if (!(s[c] > -INFINITY)) s[c] = -INFINITY;
+
+    const float lv0 = cur.vn0 > 0.f ? __log2f(cur.vn0) : -INFINITY;
+    const float lv1 = cur.vn1 > 0.f ? __log2f(cur.vn1) : -INFINITY;
+    __syncwarp();
+    float alpha[2];
+    bool grew = false;
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const float ua = s[hh] + lv0, ub = s[2 + hh] + lv1;
+      float tm = fmaxf(fmaxf(s[hh], s[2 + hh]), fmaxf(ua, ub));
+#pragma unroll
+      for (int off = 4; off < 32; off <<= 1) tm = fmaxf(tm, __shfl_xor_sync(0xffffffffu, tm, off));
+      const float mn = fmaxf(m[hh], tm);
+      grew |= mn > m[hh];
+      alpha[hh] = fast_exp2(m[hh] - mn);
+      const float pa = fast_exp2(s[hh] - mn);  // s = -inf -> 0
+      const float pb = fast_exp2(s[2 + hh] - mn);
+      l[hh] = l[hh] * alpha[hh] + pa + pb;
+      m[hh] = mn;
+      wt[gid * kWRow + 2 * t4 + hh] = fast_exp2(ua - mn);
+      wt[(gid + 8) * kWRow + 2 * t4 + hh] = fast_exp2(ub - mn);
+    }
+    if (__any_sync(0xffffffffu, grew)) {
+#pragma unroll
+      for (int mt = 0; mt < 8; ++mt) {
+        o[mt][0] *= alpha[0];
+        o[mt][2] *= alpha[0];
+        o[mt][1] *= alpha[1];
+        o[mt][3] *= alpha[1];
+      }
+    }
+    __syncwarp();
+    uint32_t ph0, pl0, ph1, pl1;
+    split2(wt[(4 * t4 + 0) * kWRow + gid], wt[(4 * t4 + 1) * kWRow + gid], ph0, pl0);
+    split2(wt[(4 * t4 + 2) * kWRow + gid], wt[(4 * t4 + 3) * kWRow + gid], ph1, pl1);
+
+    uint32_t lo01[2], hi01[2], lo23[2], hi23[2];
+#pragma unroll
+    for (int wd = 0; wd < 2; ++wd) {
+      const uint32_t x0 = wd ? cur.v[0].y : cur.v[0].x;
+      const uint32_t x1 = wd ? cur.v[1].y : cur.v[1].x;
+      const uint32_t x2 = wd ? cur.v[2].y : cur.v[2].x;
+      const uint32_t x3 = wd ? cur.v[3].y : cur.v[3].x;
+      lo01[wd] = (x0 & 0x0F0F0F0Fu) | ((x1 & 0x0F0F0F0Fu) << 4);
+      hi01[wd] = ((x0 >> 4) & 0x0F0F0F0Fu) | (x1 & 0xF0F0F0F0u);
+      lo23[wd] = (x2 & 0x0F0F0F0Fu) | ((x3 & 0x0F0F0F0Fu) << 4);
+      hi23[wd] = ((x2 >> 4) & 0x0F0F0F0Fu) | (x3 & 0xF0F0F0F0u);
+    }
+#pragma unroll
+    for (int mt = 0; mt < 8; ++mt) {
+      const int wd = mt >> 2;
+      const int jb = mt & 3;
+      const uint2 e0 = vlook(lo01[wd], jb);
+      const uint2 e1 = vlook(hi01[wd], jb);
+      const uint2 e2 = vlook(lo23[wd], jb);
+      const uint2 e3 = vlook(hi23[wd], jb);
+      const uint32_t ahi[4] = {e0.x, e1.x, e2.x, e3.x};
+      mma16816(o[mt], ahi, ph0, ph1);
+      if constexpr (SPLIT) {
+        const uint32_t alo[4] = {e0.y, e1.y, e2.y, e3.y};
+        mma16816(o[mt], ahi, pl0, pl1);
+        mma16816(o[mt], alo, ph0, ph1);
+      }
+    }
+  };
+#pragma unroll 1
+  for (int ti = warp; ti < ntt; ti += 2 * kW4) {
+    step(ti, cur, nxt);
+    if (ti + kW4 >= ntt) break;
+    step(ti + kW4, nxt, cur);
+  }
+
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+#pragma unroll
+    for (int off = 4; off < 32; off <<= 1) l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], off);
+  }
+  __syncthreads();
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    float* orow = &o_s[warp][(2 * t4 + hh) * D + 16 * gid];
+#pragma unroll
+    for (int mt = 0; mt < 8; ++mt)
+      *reinterpret_cast<float2*>(orow + 2 * mt) = make_float2(o[mt][hh], o[mt][2 + hh]);
+    if (gid == 0) {
+      m_s[warp][2 * t4 + hh] = m[hh];
+      l_s[warp][2 * t4 + hh] = l[hh];
+    }
+  }
+  __syncthreads();
+
+  merge_warps_and_store<D, GT, kNH, kW4>(p, m_s, l_s, o_s, seq, split, kvh, tile);
 }
 
 }  // namespace v3

@@ -217,20 +217,42 @@ V3_SMEM_PER_CTA = 65536 + 2848 + 1024
 V3_MAX_CTAS_BY_REGISTERS = 3
 
 
+#: v4 (the tensor-core kernel for float16 products): 8 warps per CTA share the 64 KB of tables;
+#: 128 registers per thread allow 2 CTAs per SM.
+V4_SMEM_PER_CTA = 65536 + 5664 + 1024
+V4_MAX_CTAS_BY_REGISTERS = 2
+
+
+def _shared_memory_per_sm(compute_capability: tuple[int, int]) -> int:
+    major, minor = compute_capability
+    return 228 * 1024 if major >= 9 else 164 * 1024 if (major, minor) in ((8, 0), (8, 7)) else 100 * 1024
+
+
 def v3_ctas_per_sm(compute_capability: tuple[int, int]) -> int:
     """Resident v3 CTAs per SM: 3 on sm_90 (228 KB shared memory per SM), 2 on sm_80 / sm_87
     (164 KB), 1 on other sm_8x (100 KB)."""
-    major, minor = compute_capability
-    smem_per_sm = 228 * 1024 if major >= 9 else 164 * 1024 if (major, minor) in ((8, 0), (8, 7)) else 100 * 1024
+    smem_per_sm = _shared_memory_per_sm(compute_capability)
     return max(1, min(V3_MAX_CTAS_BY_REGISTERS, smem_per_sm // V3_SMEM_PER_CTA))
 
 
+def v4_ctas_per_sm(compute_capability: tuple[int, int]) -> int:
+    """Resident v4 CTAs (8 warps each) per SM: 2 on sm_90 and sm_80 / sm_87, 1 on other sm_8x."""
+    smem_per_sm = _shared_memory_per_sm(compute_capability)
+    return max(1, min(V4_MAX_CTAS_BY_REGISTERS, smem_per_sm // V4_SMEM_PER_CTA))
+
+
 def uses_tensor_core_kernel(head_dim: int, k_bits: int, v_bits: int, group: int) -> bool:
-    """Whether the CUDA decode runs its tensor-core kernel (v3) for this configuration: head_dim
+    """Whether the CUDA decode runs a tensor-core kernel (v3 / v4) for this configuration: head_dim
     128, 4-bit K and V, GQA group >= 3, unless ``JAX_TQ_CUDA_DECODE`` asks for v1 or v2 (the
     kernel handler reads the same variable)."""
     requested = os.environ.get("JAX_TQ_CUDA_DECODE", "")
     return requested not in ("v1", "v2") and head_dim == 128 and k_bits == 4 and v_bits == 4 and group >= 3
+
+
+def uses_v4(f16_products: bool) -> bool:
+    """Of the tensor-core kernels, whether the handler runs v4 (float16 products, unless
+    ``JAX_TQ_CUDA_DECODE=v3``) rather than v3 (float32-accurate products)."""
+    return f16_products and os.environ.get("JAX_TQ_CUDA_DECODE", "") != "v3"
 
 
 def whole_wave_splits(units: int, slots: int, max_splits: int) -> int:
@@ -250,12 +272,13 @@ def whole_wave_splits(units: int, slots: int, max_splits: int) -> int:
 
 def choose_num_splits(platform: str, num_seqs: int, num_kv_heads: int, max_pages: int, *,
                       group: int = 1, page_size: int = 16, head_dim: int = 128, k_bits: int = 4,
-                      v_bits: int = 4) -> int:
+                      v_bits: int = 4, f16_products: bool = True) -> int:
     """Split-K count for a launch: 1 on CPU. On a GPU, with at most one split per
     ``MIN_TOKENS_PER_SPLIT`` tokens (and 4 pages):
 
     * tensor-core kernel (:func:`uses_tensor_core_kernel`): the count whose (sequence, KV head,
-      head tile, split) CTAs best fill whole waves of :func:`v3_ctas_per_sm` CTAs per SM;
+      head tile, split) CTAs best fill whole waves of :func:`v4_ctas_per_sm` (``f16_products``)
+      or :func:`v3_ctas_per_sm` CTAs per SM;
     * otherwise one wave: 2 resident CTAs per SM for head tiles of 4 or 8 query heads, 4 else.
     """
     if platform == "cpu":
@@ -263,7 +286,8 @@ def choose_num_splits(platform: str, num_seqs: int, num_kv_heads: int, max_pages
     by_length = max(1, max_pages // max(4, MIN_TOKENS_PER_SPLIT // page_size))
     if uses_tensor_core_kernel(head_dim, k_bits, v_bits, group):
         units = num_seqs * num_kv_heads * -(-group // (4 if group <= 4 else 8))
-        slots = v3_ctas_per_sm(_compat.gpu_compute_capability()) * _compat.gpu_core_count()
+        per_sm = v4_ctas_per_sm if uses_v4(f16_products) else v3_ctas_per_sm
+        slots = per_sm(_compat.gpu_compute_capability()) * _compat.gpu_core_count()
         return whole_wave_splits(max(1, units), slots, by_length)
     tile = 1 if group <= 1 else 2 if group <= 2 else 4 if group <= 4 else 8
     if head_dim >= 256:
@@ -292,7 +316,7 @@ def _ffi(ctx, *operands, k_bits, v_bits, scale, num_splits, f16_products):
         num_kv_heads, page_size = ctx.avals_in[2].shape[1], ctx.avals_in[2].shape[2]
         num_splits = choose_num_splits(platform, num_seqs, num_kv_heads, ctx.avals_in[7].shape[1],
                                        group=num_heads // num_kv_heads, page_size=page_size, head_dim=head_dim,
-                                       k_bits=k_bits, v_bits=v_bits)
+                                       k_bits=k_bits, v_bits=v_bits, f16_products=bool(f16_products))
     workspace = (
         _compat.ShapedArray((num_seqs, num_heads, num_splits, head_dim), jnp.float32),
         _compat.ShapedArray((num_seqs, num_heads, num_splits), jnp.float32),

@@ -60,7 +60,7 @@ fi
 if has ncu; then  # decode kernels under Nsight Compute (NCU_VERSIONS default "3", NCU_SHAPES default 32x8192)
   for v in ${NCU_VERSIONS:-3}; do
     JAX_TQ_CUDA_DECODE=v$v PYTHONPATH=benchmarks:${PYTHONPATH:-} timeout ${NCU_TIMEOUT:-200} \
-      ncu --clock-control none -k regex:"paged_decode_(split|v2|v3)" --launch-skip 1 --launch-count ${NCU_COUNT:-1} \
+      ncu --clock-control none -k regex:"paged_decode_(split|v2|v3|v4)" --launch-skip 1 --launch-count ${NCU_COUNT:-1} \
       --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
       --section MemoryWorkloadAnalysis --section SchedulerStats --section InstructionStats \
       --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio \

@@ -51,9 +51,14 @@ def test_choose_num_splits(monkeypatch):
     monkeypatch.delenv("JAX_TQ_CUDA_DECODE", raising=False)
     monkeypatch.setattr(pd._compat, "gpu_core_count", lambda default=132: 132)
     assert pd.choose_num_splits("cpu", 32, 8, 512, group=4) == 1
-    # Tensor-core kernel: 3 CTAs per SM, whole waves.
+    # Tensor-core kernels, whole waves: v4 (f16 products) 2 CTAs per SM, v3 3 CTAs per SM.
+    assert pd.choose_num_splits("cuda", 32, 8, 512, group=4) == 1        # 256 of 264 slots
+    assert pd.choose_num_splits("cuda", 1, 8, 2048, group=4) == 33       # 264 of 264
+    assert pd.choose_num_splits("cuda", 32, 8, 512, group=4, f16_products=False) == 3
+    assert pd.choose_num_splits("cuda", 1, 8, 2048, group=4, f16_products=False) == 49
+    monkeypatch.setenv("JAX_TQ_CUDA_DECODE", "v3")
     assert pd.choose_num_splits("cuda", 32, 8, 512, group=4) == 3
-    assert pd.choose_num_splits("cuda", 1, 8, 2048, group=4) == 49
+    monkeypatch.delenv("JAX_TQ_CUDA_DECODE")
     # Length bound: at least MIN_TOKENS_PER_SPLIT tokens (16 pages of 16) per split.
     assert pd.choose_num_splits("cuda", 1, 8, 64, group=4) == 4
     # Other configurations (v1): one wave of 2 CTAs/SM (tiles of 4-8 heads) or 4 CTAs/SM.
@@ -68,6 +73,9 @@ def test_v3_residency_follows_shared_memory():
     assert pd.v3_ctas_per_sm((8, 0)) == 2      # A100: 164 KB
     assert pd.v3_ctas_per_sm((8, 9)) == 1      # L4 / RTX 40xx: 100 KB
     assert pd.v3_ctas_per_sm((10, 0)) == 3
+    assert pd.v4_ctas_per_sm((9, 0)) == 2
+    assert pd.v4_ctas_per_sm((8, 0)) == 2
+    assert pd.v4_ctas_per_sm((8, 9)) == 1
 
 
 def test_choose_num_splits_on_an_a100(monkeypatch):
