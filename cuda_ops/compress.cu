@@ -504,21 +504,6 @@ struct MmaGeom {
   static_assert(SB % 16 == 0 && CST % 8 == 0, "alignment");
 };
 
-// Programmatic dependent launch (sm_90+; no-ops on older devices and when the kernel was launched
-// without the attribute): let the next kernel on the stream launch now (it waits for this grid's
-// completion before touching our outputs), and wait for the previous kernel's completion.
-__device__ __forceinline__ void griddep_launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void griddep_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
 __device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
                                          uint32_t a3, uint32_t b0, uint32_t b1) {
   asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
@@ -716,11 +701,6 @@ __global__ void __launch_bounds__(WARPS * 32,
       load_raw<XT, 8>(all1[j], p.x, r1 * D + 8 * t + 32 * j, r1 < p.N, p.vec_io);
     }
   };
-  // With a programmatic dependent launch (write_cache on sm_90) this kernel may start before its
-  // predecessor ends: only the rotation and the centroids (codec constants, never written by a
-  // kernel) are read before griddep_wait(); x, slot_mapping and the pools after it.
-  griddep_launch_dependents();
-  if constexpr (!ALL_AHEAD) griddep_wait();
   if constexpr (!ALL_AHEAD && PREFETCH && KC > 0) {
     const int64_t r0 = first_tile * 16 + g, r1 = r0 + 8;
     load_raw<XT, 8>(cur0, p.x, r0 * D + 8 * t, r0 < p.N, p.vec_io);
@@ -745,13 +725,12 @@ __global__ void __launch_bounds__(WARPS * 32,
     return __ldg(reinterpret_cast<const float4*>(p.rot + static_cast<int64_t>(col0 + o) * D) +
                  (e - o * (D / 4)));
   };
-  if constexpr (ALL_AHEAD) {  // small tiles: a thread's few Pi loads all before the wait
+  if constexpr (ALL_AHEAD) {  // small tiles: a thread's few Pi loads, then x, all in flight at once
     constexpr int kPiPer = (NC * (D / 4) + kThr - 1) / kThr;
     float4 pi[kPiPer];
 #pragma unroll
     for (int i = 0; i < kPiPer; ++i)
       if (tid + i * kThr < NC * (D / 4)) pi[i] = pi_at(tid + i * kThr);
-    griddep_wait();
     load_all(first_tile);
 #pragma unroll
     for (int i = 0; i < kPiPer; ++i)
@@ -1142,18 +1121,13 @@ ffi::Error launch_mma_t(const char* op, cudaStream_t stream, const GemmParams& p
   const int64_t cap = std::max<int64_t>(
       1, static_cast<int64_t>(cfg.blocks_per_sm) * sm_count() / ncb);  // persistent grid
   gx = std::min(gx, cap);
-  cudaError_t e;
   if constexpr (DECOMP) {
     kernel<<<dim3(static_cast<unsigned>(gx), ncb), threads, smem, stream>>>(p);
-    e = cudaGetLastError();
   } else {
-    // write_cache (slots set): programmatic dependent launch, so that a chain of decode-step
-    // writes overlaps each launch and Pi staging with the previous step.
     const unsigned nz = p1 != nullptr ? 2u : 1u;
-    const bool pdl = p.slots != nullptr && pdl_enabled();
-    e = launch_kernel(kernel, dim3(static_cast<unsigned>(gx), ncb, nz), dim3(threads), smem, stream,
-                      pdl, p, p1 ? *p1 : p);
+    kernel<<<dim3(static_cast<unsigned>(gx), ncb, nz), threads, smem, stream>>>(p, p1 ? *p1 : p);
   }
+  cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return cuda_error(op, "kernel launch", e);
   return ffi::Error::Success();
 }
