@@ -1,9 +1,10 @@
-// v3 split kernel for jax_tq_paged_decode: tensor-core (mma.sync m16n8k16, f16 in, f32
-// accumulate) version of the split kernel, for the hot configuration only:
+// v3 and v4 split kernels for jax_tq_paged_decode: tensor-core (mma.sync m16n8k16, f16 in, f32
+// accumulate) versions of the split kernel, for the hot configuration only:
 //   head_dim 128, k_bits = v_bits = 4, GQA tile GT in {4, 8} (padded to the MMA's n = 8 heads).
 // The default where the configuration matches (see use_v3 in paged_decode.cu; JAX_TQ_CUDA_DECODE
-// = v1 / v2 turns it off); v1 serves every other configuration. History and measurements:
-// docs/performance.md.
+// = v1 / v2 turns them off); v1 serves every other configuration. v4 (at the end of this file) is
+// v3's tile loop with 8 warps per CTA, for f16 products; v3 keeps f32-accurate (hi / lo) products.
+// History and measurements: docs/performance.md.
 //
 // This header is NOT self-contained: paged_decode.cu includes it textually inside
 // namespace jax_tq::cuda::{anonymous}, after the v2 kernel; it uses DecodeParams, token_row,
