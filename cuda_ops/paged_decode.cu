@@ -1062,28 +1062,28 @@ ffi::Error launch_v2(cudaStream_t stream, const DecodeParams& p, dim3 grid) {
   return ffi::Error::Success();
 }
 
-template <int GT, bool SPLIT>
-ffi::Error launch_v3(cudaStream_t stream, const DecodeParams& p, dim3 grid) {
-  auto kernel = v3::paged_decode_v3_kernel<GT, SPLIT>;
+// A tensor-core kernel (paged_decode_mma.cuh) on `threads` threads with its table space. One
+// instantiation per kernel: the shared-memory attribute is remembered per kernel.
+template <auto kKernel>
+ffi::Error launch_mma(int threads, const char* name, cudaStream_t stream, const DecodeParams& p,
+                      dim3 grid) {
   static std::atomic<uint64_t> smem_set{0};
-  if (cudaError_t e = allow_dynamic_smem(smem_set, kernel, v3::kSmemBytes); e != cudaSuccess)
-    return cuda_error("v3 shared memory attribute", e);
-  kernel<<<grid, kThreads, v3::kSmemBytes, stream>>>(p);
+  if (cudaError_t e = allow_dynamic_smem(smem_set, kKernel, v3::kSmemBytes); e != cudaSuccess)
+    return cuda_error((std::string(name) + " shared memory attribute").c_str(), e);
+  kKernel<<<grid, threads, v3::kSmemBytes, stream>>>(p);
   cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return cuda_error("v3 split kernel launch", e);
+  if (e != cudaSuccess) return cuda_error((std::string(name) + " split kernel launch").c_str(), e);
   return ffi::Error::Success();
 }
 
 template <int GT, bool SPLIT>
+ffi::Error launch_v3(cudaStream_t stream, const DecodeParams& p, dim3 grid) {
+  return launch_mma<v3::paged_decode_v3_kernel<GT, SPLIT>>(kThreads, "v3", stream, p, grid);
+}
+
+template <int GT>
 ffi::Error launch_v4(cudaStream_t stream, const DecodeParams& p, dim3 grid) {
-  auto kernel = v3::paged_decode_v4_kernel<GT, SPLIT>;
-  static std::atomic<uint64_t> smem_set{0};
-  if (cudaError_t e = allow_dynamic_smem(smem_set, kernel, v3::kSmemBytes); e != cudaSuccess)
-    return cuda_error("v4 shared memory attribute", e);
-  kernel<<<grid, v3::kT4, v3::kSmemBytes, stream>>>(p);
-  cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return cuda_error("v4 split kernel launch", e);
-  return ffi::Error::Success();
+  return launch_mma<v3::paged_decode_v4_kernel<GT, false>>(v3::kT4, "v4", stream, p, grid);
 }
 
 // Largest query-head tile per head_dim (register budget: acc_v[GT][8] stays in registers).
@@ -1160,7 +1160,7 @@ ffi::Error dispatch_v3(int gt, bool f16, cudaStream_t stream, const DecodeParams
   // v4 (8 warps per CTA in 128 registers) for f16 products; f32-accurate (hi / lo) products need
   // more registers than that and stay on v3.
   if (f16 && requested_kernel() != DecodeKernel::kV3)
-    return gt == 4 ? launch_v4<4, false>(stream, p, grid) : launch_v4<8, false>(stream, p, grid);
+    return gt == 4 ? launch_v4<4>(stream, p, grid) : launch_v4<8>(stream, p, grid);
   if (gt == 4) return f16 ? launch_v3<4, false>(stream, p, grid) : launch_v3<4, true>(stream, p, grid);
   return f16 ? launch_v3<8, false>(stream, p, grid) : launch_v3<8, true>(stream, p, grid);
 }
