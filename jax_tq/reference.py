@@ -285,13 +285,20 @@ def _valid_token_mask(block_tables, seq_lens, num_pages, page_size):
     return (positions[None, :] < lengths[:, None]) & token_page_ok
 
 
-def _masked_softmax_weights(logits, valid):
-    """Stable softmax over the last axis restricted to ``valid``; all-invalid rows give 0."""
-    row_max = jnp.max(jnp.where(valid, logits, -jnp.inf), axis=-1, keepdims=True, initial=-jnp.inf)
+def _masked_softmax_weights(scores, valid, scale):
+    """softmax_t(scale * scores_t) over the last axis restricted to ``valid``; all-invalid rows
+    give 0.
+
+    The scale multiplies the difference to the row's max, not the scores: XLA fuses the product
+    into each consumer separately and may contract it into an FMA in one of them, so at |logits|
+    ~1e9 and above a row's own max could shift to +-2**8 or more (exp overflows, or every weight
+    underflows and the row comes out 0). ``|scale| * (s - max s)`` is exactly 0 at the max and
+    <= 0 elsewhere however it is fused; a negative scale flips the scores' sign first (exact)."""
+    scores = scores * jnp.where(scale < 0, -1.0, 1.0).astype(scores.dtype)
+    row_max = jnp.max(jnp.where(valid, scores, -jnp.inf), axis=-1, keepdims=True, initial=-jnp.inf)
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-    # XLA may compute the logits twice (once for the max, once here) with different roundings: at
-    # |logits| ~1e9 a shifted value can come out at +256 and exp overflows. Clamp to <= 0.
-    shifted = jnp.minimum(jnp.where(valid, logits - row_max, 0.0), 0.0)
+    shifted = jnp.abs(scale).astype(scores.dtype) * (scores - row_max)
+    shifted = jnp.minimum(jnp.where(valid, shifted, 0.0), 0.0)
     weights = jnp.where(valid, jnp.exp(shifted), 0.0)
     total = jnp.sum(weights, axis=-1, keepdims=True)
     return weights / jnp.where(total > 0, total, 1.0)
@@ -345,9 +352,8 @@ def _paged_decode_rotated_impl(q_rot, k_codes, k_norms, v_codes, v_norms, k_cent
     values = _gather_sequence_tokens(v_codes, v_norms, v_centroids, v_bits, safe_pages)
     valid = _valid_token_mask(block_tables, seq_lens, num_pages, page_size)[:, None, None, :]
     queries = q_rot.astype(compute_dtype).reshape(num_seqs, num_kv_heads, group, head_dim)
-    logits = jnp.einsum("skgd,sktd->skgt", queries, keys.astype(compute_dtype),
-                        precision=_HIGHEST) * jnp.asarray(scale, compute_dtype)
-    weights = _masked_softmax_weights(logits, valid)
+    scores = jnp.einsum("skgd,sktd->skgt", queries, keys.astype(compute_dtype), precision=_HIGHEST)
+    weights = _masked_softmax_weights(scores, valid, jnp.asarray(scale, compute_dtype))
     # Slots outside the sequences may hold anything (NaN norms included): 0 * NaN must not leak in.
     values = jnp.where(valid[:, :, 0, :, None], values.astype(compute_dtype), 0)
     out = jnp.einsum("skgt,sktd->skgd", weights, values, precision=_HIGHEST)
@@ -444,10 +450,9 @@ def _attention_dense_impl(q, k, v, seq_lens, scale):
     _, num_tokens, num_kv_heads, _ = k.shape
     compute_dtype = _compute_dtype(q.dtype, k.dtype, v.dtype)
     queries = q.astype(compute_dtype).reshape(num_seqs, num_kv_heads, -1, head_dim)
-    logits = jnp.einsum("skgd,stkd->skgt", queries, k.astype(compute_dtype),
-                        precision=_HIGHEST) * jnp.asarray(scale, compute_dtype)
+    scores = jnp.einsum("skgd,stkd->skgt", queries, k.astype(compute_dtype), precision=_HIGHEST)
     lengths = jnp.clip(seq_lens, 0, num_tokens)
     valid = (jnp.arange(num_tokens)[None, :] < lengths[:, None])[:, None, None, :]
-    weights = _masked_softmax_weights(logits, valid)
+    weights = _masked_softmax_weights(scores, valid, jnp.asarray(scale, compute_dtype))
     out = jnp.einsum("skgt,stkd->skgd", weights, v.astype(compute_dtype), precision=_HIGHEST)
     return out.reshape(num_seqs, num_heads, head_dim)

@@ -782,20 +782,26 @@ def test_non_finite_query_rows_give_nan_rows_only(rng, backend):
     assert rel_err(got[~bad], np.asarray(want)[~bad]) < 2e-5
 
 
-@pytest.mark.parametrize("magnitude", [1e9, 1e12])
-def test_reference_backend_survives_huge_logits_and_its_gradient(rng, magnitude):
-    """XLA may compute the logits twice with different roundings; the reference must not overflow."""
+@pytest.mark.parametrize("magnitude,scale", [(1e9, None), (1e12, None), (1e28, None), (1.0, 1e30), (1.0, -1e30)])
+def test_reference_backend_survives_huge_logits_and_its_gradient(rng, magnitude, scale):
+    """XLA fuses the logits into each of their consumers and may round them differently in each;
+    the reference must neither overflow nor lose a row (every weight underflowing gave 0 rows at
+    logits ~1e31), and a negative scale makes the smallest score the one that counts."""
     cache = random_cache(rng, num_pages=6, page_size=8, num_kv_heads=2, head_dim=64, k_bits=4, v_bits=4)
     lens = jnp.asarray([40, 13], jnp.int32)
     tables = random_tables(rng, np.asarray(lens), 8, 6)
     q = jnp.asarray(rng.normal(size=(2, 4, 64)), jnp.float32) * magnitude
+    decode = jax.jit(lambda q: tq.paged_decode(q, cache, tables, lens, scale=scale))
     with tq.use_backend("ffi"):
-        kernel = tq.paged_decode(q, cache, tables, lens)
+        kernel = decode(q)
     with tq.use_backend("xla"):
-        ref = jax.jit(tq.paged_decode)(q, cache, tables, lens)
+        ref = decode(q)
     assert np.all(np.isfinite(np.asarray(ref)))
+    assert np.abs(np.asarray(ref)).max(axis=-1).min() > 0  # no row lost
     assert rel_err(ref, kernel) < 1e-3
-    grad = jax.grad(lambda q: jnp.sum(tq.paged_decode(q, cache, tables, lens)))(q)
+    if magnitude * abs(scale or 1.0) >= 1e20:  # one token owns each row: the float64 oracle agrees
+        assert rel_err(ref, decode_f64(np.asarray(q, np.float64), cache, tables, lens, scale=scale)) < 1e-5
+    grad = jax.grad(lambda q: jnp.sum(tq.paged_decode(q, cache, tables, lens, scale=scale)))(q)
     assert np.all(np.isfinite(np.asarray(grad)))
 
 
