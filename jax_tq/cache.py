@@ -111,9 +111,15 @@ class PagedKVCache:
 
 
 def check_cache(cache, op: str) -> None:
-    """Raise TypeError unless ``cache`` is a :class:`PagedKVCache`."""
+    """Raise TypeError unless ``cache`` is a :class:`PagedKVCache`; ValueError if a pool has no
+    page, KV head or slot per page (sizes :meth:`PagedKVCache.create` refuses)."""
     if not isinstance(cache, PagedKVCache):
         raise TypeError(f"jax_tq.{op}: cache must be a jax_tq.PagedKVCache, got {type(cache).__name__}")
+    for name in ("k_codes", "k_norms", "v_codes", "v_norms"):
+        shape = tuple(getattr(getattr(cache, name), "shape", ()))
+        if len(shape) >= 3 and min(shape[:3]) < 1:
+            raise ValueError(f"jax_tq.{op}: cache.{name} has shape {shape}: num_pages, num_kv_heads and "
+                             "page_size must each be >= 1")
 
 
 def write_cache(cache: PagedKVCache, k, v, slot_mapping) -> PagedKVCache:

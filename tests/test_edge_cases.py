@@ -622,6 +622,20 @@ def test_refuses_cache_whose_codec_does_not_match_its_pools():
                        jnp.zeros((1, 2, 64)), jnp.zeros((1, 2, 64)), jnp.zeros((1,), jnp.int32))
 
 
+@pytest.mark.parametrize("axis", [0, 1, 2])
+def test_refuses_cache_pools_without_pages_heads_or_slots(axis):
+    """Sizes PagedKVCache.create refuses, in a hand-built cache: a named error, not an internal one."""
+    cache = _small_cache()
+    empty = jax.tree_util.tree_map(lambda a: jax.lax.slice_in_dim(a, 0, 0, axis=axis), cache)
+    q = jnp.zeros((2, 4, 64), jnp.float32)
+    tables, lens = jnp.zeros((2, 3), jnp.int32), jnp.ones((2,), jnp.int32)
+    with pytest.raises(ValueError, match=r"paged_decode: cache.k_codes has shape .*must each be >= 1"):
+        jax.eval_shape(tq.paged_decode, q, empty, tables, lens)
+    k = jnp.zeros((3, 2, 64), jnp.float32)
+    with pytest.raises(ValueError, match=r"write_cache: cache.k_codes has shape .*must each be >= 1"):
+        jax.eval_shape(tq.write_cache, empty, k, k, jnp.zeros((3,), jnp.int32))
+
+
 def test_refuses_bad_write_and_codec_op_arguments_at_trace_time():
     cache = _small_cache()
     codec = cache.k_codec

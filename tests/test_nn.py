@@ -74,6 +74,19 @@ def test_paged_attention_step_equals_write_then_decode(rng):
     assert float(new_cache.k_norms[1, 0, 4]) == pytest.approx(float(jnp.linalg.norm(k[0, 0])), rel=1e-6)
 
 
+def test_paged_attention_refuses_k_v_without_one_token_per_sequence():
+    codec = tq.TurboQuant(head_dim=64, bits=4)
+    cache = tq.PagedKVCache.create(num_pages=4, page_size=8, num_kv_heads=2, k_codec=codec, v_codec=codec)
+    q, kv = jnp.zeros((2, 4, 64)), jnp.zeros((2, 2, 64))
+    tables, lens, slots = jnp.zeros((2, 1), jnp.int32), jnp.ones((2,), jnp.int32), jnp.arange(2, dtype=jnp.int32)
+    jax.eval_shape(paged_attention, q, kv, kv, cache, slots, tables, lens)
+    with pytest.raises(ValueError, match=r"paged_attention: k must hold one token per sequence, \[num_seqs=2"):
+        jax.eval_shape(paged_attention, q, jnp.zeros((3, 2, 64)), jnp.zeros((3, 2, 64)), cache,
+                       jnp.arange(3, dtype=jnp.int32), tables, lens)
+    with pytest.raises(ValueError, match=r"paged_attention: v must hold one token per sequence"):
+        jax.eval_shape(paged_attention, q, kv, jnp.zeros((3, 2, 64)), cache, slots, tables, lens)
+
+
 def test_linen_multihead_attention_with_turboquant_kv(rng):
     linen = pytest.importorskip("flax.linen")
     codec_k = tq.TurboQuant(head_dim=64, bits=4, seed=1)
