@@ -149,6 +149,149 @@ struct Tile {
   float vn0, vn1;  // V norms of tokens gid, gid + 8 (0 when masked)
 };
 
+// ---- pieces shared by the v3 and v4 kernels (identical code in both) ---------------------------
+
+// q of the tile's query heads HPW * warp .. + HPW - 1 (scaled by scale * log2(e), then by a
+// per-head power of two so that |q| < 1: no f16 overflow with huge logits) into q_s [kNH][kD];
+// the powers of two into qexp_s.
+template <int GT, int HPW>
+__device__ __forceinline__ void stage_queries(const DecodeParams& p, float* q_s, float* qexp_s,
+                                              int seq, int kvh, int tile, int warp, int lane) {
+#pragma unroll
+  for (int hh = 0; hh < HPW; ++hh) {
+    const int g = HPW * warp + hh;
+    const int hl = tile * GT + g;
+    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (g < GT && hl < p.G) {
+      const float* qp = p.q + (static_cast<int64_t>(seq) * p.H + kvh * p.G + hl) * kD + 4 * lane;
+      v = make_float4(qp[0] * p.qscale, qp[1] * p.qscale, qp[2] * p.qscale, qp[3] * p.qscale);
+    }
+    const float mx =
+        warp_max(fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+    int ex = 0;
+    if (mx > 0.f && mx <= 3.0e38f) frexpf(mx, &ex);  // mx < 2^ex
+    const float down = ldexpf(1.f, -ex);
+    *reinterpret_cast<float4*>(q_s + g * kD + 4 * lane) =
+        make_float4(v.x * down, v.y * down, v.z * down, v.w * down);
+    if (lane == 0) qexp_s[g] = ldexpf(1.f, ex);
+  }
+}
+
+// B fragments of Q^T: head gid, coordinates 32*t4 + 4*ks + {0,1} (b0), {2,3} (b1), f16 hi / lo.
+__device__ __forceinline__ void query_fragments(const float* q_s, int gid, int t4,
+                                                uint32_t (&qh)[8][2], uint32_t (&ql)[8][2]) {
+  const float* qr = q_s + gid * kD + 32 * t4;
+#pragma unroll
+  for (int ks = 0; ks < 8; ++ks) {
+    const float4 v = *reinterpret_cast<const float4*>(qr + 4 * ks);
+    split2(v.x, v.y, qh[ks][0], ql[ks][0]);
+    split2(v.z, v.w, qh[ks][1], ql[ks][1]);
+  }
+}
+
+// S^T = Kdec * Q^T for one tile, in log2 units: s[0] (token gid, head 2t4), s[1] (gid, 2t4+1),
+// s[2] (gid+8, 2t4), s[3] (gid+8, 2t4+1); a masked token (NaN norm) or a NaN product gives -inf.
+template <bool SPLIT>
+__device__ __forceinline__ void tile_scores(const Tile& cur, const uint32_t (&qh)[8][2],
+                                            const uint32_t (&ql)[8][2], float qx0, float qx1,
+                                            const PairLut<SPLIT>& ilut, float (&s)[4]) {
+  float sh[2][4] = {}, sx[2][4] = {};  // even / odd k-steps: two independent MMA chains
+  const uint32_t ka[4] = {cur.k0.x, cur.k0.y, cur.k0.z, cur.k0.w};
+  const uint32_t kb[4] = {cur.k1.x, cur.k1.y, cur.k1.z, cur.k1.w};
+#pragma unroll
+  for (int ks = 0; ks < 8; ++ks) {
+    const int w = ks >> 1;
+    const int j0 = (ks & 1) * 2;  // byte of the word: 2ks, then 2ks+1
+    const uint2 t00 = ilut.at(ka[w], j0, ilut.k_lane);      // token gid,   byte 2ks
+    const uint2 t01 = ilut.at(kb[w], j0, ilut.k_lane);      // token gid+8, byte 2ks
+    const uint2 t10 = ilut.at(ka[w], j0 + 1, ilut.k_lane);  // token gid,   byte 2ks+1
+    const uint2 t11 = ilut.at(kb[w], j0 + 1, ilut.k_lane);  // token gid+8, byte 2ks+1
+    const uint32_t ahi[4] = {t00.x, t01.x, t10.x, t11.x};
+    mma16816(sh[ks & 1], ahi, qh[ks][0], qh[ks][1]);
+    if constexpr (SPLIT) {
+      const uint32_t alo[4] = {t00.y, t01.y, t10.y, t11.y};
+      mma16816(sx[ks & 1], ahi, ql[ks][0], ql[ks][1]);
+      mma16816(sx[ks & 1], alo, qh[ks][0], qh[ks][1]);
+    }
+  }
+#pragma unroll
+  for (int c = 0; c < 4; ++c) s[c] = (sh[0][c] + sh[1][c]) + (sx[0][c] + sx[1][c]);
+  s[0] *= qx0 * cur.kn0;
+  s[1] *= qx1 * cur.kn0;
+  s[2] *= qx0 * cur.kn1;
+  s[3] *= qx1 * cur.kn1;
+#pragma unroll
+  for (int c = 0; c < 4; ++c)
+    if (!(s[c] > -INFINITY)) s[c] = -INFINITY;  // masked token (NaN norm) or NaN: no weight
+}
+
+// O^T += Vdec^T * P^T for one tile; P (the V weights) from the warp's tile wt [kTT][kWRow].
+template <bool SPLIT>
+__device__ __forceinline__ void tile_accumulate_v(const Tile& cur, const float* wt, int gid, int t4,
+                                                  const PairLut<SPLIT>& ilut, float (&o)[8][4]) {
+  // B of the V MMA: head gid, tokens 4t4 + {0,1} (b0), 4t4 + {2,3} (b1).
+  uint32_t ph0, pl0, ph1, pl1;
+  split2(wt[(4 * t4 + 0) * kWRow + gid], wt[(4 * t4 + 1) * kWRow + gid], ph0, pl0);
+  split2(wt[(4 * t4 + 2) * kWRow + gid], wt[(4 * t4 + 3) * kWRow + gid], ph1, pl1);
+  uint32_t lo01[2], hi01[2], lo23[2], hi23[2];  // byte mt of word (mt >> 2): table indices
+#pragma unroll
+  for (int wd = 0; wd < 2; ++wd) {
+    const uint32_t x0 = wd ? cur.v[0].y : cur.v[0].x;
+    const uint32_t x1 = wd ? cur.v[1].y : cur.v[1].x;
+    const uint32_t x2 = wd ? cur.v[2].y : cur.v[2].x;
+    const uint32_t x3 = wd ? cur.v[3].y : cur.v[3].x;
+    lo01[wd] = (x0 & 0x0F0F0F0Fu) | ((x1 & 0x0F0F0F0Fu) << 4);
+    hi01[wd] = ((x0 >> 4) & 0x0F0F0F0Fu) | (x1 & 0xF0F0F0F0u);
+    lo23[wd] = (x2 & 0x0F0F0F0Fu) | ((x3 & 0x0F0F0F0Fu) << 4);
+    hi23[wd] = ((x2 >> 4) & 0x0F0F0F0Fu) | (x3 & 0xF0F0F0F0u);
+  }
+#pragma unroll
+  for (int mt = 0; mt < 8; ++mt) {
+    const int wd = mt >> 2;
+    const int jb = mt & 3;
+    const uint2 e0 = ilut.at(lo01[wd], jb, ilut.v_lane);  // row gid   (coord 16gid+2mt),   tok 4t4+{0,1}
+    const uint2 e1 = ilut.at(hi01[wd], jb, ilut.v_lane);  // row gid+8 (coord 16gid+2mt+1), tok 4t4+{0,1}
+    const uint2 e2 = ilut.at(lo23[wd], jb, ilut.v_lane);  // row gid,   tok 4t4+{2,3}
+    const uint2 e3 = ilut.at(hi23[wd], jb, ilut.v_lane);  // row gid+8, tok 4t4+{2,3}
+    const uint32_t ahi[4] = {e0.x, e1.x, e2.x, e3.x};
+    mma16816(o[mt], ahi, ph0, ph1);
+    if constexpr (SPLIT) {
+      const uint32_t alo[4] = {e0.y, e1.y, e2.y, e3.y};
+      mma16816(o[mt], ahi, pl0, pl1);
+      mma16816(o[mt], alo, ph0, ph1);
+    }
+  }
+}
+
+// After a warp-independent tile loop: each warp's (m, l, o) into shared memory (o_s reuses the
+// tables: every warp must be past its loop), merged over the W warps and stored.
+template <int GT, int W>
+__device__ __forceinline__ void merge_tile_state(const DecodeParams& p, const float (&o)[8][4],
+                                                 const float (&m)[2], float (&l)[2],
+                                                 float (&o_s)[W][kNH * kD], float (&m_s)[W][kNH],
+                                                 float (&l_s)[W][kNH], int warp, int gid, int t4,
+                                                 int seq, int split, int kvh, int tile) {
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+#pragma unroll
+    for (int off = 4; off < 32; off <<= 1) l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], off);
+  }
+  __syncthreads();
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    float* orow = &o_s[warp][(2 * t4 + hh) * kD + 16 * gid];
+#pragma unroll
+    for (int mt = 0; mt < 8; ++mt)
+      *reinterpret_cast<float2*>(orow + 2 * mt) = make_float2(o[mt][hh], o[mt][2 + hh]);
+    if (gid == 0) {
+      m_s[warp][2 * t4 + hh] = m[hh];
+      l_s[warp][2 * t4 + hh] = l[hh];
+    }
+  }
+  __syncthreads();
+  merge_warps_and_store<kD, GT, kNH, W>(p, m_s, l_s, o_s, seq, split, kvh, tile);
+}
+
 // SPLIT: q, P and the centroids enter the MMAs as f16 hi + lo (3 MMAs per product, ~f32 accurate);
 // otherwise as f16 (1 MMA; relative error ~2^-11 per product term, for bf16 / f16 queries).
 // With one-page tiles the page id of a warp's next-but-one tile is read one iteration ahead, so the
@@ -190,44 +333,15 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
 
   // ---- prologue: q (scaled, per-head power of two) staged in the table space, then the tables -
   float* q_s = reinterpret_cast<float*>(smem);
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    const int g = 2 * warp + hh;
-    const int hl = tile * GT + g;
-    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (g < GT && hl < p.G) {
-      const float* qp = p.q + (static_cast<int64_t>(seq) * p.H + kvh * p.G + hl) * D + 4 * lane;
-      v = make_float4(qp[0] * p.qscale, qp[1] * p.qscale, qp[2] * p.qscale, qp[3] * p.qscale);
-    }
-    const float mx =
-        warp_max(fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
-    int ex = 0;
-    if (mx > 0.f && mx <= 3.0e38f) frexpf(mx, &ex);  // mx < 2^ex
-    const float down = ldexpf(1.f, -ex);
-    *reinterpret_cast<float4*>(q_s + g * D + 4 * lane) =
-        make_float4(v.x * down, v.y * down, v.z * down, v.w * down);
-    if (lane == 0) qexp_s[g] = ldexpf(1.f, ex);
-  }
+  stage_queries<GT, 2>(p, q_s, qexp_s, seq, kvh, tile, warp, lane);
   __syncthreads();
-  // B fragments of Q^T: head gid, coordinates 32*t4 + 4*ks + {0,1} (b0), {2,3} (b1).
   uint32_t qh[8][2], ql[8][2];
-  {
-    const float* qr = q_s + gid * D + 32 * t4;
-#pragma unroll
-    for (int ks = 0; ks < 8; ++ks) {
-      const float4 v = *reinterpret_cast<const float4*>(qr + 4 * ks);
-      split2(v.x, v.y, qh[ks][0], ql[ks][0]);
-      split2(v.z, v.w, qh[ks][1], ql[ks][1]);
-    }
-  }
+  query_fragments(q_s, gid, t4, qh, ql);
   const float qx0 = qexp_s[2 * t4], qx1 = qexp_s[2 * t4 + 1];
   __syncthreads();  // q_s consumed by every warp: the tables may overwrite it
   build_pair_luts<SPLIT>(smem, p.kcent, p.vcent);
   __syncthreads();
   const PairLut<SPLIT> ilut(smem, lane);
-  // Entry of byte j of word w, K or V table.
-  auto klook = [&](uint32_t w, int j) -> uint2 { return ilut.at(w, j, ilut.k_lane); };
-  auto vlook = [&](uint32_t w, int j) -> uint2 { return ilut.at(w, j, ilut.v_lane); };
 
   // Split ranges start on a page boundary, so with page_size a multiple of 16 every 16-token
   // tile lies in one page: one block-table read per tile, rows row0 + t.
@@ -296,37 +410,8 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     if (one_page_tiles) phys_next = tile_page(ti + 2 * kWarps);
 
     // ---- S^T = Kdec * Q^T ------------------------------------------------------------------
-    float sh[2][4] = {}, sx[2][4] = {};  // even / odd k-steps: two independent MMA chains
-    const uint32_t ka[4] = {cur.k0.x, cur.k0.y, cur.k0.z, cur.k0.w};
-    const uint32_t kb[4] = {cur.k1.x, cur.k1.y, cur.k1.z, cur.k1.w};
-#pragma unroll
-    for (int ks = 0; ks < 8; ++ks) {
-      const int w = ks >> 1;
-      const int s0 = (ks & 1) * 16;  // bit offset of byte 2*ks within its word
-      const int j0 = s0 / 8;                 // byte of the word: 2ks, then 2ks+1
-      const uint2 t00 = klook(ka[w], j0);      // token gid,   byte 2ks
-      const uint2 t01 = klook(kb[w], j0);      // token gid+8, byte 2ks
-      const uint2 t10 = klook(ka[w], j0 + 1);  // token gid,   byte 2ks+1
-      const uint2 t11 = klook(kb[w], j0 + 1);  // token gid+8, byte 2ks+1
-      const uint32_t ahi[4] = {t00.x, t01.x, t10.x, t11.x};
-      mma16816(sh[ks & 1], ahi, qh[ks][0], qh[ks][1]);
-      if constexpr (SPLIT) {
-        const uint32_t alo[4] = {t00.y, t01.y, t10.y, t11.y};
-        mma16816(sx[ks & 1], ahi, ql[ks][0], ql[ks][1]);
-        mma16816(sx[ks & 1], alo, qh[ks][0], qh[ks][1]);
-      }
-    }
-    // c0: (gid, head 2t4), c1: (gid, 2t4+1), c2: (gid+8, 2t4), c3: (gid+8, 2t4+1)
     float s[4];
-#pragma unroll
-    for (int c = 0; c < 4; ++c) s[c] = (sh[0][c] + sh[1][c]) + (sx[0][c] + sx[1][c]);
-    s[0] *= qx0 * cur.kn0;
-    s[1] *= qx1 * cur.kn0;
-    s[2] *= qx0 * cur.kn1;
-    s[3] *= qx1 * cur.kn1;
-#pragma unroll
-    for (int c = 0; c < 4; ++c)
-      if (!(s[c] > -INFINITY)) s[c] = -INFINITY;  // masked token (NaN norm) or NaN: no weight
+    tile_scores<SPLIT>(cur, qh, ql, qx0, qx1, ilut, s);
 
     // ---- online softmax (f32), heads 2t4 + hh ----------------------------------------------
     // The V MMA weight of a token is p * v_norm = exp2(s + log2 v_norm - m): the running max m
@@ -364,66 +449,12 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
       }
     }
     __syncwarp();
-    // B of the V MMA: head gid, tokens 4t4 + {0,1} (b0), 4t4 + {2,3} (b1).
-    uint32_t ph0, pl0, ph1, pl1;
-    split2(wt[(4 * t4 + 0) * kWRow + gid], wt[(4 * t4 + 1) * kWRow + gid], ph0, pl0);
-    split2(wt[(4 * t4 + 2) * kWRow + gid], wt[(4 * t4 + 3) * kWRow + gid], ph1, pl1);
-
-    // ---- O^T += Vdec^T * P^T ----------------------------------------------------------------
-    uint32_t lo01[2], hi01[2], lo23[2], hi23[2];  // byte mt of word (mt >> 2): table indices
-#pragma unroll
-    for (int wd = 0; wd < 2; ++wd) {
-      const uint32_t x0 = wd ? cur.v[0].y : cur.v[0].x;
-      const uint32_t x1 = wd ? cur.v[1].y : cur.v[1].x;
-      const uint32_t x2 = wd ? cur.v[2].y : cur.v[2].x;
-      const uint32_t x3 = wd ? cur.v[3].y : cur.v[3].x;
-      lo01[wd] = (x0 & 0x0F0F0F0Fu) | ((x1 & 0x0F0F0F0Fu) << 4);
-      hi01[wd] = ((x0 >> 4) & 0x0F0F0F0Fu) | (x1 & 0xF0F0F0F0u);
-      lo23[wd] = (x2 & 0x0F0F0F0Fu) | ((x3 & 0x0F0F0F0Fu) << 4);
-      hi23[wd] = ((x2 >> 4) & 0x0F0F0F0Fu) | (x3 & 0xF0F0F0F0u);
-    }
-#pragma unroll
-    for (int mt = 0; mt < 8; ++mt) {
-      const int wd = mt >> 2;
-      const int sb = (mt & 3) * 8;
-      const int jb = sb / 8;
-      const uint2 e0 = vlook(lo01[wd], jb);  // row gid   (coord 16gid+2mt),   tok 4t4+{0,1}
-      const uint2 e1 = vlook(hi01[wd], jb);  // row gid+8 (coord 16gid+2mt+1), tok 4t4+{0,1}
-      const uint2 e2 = vlook(lo23[wd], jb);  // row gid,   tok 4t4+{2,3}
-      const uint2 e3 = vlook(hi23[wd], jb);  // row gid+8, tok 4t4+{2,3}
-      const uint32_t ahi[4] = {e0.x, e1.x, e2.x, e3.x};
-      mma16816(o[mt], ahi, ph0, ph1);
-      if constexpr (SPLIT) {
-        const uint32_t alo[4] = {e0.y, e1.y, e2.y, e3.y};
-        mma16816(o[mt], ahi, pl0, pl1);
-        mma16816(o[mt], alo, ph0, ph1);
-      }
-    }
+    tile_accumulate_v<SPLIT>(cur, wt, gid, t4, ilut, o);
 
     cur = nxt;
   }
 
-  // ---- per-warp state to shared memory (o_s reuses the tables: wait for every warp) ---------
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-#pragma unroll
-    for (int off = 4; off < 32; off <<= 1) l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], off);
-  }
-  __syncthreads();
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    float* orow = &o_s[warp][(2 * t4 + hh) * D + 16 * gid];
-#pragma unroll
-    for (int mt = 0; mt < 8; ++mt)
-      *reinterpret_cast<float2*>(orow + 2 * mt) = make_float2(o[mt][hh], o[mt][2 + hh]);
-    if (gid == 0) {
-      m_s[warp][2 * t4 + hh] = m[hh];
-      l_s[warp][2 * t4 + hh] = l[hh];
-    }
-  }
-  __syncthreads();
-
-  merge_warps_and_store<D, GT, kNH>(p, m_s, l_s, o_s, seq, split, kvh, tile);
+  merge_tile_state<GT, kWarps>(p, o, m, l, o_s, m_s, l_s, warp, gid, t4, seq, split, kvh, tile);
 }
 
 
@@ -539,41 +570,15 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
 
   // ---- prologue: q of head `warp` (scaled, per-head power of two) in the table space ----------
   float* q_s = reinterpret_cast<float*>(smem);
-  {
-    const int g = warp;
-    const int hl = tile * GT + g;
-    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (g < GT && hl < p.G) {
-      const float* qp = p.q + (static_cast<int64_t>(seq) * p.H + kvh * p.G + hl) * D + 4 * lane;
-      v = make_float4(qp[0] * p.qscale, qp[1] * p.qscale, qp[2] * p.qscale, qp[3] * p.qscale);
-    }
-    const float mx =
-        warp_max(fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
-    int ex = 0;
-    if (mx > 0.f && mx <= 3.0e38f) frexpf(mx, &ex);  // mx < 2^ex
-    const float down = ldexpf(1.f, -ex);
-    *reinterpret_cast<float4*>(q_s + g * D + 4 * lane) =
-        make_float4(v.x * down, v.y * down, v.z * down, v.w * down);
-    if (lane == 0) qexp_s[g] = ldexpf(1.f, ex);
-  }
+  stage_queries<GT, 1>(p, q_s, qexp_s, seq, kvh, tile, warp, lane);
   __syncthreads();
   uint32_t qh[8][2], ql[8][2];
-  {
-    const float* qr = q_s + gid * D + 32 * t4;
-#pragma unroll
-    for (int ks = 0; ks < 8; ++ks) {
-      const float4 v = *reinterpret_cast<const float4*>(qr + 4 * ks);
-      split2(v.x, v.y, qh[ks][0], ql[ks][0]);
-      split2(v.z, v.w, qh[ks][1], ql[ks][1]);
-    }
-  }
+  query_fragments(q_s, gid, t4, qh, ql);
   const float qx0 = qexp_s[2 * t4], qx1 = qexp_s[2 * t4 + 1];
   __syncthreads();
   build_pair_luts<SPLIT, kT4>(smem, p.kcent, p.vcent);
   __syncthreads();
   const PairLut<SPLIT> ilut(smem, lane);
-  auto klook = [&](uint32_t w, int j) -> uint2 { return ilut.at(w, j, ilut.k_lane); };
-  auto vlook = [&](uint32_t w, int j) -> uint2 { return ilut.at(w, j, ilut.v_lane); };
 
   // The running max starts finite (-FLT_MAX), so no exp2 argument is -inf - (-inf): no "any valid
   // token yet" selects. A row with no valid token keeps l = 0 (its output is 0, its lse -inf).
@@ -593,35 +598,8 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
     load(ti + kW4, next, phys_next);
     if (one_page_tiles) phys_next = tile_page(ti + 2 * kW4);
 
-    float sh[2][4] = {}, sx[2][4] = {};
-    const uint32_t ka[4] = {cur.k0.x, cur.k0.y, cur.k0.z, cur.k0.w};
-    const uint32_t kb[4] = {cur.k1.x, cur.k1.y, cur.k1.z, cur.k1.w};
-#pragma unroll
-    for (int ks = 0; ks < 8; ++ks) {
-      const int w = ks >> 1;
-      const int j0 = (ks & 1) * 2;
-      const uint2 t00 = klook(ka[w], j0);
-      const uint2 t01 = klook(kb[w], j0);
-      const uint2 t10 = klook(ka[w], j0 + 1);
-      const uint2 t11 = klook(kb[w], j0 + 1);
-      const uint32_t ahi[4] = {t00.x, t01.x, t10.x, t11.x};
-      mma16816(sh[ks & 1], ahi, qh[ks][0], qh[ks][1]);
-      if constexpr (SPLIT) {
-        const uint32_t alo[4] = {t00.y, t01.y, t10.y, t11.y};
-        mma16816(sx[ks & 1], ahi, ql[ks][0], ql[ks][1]);
-        mma16816(sx[ks & 1], alo, qh[ks][0], qh[ks][1]);
-      }
-    }
     float s[4];
-#pragma unroll
-    for (int c = 0; c < 4; ++c) s[c] = (sh[0][c] + sh[1][c]) + (sx[0][c] + sx[1][c]);
-    s[0] *= qx0 * cur.kn0;
-    s[1] *= qx1 * cur.kn0;
-    s[2] *= qx0 * cur.kn1;
-    s[3] *= qx1 * cur.kn1;
-#pragma unroll
-    for (int c = 0; c < 4; ++c)
-      if (!(s[c] > -INFINITY)) s[c] = -INFINITY;
+    tile_scores<SPLIT>(cur, qh, ql, qx0, qx1, ilut, s);
 
     const float lv0 = cur.vn0 > 0.f ? __log2f(cur.vn0) : -INFINITY;
     const float lv1 = cur.vn1 > 0.f ? __log2f(cur.vn1) : -INFINITY;
@@ -654,38 +632,7 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
       }
     }
     __syncwarp();
-    uint32_t ph0, pl0, ph1, pl1;
-    split2(wt[(4 * t4 + 0) * kWRow + gid], wt[(4 * t4 + 1) * kWRow + gid], ph0, pl0);
-    split2(wt[(4 * t4 + 2) * kWRow + gid], wt[(4 * t4 + 3) * kWRow + gid], ph1, pl1);
-
-    uint32_t lo01[2], hi01[2], lo23[2], hi23[2];
-#pragma unroll
-    for (int wd = 0; wd < 2; ++wd) {
-      const uint32_t x0 = wd ? cur.v[0].y : cur.v[0].x;
-      const uint32_t x1 = wd ? cur.v[1].y : cur.v[1].x;
-      const uint32_t x2 = wd ? cur.v[2].y : cur.v[2].x;
-      const uint32_t x3 = wd ? cur.v[3].y : cur.v[3].x;
-      lo01[wd] = (x0 & 0x0F0F0F0Fu) | ((x1 & 0x0F0F0F0Fu) << 4);
-      hi01[wd] = ((x0 >> 4) & 0x0F0F0F0Fu) | (x1 & 0xF0F0F0F0u);
-      lo23[wd] = (x2 & 0x0F0F0F0Fu) | ((x3 & 0x0F0F0F0Fu) << 4);
-      hi23[wd] = ((x2 >> 4) & 0x0F0F0F0Fu) | (x3 & 0xF0F0F0F0u);
-    }
-#pragma unroll
-    for (int mt = 0; mt < 8; ++mt) {
-      const int wd = mt >> 2;
-      const int jb = mt & 3;
-      const uint2 e0 = vlook(lo01[wd], jb);
-      const uint2 e1 = vlook(hi01[wd], jb);
-      const uint2 e2 = vlook(lo23[wd], jb);
-      const uint2 e3 = vlook(hi23[wd], jb);
-      const uint32_t ahi[4] = {e0.x, e1.x, e2.x, e3.x};
-      mma16816(o[mt], ahi, ph0, ph1);
-      if constexpr (SPLIT) {
-        const uint32_t alo[4] = {e0.y, e1.y, e2.y, e3.y};
-        mma16816(o[mt], ahi, pl0, pl1);
-        mma16816(o[mt], alo, ph0, ph1);
-      }
-    }
+    tile_accumulate_v<SPLIT>(cur, wt, gid, t4, ilut, o);
   };
 #pragma unroll 1
   for (int ti = warp; ti < ntt; ti += 2 * kW4) {
@@ -694,26 +641,7 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
     step(ti + kW4, nxt, cur);
   }
 
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-#pragma unroll
-    for (int off = 4; off < 32; off <<= 1) l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], off);
-  }
-  __syncthreads();
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    float* orow = &o_s[warp][(2 * t4 + hh) * D + 16 * gid];
-#pragma unroll
-    for (int mt = 0; mt < 8; ++mt)
-      *reinterpret_cast<float2*>(orow + 2 * mt) = make_float2(o[mt][hh], o[mt][2 + hh]);
-    if (gid == 0) {
-      m_s[warp][2 * t4 + hh] = m[hh];
-      l_s[warp][2 * t4 + hh] = l[hh];
-    }
-  }
-  __syncthreads();
-
-  merge_warps_and_store<D, GT, kNH, kW4>(p, m_s, l_s, o_s, seq, split, kvh, tile);
+  merge_tile_state<GT, kW4>(p, o, m, l, o_s, m_s, l_s, warp, gid, t4, seq, split, kvh, tile);
 }
 
 }  // namespace v3
