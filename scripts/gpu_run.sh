@@ -35,7 +35,7 @@ if has v3; then  # tensor-core decode (default where it applies) and its variant
   echo "v3: $(( $(date +%s) - t0 )) s"
 fi
 if has tests; then
-  timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -m gpu tests/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 25
+  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -m gpu tests/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 25
   # The same decode cases on the CUDA-core kernel v1 (the default routes head_dim 128 K4V4 to v3).
   JAX_TQ_CUDA_DECODE=v1 timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -m gpu tests/test_gpu.py -k decode 2>&1 \
     | tee "$OUT/gpu_tests_v1.log" | tail -n 5
