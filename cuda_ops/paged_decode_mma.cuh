@@ -12,10 +12,12 @@
 // of paged_decode.cu).
 //
 // Contract (identical to v1 / v2): same grid (num_splits * num_seqs, num_kv_heads * group_tiles),
-// 128 threads, same per-split token range, same partial (o / l, m + log l) writes (or the final
-// output when num_splits == 1), so the combine kernel applies unchanged. Tokens >= tok_end and
-// block-table entries outside [0, P) are never read; empty splits write lse = -inf; a row with no
-// valid token is exactly 0; pool addressing is int64.
+// 128 threads (v4: 256), same per-split token range, same partial (o / l, m + log l) writes (or
+// the final output when num_splits == 1), so the combine kernel applies unchanged. Tokens >=
+// tok_end and block-table entries outside [0, P) never contribute: v3 never reads them; v4's
+// one-page tiles read their codes from inside a real page (page 0 for an invalid id; no read past
+// a pool) and give them weight 0 (finite centroids: 0 * c = 0). Empty splits write lse = -inf; a
+// row with no valid token is exactly 0; pool addressing is int64.
 //
 // ---- Fragment layouts relied on (PTX ISA, mma.m16n8k16, .f16 A/B, .f32 C/D) ------------------
 //   lane = 4 * gid + t4 (gid = groupID = lane >> 2, t4 = threadID_in_group = lane & 3).
