@@ -88,11 +88,10 @@ def paged_attention(q, k, v, cache: PagedKVCache, slot_mapping, block_tables, se
       ValueError: k or v without one token per sequence of q (their first axis must be num_seqs).
       TypeError / ValueError from :func:`jax_tq.write_cache` and :func:`jax_tq.paged_decode`.
     """
-    num_seqs = jnp.shape(q)[0] if jnp.ndim(q) >= 1 else None
     for name, x in (("k", k), ("v", v)):
-        if num_seqs is not None and jnp.ndim(x) >= 1 and jnp.shape(x)[0] != num_seqs:
+        if jnp.ndim(q) >= 1 and jnp.ndim(x) >= 1 and jnp.shape(x)[0] != jnp.shape(q)[0]:
             raise ValueError(f"jax_tq.nn.paged_attention: {name} must hold one token per sequence, "
-                             f"[num_seqs={num_seqs}, num_kv_heads, head_dim], got shape {tuple(jnp.shape(x))}")
+                             f"[num_seqs={jnp.shape(q)[0]}, num_kv_heads, head_dim], got shape {tuple(jnp.shape(x))}")
     cache = write_cache(cache, k, v, slot_mapping)
     out = paged_decode(q, cache, block_tables, seq_lens, scale=scale, num_splits=num_splits, precision=precision)
     return out, cache

@@ -290,9 +290,9 @@ def _masked_softmax_weights(scores, valid, scale):
     give 0.
 
     The scale multiplies the difference to the row's max, not the scores: XLA fuses the product
-    into each consumer separately and may contract it into an FMA in one of them, so at |logits|
-    ~1e9 and above a row's own max could shift to +-2**8 or more (exp overflows, or every weight
-    underflows and the row comes out 0). ``|scale| * (s - max s)`` is exactly 0 at the max and
+    into each consumer separately and may round it differently there, so at |logits| ~1e9 and
+    above a row's own max could shift to +-2**8 or more (exp overflows, or every weight underflows
+    and the row comes out 0). ``|scale| * (s - max s)`` is exactly 0 at the max and
     <= 0 elsewhere however it is fused; a negative scale flips the scores' sign first (exact)."""
     scores = scores * jnp.where(scale < 0, -1.0, 1.0).astype(scores.dtype)
     row_max = jnp.max(jnp.where(valid, scores, -jnp.inf), axis=-1, keepdims=True, initial=-jnp.inf)
