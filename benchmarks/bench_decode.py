@@ -10,7 +10,8 @@ Timing: each measured function is jitted as R chained calls over distinct input 
 queries depend on the sum of the previous call's output, so XLA cannot merge or overlap them; the copies
 together exceed the 60 MB L2 several times, so no call finds its K/V in L2), timed with
 block_until_ready and a host clock; the time per call is the median over many such runs divided by
-R (the one dispatch per run is amortised over R calls). Bytes counted: K/V bytes the op must read (codes + fp32 norms for jax_tq, bf16 K/V for the
+R (the one dispatch per run is amortised over R calls). The chain's own cost per call (the add, the sum,
+the amortised dispatch) is timed around an op that returns q unchanged; "net" columns subtract it. Bytes counted: K/V bytes the op must read (codes + fp32 norms for jax_tq, bf16 K/V for the
 others) + q + output.
 
 Usage: python benchmarks/bench_decode.py [--quick] [--splits auto,1,2,4,8] [--shapes 32x8192,...]
@@ -33,7 +34,8 @@ import jax_tq as tq
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE = 32, 8, 128, 16
 SHAPES = ((1, 32768), (8, 8192), (32, 8192), (64, 4096), (128, 2048))
 L2_BYTES = 60 * 2**20
-ROTATE_BYTES = 4 * L2_BYTES  # the distinct copies of one benchmark's inputs add up to at least this
+ROTATE_BYTES = 4 * L2_BYTES
+CHAIN_ROW = "benchmark chain alone (add + sum, no op)"  # the distinct copies of one benchmark's inputs add up to at least this
 
 
 def time_calls(fn, arg_sets, inner=None, outer=15, warmup=2):
@@ -178,6 +180,10 @@ def bench_shape(num_seqs, seq_len, splits_list, copy_bw, quick, only_tq=False):
         rows.append(("jax_tq K4V4 kernel only (auto splits)", med, best, one))
     except Exception as err:  # noqa: BLE001
         print(f"  kernel-only timing failed: {type(err).__name__}: {err}")
+    # the chain's own cost per call (the add on q, the sum of the output, the amortised dispatch):
+    # the same chain around an op that returns q unchanged
+    med, best = time_calls(lambda q, c, t, l: q, sets, outer=outer)
+    rows.append((CHAIN_ROW, med, best, 0))
     del sets
     if only_tq:
         return rows
@@ -233,24 +239,31 @@ def main():
         rows = bench_shape(num_seqs, seq_len, splits_list, bw, args.quick, args.only_tq)
         t_cudnn = next((r[1] for r in rows if r[0].endswith("cudnn")), float("nan"))
         t_xla = next((r[1] for r in rows if r[0].endswith(" xla")), float("nan"))
+        t_chain = next((r[1] for r in rows if r[0] == CHAIN_ROW), 0.0)
         for name, med, best, nbytes in rows:
             gbs = nbytes / med / 1e9 if med == med else float("nan")
+            net = med - t_chain if name != CHAIN_ROW else float("nan")
             line = dict(shape=f"{num_seqs}x{seq_len}", impl=name, us=med * 1e6, best_us=best * 1e6,
                         mb=nbytes / 1e6, gbs=gbs, pct=100 * nbytes / med / bw if med == med else float("nan"),
                         vs_cudnn=t_cudnn / med if med == med else float("nan"),
-                        vs_xla=t_xla / med if med == med else float("nan"))
+                        vs_xla=t_xla / med if med == med else float("nan"),
+                        net_us=net * 1e6, net_pct=100 * nbytes / net / bw if net > 0 else float("nan"),
+                        net_vs_cudnn=(t_cudnn - t_chain) / net if net > 0 else float("nan"))
             table.append(line)
             print(f"  {name:42s} {line['us']:9.1f} us (best {line['best_us']:.1f})  {line['mb']:8.1f} MB  "
                   f"{gbs:7.0f} GB/s  {line['pct']:5.1f}% copy bw  x{line['vs_cudnn']:.2f} vs cuDNN  "
                   f"x{line['vs_xla']:.2f} vs XLA")
     print()
-    print(f"copy bandwidth {bw / 1e12:.2f} TB/s; times are medians per call; bytes = K/V read + q + out")
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s; times are medians per call; bytes = K/V read + q + out;")
+    print("net = time minus the benchmark chain's own cost per call (its row), for every implementation alike")
     print()
-    print("| shape (seqs x len) | implementation | time (us) | MB read+written | GB/s | % copy bw | speedup vs cuDNN | speedup vs XLA |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    print("| shape (seqs x len) | implementation | time (us) | MB read+written | GB/s | % copy bw | speedup vs cuDNN "
+          "| speedup vs XLA | net time (us) | net % copy bw | net speedup vs cuDNN |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in table:
         print(f"| {r['shape']} | {r['impl']} | {r['us']:.1f} | {r['mb']:.1f} | {r['gbs']:.0f} | {r['pct']:.1f} | "
-              f"{r['vs_cudnn']:.2f} | {r['vs_xla']:.2f} |")
+              f"{r['vs_cudnn']:.2f} | {r['vs_xla']:.2f} | {r['net_us']:.1f} | {r['net_pct']:.1f} | "
+              f"{r['net_vs_cudnn']:.2f} |")
 
 
 if __name__ == "__main__":

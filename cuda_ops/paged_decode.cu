@@ -31,6 +31,7 @@
 #include <cstdlib>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "jax_tq/cuda_launch.h"
 #include "jax_tq/ffi_checks.h"
@@ -1064,13 +1065,13 @@ ffi::Error launch_v2(cudaStream_t stream, const DecodeParams& p, dim3 grid) {
 
 // A tensor-core kernel (paged_decode_mma.cuh) on `threads` threads with its table space. One
 // instantiation per kernel: the shared-memory attribute is remembered per kernel.
-template <auto kKernel>
+template <auto kKernel, int kSmem = v3::kSmemBytes>
 ffi::Error launch_mma(int threads, const char* name, cudaStream_t stream, const DecodeParams& p,
                       dim3 grid) {
   static std::atomic<uint64_t> smem_set{0};
-  if (cudaError_t e = allow_dynamic_smem(smem_set, kKernel, v3::kSmemBytes); e != cudaSuccess)
+  if (cudaError_t e = allow_dynamic_smem(smem_set, kKernel, kSmem); e != cudaSuccess)
     return cuda_error((std::string(name) + " shared memory attribute").c_str(), e);
-  kKernel<<<grid, threads, v3::kSmemBytes, stream>>>(p);
+  kKernel<<<grid, threads, kSmem, stream>>>(p);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return cuda_error((std::string(name) + " split kernel launch").c_str(), e);
   return ffi::Error::Success();
@@ -1081,9 +1082,35 @@ ffi::Error launch_v3(cudaStream_t stream, const DecodeParams& p, dim3 grid) {
   return launch_mma<v3::paged_decode_v3_kernel<GT, SPLIT>>(kThreads, "v3", stream, p, grid);
 }
 
-template <int GT>
+template <int GT, bool RING>
 ffi::Error launch_v4(cudaStream_t stream, const DecodeParams& p, dim3 grid) {
-  return launch_mma<v3::paged_decode_v4_kernel<GT, false>>(v3::kT4, "v4", stream, p, grid);
+  constexpr int smem = v3::kSmemBytes + (RING ? v3::kRingBytes : 0);
+  return launch_mma<v3::paged_decode_v4_kernel<GT, false, RING>, smem>(
+      v3::kT4, RING ? "v4 ring" : "v4", stream, p, grid);
+}
+
+// Whether v4's ring variant keeps kCtasPerSm4 CTAs per SM on the current device (the split rule
+// assumes it): yes on sm_90 (227 KB of shared memory per SM); sm_80's 164 KB holds one, so the
+// register variant runs there. Asked once per device.
+template <int GT>
+bool ring_fits() {
+  static std::atomic<int> known[64];  // 0: not asked yet, 1: fits, 2: does not
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
+  int state = known[dev].load(std::memory_order_acquire);
+  if (state == 0) {
+    constexpr int smem = v3::kSmemBytes + v3::kRingBytes;
+    const auto kernel = v3::paged_decode_v4_kernel<GT, false, true>;
+    int ctas = 0;
+    const bool fits =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) == cudaSuccess &&
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, v3::kT4, smem) == cudaSuccess &&
+        ctas >= v3::kCtasPerSm4;
+    (void)cudaGetLastError();  // a refused attribute is an answer here, not an error to keep
+    state = fits ? 1 : 2;
+    known[dev].store(state, std::memory_order_release);
+  }
+  return state == 1;
 }
 
 // Largest query-head tile per head_dim (register budget: acc_v[GT][8] stays in registers).
@@ -1137,6 +1164,7 @@ DecodeKernel requested_kernel() {
     if (v == "v2") return DecodeKernel::kV2;
     if (v == "v3") return DecodeKernel::kV3;
     if (v == "v4") return DecodeKernel::kV4;
+    if (v == "v5") return DecodeKernel::kDefault;  // v4's ring variant, the default where it fits
     return DecodeKernel::kDefault;
   }();
   return k;
@@ -1156,11 +1184,24 @@ bool use_v3(int d, int gt, const DecodeParams& p) {
 }
 
 #if JTQ_HAS_D(128)
+// v4's ring variant (16-byte cp.async of whole one-page tiles): pages of a multiple of 16 tokens,
+// all four pools 16-byte aligned, 2 CTAs per SM; JAX_TQ_CUDA_DECODE=v4 keeps the register variant.
+bool use_ring(int gt, const DecodeParams& p) {
+  if (requested_kernel() == DecodeKernel::kV4 || p.page_size % 16 != 0) return false;
+  for (const void* pool : {static_cast<const void*>(p.kc), static_cast<const void*>(p.vc),
+                           static_cast<const void*>(p.kn), static_cast<const void*>(p.vn)})
+    if (reinterpret_cast<uintptr_t>(pool) % 16 != 0) return false;
+  return gt == 4 ? ring_fits<4>() : ring_fits<8>();
+}
+
 ffi::Error dispatch_v3(int gt, bool f16, cudaStream_t stream, const DecodeParams& p, dim3 grid) {
   // v4 (8 warps per CTA in 128 registers) for f16 products; f32-accurate (hi / lo) products need
   // more registers than that and stay on v3.
-  if (f16 && requested_kernel() != DecodeKernel::kV3)
-    return gt == 4 ? launch_v4<4>(stream, p, grid) : launch_v4<8>(stream, p, grid);
+  if (f16 && requested_kernel() != DecodeKernel::kV3) {
+    if (use_ring(gt, p))
+      return gt == 4 ? launch_v4<4, true>(stream, p, grid) : launch_v4<8, true>(stream, p, grid);
+    return gt == 4 ? launch_v4<4, false>(stream, p, grid) : launch_v4<8, false>(stream, p, grid);
+  }
   if (gt == 4) return f16 ? launch_v3<4, false>(stream, p, grid) : launch_v3<4, true>(stream, p, grid);
   return f16 ? launch_v3<8, false>(stream, p, grid) : launch_v3<8, true>(stream, p, grid);
 }

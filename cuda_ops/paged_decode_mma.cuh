@@ -471,15 +471,32 @@ constexpr int kW4 = 8;                 // warps per CTA
 constexpr int kT4 = 32 * kW4;          // threads per CTA
 constexpr int kCtasPerSm4 = 2;
 
-template <int GT, bool SPLIT>
+// v4 with RING (the default where it fits, see use_ring in paged_decode.cu): each warp streams
+// its one-page tiles through its own 2-stage shared-memory ring by cp.async. A tile is copied from
+// its stage into registers at the start of its step, and the stage is refilled at once with the
+// tile two steps ahead, so two tiles (4.3 KB) per warp are in flight during a step's math instead
+// of one held in a second register set. Stage layout (kStageB bytes): K codes [0, 1024), V codes
+// [1024, 2048), K norms [2048, 2112), V norms [2112, 2176); the code rows (16 tokens x 64 bytes =
+// 64 units of 16 bytes, unit u = 4 * token + chunk) are stored at unit ring_swizzle(u), which makes
+// both the K reads (16 bytes of tokens gid, gid + 8) and the V reads (8 bytes of tokens 4t4 + e)
+// conflict-free.
+constexpr int kStageB = 2 * kTT * kRowB + 2 * kTT * 4;
+constexpr int kRingStages = 2;
+constexpr int kRingBytes = kW4 * kRingStages * kStageB;
+
+__device__ __forceinline__ int ring_swizzle(int u) { return u ^ ((u >> 2) & 4) ^ ((u >> 4) & 2); }
+
+template <int GT, bool SPLIT, bool RING>
 __global__ void __launch_bounds__(kT4, kCtasPerSm4)
     paged_decode_v4_kernel(const DecodeParams p) {
   static_assert(GT == 4 || GT == 8, "v4: GT in {4, 8}");
   static_assert(kNH == kW4, "prologue: one head per warp");
   static_assert(kW4 * kNH * kD * 4 <= kSmemBytes, "o_s must fit in the table space");
+  static_assert(kRingStages == 2, "the step loop alternates two stages");
   constexpr int D = kD;
 
-  extern __shared__ __align__(16) uint8_t smem[];  // kSmemBytes: interleaved K / V tables
+  // kSmemBytes: interleaved K / V tables; RING: then kRingBytes of per-warp rings.
+  extern __shared__ __align__(16) uint8_t smem[];
   __shared__ float qexp_s[kNH];
   __shared__ float w_s[kW4][kTT * kWRow];
   __shared__ float m_s[kW4][kNH];
@@ -504,25 +521,37 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
   const int ntt = (ntok + kTT - 1) / kTT;
   const int32_t* bt_seq = p.bt + static_cast<int64_t>(seq) * p.max_pages;
 
-  const bool one_page_tiles = (p.page_size & (kTT - 1)) == 0;
+  const bool one_page_tiles = RING || (p.page_size & (kTT - 1)) == 0;  // RING: checked at launch
   auto tile_page = [&](int ti) -> int {
     return ti < ntt ? __ldg(bt_seq + p.pdiv.div(static_cast<uint32_t>(tok0 + ti * kTT))) : -1;
+  };
+  // First row of one-page tile ti (page 0 for an id outside [0, P)) and its valid token count.
+  auto tile_rows = [&](int ti, int phys, int& n) -> int64_t {
+    const int base = tok0 + ti * kTT;
+    const int lp = static_cast<int>(p.pdiv.div(static_cast<uint32_t>(base)));
+    const bool page_ok = phys >= 0 && phys < p.P;
+    n = page_ok ? tok_end - base : 0;  // may exceed 16
+    return (static_cast<int64_t>(page_ok ? phys : 0) * p.Hkv + kvh) * p.page_size +
+           (base - lp * p.page_size);
   };
   // Per-lane byte offsets inside a 16-token tile's rows: K bytes 16*t4.. of token gid (token
   // gid + 8 at + 8 rows); V bytes 8*gid.. of token 4*t4 (token 4*t4 + e at + e rows).
   const int k_lane = gid * kRowB + 16 * t4;
   const int v_lane = 4 * t4 * kRowB + 8 * gid;
   const float kNaN = __int_as_float(0x7fc00000);
-  // Called with ntt > 0 only (so P > 0). A tile past the end (ti >= ntt, phys = -1) reads page 0
-  // with every token masked.
+  auto mask_norms = [&](Tile& t, int n, float kn0, float kn1, float vn0, float vn1) {
+    t.kn0 = gid < n ? kn0 : kNaN;
+    t.kn1 = gid + 8 < n ? kn1 : kNaN;
+    t.vn0 = gid < n ? vn0 : 0.f;
+    t.vn1 = gid + 8 < n ? vn1 : 0.f;
+  };
+  // Register path. Called with ntt > 0 only (so P > 0). A tile past the end (ti >= ntt,
+  // phys = -1) reads page 0 with every token masked.
   auto load = [&](int ti, Tile& t, int phys) {
     const int base = tok0 + ti * kTT;
     if (one_page_tiles) {
-      const int lp = static_cast<int>(p.pdiv.div(static_cast<uint32_t>(base)));
-      const bool page_ok = phys >= 0 && phys < p.P;
-      const int64_t row0 = (static_cast<int64_t>(page_ok ? phys : 0) * p.Hkv + kvh) * p.page_size +
-                           (base - lp * p.page_size);
-      const int n = page_ok ? tok_end - base : 0;  // valid tokens of this tile (may exceed 16)
+      int n;
+      const int64_t row0 = tile_rows(ti, phys, n);
       const uint8_t* kp = p.kc + row0 * kRowB + k_lane;
       const uint8_t* vp = p.vc + row0 * kRowB + v_lane;
       t.k0 = __ldg(reinterpret_cast<const uint4*>(kp));
@@ -531,12 +560,7 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
       for (int e = 0; e < 4; ++e) t.v[e] = __ldg(reinterpret_cast<const uint2*>(vp + e * kRowB));
       const float* knp = p.kn + row0 + gid;
       const float* vnp = p.vn + row0 + gid;
-      const float kn0 = __ldg(knp), kn1 = __ldg(knp + 8);
-      const float vn0 = __ldg(vnp), vn1 = __ldg(vnp + 8);
-      t.kn0 = gid < n ? kn0 : kNaN;
-      t.kn1 = gid + 8 < n ? kn1 : kNaN;
-      t.vn0 = gid < n ? vn0 : 0.f;
-      t.vn1 = gid + 8 < n ? vn1 : 0.f;
+      mask_norms(t, n, __ldg(knp), __ldg(knp + 8), __ldg(vnp), __ldg(vnp + 8));
       return;
     }
     t.k0 = t.k1 = make_uint4(0u, 0u, 0u, 0u);
@@ -564,11 +588,54 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
     }
   };
 
-  // The first tile's block-table and code reads are issued before the prologue, whose q staging
+  // Ring path: tile ti (< ntt) into stage `st` of this warp's ring; every lane copies K / V units
+  // lane and lane + 32, lanes 0-7 one 16-byte quarter of the norms. Returns the valid count.
+  uint8_t* ring = smem + kSmemBytes + warp * (kRingStages * kStageB);
+  auto issue = [&](int ti, int st, int phys) -> int {
+    int n = 0;
+    if (ti < ntt) {
+      const int64_t row0 = tile_rows(ti, phys, n);
+      const uint8_t* kp = p.kc + row0 * kRowB;
+      const uint8_t* vp = p.vc + row0 * kRowB;
+      uint8_t* dst = ring + st * kStageB;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int u = lane + 32 * h;
+        cp_async<16>(dst + 16 * ring_swizzle(u), kp + 16 * u);
+        cp_async<16>(dst + kTT * kRowB + 16 * ring_swizzle(u), vp + 16 * u);
+      }
+      if (lane < 8) {
+        const float* norms = (lane < 4 ? p.kn : p.vn) + row0 + 4 * (lane & 3);
+        cp_async<16>(dst + 2 * kTT * kRowB + 16 * lane, norms);
+      }
+    }
+    cp_async_commit();  // one group per call, empty or not: wait_group counts stay aligned
+    return n;
+  };
+  auto read_stage = [&](int st, int n, Tile& t) {
+    const uint8_t* src = ring + st * kStageB;
+    t.k0 = *reinterpret_cast<const uint4*>(src + 16 * ring_swizzle(4 * gid + t4));
+    t.k1 = *reinterpret_cast<const uint4*>(src + 16 * ring_swizzle(4 * (gid + 8) + t4));
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      t.v[e] = *reinterpret_cast<const uint2*>(
+          src + kTT * kRowB + 16 * ring_swizzle(4 * (4 * t4 + e) + (gid >> 1)) + 8 * (gid & 1));
+    const float* norms = reinterpret_cast<const float*>(src + 2 * kTT * kRowB);
+    mask_norms(t, n, norms[gid], norms[gid + 8], norms[kTT + gid], norms[kTT + gid + 8]);
+  };
+
+  // The first tiles' block-table and code reads are issued before the prologue, whose q staging
   // and table build then overlap their latency.
   Tile cur, nxt;
-  int phys_next = one_page_tiles ? tile_page(warp + kW4) : -1;
-  if (warp < ntt) load(warp, cur, one_page_tiles ? tile_page(warp) : -1);
+  int phys_next = -1, n_st[2] = {0, 0};
+  if constexpr (RING) {
+    n_st[0] = issue(warp, 0, tile_page(warp));
+    n_st[1] = issue(warp + kW4, 1, tile_page(warp + kW4));
+    phys_next = tile_page(warp + 2 * kW4);
+  } else {
+    phys_next = one_page_tiles ? tile_page(warp + kW4) : -1;
+    if (warp < ntt) load(warp, cur, one_page_tiles ? tile_page(warp) : -1);
+  }
 
   // ---- prologue: q of head `warp` (scaled, per-head power of two) in the table space ----------
   float* q_s = reinterpret_cast<float*>(smem);
@@ -594,12 +661,8 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
 
   float* wt = w_s[warp];
 
-  // One tile: prefetch tile ti + kW4 into `next`, then consume `cur`. Called on alternating
-  // register sets (no tile copy between iterations).
-  auto step = [&](int ti, const Tile& cur, Tile& next) {
-    load(ti + kW4, next, phys_next);
-    if (one_page_tiles) phys_next = tile_page(ti + 2 * kW4);
-
+  // Scores, online softmax and V accumulation of one tile held in registers.
+  auto consume = [&](const Tile& cur) {
     float s[4];
     tile_scores<SPLIT>(cur, qh, ql, qx0, qx1, ilut, s);
 
@@ -636,11 +699,41 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
     __syncwarp();
     tile_accumulate_v<SPLIT>(cur, wt, gid, t4, ilut, o);
   };
+
+  if constexpr (RING) {
+    // Step of tile ti from stage ST: wait for its group (the newer one may stay in flight), copy
+    // it to registers, refill the stage with tile ti + 2 * kW4, then the math.
+    auto ring_step = [&](int ti, auto st_tag) {
+      constexpr int ST = decltype(st_tag)::value;
+      cp_async_wait<1>();
+      __syncwarp();  // every lane's copies of this stage are visible to the whole warp
+      read_stage(ST, n_st[ST], cur);
+      __syncwarp();  // every lane has read the stage before it is overwritten
+      n_st[ST] = issue(ti + 2 * kW4, ST, phys_next);
+      phys_next = tile_page(ti + 3 * kW4);
+      consume(cur);
+    };
 #pragma unroll 1
-  for (int ti = warp; ti < ntt; ti += 2 * kW4) {
-    step(ti, cur, nxt);
-    if (ti + kW4 >= ntt) break;
-    step(ti + kW4, nxt, cur);
+    for (int ti = warp; ti < ntt; ti += 2 * kW4) {
+      ring_step(ti, std::integral_constant<int, 0>{});
+      if (ti + kW4 >= ntt) break;
+      ring_step(ti + kW4, std::integral_constant<int, 1>{});
+    }
+    cp_async_wait<0>();
+  } else {
+    // Prefetch tile ti + kW4 into `next`, then consume `cur`; called on alternating register sets
+    // (no tile copy between iterations).
+    auto step = [&](int ti, const Tile& cur, Tile& next) {
+      load(ti + kW4, next, phys_next);
+      if (one_page_tiles) phys_next = tile_page(ti + 2 * kW4);
+      consume(cur);
+    };
+#pragma unroll 1
+    for (int ti = warp; ti < ntt; ti += 2 * kW4) {
+      step(ti, cur, nxt);
+      if (ti + kW4 >= ntt) break;
+      step(ti + kW4, nxt, cur);
+    }
   }
 
   merge_tile_state<GT, kW4>(p, o, m, l, o_s, m_s, l_s, warp, gid, t4, seq, split, kvh, tile);
