@@ -31,10 +31,15 @@ import numpy as np
 
 import jax_tq as tq
 
+import device_time
+
+DEVICE_TIME = False  # --device-time: also the GPU span per call from a profiler trace
+
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE = 32, 8, 128, 16
 SHAPES = ((1, 32768), (8, 8192), (32, 8192), (64, 4096), (128, 2048))
 L2_BYTES = 60 * 2**20
 ROTATE_BYTES = 4 * L2_BYTES
+NAN = float("nan")
 CHAIN_ROW = "benchmark chain alone (add + sum, no op)"  # the distinct copies of one benchmark's inputs add up to at least this
 
 
@@ -63,7 +68,11 @@ def time_calls(fn, arg_sets, inner=None, outer=15, warmup=2):
         t0 = time.perf_counter()
         jax.block_until_ready(chain(arg_sets))
         times.append((time.perf_counter() - t0) / inner)
-    return statistics.median(times), min(times)
+    dev = float("nan")
+    if DEVICE_TIME:
+        dev = device_time.device_seconds_per_call(lambda: jax.block_until_ready(chain(arg_sets)), inner)
+        dev = float("nan") if dev is None else dev
+    return statistics.median(times), min(times), dev
 
 
 def copy_bandwidth():
@@ -82,7 +91,10 @@ def copy_bandwidth():
         t0 = time.perf_counter()
         jax.block_until_ready(passes(x))
         times.append((time.perf_counter() - t0) / inner)
-    return 2 * 4 * n / statistics.median(times)
+    seconds = statistics.median(times)
+    if DEVICE_TIME:
+        seconds = device_time.device_seconds_per_call(lambda: jax.block_until_ready(passes(x)), inner) or seconds
+    return 2 * 4 * n / seconds
 
 
 def n_copies(bytes_one):
@@ -163,8 +175,7 @@ def bench_shape(num_seqs, seq_len, splits_list, copy_bw, quick, only_tq=False):
     for splits in splits_list:
         ns = None if splits == "auto" else int(splits)
         fn = lambda q, c, t, l, ns=ns: tq.paged_decode(q, c, t, l, num_splits=ns)
-        med, best = time_calls(fn, sets, outer=outer)
-        rows.append((f"jax_tq K4V4 (splits={splits})", med, best, one))
+        rows.append((f"jax_tq K4V4 (splits={splits})", *time_calls(fn, sets, outer=outer), one))
     # kernel only (no q / output rotation): the primitive on q_rot
     try:
         import importlib
@@ -176,14 +187,12 @@ def bench_shape(num_seqs, seq_len, splits_list, copy_bw, quick, only_tq=False):
                 q_rot, c.k_codes, c.k_norms, c.v_codes, c.v_norms, c.k_codec.centroids, c.v_codec.centroids,
                 t, l, k_bits=4, v_bits=4, scale=1.0 / math.sqrt(HEAD_DIM), num_splits=0, f16_products=True, backend="ffi")
             return o
-        med, best = time_calls(kernel_only, sets, outer=outer)
-        rows.append(("jax_tq K4V4 kernel only (auto splits)", med, best, one))
+        rows.append(("jax_tq K4V4 kernel only (auto splits)", *time_calls(kernel_only, sets, outer=outer), one))
     except Exception as err:  # noqa: BLE001
         print(f"  kernel-only timing failed: {type(err).__name__}: {err}")
     # the chain's own cost per call (the add on q, the sum of the output, the amortised dispatch):
     # the same chain around an op that returns q unchanged
-    med, best = time_calls(lambda q, c, t, l: q, sets, outer=outer)
-    rows.append((CHAIN_ROW, med, best, 0))
+    rows.append((CHAIN_ROW, *time_calls(lambda q, c, t, l: q, sets, outer=outer), 0))
     del sets
     if only_tq:
         return rows
@@ -194,22 +203,20 @@ def bench_shape(num_seqs, seq_len, splits_list, copy_bw, quick, only_tq=False):
         def attn(q, k, v, l, impl=impl):
             return jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=l, implementation=impl)
         try:
-            med, best = time_calls(attn, dsets, outer=outer)
-            rows.append((f"bf16 dot_product_attention {impl}", med, best, dense))
+            rows.append((f"bf16 dot_product_attention {impl}", *time_calls(attn, dsets, outer=outer), dense))
         except Exception as err:  # noqa: BLE001
             print(f"  {impl} failed: {type(err).__name__}: {str(err)[:200]}")
-            rows.append((f"bf16 dot_product_attention {impl}", float("nan"), float("nan"), dense))
+            rows.append((f"bf16 dot_product_attention {impl}", NAN, NAN, NAN, dense))
     del dsets
     try:
         from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
         psets = make_pallas_inputs(num_seqs, seq_len, key, n_copies(dense))
         fn = lambda q, kp, vp, t, l: paged_attention(q, kp, vp, t, l)
-        med, best = time_calls(fn, psets, outer=outer)
-        rows.append(("bf16 Pallas paged_attention", med, best, dense))
+        rows.append(("bf16 Pallas paged_attention", *time_calls(fn, psets, outer=outer), dense))
         del psets
     except Exception as err:  # noqa: BLE001
         print(f"  pallas paged_attention failed: {type(err).__name__}: {str(err)[:200]}")
-        rows.append(("bf16 Pallas paged_attention", float("nan"), float("nan"), dense))
+        rows.append(("bf16 Pallas paged_attention", NAN, NAN, NAN, dense))
     return rows
 
 
@@ -219,7 +226,10 @@ def main():
     ap.add_argument("--splits", default="auto", help="comma list of split counts to time for jax_tq (auto = library choice)")
     ap.add_argument("--only-tq", action="store_true", help="time jax_tq only (split sweeps)")
     ap.add_argument("--shapes", default=None, help="comma list like 32x8192,1x32768")
+    ap.add_argument("--device-time", action="store_true", help="also the GPU span per call (profiler trace)")
     args = ap.parse_args()
+    global DEVICE_TIME
+    DEVICE_TIME = args.device_time
     shapes = SHAPES if args.shapes is None else tuple(tuple(int(v) for v in s.split("x")) for s in args.shapes.split(","))
     splits_list = args.splits.split(",")
     dev = jax.devices()[0]
@@ -237,33 +247,38 @@ def main():
     for num_seqs, seq_len in shapes:
         print(f"== num_seqs={num_seqs} seq_len={seq_len}")
         rows = bench_shape(num_seqs, seq_len, splits_list, bw, args.quick, args.only_tq)
-        t_cudnn = next((r[1] for r in rows if r[0].endswith("cudnn")), float("nan"))
-        t_xla = next((r[1] for r in rows if r[0].endswith(" xla")), float("nan"))
-        t_chain = next((r[1] for r in rows if r[0] == CHAIN_ROW), 0.0)
-        for name, med, best, nbytes in rows:
-            gbs = nbytes / med / 1e9 if med == med else float("nan")
-            net = med - t_chain if name != CHAIN_ROW else float("nan")
-            line = dict(shape=f"{num_seqs}x{seq_len}", impl=name, us=med * 1e6, best_us=best * 1e6,
-                        mb=nbytes / 1e6, gbs=gbs, pct=100 * nbytes / med / bw if med == med else float("nan"),
-                        vs_cudnn=t_cudnn / med if med == med else float("nan"),
-                        vs_xla=t_xla / med if med == med else float("nan"),
-                        net_us=net * 1e6, net_pct=100 * nbytes / net / bw if net > 0 else float("nan"),
-                        net_vs_cudnn=(t_cudnn - t_chain) / net if net > 0 else float("nan"))
-            table.append(line)
-            print(f"  {name:42s} {line['us']:9.1f} us (best {line['best_us']:.1f})  {line['mb']:8.1f} MB  "
-                  f"{gbs:7.0f} GB/s  {line['pct']:5.1f}% copy bw  x{line['vs_cudnn']:.2f} vs cuDNN  "
-                  f"x{line['vs_xla']:.2f} vs XLA")
+        table += table_rows(f"{num_seqs}x{seq_len}", rows, bw)
     print()
-    print(f"copy bandwidth {bw / 1e12:.2f} TB/s; times are medians per call; bytes = K/V read + q + out;")
-    print("net = time minus the benchmark chain's own cost per call (its row), for every implementation alike")
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s; bytes = K/V read + q + out. host: median host-clock time per call "
+          f"of a program of chained calls (its one dispatch included); device: the GPU span of that program per call "
+          f"(profiler kernel events, median of 5; --device-time). GB/s, % copy bw and speedups use the device times "
+          f"where every row of the shape has one, else the host times.")
     print()
-    print("| shape (seqs x len) | implementation | time (us) | MB read+written | GB/s | % copy bw | speedup vs cuDNN "
-          "| speedup vs XLA | net time (us) | net % copy bw | net speedup vs cuDNN |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| shape (seqs x len) | implementation | host time (us) | device time (us) | MB read+written | GB/s "
+          "| % copy bw | speedup vs cuDNN | speedup vs XLA |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in table:
-        print(f"| {r['shape']} | {r['impl']} | {r['us']:.1f} | {r['mb']:.1f} | {r['gbs']:.0f} | {r['pct']:.1f} | "
-              f"{r['vs_cudnn']:.2f} | {r['vs_xla']:.2f} | {r['net_us']:.1f} | {r['net_pct']:.1f} | "
-              f"{r['net_vs_cudnn']:.2f} |")
+        print(f"| {r['shape']} | {r['impl']} | {r['us']:.1f} | {r['dev_us']:.1f} | {r['mb']:.1f} | {r['gbs']:.0f} | "
+              f"{r['pct']:.1f} | {r['vs_cudnn']:.2f} | {r['vs_xla']:.2f} |")
+
+
+def table_rows(shape, rows, bw):
+    """Table lines of one shape; the derived columns use the device time where it was measured."""
+    # device times only if every timed row has one, so no ratio mixes the two clocks
+    use_dev = all(r[3] == r[3] for r in rows if r[1] == r[1])
+    time_of = {r[0]: (r[3] if use_dev else r[1]) for r in rows}
+    t_cudnn = next((t for name, t in time_of.items() if name.endswith("cudnn")), NAN)
+    t_xla = next((t for name, t in time_of.items() if name.endswith(" xla")), NAN)
+    lines = []
+    for name, med, best, dev, nbytes in rows:
+        t = time_of[name]
+        line = dict(shape=shape, impl=name, us=med * 1e6, best_us=best * 1e6, dev_us=dev * 1e6, mb=nbytes / 1e6,
+                    gbs=nbytes / t / 1e9, pct=100 * nbytes / t / bw, vs_cudnn=t_cudnn / t, vs_xla=t_xla / t)
+        print(f"  {name:42s} host {line['us']:8.1f} us (best {line['best_us']:.1f})  device {line['dev_us']:8.1f} us  "
+              f"{line['mb']:8.1f} MB  {line['gbs']:7.0f} GB/s  {line['pct']:5.1f}% copy bw  "
+              f"x{line['vs_cudnn']:.2f} vs cuDNN  x{line['vs_xla']:.2f} vs XLA")
+        lines.append(line)
+    return lines
 
 
 if __name__ == "__main__":

@@ -8,18 +8,14 @@ Usage: python benchmarks/trace_decode.py [32x8192 ...]   (a GPU; prints one tabl
 """
 from __future__ import annotations
 
-import glob
-import gzip
-import json
-import os
 import sys
-import tempfile
 
 import jax
 import jax.numpy as jnp
 
 import jax_tq as tq
 from bench_decode import make_tq_inputs
+from device_time import span_us, traced_runs
 
 INNER = 8
 
@@ -35,44 +31,20 @@ def chain_fn(inner):
     return chain
 
 
-def gpu_kernel_events(trace_dir):
-    """The trace's GPU events (perfetto JSON written by jax.profiler), sorted by start time."""
-    paths = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
-    if not paths:
-        raise RuntimeError(f"no perfetto trace under {trace_dir}")
-    with gzip.open(paths[0], "rt") as f:
-        events = json.load(f)["traceEvents"]
-    gpu_pids = {e["pid"] for e in events
-                if e.get("ph") == "M" and e.get("name") == "process_name"
-                and "GPU" in str(e.get("args", {}).get("name", ""))}
-    # the GPU process also holds derived lines ("XLA Ops", "XLA Modules") over the same time: keep
-    # the stream lines, where the kernels are
-    streams = {(e["pid"], e.get("tid")) for e in events
-               if e.get("ph") == "M" and e.get("name") == "thread_name" and e.get("pid") in gpu_pids
-               and "stream" in str(e.get("args", {}).get("name", "")).lower()}
-    kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu_pids and e.get("dur", 0) > 0
-               and (not streams or (e["pid"], e.get("tid")) in streams)]
-    names = sorted({str(e.get("args", {}).get("name", "")) for e in events if e.get("ph") == "M"})
-    return sorted(kernels, key=lambda e: e["ts"]), names
-
-
 def one_shape(num_seqs, seq_len):
     (q, cache, tables, lens), = make_tq_inputs(num_seqs, seq_len, jax.random.PRNGKey(0), 1)
     chain = chain_fn(INNER)
     for _ in range(3):
         jax.block_until_ready(chain(q, cache, tables, lens))
-    with tempfile.TemporaryDirectory() as trace_dir:
-        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-            jax.block_until_ready(chain(q, cache, tables, lens))
-        kernels, process_names = gpu_kernel_events(trace_dir)
-    if not kernels:
-        print(f"no GPU kernel events; trace processes: {process_names}")
+    runs = traced_runs(lambda: jax.block_until_ready(chain(q, cache, tables, lens)), repeats=3)
+    if runs is None:
+        print(f"== {num_seqs}x{seq_len}: no GPU kernel events in the trace (no GPU, or no CUPTI)")
         return
-    # Calls are delimited by the split kernel; show the kernels from one split kernel's predecessor
-    # set (the middle call) to the next, then per-call averages over the whole chain.
+    kernels = runs[-1]
+    # Calls are delimited by the split kernel: show the kernels after one split kernel (the middle
+    # call's) up to the next, then per-call averages over the whole chain.
     split_idx = [i for i, e in enumerate(kernels) if "paged_decode" in e["name"] and "combine" not in e["name"]]
-    span = (kernels[-1]["ts"] + kernels[-1]["dur"] - kernels[0]["ts"]) / INNER
-    busy = sum(e["dur"] for e in kernels) / INNER
+    span, busy = span_us(kernels) / INNER, sum(e["dur"] for e in kernels) / INNER
     print(f"== {num_seqs}x{seq_len}: {len(kernels)} kernels in {INNER} calls; per call: span {span:.1f} us, "
           f"kernels busy {busy:.1f} us, idle {span - busy:.1f} us")
     if len(split_idx) >= 3:

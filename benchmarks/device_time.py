@@ -1,0 +1,87 @@
+"""Device time of a jitted program from the GPU timeline (JAX profiler, CUPTI kernel events).
+
+A host clock around one dispatch of a short program also counts the dispatch itself (measured at
+~300 us for a program of 48 kernels on the H200, against ~110 us per decode call), so the
+benchmarks report, next to host medians, the span of the program's kernels on the GPU: first
+kernel start to last kernel end, per repetition, median over repetitions.
+
+Used by bench_decode.py (``--device-time``) and trace_decode.py. Without a GPU (or CUPTI) there
+are no kernel events and the functions return None.
+"""
+from __future__ import annotations
+
+import glob
+import gzip
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import jax
+
+#: Kernels more than this far apart (us) belong to different repetitions (the host waits between
+#: repetitions; kernels of one program follow each other within a few us).
+RUN_GAP_US = 1000.0
+
+
+def gpu_kernel_events(trace_dir):
+    """The perfetto trace's GPU kernel events (dicts with name, ts, dur in us) sorted by start, and
+    the names of the trace's processes (for diagnostics)."""
+    paths = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
+    if not paths:
+        return [], []
+    with gzip.open(paths[0], "rt") as f:
+        events = json.load(f)["traceEvents"]
+    meta = [e for e in events if e.get("ph") == "M"]
+    gpu_pids = {e["pid"] for e in meta
+                if e.get("name") == "process_name" and "GPU" in str(e.get("args", {}).get("name", ""))}
+    # the GPU process also holds derived lines ("XLA Ops", "XLA Modules") over the same time: keep
+    # the stream lines, where the kernels are
+    streams = {(e["pid"], e.get("tid")) for e in meta
+               if e.get("name") == "thread_name" and e.get("pid") in gpu_pids
+               and "stream" in str(e.get("args", {}).get("name", "")).lower()}
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu_pids and e.get("dur", 0) > 0
+               and (not streams or (e["pid"], e.get("tid")) in streams)]
+    names = sorted({str(e.get("args", {}).get("name", "")) for e in meta if e.get("name") == "process_name"})
+    return sorted(kernels, key=lambda e: e["ts"]), names
+
+
+def split_runs(kernels, gap_us=RUN_GAP_US):
+    """Kernel events grouped into repetitions: a new group starts after an idle gap > gap_us."""
+    runs = []
+    for e in kernels:
+        if runs and e["ts"] - max(k["ts"] + k["dur"] for k in runs[-1]) <= gap_us:
+            runs[-1].append(e)
+        else:
+            runs.append([e])
+    return runs
+
+
+def span_us(run):
+    """First kernel start to last kernel end of one repetition, in us."""
+    return max(e["ts"] + e["dur"] for e in run) - min(e["ts"] for e in run)
+
+
+def traced_runs(run, repeats=5):
+    """Kernel events of ``repeats`` calls of ``run()`` (which must block until its results are
+    ready), one list per repetition; None when the trace has no GPU kernels."""
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            for _ in range(repeats):
+                run()
+                time.sleep(0.005)  # an idle gap that separates the repetitions on the timeline
+        kernels, _ = gpu_kernel_events(trace_dir)
+    if not kernels:
+        return None
+    runs = split_runs(kernels)
+    return runs if len(runs) == repeats else None
+
+
+def device_seconds_per_call(run, calls_per_run, repeats=5):
+    """Median GPU span of one ``run()`` divided by ``calls_per_run``, in seconds; None without GPU
+    kernel events (or when the repetitions could not be told apart)."""
+    runs = traced_runs(run, repeats)
+    if runs is None:
+        return None
+    return statistics.median(span_us(r) for r in runs) * 1e-6 / calls_per_run

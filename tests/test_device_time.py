@@ -1,0 +1,37 @@
+"""The benchmark's device-time helpers (benchmarks/device_time.py): repetitions told apart by idle
+gaps on the GPU timeline, spans from first start to last end."""
+import pathlib
+import sys
+
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+device_time = pytest.importorskip("device_time")
+
+
+def _kernel(ts, dur, name="k"):
+    return {"name": name, "ts": float(ts), "dur": float(dur)}
+
+
+def test_split_runs_separates_repetitions_at_idle_gaps():
+    # two repetitions of three kernels; a long kernel overlapping the next start stays in its run
+    kernels = [_kernel(0, 10), _kernel(12, 500), _kernel(520, 5),
+               _kernel(5000, 7), _kernel(5010, 3), _kernel(5400, 2)]
+    runs = device_time.split_runs(kernels, gap_us=1000.0)
+    assert [len(r) for r in runs] == [3, 3]
+    assert device_time.span_us(runs[0]) == pytest.approx(525.0)
+    assert device_time.span_us(runs[1]) == pytest.approx(402.0)
+
+
+def test_split_runs_measures_gap_from_latest_end():
+    # the second kernel ends last; the third starts 900 us after that end (same run), the fourth
+    # 1100 us after the third's end (a new run)
+    kernels = [_kernel(0, 2000), _kernel(10, 3000), _kernel(3900, 100), _kernel(5100, 1)]
+    runs = device_time.split_runs(kernels, gap_us=1000.0)
+    assert [len(r) for r in runs] == [3, 1]
+
+
+def test_device_seconds_per_call_without_gpu_events_is_none():
+    if any(d.platform == "gpu" for d in __import__("jax").devices()):
+        pytest.skip("a GPU is present: the trace has kernel events")
+    assert device_time.device_seconds_per_call(lambda: None, calls_per_run=4, repeats=2) is None
