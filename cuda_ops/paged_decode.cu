@@ -1143,13 +1143,15 @@ ffi::Error dispatch_gt_v2(int gt, cudaStream_t stream, const DecodeParams& p, di
   }
 }
 
-// Kernel choice (environment variable JAX_TQ_CUDA_DECODE = v1 | v2 | v3 | v4, read once; jax_tq's
-// split-count rule reads the same variable):
+// Kernel choice (environment variable JAX_TQ_CUDA_DECODE = v1 | v2 | v3 | v4 | v5, read once;
+// jax_tq's split-count rule reads the same variable):
 //   v4 / v3 (tensor-core mma.sync kernels, paged_decode_mma.cuh): the default where they apply -
 //      head_dim 128, k_bits = v_bits = 4, GQA group >= 3 (head tiles of 4 or 8), K code pool
 //      16-byte and V code pool 8-byte aligned (16- / 8-byte code loads). v4 (8 warps per CTA, 2 CTAs
 //      per SM) for f16 products; v3 (4 warps per CTA, 3 per SM) for f32-accurate products, and for
-//      every product precision with JAX_TQ_CUDA_DECODE=v3.
+//      every product precision with JAX_TQ_CUDA_DECODE=v3. v4 runs its shared-memory ring variant
+//      (use_ring: pages of a multiple of 16 tokens, 16-byte aligned pools, 2 CTAs per SM) unless
+//      JAX_TQ_CUDA_DECODE=v4; "v5" names that default.
 //   v1 (block-synchronous cp.async pipeline, fp32 CUDA-core math): every other configuration, and
 //      everywhere with JAX_TQ_CUDA_DECODE=v1.
 //   v2 (warp-independent streaming, fp32): only with JAX_TQ_CUDA_DECODE=v2 (A/B timing; slower than

@@ -3,7 +3,8 @@
 //   head_dim 128, k_bits = v_bits = 4, GQA tile GT in {4, 8} (padded to the MMA's n = 8 heads).
 // The default where the configuration matches (see use_v3 in paged_decode.cu; JAX_TQ_CUDA_DECODE
 // = v1 / v2 turns them off); v1 serves every other configuration. v4 (at the end of this file) is
-// v3's tile loop with 8 warps per CTA, for f16 products; v3 keeps f32-accurate (hi / lo) products.
+// v3's tile loop with 8 warps per CTA, for f16 products, with its tiles in registers or (RING, the
+// default where it fits) in a per-warp cp.async ring; v3 keeps f32-accurate (hi / lo) products.
 // History and measurements: docs/performance.md.
 //
 // This header is NOT self-contained: paged_decode.cu includes it textually inside
@@ -60,9 +61,10 @@
 //   O fragment: c0 / c2 = coordinates 16gid+2mt / +1 of head 2t4, c1 / c3 the same of head 2t4+1
 //   (the same heads as the lane's softmax state: the rescale by alpha is lane-local).
 //
-// Each warp streams its own 16-token tiles (tile i -> warp i % 4), codes / norms loaded straight
-// from global memory into registers one tile ahead; no block barrier in the main loop; the 4 warps
-// are merged through shared memory at the end (as in v2).
+// Each warp streams its own 16-token tiles (tile i -> warp i % 4; v4: i % 8), codes / norms loaded
+// straight from global memory into registers one tile ahead (v4's ring variant: by cp.async into a
+// per-warp 2-stage shared-memory ring, two tiles ahead); no block barrier in the main loop; the
+// warps are merged through shared memory at the end (as in v2).
 //
 // Range: the V weights p * v_norm are taken relative to a running max that includes log2 v_norm,
 // so they are <= 1 for any norm; contributions far below the running max lose relative (not

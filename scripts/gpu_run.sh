@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on the GPU machine: build jax_tq with CUDA, run the GPU tests, the benchmarks,
 # and optionally the main job; print short tables. Usage: bash scripts/gpu_run.sh [build tests bench model]
-# stages: build v3 ncu ncutime trace tests bench graphs profile breakdown model (default: build tests bench). Logs go to $OUT (the device tool brings them back).
+# stages: build v3 ncu trace tests bench graphs profile breakdown model (default: build tests bench). Logs go to $OUT (the device tool brings them back).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/jax_tq_out}; mkdir -p "$OUT"
@@ -68,24 +68,6 @@ if has ncu; then  # decode kernels under Nsight Compute (NCU_VERSIONS default "3
     echo "== ncu decode v$v"
     grep -E "  [a-z_:<>0-9 ]*paged_decode|Duration|DRAM Throughput|L1/TEX Cache Thr|Compute \(SM\) Thr|Registers Per|Achieved Occupancy|Issued Warp Per|Executed Ipc A|issue_stalled" "$OUT/ncu_v$v.txt" \
       | grep -vE "ratio +0(\.0[0-9])?$" | sed -E 's/smsp__average_warps_issue_stalled_//; s/_per_issue_active.ratio//' | head -n 70
-  done
-fi
-if has ncutime; then  # split-kernel durations under ncu per kernel version and shape (the warm second call)
-  for v in ${NCU_VERSIONS:-4 5}; do
-    JAX_TQ_CUDA_DECODE=v$v PYTHONPATH=benchmarks:${PYTHONPATH:-} timeout ${NCU_TIMEOUT:-200} \
-      ncu --clock-control none -k regex:"paged_decode_(split|v2|v3|v4)" --metrics gpu__time_duration.sum --csv \
-      --log-file "$OUT/ncutime_v$v.csv" python3 benchmarks/ncu_decode.py ${NCU_SHAPES:-1x32768 8x8192 32x8192 64x4096 128x2048} >/dev/null 2>&1
-    python3 - "$OUT/ncutime_v$v.csv" "v$v" ${NCU_SHAPES:-1x32768 8x8192 32x8192 64x4096 128x2048} <<'PY'
-import csv, sys
-rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 5]
-head, rows = rows[0], rows[1:]
-val, unit = head.index("Metric Value"), head.index("Metric Unit")
-scale = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}
-us = [float(r[val].replace(",", "")) * scale.get(r[unit], float("nan")) for r in rows]
-shapes = sys.argv[3:]
-print(f"ncu split kernel {sys.argv[2]}: " + ", ".join(
-    f"{s} {us[2 * i + 1]:.1f} us" for i, s in enumerate(shapes) if 2 * i + 1 < len(us)))
-PY
   done
 fi
 if has trace; then  # the device timeline of one call in the benchmark chain (JAX profiler, CUPTI)

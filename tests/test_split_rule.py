@@ -78,6 +78,14 @@ def test_v3_residency_follows_shared_memory():
     assert pd.v4_ctas_per_sm((8, 9)) == 1
 
 
+def test_v4_ring_variant_fits_two_ctas_only_where_the_handler_runs_it():
+    # the CUDA handler runs the ring variant only where 2 of its CTAs fit per SM (sm_90); the split
+    # rule's 2 CTAs per SM then holds for whichever variant runs
+    assert pd._shared_memory_per_sm((9, 0)) // pd.V4_RING_SMEM_PER_CTA == 2
+    assert pd._shared_memory_per_sm((8, 0)) // pd.V4_RING_SMEM_PER_CTA == 1
+    assert pd._shared_memory_per_sm((8, 0)) // pd.V4_SMEM_PER_CTA == 2
+
+
 def test_choose_num_splits_on_an_a100(monkeypatch):
     monkeypatch.delenv("JAX_TQ_CUDA_DECODE", raising=False)
     monkeypatch.setattr(pd._compat, "gpu_core_count", lambda default=132: 108)
