@@ -39,8 +39,9 @@ def median_time(run, reps, warmup=2):
     return statistics.median(ts), min(ts)
 
 
-def _write_program(backend, reps, inner):
-    """Median and best host seconds of one program of ``inner`` chained write_cache steps."""
+def _write_program(backend, reps, inner, device=False):
+    """Median and best host seconds of one program of ``inner`` chained write_cache steps, and
+    (``device``) its GPU span per step (nan without a GPU or when not asked)."""
     k_codec = tq.TurboQuant(head_dim=HEAD_DIM, bits=BITS, seed=0)
     v_codec = tq.TurboQuant(head_dim=HEAD_DIM, bits=BITS, seed=1)
     num_pages, page, hkv, tokens = 4096, 16, 8, 64
@@ -67,7 +68,7 @@ def _write_program(backend, reps, inner):
         jax.block_until_ready(state["cache"])
 
     med, best = median_time(run, reps)
-    dev = device_time.device_seconds_per_call(run, inner)  # GPU span of the program per step
+    dev = device_time.device_seconds_per_call(run, inner) if device else None
     return med, best, float("nan") if dev is None else dev
 
 
@@ -76,7 +77,7 @@ def bench_write(backend, reps, short=20, long=80):
     so that the program's one host dispatch (tens of us) is not spread over the steps. Also
     returns the plain per-step time of the long program (dispatch included) and its GPU span per
     step (profiler kernel events; nan without a GPU)."""
-    t_short, t_long = _write_program(backend, reps, short), _write_program(backend, reps, long)
+    t_short, t_long = _write_program(backend, reps, short), _write_program(backend, reps, long, device=True)
     slope = (t_long[0] - t_short[0]) / (long - short)
     return slope, t_long[0] / long, t_long[2]
 

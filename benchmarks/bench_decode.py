@@ -10,8 +10,9 @@ Timing: each measured function is jitted as R chained calls over distinct input 
 queries depend on the sum of the previous call's output, so XLA cannot merge or overlap them; the copies
 together exceed the 60 MB L2 several times, so no call finds its K/V in L2), timed with
 block_until_ready and a host clock; the time per call is the median over many such runs divided by
-R (the one dispatch per run is amortised over R calls). The chain's own cost per call (the add, the sum,
-the amortised dispatch) is timed around an op that returns q unchanged; "net" columns subtract it. Bytes counted: K/V bytes the op must read (codes + fp32 norms for jax_tq, bf16 K/V for the
+R (the one dispatch per run is amortised over R calls). With --device-time also the GPU span of the same
+program per call, from the profiler's kernel events (benchmarks/device_time.py). The chain's own cost per
+call (the add, the sum, the amortised dispatch) is timed around an op that returns q unchanged. Bytes counted: K/V bytes the op must read (codes + fp32 norms for jax_tq, bf16 K/V for the
 others) + q + output.
 
 Usage: python benchmarks/bench_decode.py [--quick] [--splits auto,1,2,4,8] [--shapes 32x8192,...]
@@ -68,33 +69,40 @@ def time_calls(fn, arg_sets, inner=None, outer=15, warmup=2):
         t0 = time.perf_counter()
         jax.block_until_ready(chain(arg_sets))
         times.append((time.perf_counter() - t0) / inner)
-    dev = float("nan")
+    dev = None
     if DEVICE_TIME:
         dev = device_time.device_seconds_per_call(lambda: jax.block_until_ready(chain(arg_sets)), inner)
-        dev = float("nan") if dev is None else dev
-    return statistics.median(times), min(times), dev
+    return statistics.median(times), min(times), NAN if dev is None else dev
 
 
 def copy_bandwidth():
-    """Device-to-device copy (read + write) bandwidth in bytes/s over a 2 GiB f32 buffer."""
+    """Device-to-device copy (read + write) bandwidth in bytes/s over a 2 GiB f32 buffer: (host
+    clock, device time or nan). The device figure is the median duration of the pass kernels (the
+    `inner` longest kernels of each traced program), so neither a copy XLA may put before the
+    loop nor the loop's per-iteration host round trip counts; the input is donated so that the
+    loop can run in place."""
     n = 512 * 2**20
-    x = jnp.arange(n, dtype=jnp.float32)
     inner = 8
 
-    @jax.jit
     def passes(a):  # each pass reads 4n bytes and writes 4n bytes; pass i+1 reads pass i's output
         return jax.lax.fori_loop(0, inner, lambda i, b: b * 1.0001 + 1.0, a)
 
-    jax.block_until_ready(passes(x))
+    passes = jax.jit(passes, donate_argnums=0)
+    state = {"x": passes(jnp.arange(n, dtype=jnp.float32))}
+
+    def run():
+        state["x"] = passes(state["x"])
+        jax.block_until_ready(state["x"])
+
+    run()
     times = []
     for _ in range(10):
         t0 = time.perf_counter()
-        jax.block_until_ready(passes(x))
+        run()
         times.append((time.perf_counter() - t0) / inner)
-    seconds = statistics.median(times)
-    if DEVICE_TIME:
-        seconds = device_time.device_seconds_per_call(lambda: jax.block_until_ready(passes(x)), inner) or seconds
-    return 2 * 4 * n / seconds
+    host = 2 * 4 * n / statistics.median(times)
+    pass_seconds = device_time.median_longest_kernel_seconds(run, inner) if DEVICE_TIME else None
+    return host, (NAN if pass_seconds is None else 2 * 4 * n / pass_seconds)
 
 
 def n_copies(bytes_one):
@@ -241,18 +249,21 @@ def main():
             print("device_info:", mod.device_info())
     except Exception as err:  # noqa: BLE001
         print("device_info unavailable:", err)
-    bw = copy_bandwidth()
-    print(f"device copy bandwidth (read + write): {bw / 1e12:.2f} TB/s")
+    bw_host, bw_dev = copy_bandwidth()
+    print(f"device copy bandwidth (read + write): host clock {bw_host / 1e12:.2f} TB/s, device time "
+          f"{bw_dev / 1e12:.2f} TB/s")
     table = []
     for num_seqs, seq_len in shapes:
         print(f"== num_seqs={num_seqs} seq_len={seq_len}")
-        rows = bench_shape(num_seqs, seq_len, splits_list, bw, args.quick, args.only_tq)
-        table += table_rows(f"{num_seqs}x{seq_len}", rows, bw)
+        rows = bench_shape(num_seqs, seq_len, splits_list, bw_host, args.quick, args.only_tq)
+        table += table_rows(f"{num_seqs}x{seq_len}", rows, bw_host, bw_dev)
     print()
-    print(f"copy bandwidth {bw / 1e12:.2f} TB/s; bytes = K/V read + q + out. host: median host-clock time per call "
+    print(f"copy bandwidth {bw_host / 1e12:.2f} TB/s (host clock), {bw_dev / 1e12:.2f} TB/s (device time); "
+          f"bytes = K/V read + q + out. host: median host-clock time per call "
           f"of a program of chained calls (its one dispatch included); device: the GPU span of that program per call "
-          f"(profiler kernel events, median of 5; --device-time). GB/s, % copy bw and speedups use the device times "
-          f"where every row of the shape has one, else the host times.")
+          f"(profiler kernel events, median of 5; --device-time). GB/s, % copy bw (against the copy timed on the same "
+          f"clock) and speedups use the device times where every row of the shape and the copy have one, else the "
+          f"host times.")
     print()
     print("| shape (seqs x len) | implementation | host time (us) | device time (us) | MB read+written | GB/s "
           "| % copy bw | speedup vs cuDNN | speedup vs XLA |")
@@ -262,18 +273,20 @@ def main():
               f"{r['pct']:.1f} | {r['vs_cudnn']:.2f} | {r['vs_xla']:.2f} |")
 
 
-def table_rows(shape, rows, bw):
-    """Table lines of one shape; the derived columns use the device time where it was measured."""
-    # device times only if every timed row has one, so no ratio mixes the two clocks
-    use_dev = all(r[3] == r[3] for r in rows if r[1] == r[1])
-    time_of = {r[0]: (r[3] if use_dev else r[1]) for r in rows}
-    t_cudnn = next((t for name, t in time_of.items() if name.endswith("cudnn")), NAN)
-    t_xla = next((t for name, t in time_of.items() if name.endswith(" xla")), NAN)
+def table_rows(shape, rows, bw_host, bw_dev):
+    """Table lines of one shape; the derived columns use the device times (and the device copy
+    bandwidth) where every timed row and the copy have one, so no ratio mixes the two clocks."""
+    use_dev = bw_dev == bw_dev and all(r[3] == r[3] for r in rows if r[1] == r[1])
+    bw = bw_dev if use_dev else bw_host
+    times = [r[3] if use_dev else r[1] for r in rows]
+    t_cudnn = next((t for r, t in zip(rows, times) if r[0].endswith("cudnn")), NAN)
+    t_xla = next((t for r, t in zip(rows, times) if r[0].endswith(" xla")), NAN)
     lines = []
-    for name, med, best, dev, nbytes in rows:
-        t = time_of[name]
+    for (name, med, best, dev, nbytes), t in zip(rows, times):
+        chain = name == CHAIN_ROW  # no bytes of its own: no bandwidth, no speedup
         line = dict(shape=shape, impl=name, us=med * 1e6, best_us=best * 1e6, dev_us=dev * 1e6, mb=nbytes / 1e6,
-                    gbs=nbytes / t / 1e9, pct=100 * nbytes / t / bw, vs_cudnn=t_cudnn / t, vs_xla=t_xla / t)
+                    gbs=NAN if chain else nbytes / t / 1e9, pct=NAN if chain else 100 * nbytes / t / bw,
+                    vs_cudnn=NAN if chain else t_cudnn / t, vs_xla=NAN if chain else t_xla / t)
         print(f"  {name:42s} host {line['us']:8.1f} us (best {line['best_us']:.1f})  device {line['dev_us']:8.1f} us  "
               f"{line['mb']:8.1f} MB  {line['gbs']:7.0f} GB/s  {line['pct']:5.1f}% copy bw  "
               f"x{line['vs_cudnn']:.2f} vs cuDNN  x{line['vs_xla']:.2f} vs XLA")

@@ -41,8 +41,8 @@ def gpu_kernel_events(trace_dir):
     streams = {(e["pid"], e.get("tid")) for e in meta
                if e.get("name") == "thread_name" and e.get("pid") in gpu_pids
                and "stream" in str(e.get("args", {}).get("name", "")).lower()}
-    kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu_pids and e.get("dur", 0) > 0
-               and (not streams or (e["pid"], e.get("tid")) in streams)]
+    kernels = [e for e in events if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams
+               and e.get("dur", 0) > 0]
     names = sorted({str(e.get("args", {}).get("name", "")) for e in meta if e.get("name") == "process_name"})
     return sorted(kernels, key=lambda e: e["ts"]), names
 
@@ -65,17 +65,27 @@ def span_us(run):
 
 def traced_runs(run, repeats=5):
     """Kernel events of ``repeats`` calls of ``run()`` (which must block until its results are
-    ready), one list per repetition; None when the trace has no GPU kernels."""
-    with tempfile.TemporaryDirectory() as trace_dir:
-        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-            for _ in range(repeats):
-                run()
-                time.sleep(0.005)  # an idle gap that separates the repetitions on the timeline
-        kernels, _ = gpu_kernel_events(trace_dir)
+    ready), one list per repetition; None (with the reason printed) when the trace cannot be taken,
+    has no GPU kernel events, or its repetitions cannot be told apart."""
+    try:
+        with tempfile.TemporaryDirectory() as trace_dir:
+            with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+                for _ in range(repeats):
+                    run()
+                    time.sleep(0.005)  # an idle gap that separates the repetitions on the timeline
+            kernels, processes = gpu_kernel_events(trace_dir)
+    except Exception as err:  # noqa: BLE001 - a failed trace must not lose the host timings
+        print(f"  device time unavailable: {type(err).__name__}: {str(err)[:200]}")
+        return None
     if not kernels:
+        if any("GPU" in name for name in processes):
+            print(f"  device time unavailable: no kernel events on GPU stream lines ({processes})")
         return None
     runs = split_runs(kernels)
-    return runs if len(runs) == repeats else None
+    if len(runs) != repeats:
+        print(f"  device time unavailable: {len(runs)} groups of kernels for {repeats} repetitions")
+        return None
+    return runs
 
 
 def device_seconds_per_call(run, calls_per_run, repeats=5):
@@ -85,3 +95,14 @@ def device_seconds_per_call(run, calls_per_run, repeats=5):
     if runs is None:
         return None
     return statistics.median(span_us(r) for r in runs) * 1e-6 / calls_per_run
+
+
+def median_longest_kernel_seconds(run, count, repeats=3):
+    """Median duration, in seconds, of the ``count`` longest kernels of each traced ``run()``: the
+    time of one pass of a loop of ``count`` identical passes, without the loop's bookkeeping
+    (copies, predicate transfers); None without GPU kernel events."""
+    runs = traced_runs(run, repeats)
+    if runs is None:
+        return None
+    longest = [d for r in runs for d in sorted((e["dur"] for e in r), reverse=True)[:count]]
+    return statistics.median(longest) * 1e-6

@@ -1106,7 +1106,7 @@ bool ring_fits() {
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) == cudaSuccess &&
         cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, v3::kT4, smem) == cudaSuccess &&
         ctas >= v3::kCtasPerSm4;
-    (void)cudaGetLastError();  // a refused attribute is an answer here, not an error to keep
+    if (!fits) (void)cudaGetLastError();  // a refused attribute is an answer here, not an error to keep
     state = fits ? 1 : 2;
     known[dev].store(state, std::memory_order_release);
   }

@@ -523,7 +523,9 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
   const int ntt = (ntok + kTT - 1) / kTT;
   const int32_t* bt_seq = p.bt + static_cast<int64_t>(seq) * p.max_pages;
 
-  const bool one_page_tiles = RING || (p.page_size & (kTT - 1)) == 0;  // RING: checked at launch
+  // RING is launched only for pages of a multiple of 16 tokens (use_ring in paged_decode.cu): its
+  // tiles are whole 16-row blocks inside one page, with no per-token path.
+  const bool one_page_tiles = RING || (p.page_size & (kTT - 1)) == 0;
   auto tile_page = [&](int ti) -> int {
     return ti < ntt ? __ldg(bt_seq + p.pdiv.div(static_cast<uint32_t>(tok0 + ti * kTT))) : -1;
   };

@@ -36,9 +36,12 @@ if has v3; then  # tensor-core decode (default where it applies) and its variant
 fi
 if has tests; then
   timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -m gpu tests/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 25
-  # The same decode cases on the CUDA-core kernel v1 (the default routes head_dim 128 K4V4 to v3).
-  JAX_TQ_CUDA_DECODE=v1 timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -m gpu tests/test_gpu.py -k decode 2>&1 \
-    | tee "$OUT/gpu_tests_v1.log" | tail -n 5
+  # The same decode cases on the CUDA-core kernel v1 (the default routes head_dim 128 K4V4 to the
+  # tensor-core kernels) and on v4's register variant (the default runs its ring variant on sm_90).
+  for v in 1 4; do
+    JAX_TQ_CUDA_DECODE=v$v timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -m gpu tests/test_gpu.py -k decode 2>&1 \
+      | tee "$OUT/gpu_tests_v$v.log" | tail -n 5
+  done
   # The op tests run on the default device: on this machine they test the CUDA kernels against float64.
   timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q tests/test_ops.py tests/test_edge_cases.py tests/test_transforms.py tests/test_checks.py 2>&1 | tee "$OUT/op_tests.log" | tail -n 15
   echo "tests: $(( $(date +%s) - t0 )) s"

@@ -35,3 +35,29 @@ def test_device_seconds_per_call_without_gpu_events_is_none():
     if any(d.platform == "gpu" for d in __import__("jax").devices()):
         pytest.skip("a GPU is present: the trace has kernel events")
     assert device_time.device_seconds_per_call(lambda: None, calls_per_run=4, repeats=2) is None
+
+
+def test_gpu_kernel_events_keeps_stream_lines_only(tmp_path):
+    import gzip
+    import json
+    meta = [
+        {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
+        {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "pid": 2, "tid": 7, "name": "thread_name", "args": {"name": "Stream #7(Kernel,MemcpyD2D)"}},
+        {"ph": "M", "pid": 2, "tid": 8, "name": "thread_name", "args": {"name": "XLA Ops"}},
+    ]
+    events = [
+        {"ph": "X", "pid": 2, "tid": 7, "name": "late", "ts": 50.0, "dur": 4.0},
+        {"ph": "X", "pid": 2, "tid": 7, "name": "early", "ts": 10.0, "dur": 30.0},
+        {"ph": "X", "pid": 2, "tid": 7, "name": "instant", "ts": 60.0, "dur": 0.0},
+        {"ph": "X", "pid": 2, "tid": 8, "name": "fusion op line", "ts": 10.0, "dur": 44.0},
+        {"ph": "X", "pid": 1, "tid": 3, "name": "host", "ts": 0.0, "dur": 100.0},
+    ]
+    run_dir = tmp_path / "plugins" / "profile" / "run"
+    run_dir.mkdir(parents=True)
+    with gzip.open(run_dir / "perfetto_trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": meta + events}, f)
+    kernels, processes = device_time.gpu_kernel_events(str(tmp_path))
+    assert [k["name"] for k in kernels] == ["early", "late"]
+    assert "/device:GPU:0" in processes
+    assert device_time.span_us(kernels) == pytest.approx(44.0)
