@@ -35,7 +35,8 @@ if has v3; then  # tensor-core decode (default where it applies) and its variant
   echo "v3: $(( $(date +%s) - t0 )) s"
 fi
 if has tests; then
-  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -m gpu tests/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 25
+  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_device_time.py 2>&1 \
+    | tee "$OUT/gpu_tests.log" | tail -n 25
   # The same decode cases on the CUDA-core kernel v1 (the default routes head_dim 128 K4V4 to the
   # tensor-core kernels) and on v4's register variant (the default runs its ring variant on sm_90).
   for v in 1 4; do

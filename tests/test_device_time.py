@@ -61,3 +61,40 @@ def test_gpu_kernel_events_keeps_stream_lines_only(tmp_path):
     assert [k["name"] for k in kernels] == ["early", "late"]
     assert "/device:GPU:0" in processes
     assert device_time.span_us(kernels) == pytest.approx(44.0)
+
+
+@pytest.mark.gpu
+def test_device_time_on_the_gpu_sees_every_program_kernel():
+    """On a GPU: the trace holds the program's kernels, one group per repetition; a repetition's
+    span covers its kernels' busy time, and the span per call is below the host-clock time."""
+    import time
+
+    import jax
+    import jax.numpy as jnp
+
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        pytest.skip("needs a CUDA GPU")
+    a0 = jax.random.normal(jax.random.PRNGKey(0), (2048, 2048), jnp.float32)
+    w = jax.random.normal(jax.random.PRNGKey(1), (2048, 2048), jnp.float32) / 64
+    calls = 4
+
+    @jax.jit
+    def program(a):
+        for _ in range(calls):
+            a = jnp.tanh(a @ w)  # dependent matrix products: at least one kernel per call
+        return a
+
+    def run():
+        jax.block_until_ready(program(a0))
+
+    run()
+    t0 = time.perf_counter()
+    run()
+    host = (time.perf_counter() - t0) / calls
+    runs = device_time.traced_runs(run, repeats=3)
+    assert runs is not None and len(runs) == 3
+    for r in runs:
+        assert len(r) >= calls
+        assert device_time.span_us(r) >= 0.99 * sum(e["dur"] for e in r)
+    per_call = device_time.device_seconds_per_call(run, calls)
+    assert 0 < per_call <= 1.5 * host
