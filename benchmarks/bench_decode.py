@@ -10,12 +10,13 @@ Timing: each measured function is jitted as R chained calls over distinct input 
 queries depend on the sum of the previous call's output, so XLA cannot merge or overlap them; the copies
 together exceed the 60 MB L2 several times, so no call finds its K/V in L2), timed with
 block_until_ready and a host clock; the time per call is the median over many such runs divided by
-R (the one dispatch per run is amortised over R calls). With --device-time also the GPU span of the same
-program per call, from the profiler's kernel events (benchmarks/device_time.py). The chain's own cost per
-call (the add, the sum, the amortised dispatch) is timed around an op that returns q unchanged. Bytes counted: K/V bytes the op must read (codes + fp32 norms for jax_tq, bf16 K/V for the
+R (the one dispatch per run is amortised over R calls). With --device-time also the GPU span of the
+same program per call, from the profiler's kernel events (benchmarks/device_time.py). The chain's own
+cost per call (the add, the sum, the amortised dispatch) is timed around an op that returns q
+unchanged. Bytes counted: K/V bytes the op must read (codes + fp32 norms for jax_tq, bf16 K/V for the
 others) + q + output.
 
-Usage: python benchmarks/bench_decode.py [--quick] [--splits auto,1,2,4,8] [--shapes 32x8192,...]
+Usage: python benchmarks/bench_decode.py [--quick] [--device-time] [--splits auto,1,2,4,8] [--shapes 32x8192,...]
 Prints a markdown table at the end.
 """
 from __future__ import annotations
@@ -39,9 +40,9 @@ DEVICE_TIME = False  # --device-time: also the GPU span per call from a profiler
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE = 32, 8, 128, 16
 SHAPES = ((1, 32768), (8, 8192), (32, 8192), (64, 4096), (128, 2048))
 L2_BYTES = 60 * 2**20
-ROTATE_BYTES = 4 * L2_BYTES
+ROTATE_BYTES = 4 * L2_BYTES  # the distinct copies of one benchmark's inputs add up to at least this
 NAN = float("nan")
-CHAIN_ROW = "benchmark chain alone (add + sum, no op)"  # the distinct copies of one benchmark's inputs add up to at least this
+CHAIN_ROW = "benchmark chain alone (add + sum, no op)"
 
 
 def time_calls(fn, arg_sets, inner=None, outer=15, warmup=2):

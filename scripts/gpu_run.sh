@@ -49,7 +49,7 @@ if has tests; then
 fi
 if has bench; then
   timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/bench_compress.py ${COMPRESS_ARGS:-} 2>&1 | tee "$OUT/bench_compress.txt" | tail -n 20
-  timeout ${BENCH_TIMEOUT:-200} python3 benchmarks/bench_decode.py ${DECODE_ARGS:-} 2>&1 | tee "$OUT/bench_decode.txt" | tail -n 30
+  timeout ${BENCH_TIMEOUT:-250} python3 benchmarks/bench_decode.py ${DECODE_ARGS:---device-time} 2>&1 | tee "$OUT/bench_decode.txt" | tail -n 30
   echo "bench: $(( $(date +%s) - t0 )) s"
 fi
 if has profile; then
