@@ -6,7 +6,9 @@ benchmarks report, next to host medians, the span of the program's kernels on th
 kernel start to last kernel end, per repetition, median over repetitions.
 
 Used by bench_decode.py (``--device-time``) and trace_decode.py. Without a GPU (or CUPTI) there
-are no kernel events and the functions return None.
+are no kernel events and the functions return None. Under the profiler XLA launches the kernels of
+its command buffers (CUDA graphs) one by one, so launch gaps count in the span; in the decode
+programs traced so far the GPU had no idle gap inside a program (trace_decode.py prints it).
 """
 from __future__ import annotations
 
