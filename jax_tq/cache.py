@@ -130,7 +130,8 @@ def write_cache(cache: PagedKVCache, k, v, slot_mapping) -> PagedKVCache:
       k, v: [num_tokens, num_kv_heads, head_dim] float32/bfloat16/float16.
       slot_mapping: int32 [num_tokens]; token i goes to page slot_mapping[i] // page_size at offset
         slot_mapping[i] % page_size. Negative slots (padding) and slots >= num_pages * page_size are
-        skipped.
+        skipped. Tokens that share a slot leave one of them (unspecified; under differentiation the
+        last one, and the gradient follows the stored token).
 
     Returns:
       The updated cache. The pools are aliased to the inputs of the FFI call: donate the cache to the

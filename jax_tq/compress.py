@@ -185,7 +185,7 @@ def write_kv(k, v, k_pools, v_pools, k_codec, v_codec, slot_mapping):
       k_codec, v_codec: the pools' :class:`jax_tq.TurboQuant` codecs.
       slot_mapping: int32 [num_tokens], shared by K and V; token i goes to page
         slot_mapping[i] // page_size, offset slot_mapping[i] % page_size. Negative or out-of-pool
-        slots are skipped.
+        slots are skipped; tokens sharing a slot leave one of them (under differentiation the last).
 
     Returns:
       (k_codes, k_norms, v_codes, v_norms), the updated pools, aliased to the inputs of the FFI call
@@ -221,10 +221,23 @@ def _write_kv_kernel(k, v, k_codes, k_norms, v_codes, v_norms, slot_mapping, k_c
         v_codec.centroids, slot_mapping, k_bits=k_codec.bits, v_bits=v_codec.bits, backend=backend))
 
 
+def _last_writer_slots(slots):
+    """``slots`` with every token but the last of each repeated slot set to -1 (skipped): one writer
+    per slot, so the tangents follow the token that was stored."""
+    order = jnp.argsort(slots, stable=True)  # equal slots keep token order: the last is the latest
+    sorted_slots = slots[order]
+    last_in_run = jnp.append(sorted_slots[1:] != sorted_slots[:-1], True)
+    keep = jnp.zeros(slots.shape, bool).at[order].set(last_in_run)
+    return jnp.where(keep, slots, -1)
+
+
 @_write_kv_kernel.defjvp
 def _write_kv_kernel_jvp(k_codec, v_codec, backend, primals, tangents):
+    # Under differentiation a repeated slot keeps its last token (one of the outcomes write_cache
+    # allows), so that the stored norm and its tangent come from the same token.
     k, v, k_codes, k_norms, v_codes, v_norms, slots = primals
-    outs = _write_kv_kernel(*primals, k_codec, v_codec, backend)
+    slots = _last_writer_slots(slots)
+    outs = _write_kv_kernel(k, v, k_codes, k_norms, v_codes, v_norms, slots, k_codec, v_codec, backend)
     num_pages, _, page_size = k_norms.shape
     valid = (slots >= 0) & (slots < num_pages * page_size)
     page = jnp.where(valid, slots // page_size, num_pages)  # out of range: dropped by the scatter
@@ -252,7 +265,13 @@ def _check_write_args(x, codes, norms, codec, slot_mapping, name="k/v") -> None:
         raise ValueError(f"jax_tq.{op}: {name} must be [num_tokens, num_kv_heads, head_dim], got shape {tuple(x.shape)}")
     check_last_dim(x, codec.head_dim, name, op)
     num_tokens, num_kv_heads, _ = x.shape
-    if codes.ndim != 4 or codes.shape[1] != num_kv_heads or codes.shape[3] != codec.packed_bytes:
+    if codes.ndim == 4 and codes.shape[3] == codec.packed_bytes and codes.shape[1] != num_kv_heads:
+        raise ValueError(
+            f"jax_tq.{op}: {name} has {num_kv_heads} KV heads (shape {tuple(x.shape)}) but the cache has "
+            f"{codes.shape[1]} (its {name} codes are {tuple(codes.shape)} = [num_pages, num_kv_heads, page_size, "
+            f"packed_bytes])"
+        )
+    if codes.ndim != 4 or codes.shape[3] != codec.packed_bytes:
         raise ValueError(
             f"jax_tq.{op}: cache {name} codes have shape {tuple(codes.shape)}, expected [num_pages, {num_kv_heads}, "
             f"page_size, {codec.packed_bytes}] for {name} with {num_kv_heads} KV heads and the codec "

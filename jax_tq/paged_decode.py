@@ -122,7 +122,8 @@ def _static_num_splits(num_splits):
         return operator.index(num_splits)
     except TypeError as err:
         raise TypeError(f"jax_tq.paged_decode: num_splits must be a concrete Python int (static), got "
-                        f"{type(num_splits).__name__} {num_splits!r}") from err
+                        f"{type(num_splits).__name__} {num_splits!r}; pass it as a static argument under jit "
+                        f"(e.g. jax.jit(tq.paged_decode, static_argnames='num_splits'))") from err
 
 
 def _allows_f16_products(precision, q_dtype) -> bool:

@@ -645,7 +645,7 @@ def test_refuses_bad_write_and_codec_op_arguments_at_trace_time():
     trace(cache, k, k, slots)
     with pytest.raises(ValueError, match=r"write_cache: k has shape \(3, 2, 80\); its last axis must be the codec's head_dim 64"):
         trace(cache, jnp.zeros((3, 2, 80)), jnp.zeros((3, 2, 80)), slots)
-    with pytest.raises(ValueError, match=r"cache k codes .*expected \[num_pages, 3, page_size, 32\] for k with 3 KV heads"):
+    with pytest.raises(ValueError, match=r"write_cache: k has 3 KV heads \(shape \(3, 3, 64\)\) but the cache has 2"):
         trace(cache, jnp.zeros((3, 3, 64)), jnp.zeros((3, 3, 64)), slots)
     with pytest.raises(ValueError, match=r"write_cache: k must be \[num_tokens, num_kv_heads, head_dim\], got shape \(3, 64\)"):
         trace(cache, k[:, 0], k[:, 0], slots)

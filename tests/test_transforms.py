@@ -279,3 +279,30 @@ def test_write_cache_gradients_match_across_backends(rng):
     for s in (3, 40, 200):  # written slots: the pool's old norms no longer matter
         assert np.all(dpool[s // page_size, :, s % page_size] == 0)
     np.testing.assert_array_equal(dpool[1], np.asarray(weights)[1])  # an unwritten page: pass-through
+
+
+@pytest.mark.parametrize("backend", ["ffi", "xla"])
+def test_write_cache_gradient_of_a_repeated_slot_follows_the_stored_token(rng, backend):
+    """Tokens sharing a slot: whichever one is stored, the stored norm's gradient is that token's
+    d norm / dk = k / |k|, and the other tokens of the slot get none."""
+    cache, _, _ = _setup(rng)
+    page_size = cache.k_norms.shape[2]
+    k = jnp.asarray(rng.normal(size=(5, 2, 64)) * np.arange(1, 6)[:, None, None], jnp.float32)  # distinct norms
+    slots = jnp.asarray([7, 12, 7, 7, 12], jnp.int32)
+
+    def stored(k):
+        new = tq.write_cache(cache, k, k, slots)
+        return new.k_norms[7 // page_size, :, 7 % page_size], new.k_norms[12 // page_size, :, 12 % page_size]
+
+    with tq.use_backend(backend):
+        (n7, n12), vjp = jax.vjp(jax.jit(stored), k)
+        (dk,) = vjp((jnp.ones_like(n7), jnp.ones_like(n12)))
+    k64, dk = np.asarray(k, np.float64), np.asarray(dk)
+    norms = np.linalg.norm(k64, axis=-1)  # [token, head]
+    for slot_tokens, got in (((0, 2, 3), np.asarray(n7)), ((1, 4), np.asarray(n12))):
+        for h in range(2):
+            winner = [t for t in slot_tokens if abs(norms[t, h] - got[h]) < 1e-4 * norms[t, h]]
+            assert len(winner) == 1, (slot_tokens, h)
+            for t in slot_tokens:
+                want = k64[t, h] / norms[t, h] if t == winner[0] else np.zeros(64)
+                np.testing.assert_allclose(dk[t, h], want, rtol=1e-5, atol=1e-6)
