@@ -145,13 +145,23 @@ constexpr const char* kDtypeMsg = ": dtype must be float32, bfloat16 or float16"
 struct RowCompressor {
   int d;
   int bits;
-  const float* rot;  // [d, d], Pi
+  const float* rot;      // [d, d], Pi
+  const double* rot_t;   // [d, d], Pi transposed in double (rot_t[k * d + j] = Pi[j, k]), or null
   float boundaries[kMaxCentroids];
   int nb;
 
-  RowCompressor(int d_, int bits_, const float* rot_, const float* centroids)
-      : d(d_), bits(bits_), rot(rot_), nb((1 << bits_) - 1) {
+  // rows: how many rows the caller will compress. From kTransposeRows rows on, Pi is transposed
+  // once into a per-thread buffer, so that the products run over contiguous memory.
+  RowCompressor(int d_, int bits_, const float* rot_, const float* centroids, int64_t rows)
+      : d(d_), bits(bits_), rot(rot_), rot_t(nullptr), nb((1 << bits_) - 1) {
     for (int i = 0; i < nb; ++i) boundaries[i] = centroid_boundary(centroids, i);
+    if (rows >= kTransposeRows) {
+      thread_local std::vector<double> buffer;
+      buffer.resize(size_t(d) * size_t(d));
+      for (int j = 0; j < d; ++j)
+        for (int k = 0; k < d; ++k) buffer[size_t(k) * d + j] = double(rot[int64_t(j) * d + k]);
+      rot_t = buffer.data();
+    }
   }
 
   // x: d floats. Writes packed row (packed_bytes) and returns the norm.
@@ -162,9 +172,20 @@ struct RowCompressor {
     const float inv = norm > 0.0f ? 1.0f / norm : 0.0f;
     float u[kMaxHeadDim];
     uint8_t codes[kMaxHeadDim];
+    double y[kMaxHeadDim];
     for (int i = 0; i < d; ++i) u[i] = x[i] * inv;
-    // y_j = sum_k Pi[j, k] u_k, summed in k order in double; kRows outputs at a time, so that
-    // their kRows independent sums overlap (one sum alone is a chain of dependent adds).
+    rot_t ? rotate_transposed(u, y) : rotate(u, y);
+    for (int j = 0; j < d; ++j) codes[j] = uint8_t(bucketize(float(y[j]), boundaries, nb));
+    pack_row(codes, d, bits, row);
+    return norm;
+  }
+
+ private:
+  static constexpr int64_t kTransposeRows = 32;
+
+  // y_j = sum_k Pi[j, k] u_k, summed in k order in double (both versions give the same bits);
+  // kRows outputs at a time, so that their kRows independent sums overlap.
+  void rotate(const float* u, double* y) const {
     constexpr int kRows = 8;  // every supported head_dim is a multiple of 16
     for (int j0 = 0; j0 < d; j0 += kRows) {
       double acc[kRows] = {};
@@ -172,11 +193,18 @@ struct RowCompressor {
         const double uk = u[k];
         for (int r = 0; r < kRows; ++r) acc[r] += double(rot[int64_t(j0 + r) * d + k]) * uk;
       }
-      for (int r = 0; r < kRows; ++r)
-        codes[j0 + r] = uint8_t(bucketize(float(acc[r]), boundaries, nb));
+      for (int r = 0; r < kRows; ++r) y[j0 + r] = acc[r];
     }
-    pack_row(codes, d, bits, row);
-    return norm;
+  }
+
+  // The same sums with every j at once: the inner loop runs over contiguous j (vectorised).
+  void rotate_transposed(const float* u, double* y) const {
+    for (int j = 0; j < d; ++j) y[j] = 0.0;
+    for (int k = 0; k < d; ++k) {
+      const double uk = u[k];
+      const double* col = rot_t + size_t(k) * d;
+      for (int j = 0; j < d; ++j) y[j] += col[j] * uk;
+    }
   }
 };
 
@@ -197,7 +225,7 @@ ffi::Error CompressImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> rotation,
       ffi_checks::validate_compress(op, x, rotation, centroids, *codes, *norms, bits, &dims));
   const int64_t n = dims.n, d = dims.d, pb = dims.pb;
 
-  RowCompressor comp(int(d), bits, rotation.typed_data(), centroids.typed_data());
+  RowCompressor comp(int(d), bits, rotation.typed_data(), centroids.typed_data(), n);
   const void* xp = x.untyped_data();
   uint8_t* cp = codes->typed_data();
   float* np_ = norms->typed_data();
@@ -277,7 +305,7 @@ ffi::Error write_pool(const Op& op, const char* name, const ffi::AnyBuffer& x,
     std::memcpy(np_, norms_in.untyped_data(), norms_in.size_bytes());
 
   const int64_t total_slots = num_pages * page_size;
-  RowCompressor comp(int(d), bits, rotation.typed_data(), centroids.typed_data());
+  RowCompressor comp(int(d), bits, rotation.typed_data(), centroids.typed_data(), t_n * hkv);
   const int32_t* slots = slot_mapping.typed_data();
   const void* xp = x.untyped_data();
   float row[kMaxHeadDim];

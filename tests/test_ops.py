@@ -36,6 +36,21 @@ def test_compress_matches_f64(rng, head_dim, bits, dtype):
 
 
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_compress_gives_the_same_bits_for_a_row_alone_or_in_a_batch(rng, head_dim):
+    """Large calls rotate with a transposed copy of Pi (CPU handler), small ones with Pi itself:
+    both sum every coordinate in the same order, so a row's codes and norm do not depend on the
+    batch it came in."""
+    codec = tq.TurboQuant(head_dim=head_dim, bits=4, seed=int(rng.integers(1000)))
+    with jax.default_device(jax.devices("cpu")[0]):  # the CPU handler, also on a GPU machine
+        x = jnp.asarray(rng.normal(size=(64, head_dim)), jnp.float32)
+        batch_codes, batch_norms = tq.compress(x, codec)
+        for i in (0, 17, 63):
+            codes, norms = tq.compress(x[i:i + 1], codec)
+            np.testing.assert_array_equal(np.asarray(codes)[0], np.asarray(batch_codes)[i])
+            assert np.asarray(norms)[0] == np.asarray(batch_norms)[i]
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("bits", (2, 3, 4))
 @pytest.mark.parametrize("dtype", (jnp.float32, jnp.bfloat16, jnp.float16))
 def test_decompress_matches_f64(rng, head_dim, bits, dtype):
