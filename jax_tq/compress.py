@@ -226,7 +226,7 @@ def _last_writer_slots(slots):
     per slot, so the tangents follow the token that was stored."""
     order = jnp.argsort(slots, stable=True)  # equal slots keep token order: the last is the latest
     sorted_slots = slots[order]
-    last_in_run = jnp.append(sorted_slots[1:] != sorted_slots[:-1], True)
+    last_in_run = jnp.concatenate([sorted_slots[1:] != sorted_slots[:-1], jnp.ones(min(1, slots.shape[0]), bool)])
     keep = jnp.zeros(slots.shape, bool).at[order].set(last_in_run)
     return jnp.where(keep, slots, -1)
 

@@ -306,3 +306,15 @@ def test_write_cache_gradient_of_a_repeated_slot_follows_the_stored_token(rng, b
             for t in slot_tokens:
                 want = k64[t, h] / norms[t, h] if t == winner[0] else np.zeros(64)
                 np.testing.assert_allclose(dk[t, h], want, rtol=1e-5, atol=1e-6)
+
+
+def test_write_cache_gradient_with_no_tokens(rng):
+    cache, _, _ = _setup(rng)
+    k = jnp.zeros((0, 2, 64), jnp.float32)
+    loss = lambda k, k_norms: jnp.sum(tq.write_cache(dataclasses.replace(cache, k_norms=k_norms), k, k,  # noqa: E731
+                                                     jnp.zeros((0,), jnp.int32)).k_norms)
+    for backend in ("ffi", "xla"):
+        with tq.use_backend(backend):
+            dk, dpool = jax.grad(loss, argnums=(0, 1))(k, cache.k_norms)
+        assert dk.shape == (0, 2, 64)
+        np.testing.assert_array_equal(np.asarray(dpool), 1.0)  # nothing written: every norm passes through
