@@ -228,8 +228,13 @@ V4_MAX_CTAS_BY_REGISTERS = 2
 
 
 def _shared_memory_per_sm(compute_capability: tuple[int, int]) -> int:
+    """Shared memory per SM (CUDA programming guide, compute capabilities table): 228 KB on sm_90 /
+    sm_10x (H100, H200, B200), 164 KB on sm_80 / sm_87, 100 KB on the other sm_8x and on sm_12x
+    (RTX 40xx / 50xx class); 100 KB (the smallest) for any other."""
     major, minor = compute_capability
-    return 228 * 1024 if major >= 9 else 164 * 1024 if (major, minor) in ((8, 0), (8, 7)) else 100 * 1024
+    if major in (9, 10):
+        return 228 * 1024
+    return 164 * 1024 if (major, minor) in ((8, 0), (8, 7)) else 100 * 1024
 
 
 def v3_ctas_per_sm(compute_capability: tuple[int, int]) -> int:

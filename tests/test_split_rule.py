@@ -72,7 +72,9 @@ def test_v3_residency_follows_shared_memory():
     assert pd.v3_ctas_per_sm((9, 0)) == 3      # H100 / H200: 228 KB per SM
     assert pd.v3_ctas_per_sm((8, 0)) == 2      # A100: 164 KB
     assert pd.v3_ctas_per_sm((8, 9)) == 1      # L4 / RTX 40xx: 100 KB
-    assert pd.v3_ctas_per_sm((10, 0)) == 3
+    assert pd.v3_ctas_per_sm((10, 0)) == 3     # B200: 228 KB
+    assert pd.v3_ctas_per_sm((12, 0)) == 1     # RTX 50xx: 100 KB
+    assert pd.v4_ctas_per_sm((12, 0)) == 1
     assert pd.v4_ctas_per_sm((9, 0)) == 2
     assert pd.v4_ctas_per_sm((8, 0)) == 2
     assert pd.v4_ctas_per_sm((8, 9)) == 1
