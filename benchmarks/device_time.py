@@ -51,12 +51,14 @@ def gpu_kernel_events(trace_dir):
 
 def split_runs(kernels, gap_us=RUN_GAP_US):
     """Kernel events grouped into repetitions: a new group starts after an idle gap > gap_us."""
-    runs = []
+    runs, latest_end = [], float("-inf")
     for e in kernels:
-        if runs and e["ts"] - max(k["ts"] + k["dur"] for k in runs[-1]) <= gap_us:
+        if runs and e["ts"] - latest_end <= gap_us:
             runs[-1].append(e)
         else:
             runs.append([e])
+            latest_end = float("-inf")
+        latest_end = max(latest_end, e["ts"] + e["dur"])
     return runs
 
 
