@@ -72,6 +72,12 @@ __device__ __forceinline__ void cp_async(void* dst_smem, const void* src_gmem) {
   }
 }
 
+// 16 bytes, the destination given as a shared-memory address (no generic -> shared conversion).
+__device__ __forceinline__ void cp_async16_s(uint32_t dst_smem, const void* src_gmem) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst_smem), "l"(src_gmem)
+               : "memory");
+}
+
 __device__ __forceinline__ void cp_async_commit() {
   asm volatile("cp.async.commit_group;\n" ::: "memory");
 }
@@ -85,6 +91,13 @@ __device__ __forceinline__ float fast_exp2(float x) {
   // ex2.approx: exp2(-inf) = 0, relative error ~2^-22.
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ float fast_log2(float x) {
+  // lg2.approx.ftz: log2(0) = -inf, subnormals flush to 0, relative error ~2^-22.
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
 

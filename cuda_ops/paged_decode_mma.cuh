@@ -199,7 +199,7 @@ template <bool SPLIT>
 __device__ __forceinline__ void tile_scores(const Tile& cur, const uint32_t (&qh)[8][2],
                                             const uint32_t (&ql)[8][2], float qx0, float qx1,
                                             const PairLut<SPLIT>& ilut, float (&s)[4]) {
-  float sh[2][4] = {}, sx[2][4] = {};  // even / odd k-steps: two independent MMA chains
+  float sh[2][4] = {}, sx[2][4] = {};  // even / odd k-steps: two independent MMA chains (sx: SPLIT)
   const uint32_t ka[4] = {cur.k0.x, cur.k0.y, cur.k0.z, cur.k0.w};
   const uint32_t kb[4] = {cur.k1.x, cur.k1.y, cur.k1.z, cur.k1.w};
 #pragma unroll
@@ -219,7 +219,10 @@ __device__ __forceinline__ void tile_scores(const Tile& cur, const uint32_t (&qh
     }
   }
 #pragma unroll
-  for (int c = 0; c < 4; ++c) s[c] = (sh[0][c] + sh[1][c]) + (sx[0][c] + sx[1][c]);
+  for (int c = 0; c < 4; ++c) {
+    s[c] = sh[0][c] + sh[1][c];
+    if constexpr (SPLIT) s[c] += sx[0][c] + sx[1][c];
+  }
   s[0] *= qx0 * cur.kn0;
   s[1] *= qx1 * cur.kn0;
   s[2] *= qx0 * cur.kn1;
@@ -231,8 +234,9 @@ __device__ __forceinline__ void tile_scores(const Tile& cur, const uint32_t (&qh
 
 // O^T += Vdec^T * P^T for one tile; P (the V weights) from the warp's tile wt [kTT][kWRow].
 template <bool SPLIT>
-__device__ __forceinline__ void tile_accumulate_v(const Tile& cur, const float* wt, int gid, int t4,
-                                                  const PairLut<SPLIT>& ilut, float (&o)[8][4]) {
+__device__ __forceinline__ void tile_accumulate_v(const uint2 (&v)[4], const float* wt, int gid,
+                                                  int t4, const PairLut<SPLIT>& ilut,
+                                                  float (&o)[8][4]) {
   // B of the V MMA: head gid, tokens 4t4 + {0,1} (b0), 4t4 + {2,3} (b1).
   uint32_t ph0, pl0, ph1, pl1;
   split2(wt[(4 * t4 + 0) * kWRow + gid], wt[(4 * t4 + 1) * kWRow + gid], ph0, pl0);
@@ -240,10 +244,10 @@ __device__ __forceinline__ void tile_accumulate_v(const Tile& cur, const float* 
   uint32_t lo01[2], hi01[2], lo23[2], hi23[2];  // byte mt of word (mt >> 2): table indices
 #pragma unroll
   for (int wd = 0; wd < 2; ++wd) {
-    const uint32_t x0 = wd ? cur.v[0].y : cur.v[0].x;
-    const uint32_t x1 = wd ? cur.v[1].y : cur.v[1].x;
-    const uint32_t x2 = wd ? cur.v[2].y : cur.v[2].x;
-    const uint32_t x3 = wd ? cur.v[3].y : cur.v[3].x;
+    const uint32_t x0 = wd ? v[0].y : v[0].x;
+    const uint32_t x1 = wd ? v[1].y : v[1].x;
+    const uint32_t x2 = wd ? v[2].y : v[2].x;
+    const uint32_t x3 = wd ? v[3].y : v[3].x;
     lo01[wd] = (x0 & 0x0F0F0F0Fu) | ((x1 & 0x0F0F0F0Fu) << 4);
     hi01[wd] = ((x0 >> 4) & 0x0F0F0F0Fu) | (x1 & 0xF0F0F0F0u);
     lo23[wd] = (x2 & 0x0F0F0F0Fu) | ((x3 & 0x0F0F0F0Fu) << 4);
@@ -453,7 +457,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
       }
     }
     __syncwarp();
-    tile_accumulate_v<SPLIT>(cur, wt, gid, t4, ilut, o);
+    tile_accumulate_v<SPLIT>(cur.v, wt, gid, t4, ilut, o);
 
     cur = nxt;
   }
@@ -481,10 +485,14 @@ constexpr int kCtasPerSm4 = 2;
 // [1024, 2048), K norms [2048, 2112), V norms [2112, 2176); the code rows (16 tokens x 64 bytes =
 // 64 units of 16 bytes, unit u = 4 * token + chunk) are stored at unit ring_swizzle(u), which makes
 // both the K reads (16 bytes of tokens gid, gid + 8) and the V reads (8 bytes of tokens 4t4 + e)
-// conflict-free.
+// conflict-free. (V codes loaded straight into registers instead, through L1, measured slower:
+// 108.8 against 97.9 us at (32, 8192); the L1 pipe that serves shared memory served them too.)
 constexpr int kStageB = 2 * kTT * kRowB + 2 * kTT * 4;
 constexpr int kRingStages = 2;
 constexpr int kRingBytes = kW4 * kRingStages * kStageB;
+// v4's running max moves only when a tile's max exceeds it by more than this (log2 units): the
+// f16 V weights stay <= 2^8 and the rescale of o is rare.
+constexpr float kLazyMax = 8.f;
 
 __device__ __forceinline__ int ring_swizzle(int u) { return u ^ ((u >> 2) & 4) ^ ((u >> 4) & 2); }
 
@@ -595,23 +603,33 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
   // Ring path: tile ti (< ntt) into stage `st` of this warp's ring; every lane copies K / V units
   // lane and lane + 32, lanes 0-7 one 16-byte quarter of the norms. Returns the valid count.
   uint8_t* ring = smem + kSmemBytes + warp * (kRingStages * kStageB);
+  // Loop-invariant per-lane parts of the copies: sources at byte 16 * lane of a tile's rows (unit
+  // lane + 32 at +512), destinations at the swizzled units (shared-memory offsets, 32 bits).
+  const uint8_t* k_src = p.kc + 16 * lane;
+  const uint8_t* v_src = p.vc + 16 * lane;
+  const float* n_src = (lane < 4 ? p.kn : p.vn) + 4 * (lane & 3);
+  const uint32_t ring_s = smem_addr(ring);
+  const uint32_t dst_u0 = ring_s + 16 * ring_swizzle(lane);
+  const uint32_t dst_u1 = ring_s + 16 * ring_swizzle(lane + 32);
+  const uint32_t dst_n = ring_s + 2 * kTT * kRowB + 16 * lane;
+  const int kvh_rows = kvh * p.page_size;
+  const int page_rows = p.Hkv * p.page_size;
   auto issue = [&](int ti, int st, int phys) -> int {
     int n = 0;
     if (ti < ntt) {
-      const int64_t row0 = tile_rows(ti, phys, n);
-      const uint8_t* kp = p.kc + row0 * kRowB;
-      const uint8_t* vp = p.vc + row0 * kRowB;
-      uint8_t* dst = ring + st * kStageB;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int u = lane + 32 * h;
-        cp_async<16>(dst + 16 * ring_swizzle(u), kp + 16 * u);
-        cp_async<16>(dst + kTT * kRowB + 16 * ring_swizzle(u), vp + 16 * u);
-      }
-      if (lane < 8) {
-        const float* norms = (lane < 4 ? p.kn : p.vn) + row0 + 4 * (lane & 3);
-        cp_async<16>(dst + 2 * kTT * kRowB + 16 * lane, norms);
-      }
+      const int base = tok0 + ti * kTT;
+      const int lp = static_cast<int>(p.pdiv.div(static_cast<uint32_t>(base)));
+      const bool page_ok = phys >= 0 && phys < p.P;
+      n = page_ok ? tok_end - base : 0;  // may exceed 16
+      const int64_t row0 = static_cast<int64_t>(page_ok ? phys : 0) * page_rows +
+                           (kvh_rows + base - lp * p.page_size);
+      const int64_t code_off = row0 * kRowB;
+      const uint32_t so = st * kStageB;
+      cp_async16_s(dst_u0 + so, k_src + code_off);
+      cp_async16_s(dst_u1 + so, k_src + code_off + 512);
+      cp_async16_s(dst_u0 + so + kTT * kRowB, v_src + code_off);
+      cp_async16_s(dst_u1 + so + kTT * kRowB, v_src + code_off + 512);
+      if (lane < 8) cp_async16_s(dst_n + so, n_src + row0);
     }
     cp_async_commit();  // one group per call, empty or not: wait_group counts stay aligned
     return n;
@@ -670,10 +688,14 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
     float s[4];
     tile_scores<SPLIT>(cur, qh, ql, qx0, qx1, ilut, s);
 
-    const float lv0 = cur.vn0 > 0.f ? __log2f(cur.vn0) : -INFINITY;
-    const float lv1 = cur.vn1 > 0.f ? __log2f(cur.vn1) : -INFINITY;
+    // A NaN, negative or 0 V norm gives no V weight; log2 is flushed to -inf below 2^-126.
+    const float vn0 = cur.vn0 > 0.f ? cur.vn0 : 0.f;
+    const float vn1 = cur.vn1 > 0.f ? cur.vn1 : 0.f;
+    const float lv0 = fast_log2(vn0), lv1 = fast_log2(vn1);
     __syncwarp();
-    float alpha[2];
+    // Lazy rescaling: the running max m moves only when a tile's max exceeds it by more than
+    // kLazyMax (log2 units), so weights up to 2^kLazyMax (f16: fine) and the rescale is rare.
+    float alpha[2] = {1.f, 1.f};
     bool grew = false;
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
@@ -681,15 +703,17 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
       float tm = fmaxf(fmaxf(s[hh], s[2 + hh]), fmaxf(ua, ub));
 #pragma unroll
       for (int off = 4; off < 32; off <<= 1) tm = fmaxf(tm, __shfl_xor_sync(0xffffffffu, tm, off));
-      const float mn = fmaxf(m[hh], tm);
-      grew |= mn > m[hh];
-      alpha[hh] = fast_exp2(m[hh] - mn);
-      const float pa = fast_exp2(s[hh] - mn);  // s = -inf -> 0
-      const float pb = fast_exp2(s[2 + hh] - mn);
+      if (tm > m[hh] + kLazyMax) {  // the same for the 8 lanes of a head (tm is their max)
+        alpha[hh] = fast_exp2(m[hh] - tm);  // the first tile: m = -FLT_MAX -> 0 (o, l are 0)
+        m[hh] = tm;
+        grew = true;
+      }
+      const float pa = fast_exp2(s[hh] - m[hh]);  // s = -inf -> 0
+      const float pb = fast_exp2(s[2 + hh] - m[hh]);
       l[hh] = l[hh] * alpha[hh] + pa + pb;
-      m[hh] = mn;
-      wt[gid * kWRow + 2 * t4 + hh] = fast_exp2(ua - mn);
-      wt[(gid + 8) * kWRow + 2 * t4 + hh] = fast_exp2(ub - mn);
+      // p * v_norm = exp2(s + log2 v_norm - m) <= 2^kLazyMax: one multiply, no exp2.
+      wt[gid * kWRow + 2 * t4 + hh] = pa * vn0;
+      wt[(gid + 8) * kWRow + 2 * t4 + hh] = pb * vn1;
     }
     if (__any_sync(0xffffffffu, grew)) {
 #pragma unroll
@@ -701,7 +725,7 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
       }
     }
     __syncwarp();
-    tile_accumulate_v<SPLIT>(cur, wt, gid, t4, ilut, o);
+    tile_accumulate_v<SPLIT>(cur.v, wt, gid, t4, ilut, o);
   };
 
   if constexpr (RING) {
