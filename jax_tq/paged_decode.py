@@ -51,7 +51,8 @@ def paged_decode(q, cache, block_tables, seq_lens, *, scale=None, num_splits=Non
       precision: ``jax.lax.Precision`` (or its name) of the kernel's q.k and p.v products.
         ``HIGHEST``: float32-accurate (relative error ~1e-5 or less). ``DEFAULT``/``HIGH``: the GPU kernel
         may round q, the softmax weights and the centroids to float16 inside its tensor-core
-        products (relative error ~2^-11 per term, below a bfloat16 query's own rounding of 2^-9).
+        products (relative error ~2^-11 per term, below a bfloat16 query's own rounding of 2^-9),
+        and the query and output rotations run at ``HIGH`` (TF32 on the GPU, ~3e-4).
         Default: ``HIGHEST`` for float32 queries, ``DEFAULT`` for bfloat16/float16 queries. The
         CPU kernel and the reference always compute in float64/float32.
 
@@ -77,8 +78,8 @@ def paged_decode(q, cache, block_tables, seq_lens, *, scale=None, num_splits=Non
     check_decode_indices(block_tables, seq_lens, num_pages=cache.num_pages, page_size=cache.page_size)
     k_codec, v_codec = cache.k_codec, cache.v_codec
     scale = 1.0 / math.sqrt(k_codec.head_dim) if scale is None else scale
-    hi = jax.lax.Precision.HIGHEST
-    q_rot = jnp.einsum("shd,ed->she", q.astype(jnp.float32), k_codec.rotation, precision=hi)
+    rotation_precision = _rotation_precision(f16_products)
+    q_rot = jnp.einsum("shd,ed->she", q.astype(jnp.float32), k_codec.rotation, precision=rotation_precision)
     operands = (
         q_rot, cache.k_codes, cache.k_norms, cache.v_codes, cache.v_norms,
         k_codec.centroids, v_codec.centroids, block_tables, seq_lens,
@@ -89,7 +90,7 @@ def paged_decode(q, cache, block_tables, seq_lens, *, scale=None, num_splits=Non
     else:
         out_rot = _decode_rotated(*operands, k_codec.bits, v_codec.bits, scale, int(num_splits or 0),
                                   f16_products, backend)
-    out = jnp.einsum("she,ed->shd", out_rot, v_codec.rotation, precision=hi)
+    out = jnp.einsum("she,ed->shd", out_rot, v_codec.rotation, precision=rotation_precision)
     # The kernels give a row whose scores are all NaN no weight (an all-zero row): make a
     # non-finite query visible instead, as the reference does.
     out = jnp.where(jnp.all(jnp.isfinite(q), axis=-1, keepdims=True), out, jnp.nan)
@@ -124,6 +125,13 @@ def _static_num_splits(num_splits):
         raise TypeError(f"jax_tq.paged_decode: num_splits must be a concrete Python int (static), got "
                         f"{type(num_splits).__name__} {num_splits!r}; pass it as a static argument under jit "
                         f"(e.g. jax.jit(tq.paged_decode, static_argnames='num_splits'))") from err
+
+
+def _rotation_precision(f16_products: bool) -> jax.lax.Precision:
+    """Precision of the two rotation GEMMs: ``HIGH`` (TF32 on the GPU, relative error ~3e-4, about
+    the kernel's own float16 rounding; 1.8-2x faster there at 8-128 sequences, see
+    benchmarks/bench_rotation.py) where the kernel may round to float16, else ``HIGHEST``."""
+    return jax.lax.Precision.HIGH if f16_products else jax.lax.Precision.HIGHEST
 
 
 def _allows_f16_products(precision, q_dtype) -> bool:

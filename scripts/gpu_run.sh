@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on the GPU machine: build jax_tq with CUDA, run the GPU tests, the benchmarks,
 # and optionally the main job; print short tables. Usage: bash scripts/gpu_run.sh [build tests bench model]
-# stages: build v3 ncu trace tests bench graphs profile breakdown model (default: build tests bench). Logs go to $OUT (the device tool brings them back).
+# stages: build v3 ncu trace tests dtests rot bench graphs profile breakdown model (default: build tests bench). Logs go to $OUT (the device tool brings them back).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/jax_tq_out}; mkdir -p "$OUT"
@@ -46,6 +46,14 @@ if has tests; then
   # The op tests run on the default device: on this machine they test the CUDA kernels against float64.
   timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q tests/test_ops.py tests/test_edge_cases.py tests/test_transforms.py tests/test_checks.py 2>&1 | tee "$OUT/op_tests.log" | tail -n 15
   echo "tests: $(( $(date +%s) - t0 )) s"
+fi
+if has dtests; then  # the decode GPU tests on the default kernels, and the device-time helper's
+  timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_device_time.py -k "decode or device_time" 2>&1 \
+    | tee "$OUT/gpu_decode_tests.log" | tail -n 8
+  echo "dtests: $(( $(date +%s) - t0 )) s"
+fi
+if has rot; then  # the rotation GEMM alone at each precision (GPU time, error against float64)
+  PYTHONPATH=benchmarks:${PYTHONPATH:-} timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/bench_rotation.py 2>&1 | tee "$OUT/bench_rotation.txt" | tail -n 18
 fi
 if has bench; then
   timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/bench_compress.py ${COMPRESS_ARGS:-} 2>&1 | tee "$OUT/bench_compress.txt" | tail -n 20
