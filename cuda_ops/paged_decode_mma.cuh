@@ -67,8 +67,8 @@
 // warps are merged through shared memory at the end (as in v2).
 //
 // Range: the V weights p * v_norm are taken relative to a running max that includes log2 v_norm,
-// so they are <= 1 for any norm; contributions far below the running max lose relative (not
-// absolute) precision in f16 subnormals. In particular, if EVERY token's V norm is below ~2^-14
+// so they are <= 1 for any norm (v4: <= 2^8, its max moves lazily, see kLazyMax); contributions
+// far below the running max lose relative (not absolute) precision in f16 subnormals. In particular, if EVERY token's V norm is below ~2^-14
 // (6e-5) the weights are f16 subnormals: the output keeps an absolute error of ~1e-8 * |c| but
 // its relative error grows (real V vectors have norms of order 1 and above).
 #ifndef JAX_TQ_PAGED_DECODE_MMA_CUH_
