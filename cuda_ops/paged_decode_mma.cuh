@@ -104,6 +104,14 @@ __device__ __forceinline__ void split2(float x0, float x1, uint32_t& hi, uint32_
   lo = h2_bits(__floats2half2_rn(x0 - hf.x, x1 - hf.y));
 }
 
+// f16x2(x0, x1), x0 in the lower half, rounded to nearest; out-of-range values saturate to +-65504
+// (NaN stays NaN), so a weight never becomes an f16 infinity.
+__device__ __forceinline__ uint32_t half2_satfinite(float x0, float x1) {
+  uint32_t h;
+  asm("cvt.rn.satfinite.f16x2.f32 %0, %1, %2;" : "=r"(h) : "f"(x1), "f"(x0));
+  return h;
+}
+
 // Centroid-pair look-up tables, K and V interleaved: entry e (a code byte) = f16x2 (c[e & 15],
 // c[e >> 4]), as {hi, lo} when SPLIT (f32-accurate products) or hi only. Entry e holds its K part
 // at e*256 + [0, 128) and its V part at e*256 + [128, 256). Each 128-byte part holds 16 copies of
@@ -232,15 +240,28 @@ __device__ __forceinline__ void tile_scores(const Tile& cur, const uint32_t (&qh
     if (!(s[c] > -INFINITY)) s[c] = -INFINITY;  // masked token (NaN norm) or NaN: no weight
 }
 
-// O^T += Vdec^T * P^T for one tile; P (the V weights) from the warp's tile wt [kTT][kWRow].
-template <bool SPLIT>
+// v4's per-warp P tile (16 tokens x 8 heads, 128 floats): token row r starts at ptile_row(r), a
+// Latin square over the banks: every 4-row block and every stripe {e, e + 4, e + 8, e + 12} covers
+// the 32 banks once, so both the 8-byte stores (rows gid / gid + 8, heads 2t4, 2t4 + 1) and the
+// 4-byte loads (rows 4t4 + e, head gid) are conflict-free (v3's padded rows: the loads only).
+__device__ __forceinline__ int ptile_row(int r) { return 32 * (r >> 2) + 8 * ((r + (r >> 2)) & 3); }
+
+// O^T += Vdec^T * P^T for one tile; P (the V weights) from the warp's tile wt: [kTT][kWRow], or
+// with LATIN at ptile_row.
+template <bool SPLIT, bool LATIN = false>
 __device__ __forceinline__ void tile_accumulate_v(const uint2 (&v)[4], const float* wt, int gid,
                                                   int t4, const PairLut<SPLIT>& ilut,
                                                   float (&o)[8][4]) {
+  auto w = [&](int e) { return wt[(LATIN ? ptile_row(4 * t4 + e) : (4 * t4 + e) * kWRow) + gid]; };
   // B of the V MMA: head gid, tokens 4t4 + {0,1} (b0), 4t4 + {2,3} (b1).
-  uint32_t ph0, pl0, ph1, pl1;
-  split2(wt[(4 * t4 + 0) * kWRow + gid], wt[(4 * t4 + 1) * kWRow + gid], ph0, pl0);
-  split2(wt[(4 * t4 + 2) * kWRow + gid], wt[(4 * t4 + 3) * kWRow + gid], ph1, pl1);
+  uint32_t ph0, pl0 = 0u, ph1, pl1 = 0u;
+  if constexpr (SPLIT) {
+    split2(w(0), w(1), ph0, pl0);
+    split2(w(2), w(3), ph1, pl1);
+  } else {
+    ph0 = half2_satfinite(w(0), w(1));
+    ph1 = half2_satfinite(w(2), w(3));
+  }
   uint32_t lo01[2], hi01[2], lo23[2], hi23[2];  // byte mt of word (mt >> 2): table indices
 #pragma unroll
   for (int wd = 0; wd < 2; ++wd) {
@@ -508,7 +529,7 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
   // kSmemBytes: interleaved K / V tables; RING: then kRingBytes of per-warp rings.
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ float qexp_s[kNH];
-  __shared__ float w_s[kW4][kTT * kWRow];
+  __shared__ __align__(16) float w_s[kW4][kTT * kNH];  // P tiles, rows at ptile_row
   __shared__ float m_s[kW4][kNH];
   __shared__ float l_s[kW4][kNH];
   auto& o_s = *reinterpret_cast<float(*)[kW4][kNH * D]>(smem);  // after the main loop only
@@ -688,14 +709,16 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
     float s[4];
     tile_scores<SPLIT>(cur, qh, ql, qx0, qx1, ilut, s);
 
-    // A NaN, negative or 0 V norm gives no V weight; log2 is flushed to -inf below 2^-126.
-    const float vn0 = cur.vn0 > 0.f ? cur.vn0 : 0.f;
-    const float vn1 = cur.vn1 > 0.f ? cur.vn1 : 0.f;
-    const float lv0 = fast_log2(vn0), lv1 = fast_log2(vn1);
+    // The weight is p * v_norm with the norm as stored (a NaN norm gives a NaN output row, as in
+    // the reference and v1; masked tokens have norm 0); the max covers log2 |v_norm| (flushed to
+    // -inf below 2^-126), so |weight| <= 2^kLazyMax.
+    const float vn0 = cur.vn0, vn1 = cur.vn1;
+    const float lv0 = fast_log2(fabsf(vn0)), lv1 = fast_log2(fabsf(vn1));
     __syncwarp();
     // Lazy rescaling: the running max m moves only when a tile's max exceeds it by more than
     // kLazyMax (log2 units), so weights up to 2^kLazyMax (f16: fine) and the rescale is rare.
     float alpha[2] = {1.f, 1.f};
+    float wa[2], wb[2];  // V weights of tokens gid, gid + 8 for heads 2t4 + hh
     bool grew = false;
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
@@ -703,7 +726,9 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
       float tm = fmaxf(fmaxf(s[hh], s[2 + hh]), fmaxf(ua, ub));
 #pragma unroll
       for (int off = 4; off < 32; off <<= 1) tm = fmaxf(tm, __shfl_xor_sync(0xffffffffu, tm, off));
-      if (tm > m[hh] + kLazyMax) {  // the same for the 8 lanes of a head (tm is their max)
+      // The same for the 8 lanes of a head (tm is their max). A difference, not m + kLazyMax:
+      // at |m| >= 2^27 the sum would round by up to 16. m = -FLT_MAX: any finite tm moves it.
+      if (tm - m[hh] > kLazyMax) {
         alpha[hh] = fast_exp2(m[hh] - tm);  // the first tile: m = -FLT_MAX -> 0 (o, l are 0)
         m[hh] = tm;
         grew = true;
@@ -711,10 +736,13 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
       const float pa = fast_exp2(s[hh] - m[hh]);  // s = -inf -> 0
       const float pb = fast_exp2(s[2 + hh] - m[hh]);
       l[hh] = l[hh] * alpha[hh] + pa + pb;
-      // p * v_norm = exp2(s + log2 v_norm - m) <= 2^kLazyMax: one multiply, no exp2.
-      wt[gid * kWRow + 2 * t4 + hh] = pa * vn0;
-      wt[(gid + 8) * kWRow + 2 * t4 + hh] = pb * vn1;
+      // |p * v_norm| = exp2(s + log2 |v_norm| - m) <= 2^kLazyMax: one multiply, no exp2. (At
+      // |s| >= 2^28 the sum drops log2 |v_norm|; the f16 conversion then saturates, no inf.)
+      wa[hh] = pa * vn0;
+      wb[hh] = pb * vn1;
     }
+    *reinterpret_cast<float2*>(wt + ptile_row(gid) + 2 * t4) = make_float2(wa[0], wa[1]);
+    *reinterpret_cast<float2*>(wt + ptile_row(gid + 8) + 2 * t4) = make_float2(wb[0], wb[1]);
     if (__any_sync(0xffffffffu, grew)) {
 #pragma unroll
       for (int mt = 0; mt < 8; ++mt) {
@@ -725,7 +753,7 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
       }
     }
     __syncwarp();
-    tile_accumulate_v<SPLIT>(cur.v, wt, gid, t4, ilut, o);
+    tile_accumulate_v<SPLIT, true>(cur.v, wt, gid, t4, ilut, o);
   };
 
   if constexpr (RING) {

@@ -51,8 +51,9 @@ def paged_decode(q, cache, block_tables, seq_lens, *, scale=None, num_splits=Non
       precision: ``jax.lax.Precision`` (or its name) of the kernel's q.k and p.v products.
         ``HIGHEST``: float32-accurate (relative error ~1e-5 or less). ``DEFAULT``/``HIGH``: the GPU kernel
         may round q, the softmax weights and the centroids to float16 inside its tensor-core
-        products (relative error ~2^-11 per term, below a bfloat16 query's own rounding of 2^-9),
-        and the query and output rotations run at ``HIGH`` (TF32 on the GPU, ~3e-4).
+        products (relative error ~2^-11 per term, below a bfloat16 query's own rounding of 2^-9);
+        where the kernel that runs does so (head_dim 128, K4V4, GQA group >= 3 on the GPU), the
+        query and output rotations run at ``HIGH`` too (TF32 on the GPU, ~3e-4).
         Default: ``HIGHEST`` for float32 queries, ``DEFAULT`` for bfloat16/float16 queries. The
         CPU kernel and the reference always compute in float64/float32.
 
@@ -78,13 +79,16 @@ def paged_decode(q, cache, block_tables, seq_lens, *, scale=None, num_splits=Non
     check_decode_indices(block_tables, seq_lens, num_pages=cache.num_pages, page_size=cache.page_size)
     k_codec, v_codec = cache.k_codec, cache.v_codec
     scale = 1.0 / math.sqrt(k_codec.head_dim) if scale is None else scale
-    rotation_precision = _rotation_precision(f16_products)
+    backend = get_backend()
+    group = q.shape[1] // cache.num_kv_heads
+    kernel_rounds_to_f16 = (backend != "xla" and uses_v4(f16_products)
+                            and uses_tensor_core_kernel(k_codec.head_dim, k_codec.bits, v_codec.bits, group))
+    rotation_precision = _rotation_precision(kernel_rounds_to_f16)
     q_rot = jnp.einsum("shd,ed->she", q.astype(jnp.float32), k_codec.rotation, precision=rotation_precision)
     operands = (
         q_rot, cache.k_codes, cache.k_norms, cache.v_codes, cache.v_norms,
         k_codec.centroids, v_codec.centroids, block_tables, seq_lens,
     )
-    backend = get_backend()
     if backend == "xla":
         out_rot = reference.paged_decode_rotated(*operands, k_codec.bits, v_codec.bits, scale)
     else:
@@ -127,11 +131,12 @@ def _static_num_splits(num_splits):
                         f"(e.g. jax.jit(tq.paged_decode, static_argnames='num_splits'))") from err
 
 
-def _rotation_precision(f16_products: bool) -> jax.lax.Precision:
+def _rotation_precision(kernel_rounds_to_f16: bool) -> jax.lax.Precision:
     """Precision of the two rotation GEMMs: ``HIGH`` (TF32 on the GPU, relative error ~3e-4, about
     the kernel's own float16 rounding; 1.8-2x faster there at 8-128 sequences, see
-    benchmarks/bench_rotation.py) where the kernel may round to float16, else ``HIGHEST``."""
-    return jax.lax.Precision.HIGH if f16_products else jax.lax.Precision.HIGHEST
+    benchmarks/bench_rotation.py) where the decode kernel that runs rounds to float16 (v4), else
+    ``HIGHEST``. An explicit precision: a ``jax.default_matmul_precision`` context does not change it."""
+    return jax.lax.Precision.HIGH if kernel_rounds_to_f16 else jax.lax.Precision.HIGHEST
 
 
 def _allows_f16_products(precision, q_dtype) -> bool:
@@ -230,7 +235,7 @@ V3_MAX_CTAS_BY_REGISTERS = 3
 #: 128 registers per thread allow 2 CTAs per SM. Its ring variant adds 34 KB of per-warp cp.async
 #: stages (V4_RING_SMEM_PER_CTA); the handler runs it only where 2 such CTAs fit per SM (sm_90), and
 #: the register variant elsewhere, so 2 CTAs per SM hold for both.
-V4_SMEM_PER_CTA = 65536 + 5664 + 1024
+V4_SMEM_PER_CTA = 65536 + 4640 + 1024
 V4_RING_SMEM_PER_CTA = V4_SMEM_PER_CTA + 8 * 2 * 2176
 V4_MAX_CTAS_BY_REGISTERS = 2
 

@@ -412,6 +412,38 @@ def test_paged_decode_huge_logits(rng):
         assert rel_err(got, want) < 2e-2
 
 
+def test_paged_decode_v4_negative_and_nan_v_norms(rng):
+    """bf16 queries (the f16-product kernel): V norms weigh with their sign, and a NaN V norm of an
+    attended token gives NaN rows for its KV head's query heads, as in the float64 oracle."""
+    q, cache, tables, lens = _decode_inputs(rng, 128, 4, 4, 16, 4, 2, jnp.bfloat16, num_seqs=4, max_len=600)
+    v_norms = np.array(cache.v_norms)  # [num_pages, num_kv_heads, page_size]
+    v_norms *= np.where(rng.random(v_norms.shape) < 0.3, -1.0, 1.0)
+    v_norms[int(tables[2, 0]), 1, 0] = np.nan  # sequence 2, KV head 1, token 0
+    cache = dataclasses.replace(cache, v_norms=jnp.asarray(v_norms, jnp.float32))
+    got = np.asarray(_decode(q, cache, tables, lens, num_splits=2).astype(jnp.float32), np.float64)
+    want = _on_cpu(decode_f64, np.asarray(q.astype(jnp.float32)), cache, tables, lens)
+    nan_rows = np.isnan(want).any(axis=-1)
+    assert nan_rows[2, 4:8].all()  # (other sequences may share the page)
+    assert np.isnan(got[nan_rows]).all() and np.isfinite(got[~nan_rows]).all()
+    assert rel_err(got[~nan_rows], want[~nan_rows]) < 2e-2
+
+
+def test_paged_decode_v4_logits_beyond_float32_spacing(rng):
+    """bf16 queries scaled so that scores reach ~2^28 in log2 units (float32 spacing 32 there) with V
+    norms of 1e6 (beyond float16): every output is finite and, being a convex combination of V
+    vectors, no longer than the longest attended one."""
+    q, cache, tables, lens = _decode_inputs(rng, 128, 4, 4, 16, 4, 2, jnp.bfloat16, num_seqs=4, max_len=600)
+    v_norms = 10.0 ** rng.uniform(5, 6, size=cache.v_norms.shape)
+    cache = dataclasses.replace(cache, v_norms=jnp.asarray(v_norms, jnp.float32))
+    q = (q.astype(jnp.float32) * 1e9).astype(jnp.bfloat16)
+    got = np.asarray(_decode(q, cache, tables, lens, num_splits=2).astype(jnp.float32), np.float64)
+    assert np.all(np.isfinite(got))
+    unit = np.asarray(cache.v_codec.centroids, np.float64)[unpack_codes(np.asarray(cache.v_codes), 4, 128)]
+    longest_v = np.max(np.linalg.norm(unit, axis=-1) * v_norms)
+    assert np.all(np.linalg.norm(got, axis=-1) <= 1.01 * longest_v)
+    assert np.all(np.linalg.norm(got[1:], axis=-1) > 0)  # sequence 0 is empty (zeros)
+
+
 def test_paged_decode_vmap_and_jit(rng):
     caches, qs, tabs, lens_ = [], [], [], []
     for _ in range(3):
