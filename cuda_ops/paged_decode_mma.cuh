@@ -443,11 +443,12 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     tile_scores<SPLIT>(cur, qh, ql, qx0, qx1, ilut, s);
 
     // ---- online softmax (f32), heads 2t4 + hh ----------------------------------------------
-    // The V MMA weight of a token is p * v_norm = exp2(s + log2 v_norm - m): the running max m
-    // covers s and s + log2 v_norm, so every weight (and p) is <= 1 and fits f16 for any norm.
+    // The V MMA weight of a token is p * v_norm = +-exp2(s + log2 |v_norm| - m): the running max
+    // m covers s and s + log2 |v_norm|, so every |weight| (and p) is <= 1 and fits f16 for any
+    // norm; the sign is the norm's, and a NaN norm gives a NaN weight (as in the reference).
     // l sums exp2(s - m) against the same m.
-    const float lv0 = cur.vn0 > 0.f ? __log2f(cur.vn0) : -INFINITY;  // NaN / 0 norm: no V weight
-    const float lv1 = cur.vn1 > 0.f ? __log2f(cur.vn1) : -INFINITY;
+    const float lv0 = __log2f(fabsf(cur.vn0));  // 0 (masked) -> -inf: weight 0
+    const float lv1 = __log2f(fabsf(cur.vn1));
     __syncwarp();  // previous tile's P reads are done
     float alpha[2];
     bool grew = false;
@@ -465,8 +466,8 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
       const float pb = any ? fast_exp2(s[2 + hh] - mn) : 0.f;
       l[hh] = l[hh] * alpha[hh] + pa + pb;
       m[hh] = mn;
-      wt[gid * kWRow + 2 * t4 + hh] = any ? fast_exp2(ua - mn) : 0.f;
-      wt[(gid + 8) * kWRow + 2 * t4 + hh] = any ? fast_exp2(ub - mn) : 0.f;
+      wt[gid * kWRow + 2 * t4 + hh] = any ? copysignf(fast_exp2(ua - mn), cur.vn0) : 0.f;
+      wt[(gid + 8) * kWRow + 2 * t4 + hh] = any ? copysignf(fast_exp2(ub - mn), cur.vn1) : 0.f;
     }
     if (__any_sync(0xffffffffu, grew)) {
 #pragma unroll
