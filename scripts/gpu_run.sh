@@ -69,17 +69,18 @@ if has graphs; then  # the same decode timing with XLA command buffers (CUDA gra
   XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN --xla_gpu_graph_min_graph_size=1" \
     timeout ${BENCH_TIMEOUT:-200} python3 benchmarks/bench_decode.py ${DECODE_ARGS:-} 2>&1 | tee "$OUT/bench_decode_graphs.txt" | tail -n 30
 fi
-if has ncu; then  # decode kernels under Nsight Compute (NCU_VERSIONS default "3", NCU_SHAPES default 32x8192)
-  for v in ${NCU_VERSIONS:-3}; do
-    JAX_TQ_CUDA_DECODE=v$v PYTHONPATH=benchmarks:${PYTHONPATH:-} timeout ${NCU_TIMEOUT:-200} \
+if has ncu; then  # decode kernels under Nsight Compute (NCU_VERSIONS default "default": the kernel the handler picks; or v1..v5; NCU_SHAPES default 32x8192)
+  for v in ${NCU_VERSIONS:-default}; do
+    sel=""; [ "$v" != default ] && sel="v$v"
+    JAX_TQ_CUDA_DECODE=$sel PYTHONPATH=benchmarks:${PYTHONPATH:-} timeout ${NCU_TIMEOUT:-200} \
       ncu --clock-control none -k regex:"paged_decode_(split|v2|v3|v4)" --launch-skip 1 --launch-count ${NCU_COUNT:-1} \
       --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
-      --section MemoryWorkloadAnalysis --section SchedulerStats --section InstructionStats \
-      --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio \
-      python3 benchmarks/ncu_decode.py ${NCU_SHAPES:-32x8192} >"$OUT/ncu_v$v.txt" 2>&1
-    echo "== ncu decode v$v"
-    grep -E "  [a-z_:<>0-9 ]*paged_decode|Duration|DRAM Throughput|L1/TEX Cache Thr|Compute \(SM\) Thr|Registers Per|Achieved Occupancy|Issued Warp Per|Executed Ipc A|issue_stalled" "$OUT/ncu_v$v.txt" \
-      | grep -vE "ratio +0(\.0[0-9])?$" | sed -E 's/smsp__average_warps_issue_stalled_//; s/_per_issue_active.ratio//' | head -n 70
+      --section MemoryWorkloadAnalysis --section SchedulerStats --section InstructionStats --section SourceCounters \
+      --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum,sm__inst_executed.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared.avg.pct_of_peak_sustained_elapsed \
+      python3 benchmarks/ncu_decode.py ${NCU_SHAPES:-32x8192} >"$OUT/ncu_$v.txt" 2>&1
+    echo "== ncu decode $v"
+    grep -E "  [a-z_:<>0-9 ]*paged_decode|Duration|DRAM Throughput|L1/TEX Cache Thr|Compute \(SM\) Thr|Registers Per|Achieved Occupancy|Issued Warp Per|Executed Ipc A|issue_stalled|wavefronts|conflicts|inst_executed|Bank" "$OUT/ncu_$v.txt" \
+      | grep -vE "ratio +0(\.0[0-9])?$" | sed -E 's/smsp__average_warps_issue_stalled_//; s/_per_issue_active.ratio//' | head -n 80
   done
 fi
 if has trace; then  # the device timeline of one call in the benchmark chain (JAX profiler, CUPTI)
