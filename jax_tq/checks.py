@@ -75,6 +75,8 @@ def check_decode_indices(block_tables, seq_lens, *, num_pages: int, page_size: i
     if not checks_enabled():
         return
     capacity = block_tables.shape[1] * page_size
+    if seq_lens.size == 0:  # no sequence: nothing to check (argmax of an empty array fails)
+        return
     bad_len = (seq_lens < 0) | (seq_lens > capacity)
     first = jnp.argmax(bad_len)
     checkify.check(
@@ -82,6 +84,8 @@ def check_decode_indices(block_tables, seq_lens, *, num_pages: int, page_size: i
         "jax_tq.paged_decode: seq_lens[{i}] = {n} is outside [0, {cap}] (max_pages * page_size)",
         i=first, n=seq_lens[first], cap=jnp.int32(capacity),
     )
+    if block_tables.size == 0:  # no page entries: every positive length was reported above
+        return
     pages_used = (jnp.clip(seq_lens, 0, capacity) + page_size - 1) // page_size
     used = jnp.arange(block_tables.shape[1])[None, :] < pages_used[:, None]
     bad = used & ((block_tables < 0) | (block_tables >= num_pages))
@@ -97,7 +101,7 @@ def check_decode_indices(block_tables, seq_lens, *, num_pages: int, page_size: i
 def check_slot_mapping(slot_mapping, *, num_slots: int) -> None:
     """Insert a check that every non-negative slot is < num_pages * page_size (negative slots mark
     padding tokens and are allowed). No-op outside checked mode."""
-    if not checks_enabled():
+    if not checks_enabled() or slot_mapping.size == 0:
         return
     bad = slot_mapping >= num_slots
     first = jnp.argmax(bad)

@@ -70,3 +70,24 @@ def test_checked_accepts_a_jitted_function_without_poisoning_its_cache(rng):
         err.throw()
     out = step(q, cache, good, lens)                 # and the plain jit still works
     assert np.all(np.isfinite(np.asarray(out)))
+
+
+def test_checked_mode_on_empty_inputs(rng):
+    """No sequence, no page column, no token: checked mode runs (it used to fail on argmax of an
+    empty array); a positive length over a zero-width block table is still reported."""
+    cache = _cache(rng)
+    q = jnp.asarray(rng.normal(size=(2, 2, 64)), jnp.float32)
+    decode = jax.jit(tq.checked(tq.paged_decode))
+    err, out = decode(q[:0], cache, jnp.zeros((0, 3), jnp.int32), jnp.zeros((0,), jnp.int32))
+    err.throw()
+    assert out.shape == (0, 2, 64)
+    err, out = decode(q, cache, jnp.zeros((2, 0), jnp.int32), jnp.zeros((2,), jnp.int32))
+    err.throw()
+    assert np.all(np.asarray(out) == 0)
+    err, _ = decode(q, cache, jnp.zeros((2, 0), jnp.int32), jnp.asarray([0, 3], jnp.int32))
+    with pytest.raises(Exception, match=r"seq_lens\[1\] = 3 is outside \[0, 0\]"):
+        err.throw()
+    none = jnp.zeros((0, 1, 64), jnp.float32)
+    err, written = jax.jit(tq.checked(tq.write_cache))(cache, none, none, jnp.zeros((0,), jnp.int32))
+    err.throw()
+    assert np.array_equal(np.asarray(written.k_codes), np.asarray(cache.k_codes))
