@@ -117,15 +117,21 @@ def compress(x, rotation, centroids, bits: int):
 
 
 def _norm_and_unit(x):
-    """(||x||_2 over the last axis, x / ||x||), computed on x / max|x_i| so that the squares
-    neither overflow (|x| ~1e30) nor underflow (|x| ~1e-30). A zero vector gives (0, 0) with a
-    gradient of 0 (not NaN); a NaN anywhere in x gives a NaN norm."""
+    """(||x||_2 over the last axis, x / ||x||), computed on x scaled by a power of two 2^-e with
+    max|x_i| < 2^e, so that the squares neither overflow (|x| ~1e30) nor underflow (|x| ~1e-30).
+    The scaling is two exact multiplies by 2^-(e/2)-ish factors, never by a subnormal reciprocal
+    (x / 1e38 was flushed to 0 on the CPU). A zero vector gives (0, 0) with a gradient of 0 (not
+    NaN); a NaN anywhere in x gives a NaN norm; a norm beyond the dtype's range is inf."""
     largest = jnp.max(jnp.abs(x), axis=-1)
     positive = largest > 0  # False for 0 and NaN
-    scale = jnp.where(positive & jnp.isfinite(largest), largest, 1.0)
-    scaled = x / scale[..., None]
+    _, exponent = jnp.frexp(jnp.where(positive & jnp.isfinite(largest), largest, 1.0))
+    half = exponent // 2
+    one = jnp.ones_like(largest)
+    down_a, down_b = jnp.ldexp(one, -half), jnp.ldexp(one, half - exponent)
+    scaled = x * down_a[..., None] * down_b[..., None]
     root = jnp.sqrt(jnp.where(positive, jnp.sum(scaled * scaled, axis=-1), 1.0))
-    norms = jnp.where(positive, scale * root, jnp.where(jnp.isnan(largest), jnp.nan, 0.0))
+    up = root * jnp.ldexp(one, half) * jnp.ldexp(one, exponent - half)
+    norms = jnp.where(positive, up, jnp.where(jnp.isnan(largest), jnp.nan, 0.0))
     unit = jnp.where(positive[..., None], scaled / root[..., None], 0.0)
     return norms.astype(x.dtype), unit.astype(x.dtype)
 

@@ -833,6 +833,19 @@ def test_compress_norms_neither_overflow_nor_underflow(value):
     np.testing.assert_array_equal(results["ffi"], results["xla"])
 
 
+@pytest.mark.parametrize("value", [1e38, 3e38])
+def test_compress_norm_beyond_float32_is_inf_in_both_backends(value):
+    """||x|| above FLT_MAX is inf on both backends (the reference's x / max|x| used to flush to 0
+    on the CPU, giving norm 0); a row of ordinary size next to it is unaffected."""
+    codec = tq.TurboQuant(128, 4)
+    x = jnp.full((2, 128), value, jnp.float32).at[1].set(0.5)
+    for backend in ("ffi", "xla"):
+        with tq.use_backend(backend):
+            _, norms = tq.compress(x, codec)
+        assert np.isposinf(float(norms[0])), backend
+        np.testing.assert_allclose(float(norms[1]), 0.5 * np.sqrt(128.0), rtol=1e-6)
+
+
 def test_compress_nan_vector_gives_nan_norm_in_both_backends():
     codec = tq.TurboQuant(64, 4)
     x = jnp.ones((2, 64), jnp.float32).at[1, 3].set(jnp.nan)
