@@ -25,6 +25,9 @@ from jax_tq.checks import check_decode_indices
 paged_decode_p = _compat.Primitive("jax_tq_paged_decode")
 paged_decode_p.multiple_results = True
 
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+_LOG2E = 1.4426950408889634  # the kernels take scores in log2 units: scale * log2(e) in float32
+
 #: Each split streams at least this many tokens, so its prefetch has work to overlap and the
 #: combine stays cheap next to the split's own work.
 MIN_TOKENS_PER_SPLIT = 256
@@ -43,8 +46,8 @@ def paged_decode(q, cache, block_tables, seq_lens, *, scale=None, num_splits=Non
         outside [0, num_pages) is skipped (see docs/FORMAT.md; use checked mode to catch it).
       seq_lens: int32 [num_seqs], number of cached tokens each query attends to, clamped to
         [0, max_pages * page_size]. A sequence with 0 tokens gets an all-zero output.
-      scale: softmax scale, a finite Python number (static: not a traced value); default
-        1 / sqrt(head_dim).
+      scale: softmax scale, a finite Python number with |scale| * log2(e) within float32 (|scale| <=
+        ~2.36e38; static: not a traced value); default 1 / sqrt(head_dim).
       num_splits: split-K count, a Python int >= 1 (static); default chosen per platform to fill
         the device (1 on CPU). Any value is correct; values above max_pages act as max_pages (the
         extra splits would be empty).
@@ -67,7 +70,8 @@ def paged_decode(q, cache, block_tables, seq_lens, *, scale=None, num_splits=Non
       TypeError: q not float32/bfloat16/float16; block_tables or seq_lens not int32; cache not a
         PagedKVCache; scale or num_splits not a concrete Python number of the right kind.
       ValueError: wrong ranks or shapes, head_dim differs from the cache's codecs, num_heads not a
-        multiple of num_kv_heads, num_splits < 1, a non-finite scale, an unknown precision.
+        multiple of num_kv_heads, num_splits < 1, a non-finite or float32-overflowing scale, an
+        unknown precision.
     """
     check_cache(cache, "paged_decode")
     q, block_tables, seq_lens = jnp.asarray(q), jnp.asarray(block_tables), jnp.asarray(seq_lens)
@@ -112,8 +116,9 @@ def _static_scale(scale):
     except (TypeError, jax.errors.ConcretizationTypeError) as err:
         raise TypeError(f"jax_tq.paged_decode: scale must be a concrete Python number (static), got "
                         f"{type(scale).__name__}; pass it as a static argument under jit") from err
-    if not math.isfinite(value):
-        raise ValueError(f"jax_tq.paged_decode: scale must be finite, got {value}")
+    if not math.isfinite(value) or abs(value) * _LOG2E > _FLOAT32_MAX:
+        raise ValueError(f"jax_tq.paged_decode: scale must be finite, and |scale| <= "
+                         f"{_FLOAT32_MAX / _LOG2E:.3g} so that scale * log2(e) is a finite float32; got {value}")
     return value
 
 
