@@ -44,9 +44,9 @@ def get_backend() -> str:
     return _checked(os.environ.get(ENV_VAR, "auto").strip().lower() or "auto", ENV_VAR)
 
 
-@contextlib.contextmanager
 def use_backend(name: str):
-    """Context manager choosing the backend for ops traced inside it.
+    """Context manager choosing the backend for ops traced inside it (``with`` only: as a plain
+    call it changes nothing).
 
     Example::
 
@@ -56,12 +56,19 @@ def use_backend(name: str):
     Note that a ``jax.jit`` function traced once keeps the backend it was traced with: JAX caches
     the trace of ``jax.jit(jax_tq.paged_decode)``, so to compare backends jit a fresh wrapper inside
     each block (``jax.jit(lambda *a: jax_tq.paged_decode(*a))``) or call ``jax.clear_caches()``.
-    The name is case-insensitive, as in ``JAX_TQ_BACKEND``.
+    The name is case-insensitive, as in ``JAX_TQ_BACKEND``; to set a process-wide default, use
+    that environment variable.
 
     Raises:
-      ValueError: ``name`` is not one of ``"auto"``, ``"ffi"``, ``"xla"``.
+      ValueError: ``name`` is not one of ``"auto"``, ``"ffi"``, ``"xla"`` (at the call, before the
+        ``with`` block is entered).
     """
-    token = _override.set(_checked(name.strip().lower() if isinstance(name, str) else name, "use_backend"))
+    return _backend_context(_checked(name.strip().lower() if isinstance(name, str) else name, "use_backend"))
+
+
+@contextlib.contextmanager
+def _backend_context(name: str):
+    token = _override.set(name)
     try:
         yield
     finally:

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_tq import _compat, reference
+from jax_tq import _ffi as ffi_loader
 from jax_tq import _primitive_utils as pu
 from jax_tq.backend import get_backend
 from jax_tq.cache import check_cache
@@ -55,8 +56,9 @@ def paged_decode(q, cache, block_tables, seq_lens, *, scale=None, num_splits=Non
         ``HIGHEST``: float32-accurate (relative error ~1e-5 or less). ``DEFAULT``/``HIGH``: the GPU kernel
         may round q, the softmax weights and the centroids to float16 inside its tensor-core
         products (relative error ~2^-11 per term, below a bfloat16 query's own rounding of 2^-9);
-        where the kernel that runs does so (head_dim 128, K4V4, GQA group >= 3 on the GPU), the
-        query and output rotations run at ``HIGH`` too (TF32 on the GPU, ~3e-4).
+        where the kernel that runs does so (head_dim 128, K4V4, GQA group >= 3, with jax_tq's CUDA
+        kernels built), the query and output rotations run at ``HIGH`` too (TF32 on the GPU, ~3e-4;
+        no effect on the CPU).
         Default: ``HIGHEST`` for float32 queries, ``DEFAULT`` for bfloat16/float16 queries. The
         CPU kernel and the reference always compute in float64/float32.
 
@@ -85,7 +87,7 @@ def paged_decode(q, cache, block_tables, seq_lens, *, scale=None, num_splits=Non
     scale = 1.0 / math.sqrt(k_codec.head_dim) if scale is None else scale
     backend = get_backend()
     group = q.shape[1] // cache.num_kv_heads
-    kernel_rounds_to_f16 = (backend != "xla" and uses_v4(f16_products)
+    kernel_rounds_to_f16 = (backend != "xla" and uses_v4(f16_products) and ffi_loader.kernels_available("cuda")
                             and uses_tensor_core_kernel(k_codec.head_dim, k_codec.bits, v_codec.bits, group))
     rotation_precision = _rotation_precision(kernel_rounds_to_f16)
     q_rot = jnp.einsum("shd,ed->she", q.astype(jnp.float32), k_codec.rotation, precision=rotation_precision)

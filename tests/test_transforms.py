@@ -182,6 +182,8 @@ def test_backend_env_var(monkeypatch):
     with pytest.raises(ValueError, match="use_backend"):
         with tq.use_backend("cuda"):
             pass
+    with pytest.raises(ValueError, match="use_backend"):  # at the call, not only on entering
+        tq.use_backend("cuda")
 
 
 def test_explicit_ffi_backend_raises_where_no_kernel(monkeypatch, rng):
