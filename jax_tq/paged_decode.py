@@ -52,7 +52,8 @@ def paged_decode(q, cache, block_tables, seq_lens, *, scale=None, num_splits=Non
       num_splits: split-K count, a Python int >= 1 (static); default chosen per platform to fill
         the device (1 on CPU). Any value is correct; values above max_pages act as max_pages (the
         extra splits would be empty).
-      precision: ``jax.lax.Precision`` (or its name) of the kernel's q.k and p.v products.
+      precision: ``jax.lax.Precision`` (or any of its names, e.g. ``"highest"``, ``"float32"``,
+        ``"bfloat16"``) of the kernel's q.k and p.v products.
         ``HIGHEST``: float32-accurate (relative error ~1e-5 or less). ``DEFAULT``/``HIGH``: the GPU kernel
         may round q, the softmax weights and the centroids to float16 inside its tensor-core
         products (relative error ~2^-11 per term, below a bfloat16 query's own rounding of 2^-9);
@@ -152,12 +153,12 @@ def _allows_f16_products(precision, q_dtype) -> bool:
         return jnp.dtype(q_dtype) != jnp.dtype(jnp.float32)
     if not isinstance(precision, (str, jax.lax.Precision)):
         raise ValueError(f"jax_tq.paged_decode: precision must be a jax.lax.Precision or one of "
-                         f"'default', 'high', 'highest', got {type(precision).__name__} {precision!r}")
+                         f"'default', 'high', 'highest' (or another jax.lax.Precision name), got {type(precision).__name__} {precision!r}")
     try:
         precision = jax.lax.Precision(precision.lower() if isinstance(precision, str) else precision)
     except (ValueError, KeyError, TypeError) as err:
         raise ValueError(f"jax_tq.paged_decode: precision must be a jax.lax.Precision or one of "
-                         f"'default', 'high', 'highest', got {precision!r}") from err
+                         f"'default', 'high', 'highest' (or another jax.lax.Precision name), got {precision!r}") from err
     return precision != jax.lax.Precision.HIGHEST
 
 
