@@ -31,7 +31,9 @@ def turboquant_attention_fn(k_codec: TurboQuant, v_codec: TurboQuant, base_atten
         arguments; default ``flax.nnx.dot_product_attention``.
 
     Returns:
-      ``fn(query, key, value, *args, **kwargs)``: query [..., q_len, num_heads, head_dim], key and
+      ``fn(query, key, value, *args, **kwargs)``, with ``base_attention_fn``'s signature (as
+      ``inspect.signature`` reports it, so that flax.linen passes it the mask, dropout and dtype
+      arguments): query [..., q_len, num_heads, head_dim], key and
       value [..., kv_len, num_kv_heads, head_dim] (any float dtype the kernels take); returns what
       ``base_attention_fn`` returns. Reconstructed K/V keep the input dtype. Differentiable: the
       compress/decompress round trip passes gradients straight through (identity; the
@@ -46,6 +48,9 @@ def turboquant_attention_fn(k_codec: TurboQuant, v_codec: TurboQuant, base_atten
 
         base_attention_fn = nnx.dot_product_attention
 
+    # wraps: the signature seen by inspect is base_attention_fn's; flax.linen passes mask, dropout,
+    # dtype and precision only to parameters it finds there by name.
+    @functools.wraps(base_attention_fn)
     def attention_fn(query, key, value, *args, **kwargs):
         key_hat = _round_trip(key, k_codec)
         value_hat = _round_trip(value, v_codec)

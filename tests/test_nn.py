@@ -109,3 +109,26 @@ def test_linen_multihead_attention_with_turboquant_kv(rng):
     np.testing.assert_allclose(np.asarray(seen["v"]), np.asarray(v_hat), rtol=1e-5, atol=1e-6)
     err = rel_err(out_tq, out_plain)
     assert 1e-4 < err < 0.3, f"4/3-bit K/V should perturb the output a little, got rel err {err}"
+
+
+@pytest.mark.parametrize("base", ["nnx", "linen"])
+def test_linen_attention_gets_the_mask_and_dropout(rng, base):
+    """flax.linen passes mask / dropout arguments only to parameters it sees in attention_fn's
+    signature: the wrapper must show the base function's. With a causal mask, position 0 must not
+    depend on later tokens; dropout must change the output."""
+    linen = pytest.importorskip("flax.linen")
+    from flax import nnx
+    codec = tq.TurboQuant(head_dim=64, bits=4, seed=1)
+    base_fn = nnx.dot_product_attention if base == "nnx" else linen.dot_product_attention
+    module = linen.MultiHeadDotProductAttention(num_heads=4, qkv_features=256, dropout_rate=0.5,
+                                                attention_fn=turboquant_attention_fn(codec, codec, base_fn))
+    x = jnp.asarray(rng.normal(size=(2, 6, 256)), jnp.float32)
+    params = module.init(jax.random.PRNGKey(0), x, deterministic=True)
+    causal = linen.make_causal_mask(jnp.ones((2, 6)))
+    out = module.apply(params, x, mask=causal, deterministic=True)
+    later_changed = x.at[:, 1:].add(1.0)
+    np.testing.assert_allclose(np.asarray(module.apply(params, later_changed, mask=causal, deterministic=True)[:, 0]),
+                               np.asarray(out[:, 0]), rtol=1e-5, atol=1e-6)
+    assert rel_err(module.apply(params, x, deterministic=True), out) > 1e-2  # without the mask: different
+    dropped = module.apply(params, x, mask=causal, deterministic=False, rngs={"dropout": jax.random.PRNGKey(1)})
+    assert rel_err(dropped, out) > 1e-2
