@@ -153,6 +153,35 @@ def test_compressed_eval_matches_decode_steps(tiny, bits):
     np.testing.assert_allclose(dec[:, 1], np.asarray(other_logits), atol=2e-4, rtol=1e-4)
 
 
+def test_positions_beyond_the_block_table_are_refused_or_not_written(tiny):
+    """A block table covers max_pages * page_size positions. forward_compressed refuses more at trace
+    time; a decode step past the end writes nothing (it used to clamp onto the last page and
+    overwrite a valid token); decode_step refuses a token of shape [S, 1]."""
+    from jax_tq.models.llama import slot_mapping_for
+
+    table = jnp.asarray([3, 1], jnp.int32)
+    slots = slot_mapping_for(table, jnp.asarray([0, 5, 7, 8, 11, -1], jnp.int32), 4)
+    np.testing.assert_array_equal(np.asarray(slots), [12, 5, 7, -1, -1, -1])
+    ids = np.random.default_rng(4).integers(0, TINY.vocab_size, 9).astype(np.int32)
+    with pytest.raises(ValueError, match=r"positions 0\.\.8 are not covered by block_table \(2 pages"):
+        forward_compressed(tiny, ids, init_caches(TINY, 4, 4, num_pages=4, page_size=4), np.array([0, 1], np.int32))
+    with pytest.raises(ValueError, match=r"positions 7\.\.8"):
+        forward_compressed(tiny, ids[:2], init_caches(TINY, 4, 4, num_pages=4, page_size=4),
+                           np.array([0, 1], np.int32), start_pos=7)
+
+    caches = init_caches(TINY, 4, 4, num_pages=4, page_size=4)
+    _, caches = forward_compressed(tiny, ids[:8], caches, np.array([0, 1], np.int32))  # table now full
+    before = [np.asarray(c.k_codes).copy() for c in caches]
+    step = make_decode_step(tiny)
+    tables = np.array([[0, 1]], np.int32)
+    logits, caches = step(caches, np.array([ids[8]]), np.array([8]), tables, np.array([9]))
+    assert np.all(np.isfinite(np.asarray(logits)))
+    for b, c in zip(before, caches):
+        np.testing.assert_array_equal(np.asarray(c.k_codes), b)
+    with pytest.raises(ValueError, match=r"token, position and seq_lens must be \[S\]"):
+        step(caches, np.array([[ids[0]]]), np.array([0]), tables, np.array([1]))
+
+
 @pytest.mark.parametrize("dtype,atol", [(jnp.float32, 2e-4), (jnp.bfloat16, 5e-2)])
 def test_dense_decode_steps_match_causal_forward(tiny, dtype, atol):
     """Uncompressed dense-cache decode (batch of 2 different sequences) == full causal forward."""

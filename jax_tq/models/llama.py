@@ -589,15 +589,21 @@ def slot_mapping_for(block_tables: jax.Array, positions: jax.Array, page_size: i
       positions: int32 ``[S]`` token positions within each sequence.
       page_size: tokens per cache page.
     Returns:
-      int32 ``[S]``: ``block_tables[s, pos // page_size] * page_size + pos % page_size``.
+      int32 ``[S]``: ``block_tables[s, pos // page_size] * page_size + pos % page_size``, or -1
+      (padding: :func:`jax_tq.write_cache` skips it) for a position outside
+      ``[0, max_pages * page_size)``, which the table does not cover (indexing would clamp it onto
+      the last page and overwrite a valid token).
     """
     positions = positions.astype(jnp.int32)
+    max_pages = block_tables.shape[-1]
     page = positions // page_size
+    covered = (positions >= 0) & (page < max_pages)
+    page = jnp.clip(page, 0, max(max_pages - 1, 0))
     if block_tables.ndim == 1:
         phys = block_tables[page]
     else:
         phys = jnp.take_along_axis(block_tables, page[:, None], axis=1)[:, 0]
-    return (phys * page_size + positions % page_size).astype(jnp.int32)
+    return jnp.where(covered, phys * page_size + positions % page_size, -1).astype(jnp.int32)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -654,13 +660,23 @@ def forward_compressed(model: Llama, token_ids, caches: Sequence, block_table, s
     Returns:
       ``(logits float32 [T, vocab], new_caches)``.
     Raises:
-      ValueError: ``len(caches) != num_layers``.
+      ValueError: ``len(caches) != num_layers``; ``token_ids`` not 1-D or ``block_table`` not 1-D;
+        ``start_pos < 0`` or ``start_pos + T`` beyond the table's ``max_pages * page_size`` tokens.
       TypeError / ValueError: propagated from :func:`jax_tq.write_cache` /
         :func:`jax_tq.paged_decode`.
     """
+    token_ids, block_table = jnp.asarray(token_ids, jnp.int32), jnp.asarray(block_table, jnp.int32)
+    if token_ids.ndim != 1 or block_table.ndim != 1:
+        raise ValueError(f"forward_compressed: token_ids [T] and block_table [max_pages] must be 1-D, got "
+                         f"shapes {token_ids.shape} and {block_table.shape}")
+    capacity = block_table.shape[0] * _page_size(caches[0]) if caches else 0
+    start_pos = int(start_pos)
+    if start_pos < 0 or start_pos + token_ids.shape[0] > capacity:
+        raise ValueError(f"forward_compressed: positions {start_pos}..{start_pos + token_ids.shape[0] - 1} are not "
+                         f"covered by block_table ({block_table.shape[0]} pages x page_size "
+                         f"{capacity // max(block_table.shape[0], 1)} = {capacity} tokens)")
     graphdef, state = nnx.split(model)
-    return _compressed_pure(graphdef, state, jnp.asarray(token_ids, jnp.int32), list(caches),
-                            jnp.asarray(block_table, jnp.int32), int(start_pos))
+    return _compressed_pure(graphdef, state, token_ids, list(caches), block_table, start_pos)
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
@@ -684,14 +700,26 @@ def decode_step(model: Llama, caches: Sequence, token, position, block_tables, s
       block_tables: int32 ``[S, max_pages]``.
       seq_lens: int32 ``[S]`` sequence length INCLUDING the new token (normally ``position + 1``);
         0 marks an inactive row (nothing written, zero attention output).
+    A position at or beyond ``max_pages * page_size`` (the table is full) is not written; the
+    attention then sees the cached tokens only (seq_lens is clamped as in paged_decode).
     Returns:
       ``(logits float32 [S, vocab], new_caches)``.
     Raises:
-      ValueError: ``len(caches) != num_layers``.
+      ValueError: ``len(caches) != num_layers``; token, position or seq_lens not of shape ``[S]``,
+        block_tables not ``[S, max_pages]``.
       TypeError / ValueError: propagated from :func:`jax_tq.write_cache` /
         :func:`jax_tq.paged_decode`.
     """
     return make_decode_step(model)(caches, token, position, block_tables, seq_lens)
+
+
+def _check_decode_shapes(token, position, block_tables, seq_lens) -> None:
+    """ValueError unless token, position, seq_lens are [S] and block_tables [S, max_pages]."""
+    num_seqs = token.shape[0] if token.ndim == 1 else None
+    if (num_seqs is None or position.shape != (num_seqs,) or seq_lens.shape != (num_seqs,)
+            or block_tables.ndim != 2 or block_tables.shape[0] != num_seqs):
+        raise ValueError(f"decode_step: token, position and seq_lens must be [S] and block_tables [S, max_pages]; "
+                         f"got shapes {token.shape}, {position.shape}, {seq_lens.shape}, {block_tables.shape}")
 
 
 def make_decode_step(model: Llama):
@@ -709,9 +737,10 @@ def make_decode_step(model: Llama):
     graphdef, state = nnx.split(model)
 
     def step(caches, token, position, block_tables, seq_lens):
-        return _decode_pure(graphdef, state, list(caches), jnp.asarray(token, jnp.int32),
-                            jnp.asarray(position, jnp.int32), jnp.asarray(block_tables, jnp.int32),
-                            jnp.asarray(seq_lens, jnp.int32))
+        token, position = jnp.asarray(token, jnp.int32), jnp.asarray(position, jnp.int32)
+        block_tables, seq_lens = jnp.asarray(block_tables, jnp.int32), jnp.asarray(seq_lens, jnp.int32)
+        _check_decode_shapes(token, position, block_tables, seq_lens)
+        return _decode_pure(graphdef, state, list(caches), token, position, block_tables, seq_lens)
 
     return step
 
