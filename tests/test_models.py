@@ -265,6 +265,25 @@ def test_token_log_likelihoods_and_bytes(tiny):
     assert ev.parse_cache_config("K3V2") == ev.CacheConfig(3, 2)
 
 
+def test_evaluation_arguments_are_checked(tiny):
+    """Token ids outside the vocabulary, non-integer ids, bad cache specs and chunk counts give a
+    ValueError / TypeError naming the problem (they used to give NaN, a wrapped id, or a raw
+    int() / concatenate / ZeroDivisionError)."""
+    for bad in ([1, TINY.vocab_size, 5], [1, -1, 5]):
+        with pytest.raises(ValueError, match=r"token_ids must lie in \[0, vocab_size=97\)"):
+            ev.token_log_likelihoods(tiny, np.array(bad))
+    with pytest.raises(TypeError, match="token_ids must be integers"):
+        ev.token_log_likelihoods(tiny, np.array([1.0, 2.0]))
+    with pytest.raises(ValueError, match="k_bits must be 2, 3 or 4, got 5"):
+        ev.token_log_likelihoods(tiny, np.array([1, 2, 3]), (5, 4))
+    with pytest.raises(ValueError, match="cannot parse cache spec 'q4v4'"):
+        ev.parse_cache_config("q4v4")
+    with pytest.raises(ValueError, match="page_size must be an int in"):
+        ev.CacheConfig(4, 4, page_size=0)
+    with pytest.raises(ValueError, match="num_chunks must be >= 1"):
+        ev.chunk_token_ids(None, "text", num_chunks=0)
+
+
 def test_unpermute_inverts_llama_cpp_permute():
     rng = np.random.default_rng(6)
     n_head, hd, n_in = 3, 8, 5

@@ -64,6 +64,13 @@ class CacheConfig:
     page_size: int = 16
     seed: int = 0
 
+    def __post_init__(self):
+        for name in ("k_bits", "v_bits"):
+            if getattr(self, name) not in (2, 3, 4):
+                raise ValueError(f"CacheConfig: {name} must be 2, 3 or 4, got {getattr(self, name)!r}")
+        if not isinstance(self.page_size, int) or not 1 <= self.page_size <= 256:
+            raise ValueError(f"CacheConfig: page_size must be an int in [1, 256], got {self.page_size!r}")
+
 
 def parse_cache_config(spec) -> CacheConfig | None:
     """Normalise a cache spec: None / "none" -> None (uncompressed); ``(k, v)`` or "k:v" or a
@@ -73,10 +80,9 @@ def parse_cache_config(spec) -> CacheConfig | None:
       spec: None, a :class:`CacheConfig`, a 2-tuple / list ``(k_bits, v_bits)`` or a string
         (``"none"``, ``"fp32"``, ``"uncompressed"``, ``""``, ``"4:2"``, ``"k4v2"``).
     Returns:
-      a :class:`CacheConfig` (default page size and seed for tuples / strings), or None. Bit
-      widths are not validated here.
+      a :class:`CacheConfig` (default page size and seed for tuples / strings), or None.
     Raises:
-      ValueError: unparseable spec.
+      ValueError: unparseable spec, or bits not 2, 3 or 4 (from :class:`CacheConfig`).
     """
     if spec is None or isinstance(spec, CacheConfig):
         return spec
@@ -86,7 +92,7 @@ def parse_cache_config(spec) -> CacheConfig | None:
             return None
         parts = s.replace("k", "").replace("v", ":").strip(":").split(":")
         parts = [p for p in parts if p]
-        if len(parts) != 2:
+        if len(parts) != 2 or not all(p.isdigit() for p in parts):
             raise ValueError(f"cannot parse cache spec {spec!r}; use 'none' or 'K:V', e.g. '4:2'")
         return CacheConfig(int(parts[0]), int(parts[1]))
     if isinstance(spec, (tuple, list)) and len(spec) == 2:
@@ -139,13 +145,19 @@ def token_log_likelihoods(model: Llama, token_ids, cache_config=None) -> np.ndar
     Returns:
       float64 ``[T - 1]``: ``log p(token[t + 1] | token[:t + 1])``.
     Raises:
-      ValueError: fewer than 2 tokens, or an unparseable ``cache_config``.
-      TypeError / ValueError: propagated from :func:`jax_tq.models.init_caches` (e.g. bits not
-        in 2..4).
+      TypeError: token_ids not integers.
+      ValueError: fewer than 2 tokens, a token id outside ``[0, vocab_size)``, or an unparseable
+        ``cache_config`` (bits not 2, 3 or 4).
     """
-    ids = jnp.asarray(np.asarray(token_ids), jnp.int32)
-    if ids.ndim != 1 or ids.shape[0] < 2:
-        raise ValueError(f"token_ids must be 1-D with >= 2 tokens, got shape {ids.shape}")
+    raw = np.asarray(token_ids)
+    if not np.issubdtype(raw.dtype, np.integer):
+        raise TypeError(f"token_ids must be integers, got dtype {raw.dtype}")
+    if raw.ndim != 1 or raw.shape[0] < 2:
+        raise ValueError(f"token_ids must be 1-D with >= 2 tokens, got shape {raw.shape}")
+    vocab = model.config.vocab_size
+    if raw.min() < 0 or raw.max() >= vocab:
+        raise ValueError(f"token_ids must lie in [0, vocab_size={vocab}), got values {raw.min()}..{raw.max()}")
+    ids = jnp.asarray(raw, jnp.int32)
     cfg = parse_cache_config(cache_config)
     logits = forward_logits(model, ids) if cfg is None else compressed_logits(model, ids, cfg)
     return np.asarray(_next_token_ll(logits, ids), dtype=np.float64)
@@ -161,8 +173,11 @@ def chunk_token_ids(tokenizer, text: str, num_chunks: int = 4, chunk_len: int = 
     Returns:
       int32 ``[num_chunks, chunk_len]``.
     Raises:
-      ValueError: the text has fewer than ``num_chunks * chunk_len`` tokens.
+      ValueError: ``num_chunks < 1`` or ``chunk_len < 2``; the text has fewer than
+        ``num_chunks * chunk_len`` tokens.
     """
+    if num_chunks < 1 or chunk_len < 2:
+        raise ValueError(f"num_chunks must be >= 1 and chunk_len >= 2, got {num_chunks} and {chunk_len}")
     need = num_chunks * chunk_len
     ids = tokenizer.encode(text, add_special_tokens=False).ids
     if len(ids) < need:
@@ -185,8 +200,8 @@ def wikitext_perplexity(model: Llama, tokenizer, text: str, num_chunks: int = 4,
     Returns:
       ``exp(mean negative log-likelihood)`` over ``num_chunks * (chunk_len - 1)`` predictions.
     Raises:
-      ValueError: too few tokens in ``text`` (see :func:`chunk_token_ids`), ``chunk_len < 2``,
-        or an unparseable ``kv_bits``.
+      ValueError: ``num_chunks < 1``, ``chunk_len < 2`` or too few tokens in ``text`` (see
+        :func:`chunk_token_ids`), or an unparseable ``kv_bits``.
     """
     chunks = chunk_token_ids(tokenizer, text, num_chunks, chunk_len)
     it = progress(chunks) if progress is not None else chunks
