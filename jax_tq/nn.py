@@ -41,7 +41,7 @@ def turboquant_attention_fn(k_codec: TurboQuant, v_codec: TurboQuant, base_atten
       ``jax.grad`` / ``nnx.grad`` work through the module.
 
     Raises:
-      ValueError: head_dim of key/value differs from the codecs' (raised by :func:`jax_tq.compress`).
+      ValueError: head_dim of key / value differs from its codec's (naming which).
     """
     if base_attention_fn is None:
         from flax import nnx
@@ -52,6 +52,10 @@ def turboquant_attention_fn(k_codec: TurboQuant, v_codec: TurboQuant, base_atten
     # dtype and precision only to parameters it finds there by name.
     @functools.wraps(base_attention_fn)
     def attention_fn(query, key, value, *args, **kwargs):
+        for name, x, codec in (("key", key, k_codec), ("value", value, v_codec)):
+            if jnp.ndim(x) < 1 or jnp.shape(x)[-1] != codec.head_dim:
+                raise ValueError(f"jax_tq.nn.turboquant_attention_fn: {name} must be [..., kv_len, num_kv_heads, "
+                                 f"{codec.head_dim}] (the codec's head_dim), got shape {tuple(jnp.shape(x))}")
         key_hat = _round_trip(key, k_codec)
         value_hat = _round_trip(value, v_codec)
         return base_attention_fn(query, key_hat, value_hat, *args, **kwargs)
@@ -87,7 +91,11 @@ def paged_attention(q, k, v, cache: PagedKVCache, slot_mapping, block_tables, se
         1/sqrt(head_dim); split-K count; product precision).
 
     Returns:
-      (out [num_seqs, num_heads, head_dim] of q's dtype, updated cache).
+      (out [num_seqs, num_heads, head_dim] of q's dtype, updated cache). Gradients: as in
+      :func:`jax_tq.write_cache` and :func:`jax_tq.paged_decode`, k and v are differentiated
+      through their norms only (the codes are integers), so d out / d k and d out / d v are the
+      radial parts of the exact gradients; for quantization-aware training with full (straight-
+      through) gradients use :func:`turboquant_attention_fn`.
 
     Raises:
       ValueError: k or v without one token per sequence of q (their first axis must be num_seqs).

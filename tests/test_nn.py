@@ -132,3 +132,12 @@ def test_linen_attention_gets_the_mask_and_dropout(rng, base):
     assert rel_err(module.apply(params, x, deterministic=True), out) > 1e-2  # without the mask: different
     dropped = module.apply(params, x, mask=causal, deterministic=False, rngs={"dropout": jax.random.PRNGKey(1)})
     assert rel_err(dropped, out) > 1e-2
+
+
+def test_attention_fn_names_the_tensor_with_the_wrong_head_dim():
+    fn = turboquant_attention_fn(tq.TurboQuant(head_dim=64, bits=4), tq.TurboQuant(head_dim=64, bits=4))
+    ok, short = jnp.zeros((1, 4, 2, 64)), jnp.zeros((1, 4, 2, 32))
+    with pytest.raises(ValueError, match=r"turboquant_attention_fn: value must be .* got shape \(1, 4, 2, 32\)"):
+        fn(ok, ok, short)
+    with pytest.raises(ValueError, match=r"turboquant_attention_fn: key must be"):
+        fn(ok, short, ok)
