@@ -58,8 +58,9 @@ def paged_decode(q, cache, block_tables, seq_lens, *, scale=None, num_splits=Non
         may round q, the softmax weights and the centroids to float16 inside its tensor-core
         products (relative error ~2^-11 per term, below a bfloat16 query's own rounding of 2^-9);
         where the kernel that runs does so (head_dim 128, K4V4, GQA group >= 3, with jax_tq's CUDA
-        kernels built), the query and output rotations run at ``HIGH`` too (TF32 on the GPU, ~3e-4;
-        no effect on the CPU).
+        kernels built and ``JAX_TQ_CUDA_DECODE`` not asking for v1 / v2 / v3), the query and output
+        rotations run at ``HIGH`` too (TF32 on the GPU, ~3e-4; no effect on the CPU), unless
+        inside ``jax.default_matmul_precision("highest")`` (or ``"float32"``).
         Default: ``HIGHEST`` for float32 queries, ``DEFAULT`` for bfloat16/float16 queries. The
         CPU kernel and the reference always compute in float64/float32.
 
@@ -143,8 +144,9 @@ def _rotation_precision(kernel_rounds_to_f16: bool) -> jax.lax.Precision:
     """Precision of the two rotation GEMMs: ``HIGH`` (TF32 on the GPU, relative error ~3e-4, about
     the kernel's own float16 rounding; 1.8-2x faster there at 8-128 sequences, see
     benchmarks/bench_rotation.py) where the decode kernel that runs rounds to float16 (v4), else
-    ``HIGHEST``. An explicit precision: a ``jax.default_matmul_precision`` context does not change it."""
-    return jax.lax.Precision.HIGH if kernel_rounds_to_f16 else jax.lax.Precision.HIGHEST
+    ``HIGHEST``; also ``HIGHEST`` inside ``jax.default_matmul_precision("highest" / "float32")``."""
+    forced_highest = jax.config.jax_default_matmul_precision in ("highest", "float32")
+    return jax.lax.Precision.HIGH if kernel_rounds_to_f16 and not forced_highest else jax.lax.Precision.HIGHEST
 
 
 def _allows_f16_products(precision, q_dtype) -> bool:

@@ -178,8 +178,12 @@ def test_positions_beyond_the_block_table_are_refused_or_not_written(tiny):
     assert np.all(np.isfinite(np.asarray(logits)))
     for b, c in zip(before, caches):
         np.testing.assert_array_equal(np.asarray(c.k_codes), b)
-    with pytest.raises(ValueError, match=r"token, position and seq_lens must be \[S\]"):
+    with pytest.raises(ValueError, match=r"decode_step: token must be \[S\]"):
         step(caches, np.array([[ids[0]]]), np.array([0]), tables, np.array([1]))
+    with pytest.raises(ValueError, match=r"decode_step: position must be \[S=1\]"):
+        step(caches, np.array([ids[0]]), np.array(0), tables, np.array([1]))
+    with pytest.raises(ValueError, match=r"expected 2 caches, got 1"):
+        forward_compressed(tiny, ids[:2], caches[:1], np.array([0, 1], np.int32))
 
 
 @pytest.mark.parametrize("dtype,atol", [(jnp.float32, 2e-4), (jnp.bfloat16, 5e-2)])
@@ -270,10 +274,21 @@ def test_evaluation_arguments_are_checked(tiny):
     ValueError / TypeError naming the problem (they used to give NaN, a wrapped id, or a raw
     int() / concatenate / ZeroDivisionError)."""
     for bad in ([1, TINY.vocab_size, 5], [1, -1, 5]):
-        with pytest.raises(ValueError, match=r"token_ids must lie in \[0, vocab_size=97\)"):
+        with pytest.raises(ValueError, match=r"token ids must lie in \[0, vocab_size=97\)"):
             ev.token_log_likelihoods(tiny, np.array(bad))
-    with pytest.raises(TypeError, match="token_ids must be integers"):
+        with pytest.raises(ValueError, match=r"forward_logits: token ids must lie in"):
+            forward_logits(tiny, np.array(bad))
+        with pytest.raises(ValueError, match=r"greedy_generate: token ids must lie in"):
+            ev.greedy_generate(tiny, bad, 2)
+    with pytest.raises(TypeError, match="token ids must be integers"):
         ev.token_log_likelihoods(tiny, np.array([1.0, 2.0]))
+    with pytest.raises(ValueError, match="1-D with >= 2 tokens"):
+        ev.token_log_likelihoods(tiny, [])
+    assert ev.parse_cache_config("4: 2") == ev.CacheConfig(4, 2)
+    assert ev.CacheConfig(4, 4, page_size=np.int64(16)).page_size == 16
+    for bad in ((4.0, 4), (True, 4)):
+        with pytest.raises(ValueError, match="k_bits must be 2, 3 or 4"):
+            ev.parse_cache_config(bad)
     with pytest.raises(ValueError, match="k_bits must be 2, 3 or 4, got 5"):
         ev.token_log_likelihoods(tiny, np.array([1, 2, 3]), (5, 4))
     with pytest.raises(ValueError, match="cannot parse cache spec 'q4v4'"):

@@ -123,6 +123,10 @@ def _rotation_precisions(monkeypatch, cuda_built, qdtype, backend="auto", head_d
 def test_rotations_run_at_high_only_where_the_float16_kernel_runs(monkeypatch):
     precisions = _rotation_precisions(monkeypatch, True, "bfloat16")
     assert len(precisions) == 2 and all("HIGH" in p and "HIGHEST" not in p for p in precisions), precisions
+    import jax
+    with jax.default_matmul_precision("float32"):  # an enclosing request for float32 products wins
+        precisions = _rotation_precisions(monkeypatch, True, "bfloat16")
+    assert len(precisions) == 2 and all("HIGHEST" in p for p in precisions), precisions
     for args, kw in [((False, "bfloat16"), {}),                 # no CUDA kernels built: the reference runs on a GPU
                      ((True, "float32"), {}),                   # float32 queries: v3, float32-accurate
                      ((True, "bfloat16"), {"backend": "xla"}),  # the reference backend

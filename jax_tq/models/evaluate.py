@@ -28,6 +28,7 @@ import numpy as np
 from .gguf_loader import LlamaConfig
 from .llama import (
     Llama,
+    check_token_ids,
     forward_compressed,
     forward_logits,
     init_caches,
@@ -66,10 +67,14 @@ class CacheConfig:
 
     def __post_init__(self):
         for name in ("k_bits", "v_bits"):
-            if getattr(self, name) not in (2, 3, 4):
+            if not _is_int(getattr(self, name)) or getattr(self, name) not in (2, 3, 4):
                 raise ValueError(f"CacheConfig: {name} must be 2, 3 or 4, got {getattr(self, name)!r}")
-        if not isinstance(self.page_size, int) or not 1 <= self.page_size <= 256:
+        if not _is_int(self.page_size) or not 1 <= self.page_size <= 256:
             raise ValueError(f"CacheConfig: page_size must be an int in [1, 256], got {self.page_size!r}")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
 def parse_cache_config(spec) -> CacheConfig | None:
@@ -91,12 +96,12 @@ def parse_cache_config(spec) -> CacheConfig | None:
         if s in ("none", "fp32", "uncompressed", ""):
             return None
         parts = s.replace("k", "").replace("v", ":").strip(":").split(":")
-        parts = [p for p in parts if p]
+        parts = [p.strip() for p in parts if p.strip()]
         if len(parts) != 2 or not all(p.isdigit() for p in parts):
             raise ValueError(f"cannot parse cache spec {spec!r}; use 'none' or 'K:V', e.g. '4:2'")
         return CacheConfig(int(parts[0]), int(parts[1]))
     if isinstance(spec, (tuple, list)) and len(spec) == 2:
-        return CacheConfig(int(spec[0]), int(spec[1]))
+        return CacheConfig(*spec)
     raise ValueError(f"cannot interpret cache spec {spec!r}")
 
 
@@ -150,13 +155,9 @@ def token_log_likelihoods(model: Llama, token_ids, cache_config=None) -> np.ndar
         ``cache_config`` (bits not 2, 3 or 4).
     """
     raw = np.asarray(token_ids)
-    if not np.issubdtype(raw.dtype, np.integer):
-        raise TypeError(f"token_ids must be integers, got dtype {raw.dtype}")
     if raw.ndim != 1 or raw.shape[0] < 2:
         raise ValueError(f"token_ids must be 1-D with >= 2 tokens, got shape {raw.shape}")
-    vocab = model.config.vocab_size
-    if raw.min() < 0 or raw.max() >= vocab:
-        raise ValueError(f"token_ids must lie in [0, vocab_size={vocab}), got values {raw.min()}..{raw.max()}")
+    check_token_ids(raw, model.config.vocab_size, "token_log_likelihoods")
     ids = jnp.asarray(raw, jnp.int32)
     cfg = parse_cache_config(cache_config)
     logits = forward_logits(model, ids) if cfg is None else compressed_logits(model, ids, cfg)
@@ -244,7 +245,8 @@ def check_decode_matches_eval(model: Llama, token_ids, cache_config=(4, 4),
                               atol: float = 1e-2) -> dict:
     """Check that the jitted decode step reproduces the evaluation path's logits.
 
-    Matrix products run at full float32 precision for the check (on GPUs XLA's default is TF32,
+    Matrix products run at full float32 precision for the check, paged_decode's rotations
+    included (on GPUs XLA's default is TF32,
     whose rounding differs between the two paths' shapes and flips 4-bit codes).
 
     Runs ``token_ids [n]`` (a) through :func:`jax_tq.models.forward_compressed` in one call and
@@ -349,9 +351,10 @@ def greedy_generate(model: Llama, prompt_ids: Sequence[int], max_new_tokens: int
         in 2..4).
     """
     cfg = parse_cache_config(cache_config)
-    prompt = [int(t) for t in prompt_ids]
-    if not prompt:
+    if not len(prompt_ids):
         raise ValueError("empty prompt")
+    check_token_ids(np.asarray(prompt_ids), model.config.vocab_size, "greedy_generate")
+    prompt = [int(t) for t in prompt_ids]
     if batch < 1 or max_new_tokens < 1:
         raise ValueError(f"need batch >= 1 and max_new_tokens >= 1, got {batch}, {max_new_tokens}")
     total = len(prompt) + max_new_tokens

@@ -581,6 +581,23 @@ def _page_size(cache) -> int:
     return int(cache.page_size)
 
 
+def check_token_ids(token_ids, vocab_size: int, where: str) -> None:
+    """Raise unless ``token_ids`` are integers (TypeError) in ``[0, vocab_size)`` (ValueError; checked
+    only for concrete values: a traced array has no values at trace time)."""
+    traced = isinstance(token_ids, jax.core.Tracer)
+    if not traced and np.size(token_ids) == 0:  # no ids to check (the callers check the length)
+        return
+    dtype = token_ids.dtype if traced else np.asarray(token_ids).dtype
+    if not jnp.issubdtype(dtype, jnp.integer):
+        raise TypeError(f"{where}: token ids must be integers, got dtype {dtype}")
+    if traced:
+        return
+    ids = np.asarray(token_ids)
+    if ids.min() < 0 or ids.max() >= vocab_size:
+        raise ValueError(f"{where}: token ids must lie in [0, vocab_size={vocab_size}), got values "
+                         f"{ids.min()}..{ids.max()}")
+
+
 def slot_mapping_for(block_tables: jax.Array, positions: jax.Array, page_size: int) -> jax.Array:
     """Cache slots of ``positions`` for sequences with ``block_tables``.
 
@@ -626,7 +643,10 @@ def forward_logits(model: Llama, token_ids, start_pos: int = 0) -> jax.Array:
       start_pos: RoPE position of the first token.
     Returns:
       float32 logits ``[T, vocab]``; row ``t`` predicts token ``t + 1``.
+    Raises:
+      TypeError / ValueError: token ids not integers / outside ``[0, vocab_size)``.
     """
+    check_token_ids(token_ids, model.config.vocab_size, "forward_logits")
     graphdef, state = nnx.split(model)
     return _causal_pure(graphdef, state, jnp.asarray(token_ids, jnp.int32), int(start_pos))
 
@@ -660,23 +680,32 @@ def forward_compressed(model: Llama, token_ids, caches: Sequence, block_table, s
     Returns:
       ``(logits float32 [T, vocab], new_caches)``.
     Raises:
-      ValueError: ``len(caches) != num_layers``; ``token_ids`` not 1-D or ``block_table`` not 1-D;
-        ``start_pos < 0`` or ``start_pos + T`` beyond the table's ``max_pages * page_size`` tokens.
+      TypeError: token ids not integers.
+      ValueError: ``len(caches) != num_layers``; ``token_ids`` not 1-D with >= 1 token, or token
+        ids outside ``[0, vocab_size)``; ``block_table`` not 1-D; ``start_pos < 0`` or
+        ``start_pos + T`` beyond the table's ``max_pages * page_size`` tokens.
       TypeError / ValueError: propagated from :func:`jax_tq.write_cache` /
         :func:`jax_tq.paged_decode`.
     """
+    _check_num_caches(model, caches)
+    check_token_ids(token_ids, model.config.vocab_size, "forward_compressed")
     token_ids, block_table = jnp.asarray(token_ids, jnp.int32), jnp.asarray(block_table, jnp.int32)
-    if token_ids.ndim != 1 or block_table.ndim != 1:
-        raise ValueError(f"forward_compressed: token_ids [T] and block_table [max_pages] must be 1-D, got "
+    if token_ids.ndim != 1 or token_ids.shape[0] < 1 or block_table.ndim != 1:
+        raise ValueError(f"forward_compressed: token_ids [T >= 1] and block_table [max_pages] must be 1-D, got "
                          f"shapes {token_ids.shape} and {block_table.shape}")
-    capacity = block_table.shape[0] * _page_size(caches[0]) if caches else 0
-    start_pos = int(start_pos)
+    page_size, start_pos = _page_size(caches[0]), int(start_pos)
+    capacity = block_table.shape[0] * page_size
     if start_pos < 0 or start_pos + token_ids.shape[0] > capacity:
         raise ValueError(f"forward_compressed: positions {start_pos}..{start_pos + token_ids.shape[0] - 1} are not "
-                         f"covered by block_table ({block_table.shape[0]} pages x page_size "
-                         f"{capacity // max(block_table.shape[0], 1)} = {capacity} tokens)")
+                         f"covered by block_table ({block_table.shape[0]} pages x page_size {page_size} = "
+                         f"{capacity} tokens)")
     graphdef, state = nnx.split(model)
     return _compressed_pure(graphdef, state, token_ids, list(caches), block_table, start_pos)
+
+
+def _check_num_caches(model: Llama, caches: Sequence) -> None:
+    if len(caches) != model.config.num_layers:
+        raise ValueError(f"expected {model.config.num_layers} caches, got {len(caches)}")
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
@@ -699,9 +728,9 @@ def decode_step(model: Llama, caches: Sequence, token, position, block_tables, s
       position: int32 ``[S]`` its position (number of tokens already cached for the sequence).
       block_tables: int32 ``[S, max_pages]``.
       seq_lens: int32 ``[S]`` sequence length INCLUDING the new token (normally ``position + 1``);
-        0 marks an inactive row (nothing written, zero attention output).
-    A position at or beyond ``max_pages * page_size`` (the table is full) is not written; the
-    attention then sees the cached tokens only (seq_lens is clamped as in paged_decode).
+        0 marks an inactive row (nothing written, zero attention output). A position at or
+        beyond ``max_pages * page_size`` (the table is full) is not written; the attention then
+        sees the cached tokens only (seq_lens is clamped as in paged_decode).
     Returns:
       ``(logits float32 [S, vocab], new_caches)``.
     Raises:
@@ -714,12 +743,16 @@ def decode_step(model: Llama, caches: Sequence, token, position, block_tables, s
 
 
 def _check_decode_shapes(token, position, block_tables, seq_lens) -> None:
-    """ValueError unless token, position, seq_lens are [S] and block_tables [S, max_pages]."""
-    num_seqs = token.shape[0] if token.ndim == 1 else None
-    if (num_seqs is None or position.shape != (num_seqs,) or seq_lens.shape != (num_seqs,)
-            or block_tables.ndim != 2 or block_tables.shape[0] != num_seqs):
-        raise ValueError(f"decode_step: token, position and seq_lens must be [S] and block_tables [S, max_pages]; "
-                         f"got shapes {token.shape}, {position.shape}, {seq_lens.shape}, {block_tables.shape}")
+    """ValueError naming the first of token, position, seq_lens ([S]) and block_tables
+    ([S, max_pages]) whose shape is wrong."""
+    if token.ndim != 1:
+        raise ValueError(f"decode_step: token must be [S] (one token per sequence), got shape {token.shape}")
+    num_seqs = token.shape[0]
+    for name, x in (("position", position), ("seq_lens", seq_lens)):
+        if x.shape != (num_seqs,):
+            raise ValueError(f"decode_step: {name} must be [S={num_seqs}] like token, got shape {x.shape}")
+    if block_tables.ndim != 2 or block_tables.shape[0] != num_seqs:
+        raise ValueError(f"decode_step: block_tables must be [S={num_seqs}, max_pages], got shape {block_tables.shape}")
 
 
 def make_decode_step(model: Llama):
@@ -737,6 +770,7 @@ def make_decode_step(model: Llama):
     graphdef, state = nnx.split(model)
 
     def step(caches, token, position, block_tables, seq_lens):
+        check_token_ids(token, model.config.vocab_size, "decode_step")
         token, position = jnp.asarray(token, jnp.int32), jnp.asarray(position, jnp.int32)
         block_tables, seq_lens = jnp.asarray(block_tables, jnp.int32), jnp.asarray(seq_lens, jnp.int32)
         _check_decode_shapes(token, position, block_tables, seq_lens)
