@@ -581,16 +581,17 @@ def _page_size(cache) -> int:
     return int(cache.page_size)
 
 
-def check_token_ids(token_ids, vocab_size: int, where: str) -> None:
-    """Raise unless ``token_ids`` are integers (TypeError) in ``[0, vocab_size)`` (ValueError; checked
-    only for concrete values: a traced array has no values at trace time)."""
+def check_token_ids(token_ids, vocab_size: int, where: str, values: bool = True) -> None:
+    """Raise unless ``token_ids`` are integers (TypeError) in ``[0, vocab_size)`` (ValueError; with
+    ``values`` and for concrete arrays only: a traced array has no values at trace time, and a
+    decode loop's device-side tokens are not pulled to the host every step)."""
     traced = isinstance(token_ids, jax.core.Tracer)
     if not traced and np.size(token_ids) == 0:  # no ids to check (the callers check the length)
         return
-    dtype = token_ids.dtype if traced else np.asarray(token_ids).dtype
+    dtype = token_ids.dtype if hasattr(token_ids, "dtype") else np.asarray(token_ids).dtype
     if not jnp.issubdtype(dtype, jnp.integer):
         raise TypeError(f"{where}: token ids must be integers, got dtype {dtype}")
-    if traced:
+    if traced or not values:
         return
     ids = np.asarray(token_ids)
     if ids.min() < 0 or ids.max() >= vocab_size:
@@ -770,7 +771,7 @@ def make_decode_step(model: Llama):
     graphdef, state = nnx.split(model)
 
     def step(caches, token, position, block_tables, seq_lens):
-        check_token_ids(token, model.config.vocab_size, "decode_step")
+        check_token_ids(token, model.config.vocab_size, "decode_step", values=False)
         token, position = jnp.asarray(token, jnp.int32), jnp.asarray(position, jnp.int32)
         block_tables, seq_lens = jnp.asarray(block_tables, jnp.int32), jnp.asarray(seq_lens, jnp.int32)
         _check_decode_shapes(token, position, block_tables, seq_lens)
