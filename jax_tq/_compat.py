@@ -5,6 +5,7 @@ Nothing else in jax_tq imports from ``jax._src`` or relies on a version-specific
 from __future__ import annotations
 
 import jax
+import numpy as np
 from jax.extend.core import Primitive  # noqa: F401  (re-exported)
 from jax.interpreters import batching, mlir  # noqa: F401  (re-exported)
 
@@ -15,6 +16,48 @@ except (ImportError, AttributeError):  # pragma: no cover - newer JAX
 
 #: What a batching rule receives for an operand that is not batched.
 NOT_MAPPED = None
+
+#: Where an aval keeps the mesh axes a value varies over inside shard_map: ``manual_axis_type``
+#: (JAX 0.10) or ``vma`` (earlier and some later versions).
+_VARYING_FIELDS = ("manual_axis_type", "vma")
+
+
+def _varying(aval) -> frozenset:
+    mat = getattr(aval, "manual_axis_type", None)
+    return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()) or ())
+
+
+def float0_zeros_like(value):
+    """The float0 zero tangent of an integer ``value``, varying over the same shard_map mesh axes
+    (a plain numpy float0 array varies over none, which custom_jvp rejects under check_vma)."""
+    zeros = np.zeros(value.shape, jax.dtypes.float0)
+    axes = tuple(sorted(_varying(getattr(value, "aval", value))))
+    cast = getattr(jax.lax, "pcast", None)
+    if not axes or cast is None:
+        return zeros
+    try:
+        return cast(zeros, axes, to="varying")
+    except (TypeError, ValueError):  # pragma: no cover - other JAX
+        return zeros
+
+
+def output_aval(shape, dtype, *inputs) -> ShapedArray:
+    """``ShapedArray(shape, dtype)`` for a primitive's output that varies, inside shard_map, over
+    the mesh axes of its most-varying input (a fresh ShapedArray would claim it varies over none:
+    gradients then fail the check_vma type check, and an unvarying output can be returned as
+    replicated when it is not). Outside shard_map the inputs vary over nothing: a plain aval."""
+    fresh = ShapedArray(shape, dtype)
+    avals = [getattr(x, "aval", x) for x in inputs]
+    base = max(avals, key=lambda a: len(_varying(a)), default=None)
+    if base is None or not _varying(base):
+        return fresh
+    field = next((f for f in _VARYING_FIELDS if hasattr(base, f)), None)
+    try:  # the varying axes need the input's (manual) mesh; the spec follows the output's rank
+        spec = jax.sharding.PartitionSpec(*([None] * len(shape)))
+        sharding = jax.sharding.NamedSharding(base.sharding.mesh, spec)
+        return fresh.update(sharding=sharding, **{field: getattr(base, field)})
+    except (AttributeError, AssertionError, TypeError, ValueError):  # pragma: no cover - other JAX
+        return fresh
 
 
 def ffi_lowering(target: str, **kwargs):

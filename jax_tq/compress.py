@@ -141,7 +141,7 @@ def _norm_tangent(x, dx, norms):
 
 
 def _float0_zeros(a):
-    return np.zeros(a.shape, jax.dtypes.float0)
+    return _compat.float0_zeros_like(a)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
@@ -294,15 +294,18 @@ def _check_write_args(x, codes, norms, codec, slot_mapping, name="k/v") -> None:
 
 def _compress_abstract(x, rotation, centroids, *, bits, backend):
     n, d = x.shape
-    return (_compat.ShapedArray((n, packed_bytes(d, bits)), jnp.uint8), _compat.ShapedArray((n,), jnp.float32))
+    inputs = (x, rotation, centroids)
+    return (_compat.output_aval((n, packed_bytes(d, bits)), jnp.uint8, *inputs),
+            _compat.output_aval((n,), jnp.float32, *inputs))
 
 
 def _decompress_abstract(codes, norms, rotation, centroids, *, bits, dtype, backend):
-    return (_compat.ShapedArray((codes.shape[0], rotation.shape[0]), dtype),)
+    return (_compat.output_aval((codes.shape[0], rotation.shape[0]), dtype, codes, norms, rotation, centroids),)
 
 
 def _write_kv_abstract(k, v, k_codes, k_norms, v_codes, v_norms, *codecs_and_slots, k_bits, v_bits, backend):
-    return tuple(_compat.ShapedArray(a.shape, a.dtype) for a in (k_codes, k_norms, v_codes, v_norms))
+    inputs = (k, v, k_codes, k_norms, v_codes, v_norms, *codecs_and_slots)
+    return tuple(_compat.output_aval(a.shape, a.dtype, *inputs) for a in (k_codes, k_norms, v_codes, v_norms))
 
 
 compress_p.def_abstract_eval(_compress_abstract)

@@ -333,7 +333,8 @@ def choose_num_splits(platform: str, num_seqs: int, num_kv_heads: int, max_pages
 # ----------------------------------------------------------------------------- primitive
 
 def _abstract(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids, block_tables, seq_lens, **params):
-    return (_compat.ShapedArray(q_rot.shape, jnp.float32),)
+    inputs = (q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids, block_tables, seq_lens)
+    return (_compat.output_aval(q_rot.shape, jnp.float32, *inputs),)
 
 
 def _reference(*operands, k_bits, v_bits, scale, num_splits, f16_products):

@@ -44,6 +44,34 @@ SCRIPT = textwrap.dedent('''
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-7)
     hlo = decode.lower(q, cache, tables, lens).compile().as_text()
     assert "all-gather" not in hlo and "all-reduce" not in hlo, "per-shard decode needs no collective"
+
+    # Gradients through the primitives inside shard_map (check_vma on, the default): the outputs
+    # must carry the inputs' varying mesh axes, or JAX's type check refuses them.
+    loss = lambda out: jnp.sum(jnp.sin(out))  # noqa: E731
+    grad_sharded = jax.grad(lambda q: loss(decode(q, cache, tables, lens)))(q)
+    grad_plain = jax.grad(lambda q: loss(tq.paged_decode(q, cache, tables, lens)))(q)
+    np.testing.assert_allclose(np.asarray(grad_sharded), np.asarray(grad_plain), rtol=1e-5, atol=1e-6)
+    codec = tq.TurboQuant(D, 4, 0)
+    x = jnp.asarray(rng.normal(size=(8, D)), jnp.float32)
+    norms_sharded = shard_map(lambda x: tq.compress(x, codec)[1], mesh=mesh, in_specs=P("data"), out_specs=P("data"))
+    np.testing.assert_allclose(np.asarray(jax.grad(lambda x: jnp.sum(norms_sharded(x) ** 2))(x)),
+                               np.asarray(jax.grad(lambda x: jnp.sum(tq.compress(x, codec)[1] ** 2))(x)), rtol=1e-5)
+    codes, norms = tq.compress(x, codec)
+    dec_sharded = shard_map(lambda c, n: tq.decompress(c, n, codec), mesh=mesh, in_specs=(P("data"), P("data")),
+                            out_specs=P("data"))
+    np.testing.assert_allclose(np.asarray(jax.grad(lambda n: loss(dec_sharded(codes, n)))(norms)),
+                               np.asarray(jax.grad(lambda n: loss(tq.decompress(codes, n, codec)))(norms)), rtol=1e-5)
+    write_sharded = shard_map(tq.write_cache, mesh=mesh, in_specs=(cache_spec, P(None, "model"), P(None, "model"), P()),
+                              out_specs=cache_spec)
+    write_loss = lambda w, k: jnp.sum(w(cache, k, k, slots).k_norms)  # noqa: E731
+    np.testing.assert_allclose(np.asarray(jax.grad(lambda k: write_loss(write_sharded, k))(k)),
+                               np.asarray(jax.grad(lambda k: write_loss(tq.write_cache, k))(k)), rtol=1e-5, atol=1e-7)
+    # An output that varies over a mesh axis cannot be returned as replicated (it used to pass, silently).
+    try:
+        shard_map(lambda x: tq.compress(x, codec)[1], mesh=mesh, in_specs=P("data"), out_specs=P())(x)
+        raise AssertionError("a varying output returned as replicated was accepted")
+    except ValueError as err:
+        assert "replication" in str(err), err
     print("SHARDING OK")
 ''')
 
