@@ -43,7 +43,9 @@ def checked(fn):
     ``jax.jit(checked(fn))``. If ``fn`` itself is a ``jax.jit`` function, the undecorated function
     is checked instead (its jit cache would otherwise hand back an unchecked trace, or leak checks
     into later unchecked calls); ``jax.jit`` functions called *inside* ``fn`` should be created
-    inside it or left unjitted.
+    inside it or left unjitted. Likewise differentiate inside it, ``checked(jax.grad(f))``:
+    ``jax.grad`` of a checked :func:`jax_tq.paged_decode` fails on the kernel backends (under
+    checkify, JAX hands its custom VJP's backward pass a wrong residual).
 
     Args:
       fn: a function (or ``jax.jit`` function) that calls jax_tq ops.
