@@ -560,13 +560,14 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
     return ti < ntt ? __ldg(bt_seq + p.pdiv.div(static_cast<uint32_t>(tok0 + ti * kTT))) : -1;
   };
   // First row of one-page tile ti (page 0 for an id outside [0, P)) and its valid token count.
+  const int kvh_rows = kvh * p.page_size;   // rows before this KV head's within a page
+  const int page_rows = p.Hkv * p.page_size;  // rows per physical page
   auto tile_rows = [&](int ti, int phys, int& n) -> int64_t {
     const int base = tok0 + ti * kTT;
     const int lp = static_cast<int>(p.pdiv.div(static_cast<uint32_t>(base)));
     const bool page_ok = phys >= 0 && phys < p.P;
     n = page_ok ? tok_end - base : 0;  // may exceed 16
-    return (static_cast<int64_t>(page_ok ? phys : 0) * p.Hkv + kvh) * p.page_size +
-           (base - lp * p.page_size);
+    return static_cast<int64_t>(page_ok ? phys : 0) * page_rows + (kvh_rows + base - lp * p.page_size);
   };
   // Per-lane byte offsets inside a 16-token tile's rows: K bytes 16*t4.. of token gid (token
   // gid + 8 at + 8 rows); V bytes 8*gid.. of token 4*t4 (token 4*t4 + e at + e rows).
@@ -634,17 +635,10 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
   const uint32_t dst_u0 = ring_s + 16 * ring_swizzle(lane);
   const uint32_t dst_u1 = ring_s + 16 * ring_swizzle(lane + 32);
   const uint32_t dst_n = ring_s + 2 * kTT * kRowB + 16 * lane;
-  const int kvh_rows = kvh * p.page_size;
-  const int page_rows = p.Hkv * p.page_size;
   auto issue = [&](int ti, int st, int phys) -> int {
     int n = 0;
     if (ti < ntt) {
-      const int base = tok0 + ti * kTT;
-      const int lp = static_cast<int>(p.pdiv.div(static_cast<uint32_t>(base)));
-      const bool page_ok = phys >= 0 && phys < p.P;
-      n = page_ok ? tok_end - base : 0;  // may exceed 16
-      const int64_t row0 = static_cast<int64_t>(page_ok ? phys : 0) * page_rows +
-                           (kvh_rows + base - lp * p.page_size);
+      const int64_t row0 = tile_rows(ti, phys, n);
       const int64_t code_off = row0 * kRowB;
       const uint32_t so = st * kStageB;
       cp_async16_s(dst_u0 + so, k_src + code_off);
