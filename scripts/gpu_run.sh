@@ -47,9 +47,13 @@ if has tests; then
   timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q tests/test_ops.py tests/test_edge_cases.py tests/test_transforms.py tests/test_checks.py 2>&1 | tee "$OUT/op_tests.log" | tail -n 15
   echo "tests: $(( $(date +%s) - t0 )) s"
 fi
-if has dtests; then  # the decode GPU tests on the default kernels, and the device-time helper's
+if has dtests; then  # the decode GPU tests on the default kernels and the device-time helper's, then on v4's register variant
   timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_device_time.py -k "decode or device_time" 2>&1 \
     | tee "$OUT/gpu_decode_tests.log" | tail -n 8
+  for v in ${DTEST_VARIANTS:-v4}; do  # v4: the register variant; v5: the cp.async ring
+    JAX_TQ_CUDA_DECODE=$v timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -x -m gpu tests/test_gpu.py -k decode 2>&1 \
+      | tee "$OUT/gpu_decode_tests_$v.log" | tail -n 5
+  done
   echo "dtests: $(( $(date +%s) - t0 )) s"
 fi
 if has rot; then  # the rotation GEMM alone at each precision (GPU time, error against float64)
@@ -77,7 +81,10 @@ if has ncu; then  # decode kernels under Nsight Compute (NCU_VERSIONS default "d
       --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
       --section MemoryWorkloadAnalysis --section SchedulerStats --section InstructionStats --section SourceCounters \
       --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum,sm__inst_executed.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared.avg.pct_of_peak_sustained_elapsed \
-      python3 benchmarks/ncu_decode.py ${NCU_SHAPES:-32x8192} >"$OUT/ncu_$v.txt" 2>&1
+      --export "$OUT/ncu_$v" --force-overwrite python3 benchmarks/ncu_decode.py ${NCU_SHAPES:-32x8192} >"$OUT/ncu_run_$v.txt" 2>&1
+    ncu -i "$OUT/ncu_$v.ncu-rep" --page details >"$OUT/ncu_$v.txt" 2>&1
+    # per-SASS-instruction counters (shared wavefronts, ideal wavefronts, stalls) of the same kernel
+    ncu -i "$OUT/ncu_$v.ncu-rep" --page source --csv --print-source sass 2>"$OUT/ncu_source_$v.err" | gzip >"$OUT/ncu_source_$v.csv.gz"
     echo "== ncu decode $v"
     grep -E "  [a-z_:<>0-9 ]*paged_decode|Duration|DRAM Throughput|L1/TEX Cache Thr|Compute \(SM\) Thr|Registers Per|Achieved Occupancy|Issued Warp Per|Executed Ipc A|issue_stalled|wavefronts|conflicts|inst_executed|Bank" "$OUT/ncu_$v.txt" \
       | grep -vE "ratio +0(\.0[0-9])?$" | sed -E 's/smsp__average_warps_issue_stalled_//; s/_per_issue_active.ratio//' | head -n 80
