@@ -22,8 +22,6 @@
 // All pool address arithmetic is int64. Tokens >= seq_len and pages outside [0, num_pages) are
 // never read. Empty splits write lse = -inf and are ignored by the combine; a row with no valid
 // token is exactly 0.
-#include <cuda.h>  // CUtensorMap and its enums only: the encoder is fetched from the driver at run time
-#include <cudaTypedefs.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -87,61 +85,6 @@ __device__ __forceinline__ void cp_async_commit() {
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
-// ---- mbarrier / TMA (sm_90; below it these trap, and the kTma kernels are never launched there) --
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define JTQ_SM90_ASM(...) asm volatile(__VA_ARGS__)
-#else
-#define JTQ_SM90_ASM(...) __trap()
-#endif
-
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  JTQ_SM90_ASM("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-
-// The inits visible to the async proxy (TMA) before any copy completes on them.
-__device__ __forceinline__ void mbar_init_fence() {
-  JTQ_SM90_ASM("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-}
-
-// Arrive once and expect `bytes` more of transactions in the current phase.
-__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
-  JTQ_SM90_ASM("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
-               : "memory");
-}
-
-// Wait until the phase of parity `parity` has completed.
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  uint32_t done = 0;
-  do {
-    JTQ_SM90_ASM(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        " selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  } while (!done);
-}
-
-// TMA: the box at (x, y) of the tensor map `tmap` (a __grid_constant__ parameter) into shared
-// memory at `dst`, completing on the mbarrier `bar`.
-__device__ __forceinline__ void tma_load_2d(uint32_t dst, const void* tmap, int x, int y,
-                                            uint32_t bar) {
-  JTQ_SM90_ASM(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
-      "l"(tmap), "r"(x), "r"(y), "r"(bar)
-      : "memory");
-}
-
-__device__ __forceinline__ void tma_load_3d(uint32_t dst, const void* tmap, int x, int y, int z,
-                                            uint32_t bar) {
-  JTQ_SM90_ASM(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
-      "l"(tmap), "r"(x), "r"(y), "r"(z), "r"(bar)
-      : "memory");
 }
 
 __device__ __forceinline__ float fast_exp2(float x) {
@@ -1152,42 +1095,27 @@ ffi::Error launch_v3(cudaStream_t stream, const DecodeParams& p, dim3 grid) {
   return launch_mma<v3::paged_decode_v3_kernel<GT, SPLIT>>(kThreads, "v3", stream, p, grid);
 }
 
-template <int MODE>
-constexpr int v4_smem_bytes() {
-  return MODE == v3::kTma ? v3::kTmaSmemBytes
-                          : v3::kSmemBytes + (MODE == v3::kCpAsync ? v3::kRingBytes : 0);
+template <int GT, bool RING>
+ffi::Error launch_v4(cudaStream_t stream, const DecodeParams& p, dim3 grid) {
+  constexpr int smem = v3::kSmemBytes + (RING ? v3::kRingBytes : 0);
+  return launch_mma<v3::paged_decode_v4_kernel<GT, false, RING>, smem>(
+      v3::kT4, RING ? "v4 ring" : "v4", stream, p, grid);
 }
 
-template <int GT, int MODE>
-ffi::Error launch_v4(cudaStream_t stream, const DecodeParams& p, dim3 grid, const v3::TmaMaps& maps) {
-  constexpr int smem = v4_smem_bytes<MODE>();
-  constexpr auto kernel = v3::paged_decode_v4_kernel<GT, MODE>;
-  const char* name = MODE == v3::kTma ? "v4 tma" : MODE == v3::kCpAsync ? "v4 ring" : "v4";
-  static std::atomic<uint64_t> smem_set{0};
-  if (cudaError_t e = allow_dynamic_smem(smem_set, kernel, smem); e != cudaSuccess)
-    return cuda_error((std::string(name) + " shared memory attribute").c_str(), e);
-  kernel<<<grid, v3::kT4, smem, stream>>>(p, maps);
-  cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return cuda_error((std::string(name) + " split kernel launch").c_str(), e);
-  return ffi::Error::Success();
-}
-
-// Whether v4's ring variant MODE keeps kCtasPerSm4 CTAs per SM on the current device (the split
-// rule assumes it): yes on sm_90 (227 KB of shared memory per SM); sm_80's 164 KB holds one, so
-// the register variant runs there. kTma also needs sm_90. Asked once per device and variant.
-template <int GT, int MODE>
+// Whether v4's ring variant keeps kCtasPerSm4 CTAs per SM on the current device (the split rule
+// assumes it): yes on sm_90 (227 KB of shared memory per SM); sm_80's 164 KB holds one, so the
+// register variant runs there. Asked once per device.
+template <int GT>
 bool ring_fits() {
   static std::atomic<int> known[64];  // 0: not asked yet, 1: fits, 2: does not
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
   int state = known[dev].load(std::memory_order_acquire);
   if (state == 0) {
-    constexpr int smem = v4_smem_bytes<MODE>();
-    constexpr auto kernel = v3::paged_decode_v4_kernel<GT, MODE>;
-    int ctas = 0, major = 0;
+    constexpr int smem = v3::kSmemBytes + v3::kRingBytes;
+    const auto kernel = v3::paged_decode_v4_kernel<GT, false, true>;
+    int ctas = 0;
     const bool fits =
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
-        (MODE != v3::kTma || major >= 9) &&
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) == cudaSuccess &&
         cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, v3::kT4, smem) == cudaSuccess &&
         ctas >= v3::kCtasPerSm4;
@@ -1196,64 +1124,6 @@ bool ring_fits() {
     known[dev].store(state, std::memory_order_release);
   }
   return state == 1;
-}
-
-// cuTensorMapEncodeTiled from the driver (no link to libcuda); null where the driver lacks it.
-PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
-  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult status{};
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault,
-                                         &status) != cudaSuccess ||
-        status != cudaDriverEntryPointSuccess) {
-      (void)cudaGetLastError();
-      f = nullptr;
-    }
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
-  }();
-  return fn;
-}
-
-// A tensor map over two equal pools as one tensor [2][rows][row_elems] (plane 1 at the distance
-// between them, the lower pool first: *second_first when that is `second`), boxes of 2 x 16 rows.
-bool encode_pool_pair(CUtensorMap* map, CUtensorMapDataType type, int elem_bytes, int row_elems,
-                      const void* first, const void* second, int64_t rows, CUtensorMapSwizzle swizzle,
-                      int* second_first) {
-  const auto encode = tensor_map_encoder();
-  const uintptr_t a = reinterpret_cast<uintptr_t>(first), b = reinterpret_cast<uintptr_t>(second);
-  const uintptr_t lo = a < b ? a : b, gap = a < b ? b - a : a - b;
-  const int rank = row_elems > 1 ? 3 : 2;
-  const uint64_t row_bytes = static_cast<uint64_t>(elem_bytes) * row_elems;
-  if (encode == nullptr || gap < row_bytes * static_cast<uint64_t>(rows)) return false;
-  cuuint64_t dims[3], strides[2];
-  cuuint32_t box[3], elem_strides[3] = {1, 1, 1};
-  int r = 0;
-  if (rank == 3) {
-    dims[r] = static_cast<cuuint64_t>(row_elems);
-    box[r++] = static_cast<cuuint32_t>(row_elems);
-  }
-  dims[r] = static_cast<cuuint64_t>(rows);
-  box[r++] = static_cast<cuuint32_t>(v3::kTT);
-  dims[r] = 2;
-  box[r] = 2;
-  if (rank == 3) strides[0] = row_bytes;
-  strides[rank - 2] = gap;
-  *second_first = b < a;
-  return encode(map, type, rank, reinterpret_cast<void*>(lo), dims, strides, box, elem_strides,
-                CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
-}
-
-// The kTma tensor maps (paged_decode_mma.cuh): K / V codes as [2][rows][64] bytes with 64-byte
-// swizzle, K / V norms as [2][rows] floats. False (use another variant) when the driver cannot
-// encode them or the rows do not fit TMA's int32 coordinates.
-bool encode_tma_maps(const DecodeParams& p, v3::TmaMaps& maps) {
-  const int64_t rows = static_cast<int64_t>(p.P) * p.Hkv * p.page_size;
-  if (rows <= 0 || rows >= (int64_t(1) << 31)) return false;
-  return encode_pool_pair(&maps.codes, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, v3::kRowB, p.kc, p.vc, rows,
-                          CU_TENSOR_MAP_SWIZZLE_64B, &maps.v_codes_first) &&
-         encode_pool_pair(&maps.norms, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, 1, p.kn, p.vn, rows,
-                          CU_TENSOR_MAP_SWIZZLE_NONE, &maps.v_norms_first);
 }
 
 // Largest query-head tile per head_dim (register budget: acc_v[GT][8] stays in registers).
@@ -1286,7 +1156,7 @@ ffi::Error dispatch_gt_v2(int gt, cudaStream_t stream, const DecodeParams& p, di
   }
 }
 
-// Kernel choice (environment variable JAX_TQ_CUDA_DECODE = v1 | v2 | v3 | v4 | v5 | v6, read once;
+// Kernel choice (environment variable JAX_TQ_CUDA_DECODE = v1 | v2 | v3 | v4 | v5, read once;
 // jax_tq's split-count rule reads the same variable):
 //   v4 / v3 (tensor-core mma.sync kernels, paged_decode_mma.cuh): the default where they apply -
 //      head_dim 128, k_bits = v_bits = 4, GQA group >= 3 (head tiles of 4 or 8), K code pool
@@ -1294,13 +1164,12 @@ ffi::Error dispatch_gt_v2(int gt, cudaStream_t stream, const DecodeParams& p, di
 //      per SM) for f16 products; v3 (4 warps per CTA, 3 per SM) for f32-accurate products, and for
 //      every product precision with JAX_TQ_CUDA_DECODE=v3. v4 runs its shared-memory ring variant
 //      (use_ring: pages of a multiple of 16 tokens, 16-byte aligned pools, 2 CTAs per SM) unless
-//      JAX_TQ_CUDA_DECODE=v4; on sm_90 its ring moves by TMA (kTma) unless JAX_TQ_CUDA_DECODE=v5
-//      (per-lane cp.async, kCpAsync); "v6" names the default.
+//      JAX_TQ_CUDA_DECODE=v4; "v5" names that default.
 //   v1 (block-synchronous cp.async pipeline, fp32 CUDA-core math): every other configuration, and
 //      everywhere with JAX_TQ_CUDA_DECODE=v1.
 //   v2 (warp-independent streaming, fp32): only with JAX_TQ_CUDA_DECODE=v2 (A/B timing; slower than
 //      v1 on the H200, docs/performance.md), for head_dim 64 / 128 / 256 with 4-byte aligned pools.
-enum class DecodeKernel { kDefault, kV1, kV2, kV3, kV4, kV5 };
+enum class DecodeKernel { kDefault, kV1, kV2, kV3, kV4 };
 
 DecodeKernel requested_kernel() {
   static const DecodeKernel k = [] {
@@ -1310,8 +1179,7 @@ DecodeKernel requested_kernel() {
     if (v == "v2") return DecodeKernel::kV2;
     if (v == "v3") return DecodeKernel::kV3;
     if (v == "v4") return DecodeKernel::kV4;
-    if (v == "v5") return DecodeKernel::kV5;        // v4's cp.async ring
-    if (v == "v6") return DecodeKernel::kDefault;  // v4's TMA ring, the default where it fits
+    if (v == "v5") return DecodeKernel::kDefault;  // v4's ring variant, the default where it fits
     return DecodeKernel::kDefault;
   }();
   return k;
@@ -1338,31 +1206,16 @@ bool use_ring(int gt, const DecodeParams& p) {
   for (const void* pool : {static_cast<const void*>(p.kc), static_cast<const void*>(p.vc),
                            static_cast<const void*>(p.kn), static_cast<const void*>(p.vn)})
     if (reinterpret_cast<uintptr_t>(pool) % 16 != 0) return false;
-  return gt == 4 ? ring_fits<4, v3::kCpAsync>() : ring_fits<8, v3::kCpAsync>();
-}
-
-// The TMA ring (given use_ring): sm_90, unless JAX_TQ_CUDA_DECODE=v5, with both tensor maps
-// encoded into `maps`.
-bool use_tma(int gt, const DecodeParams& p, v3::TmaMaps& maps) {
-  if (requested_kernel() == DecodeKernel::kV5) return false;
-  if (!(gt == 4 ? ring_fits<4, v3::kTma>() : ring_fits<8, v3::kTma>())) return false;
-  return encode_tma_maps(p, maps);
+  return gt == 4 ? ring_fits<4>() : ring_fits<8>();
 }
 
 ffi::Error dispatch_v3(int gt, bool f16, cudaStream_t stream, const DecodeParams& p, dim3 grid) {
   // v4 (8 warps per CTA in 128 registers) for f16 products; f32-accurate (hi / lo) products need
   // more registers than that and stay on v3.
   if (f16 && requested_kernel() != DecodeKernel::kV3) {
-    v3::TmaMaps maps{};
-    if (use_ring(gt, p)) {
-      if (use_tma(gt, p, maps))
-        return gt == 4 ? launch_v4<4, v3::kTma>(stream, p, grid, maps)
-                       : launch_v4<8, v3::kTma>(stream, p, grid, maps);
-      return gt == 4 ? launch_v4<4, v3::kCpAsync>(stream, p, grid, maps)
-                     : launch_v4<8, v3::kCpAsync>(stream, p, grid, maps);
-    }
-    return gt == 4 ? launch_v4<4, v3::kRegs>(stream, p, grid, maps)
-                   : launch_v4<8, v3::kRegs>(stream, p, grid, maps);
+    if (use_ring(gt, p))
+      return gt == 4 ? launch_v4<4, true>(stream, p, grid) : launch_v4<8, true>(stream, p, grid);
+    return gt == 4 ? launch_v4<4, false>(stream, p, grid) : launch_v4<8, false>(stream, p, grid);
   }
   if (gt == 4) return f16 ? launch_v3<4, false>(stream, p, grid) : launch_v3<4, true>(stream, p, grid);
   return f16 ? launch_v3<8, false>(stream, p, grid) : launch_v3<8, true>(stream, p, grid);

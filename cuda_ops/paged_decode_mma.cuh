@@ -3,10 +3,8 @@
 //   head_dim 128, k_bits = v_bits = 4, GQA tile GT in {4, 8} (padded to the MMA's n = 8 heads).
 // The default where the configuration matches (see use_v3 in paged_decode.cu; JAX_TQ_CUDA_DECODE
 // = v1 / v2 turns them off); v1 serves every other configuration. v4 (at the end of this file) is
-// v3's tile loop with 8 warps per CTA and a transposed K phase (the softmax weights stay in
-// registers), for f16 products, with its tiles in registers or (RING, the default where it fits)
-// in a per-warp cp.async ring; v3 keeps f32-accurate (hi / lo) products. The layouts below are
-// v3's; v4's differences are described above its kernel.
+// v3's tile loop with 8 warps per CTA, for f16 products, with its tiles in registers or (RING, the
+// default where it fits) in a per-warp cp.async ring; v3 keeps f32-accurate (hi / lo) products.
 // History and measurements: docs/performance.md.
 //
 // This header is NOT self-contained: paged_decode.cu includes it textually inside
@@ -242,13 +240,28 @@ __device__ __forceinline__ void tile_scores(const Tile& cur, const uint32_t (&qh
     if (!(s[c] > -INFINITY)) s[c] = -INFINITY;  // masked token (NaN norm) or NaN: no weight
 }
 
-// O^T += Vdec^T * P^T for one tile, with the B fragments of P^T given: ph0 / ph1 (f16 hi) and,
-// when SPLIT, pl0 / pl1 (lo). v[e] holds the lane's 8 code bytes of the token at k positions
-// 2t4 + e (e = 0, 1) and 2t4 + 8 + (e - 2) (e = 2, 3).
-template <bool SPLIT>
-__device__ __forceinline__ void accumulate_v(const uint2 (&v)[4], uint32_t ph0, uint32_t ph1,
-                                             uint32_t pl0, uint32_t pl1,
-                                             const PairLut<SPLIT>& ilut, float (&o)[8][4]) {
+// v4's per-warp P tile (16 tokens x 8 heads, 128 floats): token row r starts at ptile_row(r), a
+// Latin square over the banks: every 4-row block and every stripe {e, e + 4, e + 8, e + 12} covers
+// the 32 banks once, so both the 8-byte stores (rows gid / gid + 8, heads 2t4, 2t4 + 1) and the
+// 4-byte loads (rows 4t4 + e, head gid) are conflict-free (v3's padded rows: the loads only).
+__device__ __forceinline__ int ptile_row(int r) { return 32 * (r >> 2) + 8 * ((r + (r >> 2)) & 3); }
+
+// O^T += Vdec^T * P^T for one tile; P (the V weights) from the warp's tile wt: [kTT][kWRow], or
+// with LATIN at ptile_row.
+template <bool SPLIT, bool LATIN = false>
+__device__ __forceinline__ void tile_accumulate_v(const uint2 (&v)[4], const float* wt, int gid,
+                                                  int t4, const PairLut<SPLIT>& ilut,
+                                                  float (&o)[8][4]) {
+  auto w = [&](int e) { return wt[(LATIN ? ptile_row(4 * t4 + e) : (4 * t4 + e) * kWRow) + gid]; };
+  // B of the V MMA: head gid, tokens 4t4 + {0,1} (b0), 4t4 + {2,3} (b1).
+  uint32_t ph0, pl0 = 0u, ph1, pl1 = 0u;
+  if constexpr (SPLIT) {
+    split2(w(0), w(1), ph0, pl0);
+    split2(w(2), w(3), ph1, pl1);
+  } else {
+    ph0 = half2_satfinite(w(0), w(1));
+    ph1 = half2_satfinite(w(2), w(3));
+  }
   uint32_t lo01[2], hi01[2], lo23[2], hi23[2];  // byte mt of word (mt >> 2): table indices
 #pragma unroll
   for (int wd = 0; wd < 2; ++wd) {
@@ -265,10 +278,10 @@ __device__ __forceinline__ void accumulate_v(const uint2 (&v)[4], uint32_t ph0, 
   for (int mt = 0; mt < 8; ++mt) {
     const int wd = mt >> 2;
     const int jb = mt & 3;
-    const uint2 e0 = ilut.at(lo01[wd], jb, ilut.v_lane);  // row gid   (coord 16gid+2mt),   k 2t4+{0,1}
-    const uint2 e1 = ilut.at(hi01[wd], jb, ilut.v_lane);  // row gid+8 (coord 16gid+2mt+1), k 2t4+{0,1}
-    const uint2 e2 = ilut.at(lo23[wd], jb, ilut.v_lane);  // row gid,   k 2t4+8+{0,1}
-    const uint2 e3 = ilut.at(hi23[wd], jb, ilut.v_lane);  // row gid+8, k 2t4+8+{0,1}
+    const uint2 e0 = ilut.at(lo01[wd], jb, ilut.v_lane);  // row gid   (coord 16gid+2mt),   tok 4t4+{0,1}
+    const uint2 e1 = ilut.at(hi01[wd], jb, ilut.v_lane);  // row gid+8 (coord 16gid+2mt+1), tok 4t4+{0,1}
+    const uint2 e2 = ilut.at(lo23[wd], jb, ilut.v_lane);  // row gid,   tok 4t4+{2,3}
+    const uint2 e3 = ilut.at(hi23[wd], jb, ilut.v_lane);  // row gid+8, tok 4t4+{2,3}
     const uint32_t ahi[4] = {e0.x, e1.x, e2.x, e3.x};
     mma16816(o[mt], ahi, ph0, ph1);
     if constexpr (SPLIT) {
@@ -277,25 +290,6 @@ __device__ __forceinline__ void accumulate_v(const uint2 (&v)[4], uint32_t ph0, 
       mma16816(o[mt], alo, ph0, ph1);
     }
   }
-}
-
-// v3: O^T += Vdec^T * P^T for one tile, P (the V weights) from the warp's tile wt [kTT][kWRow];
-// k positions 2t4 + e / 2t4 + 8 + e are tokens 4t4 + e / 4t4 + 2 + e (v[e] = token 4t4 + e).
-template <bool SPLIT>
-__device__ __forceinline__ void tile_accumulate_v(const uint2 (&v)[4], const float* wt, int gid,
-                                                  int t4, const PairLut<SPLIT>& ilut,
-                                                  float (&o)[8][4]) {
-  auto w = [&](int e) { return wt[(4 * t4 + e) * kWRow + gid]; };
-  // B of the V MMA: head gid, tokens 4t4 + {0,1} (b0), 4t4 + {2,3} (b1).
-  uint32_t ph0, pl0 = 0u, ph1, pl1 = 0u;
-  if constexpr (SPLIT) {
-    split2(w(0), w(1), ph0, pl0);
-    split2(w(2), w(3), ph1, pl1);
-  } else {
-    ph0 = half2_satfinite(w(0), w(1));
-    ph1 = half2_satfinite(w(2), w(3));
-  }
-  accumulate_v<SPLIT>(v, ph0, ph1, pl0, pl1, ilut, o);
 }
 
 // After a warp-independent tile loop: each warp's (m, l, o) into shared memory (o_s reuses the
@@ -494,26 +488,13 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
 }
 
 
-// ---- v4: 8 warps per CTA sharing one set of tables, the softmax weights kept in registers ---
+// ---- v4: the v3 tile loop with 8 warps per CTA sharing one set of tables ---------------------
 // v3 is issue- and latency-bound at 12 warps per SM (3 CTAs of 4 warps: its 139 registers and the
 // 64 KB of tables per CTA). v4 runs 8 warps per CTA over the same tables, 2 CTAs per SM (16 warps)
 // within 128 registers, which the fast path makes room for: a one-page tile's loads always read
 // inside a real page (a tile past the split end or a page id outside [0, P) reads page 0), so its
 // codes need no zero fill; masked tokens get a NaN K norm (score -inf) and a 0 V norm (weight 0);
 // the addresses are one 64-bit row base per pool plus per-lane constant offsets.
-//
-// v4's K phase is v3's transposed, so that the scores land in the registers of the V MMA's B
-// operand (no shared-memory round trip for the weights):
-//   S[16 heads (GT real, the rest zero) x 8 tokens] = Q[16 x 128] * Kdec^T[128 x 8 tokens], twice
-//   per k-step (n-tile 0: tokens 0-7, n-tile 1: tokens 8-15). A = Q: a0 / a2 are v3's B registers
-//   of q (head gid, the same permuted coordinates), a1 = a3 = 0. B = Kdec^T: b0 / b1 of token gid
-//   (n-tile 1: gid + 8) are v3's A look-ups (bytes 2ks, 2ks + 1 of the lane's 16 code bytes).
-//   The lane gets head gid's scores of tokens 2t4, 2t4 + 1 (n-tile 0's c0, c1) and 2t4 + 8,
-//   2t4 + 9 (n-tile 1's); c2, c3 are the zero heads'. Its softmax state (m, l) is head gid's.
-//   V phase as in v3 with k positions 2t4 + e -> token 2t4 + e, 2t4 + 8 + e -> token 2t4 + 8 + e:
-//   b0 = (w[2t4], w[2t4+1]), b1 = (w[2t4+8], w[2t4+9]) of head gid are the lane's own weights;
-//   v[e] = the lane's 8 V code bytes (coordinates 16gid ..) of tokens 2t4, 2t4+1, 2t4+8, 2t4+9.
-//   O^T's lane holds heads 2t4, 2t4 + 1 (as v3), whose rescale factors come by shuffle.
 constexpr int kW4 = 8;                 // warps per CTA
 constexpr int kT4 = 32 * kW4;          // threads per CTA
 constexpr int kCtasPerSm4 = 2;
@@ -523,104 +504,33 @@ constexpr int kCtasPerSm4 = 2;
 // its stage into registers at the start of its step, and the stage is refilled at once with the
 // tile two steps ahead, so two tiles (4.3 KB) per warp are in flight during a step's math instead
 // of one held in a second register set. Stage layout (kStageB bytes): K codes [0, 1024), V codes
-// [1024, 2048). The norms (K [0, 64), V [64, 128)) go to one of kNormSlots slots after the stages,
-// slot (step & 3), where they stay while the step's math reads them (the code stage is refilled
-// before that). The code rows (16 tokens x 64 bytes =
+// [1024, 2048), K norms [2048, 2112), V norms [2112, 2176); the code rows (16 tokens x 64 bytes =
 // 64 units of 16 bytes, unit u = 4 * token + chunk) are stored at unit ring_swizzle(u), which makes
-// both the K reads (16 bytes of tokens gid, gid + 8: a quarter warp reads units 8q .. 8q + 7) and
-// the V reads (8 bytes of tokens 2t4 + c: a half warp reads units 8t4 + 4c + {0,1} or {2,3})
+// both the K reads (16 bytes of tokens gid, gid + 8) and the V reads (8 bytes of tokens 4t4 + e)
 // conflict-free. (V codes loaded straight into registers instead, through L1, measured slower:
 // 108.8 against 97.9 us at (32, 8192); the L1 pipe that serves shared memory served them too.)
-constexpr int kStageB = 2 * kTT * kRowB;
+constexpr int kStageB = 2 * kTT * kRowB + 2 * kTT * 4;
 constexpr int kRingStages = 2;
-constexpr int kNormB = 2 * kTT * 4;
-constexpr int kNormSlots = 4;
-constexpr int kWarpRingB = kRingStages * kStageB + kNormSlots * kNormB;
-constexpr int kRingBytes = kW4 * kWarpRingB;
+constexpr int kRingBytes = kW4 * kRingStages * kStageB;
 // v4's running max moves only when a tile's max exceeds it by more than this (log2 units): the
 // f16 V weights stay <= 2^8 and the rescale of o is rare.
 constexpr float kLazyMax = 8.f;
 
-__device__ __forceinline__ int ring_swizzle(int u) { return u ^ ((u >> 2) & 6); }
+__device__ __forceinline__ int ring_swizzle(int u) { return u ^ ((u >> 2) & 4) ^ ((u >> 4) & 2); }
 
-// v4's ring variants: kRegs (tiles in registers, loaded one tile ahead), kCpAsync (per-lane 16-byte
-// cp.async into the swizzled ring above), kTma (sm_90: one lane moves a tile by two TMA tensor
-// copies, completing on a per-stage mbarrier; the copies do not pass through the load / store pipe
-// that serves the centroid look-ups). The K and V code pools are one 3-D tensor [2][rows][64
-// bytes] (the second plane at the distance between the pools, lower pool first), copied as boxes
-// of 2 x 16 rows with CU_TENSOR_MAP_SWIZZLE_64B into a 2048-byte stage (1024-byte aligned); the
-// norm pools likewise as [2][rows] floats, boxes of 2 x 16, into the tile's norm slot. A byte at
-// row-linear offset x of a plane lies at tma_swizzle(x) (16-byte chunk bits 4-5 XOR bits 7-8). The K reads (16 bytes of tokens gid, gid + 8) are conflict-free under it; the V reads are
-// when the lanes of a half warp read tokens of both parities in one instruction: lane (gid, t4)
-// reads its token of parity g1 = (gid >> 1) & 1 first, so its two rows come in swapped order when
-// g1 = 1 (undone by selects).
-enum RingMode { kRegs = 0, kCpAsync = 1, kTma = 2 };
-constexpr int kTmaWarpB = kRingStages * kStageB;  // code stages per warp
-constexpr int kTmaNormOff = kSmemBytes + kW4 * kTmaWarpB;
-constexpr int kTmaBarOff = kTmaNormOff + kW4 * kNormSlots * kNormB;
-constexpr int kTmaSmemBytes = kTmaBarOff + kW4 * kRingStages * 8;
-
-__device__ __forceinline__ int tma_swizzle(int x) { return x ^ (((x >> 7) & 3) << 4); }
-
-// The two tensor maps of the kTma variant, passed by value as a __grid_constant__ kernel
-// parameter: codes [2][rows][64] bytes, norms [2][rows] floats; v_first: the V pool (resp. V norm
-// pool) is the lower address, so plane 0 of the box is V.
-struct alignas(64) TmaMaps {
-  CUtensorMap codes, norms;
-  int v_codes_first, v_norms_first;
-};
-
-// Token of the lane's V code row e (e = 0..3) and of its scores s[e]: 2t4, 2t4 + 1, 2t4 + 8, 2t4 + 9.
-__device__ __forceinline__ int v4_token(int t4, int e) { return 2 * t4 + (e & 1) + 8 * (e >> 1); }
-
-// The codes of one 16-token tile of a v4 lane, in registers.
-struct Tile4 {
-  uint4 k0, k1;     // K code bytes 16*t4 .. +15 of tokens gid, gid + 8
-  uint2 v[4];       // V code bytes 8*gid .. +7 of tokens v4_token(t4, e)
-};
-
-// The norms of tokens v4_token(t4, e) of a tile.
-struct Norms4 {
-  float kn[4];      // K norms (NaN: token masked)
-  float vn[4];      // V norms (0 when masked)
-};
-
-// S = Q * Kdec^T for one tile, before the K norms and q's power of two: s[e] = head gid's score of
-// token v4_token(t4, e).
-__device__ __forceinline__ void tile_scores_v4(const Tile4& cur, const uint32_t (&qh)[8][2],
-                                               const PairLut<false>& ilut, float (&s)[4]) {
-  // [n-tile][k-step parity]: n-tiles tokens 0-7, 8-15; four independent MMA chains of 4
-  float acc[2][2][4] = {};
-  const uint32_t ka[4] = {cur.k0.x, cur.k0.y, cur.k0.z, cur.k0.w};
-  const uint32_t kb[4] = {cur.k1.x, cur.k1.y, cur.k1.z, cur.k1.w};
-#pragma unroll
-  for (int ks = 0; ks < 8; ++ks) {
-    const int w = ks >> 1;
-    const int j0 = (ks & 1) * 2;  // byte of the word: 2ks, then 2ks+1
-    const uint32_t qa[4] = {qh[ks][0], 0u, qh[ks][1], 0u};
-    mma16816(acc[0][ks & 1], qa, ilut.at(ka[w], j0, ilut.k_lane).x, ilut.at(ka[w], j0 + 1, ilut.k_lane).x);
-    mma16816(acc[1][ks & 1], qa, ilut.at(kb[w], j0, ilut.k_lane).x, ilut.at(kb[w], j0 + 1, ilut.k_lane).x);
-  }
-  s[0] = acc[0][0][0] + acc[0][1][0];
-  s[1] = acc[0][0][1] + acc[0][1][1];
-  s[2] = acc[1][0][0] + acc[1][1][0];
-  s[3] = acc[1][0][1] + acc[1][1][1];
-}
-
-template <int GT, int MODE>
+template <int GT, bool SPLIT, bool RING>
 __global__ void __launch_bounds__(kT4, kCtasPerSm4)
-    paged_decode_v4_kernel(const DecodeParams p, const __grid_constant__ TmaMaps maps) {
+    paged_decode_v4_kernel(const DecodeParams p) {
   static_assert(GT == 4 || GT == 8, "v4: GT in {4, 8}");
   static_assert(kNH == kW4, "prologue: one head per warp");
-  constexpr bool RING = MODE != kRegs;
   static_assert(kW4 * kNH * kD * 4 <= kSmemBytes, "o_s must fit in the table space");
   static_assert(kRingStages == 2, "the step loop alternates two stages");
   constexpr int D = kD;
 
-  // kSmemBytes: interleaved K / V tables; RING: then the per-warp rings (kCpAsync: kRingBytes;
-  // kTma: up to kTmaSmemBytes, its code stages 1024-byte aligned).
-  extern __shared__ __align__(1024) uint8_t smem[];
+  // kSmemBytes: interleaved K / V tables; RING: then kRingBytes of per-warp rings.
+  extern __shared__ __align__(16) uint8_t smem[];
   __shared__ float qexp_s[kNH];
+  __shared__ __align__(16) float w_s[kW4][kTT * kNH];  // P tiles, rows at ptile_row
   __shared__ float m_s[kW4][kNH];
   __shared__ float l_s[kW4][kNH];
   auto& o_s = *reinterpret_cast<float(*)[kW4][kNH * D]>(smem);  // after the main loop only
@@ -660,22 +570,19 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
     return static_cast<int64_t>(page_ok ? phys : 0) * page_rows + (kvh_rows + base - lp * p.page_size);
   };
   // Per-lane byte offsets inside a 16-token tile's rows: K bytes 16*t4.. of token gid (token
-  // gid + 8 at + 8 rows); V bytes 8*gid.. of token 2*t4 (its other tokens at + 1, 8, 9 rows).
+  // gid + 8 at + 8 rows); V bytes 8*gid.. of token 4*t4 (token 4*t4 + e at + e rows).
   const int k_lane = gid * kRowB + 16 * t4;
-  const int v_lane = 2 * t4 * kRowB + 8 * gid;
+  const int v_lane = 4 * t4 * kRowB + 8 * gid;
   const float kNaN = __int_as_float(0x7fc00000);
-  // kn / vn: the norms of tokens v4_token(t4, e), e = 0..3; n: the tile's valid token count.
-  auto mask_norms = [&](Norms4& t, int n, const float (&kn)[4], const float (&vn)[4]) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const bool ok = v4_token(t4, e) < n;
-      t.kn[e] = ok ? kn[e] : kNaN;
-      t.vn[e] = ok ? vn[e] : 0.f;
-    }
+  auto mask_norms = [&](Tile& t, int n, float kn0, float kn1, float vn0, float vn1) {
+    t.kn0 = gid < n ? kn0 : kNaN;
+    t.kn1 = gid + 8 < n ? kn1 : kNaN;
+    t.vn0 = gid < n ? vn0 : 0.f;
+    t.vn1 = gid + 8 < n ? vn1 : 0.f;
   };
   // Register path. Called with ntt > 0 only (so P > 0). A tile past the end (ti >= ntt,
   // phys = -1) reads page 0 with every token masked.
-  auto load = [&](int ti, Tile4& t, Norms4& tn, int phys) {
+  auto load = [&](int ti, Tile& t, int phys) {
     const int base = tok0 + ti * kTT;
     if (one_page_tiles) {
       int n;
@@ -684,42 +591,41 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
       const uint8_t* vp = p.vc + row0 * kRowB + v_lane;
       t.k0 = __ldg(reinterpret_cast<const uint4*>(kp));
       t.k1 = __ldg(reinterpret_cast<const uint4*>(kp + 8 * kRowB));
-      float kn[4], vn[4];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int dt = v4_token(0, e);  // row offset from token 2t4
-        t.v[e] = __ldg(reinterpret_cast<const uint2*>(vp + dt * kRowB));
-        kn[e] = __ldg(p.kn + row0 + 2 * t4 + dt);
-        vn[e] = __ldg(p.vn + row0 + 2 * t4 + dt);
-      }
-      mask_norms(tn, n, kn, vn);
+      for (int e = 0; e < 4; ++e) t.v[e] = __ldg(reinterpret_cast<const uint2*>(vp + e * kRowB));
+      const float* knp = p.kn + row0 + gid;
+      const float* vnp = p.vn + row0 + gid;
+      mask_norms(t, n, __ldg(knp), __ldg(knp + 8), __ldg(vnp), __ldg(vnp + 8));
       return;
     }
     t.k0 = t.k1 = make_uint4(0u, 0u, 0u, 0u);
+    t.kn0 = t.kn1 = kNaN;
+    t.vn0 = t.vn1 = 0.f;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) t.v[e] = make_uint2(0u, 0u);
+    if (ti >= ntt) return;
     const int64_t r0 = token_row(p, bt_seq, base + gid, tok_end, kvh);
     const int64_t r1 = token_row(p, bt_seq, base + gid + 8, tok_end, kvh);
-    if (r0 >= 0) t.k0 = __ldg(reinterpret_cast<const uint4*>(p.kc + r0 * kRowB) + t4);
-    if (r1 >= 0) t.k1 = __ldg(reinterpret_cast<const uint4*>(p.kc + r1 * kRowB) + t4);
+    if (r0 >= 0) {
+      t.k0 = __ldg(reinterpret_cast<const uint4*>(p.kc + r0 * kRowB) + t4);
+      t.kn0 = __ldg(p.kn + r0);
+      t.vn0 = __ldg(p.vn + r0);
+    }
+    if (r1 >= 0) {
+      t.k1 = __ldg(reinterpret_cast<const uint4*>(p.kc + r1 * kRowB) + t4);
+      t.kn1 = __ldg(p.kn + r1);
+      t.vn1 = __ldg(p.vn + r1);
+    }
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int64_t rv = token_row(p, bt_seq, base + v4_token(t4, e), tok_end, kvh);
-      t.v[e] = make_uint2(0u, 0u);
-      tn.kn[e] = kNaN;
-      tn.vn[e] = 0.f;
-      if (rv >= 0) {
-        t.v[e] = __ldg(reinterpret_cast<const uint2*>(p.vc + rv * kRowB) + gid);
-        tn.kn[e] = __ldg(p.kn + rv);
-        tn.vn[e] = __ldg(p.vn + rv);
-      }
+      const int64_t rv = token_row(p, bt_seq, base + 4 * t4 + e, tok_end, kvh);
+      if (rv >= 0) t.v[e] = __ldg(reinterpret_cast<const uint2*>(p.vc + rv * kRowB) + gid);
     }
   };
 
-  // Ring path: the codes of tile ti (< ntt) into stage `st` of this warp's ring, its norms into
-  // norm slot `slot`; every lane copies K / V units lane and lane + 32, lanes 0-7 one 16-byte
-  // quarter of the norms. Returns the valid count.
-  uint8_t* ring = smem + kSmemBytes + warp * (MODE == kTma ? kTmaWarpB : kWarpRingB);
-  const float* norm_slots = reinterpret_cast<const float*>(
-      MODE == kTma ? smem + kTmaNormOff + warp * (kNormSlots * kNormB) : ring + kRingStages * kStageB);
+  // Ring path: tile ti (< ntt) into stage `st` of this warp's ring; every lane copies K / V units
+  // lane and lane + 32, lanes 0-7 one 16-byte quarter of the norms. Returns the valid count.
+  uint8_t* ring = smem + kSmemBytes + warp * (kRingStages * kStageB);
   // Loop-invariant per-lane parts of the copies: sources at byte 16 * lane of a tile's rows (unit
   // lane + 32 at +512), destinations at the swizzled units (shared-memory offsets, 32 bits).
   const uint8_t* k_src = p.kc + 16 * lane;
@@ -728,42 +634,9 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
   const uint32_t ring_s = smem_addr(ring);
   const uint32_t dst_u0 = ring_s + 16 * ring_swizzle(lane);
   const uint32_t dst_u1 = ring_s + 16 * ring_swizzle(lane + 32);
-  const uint32_t dst_n = ring_s + kRingStages * kStageB + 16 * lane;
-  // kTma: this warp's stage mbarriers (one arrival each: lane 0's expect_tx), the parity of tile
-  // ti's wait (step s = (ti - warp) / kW4 uses stage s & 1 for the (s >> 1)-th time).
-  const uint32_t bar_s = smem_addr(smem + kTmaBarOff) + 8 * kRingStages * warp;
-  const uint32_t norm_s = smem_addr(norm_slots);
-  // kTma reads: K at tma_swizzle(k_lane) (token gid + 8 at + 512: the same swizzle); V rows of
-  // parity g1, then 1 - g1, of tokens 2t4 (+ 8 at + 512).
-  const int g1 = (gid >> 1) & 1;
-  const int k_plane = MODE == kTma && maps.v_codes_first ? kTT * kRowB : 0;
-  const int v_plane = kTT * kRowB - k_plane;
-  const int tk_lane = k_plane + tma_swizzle(k_lane);
-  const int tv_lane0 = v_plane + tma_swizzle((2 * t4 + g1) * kRowB + 8 * gid);
-  const int tv_lane1 = v_plane + tma_swizzle((2 * t4 + 1 - g1) * kRowB + 8 * gid);
-  const int kn_plane = MODE == kTma && maps.v_norms_first ? kTT : 0;  // floats
-  if constexpr (MODE == kTma) {
-    if ((smem_addr(smem) & 1023u) != 0u) __trap();  // the swizzle offsets assume aligned stages
-    if (lane == 0) {
-      for (int st = 0; st < kRingStages; ++st) mbar_init(bar_s + 8 * st, 1);
-      mbar_init_fence();
-    }
-    __syncwarp();
-  }
-  auto issue = [&](int ti, int st, int slot, int phys) -> int {
+  const uint32_t dst_n = ring_s + 2 * kTT * kRowB + 16 * lane;
+  auto issue = [&](int ti, int st, int phys) -> int {
     int n = 0;
-    if constexpr (MODE == kTma) {
-      if (ti < ntt) {
-        const int64_t row0 = tile_rows(ti, phys, n);
-        if (lane == 0) {
-          const uint32_t bar = bar_s + 8 * st;
-          mbar_expect_tx(bar, kStageB + kNormB);
-          tma_load_3d(ring_s + st * kStageB, &maps.codes, 0, static_cast<int>(row0), 0, bar);
-          tma_load_2d(norm_s + slot * kNormB, &maps.norms, static_cast<int>(row0), 0, bar);
-        }
-      }
-      return n;
-    }
     if (ti < ntt) {
       const int64_t row0 = tile_rows(ti, phys, n);
       const int64_t code_off = row0 * kRowB;
@@ -772,54 +645,34 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
       cp_async16_s(dst_u1 + so, k_src + code_off + 512);
       cp_async16_s(dst_u0 + so + kTT * kRowB, v_src + code_off);
       cp_async16_s(dst_u1 + so + kTT * kRowB, v_src + code_off + 512);
-      if (lane < 8) cp_async16_s(dst_n + slot * kNormB, n_src + row0);
+      if (lane < 8) cp_async16_s(dst_n + so, n_src + row0);
     }
     cp_async_commit();  // one group per call, empty or not: wait_group counts stay aligned
     return n;
   };
-  auto read_stage = [&](int st, Tile4& t) {
+  auto read_stage = [&](int st, int n, Tile& t) {
     const uint8_t* src = ring + st * kStageB;
-    if constexpr (MODE == kTma) {
-      t.k0 = *reinterpret_cast<const uint4*>(src + tk_lane);
-      t.k1 = *reinterpret_cast<const uint4*>(src + tk_lane + 8 * kRowB);
-      uint2 r[4];  // rows of parity g1, 1 - g1, then the same + 8 tokens
-      r[0] = *reinterpret_cast<const uint2*>(src + tv_lane0);
-      r[1] = *reinterpret_cast<const uint2*>(src + tv_lane1);
-      r[2] = *reinterpret_cast<const uint2*>(src + tv_lane0 + 8 * kRowB);
-      r[3] = *reinterpret_cast<const uint2*>(src + tv_lane1 + 8 * kRowB);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) t.v[e] = g1 ? r[e ^ 1] : r[e];
-      return;
-    }
     t.k0 = *reinterpret_cast<const uint4*>(src + 16 * ring_swizzle(4 * gid + t4));
     t.k1 = *reinterpret_cast<const uint4*>(src + 16 * ring_swizzle(4 * (gid + 8) + t4));
 #pragma unroll
     for (int e = 0; e < 4; ++e)
       t.v[e] = *reinterpret_cast<const uint2*>(
-          src + kTT * kRowB + 16 * ring_swizzle(4 * v4_token(t4, e) + (gid >> 1)) + 8 * (gid & 1));
-  };
-  auto read_norms = [&](int slot, int n, Norms4& t) {
-    const float* kns = norm_slots + slot * (kNormB / 4) + kn_plane;
-    const float* vns = norm_slots + slot * (kNormB / 4) + (kTT - kn_plane);
-    const float2 ka = *reinterpret_cast<const float2*>(kns + 2 * t4);
-    const float2 kb = *reinterpret_cast<const float2*>(kns + 2 * t4 + 8);
-    const float2 va = *reinterpret_cast<const float2*>(vns + 2 * t4);
-    const float2 vb = *reinterpret_cast<const float2*>(vns + 2 * t4 + 8);
-    mask_norms(t, n, {ka.x, ka.y, kb.x, kb.y}, {va.x, va.y, vb.x, vb.y});
+          src + kTT * kRowB + 16 * ring_swizzle(4 * (4 * t4 + e) + (gid >> 1)) + 8 * (gid & 1));
+    const float* norms = reinterpret_cast<const float*>(src + 2 * kTT * kRowB);
+    mask_norms(t, n, norms[gid], norms[gid + 8], norms[kTT + gid], norms[kTT + gid + 8]);
   };
 
   // The first tiles' block-table and code reads are issued before the prologue, whose q staging
   // and table build then overlap their latency.
-  Tile4 cur, nxt;
-  Norms4 cur_n, nxt_n;
+  Tile cur, nxt;
   int phys_next = -1, n_st[2] = {0, 0};
   if constexpr (RING) {
-    n_st[0] = issue(warp, 0, 0, tile_page(warp));
-    n_st[1] = issue(warp + kW4, 1, 1, tile_page(warp + kW4));
+    n_st[0] = issue(warp, 0, tile_page(warp));
+    n_st[1] = issue(warp + kW4, 1, tile_page(warp + kW4));
     phys_next = tile_page(warp + 2 * kW4);
   } else {
     phys_next = one_page_tiles ? tile_page(warp + kW4) : -1;
-    if (warp < ntt) load(warp, cur, cur_n, one_page_tiles ? tile_page(warp) : -1);
+    if (warp < ntt) load(warp, cur, one_page_tiles ? tile_page(warp) : -1);
   }
 
   // ---- prologue: q of head `warp` (scaled, per-head power of two) in the table space ----------
@@ -828,101 +681,88 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
   __syncthreads();
   uint32_t qh[8][2], ql[8][2];
   query_fragments(q_s, gid, t4, qh, ql);
-  const float qx = qexp_s[gid];  // head gid's power of two
+  const float qx0 = qexp_s[2 * t4], qx1 = qexp_s[2 * t4 + 1];
   __syncthreads();
-  build_pair_luts<false, kT4>(smem, p.kcent, p.vcent);
+  build_pair_luts<SPLIT, kT4>(smem, p.kcent, p.vcent);
   __syncthreads();
-  const PairLut<false> ilut(smem, lane);
+  const PairLut<SPLIT> ilut(smem, lane);
 
-  // Head gid's running max starts finite (-FLT_MAX), so no exp2 argument is -inf - (-inf): no
-  // "any valid token yet" selects. A head with no valid token keeps l = 0 (output 0, lse -inf).
-  float m = -FLT_MAX;
-  float l = 0.f;  // this lane's part (tokens 2t4 ..) of head gid's sum
+  // The running max starts finite (-FLT_MAX), so no exp2 argument is -inf - (-inf): no "any valid
+  // token yet" selects. A row with no valid token keeps l = 0 (its output is 0, its lse -inf).
+  float m[2] = {-FLT_MAX, -FLT_MAX};
+  float l[2] = {0.f, 0.f};
   float o[8][4];
 #pragma unroll
   for (int mt = 0; mt < 8; ++mt)
 #pragma unroll
     for (int c = 0; c < 4; ++c) o[mt][c] = 0.f;
 
-  // Scores, online softmax and V accumulation of one tile held in registers; get_norms() gives
-  // its norms (Norms4), asked for after the K MMAs.
-  auto consume = [&](const Tile4& cur, auto get_norms) {
+  float* wt = w_s[warp];
+
+  // Scores, online softmax and V accumulation of one tile held in registers.
+  auto consume = [&](const Tile& cur) {
     float s[4];
-    tile_scores_v4(cur, qh, ilut, s);
-    const Norms4 nm = get_norms();
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      s[e] *= qx * nm.kn[e];
-      if (!(s[e] > -INFINITY)) s[e] = -INFINITY;  // masked token (NaN norm) or NaN: no weight
-    }
+    tile_scores<SPLIT>(cur, qh, ql, qx0, qx1, ilut, s);
 
     // The weight is p * v_norm with the norm as stored (a NaN norm gives a NaN output row, as in
     // the reference and v1; masked tokens have norm 0); the max covers log2 |v_norm| (flushed to
     // -inf below 2^-126), so |weight| <= 2^kLazyMax.
-    float tm = -INFINITY;
-#pragma unroll
-    for (int e = 0; e < 4; ++e) tm = fmaxf(tm, fmaxf(s[e], s[e] + fast_log2(fabsf(nm.vn[e]))));
-    tm = fmaxf(tm, __shfl_xor_sync(0xffffffffu, tm, 1));  // over the 4 lanes of head gid
-    tm = fmaxf(tm, __shfl_xor_sync(0xffffffffu, tm, 2));
+    const float vn0 = cur.vn0, vn1 = cur.vn1;
+    const float lv0 = fast_log2(fabsf(vn0)), lv1 = fast_log2(fabsf(vn1));
+    __syncwarp();
     // Lazy rescaling: the running max m moves only when a tile's max exceeds it by more than
     // kLazyMax (log2 units), so weights up to 2^kLazyMax (f16: fine) and the rescale is rare.
-    // A difference, not m + kLazyMax: at |m| >= 2^27 the sum would round by up to 16.
-    // m = -FLT_MAX: any finite tm moves it.
-    float alpha = 1.f;
-    const bool grew = tm - m > kLazyMax;
-    if (grew) {
-      alpha = fast_exp2(m - tm);  // the first tile: m = -FLT_MAX -> 0 (o, l are 0)
-      m = tm;
-    }
-    float w[4];
+    float alpha[2] = {1.f, 1.f};
+    float wa[2], wb[2];  // V weights of tokens gid, gid + 8 for heads 2t4 + hh
+    bool grew = false;
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const float pe = fast_exp2(s[e] - m);  // s = -inf -> 0
-      l = e == 0 ? fmaf(l, alpha, pe) : l + pe;
+    for (int hh = 0; hh < 2; ++hh) {
+      const float ua = s[hh] + lv0, ub = s[2 + hh] + lv1;
+      float tm = fmaxf(fmaxf(s[hh], s[2 + hh]), fmaxf(ua, ub));
+#pragma unroll
+      for (int off = 4; off < 32; off <<= 1) tm = fmaxf(tm, __shfl_xor_sync(0xffffffffu, tm, off));
+      // The same for the 8 lanes of a head (tm is their max). A difference, not m + kLazyMax:
+      // at |m| >= 2^27 the sum would round by up to 16. m = -FLT_MAX: any finite tm moves it.
+      if (tm - m[hh] > kLazyMax) {
+        alpha[hh] = fast_exp2(m[hh] - tm);  // the first tile: m = -FLT_MAX -> 0 (o, l are 0)
+        m[hh] = tm;
+        grew = true;
+      }
+      const float pa = fast_exp2(s[hh] - m[hh]);  // s = -inf -> 0
+      const float pb = fast_exp2(s[2 + hh] - m[hh]);
+      l[hh] = l[hh] * alpha[hh] + pa + pb;
       // |p * v_norm| = exp2(s + log2 |v_norm| - m) <= 2^kLazyMax: one multiply, no exp2. (At
       // |s| >= 2^28 the sum drops log2 |v_norm|; the f16 conversion then saturates, no inf.)
-      w[e] = pe * nm.vn[e];
+      wa[hh] = pa * vn0;
+      wb[hh] = pb * vn1;
     }
+    *reinterpret_cast<float2*>(wt + ptile_row(gid) + 2 * t4) = make_float2(wa[0], wa[1]);
+    *reinterpret_cast<float2*>(wt + ptile_row(gid + 8) + 2 * t4) = make_float2(wb[0], wb[1]);
     if (__any_sync(0xffffffffu, grew)) {
-      // o's lane holds heads 2t4, 2t4 + 1: their factors from lanes 4 * (2t4) and 4 * (2t4 + 1).
-      const float a0 = __shfl_sync(0xffffffffu, alpha, 8 * t4);
-      const float a1 = __shfl_sync(0xffffffffu, alpha, 8 * t4 + 4);
 #pragma unroll
       for (int mt = 0; mt < 8; ++mt) {
-        o[mt][0] *= a0;
-        o[mt][2] *= a0;
-        o[mt][1] *= a1;
-        o[mt][3] *= a1;
+        o[mt][0] *= alpha[0];
+        o[mt][2] *= alpha[0];
+        o[mt][1] *= alpha[1];
+        o[mt][3] *= alpha[1];
       }
     }
-    accumulate_v<false>(cur.v, half2_satfinite(w[0], w[1]), half2_satfinite(w[2], w[3]), 0u, 0u,
-                        ilut, o);
+    __syncwarp();
+    tile_accumulate_v<SPLIT, true>(cur.v, wt, gid, t4, ilut, o);
   };
 
   if constexpr (RING) {
     // Step of tile ti from stage ST: wait for its group (the newer one may stay in flight), copy
-    // its codes to registers, refill the stage with tile ti + 2 * kW4, then the math (the norms
-    // are read from their slot, which the refill does not touch).
+    // it to registers, refill the stage with tile ti + 2 * kW4, then the math.
     auto ring_step = [&](int ti, auto st_tag) {
       constexpr int ST = decltype(st_tag)::value;
-      const int step = (ti - warp) / kW4;
-      const int slot = step & (kNormSlots - 1);
-      if constexpr (MODE == kTma) {
-        mbar_wait(bar_s + 8 * ST, (step >> 1) & 1);
-      } else {
-        cp_async_wait<1>();
-        __syncwarp();  // every lane's copies of this stage are visible to the whole warp
-      }
-      read_stage(ST, cur);
+      cp_async_wait<1>();
+      __syncwarp();  // every lane's copies of this stage are visible to the whole warp
+      read_stage(ST, n_st[ST], cur);
       __syncwarp();  // every lane has read the stage before it is overwritten
-      const int n = n_st[ST];
-      n_st[ST] = issue(ti + 2 * kW4, ST, (slot + 2) & (kNormSlots - 1), phys_next);
+      n_st[ST] = issue(ti + 2 * kW4, ST, phys_next);
       phys_next = tile_page(ti + 3 * kW4);
-      consume(cur, [&] {
-        Norms4 nm;
-        read_norms(slot, n, nm);
-        return nm;
-      });
+      consume(cur);
     };
 #pragma unroll 1
     for (int ti = warp; ti < ntt; ti += 2 * kW4) {
@@ -930,41 +770,24 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
       if (ti + kW4 >= ntt) break;
       ring_step(ti + kW4, std::integral_constant<int, 1>{});
     }
-    if constexpr (MODE != kTma) cp_async_wait<0>();
+    cp_async_wait<0>();
   } else {
     // Prefetch tile ti + kW4 into `next`, then consume `cur`; called on alternating register sets
     // (no tile copy between iterations).
-    auto step = [&](int ti, const Tile4& cur, const Norms4& cur_n, Tile4& next, Norms4& next_n) {
-      load(ti + kW4, next, next_n, phys_next);
+    auto step = [&](int ti, const Tile& cur, Tile& next) {
+      load(ti + kW4, next, phys_next);
       if (one_page_tiles) phys_next = tile_page(ti + 2 * kW4);
-      consume(cur, [&] { return cur_n; });
+      consume(cur);
     };
 #pragma unroll 1
     for (int ti = warp; ti < ntt; ti += 2 * kW4) {
-      step(ti, cur, cur_n, nxt, nxt_n);
+      step(ti, cur, nxt);
       if (ti + kW4 >= ntt) break;
-      step(ti + kW4, nxt, nxt_n, cur, cur_n);
+      step(ti + kW4, nxt, cur);
     }
   }
 
-  // Merge: head gid's l summed over its 4 lanes; (m, l) per head and o (heads 2t4, 2t4 + 1) per
-  // warp into shared memory (o_s reuses the tables: every warp must be past its loop).
-  l += __shfl_xor_sync(0xffffffffu, l, 1);
-  l += __shfl_xor_sync(0xffffffffu, l, 2);
-  __syncthreads();
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    float* orow = &o_s[warp][(2 * t4 + hh) * D + 16 * gid];
-#pragma unroll
-    for (int mt = 0; mt < 8; ++mt)
-      *reinterpret_cast<float2*>(orow + 2 * mt) = make_float2(o[mt][hh], o[mt][2 + hh]);
-  }
-  if (t4 == 0) {
-    m_s[warp][gid] = m;
-    l_s[warp][gid] = l;
-  }
-  __syncthreads();
-  merge_warps_and_store<kD, GT, kNH, kW4>(p, m_s, l_s, o_s, seq, split, kvh, tile);
+  merge_tile_state<GT, kW4>(p, o, m, l, o_s, m_s, l_s, warp, gid, t4, seq, split, kvh, tile);
 }
 
 }  // namespace v3

@@ -245,8 +245,8 @@ V3_MAX_CTAS_BY_REGISTERS = 3
 #: 128 registers per thread allow 2 CTAs per SM. Its ring variant adds 34 KB of per-warp cp.async
 #: stages (V4_RING_SMEM_PER_CTA); the handler runs it only where 2 such CTAs fit per SM (sm_90), and
 #: the register variant elsewhere, so 2 CTAs per SM hold for both.
-V4_SMEM_PER_CTA = 65536 + 1024 + 1024
-V4_RING_SMEM_PER_CTA = V4_SMEM_PER_CTA + 8 * (2 * 2048 + 4 * 128) + 128
+V4_SMEM_PER_CTA = 65536 + 4640 + 1024
+V4_RING_SMEM_PER_CTA = V4_SMEM_PER_CTA + 8 * 2 * 2176
 V4_MAX_CTAS_BY_REGISTERS = 2
 
 

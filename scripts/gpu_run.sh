@@ -50,7 +50,7 @@ fi
 if has dtests; then  # the decode GPU tests on the default kernels and the device-time helper's, then on v4's register variant
   timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_device_time.py -k "decode or device_time" 2>&1 \
     | tee "$OUT/gpu_decode_tests.log" | tail -n 8
-  for v in ${DTEST_VARIANTS:-v4}; do  # v4: the register variant; v5: the cp.async ring
+  for v in ${DTEST_VARIANTS:-v4}; do  # v4: the register variant (the default runs the ring variant)
     JAX_TQ_CUDA_DECODE=$v timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -x -m gpu tests/test_gpu.py -k decode 2>&1 \
       | tee "$OUT/gpu_decode_tests_$v.log" | tail -n 5
   done
