@@ -26,6 +26,7 @@ __all__ = [
 ]
 
 _HIGHEST = jax.lax.Precision.HIGHEST
+_INT32_MAX = 2**31 - 1
 
 
 def _jit(*static_argnames):
@@ -121,9 +122,11 @@ def _norm_and_unit(x):
     max|x_i| < 2^e, so that the squares neither overflow (|x| ~1e30) nor underflow (|x| ~1e-30).
     The scaling is two exact multiplies by 2^-(e/2)-ish factors, never by a subnormal reciprocal
     (x / 1e38 was flushed to 0 on the CPU). A zero vector gives (0, 0) with a gradient of 0 (not
-    NaN); a NaN anywhere in x gives a NaN norm; a norm beyond the dtype's range is inf."""
+    NaN); a NaN anywhere in x gives a NaN norm (tested explicitly: XLA's CPU max-reduction may
+    drop NaN); a norm beyond the dtype's range is inf."""
+    has_nan = jnp.any(jnp.isnan(x), axis=-1)
     largest = jnp.max(jnp.abs(x), axis=-1)
-    positive = largest > 0  # False for 0 and NaN
+    positive = (largest > 0) & ~has_nan  # False for 0 and NaN
     _, exponent = jnp.frexp(jnp.where(positive & jnp.isfinite(largest), largest, 1.0))
     half = exponent // 2
     one = jnp.ones_like(largest)
@@ -131,7 +134,7 @@ def _norm_and_unit(x):
     scaled = x * down_a[..., None] * down_b[..., None]
     root = jnp.sqrt(jnp.where(positive, jnp.sum(scaled * scaled, axis=-1), 1.0))
     up = root * jnp.ldexp(one, half) * jnp.ldexp(one, exponent - half)
-    norms = jnp.where(positive, up, jnp.where(jnp.isnan(largest), jnp.nan, 0.0))
+    norms = jnp.where(positive, up, jnp.where(has_nan, jnp.nan, 0.0))
     unit = jnp.where(positive[..., None], scaled / root[..., None], 0.0)
     return norms.astype(x.dtype), unit.astype(x.dtype)
 
@@ -247,7 +250,9 @@ def _scatter_slots(codes, norms, new_codes, new_norms, slot_mapping):
     """Write token rows into their slots, dropping slots outside [0, P*page_size)."""
     num_pages, _, page_size = norms.shape
     slots = slot_mapping.astype(jnp.int32)
-    valid = (slots >= 0) & (slots < num_pages * page_size)
+    num_slots = num_pages * page_size
+    # An int32 slot is always below a pool of more than 2**31 - 1 slots (no int32 bound for it).
+    valid = (slots >= 0) & (slots < num_slots) if num_slots <= _INT32_MAX else slots >= 0
     pages = jnp.where(valid, slots // page_size, num_pages)  # out of range -> dropped
     offsets = jnp.where(valid, slots % page_size, 0)
     codes = codes.at[pages, :, offsets].set(new_codes, mode="drop")
@@ -284,7 +289,7 @@ def _gather_sequence_tokens(codes, norms, centroids, bits, safe_pages):
 def _valid_token_mask(block_tables, seq_lens, num_pages, page_size):
     """bool [S, max_pages*page_size]: token < clamped seq_len and its page id in [0, P)."""
     max_pages = block_tables.shape[1]
-    lengths = jnp.clip(seq_lens.astype(jnp.int32), 0, max_pages * page_size)
+    lengths = jnp.clip(seq_lens.astype(jnp.int32), 0, min(max_pages * page_size, _INT32_MAX))
     positions = jnp.arange(max_pages * page_size, dtype=jnp.int32)
     page_ok = (block_tables >= 0) & (block_tables < num_pages)
     token_page_ok = jnp.repeat(page_ok, page_size, axis=1)
@@ -358,10 +363,13 @@ def _paged_decode_rotated_impl(q_rot, k_codes, k_norms, v_codes, v_norms, k_cent
     values = _gather_sequence_tokens(v_codes, v_norms, v_centroids, v_bits, safe_pages)
     valid = _valid_token_mask(block_tables, seq_lens, num_pages, page_size)[:, None, None, :]
     queries = q_rot.astype(compute_dtype).reshape(num_seqs, num_kv_heads, group, head_dim)
-    scores = jnp.einsum("skgd,sktd->skgt", queries, keys.astype(compute_dtype), precision=_HIGHEST)
+    # Slots outside the sequences may hold anything (NaN norms included): masked before any
+    # product, so that 0 * NaN leaks into neither the output nor its gradient.
+    token_ok = valid[:, :, 0, :, None]
+    keys = jnp.where(token_ok, keys.astype(compute_dtype), 0)
+    values = jnp.where(token_ok, values.astype(compute_dtype), 0)
+    scores = jnp.einsum("skgd,sktd->skgt", queries, keys, precision=_HIGHEST)
     weights = _masked_softmax_weights(scores, valid, jnp.asarray(scale, compute_dtype))
-    # Slots outside the sequences may hold anything (NaN norms included): 0 * NaN must not leak in.
-    values = jnp.where(valid[:, :, 0, :, None], values.astype(compute_dtype), 0)
     out = jnp.einsum("skgt,sktd->skgd", weights, values, precision=_HIGHEST)
     return out.reshape(num_seqs, num_heads, head_dim)
 

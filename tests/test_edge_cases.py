@@ -685,6 +685,18 @@ def test_refuses_bad_write_and_codec_op_arguments_at_trace_time():
         dec(jnp.zeros((3, 32), jnp.uint8), jnp.zeros((3,), jnp.bfloat16))
     with pytest.raises(TypeError, match=r"dtype must be float32, bfloat16 or float16, got int8"):
         dec(jnp.zeros((3, 32), jnp.uint8), jnp.zeros((3,)), jnp.int8)
+    with pytest.raises(TypeError, match=r"dtype must be float32, bfloat16 or float16, got None"):
+        dec(jnp.zeros((3, 32), jnp.uint8), jnp.zeros((3,)), None)  # jnp.dtype(None) is float64
+
+
+def test_write_cache_names_a_wrong_rank():
+    codec = tq.TurboQuant(64, 4)
+    cache = tq.PagedKVCache.create(num_pages=2, page_size=4, num_kv_heads=1, k_codec=codec, v_codec=codec)
+    good = jnp.zeros((3, 1, 64))
+    with pytest.raises(ValueError, match=r"k must be \[num_tokens, num_kv_heads, head_dim\], got shape \(1, 3, 1, 64\)"):
+        tq.write_cache(cache, good[None], good, jnp.arange(3, dtype=jnp.int32))
+    with pytest.raises(ValueError, match=r"v must be \[num_tokens, num_kv_heads, head_dim\], got shape \(3, 64\)"):
+        tq.write_cache(cache, good, good[:, 0], jnp.arange(3, dtype=jnp.int32))
 
 
 # ----------------------------------------------------------------------------- inputs are not modified
@@ -856,3 +868,55 @@ def test_compress_nan_vector_gives_nan_norm_in_both_backends():
         with tq.use_backend(backend):
             _, norms = tq.compress(x, codec)
         assert np.isfinite(float(norms[0])) and np.isnan(float(norms[1])), backend
+
+
+@pytest.mark.parametrize("norm", [9e37, 3e38 / np.sqrt(2.0)])
+def test_compress_finite_norms_near_float32_max_keep_their_codes(rng, norm):
+    """A finite norm above ~8.5e37 has a reciprocal below float32's normal range, which XLA's CPU
+    threads flush to 0: the CPU kernel stored every code as the zero code. Both backends must
+    give the codes of the unit vector (the same as at norm 1), and the norm itself."""
+    codec = tq.TurboQuant(128, 4)
+    unit = rng.normal(size=(4, 128))
+    unit /= np.linalg.norm(unit, axis=-1, keepdims=True)
+    for backend in ("ffi", "xla"):
+        with tq.use_backend(backend):
+            small_codes, _ = tq.compress(jnp.asarray(unit, jnp.float32), codec)
+            codes, norms = tq.compress(jnp.asarray(unit * norm, jnp.float32), codec)
+        np.testing.assert_allclose(np.asarray(norms, np.float64), norm, rtol=1e-6, err_msg=backend)
+        assert np.mean(np.asarray(codes) == np.asarray(small_codes)) > 0.99, backend
+
+
+@pytest.mark.parametrize("rows", [2, 64, 300])
+def test_compress_nan_rows_give_nan_norms_in_batches_of_any_size(rows):
+    """XLA's CPU max-reduction drops NaN in larger arrays: the reference's norm used to be 0 for
+    a NaN row once a batch had 64 rows."""
+    codec = tq.TurboQuant(64, 4)
+    x = jnp.ones((rows, 64), jnp.float32).at[1, 3].set(jnp.nan).at[rows - 1].set(jnp.nan)
+    for backend in ("ffi", "xla"):
+        with tq.use_backend(backend):
+            _, norms = tq.compress(x, codec)
+        norms = np.asarray(norms)
+        assert np.isnan(norms[1]) and np.isnan(norms[rows - 1]), backend
+        assert np.all(np.isfinite(np.delete(norms, [1, rows - 1]))), backend
+
+
+@pytest.mark.parametrize("poison", [np.nan, np.inf])
+def test_decode_gradient_ignores_poisoned_unused_k_norms(rng, poison):
+    """Slots past a sequence's end may hold anything (docs/FORMAT.md): a NaN / inf K norm there
+    must not reach the gradient (the backward pass multiplied the masked scores' zero cotangent
+    by the poisoned key)."""
+    codec = tq.TurboQuant(64, 4)
+    cache = tq.PagedKVCache.create(num_pages=3, page_size=4, num_kv_heads=1, k_codec=codec, v_codec=codec)
+    kv = jnp.asarray(rng.normal(size=(12, 1, 64)), jnp.float32)
+    cache = tq.write_cache(cache, kv, kv, jnp.arange(12, dtype=jnp.int32))
+    poisoned = dataclasses.replace(cache, k_norms=cache.k_norms.at[0, 0, 3].set(poison).at[2, 0, 1].set(poison))
+    tables, lens = jnp.array([[0, 1, 2]], jnp.int32), jnp.array([3], jnp.int32)
+    q = jnp.asarray(rng.normal(size=(1, 2, 64)), jnp.float32)
+    for backend in ("ffi", "xla"):
+        with tq.use_backend(backend):
+            def loss(q, c):
+                return jnp.sum(tq.paged_decode(q, c, tables, lens) ** 2)
+            clean = jax.grad(loss)(q, cache)
+            grad = jax.grad(loss)(q, poisoned)
+        assert np.all(np.isfinite(np.asarray(grad))), backend
+        np.testing.assert_allclose(np.asarray(grad), np.asarray(clean), rtol=1e-5, atol=1e-7, err_msg=backend)
