@@ -168,16 +168,18 @@ struct RowCompressor {
   float operator()(const float* x, uint8_t* row) const {
     double ss = 0.0;
     for (int i = 0; i < d; ++i) ss += double(x[i]) * double(x[i]);
-    const float norm = float(std::sqrt(ss));
-    const float inv = norm > 0.0f ? 1.0f / norm : 0.0f;
+    const double norm = std::sqrt(ss);
+    // The reciprocal in double: 1 / 1e38 is below float's normal range, and XLA's CPU threads
+    // flush float subnormals to 0 (every code would be the zero code).
+    const double inv = norm > 0.0 ? 1.0 / norm : 0.0;
     float u[kMaxHeadDim];
     uint8_t codes[kMaxHeadDim];
     double y[kMaxHeadDim];
-    for (int i = 0; i < d; ++i) u[i] = x[i] * inv;
+    for (int i = 0; i < d; ++i) u[i] = float(double(x[i]) * inv);
     rot_t ? rotate_transposed(u, y) : rotate(u, y);
     for (int j = 0; j < d; ++j) codes[j] = uint8_t(bucketize(float(y[j]), boundaries, nb));
     pack_row(codes, d, bits, row);
-    return norm;
+    return float(norm);
   }
 
  private:
