@@ -18,6 +18,8 @@ import functools
 import jax.numpy as jnp
 from jax.experimental import checkify
 
+_INT32_MAX = 2**31 - 1
+
 _enabled: contextvars.ContextVar[bool] = contextvars.ContextVar("jax_tq_checked", default=False)
 
 
@@ -77,38 +79,42 @@ def check_decode_indices(block_tables, seq_lens, *, num_pages: int, page_size: i
     if not checks_enabled():
         return
     capacity = block_tables.shape[1] * page_size
+    int32_cap = min(capacity, _INT32_MAX)  # int32 lengths never exceed a larger capacity
     if seq_lens.size == 0:  # no sequence: nothing to check (argmax of an empty array fails)
         return
-    bad_len = (seq_lens < 0) | (seq_lens > capacity)
+    bad_len = (seq_lens < 0) | (seq_lens > int32_cap)
     first = jnp.argmax(bad_len)
     checkify.check(
         ~jnp.any(bad_len),
-        "jax_tq.paged_decode: seq_lens[{i}] = {n} is outside [0, {cap}] (max_pages * page_size)",
-        i=first, n=seq_lens[first], cap=jnp.int32(capacity),
+        # The static bounds are part of the text (they may exceed int32).
+        f"jax_tq.paged_decode: seq_lens[{{i}}] = {{n}} is outside [0, {capacity}] (max_pages * page_size)",
+        i=first, n=seq_lens[first],
     )
     if block_tables.size == 0:  # no page entries: every positive length was reported above
         return
-    pages_used = (jnp.clip(seq_lens, 0, capacity) + page_size - 1) // page_size
+    lengths = jnp.clip(seq_lens, 0, int32_cap)
+    pages_used = lengths // page_size + (lengths % page_size > 0)  # ceil, without int32 overflow
     used = jnp.arange(block_tables.shape[1])[None, :] < pages_used[:, None]
     bad = used & ((block_tables < 0) | (block_tables >= num_pages))
     flat = jnp.argmax(bad.reshape(-1))
     row, col = flat // block_tables.shape[1], flat % block_tables.shape[1]
     checkify.check(
         ~jnp.any(bad),
-        "jax_tq.paged_decode: block_tables[{r}, {c}] = {p} is outside the pool [0, {n}) but the sequence uses that page",
-        r=row, c=col, p=block_tables.reshape(-1)[flat], n=jnp.int32(num_pages),
+        f"jax_tq.paged_decode: block_tables[{{r}}, {{c}}] = {{p}} is outside the pool [0, {num_pages}) but the sequence "
+        "uses that page",
+        r=row, c=col, p=block_tables.reshape(-1)[flat],
     )
 
 
 def check_slot_mapping(slot_mapping, *, num_slots: int) -> None:
     """Insert a check that every non-negative slot is < num_pages * page_size (negative slots mark
     padding tokens and are allowed). No-op outside checked mode."""
-    if not checks_enabled() or slot_mapping.size == 0:
-        return
+    if not checks_enabled() or slot_mapping.size == 0 or num_slots > _INT32_MAX:
+        return  # (an int32 slot can not be past a pool of more than 2**31 - 1 slots)
     bad = slot_mapping >= num_slots
     first = jnp.argmax(bad)
     checkify.check(
         ~jnp.any(bad),
-        "jax_tq.write_cache: slot_mapping[{i}] = {s} is outside the pool (num_pages * page_size = {n})",
-        i=first, s=slot_mapping[first], n=jnp.int32(num_slots),
+        f"jax_tq.write_cache: slot_mapping[{{i}}] = {{s}} is outside the pool (num_pages * page_size = {num_slots})",
+        i=first, s=slot_mapping[first],
     )

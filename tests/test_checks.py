@@ -91,3 +91,22 @@ def test_checked_mode_on_empty_inputs(rng):
     err, written = jax.jit(tq.checked(tq.write_cache))(cache, none, none, jnp.zeros((0,), jnp.int32))
     err.throw()
     assert np.array_equal(np.asarray(written.k_codes), np.asarray(cache.k_codes))
+
+
+@pytest.mark.parametrize("backend", ["ffi", "xla"])
+def test_checked_mode_traces_for_pools_beyond_int32(backend):
+    """A pool of 2**32 slots (or a block table of 2**31 tokens) is past int32: the checks' static
+    bounds must not be passed as int32 (OverflowError at trace time). Lowered only: no memory."""
+    codec = tq.TurboQuant(64, 2)
+    pages, page_size = 2**24, 256
+    spec = jax.ShapeDtypeStruct
+    cache = tq.PagedKVCache(k_codes=spec((pages, 1, page_size, 16), jnp.uint8), k_norms=spec((pages, 1, page_size), jnp.float32),
+                            v_codes=spec((pages, 1, page_size, 16), jnp.uint8), v_norms=spec((pages, 1, page_size), jnp.float32),
+                            k_codec=codec, v_codec=codec)
+    kv, slots = spec((2, 1, 64), jnp.float32), spec((2,), jnp.int32)
+    q, tables, lens = spec((1, 1, 64), jnp.float32), spec((1, 2**23), jnp.int32), spec((1,), jnp.int32)
+    with tq.use_backend(backend):
+        for fn in (tq.write_cache, tq.checked(tq.write_cache)):
+            jax.jit(fn).lower(cache, kv, kv, slots)
+        for fn in (tq.paged_decode, tq.checked(tq.paged_decode)):
+            jax.jit(fn).lower(q, cache, tables, lens)
