@@ -133,7 +133,8 @@ def main():
     print(f"ffi vs xla: {100 * agree:.3f}% codes equal, max norm rel diff {nerr:.2e}")
     writes = {b: bench_write(b, reps) for b in ("ffi", "xla")}
     print()
-    print("| write_cache step, 64 tok x 8 heads x d128 bf16, K+V | jax_tq CUDA (us) | XLA reference (us) | speedup |")
+    kernel = "CUDA" if dev.platform == "gpu" else "CPU"  # the FFI kernels of the platform that runs
+    print(f"| write_cache step, 64 tok x 8 heads x d128 bf16, K+V | jax_tq {kernel} (us) | XLA reference (us) | speedup |")
     print("|---|---:|---:|---:|")
     print(f"| per step (slope, 20 -> 80 steps) | {writes['ffi'][0] * 1e6:.1f} | {writes['xla'][0] * 1e6:.1f} | "
           f"{writes['xla'][0] / writes['ffi'][0]:.2f} |")
@@ -150,7 +151,7 @@ def main():
     in_bytes = n * HEAD_DIM * 2
     out_bytes = n * (HEAD_DIM * BITS // 8 + 4)
     print()
-    print("| op | jax_tq CUDA (us) | XLA reference (us) | speedup | CUDA GFLOP/s | CUDA GB/s |")
+    print(f"| op | jax_tq {kernel} (us) | XLA reference (us) | speedup | {kernel} GFLOP/s | {kernel} GB/s |")
     print("|---|---:|---:|---:|---:|---:|")
     print(f"| compress {n} x d128 bf16, 4 bit | {fc[0] * 1e6:.1f} | {xc[0] * 1e6:.1f} | "
           f"{xc[0] / fc[0]:.2f} | {flops / fc[0] / 1e9:.0f} | {(in_bytes + out_bytes) / fc[0] / 1e9:.0f} |")

@@ -110,3 +110,10 @@ def median_longest_kernel_seconds(run, count, repeats=3):
         return None
     longest = [d for r in runs for d in sorted((e["dur"] for e in r), reverse=True)[:count]]
     return statistics.median(longest) * 1e-6
+
+
+if __name__ == "__main__":
+    import argparse
+
+    argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                            epilog="A helper module for the benchmarks: nothing to run on its own.").parse_args()

@@ -5,7 +5,7 @@ Usage: ncu --clock-control none -k regex:paged_decode --launch-skip 2 --launch-c
 """
 from __future__ import annotations
 
-import sys
+import argparse
 
 import jax
 
@@ -14,7 +14,9 @@ from profile_kernels import decode_inputs
 
 
 def main():
-    for spec in sys.argv[1:] or ["32x8192"]:  # NUM_SEQSxSEQ_LEN[:NUM_SPLITS]
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("shapes", nargs="*", default=["32x8192"], help="NUM_SEQSxSEQ_LEN[:NUM_SPLITS] (default 32x8192)")
+    for spec in ap.parse_args().shapes:
         shape, _, splits = spec.partition(":")
         num_seqs, seq_len = (int(v) for v in shape.split("x"))
         decode = jax.jit(lambda *a, ns=int(splits) if splits else None: tq.paged_decode(*a, num_splits=ns))

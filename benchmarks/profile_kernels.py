@@ -5,6 +5,8 @@ Usage: ncu --clock-control none -k regex:"tq_|paged_decode" --section SpeedOfLig
 """
 from __future__ import annotations
 
+import argparse
+
 import dataclasses
 
 import jax
@@ -51,4 +53,5 @@ def main():
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # --help; no options
     main()

@@ -8,7 +8,7 @@ Usage: python benchmarks/trace_decode.py [32x8192 ...]   (a GPU; prints one tabl
 """
 from __future__ import annotations
 
-import sys
+import argparse
 
 import jax
 import jax.numpy as jnp
@@ -58,7 +58,9 @@ def one_shape(num_seqs, seq_len):
 
 
 def main():
-    for spec in sys.argv[1:] or ["32x8192", "1x32768"]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("shapes", nargs="*", default=["32x8192", "1x32768"], help="NUM_SEQSxSEQ_LEN (default 32x8192 1x32768)")
+    for spec in ap.parse_args().shapes:
         num_seqs, seq_len = (int(v) for v in spec.split("x"))
         try:
             one_shape(num_seqs, seq_len)

