@@ -135,8 +135,20 @@ struct PairLut {
   }
 };
 
-// Fill both tables; every thread writes whole 128-byte parts, its 16-byte stores rotated by
-// thread so that a quarter warp's stores hit distinct banks.
+// Entry e of one table (is_v: the V part) = f16x2 (c_lo, c_hi); the thread writes the whole
+// 128-byte part, its 16-byte stores rotated by thread so that a quarter warp's stores hit distinct
+// banks.
+template <bool SPLIT>
+__device__ __forceinline__ void store_lut_entry(uint8_t* smem, int is_v, int e, float c_lo, float c_hi) {
+  uint32_t hi, lo;
+  split2(c_lo, c_hi, hi, lo);
+  const uint4 v = SPLIT ? make_uint4(hi, lo, hi, lo) : make_uint4(hi, hi, hi, hi);
+  uint4* part = reinterpret_cast<uint4*>(smem + e * 256 + is_v * 128);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) part[(j + threadIdx.x) & 7] = v;
+}
+
+// Fill both tables (T threads, 512 entries).
 template <bool SPLIT, int T = kThreads>
 __device__ __forceinline__ void build_pair_luts(uint8_t* smem, const float* kcent,
                                                        const float* vcent) {
@@ -144,13 +156,27 @@ __device__ __forceinline__ void build_pair_luts(uint8_t* smem, const float* kcen
     const int is_v = i >> 8;
     const int e = i & 255;
     const float* cent = is_v ? vcent : kcent;
-    uint32_t hi, lo;
-    split2(cent[e & 15], cent[e >> 4], hi, lo);
-    const uint4 v = SPLIT ? make_uint4(hi, lo, hi, lo) : make_uint4(hi, hi, hi, hi);
-    uint4* part = reinterpret_cast<uint4*>(smem + e * 256 + is_v * 128);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) part[(j + threadIdx.x) & 7] = v;
+    store_lut_entry<SPLIT>(smem, is_v, e, cent[e & 15], cent[e >> 4]);
   }
+}
+
+// The centroids of table entry e = threadIdx.x (< 256) of both tables, loaded at kernel start so
+// that their latency overlaps the query loads instead of following them (v4: 256 threads, one K
+// and one V entry each).
+struct LutSeed {
+  float k_lo, k_hi, v_lo, v_hi;
+};
+
+__device__ __forceinline__ LutSeed load_lut_seed(const float* kcent, const float* vcent) {
+  const int e = threadIdx.x & 255;
+  return {__ldg(kcent + (e & 15)), __ldg(kcent + (e >> 4)), __ldg(vcent + (e & 15)),
+          __ldg(vcent + (e >> 4))};
+}
+
+template <bool SPLIT>
+__device__ __forceinline__ void build_pair_luts(uint8_t* smem, const LutSeed& seed) {
+  store_lut_entry<SPLIT>(smem, 0, threadIdx.x & 255, seed.k_lo, seed.k_hi);
+  store_lut_entry<SPLIT>(smem, 1, threadIdx.x & 255, seed.v_lo, seed.v_hi);
 }
 
 // One 4-bit-per-row tile of a warp, held in registers.
@@ -663,7 +689,9 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
   };
 
   // The first tiles' block-table and code reads are issued before the prologue, whose q staging
-  // and table build then overlap their latency.
+  // and table build then overlap their latency; the centroids are loaded first of all.
+  static_assert(kT4 == 256, "one K and one V table entry per thread");
+  const LutSeed lut_seed = load_lut_seed(p.kcent, p.vcent);
   Tile cur, nxt;
   int phys_next = -1, n_st[2] = {0, 0};
   if constexpr (RING) {
@@ -683,7 +711,7 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
   query_fragments(q_s, gid, t4, qh, ql);
   const float qx0 = qexp_s[2 * t4], qx1 = qexp_s[2 * t4 + 1];
   __syncthreads();
-  build_pair_luts<SPLIT, kT4>(smem, p.kcent, p.vcent);
+  build_pair_luts<SPLIT>(smem, lut_seed);
   __syncthreads();
   const PairLut<SPLIT> ilut(smem, lane);
 
