@@ -66,7 +66,8 @@ def paged_decode(q, cache, block_tables, seq_lens, *, scale=None, num_splits=Non
 
     Returns:
       [num_seqs, num_heads, head_dim] array of q's dtype. A query row holding a NaN or inf gives a
-      NaN output row. Differentiable in q and in the cache's norms (``jax.grad``/``vjp``, reverse
+      NaN output row, and so does a finite one whose rotation overflows float32 (|q| near
+      float32's max). Differentiable in q and in the cache's norms (``jax.grad``/``vjp``, reverse
       mode only: a custom VJP whose backward pass runs the jnp reference). The codes are integers
       and get no gradient (:func:`jax_tq.compress` passes gradients through the norms only).
 
@@ -104,8 +105,10 @@ def paged_decode(q, cache, block_tables, seq_lens, *, scale=None, num_splits=Non
                                   f16_products, backend)
     out = jnp.einsum("she,ed->shd", out_rot, v_codec.rotation, precision=rotation_precision)
     # The kernels give a row whose scores are all NaN no weight (an all-zero row): make a
-    # non-finite query visible instead, as the reference does.
-    out = jnp.where(jnp.all(jnp.isfinite(q), axis=-1, keepdims=True), out, jnp.nan)
+    # non-finite query visible instead, as the reference does; also a finite one whose rotation
+    # overflowed float32 (the kernels saw only inf / NaN scores).
+    finite = jnp.all(jnp.isfinite(q), axis=-1, keepdims=True) & jnp.all(jnp.isfinite(q_rot), axis=-1, keepdims=True)
+    out = jnp.where(finite, out, jnp.nan)
     return out.astype(q.dtype)
 
 

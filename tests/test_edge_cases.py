@@ -920,3 +920,18 @@ def test_decode_gradient_ignores_poisoned_unused_k_norms(rng, poison):
             grad = jax.grad(loss)(q, poisoned)
         assert np.all(np.isfinite(np.asarray(grad))), backend
         np.testing.assert_allclose(np.asarray(grad), np.asarray(clean), rtol=1e-5, atol=1e-7, err_msg=backend)
+
+
+def test_query_whose_rotation_overflows_gives_a_nan_row(rng):
+    """A finite query with ||q|| beyond float32 has a non-finite rotation: the kernels then saw
+    only NaN / inf scores and returned a silent zero row. Every backend gives a NaN row (as for a
+    non-finite query); the other rows are unaffected."""
+    cache = random_cache(rng, num_pages=2, page_size=4, num_kv_heads=1, head_dim=64, k_bits=4, v_bits=4)
+    tables, lens = jnp.array([[0, 1], [1, 0]], jnp.int32), jnp.array([8, 5], jnp.int32)
+    q = jnp.asarray(rng.normal(size=(2, 1, 64)), jnp.float32).at[0].set(3e38)
+    want = decode_f64(q[1:], cache, tables[1:], lens[1:])
+    for backend in ("ffi", "xla"):
+        with tq.use_backend(backend):
+            out = np.asarray(tq.paged_decode(q, cache, tables, lens))
+        assert np.all(np.isnan(out[0])), backend
+        assert rel_err(want, out[1:]) < 1e-5, backend
