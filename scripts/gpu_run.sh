@@ -41,7 +41,7 @@ if has tests; then
     | tee "$OUT/gpu_tests.log" | tail -n 25
   # The same decode cases on the CUDA-core kernel v1 (the default routes head_dim 128 K4V4 to the
   # tensor-core kernels) and on v4's register variant (the default runs its ring variant on sm_90).
-  for v in 1 4; do
+  for v in ${TEST_VARIANTS:-4}; do  # TEST_VARIANTS="1 4" adds the CUDA-core kernel v1
     JAX_TQ_CUDA_DECODE=v$v timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -m gpu tests/test_gpu.py -k decode 2>&1 \
       | tee "$OUT/gpu_tests_v$v.log" | tail -n 5
   done
