@@ -9,7 +9,7 @@ import numpy as np
 
 from jax_tq.checks import check_slot_mapping
 from jax_tq.codec import TurboQuant
-from jax_tq.compress import write_kv
+from jax_tq.compress import check_packed_codec, write_kv
 from jax_tq.format import cache_codes_shape, cache_norms_shape, check_bits
 
 
@@ -111,10 +111,13 @@ class PagedKVCache:
 
 
 def check_cache(cache, op: str) -> None:
-    """Raise TypeError unless ``cache`` is a :class:`PagedKVCache`; ValueError if a pool has no
-    page, KV head or slot per page (sizes :meth:`PagedKVCache.create` refuses)."""
+    """Raise TypeError unless ``cache`` is a :class:`PagedKVCache` with TurboQuant codecs;
+    ValueError if a codec's bits have no packed format, or a pool has no page, KV head or slot per
+    page (sizes :meth:`PagedKVCache.create` refuses)."""
     if not isinstance(cache, PagedKVCache):
         raise TypeError(f"jax_tq.{op}: cache must be a jax_tq.PagedKVCache, got {type(cache).__name__}")
+    check_packed_codec(cache.k_codec, op, "cache.k_codec")
+    check_packed_codec(cache.v_codec, op, "cache.v_codec")
     for name in ("k_codes", "k_norms", "v_codes", "v_norms"):
         shape = tuple(getattr(getattr(cache, name), "shape", ()))
         if len(shape) >= 3 and min(shape[:3]) < 1:
@@ -144,6 +147,9 @@ def write_cache(cache: PagedKVCache, k, v, slot_mapping) -> PagedKVCache:
 
     Differentiable in k and v through the written norms (d norm = <x, dx> / norm), and in the
     pools' norms for the slots not written, the same on every backend; the codes get no gradient.
+
+    Source: TurboQuant (arXiv 2504.19874), Algorithm 1 (Quant_mse) per token and KV head; page
+    layout of docs/FORMAT.md.
     """
     check_cache(cache, "write_cache")
     k, v, slot_mapping = jnp.asarray(k), jnp.asarray(v), jnp.asarray(slot_mapping)

@@ -56,8 +56,9 @@ def checked(fn):
       ``checked_fn(*args, **kwargs) -> (checkify.Error, fn(*args, **kwargs))``.
 
     Raises:
-      Nothing itself; ``error.throw()`` raises ``checkify.JaxRuntimeError`` naming the first bad
-      block-table entry, seq_lens value or slot_mapping value.
+      TypeError: ``fn`` is not callable. Otherwise nothing itself; ``error.throw()`` raises
+      ``checkify.JaxRuntimeError`` naming the first bad block-table entry, seq_lens value or
+      slot_mapping value.
     """
     if not callable(fn):
         raise TypeError(f"jax_tq.checked: fn must be callable, got {type(fn).__name__}")

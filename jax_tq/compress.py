@@ -72,6 +72,8 @@ def compress(x, codec):
       TypeError: x is not a float32/bfloat16/float16 array; codec is not a TurboQuant.
       ValueError: the last axis of x is not codec.head_dim; codec.bits has no packed format.
 
+    Source: TurboQuant (arXiv 2504.19874), Algorithm 1 (Quant_mse) with the norm stored apart.
+
     Differentiable in x through the norms only, on every backend: d norm = <x, dx> / norm (0 for a
     zero vector); the codes are integers and get no gradient (rounding to centroids has none worth
     using).
@@ -104,7 +106,8 @@ def decompress(codes, norms, codec, dtype=jnp.float32):
 
     Raises:
       TypeError: codes not uint8, norms not float32, unsupported dtype, codec not a TurboQuant.
-      ValueError: shapes disagree with each other or with the codec.
+      ValueError: shapes disagree with each other or with the codec; codec.bits has no packed
+        format.
 
     Differentiable in ``norms`` (x_hat is linear in them: d x_hat = d norm * Pi^T c[codes]) on every
     backend; the codes are integers and get no gradient.
@@ -113,7 +116,10 @@ def decompress(codes, norms, codec, dtype=jnp.float32):
     check_packed_codec(codec, "decompress")
     if dtype is None:
         raise TypeError("jax_tq.decompress: dtype must be float32, bfloat16 or float16, got None")
-    dtype = jnp.dtype(dtype)
+    try:
+        dtype = jnp.dtype(dtype)
+    except TypeError as err:
+        raise TypeError(f"jax_tq.decompress: dtype must be float32, bfloat16 or float16, got {dtype!r}") from err
     if dtype not in [jnp.dtype(d) for d in FLOAT_DTYPES]:
         raise TypeError(f"jax_tq.decompress: dtype must be float32, bfloat16 or float16, got {dtype}")
     if codes.dtype != jnp.uint8:

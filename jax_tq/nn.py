@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from jax_tq.cache import PagedKVCache, write_cache
 from jax_tq.codec import TurboQuant
-from jax_tq.compress import compress, decompress
+from jax_tq.compress import check_packed_codec, compress, decompress
 from jax_tq.paged_decode import paged_decode
 
 
@@ -41,8 +41,13 @@ def turboquant_attention_fn(k_codec: TurboQuant, v_codec: TurboQuant, base_atten
       ``jax.grad`` / ``nnx.grad`` work through the module.
 
     Raises:
-      ValueError: head_dim of key / value differs from its codec's (naming which).
+      TypeError: a codec is not a :class:`jax_tq.TurboQuant` (when the function is built); key or
+        value not float32/bfloat16/float16 (when it is called).
+      ValueError: a codec's bits have no packed format (not 2, 3 or 4; when built); head_dim of
+        key / value differs from its codec's (naming which).
     """
+    check_packed_codec(k_codec, "nn.turboquant_attention_fn", "k_codec")
+    check_packed_codec(v_codec, "nn.turboquant_attention_fn", "v_codec")
     if base_attention_fn is None:
         from flax import nnx
 

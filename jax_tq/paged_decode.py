@@ -2,7 +2,7 @@
 
 Queries are rotated once into K's rotated space (q_rot = Pi_k q), scored against the K centroids
 scaled by each key's fp32 norm, and the softmax-weighted V centroids (scaled by V norms) are rotated
-back once (out = Pi_v^T o_rot): TurboQuant (arXiv 2504.19874), Sec. 3, applied to attention; split-K
+back once (out = Pi_v^T o_rot): TurboQuant (arXiv 2504.19874), Algorithm 1, applied to attention; split-K
 "flash decoding" with a log-sum-exp combine (Dao et al., Flash-Decoding, 2023).
 """
 from __future__ import annotations
@@ -77,6 +77,10 @@ def paged_decode(q, cache, block_tables, seq_lens, *, scale=None, num_splits=Non
       ValueError: wrong ranks or shapes, head_dim differs from the cache's codecs, num_heads not a
         multiple of num_kv_heads, num_splits < 1, a non-finite or float32-overflowing scale, an
         unknown precision.
+
+    Source: TurboQuant (arXiv 2504.19874), Algorithm 1: scores <Pi_k q, c[idx]> * ||k|| against the
+    stored codes, the output rotated back once by Pi_v^T; split-K with a log-sum-exp combine
+    (Flash-Decoding).
     """
     check_cache(cache, "paged_decode")
     q, block_tables, seq_lens = jnp.asarray(q), jnp.asarray(block_tables), jnp.asarray(seq_lens)

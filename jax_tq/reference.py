@@ -84,8 +84,13 @@ def quantize_rotated(y, centroids):
       centroids: float [2**bits], ascending.
     Returns:
       uint8 codes [..., d]; a y exactly on a boundary gets the lower code.
+    Raises:
+      TypeError: y or centroids not floating.
     Source: TurboQuant (arXiv 2504.19874), Algorithm 1 line 5 (nearest centroid).
     """
+    y, centroids = jnp.asarray(y), jnp.asarray(centroids)
+    _check_float("y", y)
+    _check_float("centroids", centroids)
     boundaries = ((centroids[1:] + centroids[:-1]) * 0.5).astype(y.dtype)
     return jnp.sum(y[..., None] > boundaries, axis=-1, dtype=jnp.int32).astype(jnp.uint8)
 
@@ -197,13 +202,17 @@ def decompress(codes, norms, rotation, centroids, bits: int, dtype=jnp.float32):
       TypeError / ValueError: bad dtypes, shapes, bits or head_dim.
     Source: TurboQuant (arXiv 2504.19874), Algorithm 1 (DeQuant_mse): x_hat = Pi^T c[idx].
     """
+    tq_format.check_bits(bits)
+    dtype = jnp.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"dtype must be a float dtype, got {dtype}")
     rotation = jnp.asarray(rotation)
     _check_rotation(rotation, rotation.shape[0] if rotation.ndim else 0)
     if rotation.shape[0] * bits != jnp.shape(codes)[-1] * 8:
         raise ValueError(f"codes.shape[-1] must be d*bits/8 = {rotation.shape[0] * bits // 8}, "
                          f"got {jnp.shape(codes)[-1]}")
     rotated = dequantize_rotated(codes, norms, centroids, bits)
-    return _rotate_back(rotated, rotation, dtype=jnp.dtype(dtype))
+    return _rotate_back(rotated, rotation, dtype=dtype)
 
 
 @_jit("dtype")
@@ -335,7 +344,7 @@ def paged_decode_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids,
       uses KV head h // (H / Hkv). Rows with no valid token are exactly 0.
     Raises:
       TypeError / ValueError: bad dtypes / shapes, H not a multiple of Hkv, bad bits.
-    Source: TurboQuant (arXiv 2504.19874), Sec. 4 (KV cache quantization); scores use
+    Source: TurboQuant (arXiv 2504.19874), Algorithm 1 applied to a KV cache; scores use
       <Pi q, c[idx]> = <q, Pi^T c[idx]> (Algorithm 1 DeQuant_mse), so keys are never un-rotated.
     """
     q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids = (

@@ -935,3 +935,26 @@ def test_query_whose_rotation_overflows_gives_a_nan_row(rng):
             out = np.asarray(tq.paged_decode(q, cache, tables, lens))
         assert np.all(np.isnan(out[0])), backend
         assert rel_err(want, out[1:]) < 1e-5, backend
+
+
+def test_api_errors_found_by_the_docs_audit():
+    """Errors the docstrings promise, with the argument named (a docs audit found them raised as
+    AttributeError / unnamed ValueError or not at all)."""
+    codec = tq.TurboQuant(64, 4)
+    cache = tq.PagedKVCache.create(num_pages=2, page_size=4, num_kv_heads=1, k_codec=codec, v_codec=codec)
+    with pytest.raises(TypeError, match=r"jax_tq.decompress: dtype must be float32, bfloat16 or float16, got 'foo'"):
+        tq.decompress(jnp.zeros((2, 32), jnp.uint8), jnp.ones((2,)), codec, dtype="foo")
+    with pytest.raises(TypeError, match=r"nn.turboquant_attention_fn: k_codec must be a jax_tq.TurboQuant"):
+        tq.nn.turboquant_attention_fn(None, codec)
+    q, tables, lens = jnp.ones((1, 1, 64)), jnp.zeros((1, 2), jnp.int32), jnp.array([3], jnp.int32)
+    with pytest.raises(TypeError, match=r"jax_tq.paged_decode: cache.k_codec must be a jax_tq.TurboQuant"):
+        tq.paged_decode(q, dataclasses.replace(cache, k_codec=None), tables, lens)
+    with pytest.raises(ValueError, match=r"jax_tq.paged_decode: cache.v_codec.bits"):
+        tq.paged_decode(q, dataclasses.replace(cache, v_codec=tq.TurboQuant(64, 1)), tables, lens)
+    with pytest.raises(ValueError, match=r"bits"):
+        tq.reference.decompress(jnp.zeros((2, 40), jnp.uint8), jnp.ones((2,)), codec.rotation, codec.centroids, 5)
+    with pytest.raises(TypeError, match=r"dtype must be a float dtype, got int32"):
+        tq.reference.decompress(jnp.zeros((2, 32), jnp.uint8), jnp.ones((2,)), codec.rotation, codec.centroids, 4,
+                                dtype=jnp.int32)
+    with pytest.raises(TypeError, match=r"y must have a floating dtype"):
+        tq.reference.quantize_rotated(jnp.zeros((2, 64), jnp.int32), codec.centroids)

@@ -264,6 +264,8 @@ def test_token_log_likelihoods_and_bytes(tiny):
     assert ev.kv_bytes_per_token(smol, 4, 2) == 30 * 3 * (32 + 4 + 16 + 4)
     assert ev.kv_bytes_per_token(smol, 3, 3) == 30 * 3 * (24 + 4 + 24 + 4)
     assert ev.compression_ratio_vs_bf16(smol, 2, 2) == pytest.approx(23040 / (90 * 40))
+    with pytest.raises(ValueError, match=r"k_bits must be one of \(2, 3, 4\)"):
+        ev.kv_bytes_per_token(smol, 5, 4)  # no packed format: was computed as if it had one
     assert ev.parse_cache_config("none") is None
     assert ev.parse_cache_config("4:2") == ev.CacheConfig(4, 2)
     assert ev.parse_cache_config("K3V2") == ev.CacheConfig(3, 2)
@@ -387,3 +389,8 @@ def test_smollm2_end_to_end():
             text = f.read(4000)
         ppl = float(np.exp(-ev.token_log_likelihoods(model, tok.encode(text).ids[:256]).mean()))
         assert 15 < ppl < 40, ppl
+
+
+def test_from_params_names_a_layer_count_mismatch():
+    with pytest.raises(ValueError, match=r"params\['layers'\] has 1 layers, config.num_layers is 2"):
+        Llama.from_params(TINY, {"embed": np.zeros((97, 96)), "final_norm": np.ones(96), "layers": [{}]})

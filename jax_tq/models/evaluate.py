@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_tq.format import check_bits
+
 from .gguf_loader import LlamaConfig
 from .llama import (
     Llama,
@@ -58,6 +60,9 @@ class CacheConfig:
       k_bits, v_bits: TurboQuant bits per coordinate for K and V (2, 3 or 4).
       page_size: tokens per cache page.
       seed: codec seed (K uses ``seed``, V ``seed + 1``).
+
+    Raises:
+      ValueError: bits not 2, 3 or 4, or page_size not an int in [1, 256] (at construction).
     """
 
     k_bits: int = 4
@@ -222,10 +227,14 @@ def kv_bytes_per_token(config: LlamaConfig, k_bits: int | None, v_bits: int | No
       k_bits, v_bits: bits per coordinate, or None (either None: uncompressed bfloat16).
     Returns:
       bytes per token (float).
+    Raises:
+      TypeError / ValueError: a bit width other than an int 2, 3, 4 or None (no packed format).
     """
     d, h, L = config.head_dim, config.num_kv_heads, config.num_layers
     if k_bits is None or v_bits is None:
         return float(L * h * 2 * d * 2)
+    for name, bits in (("k_bits", k_bits), ("v_bits", v_bits)):
+        check_bits(bits, name=name)
     return float(L * h * (d * k_bits / 8 + 4 + d * v_bits / 8 + 4))
 
 
@@ -237,6 +246,8 @@ def compression_ratio_vs_bf16(config: LlamaConfig, k_bits: int | None, v_bits: i
       k_bits, v_bits: bits per coordinate, or None (uncompressed).
     Returns:
       the compression ratio (float).
+    Raises:
+      ValueError: as :func:`kv_bytes_per_token`.
     """
     return kv_bytes_per_token(config, None, None) / kv_bytes_per_token(config, k_bits, v_bits)
 

@@ -411,6 +411,9 @@ class Llama(nnx.Module):
           ValueError: on a shape mismatch, or ``len(params["layers"]) != config.num_layers``.
           KeyError: a missing key in ``params``.
         """
+        if len(params["layers"]) != config.num_layers:
+            raise ValueError(f"params['layers'] has {len(params['layers'])} layers, config.num_layers is "
+                             f"{config.num_layers}")
         model = nnx.eval_shape(lambda: cls(config, dtype=dtype, rngs=nnx.Rngs(0)))
 
         def put(var, value):
