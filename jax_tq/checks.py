@@ -18,7 +18,7 @@ import functools
 import jax.numpy as jnp
 from jax.experimental import checkify
 
-_INT32_MAX = 2**31 - 1
+from jax_tq.format import INDEX_MAX
 
 _enabled: contextvars.ContextVar[bool] = contextvars.ContextVar("jax_tq_checked", default=False)
 
@@ -80,7 +80,7 @@ def check_decode_indices(block_tables, seq_lens, *, num_pages: int, page_size: i
     if not checks_enabled():
         return
     capacity = block_tables.shape[1] * page_size
-    int32_cap = min(capacity, _INT32_MAX)  # int32 lengths never exceed a larger capacity
+    int32_cap = min(capacity, INDEX_MAX)  # int32 lengths never exceed a larger capacity
     if seq_lens.size == 0:  # no sequence: nothing to check (argmax of an empty array fails)
         return
     bad_len = (seq_lens < 0) | (seq_lens > int32_cap)
@@ -110,7 +110,7 @@ def check_decode_indices(block_tables, seq_lens, *, num_pages: int, page_size: i
 def check_slot_mapping(slot_mapping, *, num_slots: int) -> None:
     """Insert a check that every non-negative slot is < num_pages * page_size (negative slots mark
     padding tokens and are allowed). No-op outside checked mode."""
-    if not checks_enabled() or slot_mapping.size == 0 or num_slots > _INT32_MAX:
+    if not checks_enabled() or slot_mapping.size == 0 or num_slots > INDEX_MAX:
         return  # (an int32 slot can not be past a pool of more than 2**31 - 1 slots)
     bad = slot_mapping >= num_slots
     first = jnp.argmax(bad)

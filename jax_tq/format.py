@@ -31,6 +31,9 @@ SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 192, 256)
 PACKED_BITS = (2, 3, 4)
 #: Codes per packing group; a group of 8 b-bit codes is exactly b bytes.
 CODES_PER_GROUP = 8
+#: The largest index (slot_mapping, block_tables, seq_lens are int32); a pool or block table
+#: beyond it can hold no out-of-range int32 index.
+INDEX_MAX = 2**31 - 1
 
 
 def _is_int(value) -> bool:

@@ -26,7 +26,6 @@ __all__ = [
 ]
 
 _HIGHEST = jax.lax.Precision.HIGHEST
-_INT32_MAX = 2**31 - 1
 
 
 def _jit(*static_argnames):
@@ -261,7 +260,7 @@ def _scatter_slots(codes, norms, new_codes, new_norms, slot_mapping):
     slots = slot_mapping.astype(jnp.int32)
     num_slots = num_pages * page_size
     # An int32 slot is always below a pool of more than 2**31 - 1 slots (no int32 bound for it).
-    valid = (slots >= 0) & (slots < num_slots) if num_slots <= _INT32_MAX else slots >= 0
+    valid = (slots >= 0) & (slots < num_slots) if num_slots <= tq_format.INDEX_MAX else slots >= 0
     pages = jnp.where(valid, slots // page_size, num_pages)  # out of range -> dropped
     offsets = jnp.where(valid, slots % page_size, 0)
     codes = codes.at[pages, :, offsets].set(new_codes, mode="drop")
@@ -298,7 +297,7 @@ def _gather_sequence_tokens(codes, norms, centroids, bits, safe_pages):
 def _valid_token_mask(block_tables, seq_lens, num_pages, page_size):
     """bool [S, max_pages*page_size]: token < clamped seq_len and its page id in [0, P)."""
     max_pages = block_tables.shape[1]
-    lengths = jnp.clip(seq_lens.astype(jnp.int32), 0, min(max_pages * page_size, _INT32_MAX))
+    lengths = jnp.clip(seq_lens.astype(jnp.int32), 0, min(max_pages * page_size, tq_format.INDEX_MAX))
     positions = jnp.arange(max_pages * page_size, dtype=jnp.int32)
     page_ok = (block_tables >= 0) & (block_tables < num_pages)
     token_page_ok = jnp.repeat(page_ok, page_size, axis=1)
