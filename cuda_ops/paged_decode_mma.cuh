@@ -739,34 +739,35 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
     const float lv0 = fast_log2(fabsf(vn0)), lv1 = fast_log2(fabsf(vn1));
     __syncwarp();
     // Lazy rescaling: the running max m moves only when a tile's max exceeds it by more than
-    // kLazyMax (log2 units), so weights up to 2^kLazyMax (f16: fine) and the rescale is rare.
-    float alpha[2] = {1.f, 1.f};
-    float wa[2], wb[2];  // V weights of tokens gid, gid + 8 for heads 2t4 + hh
-    bool grew = false;
+    // kLazyMax (log2 units), so weights up to 2^kLazyMax (f16: fine) and the rescale is rare. Each
+    // lane tests its own two tokens; only when some lane's test passes (a warp vote) is the tile
+    // max of each head reduced over its 8 lanes and m moved: the same m as testing the reduced max
+    // (x - m > kLazyMax is monotonic in x, and fmaxf drops NaN in both), without the 6 shuffles of
+    // the reduction on every tile.
+    float ua[2], ub[2];
+    bool over = false;
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
-      const float ua = s[hh] + lv0, ub = s[2 + hh] + lv1;
-      float tm = fmaxf(fmaxf(s[hh], s[2 + hh]), fmaxf(ua, ub));
-#pragma unroll
-      for (int off = 4; off < 32; off <<= 1) tm = fmaxf(tm, __shfl_xor_sync(0xffffffffu, tm, off));
-      // The same for the 8 lanes of a head (tm is their max). A difference, not m + kLazyMax:
-      // at |m| >= 2^27 the sum would round by up to 16. m = -FLT_MAX: any finite tm moves it.
-      if (tm - m[hh] > kLazyMax) {
-        alpha[hh] = fast_exp2(m[hh] - tm);  // the first tile: m = -FLT_MAX -> 0 (o, l are 0)
-        m[hh] = tm;
-        grew = true;
-      }
-      const float pa = fast_exp2(s[hh] - m[hh]);  // s = -inf -> 0
-      const float pb = fast_exp2(s[2 + hh] - m[hh]);
-      l[hh] = l[hh] * alpha[hh] + pa + pb;
-      // |p * v_norm| = exp2(s + log2 |v_norm| - m) <= 2^kLazyMax: one multiply, no exp2. (At
-      // |s| >= 2^28 the sum drops log2 |v_norm|; the f16 conversion then saturates, no inf.)
-      wa[hh] = pa * vn0;
-      wb[hh] = pb * vn1;
+      ua[hh] = s[hh] + lv0;
+      ub[hh] = s[2 + hh] + lv1;
+      // A difference, not m + kLazyMax: at |m| >= 2^27 the sum would round by up to 16.
+      // m = -FLT_MAX: any finite score moves it.
+      over |= fmaxf(fmaxf(s[hh], s[2 + hh]), fmaxf(ua[hh], ub[hh])) - m[hh] > kLazyMax;
     }
-    *reinterpret_cast<float2*>(wt + ptile_row(gid) + 2 * t4) = make_float2(wa[0], wa[1]);
-    *reinterpret_cast<float2*>(wt + ptile_row(gid + 8) + 2 * t4) = make_float2(wb[0], wb[1]);
-    if (__any_sync(0xffffffffu, grew)) {
+    if (__any_sync(0xffffffffu, over)) {
+      float alpha[2];
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        float tm = fmaxf(fmaxf(s[hh], s[2 + hh]), fmaxf(ua[hh], ub[hh]));
+#pragma unroll
+        for (int off = 4; off < 32; off <<= 1) tm = fmaxf(tm, __shfl_xor_sync(0xffffffffu, tm, off));
+        alpha[hh] = 1.f;
+        if (tm - m[hh] > kLazyMax) {  // the same for the 8 lanes of a head (tm is their max)
+          alpha[hh] = fast_exp2(m[hh] - tm);  // the first tile: m = -FLT_MAX -> 0 (o, l are 0)
+          m[hh] = tm;
+        }
+        l[hh] *= alpha[hh];
+      }
 #pragma unroll
       for (int mt = 0; mt < 8; ++mt) {
         o[mt][0] *= alpha[0];
@@ -775,6 +776,19 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
         o[mt][3] *= alpha[1];
       }
     }
+    float wa[2], wb[2];  // V weights of tokens gid, gid + 8 for heads 2t4 + hh
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const float pa = fast_exp2(s[hh] - m[hh]);  // s = -inf -> 0
+      const float pb = fast_exp2(s[2 + hh] - m[hh]);
+      l[hh] += pa + pb;
+      // |p * v_norm| = exp2(s + log2 |v_norm| - m) <= 2^kLazyMax: one multiply, no exp2. (At
+      // |s| >= 2^28 the sum drops log2 |v_norm|; the f16 conversion then saturates, no inf.)
+      wa[hh] = pa * vn0;
+      wb[hh] = pb * vn1;
+    }
+    *reinterpret_cast<float2*>(wt + ptile_row(gid) + 2 * t4) = make_float2(wa[0], wa[1]);
+    *reinterpret_cast<float2*>(wt + ptile_row(gid + 8) + 2 * t4) = make_float2(wb[0], wb[1]);
     __syncwarp();
     tile_accumulate_v<SPLIT, true>(cur.v, wt, gid, t4, ilut, o);
   };
