@@ -76,6 +76,23 @@ def time_calls(fn, arg_sets, inner=None, outer=15, warmup=2):
     return statistics.median(times), min(times), NAN if dev is None else dev
 
 
+def kernel_breakdown(fn, arg_sets):
+    """{kernel name: device seconds per call} of the same chained program as time_calls."""
+    inner = max(8, len(arg_sets))
+
+    @jax.jit
+    def chain(sets):
+        carry = jnp.zeros((), jnp.float32)
+        for i in range(inner):
+            args = list(sets[i % len(sets)])
+            args[0] = args[0] + (carry * 0).astype(args[0].dtype)
+            carry = jnp.sum(fn(*args).astype(jnp.float32))
+        return carry
+
+    jax.block_until_ready(chain(arg_sets))
+    return device_time.kernel_seconds_by_name(lambda: jax.block_until_ready(chain(arg_sets)), inner)
+
+
 def copy_bandwidth():
     """Device-to-device copy (read + write) bandwidth in bytes/s over a 2 GiB f32 buffer: (host
     clock, device time or nan). The device figure is the median duration of the pass kernels (the
@@ -185,20 +202,16 @@ def bench_shape(num_seqs, seq_len, splits_list, copy_bw, quick, only_tq=False):
         ns = None if splits == "auto" else int(splits)
         fn = lambda q, c, t, l, ns=ns: tq.paged_decode(q, c, t, l, num_splits=ns)
         rows.append((f"jax_tq K4V4 (splits={splits})", *time_calls(fn, sets, outer=outer), one))
-    # kernel only (no q / output rotation): the primitive on q_rot
-    try:
-        import importlib
-        pd_mod = importlib.import_module("jax_tq.paged_decode")  # the module, not the function
-
-        def kernel_only(q, c, t, l):
-            q_rot = q.astype(jnp.float32)  # stands in for Pi q (same shape / dtype)
-            (o,) = pd_mod.paged_decode_p.bind(
-                q_rot, c.k_codes, c.k_norms, c.v_codes, c.v_norms, c.k_codec.centroids, c.v_codec.centroids,
-                t, l, k_bits=4, v_bits=4, scale=1.0 / math.sqrt(HEAD_DIM), num_splits=0, f16_products=True, backend="ffi")
-            return o
-        rows.append(("jax_tq K4V4 kernel only (auto splits)", *time_calls(kernel_only, sets, outer=outer), one))
-    except Exception as err:  # noqa: BLE001
-        print(f"  kernel-only timing failed: {type(err).__name__}: {err}")
+    # the kernels of one call (device time per kernel name; the split kernel row: the decode's own
+    # split (+ combine) kernels, without the rotation kernels and the benchmark chain's ops)
+    if DEVICE_TIME:
+        fn = lambda q, c, t, l: tq.paged_decode(q, c, t, l)
+        by_name = kernel_breakdown(fn, sets)
+        if by_name:
+            for name, sec in sorted(by_name.items(), key=lambda kv: -kv[1]):
+                print(f"    kernel {sec * 1e6:8.2f} us  {name[:110]}")
+            split = sum(sec for name, sec in by_name.items() if "paged_decode" in name and "rotate" not in name)
+            rows.append(("jax_tq K4V4 split kernel (+ combine)", NAN, NAN, split, one))
     # the chain's own cost per call (the add on q, the sum of the output, the amortised dispatch):
     # the same chain around an op that returns q unchanged
     rows.append((CHAIN_ROW, *time_calls(lambda q, c, t, l: q, sets, outer=outer), 0))

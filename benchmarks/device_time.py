@@ -101,6 +101,20 @@ def device_seconds_per_call(run, calls_per_run, repeats=5):
     return statistics.median(span_us(r) for r in runs) * 1e-6 / calls_per_run
 
 
+def kernel_seconds_by_name(run, calls_per_run, repeats=5):
+    """{kernel name: median over repetitions of its summed duration per call, in seconds} for the
+    kernels of ``run()``; None without GPU kernel events."""
+    runs = traced_runs(run, repeats)
+    if runs is None:
+        return None
+    names = sorted({str(e.get("name", "")) for r in runs for e in r})
+    per_run = [{n: 0.0 for n in names} for _ in runs]
+    for totals, r in zip(per_run, runs):
+        for e in r:
+            totals[str(e.get("name", ""))] += e["dur"]
+    return {n: statistics.median(t[n] for t in per_run) * 1e-6 / calls_per_run for n in names}
+
+
 def median_longest_kernel_seconds(run, count, repeats=3):
     """Median duration, in seconds, of the ``count`` longest kernels of each traced ``run()``: the
     time of one pass of a loop of ``count`` identical passes, without the loop's bookkeeping

@@ -22,6 +22,7 @@
 // All pool address arithmetic is int64. Tokens >= seq_len and pages outside [0, num_pages) are
 // never read. Empty splits write lse = -inf and are ignored by the combine; a row with no valid
 // token is exactly 0.
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -1037,6 +1038,99 @@ __global__ void __launch_bounds__(kCombineThreads)
 }
 
 // ---------------------------------------------------------------------------------------------
+// Rotation kernel (the call's first and last launches): out[r][c] = sum_k in[r][k] * M(k, c) for
+// rows r < rows, c < D, in float32 FMA (k in order); M(k, c) = R[c][k] (TRANS: q_rot = q Pi_k^T)
+// or R[k][c] (out = out_rot Pi_v). One CTA of 256 threads = RB = 8 * TR rows x 32 columns
+// (blockIdx.y): warp w owns rows w * TR .. w * TR + TR - 1, the lane one column. The rows and the
+// CTA's D x 32 block of M are staged in shared memory as float32 (M with a 33-float row: the
+// transposed staging and the column reads are conflict-free). With `check`, a row whose check row
+// (q_rot) holds a non-finite value is written as NaN: the split kernels gave it no weight at all.
+// ---------------------------------------------------------------------------------------------
+enum class FType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
+
+struct RotateParams {
+  const void* in;      // [rows, D], in_dtype
+  const float* rot;    // [D, D]
+  void* out;           // [rows, D], out_dtype
+  const float* check;  // [rows, D] or nullptr
+  int64_t rows;
+  int in_dtype, out_dtype;
+};
+
+__device__ __forceinline__ float load_as_f32(const void* base, int dtype, int64_t i) {
+  if (dtype == static_cast<int>(FType::kBF16))
+    return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[i]);
+  if (dtype == static_cast<int>(FType::kF16)) return __half2float(static_cast<const __half*>(base)[i]);
+  return static_cast<const float*>(base)[i];
+}
+
+__device__ __forceinline__ void store_from_f32(void* base, int dtype, int64_t i, float v) {
+  if (dtype == static_cast<int>(FType::kBF16))
+    static_cast<__nv_bfloat16*>(base)[i] = __float2bfloat16_rn(v);
+  else if (dtype == static_cast<int>(FType::kF16))
+    static_cast<__half*>(base)[i] = __float2half_rn(v);
+  else
+    static_cast<float*>(base)[i] = v;
+}
+
+constexpr int kRotThreads = 256;
+
+template <int D, int TR, bool TRANS>
+__global__ void __launch_bounds__(kRotThreads) rotate_rows_kernel(const RotateParams p) {
+  constexpr int RB = 8 * TR;
+  constexpr int DP = D + 4;  // in_s row stride: rows stay 16-byte aligned for float4 reads
+  __shared__ __align__(16) float in_s[RB][DP];
+  __shared__ float m_s[D][33];
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * RB;
+  const int col0 = blockIdx.y * 32;
+  for (int i = tid; i < RB * D; i += kRotThreads) {
+    const int r = i / D, k = i - r * D;
+    in_s[r][k] = row0 + r < p.rows ? load_as_f32(p.in, p.in_dtype, (row0 + r) * D + k) : 0.f;
+  }
+  for (int i = tid; i < 32 * D; i += kRotThreads) {
+    int k, j;
+    if constexpr (TRANS) {  // R[c][k]: consecutive threads read consecutive k of one row of R
+      j = i / D;
+      k = i - j * D;
+    } else {  // R[k][c]: consecutive threads read consecutive c
+      k = i >> 5;
+      j = i & 31;
+    }
+    const int c = col0 + j;
+    m_s[k][j] = c < D ? p.rot[TRANS ? static_cast<int64_t>(c) * D + k : static_cast<int64_t>(k) * D + c] : 0.f;
+  }
+  __syncthreads();
+  float acc[TR];
+#pragma unroll
+  for (int i = 0; i < TR; ++i) acc[i] = 0.f;
+#pragma unroll 4
+  for (int k = 0; k < D; k += 4) {
+    const float m0 = m_s[k][lane], m1 = m_s[k + 1][lane], m2 = m_s[k + 2][lane], m3 = m_s[k + 3][lane];
+#pragma unroll
+    for (int i = 0; i < TR; ++i) {
+      const float4 x = *reinterpret_cast<const float4*>(&in_s[warp * TR + i][k]);
+      acc[i] = fmaf(x.x, m0, acc[i]);
+      acc[i] = fmaf(x.y, m1, acc[i]);
+      acc[i] = fmaf(x.z, m2, acc[i]);
+      acc[i] = fmaf(x.w, m3, acc[i]);
+    }
+  }
+  const int c = col0 + lane;
+#pragma unroll
+  for (int i = 0; i < TR; ++i) {
+    const int64_t row = row0 + warp * TR + i;
+    if (row >= p.rows) break;  // warp-uniform
+    bool ok = true;
+    if (p.check != nullptr) {
+      for (int k = lane; k < D; k += 32) ok &= isfinite(p.check[row * D + k]);
+      ok = __all_sync(0xffffffffu, ok);
+    }
+    if (c < D) store_from_f32(p.out, p.out_dtype, row * D + c, ok ? acc[i] : __int_as_float(0x7fc00000));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Host side.
 // ---------------------------------------------------------------------------------------------
 // Messages: "jax_tq_paged_decode (CUDA): ..."; the operand checks are shared with the CPU
@@ -1265,14 +1359,72 @@ ffi::Error dispatch_d(int d, int gt, bool f16, cudaStream_t stream, const Decode
   }
 }
 
+
+template <int D, int TR, bool TRANS>
+ffi::Error launch_rotate_tr(cudaStream_t stream, const RotateParams& p) {
+  const dim3 grid(static_cast<unsigned>((p.rows + 8 * TR - 1) / (8 * TR)), (D + 31) / 32);
+  rotate_rows_kernel<D, TR, TRANS><<<grid, kRotThreads, 0, stream>>>(p);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return cuda_error(TRANS ? "query rotation launch" : "output rotation launch", e);
+  return ffi::Error::Success();
+}
+
+// Rows per warp: 1 for few rows (more CTAs, shorter chains), up to 4 for many (fewer shared loads
+// per FMA); static shared memory (48 KB) caps it at 2 for head_dim 192 and 1 for 256.
+template <int D, bool TRANS>
+ffi::Error launch_rotate(cudaStream_t stream, const RotateParams& p) {
+  const int want = p.rows <= 256 ? 1 : p.rows <= 1024 ? 2 : 4;
+  if constexpr (D < 192) {
+    if (want == 4) return launch_rotate_tr<D, 4, TRANS>(stream, p);
+  }
+  if constexpr (D < 256) {
+    if (want >= 2) return launch_rotate_tr<D, 2, TRANS>(stream, p);
+  }
+  return launch_rotate_tr<D, 1, TRANS>(stream, p);
+}
+
+template <bool TRANS>
+ffi::Error rotate_rows(int d, cudaStream_t stream, const RotateParams& p) {
+  switch (d) {
+#if JTQ_HAS_D(64)
+    case 64: return launch_rotate<64, TRANS>(stream, p);
+#endif
+#if JTQ_HAS_D(80)
+    case 80: return launch_rotate<80, TRANS>(stream, p);
+#endif
+#if JTQ_HAS_D(96)
+    case 96: return launch_rotate<96, TRANS>(stream, p);
+#endif
+#if JTQ_HAS_D(128)
+    case 128: return launch_rotate<128, TRANS>(stream, p);
+#endif
+#if JTQ_HAS_D(192)
+    case 192: return launch_rotate<192, TRANS>(stream, p);
+#endif
+#if JTQ_HAS_D(256)
+    case 256: return launch_rotate<256, TRANS>(stream, p);
+#endif
+    default: return invalid("head_dim " + std::to_string(d) + " not compiled in");
+  }
+}
+
+int ftype_of(ffi::DataType t) {
+  if (t == ffi::DataType::BF16) return static_cast<int>(FType::kBF16);
+  if (t == ffi::DataType::F16) return static_cast<int>(FType::kF16);
+  return static_cast<int>(FType::kF32);
+}
+
 }  // namespace
 
-ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot,
+ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::AnyBuffer q,
                                ffi::Buffer<ffi::U8> k_codes, ffi::Buffer<ffi::F32> k_norms,
                                ffi::Buffer<ffi::U8> v_codes, ffi::Buffer<ffi::F32> v_norms,
                                ffi::Buffer<ffi::F32> k_centroids,
                                ffi::Buffer<ffi::F32> v_centroids,
                                ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens,
+                               ffi::Buffer<ffi::F32> k_rotation, ffi::Buffer<ffi::F32> v_rotation,
+                               ffi::Result<ffi::AnyBuffer> out,
+                               ffi::Result<ffi::Buffer<ffi::F32>> q_rot,
                                ffi::Result<ffi::Buffer<ffi::F32>> out_rot,
                                ffi::Result<ffi::Buffer<ffi::F32>> partial_out,
                                ffi::Result<ffi::Buffer<ffi::F32>> partial_lse, int32_t k_bits,
@@ -1281,8 +1433,9 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot,
   // ---- validation (shared with the CPU handler) ----------------------------------------------
   ffi_checks::DecodeDims dims;
   JTQ_RETURN_IF_ERROR(ffi_checks::validate_paged_decode(
-      kOp, q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids, block_tables,
-      seq_lens, *out_rot, *partial_out, *partial_lse, k_bits, v_bits, num_splits, &dims));
+      kOp, q, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids, block_tables,
+      seq_lens, k_rotation, v_rotation, *out, *q_rot, *out_rot, *partial_out, *partial_lse, k_bits,
+      v_bits, num_splits, &dims));
   const int64_t S = dims.S, H = dims.H, d = dims.d;
   const int64_t P = dims.P, Hkv = dims.Hkv, page = dims.page;
   const int64_t kpb = dims.kpb, vpb = dims.vpb, max_pages = dims.max_pages, ns = dims.ns;
@@ -1302,7 +1455,7 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot,
   if (Hkv * ntiles > 65535) return invalid("num_kv_heads * ceil(group / 8) must be <= 65535");
 
   DecodeParams p;
-  p.q = q_rot.typed_data();
+  p.q = q_rot->typed_data();
   p.kc = k_codes.typed_data();
   p.kn = k_norms.typed_data();
   p.vc = v_codes.typed_data();
@@ -1343,6 +1496,10 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot,
   if (ns > 1 && reinterpret_cast<uintptr_t>(p.pout) % 16 != 0)
     return invalid("partial_out workspace is not 16-byte aligned");
   if (ns > 1 && d > kCombineMaxD) return invalid("head_dim above the combine kernel's 256");
+  const int dtype = ftype_of(q.element_type());
+  RotateParams rq{q.untyped_data(), k_rotation.typed_data(), q_rot->typed_data(), nullptr, S * H,
+                  dtype, static_cast<int>(FType::kF32)};
+  if (auto e = rotate_rows<true>(static_cast<int>(d), stream, rq); e.failure()) return e;
   const dim3 grid(static_cast<unsigned>(S * ns), static_cast<unsigned>(Hkv * ntiles));
   if (auto e = dispatch_d(static_cast<int>(d), gt, f16_products != 0, stream, p, grid); e.failure())
     return e;
@@ -1352,7 +1509,9 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot,
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return cuda_error("combine kernel launch", e);
   }
-  return ffi::Error::Success();
+  RotateParams ro{out_rot->typed_data(), v_rotation.typed_data(), out->untyped_data(),
+                  q_rot->typed_data(), S * H, static_cast<int>(FType::kF32), dtype};
+  return rotate_rows<false>(static_cast<int>(d), stream, ro);
 }
 
 }  // namespace cuda
