@@ -65,7 +65,7 @@ def paged_decode(q, cache, block_tables, seq_lens, *, scale=None, num_splits=Non
     Returns:
       [num_seqs, num_heads, head_dim] array of q's dtype. A query row holding a NaN or inf gives a
       NaN output row, and so does a finite one whose rotation overflows float32 (|q| near
-      float32's max). Differentiable in q, in the cache's norms and in the codecs' rotations (``jax.grad``/``vjp``, reverse
+      float32's max). Differentiable in q and in the cache's norms (``jax.grad``/``vjp``, reverse
       mode only: a custom VJP whose backward pass runs the jnp reference). The codes are integers
       and get no gradient (:func:`jax_tq.compress` passes gradients through the norms only).
 
@@ -162,8 +162,8 @@ def _reference_decode(q, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tab
 @functools.partial(jax.custom_vjp, nondiff_argnums=(11, 12, 13, 14, 15, 16))
 def _decode(q, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, k_rot, v_rot,
             k_bits, v_bits, scale, num_splits, f16_products, backend):
-    """The kernel call (rotations included), differentiable in q, the norms and the rotations (the
-    codes are integers)."""
+    """The kernel call (rotations included), differentiable in q and the norms (the codes are
+    integers; the codec's rotations and centroids are constants)."""
     (out,) = paged_decode_p.bind(
         q, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, k_rot, v_rot,
         k_bits=k_bits, v_bits=v_bits, scale=scale, num_splits=num_splits, f16_products=f16_products,
@@ -181,13 +181,13 @@ def _decode_bwd(k_bits, v_bits, scale, num_splits, f16_products, backend, operan
     """Backward pass through the reference (recomputes the softmax; memory O(num_seqs x tokens))."""
     q, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, k_rot, v_rot = operands
 
-    def attend(q, kn, vn, kr, vr):
-        return _reference_decode(q, k_codes, kn, v_codes, vn, k_cent, v_cent, tables, lens, kr, vr,
+    def attend(q, kn, vn):
+        return _reference_decode(q, k_codes, kn, v_codes, vn, k_cent, v_cent, tables, lens, k_rot, v_rot,
                                  k_bits=k_bits, v_bits=v_bits, scale=scale)
 
-    _, vjp = jax.vjp(attend, q, k_norms, v_norms, k_rot, v_rot)
-    dq, dk_norms, dv_norms, dk_rot, dv_rot = vjp(cotangent)
-    return dq, None, dk_norms, None, dv_norms, None, None, None, None, dk_rot, dv_rot
+    _, vjp = jax.vjp(attend, q, k_norms, v_norms)
+    dq, dk_norms, dv_norms = vjp(cotangent)
+    return dq, None, dk_norms, None, dv_norms, None, None, None, None, None, None
 
 
 _decode.defvjp(_decode_fwd, _decode_bwd)
