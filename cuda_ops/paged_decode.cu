@@ -953,6 +953,22 @@ __global__ void __launch_bounds__(kThreads)
 
 // Tensor-core split kernel v3 (head_dim 128, K4V4, GT 4 / 8): the default where it applies (see
 // use_v3). Included textually here: it uses the helpers above.
+// Programmatic dependent launch (sm_90): a kernel launched with the programmatic-serialization
+// attribute may start before the previous kernel on the stream has finished; pdl_wait() blocks
+// until that kernel has completed and its writes are visible (at once when not launched so), and
+// pdl_trigger() lets the next such kernel start launching. No-ops below sm_90.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+
 #include "paged_decode_mma.cuh"
 
 // ---------------------------------------------------------------------------------------------
@@ -986,6 +1002,7 @@ __global__ void __launch_bounds__(kCombineThreads)
   __shared__ float w_s[kCombineMaxSplits];
   __shared__ float red[kCombineGroups];
   __shared__ __align__(16) float acc_s[kCombineGroups][kCombineMaxD];
+  pdl_trigger();
   const int64_t sh = blockIdx.x;
   const float* lse = plse + sh * ns;
   const float* po = pout + sh * ns * D;
@@ -1084,21 +1101,47 @@ __global__ void __launch_bounds__(kRotThreads) rotate_rows_kernel(const RotatePa
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int64_t row0 = static_cast<int64_t>(blockIdx.x) * RB;
   const int col0 = blockIdx.y * 32;
-  for (int i = tid; i < RB * D; i += kRotThreads) {
-    const int r = i / D, k = i - r * D;
-    in_s[r][k] = row0 + r < p.rows ? load_as_f32(p.in, p.in_dtype, (row0 + r) * D + k) : 0.f;
+  pdl_trigger();
+  // Staging: every load of a thread is issued before its first shared-memory store (a loop of
+  // load-then-store pairs serialises one L2 round trip per element: 4-8 us per call).
+  constexpr int kM4 = 32 * D / 4;  // float4s of the CTA's D x 32 block of M
+  constexpr int kMIt = (kM4 + kRotThreads - 1) / kRotThreads;
+  float4 mv[kMIt];
+#pragma unroll
+  for (int it = 0; it < kMIt; ++it) {
+    const int i = tid + it * kRotThreads;
+    // TRANS: R[c][4 k4 .. 4 k4 + 3] (row c = col0 + j of R); else R[k][c .. c + 3]
+    const int j = TRANS ? i / (D / 4) : 4 * (i & 7);
+    const int k = TRANS ? 4 * (i - j * (D / 4)) : i >> 3;
+    const int64_t off = TRANS ? static_cast<int64_t>(col0 + j) * D + k : static_cast<int64_t>(k) * D + col0 + j;
+    mv[it] = i < kM4 && col0 + j < D ? __ldg(reinterpret_cast<const float4*>(p.rot + off))
+                                     : make_float4(0.f, 0.f, 0.f, 0.f);
   }
-  for (int i = tid; i < 32 * D; i += kRotThreads) {
-    int k, j;
-    if constexpr (TRANS) {  // R[c][k]: consecutive threads read consecutive k of one row of R
-      j = i / D;
-      k = i - j * D;
-    } else {  // R[k][c]: consecutive threads read consecutive c
-      k = i >> 5;
-      j = i & 31;
+  pdl_wait();  // the rows are the previous kernel's output (M is a constant operand)
+  constexpr int kIn = RB * D, kInIt = (kIn + kRotThreads - 1) / kRotThreads;
+  float xin[kInIt];
+#pragma unroll
+  for (int it = 0; it < kInIt; ++it) {
+    const int i = tid + it * kRotThreads, r = i / D;
+    xin[it] = i < kIn && row0 + r < p.rows ? load_as_f32(p.in, p.in_dtype, (row0 + r) * D + (i - r * D)) : 0.f;
+  }
+#pragma unroll
+  for (int it = 0; it < kInIt; ++it) {
+    const int i = tid + it * kRotThreads, r = i / D;
+    if (i < kIn) in_s[r][i - r * D] = xin[it];
+  }
+#pragma unroll
+  for (int it = 0; it < kMIt; ++it) {
+    const int i = tid + it * kRotThreads;
+    if (i >= kM4) break;
+    const int j = TRANS ? i / (D / 4) : 4 * (i & 7);
+    const int k = TRANS ? 4 * (i - j * (D / 4)) : i >> 3;
+    const float v[4] = {mv[it].x, mv[it].y, mv[it].z, mv[it].w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      if constexpr (TRANS) m_s[k + e][j] = v[e];
+      else m_s[k][j + e] = v[e];
     }
-    const int c = col0 + j;
-    m_s[k][j] = c < D ? p.rot[TRANS ? static_cast<int64_t>(c) * D + k : static_cast<int64_t>(k) * D + c] : 0.f;
   }
   __syncthreads();
   float acc[TR];
@@ -1123,6 +1166,7 @@ __global__ void __launch_bounds__(kRotThreads) rotate_rows_kernel(const RotatePa
     if (row >= p.rows) break;  // warp-uniform
     bool ok = true;
     if (p.check != nullptr) {
+#pragma unroll
       for (int k = lane; k < D; k += 32) ok &= isfinite(p.check[row * D + k]);
       ok = __all_sync(0xffffffffu, ok);
     }
@@ -1172,15 +1216,46 @@ ffi::Error launch_v2(cudaStream_t stream, const DecodeParams& p, dim3 grid) {
 
 // A tensor-core kernel (paged_decode_mma.cuh) on `threads` threads with its table space. One
 // instantiation per kernel: the shared-memory attribute is remembered per kernel.
+// Programmatic dependent launch (see pdl_wait) where the device has it (sm_90+) unless
+// JAX_TQ_CUDA_PDL=0 (A/B timing).
+bool pdl_enabled() {
+  static const bool env_on = [] {
+    const char* env = std::getenv("JAX_TQ_CUDA_PDL");
+    return env == nullptr || std::string(env) != "0";
+  }();
+  int dev = 0, major = 0;
+  return env_on && cudaGetDevice(&dev) == cudaSuccess &&
+         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess && major >= 9;
+}
+
+// kernel<<<grid, block, smem, stream>>>(args...), as a programmatic dependent of the previous
+// kernel on the stream when `pdl` (the kernel must pdl_wait() before reading that kernel's output).
+template <typename... KArgs, typename... Args>
+cudaError_t launch_kernel(void (*kernel)(KArgs...), dim3 grid, dim3 block, int smem, cudaStream_t stream,
+                          bool pdl, Args... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = static_cast<size_t>(smem);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, static_cast<KArgs>(args)...);
+}
+
+// A tensor-core kernel (paged_decode_mma.cuh) on `threads` threads with its table space. One
+// instantiation per kernel: the shared-memory attribute is remembered per kernel.
 template <auto kKernel, int kSmem = v3::kSmemBytes>
 ffi::Error launch_mma(int threads, const char* name, cudaStream_t stream, const DecodeParams& p,
-                      dim3 grid) {
+                      dim3 grid, bool pdl = false) {
   static std::atomic<uint64_t> smem_set{0};
   if (cudaError_t e = allow_dynamic_smem(smem_set, kKernel, kSmem); e != cudaSuccess)
     return cuda_error((std::string(name) + " shared memory attribute").c_str(), e);
-  kKernel<<<grid, threads, kSmem, stream>>>(p);
-  cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return cuda_error((std::string(name) + " split kernel launch").c_str(), e);
+  if (cudaError_t e = launch_kernel(kKernel, grid, dim3(threads), kSmem, stream, pdl, p); e != cudaSuccess)
+    return cuda_error((std::string(name) + " split kernel launch").c_str(), e);
   return ffi::Error::Success();
 }
 
@@ -1192,8 +1267,9 @@ ffi::Error launch_v3(cudaStream_t stream, const DecodeParams& p, dim3 grid) {
 template <int GT, bool RING>
 ffi::Error launch_v4(cudaStream_t stream, const DecodeParams& p, dim3 grid) {
   constexpr int smem = v3::kSmemBytes + (RING ? v3::kRingBytes : 0);
+  // v4 waits for the query rotation just before reading q (pdl_wait in its prologue).
   return launch_mma<v3::paged_decode_v4_kernel<GT, false, RING>, smem>(
-      v3::kT4, RING ? "v4 ring" : "v4", stream, p, grid);
+      v3::kT4, RING ? "v4 ring" : "v4", stream, p, grid, pdl_enabled());
 }
 
 // Whether v4's ring variant keeps kCtasPerSm4 CTAs per SM on the current device (the split rule
@@ -1363,8 +1439,10 @@ ffi::Error dispatch_d(int d, int gt, bool f16, cudaStream_t stream, const Decode
 template <int D, int TR, bool TRANS>
 ffi::Error launch_rotate_tr(cudaStream_t stream, const RotateParams& p) {
   const dim3 grid(static_cast<unsigned>((p.rows + 8 * TR - 1) / (8 * TR)), (D + 31) / 32);
-  rotate_rows_kernel<D, TR, TRANS><<<grid, kRotThreads, 0, stream>>>(p);
-  cudaError_t e = cudaGetLastError();
+  // The output rotation follows the split (or combine) kernel as its programmatic dependent: its
+  // CTAs stage Pi_v while that kernel finishes. The query rotation follows XLA's own kernels.
+  cudaError_t e = launch_kernel(rotate_rows_kernel<D, TR, TRANS>, grid, dim3(kRotThreads), 0, stream,
+                                !TRANS && pdl_enabled(), p);
   if (e != cudaSuccess) return cuda_error(TRANS ? "query rotation launch" : "output rotation launch", e);
   return ffi::Error::Success();
 }
