@@ -98,6 +98,7 @@ ffi::Error PagedDecodeImpl(ffi::AnyBuffer q_in, ffi::Buffer<ffi::U8> k_codes,
                            ffi::Buffer<ffi::F32> v_rotation, ffi::Result<ffi::AnyBuffer> out_q,
                            ffi::Result<ffi::Buffer<ffi::F32>> q_rot_ws,
                            ffi::Result<ffi::Buffer<ffi::F32>> out_rot,
+                           ffi::Result<ffi::Buffer<ffi::S32>> row_flags,
                            ffi::Result<ffi::Buffer<ffi::F32>> partial_out,
                            ffi::Result<ffi::Buffer<ffi::F32>> partial_lse, int32_t k_bits,
                            int32_t v_bits, int32_t num_splits, float scale,
@@ -107,7 +108,7 @@ ffi::Error PagedDecodeImpl(ffi::AnyBuffer q_in, ffi::Buffer<ffi::U8> k_codes,
   ffi_checks::DecodeDims dims;
   JTQ_RETURN_IF_ERROR(ffi_checks::validate_paged_decode(
       op, q_in, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids, block_tables,
-      seq_lens, k_rotation, v_rotation, *out_q, *q_rot_ws, *out_rot, *partial_out, *partial_lse,
+      seq_lens, k_rotation, v_rotation, *out_q, *q_rot_ws, *out_rot, *row_flags, *partial_out, *partial_lse,
       k_bits, v_bits, num_splits, &dims));
   const int64_t S = dims.S, H = dims.H, d = dims.d;
   const int64_t P = dims.P, Hkv = dims.Hkv, page = dims.page;

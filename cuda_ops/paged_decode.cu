@@ -1056,23 +1056,16 @@ __global__ void __launch_bounds__(kCombineThreads)
 
 // ---------------------------------------------------------------------------------------------
 // Rotation kernel (the call's first and last launches): out[r][c] = sum_k in[r][k] * M(k, c) for
-// rows r < rows, c < D, in float32 FMA (k in order); M(k, c) = R[c][k] (TRANS: q_rot = q Pi_k^T)
-// or R[k][c] (out = out_rot Pi_v). One CTA of 256 threads = RB = 8 * TR rows x 32 columns
-// (blockIdx.y): warp w owns rows w * TR .. w * TR + TR - 1, the lane one column. The rows and the
-// CTA's D x 32 block of M are staged in shared memory as float32 (M with a 33-float row: the
-// transposed staging and the column reads are conflict-free). With `check`, a row whose check row
-// (q_rot) holds a non-finite value is written as NaN: the split kernels gave it no weight at all.
+// rows r < rows, c < D; M(k, c) = R[c][k] (TRANS: q_rot = q Pi_k^T) or R[k][c] (out = out_rot Pi_v).
+// Tensor cores, mma.sync m16n8k8 TF32 with three products per step (a_hi b_hi + a_hi b_lo +
+// a_lo b_hi, x_hi = tf32(x), x_lo = tf32(x - x_hi): ~float32-accurate, relative error ~1e-6); a
+// CUDA-core float32 version was shared-memory bound (a broadcast 16-byte load costs 4 wavefronts)
+// at 5-12 us per rotation. One CTA of 4 warps = 64 rows x CB columns (blockIdx.y): warp w owns
+// rows 16 w .. 16 w + 15 and all NT = CB / 8 n-tiles. The rows (in their own dtype, A_s[64][AS])
+// and the CTA's D x CB block of M (B_s, n-major for TRANS, k-major else) are copied to shared
+// memory by cp.async; the padded strides make the fragment reads conflict-free.
 // ---------------------------------------------------------------------------------------------
 enum class FType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
-
-struct RotateParams {
-  const void* in;      // [rows, D], in_dtype
-  const float* rot;    // [D, D]
-  void* out;           // [rows, D], out_dtype
-  const float* check;  // [rows, D] or nullptr
-  int64_t rows;
-  int in_dtype, out_dtype;
-};
 
 __device__ __forceinline__ float to_f32(float x) { return x; }
 __device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
@@ -1087,99 +1080,169 @@ __device__ __forceinline__ void store_from_f32(void* base, int dtype, int64_t i,
     static_cast<float*>(base)[i] = v;
 }
 
-constexpr int kRotThreads = 256;
+__device__ __forceinline__ uint32_t tf32_bits(float x) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+  return r;
+}
 
-template <int D, int TR, bool TRANS>
+// x -> (tf32(x), tf32(x - tf32(x))).
+__device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) {
+  hi = tf32_bits(x);
+  lo = tf32_bits(x - __uint_as_float(hi));
+}
+
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+constexpr int kRotWarps = 4;
+constexpr int kRotThreads = 32 * kRotWarps;
+constexpr int kRotRows = 16 * kRotWarps;  // rows per CTA
+constexpr int kRowFlags = static_cast<int>(ffi_checks::kDecodeRowFlags);  // >= column blocks D / CB
+
+// T: the rows' element type in global and shared memory (converted at the fragment reads).
+template <int D, typename T>
+struct RotGeom {
+  static constexpr int CB = D % 32 == 0 ? 32 : 16;         // columns per CTA
+  static constexpr int NT = CB / 8;                         // n-tiles per warp
+  static constexpr int AS = D + 16 / int(sizeof(T));        // A_s row stride (elements)
+  static constexpr int BN = D + 4;                          // B_s stride, TRANS ([CB][D] n-major)
+  static constexpr int BK = CB + 8;                         // B_s stride, else ([D][CB] k-major)
+  static constexpr int a_bytes = kRotRows * AS * int(sizeof(T));
+  static constexpr int b_bytes = (CB * BN > D * BK ? CB * BN : D * BK) * 4;
+  static constexpr int smem = a_bytes + b_bytes;
+  static_assert(D / CB <= kRowFlags, "row flags");
+};
+
+// Rotate-q (TRANS) writes, per row and column block, whether its q_rot values are all finite
+// (flags_out[row][blockIdx.y]); the output rotation reads them (flags_in, D / CB per row) and
+// writes NaN rows where one is 0. A non-finite q makes every q_rot value non-finite (inf * 0 and
+// inf - inf are NaN), so this also marks non-finite queries.
+struct RotateParams {
+  const void* in;       // [rows, D], in_dtype
+  const float* rot;     // [D, D]
+  void* out;            // [rows, D], out_dtype
+  int* flags_out;       // [rows, kRowFlags] or nullptr
+  const int* flags_in;  // [rows, kRowFlags] or nullptr
+  int64_t rows;
+  int out_dtype;
+};
+
+template <int D, bool TRANS, typename T>
 __global__ void __launch_bounds__(kRotThreads) rotate_rows_kernel(const RotateParams p) {
-  constexpr int RB = 8 * TR;
-  constexpr int DP = D + 4;  // in_s row stride: rows stay 16-byte aligned for float4 reads
-  __shared__ __align__(16) float in_s[RB][DP];
-  __shared__ float m_s[D][33];
+  using G = RotGeom<D, T>;
+  constexpr int CB = G::CB, NT = G::NT, AS = G::AS, BN = G::BN, BK = G::BK;
+  extern __shared__ __align__(16) uint8_t rot_smem[];
+  T* a_s = reinterpret_cast<T*>(rot_smem);                  // [kRotRows][AS]
+  float* b_s = reinterpret_cast<float*>(rot_smem + G::a_bytes);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * RB;
-  const int col0 = blockIdx.y * 32;
+  const int gid = lane >> 2, t4 = lane & 3;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kRotRows;
+  const int col0 = blockIdx.y * CB;
   pdl_trigger();
-  // Staging: every load of a thread is issued before its first shared-memory store (a loop of
-  // load-then-store pairs serialises one L2 round trip per element: 4-8 us per call).
-  constexpr int kM4 = 32 * D / 4;  // float4s of the CTA's D x 32 block of M
-  constexpr int kMIt = (kM4 + kRotThreads - 1) / kRotThreads;
-  float4 mv[kMIt];
-#pragma unroll
-  for (int it = 0; it < kMIt; ++it) {
-    const int i = tid + it * kRotThreads;
-    // TRANS: R[c][4 k4 .. 4 k4 + 3] (row c = col0 + j of R); else R[k][c .. c + 3]
-    const int j = TRANS ? i / (D / 4) : 4 * (i & 7);
-    const int k = TRANS ? 4 * (i - j * (D / 4)) : i >> 3;
-    const int64_t off = TRANS ? static_cast<int64_t>(col0 + j) * D + k : static_cast<int64_t>(k) * D + col0 + j;
-    const bool valid = i < kM4 && col0 + j < D;
-    const float4 v = __ldg(reinterpret_cast<const float4*>(p.rot + (valid ? off : 0)));
-    mv[it] = valid ? v : make_float4(0.f, 0.f, 0.f, 0.f);
-  }
-  pdl_wait();  // the rows are the previous kernel's output (M is a constant operand)
-  constexpr int kIn = RB * D, kInIt = (kIn + kRotThreads - 1) / kRotThreads;
-  float xin[kInIt];
-  // One branch on the dtype around the whole unrolled loop: a branch per element would keep the
-  // compiler from issuing the loads together (one L2 round trip each, ~13 us at 4096 rows).
-  auto load_in = [&](auto tag) {
-    using T = decltype(tag);
-#pragma unroll
-    for (int it = 0; it < kInIt; ++it) {
-      // Out-of-range elements load a valid one (row 0) and are zeroed after: no branch per load.
-      const int i = tid + it * kRotThreads, r = i / D;
-      const bool valid = i < kIn && row0 + r < p.rows;
-      const float x = to_f32(static_cast<const T*>(p.in)[valid ? (row0 + r) * D + (i - r * D) : 0]);
-      xin[it] = valid ? x : 0.f;
+  // Staging by cp.async (no registers, all copies in flight together): first the CTA's block of
+  // M, a constant operand; then, after the previous kernel is done, the rows (zero-filled past
+  // the last row).
+  if constexpr (TRANS) {  // B_s[j][k] = R[col0 + j][k]
+    constexpr int upr = D / 4;
+    for (int u = tid; u < CB * upr; u += kRotThreads) {
+      const int j = u / upr, k4 = u - j * upr;
+      cp_async16_s(smem_addr(b_s + j * BN + 4 * k4), p.rot + static_cast<int64_t>(col0 + j) * D + 4 * k4);
     }
-  };
-  if (p.in_dtype == static_cast<int>(FType::kBF16)) load_in(__nv_bfloat16{});
-  else if (p.in_dtype == static_cast<int>(FType::kF16)) load_in(__half{});
-  else load_in(0.f);
-#pragma unroll
-  for (int it = 0; it < kInIt; ++it) {
-    const int i = tid + it * kRotThreads, r = i / D;
-    if (i < kIn) in_s[r][i - r * D] = xin[it];
-  }
-#pragma unroll
-  for (int it = 0; it < kMIt; ++it) {
-    const int i = tid + it * kRotThreads;
-    if (i >= kM4) break;
-    const int j = TRANS ? i / (D / 4) : 4 * (i & 7);
-    const int k = TRANS ? 4 * (i - j * (D / 4)) : i >> 3;
-    const float v[4] = {mv[it].x, mv[it].y, mv[it].z, mv[it].w};
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      if constexpr (TRANS) m_s[k + e][j] = v[e];
-      else m_s[k][j + e] = v[e];
+  } else {  // B_s[k][j] = R[k][col0 + j]
+    constexpr int upr = CB / 4;
+    for (int u = tid; u < D * upr; u += kRotThreads) {
+      const int k = u / upr, j4 = u - k * upr;
+      cp_async16_s(smem_addr(b_s + k * BK + 4 * j4), p.rot + static_cast<int64_t>(k) * D + col0 + 4 * j4);
     }
   }
+  pdl_wait();  // the rows (and flags) are the previous kernels' output
+  {
+    constexpr int upr = D * int(sizeof(T)) / 16;
+    const T* in = static_cast<const T*>(p.in);
+    for (int u = tid; u < kRotRows * upr; u += kRotThreads) {
+      const int r = u / upr, c = u - r * upr;
+      const bool valid = row0 + r < p.rows;
+      const T* src = in + (valid ? (row0 + r) * D + c * (16 / int(sizeof(T))) : 0);
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(a_s + r * AS + c * (16 / int(sizeof(T))))),
+                   "l"(src), "r"(valid ? 16 : 0)
+                   : "memory");
+    }
+  }
+  cp_async_commit();
+  // Flags of the lane's two output rows (the output rotation), loaded while the copies fly.
+  bool row_ok[2] = {true, true};
+  if (p.flags_in != nullptr) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t row = row0 + 16 * warp + gid + 8 * h;
+      if (row < p.rows) {
+        const int4* f = reinterpret_cast<const int4*>(p.flags_in + row * kRowFlags);
+        const int4 f0 = f[0], f1 = f[1];
+        const int v[8] = {f0.x, f0.y, f0.z, f0.w, f1.x, f1.y, f1.z, f1.w};
+#pragma unroll
+        for (int b = 0; b < D / CB; ++b) row_ok[h] &= v[b] != 0;
+      }
+    }
+  }
+  cp_async_wait<0>();
   __syncthreads();
-  float acc[TR];
+
+  float acc[NT][4], acc2[NT][4];  // a_hi b_hi, and the two correction products
 #pragma unroll
-  for (int i = 0; i < TR; ++i) acc[i] = 0.f;
-#pragma unroll 4
-  for (int k = 0; k < D; k += 4) {
-    const float m0 = m_s[k][lane], m1 = m_s[k + 1][lane], m2 = m_s[k + 2][lane], m3 = m_s[k + 3][lane];
+  for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-    for (int i = 0; i < TR; ++i) {
-      const float4 x = *reinterpret_cast<const float4*>(&in_s[warp * TR + i][k]);
-      acc[i] = fmaf(x.x, m0, acc[i]);
-      acc[i] = fmaf(x.y, m1, acc[i]);
-      acc[i] = fmaf(x.z, m2, acc[i]);
-      acc[i] = fmaf(x.w, m3, acc[i]);
+    for (int c = 0; c < 4; ++c) acc[nt][c] = acc2[nt][c] = 0.f;
+  const T* a_w = a_s + (16 * warp) * AS;
+#pragma unroll 2
+  for (int k0 = 0; k0 < D; k0 += 8) {
+    uint32_t ah[4], al[4];
+    split_tf32(to_f32(a_w[gid * AS + k0 + t4]), ah[0], al[0]);
+    split_tf32(to_f32(a_w[(gid + 8) * AS + k0 + t4]), ah[1], al[1]);
+    split_tf32(to_f32(a_w[gid * AS + k0 + t4 + 4]), ah[2], al[2]);
+    split_tf32(to_f32(a_w[(gid + 8) * AS + k0 + t4 + 4]), ah[3], al[3]);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const float b0 = TRANS ? b_s[(8 * nt + gid) * BN + k0 + t4] : b_s[(k0 + t4) * BK + 8 * nt + gid];
+      const float b1 = TRANS ? b_s[(8 * nt + gid) * BN + k0 + t4 + 4] : b_s[(k0 + t4 + 4) * BK + 8 * nt + gid];
+      uint32_t bh0, bl0, bh1, bl1;
+      split_tf32(b0, bh0, bl0);
+      split_tf32(b1, bh1, bl1);
+      mma_tf32(acc[nt], ah, bh0, bh1);
+      mma_tf32(acc2[nt], ah, bl0, bl1);
+      mma_tf32(acc2[nt], al, bh0, bh1);
     }
   }
-  const int c = col0 + lane;
+  const float kNaN = __int_as_float(0x7fc00000);
 #pragma unroll
-  for (int i = 0; i < TR; ++i) {
-    const int64_t row = row0 + warp * TR + i;
-    if (row >= p.rows) break;  // warp-uniform
-    bool ok = true;
-    if (p.check != nullptr) {
+  for (int h = 0; h < 2; ++h) {
+    const int64_t row = row0 + 16 * warp + gid + 8 * h;
+    float v[NT][2];
+    bool finite = true;
 #pragma unroll
-      for (int k = lane; k < D; k += 32) ok &= isfinite(p.check[row * D + k]);
-      ok = __all_sync(0xffffffffu, ok);
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        v[nt][e] = acc[nt][2 * h + e] + acc2[nt][2 * h + e];
+        finite &= isfinite(v[nt][e]);
+      }
+    if (p.flags_out != nullptr) {  // the row's 4 lanes (t4) hold its CB columns
+      finite &= __shfl_xor_sync(0xffffffffu, finite, 1) != 0;
+      finite &= __shfl_xor_sync(0xffffffffu, finite, 2) != 0;
+      if (t4 == 0 && row < p.rows) p.flags_out[row * kRowFlags + blockIdx.y] = finite;
     }
-    if (c < D) store_from_f32(p.out, p.out_dtype, row * D + c, ok ? acc[i] : __int_as_float(0x7fc00000));
+    if (row >= p.rows) continue;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const int c = col0 + 8 * nt + 2 * t4;
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+        store_from_f32(p.out, p.out_dtype, row * D + c + e, row_ok[h] ? v[nt][e] : kNaN);
+    }
   }
 }
 
@@ -1445,51 +1508,51 @@ ffi::Error dispatch_d(int d, int gt, bool f16, cudaStream_t stream, const Decode
 }
 
 
-template <int D, int TR, bool TRANS>
-ffi::Error launch_rotate_tr(cudaStream_t stream, const RotateParams& p) {
-  const dim3 grid(static_cast<unsigned>((p.rows + 8 * TR - 1) / (8 * TR)), (D + 31) / 32);
+template <int D, bool TRANS, typename T>
+ffi::Error launch_rotate_t(cudaStream_t stream, const RotateParams& p) {
+  constexpr int smem = RotGeom<D, T>::smem;
+  static std::atomic<uint64_t> smem_set{0};
+  const auto kernel = rotate_rows_kernel<D, TRANS, T>;
+  if (cudaError_t e = allow_dynamic_smem(smem_set, kernel, smem); e != cudaSuccess)
+    return cuda_error("rotation kernel shared memory attribute", e);
+  const dim3 grid(static_cast<unsigned>((p.rows + kRotRows - 1) / kRotRows), D / RotGeom<D, T>::CB);
   // The output rotation follows the split (or combine) kernel as its programmatic dependent: its
   // CTAs stage Pi_v while that kernel finishes. The query rotation follows XLA's own kernels.
-  cudaError_t e = launch_kernel(rotate_rows_kernel<D, TR, TRANS>, grid, dim3(kRotThreads), 0, stream,
-                                !TRANS && pdl_enabled(), p);
+  cudaError_t e = launch_kernel(kernel, grid, dim3(kRotThreads), smem, stream, !TRANS && pdl_enabled(), p);
   if (e != cudaSuccess) return cuda_error(TRANS ? "query rotation launch" : "output rotation launch", e);
   return ffi::Error::Success();
 }
 
-// Rows per warp: 1 for few rows (more CTAs, shorter chains), up to 4 for many (fewer shared loads
-// per FMA); static shared memory (48 KB) caps it at 2 for head_dim 192 and 1 for 256.
+// The query rotation reads q in its dtype; the output rotation reads out_rot (float32).
 template <int D, bool TRANS>
-ffi::Error launch_rotate(cudaStream_t stream, const RotateParams& p) {
-  const int want = p.rows <= 256 ? 1 : p.rows <= 1024 ? 2 : 4;
-  if constexpr (D < 192) {
-    if (want == 4) return launch_rotate_tr<D, 4, TRANS>(stream, p);
+ffi::Error launch_rotate(cudaStream_t stream, const RotateParams& p, int in_dtype) {
+  if constexpr (TRANS) {
+    if (in_dtype == static_cast<int>(FType::kBF16)) return launch_rotate_t<D, true, __nv_bfloat16>(stream, p);
+    if (in_dtype == static_cast<int>(FType::kF16)) return launch_rotate_t<D, true, __half>(stream, p);
   }
-  if constexpr (D < 256) {
-    if (want >= 2) return launch_rotate_tr<D, 2, TRANS>(stream, p);
-  }
-  return launch_rotate_tr<D, 1, TRANS>(stream, p);
+  return launch_rotate_t<D, TRANS, float>(stream, p);
 }
 
 template <bool TRANS>
-ffi::Error rotate_rows(int d, cudaStream_t stream, const RotateParams& p) {
+ffi::Error rotate_rows(int d, cudaStream_t stream, const RotateParams& p, int in_dtype) {
   switch (d) {
 #if JTQ_HAS_D(64)
-    case 64: return launch_rotate<64, TRANS>(stream, p);
+    case 64: return launch_rotate<64, TRANS>(stream, p, in_dtype);
 #endif
 #if JTQ_HAS_D(80)
-    case 80: return launch_rotate<80, TRANS>(stream, p);
+    case 80: return launch_rotate<80, TRANS>(stream, p, in_dtype);
 #endif
 #if JTQ_HAS_D(96)
-    case 96: return launch_rotate<96, TRANS>(stream, p);
+    case 96: return launch_rotate<96, TRANS>(stream, p, in_dtype);
 #endif
 #if JTQ_HAS_D(128)
-    case 128: return launch_rotate<128, TRANS>(stream, p);
+    case 128: return launch_rotate<128, TRANS>(stream, p, in_dtype);
 #endif
 #if JTQ_HAS_D(192)
-    case 192: return launch_rotate<192, TRANS>(stream, p);
+    case 192: return launch_rotate<192, TRANS>(stream, p, in_dtype);
 #endif
 #if JTQ_HAS_D(256)
-    case 256: return launch_rotate<256, TRANS>(stream, p);
+    case 256: return launch_rotate<256, TRANS>(stream, p, in_dtype);
 #endif
     default: return invalid("head_dim " + std::to_string(d) + " not compiled in");
   }
@@ -1513,6 +1576,7 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::AnyBuffer q,
                                ffi::Result<ffi::AnyBuffer> out,
                                ffi::Result<ffi::Buffer<ffi::F32>> q_rot,
                                ffi::Result<ffi::Buffer<ffi::F32>> out_rot,
+                               ffi::Result<ffi::Buffer<ffi::S32>> row_flags,
                                ffi::Result<ffi::Buffer<ffi::F32>> partial_out,
                                ffi::Result<ffi::Buffer<ffi::F32>> partial_lse, int32_t k_bits,
                                int32_t v_bits, int32_t num_splits, float scale,
@@ -1521,7 +1585,7 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::AnyBuffer q,
   ffi_checks::DecodeDims dims;
   JTQ_RETURN_IF_ERROR(ffi_checks::validate_paged_decode(
       kOp, q, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids, block_tables,
-      seq_lens, k_rotation, v_rotation, *out, *q_rot, *out_rot, *partial_out, *partial_lse, k_bits,
+      seq_lens, k_rotation, v_rotation, *out, *q_rot, *out_rot, *row_flags, *partial_out, *partial_lse, k_bits,
       v_bits, num_splits, &dims));
   const int64_t S = dims.S, H = dims.H, d = dims.d;
   const int64_t P = dims.P, Hkv = dims.Hkv, page = dims.page;
@@ -1584,9 +1648,10 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::AnyBuffer q,
     return invalid("partial_out workspace is not 16-byte aligned");
   if (ns > 1 && d > kCombineMaxD) return invalid("head_dim above the combine kernel's 256");
   const int dtype = ftype_of(q.element_type());
-  RotateParams rq{q.untyped_data(), k_rotation.typed_data(), q_rot->typed_data(), nullptr, S * H,
-                  dtype, static_cast<int>(FType::kF32)};
-  if (auto e = rotate_rows<true>(static_cast<int>(d), stream, rq); e.failure()) return e;
+  int* flags = row_flags->typed_data();
+  const RotateParams rq{q.untyped_data(), k_rotation.typed_data(), q_rot->typed_data(), flags, nullptr,
+                        S * H, static_cast<int>(FType::kF32)};
+  if (auto e = rotate_rows<true>(static_cast<int>(d), stream, rq, dtype); e.failure()) return e;
   const dim3 grid(static_cast<unsigned>(S * ns), static_cast<unsigned>(Hkv * ntiles));
   if (auto e = dispatch_d(static_cast<int>(d), gt, f16_products != 0, stream, p, grid); e.failure())
     return e;
@@ -1596,9 +1661,9 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::AnyBuffer q,
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return cuda_error("combine kernel launch", e);
   }
-  RotateParams ro{out_rot->typed_data(), v_rotation.typed_data(), out->untyped_data(),
-                  q_rot->typed_data(), S * H, static_cast<int>(FType::kF32), dtype};
-  return rotate_rows<false>(static_cast<int>(d), stream, ro);
+  const RotateParams ro{out_rot->typed_data(), v_rotation.typed_data(), out->untyped_data(), nullptr,
+                        flags, S * H, dtype};
+  return rotate_rows<false>(static_cast<int>(d), stream, ro, static_cast<int>(FType::kF32));
 }
 
 }  // namespace cuda

@@ -348,6 +348,7 @@ def _ffi(ctx, *operands, k_bits, v_bits, scale, num_splits, f16_products):
     workspace = (
         _compat.ShapedArray((num_seqs, num_heads, head_dim), jnp.float32),  # q_rot
         _compat.ShapedArray((num_seqs, num_heads, head_dim), jnp.float32),  # out_rot
+        _compat.ShapedArray((num_seqs, num_heads, 8), jnp.int32),  # row_flags (per column block)
         _compat.ShapedArray((num_seqs, num_heads, num_splits, head_dim), jnp.float32),
         _compat.ShapedArray((num_seqs, num_heads, num_splits), jnp.float32),
     )

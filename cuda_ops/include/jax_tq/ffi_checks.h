@@ -212,7 +212,7 @@ inline ffi::Error validate_compress_write(
 //   k/v norms [P, Hkv, page_size], k/v centroids [2**bits], block_tables [S, max_pages],
 //   seq_lens [S], k/v rotations [d, d]
 //   -> out [S, H, d] (q's dtype), workspaces q_rot [S, H, d], out_rot [S, H, d],
-//      partial_out [S, H, ns, d], partial_lse [S, H, ns]
+//      row_flags int32 [S, H, 8], partial_out [S, H, ns, d], partial_lse [S, H, ns]
 // ---------------------------------------------------------------------------
 struct DecodeDims {
   int64_t S, H, d;        // q
@@ -220,6 +220,9 @@ struct DecodeDims {
   int64_t kpb, vpb;       // packed bytes per K / V row
   int64_t max_pages, ns;  // block_tables columns, num_splits
 };
+
+// Row-flag slots per query row in the row_flags workspace (>= head_dim / 16 column blocks).
+constexpr int64_t kDecodeRowFlags = 8;
 
 inline bool is_query_dtype(ffi::DataType t) {
   return t == ffi::DataType::F32 || t == ffi::DataType::BF16 || t == ffi::DataType::F16;
@@ -233,7 +236,7 @@ inline ffi::Error validate_paged_decode(
     const ffi::Buffer<ffi::S32>& seq_lens, const ffi::Buffer<ffi::F32>& k_rotation,
     const ffi::Buffer<ffi::F32>& v_rotation, const ffi::AnyBuffer& out,
     const ffi::Buffer<ffi::F32>& q_rot, const ffi::Buffer<ffi::F32>& out_rot,
-    const ffi::Buffer<ffi::F32>& partial_out, const ffi::Buffer<ffi::F32>& partial_lse,
+    const ffi::Buffer<ffi::S32>& row_flags, const ffi::Buffer<ffi::F32>& partial_out, const ffi::Buffer<ffi::F32>& partial_lse,
     int32_t k_bits, int32_t v_bits, int32_t num_splits, DecodeDims* dims) {
   JTQ_RETURN_IF_ERROR(check_bits(op, "k_bits", k_bits));
   JTQ_RETURN_IF_ERROR(check_bits(op, "v_bits", v_bits));
@@ -272,6 +275,8 @@ inline ffi::Error validate_paged_decode(
   JTQ_RETURN_IF_ERROR(check_dims(op, "out (result)", out.dimensions(), {S, H, d}));
   JTQ_RETURN_IF_ERROR(check_dims(op, "q_rot (workspace)", q_rot.dimensions(), {S, H, d}));
   JTQ_RETURN_IF_ERROR(check_dims(op, "out_rot (workspace)", out_rot.dimensions(), {S, H, d}));
+  JTQ_RETURN_IF_ERROR(
+      check_dims(op, "row_flags (workspace)", row_flags.dimensions(), {S, H, kDecodeRowFlags}));
   JTQ_RETURN_IF_ERROR(
       check_dims(op, "partial_out (workspace)", partial_out.dimensions(), {S, H, ns, d}));
   JTQ_RETURN_IF_ERROR(
@@ -343,6 +348,7 @@ auto BindPagedDecode(B b) {
       .template Ret<ffi::AnyBuffer>()               // out [S, H, d], q's dtype
       .template Ret<ffi::Buffer<ffi::F32>>()        // q_rot [S, H, d] (workspace)
       .template Ret<ffi::Buffer<ffi::F32>>()        // out_rot [S, H, d] (workspace)
+      .template Ret<ffi::Buffer<ffi::S32>>()        // row_flags [S, H, 8] (workspace)
       .template Ret<ffi::Buffer<ffi::F32>>()        // partial_out [S, H, ns, d] (workspace)
       .template Ret<ffi::Buffer<ffi::F32>>()        // partial_lse [S, H, ns] (workspace)
       .template Attr<int32_t>("k_bits")
