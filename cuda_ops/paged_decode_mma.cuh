@@ -215,6 +215,17 @@ __device__ __forceinline__ void stage_queries(const DecodeParams& p, float* q_s,
   }
 }
 
+// o *= alpha of the fragment's head: c0 / c2 belong to head 2t4 (alpha[0]), c1 / c3 to 2t4 + 1.
+__device__ __forceinline__ void rescale_output(float (&o)[8][4], const float (&alpha)[2]) {
+#pragma unroll
+  for (int mt = 0; mt < 8; ++mt) {
+    o[mt][0] *= alpha[0];
+    o[mt][2] *= alpha[0];
+    o[mt][1] *= alpha[1];
+    o[mt][3] *= alpha[1];
+  }
+}
+
 // B fragments of Q^T: head gid, coordinates 32*t4 + 4*ks + {0,1} (b0), {2,3} (b1), f16 hi / lo.
 __device__ __forceinline__ void query_fragments(const float* q_s, int gid, int t4,
                                                 uint32_t (&qh)[8][2], uint32_t (&ql)[8][2]) {
@@ -496,13 +507,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
       wt[(gid + 8) * kWRow + 2 * t4 + hh] = any ? copysignf(fast_exp2(ub - mn), cur.vn1) : 0.f;
     }
     if (__any_sync(0xffffffffu, grew)) {
-#pragma unroll
-      for (int mt = 0; mt < 8; ++mt) {
-        o[mt][0] *= alpha[0];
-        o[mt][2] *= alpha[0];
-        o[mt][1] *= alpha[1];
-        o[mt][3] *= alpha[1];
-      }
+      rescale_output(o, alpha);
     }
     __syncwarp();
     tile_accumulate_v<SPLIT>(cur.v, wt, gid, t4, ilut, o);
@@ -768,13 +773,7 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
         }
         l[hh] *= alpha[hh];
       }
-#pragma unroll
-      for (int mt = 0; mt < 8; ++mt) {
-        o[mt][0] *= alpha[0];
-        o[mt][2] *= alpha[0];
-        o[mt][1] *= alpha[1];
-        o[mt][3] *= alpha[1];
-      }
+      rescale_output(o, alpha);
     }
     float wa[2], wb[2];  // V weights of tokens gid, gid + 8 for heads 2t4 + hh
 #pragma unroll
