@@ -280,8 +280,13 @@ def main():
           "| % copy bw | speedup vs cuDNN | speedup vs XLA |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in table:
-        print(f"| {r['shape']} | {r['impl']} | {r['us']:.1f} | {r['dev_us']:.1f} | {r['mb']:.1f} | {r['gbs']:.0f} | "
-              f"{r['pct']:.1f} | {r['vs_cudnn']:.2f} | {r['vs_xla']:.2f} |")
+        print(f"| {r['shape']} | {r['impl']} | {num(r['us'], '.1f')} | {num(r['dev_us'], '.1f')} | {r['mb']:.1f} | "
+              f"{num(r['gbs'], '.0f')} | {num(r['pct'], '.1f')} | {num(r['vs_cudnn'], '.2f')} | {num(r['vs_xla'], '.2f')} |")
+
+
+def num(value, spec):
+    """``value`` formatted with ``spec``, or "n/a" for nan (a time or ratio this run could not take)."""
+    return "n/a" if value != value else format(value, spec)
 
 
 def table_rows(shape, rows, bw_host, bw_dev):
