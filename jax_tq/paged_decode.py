@@ -112,7 +112,7 @@ def paged_decode(q, cache, block_tables, seq_lens, *, scale=None, num_splits=Non
     # non-finite query visible instead, as the reference does; also a finite one whose rotation
     # overflowed float32 (the kernels saw only inf / NaN scores). One test covers both: an inf or
     # NaN in q makes every element of its q_rot row inf or NaN (inf * 0 is NaN), so no separate
-    # reduction over q (one XLA kernel less per call).
+    # reduction over q.
     finite = jnp.all(jnp.isfinite(q_rot), axis=-1, keepdims=True)
     out = jnp.where(finite, out, jnp.nan)
     return out.astype(q.dtype)
