@@ -53,7 +53,15 @@ def time_calls(fn, arg_sets, inner=None, outer=15, warmup=2):
     K/V from HBM (the distinct sets together exceed L2, or one set alone does).
     """
     inner = inner or max(8, len(arg_sets))
-    chain = chained(fn, inner)
+
+    @jax.jit
+    def chain(sets):
+        carry = jnp.zeros((), jnp.float32)
+        for i in range(inner):
+            args = list(sets[i % len(sets)])
+            args[0] = args[0] + (carry * 0).astype(args[0].dtype)
+            carry = jnp.sum(fn(*args).astype(jnp.float32))  # outputs are small; a slice could be sunk into XLA ops
+        return carry
 
     for _ in range(warmup):
         jax.block_until_ready(chain(arg_sets))
@@ -68,24 +76,19 @@ def time_calls(fn, arg_sets, inner=None, outer=15, warmup=2):
     return statistics.median(times), min(times), NAN if dev is None else dev
 
 
-def chained(fn, inner):
-    """One jitted program of ``inner`` calls of fn over the argument sets (see time_calls)."""
+def kernel_breakdown(fn, arg_sets):
+    """{kernel name: device seconds per call} of the same chained program as time_calls."""
+    inner = max(8, len(arg_sets))
+
     @jax.jit
     def chain(sets):
         carry = jnp.zeros((), jnp.float32)
         for i in range(inner):
             args = list(sets[i % len(sets)])
             args[0] = args[0] + (carry * 0).astype(args[0].dtype)
-            carry = jnp.sum(fn(*args).astype(jnp.float32))  # outputs are small; a slice could be sunk into XLA ops
+            carry = jnp.sum(fn(*args).astype(jnp.float32))
         return carry
 
-    return chain
-
-
-def kernel_breakdown(fn, arg_sets):
-    """{kernel name: device seconds per call} of the same chained program as time_calls."""
-    inner = max(8, len(arg_sets))
-    chain = chained(fn, inner)
     jax.block_until_ready(chain(arg_sets))
     return device_time.kernel_seconds_by_name(lambda: jax.block_until_ready(chain(arg_sets)), inner)
 
@@ -200,14 +203,14 @@ def bench_shape(num_seqs, seq_len, splits_list, copy_bw, quick, only_tq=False):
         fn = lambda q, c, t, l, ns=ns: tq.paged_decode(q, c, t, l, num_splits=ns)
         rows.append((f"jax_tq K4V4 (splits={splits})", *time_calls(fn, sets, outer=outer), one))
     # the kernels of one call (device time per kernel name; the split kernel row: the decode's own
-    # split (+ combine) kernels, without the rotation GEMMs, XLA's fusions and the chain's ops)
+    # split (+ combine) kernels, without the rotation kernels and the benchmark chain's ops)
     if DEVICE_TIME:
         fn = lambda q, c, t, l: tq.paged_decode(q, c, t, l)
         by_name = kernel_breakdown(fn, sets)
         if by_name:
             for name, sec in sorted(by_name.items(), key=lambda kv: -kv[1]):
                 print(f"    kernel {sec * 1e6:8.2f} us  {name[:110]}")
-            split = sum(sec for name, sec in by_name.items() if "paged_decode" in name)
+            split = sum(sec for name, sec in by_name.items() if "paged_decode" in name and "rotate" not in name)
             rows.append(("jax_tq K4V4 split kernel (+ combine)", NAN, NAN, split, one))
     # the chain's own cost per call (the add on q, the sum of the output, the amortised dispatch):
     # the same chain around an op that returns q unchanged

@@ -1,11 +1,13 @@
 // CPU XLA FFI handler implementation for jax_tq_paged_decode (see docs/DESIGN.md).
 // The handler symbol (ffi::Ffi::Bind) lives in cpu_module.cc.
 //
-// Split-K: for each (seq, kv head, split) every K/V token row is decoded once and
-// reused by all query heads of the GQA group; each (seq, q head, split) writes its
-// partial (lse = m + log(l), out = o / l) into the workspace results, then a
-// log-sum-exp combine produces out_rot. Softmax accumulation is in double with
-// running-max subtraction, so huge logits never give inf/NaN.
+// q is rotated into K's rotated space first (q_rot = Pi_k q, in double). Split-K: for each
+// (seq, kv head, split) every K/V token row is decoded once and reused by all query heads of the
+// GQA group; each (seq, q head, split) writes its partial (lse = m + log(l), out = o / l) into
+// the workspace results, then a log-sum-exp combine gives out_rot, which is rotated back
+// (out = out_rot Pi_v, in double) and cast to q's dtype. A row whose q or q_rot (as float32) is
+// not finite is NaN. Softmax accumulation is in double with running-max subtraction, so huge
+// logits never give inf/NaN.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -14,6 +16,7 @@
 #include <vector>
 
 #include "jax_tq/ffi_checks.h"
+#include "jax_tq/float_io.h"
 #include "jax_tq/format.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -50,14 +53,52 @@ void group_dots(const double* q, const double* k, int64_t G, int64_t d, double* 
   }
 }
 
+
+// q_rot rows (double) of every query row, q_rot = q Pi_k^T; also written, as float32, to the
+// q_rot workspace. ok[r]: row r of q and of float32(q_rot) are all finite.
+void rotate_queries(const void* q, FloatKind kind, const float* rot, int64_t rows, int64_t d,
+                    double* q_rot, float* q_rot_ws, std::vector<char>& ok) {
+  std::vector<double> rot_d(rot, rot + d * d);
+  float row[kMaxHeadDim];
+  for (int64_t r = 0; r < rows; ++r) {
+    load_row(q, kind, r * d, int(d), row);
+    bool finite = true;
+    for (int64_t k = 0; k < d; ++k) finite &= std::isfinite(row[k]);
+    for (int64_t e = 0; e < d; ++e) {
+      const double* pe = &rot_d[e * d];
+      double acc = 0.0;
+      for (int64_t k = 0; k < d; ++k) acc += double(row[k]) * pe[k];
+      q_rot[r * d + e] = acc;
+      q_rot_ws[r * d + e] = float(acc);
+      finite &= std::isfinite(float(acc));
+    }
+    ok[r] = finite;
+  }
+}
+
+// out = o_rot Pi_v for one row (o_rot in double), cast to the result dtype; NaN when !ok.
+void store_output_row(const double* o_rot, const float* rot, int64_t d, bool ok, void* out,
+                      FloatKind kind, int64_t row) {
+  float vals[kMaxHeadDim];
+  for (int64_t c = 0; c < d; ++c) {
+    double acc = 0.0;
+    for (int64_t e = 0; e < d; ++e) acc += o_rot[e] * double(rot[e * d + c]);
+    vals[c] = ok ? float(acc) : std::numeric_limits<float>::quiet_NaN();
+  }
+  store_row(out, kind, row * d, int(d), vals);
+}
+
 }  // namespace
 
-ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q_rot, ffi::Buffer<ffi::U8> k_codes,
+ffi::Error PagedDecodeImpl(ffi::AnyBuffer q_in, ffi::Buffer<ffi::U8> k_codes,
                            ffi::Buffer<ffi::F32> k_norms, ffi::Buffer<ffi::U8> v_codes,
                            ffi::Buffer<ffi::F32> v_norms, ffi::Buffer<ffi::F32> k_centroids,
                            ffi::Buffer<ffi::F32> v_centroids, ffi::Buffer<ffi::S32> block_tables,
-                           ffi::Buffer<ffi::S32> seq_lens,
+                           ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::F32> k_rotation,
+                           ffi::Buffer<ffi::F32> v_rotation, ffi::Result<ffi::AnyBuffer> out_q,
+                           ffi::Result<ffi::Buffer<ffi::F32>> q_rot_ws,
                            ffi::Result<ffi::Buffer<ffi::F32>> out_rot,
+                           ffi::Result<ffi::Buffer<ffi::S32>> row_flags,
                            ffi::Result<ffi::Buffer<ffi::F32>> partial_out,
                            ffi::Result<ffi::Buffer<ffi::F32>> partial_lse, int32_t k_bits,
                            int32_t v_bits, int32_t num_splits, float scale,
@@ -66,13 +107,21 @@ ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q_rot, ffi::Buffer<ffi::U8> k_c
   static constexpr ffi_checks::Op op{"jax_tq_paged_decode", ffi_checks::kCpuTag};
   ffi_checks::DecodeDims dims;
   JTQ_RETURN_IF_ERROR(ffi_checks::validate_paged_decode(
-      op, q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids, block_tables,
-      seq_lens, *out_rot, *partial_out, *partial_lse, k_bits, v_bits, num_splits, &dims));
+      op, q_in, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids, block_tables,
+      seq_lens, k_rotation, v_rotation, *out_q, *q_rot_ws, *out_rot, *row_flags, *partial_out, *partial_lse,
+      k_bits, v_bits, num_splits, &dims));
   const int64_t S = dims.S, H = dims.H, d = dims.d;
   const int64_t P = dims.P, Hkv = dims.Hkv, page = dims.page;
   const int64_t kpb = dims.kpb, vpb = dims.vpb, max_pages = dims.max_pages, ns = dims.ns;
 
-  const float* q = q_rot.typed_data();
+  const FloatKind kind = kind_of(q_in.element_type());
+  std::vector<double> q_rot(S * H * d);
+  std::vector<char> row_ok(S * H);
+  rotate_queries(q_in.untyped_data(), kind, k_rotation.typed_data(), S * H, d, q_rot.data(),
+                 q_rot_ws->typed_data(), row_ok);
+  const double* q = q_rot.data();
+  const float* v_rot = v_rotation.typed_data();
+  void* out_final = out_q->untyped_data();
   const uint8_t* kc = k_codes.typed_data();
   const float* kn = k_norms.typed_data();
   const uint8_t* vc = v_codes.typed_data();
@@ -175,11 +224,13 @@ ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q_rot, ffi::Buffer<ffi::U8> k_c
         float* oh = out + (s * H + h) * d;
         double gmax = kNegInf;
         for (int64_t sp = 0; sp < ns; ++sp) gmax = std::max(gmax, lse[sp]);
+        double acc[kMaxHeadDim] = {0.0};
+        const int64_t row = s * H + h;
         if (!(gmax > kNegInf)) {
           for (int64_t i = 0; i < d; ++i) oh[i] = 0.0f;
+          store_output_row(acc, v_rot, d, row_ok[row], out_final, kind, row);
           continue;
         }
-        double acc[kMaxHeadDim] = {0.0};
         double wsum = 0.0;
         for (int64_t sp = 0; sp < ns; ++sp) {
           if (!(lse[sp] > kNegInf)) continue;
@@ -188,7 +239,11 @@ ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q_rot, ffi::Buffer<ffi::U8> k_c
           for (int64_t i = 0; i < d; ++i) acc[i] += w * double(po[sp * d + i]);
         }
         const double inv = 1.0 / wsum;  // wsum >= 1 (the max split has w = 1)
-        for (int64_t i = 0; i < d; ++i) oh[i] = float(acc[i] * inv);
+        for (int64_t i = 0; i < d; ++i) {
+          acc[i] *= inv;
+          oh[i] = float(acc[i]);
+        }
+        store_output_row(acc, v_rot, d, row_ok[row], out_final, kind, row);
       }
     }
   }

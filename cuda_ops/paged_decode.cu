@@ -22,6 +22,7 @@
 // All pool address arithmetic is int64. Tokens >= seq_len and pages outside [0, num_pages) are
 // never read. Empty splits write lse = -inf and are ignored by the combine; a row with no valid
 // token is exactly 0.
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -952,6 +953,22 @@ __global__ void __launch_bounds__(kThreads)
 
 // Tensor-core split kernel v3 (head_dim 128, K4V4, GT 4 / 8): the default where it applies (see
 // use_v3). Included textually here: it uses the helpers above.
+// Programmatic dependent launch (sm_90): a kernel launched with the programmatic-serialization
+// attribute may start before the previous kernel on the stream has finished; pdl_wait() blocks
+// until that kernel has completed and its writes are visible (at once when not launched so), and
+// pdl_trigger() lets the next such kernel start launching. No-ops below sm_90.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+
 #include "paged_decode_mma.cuh"
 
 // ---------------------------------------------------------------------------------------------
@@ -985,6 +1002,7 @@ __global__ void __launch_bounds__(kCombineThreads)
   __shared__ float w_s[kCombineMaxSplits];
   __shared__ float red[kCombineGroups];
   __shared__ __align__(16) float acc_s[kCombineGroups][kCombineMaxD];
+  pdl_trigger();
   const int64_t sh = blockIdx.x;
   const float* lse = plse + sh * ns;
   const float* po = pout + sh * ns * D;
@@ -1037,6 +1055,198 @@ __global__ void __launch_bounds__(kCombineThreads)
 }
 
 // ---------------------------------------------------------------------------------------------
+// Rotation kernel (the call's first and last launches): out[r][c] = sum_k in[r][k] * M(k, c) for
+// rows r < rows, c < D; M(k, c) = R[c][k] (TRANS: q_rot = q Pi_k^T) or R[k][c] (out = out_rot Pi_v).
+// Tensor cores, mma.sync m16n8k8 TF32 with three products per step (a_hi b_hi + a_hi b_lo +
+// a_lo b_hi, x_hi = tf32(x), x_lo = tf32(x - x_hi): ~float32-accurate, relative error ~1e-6); a
+// CUDA-core float32 version was shared-memory bound (a broadcast 16-byte load costs 4 wavefronts)
+// at 5-12 us per rotation. One CTA of 4 warps = 64 rows x CB columns (blockIdx.y): warp w owns
+// rows 16 w .. 16 w + 15 and all NT = CB / 8 n-tiles. The rows (in their own dtype, A_s[64][AS])
+// and the CTA's D x CB block of M (B_s, n-major for TRANS, k-major else) are copied to shared
+// memory by cp.async; the padded strides make the fragment reads conflict-free.
+// ---------------------------------------------------------------------------------------------
+enum class FType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
+
+__device__ __forceinline__ float to_f32(float x) { return x; }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
+
+__device__ __forceinline__ void store_from_f32(void* base, int dtype, int64_t i, float v) {
+  if (dtype == static_cast<int>(FType::kBF16))
+    static_cast<__nv_bfloat16*>(base)[i] = __float2bfloat16_rn(v);
+  else if (dtype == static_cast<int>(FType::kF16))
+    static_cast<__half*>(base)[i] = __float2half_rn(v);
+  else
+    static_cast<float*>(base)[i] = v;
+}
+
+__device__ __forceinline__ uint32_t tf32_bits(float x) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+  return r;
+}
+
+// x -> (tf32(x), tf32(x - tf32(x))).
+__device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) {
+  hi = tf32_bits(x);
+  lo = tf32_bits(x - __uint_as_float(hi));
+}
+
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+constexpr int kRotWarps = 4;
+constexpr int kRotThreads = 32 * kRotWarps;
+constexpr int kRotRows = 16 * kRotWarps;  // rows per CTA
+constexpr int kRowFlags = static_cast<int>(ffi_checks::kDecodeRowFlags);  // >= column blocks D / CB
+
+// T: the rows' element type in global and shared memory (converted at the fragment reads).
+template <int D, typename T>
+struct RotGeom {
+  static constexpr int CB = D % 32 == 0 ? 32 : 16;         // columns per CTA
+  static constexpr int NT = CB / 8;                         // n-tiles per warp
+  static constexpr int AS = D + 16 / int(sizeof(T));        // A_s row stride (elements)
+  static constexpr int BN = D + 4;                          // B_s stride, TRANS ([CB][D] n-major)
+  static constexpr int BK = CB + 8;                         // B_s stride, else ([D][CB] k-major)
+  static constexpr int a_bytes = kRotRows * AS * int(sizeof(T));
+  static constexpr int b_bytes = (CB * BN > D * BK ? CB * BN : D * BK) * 4;
+  static constexpr int smem = a_bytes + b_bytes;
+  static_assert(D / CB <= kRowFlags, "row flags");
+};
+
+// Rotate-q (TRANS) writes, per row and column block, whether its q_rot values are all finite
+// (flags_out[row][blockIdx.y]); the output rotation reads them (flags_in, D / CB per row) and
+// writes NaN rows where one is 0. A non-finite q makes every q_rot value non-finite (inf * 0 and
+// inf - inf are NaN), so this also marks non-finite queries.
+struct RotateParams {
+  const void* in;       // [rows, D], in_dtype
+  const float* rot;     // [D, D]
+  void* out;            // [rows, D], out_dtype
+  int* flags_out;       // [rows, kRowFlags] or nullptr
+  const int* flags_in;  // [rows, kRowFlags] or nullptr
+  int64_t rows;
+  int out_dtype;
+};
+
+template <int D, bool TRANS, typename T>
+__global__ void __launch_bounds__(kRotThreads) rotate_rows_kernel(const RotateParams p) {
+  using G = RotGeom<D, T>;
+  constexpr int CB = G::CB, NT = G::NT, AS = G::AS, BN = G::BN, BK = G::BK;
+  extern __shared__ __align__(16) uint8_t rot_smem[];
+  T* a_s = reinterpret_cast<T*>(rot_smem);                  // [kRotRows][AS]
+  float* b_s = reinterpret_cast<float*>(rot_smem + G::a_bytes);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int gid = lane >> 2, t4 = lane & 3;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kRotRows;
+  const int col0 = blockIdx.y * CB;
+  pdl_trigger();
+  // Staging by cp.async (no registers, all copies in flight together): first the CTA's block of
+  // M, a constant operand; then, after the previous kernel is done, the rows (zero-filled past
+  // the last row).
+  if constexpr (TRANS) {  // B_s[j][k] = R[col0 + j][k]
+    constexpr int upr = D / 4;
+    for (int u = tid; u < CB * upr; u += kRotThreads) {
+      const int j = u / upr, k4 = u - j * upr;
+      cp_async16_s(smem_addr(b_s + j * BN + 4 * k4), p.rot + static_cast<int64_t>(col0 + j) * D + 4 * k4);
+    }
+  } else {  // B_s[k][j] = R[k][col0 + j]
+    constexpr int upr = CB / 4;
+    for (int u = tid; u < D * upr; u += kRotThreads) {
+      const int k = u / upr, j4 = u - k * upr;
+      cp_async16_s(smem_addr(b_s + k * BK + 4 * j4), p.rot + static_cast<int64_t>(k) * D + col0 + 4 * j4);
+    }
+  }
+  pdl_wait();  // the rows (and flags) are the previous kernels' output
+  {
+    constexpr int upr = D * int(sizeof(T)) / 16;
+    const T* in = static_cast<const T*>(p.in);
+    for (int u = tid; u < kRotRows * upr; u += kRotThreads) {
+      const int r = u / upr, c = u - r * upr;
+      const bool valid = row0 + r < p.rows;
+      const T* src = in + (valid ? (row0 + r) * D + c * (16 / int(sizeof(T))) : 0);
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(a_s + r * AS + c * (16 / int(sizeof(T))))),
+                   "l"(src), "r"(valid ? 16 : 0)
+                   : "memory");
+    }
+  }
+  cp_async_commit();
+  // Flags of the lane's two output rows (the output rotation), loaded while the copies fly.
+  bool row_ok[2] = {true, true};
+  if (p.flags_in != nullptr) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t row = row0 + 16 * warp + gid + 8 * h;
+      if (row < p.rows) {
+        const int4* f = reinterpret_cast<const int4*>(p.flags_in + row * kRowFlags);
+        const int4 f0 = f[0], f1 = f[1];
+        const int v[8] = {f0.x, f0.y, f0.z, f0.w, f1.x, f1.y, f1.z, f1.w};
+#pragma unroll
+        for (int b = 0; b < D / CB; ++b) row_ok[h] &= v[b] != 0;
+      }
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+
+  float acc[NT][4], acc2[NT][4];  // a_hi b_hi, and the two correction products
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) acc[nt][c] = acc2[nt][c] = 0.f;
+  const T* a_w = a_s + (16 * warp) * AS;
+#pragma unroll 2
+  for (int k0 = 0; k0 < D; k0 += 8) {
+    uint32_t ah[4], al[4];
+    split_tf32(to_f32(a_w[gid * AS + k0 + t4]), ah[0], al[0]);
+    split_tf32(to_f32(a_w[(gid + 8) * AS + k0 + t4]), ah[1], al[1]);
+    split_tf32(to_f32(a_w[gid * AS + k0 + t4 + 4]), ah[2], al[2]);
+    split_tf32(to_f32(a_w[(gid + 8) * AS + k0 + t4 + 4]), ah[3], al[3]);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const float b0 = TRANS ? b_s[(8 * nt + gid) * BN + k0 + t4] : b_s[(k0 + t4) * BK + 8 * nt + gid];
+      const float b1 = TRANS ? b_s[(8 * nt + gid) * BN + k0 + t4 + 4] : b_s[(k0 + t4 + 4) * BK + 8 * nt + gid];
+      uint32_t bh0, bl0, bh1, bl1;
+      split_tf32(b0, bh0, bl0);
+      split_tf32(b1, bh1, bl1);
+      mma_tf32(acc[nt], ah, bh0, bh1);
+      mma_tf32(acc2[nt], ah, bl0, bl1);
+      mma_tf32(acc2[nt], al, bh0, bh1);
+    }
+  }
+  const float kNaN = __int_as_float(0x7fc00000);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int64_t row = row0 + 16 * warp + gid + 8 * h;
+    float v[NT][2];
+    bool finite = true;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        v[nt][e] = acc[nt][2 * h + e] + acc2[nt][2 * h + e];
+        finite &= isfinite(v[nt][e]);
+      }
+    if (p.flags_out != nullptr) {  // the row's 4 lanes (t4) hold its CB columns
+      finite &= __shfl_xor_sync(0xffffffffu, finite, 1) != 0;
+      finite &= __shfl_xor_sync(0xffffffffu, finite, 2) != 0;
+      if (t4 == 0 && row < p.rows) p.flags_out[row * kRowFlags + blockIdx.y] = finite;
+    }
+    if (row >= p.rows) continue;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const int c = col0 + 8 * nt + 2 * t4;
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+        store_from_f32(p.out, p.out_dtype, row * D + c + e, row_ok[h] ? v[nt][e] : kNaN);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Host side.
 // ---------------------------------------------------------------------------------------------
 // Messages: "jax_tq_paged_decode (CUDA): ..."; the operand checks are shared with the CPU
@@ -1078,15 +1288,46 @@ ffi::Error launch_v2(cudaStream_t stream, const DecodeParams& p, dim3 grid) {
 
 // A tensor-core kernel (paged_decode_mma.cuh) on `threads` threads with its table space. One
 // instantiation per kernel: the shared-memory attribute is remembered per kernel.
+// Programmatic dependent launch (see pdl_wait) where the device has it (sm_90+) unless
+// JAX_TQ_CUDA_PDL=0 (A/B timing).
+bool pdl_enabled() {
+  static const bool env_on = [] {
+    const char* env = std::getenv("JAX_TQ_CUDA_PDL");
+    return env == nullptr || std::string(env) != "0";
+  }();
+  int dev = 0, major = 0;
+  return env_on && cudaGetDevice(&dev) == cudaSuccess &&
+         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess && major >= 9;
+}
+
+// kernel<<<grid, block, smem, stream>>>(args...), as a programmatic dependent of the previous
+// kernel on the stream when `pdl` (the kernel must pdl_wait() before reading that kernel's output).
+template <typename... KArgs, typename... Args>
+cudaError_t launch_kernel(void (*kernel)(KArgs...), dim3 grid, dim3 block, int smem, cudaStream_t stream,
+                          bool pdl, Args... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = static_cast<size_t>(smem);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, static_cast<KArgs>(args)...);
+}
+
+// A tensor-core kernel (paged_decode_mma.cuh) on `threads` threads with its table space. One
+// instantiation per kernel: the shared-memory attribute is remembered per kernel.
 template <auto kKernel, int kSmem = v3::kSmemBytes>
 ffi::Error launch_mma(int threads, const char* name, cudaStream_t stream, const DecodeParams& p,
-                      dim3 grid) {
+                      dim3 grid, bool pdl = false) {
   static std::atomic<uint64_t> smem_set{0};
   if (cudaError_t e = allow_dynamic_smem(smem_set, kKernel, kSmem); e != cudaSuccess)
     return cuda_error((std::string(name) + " shared memory attribute").c_str(), e);
-  kKernel<<<grid, threads, kSmem, stream>>>(p);
-  cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return cuda_error((std::string(name) + " split kernel launch").c_str(), e);
+  if (cudaError_t e = launch_kernel(kKernel, grid, dim3(threads), kSmem, stream, pdl, p); e != cudaSuccess)
+    return cuda_error((std::string(name) + " split kernel launch").c_str(), e);
   return ffi::Error::Success();
 }
 
@@ -1098,8 +1339,9 @@ ffi::Error launch_v3(cudaStream_t stream, const DecodeParams& p, dim3 grid) {
 template <int GT, bool RING>
 ffi::Error launch_v4(cudaStream_t stream, const DecodeParams& p, dim3 grid) {
   constexpr int smem = v3::kSmemBytes + (RING ? v3::kRingBytes : 0);
+  // v4 waits for the query rotation just before reading q (pdl_wait in its prologue).
   return launch_mma<v3::paged_decode_v4_kernel<GT, false, RING>, smem>(
-      v3::kT4, RING ? "v4 ring" : "v4", stream, p, grid);
+      v3::kT4, RING ? "v4 ring" : "v4", stream, p, grid, pdl_enabled());
 }
 
 // Whether v4's ring variant keeps kCtasPerSm4 CTAs per SM on the current device (the split rule
@@ -1265,15 +1507,76 @@ ffi::Error dispatch_d(int d, int gt, bool f16, cudaStream_t stream, const Decode
   }
 }
 
+
+template <int D, bool TRANS, typename T>
+ffi::Error launch_rotate_t(cudaStream_t stream, const RotateParams& p) {
+  constexpr int smem = RotGeom<D, T>::smem;
+  static std::atomic<uint64_t> smem_set{0};
+  const auto kernel = rotate_rows_kernel<D, TRANS, T>;
+  if (cudaError_t e = allow_dynamic_smem(smem_set, kernel, smem); e != cudaSuccess)
+    return cuda_error("rotation kernel shared memory attribute", e);
+  const dim3 grid(static_cast<unsigned>((p.rows + kRotRows - 1) / kRotRows), D / RotGeom<D, T>::CB);
+  // The output rotation follows the split (or combine) kernel as its programmatic dependent: its
+  // CTAs stage Pi_v while that kernel finishes. The query rotation follows XLA's own kernels.
+  cudaError_t e = launch_kernel(kernel, grid, dim3(kRotThreads), smem, stream, !TRANS && pdl_enabled(), p);
+  if (e != cudaSuccess) return cuda_error(TRANS ? "query rotation launch" : "output rotation launch", e);
+  return ffi::Error::Success();
+}
+
+// The query rotation reads q in its dtype; the output rotation reads out_rot (float32).
+template <int D, bool TRANS>
+ffi::Error launch_rotate(cudaStream_t stream, const RotateParams& p, int in_dtype) {
+  if constexpr (TRANS) {
+    if (in_dtype == static_cast<int>(FType::kBF16)) return launch_rotate_t<D, true, __nv_bfloat16>(stream, p);
+    if (in_dtype == static_cast<int>(FType::kF16)) return launch_rotate_t<D, true, __half>(stream, p);
+  }
+  return launch_rotate_t<D, TRANS, float>(stream, p);
+}
+
+template <bool TRANS>
+ffi::Error rotate_rows(int d, cudaStream_t stream, const RotateParams& p, int in_dtype) {
+  switch (d) {
+#if JTQ_HAS_D(64)
+    case 64: return launch_rotate<64, TRANS>(stream, p, in_dtype);
+#endif
+#if JTQ_HAS_D(80)
+    case 80: return launch_rotate<80, TRANS>(stream, p, in_dtype);
+#endif
+#if JTQ_HAS_D(96)
+    case 96: return launch_rotate<96, TRANS>(stream, p, in_dtype);
+#endif
+#if JTQ_HAS_D(128)
+    case 128: return launch_rotate<128, TRANS>(stream, p, in_dtype);
+#endif
+#if JTQ_HAS_D(192)
+    case 192: return launch_rotate<192, TRANS>(stream, p, in_dtype);
+#endif
+#if JTQ_HAS_D(256)
+    case 256: return launch_rotate<256, TRANS>(stream, p, in_dtype);
+#endif
+    default: return invalid("head_dim " + std::to_string(d) + " not compiled in");
+  }
+}
+
+int ftype_of(ffi::DataType t) {
+  if (t == ffi::DataType::BF16) return static_cast<int>(FType::kBF16);
+  if (t == ffi::DataType::F16) return static_cast<int>(FType::kF16);
+  return static_cast<int>(FType::kF32);
+}
+
 }  // namespace
 
-ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot,
+ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::AnyBuffer q,
                                ffi::Buffer<ffi::U8> k_codes, ffi::Buffer<ffi::F32> k_norms,
                                ffi::Buffer<ffi::U8> v_codes, ffi::Buffer<ffi::F32> v_norms,
                                ffi::Buffer<ffi::F32> k_centroids,
                                ffi::Buffer<ffi::F32> v_centroids,
                                ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens,
+                               ffi::Buffer<ffi::F32> k_rotation, ffi::Buffer<ffi::F32> v_rotation,
+                               ffi::Result<ffi::AnyBuffer> out,
+                               ffi::Result<ffi::Buffer<ffi::F32>> q_rot,
                                ffi::Result<ffi::Buffer<ffi::F32>> out_rot,
+                               ffi::Result<ffi::Buffer<ffi::S32>> row_flags,
                                ffi::Result<ffi::Buffer<ffi::F32>> partial_out,
                                ffi::Result<ffi::Buffer<ffi::F32>> partial_lse, int32_t k_bits,
                                int32_t v_bits, int32_t num_splits, float scale,
@@ -1281,8 +1584,9 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot,
   // ---- validation (shared with the CPU handler) ----------------------------------------------
   ffi_checks::DecodeDims dims;
   JTQ_RETURN_IF_ERROR(ffi_checks::validate_paged_decode(
-      kOp, q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids, block_tables,
-      seq_lens, *out_rot, *partial_out, *partial_lse, k_bits, v_bits, num_splits, &dims));
+      kOp, q, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids, block_tables,
+      seq_lens, k_rotation, v_rotation, *out, *q_rot, *out_rot, *row_flags, *partial_out, *partial_lse, k_bits,
+      v_bits, num_splits, &dims));
   const int64_t S = dims.S, H = dims.H, d = dims.d;
   const int64_t P = dims.P, Hkv = dims.Hkv, page = dims.page;
   const int64_t kpb = dims.kpb, vpb = dims.vpb, max_pages = dims.max_pages, ns = dims.ns;
@@ -1302,7 +1606,7 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot,
   if (Hkv * ntiles > 65535) return invalid("num_kv_heads * ceil(group / 8) must be <= 65535");
 
   DecodeParams p;
-  p.q = q_rot.typed_data();
+  p.q = q_rot->typed_data();
   p.kc = k_codes.typed_data();
   p.kn = k_norms.typed_data();
   p.vc = v_codes.typed_data();
@@ -1343,6 +1647,11 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot,
   if (ns > 1 && reinterpret_cast<uintptr_t>(p.pout) % 16 != 0)
     return invalid("partial_out workspace is not 16-byte aligned");
   if (ns > 1 && d > kCombineMaxD) return invalid("head_dim above the combine kernel's 256");
+  const int dtype = ftype_of(q.element_type());
+  int* flags = row_flags->typed_data();
+  const RotateParams rq{q.untyped_data(), k_rotation.typed_data(), q_rot->typed_data(), flags, nullptr,
+                        S * H, static_cast<int>(FType::kF32)};
+  if (auto e = rotate_rows<true>(static_cast<int>(d), stream, rq, dtype); e.failure()) return e;
   const dim3 grid(static_cast<unsigned>(S * ns), static_cast<unsigned>(Hkv * ntiles));
   if (auto e = dispatch_d(static_cast<int>(d), gt, f16_products != 0, stream, p, grid); e.failure())
     return e;
@@ -1352,7 +1661,9 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot,
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return cuda_error("combine kernel launch", e);
   }
-  return ffi::Error::Success();
+  const RotateParams ro{out_rot->typed_data(), v_rotation.typed_data(), out->untyped_data(), nullptr,
+                        flags, S * H, dtype};
+  return rotate_rows<false>(static_cast<int>(d), stream, ro, static_cast<int>(FType::kF32));
 }
 
 }  // namespace cuda

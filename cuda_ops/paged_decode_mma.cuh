@@ -710,6 +710,10 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
 
   // ---- prologue: q of head `warp` (scaled, per-head power of two) in the table space ----------
   float* q_s = reinterpret_cast<float*>(smem);
+  // Launched as a programmatic dependent of the query rotation (paged_decode.cu): the reads
+  // above (centroids, block tables, codes) do not depend on it; q does.
+  pdl_trigger();
+  pdl_wait();
   stage_queries<GT, 1>(p, q_s, qexp_s, seq, kvh, tile, warp, lane);
   __syncthreads();
   uint32_t qh[8][2], ql[8][2];

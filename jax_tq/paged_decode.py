@@ -17,7 +17,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_tq import _compat, reference
-from jax_tq import _ffi as ffi_loader
 from jax_tq import _primitive_utils as pu
 from jax_tq.backend import get_backend
 from jax_tq.cache import check_cache
@@ -57,10 +56,9 @@ def paged_decode(q, cache, block_tables, seq_lens, *, scale=None, num_splits=Non
         ``HIGHEST``: float32-accurate (relative error ~1e-5 or less). ``DEFAULT``/``HIGH``: the GPU kernel
         may round q, the softmax weights and the centroids to float16 inside its tensor-core
         products (relative error ~2^-11 per term, below a bfloat16 query's own rounding of 2^-9);
-        where the kernel that runs does so (head_dim 128, K4V4, GQA group >= 3, with jax_tq's CUDA
-        kernels built and ``JAX_TQ_CUDA_DECODE`` not asking for v1 / v2 / v3), the query and output
-        rotations run at ``HIGH`` too (TF32 on the GPU, ~3e-4; no effect on the CPU), unless
-        inside ``jax.default_matmul_precision("highest")`` (or ``"float32"``).
+        (head_dim 128, K4V4, GQA group >= 3, with ``JAX_TQ_CUDA_DECODE`` not asking for v1 / v2 /
+        v3). The query and output rotations run inside the kernel call, in float32 FMA on the GPU
+        and float64 on the CPU, at every precision.
         Default: ``HIGHEST`` for float32 queries, ``DEFAULT`` for bfloat16/float16 queries. The
         CPU kernel and the reference always compute in float64/float32.
 
@@ -93,29 +91,13 @@ def paged_decode(q, cache, block_tables, seq_lens, *, scale=None, num_splits=Non
     k_codec, v_codec = cache.k_codec, cache.v_codec
     scale = 1.0 / math.sqrt(k_codec.head_dim) if scale is None else scale
     backend = get_backend()
-    group = q.shape[1] // cache.num_kv_heads
-    kernel_rounds_to_f16 = (backend != "xla" and uses_v4(f16_products) and ffi_loader.kernels_available("cuda")
-                            and uses_tensor_core_kernel(k_codec.head_dim, k_codec.bits, v_codec.bits, group))
-    rotation_precision = _rotation_precision(kernel_rounds_to_f16)
-    q_rot = jnp.einsum("shd,ed->she", q.astype(jnp.float32), k_codec.rotation, precision=rotation_precision)
     operands = (
-        q_rot, cache.k_codes, cache.k_norms, cache.v_codes, cache.v_norms,
-        k_codec.centroids, v_codec.centroids, block_tables, seq_lens,
+        q, cache.k_codes, cache.k_norms, cache.v_codes, cache.v_norms, k_codec.centroids, v_codec.centroids,
+        block_tables, seq_lens, jnp.asarray(k_codec.rotation, jnp.float32), jnp.asarray(v_codec.rotation, jnp.float32),
     )
     if backend == "xla":
-        out_rot = reference.paged_decode_rotated(*operands, k_codec.bits, v_codec.bits, scale)
-    else:
-        out_rot = _decode_rotated(*operands, k_codec.bits, v_codec.bits, scale, int(num_splits or 0),
-                                  f16_products, backend)
-    out = jnp.einsum("she,ed->shd", out_rot, v_codec.rotation, precision=rotation_precision)
-    # The kernels give a row whose scores are all NaN no weight (an all-zero row): make a
-    # non-finite query visible instead, as the reference does; also a finite one whose rotation
-    # overflowed float32 (the kernels saw only inf / NaN scores). One test covers both: an inf or
-    # NaN in q makes every element of its q_rot row inf or NaN (inf * 0 is NaN), so no separate
-    # reduction over q.
-    finite = jnp.all(jnp.isfinite(q_rot), axis=-1, keepdims=True)
-    out = jnp.where(finite, out, jnp.nan)
-    return out.astype(q.dtype)
+        return _reference_decode(*operands, k_bits=k_codec.bits, v_bits=v_codec.bits, scale=scale)
+    return _decode(*operands, k_codec.bits, v_codec.bits, scale, int(num_splits or 0), f16_products, backend)
 
 
 def _static_scale(scale):
@@ -149,15 +131,6 @@ def _static_num_splits(num_splits):
                         f"(e.g. jax.jit(tq.paged_decode, static_argnames='num_splits'))") from err
 
 
-def _rotation_precision(kernel_rounds_to_f16: bool) -> jax.lax.Precision:
-    """Precision of the two rotation GEMMs: ``HIGH`` (TF32 on the GPU, relative error ~3e-4, about
-    the kernel's own float16 rounding; 1.8-2x faster there at 8-128 sequences, see
-    benchmarks/bench_rotation.py) where the decode kernel that runs rounds to float16 (v4), else
-    ``HIGHEST``; also ``HIGHEST`` inside ``jax.default_matmul_precision("highest" / "float32")``."""
-    forced_highest = jax.config.jax_default_matmul_precision in ("highest", "float32")
-    return jax.lax.Precision.HIGH if kernel_rounds_to_f16 and not forced_highest else jax.lax.Precision.HIGHEST
-
-
 def _allows_f16_products(precision, q_dtype) -> bool:
     """Whether ``precision`` (see paged_decode) lets the kernel use float16 products."""
     if precision is None:
@@ -173,37 +146,51 @@ def _allows_f16_products(precision, q_dtype) -> bool:
     return precision != jax.lax.Precision.HIGHEST
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11, 12, 13, 14))
-def _decode_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens,
-                    k_bits, v_bits, scale, num_splits, f16_products, backend):
-    """The kernel call, differentiable in q_rot, k_norms and v_norms (the codes are integers)."""
-    (out_rot,) = paged_decode_p.bind(
-        q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens,
+def _reference_decode(q, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, k_rot, v_rot, *,
+                      k_bits, v_bits, scale):
+    """The pure-jnp decode (the ``xla`` backend, and the kernels' contract): q rotated by Pi_k,
+    attention in the rotated domain, the output rotated back by Pi_v, rows whose q or q_rot is not
+    finite set to NaN (the kernels would give them no weight at all), cast to q's dtype."""
+    q_rot = jnp.einsum("shd,ed->she", q.astype(jnp.float32), k_rot, precision=jax.lax.Precision.HIGHEST)
+    out_rot = reference.paged_decode_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables,
+                                             lens, k_bits, v_bits, scale)
+    out = jnp.einsum("she,ed->shd", out_rot, v_rot, precision=jax.lax.Precision.HIGHEST)
+    finite = jnp.all(jnp.isfinite(q), axis=-1, keepdims=True) & jnp.all(jnp.isfinite(q_rot), axis=-1, keepdims=True)
+    return jnp.where(finite, out, jnp.nan).astype(q.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(11, 12, 13, 14, 15, 16))
+def _decode(q, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, k_rot, v_rot,
+            k_bits, v_bits, scale, num_splits, f16_products, backend):
+    """The kernel call (rotations included), differentiable in q and the norms (the codes are
+    integers; the codec's rotations and centroids are constants)."""
+    (out,) = paged_decode_p.bind(
+        q, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, k_rot, v_rot,
         k_bits=k_bits, v_bits=v_bits, scale=scale, num_splits=num_splits, f16_products=f16_products,
         backend=backend,
     )
-    return out_rot
+    return out
 
 
-def _decode_rotated_fwd(*args):
-    operands, static = args[:9], args[9:]
-    return _decode_rotated(*operands, *static), operands
+def _decode_fwd(*args):
+    operands, static = args[:11], args[11:]
+    return _decode(*operands, *static), operands
 
 
-def _decode_rotated_bwd(k_bits, v_bits, scale, num_splits, f16_products, backend, operands, cotangent):
+def _decode_bwd(k_bits, v_bits, scale, num_splits, f16_products, backend, operands, cotangent):
     """Backward pass through the reference (recomputes the softmax; memory O(num_seqs x tokens))."""
-    q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens = operands
+    q, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, k_rot, v_rot = operands
 
     def attend(q, kn, vn):
-        return reference.paged_decode_rotated(q, k_codes, kn, v_codes, vn, k_cent, v_cent, tables, lens,
-                                              k_bits, v_bits, scale)
+        return _reference_decode(q, k_codes, kn, v_codes, vn, k_cent, v_cent, tables, lens, k_rot, v_rot,
+                                 k_bits=k_bits, v_bits=v_bits, scale=scale)
 
-    _, vjp = jax.vjp(attend, q_rot, k_norms, v_norms)
+    _, vjp = jax.vjp(attend, q, k_norms, v_norms)
     dq, dk_norms, dv_norms = vjp(cotangent)
-    return dq, None, dk_norms, None, dv_norms, None, None, None, None
+    return dq, None, dk_norms, None, dv_norms, None, None, None, None, None, None
 
 
-_decode_rotated.defvjp(_decode_rotated_fwd, _decode_rotated_bwd)
+_decode.defvjp(_decode_fwd, _decode_bwd)
 
 
 def _check_decode_args(q, cache, block_tables, seq_lens, num_splits) -> None:
@@ -341,13 +328,12 @@ def choose_num_splits(platform: str, num_seqs: int, num_kv_heads: int, max_pages
 
 # ----------------------------------------------------------------------------- primitive
 
-def _abstract(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids, block_tables, seq_lens, **params):
-    inputs = (q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids, block_tables, seq_lens)
-    return (_compat.output_aval(q_rot.shape, jnp.float32, *inputs),)
+def _abstract(q, *operands, **params):
+    return (_compat.output_aval(q.shape, q.dtype, q, *operands),)
 
 
 def _reference(*operands, k_bits, v_bits, scale, num_splits, f16_products):
-    return (reference.paged_decode_rotated(*operands, k_bits, v_bits, scale),)
+    return (_reference_decode(*operands, k_bits=k_bits, v_bits=v_bits, scale=scale),)
 
 
 def _ffi(ctx, *operands, k_bits, v_bits, scale, num_splits, f16_products):
@@ -360,6 +346,9 @@ def _ffi(ctx, *operands, k_bits, v_bits, scale, num_splits, f16_products):
                                        group=num_heads // num_kv_heads, page_size=page_size, head_dim=head_dim,
                                        k_bits=k_bits, v_bits=v_bits, f16_products=bool(f16_products))
     workspace = (
+        _compat.ShapedArray((num_seqs, num_heads, head_dim), jnp.float32),  # q_rot
+        _compat.ShapedArray((num_seqs, num_heads, head_dim), jnp.float32),  # out_rot
+        _compat.ShapedArray((num_seqs, num_heads, 8), jnp.int32),  # row_flags (per column block)
         _compat.ShapedArray((num_seqs, num_heads, num_splits, head_dim), jnp.float32),
         _compat.ShapedArray((num_seqs, num_heads, num_splits), jnp.float32),
     )
@@ -379,8 +368,9 @@ pu.register_lowerings(paged_decode_p, _reference, _ffi)
 def _batch(args, dims, **params):
     """Fold vmapped axes into the kernel's sequence axis; a batched cache is folded into one page pool
     (each batch element's block table is offset into its own slice of the pool)."""
-    q, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens = args
-    pu.require_unbatched(("k centroids", "v centroids"), dims[5:7], "paged_decode")
+    q, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, k_rot, v_rot = args
+    pu.require_unbatched(("k centroids", "v centroids", "k rotation", "v rotation"),
+                         (*dims[5:7], *dims[9:11]), "paged_decode")
     size = pu.batch_size(args, dims)
     pool_dims = dims[1:5]
     pools = list(args[1:5])
@@ -396,7 +386,7 @@ def _batch(args, dims, **params):
     num_seqs = q.shape[1]
     (out,) = paged_decode_p.bind(
         q.reshape((-1,) + q.shape[2:]), *pools, k_cent, v_cent,
-        tables.reshape((-1, tables.shape[-1])), lens.reshape(-1), **params,
+        tables.reshape((-1, tables.shape[-1])), lens.reshape(-1), k_rot, v_rot, **params,
     )
     return [out.reshape((size, num_seqs) + out.shape[1:])], [0]
 

@@ -99,39 +99,42 @@ def test_choose_num_splits_on_an_a100(monkeypatch):
     assert got == max(fills, key=fills.get) == 4
 
 
-def _rotation_precisions(monkeypatch, cuda_built, qdtype, backend="auto", head_dim=128, group=4, env=None):
-    """The precisions of the dot products paged_decode traces (the two rotations, here)."""
+def _decode_eqns(qdtype, backend):
+    """Every equation (nested jaxprs included) that paged_decode traces for a small cache."""
     import jax
     import jax.numpy as jnp
     import jax_tq as tq
-    from jax_tq import _ffi
 
-    monkeypatch.setattr(_ffi, "kernels_available", lambda platform: cuda_built if platform == "cuda" else True)
-    if env is None:
-        monkeypatch.delenv("JAX_TQ_CUDA_DECODE", raising=False)
-    else:
-        monkeypatch.setenv("JAX_TQ_CUDA_DECODE", env)
     cache = tq.PagedKVCache.create(num_pages=2, page_size=16, num_kv_heads=2,
-                                   k_codec=tq.TurboQuant(head_dim, 4), v_codec=tq.TurboQuant(head_dim, 4))
-    q = jnp.zeros((1, 2 * group, head_dim), qdtype)
+                                   k_codec=tq.TurboQuant(128, 4), v_codec=tq.TurboQuant(128, 4))
+    q = jnp.ones((1, 8, 128), qdtype)
     tables, lens = jnp.zeros((1, 2), jnp.int32), jnp.ones((1,), jnp.int32)
     with tq.use_backend(backend):
-        jaxpr = jax.make_jaxpr(lambda q: tq.paged_decode(q, cache, tables, lens))(q)
-    return [str(e.params["precision"]) for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
+        closed = jax.make_jaxpr(lambda q: tq.paged_decode(q, cache, tables, lens))(q)
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            yield eqn
+            for value in eqn.params.values():
+                inner = getattr(value, "jaxpr", value)
+                if hasattr(inner, "eqns"):
+                    yield from walk(inner)
+
+    return list(walk(closed.jaxpr))
 
 
-def test_rotations_run_at_high_only_where_the_float16_kernel_runs(monkeypatch):
-    precisions = _rotation_precisions(monkeypatch, True, "bfloat16")
-    assert len(precisions) == 2 and all("HIGH" in p and "HIGHEST" not in p for p in precisions), precisions
-    import jax
-    with jax.default_matmul_precision("float32"):  # an enclosing request for float32 products wins
-        precisions = _rotation_precisions(monkeypatch, True, "bfloat16")
-    assert len(precisions) == 2 and all("HIGHEST" in p for p in precisions), precisions
-    for args, kw in [((False, "bfloat16"), {}),                 # no CUDA kernels built: the reference runs on a GPU
-                     ((True, "float32"), {}),                   # float32 queries: v3, float32-accurate
-                     ((True, "bfloat16"), {"backend": "xla"}),  # the reference backend
-                     ((True, "bfloat16"), {"head_dim": 64}),    # v1 (CUDA cores)
-                     ((True, "bfloat16"), {"group": 2}),        # v1
-                     ((True, "bfloat16"), {"env": "v3"})]:      # v3 forced
-        precisions = _rotation_precisions(monkeypatch, *args, **kw)
-        assert len(precisions) == 2 and all("HIGHEST" in p for p in precisions), (args, kw, precisions)
+def test_rotations_run_inside_the_kernel_call():
+    """The kernel call takes q in its own dtype and returns the rotated-back output in it: no
+    rotation GEMM, conversion or NaN-mask op is traced around it."""
+    import jax.numpy as jnp
+
+    for qdtype in ("bfloat16", "float16", "float32"):
+        eqns = _decode_eqns(qdtype, "auto")
+        names = {e.primitive.name for e in eqns}
+        assert "dot_general" not in names and "select_n" not in names, names
+        (call,) = [e for e in eqns if e.primitive.name == "jax_tq_paged_decode"]
+        assert call.invars[0].aval.dtype == jnp.dtype(qdtype) == call.outvars[0].aval.dtype
+        assert call.invars[9].aval.shape == call.invars[10].aval.shape == (128, 128)  # Pi_k, Pi_v
+    # the reference backend: both rotations (and the attention products) at HIGHEST
+    precisions = [str(e.params["precision"]) for e in _decode_eqns("bfloat16", "xla") if e.primitive.name == "dot_general"]
+    assert len(precisions) >= 2 and all("HIGHEST" in p for p in precisions), precisions

@@ -208,31 +208,44 @@ inline ffi::Error validate_compress_write(
 }
 
 // ---------------------------------------------------------------------------
-// jax_tq_paged_decode: q_rot [S, H, d], k/v codes [P, Hkv, page_size, packed],
-//   k/v norms [P, Hkv, page_size], k/v centroids [2**bits],
-//   block_tables [S, max_pages], seq_lens [S]
-//   -> out_rot [S, H, d], partial_out [S, H, ns, d], partial_lse [S, H, ns]
+// jax_tq_paged_decode: q [S, H, d] (f32 / bf16 / f16), k/v codes [P, Hkv, page_size, packed],
+//   k/v norms [P, Hkv, page_size], k/v centroids [2**bits], block_tables [S, max_pages],
+//   seq_lens [S], k/v rotations [d, d]
+//   -> out [S, H, d] (q's dtype), workspaces q_rot [S, H, d], out_rot [S, H, d],
+//      row_flags int32 [S, H, 8], partial_out [S, H, ns, d], partial_lse [S, H, ns]
 // ---------------------------------------------------------------------------
 struct DecodeDims {
-  int64_t S, H, d;        // q_rot
+  int64_t S, H, d;        // q
   int64_t P, Hkv, page;   // k/v pools
   int64_t kpb, vpb;       // packed bytes per K / V row
   int64_t max_pages, ns;  // block_tables columns, num_splits
 };
 
+// Row-flag slots per query row in the row_flags workspace (>= head_dim / 16 column blocks).
+constexpr int64_t kDecodeRowFlags = 8;
+
+inline bool is_query_dtype(ffi::DataType t) {
+  return t == ffi::DataType::F32 || t == ffi::DataType::BF16 || t == ffi::DataType::F16;
+}
+
 inline ffi::Error validate_paged_decode(
-    const Op& op, const ffi::Buffer<ffi::F32>& q_rot, const ffi::Buffer<ffi::U8>& k_codes,
+    const Op& op, const ffi::AnyBuffer& q, const ffi::Buffer<ffi::U8>& k_codes,
     const ffi::Buffer<ffi::F32>& k_norms, const ffi::Buffer<ffi::U8>& v_codes,
     const ffi::Buffer<ffi::F32>& v_norms, const ffi::Buffer<ffi::F32>& k_centroids,
     const ffi::Buffer<ffi::F32>& v_centroids, const ffi::Buffer<ffi::S32>& block_tables,
-    const ffi::Buffer<ffi::S32>& seq_lens, const ffi::Buffer<ffi::F32>& out_rot,
-    const ffi::Buffer<ffi::F32>& partial_out, const ffi::Buffer<ffi::F32>& partial_lse,
-    int32_t k_bits, int32_t v_bits, int32_t num_splits, DecodeDims* out) {
+    const ffi::Buffer<ffi::S32>& seq_lens, const ffi::Buffer<ffi::F32>& k_rotation,
+    const ffi::Buffer<ffi::F32>& v_rotation, const ffi::AnyBuffer& out,
+    const ffi::Buffer<ffi::F32>& q_rot, const ffi::Buffer<ffi::F32>& out_rot,
+    const ffi::Buffer<ffi::S32>& row_flags, const ffi::Buffer<ffi::F32>& partial_out, const ffi::Buffer<ffi::F32>& partial_lse,
+    int32_t k_bits, int32_t v_bits, int32_t num_splits, DecodeDims* dims) {
   JTQ_RETURN_IF_ERROR(check_bits(op, "k_bits", k_bits));
   JTQ_RETURN_IF_ERROR(check_bits(op, "v_bits", v_bits));
   if (num_splits < 1) return op.invalid("num_splits must be >= 1, got " + std::to_string(num_splits));
-  const auto qd = q_rot.dimensions();
-  JTQ_RETURN_IF_ERROR(check_rank(op, qd, 3, "q_rot must be rank 3 [S, H, d]"));
+  if (!is_query_dtype(q.element_type()))
+    return op.invalid("q: dtype must be float32, bfloat16 or float16");
+  if (out.element_type() != q.element_type()) return op.invalid("out (result) must have q's dtype");
+  const auto qd = q.dimensions();
+  JTQ_RETURN_IF_ERROR(check_rank(op, qd, 3, "q must be rank 3 [S, H, d]"));
   const int64_t S = qd[0], H = qd[1], d = qd[2];
   JTQ_RETURN_IF_ERROR(check_head_dim(op, d));
   const auto kd = k_codes.dimensions();
@@ -257,12 +270,18 @@ inline ffi::Error validate_paged_decode(
       check_dims(op, "v_centroids", v_centroids.dimensions(), {int64_t(1) << v_bits}));
   JTQ_RETURN_IF_ERROR(check_dims(op, "block_tables", bd, {S, max_pages}));
   JTQ_RETURN_IF_ERROR(check_dims(op, "seq_lens", seq_lens.dimensions(), {S}));
-  JTQ_RETURN_IF_ERROR(check_dims(op, "out_rot (result)", out_rot.dimensions(), {S, H, d}));
+  JTQ_RETURN_IF_ERROR(check_dims(op, "k_rotation", k_rotation.dimensions(), {d, d}));
+  JTQ_RETURN_IF_ERROR(check_dims(op, "v_rotation", v_rotation.dimensions(), {d, d}));
+  JTQ_RETURN_IF_ERROR(check_dims(op, "out (result)", out.dimensions(), {S, H, d}));
+  JTQ_RETURN_IF_ERROR(check_dims(op, "q_rot (workspace)", q_rot.dimensions(), {S, H, d}));
+  JTQ_RETURN_IF_ERROR(check_dims(op, "out_rot (workspace)", out_rot.dimensions(), {S, H, d}));
   JTQ_RETURN_IF_ERROR(
-      check_dims(op, "partial_out (result)", partial_out.dimensions(), {S, H, ns, d}));
+      check_dims(op, "row_flags (workspace)", row_flags.dimensions(), {S, H, kDecodeRowFlags}));
   JTQ_RETURN_IF_ERROR(
-      check_dims(op, "partial_lse (result)", partial_lse.dimensions(), {S, H, ns}));
-  *out = DecodeDims{S, H, d, P, Hkv, page, kpb, vpb, max_pages, ns};
+      check_dims(op, "partial_out (workspace)", partial_out.dimensions(), {S, H, ns, d}));
+  JTQ_RETURN_IF_ERROR(
+      check_dims(op, "partial_lse (workspace)", partial_lse.dimensions(), {S, H, ns}));
+  *dims = DecodeDims{S, H, d, P, Hkv, page, kpb, vpb, max_pages, ns};
   return ffi::Error::Success();
 }
 
@@ -315,7 +334,7 @@ auto BindWriteCache(B b) {
 
 template <typename B>
 auto BindPagedDecode(B b) {
-  return std::move(b).template Arg<ffi::Buffer<ffi::F32>>()    // q_rot [S, H, d]
+  return std::move(b).template Arg<ffi::AnyBuffer>()           // q [S, H, d]
       .template Arg<ffi::Buffer<ffi::U8>>()         // k_codes
       .template Arg<ffi::Buffer<ffi::F32>>()        // k_norms
       .template Arg<ffi::Buffer<ffi::U8>>()         // v_codes
@@ -324,9 +343,14 @@ auto BindPagedDecode(B b) {
       .template Arg<ffi::Buffer<ffi::F32>>()        // v_centroids
       .template Arg<ffi::Buffer<ffi::S32>>()        // block_tables [S, max_pages]
       .template Arg<ffi::Buffer<ffi::S32>>()        // seq_lens [S]
-      .template Ret<ffi::Buffer<ffi::F32>>()        // out_rot [S, H, d]
-      .template Ret<ffi::Buffer<ffi::F32>>()        // partial_out [S, H, ns, d]
-      .template Ret<ffi::Buffer<ffi::F32>>()        // partial_lse [S, H, ns]
+      .template Arg<ffi::Buffer<ffi::F32>>()        // k_rotation [d, d] (Pi_k)
+      .template Arg<ffi::Buffer<ffi::F32>>()        // v_rotation [d, d] (Pi_v)
+      .template Ret<ffi::AnyBuffer>()               // out [S, H, d], q's dtype
+      .template Ret<ffi::Buffer<ffi::F32>>()        // q_rot [S, H, d] (workspace)
+      .template Ret<ffi::Buffer<ffi::F32>>()        // out_rot [S, H, d] (workspace)
+      .template Ret<ffi::Buffer<ffi::S32>>()        // row_flags [S, H, 8] (workspace)
+      .template Ret<ffi::Buffer<ffi::F32>>()        // partial_out [S, H, ns, d] (workspace)
+      .template Ret<ffi::Buffer<ffi::F32>>()        // partial_lse [S, H, ns] (workspace)
       .template Attr<int32_t>("k_bits")
       .template Attr<int32_t>("v_bits")
       .template Attr<int32_t>("num_splits")
