@@ -114,6 +114,22 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+// Element types of q and of the output (the FFI buffers' dtypes).
+enum class FType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
+
+__device__ __forceinline__ float to_f32(float x) { return x; }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
+
+__device__ __forceinline__ void store_from_f32(void* base, int dtype, int64_t i, float v) {
+  if (dtype == static_cast<int>(FType::kBF16))
+    static_cast<__nv_bfloat16*>(base)[i] = __float2bfloat16_rn(v);
+  else if (dtype == static_cast<int>(FType::kF16))
+    static_cast<__half*>(base)[i] = __float2half_rn(v);
+  else
+    static_cast<float*>(base)[i] = v;
+}
+
 // Division by a runtime constant d (1 <= d < 2^31) for 0 <= x < 2^31:
 // q = (umulhi(x, mul) + x) >> shift (round-up method, 33-bit intermediate fits since x < 2^31).
 struct FastDiv {
@@ -250,6 +266,16 @@ struct DecodeParams {
   float* out;           // [S, H, D]
   float* pout;          // [S, H, ns, D]
   float* plse;          // [S, H, ns]
+  // v4 only (the rotations fused into it): q in its own dtype, Pi_k and Pi_v, the final output in
+  // q's dtype (written when num_splits == 1) and the row flags (num_splits > 1: 1 where the row's
+  // q and q_rot are finite, for the output rotation kernel).
+  const void* q_raw;    // [S, H, D], q_dtype
+  const float* rot_k;   // [D, D], q_rot = Pi_k q
+  const float* rot_v;   // [D, D], out = Pi_v^T out_rot
+  void* out_final;      // [S, H, D], q_dtype
+  int* row_flags;       // [S, H, kDecodeRowFlags]
+  int q_dtype;          // FType
+  int cluster;          // v4 ring: CTAs per thread-block cluster along grid y (1, 4 or 8)
   int S, H, Hkv, G, ntiles, P, page_size, max_pages, num_splits;
   FastDiv pdiv;         // division by page_size
   float qscale;         // scale * log2(e)
@@ -1065,20 +1091,6 @@ __global__ void __launch_bounds__(kCombineThreads)
 // and the CTA's D x CB block of M (B_s, n-major for TRANS, k-major else) are copied to shared
 // memory by cp.async; the padded strides make the fragment reads conflict-free.
 // ---------------------------------------------------------------------------------------------
-enum class FType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
-
-__device__ __forceinline__ float to_f32(float x) { return x; }
-__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
-
-__device__ __forceinline__ void store_from_f32(void* base, int dtype, int64_t i, float v) {
-  if (dtype == static_cast<int>(FType::kBF16))
-    static_cast<__nv_bfloat16*>(base)[i] = __float2bfloat16_rn(v);
-  else if (dtype == static_cast<int>(FType::kF16))
-    static_cast<__half*>(base)[i] = __float2half_rn(v);
-  else
-    static_cast<float*>(base)[i] = v;
-}
 
 __device__ __forceinline__ uint32_t tf32_bits(float x) {
   uint32_t r;
@@ -1336,12 +1348,84 @@ ffi::Error launch_v3(cudaStream_t stream, const DecodeParams& p, dim3 grid) {
   return launch_mma<v3::paged_decode_v3_kernel<GT, SPLIT>>(kThreads, "v3", stream, p, grid);
 }
 
+// Whether v4's ring kernel launched in clusters of c CTAs keeps >= 95% of its CTA slots (a cluster's
+// CTAs must be resident in one GPC at once). Asked once per device and c.
+template <int GT>
+bool v4_cluster_fits(int c) {
+  static std::atomic<int> known[64][2];  // [device][c == 8]: 0 not asked, 1 fits, 2 does not
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
+  std::atomic<int>& slot = known[dev][c == 8 ? 1 : 0];
+  int state = slot.load(std::memory_order_acquire);
+  if (state == 0) {
+    constexpr int smem = v3::kSmemBytes + v3::kRingBytes;
+    const auto kernel = v3::paged_decode_v4_kernel<GT, false, true>;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(1, static_cast<unsigned>(c), 1);
+    cfg.blockDim = dim3(v3::kT4);
+    cfg.dynamicSmemBytes = smem;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = 1;
+    attr[0].val.clusterDim.y = static_cast<unsigned>(c);
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    int major = 0, sms = 0, clusters = 0;
+    const bool fits =
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess && major >= 9 &&
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess &&
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) == cudaSuccess &&
+        cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) == cudaSuccess &&
+        100 * clusters * c >= 95 * v3::kCtasPerSm4 * sms;
+    if (!fits) (void)cudaGetLastError();  // a refused query is an answer here, not an error to keep
+    state = fits ? 1 : 2;
+    slot.store(state, std::memory_order_release);
+  }
+  return state == 1;
+}
+
+// v4 ring's cluster size: 8 or 4 KV-head tiles of one (sequence, split) share Pi_k and Pi_v through
+// distributed shared memory (paged_decode_mma.cuh) where they divide grid.y and the clusters keep
+// the CTA slots; else 1 (JAX_TQ_CUDA_CLUSTER=0: always 1, for A/B timing).
+template <int GT>
+int v4_cluster(unsigned grid_y) {
+  static const bool env_on = [] {
+    const char* env = std::getenv("JAX_TQ_CUDA_CLUSTER");
+    return env == nullptr || std::string(env) != "0";
+  }();
+  if (!env_on) return 1;
+  for (int c : {8, 4})
+    if (grid_y % c == 0 && v4_cluster_fits<GT>(c)) return c;
+  return 1;
+}
+
 template <int GT, bool RING>
-ffi::Error launch_v4(cudaStream_t stream, const DecodeParams& p, dim3 grid) {
+ffi::Error launch_v4(cudaStream_t stream, const DecodeParams& params, dim3 grid) {
   constexpr int smem = v3::kSmemBytes + (RING ? v3::kRingBytes : 0);
-  // v4 waits for the query rotation just before reading q (pdl_wait in its prologue).
-  return launch_mma<v3::paged_decode_v4_kernel<GT, false, RING>, smem>(
-      v3::kT4, RING ? "v4 ring" : "v4", stream, p, grid, pdl_enabled());
+  constexpr auto kernel = v3::paged_decode_v4_kernel<GT, false, RING>;
+  DecodeParams p = params;
+  p.cluster = RING ? v4_cluster<GT>(grid.y) : 1;
+  if (p.cluster == 1)
+    return launch_mma<kernel, smem>(v3::kT4, RING ? "v4 ring" : "v4", stream, p, grid);
+  static std::atomic<uint64_t> smem_set{0};
+  if (cudaError_t e = allow_dynamic_smem(smem_set, kernel, smem); e != cudaSuccess)
+    return cuda_error("v4 ring shared memory attribute", e);
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(v3::kT4);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = 1;
+  attr[0].val.clusterDim.y = static_cast<unsigned>(p.cluster);
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  if (cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, p); e != cudaSuccess)
+    return cuda_error("v4 ring cluster launch", e);
+  return ffi::Error::Success();
 }
 
 // Whether v4's ring variant keeps kCtasPerSm4 CTAs per SM on the current device (the split rule
@@ -1440,6 +1524,12 @@ bool use_v3(int d, int gt, const DecodeParams& p) {
   return reinterpret_cast<uintptr_t>(p.kc) % 16 == 0 && reinterpret_cast<uintptr_t>(p.vc) % 8 == 0;
 }
 
+// Whether dispatch_d runs v4, which does both rotations itself (the query rotation in its prologue,
+// the output rotation in its epilogue when num_splits == 1).
+bool use_v4(int d, int gt, bool f16, const DecodeParams& p) {
+  return JTQ_HAS_D(128) && f16 && requested_kernel() != DecodeKernel::kV3 && use_v3(d, gt, p);
+}
+
 #if JTQ_HAS_D(128)
 // v4's ring variant (16-byte cp.async of whole one-page tiles): pages of a multiple of 16 tokens,
 // all four pools 16-byte aligned, 2 CTAs per SM; JAX_TQ_CUDA_DECODE=v4 keeps the register variant.
@@ -1453,7 +1543,7 @@ bool use_ring(int gt, const DecodeParams& p) {
 
 ffi::Error dispatch_v3(int gt, bool f16, cudaStream_t stream, const DecodeParams& p, dim3 grid) {
   // v4 (8 warps per CTA in 128 registers) for f16 products; f32-accurate (hi / lo) products need
-  // more registers than that and stay on v3.
+  // more registers than that and stay on v3. (use_v4 says the same.)
   if (f16 && requested_kernel() != DecodeKernel::kV3) {
     if (use_ring(gt, p))
       return gt == 4 ? launch_v4<4, true>(stream, p, grid) : launch_v4<8, true>(stream, p, grid);
@@ -1649,9 +1739,21 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::AnyBuffer q,
   if (ns > 1 && d > kCombineMaxD) return invalid("head_dim above the combine kernel's 256");
   const int dtype = ftype_of(q.element_type());
   int* flags = row_flags->typed_data();
-  const RotateParams rq{q.untyped_data(), k_rotation.typed_data(), q_rot->typed_data(), flags, nullptr,
-                        S * H, static_cast<int>(FType::kF32)};
-  if (auto e = rotate_rows<true>(static_cast<int>(d), stream, rq, dtype); e.failure()) return e;
+  p.q_raw = q.untyped_data();
+  p.q_dtype = dtype;
+  p.rot_k = k_rotation.typed_data();
+  p.rot_v = v_rotation.typed_data();
+  p.out_final = out->untyped_data();
+  p.row_flags = flags;
+  p.cluster = 1;
+  // v4 rotates q itself, and the output too when there is one split; the other kernels read q_rot
+  // and write out_rot, rotated by the rotation kernels before and after them.
+  const bool fused = use_v4(static_cast<int>(d), gt, f16_products != 0, p);
+  if (!fused) {
+    const RotateParams rq{q.untyped_data(), k_rotation.typed_data(), q_rot->typed_data(), flags, nullptr,
+                          S * H, static_cast<int>(FType::kF32)};
+    if (auto e = rotate_rows<true>(static_cast<int>(d), stream, rq, dtype); e.failure()) return e;
+  }
   const dim3 grid(static_cast<unsigned>(S * ns), static_cast<unsigned>(Hkv * ntiles));
   if (auto e = dispatch_d(static_cast<int>(d), gt, f16_products != 0, stream, p, grid); e.failure())
     return e;
@@ -1661,6 +1763,7 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::AnyBuffer q,
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return cuda_error("combine kernel launch", e);
   }
+  if (fused && ns == 1) return ffi::Error::Success();
   const RotateParams ro{out_rot->typed_data(), v_rotation.typed_data(), out->untyped_data(), nullptr,
                         flags, S * H, dtype};
   return rotate_rows<false>(static_cast<int>(d), stream, ro, static_cast<int>(FType::kF32));

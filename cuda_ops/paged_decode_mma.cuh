@@ -330,13 +330,11 @@ __device__ __forceinline__ void tile_accumulate_v(const uint2 (&v)[4], const flo
 }
 
 // After a warp-independent tile loop: each warp's (m, l, o) into shared memory (o_s reuses the
-// tables: every warp must be past its loop), merged over the W warps and stored.
-template <int GT, int W>
-__device__ __forceinline__ void merge_tile_state(const DecodeParams& p, const float (&o)[8][4],
-                                                 const float (&m)[2], float (&l)[2],
+// tables: every warp must be past its loop), visible to the whole CTA on return.
+template <int W>
+__device__ __forceinline__ void stash_tile_state(const float (&o)[8][4], const float (&m)[2], float (&l)[2],
                                                  float (&o_s)[W][kNH * kD], float (&m_s)[W][kNH],
-                                                 float (&l_s)[W][kNH], int warp, int gid, int t4,
-                                                 int seq, int split, int kvh, int tile) {
+                                                 float (&l_s)[W][kNH], int warp, int gid, int t4) {
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
 #pragma unroll
@@ -355,6 +353,16 @@ __device__ __forceinline__ void merge_tile_state(const DecodeParams& p, const fl
     }
   }
   __syncthreads();
+}
+
+// The W warps' states merged and stored (final output or the split's partial).
+template <int GT, int W>
+__device__ __forceinline__ void merge_tile_state(const DecodeParams& p, const float (&o)[8][4],
+                                                 const float (&m)[2], float (&l)[2],
+                                                 float (&o_s)[W][kNH * kD], float (&m_s)[W][kNH],
+                                                 float (&l_s)[W][kNH], int warp, int gid, int t4,
+                                                 int seq, int split, int kvh, int tile) {
+  stash_tile_state<W>(o, m, l, o_s, m_s, l_s, warp, gid, t4);
   merge_warps_and_store<kD, GT, kNH, W>(p, m_s, l_s, o_s, seq, split, kvh, tile);
 }
 
@@ -549,6 +557,289 @@ constexpr float kLazyMax = 8.f;
 
 __device__ __forceinline__ int ring_swizzle(int u) { return u ^ ((u >> 2) & 4) ^ ((u >> 4) & 2); }
 
+// ---- v4's fused rotations (q_rot = Pi_k q in the prologue, out = Pi_v^T o in the epilogue) ----
+constexpr int kQRawStride = kD + 8;  // padded rows of the raw q tile: conflict-free B reads
+
+// ---- thread-block clusters (sm_90): the CTAs of a cluster (the same sequence and split, adjacent
+// KV-head tiles) share Pi_k and Pi_v through distributed shared memory: each holds 128 / c rows
+// and reads the others' (v4 ring variant; p.cluster = c in {4, 8}, else 1: every CTA reads both
+// matrices from global memory, 128 KB per CTA, which the L2 serves at ~5 TB/s for all CTAs).
+__device__ __forceinline__ void cluster_arrive() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void cluster_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t r = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+#endif
+  return r;
+}
+
+// The shared-memory address `addr` (of this CTA) in CTA `rank` of the cluster.
+__device__ __forceinline__ uint32_t cluster_map(uint32_t addr, uint32_t rank) {
+  uint32_t r = addr;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(addr), "r"(rank));
+#endif
+  return r;
+}
+
+__device__ __forceinline__ float2 ld_cluster_f2(uint32_t addr) {
+  float2 v = make_float2(0.f, 0.f);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(addr) : "memory");
+#endif
+  return v;
+}
+
+__device__ __forceinline__ float ld_cluster_f(uint32_t addr) {
+  float v = 0.f;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(addr) : "memory");
+#endif
+  return v;
+}
+
+// This CTA's slice of a rotation: rows rank * R .. + R - 1 (R = kD / c), float4 u of the slice
+// at thread u % 256's register slot u / 256 (R * 32 float4: 2 or 4 per thread for c = 8 or 4).
+struct RotSlice {
+  float4 v[4];
+};
+
+__device__ __forceinline__ void load_rotation_slice(const float* rot, int c, uint32_t rank, RotSlice& sl) {
+  const int n4 = (kD / c) * (kD / 4);  // float4 of the slice
+  const float4* src = reinterpret_cast<const float4*>(rot + static_cast<int>(rank) * (kD / c) * kD);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int u = threadIdx.x + 256 * j;
+    if (u < n4) sl.v[j] = __ldg(src + u);
+  }
+}
+
+__device__ __forceinline__ void store_rotation_slice(float* slice_s, int c, const RotSlice& sl) {
+  const int n4 = (kD / c) * (kD / 4);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int u = threadIdx.x + 256 * j;
+    if (u < n4) reinterpret_cast<float4*>(slice_s)[u] = sl.v[j];
+  }
+}
+
+// load_rotation_fragments from the cluster's slices of Pi_k (slice_s at the same offset in every
+// CTA): warp w's rows 16w .. 16w + 15 lie in one CTA's slice (16 divides kD / c).
+__device__ __forceinline__ void load_rotation_fragments_cluster(const float* slice_s, int c, int warp, int gid,
+                                                                int t4, float2 (&pa)[8][4]) {
+  const int rows = kD / c;
+  const int e0 = 16 * warp;
+  const uint32_t base = cluster_map(smem_addr(slice_s), static_cast<uint32_t>(e0 / rows)) +
+                        4u * static_cast<uint32_t>(((e0 % rows) + gid) * kD + 2 * t4);
+#pragma unroll
+  for (int ks = 0; ks < 8; ++ks) {
+    pa[ks][0] = ld_cluster_f2(base + 4u * (16 * ks));
+    pa[ks][1] = ld_cluster_f2(base + 4u * (8 * kD + 16 * ks));
+    pa[ks][2] = ld_cluster_f2(base + 4u * (16 * ks + 8));
+    pa[ks][3] = ld_cluster_f2(base + 4u * (8 * kD + 16 * ks + 8));
+  }
+}
+
+// Raw q of head `warp` in q's dtype, scaled by a power of two 2^-ex (ex per head, exact) so that
+// |q| < 1 for the f16 MMA, into qraw_s[warp]; ex into qex_s, and whether q is all finite into
+// bad_s (a non-finite row is staged as zeros; its output is NaN).
+template <int GT>
+__device__ __forceinline__ void stage_raw_query(const DecodeParams& p, float* qraw_s, int* qex_s,
+                                                int* bad_s, int seq, int kvh, int tile, int warp,
+                                                int lane) {
+  const int hl = tile * GT + warp;
+  float v[4] = {0.f, 0.f, 0.f, 0.f};
+  if (warp < GT && hl < p.G) {
+    const int64_t i = (static_cast<int64_t>(seq) * p.H + kvh * p.G + hl) * kD + 4 * lane;
+    if (p.q_dtype == static_cast<int>(FType::kF32)) {
+      const float4 x = *reinterpret_cast<const float4*>(static_cast<const float*>(p.q_raw) + i);
+      v[0] = x.x, v[1] = x.y, v[2] = x.z, v[3] = x.w;
+    } else {
+      const uint2 x = *reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(p.q_raw) + i);
+      const uint16_t h[4] = {static_cast<uint16_t>(x.x), static_cast<uint16_t>(x.x >> 16),
+                             static_cast<uint16_t>(x.y), static_cast<uint16_t>(x.y >> 16)};
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        v[j] = p.q_dtype == static_cast<int>(FType::kBF16) ? __uint_as_float(uint32_t(h[j]) << 16)
+                                                          : __half2float(__ushort_as_half(h[j]));
+    }
+  }
+  const bool finite = __all_sync(0xffffffffu, isfinite(v[0]) && isfinite(v[1]) && isfinite(v[2]) && isfinite(v[3]));
+  const float mx = warp_max(fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3]))));
+  int ex = 0;
+  if (finite && mx > 0.f) frexpf(mx, &ex);  // mx < 2^ex
+  float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (finite) x = make_float4(ldexpf(v[0], -ex), ldexpf(v[1], -ex), ldexpf(v[2], -ex), ldexpf(v[3], -ex));
+  *reinterpret_cast<float4*>(qraw_s + warp * kQRawStride + 4 * lane) = x;
+  if (lane == 0) {
+    qex_s[warp] = ex;
+    bad_s[warp] = !finite;
+  }
+}
+
+// This lane's A fragments of Pi_k for the rows 16 * warp .. + 15 of q_rot (row e = output
+// coordinate, column = contraction coordinate d): pa[ks] = (row gid, cols 16ks + 2t4 + {0, 1}),
+// (row gid + 8, same), (row gid, + 8), (row gid + 8, + 8). Loaded at kernel start.
+__device__ __forceinline__ void load_rotation_fragments(const float* rot, int warp, int gid, int t4,
+                                                        float2 (&pa)[8][4]) {
+  const float* r0 = rot + (16 * warp + gid) * kD + 2 * t4;
+#pragma unroll
+  for (int ks = 0; ks < 8; ++ks) {
+    pa[ks][0] = __ldg(reinterpret_cast<const float2*>(r0 + 16 * ks));
+    pa[ks][1] = __ldg(reinterpret_cast<const float2*>(r0 + 8 * kD + 16 * ks));
+    pa[ks][2] = __ldg(reinterpret_cast<const float2*>(r0 + 16 * ks + 8));
+    pa[ks][3] = __ldg(reinterpret_cast<const float2*>(r0 + 8 * kD + 16 * ks + 8));
+  }
+}
+
+// q_rot^T [16 rows of this warp x 8 heads] = Pi_k[rows] * (2^-ex q)^T on the tensor cores, both
+// operands split into f16 hi + lo (three products: ~float32-accurate), then scaled back by 2^ex
+// into qrot_s[head][e] (float32; a rotation that overflows float32 gives inf there).
+__device__ __forceinline__ void rotate_queries(const float2 (&pa)[8][4], const float* qraw_s,
+                                               const int* qex_s, float* qrot_s, int warp, int gid,
+                                               int t4) {
+  float acc[4] = {0.f, 0.f, 0.f, 0.f}, cor[4] = {0.f, 0.f, 0.f, 0.f};
+  const float* qr = qraw_s + gid * kQRawStride + 2 * t4;
+#pragma unroll
+  for (int ks = 0; ks < 8; ++ks) {
+    uint32_t ah[4], al[4], bh[2], bl[2];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) split2(pa[ks][i].x, pa[ks][i].y, ah[i], al[i]);
+    const float2 b0 = *reinterpret_cast<const float2*>(qr + 16 * ks);
+    const float2 b1 = *reinterpret_cast<const float2*>(qr + 16 * ks + 8);
+    split2(b0.x, b0.y, bh[0], bl[0]);
+    split2(b1.x, b1.y, bh[1], bl[1]);
+    mma16816(acc, ah, bh[0], bh[1]);
+    mma16816(cor, ah, bl[0], bl[1]);
+    mma16816(cor, al, bh[0], bh[1]);
+  }
+  // c0: (row gid, head 2t4), c1: (row gid, head 2t4 + 1), c2 / c3: row gid + 8.
+  const int e = 16 * warp + gid;
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    const int h = 2 * t4 + (c & 1);
+    qrot_s[h * kD + e + 8 * (c >> 1)] = ldexpf(acc[c] + cor[c], qex_s[h]);
+  }
+}
+
+// q_rot row of head `warp` (qrot_s) -> scaled q in q_s / qexp_s as stage_queries does from global
+// memory; a row whose q or q_rot is not finite is staged as zeros and marked in bad_s.
+__device__ __forceinline__ void stage_rotated_query(const DecodeParams& p, const float* qrot_s, float* q_s,
+                                                    float* qexp_s, int* bad_s, int warp, int lane) {
+  float4 v = *reinterpret_cast<const float4*>(qrot_s + warp * kD + 4 * lane);
+  const bool finite = __all_sync(0xffffffffu, isfinite(v.x) && isfinite(v.y) && isfinite(v.z) && isfinite(v.w));
+  const bool bad = bad_s[warp] != 0 || !finite;
+  if (bad) v = make_float4(0.f, 0.f, 0.f, 0.f);
+  v = make_float4(v.x * p.qscale, v.y * p.qscale, v.z * p.qscale, v.w * p.qscale);
+  const float mx = warp_max(fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+  int ex = 0;
+  if (mx > 0.f && mx <= 3.0e38f) frexpf(mx, &ex);  // mx < 2^ex
+  const float down = ldexpf(1.f, -ex);
+  *reinterpret_cast<float4*>(q_s + warp * kD + 4 * lane) = make_float4(v.x * down, v.y * down, v.z * down, v.w * down);
+  __syncwarp();
+  if (lane == 0) {
+    qexp_s[warp] = ldexpf(1.f, ex);
+    bad_s[warp] = bad;
+  }
+}
+
+// num_splits > 1: split 0 marks each real row's flags (the output rotation kernel after the
+// combine writes NaN rows where a flag is 0).
+template <int GT>
+__device__ __forceinline__ void store_row_flags(const DecodeParams& p, const int* bad_s, int seq, int kvh,
+                                                int tile, int warp, int lane) {
+  const int hl = tile * GT + warp;
+  if (warp < GT && hl < p.G && lane < static_cast<int>(ffi_checks::kDecodeRowFlags))
+    p.row_flags[(static_cast<int64_t>(seq) * p.H + kvh * p.G + hl) * ffi_checks::kDecodeRowFlags + lane] =
+        !bad_s[warp];
+}
+
+// num_splits == 1: merge the warps' (m, l, o) (o_s, m_s, l_s, written and synchronised by the
+// caller), rotate back by Pi_v in float32 (thread = output coordinate d and one half of the
+// contraction; Pi_v rows read coalesced) and store q's dtype, NaN rows where bad_s is set.
+// ofin_s: [kD][kNH] (the merged o, transposed), red_s: [2][kNH][kD]; neither overlaps o_s.
+template <int GT, int W>
+__device__ __forceinline__ void merge_rotate_store(const DecodeParams& p, const float (&m_s)[W][kNH],
+                                                   const float (&l_s)[W][kNH], const float (&o_s)[W][kNH * kD],
+                                                   float* ofin_s, float* red_s, const float* vslice_s, int cl,
+                                                   const int* bad_s, int seq, int kvh, int tile) {
+  constexpr int kHalf = kD / 2;
+  const int d = threadIdx.x & (kD - 1);
+  const int eh = threadIdx.x / kD;  // 0 or 1 (256 threads)
+  float pv[kHalf];
+  if (cl > 1) {  // row e of Pi_v: row e % R of CTA e / R's slice (vslice_s, R = kD / cl)
+    const int rows = kD / cl;
+    const uint32_t local = smem_addr(vslice_s) + 4u * d;
+#pragma unroll
+    for (int e = 0; e < kHalf; ++e) {
+      const int row = eh * kHalf + e;
+      pv[e] = ld_cluster_f(cluster_map(local + 4u * ((row % rows) * kD), static_cast<uint32_t>(row / rows)));
+    }
+  } else {
+    const float* rv = p.rot_v + static_cast<int64_t>(eh * kHalf) * kD + d;
+#pragma unroll
+    for (int e = 0; e < kHalf; ++e) pv[e] = __ldg(rv + e * kD);
+  }
+  for (int idx = threadIdx.x; idx < GT * kD; idx += 32 * W) {
+    const int g = idx / kD;
+    const int e = idx - g * kD;
+    float M = m_s[0][g];
+#pragma unroll
+    for (int w = 1; w < W; ++w) M = fmaxf(M, m_s[w][g]);
+    float L = 0.f, O = 0.f;
+    if (M > -INFINITY) {
+#pragma unroll
+      for (int w = 0; w < W; ++w) {
+        const float f = fast_exp2(m_s[w][g] - M);
+        L = fmaf(l_s[w][g], f, L);
+        O = fmaf(o_s[w][idx], f, O);
+      }
+    }
+    ofin_s[e * kNH + g] = L > 0.f ? O / L : 0.f;
+  }
+  __syncthreads();
+  float acc[GT];
+#pragma unroll
+  for (int g = 0; g < GT; ++g) acc[g] = 0.f;
+  const float* of = ofin_s + eh * kHalf * kNH;
+#pragma unroll
+  for (int e = 0; e < kHalf; ++e) {
+#pragma unroll
+    for (int g4 = 0; g4 < GT; g4 += 4) {
+      const float4 o4 = *reinterpret_cast<const float4*>(of + e * kNH + g4);
+      acc[g4] = fmaf(pv[e], o4.x, acc[g4]);
+      acc[g4 + 1] = fmaf(pv[e], o4.y, acc[g4 + 1]);
+      acc[g4 + 2] = fmaf(pv[e], o4.z, acc[g4 + 2]);
+      acc[g4 + 3] = fmaf(pv[e], o4.w, acc[g4 + 3]);
+    }
+  }
+  if (cl > 1) cluster_arrive();  // done with the peers' slices (waited for before exit)
+#pragma unroll
+  for (int g = 0; g < GT; ++g) red_s[(eh * kNH + g) * kD + d] = acc[g];
+  __syncthreads();
+  const float kNaN = __int_as_float(0x7fc00000);
+  for (int idx = threadIdx.x; idx < GT * kD; idx += 32 * W) {
+    const int g = idx / kD;
+    const int dd = idx - g * kD;
+    const int hl = tile * GT + g;
+    if (hl >= p.G) continue;
+    const float v = bad_s[g] ? kNaN : red_s[g * kD + dd] + red_s[(kNH + g) * kD + dd];
+    store_from_f32(p.out_final, p.q_dtype, (static_cast<int64_t>(seq) * p.H + kvh * p.G + hl) * kD + dd, v);
+  }
+  if (cl > 1) cluster_wait();  // no CTA exits while a peer may still read its slice
+}
+
 template <int GT, bool SPLIT, bool RING>
 __global__ void __launch_bounds__(kT4, kCtasPerSm4)
     paged_decode_v4_kernel(const DecodeParams p) {
@@ -564,7 +855,15 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
   __shared__ __align__(16) float w_s[kW4][kTT * kNH];  // P tiles, rows at ptile_row
   __shared__ float m_s[kW4][kNH];
   __shared__ float l_s[kW4][kNH];
+  __shared__ int qex_s[kNH];  // per-head power of two of the raw q
+  __shared__ int bad_s[kNH];  // 1: the head's q or q_rot is not finite (its output row is NaN)
   auto& o_s = *reinterpret_cast<float(*)[kW4][kNH * D]>(smem);  // after the main loop only
+  // The epilogue's merged output and the rotation's two halves, after o_s in the table space.
+  float* ofin_s = reinterpret_cast<float*>(smem + sizeof(o_s));  // [kD][kNH]
+  float* red_s = ofin_s + kD * kNH;                               // [2][kNH][kD]
+  static_assert(sizeof(float) * (kW4 * kNH * kD + kD * kNH + 2 * kNH * kD) <= kSmemBytes, "epilogue smem");
+  static_assert(sizeof(float) * (kNH * kQRawStride + 2 * kNH * kD + kD * kD / 4) <= kSmemBytes, "prologue smem");
+  static_assert(!RING || sizeof(float) * kD * kD / 4 <= kRingBytes, "Pi_v slices (c >= 4) in the ring");
 
   const int tid = threadIdx.x;
   const int warp = tid >> 5;
@@ -696,6 +995,15 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
   // The first tiles' block-table and code reads are issued before the prologue, whose q staging
   // and table build then overlap their latency; the centroids are loaded first of all.
   static_assert(kT4 == 256, "one K and one V table entry per thread");
+  float2 pa[8][4];  // this warp's fragments of Pi_k, for the query rotation
+  // (cl and the rank are read again where used: not held in registers through the main loop)
+  auto cluster_size = [&]() { return RING && (p.cluster == 4 || p.cluster == 8) ? p.cluster : 1; };
+  int cl = cluster_size();
+  RotSlice slice;
+  if (cl > 1)
+    load_rotation_slice(p.rot_k, cl, cluster_rank(), slice);
+  else
+    load_rotation_fragments(p.rot_k, warp, gid, t4, pa);
   const LutSeed lut_seed = load_lut_seed(p.kcent, p.vcent);
   Tile cur, nxt;
   int phys_next = -1, n_st[2] = {0, 0};
@@ -708,18 +1016,32 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
     if (warp < ntt) load(warp, cur, one_page_tiles ? tile_page(warp) : -1);
   }
 
-  // ---- prologue: q of head `warp` (scaled, per-head power of two) in the table space ----------
-  float* q_s = reinterpret_cast<float*>(smem);
-  // Launched as a programmatic dependent of the query rotation (paged_decode.cu): the reads
-  // above (centroids, block tables, codes) do not depend on it; q does.
-  pdl_trigger();
-  pdl_wait();
-  stage_queries<GT, 1>(p, q_s, qexp_s, seq, kvh, tile, warp, lane);
+  // ---- prologue: q of head `warp` rotated (q_rot = Pi_k q, tensor cores), scaled (per-head
+  // power of two) and staged in the table space --------------------------------------------------
+  float* qraw_s = reinterpret_cast<float*>(smem);   // [kNH][kQRawStride]
+  float* qrot_s = qraw_s + kNH * kQRawStride;       // [kNH][kD]
+  float* q_s = qrot_s + kNH * kD;                   // [kNH][kD]
+  float* kslice_s = q_s + kNH * kD;                 // [kD / cl][kD], this CTA's rows of Pi_k
+  stage_raw_query<GT>(p, qraw_s, qex_s, bad_s, seq, kvh, tile, warp, lane);
+  if (cl > 1) {
+    store_rotation_slice(kslice_s, cl, slice);
+    cluster_arrive();  // also this CTA's barrier
+    cluster_wait();
+    load_rotation_fragments_cluster(kslice_s, cl, warp, gid, t4, pa);
+  } else {
+    __syncthreads();
+  }
+  rotate_queries(pa, qraw_s, qex_s, qrot_s, warp, gid, t4);
+  if (cl > 1) cluster_arrive();  // done with the peers' slices; waited for before the tables
   __syncthreads();
+  stage_rotated_query(p, qrot_s, q_s, qexp_s, bad_s, warp, lane);
+  __syncthreads();
+  if (ns > 1 && split == 0) store_row_flags<GT>(p, bad_s, seq, kvh, tile, warp, lane);
   uint32_t qh[8][2], ql[8][2];
   query_fragments(q_s, gid, t4, qh, ql);
   const float qx0 = qexp_s[2 * t4], qx1 = qexp_s[2 * t4 + 1];
   __syncthreads();
+  if (cl > 1) cluster_wait();  // no peer reads this CTA's slice of Pi_k any more
   build_pair_luts<SPLIT>(smem, lut_seed);
   __syncthreads();
   const PairLut<SPLIT> ilut(smem, lane);
@@ -832,7 +1154,21 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
     }
   }
 
-  merge_tile_state<GT, kW4>(p, o, m, l, o_s, m_s, l_s, warp, gid, t4, seq, split, kvh, tile);
+  // One split: the output rotation here. The cluster's CTAs (the same sequence, the same token
+  // range) each stage their rows of Pi_v in their (now idle) ring.
+  float* vslice_s = reinterpret_cast<float*>(smem + kSmemBytes);
+  cl = cluster_size();
+  if (p.num_splits == 1 && cl > 1) load_rotation_slice(p.rot_v, cl, cluster_rank(), slice);
+  stash_tile_state<kW4>(o, m, l, o_s, m_s, l_s, warp, gid, t4);
+  if (ns == 1) {
+    if (cl > 1) {
+      store_rotation_slice(vslice_s, cl, slice);
+      cluster_arrive();
+      cluster_wait();
+    }
+    merge_rotate_store<GT, kW4>(p, m_s, l_s, o_s, ofin_s, red_s, vslice_s, cl, bad_s, seq, kvh, tile);
+  } else
+    merge_warps_and_store<kD, GT, kNH, kW4>(p, m_s, l_s, o_s, seq, split, kvh, tile);
 }
 
 }  // namespace v3

@@ -394,6 +394,46 @@ def test_paged_decode_row_counts(rng, num_seqs, qdtype):
             assert rel_err(got[s][ok], want[s][ok]) < 5 * tol, f"sequence {s}"
 
 
+@pytest.mark.parametrize("hkv,group,qdtype", [(4, 4, jnp.bfloat16), (8, 4, jnp.float16), (8, 8, jnp.bfloat16),
+                                              (16, 3, jnp.bfloat16)])
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_paged_decode_v4_clusters(rng, hkv, group, qdtype, num_splits):
+    """v4's ring kernel in thread-block clusters of 4 or 8 KV-head tiles, which share Pi_k and Pi_v
+    through distributed shared memory (the rotations fused into the kernel): every row against
+    float64, a NaN query row among them, the device memory poisoned first."""
+    q, cache, tables, lens = _decode_inputs(rng, 128, 4, 4, 16, group, hkv, qdtype, num_seqs=6, max_len=500)
+    q = q.at[3, 2 * group - 1, 9].set(jnp.nan)
+    bad = np.zeros(q.shape[:2], bool)
+    bad[3, 2 * group - 1] = True
+    _poison_device(q.size * 4 * 8 * 10)
+    got = np.asarray(_decode(q, cache, tables, lens, num_splits=num_splits).astype(jnp.float32), np.float64)
+    assert np.all(np.isnan(got[bad])) and np.all(np.isfinite(got[~bad]))
+    assert np.all(got[0] == 0.0)
+    want = _on_cpu(decode_f64, np.asarray(jnp.where(jnp.isfinite(q), q, 0).astype(jnp.float32)), cache, tables, lens)
+    tol = 1e-2 if qdtype == jnp.bfloat16 else 3e-3
+    assert rel_err(got[~bad], want[~bad]) < tol
+    for s in range(1, q.shape[0]):
+        ok = ~bad[s]
+        assert rel_err(got[s][ok], want[s][ok]) < 5 * tol, f"sequence {s}"
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_paged_decode_v4_query_rotation_overflow_row(rng, num_splits):
+    """v4 rotates q itself (in its prologue): a finite bfloat16 query of 3e38 in every coordinate,
+    whose rotation overflows float32, gives a NaN row as in the reference; a query of 1e-30 (scaled
+    far below float16's range before the rotation) keeps its float64 value; the other rows too."""
+    q, cache, tables, lens = _decode_inputs(rng, 128, 4, 4, 16, 4, 2, jnp.bfloat16, num_seqs=3, max_len=300)
+    q = q.at[1, 2].set(3e38).at[2, 5].multiply(1e-30)
+    _poison_device(q.size * 4 * 8 * 10)
+    got = np.asarray(_decode(q, cache, tables, lens, num_splits=num_splits).astype(jnp.float32), np.float64)
+    bad = np.zeros(q.shape[:2], bool)
+    bad[1, 2] = True
+    assert np.all(np.isnan(got[bad])) and np.all(np.isfinite(got[~bad]))
+    want = _on_cpu(decode_f64, np.asarray(q.astype(jnp.float32)).clip(-1e30, 1e30), cache, tables, lens)
+    assert rel_err(got[~bad], want[~bad]) < 1e-2
+    assert rel_err(got[2, 5], want[2, 5]) < 5e-2
+
+
 def test_paged_decode_split_counts_agree(rng):
     q, cache, tables, lens = _decode_inputs(rng, 128, 4, 4, 16, 4, 2, jnp.float32, num_seqs=3, max_len=2000)
     outs = [np.asarray(_decode(q, cache, tables, lens, num_splits=s)) for s in (1, 2, 3, 7, 200)]
