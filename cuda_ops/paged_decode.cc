@@ -92,6 +92,7 @@ ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q_rot, ffi::Buffer<ffi::U8> k_c
   std::vector<double> m(G), l(G), o(G * d);
   std::vector<double> qg(G * d);  // query rows of the group, in double
   std::vector<double> dots(G);    // q . k of each query head for the current token
+  std::vector<bool> row_ok(G);    // the head's q_rot row is all finite (else a NaN output row)
   // Double copy of each split's lse for the combine (the f32 workspace copy loses
   // ~ulp(max logit) which matters for huge logits); o/l is combined from the f32
   // workspace.
@@ -104,8 +105,13 @@ ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q_rot, ffi::Buffer<ffi::U8> k_c
 
     for (int64_t g = 0; g < Hkv; ++g) {
       const int64_t h0 = g * G;
-      for (int64_t hh = 0; hh < G; ++hh)
-        for (int64_t i = 0; i < d; ++i) qg[hh * d + i] = q[((s * H) + h0 + hh) * d + i];
+      for (int64_t hh = 0; hh < G; ++hh) {
+        row_ok[hh] = true;
+        for (int64_t i = 0; i < d; ++i) {
+          qg[hh * d + i] = q[((s * H) + h0 + hh) * d + i];
+          row_ok[hh] = row_ok[hh] && std::isfinite(qg[hh * d + i]);
+        }
+      }
 
       for (int64_t sp = 0; sp < ns; ++sp) {
         std::fill(m.begin(), m.end(), kNegInf);
@@ -173,6 +179,10 @@ ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q_rot, ffi::Buffer<ffi::U8> k_c
         const double* lse = &lse_d[hh * ns];
         const float* po = pout + (s * H + h) * ns * d;
         float* oh = out + (s * H + h) * d;
+        if (!row_ok[hh]) {
+          for (int64_t i = 0; i < d; ++i) oh[i] = std::numeric_limits<float>::quiet_NaN();
+          continue;
+        }
         double gmax = kNegInf;
         for (int64_t sp = 0; sp < ns; ++sp) gmax = std::max(gmax, lse[sp]);
         if (!(gmax > kNegInf)) {

@@ -408,10 +408,13 @@ __device__ __forceinline__ void v_phase(const uint8_t* vcs, const int* vals, con
 // Coordinate dd of query head h's result for one split, from its softmax state (m in log2 units,
 // l, and the unnormalised output acc): the final output when there is a single split, else the
 // split's partial output and (at dd == 0) its log-sum-exp for the combine kernel.
+// A head whose q_rot row is not all finite (`bad`) gets a NaN output row: with one split directly;
+// else a NaN partial with lse = +inf in every split, which the combine turns into a NaN row
+// (its weights are exp(inf - inf) = NaN).
 template <int D>
 __device__ __forceinline__ void store_head_output(const DecodeParams& p, int seq, int h, int split,
-                                                  int dd, float m, float l, float acc) {
-  const float o = l > 0.f ? acc / l : 0.f;
+                                                  int dd, float m, float l, float acc, bool bad) {
+  const float o = bad ? __int_as_float(0x7fc00000) : l > 0.f ? acc / l : 0.f;
   const int64_t sh = static_cast<int64_t>(seq) * p.H + h;
   if (p.num_splits == 1) {
     p.out[sh * D + dd] = o;
@@ -419,7 +422,7 @@ __device__ __forceinline__ void store_head_output(const DecodeParams& p, int seq
   }
   const int64_t li = sh * p.num_splits + split;
   p.pout[li * D + dd] = o;
-  if (dd == 0) p.plse[li] = l > 0.f ? (m + log2f(l)) * kLn2 : -INFINITY;
+  if (dd == 0) p.plse[li] = bad ? INFINITY : l > 0.f ? (m + log2f(l)) * kLn2 : -INFINITY;
 }
 
 template <int D, int GT>
@@ -466,6 +469,9 @@ __global__ void __launch_bounds__(kThreads)
   const int32_t* bt_seq = p.bt + static_cast<int64_t>(seq) * p.max_pages;
 
   // ---- prologue: q (pre-scaled, log2 units), centroids, zero the output accumulator ----------
+  __shared__ int bad_s[GT];  // 1: the head's q_rot row is not all finite (a NaN output row)
+  if (tid < GT) bad_s[tid] = 0;
+  __syncthreads();
   for (int idx = tid; idx < GT * D; idx += kThreads) {
     const int g = idx / D;
     const int dd = idx - g * D;
@@ -473,7 +479,9 @@ __global__ void __launch_bounds__(kThreads)
     float v = 0.f;
     if (hl < p.G) {
       const int h = kvh * p.G + hl;
-      v = p.q[(static_cast<int64_t>(seq) * p.H + h) * D + dd] * p.qscale;
+      const float x = p.q[(static_cast<int64_t>(seq) * p.H + h) * D + dd];
+      if (!isfinite(x)) bad_s[g] = 1;
+      v = x * p.qscale;
     }
     q_s[(g * LPT + dd / DL) * QROW + (dd % DL)] = v;
     o_s[idx] = 0.f;
@@ -637,7 +645,7 @@ __global__ void __launch_bounds__(kThreads)
     const int dd = idx - g * D;
     const int hl = tile * GT + g;
     if (hl >= p.G) continue;
-    store_head_output<D>(p, seq, kvh * p.G + hl, split, dd, ml_s[g], ml_s[GT + g], o_s[idx]);
+    store_head_output<D>(p, seq, kvh * p.G + hl, split, dd, ml_s[g], ml_s[GT + g], o_s[idx], bad_s[g] != 0);
   }
 }
 
@@ -666,8 +674,8 @@ __global__ void __launch_bounds__(kThreads)
 template <int D, int GT, int NH, int W = kWarps>
 __device__ __forceinline__ void merge_warps_and_store(const DecodeParams& p, const float (&m_s)[W][NH],
                                                       const float (&l_s)[W][NH],
-                                                      const float (&o_s)[W][NH * D], int seq,
-                                                      int split, int kvh, int tile) {
+                                                      const float (&o_s)[W][NH * D], const int* bad_s,
+                                                      int seq, int split, int kvh, int tile) {
   for (int idx = threadIdx.x; idx < GT * D; idx += 32 * W) {
     const int g = idx / D;
     const int dd = idx - g * D;
@@ -685,7 +693,7 @@ __device__ __forceinline__ void merge_warps_and_store(const DecodeParams& p, con
         O = fmaf(o_s[w][idx], f, O);
       }
     }
-    store_head_output<D>(p, seq, kvh * p.G + hl, split, dd, M, L, O);
+    store_head_output<D>(p, seq, kvh * p.G + hl, split, dd, M, L, O, bad_s[g] != 0);
   }
 }
 
@@ -772,19 +780,27 @@ __global__ void __launch_bounds__(kThreads)
     vcent_s[tid] = tid < (1 << vb) ? p.vcent[tid] : 0.f;
   }
 
-  // q of coordinates 8j .. 8j+7 for every head of the tile (0 for heads past the group).
+  // q of coordinates 8j .. 8j+7 for every head of the tile (0 for heads past the group); warp 0
+  // marks the heads whose q_rot row is not all finite (every warp's lanes cover the whole row).
+  __shared__ int bad_s[GT];
   float q[GT][8];
 #pragma unroll
   for (int g = 0; g < GT; ++g) {
     const int hl = tile * GT + g;
+    bool finite = true;
     if (hl < p.G) {
       const float* qp = p.q + (static_cast<int64_t>(seq) * p.H + kvh * p.G + hl) * D + 8 * j;
 #pragma unroll
-      for (int e = 0; e < 8; ++e) q[g][e] = qp[e] * p.qscale;
+      for (int e = 0; e < 8; ++e) {
+        finite &= isfinite(qp[e]);
+        q[g][e] = qp[e] * p.qscale;
+      }
     } else {
 #pragma unroll
       for (int e = 0; e < 8; ++e) q[g][e] = 0.f;
     }
+    finite = __all_sync(0xffffffffu, finite);
+    if (warp == 0 && lane == 0) bad_s[g] = !finite;
   }
 
   float m[GT], l[GT], acc[GT][8];
@@ -945,7 +961,7 @@ __global__ void __launch_bounds__(kThreads)
   }
   __syncthreads();
 
-  merge_warps_and_store<D, GT, GT>(p, m_s, l_s, o_s, seq, split, kvh, tile);
+  merge_warps_and_store<D, GT, GT>(p, m_s, l_s, o_s, bad_s, seq, split, kvh, tile);
 }
 
 }  // namespace v2

@@ -191,9 +191,10 @@ struct Tile {
 
 // q of the tile's query heads HPW * warp .. + HPW - 1 (scaled by scale * log2(e), then by a
 // per-head power of two so that |q| < 1: no f16 overflow with huge logits) into q_s [kNH][kD];
-// the powers of two into qexp_s.
+// the powers of two into qexp_s; 1 into bad_s where the head's q_rot row is not all finite (its
+// output row is NaN; the row is staged as zeros).
 template <int GT, int HPW>
-__device__ __forceinline__ void stage_queries(const DecodeParams& p, float* q_s, float* qexp_s,
+__device__ __forceinline__ void stage_queries(const DecodeParams& p, float* q_s, float* qexp_s, int* bad_s,
                                               int seq, int kvh, int tile, int warp, int lane) {
 #pragma unroll
   for (int hh = 0; hh < HPW; ++hh) {
@@ -202,8 +203,12 @@ __device__ __forceinline__ void stage_queries(const DecodeParams& p, float* q_s,
     float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
     if (g < GT && hl < p.G) {
       const float* qp = p.q + (static_cast<int64_t>(seq) * p.H + kvh * p.G + hl) * kD + 4 * lane;
-      v = make_float4(qp[0] * p.qscale, qp[1] * p.qscale, qp[2] * p.qscale, qp[3] * p.qscale);
+      v = make_float4(qp[0], qp[1], qp[2], qp[3]);
     }
+    const bool finite = __all_sync(0xffffffffu, isfinite(v.x) && isfinite(v.y) && isfinite(v.z) && isfinite(v.w));
+    v = finite ? make_float4(v.x * p.qscale, v.y * p.qscale, v.z * p.qscale, v.w * p.qscale)
+               : make_float4(0.f, 0.f, 0.f, 0.f);
+    if (lane == 0) bad_s[g] = !finite;
     const float mx =
         warp_max(fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
     int ex = 0;
@@ -335,8 +340,8 @@ template <int GT, int W>
 __device__ __forceinline__ void merge_tile_state(const DecodeParams& p, const float (&o)[8][4],
                                                  const float (&m)[2], float (&l)[2],
                                                  float (&o_s)[W][kNH * kD], float (&m_s)[W][kNH],
-                                                 float (&l_s)[W][kNH], int warp, int gid, int t4,
-                                                 int seq, int split, int kvh, int tile) {
+                                                 float (&l_s)[W][kNH], const int* bad_s, int warp, int gid,
+                                                 int t4, int seq, int split, int kvh, int tile) {
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
 #pragma unroll
@@ -355,7 +360,7 @@ __device__ __forceinline__ void merge_tile_state(const DecodeParams& p, const fl
     }
   }
   __syncthreads();
-  merge_warps_and_store<kD, GT, kNH, W>(p, m_s, l_s, o_s, seq, split, kvh, tile);
+  merge_warps_and_store<kD, GT, kNH, W>(p, m_s, l_s, o_s, bad_s, seq, split, kvh, tile);
 }
 
 // SPLIT: q, P and the centroids enter the MMAs as f16 hi + lo (3 MMAs per product, ~f32 accurate);
@@ -373,6 +378,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
 
   extern __shared__ __align__(16) uint8_t smem[];  // kSmemBytes: interleaved K / V tables
   __shared__ float qexp_s[kNH];
+  __shared__ int bad_s[kNH];  // heads whose q_rot row is not all finite (NaN output rows)
   __shared__ float w_s[kWarps][kTT * kWRow];
   __shared__ float m_s[kWarps][kNH];
   __shared__ float l_s[kWarps][kNH];
@@ -399,7 +405,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
 
   // ---- prologue: q (scaled, per-head power of two) staged in the table space, then the tables -
   float* q_s = reinterpret_cast<float*>(smem);
-  stage_queries<GT, 2>(p, q_s, qexp_s, seq, kvh, tile, warp, lane);
+  stage_queries<GT, 2>(p, q_s, qexp_s, bad_s, seq, kvh, tile, warp, lane);
   __syncthreads();
   uint32_t qh[8][2], ql[8][2];
   query_fragments(q_s, gid, t4, qh, ql);
@@ -515,7 +521,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     cur = nxt;
   }
 
-  merge_tile_state<GT, kWarps>(p, o, m, l, o_s, m_s, l_s, warp, gid, t4, seq, split, kvh, tile);
+  merge_tile_state<GT, kWarps>(p, o, m, l, o_s, m_s, l_s, bad_s, warp, gid, t4, seq, split, kvh, tile);
 }
 
 
@@ -561,6 +567,7 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
   // kSmemBytes: interleaved K / V tables; RING: then kRingBytes of per-warp rings.
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ float qexp_s[kNH];
+  __shared__ int bad_s[kNH];  // heads whose q_rot row is not all finite (NaN output rows)
   __shared__ __align__(16) float w_s[kW4][kTT * kNH];  // P tiles, rows at ptile_row
   __shared__ float m_s[kW4][kNH];
   __shared__ float l_s[kW4][kNH];
@@ -710,7 +717,7 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
 
   // ---- prologue: q of head `warp` (scaled, per-head power of two) in the table space ----------
   float* q_s = reinterpret_cast<float*>(smem);
-  stage_queries<GT, 1>(p, q_s, qexp_s, seq, kvh, tile, warp, lane);
+  stage_queries<GT, 1>(p, q_s, qexp_s, bad_s, seq, kvh, tile, warp, lane);
   __syncthreads();
   uint32_t qh[8][2], ql[8][2];
   query_fragments(q_s, gid, t4, qh, ql);
@@ -828,7 +835,7 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
     }
   }
 
-  merge_tile_state<GT, kW4>(p, o, m, l, o_s, m_s, l_s, warp, gid, t4, seq, split, kvh, tile);
+  merge_tile_state<GT, kW4>(p, o, m, l, o_s, m_s, l_s, bad_s, warp, gid, t4, seq, split, kvh, tile);
 }
 
 }  // namespace v3

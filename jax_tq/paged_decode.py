@@ -102,19 +102,17 @@ def paged_decode(q, cache, block_tables, seq_lens, *, scale=None, num_splits=Non
         q_rot, cache.k_codes, cache.k_norms, cache.v_codes, cache.v_norms,
         k_codec.centroids, v_codec.centroids, block_tables, seq_lens,
     )
+    # A query row holding an inf or NaN makes every element of its q_rot row inf or NaN (inf * 0 is
+    # NaN), and so does a finite one whose rotation overflows float32: the kernels write a NaN
+    # output row for a q_rot row that is not all finite (no mask here, no extra XLA reduction);
+    # for the reference the mask makes it explicit.
     if backend == "xla":
         out_rot = reference.paged_decode_rotated(*operands, k_codec.bits, v_codec.bits, scale)
+        out_rot = jnp.where(jnp.all(jnp.isfinite(q_rot), axis=-1, keepdims=True), out_rot, jnp.nan)
     else:
         out_rot = _decode_rotated(*operands, k_codec.bits, v_codec.bits, scale, int(num_splits or 0),
                                   f16_products, backend)
     out = jnp.einsum("she,ed->shd", out_rot, v_codec.rotation, precision=rotation_precision)
-    # The kernels give a row whose scores are all NaN no weight (an all-zero row): make a
-    # non-finite query visible instead, as the reference does; also a finite one whose rotation
-    # overflowed float32 (the kernels saw only inf / NaN scores). One test covers both: an inf or
-    # NaN in q makes every element of its q_rot row inf or NaN (inf * 0 is NaN), so no separate
-    # reduction over q.
-    finite = jnp.all(jnp.isfinite(q_rot), axis=-1, keepdims=True)
-    out = jnp.where(finite, out, jnp.nan)
     return out.astype(q.dtype)
 
 
@@ -176,7 +174,8 @@ def _allows_f16_products(precision, q_dtype) -> bool:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11, 12, 13, 14))
 def _decode_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens,
                     k_bits, v_bits, scale, num_splits, f16_products, backend):
-    """The kernel call, differentiable in q_rot, k_norms and v_norms (the codes are integers)."""
+    """The kernel call, differentiable in q_rot, k_norms and v_norms (the codes are integers). A
+    q_rot row that is not all finite gives a NaN output row."""
     (out_rot,) = paged_decode_p.bind(
         q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens,
         k_bits=k_bits, v_bits=v_bits, scale=scale, num_splits=num_splits, f16_products=f16_products,
