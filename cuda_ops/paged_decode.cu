@@ -1111,11 +1111,35 @@ ffi::Error launch_v3(cudaStream_t stream, const DecodeParams& p, dim3 grid) {
   return launch_mma<v3::paged_decode_v3_kernel<GT, SPLIT>>(kThreads, "v3", stream, p, grid);
 }
 
+// v4's CTAs run the (grid.x * grid.y) work items in a 1-D grid: one item each when they fit in one
+// wave of kCtasPerSm4 CTAs per SM, else ceil(items / slots) items each, so that a CTA issues its
+// next item's first reads before the merge of the current one instead of a new wave starting cold
+// (JAX_TQ_CUDA_PERSISTENT=0: one item per CTA, for A/B timing).
+unsigned v4_ctas(unsigned items) {
+  static const bool env_on = [] {
+    const char* env = std::getenv("JAX_TQ_CUDA_PERSISTENT");
+    return env == nullptr || std::string(env) != "0";
+  }();
+  static std::atomic<int> sm_count[64];
+  int dev = 0;
+  if (!env_on || cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return items;
+  int sms = sm_count[dev].load(std::memory_order_relaxed);
+  if (sms == 0) {
+    if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || sms <= 0) return items;
+    sm_count[dev].store(sms, std::memory_order_relaxed);
+  }
+  const unsigned slots = static_cast<unsigned>(v3::kCtasPerSm4 * sms);
+  if (items <= slots) return items;
+  const unsigned per_cta = (items + slots - 1) / slots;
+  return (items + per_cta - 1) / per_cta;
+}
+
 template <int GT, bool RING>
 ffi::Error launch_v4(cudaStream_t stream, const DecodeParams& p, dim3 grid) {
   constexpr int smem = v3::kSmemBytes + (RING ? v3::kRingBytes : 0);
+  const dim3 ctas(RING ? v4_ctas(grid.x * grid.y) : grid.x * grid.y);
   return launch_mma<v3::paged_decode_v4_kernel<GT, false, RING>, smem>(
-      v3::kT4, RING ? "v4 ring" : "v4", stream, p, grid);
+      v3::kT4, RING ? "v4 ring" : "v4", stream, p, ctas);
 }
 
 // Whether v4's ring variant keeps kCtasPerSm4 CTAs per SM on the current device (the split rule
@@ -1228,7 +1252,9 @@ bool use_ring(int gt, const DecodeParams& p) {
 ffi::Error dispatch_v3(int gt, bool f16, cudaStream_t stream, const DecodeParams& p, dim3 grid) {
   // v4 (8 warps per CTA in 128 registers) for f16 products; f32-accurate (hi / lo) products need
   // more registers than that and stay on v3.
-  if (f16 && requested_kernel() != DecodeKernel::kV3) {
+  // (v4 numbers its work items in 32 bits: item + gridDim.x < 2^31.)
+  const bool v4_items_fit = uint64_t(grid.x) * grid.y < (uint64_t(1) << 30);
+  if (f16 && requested_kernel() != DecodeKernel::kV3 && v4_items_fit) {
     if (use_ring(gt, p))
       return gt == 4 ? launch_v4<4, true>(stream, p, grid) : launch_v4<8, true>(stream, p, grid);
     return gt == 4 ? launch_v4<4, false>(stream, p, grid) : launch_v4<8, false>(stream, p, grid);

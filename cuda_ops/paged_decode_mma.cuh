@@ -578,18 +578,30 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
   const int lane = tid & 31;
   const int gid = lane >> 2;
   const int t4 = lane & 3;
+  // Work items (sequence, split, KV head, head tile), item = x + (S * ns) * y with x = seq * ns +
+  // split and y = kvh * ntiles + tile; CTA b runs items b, b + gridDim.x, ... (RING: the launch
+  // gives every CTA the same count, one when they fit in one wave; see launch_v4).
   const int ns = p.num_splits;
-  const int seq = blockIdx.x / ns;
-  const int split = blockIdx.x - seq * ns;
-  const int kvh = blockIdx.y / p.ntiles;
-  const int tile = blockIdx.y - kvh * p.ntiles;
-
-  const SplitRange range = split_range(p.sl[seq], p.max_pages, p.page_size, ns, split);
-  const int tok0 = static_cast<int>(range.tok_begin);
-  const int tok_end = static_cast<int>(range.tok_end);
-  const int ntok = tok_end > tok0 && p.P > 0 ? tok_end - tok0 : 0;  // P = 0: nothing to read
-  const int ntt = (ntok + kTT - 1) / kTT;
-  const int32_t* bt_seq = p.bt + static_cast<int64_t>(seq) * p.max_pages;
+  const int items_x = p.S * ns;
+  const int items = items_x * p.Hkv * p.ntiles;
+  int item = blockIdx.x;
+  int seq, split, kvh, tile, tok0, tok_end, ntt, kvh_rows;
+  const int32_t* bt_seq;
+  auto set_item = [&](int it) {
+    const int x = it % items_x, y = it / items_x;
+    seq = x / ns;
+    split = x - seq * ns;
+    kvh = y / p.ntiles;
+    tile = y - kvh * p.ntiles;
+    const SplitRange range = split_range(p.sl[seq], p.max_pages, p.page_size, ns, split);
+    tok0 = static_cast<int>(range.tok_begin);
+    tok_end = static_cast<int>(range.tok_end);
+    const int ntok = tok_end > tok0 && p.P > 0 ? tok_end - tok0 : 0;  // P = 0: nothing to read
+    ntt = (ntok + kTT - 1) / kTT;
+    bt_seq = p.bt + static_cast<int64_t>(seq) * p.max_pages;
+    kvh_rows = kvh * p.page_size;  // rows before this KV head's within a page
+  };
+  set_item(item);
 
   // RING is launched only for pages of a multiple of 16 tokens (use_ring in paged_decode.cu): its
   // tiles are whole 16-row blocks inside one page, with no per-token path.
@@ -598,7 +610,6 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
     return ti < ntt ? __ldg(bt_seq + p.pdiv.div(static_cast<uint32_t>(tok0 + ti * kTT))) : -1;
   };
   // First row of one-page tile ti (page 0 for an id outside [0, P)) and its valid token count.
-  const int kvh_rows = kvh * p.page_size;   // rows before this KV head's within a page
   const int page_rows = p.Hkv * p.page_size;  // rows per physical page
   auto tile_rows = [&](int ti, int phys, int& n) -> int64_t {
     const int base = tok0 + ti * kTT;
@@ -700,21 +711,27 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
     mask_norms(t, n, norms[gid], norms[gid + 8], norms[kTT + gid], norms[kTT + gid + 8]);
   };
 
-  // The first tiles' block-table and code reads are issued before the prologue, whose q staging
-  // and table build then overlap their latency; the centroids are loaded first of all.
+  // An item's first tiles' block-table and code reads are issued before its prologue, whose q
+  // staging and table build then overlap their latency (for a CTA's later items: before the
+  // previous item's merge); the centroids are loaded first of all.
   static_assert(kT4 == 256, "one K and one V table entry per thread");
-  const LutSeed lut_seed = load_lut_seed(p.kcent, p.vcent);
+  LutSeed lut_seed = load_lut_seed(p.kcent, p.vcent);
   Tile cur, nxt;
   int phys_next = -1, n_st[2] = {0, 0};
-  if constexpr (RING) {
-    n_st[0] = issue(warp, 0, tile_page(warp));
-    n_st[1] = issue(warp + kW4, 1, tile_page(warp + kW4));
-    phys_next = tile_page(warp + 2 * kW4);
-  } else {
-    phys_next = one_page_tiles ? tile_page(warp + kW4) : -1;
-    if (warp < ntt) load(warp, cur, one_page_tiles ? tile_page(warp) : -1);
-  }
+  auto issue_first_tiles = [&]() {
+    if constexpr (RING) {
+      n_st[0] = issue(warp, 0, tile_page(warp));
+      n_st[1] = issue(warp + kW4, 1, tile_page(warp + kW4));
+      phys_next = tile_page(warp + 2 * kW4);
+    } else {
+      phys_next = one_page_tiles ? tile_page(warp + kW4) : -1;
+      if (warp < ntt) load(warp, cur, one_page_tiles ? tile_page(warp) : -1);
+    }
+  };
+  issue_first_tiles();
 
+#pragma unroll 1
+  for (;;) {
   // ---- prologue: q of head `warp` (scaled, per-head power of two) in the table space ----------
   float* q_s = reinterpret_cast<float*>(smem);
   stage_queries<GT, 1>(p, q_s, qexp_s, bad_s, seq, kvh, tile, warp, lane);
@@ -835,7 +852,23 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
     }
   }
 
-  merge_tile_state<GT, kW4>(p, o, m, l, o_s, m_s, l_s, bad_s, warp, gid, t4, seq, split, kvh, tile);
+  // The next item's first reads go out before this item's merge (the ring stages are free: every
+  // tile of this warp was consumed, its copies waited for).
+  const int out_seq = seq, out_split = split, out_kvh = kvh, out_tile = tile;
+  // (The register variant runs one item per CTA: its loop-carried state would spill.)
+  const int next = RING ? item + static_cast<int>(gridDim.x) : items;
+  if (next < items) {
+    set_item(next);
+    lut_seed = load_lut_seed(p.kcent, p.vcent);
+    if constexpr (RING) issue_first_tiles();
+  }
+  merge_tile_state<GT, kW4>(p, o, m, l, o_s, m_s, l_s, bad_s, warp, gid, t4, out_seq, out_split, out_kvh,
+                            out_tile);
+  if (next >= items) break;
+  item = next;
+  __syncthreads();  // the merge has read o_s, m_s, l_s and bad_s
+  if constexpr (!RING) issue_first_tiles();
+  }
 }
 
 }  // namespace v3
