@@ -394,6 +394,23 @@ def test_paged_decode_row_counts(rng, num_seqs, qdtype):
             assert rel_err(got[s][ok], want[s][ok]) < 5 * tol, f"sequence {s}"
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_paged_decode_v4_query_rotation_overflow_row(rng, num_splits):
+    """A finite bfloat16 query of 3e38 in every coordinate has a q_rot beyond float32: v4 flags the
+    row when it stages q and writes a NaN row (through the combine with splits), as the reference
+    does; a query of 1e-30 keeps its float64 value, and so do the other rows."""
+    q, cache, tables, lens = _decode_inputs(rng, 128, 4, 4, 16, 4, 2, jnp.bfloat16, num_seqs=3, max_len=300)
+    q = q.at[1, 2].set(3e38).at[2, 5].multiply(1e-30)
+    _poison_device(q.size * 4 * 8 * 10)
+    got = np.asarray(_decode(q, cache, tables, lens, num_splits=num_splits).astype(jnp.float32), np.float64)
+    bad = np.zeros(q.shape[:2], bool)
+    bad[1, 2] = True
+    assert np.all(np.isnan(got[bad])) and np.all(np.isfinite(got[~bad]))
+    want = _on_cpu(decode_f64, np.asarray(q.astype(jnp.float32)).clip(-1e30, 1e30), cache, tables, lens)
+    assert rel_err(got[~bad], want[~bad]) < 1e-2
+    assert rel_err(got[2, 5], want[2, 5]) < 5e-2
+
+
 def test_paged_decode_split_counts_agree(rng):
     q, cache, tables, lens = _decode_inputs(rng, 128, 4, 4, 16, 4, 2, jnp.float32, num_seqs=3, max_len=2000)
     outs = [np.asarray(_decode(q, cache, tables, lens, num_splits=s)) for s in (1, 2, 3, 7, 200)]
