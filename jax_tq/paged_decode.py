@@ -103,17 +103,21 @@ def paged_decode(q, cache, block_tables, seq_lens, *, scale=None, num_splits=Non
         k_codec.centroids, v_codec.centroids, block_tables, seq_lens,
     )
     # A query row holding an inf or NaN makes every element of its q_rot row inf or NaN (inf * 0 is
-    # NaN), and so does a finite one whose rotation overflows float32: the kernels write a NaN
-    # output row for a q_rot row that is not all finite (no mask here, no extra XLA reduction);
-    # for the reference the mask makes it explicit.
+    # NaN), and so does a finite one whose rotation overflows float32: such a q_rot row gives a NaN
+    # output row (the kernels write it themselves: no mask, no extra XLA reduction around them).
     if backend == "xla":
-        out_rot = reference.paged_decode_rotated(*operands, k_codec.bits, v_codec.bits, scale)
-        out_rot = jnp.where(jnp.all(jnp.isfinite(q_rot), axis=-1, keepdims=True), out_rot, jnp.nan)
+        out_rot = _reference_rotated(*operands, k_codec.bits, v_codec.bits, scale)
     else:
         out_rot = _decode_rotated(*operands, k_codec.bits, v_codec.bits, scale, int(num_splits or 0),
                                   f16_products, backend)
     out = jnp.einsum("she,ed->shd", out_rot, v_codec.rotation, precision=rotation_precision)
     return out.astype(q.dtype)
+
+
+def _reference_rotated(q_rot, *operands):
+    """reference.paged_decode_rotated with the kernels' NaN rows where q_rot is not all finite."""
+    out_rot = reference.paged_decode_rotated(q_rot, *operands)
+    return jnp.where(jnp.all(jnp.isfinite(q_rot), axis=-1, keepdims=True), out_rot, jnp.nan)
 
 
 def _static_scale(scale):
@@ -346,7 +350,7 @@ def _abstract(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroid
 
 
 def _reference(*operands, k_bits, v_bits, scale, num_splits, f16_products):
-    return (reference.paged_decode_rotated(*operands, k_bits, v_bits, scale),)
+    return (_reference_rotated(*operands, k_bits, v_bits, scale),)
 
 
 def _ffi(ctx, *operands, k_bits, v_bits, scale, num_splits, f16_products):

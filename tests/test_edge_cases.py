@@ -937,6 +937,39 @@ def test_query_whose_rotation_overflows_gives_a_nan_row(rng):
         assert rel_err(want, out[1:]) < 1e-5, backend
 
 
+def test_reference_lowering_gives_the_kernels_nan_rows(rng, monkeypatch):
+    """Under backend "auto" a platform without kernels lowers the decode primitive to the jnp
+    reference: a NaN query (here on an empty sequence, where the reference alone would give 0) and a
+    finite one whose rotation overflows float32 give NaN rows there too (the kernels write them; no
+    mask is left around the primitive), the other rows unchanged."""
+    from jax_tq import _ffi
+    cache = random_cache(rng, num_pages=4, page_size=4, num_kv_heads=2, head_dim=64, k_bits=4, v_bits=4)
+    tables, lens = random_tables(rng, np.array([9, 0]), 4, 4), jnp.array([9, 0], jnp.int32)
+    q = jnp.asarray(rng.normal(size=(2, 4, 64)), jnp.float32).at[0, 1].set(3e38).at[1, 2, 7].set(jnp.nan)
+    bad = np.zeros((2, 4), bool)
+    bad[0, 1] = bad[1, 2] = True
+    with tq.use_backend("ffi"):
+        kernel = np.asarray(tq.paged_decode(q, cache, tables, lens))
+    monkeypatch.setattr(_ffi, "kernels_available", lambda platform: False)
+    with tq.use_backend("auto"):
+        fallback = np.asarray(jax.jit(lambda q: tq.paged_decode(q, cache, tables, lens))(q))
+    for got in (kernel, fallback):
+        assert np.all(np.isnan(got[bad])) and np.all(np.isfinite(got[~bad]))
+    assert rel_err(fallback[~bad], kernel[~bad]) < 1e-5
+
+
+@pytest.mark.parametrize("backend", ["ffi", "xla"])
+def test_empty_block_table_gives_nan_rows_for_non_finite_queries(backend):
+    """block_tables of shape [S, 0] make the primitive lower to the jnp reference (a zero-size
+    operand): a NaN query and one whose rotation overflows still give NaN rows, the others 0."""
+    codec = tq.TurboQuant(64, 4)
+    cache = tq.PagedKVCache.create(num_pages=2, page_size=4, num_kv_heads=1, k_codec=codec, v_codec=codec)
+    q = jnp.ones((3, 1, 64), jnp.float32).at[0, 0, 0].set(jnp.nan).at[1, 0].set(3e38)
+    with tq.use_backend(backend):
+        out = np.asarray(tq.paged_decode(q, cache, jnp.zeros((3, 0), jnp.int32), jnp.zeros((3,), jnp.int32)))
+    assert np.all(np.isnan(out[:2])) and np.all(out[2] == 0.0)
+
+
 def test_api_errors_found_by_the_docs_audit():
     """Errors the docstrings promise, with the argument named (a docs audit found them raised as
     AttributeError / unnamed ValueError or not at all)."""
