@@ -115,9 +115,13 @@ def paged_decode(q, cache, block_tables, seq_lens, *, scale=None, num_splits=Non
 
 
 def _reference_rotated(q_rot, *operands):
-    """reference.paged_decode_rotated with the kernels' NaN rows where q_rot is not all finite."""
-    out_rot = reference.paged_decode_rotated(q_rot, *operands)
-    return jnp.where(jnp.all(jnp.isfinite(q_rot), axis=-1, keepdims=True), out_rot, jnp.nan)
+    """reference.paged_decode_rotated with the kernels' NaN rows where q_rot is not all finite.
+    Such a row enters the reference as zeros, so that neither its output nor its gradient (zero
+    for q, none into the cache norms) carries its NaN into the rows and norms it shares a KV head
+    with (a NaN query that the loss masks out leaves every other gradient finite)."""
+    finite = jnp.all(jnp.isfinite(q_rot), axis=-1, keepdims=True)
+    out_rot = reference.paged_decode_rotated(jnp.where(finite, q_rot, 0), *operands)
+    return jnp.where(finite, out_rot, jnp.nan)
 
 
 def _static_scale(scale):
@@ -197,9 +201,9 @@ def _decode_rotated_bwd(k_bits, v_bits, scale, num_splits, f16_products, backend
     """Backward pass through the reference (recomputes the softmax; memory O(num_seqs x tokens))."""
     q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens = operands
 
-    def attend(q, kn, vn):
-        return reference.paged_decode_rotated(q, k_codes, kn, v_codes, vn, k_cent, v_cent, tables, lens,
-                                              k_bits, v_bits, scale)
+    def attend(q, kn, vn):  # the xla backend's function: the same gradient on both backends
+        return _reference_rotated(q, k_codes, kn, v_codes, vn, k_cent, v_cent, tables, lens, k_bits, v_bits,
+                                  scale)
 
     _, vjp = jax.vjp(attend, q_rot, k_norms, v_norms)
     dq, dk_norms, dv_norms = vjp(cotangent)

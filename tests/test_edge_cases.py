@@ -970,6 +970,29 @@ def test_empty_block_table_gives_nan_rows_for_non_finite_queries(backend):
     assert np.all(np.isnan(out[:2])) and np.all(out[2] == 0.0)
 
 
+@pytest.mark.parametrize("backend", ["ffi", "xla"])
+def test_masked_nan_query_row_leaves_every_gradient_finite(rng, backend):
+    """A NaN query row that the loss masks out: the gradients in q and in the cache norms equal those
+    of the same loss with a finite query in that row (its KV head's norms were NaN before: the
+    reference's softmax of the NaN row met a zero cotangent)."""
+    cache = random_cache(rng, num_pages=6, page_size=8, num_kv_heads=2, head_dim=64, k_bits=4, v_bits=4)
+    lens = jnp.asarray([30, 9], jnp.int32)
+    tables = random_tables(rng, np.asarray(lens), 8, 6)
+    q = jnp.asarray(rng.normal(size=(2, 4, 64)), jnp.float32)
+    masked = jnp.zeros((2, 4, 1), bool).at[0, 1].set(True)
+
+    def loss(q, k_norms, v_norms):
+        c = dataclasses.replace(cache, k_norms=k_norms, v_norms=v_norms)
+        return jnp.sum(jnp.where(masked, 0.0, tq.paged_decode(q, c, tables, lens)) ** 2)
+
+    with tq.use_backend(backend):
+        grads = jax.grad(loss, argnums=(0, 1, 2))(q.at[0, 1, 5].set(jnp.nan), cache.k_norms, cache.v_norms)
+        clean = jax.grad(loss, argnums=(0, 1, 2))(q, cache.k_norms, cache.v_norms)
+    for got, want in zip(grads, clean):
+        assert np.all(np.isfinite(np.asarray(got)))
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-9)
+
+
 def test_api_errors_found_by_the_docs_audit():
     """Errors the docstrings promise, with the argument named (a docs audit found them raised as
     AttributeError / unnamed ValueError or not at all)."""
