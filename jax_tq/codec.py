@@ -150,6 +150,16 @@ class TurboQuant:
         code = number of boundaries strictly less than y)."""
         return (self.centroids[1:] + self.centroids[:-1]) * jnp.float32(0.5)
 
+    @property
+    def hadamard_spec(self):
+        """int32 numpy [head_dim], the factors of a power-of-two Hadamard rotation as spec words
+        (:func:`jax_tq.format.hadamard_spec`), or None for a Haar rotation or a head_dim that is not
+        a power of two (a block-diagonal Hadamard): the kernels that apply the rotation themselves
+        (``paged_decode``) read it."""
+        if self.rotation_kind != "hadamard" or self.head_dim & (self.head_dim - 1):
+            return None
+        return tq_format.hadamard_spec(*tq_rotation.hadamard_factors(self.head_dim, self.seed))
+
     def same_spec(self, other) -> bool:
         """True if ``other`` is a TurboQuant with the same (head_dim, bits, seed, rotation_kind)."""
         return isinstance(other, TurboQuant) and self.spec == other.spec

@@ -23,6 +23,7 @@ import numpy as np
 __all__ = [
     "SUPPORTED_HEAD_DIMS", "PACKED_BITS", "CODES_PER_GROUP", "packed_bytes", "check_head_dim",
     "check_bits", "pack_codes", "unpack_codes", "cache_codes_shape", "cache_norms_shape",
+    "hadamard_spec", "ROT_NEG1_BIT", "ROT_NEG2_BIT",
 ]
 
 #: head_dims the storage format (and the kernels) support.
@@ -34,6 +35,9 @@ CODES_PER_GROUP = 8
 #: The largest index (slot_mapping, block_tables, seq_lens are int32); a pool or block table
 #: beyond it can hold no out-of-range int32 index.
 INDEX_MAX = 2**31 - 1
+#: Hadamard rotation spec words (see :func:`hadamard_spec`): bits 0-15 hold perm[i].
+ROT_NEG1_BIT = 1 << 16
+ROT_NEG2_BIT = 1 << 17
 
 
 def _is_int(value) -> bool:
@@ -200,3 +204,37 @@ def unpack_codes(packed, bits: int, head_dim: int):
     code_shifts = xp.asarray(bits * np.arange(8, dtype=np.uint32))
     codes = (words[..., None] >> code_shifts) & xp.uint32((1 << bits) - 1)
     return codes.astype(xp.uint8).reshape(packed.shape[:-1] + (head_dim,))
+
+
+def hadamard_spec(signs_first, permutation, signs_second) -> np.ndarray:
+    """The int32 spec row of a randomized Hadamard rotation Pi = H D2 P H D1 (one word per coordinate).
+
+    H is the normalized Sylvester Hadamard matrix, D1 = diag(signs_first), D2 = diag(signs_second)
+    and (P v)_i = v_{permutation[i]} (see :mod:`jax_tq.rotation`). Word i holds permutation[i] in
+    bits 0-15, ``ROT_NEG1_BIT`` where signs_first[i] < 0 and ``ROT_NEG2_BIT`` where
+    signs_second[i] < 0; the kernels read it with rot_perm / rot_neg1 / rot_neg2 (format.h) and
+    apply Pi (and Pi^T) in O(d log d) instead of a d x d product.
+
+    Args:
+      signs_first, signs_second: [d] arrays of +-1.
+      permutation: [d] integer array, a permutation of 0 .. d-1.
+    Returns:
+      numpy int32 [d].
+    Raises:
+      ValueError: d not a power of two up to 2^15, the three lengths differ, a sign not +-1, or
+        ``permutation`` not a permutation.
+    """
+    first = np.asarray(signs_first, dtype=np.float64)
+    second = np.asarray(signs_second, dtype=np.float64)
+    perm = np.asarray(permutation)
+    d = perm.shape[0] if perm.ndim == 1 else -1
+    if d < 1 or d & (d - 1) or d > 1 << 15:
+        raise ValueError(f"hadamard_spec: the permutation must be [d] with d a power of two <= 2^15, got shape {perm.shape}")
+    if first.shape != (d,) or second.shape != (d,):
+        raise ValueError(f"hadamard_spec: signs must be [{d}], got {first.shape} and {second.shape}")
+    if not (np.all(np.abs(first) == 1) and np.all(np.abs(second) == 1)):
+        raise ValueError("hadamard_spec: signs must be +-1")
+    if not np.array_equal(np.sort(perm), np.arange(d)):
+        raise ValueError("hadamard_spec: permutation is not a permutation of 0 .. d-1")
+    words = perm.astype(np.int64) | np.where(first < 0, ROT_NEG1_BIT, 0) | np.where(second < 0, ROT_NEG2_BIT, 0)
+    return words.astype(np.int32)

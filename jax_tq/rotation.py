@@ -27,8 +27,8 @@ import functools
 
 import numpy as np
 
-__all__ = ["ROTATION_KINDS", "haar_rotation", "hadamard_rotation", "make_rotation",
-           "block_hadamard"]
+__all__ = ["ROTATION_KINDS", "haar_rotation", "hadamard_rotation", "hadamard_factors",
+           "make_rotation", "block_hadamard"]
 
 #: Accepted values of the ``kind`` argument of :func:`make_rotation`.
 ROTATION_KINDS = ("haar", "hadamard")
@@ -109,13 +109,27 @@ def block_hadamard(head_dim: int) -> np.ndarray:
     return matrix
 
 
-@functools.lru_cache(maxsize=None)
-def _hadamard_cached(head_dim: int, seed: int) -> np.ndarray:
-    """Pi = H D2 P H D1 for (head_dim, seed), read-only."""
-    rng = np.random.default_rng(seed)
+def hadamard_factors(head_dim: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The random factors of :func:`hadamard_rotation`: (signs_first, permutation, signs_second).
+
+    Returns:
+      float64 [d] of +-1 (D1), int64 [d] permutation (P, (P v)_i = v_{perm[i]}), float64 [d] of
+      +-1 (D2), with Pi = H D2 P H D1; deterministic per seed (numpy default_rng).
+    Raises:
+      TypeError: head_dim or seed not an int.  ValueError: seed < 0 or head_dim < 1.
+    """
+    head_dim = _check_int("head_dim", head_dim, 1)
+    rng = np.random.default_rng(_check_int("seed", seed, 0))
     signs_first = rng.choice(np.array([-1.0, 1.0]), size=head_dim)
     permutation = rng.permutation(head_dim)
     signs_second = rng.choice(np.array([-1.0, 1.0]), size=head_dim)
+    return signs_first, permutation, signs_second
+
+
+@functools.lru_cache(maxsize=None)
+def _hadamard_cached(head_dim: int, seed: int) -> np.ndarray:
+    """Pi = H D2 P H D1 for (head_dim, seed), read-only."""
+    signs_first, permutation, signs_second = hadamard_factors(head_dim, seed)
     hadamard = block_hadamard(head_dim)
     first_round = hadamard * signs_first[None, :]              # H @ D1
     mixed = first_round[permutation, :] * signs_second[:, None]  # D2 @ P @ (H D1)

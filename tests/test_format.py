@@ -231,3 +231,37 @@ def test_unpack_errors():
         tq_format.unpack_codes(np.zeros(48, np.int32), 3, 128)
     with pytest.raises(ValueError, match="head_dim"):
         tq_format.unpack_codes(np.zeros(48, np.uint8), 3, 100)
+
+
+def test_hadamard_spec_test_vector_and_codec_rows():
+    """The docs/FORMAT.md test vector, and every power-of-two Hadamard codec's spec words rebuild
+    its rotation matrix exactly (Pi = H D2 P H D1)."""
+    from jax_tq import rotation
+    words = tq_format.hadamard_spec([1, -1, 1, 1], [2, 0, 3, 1], [-1, 1, 1, -1])
+    assert words.dtype == np.int32 and words.tolist() == [131074, 65536, 3, 131073]
+
+    def rebuild(words):
+        d = words.shape[0]
+        first = np.where(words & tq_format.ROT_NEG1_BIT, -1.0, 1.0)
+        second = np.where(words & tq_format.ROT_NEG2_BIT, -1.0, 1.0)
+        h = rotation.block_hadamard(d)
+        return h @ (second[:, None] * (h * first[None, :])[words & 0xFFFF, :])
+
+    np.testing.assert_allclose(rebuild(words) @ np.arange(1.0, 5.0), [4.0, 2.0, 3.0, -1.0], atol=1e-12)
+    import jax_tq as tq
+    for head_dim, seed in ((64, 0), (128, 7), (256, 3)):
+        codec = tq.TurboQuant(head_dim=head_dim, bits=4, seed=seed, rotation="hadamard")
+        np.testing.assert_allclose(rebuild(codec.hadamard_spec), rotation.hadamard_rotation(head_dim, seed), atol=1e-12)
+    assert tq.TurboQuant(head_dim=80, rotation="hadamard").hadamard_spec is None  # block-diagonal
+    assert tq.TurboQuant(head_dim=128).hadamard_spec is None  # haar
+
+
+@pytest.mark.parametrize("args,match", [
+    (([1, 1, 1], [0, 1, 2], [1, 1, 1]), "power of two"),
+    (([1, 1], [0, 0], [1, 1]), "not a permutation"),
+    (([1, 2], [0, 1], [1, 1]), "signs"),
+    (([1, 1, 1, 1], [0, 1], [1, 1]), "signs must be"),
+])
+def test_hadamard_spec_errors(args, match):
+    with pytest.raises(ValueError, match=match):
+        tq_format.hadamard_spec(*args)

@@ -206,6 +206,22 @@ JTQ_HD SplitRange split_range(int64_t seq_len, int64_t max_pages, int64_t page_s
   return SplitRange{seq_len, p0, p1, p0 * page_size, t1};
 }
 
+// ---------------------------------------------------------------------------
+// Hadamard rotation spec (codecs with rotation="hadamard", head_dim a power of two):
+//   Pi = H D2 P H D1, H the normalized Sylvester Hadamard matrix (H[i][k] = (-1)^popcount(i & k)
+//   / sqrt(d)), D1 / D2 diagonals of +-1, (P v)_i = v_{perm[i]}.
+// One int32 word per coordinate i: bits 0-15 perm[i], bit 16 set where D1[i] = -1, bit 17 set
+// where D2[i] = -1. paged_decode takes one such row per codec (K, then V) and applies q_rot = Pi_k q
+// and out = Pi_v^T o_rot itself. Mirrors jax_tq.format.hadamard_spec.
+// ---------------------------------------------------------------------------
+constexpr uint32_t kRotPermMask = 0xFFFFu;
+constexpr uint32_t kRotNeg1Bit = 1u << 16;
+constexpr uint32_t kRotNeg2Bit = 1u << 17;
+
+JTQ_HD int rot_perm(uint32_t word) { return static_cast<int>(word & kRotPermMask); }
+JTQ_HD bool rot_neg1(uint32_t word) { return (word & kRotNeg1Bit) != 0; }
+JTQ_HD bool rot_neg2(uint32_t word) { return (word & kRotNeg2Bit) != 0; }
+
 }  // namespace jax_tq
 
 #endif  // JAX_TQ_FORMAT_H_
