@@ -17,6 +17,7 @@ unchanged. Bytes counted: K/V bytes the op must read (codes + fp32 norms for jax
 others) + q + output.
 
 Usage: python benchmarks/bench_decode.py [--quick] [--device-time] [--splits auto,1,2,4,8] [--shapes 32x8192,...]
+       [--rotations haar,hadamard]
 Prints a markdown table at the end.
 """
 from __future__ import annotations
@@ -43,6 +44,7 @@ L2_BYTES = 60 * 2**20
 ROTATE_BYTES = 4 * L2_BYTES  # the distinct copies of one benchmark's inputs add up to at least this
 NAN = float("nan")
 CHAIN_ROW = "benchmark chain alone (add + sum, no op)"
+ROTATIONS = ("haar", "hadamard")  # --rotations: the codecs' rotation kinds to time
 
 
 def time_calls(fn, arg_sets, inner=None, outer=15, warmup=2):
@@ -124,9 +126,9 @@ def n_copies(bytes_one):
     return min(32, max(1, math.ceil(ROTATE_BYTES / max(bytes_one, 1))))
 
 
-def make_tq_inputs(num_seqs, seq_len, key, copies):
-    k_codec = tq.TurboQuant(head_dim=HEAD_DIM, bits=4, seed=0)
-    v_codec = tq.TurboQuant(head_dim=HEAD_DIM, bits=4, seed=1)
+def make_tq_inputs(num_seqs, seq_len, key, copies, rotation="haar"):
+    k_codec = tq.TurboQuant(head_dim=HEAD_DIM, bits=4, seed=0, rotation=rotation)
+    v_codec = tq.TurboQuant(head_dim=HEAD_DIM, bits=4, seed=1, rotation=rotation)
     pages_per_seq = -(-seq_len // PAGE_SIZE)
     num_pages = num_seqs * pages_per_seq
     sets = []
@@ -194,21 +196,24 @@ def bench_shape(num_seqs, seq_len, splits_list, copy_bw, quick, only_tq=False):
     rows = []
     # ---- jax_tq --------------------------------------------------------------------------------
     one = tq_bytes(num_seqs, seq_len, 1)
-    sets = make_tq_inputs(num_seqs, seq_len, key, n_copies(one))
-    for splits in splits_list:
-        ns = None if splits == "auto" else int(splits)
-        fn = lambda q, c, t, l, ns=ns: tq.paged_decode(q, c, t, l, num_splits=ns)
-        rows.append((f"jax_tq K4V4 (splits={splits})", *time_calls(fn, sets, outer=outer), one))
-    # the kernels of one call (device time per kernel name; the split kernel row: the decode's own
-    # split (+ combine) kernels, without the rotation GEMMs, XLA's fusions and the chain's ops)
-    if DEVICE_TIME:
-        fn = lambda q, c, t, l: tq.paged_decode(q, c, t, l)
-        by_name = kernel_breakdown(fn, sets)
-        if by_name:
-            for name, sec in sorted(by_name.items(), key=lambda kv: -kv[1]):
-                print(f"    kernel {sec * 1e6:8.2f} us  {name[:110]}")
-            split = sum(sec for name, sec in by_name.items() if "paged_decode" in name)
-            rows.append(("jax_tq K4V4 split kernel (+ combine)", NAN, NAN, split, one))
+    for rotation in ROTATIONS:
+        # haar: the rotations are XLA GEMMs around the kernel; hadamard: the kernel applies them
+        sets = make_tq_inputs(num_seqs, seq_len, key, n_copies(one), rotation)
+        for splits in splits_list:
+            ns = None if splits == "auto" else int(splits)
+            fn = lambda q, c, t, l, ns=ns: tq.paged_decode(q, c, t, l, num_splits=ns)
+            rows.append((f"jax_tq K4V4 {rotation} (splits={splits})", *time_calls(fn, sets, outer=outer), one))
+        # the kernels of one call (device time per kernel name; the split kernel row: the decode's
+        # own split (+ combine) kernels, without the rotation GEMMs, XLA's fusions and the chain's ops)
+        if DEVICE_TIME:
+            fn = lambda q, c, t, l: tq.paged_decode(q, c, t, l)
+            by_name = kernel_breakdown(fn, sets)
+            if by_name:
+                print(f"  {rotation}:")
+                for name, sec in sorted(by_name.items(), key=lambda kv: -kv[1]):
+                    print(f"    kernel {sec * 1e6:8.2f} us  {name[:110]}")
+                split = sum(sec for name, sec in by_name.items() if "paged_decode" in name)
+                rows.append((f"jax_tq K4V4 {rotation} split kernel (+ combine)", NAN, NAN, split, one))
     # the chain's own cost per call (the add on q, the sum of the output, the amortised dispatch):
     # the same chain around an op that returns q unchanged
     rows.append((CHAIN_ROW, *time_calls(lambda q, c, t, l: q, sets, outer=outer), 0))
@@ -246,9 +251,13 @@ def main():
     ap.add_argument("--only-tq", action="store_true", help="time jax_tq only (split sweeps)")
     ap.add_argument("--shapes", default=None, help="comma list like 32x8192,1x32768")
     ap.add_argument("--device-time", action="store_true", help="also the GPU span per call (profiler trace)")
+    ap.add_argument("--rotations", default="haar,hadamard",
+                    help="comma list of codec rotations for jax_tq: haar (rotation GEMMs around the kernel), "
+                         "hadamard (the kernel rotates q and the output itself)")
     args = ap.parse_args()
-    global DEVICE_TIME
+    global DEVICE_TIME, ROTATIONS
     DEVICE_TIME = args.device_time
+    ROTATIONS = tuple(args.rotations.split(","))
     shapes = SHAPES if args.shapes is None else tuple(tuple(int(v) for v in s.split("x")) for s in args.shapes.split(","))
     splits_list = args.splits.split(",")
     dev = jax.devices()[0]

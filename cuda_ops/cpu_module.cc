@@ -36,7 +36,7 @@ ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q_rot, ffi::Buffer<ffi::U8> k_c
                            ffi::Buffer<ffi::F32> k_norms, ffi::Buffer<ffi::U8> v_codes,
                            ffi::Buffer<ffi::F32> v_norms, ffi::Buffer<ffi::F32> k_centroids,
                            ffi::Buffer<ffi::F32> v_centroids, ffi::Buffer<ffi::S32> block_tables,
-                           ffi::Buffer<ffi::S32> seq_lens,
+                           ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> rotation,
                            ffi::Result<ffi::Buffer<ffi::F32>> out_rot,
                            ffi::Result<ffi::Buffer<ffi::F32>> partial_out,
                            ffi::Result<ffi::Buffer<ffi::F32>> partial_lse, int32_t k_bits,

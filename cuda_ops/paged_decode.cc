@@ -50,13 +50,45 @@ void group_dots(const double* q, const double* k, int64_t G, int64_t d, double* 
   }
 }
 
+// x <- H_un x, the unnormalized Sylvester Hadamard transform of a power-of-two length d.
+void fwht(double* x, int64_t d) {
+  for (int64_t h = 1; h < d; h <<= 1)
+    for (int64_t i = 0; i < d; i += 2 * h)
+      for (int64_t j = i; j < i + h; ++j) {
+        const double a = x[j], b = x[j + h];
+        x[j] = a + b;
+        x[j + h] = a - b;
+      }
+}
+
+// x <- Pi x (inverse: Pi^T x) for Pi = H D2 P H D1 given by its spec words (format.h), in double.
+void rotate_row(const int32_t* spec, int64_t d, bool inverse, double* x) {
+  double tmp[kMaxHeadDim];
+  const double norm = 1.0 / static_cast<double>(d);  // the two 1 / sqrt(d) of the normalized H
+  auto word = [&](int64_t i) { return static_cast<uint32_t>(spec[i]); };
+  auto perm = [&](int64_t i) { return static_cast<int64_t>(rot_perm(word(i))) & (d - 1); };
+  if (!inverse) {
+    for (int64_t i = 0; i < d; ++i) x[i] = (rot_neg1(word(i)) ? -x[i] : x[i]) * norm;
+    fwht(x, d);
+    for (int64_t i = 0; i < d; ++i) tmp[i] = rot_neg2(word(i)) ? -x[perm(i)] : x[perm(i)];
+    fwht(tmp, d);
+    std::copy(tmp, tmp + d, x);
+    return;
+  }
+  for (int64_t i = 0; i < d; ++i) x[i] *= norm;
+  fwht(x, d);
+  for (int64_t i = 0; i < d; ++i) tmp[perm(i)] = rot_neg2(word(i)) ? -x[i] : x[i];
+  fwht(tmp, d);
+  for (int64_t i = 0; i < d; ++i) x[i] = rot_neg1(word(i)) ? -tmp[i] : tmp[i];
+}
+
 }  // namespace
 
 ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q_rot, ffi::Buffer<ffi::U8> k_codes,
                            ffi::Buffer<ffi::F32> k_norms, ffi::Buffer<ffi::U8> v_codes,
                            ffi::Buffer<ffi::F32> v_norms, ffi::Buffer<ffi::F32> k_centroids,
                            ffi::Buffer<ffi::F32> v_centroids, ffi::Buffer<ffi::S32> block_tables,
-                           ffi::Buffer<ffi::S32> seq_lens,
+                           ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> rotation,
                            ffi::Result<ffi::Buffer<ffi::F32>> out_rot,
                            ffi::Result<ffi::Buffer<ffi::F32>> partial_out,
                            ffi::Result<ffi::Buffer<ffi::F32>> partial_lse, int32_t k_bits,
@@ -67,7 +99,7 @@ ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q_rot, ffi::Buffer<ffi::U8> k_c
   ffi_checks::DecodeDims dims;
   JTQ_RETURN_IF_ERROR(ffi_checks::validate_paged_decode(
       op, q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids, block_tables,
-      seq_lens, *out_rot, *partial_out, *partial_lse, k_bits, v_bits, num_splits, &dims));
+      seq_lens, rotation, *out_rot, *partial_out, *partial_lse, k_bits, v_bits, num_splits, &dims));
   const int64_t S = dims.S, H = dims.H, d = dims.d;
   const int64_t P = dims.P, Hkv = dims.Hkv, page = dims.page;
   const int64_t kpb = dims.kpb, vpb = dims.vpb, max_pages = dims.max_pages, ns = dims.ns;
@@ -84,6 +116,8 @@ ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q_rot, ffi::Buffer<ffi::U8> k_c
   float* out = out_rot->typed_data();
   float* pout = partial_out->typed_data();
   float* plse = partial_lse->typed_data();
+  const int32_t* rot_k = dims.fused ? rotation.typed_data() : nullptr;  // fused: q and out unrotated
+  const int32_t* rot_v = dims.fused ? rot_k + d : nullptr;
 
   const int64_t G = (Hkv > 0) ? H / Hkv : 0;  // query heads per kv head
   const double dscale = double(scale);
@@ -107,10 +141,12 @@ ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q_rot, ffi::Buffer<ffi::U8> k_c
       const int64_t h0 = g * G;
       for (int64_t hh = 0; hh < G; ++hh) {
         row_ok[hh] = true;
-        for (int64_t i = 0; i < d; ++i) {
-          qg[hh * d + i] = q[((s * H) + h0 + hh) * d + i];
-          row_ok[hh] = row_ok[hh] && std::isfinite(qg[hh * d + i]);
-        }
+        double* qrow = &qg[hh * d];
+        for (int64_t i = 0; i < d; ++i) qrow[i] = q[((s * H) + h0 + hh) * d + i];
+        if (rot_k != nullptr) rotate_row(rot_k, d, false, qrow);
+        // Not finite in float32 (as the GPU kernels see a fused rotation that overflows): a NaN row.
+        for (int64_t i = 0; i < d; ++i)
+          row_ok[hh] = row_ok[hh] && std::fabs(qrow[i]) <= std::numeric_limits<float>::max();
       }
 
       for (int64_t sp = 0; sp < ns; ++sp) {
@@ -198,7 +234,9 @@ ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q_rot, ffi::Buffer<ffi::U8> k_c
           for (int64_t i = 0; i < d; ++i) acc[i] += w * double(po[sp * d + i]);
         }
         const double inv = 1.0 / wsum;  // wsum >= 1 (the max split has w = 1)
-        for (int64_t i = 0; i < d; ++i) oh[i] = float(acc[i] * inv);
+        for (int64_t i = 0; i < d; ++i) acc[i] *= inv;
+        if (rot_v != nullptr) rotate_row(rot_v, d, true, acc);
+        for (int64_t i = 0; i < d; ++i) oh[i] = float(acc[i]);
       }
     }
   }

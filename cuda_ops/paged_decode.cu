@@ -254,7 +254,78 @@ struct DecodeParams {
   float qscale;         // scale * log2(e)
   CopyPlan kcopy, vcopy;
   int k_bits, v_bits;
+  const int32_t* rot;   // [2][128] Hadamard spec words (K, V; format.h), or nullptr: q / out rotated outside
 };
+
+// ---- The Hadamard rotation applied inside the kernels (rotation spec words: format.h) ---------
+// A warp holds one 128-coordinate row, x[j] = coordinate 4 * lane + j; buf is 128 floats of the
+// warp's own shared memory (the permutation goes through it).
+
+// x <- H_un x, the unnormalized Sylvester Hadamard transform (H_un[i][k] = (-1)^popcount(i & k)).
+__device__ __forceinline__ void warp_fwht128(float (&x)[4], int lane) {
+  const float a0 = x[0] + x[1], a1 = x[0] - x[1], a2 = x[2] + x[3], a3 = x[2] - x[3];
+  x[0] = a0 + a2;
+  x[1] = a1 + a3;
+  x[2] = a0 - a2;
+  x[3] = a1 - a3;
+#pragma unroll
+  for (int m = 1; m < 32; m <<= 1) {
+    const bool upper = (lane & m) != 0;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float y = __shfl_xor_sync(0xffffffffu, x[j], m);
+      x[j] = upper ? y - x[j] : x[j] + y;
+    }
+  }
+}
+
+__device__ __forceinline__ void load_rot_words(const int32_t* spec, int lane, uint32_t (&w)[4]) {
+  const int4 v = __ldg(reinterpret_cast<const int4*>(spec) + lane);
+  w[0] = static_cast<uint32_t>(v.x);
+  w[1] = static_cast<uint32_t>(v.y);
+  w[2] = static_cast<uint32_t>(v.z);
+  w[3] = static_cast<uint32_t>(v.w);
+}
+
+// x <- Pi x with Pi = H D2 P H D1 (H normalized: the two 1 / sqrt(128) factors are the exact
+// 2^-7 applied first, so no intermediate grows past the normalized transform's values).
+__device__ __forceinline__ void rotate_row_forward(float (&x)[4], const int32_t* spec, float* buf, int lane) {
+  uint32_t w[4];
+  load_rot_words(spec, lane, w);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) x[j] = (rot_neg1(w[j]) ? -x[j] : x[j]) * 0x1p-7f;
+  warp_fwht128(x, lane);
+  __syncwarp();
+#pragma unroll
+  for (int j = 0; j < 4; ++j) buf[4 * lane + j] = x[j];
+  __syncwarp();
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float z = buf[rot_perm(w[j]) & 127];  // (P v)_i = v_perm[i]
+    x[j] = rot_neg2(w[j]) ? -z : z;
+  }
+  __syncwarp();  // buf may be reused at once
+  warp_fwht128(x, lane);
+}
+
+// x <- Pi^T x = D1 H P^T D2 H x.
+__device__ __forceinline__ void rotate_row_inverse(float (&x)[4], const int32_t* spec, float* buf, int lane) {
+  uint32_t w[4];
+  load_rot_words(spec, lane, w);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) x[j] *= 0x1p-7f;
+  warp_fwht128(x, lane);
+  __syncwarp();
+#pragma unroll
+  for (int j = 0; j < 4; ++j) buf[rot_perm(w[j]) & 127] = rot_neg2(w[j]) ? -x[j] : x[j];  // (P^T v)_perm[i] = v_i
+  __syncwarp();
+#pragma unroll
+  for (int j = 0; j < 4; ++j) x[j] = buf[4 * lane + j];
+  __syncwarp();
+  warp_fwht128(x, lane);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) x[j] = rot_neg1(w[j]) ? -x[j] : x[j];
+}
 
 // Row index ((phys * Hkv + kvh) * page + off) of logical token `tok`, or -1 when the token is
 // past the split end or its page id is outside [0, P).
@@ -411,10 +482,14 @@ __device__ __forceinline__ void v_phase(const uint8_t* vcs, const int* vals, con
 // A head whose q_rot row is not all finite (`bad`) gets a NaN output row: with one split directly;
 // else a NaN partial with lse = +inf in every split, which the combine turns into a NaN row
 // (its weights are exp(inf - inf) = NaN).
+__device__ __forceinline__ float head_output_value(float l, float acc, bool bad) {
+  return bad ? __int_as_float(0x7fc00000) : l > 0.f ? acc / l : 0.f;
+}
+
 template <int D>
 __device__ __forceinline__ void store_head_output(const DecodeParams& p, int seq, int h, int split,
                                                   int dd, float m, float l, float acc, bool bad) {
-  const float o = bad ? __int_as_float(0x7fc00000) : l > 0.f ? acc / l : 0.f;
+  const float o = head_output_value(l, acc, bad);
   const int64_t sh = static_cast<int64_t>(seq) * p.H + h;
   if (p.num_splits == 1) {
     p.out[sh * D + dd] = o;
@@ -671,11 +746,13 @@ __global__ void __launch_bounds__(kThreads)
 // head of the tile in shared memory; merge them with log-sum-exp and write the split's partial (or
 // the output when there is a single split). NH is the row width of the staging arrays (>= GT).
 // W: warps of the CTA (blockDim.x = 32 * W).
+// rows_s (the fused rotation, one split): the rows go to rows_s[g * D + dd] instead, still rotated.
 template <int D, int GT, int NH, int W = kWarps>
 __device__ __forceinline__ void merge_warps_and_store(const DecodeParams& p, const float (&m_s)[W][NH],
                                                       const float (&l_s)[W][NH],
                                                       const float (&o_s)[W][NH * D], const int* bad_s,
-                                                      int seq, int split, int kvh, int tile) {
+                                                      int seq, int split, int kvh, int tile,
+                                                      float* rows_s = nullptr) {
   for (int idx = threadIdx.x; idx < GT * D; idx += 32 * W) {
     const int g = idx / D;
     const int dd = idx - g * D;
@@ -693,7 +770,8 @@ __device__ __forceinline__ void merge_warps_and_store(const DecodeParams& p, con
         O = fmaf(o_s[w][idx], f, O);
       }
     }
-    store_head_output<D>(p, seq, kvh * p.G + hl, split, dd, M, L, O, bad_s[g] != 0);
+    if (rows_s != nullptr) rows_s[idx] = head_output_value(L, O, bad_s[g] != 0);
+    else store_head_output<D>(p, seq, kvh * p.G + hl, split, dd, M, L, O, bad_s[g] != 0);
   }
 }
 
@@ -995,9 +1073,9 @@ __device__ __forceinline__ float block_reduce(float v, float* red, bool is_max) 
   return v;
 }
 
-__global__ void __launch_bounds__(kCombineThreads)
+__global__ void __launch_bounds__(kCombineThreads, 1)
     paged_decode_combine_kernel(const float* __restrict__ pout, const float* __restrict__ plse,
-                                float* __restrict__ out, int ns, int D) {
+                                float* __restrict__ out, int ns, int D, const int32_t* rot_v) {
   __shared__ float w_s[kCombineMaxSplits];
   __shared__ float red[kCombineGroups];
   __shared__ __align__(16) float acc_s[kCombineGroups][kCombineMaxD];
@@ -1044,11 +1122,28 @@ __global__ void __launch_bounds__(kCombineThreads)
     *reinterpret_cast<float4*>(&acc_s[group][4 * c]) = a;
   }
   __syncthreads();
-  for (int d = threadIdx.x; d < D; d += kCombineThreads) {
-    float acc = 0.f;
+  if (rot_v == nullptr) {
+    for (int d = threadIdx.x; d < D; d += kCombineThreads) {
+      float acc = 0.f;
 #pragma unroll
-    for (int g = 0; g < kCombineGroups; ++g) acc += acc_s[g][d];
-    o[d] = acc / wsum;
+      for (int g = 0; g < kCombineGroups; ++g) acc += acc_s[g][d];
+      o[d] = acc / wsum;
+    }
+    return;
+  }
+  // The fused rotation (D = 128): warp 0 rotates the combined row back, out = Pi_v^T o_rot.
+  if (threadIdx.x < 32) {
+    float x[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int d = 4 * lane + j;
+      float acc = 0.f;
+#pragma unroll
+      for (int g = 0; g < kCombineGroups; ++g) acc += acc_s[g][d];
+      x[j] = acc / wsum;
+    }
+    rotate_row_inverse(x, rot_v, w_s, lane);  // the split weights are no longer needed
+    *reinterpret_cast<float4*>(o + 4 * lane) = make_float4(x[0], x[1], x[2], x[3]);
   }
 }
 
@@ -1238,6 +1333,16 @@ ffi::Error dispatch_v3(int gt, bool f16, cudaStream_t stream, const DecodeParams
 }
 #endif
 
+// The fused rotation is built into the tensor-core kernels (and the combine) only.
+bool fused_rotation_ok(int d, int gt, const DecodeParams& p) {
+#if JTQ_HAS_D(128)
+  return use_v3(d, gt, p) && reinterpret_cast<uintptr_t>(p.rot) % 16 == 0;
+#else
+  (void)d, (void)gt, (void)p;
+  return false;
+#endif
+}
+
 ffi::Error dispatch_d(int d, int gt, bool f16, cudaStream_t stream, const DecodeParams& p, dim3 grid) {
 #if JTQ_HAS_D(128)
   if (use_v3(d, gt, p)) return dispatch_v3(gt, f16, stream, p, grid);
@@ -1289,6 +1394,7 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot,
                                ffi::Buffer<ffi::F32> k_centroids,
                                ffi::Buffer<ffi::F32> v_centroids,
                                ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens,
+                               ffi::Buffer<ffi::S32> rotation,
                                ffi::Result<ffi::Buffer<ffi::F32>> out_rot,
                                ffi::Result<ffi::Buffer<ffi::F32>> partial_out,
                                ffi::Result<ffi::Buffer<ffi::F32>> partial_lse, int32_t k_bits,
@@ -1298,7 +1404,7 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot,
   ffi_checks::DecodeDims dims;
   JTQ_RETURN_IF_ERROR(ffi_checks::validate_paged_decode(
       kOp, q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids, block_tables,
-      seq_lens, *out_rot, *partial_out, *partial_lse, k_bits, v_bits, num_splits, &dims));
+      seq_lens, rotation, *out_rot, *partial_out, *partial_lse, k_bits, v_bits, num_splits, &dims));
   const int64_t S = dims.S, H = dims.H, d = dims.d;
   const int64_t P = dims.P, Hkv = dims.Hkv, page = dims.page;
   const int64_t kpb = dims.kpb, vpb = dims.vpb, max_pages = dims.max_pages, ns = dims.ns;
@@ -1351,6 +1457,7 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot,
   }
   p.k_bits = k_bits;
   p.v_bits = v_bits;
+  p.rot = dims.fused ? rotation.typed_data() : nullptr;
   if (P == 0) {  // nothing can be read: every row is 0 (all page ids are out of range)
     p.P = 0;
   }
@@ -1359,12 +1466,15 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot,
   if (ns > 1 && reinterpret_cast<uintptr_t>(p.pout) % 16 != 0)
     return invalid("partial_out workspace is not 16-byte aligned");
   if (ns > 1 && d > kCombineMaxD) return invalid("head_dim above the combine kernel's 256");
+  if (dims.fused && !fused_rotation_ok(static_cast<int>(d), gt, p))
+    return invalid("the fused (Hadamard) rotation runs on the tensor-core kernels only: head_dim 128, "
+                   "4-bit K and V, GQA group >= 3, JAX_TQ_CUDA_DECODE not v1 / v2");
   const dim3 grid(static_cast<unsigned>(S * ns), static_cast<unsigned>(Hkv * ntiles));
   if (auto e = dispatch_d(static_cast<int>(d), gt, f16_products != 0, stream, p, grid); e.failure())
     return e;
   if (ns > 1) {
     paged_decode_combine_kernel<<<static_cast<unsigned>(S * H), kCombineThreads, 0, stream>>>(
-        p.pout, p.plse, p.out, static_cast<int>(ns), static_cast<int>(d));
+        p.pout, p.plse, p.out, static_cast<int>(ns), static_cast<int>(d), p.rot ? p.rot + d : nullptr);
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return cuda_error("combine kernel launch", e);
   }

@@ -192,10 +192,11 @@ struct Tile {
 // q of the tile's query heads HPW * warp .. + HPW - 1 (scaled by scale * log2(e), then by a
 // per-head power of two so that |q| < 1: no f16 overflow with huge logits) into q_s [kNH][kD];
 // the powers of two into qexp_s; 1 into bad_s where the head's q_rot row is not all finite (its
-// output row is NaN; the row is staged as zeros).
+// output row is NaN; the row is staged as zeros). With the fused rotation (p.rot) q is rotated here
+// first (rot_buf: 128 floats of the warp's shared memory).
 template <int GT, int HPW>
 __device__ __forceinline__ void stage_queries(const DecodeParams& p, float* q_s, float* qexp_s, int* bad_s,
-                                              int seq, int kvh, int tile, int warp, int lane) {
+                                              int seq, int kvh, int tile, int warp, int lane, float* rot_buf) {
 #pragma unroll
   for (int hh = 0; hh < HPW; ++hh) {
     const int g = HPW * warp + hh;
@@ -204,6 +205,11 @@ __device__ __forceinline__ void stage_queries(const DecodeParams& p, float* q_s,
     if (g < GT && hl < p.G) {
       const float* qp = p.q + (static_cast<int64_t>(seq) * p.H + kvh * p.G + hl) * kD + 4 * lane;
       v = make_float4(qp[0], qp[1], qp[2], qp[3]);
+    }
+    if (p.rot != nullptr) {  // warp-uniform
+      float x[4] = {v.x, v.y, v.z, v.w};
+      rotate_row_forward(x, p.rot, rot_buf, lane);
+      v = make_float4(x[0], x[1], x[2], x[3]);
     }
     const bool finite = __all_sync(0xffffffffu, isfinite(v.x) && isfinite(v.y) && isfinite(v.z) && isfinite(v.w));
     v = finite ? make_float4(v.x * p.qscale, v.y * p.qscale, v.z * p.qscale, v.w * p.qscale)
@@ -335,13 +341,15 @@ __device__ __forceinline__ void tile_accumulate_v(const uint2 (&v)[4], const flo
 }
 
 // After a warp-independent tile loop: each warp's (m, l, o) into shared memory (o_s reuses the
-// tables: every warp must be past its loop), merged over the W warps and stored.
+// tables: every warp must be past its loop), merged over the W warps and stored. With the fused
+// rotation and one split, the merged rows go to the table space after o_s and warp w rotates rows
+// w, w + W, ... back (out = Pi_v^T o_rot; rot_buf: the warp's 128 floats, free after its loop).
 template <int GT, int W>
 __device__ __forceinline__ void merge_tile_state(const DecodeParams& p, const float (&o)[8][4],
                                                  const float (&m)[2], float (&l)[2],
                                                  float (&o_s)[W][kNH * kD], float (&m_s)[W][kNH],
                                                  float (&l_s)[W][kNH], const int* bad_s, int warp, int gid,
-                                                 int t4, int seq, int split, int kvh, int tile) {
+                                                 int t4, int seq, int split, int kvh, int tile, float* rot_buf) {
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
 #pragma unroll
@@ -360,7 +368,23 @@ __device__ __forceinline__ void merge_tile_state(const DecodeParams& p, const fl
     }
   }
   __syncthreads();
-  merge_warps_and_store<kD, GT, kNH, W>(p, m_s, l_s, o_s, bad_s, seq, split, kvh, tile);
+  if (p.rot == nullptr || p.num_splits > 1) {
+    merge_warps_and_store<kD, GT, kNH, W>(p, m_s, l_s, o_s, bad_s, seq, split, kvh, tile);
+    return;
+  }
+  static_assert((W * kNH + GT) * kD * 4 <= kSmemBytes, "the fused rotation's rows after o_s");
+  float* rows_s = &o_s[0][0] + W * kNH * kD;
+  merge_warps_and_store<kD, GT, kNH, W>(p, m_s, l_s, o_s, bad_s, seq, split, kvh, tile, rows_s);
+  __syncthreads();
+  const int lane = 4 * gid + t4;
+  for (int g = warp; g < GT && tile * GT + g < p.G; g += W) {  // v3: 4 warps, up to 8 rows
+    float x[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) x[j] = rows_s[g * kD + 4 * lane + j];
+    rotate_row_inverse(x, p.rot + kD, rot_buf, lane);
+    float* dst = p.out + (static_cast<int64_t>(seq) * p.H + kvh * p.G + tile * GT + g) * kD + 4 * lane;
+    *reinterpret_cast<float4*>(dst) = make_float4(x[0], x[1], x[2], x[3]);
+  }
 }
 
 // SPLIT: q, P and the centroids enter the MMAs as f16 hi + lo (3 MMAs per product, ~f32 accurate);
@@ -405,7 +429,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
 
   // ---- prologue: q (scaled, per-head power of two) staged in the table space, then the tables -
   float* q_s = reinterpret_cast<float*>(smem);
-  stage_queries<GT, 2>(p, q_s, qexp_s, bad_s, seq, kvh, tile, warp, lane);
+  stage_queries<GT, 2>(p, q_s, qexp_s, bad_s, seq, kvh, tile, warp, lane, w_s[warp]);
   __syncthreads();
   uint32_t qh[8][2], ql[8][2];
   query_fragments(q_s, gid, t4, qh, ql);
@@ -521,7 +545,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     cur = nxt;
   }
 
-  merge_tile_state<GT, kWarps>(p, o, m, l, o_s, m_s, l_s, bad_s, warp, gid, t4, seq, split, kvh, tile);
+  merge_tile_state<GT, kWarps>(p, o, m, l, o_s, m_s, l_s, bad_s, warp, gid, t4, seq, split, kvh, tile, w_s[warp]);
 }
 
 
@@ -717,7 +741,7 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
 
   // ---- prologue: q of head `warp` (scaled, per-head power of two) in the table space ----------
   float* q_s = reinterpret_cast<float*>(smem);
-  stage_queries<GT, 1>(p, q_s, qexp_s, bad_s, seq, kvh, tile, warp, lane);
+  stage_queries<GT, 1>(p, q_s, qexp_s, bad_s, seq, kvh, tile, warp, lane, w_s[warp]);
   __syncthreads();
   uint32_t qh[8][2], ql[8][2];
   query_fragments(q_s, gid, t4, qh, ql);
@@ -835,7 +859,7 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
     }
   }
 
-  merge_tile_state<GT, kW4>(p, o, m, l, o_s, m_s, l_s, bad_s, warp, gid, t4, seq, split, kvh, tile);
+  merge_tile_state<GT, kW4>(p, o, m, l, o_s, m_s, l_s, bad_s, warp, gid, t4, seq, split, kvh, tile, w_s[warp]);
 }
 
 }  // namespace v3

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_tq import _compat, reference
+from jax_tq import format as tq_format, rotation as tq_rotation
 from jax_tq import _ffi as ffi_loader
 from jax_tq import _primitive_utils as pu
 from jax_tq.backend import get_backend
@@ -96,20 +97,24 @@ def paged_decode(q, cache, block_tables, seq_lens, *, scale=None, num_splits=Non
     group = q.shape[1] // cache.num_kv_heads
     kernel_rounds_to_f16 = (backend != "xla" and uses_v4(f16_products) and ffi_loader.kernels_available("cuda")
                             and uses_tensor_core_kernel(k_codec.head_dim, k_codec.bits, v_codec.bits, group))
+    pools = (cache.k_codes, cache.k_norms, cache.v_codes, cache.v_norms, k_codec.centroids, v_codec.centroids,
+             block_tables, seq_lens)
+    fused = _fused_rotation(k_codec, v_codec, backend, group)
+    if fused is not None:  # the kernel rotates q and the output itself
+        out = _decode(q.astype(jnp.float32), *pools, fused, k_codec.bits, v_codec.bits, scale,
+                      int(num_splits or 0), f16_products, backend)
+        return out.astype(q.dtype)
     rotation_precision = _rotation_precision(kernel_rounds_to_f16)
     q_rot = jnp.einsum("shd,ed->she", q.astype(jnp.float32), k_codec.rotation, precision=rotation_precision)
-    operands = (
-        q_rot, cache.k_codes, cache.k_norms, cache.v_codes, cache.v_norms,
-        k_codec.centroids, v_codec.centroids, block_tables, seq_lens,
-    )
+    operands = (q_rot, *pools)
     # A query row holding an inf or NaN makes every element of its q_rot row inf or NaN (inf * 0 is
     # NaN), and so does a finite one whose rotation overflows float32: such a q_rot row gives a NaN
     # output row (the kernels write it themselves: no mask, no extra XLA reduction around them).
     if backend == "xla":
         out_rot = _reference_rotated(*operands, k_codec.bits, v_codec.bits, scale)
     else:
-        out_rot = _decode_rotated(*operands, k_codec.bits, v_codec.bits, scale, int(num_splits or 0),
-                                  f16_products, backend)
+        out_rot = _decode(*operands, _NO_ROTATION, k_codec.bits, v_codec.bits, scale, int(num_splits or 0),
+                          f16_products, backend)
     out = jnp.einsum("she,ed->shd", out_rot, v_codec.rotation, precision=rotation_precision)
     return out.astype(q.dtype)
 
@@ -122,6 +127,55 @@ def _reference_rotated(q_rot, *operands):
     finite = jnp.all(jnp.isfinite(q_rot), axis=-1, keepdims=True)
     out_rot = reference.paged_decode_rotated(jnp.where(finite, q_rot, 0), *operands)
     return jnp.where(finite, out_rot, jnp.nan)
+
+
+#: The primitive's rotation operand when q is already rotated (q_rot) and the output stays rotated.
+_NO_ROTATION = np.zeros((2, 0), np.int32)
+
+#: head_dim of the kernels that apply a Hadamard rotation themselves.
+FUSED_ROTATION_HEAD_DIM = 128
+
+
+def _fused_rotation(k_codec, v_codec, backend: str, group: int):
+    """The primitive's rotation operand, int32 [2, head_dim] (the K and V codecs' Hadamard spec
+    words, docs/FORMAT.md), where the kernel that runs applies q_rot = Pi_k q and out = Pi_v^T o_rot
+    itself (no rotation GEMMs around it); else None. That needs Hadamard codecs of head_dim 128
+    (powers of two), a kernel backend, and on a GPU the tensor-core kernels
+    (:func:`uses_tensor_core_kernel`). ``JAX_TQ_FUSED_ROTATION=0`` turns it off (A/B timing)."""
+    if backend == "xla" or os.environ.get("JAX_TQ_FUSED_ROTATION", "1") == "0":
+        return None
+    k_spec, v_spec = k_codec.hadamard_spec, v_codec.hadamard_spec
+    if k_spec is None or v_spec is None or k_codec.head_dim != FUSED_ROTATION_HEAD_DIM:
+        return None
+    if ffi_loader.kernels_available("cuda") and not uses_tensor_core_kernel(
+            k_codec.head_dim, k_codec.bits, v_codec.bits, group):
+        return None
+    return jnp.asarray(np.stack([k_spec, v_spec]))
+
+
+def _rotation_from_spec(words):
+    """float32 [d, d] Pi = H D2 P H D1 from its int32 [d] spec words (jnp, traceable)."""
+    d = words.shape[0]
+    hadamard = jnp.asarray(tq_rotation.block_hadamard(d), jnp.float32)
+    perm = words & (tq_format.ROT_NEG1_BIT - 1)
+    first = jnp.where(words & tq_format.ROT_NEG1_BIT, -1.0, 1.0).astype(jnp.float32)
+    second = jnp.where(words & tq_format.ROT_NEG2_BIT, -1.0, 1.0).astype(jnp.float32)
+    mixed = second[:, None] * (hadamard * first[None, :])[perm, :]
+    return jnp.matmul(hadamard, mixed, precision=jax.lax.Precision.HIGHEST)
+
+
+def _reference_any(q, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, rotation, k_bits,
+                   v_bits, scale):
+    """The primitive's semantics in jnp: :func:`_reference_rotated` on q (rotation [2, 0]), or with
+    the fused rotation ([2, d]) between q = Pi_k^T q_rot and out = Pi_v^T out_rot (float32)."""
+    if rotation.shape[1] == 0:
+        return _reference_rotated(q, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, k_bits,
+                                  v_bits, scale)
+    highest = jax.lax.Precision.HIGHEST
+    q_rot = jnp.einsum("shd,ed->she", q, _rotation_from_spec(rotation[0]), precision=highest)
+    out_rot = _reference_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens,
+                                 k_bits, v_bits, scale)
+    return jnp.einsum("she,ed->shd", out_rot, _rotation_from_spec(rotation[1]), precision=highest)
 
 
 def _static_scale(scale):
@@ -179,38 +233,39 @@ def _allows_f16_products(precision, q_dtype) -> bool:
     return precision != jax.lax.Precision.HIGHEST
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11, 12, 13, 14))
-def _decode_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens,
-                    k_bits, v_bits, scale, num_splits, f16_products, backend):
-    """The kernel call, differentiable in q_rot, k_norms and v_norms (the codes are integers). A
-    q_rot row that is not all finite gives a NaN output row."""
-    (out_rot,) = paged_decode_p.bind(
-        q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens,
+@functools.partial(jax.custom_vjp, nondiff_argnums=(10, 11, 12, 13, 14, 15))
+def _decode(q, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, rotation,
+            k_bits, v_bits, scale, num_splits, f16_products, backend):
+    """The kernel call, differentiable in q, k_norms and v_norms (the codes are integers). With
+    rotation [2, 0], q is q_rot and the result out_rot; with [2, d] (the fused rotation) both are
+    unrotated. A row whose q_rot is not all finite gives a NaN output row."""
+    (out,) = paged_decode_p.bind(
+        q, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, rotation,
         k_bits=k_bits, v_bits=v_bits, scale=scale, num_splits=num_splits, f16_products=f16_products,
         backend=backend,
     )
-    return out_rot
+    return out
 
 
-def _decode_rotated_fwd(*args):
-    operands, static = args[:9], args[9:]
-    return _decode_rotated(*operands, *static), operands
+def _decode_fwd(*args):
+    operands, static = args[:10], args[10:]
+    return _decode(*operands, *static), operands
 
 
-def _decode_rotated_bwd(k_bits, v_bits, scale, num_splits, f16_products, backend, operands, cotangent):
+def _decode_bwd(k_bits, v_bits, scale, num_splits, f16_products, backend, operands, cotangent):
     """Backward pass through the reference (recomputes the softmax; memory O(num_seqs x tokens))."""
-    q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens = operands
+    q, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, rotation = operands
 
     def attend(q, kn, vn):  # the xla backend's function: the same gradient on both backends
-        return _reference_rotated(q, k_codes, kn, v_codes, vn, k_cent, v_cent, tables, lens, k_bits, v_bits,
-                                  scale)
+        return _reference_any(q, k_codes, kn, v_codes, vn, k_cent, v_cent, tables, lens, rotation, k_bits,
+                              v_bits, scale)
 
-    _, vjp = jax.vjp(attend, q_rot, k_norms, v_norms)
+    _, vjp = jax.vjp(attend, q, k_norms, v_norms)
     dq, dk_norms, dv_norms = vjp(cotangent)
-    return dq, None, dk_norms, None, dv_norms, None, None, None, None
+    return dq, None, dk_norms, None, dv_norms, None, None, None, None, None
 
 
-_decode_rotated.defvjp(_decode_rotated_fwd, _decode_rotated_bwd)
+_decode.defvjp(_decode_fwd, _decode_bwd)
 
 
 def _check_decode_args(q, cache, block_tables, seq_lens, num_splits) -> None:
@@ -348,13 +403,14 @@ def choose_num_splits(platform: str, num_seqs: int, num_kv_heads: int, max_pages
 
 # ----------------------------------------------------------------------------- primitive
 
-def _abstract(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids, block_tables, seq_lens, **params):
-    inputs = (q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids, block_tables, seq_lens)
-    return (_compat.output_aval(q_rot.shape, jnp.float32, *inputs),)
+def _abstract(q, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids, block_tables, seq_lens, rotation,
+              **params):
+    inputs = (q, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids, block_tables, seq_lens, rotation)
+    return (_compat.output_aval(q.shape, jnp.float32, *inputs),)
 
 
 def _reference(*operands, k_bits, v_bits, scale, num_splits, f16_products):
-    return (_reference_rotated(*operands, k_bits, v_bits, scale),)
+    return (_reference_any(*operands, k_bits, v_bits, scale),)
 
 
 def _ffi(ctx, *operands, k_bits, v_bits, scale, num_splits, f16_products):
@@ -380,14 +436,14 @@ def _ffi(ctx, *operands, k_bits, v_bits, scale, num_splits, f16_products):
 
 paged_decode_p.def_abstract_eval(_abstract)
 pu.define_impl(paged_decode_p)
-pu.register_lowerings(paged_decode_p, _reference, _ffi)
+pu.register_lowerings(paged_decode_p, _reference, _ffi, may_be_empty=(9,))  # rotation [2, 0]: q is q_rot
 
 
 def _batch(args, dims, **params):
     """Fold vmapped axes into the kernel's sequence axis; a batched cache is folded into one page pool
     (each batch element's block table is offset into its own slice of the pool)."""
-    q, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens = args
-    pu.require_unbatched(("k centroids", "v centroids"), dims[5:7], "paged_decode")
+    q, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, rotation = args
+    pu.require_unbatched(("k centroids", "v centroids", "rotation"), dims[5:7] + dims[9:10], "paged_decode")
     size = pu.batch_size(args, dims)
     pool_dims = dims[1:5]
     pools = list(args[1:5])
@@ -403,7 +459,7 @@ def _batch(args, dims, **params):
     num_seqs = q.shape[1]
     (out,) = paged_decode_p.bind(
         q.reshape((-1,) + q.shape[2:]), *pools, k_cent, v_cent,
-        tables.reshape((-1, tables.shape[-1])), lens.reshape(-1), **params,
+        tables.reshape((-1, tables.shape[-1])), lens.reshape(-1), rotation, **params,
     )
     return [out.reshape((size, num_seqs) + out.shape[1:])], [0]
 

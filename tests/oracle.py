@@ -41,10 +41,10 @@ def decompress_f64(codes, norms, codec):
                                                codec.bits, jnp.float64))
 
 
-def random_cache(rng, *, num_pages, page_size, num_kv_heads, head_dim, k_bits, v_bits, seed=0):
+def random_cache(rng, *, num_pages, page_size, num_kv_heads, head_dim, k_bits, v_bits, seed=0, rotation="haar"):
     """A cache whose every slot holds random codes and positive random norms (no zeros)."""
-    k_codec = tq.TurboQuant(head_dim=head_dim, bits=k_bits, seed=seed)
-    v_codec = tq.TurboQuant(head_dim=head_dim, bits=v_bits, seed=seed + 1)
+    k_codec = tq.TurboQuant(head_dim=head_dim, bits=k_bits, seed=seed, rotation=rotation)
+    v_codec = tq.TurboQuant(head_dim=head_dim, bits=v_bits, seed=seed + 1, rotation=rotation)
     cache = tq.PagedKVCache.create(num_pages=num_pages, page_size=page_size, num_kv_heads=num_kv_heads,
                                    k_codec=k_codec, v_codec=v_codec)
     def codes(shape):

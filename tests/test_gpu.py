@@ -19,6 +19,7 @@ import pytest
 
 import jax_tq as tq
 from jax_tq.format import unpack_codes
+from jax_tq.paged_decode import uses_tensor_core_kernel
 from oracle import compress_f64, decode_f64, decompress_f64, random_cache, random_tables, rel_err
 
 
@@ -293,14 +294,15 @@ DECODE_CASES = [
 ]
 
 
-def _decode_inputs(rng, head_dim, k_bits, v_bits, page_size, group, hkv, qdtype, num_seqs=5, max_len=700):
+def _decode_inputs(rng, head_dim, k_bits, v_bits, page_size, group, hkv, qdtype, num_seqs=5, max_len=700,
+                   rotation="haar"):
     seq_lens = rng.integers(1, max_len, size=num_seqs).astype(np.int32)
     seq_lens[0] = 0  # empty sequence -> zeros
     seq_lens[-1] = page_size * int(rng.integers(1, 4))  # an exact multiple of the page size
     need = sum(-(-int(n) // page_size) for n in seq_lens)
     num_pages = need + 3
     cache = random_cache(rng, num_pages=num_pages, page_size=page_size, num_kv_heads=hkv, head_dim=head_dim,
-                         k_bits=k_bits, v_bits=v_bits, seed=int(rng.integers(1000)))
+                         k_bits=k_bits, v_bits=v_bits, seed=int(rng.integers(1000)), rotation=rotation)
     tables = np.array(random_tables(rng, seq_lens, page_size, num_pages))
     # An invalid page id among the attended pages of one sequence: its tokens are skipped.
     if -(-int(seq_lens[1]) // page_size) >= 2:
@@ -409,6 +411,47 @@ def test_paged_decode_v4_query_rotation_overflow_row(rng, num_splits):
     want = _on_cpu(decode_f64, np.asarray(q.astype(jnp.float32)).clip(-1e30, 1e30), cache, tables, lens)
     assert rel_err(got[~bad], want[~bad]) < 1e-2
     assert rel_err(got[2, 5], want[2, 5]) < 5e-2
+
+
+# Hadamard codecs: the tensor-core kernels rotate q in their prologue and the output in their
+# epilogue (one split) or in the combine (splits). v4 ring (page 16 / 32), v4's per-token path
+# (page 24), v3 (float32-accurate products), head tiles of 4 and 8 with padding (3, 6, 12).
+FUSED_CASES = [
+    (16, 4, 1, jnp.bfloat16, None, 1e-2),
+    (16, 4, 3, jnp.bfloat16, None, 1e-2),
+    (32, 8, None, jnp.float16, None, 3e-3),
+    (24, 6, 2, jnp.bfloat16, None, 1e-2),
+    (16, 3, 1, jnp.float32, "highest", 2e-5),
+    (64, 12, 4, jnp.float32, "highest", 2e-5),
+    (16, 4, 1, jnp.float32, None, 3e-3),
+]
+
+
+@pytest.mark.parametrize("page_size,group,num_splits,qdtype,precision,tol", FUSED_CASES)
+def test_paged_decode_fused_rotation(rng, page_size, group, num_splits, qdtype, precision, tol):
+    """Against float64, with NaN rows where q is not finite and where a finite q's rotation passes
+    float32 (3e38 in every coordinate); the memory is poisoned first, and the rotation operand must
+    reach the kernel wherever the tensor-core kernels run."""
+    q, cache, tables, lens = _decode_inputs(rng, 128, 4, 4, page_size, group, 2, qdtype, max_len=900,
+                                            rotation="hadamard")
+    q = q.at[2, 1, 17].set(jnp.nan)
+    bad = np.zeros(q.shape[:2], bool)
+    bad[2, 1] = True
+    if qdtype != jnp.float16:
+        q = q.at[3, 0].set(3e38)
+        bad[3, 0] = True
+    fn = jax.jit(lambda *a: tq.paged_decode(*a, num_splits=num_splits, precision=precision))
+    fused = "tensor<2x128xi32>" in fn.lower(q, cache, tables, lens).as_text()
+    assert fused == uses_tensor_core_kernel(128, 4, 4, group)
+    _poison_device(q.size * 4 * 8 * 70)
+    got = np.asarray(fn(q, cache, tables, lens).astype(jnp.float32), np.float64)
+    assert np.all(np.isnan(got[bad])) and np.all(np.isfinite(got[~bad])) and np.all(got[0] == 0.0)
+    want = _on_cpu(decode_f64, np.asarray(jnp.where(jnp.asarray(bad)[..., None], 0, q).astype(jnp.float32)),
+                   cache, tables, lens)
+    assert rel_err(got[~bad], want[~bad]) < tol
+    for s in range(1, q.shape[0]):
+        ok = ~bad[s]
+        assert rel_err(got[s][ok], want[s][ok]) < 5 * tol, f"sequence {s}"
 
 
 def test_paged_decode_split_counts_agree(rng):

@@ -1,12 +1,16 @@
 """Each FFI op (CPU kernels, backend "ffi") against the float64 reference on fresh random inputs."""
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jax_tq as tq
+from jax_tq import _ffi
+from jax_tq.paged_decode import uses_tensor_core_kernel
 from oracle import compress_f64, decode_f64, decompress_f64, random_cache, random_tables, rel_err
 
 HEAD_DIMS = (64, 80, 96, 128, 192, 256)
@@ -150,3 +154,78 @@ def test_paged_decode_huge_logits(rng, q_scale):
         want = decode_f64(np.asarray(q, np.float64), cache, tables, seq_lens)
         assert rel_err(got, want) < 1e-3
         assert np.abs(np.asarray(got)).max() > 0
+
+
+def _lowered_rotation_operand(fn, *args) -> bool:
+    """Whether the lowered program passes the fused rotation operand (int32 [2, 128]) to the kernel
+    (and that it calls the kernel: with or without the rotation, never the jnp reference)."""
+    text = jax.jit(fn).lower(*args).as_text()
+    assert "jax_tq_paged_decode" in text, "the paged_decode kernel is not called"
+    return "tensor<2x128xi32>" in text
+
+
+@pytest.mark.parametrize("k_bits,v_bits,group,num_splits,q_dtype", [
+    (4, 4, 4, 1, jnp.bfloat16), (4, 4, 3, 3, jnp.float32), (3, 2, 8, 2, jnp.float16), (2, 4, 1, 5, jnp.float32)])
+def test_paged_decode_fused_hadamard_rotation(rng, monkeypatch, k_bits, v_bits, group, num_splits, q_dtype):
+    """Hadamard codecs (head_dim 128): the kernel applies q_rot = Pi_k q and out = Pi_v^T o_rot itself
+    (the rotation operand reaches the FFI call; no rotation GEMM), with the same values as the
+    float64 oracle, as the dense path (JAX_TQ_FUSED_ROTATION=0) and NaN rows where q is not finite."""
+    seq_lens = jnp.asarray([70, 0, 33, 160], jnp.int32)
+    num_pages = 3 + sum(-(-int(n) // 16) for n in seq_lens)
+    cache = random_cache(rng, num_pages=num_pages, page_size=16, num_kv_heads=2, head_dim=128, k_bits=k_bits,
+                         v_bits=v_bits, seed=int(rng.integers(100)), rotation="hadamard")
+    tables = random_tables(rng, np.asarray(seq_lens), 16, num_pages)
+    q = jnp.asarray(rng.normal(size=(4, 2 * group, 128)) * 3, q_dtype).at[2, 1, 9].set(jnp.nan)
+    bad = np.zeros(q.shape[:2], bool)
+    bad[2, 1] = True
+
+    def fn(q, t, s):
+        return tq.paged_decode(q, cache, t, s, num_splits=num_splits)
+
+    # On a GPU only the tensor-core kernels rotate; the CPU handler does for every configuration.
+    fused = not _ffi.kernels_available("cuda") or uses_tensor_core_kernel(128, k_bits, v_bits, group)
+    assert _lowered_rotation_operand(fn, q, tables, seq_lens) == fused
+    got = np.asarray(jax.jit(fn)(q, tables, seq_lens).astype(jnp.float32), np.float64)
+    assert got.dtype == np.float64 and np.all(np.isnan(got[bad])) and np.all(np.isfinite(got[~bad]))
+    want = decode_f64(np.asarray(jnp.where(jnp.isnan(q), 0, q), np.float64), cache, tables, seq_lens)
+    tol = 1e-5 if q_dtype == jnp.float32 else 1e-2
+    assert rel_err(got[~bad], want[~bad]) < tol
+    assert np.all(got[1] == 0)
+    monkeypatch.setenv("JAX_TQ_FUSED_ROTATION", "0")
+
+    def dense_fn(q, t, s):  # a new function: jit's trace cache does not know the variable
+        return tq.paged_decode(q, cache, t, s, num_splits=num_splits)
+
+    assert not _lowered_rotation_operand(dense_fn, q, tables, seq_lens)
+    dense = np.asarray(jax.jit(dense_fn)(q, tables, seq_lens).astype(jnp.float32), np.float64)
+    assert np.array_equal(np.isnan(dense), np.isnan(got))
+    assert rel_err(got[~bad], dense[~bad]) < tol
+
+
+def test_paged_decode_fused_rotation_grad_vmap_and_reference_lowering(rng):
+    """The fused rotation under grad (q and the norms, against the xla backend), vmap (against the
+    unbatched call) and the reference lowering of a zero-size block table (NaN rows, zeros)."""
+    cache = random_cache(rng, num_pages=12, page_size=16, num_kv_heads=2, head_dim=128, k_bits=4, v_bits=4,
+                         rotation="hadamard")
+    seq_lens = jnp.asarray([90, 17, 40], jnp.int32)
+    tables = random_tables(rng, np.asarray(seq_lens), 16, 12)
+    q = jnp.asarray(rng.normal(size=(3, 8, 128)), jnp.float32)
+
+    def loss(q, k_norms, v_norms):
+        c = dataclasses.replace(cache, k_norms=k_norms, v_norms=v_norms)
+        return jnp.sum(jnp.sin(tq.paged_decode(q, c, tables, seq_lens)))
+
+    assert _lowered_rotation_operand(lambda q: tq.paged_decode(q, cache, tables, seq_lens), q)  # K4V4, group 4
+    grads = jax.grad(loss, argnums=(0, 1, 2))(q, cache.k_norms, cache.v_norms)
+    with tq.use_backend("xla"):
+        want = jax.grad(loss, argnums=(0, 1, 2))(q, cache.k_norms, cache.v_norms)
+    for g, w in zip(grads, want):
+        assert rel_err(g, w) < 1e-5 and np.abs(np.asarray(w)).max() > 0
+    batch = jnp.stack([q, 2 * q])
+    mapped = jax.vmap(lambda x: tq.paged_decode(x, cache, tables, seq_lens))(batch)
+    assert rel_err(mapped[1], tq.paged_decode(2 * q, cache, tables, seq_lens)) < 1e-6
+    empty = jnp.zeros((3, 0), jnp.int32)
+    q_bad = q.at[1, 3, 0].set(jnp.inf)
+    out = np.asarray(tq.paged_decode(q_bad, cache, empty, jnp.zeros(3, jnp.int32)))
+    assert np.all(np.isnan(out[1, 3])) and np.count_nonzero(np.isnan(out)) == 128
+    assert np.all(out[~np.isnan(out)] == 0)

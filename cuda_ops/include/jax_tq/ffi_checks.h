@@ -210,14 +210,17 @@ inline ffi::Error validate_compress_write(
 // ---------------------------------------------------------------------------
 // jax_tq_paged_decode: q_rot [S, H, d], k/v codes [P, Hkv, page_size, packed],
 //   k/v norms [P, Hkv, page_size], k/v centroids [2**bits],
-//   block_tables [S, max_pages], seq_lens [S]
+//   block_tables [S, max_pages], seq_lens [S], rotation [2, 0] or [2, d]
 //   -> out_rot [S, H, d], partial_out [S, H, ns, d], partial_lse [S, H, ns]
+// rotation [2, d] (the fused rotation, d a power of two): the K and V codecs' Hadamard spec words
+// (format.h); q is then the unrotated query and out_rot the unrotated output.
 // ---------------------------------------------------------------------------
 struct DecodeDims {
   int64_t S, H, d;        // q_rot
   int64_t P, Hkv, page;   // k/v pools
   int64_t kpb, vpb;       // packed bytes per K / V row
   int64_t max_pages, ns;  // block_tables columns, num_splits
+  bool fused;             // rotation is [2, d]: the handler rotates q and the output itself
 };
 
 inline ffi::Error validate_paged_decode(
@@ -225,7 +228,8 @@ inline ffi::Error validate_paged_decode(
     const ffi::Buffer<ffi::F32>& k_norms, const ffi::Buffer<ffi::U8>& v_codes,
     const ffi::Buffer<ffi::F32>& v_norms, const ffi::Buffer<ffi::F32>& k_centroids,
     const ffi::Buffer<ffi::F32>& v_centroids, const ffi::Buffer<ffi::S32>& block_tables,
-    const ffi::Buffer<ffi::S32>& seq_lens, const ffi::Buffer<ffi::F32>& out_rot,
+    const ffi::Buffer<ffi::S32>& seq_lens, const ffi::Buffer<ffi::S32>& rotation,
+    const ffi::Buffer<ffi::F32>& out_rot,
     const ffi::Buffer<ffi::F32>& partial_out, const ffi::Buffer<ffi::F32>& partial_lse,
     int32_t k_bits, int32_t v_bits, int32_t num_splits, DecodeDims* out) {
   JTQ_RETURN_IF_ERROR(check_bits(op, "k_bits", k_bits));
@@ -262,7 +266,15 @@ inline ffi::Error validate_paged_decode(
       check_dims(op, "partial_out (result)", partial_out.dimensions(), {S, H, ns, d}));
   JTQ_RETURN_IF_ERROR(
       check_dims(op, "partial_lse (result)", partial_lse.dimensions(), {S, H, ns}));
-  *out = DecodeDims{S, H, d, P, Hkv, page, kpb, vpb, max_pages, ns};
+  const auto rd = rotation.dimensions();
+  JTQ_RETURN_IF_ERROR(check_rank(op, rd, 2, "rotation must be rank 2 [2, 0] or [2, d]"));
+  const bool fused = rd[1] != 0;
+  if (rd[0] != 2 || (fused && rd[1] != d))
+    return op.invalid("rotation must be [2, 0] or [2, " + std::to_string(d) + "], got [" +
+                      std::to_string(rd[0]) + ", " + std::to_string(rd[1]) + "]");
+  if (fused && (d & (d - 1)) != 0)
+    return op.invalid("the fused (Hadamard) rotation needs a power-of-two head_dim, got " + std::to_string(d));
+  *out = DecodeDims{S, H, d, P, Hkv, page, kpb, vpb, max_pages, ns, fused};
   return ffi::Error::Success();
 }
 
@@ -324,6 +336,7 @@ auto BindPagedDecode(B b) {
       .template Arg<ffi::Buffer<ffi::F32>>()        // v_centroids
       .template Arg<ffi::Buffer<ffi::S32>>()        // block_tables [S, max_pages]
       .template Arg<ffi::Buffer<ffi::S32>>()        // seq_lens [S]
+      .template Arg<ffi::Buffer<ffi::S32>>()        // rotation [2, 0] or [2, d] (fused)
       .template Ret<ffi::Buffer<ffi::F32>>()        // out_rot [S, H, d]
       .template Ret<ffi::Buffer<ffi::F32>>()        // partial_out [S, H, ns, d]
       .template Ret<ffi::Buffer<ffi::F32>>()        // partial_lse [S, H, ns]
