@@ -73,6 +73,9 @@ def parse_args(argv=None):
                    help="sequences decoded at once in the decode-speed comparison")
     p.add_argument("--page-size", type=int, default=16, help="tokens per cache page")
     p.add_argument("--seed", type=int, default=0, help="codec seed (K: seed, V: seed+1)")
+    p.add_argument("--rotation", default="haar", choices=("haar", "hadamard"),
+                   help="codec rotation: haar (QR of a Gaussian) or hadamard (randomized Hadamard; "
+                        "paged_decode then applies the rotations inside the kernel)")
     p.add_argument("--check-tokens", type=int, default=48,
                    help="tokens for the decode-vs-eval logits check (0 to skip)")
     return p.parse_args(argv)
@@ -91,7 +94,7 @@ def _cache_configs(ev, args):
     def full(spec, flag):
         try:
             c = ev.parse_cache_config(spec)
-            return None if c is None else ev.CacheConfig(c.k_bits, c.v_bits, args.page_size, args.seed)
+            return None if c is None else ev.CacheConfig(c.k_bits, c.v_bits, args.page_size, args.seed, args.rotation)
         except ValueError as e:
             raise ValueError(f"{flag} {spec!r}: {e}") from e
 
@@ -131,7 +134,7 @@ def main(argv=None) -> int:
 
     print("# SmolLM2-135M + jax_tq TurboQuant paged KV cache")
     print(f"jax {jax.__version__}, devices {jax.devices()}, jax_tq backend "
-          f"{jax_tq.get_backend()!r}")
+          f"{jax_tq.get_backend()!r}; codec rotation {args.rotation!r}")
     import jax.numpy as jnp
 
     dtype_name = args.dtype
@@ -215,7 +218,8 @@ def main(argv=None) -> int:
     base = next((p for c, p, _ in results if c is None), None)
     n_pred = args.num_chunks * (args.chunk_len - 1)
     print(f"\n## WikiText-2 test perplexity ({args.num_chunks} chunks x {args.chunk_len} tokens, "
-          f"{n_pred} predictions, no BOS; page size {args.page_size}; file {data_path})\n")
+          f"{n_pred} predictions, no BOS; page size {args.page_size}; codec rotation "
+          f"{args.rotation}; file {data_path})\n")
     print("| KV cache | K bits | V bits | perplexity | vs uncompressed | KV bytes/token "
           "| compression vs bf16 | eval time (s) |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")

@@ -60,15 +60,18 @@ class CacheConfig:
       k_bits, v_bits: TurboQuant bits per coordinate for K and V (2, 3 or 4).
       page_size: tokens per cache page.
       seed: codec seed (K uses ``seed``, V ``seed + 1``).
+      rotation: codec rotation, ``"haar"`` or ``"hadamard"`` (:class:`jax_tq.TurboQuant`).
 
     Raises:
-      ValueError: bits not 2, 3 or 4, or page_size not an int in [1, 256] (at construction).
+      ValueError: bits not 2, 3 or 4, page_size not an int in [1, 256], or an unknown rotation
+        (at construction).
     """
 
     k_bits: int = 4
     v_bits: int = 4
     page_size: int = 16
     seed: int = 0
+    rotation: str = "haar"
 
     def __post_init__(self):
         for name in ("k_bits", "v_bits"):
@@ -76,6 +79,8 @@ class CacheConfig:
                 raise ValueError(f"CacheConfig: {name} must be 2, 3 or 4, got {getattr(self, name)!r}")
         if not _is_int(self.page_size) or not 1 <= self.page_size <= 256:
             raise ValueError(f"CacheConfig: page_size must be an int in [1, 256], got {self.page_size!r}")
+        if self.rotation not in ("haar", "hadamard"):
+            raise ValueError(f"CacheConfig: rotation must be 'haar' or 'hadamard', got {self.rotation!r}")
 
 
 def _is_int(value) -> bool:
@@ -137,7 +142,7 @@ def compressed_logits(model: Llama, token_ids, cache_config: CacheConfig) -> jax
     n_pages = -(-T // cache_config.page_size)
     caches = init_caches(model.config, cache_config.k_bits, cache_config.v_bits,
                          num_pages=n_pages, page_size=cache_config.page_size,
-                         seed=cache_config.seed)
+                         seed=cache_config.seed, rotation=cache_config.rotation)
     block_table = np.arange(n_pages, dtype=np.int32)[::-1].copy()
     logits, _ = forward_compressed(model, token_ids, caches, block_table)
     return logits
@@ -293,12 +298,12 @@ def _check_decode_matches_eval(model, token_ids, cache_config, atol):
     rng = np.random.default_rng(0)
     table = rng.permutation(2 * n_pages)[:n_pages].astype(np.int32)
 
-    caches = init_caches(model.config, cfg.k_bits, cfg.v_bits, 2 * n_pages, ps, cfg.seed)
+    caches = init_caches(model.config, cfg.k_bits, cfg.v_bits, 2 * n_pages, ps, cfg.seed, cfg.rotation)
     eval_logits, _ = forward_compressed(model, ids, caches, table)
     eval_logits = np.asarray(eval_logits)
 
     step = make_decode_step(model)
-    caches = init_caches(model.config, cfg.k_bits, cfg.v_bits, 2 * n_pages, ps, cfg.seed)
+    caches = init_caches(model.config, cfg.k_bits, cfg.v_bits, 2 * n_pages, ps, cfg.seed, cfg.rotation)
     tables = np.stack([table, np.zeros_like(table)])
     dec = []
     for t in range(n):
@@ -379,7 +384,7 @@ def greedy_generate(model: Llama, prompt_ids: Sequence[int], max_new_tokens: int
     else:
         n_pages = -(-total // cfg.page_size)
         caches = init_caches(model.config, cfg.k_bits, cfg.v_bits, batch * n_pages,
-                             cfg.page_size, cfg.seed)
+                             cfg.page_size, cfg.seed, cfg.rotation)
         tables = jnp.arange(batch * n_pages, dtype=jnp.int32).reshape(batch, n_pages)
         paged_step = make_decode_step(model)
 

@@ -538,27 +538,31 @@ class Llama(nnx.Module):
 
 
 def init_caches(config: LlamaConfig, k_bits: int, v_bits: int, num_pages: int,
-                page_size: int = 16, seed: int = 0):
+                page_size: int = 16, seed: int = 0, rotation: str = "haar"):
     """One empty :class:`jax_tq.PagedKVCache` per layer with TurboQuant K/V codecs.
 
-    The K codec uses ``seed`` and the V codec ``seed + 1``; all layers share the codecs.
+    The K codec uses ``seed`` and the V codec ``seed + 1``, both with ``rotation``; all layers
+    share the codecs.
 
     Args:
       config: model config (``num_layers``, ``num_kv_heads``, ``head_dim``).
       k_bits, v_bits: TurboQuant bits per coordinate (2, 3 or 4).
       num_pages: physical pages per layer pool; page_size: tokens per page (1 to 256).
       seed: codec seed.
+      rotation: codec rotation, ``"haar"`` (QR of a Gaussian) or ``"hadamard"`` (randomized
+        Hadamard; :func:`jax_tq.paged_decode` then applies the rotations inside the kernel).
     Returns:
       list of ``num_layers`` caches.
     Raises:
       TypeError / ValueError: propagated from :class:`jax_tq.TurboQuant` /
-        :meth:`jax_tq.PagedKVCache.create` (unsupported ``head_dim`` or bits, non-int or
-        non-positive sizes, ``page_size > 256``).
+        :meth:`jax_tq.PagedKVCache.create` (unsupported ``head_dim``, bits or ``rotation``,
+        non-int or non-positive sizes, ``page_size > 256``).
     """
     import jax_tq as tq
 
-    k_codec = tq.TurboQuant(head_dim=config.head_dim, bits=k_bits, seed=seed)
-    v_codec = tq.TurboQuant(head_dim=config.head_dim, bits=v_bits, seed=seed + 1)
+    k_codec = tq.TurboQuant(head_dim=config.head_dim, bits=k_bits, seed=seed, rotation=rotation)
+    v_codec = tq.TurboQuant(head_dim=config.head_dim, bits=v_bits, seed=seed + 1,
+                            rotation=rotation)
     return [tq.PagedKVCache.create(num_pages=num_pages, page_size=page_size,
                                    num_kv_heads=config.num_kv_heads,
                                    k_codec=k_codec, v_codec=v_codec)
