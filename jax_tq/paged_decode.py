@@ -65,6 +65,11 @@ def paged_decode(q, cache, block_tables, seq_lens, *, scale=None, num_splits=Non
         Default: ``HIGHEST`` for float32 queries, ``DEFAULT`` for bfloat16/float16 queries. The
         CPU kernel and the reference always compute in float64/float32.
 
+    Rotations: with Hadamard codecs (``rotation="hadamard"``, head_dim 128) the kernel itself
+    computes q_rot = Pi_k q and out = Pi_v^T o_rot (two FWHTs per row, float32; on a GPU where the
+    tensor-core kernels run, else as below), so no rotation GEMM runs around it; with Haar codecs
+    (and ``JAX_TQ_FUSED_ROTATION=0``) they are two XLA GEMMs around the kernel.
+
     Returns:
       [num_seqs, num_heads, head_dim] array of q's dtype. A query row holding a NaN or inf gives a
       NaN output row, and so does a finite one whose rotation overflows float32 (|q| near
@@ -81,7 +86,7 @@ def paged_decode(q, cache, block_tables, seq_lens, *, scale=None, num_splits=Non
 
     Source: TurboQuant (arXiv 2504.19874), Algorithm 1: scores <Pi_k q, c[idx]> * ||k|| against the
     stored codes, the output rotated back once by Pi_v^T; split-K with a log-sum-exp combine
-    (Flash-Decoding).
+    (Flash-Decoding); the fast Walsh-Hadamard transform for Pi = H D2 P H D1 (docs/FORMAT.md).
     """
     check_cache(cache, "paged_decode")
     q, block_tables, seq_lens = jnp.asarray(q), jnp.asarray(block_tables), jnp.asarray(seq_lens)
