@@ -100,8 +100,6 @@ def paged_decode(q, cache, block_tables, seq_lens, *, scale=None, num_splits=Non
     scale = 1.0 / math.sqrt(k_codec.head_dim) if scale is None else scale
     backend = get_backend()
     group = q.shape[1] // cache.num_kv_heads
-    kernel_rounds_to_f16 = (backend != "xla" and uses_v4(f16_products) and ffi_loader.kernels_available("cuda")
-                            and uses_tensor_core_kernel(k_codec.head_dim, k_codec.bits, v_codec.bits, group))
     pools = (cache.k_codes, cache.k_norms, cache.v_codes, cache.v_norms, k_codec.centroids, v_codec.centroids,
              block_tables, seq_lens)
     fused = _fused_rotation(k_codec, v_codec, backend, group)
@@ -109,6 +107,8 @@ def paged_decode(q, cache, block_tables, seq_lens, *, scale=None, num_splits=Non
         out = _decode(q.astype(jnp.float32), *pools, fused, k_codec.bits, v_codec.bits, scale,
                       int(num_splits or 0), f16_products, backend)
         return out.astype(q.dtype)
+    kernel_rounds_to_f16 = (backend != "xla" and uses_v4(f16_products) and ffi_loader.kernels_available("cuda")
+                            and uses_tensor_core_kernel(k_codec.head_dim, k_codec.bits, v_codec.bits, group))
     rotation_precision = _rotation_precision(kernel_rounds_to_f16)
     q_rot = jnp.einsum("shd,ed->she", q.astype(jnp.float32), k_codec.rotation, precision=rotation_precision)
     operands = (q_rot, *pools)
