@@ -45,6 +45,7 @@ ROTATE_BYTES = 4 * L2_BYTES  # the distinct copies of one benchmark's inputs add
 NAN = float("nan")
 CHAIN_ROW = "benchmark chain alone (add + sum, no op)"
 ROTATIONS = ("haar", "hadamard")  # --rotations: the codecs' rotation kinds to time
+PAGE_ORDER = "random"  # --page-order: jax_tq block tables a random permutation of the pool, or sequential
 
 
 def time_calls(fn, arg_sets, inner=None, outer=15, warmup=2):
@@ -145,6 +146,8 @@ def make_tq_inputs(num_seqs, seq_len, key, copies, rotation="haar"):
             v_norms=jax.random.uniform(k4, cache.v_norms.shape, jnp.float32, 0.5, 2.0),
         )
         perm = jax.random.permutation(k5, num_pages).astype(jnp.int32)
+        if PAGE_ORDER == "sequential":  # each sequence's pages consecutive in the pool (diagnostic)
+            perm = jnp.arange(num_pages, dtype=jnp.int32)
         tables = perm.reshape(num_seqs, pages_per_seq)
         lens = jnp.full((num_seqs,), seq_len, jnp.int32)
         q = jax.random.normal(k6, (num_seqs, NUM_HEADS, HEAD_DIM), jnp.bfloat16)
@@ -254,8 +257,12 @@ def main():
     ap.add_argument("--rotations", default="haar,hadamard",
                     help="comma list of codec rotations for jax_tq: haar (rotation GEMMs around the kernel), "
                          "hadamard (the kernel rotates q and the output itself)")
+    ap.add_argument("--page-order", default="random", choices=("random", "sequential"),
+                    help="jax_tq block tables: a random permutation of the page pool (default) or each "
+                         "sequence's pages consecutive (diagnostic: DRAM locality)")
     args = ap.parse_args()
-    global DEVICE_TIME, ROTATIONS
+    global DEVICE_TIME, ROTATIONS, PAGE_ORDER
+    PAGE_ORDER = args.page_order
     DEVICE_TIME = args.device_time
     ROTATIONS = tuple(args.rotations.split(","))
     shapes = SHAPES if args.shapes is None else tuple(tuple(int(v) for v in s.split("x")) for s in args.shapes.split(","))

@@ -74,8 +74,9 @@ def parse_args(argv=None):
     p.add_argument("--page-size", type=int, default=16, help="tokens per cache page")
     p.add_argument("--seed", type=int, default=0, help="codec seed (K: seed, V: seed+1)")
     p.add_argument("--rotation", default="haar", choices=("haar", "hadamard"),
-                   help="codec rotation: haar (QR of a Gaussian) or hadamard (randomized Hadamard; "
-                        "paged_decode then applies the rotations inside the kernel)")
+                   help="codec rotation: haar (QR of a Gaussian) or hadamard (randomized Hadamard; at "
+                        "head_dim 128 paged_decode then applies the rotations inside the kernel; at "
+                        "SmolLM2's head_dim 64 they stay rotation GEMMs)")
     p.add_argument("--check-tokens", type=int, default=48,
                    help="tokens for the decode-vs-eval logits check (0 to skip)")
     return p.parse_args(argv)

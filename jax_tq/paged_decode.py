@@ -65,10 +65,14 @@ def paged_decode(q, cache, block_tables, seq_lens, *, scale=None, num_splits=Non
         Default: ``HIGHEST`` for float32 queries, ``DEFAULT`` for bfloat16/float16 queries. The
         CPU kernel and the reference always compute in float64/float32.
 
-    Rotations: with Hadamard codecs (``rotation="hadamard"``, head_dim 128) the kernel itself
-    computes q_rot = Pi_k q and out = Pi_v^T o_rot (two FWHTs per row, float32; on a GPU where the
-    tensor-core kernels run, else as below), so no rotation GEMM runs around it; with Haar codecs
-    (and ``JAX_TQ_FUSED_ROTATION=0``) they are two XLA GEMMs around the kernel.
+    Rotations: with Hadamard codecs (``rotation="hadamard"``) of head_dim 128 the kernel itself
+    computes q_rot = Pi_k q and out = Pi_v^T o_rot (two fast Walsh-Hadamard transforms per row:
+    float32 in the CUDA kernels, float64 in the CPU kernel), so no rotation GEMM runs around it.
+    That holds on the CPU (the ``ffi``/``auto`` backends) and, on a GPU, where the tensor-core
+    kernel runs (head_dim 128, 4-bit K and V, GQA group >= 3; :func:`uses_tensor_core_kernel`).
+    Everywhere else (Haar codecs, other head_dims, the ``xla`` backend, or
+    ``JAX_TQ_FUSED_ROTATION`` set to ``0``/``false``/``off``/``no``) the rotations are two XLA GEMMs
+    around the kernel. The choice is made when the call is traced (a jitted function keeps it).
 
     Returns:
       [num_seqs, num_heads, head_dim] array of q's dtype. A query row holding a NaN or inf gives a
@@ -139,6 +143,7 @@ _NO_ROTATION = np.zeros((2, 0), np.int32)
 
 #: head_dim of the kernels that apply a Hadamard rotation themselves.
 FUSED_ROTATION_HEAD_DIM = 128
+FUSED_ROTATION_ENV = "JAX_TQ_FUSED_ROTATION"  # 0 / false / off / no: the rotations stay XLA GEMMs
 
 
 def _fused_rotation(k_codec, v_codec, backend: str, group: int):
@@ -146,8 +151,12 @@ def _fused_rotation(k_codec, v_codec, backend: str, group: int):
     words, docs/FORMAT.md), where the kernel that runs applies q_rot = Pi_k q and out = Pi_v^T o_rot
     itself (no rotation GEMMs around it); else None. That needs Hadamard codecs of head_dim 128
     (powers of two), a kernel backend, and on a GPU the tensor-core kernels
-    (:func:`uses_tensor_core_kernel`). ``JAX_TQ_FUSED_ROTATION=0`` turns it off (A/B timing)."""
-    if backend == "xla" or os.environ.get("JAX_TQ_FUSED_ROTATION", "1") == "0":
+    (:func:`uses_tensor_core_kernel`). ``JAX_TQ_FUSED_ROTATION=0`` turns it off (A/B timing).
+
+    Raises:
+      ValueError: ``JAX_TQ_FUSED_ROTATION`` is not one of 1/true/on/yes or 0/false/off/no.
+    """
+    if backend == "xla" or not _env_flag(FUSED_ROTATION_ENV, default=True):
         return None
     k_spec, v_spec = k_codec.hadamard_spec, v_codec.hadamard_spec
     if k_spec is None or v_spec is None or k_codec.head_dim != FUSED_ROTATION_HEAD_DIM:
@@ -156,6 +165,23 @@ def _fused_rotation(k_codec, v_codec, backend: str, group: int):
             k_codec.head_dim, k_codec.bits, v_codec.bits, group):
         return None
     return jnp.asarray(np.stack([k_spec, v_spec]))
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    """Boolean environment variable: unset or empty -> default; 1/true/on/yes or 0/false/off/no
+    (any case, surrounding spaces ignored).
+
+    Raises:
+      ValueError: any other value (a typo must not silently keep the default).
+    """
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return default
+    if value in ("1", "true", "on", "yes"):
+        return True
+    if value in ("0", "false", "off", "no"):
+        return False
+    raise ValueError(f"{name}={os.environ[name]!r}: expected 1/true/on/yes or 0/false/off/no")
 
 
 def _rotation_from_spec(words):
@@ -260,6 +286,16 @@ def _decode_fwd(*args):
 def _decode_bwd(k_bits, v_bits, scale, num_splits, f16_products, backend, operands, cotangent):
     """Backward pass through the reference (recomputes the softmax; memory O(num_seqs x tokens))."""
     q, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, rotation = operands
+    wanted = {"k_codes": (k_codes, jnp.uint8), "v_codes": (v_codes, jnp.uint8), "block_tables": (tables, jnp.int32),
+              "seq_lens": (lens, jnp.int32), "rotation": (rotation, jnp.int32)}
+    for name, (value, dtype) in wanted.items():
+        if jnp.result_type(value) != jnp.dtype(dtype):
+            # JAX passes checkify's error state in place of the residuals when the forward pass ran
+            # under jax_tq.checked / checkify and jax.grad was applied outside it.
+            raise TypeError(
+                f"jax_tq.paged_decode: its backward pass got {name} as {jnp.result_type(value)}, not {jnp.dtype(dtype)}: "
+                f"jax.grad of a checked paged_decode is not supported; differentiate inside the check, "
+                f"jax_tq.checked(jax.grad(f))")
 
     def attend(q, kn, vn):  # the xla backend's function: the same gradient on both backends
         return _reference_any(q, k_codes, kn, v_codes, vn, k_cent, v_cent, tables, lens, rotation, k_bits,

@@ -110,3 +110,23 @@ def test_checked_mode_traces_for_pools_beyond_int32(backend):
             jax.jit(fn).lower(cache, kv, kv, slots)
         for fn in (tq.paged_decode, tq.checked(tq.paged_decode)):
             jax.jit(fn).lower(q, cache, tables, lens)
+
+
+def test_grad_inside_the_check_works_and_outside_it_says_why(rng):
+    """checked(jax.grad(f)) checks and differentiates; jax.grad of a checked paged_decode (which JAX
+    cannot serve: it hands the backward pass checkify's state for the residuals) raises a TypeError
+    that says what to do instead."""
+    cache = _cache(rng)
+    q = jnp.asarray(rng.normal(size=(2, 2, 64)), jnp.float32)
+    tables, lens = jnp.asarray([[0, 1], [2, 3]], jnp.int32), jnp.asarray([20, 9], jnp.int32)
+
+    def loss(q):
+        return tq.paged_decode(q, cache, tables, lens).sum()
+
+    err, grad = jax.jit(tq.checked(jax.grad(loss)))(q)
+    err.throw()
+    with tq.use_backend("xla"):
+        want = jax.grad(lambda q: tq.paged_decode(q, cache, tables, lens).sum())(q)
+    assert rel_err(grad, want) < 1e-5
+    with pytest.raises(TypeError, match=r"jax.grad of a checked paged_decode is not supported.*checked\(jax.grad\(f\)\)"):
+        jax.jit(jax.grad(lambda q: tq.checked(tq.paged_decode)(q, cache, tables, lens)[1].sum()))(q)

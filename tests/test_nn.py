@@ -141,3 +141,12 @@ def test_attention_fn_names_the_tensor_with_the_wrong_head_dim():
         fn(ok, ok, short)
     with pytest.raises(ValueError, match=r"turboquant_attention_fn: key must be"):
         fn(ok, short, ok)
+
+
+def test_attention_fn_names_the_tensor_with_the_wrong_dtype():
+    fn = turboquant_attention_fn(tq.TurboQuant(head_dim=64, bits=4), tq.TurboQuant(head_dim=64, bits=4))
+    ok = jnp.ones((1, 4, 2, 64))
+    with pytest.raises(TypeError, match=r"turboquant_attention_fn: key must be float32, bfloat16 or float16, got int32"):
+        fn(ok, ok.astype(jnp.int32), ok)
+    with pytest.raises(TypeError, match=r"turboquant_attention_fn: value must be .* got uint8"):
+        fn(ok, ok, ok.astype(jnp.uint8))

@@ -202,6 +202,27 @@ def test_paged_decode_fused_hadamard_rotation(rng, monkeypatch, k_bits, v_bits, 
     assert rel_err(got[~bad], dense[~bad]) < tol
 
 
+@pytest.mark.parametrize("value,fused", [("0", False), (" Off ", False), ("false", False), ("NO", False),
+                                         ("1", True), ("yes", True), ("", True)])
+def test_fused_rotation_env_values(rng, monkeypatch, value, fused):
+    """JAX_TQ_FUSED_ROTATION takes the usual boolean spellings; a typo raises instead of silently
+    keeping the fused path."""
+    cache = random_cache(rng, num_pages=4, page_size=16, num_kv_heads=1, head_dim=128, k_bits=4, v_bits=4,
+                         rotation="hadamard")
+    q = jnp.asarray(rng.normal(size=(1, 4, 128)), jnp.float32)
+    tables, seq_lens = jnp.asarray([[0, 1]], jnp.int32), jnp.asarray([20], jnp.int32)
+    monkeypatch.setenv("JAX_TQ_FUSED_ROTATION", value)
+
+    def fn(q, t, s):
+        return tq.paged_decode(q, cache, t, s)
+
+    expect = fused and (not _ffi.kernels_available("cuda") or uses_tensor_core_kernel(128, 4, 4, 4))
+    assert _lowered_rotation_operand(fn, q, tables, seq_lens) == expect
+    monkeypatch.setenv("JAX_TQ_FUSED_ROTATION", "nope")
+    with pytest.raises(ValueError, match="JAX_TQ_FUSED_ROTATION='nope'"):
+        jax.jit(lambda q, t, s: tq.paged_decode(q, cache, t, s)).lower(q, tables, seq_lens)
+
+
 def test_paged_decode_fused_rotation_grad_vmap_and_reference_lowering(rng):
     """The fused rotation under grad (q and the norms, against the xla backend), vmap (against the
     unbatched call) and the reference lowering of a zero-size block table (NaN rows, zeros)."""

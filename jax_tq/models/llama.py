@@ -550,7 +550,9 @@ def init_caches(config: LlamaConfig, k_bits: int, v_bits: int, num_pages: int,
       num_pages: physical pages per layer pool; page_size: tokens per page (1 to 256).
       seed: codec seed.
       rotation: codec rotation, ``"haar"`` (QR of a Gaussian) or ``"hadamard"`` (randomized
-        Hadamard; :func:`jax_tq.paged_decode` then applies the rotations inside the kernel).
+        Hadamard; at head_dim 128 :func:`jax_tq.paged_decode` then applies the rotations inside
+        the kernel where one runs, see its docstring; at other head_dims, e.g. SmolLM2's 64, they
+        stay two rotation GEMMs around it, as with Haar codecs).
     Returns:
       list of ``num_layers`` caches.
     Raises:
