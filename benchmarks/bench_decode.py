@@ -17,7 +17,8 @@ unchanged. Bytes counted: K/V bytes the op must read (codes + fp32 norms for jax
 others) + q + output.
 
 Usage: python benchmarks/bench_decode.py [--quick] [--device-time] [--splits auto,1,2,4,8] [--shapes 32x8192,...]
-       [--rotations haar,hadamard]
+       [--rotations haar,hadamard] [--heads 32:8] [--head-dim 128] [--bits 4:4] [--page-order random]
+(--heads / --head-dim / --bits / --page-order: other configurations than the issue's, for exploration.)
 Prints a markdown table at the end.
 """
 from __future__ import annotations
@@ -38,7 +39,8 @@ import device_time
 
 DEVICE_TIME = False  # --device-time: also the GPU span per call from a profiler trace
 
-NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE = 32, 8, 128, 16
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE = 32, 8, 128, 16  # --heads, --head-dim change them
+K_BITS, V_BITS = 4, 4  # --bits
 SHAPES = ((1, 32768), (8, 8192), (32, 8192), (64, 4096), (128, 2048))
 L2_BYTES = 60 * 2**20
 ROTATE_BYTES = 4 * L2_BYTES  # the distinct copies of one benchmark's inputs add up to at least this
@@ -128,8 +130,8 @@ def n_copies(bytes_one):
 
 
 def make_tq_inputs(num_seqs, seq_len, key, copies, rotation="haar"):
-    k_codec = tq.TurboQuant(head_dim=HEAD_DIM, bits=4, seed=0, rotation=rotation)
-    v_codec = tq.TurboQuant(head_dim=HEAD_DIM, bits=4, seed=1, rotation=rotation)
+    k_codec = tq.TurboQuant(head_dim=HEAD_DIM, bits=K_BITS, seed=0, rotation=rotation)
+    v_codec = tq.TurboQuant(head_dim=HEAD_DIM, bits=V_BITS, seed=1, rotation=rotation)
     pages_per_seq = -(-seq_len // PAGE_SIZE)
     num_pages = num_seqs * pages_per_seq
     sets = []
@@ -156,7 +158,7 @@ def make_tq_inputs(num_seqs, seq_len, key, copies, rotation="haar"):
 
 
 def tq_bytes(num_seqs, seq_len, num_splits):
-    kv = num_seqs * seq_len * NUM_KV_HEADS * (HEAD_DIM // 2 * 2 + 8)
+    kv = num_seqs * seq_len * NUM_KV_HEADS * (HEAD_DIM * (K_BITS + V_BITS) // 8 + 8)
     q_out = num_seqs * NUM_HEADS * HEAD_DIM * (4 + 4)  # q_rot f32 in, out_rot f32 out
     return kv + q_out
 
@@ -205,7 +207,7 @@ def bench_shape(num_seqs, seq_len, splits_list, copy_bw, quick, only_tq=False):
         for splits in splits_list:
             ns = None if splits == "auto" else int(splits)
             fn = lambda q, c, t, l, ns=ns: tq.paged_decode(q, c, t, l, num_splits=ns)
-            rows.append((f"jax_tq K4V4 {rotation} (splits={splits})", *time_calls(fn, sets, outer=outer), one))
+            rows.append((f"jax_tq K{K_BITS}V{V_BITS} {rotation} (splits={splits})", *time_calls(fn, sets, outer=outer), one))
         # the kernels of one call (device time per kernel name; the split kernel row: the decode's
         # own split (+ combine) kernels, without the rotation GEMMs, XLA's fusions and the chain's ops)
         if DEVICE_TIME:
@@ -216,7 +218,7 @@ def bench_shape(num_seqs, seq_len, splits_list, copy_bw, quick, only_tq=False):
                 for name, sec in sorted(by_name.items(), key=lambda kv: -kv[1]):
                     print(f"    kernel {sec * 1e6:8.2f} us  {name[:110]}")
                 split = sum(sec for name, sec in by_name.items() if "paged_decode" in name)
-                rows.append((f"jax_tq K4V4 {rotation} split kernel (+ combine)", NAN, NAN, split, one))
+                rows.append((f"jax_tq K{K_BITS}V{V_BITS} {rotation} split kernel (+ combine)", NAN, NAN, split, one))
     # the chain's own cost per call (the add on q, the sum of the output, the amortised dispatch):
     # the same chain around an op that returns q unchanged
     rows.append((CHAIN_ROW, *time_calls(lambda q, c, t, l: q, sets, outer=outer), 0))
@@ -260,8 +262,14 @@ def main():
     ap.add_argument("--page-order", default="random", choices=("random", "sequential"),
                     help="jax_tq block tables: a random permutation of the page pool (default) or each "
                          "sequence's pages consecutive (diagnostic: DRAM locality)")
+    ap.add_argument("--heads", default="32:8", help="num_heads:num_kv_heads (default 32:8)")
+    ap.add_argument("--head-dim", type=int, default=128, help="head_dim (default 128)")
+    ap.add_argument("--bits", default="4:4", help="jax_tq K:V bits (default 4:4)")
     args = ap.parse_args()
-    global DEVICE_TIME, ROTATIONS, PAGE_ORDER
+    global DEVICE_TIME, ROTATIONS, PAGE_ORDER, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, K_BITS, V_BITS
+    NUM_HEADS, NUM_KV_HEADS = (int(v) for v in args.heads.split(":"))
+    HEAD_DIM = args.head_dim
+    K_BITS, V_BITS = (int(v) for v in args.bits.split(":"))
     PAGE_ORDER = args.page_order
     DEVICE_TIME = args.device_time
     ROTATIONS = tuple(args.rotations.split(","))
@@ -269,6 +277,8 @@ def main():
     splits_list = args.splits.split(",")
     dev = jax.devices()[0]
     print(f"device: {dev.device_kind} ({dev.platform}), jax {jax.__version__}")
+    print(f"config: {NUM_HEADS} query / {NUM_KV_HEADS} KV heads, head_dim {HEAD_DIM}, jax_tq K{K_BITS}V{V_BITS}, "
+          f"page_size {PAGE_SIZE}, page order {PAGE_ORDER}")
     try:
         from jax_tq import _ffi
         mod = _ffi.cuda_module()

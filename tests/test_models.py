@@ -153,6 +153,20 @@ def test_compressed_eval_matches_decode_steps(tiny, bits):
     np.testing.assert_allclose(dec[:, 1], np.asarray(other_logits), atol=2e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("rotation", ["haar", "hadamard"])
+def test_check_decode_matches_eval_reports_both_comparisons(tiny, rotation):
+    """The teacher-forced comparison (the check) agrees to float32 rounding; the free-running one is
+    reported with its count of differing code bytes (none on this short, 2-layer run)."""
+    ids = np.random.default_rng(5).integers(0, TINY.vocab_size, 19).astype(np.int32)
+    r = ev.check_decode_matches_eval(tiny, ids, ev.CacheConfig(k_bits=4, v_bits=3, page_size=4, rotation=rotation))
+    assert r["num_tokens"] == 19 and r["ok"] and r["last_argmax_equal"]
+    assert r["max_abs_diff"] < 1e-4 and r["argmax_agree"] == 1.0
+    assert r["same_codes_max_abs_diff"] == r["max_abs_diff"] and r["positions_with_own_flips"] == 0
+    assert r["free_max_abs_diff"] < 1e-4 and r["free_argmax_agree"] == 1.0
+    # 2 layers x 2 KV heads x 5 pages x 4 tokens x (32 K + 24 V bytes) of the pages the sequence uses
+    assert r["code_bytes"] == 2 * 2 * 5 * 4 * (32 + 24) and r["code_bytes_differ"] == 0
+
+
 def test_positions_beyond_the_block_table_are_refused_or_not_written(tiny):
     """A block table covers max_pages * page_size positions. forward_compressed refuses more at trace
     time; a decode step past the end writes nothing (it used to clamp onto the last page and
