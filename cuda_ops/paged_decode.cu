@@ -1201,15 +1201,15 @@ ffi::Error launch_mma(int threads, const char* name, cudaStream_t stream, const 
   return ffi::Error::Success();
 }
 
-template <int GT, bool SPLIT>
+template <int D, int GT, bool SPLIT>
 ffi::Error launch_v3(cudaStream_t stream, const DecodeParams& p, dim3 grid) {
-  return launch_mma<v3::paged_decode_v3_kernel<GT, SPLIT>>(kThreads, "v3", stream, p, grid);
+  return launch_mma<v3::paged_decode_v3_kernel<D, GT, SPLIT>>(kThreads, "v3", stream, p, grid);
 }
 
-template <int GT, bool RING>
+template <int D, int GT, bool RING>
 ffi::Error launch_v4(cudaStream_t stream, const DecodeParams& p, dim3 grid) {
   constexpr int smem = v3::kSmemBytes + (RING ? v3::kRingBytes : 0);
-  return launch_mma<v3::paged_decode_v4_kernel<GT, false, RING>, smem>(
+  return launch_mma<v3::paged_decode_v4_kernel<D, GT, false, RING>, smem>(
       v3::kT4, RING ? "v4 ring" : "v4", stream, p, grid);
 }
 
@@ -1224,7 +1224,7 @@ bool ring_fits() {
   int state = known[dev].load(std::memory_order_acquire);
   if (state == 0) {
     constexpr int smem = v3::kSmemBytes + v3::kRingBytes;
-    const auto kernel = v3::paged_decode_v4_kernel<GT, false, true>;
+    const auto kernel = v3::paged_decode_v4_kernel<v3::kD, GT, false, true>;
     int ctas = 0;
     const bool fits =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) == cudaSuccess &&
@@ -1270,11 +1270,11 @@ ffi::Error dispatch_gt_v2(int gt, cudaStream_t stream, const DecodeParams& p, di
 // Kernel choice (environment variable JAX_TQ_CUDA_DECODE = v1 | v2 | v3 | v4 | v5, read once;
 // jax_tq's split-count rule reads the same variable):
 //   v4 / v3 (tensor-core mma.sync kernels, paged_decode_mma.cuh): the default where they apply -
-//      head_dim 128, k_bits = v_bits = 4, GQA group >= 3 (head tiles of 4 or 8), K code pool
-//      16-byte and V code pool 8-byte aligned (16- / 8-byte code loads). v4 (8 warps per CTA, 2 CTAs
+//      head_dim 64 / 128, k_bits = v_bits = 4, any GQA group (head tiles of 4 or 8), K / V code
+//      pools aligned to their per-lane loads (head_dim / 8 and / 16 bytes). v4 (8 warps per CTA, 2 CTAs
 //      per SM) for f16 products; v3 (4 warps per CTA, 3 per SM) for f32-accurate products, and for
 //      every product precision with JAX_TQ_CUDA_DECODE=v3. v4 runs its shared-memory ring variant
-//      (use_ring: pages of a multiple of 16 tokens, 16-byte aligned pools, 2 CTAs per SM) unless
+//      (use_ring: head_dim 128, pages of a multiple of 16 tokens, 16-byte aligned pools, 2 CTAs per SM) unless
 //      JAX_TQ_CUDA_DECODE=v4; "v5" names that default.
 //   v1 (block-synchronous cp.async pipeline, fp32 CUDA-core math): every other configuration, and
 //      everywhere with JAX_TQ_CUDA_DECODE=v1.
@@ -1302,41 +1302,54 @@ bool use_v2(int d, const DecodeParams& p) {
   return reinterpret_cast<uintptr_t>(p.kc) % 4 == 0 && reinterpret_cast<uintptr_t>(p.vc) % 4 == 0;
 }
 
+// The tensor-core kernels: head_dim 64 or 128 (as compiled in), 4-bit K and V, any GQA group (head
+// tiles of 1 or 2 query heads run in the 4-head kernels, padded like a group of 3), K / V code
+// loads of 16 / 8 bytes (head_dim 128) or 8 / 4 (64) aligned.
 bool use_v3(int d, int gt, const DecodeParams& p) {
+  (void)gt;
   const DecodeKernel k = requested_kernel();
   if (k == DecodeKernel::kV1 || k == DecodeKernel::kV2) return false;
-  if (d != 128 || p.k_bits != 4 || p.v_bits != 4 || (gt != 4 && gt != 8)) return false;
-  return reinterpret_cast<uintptr_t>(p.kc) % 16 == 0 && reinterpret_cast<uintptr_t>(p.vc) % 8 == 0;
+  if (!((d == 128 && JTQ_HAS_D(128)) || (d == 64 && JTQ_HAS_D(64))) || p.k_bits != 4 || p.v_bits != 4) return false;
+  return reinterpret_cast<uintptr_t>(p.kc) % (d / 8) == 0 && reinterpret_cast<uintptr_t>(p.vc) % (d / 16) == 0;
 }
 
-#if JTQ_HAS_D(128)
-// v4's ring variant (16-byte cp.async of whole one-page tiles): pages of a multiple of 16 tokens,
-// all four pools 16-byte aligned, 2 CTAs per SM; JAX_TQ_CUDA_DECODE=v4 keeps the register variant.
+// v4's ring variant (16-byte cp.async of whole one-page tiles; head_dim 128): pages of a multiple
+// of 16 tokens, all four pools 16-byte aligned, 2 CTAs per SM; JAX_TQ_CUDA_DECODE=v4 keeps the
+// register variant.
 bool use_ring(int gt, const DecodeParams& p) {
+#if !JTQ_HAS_D(128)
+  (void)gt, (void)p;
+  return false;
+#else
   if (requested_kernel() == DecodeKernel::kV4 || p.page_size % 16 != 0) return false;
   for (const void* pool : {static_cast<const void*>(p.kc), static_cast<const void*>(p.vc),
                            static_cast<const void*>(p.kn), static_cast<const void*>(p.vn)})
     if (reinterpret_cast<uintptr_t>(pool) % 16 != 0) return false;
-  return gt == 4 ? ring_fits<4>() : ring_fits<8>();
+  return gt <= 4 ? ring_fits<4>() : ring_fits<8>();
+#endif
 }
 
+// gt: 1, 2 or 4 -> the 4-head kernels, 8 -> the 8-head ones.
+template <int D>
 ffi::Error dispatch_v3(int gt, bool f16, cudaStream_t stream, const DecodeParams& p, dim3 grid) {
+  const bool four = gt <= 4;
   // v4 (8 warps per CTA in 128 registers) for f16 products; f32-accurate (hi / lo) products need
   // more registers than that and stay on v3.
   if (f16 && requested_kernel() != DecodeKernel::kV3) {
-    if (use_ring(gt, p))
-      return gt == 4 ? launch_v4<4, true>(stream, p, grid) : launch_v4<8, true>(stream, p, grid);
-    return gt == 4 ? launch_v4<4, false>(stream, p, grid) : launch_v4<8, false>(stream, p, grid);
+    if constexpr (D == v3::kD) {
+      if (use_ring(gt, p))
+        return four ? launch_v4<D, 4, true>(stream, p, grid) : launch_v4<D, 8, true>(stream, p, grid);
+    }
+    return four ? launch_v4<D, 4, false>(stream, p, grid) : launch_v4<D, 8, false>(stream, p, grid);
   }
-  if (gt == 4) return f16 ? launch_v3<4, false>(stream, p, grid) : launch_v3<4, true>(stream, p, grid);
-  return f16 ? launch_v3<8, false>(stream, p, grid) : launch_v3<8, true>(stream, p, grid);
+  if (four) return f16 ? launch_v3<D, 4, false>(stream, p, grid) : launch_v3<D, 4, true>(stream, p, grid);
+  return f16 ? launch_v3<D, 8, false>(stream, p, grid) : launch_v3<D, 8, true>(stream, p, grid);
 }
-#endif
 
 // The fused rotation is built into the tensor-core kernels (and the combine) only.
 bool fused_rotation_ok(int d, int gt, const DecodeParams& p) {
 #if JTQ_HAS_D(128)
-  return use_v3(d, gt, p) && reinterpret_cast<uintptr_t>(p.rot) % 16 == 0;
+  return d == v3::kD && use_v3(d, gt, p) && reinterpret_cast<uintptr_t>(p.rot) % 16 == 0;
 #else
   (void)d, (void)gt, (void)p;
   return false;
@@ -1344,11 +1357,14 @@ bool fused_rotation_ok(int d, int gt, const DecodeParams& p) {
 }
 
 ffi::Error dispatch_d(int d, int gt, bool f16, cudaStream_t stream, const DecodeParams& p, dim3 grid) {
+  if (use_v3(d, gt, p)) {
 #if JTQ_HAS_D(128)
-  if (use_v3(d, gt, p)) return dispatch_v3(gt, f16, stream, p, grid);
-#else
-  (void)f16;
+    if (d == 128) return dispatch_v3<128>(gt, f16, stream, p, grid);
 #endif
+#if JTQ_HAS_D(64)
+    if (d == 64) return dispatch_v3<64>(gt, f16, stream, p, grid);
+#endif
+  }
   if (use_v2(d, p)) {
     switch (d) {
 #if JTQ_HAS_D(64)
@@ -1468,7 +1484,7 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot,
   if (ns > 1 && d > kCombineMaxD) return invalid("head_dim above the combine kernel's 256");
   if (dims.fused && !fused_rotation_ok(static_cast<int>(d), gt, p))
     return invalid("the fused (Hadamard) rotation runs on the tensor-core kernels only: head_dim 128, "
-                   "4-bit K and V, GQA group >= 3, JAX_TQ_CUDA_DECODE not v1 / v2");
+                   "4-bit K and V, JAX_TQ_CUDA_DECODE not v1 / v2");
   const dim3 grid(static_cast<unsigned>(S * ns), static_cast<unsigned>(Hkv * ntiles));
   if (auto e = dispatch_d(static_cast<int>(d), gt, f16_products != 0, stream, p, grid); e.failure())
     return e;

@@ -1,6 +1,9 @@
 // v3 and v4 split kernels for jax_tq_paged_decode: tensor-core (mma.sync m16n8k16, f16 in, f32
-// accumulate) versions of the split kernel, for the hot configuration only:
-//   head_dim 128, k_bits = v_bits = 4, GQA tile GT in {4, 8} (padded to the MMA's n = 8 heads).
+// accumulate) versions of the split kernel, for 4-bit K and V:
+//   head_dim 64 or 128 (Dims<D>), k_bits = v_bits = 4, GQA tile GT in {4, 8} (padded to the MMA's
+//   n = 8 heads; groups of 1 or 2 run in the 4-head tile). The layouts below are written for head_dim
+//   128; at 64 a lane holds half the bytes (K: (D/8)*t4.., V: (D/16)*gid..), with half the k-steps
+//   and m-tiles. The ring variant and the fused rotation are head_dim 128 only.
 // The default where the configuration matches (see use_v3 in paged_decode.cu; JAX_TQ_CUDA_DECODE
 // = v1 / v2 turns them off); v1 serves every other configuration. v4 (at the end of this file) is
 // v3's tile loop with 8 warps per CTA, for f16 products, with its tiles in registers or (RING, the
@@ -76,10 +79,51 @@
 
 namespace v3 {
 
-constexpr int kD = 128;     // head_dim
+constexpr int kD = 128;     // head_dim of the ring variant and of the fused rotation
 constexpr int kNH = 8;      // MMA n: heads per tile (GT padded)
 constexpr int kTT = 16;     // tokens per warp tile
-constexpr int kRowB = 64;   // code bytes per row (128 coordinates x 4 bits)
+constexpr int kRowB = 64;   // code bytes per row at kD (128 coordinates x 4 bits)
+
+// Per-head_dim geometry of the tile loop (D = 64 or 128; the layouts in the header comment are
+// written for 128: a lane's K bytes are (D / 8) * t4 .. of a row, its V bytes (D / 16) * gid ..).
+template <int D>
+struct Dims {
+  static_assert(D == 64 || D == 128, "tensor-core decode: head_dim 64 or 128");
+  static constexpr int kRowB = D / 2;  // code bytes per row
+  static constexpr int kKS = D / 16;   // K-phase k-steps = V-phase m-tiles
+  static constexpr int kKW = D / 32;   // 32-bit words of a lane's K codes per token
+  static constexpr int kVW = D / 64;   // 32-bit words of a lane's V codes per token
+  static constexpr int kQL = D / 32;   // query coordinates per lane in the prologue
+};
+
+// N consecutive 32-bit words from global (read-only path) or shared memory, as one vector load.
+template <int N>
+__device__ __forceinline__ void ldg_words(const uint8_t* src, uint32_t (&w)[N]) {
+  static_assert(N == 1 || N == 2 || N == 4, "1, 2 or 4 words");
+  if constexpr (N == 4) {
+    const uint4 v = __ldg(reinterpret_cast<const uint4*>(src));
+    w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
+  } else if constexpr (N == 2) {
+    const uint2 v = __ldg(reinterpret_cast<const uint2*>(src));
+    w[0] = v.x, w[1] = v.y;
+  } else {
+    w[0] = __ldg(reinterpret_cast<const uint32_t*>(src));
+  }
+}
+
+template <int N>
+__device__ __forceinline__ void lds_words(const uint8_t* src, uint32_t (&w)[N]) {
+  static_assert(N == 1 || N == 2 || N == 4, "1, 2 or 4 words");
+  if constexpr (N == 4) {
+    const uint4 v = *reinterpret_cast<const uint4*>(src);
+    w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
+  } else if constexpr (N == 2) {
+    const uint2 v = *reinterpret_cast<const uint2*>(src);
+    w[0] = v.x, w[1] = v.y;
+  } else {
+    w[0] = *reinterpret_cast<const uint32_t*>(src);
+  }
+}
 constexpr int kWRow = 10;   // padded row (floats) of the per-warp P tile: conflict-free B reads
 constexpr int kCtasPerSm = 3;                 // residency the launch bounds and shared memory allow
 constexpr int kSmemBytes = 256 * 256;  // interleaved K / V tables (o_s and the q staging alias them)
@@ -180,9 +224,10 @@ __device__ __forceinline__ void build_pair_luts(uint8_t* smem, const LutSeed& se
 }
 
 // One 4-bit-per-row tile of a warp, held in registers.
+template <int D>
 struct Tile {
-  uint4 k0, k1;    // K code bytes 16*t4 .. +15 of tokens gid, gid + 8
-  uint2 v[4];      // V code bytes 8*gid .. +7 of tokens 4*t4 + e
+  uint32_t k0[Dims<D>::kKW], k1[Dims<D>::kKW];  // K code bytes (D/8)*t4 .. of tokens gid, gid + 8
+  uint32_t v[4][Dims<D>::kVW];                  // V code bytes (D/16)*gid .. of tokens 4*t4 + e
   float kn0, kn1;  // K norms of tokens gid, gid + 8 (NaN: token masked)
   float vn0, vn1;  // V norms of tokens gid, gid + 8 (0 when masked)
 };
@@ -194,42 +239,49 @@ struct Tile {
 // the powers of two into qexp_s; 1 into bad_s where the head's q_rot row is not all finite (its
 // output row is NaN; the row is staged as zeros). With the fused rotation (p.rot) q is rotated here
 // first (rot_buf: 128 floats of the warp's shared memory).
-template <int GT, int HPW>
+template <int D, int GT, int HPW>
 __device__ __forceinline__ void stage_queries(const DecodeParams& p, float* q_s, float* qexp_s, int* bad_s,
                                               int seq, int kvh, int tile, int warp, int lane, float* rot_buf) {
+  constexpr int QL = Dims<D>::kQL;  // coordinates QL * lane .. + QL - 1 of the row
 #pragma unroll
   for (int hh = 0; hh < HPW; ++hh) {
     const int g = HPW * warp + hh;
     const int hl = tile * GT + g;
-    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+    float x[QL] = {};
     if (g < GT && hl < p.G) {
-      const float* qp = p.q + (static_cast<int64_t>(seq) * p.H + kvh * p.G + hl) * kD + 4 * lane;
-      v = make_float4(qp[0], qp[1], qp[2], qp[3]);
+      const float* qp = p.q + (static_cast<int64_t>(seq) * p.H + kvh * p.G + hl) * D + QL * lane;
+#pragma unroll
+      for (int j = 0; j < QL; ++j) x[j] = qp[j];
     }
-    if (p.rot != nullptr) {  // warp-uniform
-      float x[4] = {v.x, v.y, v.z, v.w};
-      rotate_row_forward(x, p.rot, rot_buf, lane);
-      v = make_float4(x[0], x[1], x[2], x[3]);
+    if constexpr (D == kD) {
+      if (p.rot != nullptr) rotate_row_forward(x, p.rot, rot_buf, lane);  // warp-uniform
     }
-    const bool finite = __all_sync(0xffffffffu, isfinite(v.x) && isfinite(v.y) && isfinite(v.z) && isfinite(v.w));
-    v = finite ? make_float4(v.x * p.qscale, v.y * p.qscale, v.z * p.qscale, v.w * p.qscale)
-               : make_float4(0.f, 0.f, 0.f, 0.f);
+    bool lane_finite = true;
+#pragma unroll
+    for (int j = 0; j < QL; ++j) lane_finite = lane_finite && isfinite(x[j]);
+    const bool finite = __all_sync(0xffffffffu, lane_finite);
+    float amax = 0.f;
+#pragma unroll
+    for (int j = 0; j < QL; ++j) {
+      x[j] = finite ? x[j] * p.qscale : 0.f;
+      amax = fmaxf(amax, fabsf(x[j]));
+    }
     if (lane == 0) bad_s[g] = !finite;
-    const float mx =
-        warp_max(fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+    const float mx = warp_max(amax);
     int ex = 0;
     if (mx > 0.f && mx <= 3.0e38f) frexpf(mx, &ex);  // mx < 2^ex
     const float down = ldexpf(1.f, -ex);
-    *reinterpret_cast<float4*>(q_s + g * kD + 4 * lane) =
-        make_float4(v.x * down, v.y * down, v.z * down, v.w * down);
+#pragma unroll
+    for (int j = 0; j < QL; ++j) q_s[g * D + QL * lane + j] = x[j] * down;
     if (lane == 0) qexp_s[g] = ldexpf(1.f, ex);
   }
 }
 
 // o *= alpha of the fragment's head: c0 / c2 belong to head 2t4 (alpha[0]), c1 / c3 to 2t4 + 1.
-__device__ __forceinline__ void rescale_output(float (&o)[8][4], const float (&alpha)[2]) {
+template <int MT>
+__device__ __forceinline__ void rescale_output(float (&o)[MT][4], const float (&alpha)[2]) {
 #pragma unroll
-  for (int mt = 0; mt < 8; ++mt) {
+  for (int mt = 0; mt < MT; ++mt) {
     o[mt][0] *= alpha[0];
     o[mt][2] *= alpha[0];
     o[mt][1] *= alpha[1];
@@ -237,12 +289,13 @@ __device__ __forceinline__ void rescale_output(float (&o)[8][4], const float (&a
   }
 }
 
-// B fragments of Q^T: head gid, coordinates 32*t4 + 4*ks + {0,1} (b0), {2,3} (b1), f16 hi / lo.
+// B fragments of Q^T: head gid, coordinates (D/4)*t4 + 4*ks + {0,1} (b0), {2,3} (b1), f16 hi / lo.
+template <int D>
 __device__ __forceinline__ void query_fragments(const float* q_s, int gid, int t4,
-                                                uint32_t (&qh)[8][2], uint32_t (&ql)[8][2]) {
-  const float* qr = q_s + gid * kD + 32 * t4;
+                                                uint32_t (&qh)[Dims<D>::kKS][2], uint32_t (&ql)[Dims<D>::kKS][2]) {
+  const float* qr = q_s + gid * D + (D / 4) * t4;
 #pragma unroll
-  for (int ks = 0; ks < 8; ++ks) {
+  for (int ks = 0; ks < Dims<D>::kKS; ++ks) {
     const float4 v = *reinterpret_cast<const float4*>(qr + 4 * ks);
     split2(v.x, v.y, qh[ks][0], ql[ks][0]);
     split2(v.z, v.w, qh[ks][1], ql[ks][1]);
@@ -251,15 +304,15 @@ __device__ __forceinline__ void query_fragments(const float* q_s, int gid, int t
 
 // S^T = Kdec * Q^T for one tile, in log2 units: s[0] (token gid, head 2t4), s[1] (gid, 2t4+1),
 // s[2] (gid+8, 2t4), s[3] (gid+8, 2t4+1); a masked token (NaN norm) or a NaN product gives -inf.
-template <bool SPLIT>
-__device__ __forceinline__ void tile_scores(const Tile& cur, const uint32_t (&qh)[8][2],
-                                            const uint32_t (&ql)[8][2], float qx0, float qx1,
+template <int D, bool SPLIT>
+__device__ __forceinline__ void tile_scores(const Tile<D>& cur, const uint32_t (&qh)[Dims<D>::kKS][2],
+                                            const uint32_t (&ql)[Dims<D>::kKS][2], float qx0, float qx1,
                                             const PairLut<SPLIT>& ilut, float (&s)[4]) {
   float sh[2][4] = {}, sx[2][4] = {};  // even / odd k-steps: two independent MMA chains (sx: SPLIT)
-  const uint32_t ka[4] = {cur.k0.x, cur.k0.y, cur.k0.z, cur.k0.w};
-  const uint32_t kb[4] = {cur.k1.x, cur.k1.y, cur.k1.z, cur.k1.w};
+  const uint32_t (&ka)[Dims<D>::kKW] = cur.k0;
+  const uint32_t (&kb)[Dims<D>::kKW] = cur.k1;
 #pragma unroll
-  for (int ks = 0; ks < 8; ++ks) {
+  for (int ks = 0; ks < Dims<D>::kKS; ++ks) {
     const int w = ks >> 1;
     const int j0 = (ks & 1) * 2;  // byte of the word: 2ks, then 2ks+1
     const uint2 t00 = ilut.at(ka[w], j0, ilut.k_lane);      // token gid,   byte 2ks
@@ -296,10 +349,11 @@ __device__ __forceinline__ int ptile_row(int r) { return 32 * (r >> 2) + 8 * ((r
 
 // O^T += Vdec^T * P^T for one tile; P (the V weights) from the warp's tile wt: [kTT][kWRow], or
 // with LATIN at ptile_row.
-template <bool SPLIT, bool LATIN = false>
-__device__ __forceinline__ void tile_accumulate_v(const uint2 (&v)[4], const float* wt, int gid,
+template <int D, bool SPLIT, bool LATIN = false>
+__device__ __forceinline__ void tile_accumulate_v(const uint32_t (&v)[4][Dims<D>::kVW], const float* wt, int gid,
                                                   int t4, const PairLut<SPLIT>& ilut,
-                                                  float (&o)[8][4]) {
+                                                  float (&o)[Dims<D>::kKS][4]) {
+  constexpr int VW = Dims<D>::kVW;
   auto w = [&](int e) { return wt[(LATIN ? ptile_row(4 * t4 + e) : (4 * t4 + e) * kWRow) + gid]; };
   // B of the V MMA: head gid, tokens 4t4 + {0,1} (b0), 4t4 + {2,3} (b1).
   uint32_t ph0, pl0 = 0u, ph1, pl1 = 0u;
@@ -310,20 +364,20 @@ __device__ __forceinline__ void tile_accumulate_v(const uint2 (&v)[4], const flo
     ph0 = half2_satfinite(w(0), w(1));
     ph1 = half2_satfinite(w(2), w(3));
   }
-  uint32_t lo01[2], hi01[2], lo23[2], hi23[2];  // byte mt of word (mt >> 2): table indices
+  uint32_t lo01[VW], hi01[VW], lo23[VW], hi23[VW];  // byte mt of word (mt >> 2): table indices
 #pragma unroll
-  for (int wd = 0; wd < 2; ++wd) {
-    const uint32_t x0 = wd ? v[0].y : v[0].x;
-    const uint32_t x1 = wd ? v[1].y : v[1].x;
-    const uint32_t x2 = wd ? v[2].y : v[2].x;
-    const uint32_t x3 = wd ? v[3].y : v[3].x;
+  for (int wd = 0; wd < VW; ++wd) {
+    const uint32_t x0 = v[0][wd];
+    const uint32_t x1 = v[1][wd];
+    const uint32_t x2 = v[2][wd];
+    const uint32_t x3 = v[3][wd];
     lo01[wd] = (x0 & 0x0F0F0F0Fu) | ((x1 & 0x0F0F0F0Fu) << 4);
     hi01[wd] = ((x0 >> 4) & 0x0F0F0F0Fu) | (x1 & 0xF0F0F0F0u);
     lo23[wd] = (x2 & 0x0F0F0F0Fu) | ((x3 & 0x0F0F0F0Fu) << 4);
     hi23[wd] = ((x2 >> 4) & 0x0F0F0F0Fu) | (x3 & 0xF0F0F0F0u);
   }
 #pragma unroll
-  for (int mt = 0; mt < 8; ++mt) {
+  for (int mt = 0; mt < Dims<D>::kKS; ++mt) {
     const int wd = mt >> 2;
     const int jb = mt & 3;
     const uint2 e0 = ilut.at(lo01[wd], jb, ilut.v_lane);  // row gid   (coord 16gid+2mt),   tok 4t4+{0,1}
@@ -340,38 +394,12 @@ __device__ __forceinline__ void tile_accumulate_v(const uint2 (&v)[4], const flo
   }
 }
 
-// After a warp-independent tile loop: each warp's (m, l, o) into shared memory (o_s reuses the
-// tables: every warp must be past its loop), merged over the W warps and stored. With the fused
-// rotation and one split, the merged rows go to the table space after o_s and warp w rotates rows
-// w, w + W, ... back (out = Pi_v^T o_rot; rot_buf: the warp's 128 floats, free after its loop).
+// merge_tile_state's fused-rotation epilogue (head_dim kD, one split).
 template <int GT, int W>
-__device__ __forceinline__ void merge_tile_state(const DecodeParams& p, const float (&o)[8][4],
-                                                 const float (&m)[2], float (&l)[2],
-                                                 float (&o_s)[W][kNH * kD], float (&m_s)[W][kNH],
-                                                 float (&l_s)[W][kNH], const int* bad_s, int warp, int gid,
-                                                 int t4, int seq, int split, int kvh, int tile, float* rot_buf) {
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-#pragma unroll
-    for (int off = 4; off < 32; off <<= 1) l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], off);
-  }
-  __syncthreads();
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    float* orow = &o_s[warp][(2 * t4 + hh) * kD + 16 * gid];
-#pragma unroll
-    for (int mt = 0; mt < 8; ++mt)
-      *reinterpret_cast<float2*>(orow + 2 * mt) = make_float2(o[mt][hh], o[mt][2 + hh]);
-    if (gid == 0) {
-      m_s[warp][2 * t4 + hh] = m[hh];
-      l_s[warp][2 * t4 + hh] = l[hh];
-    }
-  }
-  __syncthreads();
-  if (p.rot == nullptr || p.num_splits > 1) {
-    merge_warps_and_store<kD, GT, kNH, W>(p, m_s, l_s, o_s, bad_s, seq, split, kvh, tile);
-    return;
-  }
+__device__ __forceinline__ void merge_rotate_and_store(const DecodeParams& p, float (&m_s)[W][kNH],
+                                                       float (&l_s)[W][kNH], float (&o_s)[W][kNH * kD],
+                                                       const int* bad_s, int warp, int gid, int t4, int seq,
+                                                       int split, int kvh, int tile, float* rot_buf) {
   static_assert((W * kNH + GT) * kD * 4 <= kSmemBytes, "the fused rotation's rows after o_s");
   float* rows_s = &o_s[0][0] + W * kNH * kD;
   merge_warps_and_store<kD, GT, kNH, W>(p, m_s, l_s, o_s, bad_s, seq, split, kvh, tile, rows_s);
@@ -387,18 +415,54 @@ __device__ __forceinline__ void merge_tile_state(const DecodeParams& p, const fl
   }
 }
 
+// After a warp-independent tile loop: each warp's (m, l, o) into shared memory (o_s reuses the
+// tables: every warp must be past its loop), merged over the W warps and stored. With the fused
+// rotation and one split, the merged rows go to the table space after o_s and warp w rotates rows
+// w, w + W, ... back (out = Pi_v^T o_rot; rot_buf: the warp's 128 floats, free after its loop).
+template <int D, int GT, int W>
+__device__ __forceinline__ void merge_tile_state(const DecodeParams& p, const float (&o)[Dims<D>::kKS][4],
+                                                 const float (&m)[2], float (&l)[2],
+                                                 float (&o_s)[W][kNH * D], float (&m_s)[W][kNH],
+                                                 float (&l_s)[W][kNH], const int* bad_s, int warp, int gid,
+                                                 int t4, int seq, int split, int kvh, int tile, float* rot_buf) {
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+#pragma unroll
+    for (int off = 4; off < 32; off <<= 1) l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], off);
+  }
+  __syncthreads();
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    float* orow = &o_s[warp][(2 * t4 + hh) * D + (D / 8) * gid];
+#pragma unroll
+    for (int mt = 0; mt < Dims<D>::kKS; ++mt)
+      *reinterpret_cast<float2*>(orow + 2 * mt) = make_float2(o[mt][hh], o[mt][2 + hh]);
+    if (gid == 0) {
+      m_s[warp][2 * t4 + hh] = m[hh];
+      l_s[warp][2 * t4 + hh] = l[hh];
+    }
+  }
+  __syncthreads();
+  if (D != kD || p.rot == nullptr || p.num_splits > 1) {
+    merge_warps_and_store<D, GT, kNH, W>(p, m_s, l_s, o_s, bad_s, seq, split, kvh, tile);
+    return;
+  }
+  if constexpr (D == kD) merge_rotate_and_store<GT, W>(p, m_s, l_s, o_s, bad_s, warp, gid, t4, seq, split, kvh, tile, rot_buf);
+}
+
 // SPLIT: q, P and the centroids enter the MMAs as f16 hi + lo (3 MMAs per product, ~f32 accurate);
 // otherwise as f16 (1 MMA; relative error ~2^-11 per product term, for bf16 / f16 queries).
 // With one-page tiles the page id of a warp's next-but-one tile is read one iteration ahead, so the
 // code loads of its next tile never wait for a block-table read first (one memory latency per tile
 // instead of two).
-template <int GT, bool SPLIT>
+template <int D, int GT, bool SPLIT>
 __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     paged_decode_v3_kernel(const DecodeParams p) {
   static_assert(GT == 4 || GT == 8, "v3: GT in {4, 8}");
   static_assert(kNH == 2 * kWarps, "prologue: two heads per warp");
-  static_assert(kWarps * kNH * kD * 4 <= kSmemBytes, "o_s must fit in the table space");
-  constexpr int D = kD;
+  static_assert(kWarps * kNH * D * 4 <= kSmemBytes, "o_s must fit in the table space");
+  constexpr int KS = Dims<D>::kKS;
+  constexpr int kRowB = Dims<D>::kRowB;
 
   extern __shared__ __align__(16) uint8_t smem[];  // kSmemBytes: interleaved K / V tables
   __shared__ float qexp_s[kNH];
@@ -429,10 +493,10 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
 
   // ---- prologue: q (scaled, per-head power of two) staged in the table space, then the tables -
   float* q_s = reinterpret_cast<float*>(smem);
-  stage_queries<GT, 2>(p, q_s, qexp_s, bad_s, seq, kvh, tile, warp, lane, w_s[warp]);
+  stage_queries<D, GT, 2>(p, q_s, qexp_s, bad_s, seq, kvh, tile, warp, lane, w_s[warp]);
   __syncthreads();
-  uint32_t qh[8][2], ql[8][2];
-  query_fragments(q_s, gid, t4, qh, ql);
+  uint32_t qh[KS][2], ql[KS][2];
+  query_fragments<D>(q_s, gid, t4, qh, ql);
   const float qx0 = qexp_s[2 * t4], qx1 = qexp_s[2 * t4 + 1];
   __syncthreads();  // q_s consumed by every warp: the tables may overwrite it
   build_pair_luts<SPLIT>(smem, p.kcent, p.vcent);
@@ -446,13 +510,9 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     return ti < ntt ? __ldg(bt_seq + p.pdiv.div(static_cast<uint32_t>(tok0 + ti * kTT))) : -1;
   };
   // phys: tile ti's physical page, read ahead by the caller (used with one_page_tiles only).
-  auto load = [&](int ti, Tile& t, int phys) {
-    t.k0 = make_uint4(0u, 0u, 0u, 0u);
-    t.k1 = t.k0;
+  auto load = [&](int ti, Tile<D>& t, int phys) {
+    t = Tile<D>{};
     t.kn0 = t.kn1 = __int_as_float(0x7fc00000);  // NaN: score -> -inf
-    t.vn0 = t.vn1 = 0.f;
-#pragma unroll
-    for (int e = 0; e < 4; ++e) t.v[e] = make_uint2(0u, 0u);
     if (ti >= ntt) return;
     const int base = tok0 + ti * kTT;
     int64_t r0, r1, rv[4];
@@ -473,30 +533,30 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
       for (int e = 0; e < 4; ++e) rv[e] = token_row(p, bt_seq, base + 4 * t4 + e, tok_end, kvh);
     }
     if (r0 >= 0) {
-      t.k0 = __ldg(reinterpret_cast<const uint4*>(p.kc + r0 * kRowB) + t4);
+      ldg_words(p.kc + r0 * kRowB + (D / 8) * t4, t.k0);
       t.kn0 = __ldg(p.kn + r0);
       t.vn0 = __ldg(p.vn + r0);
     }
     if (r1 >= 0) {
-      t.k1 = __ldg(reinterpret_cast<const uint4*>(p.kc + r1 * kRowB) + t4);
+      ldg_words(p.kc + r1 * kRowB + (D / 8) * t4, t.k1);
       t.kn1 = __ldg(p.kn + r1);
       t.vn1 = __ldg(p.vn + r1);
     }
 #pragma unroll
     for (int e = 0; e < 4; ++e)
-      if (rv[e] >= 0) t.v[e] = __ldg(reinterpret_cast<const uint2*>(p.vc + rv[e] * kRowB) + gid);
+      if (rv[e] >= 0) ldg_words(p.vc + rv[e] * kRowB + (D / 16) * gid, t.v[e]);
   };
 
   float m[2] = {-INFINITY, -INFINITY};
   float l[2] = {0.f, 0.f};
-  float o[8][4];
+  float o[KS][4];
 #pragma unroll
-  for (int mt = 0; mt < 8; ++mt)
+  for (int mt = 0; mt < KS; ++mt)
 #pragma unroll
     for (int c = 0; c < 4; ++c) o[mt][c] = 0.f;
 
   float* wt = w_s[warp];
-  Tile cur, nxt;
+  Tile<D> cur, nxt;
   int phys_next = one_page_tiles ? tile_page(warp + kWarps) : -1;
   load(warp, cur, one_page_tiles ? tile_page(warp) : -1);
 
@@ -507,7 +567,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
 
     // ---- S^T = Kdec * Q^T ------------------------------------------------------------------
     float s[4];
-    tile_scores<SPLIT>(cur, qh, ql, qx0, qx1, ilut, s);
+    tile_scores<D, SPLIT>(cur, qh, ql, qx0, qx1, ilut, s);
 
     // ---- online softmax (f32), heads 2t4 + hh ----------------------------------------------
     // The V MMA weight of a token is p * v_norm = +-exp2(s + log2 |v_norm| - m): the running max
@@ -540,12 +600,12 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
       rescale_output(o, alpha);
     }
     __syncwarp();
-    tile_accumulate_v<SPLIT>(cur.v, wt, gid, t4, ilut, o);
+    tile_accumulate_v<D, SPLIT>(cur.v, wt, gid, t4, ilut, o);
 
     cur = nxt;
   }
 
-  merge_tile_state<GT, kWarps>(p, o, m, l, o_s, m_s, l_s, bad_s, warp, gid, t4, seq, split, kvh, tile, w_s[warp]);
+  merge_tile_state<D, GT, kWarps>(p, o, m, l, o_s, m_s, l_s, bad_s, warp, gid, t4, seq, split, kvh, tile, w_s[warp]);
 }
 
 
@@ -579,14 +639,16 @@ constexpr float kLazyMax = 8.f;
 
 __device__ __forceinline__ int ring_swizzle(int u) { return u ^ ((u >> 2) & 4) ^ ((u >> 4) & 2); }
 
-template <int GT, bool SPLIT, bool RING>
+template <int D, int GT, bool SPLIT, bool RING>
 __global__ void __launch_bounds__(kT4, kCtasPerSm4)
     paged_decode_v4_kernel(const DecodeParams p) {
   static_assert(GT == 4 || GT == 8, "v4: GT in {4, 8}");
   static_assert(kNH == kW4, "prologue: one head per warp");
-  static_assert(kW4 * kNH * kD * 4 <= kSmemBytes, "o_s must fit in the table space");
+  static_assert(kW4 * kNH * D * 4 <= kSmemBytes, "o_s must fit in the table space");
   static_assert(kRingStages == 2, "the step loop alternates two stages");
-  constexpr int D = kD;
+  static_assert(!RING || D == kD, "the ring's stage layout is head_dim kD's");
+  constexpr int KS = Dims<D>::kKS;
+  constexpr int kRowB = Dims<D>::kRowB;
 
   // kSmemBytes: interleaved K / V tables; RING: then kRingBytes of per-warp rings.
   extern __shared__ __align__(16) uint8_t smem[];
@@ -631,12 +693,12 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
     n = page_ok ? tok_end - base : 0;  // may exceed 16
     return static_cast<int64_t>(page_ok ? phys : 0) * page_rows + (kvh_rows + base - lp * p.page_size);
   };
-  // Per-lane byte offsets inside a 16-token tile's rows: K bytes 16*t4.. of token gid (token
-  // gid + 8 at + 8 rows); V bytes 8*gid.. of token 4*t4 (token 4*t4 + e at + e rows).
-  const int k_lane = gid * kRowB + 16 * t4;
-  const int v_lane = 4 * t4 * kRowB + 8 * gid;
+  // Per-lane byte offsets inside a 16-token tile's rows: K bytes (D/8)*t4.. of token gid (token
+  // gid + 8 at + 8 rows); V bytes (D/16)*gid.. of token 4*t4 (token 4*t4 + e at + e rows).
+  const int k_lane = gid * kRowB + (D / 8) * t4;
+  const int v_lane = 4 * t4 * kRowB + (D / 16) * gid;
   const float kNaN = __int_as_float(0x7fc00000);
-  auto mask_norms = [&](Tile& t, int n, float kn0, float kn1, float vn0, float vn1) {
+  auto mask_norms = [&](Tile<D>& t, int n, float kn0, float kn1, float vn0, float vn1) {
     t.kn0 = gid < n ? kn0 : kNaN;
     t.kn1 = gid + 8 < n ? kn1 : kNaN;
     t.vn0 = gid < n ? vn0 : 0.f;
@@ -644,44 +706,41 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
   };
   // Register path. Called with ntt > 0 only (so P > 0). A tile past the end (ti >= ntt,
   // phys = -1) reads page 0 with every token masked.
-  auto load = [&](int ti, Tile& t, int phys) {
+  auto load = [&](int ti, Tile<D>& t, int phys) {
     const int base = tok0 + ti * kTT;
     if (one_page_tiles) {
       int n;
       const int64_t row0 = tile_rows(ti, phys, n);
       const uint8_t* kp = p.kc + row0 * kRowB + k_lane;
       const uint8_t* vp = p.vc + row0 * kRowB + v_lane;
-      t.k0 = __ldg(reinterpret_cast<const uint4*>(kp));
-      t.k1 = __ldg(reinterpret_cast<const uint4*>(kp + 8 * kRowB));
+      ldg_words(kp, t.k0);
+      ldg_words(kp + 8 * kRowB, t.k1);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) t.v[e] = __ldg(reinterpret_cast<const uint2*>(vp + e * kRowB));
+      for (int e = 0; e < 4; ++e) ldg_words(vp + e * kRowB, t.v[e]);
       const float* knp = p.kn + row0 + gid;
       const float* vnp = p.vn + row0 + gid;
       mask_norms(t, n, __ldg(knp), __ldg(knp + 8), __ldg(vnp), __ldg(vnp + 8));
       return;
     }
-    t.k0 = t.k1 = make_uint4(0u, 0u, 0u, 0u);
+    t = Tile<D>{};
     t.kn0 = t.kn1 = kNaN;
-    t.vn0 = t.vn1 = 0.f;
-#pragma unroll
-    for (int e = 0; e < 4; ++e) t.v[e] = make_uint2(0u, 0u);
     if (ti >= ntt) return;
     const int64_t r0 = token_row(p, bt_seq, base + gid, tok_end, kvh);
     const int64_t r1 = token_row(p, bt_seq, base + gid + 8, tok_end, kvh);
     if (r0 >= 0) {
-      t.k0 = __ldg(reinterpret_cast<const uint4*>(p.kc + r0 * kRowB) + t4);
+      ldg_words(p.kc + r0 * kRowB + (D / 8) * t4, t.k0);
       t.kn0 = __ldg(p.kn + r0);
       t.vn0 = __ldg(p.vn + r0);
     }
     if (r1 >= 0) {
-      t.k1 = __ldg(reinterpret_cast<const uint4*>(p.kc + r1 * kRowB) + t4);
+      ldg_words(p.kc + r1 * kRowB + (D / 8) * t4, t.k1);
       t.kn1 = __ldg(p.kn + r1);
       t.vn1 = __ldg(p.vn + r1);
     }
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int64_t rv = token_row(p, bt_seq, base + 4 * t4 + e, tok_end, kvh);
-      if (rv >= 0) t.v[e] = __ldg(reinterpret_cast<const uint2*>(p.vc + rv * kRowB) + gid);
+      if (rv >= 0) ldg_words(p.vc + rv * kRowB + (D / 16) * gid, t.v[e]);
     }
   };
 
@@ -712,14 +771,13 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
     cp_async_commit();  // one group per call, empty or not: wait_group counts stay aligned
     return n;
   };
-  auto read_stage = [&](int st, int n, Tile& t) {
+  auto read_stage = [&](int st, int n, Tile<D>& t) {
     const uint8_t* src = ring + st * kStageB;
-    t.k0 = *reinterpret_cast<const uint4*>(src + 16 * ring_swizzle(4 * gid + t4));
-    t.k1 = *reinterpret_cast<const uint4*>(src + 16 * ring_swizzle(4 * (gid + 8) + t4));
+    lds_words(src + 16 * ring_swizzle(4 * gid + t4), t.k0);
+    lds_words(src + 16 * ring_swizzle(4 * (gid + 8) + t4), t.k1);
 #pragma unroll
     for (int e = 0; e < 4; ++e)
-      t.v[e] = *reinterpret_cast<const uint2*>(
-          src + kTT * kRowB + 16 * ring_swizzle(4 * (4 * t4 + e) + (gid >> 1)) + 8 * (gid & 1));
+      lds_words(src + kTT * kRowB + 16 * ring_swizzle(4 * (4 * t4 + e) + (gid >> 1)) + 8 * (gid & 1), t.v[e]);
     const float* norms = reinterpret_cast<const float*>(src + 2 * kTT * kRowB);
     mask_norms(t, n, norms[gid], norms[gid + 8], norms[kTT + gid], norms[kTT + gid + 8]);
   };
@@ -728,7 +786,7 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
   // and table build then overlap their latency; the centroids are loaded first of all.
   static_assert(kT4 == 256, "one K and one V table entry per thread");
   const LutSeed lut_seed = load_lut_seed(p.kcent, p.vcent);
-  Tile cur, nxt;
+  Tile<D> cur, nxt;
   int phys_next = -1, n_st[2] = {0, 0};
   if constexpr (RING) {
     n_st[0] = issue(warp, 0, tile_page(warp));
@@ -741,10 +799,10 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
 
   // ---- prologue: q of head `warp` (scaled, per-head power of two) in the table space ----------
   float* q_s = reinterpret_cast<float*>(smem);
-  stage_queries<GT, 1>(p, q_s, qexp_s, bad_s, seq, kvh, tile, warp, lane, w_s[warp]);
+  stage_queries<D, GT, 1>(p, q_s, qexp_s, bad_s, seq, kvh, tile, warp, lane, w_s[warp]);
   __syncthreads();
-  uint32_t qh[8][2], ql[8][2];
-  query_fragments(q_s, gid, t4, qh, ql);
+  uint32_t qh[KS][2], ql[KS][2];
+  query_fragments<D>(q_s, gid, t4, qh, ql);
   const float qx0 = qexp_s[2 * t4], qx1 = qexp_s[2 * t4 + 1];
   __syncthreads();
   build_pair_luts<SPLIT>(smem, lut_seed);
@@ -755,18 +813,18 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
   // token yet" selects. A row with no valid token keeps l = 0 (its output is 0, its lse -inf).
   float m[2] = {-FLT_MAX, -FLT_MAX};
   float l[2] = {0.f, 0.f};
-  float o[8][4];
+  float o[KS][4];
 #pragma unroll
-  for (int mt = 0; mt < 8; ++mt)
+  for (int mt = 0; mt < KS; ++mt)
 #pragma unroll
     for (int c = 0; c < 4; ++c) o[mt][c] = 0.f;
 
   float* wt = w_s[warp];
 
   // Scores, online softmax and V accumulation of one tile held in registers.
-  auto consume = [&](const Tile& cur) {
+  auto consume = [&](const Tile<D>& cur) {
     float s[4];
-    tile_scores<SPLIT>(cur, qh, ql, qx0, qx1, ilut, s);
+    tile_scores<D, SPLIT>(cur, qh, ql, qx0, qx1, ilut, s);
 
     // The weight is p * v_norm with the norm as stored (a NaN norm gives a NaN output row, as in
     // the reference and v1; masked tokens have norm 0); the max covers log2 |v_norm| (flushed to
@@ -820,7 +878,7 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
     *reinterpret_cast<float2*>(wt + ptile_row(gid) + 2 * t4) = make_float2(wa[0], wa[1]);
     *reinterpret_cast<float2*>(wt + ptile_row(gid + 8) + 2 * t4) = make_float2(wb[0], wb[1]);
     __syncwarp();
-    tile_accumulate_v<SPLIT, true>(cur.v, wt, gid, t4, ilut, o);
+    tile_accumulate_v<D, SPLIT, true>(cur.v, wt, gid, t4, ilut, o);
   };
 
   if constexpr (RING) {
@@ -846,7 +904,7 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
   } else {
     // Prefetch tile ti + kW4 into `next`, then consume `cur`; called on alternating register sets
     // (no tile copy between iterations).
-    auto step = [&](int ti, const Tile& cur, Tile& next) {
+    auto step = [&](int ti, const Tile<D>& cur, Tile<D>& next) {
       load(ti + kW4, next, phys_next);
       if (one_page_tiles) phys_next = tile_page(ti + 2 * kW4);
       consume(cur);
@@ -859,7 +917,7 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
     }
   }
 
-  merge_tile_state<GT, kW4>(p, o, m, l, o_s, m_s, l_s, bad_s, warp, gid, t4, seq, split, kvh, tile, w_s[warp]);
+  merge_tile_state<D, GT, kW4>(p, o, m, l, o_s, m_s, l_s, bad_s, warp, gid, t4, seq, split, kvh, tile, w_s[warp]);
 }
 
 }  // namespace v3

@@ -333,23 +333,34 @@ def test_paged_decode_gpu(rng, head_dim, k_bits, v_bits, page_size, group, hkv, 
     assert rel_err(got64, np.asarray(cpu.astype(jnp.float32), np.float64)) < tol
 
 
-# The tensor-core kernel (head_dim 128, K4V4, group >= 3): one-page tiles (page_size a multiple
-# of 16) and the per-token path (8, 24), head tiles of 4 and 8 with padding (3, 6, 12), both
-# product precisions. Tolerances: HIGHEST ~f32; DEFAULT rounds q, p and centroids to f16.
+# The tensor-core kernels (head_dim 64 / 128, K4V4, any group): one-page tiles (page_size a
+# multiple of 16) and the per-token path (8, 24), head tiles of 4 and 8 with padding (1, 2, 3, 6,
+# 12), both product precisions (v4: float16, v3: float32-accurate). Tolerances: HIGHEST ~f32;
+# DEFAULT rounds q, p and centroids to f16.
 TC_CASES = [
-    (16, 4, None, jnp.bfloat16, None, 1e-2),
-    (16, 3, 2, jnp.float32, "highest", 2e-5),
-    (32, 8, 5, jnp.float32, None, 2e-5),
-    (8, 6, 3, jnp.float32, "default", 3e-3),
-    (24, 12, 4, jnp.float16, None, 3e-3),
-    (64, 4, 1, jnp.float32, jax.lax.Precision.DEFAULT, 3e-3),
-    (256, 8, 2, jnp.bfloat16, "highest", 1e-2),
+    (128, 16, 4, None, jnp.bfloat16, None, 1e-2),
+    (128, 16, 3, 2, jnp.float32, "highest", 2e-5),
+    (128, 32, 8, 5, jnp.float32, None, 2e-5),
+    (128, 8, 6, 3, jnp.float32, "default", 3e-3),
+    (128, 24, 12, 4, jnp.float16, None, 3e-3),
+    (128, 64, 4, 1, jnp.float32, jax.lax.Precision.DEFAULT, 3e-3),
+    (128, 256, 8, 2, jnp.bfloat16, "highest", 1e-2),
+    (128, 16, 1, None, jnp.bfloat16, None, 1e-2),   # group 1: one head in the 4-head tile
+    (128, 16, 2, 3, jnp.float32, "highest", 2e-5),
+    (128, 24, 2, 1, jnp.float16, None, 3e-3),
+    (64, 16, 4, None, jnp.bfloat16, None, 1e-2),
+    (64, 16, 3, 2, jnp.float32, "highest", 2e-5),
+    (64, 32, 1, 3, jnp.float32, None, 2e-5),
+    (64, 8, 6, 3, jnp.float32, "default", 3e-3),
+    (64, 24, 2, 4, jnp.float16, None, 3e-3),
+    (64, 48, 12, 1, jnp.bfloat16, None, 1e-2),
+    (64, 256, 8, 2, jnp.bfloat16, "highest", 1e-2),
 ]
 
 
-@pytest.mark.parametrize("page_size,group,num_splits,qdtype,precision,tol", TC_CASES)
-def test_paged_decode_tensor_core_cases(rng, page_size, group, num_splits, qdtype, precision, tol):
-    q, cache, tables, lens = _decode_inputs(rng, 128, 4, 4, page_size, group, 2, qdtype, max_len=900)
+@pytest.mark.parametrize("head_dim,page_size,group,num_splits,qdtype,precision,tol", TC_CASES)
+def test_paged_decode_tensor_core_cases(rng, head_dim, page_size, group, num_splits, qdtype, precision, tol):
+    q, cache, tables, lens = _decode_inputs(rng, head_dim, 4, 4, page_size, group, 2, qdtype, max_len=900)
     _poison_device(q.size * 4 * 8 * 70)
     fn = jax.jit(lambda *a: tq.paged_decode(*a, num_splits=num_splits, precision=precision))
     got = np.asarray(fn(q, cache, tables, lens).astype(jnp.float32), np.float64)
@@ -374,15 +385,16 @@ def test_paged_decode_huge_v_norms(rng, qdtype):
         assert rel_err(got[s], want[s]) < tol, f"sequence {s}"
 
 
-@pytest.mark.parametrize("num_seqs,qdtype", [(2, jnp.bfloat16), (11, jnp.float16), (43, jnp.float32),
-                                             (171, jnp.bfloat16)])
-def test_paged_decode_row_counts(rng, num_seqs, qdtype):
-    """24 to 2052 query rows with NaN / inf query rows among them: NaN rows exactly there, every
+@pytest.mark.parametrize("num_seqs,qdtype,head_dim,group", [
+    (2, jnp.bfloat16, 128, 4), (11, jnp.float16, 128, 4), (43, jnp.float32, 128, 4), (171, jnp.bfloat16, 128, 4),
+    (13, jnp.bfloat16, 64, 4), (9, jnp.float32, 64, 2)])
+def test_paged_decode_row_counts(rng, num_seqs, qdtype, head_dim, group):
+    """Up to 2052 query rows with NaN / inf query rows among them: NaN rows exactly there, every
     other row against float64; the device memory is poisoned first."""
-    q, cache, tables, lens = _decode_inputs(rng, 128, 4, 4, 16, 4, 3, qdtype, num_seqs=num_seqs, max_len=90)
+    q, cache, tables, lens = _decode_inputs(rng, head_dim, 4, 4, 16, group, 3, qdtype, num_seqs=num_seqs, max_len=90)
     bad = np.zeros(q.shape[:2], bool)
     bad[-1, 5] = bad[num_seqs // 2, 0] = True
-    q = q.at[-1, 5, 7].set(jnp.nan).at[num_seqs // 2, 0, 100].set(-jnp.inf)
+    q = q.at[-1, 5, 7].set(jnp.nan).at[num_seqs // 2, 0, head_dim - 28].set(-jnp.inf)
     for splits in (1, 3):
         _poison_device(q.size * 4 * 8 * 10)
         got = np.asarray(_decode(q, cache, tables, lens, num_splits=splits).astype(jnp.float32), np.float64)

@@ -37,9 +37,9 @@ def test_whole_wave_splits_respects_max_splits():
 
 def test_tensor_core_kernel_selection_follows_the_environment(monkeypatch):
     monkeypatch.delenv("JAX_TQ_CUDA_DECODE", raising=False)
-    assert pd.uses_tensor_core_kernel(128, 4, 4, 4)
-    assert pd.uses_tensor_core_kernel(128, 4, 4, 3)
-    for args in ((64, 4, 4, 4), (128, 3, 4, 4), (128, 4, 2, 4), (128, 4, 4, 2), (256, 4, 4, 8)):
+    for group in (1, 2, 3, 4, 6, 8, 16):
+        assert pd.uses_tensor_core_kernel(128, 4, 4, group) and pd.uses_tensor_core_kernel(64, 4, 4, group)
+    for args in ((80, 4, 4, 4), (96, 4, 4, 4), (256, 4, 4, 8), (128, 3, 4, 4), (128, 4, 2, 4), (64, 3, 3, 1)):
         assert not pd.uses_tensor_core_kernel(*args), args
     monkeypatch.setenv("JAX_TQ_CUDA_DECODE", "v1")
     assert not pd.uses_tensor_core_kernel(128, 4, 4, 4)
@@ -61,9 +61,12 @@ def test_choose_num_splits(monkeypatch):
     monkeypatch.delenv("JAX_TQ_CUDA_DECODE")
     # Length bound: at least MIN_TOKENS_PER_SPLIT tokens (16 pages of 16) per split.
     assert pd.choose_num_splits("cuda", 1, 8, 64, group=4) == 4
+    # head_dim 64 and groups of 1 / 2 run the tensor-core kernels too (one head tile per KV head).
+    assert pd.choose_num_splits("cuda", 32, 8, 512, group=4, head_dim=64) == 1
+    assert pd.choose_num_splits("cuda", 32, 8, 512, group=1) == 1
     # Other configurations (v1): one wave of 2 CTAs/SM (tiles of 4-8 heads) or 4 CTAs/SM.
-    assert pd.choose_num_splits("cuda", 4, 8, 2048, group=4, head_dim=64) == math.ceil(264 / 32)
-    assert pd.choose_num_splits("cuda", 4, 8, 2048, group=1, head_dim=128) == math.ceil(528 / 32)
+    assert pd.choose_num_splits("cuda", 4, 8, 2048, group=4, head_dim=96) == math.ceil(264 / 32)
+    assert pd.choose_num_splits("cuda", 4, 8, 2048, group=1, head_dim=128, k_bits=3) == math.ceil(528 / 32)
     monkeypatch.setenv("JAX_TQ_CUDA_DECODE", "v1")
     assert pd.choose_num_splits("cuda", 32, 8, 512, group=4) == 2
 
@@ -121,8 +124,9 @@ def _rotation_precisions(monkeypatch, cuda_built, qdtype, backend="auto", head_d
 
 
 def test_rotations_run_at_high_only_where_the_float16_kernel_runs(monkeypatch):
-    precisions = _rotation_precisions(monkeypatch, True, "bfloat16")
-    assert len(precisions) == 2 and all("HIGH" in p and "HIGHEST" not in p for p in precisions), precisions
+    for kw in ({}, {"head_dim": 64}, {"group": 1}, {"group": 2}):  # the float16 tensor-core kernel (v4)
+        precisions = _rotation_precisions(monkeypatch, True, "bfloat16", **kw)
+        assert len(precisions) == 2 and all("HIGH" in p and "HIGHEST" not in p for p in precisions), (kw, precisions)
     import jax
     with jax.default_matmul_precision("float32"):  # an enclosing request for float32 products wins
         precisions = _rotation_precisions(monkeypatch, True, "bfloat16")
@@ -130,8 +134,7 @@ def test_rotations_run_at_high_only_where_the_float16_kernel_runs(monkeypatch):
     for args, kw in [((False, "bfloat16"), {}),                 # no CUDA kernels built: the reference runs on a GPU
                      ((True, "float32"), {}),                   # float32 queries: v3, float32-accurate
                      ((True, "bfloat16"), {"backend": "xla"}),  # the reference backend
-                     ((True, "bfloat16"), {"head_dim": 64}),    # v1 (CUDA cores)
-                     ((True, "bfloat16"), {"group": 2}),        # v1
+                     ((True, "bfloat16"), {"head_dim": 96}),    # v1 (CUDA cores)
                      ((True, "bfloat16"), {"env": "v3"})]:      # v3 forced
         precisions = _rotation_precisions(monkeypatch, *args, **kw)
         assert len(precisions) == 2 and all("HIGHEST" in p for p in precisions), (args, kw, precisions)
