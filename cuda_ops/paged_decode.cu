@@ -1208,7 +1208,7 @@ ffi::Error launch_v3(cudaStream_t stream, const DecodeParams& p, dim3 grid) {
 
 template <int D, int GT, bool RING>
 ffi::Error launch_v4(cudaStream_t stream, const DecodeParams& p, dim3 grid) {
-  constexpr int smem = v3::kSmemBytes + (RING ? v3::kRingBytes : 0);
+  constexpr int smem = v3::kSmemBytes + (RING ? v3::ring_bytes<D>() : 0);
   return launch_mma<v3::paged_decode_v4_kernel<D, GT, false, RING>, smem>(
       v3::kT4, RING ? "v4 ring" : "v4", stream, p, grid);
 }
@@ -1216,15 +1216,15 @@ ffi::Error launch_v4(cudaStream_t stream, const DecodeParams& p, dim3 grid) {
 // Whether v4's ring variant keeps kCtasPerSm4 CTAs per SM on the current device (the split rule
 // assumes it): yes on sm_90 (227 KB of shared memory per SM); sm_80's 164 KB holds one, so the
 // register variant runs there. Asked once per device.
-template <int GT>
+template <int D, int GT>
 bool ring_fits() {
   static std::atomic<int> known[64];  // 0: not asked yet, 1: fits, 2: does not
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
   int state = known[dev].load(std::memory_order_acquire);
   if (state == 0) {
-    constexpr int smem = v3::kSmemBytes + v3::kRingBytes;
-    const auto kernel = v3::paged_decode_v4_kernel<v3::kD, GT, false, true>;
+    constexpr int smem = v3::kSmemBytes + v3::ring_bytes<D>();
+    const auto kernel = v3::paged_decode_v4_kernel<D, GT, false, true>;
     int ctas = 0;
     const bool fits =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) == cudaSuccess &&
@@ -1313,20 +1313,15 @@ bool use_v3(int d, int gt, const DecodeParams& p) {
   return reinterpret_cast<uintptr_t>(p.kc) % (d / 8) == 0 && reinterpret_cast<uintptr_t>(p.vc) % (d / 16) == 0;
 }
 
-// v4's ring variant (16-byte cp.async of whole one-page tiles; head_dim 128): pages of a multiple
-// of 16 tokens, all four pools 16-byte aligned, 2 CTAs per SM; JAX_TQ_CUDA_DECODE=v4 keeps the
-// register variant.
+// v4's ring variant (16-byte cp.async of whole one-page tiles): pages of a multiple of 16 tokens,
+// all four pools 16-byte aligned, 2 CTAs per SM; JAX_TQ_CUDA_DECODE=v4 keeps the register variant.
+template <int D>
 bool use_ring(int gt, const DecodeParams& p) {
-#if !JTQ_HAS_D(128)
-  (void)gt, (void)p;
-  return false;
-#else
   if (requested_kernel() == DecodeKernel::kV4 || p.page_size % 16 != 0) return false;
   for (const void* pool : {static_cast<const void*>(p.kc), static_cast<const void*>(p.vc),
                            static_cast<const void*>(p.kn), static_cast<const void*>(p.vn)})
     if (reinterpret_cast<uintptr_t>(pool) % 16 != 0) return false;
-  return gt <= 4 ? ring_fits<4>() : ring_fits<8>();
-#endif
+  return gt <= 4 ? ring_fits<D, 4>() : ring_fits<D, 8>();
 }
 
 // gt: 1, 2 or 4 -> the 4-head kernels, 8 -> the 8-head ones.
@@ -1336,10 +1331,8 @@ ffi::Error dispatch_v3(int gt, bool f16, cudaStream_t stream, const DecodeParams
   // v4 (8 warps per CTA in 128 registers) for f16 products; f32-accurate (hi / lo) products need
   // more registers than that and stay on v3.
   if (f16 && requested_kernel() != DecodeKernel::kV3) {
-    if constexpr (D == v3::kD) {
-      if (use_ring(gt, p))
-        return four ? launch_v4<D, 4, true>(stream, p, grid) : launch_v4<D, 8, true>(stream, p, grid);
-    }
+    if (use_ring<D>(gt, p))
+      return four ? launch_v4<D, 4, true>(stream, p, grid) : launch_v4<D, 8, true>(stream, p, grid);
     return four ? launch_v4<D, 4, false>(stream, p, grid) : launch_v4<D, 8, false>(stream, p, grid);
   }
   if (four) return f16 ? launch_v3<D, 4, false>(stream, p, grid) : launch_v3<D, 4, true>(stream, p, grid);

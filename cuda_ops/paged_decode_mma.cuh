@@ -3,7 +3,8 @@
 //   head_dim 64 or 128 (Dims<D>), k_bits = v_bits = 4, GQA tile GT in {4, 8} (padded to the MMA's
 //   n = 8 heads; groups of 1 or 2 run in the 4-head tile). The layouts below are written for head_dim
 //   128; at 64 a lane holds half the bytes (K: (D/8)*t4.., V: (D/16)*gid..), with half the k-steps
-//   and m-tiles. The ring variant and the fused rotation are head_dim 128 only.
+//   and m-tiles, and the ring stores its rows in the order ring_row64. The fused rotation is head_dim
+//   128 only.
 // The default where the configuration matches (see use_v3 in paged_decode.cu; JAX_TQ_CUDA_DECODE
 // = v1 / v2 turns them off); v1 serves every other configuration. v4 (at the end of this file) is
 // v3's tile loop with 8 warps per CTA, for f16 products, with its tiles in registers or (RING, the
@@ -630,14 +631,23 @@ constexpr int kCtasPerSm4 = 2;
 // both the K reads (16 bytes of tokens gid, gid + 8) and the V reads (8 bytes of tokens 4t4 + e)
 // conflict-free. (V codes loaded straight into registers instead, through L1, measured slower:
 // 108.8 against 97.9 us at (32, 8192); the L1 pipe that serves shared memory served them too.)
-constexpr int kStageB = 2 * kTT * kRowB + 2 * kTT * 4;
+// At head_dim 64 (32-byte rows, 2 units each) token row r is stored at row slot ring_row64(r), a
+// permutation inside each block of 4 rows that puts the V reads' rows 4*t4 + e (one instruction:
+// e fixed) into 4 different 8-bank groups; the K reads (8 bytes of rows gid, gid + 8) and the
+// copies stay contiguous per half warp. Stage: K [0, 512), V [512, 1024), norms [1024, 1152).
+template <int D>
+constexpr int stage_bytes() { return 2 * kTT * Dims<D>::kRowB + 2 * kTT * 4; }
+constexpr int kStageB = stage_bytes<kD>();
 constexpr int kRingStages = 2;
-constexpr int kRingBytes = kW4 * kRingStages * kStageB;
+template <int D>
+constexpr int ring_bytes() { return kW4 * kRingStages * stage_bytes<D>(); }
+constexpr int kRingBytes = ring_bytes<kD>();
 // v4's running max moves only when a tile's max exceeds it by more than this (log2 units): the
 // f16 V weights stay <= 2^8 and the rescale of o is rare.
 constexpr float kLazyMax = 8.f;
 
 __device__ __forceinline__ int ring_swizzle(int u) { return u ^ ((u >> 2) & 4) ^ ((u >> 4) & 2); }
+__device__ __forceinline__ int ring_row64(int r) { return (r & ~3) | ((r + (r >> 2)) & 3); }
 
 template <int D, int GT, bool SPLIT, bool RING>
 __global__ void __launch_bounds__(kT4, kCtasPerSm4)
@@ -646,7 +656,7 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
   static_assert(kNH == kW4, "prologue: one head per warp");
   static_assert(kW4 * kNH * D * 4 <= kSmemBytes, "o_s must fit in the table space");
   static_assert(kRingStages == 2, "the step loop alternates two stages");
-  static_assert(!RING || D == kD, "the ring's stage layout is head_dim kD's");
+  constexpr int kStage = stage_bytes<D>();
   constexpr int KS = Dims<D>::kKS;
   constexpr int kRowB = Dims<D>::kRowB;
 
@@ -746,14 +756,15 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
 
   // Ring path: tile ti (< ntt) into stage `st` of this warp's ring; every lane copies K / V units
   // lane and lane + 32, lanes 0-7 one 16-byte quarter of the norms. Returns the valid count.
-  uint8_t* ring = smem + kSmemBytes + warp * (kRingStages * kStageB);
+  uint8_t* ring = smem + kSmemBytes + warp * (kRingStages * kStage);
   // Loop-invariant per-lane parts of the copies: sources at byte 16 * lane of a tile's rows (unit
   // lane + 32 at +512), destinations at the swizzled units (shared-memory offsets, 32 bits).
   const uint8_t* k_src = p.kc + 16 * lane;
   const uint8_t* v_src = p.vc + 16 * lane;
   const float* n_src = (lane < 4 ? p.kn : p.vn) + 4 * (lane & 3);
   const uint32_t ring_s = smem_addr(ring);
-  const uint32_t dst_u0 = ring_s + 16 * ring_swizzle(lane);
+  // head_dim 128: units lane and lane + 32 of the K and V code rows; 64: unit lane only.
+  const uint32_t dst_u0 = ring_s + 16 * (D == kD ? ring_swizzle(lane) : 2 * ring_row64(lane >> 1) + (lane & 1));
   const uint32_t dst_u1 = ring_s + 16 * ring_swizzle(lane + 32);
   const uint32_t dst_n = ring_s + 2 * kTT * kRowB + 16 * lane;
   auto issue = [&](int ti, int st, int phys) -> int {
@@ -761,23 +772,30 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
     if (ti < ntt) {
       const int64_t row0 = tile_rows(ti, phys, n);
       const int64_t code_off = row0 * kRowB;
-      const uint32_t so = st * kStageB;
+      const uint32_t so = st * kStage;
       cp_async16_s(dst_u0 + so, k_src + code_off);
-      cp_async16_s(dst_u1 + so, k_src + code_off + 512);
+      if constexpr (D == kD) cp_async16_s(dst_u1 + so, k_src + code_off + 512);
       cp_async16_s(dst_u0 + so + kTT * kRowB, v_src + code_off);
-      cp_async16_s(dst_u1 + so + kTT * kRowB, v_src + code_off + 512);
+      if constexpr (D == kD) cp_async16_s(dst_u1 + so + kTT * kRowB, v_src + code_off + 512);
       if (lane < 8) cp_async16_s(dst_n + so, n_src + row0);
     }
     cp_async_commit();  // one group per call, empty or not: wait_group counts stay aligned
     return n;
   };
   auto read_stage = [&](int st, int n, Tile<D>& t) {
-    const uint8_t* src = ring + st * kStageB;
-    lds_words(src + 16 * ring_swizzle(4 * gid + t4), t.k0);
-    lds_words(src + 16 * ring_swizzle(4 * (gid + 8) + t4), t.k1);
+    const uint8_t* src = ring + st * kStage;
+    if constexpr (D == kD) {
+      lds_words(src + 16 * ring_swizzle(4 * gid + t4), t.k0);
+      lds_words(src + 16 * ring_swizzle(4 * (gid + 8) + t4), t.k1);
 #pragma unroll
-    for (int e = 0; e < 4; ++e)
-      lds_words(src + kTT * kRowB + 16 * ring_swizzle(4 * (4 * t4 + e) + (gid >> 1)) + 8 * (gid & 1), t.v[e]);
+      for (int e = 0; e < 4; ++e)
+        lds_words(src + kTT * kRowB + 16 * ring_swizzle(4 * (4 * t4 + e) + (gid >> 1)) + 8 * (gid & 1), t.v[e]);
+    } else {
+      lds_words(src + kRowB * ring_row64(gid) + 8 * t4, t.k0);
+      lds_words(src + kRowB * ring_row64(gid + 8) + 8 * t4, t.k1);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) lds_words(src + kTT * kRowB + kRowB * ring_row64(4 * t4 + e) + 4 * gid, t.v[e]);
+    }
     const float* norms = reinterpret_cast<const float*>(src + 2 * kTT * kRowB);
     mask_norms(t, n, norms[gid], norms[gid + 8], norms[kTT + gid], norms[kTT + gid + 8]);
   };

@@ -354,8 +354,9 @@ V3_MAX_CTAS_BY_REGISTERS = 3
 
 
 #: v4 (the tensor-core kernel for float16 products): 8 warps per CTA share the 64 KB of tables;
-#: 128 registers per thread allow 2 CTAs per SM. Its ring variant adds 34 KB of per-warp cp.async
-#: stages (V4_RING_SMEM_PER_CTA); the handler runs it only where 2 such CTAs fit per SM (sm_90), and
+#: 128 registers per thread allow 2 CTAs per SM. Its ring variant adds 34 KB (head_dim 128; 18 KB at
+#: 64) of per-warp cp.async stages (V4_RING_SMEM_PER_CTA); the handler runs it only where 2 such
+#: CTAs fit per SM (sm_90), and
 #: the register variant elsewhere, so 2 CTAs per SM hold for both.
 V4_SMEM_PER_CTA = 65536 + 4640 + 1024
 V4_RING_SMEM_PER_CTA = V4_SMEM_PER_CTA + 8 * 2 * 2176
