@@ -1201,15 +1201,15 @@ ffi::Error launch_mma(int threads, const char* name, cudaStream_t stream, const 
   return ffi::Error::Success();
 }
 
-template <int D, int GT, bool SPLIT>
+template <int D, int GT, bool SPLIT, bool B4 = true>
 ffi::Error launch_v3(cudaStream_t stream, const DecodeParams& p, dim3 grid) {
-  return launch_mma<v3::paged_decode_v3_kernel<D, GT, SPLIT>>(kThreads, "v3", stream, p, grid);
+  return launch_mma<v3::paged_decode_v3_kernel<D, GT, SPLIT, B4>>(kThreads, "v3", stream, p, grid);
 }
 
-template <int D, int GT, bool RING>
+template <int D, int GT, bool RING, bool B4 = true>
 ffi::Error launch_v4(cudaStream_t stream, const DecodeParams& p, dim3 grid) {
   constexpr int smem = v3::kSmemBytes + (RING ? v3::ring_bytes<D>() : 0);
-  return launch_mma<v3::paged_decode_v4_kernel<D, GT, false, RING>, smem>(
+  return launch_mma<v3::paged_decode_v4_kernel<D, GT, false, RING, B4>, smem>(
       v3::kT4, RING ? "v4 ring" : "v4", stream, p, grid);
 }
 
@@ -1270,7 +1270,7 @@ ffi::Error dispatch_gt_v2(int gt, cudaStream_t stream, const DecodeParams& p, di
 // Kernel choice (environment variable JAX_TQ_CUDA_DECODE = v1 | v2 | v3 | v4 | v5, read once;
 // jax_tq's split-count rule reads the same variable):
 //   v4 / v3 (tensor-core mma.sync kernels, paged_decode_mma.cuh): the default where they apply -
-//      head_dim 64 / 128, k_bits = v_bits = 4, any GQA group (head tiles of 4 or 8), K / V code
+//      head_dim 64 / 128, K and V of 4 or 2 bits, any GQA group (head tiles of 4 or 8), K / V code
 //      pools aligned to their per-lane loads (head_dim / 8 and / 16 bytes). v4 (8 warps per CTA, 2 CTAs
 //      per SM) for f16 products; v3 (4 warps per CTA, 3 per SM) for f32-accurate products, and for
 //      every product precision with JAX_TQ_CUDA_DECODE=v3. v4 runs its shared-memory ring variant
@@ -1309,15 +1309,17 @@ bool use_v3(int d, int gt, const DecodeParams& p) {
   (void)gt;
   const DecodeKernel k = requested_kernel();
   if (k == DecodeKernel::kV1 || k == DecodeKernel::kV2) return false;
-  if (!((d == 128 && JTQ_HAS_D(128)) || (d == 64 && JTQ_HAS_D(64))) || p.k_bits != 4 || p.v_bits != 4) return false;
-  return reinterpret_cast<uintptr_t>(p.kc) % (d / 8) == 0 && reinterpret_cast<uintptr_t>(p.vc) % (d / 16) == 0;
+  if (!((d == 128 && JTQ_HAS_D(128)) || (d == 64 && JTQ_HAS_D(64)))) return false;
+  if ((p.k_bits != 4 && p.k_bits != 2) || (p.v_bits != 4 && p.v_bits != 2)) return false;
+  const int k_load = d * p.k_bits / 32, v_load = d * p.v_bits / 64;  // bytes of a lane's code loads
+  return reinterpret_cast<uintptr_t>(p.kc) % k_load == 0 && reinterpret_cast<uintptr_t>(p.vc) % v_load == 0;
 }
 
 // v4's ring variant (16-byte cp.async of whole one-page tiles): pages of a multiple of 16 tokens,
 // all four pools 16-byte aligned, 2 CTAs per SM; JAX_TQ_CUDA_DECODE=v4 keeps the register variant.
 template <int D>
 bool use_ring(int gt, const DecodeParams& p) {
-  if (requested_kernel() == DecodeKernel::kV4 || p.page_size % 16 != 0) return false;
+  if (requested_kernel() == DecodeKernel::kV4 || p.page_size % 16 != 0 || p.k_bits != 4 || p.v_bits != 4) return false;
   for (const void* pool : {static_cast<const void*>(p.kc), static_cast<const void*>(p.vc),
                            static_cast<const void*>(p.kn), static_cast<const void*>(p.vn)})
     if (reinterpret_cast<uintptr_t>(pool) % 16 != 0) return false;
@@ -1328,6 +1330,12 @@ bool use_ring(int gt, const DecodeParams& p) {
 template <int D>
 ffi::Error dispatch_v3(int gt, bool f16, cudaStream_t stream, const DecodeParams& p, dim3 grid) {
   const bool four = gt <= 4;
+  if (p.k_bits != 4 || p.v_bits != 4) {  // a 2-bit K or V: the register variants that spread codes to nibbles
+    if (f16 && requested_kernel() != DecodeKernel::kV3)
+      return four ? launch_v4<D, 4, false, false>(stream, p, grid) : launch_v4<D, 8, false, false>(stream, p, grid);
+    if (four) return f16 ? launch_v3<D, 4, false, false>(stream, p, grid) : launch_v3<D, 4, true, false>(stream, p, grid);
+    return f16 ? launch_v3<D, 8, false, false>(stream, p, grid) : launch_v3<D, 8, true, false>(stream, p, grid);
+  }
   // v4 (8 warps per CTA in 128 registers) for f16 products; f32-accurate (hi / lo) products need
   // more registers than that and stay on v3.
   if (f16 && requested_kernel() != DecodeKernel::kV3) {

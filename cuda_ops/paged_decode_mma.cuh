@@ -194,14 +194,17 @@ __device__ __forceinline__ void store_lut_entry(uint8_t* smem, int is_v, int e, 
 }
 
 // Fill both tables (T threads, 512 entries).
+// (2-bit codes enter the tables as nibbles 0..3, see ldg_codes; entries of larger nibbles repeat
+// centroids and are never read.)
 template <bool SPLIT, int T = kThreads>
-__device__ __forceinline__ void build_pair_luts(uint8_t* smem, const float* kcent,
-                                                       const float* vcent) {
+__device__ __forceinline__ void build_pair_luts(uint8_t* smem, const float* kcent, const float* vcent,
+                                                int k_bits, int v_bits) {
   for (int i = threadIdx.x; i < 512; i += T) {
     const int is_v = i >> 8;
     const int e = i & 255;
     const float* cent = is_v ? vcent : kcent;
-    store_lut_entry<SPLIT>(smem, is_v, e, cent[e & 15], cent[e >> 4]);
+    const int mask = (1 << (is_v ? v_bits : k_bits)) - 1;
+    store_lut_entry<SPLIT>(smem, is_v, e, cent[e & mask], cent[(e >> 4) & mask]);
   }
 }
 
@@ -212,10 +215,11 @@ struct LutSeed {
   float k_lo, k_hi, v_lo, v_hi;
 };
 
-__device__ __forceinline__ LutSeed load_lut_seed(const float* kcent, const float* vcent) {
+__device__ __forceinline__ LutSeed load_lut_seed(const float* kcent, const float* vcent, int k_bits, int v_bits) {
   const int e = threadIdx.x & 255;
-  return {__ldg(kcent + (e & 15)), __ldg(kcent + (e >> 4)), __ldg(vcent + (e & 15)),
-          __ldg(vcent + (e >> 4))};
+  const int km = (1 << k_bits) - 1, vm = (1 << v_bits) - 1;
+  return {__ldg(kcent + (e & km)), __ldg(kcent + ((e >> 4) & km)), __ldg(vcent + (e & vm)),
+          __ldg(vcent + ((e >> 4) & vm))};
 }
 
 template <bool SPLIT>
@@ -224,7 +228,31 @@ __device__ __forceinline__ void build_pair_luts(uint8_t* smem, const LutSeed& se
   store_lut_entry<SPLIT>(smem, 1, threadIdx.x & 255, seed.v_lo, seed.v_hi);
 }
 
-// One 4-bit-per-row tile of a warp, held in registers.
+// The N nibble words (8 codes each, code i in bits 4i..4i+3) of a lane's codes starting at src:
+// 4-bit rows hold them as they are; 2-bit rows hold the same codes in half the bytes (code i in
+// bits 2i..2i+1), spread to nibbles here, so that everything after the load is the 4-bit code.
+template <bool B4, int N>
+__device__ __forceinline__ void ldg_codes(const uint8_t* src, int bits, uint32_t (&w)[N]) {
+  if (B4 || bits == 4) {
+    ldg_words(src, w);
+    return;
+  }
+  if constexpr (B4) {
+    return;
+  } else if constexpr (N >= 2) {
+    uint32_t h[N / 2];
+    ldg_words(src, h);
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) {
+      w[2 * i] = v2::to_nibbles(h[i] & 0xFFFFu, 2);
+      w[2 * i + 1] = v2::to_nibbles(h[i] >> 16, 2);
+    }
+  } else {
+    w[0] = v2::to_nibbles(__ldg(reinterpret_cast<const unsigned short*>(src)), 2);
+  }
+}
+
+// One tile of a warp, held in registers, its codes as 4-bit nibbles (see ldg_codes).
 template <int D>
 struct Tile {
   uint32_t k0[Dims<D>::kKW], k1[Dims<D>::kKW];  // K code bytes (D/8)*t4 .. of tokens gid, gid + 8
@@ -456,14 +484,15 @@ __device__ __forceinline__ void merge_tile_state(const DecodeParams& p, const fl
 // With one-page tiles the page id of a warp's next-but-one tile is read one iteration ahead, so the
 // code loads of its next tile never wait for a block-table read first (one memory latency per tile
 // instead of two).
-template <int D, int GT, bool SPLIT>
+// B4: 4-bit K and V (code loads as they are); otherwise each of K / V may be 2-bit (ldg_codes).
+template <int D, int GT, bool SPLIT, bool B4 = true>
 __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     paged_decode_v3_kernel(const DecodeParams p) {
   static_assert(GT == 4 || GT == 8, "v3: GT in {4, 8}");
   static_assert(kNH == 2 * kWarps, "prologue: two heads per warp");
   static_assert(kWarps * kNH * D * 4 <= kSmemBytes, "o_s must fit in the table space");
   constexpr int KS = Dims<D>::kKS;
-  constexpr int kRowB = Dims<D>::kRowB;
+  const int krow = B4 ? D / 2 : D * p.k_bits / 8, vrow = B4 ? D / 2 : D * p.v_bits / 8;  // code bytes per row
 
   extern __shared__ __align__(16) uint8_t smem[];  // kSmemBytes: interleaved K / V tables
   __shared__ float qexp_s[kNH];
@@ -500,7 +529,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
   query_fragments<D>(q_s, gid, t4, qh, ql);
   const float qx0 = qexp_s[2 * t4], qx1 = qexp_s[2 * t4 + 1];
   __syncthreads();  // q_s consumed by every warp: the tables may overwrite it
-  build_pair_luts<SPLIT>(smem, p.kcent, p.vcent);
+  build_pair_luts<SPLIT>(smem, p.kcent, p.vcent, p.k_bits, p.v_bits);
   __syncthreads();
   const PairLut<SPLIT> ilut(smem, lane);
 
@@ -534,18 +563,18 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
       for (int e = 0; e < 4; ++e) rv[e] = token_row(p, bt_seq, base + 4 * t4 + e, tok_end, kvh);
     }
     if (r0 >= 0) {
-      ldg_words(p.kc + r0 * kRowB + (D / 8) * t4, t.k0);
+      ldg_codes<B4>(p.kc + r0 * krow + (krow / 4) * t4, p.k_bits, t.k0);
       t.kn0 = __ldg(p.kn + r0);
       t.vn0 = __ldg(p.vn + r0);
     }
     if (r1 >= 0) {
-      ldg_words(p.kc + r1 * kRowB + (D / 8) * t4, t.k1);
+      ldg_codes<B4>(p.kc + r1 * krow + (krow / 4) * t4, p.k_bits, t.k1);
       t.kn1 = __ldg(p.kn + r1);
       t.vn1 = __ldg(p.vn + r1);
     }
 #pragma unroll
     for (int e = 0; e < 4; ++e)
-      if (rv[e] >= 0) ldg_words(p.vc + rv[e] * kRowB + (D / 16) * gid, t.v[e]);
+      if (rv[e] >= 0) ldg_codes<B4>(p.vc + rv[e] * vrow + (vrow / 8) * gid, p.v_bits, t.v[e]);
   };
 
   float m[2] = {-INFINITY, -INFINITY};
@@ -649,9 +678,10 @@ constexpr float kLazyMax = 8.f;
 __device__ __forceinline__ int ring_swizzle(int u) { return u ^ ((u >> 2) & 4) ^ ((u >> 4) & 2); }
 __device__ __forceinline__ int ring_row64(int r) { return (r & ~3) | ((r + (r >> 2)) & 3); }
 
-template <int D, int GT, bool SPLIT, bool RING>
+template <int D, int GT, bool SPLIT, bool RING, bool B4 = true>
 __global__ void __launch_bounds__(kT4, kCtasPerSm4)
     paged_decode_v4_kernel(const DecodeParams p) {
+  static_assert(B4 || !RING, "the ring copies 4-bit rows");
   static_assert(GT == 4 || GT == 8, "v4: GT in {4, 8}");
   static_assert(kNH == kW4, "prologue: one head per warp");
   static_assert(kW4 * kNH * D * 4 <= kSmemBytes, "o_s must fit in the table space");
@@ -705,8 +735,9 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
   };
   // Per-lane byte offsets inside a 16-token tile's rows: K bytes (D/8)*t4.. of token gid (token
   // gid + 8 at + 8 rows); V bytes (D/16)*gid.. of token 4*t4 (token 4*t4 + e at + e rows).
-  const int k_lane = gid * kRowB + (D / 8) * t4;
-  const int v_lane = 4 * t4 * kRowB + (D / 16) * gid;
+  const int krow = B4 ? D / 2 : D * p.k_bits / 8, vrow = B4 ? D / 2 : D * p.v_bits / 8;  // code bytes per row
+  const int k_lane = gid * krow + (krow / 4) * t4;
+  const int v_lane = 4 * t4 * vrow + (vrow / 8) * gid;
   const float kNaN = __int_as_float(0x7fc00000);
   auto mask_norms = [&](Tile<D>& t, int n, float kn0, float kn1, float vn0, float vn1) {
     t.kn0 = gid < n ? kn0 : kNaN;
@@ -721,12 +752,12 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
     if (one_page_tiles) {
       int n;
       const int64_t row0 = tile_rows(ti, phys, n);
-      const uint8_t* kp = p.kc + row0 * kRowB + k_lane;
-      const uint8_t* vp = p.vc + row0 * kRowB + v_lane;
-      ldg_words(kp, t.k0);
-      ldg_words(kp + 8 * kRowB, t.k1);
+      const uint8_t* kp = p.kc + row0 * krow + k_lane;
+      const uint8_t* vp = p.vc + row0 * vrow + v_lane;
+      ldg_codes<B4>(kp, p.k_bits, t.k0);
+      ldg_codes<B4>(kp + 8 * krow, p.k_bits, t.k1);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) ldg_words(vp + e * kRowB, t.v[e]);
+      for (int e = 0; e < 4; ++e) ldg_codes<B4>(vp + e * vrow, p.v_bits, t.v[e]);
       const float* knp = p.kn + row0 + gid;
       const float* vnp = p.vn + row0 + gid;
       mask_norms(t, n, __ldg(knp), __ldg(knp + 8), __ldg(vnp), __ldg(vnp + 8));
@@ -738,19 +769,19 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
     const int64_t r0 = token_row(p, bt_seq, base + gid, tok_end, kvh);
     const int64_t r1 = token_row(p, bt_seq, base + gid + 8, tok_end, kvh);
     if (r0 >= 0) {
-      ldg_words(p.kc + r0 * kRowB + (D / 8) * t4, t.k0);
+      ldg_codes<B4>(p.kc + r0 * krow + (krow / 4) * t4, p.k_bits, t.k0);
       t.kn0 = __ldg(p.kn + r0);
       t.vn0 = __ldg(p.vn + r0);
     }
     if (r1 >= 0) {
-      ldg_words(p.kc + r1 * kRowB + (D / 8) * t4, t.k1);
+      ldg_codes<B4>(p.kc + r1 * krow + (krow / 4) * t4, p.k_bits, t.k1);
       t.kn1 = __ldg(p.kn + r1);
       t.vn1 = __ldg(p.vn + r1);
     }
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int64_t rv = token_row(p, bt_seq, base + 4 * t4 + e, tok_end, kvh);
-      if (rv >= 0) ldg_words(p.vc + rv * kRowB + (D / 16) * gid, t.v[e]);
+      if (rv >= 0) ldg_codes<B4>(p.vc + rv * vrow + (vrow / 8) * gid, p.v_bits, t.v[e]);
     }
   };
 
@@ -803,7 +834,7 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
   // The first tiles' block-table and code reads are issued before the prologue, whose q staging
   // and table build then overlap their latency; the centroids are loaded first of all.
   static_assert(kT4 == 256, "one K and one V table entry per thread");
-  const LutSeed lut_seed = load_lut_seed(p.kcent, p.vcent);
+  const LutSeed lut_seed = load_lut_seed(p.kcent, p.vcent, p.k_bits, p.v_bits);
   Tile<D> cur, nxt;
   int phys_next = -1, n_st[2] = {0, 0};
   if constexpr (RING) {

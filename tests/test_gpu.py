@@ -358,9 +358,30 @@ TC_CASES = [
 ]
 
 
+# 2-bit K and / or V (the register variants spread the codes to nibbles), both head_dims, both precisions.
+TC_BITS_CASES = [
+    (128, 2, 2, 16, 4, None, jnp.bfloat16, None, 1e-2),
+    (128, 4, 2, 16, 1, 3, jnp.float32, "highest", 2e-5),
+    (128, 2, 4, 24, 8, 2, jnp.float16, None, 3e-3),
+    (64, 2, 2, 32, 3, 1, jnp.float32, None, 2e-5),
+    (64, 4, 2, 8, 2, 4, jnp.bfloat16, None, 1e-2),
+    (64, 2, 4, 16, 6, None, jnp.float32, "default", 3e-3),
+]
+
+
+@pytest.mark.parametrize("head_dim,k_bits,v_bits,page_size,group,num_splits,qdtype,precision,tol", TC_BITS_CASES)
+def test_paged_decode_tensor_core_bits(rng, head_dim, k_bits, v_bits, page_size, group, num_splits, qdtype,
+                                       precision, tol):
+    _check_tensor_core_case(rng, head_dim, k_bits, v_bits, page_size, group, num_splits, qdtype, precision, tol)
+
+
 @pytest.mark.parametrize("head_dim,page_size,group,num_splits,qdtype,precision,tol", TC_CASES)
 def test_paged_decode_tensor_core_cases(rng, head_dim, page_size, group, num_splits, qdtype, precision, tol):
-    q, cache, tables, lens = _decode_inputs(rng, head_dim, 4, 4, page_size, group, 2, qdtype, max_len=900)
+    _check_tensor_core_case(rng, head_dim, 4, 4, page_size, group, num_splits, qdtype, precision, tol)
+
+
+def _check_tensor_core_case(rng, head_dim, k_bits, v_bits, page_size, group, num_splits, qdtype, precision, tol):
+    q, cache, tables, lens = _decode_inputs(rng, head_dim, k_bits, v_bits, page_size, group, 2, qdtype, max_len=900)
     _poison_device(q.size * 4 * 8 * 70)
     fn = jax.jit(lambda *a: tq.paged_decode(*a, num_splits=num_splits, precision=precision))
     got = np.asarray(fn(q, cache, tables, lens).astype(jnp.float32), np.float64)
@@ -436,15 +457,18 @@ FUSED_CASES = [
     (16, 3, 1, jnp.float32, "highest", 2e-5),
     (64, 12, 4, jnp.float32, "highest", 2e-5),
     (16, 4, 1, jnp.float32, None, 3e-3),
+    (16, 2, 1, jnp.bfloat16, None, 1e-2, 2),   # K2V2 (v4 register variant), group 2
+    (32, 4, 3, jnp.float32, "highest", 2e-5, 2),
 ]
 
 
-@pytest.mark.parametrize("page_size,group,num_splits,qdtype,precision,tol", FUSED_CASES)
-def test_paged_decode_fused_rotation(rng, page_size, group, num_splits, qdtype, precision, tol):
+@pytest.mark.parametrize("page_size,group,num_splits,qdtype,precision,tol,bits",
+                         [c if len(c) == 7 else (*c, 4) for c in FUSED_CASES])
+def test_paged_decode_fused_rotation(rng, page_size, group, num_splits, qdtype, precision, tol, bits):
     """Against float64, with NaN rows where q is not finite and where a finite q's rotation passes
     float32 (3e38 in every coordinate); the memory is poisoned first, and the rotation operand must
     reach the kernel wherever the tensor-core kernels run."""
-    q, cache, tables, lens = _decode_inputs(rng, 128, 4, 4, page_size, group, 2, qdtype, max_len=900,
+    q, cache, tables, lens = _decode_inputs(rng, 128, bits, bits, page_size, group, 2, qdtype, max_len=900,
                                             rotation="hadamard")
     q = q.at[2, 1, 17].set(jnp.nan)
     bad = np.zeros(q.shape[:2], bool)
@@ -454,7 +478,7 @@ def test_paged_decode_fused_rotation(rng, page_size, group, num_splits, qdtype, 
         bad[3, 0] = True
     fn = jax.jit(lambda *a: tq.paged_decode(*a, num_splits=num_splits, precision=precision))
     fused = "tensor<2x128xi32>" in fn.lower(q, cache, tables, lens).as_text()
-    assert fused == uses_tensor_core_kernel(128, 4, 4, group)
+    assert fused == uses_tensor_core_kernel(128, bits, bits, group)
     _poison_device(q.size * 4 * 8 * 70)
     got = np.asarray(fn(q, cache, tables, lens).astype(jnp.float32), np.float64)
     assert np.all(np.isnan(got[bad])) and np.all(np.isfinite(got[~bad])) and np.all(got[0] == 0.0)

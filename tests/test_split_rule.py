@@ -39,7 +39,9 @@ def test_tensor_core_kernel_selection_follows_the_environment(monkeypatch):
     monkeypatch.delenv("JAX_TQ_CUDA_DECODE", raising=False)
     for group in (1, 2, 3, 4, 6, 8, 16):
         assert pd.uses_tensor_core_kernel(128, 4, 4, group) and pd.uses_tensor_core_kernel(64, 4, 4, group)
-    for args in ((80, 4, 4, 4), (96, 4, 4, 4), (256, 4, 4, 8), (128, 3, 4, 4), (128, 4, 2, 4), (64, 3, 3, 1)):
+    for args in ((128, 2, 2, 4), (128, 4, 2, 1), (64, 2, 4, 8)):
+        assert pd.uses_tensor_core_kernel(*args), args
+    for args in ((80, 4, 4, 4), (96, 4, 4, 4), (256, 4, 4, 8), (128, 3, 4, 4), (128, 4, 3, 4), (64, 3, 3, 1)):
         assert not pd.uses_tensor_core_kernel(*args), args
     monkeypatch.setenv("JAX_TQ_CUDA_DECODE", "v1")
     assert not pd.uses_tensor_core_kernel(128, 4, 4, 4)
