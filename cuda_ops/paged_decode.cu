@@ -1271,10 +1271,10 @@ ffi::Error dispatch_gt_v2(int gt, cudaStream_t stream, const DecodeParams& p, di
 // jax_tq's split-count rule reads the same variable):
 //   v4 / v3 (tensor-core mma.sync kernels, paged_decode_mma.cuh): the default where they apply -
 //      head_dim 64 / 128, K and V of 4 or 2 bits, any GQA group (head tiles of 4 or 8), K / V code
-//      pools aligned to their per-lane loads (head_dim / 8 and / 16 bytes). v4 (8 warps per CTA, 2 CTAs
+//      pools aligned to their per-lane loads (head_dim * bits / 32 and / 64 bytes). v4 (8 warps per CTA, 2 CTAs
 //      per SM) for f16 products; v3 (4 warps per CTA, 3 per SM) for f32-accurate products, and for
 //      every product precision with JAX_TQ_CUDA_DECODE=v3. v4 runs its shared-memory ring variant
-//      (use_ring: head_dim 128, pages of a multiple of 16 tokens, 16-byte aligned pools, 2 CTAs per SM) unless
+//      (use_ring: 4-bit K and V, pages of a multiple of 16 tokens, 16-byte aligned pools, 2 CTAs per SM) unless
 //      JAX_TQ_CUDA_DECODE=v4; "v5" names that default.
 //   v1 (block-synchronous cp.async pipeline, fp32 CUDA-core math): every other configuration, and
 //      everywhere with JAX_TQ_CUDA_DECODE=v1.
@@ -1302,9 +1302,9 @@ bool use_v2(int d, const DecodeParams& p) {
   return reinterpret_cast<uintptr_t>(p.kc) % 4 == 0 && reinterpret_cast<uintptr_t>(p.vc) % 4 == 0;
 }
 
-// The tensor-core kernels: head_dim 64 or 128 (as compiled in), 4-bit K and V, any GQA group (head
-// tiles of 1 or 2 query heads run in the 4-head kernels, padded like a group of 3), K / V code
-// loads of 16 / 8 bytes (head_dim 128) or 8 / 4 (64) aligned.
+// The tensor-core kernels: head_dim 64 or 128 (as compiled in), K and V of 4 or 2 bits, any GQA
+// group (head tiles of 1 or 2 query heads run in the 4-head kernels, padded like a group of 3), K / V
+// code pools aligned to a lane's loads: head_dim * bits / 32 bytes of K, / 64 of V.
 bool use_v3(int d, int gt, const DecodeParams& p) {
   (void)gt;
   const DecodeKernel k = requested_kernel();
@@ -1485,7 +1485,8 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot,
   if (ns > 1 && d > kCombineMaxD) return invalid("head_dim above the combine kernel's 256");
   if (dims.fused && !fused_rotation_ok(static_cast<int>(d), gt, p))
     return invalid("the fused (Hadamard) rotation runs on the tensor-core kernels only: head_dim 128, "
-                   "4-bit K and V, JAX_TQ_CUDA_DECODE not v1 / v2");
+                   "K and V of 4 or 2 bits, code pools aligned to the per-lane loads, a 16-byte aligned "
+                   "rotation operand, JAX_TQ_CUDA_DECODE not v1 / v2");
   const dim3 grid(static_cast<unsigned>(S * ns), static_cast<unsigned>(Hkv * ntiles));
   if (auto e = dispatch_d(static_cast<int>(d), gt, f16_products != 0, stream, p, grid); e.failure())
     return e;

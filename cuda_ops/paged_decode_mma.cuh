@@ -81,7 +81,7 @@
 
 namespace v3 {
 
-constexpr int kD = 128;     // head_dim of the ring variant and of the fused rotation
+constexpr int kD = 128;     // head_dim of the fused rotation; kRowB / kStageB / kRingBytes: its ring
 constexpr int kNH = 8;      // MMA n: heads per tile (GT padded)
 constexpr int kTT = 16;     // tokens per warp tile
 constexpr int kRowB = 64;   // code bytes per row at kD (128 coordinates x 4 bits)

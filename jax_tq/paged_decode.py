@@ -86,7 +86,8 @@ def paged_decode(q, cache, block_tables, seq_lens, *, scale=None, num_splits=Non
         PagedKVCache; scale or num_splits not a concrete Python number of the right kind.
       ValueError: wrong ranks or shapes, head_dim differs from the cache's codecs, num_heads not a
         multiple of num_kv_heads, num_splits < 1, a non-finite or float32-overflowing scale, an
-        unknown precision.
+        unknown precision; ``JAX_TQ_FUSED_ROTATION`` set to something other than 1/true/on/yes or
+        0/false/off/no.
 
     Source: TurboQuant (arXiv 2504.19874), Algorithm 1: scores <Pi_k q, c[idx]> * ||k|| against the
     stored codes, the output rotated back once by Pi_v^T; split-K with a log-sum-exp combine
@@ -156,7 +157,7 @@ def _fused_rotation(k_codec, v_codec, backend: str, group: int):
     Raises:
       ValueError: ``JAX_TQ_FUSED_ROTATION`` is not one of 1/true/on/yes or 0/false/off/no.
     """
-    if backend == "xla" or not _env_flag(FUSED_ROTATION_ENV, default=True):
+    if not _env_flag(FUSED_ROTATION_ENV, default=True) or backend == "xla":
         return None
     k_spec, v_spec = k_codec.hadamard_spec, v_codec.hadamard_spec
     if k_spec is None or v_spec is None or k_codec.head_dim != FUSED_ROTATION_HEAD_DIM:

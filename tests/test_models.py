@@ -162,9 +162,29 @@ def test_check_decode_matches_eval_reports_both_comparisons(tiny, rotation):
     assert r["num_tokens"] == 19 and r["ok"] and r["last_argmax_equal"]
     assert r["max_abs_diff"] < 1e-4 and r["argmax_agree"] == 1.0
     assert r["same_codes_max_abs_diff"] == r["max_abs_diff"] and r["positions_with_own_flips"] == 0
+    assert r["own_norms_max_rel_diff"] < 1e-5
     assert r["free_max_abs_diff"] < 1e-4 and r["free_argmax_agree"] == 1.0
     # 2 layers x 2 KV heads x 5 pages x 4 tokens x (32 K + 24 V bytes) of the pages the sequence uses
     assert r["code_bytes"] == 2 * 2 * 5 * 4 * (32 + 24) and r["code_bytes_differ"] == 0
+
+
+def test_check_decode_matches_eval_fails_on_a_decode_step_that_writes_the_wrong_slot(tiny, monkeypatch):
+    """A decode step whose cache write lands one slot off (its attention unchanged) must fail the check."""
+    import jax
+    from flax import nnx
+
+    from jax_tq.models import llama
+
+    def off_by_one(graphdef, state, caches, token, position, block_tables, seq_lens):
+        model = nnx.merge(graphdef, state)
+        slots = llama.slot_mapping_for(block_tables, position + 1, llama._page_size(caches[0]))
+        slots = jnp.where(seq_lens > 0, slots, -1)
+        return model.apply_compressed(token, position, caches, slots, block_tables, seq_lens)
+
+    monkeypatch.setattr(llama, "_decode_pure", jax.jit(off_by_one, static_argnums=(0,)))
+    ids = np.random.default_rng(6).integers(0, TINY.vocab_size, 9).astype(np.int32)
+    r = ev.check_decode_matches_eval(tiny, ids, ev.CacheConfig(k_bits=4, v_bits=4, page_size=4))
+    assert not r["ok"] and r["positions_with_own_flips"] == 9
 
 
 def test_positions_beyond_the_block_table_are_refused_or_not_written(tiny):

@@ -221,6 +221,8 @@ def test_fused_rotation_env_values(rng, monkeypatch, value, fused):
     monkeypatch.setenv("JAX_TQ_FUSED_ROTATION", "nope")
     with pytest.raises(ValueError, match="JAX_TQ_FUSED_ROTATION='nope'"):
         jax.jit(lambda q, t, s: tq.paged_decode(q, cache, t, s)).lower(q, tables, seq_lens)
+    with tq.use_backend("xla"), pytest.raises(ValueError, match="JAX_TQ_FUSED_ROTATION"):
+        jax.jit(lambda q, t, s: tq.paged_decode(q, cache, t, s)).lower(q, tables, seq_lens)
 
 
 def test_paged_decode_fused_rotation_grad_vmap_and_reference_lowering(rng):
