@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from jax_tq.cache import PagedKVCache, write_cache
 from jax_tq.codec import TurboQuant
-from jax_tq.compress import check_packed_codec, compress, decompress
+from jax_tq.compress import check_float_input, check_packed_codec, compress, decompress
 from jax_tq.paged_decode import paged_decode
 
 
@@ -58,9 +58,7 @@ def turboquant_attention_fn(k_codec: TurboQuant, v_codec: TurboQuant, base_atten
     @functools.wraps(base_attention_fn)
     def attention_fn(query, key, value, *args, **kwargs):
         for name, x, codec in (("key", key, k_codec), ("value", value, v_codec)):
-            if jnp.result_type(x) not in _FLOAT_DTYPES:
-                raise TypeError(f"jax_tq.nn.turboquant_attention_fn: {name} must be float32, bfloat16 or float16, "
-                                f"got {jnp.result_type(x)}")
+            check_float_input(jnp.asarray(x), name, "nn.turboquant_attention_fn")
             if jnp.ndim(x) < 1 or jnp.shape(x)[-1] != codec.head_dim:
                 raise ValueError(f"jax_tq.nn.turboquant_attention_fn: {name} must be [..., kv_len, num_kv_heads, "
                                  f"{codec.head_dim}] (the codec's head_dim), got shape {tuple(jnp.shape(x))}")
@@ -69,9 +67,6 @@ def turboquant_attention_fn(k_codec: TurboQuant, v_codec: TurboQuant, base_atten
         return base_attention_fn(query, key_hat, value_hat, *args, **kwargs)
 
     return attention_fn
-
-
-_FLOAT_DTYPES = tuple(jnp.dtype(t) for t in (jnp.float32, jnp.bfloat16, jnp.float16))
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
