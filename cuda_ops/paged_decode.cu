@@ -797,16 +797,7 @@ __device__ __forceinline__ uint32_t load_codes(const uint8_t* rowp, int bits, in
 // 8 codes of `bits` bits (code i at bit bits*i) -> 8 nibbles (code i at bit 4i).
 __device__ __forceinline__ uint32_t to_nibbles(uint32_t x, int bits) {
   if (bits == 4) return x;
-  if (bits == 2) {
-    x = (x | (x << 8)) & 0x00FF00FFu;
-    x = (x | (x << 4)) & 0x0F0F0F0Fu;
-    x = (x | (x << 2)) & 0x33333333u;
-    return x;
-  }
-  x = (x & 0x00000FFFu) | ((x & 0x00FFF000u) << 4);
-  x = (x & 0x003F003Fu) | ((x & 0x0FC00FC0u) << 2);
-  x = (x & 0x07070707u) | ((x & 0x38383838u) << 1);
-  return x;
+  return bits == 2 ? nibbles_from_2bit(x) : nibbles_from_3bit(x);
 }
 
 // c[e] = table[code e] for the 8 nibbles of n.
@@ -1201,30 +1192,31 @@ ffi::Error launch_mma(int threads, const char* name, cudaStream_t stream, const 
   return ffi::Error::Success();
 }
 
-template <int D, int GT, bool SPLIT, bool B4 = true>
+// KB / VB: compile-time code widths, or 0: the runtime p.k_bits / p.v_bits (register variants).
+template <int D, int GT, bool SPLIT, int KB = 4, int VB = 4>
 ffi::Error launch_v3(cudaStream_t stream, const DecodeParams& p, dim3 grid) {
-  return launch_mma<v3::paged_decode_v3_kernel<D, GT, SPLIT, B4>>(kThreads, "v3", stream, p, grid);
+  return launch_mma<v3::paged_decode_v3_kernel<D, GT, SPLIT, KB, VB>>(kThreads, "v3", stream, p, grid);
 }
 
-template <int D, int GT, bool RING, bool B4 = true>
+template <int D, int GT, bool RING, int KB = 4, int VB = 4>
 ffi::Error launch_v4(cudaStream_t stream, const DecodeParams& p, dim3 grid) {
-  constexpr int smem = v3::kSmemBytes + (RING ? v3::ring_bytes<D>() : 0);
-  return launch_mma<v3::paged_decode_v4_kernel<D, GT, false, RING, B4>, smem>(
+  constexpr int smem = v3::kSmemBytes + (RING ? v3::ring_bytes<D, KB, VB>() : 0);
+  return launch_mma<v3::paged_decode_v4_kernel<D, GT, false, RING, KB, VB>, smem>(
       v3::kT4, RING ? "v4 ring" : "v4", stream, p, grid);
 }
 
 // Whether v4's ring variant keeps kCtasPerSm4 CTAs per SM on the current device (the split rule
 // assumes it): yes on sm_90 (227 KB of shared memory per SM); sm_80's 164 KB holds one, so the
 // register variant runs there. Asked once per device.
-template <int D, int GT>
+template <int D, int GT, int KB, int VB>
 bool ring_fits() {
   static std::atomic<int> known[64];  // 0: not asked yet, 1: fits, 2: does not
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
   int state = known[dev].load(std::memory_order_acquire);
   if (state == 0) {
-    constexpr int smem = v3::kSmemBytes + v3::ring_bytes<D>();
-    const auto kernel = v3::paged_decode_v4_kernel<D, GT, false, true>;
+    constexpr int smem = v3::kSmemBytes + v3::ring_bytes<D, KB, VB>();
+    const auto kernel = v3::paged_decode_v4_kernel<D, GT, false, true, KB, VB>;
     int ctas = 0;
     const bool fits =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) == cudaSuccess &&
@@ -1270,12 +1262,12 @@ ffi::Error dispatch_gt_v2(int gt, cudaStream_t stream, const DecodeParams& p, di
 // Kernel choice (environment variable JAX_TQ_CUDA_DECODE = v1 | v2 | v3 | v4 | v5, read once;
 // jax_tq's split-count rule reads the same variable):
 //   v4 / v3 (tensor-core mma.sync kernels, paged_decode_mma.cuh): the default where they apply -
-//      head_dim 64 / 128, K and V of 4 or 2 bits, any GQA group (head tiles of 4 or 8), K / V code
-//      pools aligned to their per-lane loads (head_dim * bits / 32 and / 64 bytes). v4 (8 warps per CTA, 2 CTAs
+//      head_dim 64 / 128, K and V of 2, 3 or 4 bits each, any GQA group (head tiles of 4 or 8), K / V
+//      code pools aligned to their per-lane loads (code_alignment). v4 (8 warps per CTA, 2 CTAs
 //      per SM) for f16 products; v3 (4 warps per CTA, 3 per SM) for f32-accurate products, and for
 //      every product precision with JAX_TQ_CUDA_DECODE=v3. v4 runs its shared-memory ring variant
-//      (use_ring: 4-bit K and V, pages of a multiple of 16 tokens, 16-byte aligned pools, 2 CTAs per SM) unless
-//      JAX_TQ_CUDA_DECODE=v4; "v5" names that default.
+//      (use_ring: pages of a multiple of 16 tokens, 16-byte aligned pools, 2 CTAs per SM; the K / V
+//      widths compiled in) unless JAX_TQ_CUDA_DECODE=v4; "v5" names that default.
 //   v1 (block-synchronous cp.async pipeline, fp32 CUDA-core math): every other configuration, and
 //      everywhere with JAX_TQ_CUDA_DECODE=v1.
 //   v2 (warp-independent streaming, fp32): only with JAX_TQ_CUDA_DECODE=v2 (A/B timing; slower than
@@ -1302,46 +1294,74 @@ bool use_v2(int d, const DecodeParams& p) {
   return reinterpret_cast<uintptr_t>(p.kc) % 4 == 0 && reinterpret_cast<uintptr_t>(p.vc) % 4 == 0;
 }
 
-// The tensor-core kernels: head_dim 64 or 128 (as compiled in), K and V of 4 or 2 bits, any GQA
-// group (head tiles of 1 or 2 query heads run in the 4-head kernels, padded like a group of 3), K / V
-// code pools aligned to a lane's loads: head_dim * bits / 32 bytes of K, / 64 of V.
+// Alignment a code pool needs for the tensor-core kernels' per-lane loads of `lane_bytes` (a K
+// lane: head_dim * bits / 32 bytes, a V lane: / 64): 4- and 2-bit chunks are loaded whole, 3-bit
+// ones as 4-byte words with 2-byte halves and bytes where they start unaligned.
+int code_alignment(int bits, int lane_bytes) { return bits == 3 ? 4 : lane_bytes; }
+
+// The tensor-core kernels: head_dim 64 or 128 (as compiled in), K and V of 2, 3 or 4 bits, any
+// GQA group (head tiles of 1 or 2 query heads run in the 4-head kernels, padded like a group of 3),
+// K / V code pools aligned to a lane's loads (code_alignment).
 bool use_v3(int d, int gt, const DecodeParams& p) {
   (void)gt;
   const DecodeKernel k = requested_kernel();
   if (k == DecodeKernel::kV1 || k == DecodeKernel::kV2) return false;
   if (!((d == 128 && JTQ_HAS_D(128)) || (d == 64 && JTQ_HAS_D(64)))) return false;
-  if ((p.k_bits != 4 && p.k_bits != 2) || (p.v_bits != 4 && p.v_bits != 2)) return false;
-  const int k_load = d * p.k_bits / 32, v_load = d * p.v_bits / 64;  // bytes of a lane's code loads
-  return reinterpret_cast<uintptr_t>(p.kc) % k_load == 0 && reinterpret_cast<uintptr_t>(p.vc) % v_load == 0;
+  if (p.k_bits < 2 || p.k_bits > 4 || p.v_bits < 2 || p.v_bits > 4) return false;
+  const int k_align = code_alignment(p.k_bits, d * p.k_bits / 32);
+  const int v_align = code_alignment(p.v_bits, d * p.v_bits / 64);
+  return reinterpret_cast<uintptr_t>(p.kc) % k_align == 0 && reinterpret_cast<uintptr_t>(p.vc) % v_align == 0;
 }
 
 // v4's ring variant (16-byte cp.async of whole one-page tiles): pages of a multiple of 16 tokens,
 // all four pools 16-byte aligned, 2 CTAs per SM; JAX_TQ_CUDA_DECODE=v4 keeps the register variant.
-template <int D>
+template <int D, int KB, int VB>
 bool use_ring(int gt, const DecodeParams& p) {
-  if (requested_kernel() == DecodeKernel::kV4 || p.page_size % 16 != 0 || p.k_bits != 4 || p.v_bits != 4) return false;
+  if (requested_kernel() == DecodeKernel::kV4 || p.page_size % 16 != 0) return false;
   for (const void* pool : {static_cast<const void*>(p.kc), static_cast<const void*>(p.vc),
                            static_cast<const void*>(p.kn), static_cast<const void*>(p.vn)})
     if (reinterpret_cast<uintptr_t>(pool) % 16 != 0) return false;
-  return gt <= 4 ? ring_fits<D, 4>() : ring_fits<D, 8>();
+  return gt <= 4 ? ring_fits<D, 4, KB, VB>() : ring_fits<D, 8, KB, VB>();
+}
+
+// v4 (f16 products) with compile-time K / V widths: the ring where it fits, else the register
+// variant.
+template <int D, int KB, int VB>
+ffi::Error launch_v4_bits(int gt, cudaStream_t stream, const DecodeParams& p, dim3 grid) {
+  const bool four = gt <= 4;
+  if (use_ring<D, KB, VB>(gt, p))
+    return four ? launch_v4<D, 4, true, KB, VB>(stream, p, grid) : launch_v4<D, 8, true, KB, VB>(stream, p, grid);
+  if constexpr (KB == 4 && VB == 4)
+    return four ? launch_v4<D, 4, false>(stream, p, grid) : launch_v4<D, 8, false>(stream, p, grid);
+  else  // other widths share one register variant that reads them at run time
+    return four ? launch_v4<D, 4, false, 0, 0>(stream, p, grid) : launch_v4<D, 8, false, 0, 0>(stream, p, grid);
+}
+
+template <int D, int KB>
+ffi::Error launch_v4_vbits(int gt, cudaStream_t stream, const DecodeParams& p, dim3 grid) {
+  switch (p.v_bits) {
+    case 2: return launch_v4_bits<D, KB, 2>(gt, stream, p, grid);
+    case 3: return launch_v4_bits<D, KB, 3>(gt, stream, p, grid);
+    default: return launch_v4_bits<D, KB, 4>(gt, stream, p, grid);
+  }
 }
 
 // gt: 1, 2 or 4 -> the 4-head kernels, 8 -> the 8-head ones.
 template <int D>
 ffi::Error dispatch_v3(int gt, bool f16, cudaStream_t stream, const DecodeParams& p, dim3 grid) {
   const bool four = gt <= 4;
-  if (p.k_bits != 4 || p.v_bits != 4) {  // a 2-bit K or V: the register variants that spread codes to nibbles
-    if (f16 && requested_kernel() != DecodeKernel::kV3)
-      return four ? launch_v4<D, 4, false, false>(stream, p, grid) : launch_v4<D, 8, false, false>(stream, p, grid);
-    if (four) return f16 ? launch_v3<D, 4, false, false>(stream, p, grid) : launch_v3<D, 4, true, false>(stream, p, grid);
-    return f16 ? launch_v3<D, 8, false, false>(stream, p, grid) : launch_v3<D, 8, true, false>(stream, p, grid);
-  }
   // v4 (8 warps per CTA in 128 registers) for f16 products; f32-accurate (hi / lo) products need
   // more registers than that and stay on v3.
   if (f16 && requested_kernel() != DecodeKernel::kV3) {
-    if (use_ring<D>(gt, p))
-      return four ? launch_v4<D, 4, true>(stream, p, grid) : launch_v4<D, 8, true>(stream, p, grid);
-    return four ? launch_v4<D, 4, false>(stream, p, grid) : launch_v4<D, 8, false>(stream, p, grid);
+    switch (p.k_bits) {
+      case 2: return launch_v4_vbits<D, 2>(gt, stream, p, grid);
+      case 3: return launch_v4_vbits<D, 3>(gt, stream, p, grid);
+      default: return launch_v4_vbits<D, 4>(gt, stream, p, grid);
+    }
+  }
+  if (p.k_bits != 4 || p.v_bits != 4) {  // other widths: the variants that read them at run time
+    if (four) return f16 ? launch_v3<D, 4, false, 0, 0>(stream, p, grid) : launch_v3<D, 4, true, 0, 0>(stream, p, grid);
+    return f16 ? launch_v3<D, 8, false, 0, 0>(stream, p, grid) : launch_v3<D, 8, true, 0, 0>(stream, p, grid);
   }
   if (four) return f16 ? launch_v3<D, 4, false>(stream, p, grid) : launch_v3<D, 4, true>(stream, p, grid);
   return f16 ? launch_v3<D, 8, false>(stream, p, grid) : launch_v3<D, 8, true>(stream, p, grid);

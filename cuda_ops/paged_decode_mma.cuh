@@ -81,51 +81,21 @@
 
 namespace v3 {
 
-constexpr int kD = 128;     // head_dim of the fused rotation; kRowB / kStageB / kRingBytes: its ring
+constexpr int kD = 128;     // head_dim of the fused rotation
 constexpr int kNH = 8;      // MMA n: heads per tile (GT padded)
 constexpr int kTT = 16;     // tokens per warp tile
-constexpr int kRowB = 64;   // code bytes per row at kD (128 coordinates x 4 bits)
 
 // Per-head_dim geometry of the tile loop (D = 64 or 128; the layouts in the header comment are
 // written for 128: a lane's K bytes are (D / 8) * t4 .. of a row, its V bytes (D / 16) * gid ..).
 template <int D>
 struct Dims {
   static_assert(D == 64 || D == 128, "tensor-core decode: head_dim 64 or 128");
-  static constexpr int kRowB = D / 2;  // code bytes per row
   static constexpr int kKS = D / 16;   // K-phase k-steps = V-phase m-tiles
   static constexpr int kKW = D / 32;   // 32-bit words of a lane's K codes per token
   static constexpr int kVW = D / 64;   // 32-bit words of a lane's V codes per token
   static constexpr int kQL = D / 32;   // query coordinates per lane in the prologue
 };
 
-// N consecutive 32-bit words from global (read-only path) or shared memory, as one vector load.
-template <int N>
-__device__ __forceinline__ void ldg_words(const uint8_t* src, uint32_t (&w)[N]) {
-  static_assert(N == 1 || N == 2 || N == 4, "1, 2 or 4 words");
-  if constexpr (N == 4) {
-    const uint4 v = __ldg(reinterpret_cast<const uint4*>(src));
-    w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
-  } else if constexpr (N == 2) {
-    const uint2 v = __ldg(reinterpret_cast<const uint2*>(src));
-    w[0] = v.x, w[1] = v.y;
-  } else {
-    w[0] = __ldg(reinterpret_cast<const uint32_t*>(src));
-  }
-}
-
-template <int N>
-__device__ __forceinline__ void lds_words(const uint8_t* src, uint32_t (&w)[N]) {
-  static_assert(N == 1 || N == 2 || N == 4, "1, 2 or 4 words");
-  if constexpr (N == 4) {
-    const uint4 v = *reinterpret_cast<const uint4*>(src);
-    w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
-  } else if constexpr (N == 2) {
-    const uint2 v = *reinterpret_cast<const uint2*>(src);
-    w[0] = v.x, w[1] = v.y;
-  } else {
-    w[0] = *reinterpret_cast<const uint32_t*>(src);
-  }
-}
 constexpr int kWRow = 10;   // padded row (floats) of the per-warp P tile: conflict-free B reads
 constexpr int kCtasPerSm = 3;                 // residency the launch bounds and shared memory allow
 constexpr int kSmemBytes = 256 * 256;  // interleaved K / V tables (o_s and the q staging alias them)
@@ -229,27 +199,79 @@ __device__ __forceinline__ void build_pair_luts(uint8_t* smem, const LutSeed& se
   store_lut_entry<SPLIT>(smem, 1, threadIdx.x & 255, seed.v_lo, seed.v_hi);
 }
 
-// The N nibble words (8 codes each, code i in bits 4i..4i+3) of a lane's codes starting at src:
-// 4-bit rows hold them as they are; 2-bit rows hold the same codes in half the bytes (code i in
-// bits 2i..2i+1), spread to nibbles here, so that everything after the load is the 4-bit code.
-template <bool B4, int N>
-__device__ __forceinline__ void ldg_codes(const uint8_t* src, int bits, uint32_t (&w)[N]) {
-  if (B4 || bits == 4) {
-    ldg_words(src, w);
-    return;
-  }
-  if constexpr (B4) {
-    return;
-  } else if constexpr (N >= 2) {
-    uint32_t h[N / 2];
-    ldg_words(src, h);
-#pragma unroll
-    for (int i = 0; i < N / 2; ++i) {
-      w[2 * i] = v2::to_nibbles(h[i] & 0xFFFFu, 2);
-      w[2 * i + 1] = v2::to_nibbles(h[i] >> 16, 2);
+// ---- code loads of any width: a lane's 8N consecutive codes as N nibble words ------------------
+// (8 codes each, code i in bits 4i..4i+3), so that everything after the load is the 4-bit code.
+// 4-bit rows hold them as they are; 2- and 3-bit rows (docs/FORMAT.md) are spread to nibbles here.
+
+struct GlobalMem {  // the read-only data path
+  template <class T>
+  static __device__ __forceinline__ T at(const uint8_t* p) { return __ldg(reinterpret_cast<const T*>(p)); }
+};
+struct SharedMem {
+  template <class T>
+  static __device__ __forceinline__ T at(const uint8_t* p) { return *reinterpret_cast<const T*>(p); }
+};
+
+// src: the first byte of a lane's 8N codes of width BITS (N = 4: a 4-byte aligned chunk; N <= 2:
+// a 3-bit chunk may start on any 2-byte (N = 2) or byte (N = 1) boundary).
+template <int BITS, int N, class Mem>
+__device__ __forceinline__ void load_nibbles(const uint8_t* src, uint32_t (&w)[N]) {
+  static_assert(N == 1 || N == 2 || N == 4, "1, 2 or 4 groups of 8 codes");
+  static_assert(BITS == 2 || BITS == 3 || BITS == 4, "2, 3 or 4 bits");
+  if constexpr (BITS == 4) {
+    if constexpr (N == 4) {
+      const uint4 v = Mem::template at<uint4>(src);
+      w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
+    } else if constexpr (N == 2) {
+      const uint2 v = Mem::template at<uint2>(src);
+      w[0] = v.x, w[1] = v.y;
+    } else {
+      w[0] = Mem::template at<uint32_t>(src);
     }
+  } else if constexpr (BITS == 2) {
+    if constexpr (N == 4) {
+      const uint2 v = Mem::template at<uint2>(src);
+      w[0] = nibbles_from_2bit(v.x & 0xFFFFu), w[1] = nibbles_from_2bit(v.x >> 16);
+      w[2] = nibbles_from_2bit(v.y & 0xFFFFu), w[3] = nibbles_from_2bit(v.y >> 16);
+    } else if constexpr (N == 2) {
+      const uint32_t v = Mem::template at<uint32_t>(src);
+      w[0] = nibbles_from_2bit(v & 0xFFFFu), w[1] = nibbles_from_2bit(v >> 16);
+    } else {
+      w[0] = nibbles_from_2bit(Mem::template at<unsigned short>(src));
+    }
+  } else if constexpr (N == 4) {  // 3-bit, 12 bytes
+    const uint32_t a = Mem::template at<uint32_t>(src), b = Mem::template at<uint32_t>(src + 4),
+                   c = Mem::template at<uint32_t>(src + 8);
+    w[0] = nibbles_from_3bit(a);
+    w[1] = nibbles_from_3bit(__funnelshift_r(a, b, 24));
+    w[2] = nibbles_from_3bit(__funnelshift_r(b, c, 16));
+    w[3] = nibbles_from_3bit(c >> 8);
+  } else if constexpr (N == 2) {  // 3-bit, 6 bytes from a 4-byte word and a 2-byte half
+    const bool odd = (reinterpret_cast<uintptr_t>(src) & 2u) != 0;  // src + 2 is 4-byte aligned
+    const uint32_t word = Mem::template at<uint32_t>(src + (odd ? 2 : 0));
+    const uint32_t half = Mem::template at<unsigned short>(src + (odd ? 0 : 4));
+    const uint32_t lo = odd ? (half | (word << 16)) : word;  // bits 0..31 of the 48
+    const uint32_t hi = odd ? (word >> 16) : half;           // bits 32..47
+    w[0] = nibbles_from_3bit(lo);
+    w[1] = nibbles_from_3bit(__funnelshift_r(lo, hi, 24));
+  } else {  // 3-bit, 3 bytes
+    const uint32_t b0 = Mem::template at<uint8_t>(src), b1 = Mem::template at<uint8_t>(src + 1),
+                   b2 = Mem::template at<uint8_t>(src + 2);
+    w[0] = nibbles_from_3bit(b0 | (b1 << 8) | (b2 << 16));
+  }
+}
+
+// BITS 0: the width is the runtime `bits` (2, 3 or 4); otherwise BITS.
+template <int BITS, int N>
+__device__ __forceinline__ void ldg_codes(const uint8_t* src, int bits, uint32_t (&w)[N]) {
+  if constexpr (BITS != 0) {
+    load_nibbles<BITS, N, GlobalMem>(src, w);
+  } else if (bits == 4) {
+    load_nibbles<4, N, GlobalMem>(src, w);
+  } else if (bits == 3) {
+    load_nibbles<3, N, GlobalMem>(src, w);
   } else {
-    w[0] = v2::to_nibbles(__ldg(reinterpret_cast<const unsigned short*>(src)), 2);
+    load_nibbles<2, N, GlobalMem>(src, w);
   }
 }
 
@@ -485,15 +507,15 @@ __device__ __forceinline__ void merge_tile_state(const DecodeParams& p, const fl
 // With one-page tiles the page id of a warp's next-but-one tile is read one iteration ahead, so the
 // code loads of its next tile never wait for a block-table read first (one memory latency per tile
 // instead of two).
-// B4: 4-bit K and V (code loads as they are); otherwise each of K / V may be 2-bit (ldg_codes).
-template <int D, int GT, bool SPLIT, bool B4 = true>
+// KB / VB: the K / V code width (2, 3 or 4), or 0: the runtime p.k_bits / p.v_bits (ldg_codes).
+template <int D, int GT, bool SPLIT, int KB = 4, int VB = 4>
 __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     paged_decode_v3_kernel(const DecodeParams p) {
   static_assert(GT == 4 || GT == 8, "v3: GT in {4, 8}");
   static_assert(kNH == 2 * kWarps, "prologue: two heads per warp");
   static_assert(kWarps * kNH * D * 4 <= kSmemBytes, "o_s must fit in the table space");
   constexpr int KS = Dims<D>::kKS;
-  const int krow = B4 ? D / 2 : D * p.k_bits / 8, vrow = B4 ? D / 2 : D * p.v_bits / 8;  // code bytes per row
+  const int krow = D * (KB ? KB : p.k_bits) / 8, vrow = D * (VB ? VB : p.v_bits) / 8;  // code bytes per row
 
   extern __shared__ __align__(16) uint8_t smem[];  // kSmemBytes: interleaved K / V tables
   __shared__ float qexp_s[kNH];
@@ -564,18 +586,18 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
       for (int e = 0; e < 4; ++e) rv[e] = token_row(p, bt_seq, base + 4 * t4 + e, tok_end, kvh);
     }
     if (r0 >= 0) {
-      ldg_codes<B4>(p.kc + r0 * krow + (krow / 4) * t4, p.k_bits, t.k0);
+      ldg_codes<KB>(p.kc + r0 * krow + (krow / 4) * t4, p.k_bits, t.k0);
       t.kn0 = __ldg(p.kn + r0);
       t.vn0 = __ldg(p.vn + r0);
     }
     if (r1 >= 0) {
-      ldg_codes<B4>(p.kc + r1 * krow + (krow / 4) * t4, p.k_bits, t.k1);
+      ldg_codes<KB>(p.kc + r1 * krow + (krow / 4) * t4, p.k_bits, t.k1);
       t.kn1 = __ldg(p.kn + r1);
       t.vn1 = __ldg(p.vn + r1);
     }
 #pragma unroll
     for (int e = 0; e < 4; ++e)
-      if (rv[e] >= 0) ldg_codes<B4>(p.vc + rv[e] * vrow + (vrow / 8) * gid, p.v_bits, t.v[e]);
+      if (rv[e] >= 0) ldg_codes<VB>(p.vc + rv[e] * vrow + (vrow / 8) * gid, p.v_bits, t.v[e]);
   };
 
   float m[2] = {-INFINITY, -INFINITY};
@@ -652,10 +674,11 @@ constexpr int kT4 = 32 * kW4;          // threads per CTA
 constexpr int kCtasPerSm4 = 2;
 
 // v4 with RING (the default where it fits, see use_ring in paged_decode.cu): each warp streams
-// its one-page tiles through its own 2-stage shared-memory ring by cp.async. A tile is copied from
-// its stage into registers at the start of its step, and the stage is refilled at once with the
-// tile two steps ahead, so two tiles (4.3 KB) per warp are in flight during a step's math instead
-// of one held in a second register set. Stage layout (kStageB bytes): K codes [0, 1024), V codes
+// its one-page tiles through its own shared-memory ring of ring_stages() stages by cp.async. A tile
+// is copied from its stage into registers at the start of its step, and the stage is refilled at
+// once with the tile that many steps ahead; at head_dim 128 and 4 bits, two tiles (4.3 KB) per warp
+// are in flight during a step's math instead of one held in a second register set. Stage layout
+// (head_dim 128, 4 bits: 2176 bytes): K codes [0, 1024), V codes
 // [1024, 2048), K norms [2048, 2112), V norms [2112, 2176); the code rows (16 tokens x 64 bytes =
 // 64 units of 16 bytes, unit u = 4 * token + chunk) are stored at unit ring_swizzle(u), which makes
 // both the K reads (16 bytes of tokens gid, gid + 8) and the V reads (8 bytes of tokens 4t4 + e)
@@ -665,33 +688,60 @@ constexpr int kCtasPerSm4 = 2;
 // permutation inside each block of 4 rows that puts the V reads' rows 4*t4 + e (one instruction:
 // e fixed) into 4 different 8-bank groups; the K reads (8 bytes of rows gid, gid + 8) and the
 // copies stay contiguous per half warp. Stage: K [0, 512), V [512, 1024), norms [1024, 1152).
-template <int D>
-constexpr int stage_bytes() { return 2 * kTT * Dims<D>::kRowB + 2 * kTT * 4; }
-constexpr int kStageB = stage_bytes<kD>();
-constexpr int kRingStages = 2;
-template <int D>
-constexpr int ring_bytes() { return kW4 * kRingStages * stage_bytes<D>(); }
-constexpr int kRingBytes = ring_bytes<kD>();
+__device__ __forceinline__ int ring_swizzle(int u) { return u ^ ((u >> 2) & 4) ^ ((u >> 4) & 2); }
+__device__ __forceinline__ int ring_row64(int r) { return (r & ~3) | ((r + (r >> 2)) & 3); }
+
+// Other code widths (KB / VB bits, 2 or 3 on either side): a stage holds 16 K rows of D * KB / 8
+// bytes, 16 V rows, then the norms; rows of 32 bytes are stored at ring_row64, others in order.
+// Narrower stages are more of them (ring_stages), so that about as many bytes per warp are in
+// flight as with 4-bit codes.
+template <int D, int KB = 4, int VB = 4>
+constexpr int stage_bytes() { return kTT * (D * KB / 8 + D * VB / 8) + 2 * kTT * 4; }
+// Per-warp ring bytes: at most 5 KB, which keeps 2 CTAs (64 KB of tables each) on an sm_90 SM.
+constexpr int kRingWarpBudget = 5120;
+template <int D, int KB = 4, int VB = 4>
+constexpr int ring_stages() {
+  constexpr int n = kRingWarpBudget / stage_bytes<D, KB, VB>();
+  return n < 2 ? 2 : n > 4 ? 4 : n;
+}
+template <int D, int KB = 4, int VB = 4>
+constexpr int ring_bytes() { return kW4 * ring_stages<D, KB, VB>() * stage_bytes<D, KB, VB>(); }
+
+// Byte offset in a stage's 16-row block of code rows of R bytes of byte `b` of row r: 64-byte
+// rows in 16-byte units at ring_swizzle, 32-byte rows at ring_row64, other widths in order.
+template <int R>
+__device__ __forceinline__ int ring_offset(int r, int b) {
+  if constexpr (R == 64) return 16 * ring_swizzle(4 * r + (b >> 4)) + (b & 15);
+  else if constexpr (R == 32) return 32 * ring_row64(r) + b;
+  else return R * r + b;
+}
+// The same for whole 16-byte unit u of the block (copied by cp.async).
+template <int R>
+__device__ __forceinline__ int ring_unit_offset(int u) {
+  if constexpr (R == 64) return 16 * ring_swizzle(u);
+  else if constexpr (R == 32) return 32 * ring_row64(u >> 1) + 16 * (u & 1);
+  else return 16 * u;
+}
 // v4's running max moves only when a tile's max exceeds it by more than this (log2 units): the
 // f16 V weights stay <= 2^8 and the rescale of o is rare.
 constexpr float kLazyMax = 8.f;
 
-__device__ __forceinline__ int ring_swizzle(int u) { return u ^ ((u >> 2) & 4) ^ ((u >> 4) & 2); }
-__device__ __forceinline__ int ring_row64(int r) { return (r & ~3) | ((r + (r >> 2)) & 3); }
 
-template <int D, int GT, bool SPLIT, bool RING, bool B4 = true>
+// KB / VB: the K / V code width (2, 3 or 4), or 0 (register variant only): the runtime p.k_bits /
+// p.v_bits.
+template <int D, int GT, bool SPLIT, bool RING, int KB = 4, int VB = 4>
 __global__ void __launch_bounds__(kT4, kCtasPerSm4)
     paged_decode_v4_kernel(const DecodeParams p) {
-  static_assert(B4 || !RING, "the ring copies 4-bit rows");
+  static_assert(!RING || (KB != 0 && VB != 0), "the ring's stage layout needs compile-time widths");
   static_assert(GT == 4 || GT == 8, "v4: GT in {4, 8}");
   static_assert(kNH == kW4, "prologue: one head per warp");
   static_assert(kW4 * kNH * D * 4 <= kSmemBytes, "o_s must fit in the table space");
-  static_assert(kRingStages == 2, "the step loop alternates two stages");
-  constexpr int kStage = stage_bytes<D>();
+  constexpr int kStage = stage_bytes<D, KB ? KB : 4, VB ? VB : 4>();
+  constexpr int kStages = ring_stages<D, KB ? KB : 4, VB ? VB : 4>();
   constexpr int KS = Dims<D>::kKS;
-  constexpr int kRowB = Dims<D>::kRowB;
+  constexpr int RK = D * (KB ? KB : 4) / 8, RV = D * (VB ? VB : 4) / 8;  // ring: code bytes per K / V row
 
-  // kSmemBytes: interleaved K / V tables; RING: then kRingBytes of per-warp rings.
+  // kSmemBytes: interleaved K / V tables; RING: then ring_bytes() of per-warp rings.
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ float qexp_s[kNH];
   __shared__ int bad_s[kNH];  // heads whose q_rot row is not all finite (NaN output rows)
@@ -736,7 +786,7 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
   };
   // Per-lane byte offsets inside a 16-token tile's rows: K bytes (D/8)*t4.. of token gid (token
   // gid + 8 at + 8 rows); V bytes (D/16)*gid.. of token 4*t4 (token 4*t4 + e at + e rows).
-  const int krow = B4 ? D / 2 : D * p.k_bits / 8, vrow = B4 ? D / 2 : D * p.v_bits / 8;  // code bytes per row
+  const int krow = D * (KB ? KB : p.k_bits) / 8, vrow = D * (VB ? VB : p.v_bits) / 8;  // code bytes per row
   const int k_lane = gid * krow + (krow / 4) * t4;
   const int v_lane = 4 * t4 * vrow + (vrow / 8) * gid;
   const float kNaN = __int_as_float(0x7fc00000);
@@ -755,10 +805,10 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
       const int64_t row0 = tile_rows(ti, phys, n);
       const uint8_t* kp = p.kc + row0 * krow + k_lane;
       const uint8_t* vp = p.vc + row0 * vrow + v_lane;
-      ldg_codes<B4>(kp, p.k_bits, t.k0);
-      ldg_codes<B4>(kp + 8 * krow, p.k_bits, t.k1);
+      ldg_codes<KB>(kp, p.k_bits, t.k0);
+      ldg_codes<KB>(kp + 8 * krow, p.k_bits, t.k1);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) ldg_codes<B4>(vp + e * vrow, p.v_bits, t.v[e]);
+      for (int e = 0; e < 4; ++e) ldg_codes<VB>(vp + e * vrow, p.v_bits, t.v[e]);
       const float* knp = p.kn + row0 + gid;
       const float* vnp = p.vn + row0 + gid;
       mask_norms(t, n, __ldg(knp), __ldg(knp + 8), __ldg(vnp), __ldg(vnp + 8));
@@ -770,65 +820,65 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
     const int64_t r0 = token_row(p, bt_seq, base + gid, tok_end, kvh);
     const int64_t r1 = token_row(p, bt_seq, base + gid + 8, tok_end, kvh);
     if (r0 >= 0) {
-      ldg_codes<B4>(p.kc + r0 * krow + (krow / 4) * t4, p.k_bits, t.k0);
+      ldg_codes<KB>(p.kc + r0 * krow + (krow / 4) * t4, p.k_bits, t.k0);
       t.kn0 = __ldg(p.kn + r0);
       t.vn0 = __ldg(p.vn + r0);
     }
     if (r1 >= 0) {
-      ldg_codes<B4>(p.kc + r1 * krow + (krow / 4) * t4, p.k_bits, t.k1);
+      ldg_codes<KB>(p.kc + r1 * krow + (krow / 4) * t4, p.k_bits, t.k1);
       t.kn1 = __ldg(p.kn + r1);
       t.vn1 = __ldg(p.vn + r1);
     }
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int64_t rv = token_row(p, bt_seq, base + 4 * t4 + e, tok_end, kvh);
-      if (rv >= 0) ldg_codes<B4>(p.vc + rv * vrow + (vrow / 8) * gid, p.v_bits, t.v[e]);
+      if (rv >= 0) ldg_codes<VB>(p.vc + rv * vrow + (vrow / 8) * gid, p.v_bits, t.v[e]);
     }
   };
 
-  // Ring path: tile ti (< ntt) into stage `st` of this warp's ring; every lane copies K / V units
-  // lane and lane + 32, lanes 0-7 one 16-byte quarter of the norms. Returns the valid count.
-  uint8_t* ring = smem + kSmemBytes + warp * (kRingStages * kStage);
+  // Ring path: tile ti (< ntt) into stage `st` of this warp's ring; every lane copies 16-byte units
+  // lane, lane + 32 (if any) of the K and V code rows, lanes 0-7 one 16-byte quarter of the norms.
+  // Returns the valid count.
+  uint8_t* ring = smem + kSmemBytes + warp * (kStages * kStage);
   // Loop-invariant per-lane parts of the copies: sources at byte 16 * lane of a tile's rows (unit
-  // lane + 32 at +512), destinations at the swizzled units (shared-memory offsets, 32 bits).
+  // lane + 32 at +512), destinations at the units' stage offsets (shared-memory addresses, 32 bits).
+  constexpr int NUK = RK, NUV = RV;  // 16-byte units of a tile's 16 K / V rows
   const uint8_t* k_src = p.kc + 16 * lane;
   const uint8_t* v_src = p.vc + 16 * lane;
   const float* n_src = (lane < 4 ? p.kn : p.vn) + 4 * (lane & 3);
   const uint32_t ring_s = smem_addr(ring);
-  // head_dim 128: units lane and lane + 32 of the K and V code rows; 64: unit lane only.
-  const uint32_t dst_u0 = ring_s + 16 * (D == kD ? ring_swizzle(lane) : 2 * ring_row64(lane >> 1) + (lane & 1));
-  const uint32_t dst_u1 = ring_s + 16 * ring_swizzle(lane + 32);
-  const uint32_t dst_n = ring_s + 2 * kTT * kRowB + 16 * lane;
+  const uint32_t dst_k0 = ring_s + ring_unit_offset<RK>(lane);
+  const uint32_t dst_k1 = ring_s + ring_unit_offset<RK>(lane + 32);
+  const uint32_t dst_v0 = ring_s + kTT * RK + ring_unit_offset<RV>(lane);
+  const uint32_t dst_v1 = ring_s + kTT * RK + ring_unit_offset<RV>(lane + 32);
+  const uint32_t dst_n = ring_s + kTT * (RK + RV) + 16 * lane;
   auto issue = [&](int ti, int st, int phys) -> int {
     int n = 0;
     if (ti < ntt) {
       const int64_t row0 = tile_rows(ti, phys, n);
-      const int64_t code_off = row0 * kRowB;
+      const uint8_t* ks = k_src + row0 * RK;
+      const uint8_t* vs = v_src + row0 * RV;
       const uint32_t so = st * kStage;
-      cp_async16_s(dst_u0 + so, k_src + code_off);
-      if constexpr (D == kD) cp_async16_s(dst_u1 + so, k_src + code_off + 512);
-      cp_async16_s(dst_u0 + so + kTT * kRowB, v_src + code_off);
-      if constexpr (D == kD) cp_async16_s(dst_u1 + so + kTT * kRowB, v_src + code_off + 512);
+      if (NUK >= 32 || lane < NUK) cp_async16_s(dst_k0 + so, ks);
+      if (NUK > 32 && (NUK >= 64 || lane + 32 < NUK)) cp_async16_s(dst_k1 + so, ks + 512);
+      if (NUV >= 32 || lane < NUV) cp_async16_s(dst_v0 + so, vs);
+      if (NUV > 32 && (NUV >= 64 || lane + 32 < NUV)) cp_async16_s(dst_v1 + so, vs + 512);
       if (lane < 8) cp_async16_s(dst_n + so, n_src + row0);
     }
     cp_async_commit();  // one group per call, empty or not: wait_group counts stay aligned
     return n;
   };
+  // A lane's K codes: (D/4) codes from code (D/4)*t4 of tokens gid, gid + 8; V: (D/8) codes from
+  // code (D/8)*gid of tokens 4*t4 + e.
   auto read_stage = [&](int st, int n, Tile<D>& t) {
     const uint8_t* src = ring + st * kStage;
-    if constexpr (D == kD) {
-      lds_words(src + 16 * ring_swizzle(4 * gid + t4), t.k0);
-      lds_words(src + 16 * ring_swizzle(4 * (gid + 8) + t4), t.k1);
+    constexpr int kb = KB ? KB : 4, vb = VB ? VB : 4;
+    load_nibbles<kb, Dims<D>::kKW, SharedMem>(src + ring_offset<RK>(gid, (RK / 4) * t4), t.k0);
+    load_nibbles<kb, Dims<D>::kKW, SharedMem>(src + ring_offset<RK>(gid + 8, (RK / 4) * t4), t.k1);
 #pragma unroll
-      for (int e = 0; e < 4; ++e)
-        lds_words(src + kTT * kRowB + 16 * ring_swizzle(4 * (4 * t4 + e) + (gid >> 1)) + 8 * (gid & 1), t.v[e]);
-    } else {
-      lds_words(src + kRowB * ring_row64(gid) + 8 * t4, t.k0);
-      lds_words(src + kRowB * ring_row64(gid + 8) + 8 * t4, t.k1);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) lds_words(src + kTT * kRowB + kRowB * ring_row64(4 * t4 + e) + 4 * gid, t.v[e]);
-    }
-    const float* norms = reinterpret_cast<const float*>(src + 2 * kTT * kRowB);
+    for (int e = 0; e < 4; ++e)
+      load_nibbles<vb, Dims<D>::kVW, SharedMem>(src + kTT * RK + ring_offset<RV>(4 * t4 + e, (RV / 8) * gid), t.v[e]);
+    const float* norms = reinterpret_cast<const float*>(src + kTT * (RK + RV));
     mask_norms(t, n, norms[gid], norms[gid + 8], norms[kTT + gid], norms[kTT + gid + 8]);
   };
 
@@ -837,11 +887,11 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
   static_assert(kT4 == 256, "one K and one V table entry per thread");
   const LutSeed lut_seed = load_lut_seed(p.kcent, p.vcent, p.k_bits, p.v_bits);
   Tile<D> cur, nxt;
-  int phys_next = -1, n_st[2] = {0, 0};
+  int phys_next = -1, n_st[kStages] = {};
   if constexpr (RING) {
-    n_st[0] = issue(warp, 0, tile_page(warp));
-    n_st[1] = issue(warp + kW4, 1, tile_page(warp + kW4));
-    phys_next = tile_page(warp + 2 * kW4);
+#pragma unroll
+    for (int st = 0; st < kStages; ++st) n_st[st] = issue(warp + st * kW4, st, tile_page(warp + st * kW4));
+    phys_next = tile_page(warp + kStages * kW4);
   } else {
     phys_next = one_page_tiles ? tile_page(warp + kW4) : -1;
     if (warp < ntt) load(warp, cur, one_page_tiles ? tile_page(warp) : -1);
@@ -932,24 +982,28 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
   };
 
   if constexpr (RING) {
-    // Step of tile ti from stage ST: wait for its group (the newer one may stay in flight), copy
-    // it to registers, refill the stage with tile ti + 2 * kW4, then the math.
+    // Step of tile ti from stage ST: wait for its group (the newer ones may stay in flight), copy
+    // it to registers, refill the stage with tile ti + kStages * kW4, then the math.
     auto ring_step = [&](int ti, auto st_tag) {
       constexpr int ST = decltype(st_tag)::value;
-      cp_async_wait<1>();
+      cp_async_wait<kStages - 1>();
       __syncwarp();  // every lane's copies of this stage are visible to the whole warp
       read_stage(ST, n_st[ST], cur);
       __syncwarp();  // every lane has read the stage before it is overwritten
-      n_st[ST] = issue(ti + 2 * kW4, ST, phys_next);
-      phys_next = tile_page(ti + 3 * kW4);
+      n_st[ST] = issue(ti + kStages * kW4, ST, phys_next);
+      phys_next = tile_page(ti + (kStages + 1) * kW4);
       consume(cur);
     };
+    // One pass over the ring from stage ST (tile ti), stopping after the last tile.
+    auto ring_pass = [&](int ti, auto st_tag, auto& self) -> void {
+      constexpr int ST = decltype(st_tag)::value;
+      ring_step(ti, st_tag);
+      if constexpr (ST + 1 < kStages) {
+        if (ti + kW4 < ntt) self(ti + kW4, std::integral_constant<int, ST + 1>{}, self);
+      }
+    };
 #pragma unroll 1
-    for (int ti = warp; ti < ntt; ti += 2 * kW4) {
-      ring_step(ti, std::integral_constant<int, 0>{});
-      if (ti + kW4 >= ntt) break;
-      ring_step(ti + kW4, std::integral_constant<int, 1>{});
-    }
+    for (int ti = warp; ti < ntt; ti += kStages * kW4) ring_pass(ti, std::integral_constant<int, 0>{}, ring_pass);
     cp_async_wait<0>();
   } else {
     // Prefetch tile ti + kW4 into `next`, then consume `cur`; called on alternating register sets

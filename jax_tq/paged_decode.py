@@ -58,7 +58,7 @@ def paged_decode(q, cache, block_tables, seq_lens, *, scale=None, num_splits=Non
         ``HIGHEST``: float32-accurate (relative error ~1e-5 or less). ``DEFAULT``/``HIGH``: the GPU kernel
         may round q, the softmax weights and the centroids to float16 inside its tensor-core
         products (relative error ~2^-11 per term, below a bfloat16 query's own rounding of 2^-9);
-        where the kernel that runs does so (head_dim 64 or 128, 4- or 2-bit K and V, with jax_tq's CUDA
+        where the kernel that runs does so (head_dim 64 or 128, K and V of 2, 3 or 4 bits, with jax_tq's CUDA
         kernels built and ``JAX_TQ_CUDA_DECODE`` not asking for v1 / v2 / v3), the query and output
         rotations run at ``HIGH`` too (TF32 on the GPU, ~3e-4; no effect on the CPU), unless
         inside ``jax.default_matmul_precision("highest")`` (or ``"float32"``).
@@ -69,7 +69,7 @@ def paged_decode(q, cache, block_tables, seq_lens, *, scale=None, num_splits=Non
     computes q_rot = Pi_k q and out = Pi_v^T o_rot (two fast Walsh-Hadamard transforms per row:
     float32 in the CUDA kernels, float64 in the CPU kernel), so no rotation GEMM runs around it.
     That holds on the CPU (the ``ffi``/``auto`` backends) and, on a GPU, where the tensor-core
-    kernel runs (4- or 2-bit K and V; :func:`uses_tensor_core_kernel`).
+    kernel runs (:func:`uses_tensor_core_kernel`).
     Everywhere else (Haar codecs, other head_dims, the ``xla`` backend, or
     ``JAX_TQ_FUSED_ROTATION`` set to ``0``/``false``/``off``/``no``) the rotations are two XLA GEMMs
     around the kernel. The choice is made when the call is traced (a jitted function keeps it).
@@ -355,12 +355,12 @@ V3_MAX_CTAS_BY_REGISTERS = 3
 
 
 #: v4 (the tensor-core kernel for float16 products): 8 warps per CTA share the 64 KB of tables;
-#: 128 registers per thread allow 2 CTAs per SM. Its ring variant adds 34 KB (head_dim 128; 18 KB at
-#: 64) of per-warp cp.async stages (V4_RING_SMEM_PER_CTA); the handler runs it only where 2 such
-#: CTAs fit per SM (sm_90), and
-#: the register variant elsewhere, so 2 CTAs per SM hold for both.
+#: 128 registers per thread allow 2 CTAs per SM. Its ring variant adds at most 40 KB of per-warp
+#: cp.async stages (V4_RING_SMEM_PER_CTA; 34 KB at head_dim 128 and 4 bits); the handler runs it
+#: only where 2 such CTAs fit per SM (sm_90), and the register variant elsewhere, so 2 CTAs per SM
+#: hold for both.
 V4_SMEM_PER_CTA = 65536 + 4640 + 1024
-V4_RING_SMEM_PER_CTA = V4_SMEM_PER_CTA + 8 * 2 * 2176
+V4_RING_SMEM_PER_CTA = V4_SMEM_PER_CTA + 8 * 5120
 V4_MAX_CTAS_BY_REGISTERS = 2
 
 
@@ -389,12 +389,12 @@ def v4_ctas_per_sm(compute_capability: tuple[int, int]) -> int:
 
 def uses_tensor_core_kernel(head_dim: int, k_bits: int, v_bits: int, group: int) -> bool:
     """Whether the CUDA decode runs a tensor-core kernel (v3 / v4) for this configuration: head_dim
-    64 or 128, K and V of 4 or 2 bits each, any GQA group (groups of 1 or 2 query heads run padded
-    to 4), unless ``JAX_TQ_CUDA_DECODE`` asks for v1 or v2 (the kernel handler reads the same
+    64 or 128, K and V of 2, 3 or 4 bits each, any GQA group (groups of 1 or 2 query heads run
+    padded to 4), unless ``JAX_TQ_CUDA_DECODE`` asks for v1 or v2 (the kernel handler reads the same
     variable)."""
     del group  # every group size: head tiles of 4 (groups <= 4) or 8 query heads
     requested = os.environ.get("JAX_TQ_CUDA_DECODE", "")
-    return requested not in ("v1", "v2") and head_dim in (64, 128) and k_bits in (2, 4) and v_bits in (2, 4)
+    return requested not in ("v1", "v2") and head_dim in (64, 128) and k_bits in (2, 3, 4) and v_bits in (2, 3, 4)
 
 
 def uses_v4(f16_products: bool) -> bool:

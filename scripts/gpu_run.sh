@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on the GPU machine: build jax_tq with CUDA, run the GPU tests, the benchmarks,
 # and optionally the main job; print short tables. Usage: bash scripts/gpu_run.sh [build tests bench model]
-# stages: build v3 ncu trace tests dtests rot bench graphs profile breakdown model (default: build tests bench). Logs go to $OUT (the device tool brings them back).
+# stages: build v3 ncu trace tests dtests bits rot bench graphs profile breakdown model (default: build tests bench). Logs go to $OUT (the device tool brings them back).
 # One device call may run 600 s at most: "build tests" (~9 min on the H200) and "bench" (~4 min) fit
 # in two back-to-back calls; the build stays while the machine is warm (30 s after a call).
 set -uo pipefail
@@ -57,6 +57,16 @@ if has dtests; then  # the decode GPU tests on the default kernels and the devic
       | tee "$OUT/gpu_decode_tests_$v.log" | tail -n 5
   done
   echo "dtests: $(( $(date +%s) - t0 )) s"
+fi
+if has bits; then  # jax_tq alone per (head_dim, K bits, V bits): BITS_CONFIGS="128:3:3 64:4:4 ..."
+  for cfg in ${BITS_CONFIGS:-128:4:4 128:3:3 128:2:2 64:4:4}; do
+    IFS=: read -r d kb vb <<<"$cfg"
+    echo "== head_dim $d, K${kb}V${vb}"
+    timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/bench_decode.py --only-tq --device-time --head-dim "$d" --bits "$kb:$vb" \
+      --rotations ${BITS_ROTATIONS:-hadamard} \
+      --shapes ${BITS_SHAPES:-32x8192,1x32768} 2>&1 | tee "$OUT/bits_${d}_${kb}${vb}.txt" | grep "^|" | grep -v -- "---"
+  done
+  echo "bits: $(( $(date +%s) - t0 )) s"
 fi
 if has rot; then  # the rotation GEMM alone at each precision (GPU time, error against float64)
   PYTHONPATH=benchmarks:${PYTHONPATH:-} timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/bench_rotation.py 2>&1 | tee "$OUT/bench_rotation.txt" | tail -n 18

@@ -358,14 +358,29 @@ TC_CASES = [
 ]
 
 
-# 2-bit K and / or V (the register variants spread the codes to nibbles), both head_dims, both precisions.
+# 2- and 3-bit K and / or V (spread to nibbles as they are loaded), both head_dims, both precisions:
+# v4's ring (float16 products, page_size a multiple of 16: 2-4 stages by width), its register
+# variant (page_size 8 / 24) and v3 (float32-accurate products).
 TC_BITS_CASES = [
     (128, 2, 2, 16, 4, None, jnp.bfloat16, None, 1e-2),
     (128, 4, 2, 16, 1, 3, jnp.float32, "highest", 2e-5),
     (128, 2, 4, 24, 8, 2, jnp.float16, None, 3e-3),
+    (128, 2, 2, 256, 8, 2, jnp.bfloat16, None, 1e-2),
+    (128, 3, 3, 16, 4, None, jnp.bfloat16, None, 1e-2),
+    (128, 3, 3, 24, 8, 2, jnp.float16, None, 3e-3),
+    (128, 3, 3, 16, 2, 3, jnp.float32, "highest", 2e-5),
+    (128, 4, 3, 32, 4, 3, jnp.bfloat16, None, 1e-2),
+    (128, 3, 4, 64, 1, None, jnp.float32, "default", 3e-3),
+    (128, 3, 2, 16, 6, 4, jnp.bfloat16, None, 1e-2),
+    (128, 2, 3, 8, 3, 2, jnp.float32, "highest", 2e-5),
     (64, 2, 2, 32, 3, 1, jnp.float32, None, 2e-5),
     (64, 4, 2, 8, 2, 4, jnp.bfloat16, None, 1e-2),
     (64, 2, 4, 16, 6, None, jnp.float32, "default", 3e-3),
+    (64, 3, 3, 16, 4, None, jnp.bfloat16, None, 1e-2),
+    (64, 3, 3, 8, 2, 3, jnp.float32, "highest", 2e-5),
+    (64, 3, 2, 32, 8, 2, jnp.float16, None, 3e-3),
+    (64, 2, 3, 24, 1, None, jnp.bfloat16, None, 1e-2),
+    (64, 4, 3, 48, 3, 2, jnp.bfloat16, None, 1e-2),
 ]
 
 
@@ -457,8 +472,10 @@ FUSED_CASES = [
     (16, 3, 1, jnp.float32, "highest", 2e-5),
     (64, 12, 4, jnp.float32, "highest", 2e-5),
     (16, 4, 1, jnp.float32, None, 3e-3),
-    (16, 2, 1, jnp.bfloat16, None, 1e-2, 2),   # K2V2 (v4 register variant), group 2
+    (16, 2, 1, jnp.bfloat16, None, 1e-2, 2),   # K2V2 (v4 ring), group 2
     (32, 4, 3, jnp.float32, "highest", 2e-5, 2),
+    (16, 4, 2, jnp.bfloat16, None, 1e-2, 3),   # K3V3 (v4 ring)
+    (24, 8, 1, jnp.float16, None, 3e-3, 3),    # K3V3 (v4 register variant)
 ]
 
 

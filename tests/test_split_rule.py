@@ -39,9 +39,9 @@ def test_tensor_core_kernel_selection_follows_the_environment(monkeypatch):
     monkeypatch.delenv("JAX_TQ_CUDA_DECODE", raising=False)
     for group in (1, 2, 3, 4, 6, 8, 16):
         assert pd.uses_tensor_core_kernel(128, 4, 4, group) and pd.uses_tensor_core_kernel(64, 4, 4, group)
-    for args in ((128, 2, 2, 4), (128, 4, 2, 1), (64, 2, 4, 8)):
+    for args in ((128, 2, 2, 4), (128, 4, 2, 1), (64, 2, 4, 8), (128, 3, 4, 4), (128, 4, 3, 4), (64, 3, 3, 1)):
         assert pd.uses_tensor_core_kernel(*args), args
-    for args in ((80, 4, 4, 4), (96, 4, 4, 4), (256, 4, 4, 8), (128, 3, 4, 4), (128, 4, 3, 4), (64, 3, 3, 1)):
+    for args in ((80, 4, 4, 4), (96, 4, 4, 4), (256, 4, 4, 8), (192, 3, 3, 4)):
         assert not pd.uses_tensor_core_kernel(*args), args
     monkeypatch.setenv("JAX_TQ_CUDA_DECODE", "v1")
     assert not pd.uses_tensor_core_kernel(128, 4, 4, 4)
@@ -68,7 +68,7 @@ def test_choose_num_splits(monkeypatch):
     assert pd.choose_num_splits("cuda", 32, 8, 512, group=1) == 1
     # Other configurations (v1): one wave of 2 CTAs/SM (tiles of 4-8 heads) or 4 CTAs/SM.
     assert pd.choose_num_splits("cuda", 4, 8, 2048, group=4, head_dim=96) == math.ceil(264 / 32)
-    assert pd.choose_num_splits("cuda", 4, 8, 2048, group=1, head_dim=128, k_bits=3) == math.ceil(528 / 32)
+    assert pd.choose_num_splits("cuda", 4, 8, 2048, group=1, head_dim=256, k_bits=3) == math.ceil(528 / 32)
     monkeypatch.setenv("JAX_TQ_CUDA_DECODE", "v1")
     assert pd.choose_num_splits("cuda", 32, 8, 512, group=4) == 2
 

@@ -120,6 +120,22 @@ JTQ_UNROLL
   return w;  // store as bytes w&255, (w>>8)&255, (w>>16)&255
 }
 
+// A group's 8 codes as nibbles (code k in bits 4k..4k+3 of the result) from its packed bits:
+// 2-bit, 16 bits (code k in bits 2k..2k+1; the upper 16 bits must be 0); 3-bit, 24 bits (code k
+// in bits 3k..3k+2; bits 24..31 are ignored). The GPU decode kernels spread 2- and 3-bit codes to
+// nibbles so that one 4-bit path serves every width.
+JTQ_HD uint32_t nibbles_from_2bit(uint32_t x) {
+  x = (x | (x << 8)) & 0x00FF00FFu;
+  x = (x | (x << 4)) & 0x0F0F0F0Fu;
+  return (x | (x << 2)) & 0x33333333u;
+}
+
+JTQ_HD uint32_t nibbles_from_3bit(uint32_t x) {
+  x = (x & 0x00000FFFu) | ((x & 0x00FFF000u) << 4);
+  x = (x & 0x003F003Fu) | ((x & 0x0FC00FC0u) << 2);
+  return (x & 0x07070707u) | ((x & 0x38383838u) << 1);
+}
+
 // ---------------------------------------------------------------------------
 // Whole-row pack / unpack. codes: one uint8 per coordinate, head_dim of them.
 // row: packed_bytes(head_dim, bits) bytes.
