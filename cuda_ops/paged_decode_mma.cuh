@@ -186,11 +186,14 @@ struct LutSeed {
   float k_lo, k_hi, v_lo, v_hi;
 };
 
-__device__ __forceinline__ LutSeed load_lut_seed(const float* kcent, const float* vcent, int k_bits, int v_bits) {
+// k_shift / v_shift: the tables' key shift S (entry e = (c[e & M], c[(e >> S) & M]), see
+// load_k_keys): 4 for nibble keys, the code width for keys taken straight from 2- / 3-bit codes.
+__device__ __forceinline__ LutSeed load_lut_seed(const float* kcent, const float* vcent, int k_bits, int v_bits,
+                                                 int k_shift, int v_shift) {
   const int e = threadIdx.x & 255;
   const int km = (1 << k_bits) - 1, vm = (1 << v_bits) - 1;
-  return {__ldg(kcent + (e & km)), __ldg(kcent + ((e >> 4) & km)), __ldg(vcent + (e & vm)),
-          __ldg(vcent + ((e >> 4) & vm))};
+  return {__ldg(kcent + (e & km)), __ldg(kcent + ((e >> k_shift) & km)), __ldg(vcent + (e & vm)),
+          __ldg(vcent + ((e >> v_shift) & vm))};
 }
 
 template <bool SPLIT>
@@ -211,6 +214,33 @@ struct SharedMem {
   template <class T>
   static __device__ __forceinline__ T at(const uint8_t* p) { return *reinterpret_cast<const T*>(p); }
 };
+
+// The N 3-bit groups (8 codes each, code i in bits 3i..3i+2; bits above 24 are not cleared) of a
+// lane's 8N codes at src: N = 4, 12 bytes on a 4-byte boundary (3 words); N = 2, 6 bytes on a 2-byte
+// boundary (a word and a half); N = 1, 3 bytes.
+template <int N, class Mem>
+__device__ __forceinline__ void load_groups3(const uint8_t* src, uint32_t (&g)[N]) {
+  if constexpr (N == 4) {
+    const uint32_t a = Mem::template at<uint32_t>(src), b = Mem::template at<uint32_t>(src + 4),
+                   c = Mem::template at<uint32_t>(src + 8);
+    g[0] = a;
+    g[1] = __funnelshift_r(a, b, 24);
+    g[2] = __funnelshift_r(b, c, 16);
+    g[3] = c >> 8;
+  } else if constexpr (N == 2) {
+    const bool odd = (reinterpret_cast<uintptr_t>(src) & 2u) != 0;  // src + 2 is 4-byte aligned
+    const uint32_t word = Mem::template at<uint32_t>(src + (odd ? 2 : 0));
+    const uint32_t half = Mem::template at<unsigned short>(src + (odd ? 0 : 4));
+    const uint32_t lo = odd ? (half | (word << 16)) : word;  // bits 0..31 of the 48
+    const uint32_t hi = odd ? (word >> 16) : half;           // bits 32..47
+    g[0] = lo;
+    g[1] = __funnelshift_r(lo, hi, 24);
+  } else {
+    const uint32_t b0 = Mem::template at<uint8_t>(src), b1 = Mem::template at<uint8_t>(src + 1),
+                   b2 = Mem::template at<uint8_t>(src + 2);
+    g[0] = b0 | (b1 << 8) | (b2 << 16);
+  }
+}
 
 // src: the first byte of a lane's 8N codes of width BITS (N = 4: a 4-byte aligned chunk; N <= 2:
 // a 3-bit chunk may start on any 2-byte (N = 2) or byte (N = 1) boundary).
@@ -239,25 +269,67 @@ __device__ __forceinline__ void load_nibbles(const uint8_t* src, uint32_t (&w)[N
     } else {
       w[0] = nibbles_from_2bit(Mem::template at<unsigned short>(src));
     }
-  } else if constexpr (N == 4) {  // 3-bit, 12 bytes
-    const uint32_t a = Mem::template at<uint32_t>(src), b = Mem::template at<uint32_t>(src + 4),
-                   c = Mem::template at<uint32_t>(src + 8);
-    w[0] = nibbles_from_3bit(a);
-    w[1] = nibbles_from_3bit(__funnelshift_r(a, b, 24));
-    w[2] = nibbles_from_3bit(__funnelshift_r(b, c, 16));
-    w[3] = nibbles_from_3bit(c >> 8);
-  } else if constexpr (N == 2) {  // 3-bit, 6 bytes from a 4-byte word and a 2-byte half
-    const bool odd = (reinterpret_cast<uintptr_t>(src) & 2u) != 0;  // src + 2 is 4-byte aligned
-    const uint32_t word = Mem::template at<uint32_t>(src + (odd ? 2 : 0));
-    const uint32_t half = Mem::template at<unsigned short>(src + (odd ? 0 : 4));
-    const uint32_t lo = odd ? (half | (word << 16)) : word;  // bits 0..31 of the 48
-    const uint32_t hi = odd ? (word >> 16) : half;           // bits 32..47
-    w[0] = nibbles_from_3bit(lo);
-    w[1] = nibbles_from_3bit(__funnelshift_r(lo, hi, 24));
-  } else {  // 3-bit, 3 bytes
-    const uint32_t b0 = Mem::template at<uint8_t>(src), b1 = Mem::template at<uint8_t>(src + 1),
-                   b2 = Mem::template at<uint8_t>(src + 2);
-    w[0] = nibbles_from_3bit(b0 | (b1 << 8) | (b2 << 16));
+  } else {
+    load_groups3<N, Mem>(src, w);
+#pragma unroll
+    for (int i = 0; i < N; ++i) w[i] = nibbles_from_3bit(w[i]);
+  }
+}
+
+// ---- pair keys: the v4 ring's K codes (and 2-bit V codes) without the spread to nibbles --------
+// The tile loop looks up two codes with one byte, the table key: entry e of a table of key shift S
+// is (c[e & M], c[(e >> S) & M]) (M = 2^bits - 1; the byte's other bits are ignored). Nibble
+// words are keys of shift 4; 2- and 3-bit codes make keys of shift 2 / 3 with fewer instructions:
+// K key word w of a lane holds the keys of its pairs 4w .. 4w + 3 (coordinates 2p, 2p + 1 of its
+// chunk), one per byte, as nibble words do.
+
+// The 4 keys (shift 3) of a 3-bit group (24 bits; bits above are ignored): pair p's 6 bits
+// moved from bit 6p to byte p.
+__device__ __forceinline__ uint32_t pair_keys3(uint32_t x) {
+  x = (x & 0x0000FFFFu) | ((x << 4) & 0xFFFF0000u);   // pairs 2, 3 to bits 16, 22
+  return (x & 0x003F003Fu) | ((x << 2) & 0xFFC0FFC0u);  // pairs 1, 3 to bits 8, 24
+}
+
+// K key words of a lane's 8N codes of width BITS at src (load_nibbles' chunk): 4-bit nibble words
+// (shift 4); 2-bit: a word's 8 pairs are its nibbles, keys (shift 2) of the word and of it >> 4
+// interleaved by a byte permute; 3-bit: pair_keys3 per group (shift 3).
+template <int BITS, int N, class Mem>
+__device__ __forceinline__ void load_k_keys(const uint8_t* src, uint32_t (&w)[N]) {
+  if constexpr (BITS == 4) {
+    load_nibbles<4, N, Mem>(src, w);
+  } else if constexpr (BITS == 2) {
+    static_assert(N == 2 || N == 4, "2-bit K chunks: 4 or 8 bytes");
+    uint32_t raw[N / 2];
+    if constexpr (N == 4) {
+      const uint2 v = Mem::template at<uint2>(src);
+      raw[0] = v.x, raw[1] = v.y;
+    } else {
+      raw[0] = Mem::template at<uint32_t>(src);
+    }
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) {
+      const uint32_t hi = raw[i] >> 4;
+      w[2 * i] = __byte_perm(raw[i], hi, 0x5140u);
+      w[2 * i + 1] = __byte_perm(raw[i], hi, 0x7362u);
+    }
+  } else {
+    load_groups3<N, Mem>(src, w);
+#pragma unroll
+    for (int i = 0; i < N; ++i) w[i] = pair_keys3(w[i]);
+  }
+}
+
+// V codes of a lane's chunk for tile_accumulate_v: nibble words, or with BITS 2 the raw codes
+// (D/8 codes = one word at head_dim 128, 16 bits at 64, in w[0]) from which it makes keys itself.
+template <int BITS, int N, class Mem>
+__device__ __forceinline__ void load_v_codes(const uint8_t* src, uint32_t (&w)[N]) {
+  if constexpr (BITS == 2) {
+    static_assert(N == 1 || N == 2, "2-bit V chunks: 2 or 4 bytes");
+#pragma unroll
+    for (int i = 0; i < N; ++i) w[i] = 0u;
+    w[0] = N == 2 ? Mem::template at<uint32_t>(src) : Mem::template at<unsigned short>(src);
+  } else {
+    load_nibbles<BITS, N, Mem>(src, w);
   }
 }
 
@@ -401,7 +473,8 @@ __device__ __forceinline__ int ptile_row(int r) { return 32 * (r >> 2) + 8 * ((r
 
 // O^T += Vdec^T * P^T for one tile; P (the V weights) from the warp's tile wt: [kTT][kWRow], or
 // with LATIN at ptile_row.
-template <int D, bool SPLIT, bool LATIN = false>
+// V2: v holds raw 2-bit codes (load_v_codes), looked up with keys of shift 2.
+template <int D, bool SPLIT, bool LATIN = false, bool V2 = false>
 __device__ __forceinline__ void tile_accumulate_v(const uint32_t (&v)[4][Dims<D>::kVW], const float* wt, int gid,
                                                   int t4, const PairLut<SPLIT>& ilut,
                                                   float (&o)[Dims<D>::kKS][4]) {
@@ -415,6 +488,25 @@ __device__ __forceinline__ void tile_accumulate_v(const uint32_t (&v)[4][Dims<D>
   } else {
     ph0 = half2_satfinite(w(0), w(1));
     ph1 = half2_satfinite(w(2), w(3));
+  }
+  if constexpr (V2) {
+    // Nibble mt of a raw word holds coordinates 2mt (bits 0-1) and 2mt + 1 (bits 2-3): keys of
+    // the even / odd coordinate for tokens (0, 1) and (2, 3) in nibble mt, then byte mt >> 1 of
+    // the word (mt even) or of the word >> 4 (mt odd).
+    constexpr uint32_t kEven = 0x33333333u;
+    const uint32_t x0 = v[0][0], x1 = v[1][0], x2 = v[2][0], x3 = v[3][0];
+    const uint32_t ev01 = (x0 & kEven) | ((x1 << 2) & ~kEven), od01 = ((x0 >> 2) & kEven) | (x1 & ~kEven);
+    const uint32_t ev23 = (x2 & kEven) | ((x3 << 2) & ~kEven), od23 = ((x2 >> 2) & kEven) | (x3 & ~kEven);
+    const uint32_t keys[2][4] = {{ev01, od01, ev23, od23}, {ev01 >> 4, od01 >> 4, ev23 >> 4, od23 >> 4}};
+#pragma unroll
+    for (int mt = 0; mt < Dims<D>::kKS; ++mt) {
+      const uint32_t (&k)[4] = keys[mt & 1];
+      const int jb = mt >> 1;
+      const uint32_t ahi[4] = {ilut.at(k[0], jb, ilut.v_lane).x, ilut.at(k[1], jb, ilut.v_lane).x,
+                               ilut.at(k[2], jb, ilut.v_lane).x, ilut.at(k[3], jb, ilut.v_lane).x};
+      mma16816(o[mt], ahi, ph0, ph1);
+    }
+    return;
   }
   uint32_t lo01[VW], hi01[VW], lo23[VW], hi23[VW];  // byte mt of word (mt >> 2): table indices
 #pragma unroll
@@ -740,6 +832,10 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
   constexpr int kStages = ring_stages<D, KB ? KB : 4, VB ? VB : 4>();
   constexpr int KS = Dims<D>::kKS;
   constexpr int RK = D * (KB ? KB : 4) / 8, RV = D * (VB ? VB : 4) / 8;  // ring: code bytes per K / V row
+  // Table key shifts (load_k_keys): the ring's 2- / 3-bit K and 2-bit V codes make their own keys.
+  constexpr bool V2 = RING && VB == 2;
+  constexpr int KSHIFT = RING && (KB == 2 || KB == 3) ? KB : 4, VSHIFT = V2 ? 2 : 4;
+  static_assert(!V2 || !SPLIT, "raw 2-bit V keys: f16 products only");
 
   // kSmemBytes: interleaved K / V tables; RING: then ring_bytes() of per-warp rings.
   extern __shared__ __align__(16) uint8_t smem[];
@@ -873,11 +969,11 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
   auto read_stage = [&](int st, int n, Tile<D>& t) {
     const uint8_t* src = ring + st * kStage;
     constexpr int kb = KB ? KB : 4, vb = VB ? VB : 4;
-    load_nibbles<kb, Dims<D>::kKW, SharedMem>(src + ring_offset<RK>(gid, (RK / 4) * t4), t.k0);
-    load_nibbles<kb, Dims<D>::kKW, SharedMem>(src + ring_offset<RK>(gid + 8, (RK / 4) * t4), t.k1);
+    load_k_keys<kb, Dims<D>::kKW, SharedMem>(src + ring_offset<RK>(gid, (RK / 4) * t4), t.k0);
+    load_k_keys<kb, Dims<D>::kKW, SharedMem>(src + ring_offset<RK>(gid + 8, (RK / 4) * t4), t.k1);
 #pragma unroll
     for (int e = 0; e < 4; ++e)
-      load_nibbles<vb, Dims<D>::kVW, SharedMem>(src + kTT * RK + ring_offset<RV>(4 * t4 + e, (RV / 8) * gid), t.v[e]);
+      load_v_codes<vb, Dims<D>::kVW, SharedMem>(src + kTT * RK + ring_offset<RV>(4 * t4 + e, (RV / 8) * gid), t.v[e]);
     const float* norms = reinterpret_cast<const float*>(src + kTT * (RK + RV));
     mask_norms(t, n, norms[gid], norms[gid + 8], norms[kTT + gid], norms[kTT + gid + 8]);
   };
@@ -885,7 +981,7 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
   // The first tiles' block-table and code reads are issued before the prologue, whose q staging
   // and table build then overlap their latency; the centroids are loaded first of all.
   static_assert(kT4 == 256, "one K and one V table entry per thread");
-  const LutSeed lut_seed = load_lut_seed(p.kcent, p.vcent, p.k_bits, p.v_bits);
+  const LutSeed lut_seed = load_lut_seed(p.kcent, p.vcent, p.k_bits, p.v_bits, KSHIFT, VSHIFT);
   Tile<D> cur, nxt;
   int phys_next = -1, n_st[kStages] = {};
   if constexpr (RING) {
@@ -978,7 +1074,7 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
     *reinterpret_cast<float2*>(wt + ptile_row(gid) + 2 * t4) = make_float2(wa[0], wa[1]);
     *reinterpret_cast<float2*>(wt + ptile_row(gid + 8) + 2 * t4) = make_float2(wb[0], wb[1]);
     __syncwarp();
-    tile_accumulate_v<D, SPLIT, true>(cur.v, wt, gid, t4, ilut, o);
+    tile_accumulate_v<D, SPLIT, true, V2>(cur.v, wt, gid, t4, ilut, o);
   };
 
   if constexpr (RING) {
