@@ -738,8 +738,11 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
       const float pb = any ? fast_exp2(s[2 + hh] - mn) : 0.f;
       l[hh] = l[hh] * alpha[hh] + pa + pb;
       m[hh] = mn;
-      wt[gid * kWRow + 2 * t4 + hh] = any ? copysignf(fast_exp2(ua - mn), cur.vn0) : 0.f;
-      wt[(gid + 8) * kWRow + 2 * t4 + hh] = any ? copysignf(fast_exp2(ub - mn), cur.vn1) : 0.f;
+      // (s - mn) + log2 |v_norm|, not ua - mn: s and mn are close (their difference is exact),
+      // while ua = s + log2 |v_norm| rounds to s's spacing, ~0.01 at logits of 1e5 (1e-2 relative
+      // output error there; every weight lost at 1e10).
+      wt[gid * kWRow + 2 * t4 + hh] = any ? copysignf(fast_exp2((s[hh] - mn) + lv0), cur.vn0) : 0.f;
+      wt[(gid + 8) * kWRow + 2 * t4 + hh] = any ? copysignf(fast_exp2((s[2 + hh] - mn) + lv1), cur.vn1) : 0.f;
     }
     if (__any_sync(0xffffffffu, grew)) {
       rescale_output(o, alpha);

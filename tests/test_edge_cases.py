@@ -359,11 +359,16 @@ def _dense_f64(q, k, v, lens):
 
 # ----------------------------------------------------------------------------- 8. zero and huge vectors
 
-def test_zero_and_huge_bf16_vectors_written_then_decoded(rng):
+@pytest.mark.parametrize("v_bits", [3, 4])
+def test_zero_and_huge_bf16_vectors_written_then_decoded(rng, v_bits):
+    """Zero and huge (1e5 per coordinate, logits ~1e5) vectors written then decoded against float64.
+    On a GPU, float32 queries run the tensor-core kernel v3 (float32-accurate products), whose V
+    weights once came from exp2((s + log2 |v_norm|) - m): at logits of 1e5 the sum rounds by ~0.01
+    and the output was off by up to 1e-2 here."""
     head_dim, num_kv_heads, page_size = 128, 2, 16
     cache = tq.PagedKVCache.create(num_pages=4, page_size=page_size, num_kv_heads=num_kv_heads,
                                    k_codec=tq.TurboQuant(head_dim, bits=4, seed=5),
-                                   v_codec=tq.TurboQuant(head_dim, bits=3, seed=6))
+                                   v_codec=tq.TurboQuant(head_dim, bits=v_bits, seed=6))
     cache = dataclasses.replace(cache, k_norms=cache.k_norms + jnp.nan, v_norms=cache.v_norms + jnp.nan)
     shape = (4, num_kv_heads, head_dim)
     zeros = np.zeros(shape)
