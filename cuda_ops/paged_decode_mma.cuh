@@ -1,11 +1,12 @@
 // v3 and v4 split kernels for jax_tq_paged_decode: tensor-core (mma.sync m16n8k16, f16 in, f32
 // accumulate) versions of the split kernel:
-//   head_dim 64 or 128 (Dims<D>), K and V of 4 or 2 bits each, GQA tile GT in {4, 8} (padded to the
-//   MMA's n = 8 heads; groups of 1 or 2 run in the 4-head tile). The layouts below are written for
-//   head_dim 128 and 4-bit codes; at 64 a lane holds half the bytes (K: (D/8)*t4.., V: (D/16)*gid..),
-//   with half the k-steps and m-tiles, and the ring stores its rows in the order ring_row64; 2-bit
-//   codes are spread to the same 4-bit nibbles when loaded (ldg_codes; register variants only). The
-//   fused rotation is head_dim 128 only.
+//   head_dim 64 or 128 (Dims<D>), K and V of 2, 3 or 4 bits each, GQA tile GT in {4, 8} (padded to
+//   the MMA's n = 8 heads; groups of 1 or 2 run in the 4-head tile). The layouts below are written
+//   for head_dim 128 and 4-bit codes; at 64 a lane holds half the codes (K: (D/4)*t4.., V:
+//   (D/8)*gid..), with half the k-steps and m-tiles, and the ring stores 32-byte rows in the order
+//   ring_row64. 2- and 3-bit codes are spread to the same 4-bit nibbles when loaded (load_nibbles),
+//   or, in v4's ring, turned into table keys of their own width (load_k_keys, 2-bit V in
+//   tile_accumulate_v). The fused rotation is head_dim 128 only.
 // The default where the configuration matches (see use_v3 in paged_decode.cu; JAX_TQ_CUDA_DECODE
 // = v1 / v2 turns them off); v1 serves every other configuration. v4 (at the end of this file) is
 // v3's tile loop with 8 warps per CTA, for f16 products, with its tiles in registers or (RING, the
