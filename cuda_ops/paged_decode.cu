@@ -1505,7 +1505,7 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot,
   if (ns > 1 && d > kCombineMaxD) return invalid("head_dim above the combine kernel's 256");
   if (dims.fused && !fused_rotation_ok(static_cast<int>(d), gt, p))
     return invalid("the fused (Hadamard) rotation runs on the tensor-core kernels only: head_dim 128, "
-                   "K and V of 4 or 2 bits, code pools aligned to the per-lane loads, a 16-byte aligned "
+                   "K and V of 2, 3 or 4 bits, code pools aligned to the per-lane loads, a 16-byte aligned "
                    "rotation operand, JAX_TQ_CUDA_DECODE not v1 / v2");
   const dim3 grid(static_cast<unsigned>(S * ns), static_cast<unsigned>(Hkv * ntiles));
   if (auto e = dispatch_d(static_cast<int>(d), gt, f16_products != 0, stream, p, grid); e.failure())

@@ -73,7 +73,9 @@
 // warps are merged through shared memory at the end (as in v2).
 //
 // Range: the V weights p * v_norm are taken relative to a running max that includes log2 v_norm,
-// so they are <= 1 for any norm (v4: <= 2^8, its max moves lazily, see kLazyMax); contributions
+// so they are <= 1 for any norm up to the float32 rounding of that max (v3: 2^(half the logits'
+// float32 spacing), <= 2^8 below logits of 2^27; beyond f16's range they saturate) (v4: <= 2^8,
+// its max moves lazily, see kLazyMax); contributions
 // far below the running max lose relative (not absolute) precision in f16 subnormals. In particular, if EVERY token's V norm is below ~2^-14
 // (6e-5) the weights are f16 subnormals: the output keeps an absolute error of ~1e-8 * |c| but
 // its relative error grows (real V vectors have norms of order 1 and above).
@@ -127,6 +129,14 @@ __device__ __forceinline__ uint32_t half2_satfinite(float x0, float x1) {
   uint32_t h;
   asm("cvt.rn.satfinite.f16x2.f32 %0, %1, %2;" : "=r"(h) : "f"(x1), "f"(x0));
   return h;
+}
+
+// split2 with both parts saturated: identical for |x| <= 65504; a larger x gives a finite, too
+// small pair instead of inf and -inf (whose products would make NaN).
+__device__ __forceinline__ void split2_satfinite(float x0, float x1, uint32_t& hi, uint32_t& lo) {
+  hi = half2_satfinite(x0, x1);
+  const float2 hf = __half22float2(*reinterpret_cast<const __half2*>(&hi));
+  lo = half2_satfinite(x0 - hf.x, x1 - hf.y);
 }
 
 // Centroid-pair look-up tables, K and V interleaved: entry e (a code byte) = f16x2 (c[e & 15],
@@ -472,43 +482,12 @@ __device__ __forceinline__ void tile_scores(const Tile<D>& cur, const uint32_t (
 // 4-byte loads (rows 4t4 + e, head gid) are conflict-free (v3's padded rows: the loads only).
 __device__ __forceinline__ int ptile_row(int r) { return 32 * (r >> 2) + 8 * ((r + (r >> 2)) & 3); }
 
-// O^T += Vdec^T * P^T for one tile; P (the V weights) from the warp's tile wt: [kTT][kWRow], or
-// with LATIN at ptile_row.
-// V2: v holds raw 2-bit codes (load_v_codes), looked up with keys of shift 2.
-template <int D, bool SPLIT, bool LATIN = false, bool V2 = false>
-__device__ __forceinline__ void tile_accumulate_v(const uint32_t (&v)[4][Dims<D>::kVW], const float* wt, int gid,
-                                                  int t4, const PairLut<SPLIT>& ilut,
-                                                  float (&o)[Dims<D>::kKS][4]) {
+// The V MMAs of tile_accumulate_v from nibble words: B = (ph, pl).
+template <int D, bool SPLIT>
+__device__ __forceinline__ void tile_accumulate_v_nibbles(const uint32_t (&v)[4][Dims<D>::kVW], uint32_t ph0,
+                                                          uint32_t pl0, uint32_t ph1, uint32_t pl1,
+                                                          const PairLut<SPLIT>& ilut, float (&o)[Dims<D>::kKS][4]) {
   constexpr int VW = Dims<D>::kVW;
-  auto w = [&](int e) { return wt[(LATIN ? ptile_row(4 * t4 + e) : (4 * t4 + e) * kWRow) + gid]; };
-  // B of the V MMA: head gid, tokens 4t4 + {0,1} (b0), 4t4 + {2,3} (b1).
-  uint32_t ph0, pl0 = 0u, ph1, pl1 = 0u;
-  if constexpr (SPLIT) {
-    split2(w(0), w(1), ph0, pl0);
-    split2(w(2), w(3), ph1, pl1);
-  } else {
-    ph0 = half2_satfinite(w(0), w(1));
-    ph1 = half2_satfinite(w(2), w(3));
-  }
-  if constexpr (V2) {
-    // Nibble mt of a raw word holds coordinates 2mt (bits 0-1) and 2mt + 1 (bits 2-3): keys of
-    // the even / odd coordinate for tokens (0, 1) and (2, 3) in nibble mt, then byte mt >> 1 of
-    // the word (mt even) or of the word >> 4 (mt odd).
-    constexpr uint32_t kEven = 0x33333333u;
-    const uint32_t x0 = v[0][0], x1 = v[1][0], x2 = v[2][0], x3 = v[3][0];
-    const uint32_t ev01 = (x0 & kEven) | ((x1 << 2) & ~kEven), od01 = ((x0 >> 2) & kEven) | (x1 & ~kEven);
-    const uint32_t ev23 = (x2 & kEven) | ((x3 << 2) & ~kEven), od23 = ((x2 >> 2) & kEven) | (x3 & ~kEven);
-    const uint32_t keys[2][4] = {{ev01, od01, ev23, od23}, {ev01 >> 4, od01 >> 4, ev23 >> 4, od23 >> 4}};
-#pragma unroll
-    for (int mt = 0; mt < Dims<D>::kKS; ++mt) {
-      const uint32_t (&k)[4] = keys[mt & 1];
-      const int jb = mt >> 1;
-      const uint32_t ahi[4] = {ilut.at(k[0], jb, ilut.v_lane).x, ilut.at(k[1], jb, ilut.v_lane).x,
-                               ilut.at(k[2], jb, ilut.v_lane).x, ilut.at(k[3], jb, ilut.v_lane).x};
-      mma16816(o[mt], ahi, ph0, ph1);
-    }
-    return;
-  }
   uint32_t lo01[VW], hi01[VW], lo23[VW], hi23[VW];  // byte mt of word (mt >> 2): table indices
 #pragma unroll
   for (int wd = 0; wd < VW; ++wd) {
@@ -536,6 +515,45 @@ __device__ __forceinline__ void tile_accumulate_v(const uint32_t (&v)[4][Dims<D>
       mma16816(o[mt], ahi, pl0, pl1);
       mma16816(o[mt], alo, ph0, ph1);
     }
+  }
+}
+
+// O^T += Vdec^T * P^T for one tile; P (the V weights) from the warp's tile wt: [kTT][kWRow], or
+// with LATIN at ptile_row.
+// V2: v holds raw 2-bit codes (load_v_codes), looked up with keys of shift 2.
+template <int D, bool SPLIT, bool LATIN = false, bool V2 = false>
+__device__ __forceinline__ void tile_accumulate_v(const uint32_t (&v)[4][Dims<D>::kVW], const float* wt, int gid,
+                                                  int t4, const PairLut<SPLIT>& ilut,
+                                                  float (&o)[Dims<D>::kKS][4]) {
+  auto w = [&](int e) { return wt[(LATIN ? ptile_row(4 * t4 + e) : (4 * t4 + e) * kWRow) + gid]; };
+  // B of the V MMA: head gid, tokens 4t4 + {0,1} (b0), 4t4 + {2,3} (b1).
+  uint32_t ph0, pl0 = 0u, ph1, pl1 = 0u;
+  if constexpr (SPLIT) {  // v3's weights may pass 65504 at logits beyond 2^28 (header: Range)
+    split2_satfinite(w(0), w(1), ph0, pl0);
+    split2_satfinite(w(2), w(3), ph1, pl1);
+  } else {
+    ph0 = half2_satfinite(w(0), w(1));
+    ph1 = half2_satfinite(w(2), w(3));
+  }
+  if constexpr (V2) {
+    // Nibble mt of a raw word holds coordinates 2mt (bits 0-1) and 2mt + 1 (bits 2-3): keys of
+    // the even / odd coordinate for tokens (0, 1) and (2, 3) in nibble mt, then byte mt >> 1 of
+    // the word (mt even) or of the word >> 4 (mt odd).
+    constexpr uint32_t kEven = 0x33333333u;
+    const uint32_t x0 = v[0][0], x1 = v[1][0], x2 = v[2][0], x3 = v[3][0];
+    const uint32_t ev01 = (x0 & kEven) | ((x1 << 2) & ~kEven), od01 = ((x0 >> 2) & kEven) | (x1 & ~kEven);
+    const uint32_t ev23 = (x2 & kEven) | ((x3 << 2) & ~kEven), od23 = ((x2 >> 2) & kEven) | (x3 & ~kEven);
+    const uint32_t keys[2][4] = {{ev01, od01, ev23, od23}, {ev01 >> 4, od01 >> 4, ev23 >> 4, od23 >> 4}};
+#pragma unroll
+    for (int mt = 0; mt < Dims<D>::kKS; ++mt) {
+      const uint32_t (&k)[4] = keys[mt & 1];
+      const int jb = mt >> 1;
+      const uint32_t ahi[4] = {ilut.at(k[0], jb, ilut.v_lane).x, ilut.at(k[1], jb, ilut.v_lane).x,
+                               ilut.at(k[2], jb, ilut.v_lane).x, ilut.at(k[3], jb, ilut.v_lane).x};
+      mma16816(o[mt], ahi, ph0, ph1);
+    }
+  } else {
+    tile_accumulate_v_nibbles<D, SPLIT>(v, ph0, pl0, ph1, pl1, ilut, o);
   }
 }
 
