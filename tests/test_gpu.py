@@ -381,6 +381,13 @@ TC_BITS_CASES = [
     (64, 3, 2, 32, 8, 2, jnp.float16, None, 3e-3),
     (64, 2, 3, 24, 1, None, jnp.bfloat16, None, 1e-2),
     (64, 4, 3, 48, 3, 2, jnp.bfloat16, None, 1e-2),
+    # the other ring configurations (added after the last GPU run of this list)
+    (128, 4, 2, 16, 4, 2, jnp.bfloat16, None, 1e-2),
+    (128, 2, 3, 32, 2, None, jnp.bfloat16, None, 1e-2),
+    (128, 2, 4, 16, 8, 3, jnp.float16, None, 3e-3),
+    (64, 4, 2, 16, 4, None, jnp.bfloat16, None, 1e-2),
+    (64, 3, 4, 32, 2, 2, jnp.float16, None, 3e-3),
+    (64, 2, 4, 64, 1, 3, jnp.bfloat16, None, 1e-2),
 ]
 
 
