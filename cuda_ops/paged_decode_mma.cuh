@@ -69,7 +69,7 @@
 //
 // Each warp streams its own 16-token tiles (tile i -> warp i % 4; v4: i % 8), codes / norms loaded
 // straight from global memory into registers one tile ahead (v4's ring variant: by cp.async into a
-// per-warp 2-stage shared-memory ring, two tiles ahead); no block barrier in the main loop; the
+// per-warp shared-memory ring, 2-4 tiles ahead); no block barrier in the main loop; the
 // warps are merged through shared memory at the end (as in v2).
 //
 // Range: the V weights p * v_norm are taken relative to a running max that includes log2 v_norm,
@@ -176,8 +176,8 @@ __device__ __forceinline__ void store_lut_entry(uint8_t* smem, int is_v, int e, 
 }
 
 // Fill both tables (T threads, 512 entries).
-// (2-bit codes enter the tables as nibbles 0..3, see ldg_codes; entries of larger nibbles repeat
-// centroids and are never read.)
+// (2- and 3-bit codes enter the tables as nibbles 0..3 / 0..7, see ldg_codes; entries of larger
+// nibbles repeat centroids and are never read.)
 template <bool SPLIT, int T = kThreads>
 __device__ __forceinline__ void build_pair_luts(uint8_t* smem, const float* kcent, const float* vcent,
                                                 int k_bits, int v_bits) {
@@ -358,11 +358,12 @@ __device__ __forceinline__ void ldg_codes(const uint8_t* src, int bits, uint32_t
   }
 }
 
-// One tile of a warp, held in registers, its codes as 4-bit nibbles (see ldg_codes).
+// One tile of a warp, held in registers: its codes as table keys (nibble words, see ldg_codes; in
+// v4's ring, load_k_keys / load_v_codes).
 template <int D>
 struct Tile {
-  uint32_t k0[Dims<D>::kKW], k1[Dims<D>::kKW];  // K code bytes (D/8)*t4 .. of tokens gid, gid + 8
-  uint32_t v[4][Dims<D>::kVW];                  // V code bytes (D/16)*gid .. of tokens 4*t4 + e
+  uint32_t k0[Dims<D>::kKW], k1[Dims<D>::kKW];  // K codes (D/4)*t4 .. of tokens gid, gid + 8
+  uint32_t v[4][Dims<D>::kVW];                  // V codes (D/8)*gid .. of tokens 4*t4 + e
   float kn0, kn1;  // K norms of tokens gid, gid + 8 (NaN: token masked)
   float vn0, vn1;  // V norms of tokens gid, gid + 8 (0 when masked)
 };
