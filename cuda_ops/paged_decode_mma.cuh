@@ -229,6 +229,21 @@ struct SharedMem {
 // The N 3-bit groups (8 codes each, code i in bits 3i..3i+2; bits above 24 are not cleared) of a
 // lane's 8N codes at src: N = 4, 12 bytes on a 4-byte boundary (3 words); N = 2, 6 bytes on a 2-byte
 // boundary (a word and a half); N = 1, 3 bytes.
+// N consecutive 32-bit words at src (4N-byte aligned), as one vector load.
+template <int N, class Mem>
+__device__ __forceinline__ void load_words(const uint8_t* src, uint32_t (&w)[N]) {
+  static_assert(N == 1 || N == 2 || N == 4, "1, 2 or 4 words");
+  if constexpr (N == 4) {
+    const uint4 v = Mem::template at<uint4>(src);
+    w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
+  } else if constexpr (N == 2) {
+    const uint2 v = Mem::template at<uint2>(src);
+    w[0] = v.x, w[1] = v.y;
+  } else {
+    w[0] = Mem::template at<uint32_t>(src);
+  }
+}
+
 template <int N, class Mem>
 __device__ __forceinline__ void load_groups3(const uint8_t* src, uint32_t (&g)[N]) {
   if constexpr (N == 4) {
@@ -260,23 +275,16 @@ __device__ __forceinline__ void load_nibbles(const uint8_t* src, uint32_t (&w)[N
   static_assert(N == 1 || N == 2 || N == 4, "1, 2 or 4 groups of 8 codes");
   static_assert(BITS == 2 || BITS == 3 || BITS == 4, "2, 3 or 4 bits");
   if constexpr (BITS == 4) {
-    if constexpr (N == 4) {
-      const uint4 v = Mem::template at<uint4>(src);
-      w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
-    } else if constexpr (N == 2) {
-      const uint2 v = Mem::template at<uint2>(src);
-      w[0] = v.x, w[1] = v.y;
-    } else {
-      w[0] = Mem::template at<uint32_t>(src);
-    }
+    load_words<N, Mem>(src, w);
   } else if constexpr (BITS == 2) {
-    if constexpr (N == 4) {
-      const uint2 v = Mem::template at<uint2>(src);
-      w[0] = nibbles_from_2bit(v.x & 0xFFFFu), w[1] = nibbles_from_2bit(v.x >> 16);
-      w[2] = nibbles_from_2bit(v.y & 0xFFFFu), w[3] = nibbles_from_2bit(v.y >> 16);
-    } else if constexpr (N == 2) {
-      const uint32_t v = Mem::template at<uint32_t>(src);
-      w[0] = nibbles_from_2bit(v & 0xFFFFu), w[1] = nibbles_from_2bit(v >> 16);
+    if constexpr (N >= 2) {
+      uint32_t raw[N / 2];
+      load_words<N / 2, Mem>(src, raw);
+#pragma unroll
+      for (int i = 0; i < N / 2; ++i) {
+        w[2 * i] = nibbles_from_2bit(raw[i] & 0xFFFFu);
+        w[2 * i + 1] = nibbles_from_2bit(raw[i] >> 16);
+      }
     } else {
       w[0] = nibbles_from_2bit(Mem::template at<unsigned short>(src));
     }
@@ -311,12 +319,7 @@ __device__ __forceinline__ void load_k_keys(const uint8_t* src, uint32_t (&w)[N]
   } else if constexpr (BITS == 2) {
     static_assert(N == 2 || N == 4, "2-bit K chunks: 4 or 8 bytes");
     uint32_t raw[N / 2];
-    if constexpr (N == 4) {
-      const uint2 v = Mem::template at<uint2>(src);
-      raw[0] = v.x, raw[1] = v.y;
-    } else {
-      raw[0] = Mem::template at<uint32_t>(src);
-    }
+    load_words<N / 2, Mem>(src, raw);
 #pragma unroll
     for (int i = 0; i < N / 2; ++i) {
       const uint32_t hi = raw[i] >> 4;
