@@ -2,7 +2,8 @@
 // handlers (compress.cu, paged_decode.cu), registered by jax_tq/_ffi.py with platform="CUDA".
 // Target names, operands, results and attributes are those of the CPU module (docs/DESIGN.md).
 // Also device_info() -> {"sm_count", "l2_bytes", "name", "cc_major", "cc_minor",
-// "max_smem_per_block_optin"} for device 0 (used to choose the split-K count).
+// "max_smem_per_block_optin"} for device 0 (used to choose the split-K count), and
+// ring_fits(head_dim, k_bits, v_bits) (a diagnostic for the GPU tests).
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -19,6 +20,13 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxTqCompressCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxTqDecompressCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxTqWriteCacheCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxTqPagedDecodeCuda);
+
+namespace jax_tq::cuda {
+// paged_decode.cu: whether v4's ring kernel for (head_dim, K bits, V bits) keeps 2 CTAs per SM on
+// the current device (head_dim 256: its warp pairs): 1 yes, 0 no (the handler then runs the
+// register variant, or v1 at head_dim 256), -1 no such ring kernel.
+int RingFitsOnDevice(int head_dim, int k_bits, int v_bits);
+}  // namespace jax_tq::cuda
 
 PYBIND11_MODULE(_cuda_ops, m) {
   m.doc() = "jax_tq CUDA XLA FFI handlers";
@@ -47,4 +55,7 @@ PYBIND11_MODULE(_cuda_ops, m) {
         return d;
       },
       py::arg("device") = 0);
+  m.def("ring_fits", &jax_tq::cuda::RingFitsOnDevice, py::arg("head_dim"), py::arg("k_bits"), py::arg("v_bits"),
+        "Whether v4's ring decode kernel for these widths keeps 2 CTAs per SM on the current device: 1 yes, "
+        "0 no (the decode then runs a slower kernel), -1 no ring kernel for them.");
 }

@@ -747,13 +747,14 @@ __global__ void __launch_bounds__(kThreads)
 // the output when there is a single split). NH is the row width of the staging arrays (>= GT).
 // W: warps of the CTA (blockDim.x = 32 * W).
 // rows_s (the fused rotation, one split): the rows go to rows_s[g * D + dd] instead, still rotated.
-template <int D, int GT, int NH, int W = kWarps>
+// T: the threads of the CTA that take part (all of them), 32 W unless warps pair up.
+template <int D, int GT, int NH, int W = kWarps, int T = 32 * W>
 __device__ __forceinline__ void merge_warps_and_store(const DecodeParams& p, const float (&m_s)[W][NH],
                                                       const float (&l_s)[W][NH],
                                                       const float (&o_s)[W][NH * D], const int* bad_s,
                                                       int seq, int split, int kvh, int tile,
                                                       float* rows_s = nullptr) {
-  for (int idx = threadIdx.x; idx < GT * D; idx += 32 * W) {
+  for (int idx = threadIdx.x; idx < GT * D; idx += T) {
     const int g = idx / D;
     const int dd = idx - g * D;
     const int hl = tile * GT + g;
@@ -1198,25 +1199,25 @@ ffi::Error launch_v3(cudaStream_t stream, const DecodeParams& p, dim3 grid) {
   return launch_mma<v3::paged_decode_v3_kernel<D, GT, SPLIT, KB, VB>>(kThreads, "v3", stream, p, grid);
 }
 
-template <int D, int GT, bool RING, int KB = 4, int VB = 4>
+template <int D, int GT, bool RING, int KB = 4, int VB = 4, int HALVES = 1>
 ffi::Error launch_v4(cudaStream_t stream, const DecodeParams& p, dim3 grid) {
-  constexpr int smem = v3::kSmemBytes + (RING ? v3::ring_bytes<D, KB, VB>() : 0);
-  return launch_mma<v3::paged_decode_v4_kernel<D, GT, false, RING, KB, VB>, smem>(
-      v3::kT4, RING ? "v4 ring" : "v4", stream, p, grid);
+  constexpr int smem = v3::kSmemBytes + (RING ? v3::ring_bytes<D / HALVES, KB, VB, HALVES>() : 0);
+  return launch_mma<v3::paged_decode_v4_kernel<D, GT, false, RING, KB, VB, HALVES>, smem>(
+      v3::kT4, HALVES == 2 ? "v4 ring pairs" : RING ? "v4 ring" : "v4", stream, p, grid);
 }
 
 // Whether v4's ring variant keeps kCtasPerSm4 CTAs per SM on the current device (the split rule
 // assumes it): yes on sm_90 (227 KB of shared memory per SM); sm_80's 164 KB holds one, so the
 // register variant runs there. Asked once per device.
-template <int D, int GT, int KB, int VB>
+template <int D, int GT, int KB, int VB, int HALVES = 1>
 bool ring_fits() {
   static std::atomic<int> known[64];  // 0: not asked yet, 1: fits, 2: does not
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
   int state = known[dev].load(std::memory_order_acquire);
   if (state == 0) {
-    constexpr int smem = v3::kSmemBytes + v3::ring_bytes<D, KB, VB>();
-    const auto kernel = v3::paged_decode_v4_kernel<D, GT, false, true, KB, VB>;
+    constexpr int smem = v3::kSmemBytes + v3::ring_bytes<D / HALVES, KB, VB, HALVES>();
+    const auto kernel = v3::paged_decode_v4_kernel<D, GT, false, true, KB, VB, HALVES>;
     int ctas = 0;
     const bool fits =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) == cudaSuccess &&
@@ -1315,13 +1316,44 @@ bool use_v3(int d, int gt, const DecodeParams& p) {
 
 // v4's ring variant (16-byte cp.async of whole one-page tiles): pages of a multiple of 16 tokens,
 // all four pools 16-byte aligned, 2 CTAs per SM; JAX_TQ_CUDA_DECODE=v4 keeps the register variant.
-template <int D, int KB, int VB>
-bool use_ring(int gt, const DecodeParams& p) {
+bool ring_pools_ok(const DecodeParams& p) {
   if (requested_kernel() == DecodeKernel::kV4 || p.page_size % 16 != 0) return false;
   for (const void* pool : {static_cast<const void*>(p.kc), static_cast<const void*>(p.vc),
                            static_cast<const void*>(p.kn), static_cast<const void*>(p.vn)})
     if (reinterpret_cast<uintptr_t>(pool) % 16 != 0) return false;
+  return true;
+}
+
+template <int D, int KB, int VB>
+bool use_ring(int gt, const DecodeParams& p) {
+  if (!ring_pools_ok(p)) return false;
   return gt <= 4 ? ring_fits<D, 4, KB, VB>() : ring_fits<D, 8, KB, VB>();
+}
+
+// Head_dim 256 on the tensor cores: v4's ring with warp pairs (one half of the coordinates per
+// warp; head tiles of 4, max_gt), for f16 products and K and V of 2 or 4 bits each, where the ring
+// fits (sm_90); v1 otherwise (3-bit codes, whose half rows are not whole 16-byte units), and under
+// any JAX_TQ_CUDA_DECODE choice (there is no v3 or register variant).
+template <int KB, int VB>
+ffi::Error launch_pairs_if_fit(bool& launched, cudaStream_t stream, const DecodeParams& p, dim3 grid) {
+  launched = ring_fits<256, 4, KB, VB, 2>();
+  return launched ? launch_v4<256, 4, true, KB, VB, 2>(stream, p, grid) : ffi::Error::Success();
+}
+
+bool launch_pairs(int d, bool f16, cudaStream_t stream, const DecodeParams& p, dim3 grid, ffi::Error& err) {
+  bool launched = false;
+#if JTQ_HAS_D(256)
+  static_assert(max_gt(256) == 4, "head_dim 256: head tiles of 4");
+  if (d != 256 || !f16 || requested_kernel() != DecodeKernel::kDefault || !ring_pools_ok(p)) return false;
+  const int kb = p.k_bits, vb = p.v_bits;
+  if (kb == 4 && vb == 4) err = launch_pairs_if_fit<4, 4>(launched, stream, p, grid);
+  else if (kb == 4 && vb == 2) err = launch_pairs_if_fit<4, 2>(launched, stream, p, grid);
+  else if (kb == 2 && vb == 4) err = launch_pairs_if_fit<2, 4>(launched, stream, p, grid);
+  else if (kb == 2 && vb == 2) err = launch_pairs_if_fit<2, 2>(launched, stream, p, grid);
+#else
+  (void)d, (void)f16, (void)stream, (void)p, (void)grid, (void)err;
+#endif
+  return launched;
 }
 
 // v4 (f16 products) with compile-time K / V widths: the ring where it fits, else the register
@@ -1378,6 +1410,7 @@ bool fused_rotation_ok(int d, int gt, const DecodeParams& p) {
 }
 
 ffi::Error dispatch_d(int d, int gt, bool f16, cudaStream_t stream, const DecodeParams& p, dim3 grid) {
+  if (ffi::Error err = ffi::Error::Success(); launch_pairs(d, f16, stream, p, grid, err)) return err;
   if (use_v3(d, gt, p)) {
 #if JTQ_HAS_D(128)
     if (d == 128) return dispatch_v3<128>(gt, f16, stream, p, grid);
@@ -1423,7 +1456,48 @@ ffi::Error dispatch_d(int d, int gt, bool f16, cudaStream_t stream, const Decode
   }
 }
 
+template <int D, int HALVES, int KB, int VB>
+int ring_fits_code() {
+  return ring_fits<D, 4, KB, VB, HALVES>() ? 1 : 0;
+}
+
+// ring_fits of the head-tile-4 kernel for runtime widths; -1 where no ring kernel is compiled in.
+template <int D, int HALVES>
+int ring_fits_widths(int kb, int vb) {
+  switch (10 * kb + vb) {
+    case 44: return ring_fits_code<D, HALVES, 4, 4>();
+    case 42: return ring_fits_code<D, HALVES, 4, 2>();
+    case 24: return ring_fits_code<D, HALVES, 2, 4>();
+    case 22: return ring_fits_code<D, HALVES, 2, 2>();
+    default: break;
+  }
+  if constexpr (HALVES == 1) {
+    switch (10 * kb + vb) {
+      case 43: return ring_fits_code<D, 1, 4, 3>();
+      case 34: return ring_fits_code<D, 1, 3, 4>();
+      case 33: return ring_fits_code<D, 1, 3, 3>();
+      case 32: return ring_fits_code<D, 1, 3, 2>();
+      case 23: return ring_fits_code<D, 1, 2, 3>();
+      default: break;
+    }
+  }
+  return -1;
+}
+
 }  // namespace
+
+int RingFitsOnDevice(int head_dim, int k_bits, int v_bits) {
+#if JTQ_HAS_D(64)
+  if (head_dim == 64) return ring_fits_widths<64, 1>(k_bits, v_bits);
+#endif
+#if JTQ_HAS_D(128)
+  if (head_dim == 128) return ring_fits_widths<128, 1>(k_bits, v_bits);
+#endif
+#if JTQ_HAS_D(256)
+  if (head_dim == 256) return ring_fits_widths<256, 2>(k_bits, v_bits);
+#endif
+  return -1;
+}
 
 ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot,
                                ffi::Buffer<ffi::U8> k_codes, ffi::Buffer<ffi::F32> k_norms,

@@ -90,9 +90,11 @@ constexpr int kTT = 16;     // tokens per warp tile
 
 // Per-head_dim geometry of the tile loop (D = 64 or 128; the layouts in the header comment are
 // written for 128: a lane's K bytes are (D / 8) * t4 .. of a row, its V bytes (D / 16) * gid ..).
+// Head_dim 256 runs as two halves of 128 coordinates (v4's warp pairs); Dims<256> serves its
+// query staging only.
 template <int D>
 struct Dims {
-  static_assert(D == 64 || D == 128, "tensor-core decode: head_dim 64 or 128");
+  static_assert(D == 64 || D == 128 || D == 256, "tensor-core decode: head_dim 64, 128 or 256 (halves)");
   static constexpr int kKS = D / 16;   // K-phase k-steps = V-phase m-tiles
   static constexpr int kKW = D / 32;   // 32-bit words of a lane's K codes per token
   static constexpr int kVW = D / 64;   // 32-bit words of a lane's V codes per token
@@ -429,10 +431,12 @@ __device__ __forceinline__ void rescale_output(float (&o)[MT][4], const float (&
 }
 
 // B fragments of Q^T: head gid, coordinates (D/4)*t4 + 4*ks + {0,1} (b0), {2,3} (b1), f16 hi / lo.
+// q_s rows are `stride` floats apart (a warp pair's half: q_s at its first coordinate, stride 2D).
 template <int D>
 __device__ __forceinline__ void query_fragments(const float* q_s, int gid, int t4,
-                                                uint32_t (&qh)[Dims<D>::kKS][2], uint32_t (&ql)[Dims<D>::kKS][2]) {
-  const float* qr = q_s + gid * D + (D / 4) * t4;
+                                                uint32_t (&qh)[Dims<D>::kKS][2], uint32_t (&ql)[Dims<D>::kKS][2],
+                                                int stride = D) {
+  const float* qr = q_s + gid * stride + (D / 4) * t4;
 #pragma unroll
   for (int ks = 0; ks < Dims<D>::kKS; ++ks) {
     const float4 v = *reinterpret_cast<const float4*>(qr + 4 * ks);
@@ -441,12 +445,11 @@ __device__ __forceinline__ void query_fragments(const float* q_s, int gid, int t
   }
 }
 
-// S^T = Kdec * Q^T for one tile, in log2 units: s[0] (token gid, head 2t4), s[1] (gid, 2t4+1),
-// s[2] (gid+8, 2t4), s[3] (gid+8, 2t4+1); a masked token (NaN norm) or a NaN product gives -inf.
+// Kdec * Q^T of one tile before the norms (tile_scores' fragment layout).
 template <int D, bool SPLIT>
-__device__ __forceinline__ void tile_scores(const Tile<D>& cur, const uint32_t (&qh)[Dims<D>::kKS][2],
-                                            const uint32_t (&ql)[Dims<D>::kKS][2], float qx0, float qx1,
-                                            const PairLut<SPLIT>& ilut, float (&s)[4]) {
+__device__ __forceinline__ void tile_dots(const Tile<D>& cur, const uint32_t (&qh)[Dims<D>::kKS][2],
+                                          const uint32_t (&ql)[Dims<D>::kKS][2], const PairLut<SPLIT>& ilut,
+                                          float (&s)[4]) {
   float sh[2][4] = {}, sx[2][4] = {};  // even / odd k-steps: two independent MMA chains (sx: SPLIT)
   const uint32_t (&ka)[Dims<D>::kKW] = cur.k0;
   const uint32_t (&kb)[Dims<D>::kKW] = cur.k1;
@@ -471,6 +474,12 @@ __device__ __forceinline__ void tile_scores(const Tile<D>& cur, const uint32_t (
     s[c] = sh[0][c] + sh[1][c];
     if constexpr (SPLIT) s[c] += sx[0][c] + sx[1][c];
   }
+}
+
+// The dot products s of tile_dots times the heads' powers of two and the K norms, in log2 units;
+// a masked token (NaN norm) or a NaN product gives -inf.
+template <int D>
+__device__ __forceinline__ void scale_scores(const Tile<D>& cur, float qx0, float qx1, float (&s)[4]) {
   s[0] *= qx0 * cur.kn0;
   s[1] *= qx1 * cur.kn0;
   s[2] *= qx0 * cur.kn1;
@@ -478,6 +487,16 @@ __device__ __forceinline__ void tile_scores(const Tile<D>& cur, const uint32_t (
 #pragma unroll
   for (int c = 0; c < 4; ++c)
     if (!(s[c] > -INFINITY)) s[c] = -INFINITY;  // masked token (NaN norm) or NaN: no weight
+}
+
+// S^T = Kdec * Q^T for one tile, in log2 units: s[0] (token gid, head 2t4), s[1] (gid, 2t4+1),
+// s[2] (gid+8, 2t4), s[3] (gid+8, 2t4+1); a masked token (NaN norm) or a NaN product gives -inf.
+template <int D, bool SPLIT>
+__device__ __forceinline__ void tile_scores(const Tile<D>& cur, const uint32_t (&qh)[Dims<D>::kKS][2],
+                                            const uint32_t (&ql)[Dims<D>::kKS][2], float qx0, float qx1,
+                                            const PairLut<SPLIT>& ilut, float (&s)[4]) {
+  tile_dots<D, SPLIT>(cur, qh, ql, ilut, s);
+  scale_scores<D>(cur, qx0, qx1, s);
 }
 
 // v4's per-warp P tile (16 tokens x 8 heads, 128 floats): token row r starts at ptile_row(r), a
@@ -586,12 +605,15 @@ __device__ __forceinline__ void merge_rotate_and_store(const DecodeParams& p, fl
 // tables: every warp must be past its loop), merged over the W warps and stored. With the fused
 // rotation and one split, the merged rows go to the table space after o_s and warp w rotates rows
 // w, w + W, ... back (out = Pi_v^T o_rot; rot_buf: the warp's 128 floats, free after its loop).
-template <int D, int GT, int W>
-__device__ __forceinline__ void merge_tile_state(const DecodeParams& p, const float (&o)[Dims<D>::kKS][4],
+// Warp pairs (DW = D / 2): `warp` is the pair (one of W), whose two warps hold the same m and l and
+// the coordinates half * DW .. of o.
+template <int D, int GT, int W, int DW = D>
+__device__ __forceinline__ void merge_tile_state(const DecodeParams& p, const float (&o)[Dims<DW>::kKS][4],
                                                  const float (&m)[2], float (&l)[2],
                                                  float (&o_s)[W][kNH * D], float (&m_s)[W][kNH],
                                                  float (&l_s)[W][kNH], const int* bad_s, int warp, int gid,
-                                                 int t4, int seq, int split, int kvh, int tile, float* rot_buf) {
+                                                 int t4, int seq, int split, int kvh, int tile, float* rot_buf,
+                                                 int half = 0) {
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
 #pragma unroll
@@ -600,18 +622,18 @@ __device__ __forceinline__ void merge_tile_state(const DecodeParams& p, const fl
   __syncthreads();
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
-    float* orow = &o_s[warp][(2 * t4 + hh) * D + (D / 8) * gid];
+    float* orow = &o_s[warp][(2 * t4 + hh) * D + half * DW + (DW / 8) * gid];
 #pragma unroll
-    for (int mt = 0; mt < Dims<D>::kKS; ++mt)
+    for (int mt = 0; mt < Dims<DW>::kKS; ++mt)
       *reinterpret_cast<float2*>(orow + 2 * mt) = make_float2(o[mt][hh], o[mt][2 + hh]);
-    if (gid == 0) {
+    if (gid == 0 && half == 0) {
       m_s[warp][2 * t4 + hh] = m[hh];
       l_s[warp][2 * t4 + hh] = l[hh];
     }
   }
   __syncthreads();
   if (D != kD || p.rot == nullptr || p.num_splits > 1) {
-    merge_warps_and_store<D, GT, kNH, W>(p, m_s, l_s, o_s, bad_s, seq, split, kvh, tile);
+    merge_warps_and_store<D, GT, kNH, W, 32 * W * (D / DW)>(p, m_s, l_s, o_s, bad_s, seq, split, kvh, tile);
     return;
   }
   if constexpr (D == kD) merge_rotate_and_store<GT, W>(p, m_s, l_s, o_s, bad_s, warp, gid, t4, seq, split, kvh, tile, rot_buf);
@@ -815,15 +837,18 @@ __device__ __forceinline__ int ring_row64(int r) { return (r & ~3) | ((r + (r >>
 // flight as with 4-bit codes.
 template <int D, int KB = 4, int VB = 4>
 constexpr int stage_bytes() { return kTT * (D * KB / 8 + D * VB / 8) + 2 * kTT * 4; }
-// Per-warp ring bytes: at most 5 KB, which keeps 2 CTAs (64 KB of tables each) on an sm_90 SM.
+// Per-warp ring bytes: at most 5 KB, which keeps 2 CTAs (64 KB of tables each) on an sm_90 SM;
+// 4.5 KB with warp pairs (HALVES = 2), whose score exchange takes 1 KB per warp more.
+// (ring_fits in paged_decode.cu asks the device; RingFitsOnDevice reports it to the GPU tests.)
 constexpr int kRingWarpBudget = 5120;
-template <int D, int KB = 4, int VB = 4>
+constexpr int kPairRingWarpBudget = 4608;
+template <int D, int KB = 4, int VB = 4, int HALVES = 1>
 constexpr int ring_stages() {
-  constexpr int n = kRingWarpBudget / stage_bytes<D, KB, VB>();
+  constexpr int n = (HALVES == 1 ? kRingWarpBudget : kPairRingWarpBudget) / stage_bytes<D, KB, VB>();
   return n < 2 ? 2 : n > 4 ? 4 : n;
 }
-template <int D, int KB = 4, int VB = 4>
-constexpr int ring_bytes() { return kW4 * ring_stages<D, KB, VB>() * stage_bytes<D, KB, VB>(); }
+template <int D, int KB = 4, int VB = 4, int HALVES = 1>
+constexpr int ring_bytes() { return kW4 * ring_stages<D, KB, VB, HALVES>() * stage_bytes<D, KB, VB>(); }
 
 // Byte offset in a stage's 16-row block of code rows of R bytes of byte `b` of row r: 64-byte
 // rows in 16-byte units at ring_swizzle, 32-byte rows at ring_row64, other widths in order.
@@ -847,17 +872,25 @@ constexpr float kLazyMax = 8.f;
 
 // KB / VB: the K / V code width (2, 3 or 4), or 0 (register variant only): the runtime p.k_bits /
 // p.v_bits.
-template <int D, int GT, bool SPLIT, bool RING, int KB = 4, int VB = 4>
+// HALVES = 2 (head_dim 256, ring only): warp pairs. Both warps of a pair take the same tiles, each
+// the codes of its half of the coordinates (DW = 128: the head_dim-128 tile loop and stage layout,
+// from rows twice as long); after the K MMAs the two partial dot products are exchanged through
+// shared memory (one 64-thread named barrier per tile), so both warps hold the same scores, running
+// max, sums and weights, and each accumulates its half of the output.
+template <int D, int GT, bool SPLIT, bool RING, int KB = 4, int VB = 4, int HALVES = 1>
 __global__ void __launch_bounds__(kT4, kCtasPerSm4)
     paged_decode_v4_kernel(const DecodeParams p) {
   static_assert(!RING || (KB != 0 && VB != 0), "the ring's stage layout needs compile-time widths");
   static_assert(GT == 4 || GT == 8, "v4: GT in {4, 8}");
   static_assert(kNH == kW4, "prologue: one head per warp");
-  static_assert(kW4 * kNH * D * 4 <= kSmemBytes, "o_s must fit in the table space");
-  constexpr int kStage = stage_bytes<D, KB ? KB : 4, VB ? VB : 4>();
-  constexpr int kStages = ring_stages<D, KB ? KB : 4, VB ? VB : 4>();
-  constexpr int KS = Dims<D>::kKS;
-  constexpr int RK = D * (KB ? KB : 4) / 8, RV = D * (VB ? VB : 4) / 8;  // ring: code bytes per K / V row
+  static_assert(HALVES == 1 || (HALVES == 2 && RING && !SPLIT && D == 256), "warp pairs: head_dim 256, ring, f16");
+  constexpr int DW = D / HALVES;    // coordinates of a warp's share of a tile
+  constexpr int NP = kW4 / HALVES;  // tile streams: the warps, or the warp pairs
+  static_assert(NP * kNH * D * 4 <= kSmemBytes, "o_s must fit in the table space");
+  constexpr int kStage = stage_bytes<DW, KB ? KB : 4, VB ? VB : 4>();
+  constexpr int kStages = ring_stages<DW, KB ? KB : 4, VB ? VB : 4, HALVES>();
+  constexpr int KS = Dims<DW>::kKS;
+  constexpr int RK = DW * (KB ? KB : 4) / 8, RV = DW * (VB ? VB : 4) / 8;  // ring: code bytes per K / V row
   // Table key shifts (load_k_keys): the ring's 2- / 3-bit K and 2-bit V codes make their own keys.
   constexpr bool V2 = RING && VB == 2;
   constexpr int KSHIFT = RING && (KB == 2 || KB == 3) ? KB : 4, VSHIFT = V2 ? 2 : 4;
@@ -868,12 +901,15 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
   __shared__ float qexp_s[kNH];
   __shared__ int bad_s[kNH];  // heads whose q_rot row is not all finite (NaN output rows)
   __shared__ __align__(16) float w_s[kW4][kTT * kNH];  // P tiles, rows at ptile_row
-  __shared__ float m_s[kW4][kNH];
-  __shared__ float l_s[kW4][kNH];
-  auto& o_s = *reinterpret_cast<float(*)[kW4][kNH * D]>(smem);  // after the main loop only
+  __shared__ float m_s[NP][kNH];
+  __shared__ float l_s[NP][kNH];
+  __shared__ __align__(16) float4 x_s[HALVES == 2 ? kW4 * 2 * 32 : 1];  // pairs: [warp][tile parity][lane]
+  auto& o_s = *reinterpret_cast<float(*)[NP][kNH * D]>(smem);  // after the main loop only
 
   const int tid = threadIdx.x;
   const int warp = tid >> 5;
+  const int stream = warp / HALVES;  // this warp's tiles: stream, stream + NP, ...
+  const int half = warp % HALVES;    // pairs: coordinates half * DW ..
   const int lane = tid & 31;
   const int gid = lane >> 2;
   const int t4 = lane & 3;
@@ -909,10 +945,10 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
   // Per-lane byte offsets inside a 16-token tile's rows: K bytes (D/8)*t4.. of token gid (token
   // gid + 8 at + 8 rows); V bytes (D/16)*gid.. of token 4*t4 (token 4*t4 + e at + e rows).
   const int krow = D * (KB ? KB : p.k_bits) / 8, vrow = D * (VB ? VB : p.v_bits) / 8;  // code bytes per row
-  const int k_lane = gid * krow + (krow / 4) * t4;
-  const int v_lane = 4 * t4 * vrow + (vrow / 8) * gid;
+  const int k_lane = gid * krow + (HALVES == 1 ? (krow / 4) * t4 : half * RK + (RK / 4) * t4);
+  const int v_lane = 4 * t4 * vrow + (HALVES == 1 ? (vrow / 8) * gid : half * RV + (RV / 8) * gid);
   const float kNaN = __int_as_float(0x7fc00000);
-  auto mask_norms = [&](Tile<D>& t, int n, float kn0, float kn1, float vn0, float vn1) {
+  auto mask_norms = [&](Tile<DW>& t, int n, float kn0, float kn1, float vn0, float vn1) {
     t.kn0 = gid < n ? kn0 : kNaN;
     t.kn1 = gid + 8 < n ? kn1 : kNaN;
     t.vn0 = gid < n ? vn0 : 0.f;
@@ -920,7 +956,7 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
   };
   // Register path. Called with ntt > 0 only (so P > 0). A tile past the end (ti >= ntt,
   // phys = -1) reads page 0 with every token masked.
-  auto load = [&](int ti, Tile<D>& t, int phys) {
+  auto load = [&](int ti, Tile<DW>& t, int phys) {
     const int base = tok0 + ti * kTT;
     if (one_page_tiles) {
       int n;
@@ -936,7 +972,7 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
       mask_norms(t, n, __ldg(knp), __ldg(knp + 8), __ldg(vnp), __ldg(vnp + 8));
       return;
     }
-    t = Tile<D>{};
+    t = Tile<DW>{};
     t.kn0 = t.kn1 = kNaN;
     if (ti >= ntt) return;
     const int64_t r0 = token_row(p, bt_seq, base + gid, tok_end, kvh);
@@ -965,8 +1001,15 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
   // Loop-invariant per-lane parts of the copies: sources at byte 16 * lane of a tile's rows (unit
   // lane + 32 at +512), destinations at the units' stage offsets (shared-memory addresses, 32 bits).
   constexpr int NUK = RK, NUV = RV;  // 16-byte units of a tile's 16 K / V rows
-  const uint8_t* k_src = p.kc + 16 * lane;
-  const uint8_t* v_src = p.vc + 16 * lane;
+  // Pairs: unit u is 16-byte chunk u % UPR of row u / UPR's half (rows of HALVES * RK bytes), and
+  // unit lane + 32 is 32 / UPR rows after unit lane.
+  constexpr int KUPR = RK / 16, VUPR = RV / 16;
+  static_assert(HALVES == 1 || (RK % 16 == 0 && RV % 16 == 0 && 32 % KUPR == 0 && 32 % VUPR == 0),
+                "warp pairs: half rows of whole 16-byte units");
+  constexpr int kK32 = HALVES == 1 ? 512 : (32 / KUPR) * HALVES * RK;  // source of unit lane + 32
+  constexpr int kV32 = HALVES == 1 ? 512 : (32 / VUPR) * HALVES * RV;
+  const uint8_t* k_src = p.kc + (HALVES == 1 ? 16 * lane : half * RK + (lane / KUPR) * (HALVES * RK) + (lane % KUPR) * 16);
+  const uint8_t* v_src = p.vc + (HALVES == 1 ? 16 * lane : half * RV + (lane / VUPR) * (HALVES * RV) + (lane % VUPR) * 16);
   const float* n_src = (lane < 4 ? p.kn : p.vn) + 4 * (lane & 3);
   const uint32_t ring_s = smem_addr(ring);
   const uint32_t dst_k0 = ring_s + ring_unit_offset<RK>(lane);
@@ -978,13 +1021,13 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
     int n = 0;
     if (ti < ntt) {
       const int64_t row0 = tile_rows(ti, phys, n);
-      const uint8_t* ks = k_src + row0 * RK;
-      const uint8_t* vs = v_src + row0 * RV;
+      const uint8_t* ks = k_src + row0 * (HALVES * RK);
+      const uint8_t* vs = v_src + row0 * (HALVES * RV);
       const uint32_t so = st * kStage;
       if (NUK >= 32 || lane < NUK) cp_async16_s(dst_k0 + so, ks);
-      if (NUK > 32 && (NUK >= 64 || lane + 32 < NUK)) cp_async16_s(dst_k1 + so, ks + 512);
+      if (NUK > 32 && (NUK >= 64 || lane + 32 < NUK)) cp_async16_s(dst_k1 + so, ks + kK32);
       if (NUV >= 32 || lane < NUV) cp_async16_s(dst_v0 + so, vs);
-      if (NUV > 32 && (NUV >= 64 || lane + 32 < NUV)) cp_async16_s(dst_v1 + so, vs + 512);
+      if (NUV > 32 && (NUV >= 64 || lane + 32 < NUV)) cp_async16_s(dst_v1 + so, vs + kV32);
       if (lane < 8) cp_async16_s(dst_n + so, n_src + row0);
     }
     cp_async_commit();  // one group per call, empty or not: wait_group counts stay aligned
@@ -992,14 +1035,14 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
   };
   // A lane's K codes: (D/4) codes from code (D/4)*t4 of tokens gid, gid + 8; V: (D/8) codes from
   // code (D/8)*gid of tokens 4*t4 + e.
-  auto read_stage = [&](int st, int n, Tile<D>& t) {
+  auto read_stage = [&](int st, int n, Tile<DW>& t) {
     const uint8_t* src = ring + st * kStage;
     constexpr int kb = KB ? KB : 4, vb = VB ? VB : 4;
-    load_k_keys<kb, Dims<D>::kKW, SharedMem>(src + ring_offset<RK>(gid, (RK / 4) * t4), t.k0);
-    load_k_keys<kb, Dims<D>::kKW, SharedMem>(src + ring_offset<RK>(gid + 8, (RK / 4) * t4), t.k1);
+    load_k_keys<kb, Dims<DW>::kKW, SharedMem>(src + ring_offset<RK>(gid, (RK / 4) * t4), t.k0);
+    load_k_keys<kb, Dims<DW>::kKW, SharedMem>(src + ring_offset<RK>(gid + 8, (RK / 4) * t4), t.k1);
 #pragma unroll
     for (int e = 0; e < 4; ++e)
-      load_v_codes<vb, Dims<D>::kVW, SharedMem>(src + kTT * RK + ring_offset<RV>(4 * t4 + e, (RV / 8) * gid), t.v[e]);
+      load_v_codes<vb, Dims<DW>::kVW, SharedMem>(src + kTT * RK + ring_offset<RV>(4 * t4 + e, (RV / 8) * gid), t.v[e]);
     const float* norms = reinterpret_cast<const float*>(src + kTT * (RK + RV));
     mask_norms(t, n, norms[gid], norms[gid + 8], norms[kTT + gid], norms[kTT + gid + 8]);
   };
@@ -1008,15 +1051,15 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
   // and table build then overlap their latency; the centroids are loaded first of all.
   static_assert(kT4 == 256, "one K and one V table entry per thread");
   const LutSeed lut_seed = load_lut_seed(p.kcent, p.vcent, p.k_bits, p.v_bits, KSHIFT, VSHIFT);
-  Tile<D> cur, nxt;
+  Tile<DW> cur, nxt;
   int phys_next = -1, n_st[kStages] = {};
   if constexpr (RING) {
 #pragma unroll
-    for (int st = 0; st < kStages; ++st) n_st[st] = issue(warp + st * kW4, st, tile_page(warp + st * kW4));
-    phys_next = tile_page(warp + kStages * kW4);
+    for (int st = 0; st < kStages; ++st) n_st[st] = issue(stream + st * NP, st, tile_page(stream + st * NP));
+    phys_next = tile_page(stream + kStages * NP);
   } else {
-    phys_next = one_page_tiles ? tile_page(warp + kW4) : -1;
-    if (warp < ntt) load(warp, cur, one_page_tiles ? tile_page(warp) : -1);
+    phys_next = one_page_tiles ? tile_page(stream + NP) : -1;
+    if (stream < ntt) load(stream, cur, one_page_tiles ? tile_page(stream) : -1);
   }
 
   // ---- prologue: q of head `warp` (scaled, per-head power of two) in the table space ----------
@@ -1024,7 +1067,7 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
   stage_queries<D, GT, 1>(p, q_s, qexp_s, bad_s, seq, kvh, tile, warp, lane, w_s[warp]);
   __syncthreads();
   uint32_t qh[KS][2], ql[KS][2];
-  query_fragments<D>(q_s, gid, t4, qh, ql);
+  query_fragments<DW>(q_s + half * DW, gid, t4, qh, ql, D);
   const float qx0 = qexp_s[2 * t4], qx1 = qexp_s[2 * t4 + 1];
   __syncthreads();
   build_pair_luts<SPLIT>(smem, lut_seed);
@@ -1044,9 +1087,23 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
   float* wt = w_s[warp];
 
   // Scores, online softmax and V accumulation of one tile held in registers.
-  auto consume = [&](const Tile<D>& cur) {
+  // Pairs: xb = the parity of the warp's tile count (the exchange slots alternate, so one barrier per
+  // tile suffices).
+  auto consume = [&](const Tile<DW>& cur, int xb) {
     float s[4];
-    tile_scores<D, SPLIT>(cur, qh, ql, qx0, qx1, ilut, s);
+    if constexpr (HALVES == 2) {
+      tile_dots<DW, SPLIT>(cur, qh, ql, ilut, s);
+      x_s[(2 * warp + xb) * 32 + lane] = make_float4(s[0], s[1], s[2], s[3]);
+      asm volatile("bar.sync %0, 64;" ::"r"(1 + stream) : "memory");  // the pair's two warps
+      const float4 other = x_s[(2 * (warp ^ 1) + xb) * 32 + lane];
+      s[0] += other.x;  // a + b in one warp, b + a in the other: the same float
+      s[1] += other.y;
+      s[2] += other.z;
+      s[3] += other.w;
+      scale_scores<DW>(cur, qx0, qx1, s);
+    } else {
+      tile_scores<DW, SPLIT>(cur, qh, ql, qx0, qx1, ilut, s);
+    }
 
     // The weight is p * v_norm with the norm as stored (a NaN norm gives a NaN output row, as in
     // the reference and v1; masked tokens have norm 0); the max covers log2 |v_norm| (flushed to
@@ -1100,50 +1157,51 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
     *reinterpret_cast<float2*>(wt + ptile_row(gid) + 2 * t4) = make_float2(wa[0], wa[1]);
     *reinterpret_cast<float2*>(wt + ptile_row(gid + 8) + 2 * t4) = make_float2(wb[0], wb[1]);
     __syncwarp();
-    tile_accumulate_v<D, SPLIT, true, V2>(cur.v, wt, gid, t4, ilut, o);
+    tile_accumulate_v<DW, SPLIT, true, V2>(cur.v, wt, gid, t4, ilut, o);
   };
 
   if constexpr (RING) {
     // Step of tile ti from stage ST: wait for its group (the newer ones may stay in flight), copy
-    // it to registers, refill the stage with tile ti + kStages * kW4, then the math.
+    // it to registers, refill the stage with tile ti + kStages * NP, then the math.
     auto ring_step = [&](int ti, auto st_tag) {
       constexpr int ST = decltype(st_tag)::value;
       cp_async_wait<kStages - 1>();
       __syncwarp();  // every lane's copies of this stage are visible to the whole warp
       read_stage(ST, n_st[ST], cur);
       __syncwarp();  // every lane has read the stage before it is overwritten
-      n_st[ST] = issue(ti + kStages * kW4, ST, phys_next);
-      phys_next = tile_page(ti + (kStages + 1) * kW4);
-      consume(cur);
+      n_st[ST] = issue(ti + kStages * NP, ST, phys_next);
+      phys_next = tile_page(ti + (kStages + 1) * NP);
+      consume(cur, (ti / NP) & 1);  // ti = stream + k * NP with stream < NP: k
     };
     // One pass over the ring from stage ST (tile ti), stopping after the last tile.
     auto ring_pass = [&](int ti, auto st_tag, auto& self) -> void {
       constexpr int ST = decltype(st_tag)::value;
       ring_step(ti, st_tag);
       if constexpr (ST + 1 < kStages) {
-        if (ti + kW4 < ntt) self(ti + kW4, std::integral_constant<int, ST + 1>{}, self);
+        if (ti + NP < ntt) self(ti + NP, std::integral_constant<int, ST + 1>{}, self);
       }
     };
 #pragma unroll 1
-    for (int ti = warp; ti < ntt; ti += kStages * kW4) ring_pass(ti, std::integral_constant<int, 0>{}, ring_pass);
+    for (int ti = stream; ti < ntt; ti += kStages * NP) ring_pass(ti, std::integral_constant<int, 0>{}, ring_pass);
     cp_async_wait<0>();
   } else {
-    // Prefetch tile ti + kW4 into `next`, then consume `cur`; called on alternating register sets
+    // Prefetch tile ti + NP into `next`, then consume `cur`; called on alternating register sets
     // (no tile copy between iterations).
-    auto step = [&](int ti, const Tile<D>& cur, Tile<D>& next) {
-      load(ti + kW4, next, phys_next);
-      if (one_page_tiles) phys_next = tile_page(ti + 2 * kW4);
-      consume(cur);
+    auto step = [&](int ti, const Tile<DW>& cur, Tile<DW>& next) {
+      load(ti + NP, next, phys_next);
+      if (one_page_tiles) phys_next = tile_page(ti + 2 * NP);
+      consume(cur, 0);
     };
 #pragma unroll 1
-    for (int ti = warp; ti < ntt; ti += 2 * kW4) {
+    for (int ti = stream; ti < ntt; ti += 2 * NP) {
       step(ti, cur, nxt);
-      if (ti + kW4 >= ntt) break;
-      step(ti + kW4, nxt, cur);
+      if (ti + NP >= ntt) break;
+      step(ti + NP, nxt, cur);
     }
   }
 
-  merge_tile_state<D, GT, kW4>(p, o, m, l, o_s, m_s, l_s, bad_s, warp, gid, t4, seq, split, kvh, tile, w_s[warp]);
+  merge_tile_state<D, GT, NP, DW>(p, o, m, l, o_s, m_s, l_s, bad_s, stream, gid, t4, seq, split, kvh, tile, w_s[warp],
+                                  half);
 }
 
 }  // namespace v3

@@ -113,7 +113,8 @@ def paged_decode(q, cache, block_tables, seq_lens, *, scale=None, num_splits=Non
                       int(num_splits or 0), f16_products, backend)
         return out.astype(q.dtype)
     kernel_rounds_to_f16 = (backend != "xla" and uses_v4(f16_products) and ffi_loader.kernels_available("cuda")
-                            and uses_tensor_core_kernel(k_codec.head_dim, k_codec.bits, v_codec.bits, group))
+                            and uses_tensor_core_kernel(k_codec.head_dim, k_codec.bits, v_codec.bits, group,
+                                                        f16_products=f16_products))
     rotation_precision = _rotation_precision(kernel_rounds_to_f16)
     q_rot = jnp.einsum("shd,ed->she", q.astype(jnp.float32), k_codec.rotation, precision=rotation_precision)
     operands = (q_rot, *pools)
@@ -387,13 +388,18 @@ def v4_ctas_per_sm(compute_capability: tuple[int, int]) -> int:
     return max(1, min(V4_MAX_CTAS_BY_REGISTERS, smem_per_sm // V4_SMEM_PER_CTA))
 
 
-def uses_tensor_core_kernel(head_dim: int, k_bits: int, v_bits: int, group: int) -> bool:
+def uses_tensor_core_kernel(head_dim: int, k_bits: int, v_bits: int, group: int, *,
+                            f16_products: bool = True) -> bool:
     """Whether the CUDA decode runs a tensor-core kernel (v3 / v4) for this configuration: head_dim
     64 or 128, K and V of 2, 3 or 4 bits each, any GQA group (groups of 1 or 2 query heads run
     padded to 4), unless ``JAX_TQ_CUDA_DECODE`` asks for v1 or v2 (the kernel handler reads the same
-    variable)."""
+    variable); head_dim 256 with K and V of 2 or 4 bits each and float16 products
+    (``f16_products``), on v4's warp pairs, unless ``JAX_TQ_CUDA_DECODE`` names any kernel. (The
+    handler also needs v4's ring to fit, as on sm_90; elsewhere head_dim 256 runs v1.)"""
     del group  # every group size: head tiles of 4 (groups <= 4) or 8 query heads
     requested = os.environ.get("JAX_TQ_CUDA_DECODE", "")
+    if head_dim == 256:
+        return requested in ("", "v5") and f16_products and k_bits in (2, 4) and v_bits in (2, 4)
     return requested not in ("v1", "v2") and head_dim in (64, 128) and k_bits in (2, 3, 4) and v_bits in (2, 3, 4)
 
 
@@ -432,8 +438,8 @@ def choose_num_splits(platform: str, num_seqs: int, num_kv_heads: int, max_pages
     if platform == "cpu":
         return 1
     by_length = max(1, max_pages // max(4, MIN_TOKENS_PER_SPLIT // page_size))
-    if uses_tensor_core_kernel(head_dim, k_bits, v_bits, group):
-        units = num_seqs * num_kv_heads * -(-group // (4 if group <= 4 else 8))
+    if uses_tensor_core_kernel(head_dim, k_bits, v_bits, group, f16_products=f16_products):
+        units = num_seqs * num_kv_heads * -(-group // (4 if group <= 4 or head_dim >= 256 else 8))
         per_sm = v4_ctas_per_sm if uses_v4(f16_products) else v3_ctas_per_sm
         slots = per_sm(_compat.gpu_compute_capability()) * _compat.gpu_core_count()
         return whole_wave_splits(max(1, units), slots, by_length)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on the GPU machine: build jax_tq with CUDA, run the GPU tests, the benchmarks,
 # and optionally the main job; print short tables. Usage: bash scripts/gpu_run.sh [build tests bench model]
-# stages: build v3 ncu trace tests dtests bits rot bench graphs profile breakdown model (default: build tests bench). Logs go to $OUT (the device tool brings them back).
+# stages: build v3 ncu trace tests dtests bits hd rot bench graphs profile breakdown model (default: build tests bench). Logs go to $OUT (the device tool brings them back).
 # One device call may run 600 s at most: "build tests" (~9 min on the H200) and "bench" (~4 min) fit
 # in two back-to-back calls; the build stays while the machine is warm (30 s after a call).
 set -uo pipefail
@@ -67,6 +67,16 @@ if has bits; then  # jax_tq alone per (head_dim, K bits, V bits): BITS_CONFIGS="
       --shapes ${BITS_SHAPES:-32x8192,1x32768} 2>&1 | tee "$OUT/bits_${d}_${kb}${vb}.txt" | grep "^|" | grep -v -- "---"
   done
   echo "bits: $(( $(date +%s) - t0 )) s"
+fi
+if has hd; then  # one head_dim against the bf16 paths (HD, HD_HEADS, HD_SHAPES), then jax_tq on v1 (HD_V1=0 skips it)
+  timeout ${BENCH_TIMEOUT:-200} python3 benchmarks/bench_decode.py --device-time --head-dim ${HD:-256} --heads ${HD_HEADS:-16:8} \
+    --rotations ${HD_ROTATIONS:-haar} --shapes ${HD_SHAPES:-32x8192,8x8192,1x32768} 2>&1 | tee "$OUT/hd_${HD:-256}.txt" | grep "^|" | grep -v -- "---"
+  if [ "${HD_V1:-1}" != 0 ]; then
+    JAX_TQ_CUDA_DECODE=v1 timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/bench_decode.py --only-tq --device-time --head-dim ${HD:-256} \
+      --heads ${HD_HEADS:-16:8} --rotations ${HD_ROTATIONS:-haar} --shapes ${HD_SHAPES:-32x8192,8x8192,1x32768} 2>&1 \
+      | tee "$OUT/hd_${HD:-256}_v1.txt" | grep "^|" | grep -v -- "---"
+  fi
+  echo "hd: $(( $(date +%s) - t0 )) s"
 fi
 if has rot; then  # the rotation GEMM alone at each precision (GPU time, error against float64)
   PYTHONPATH=benchmarks:${PYTHONPATH:-} timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/bench_rotation.py 2>&1 | tee "$OUT/bench_rotation.txt" | tail -n 18

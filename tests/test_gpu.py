@@ -355,6 +355,17 @@ TC_CASES = [
     (64, 24, 2, 4, jnp.float16, None, 3e-3),
     (64, 48, 12, 1, jnp.bfloat16, None, 1e-2),
     (64, 256, 8, 2, jnp.bfloat16, "highest", 1e-2),
+    # head_dim 256: v4's warp pairs (float16 products, page_size a multiple of 16; head tiles of 4),
+    # else v1 (float32 products or page_size 8)
+    (256, 16, 4, None, jnp.bfloat16, None, 1e-2),
+    (256, 32, 2, 3, jnp.float16, None, 3e-3),
+    (256, 16, 8, 2, jnp.float32, "default", 3e-3),   # group 8: two head tiles
+    (256, 64, 1, 5, jnp.bfloat16, None, 1e-2),
+    (256, 48, 3, 1, jnp.float16, None, 3e-3),
+    (256, 16, 6, 64, jnp.float32, "default", 3e-3),  # more splits than pages
+    (256, 256, 4, 2, jnp.bfloat16, None, 1e-2),
+    (256, 8, 4, 2, jnp.bfloat16, None, 1e-2),        # v1: pages of 8
+    (256, 16, 4, 2, jnp.float32, "highest", 2e-5),   # v1: float32 products
 ]
 
 
@@ -388,6 +399,12 @@ TC_BITS_CASES = [
     (64, 4, 2, 16, 4, None, jnp.bfloat16, None, 1e-2),
     (64, 3, 4, 32, 2, 2, jnp.float16, None, 3e-3),
     (64, 2, 4, 64, 1, 3, jnp.bfloat16, None, 1e-2),
+    # head_dim 256: v4's warp pairs with 2-bit K and / or V (3, 4 ring stages: tiles of either parity
+    # per stage), and 3-bit codes on v1
+    (256, 2, 2, 16, 4, None, jnp.bfloat16, None, 1e-2),
+    (256, 4, 2, 32, 2, 3, jnp.float16, None, 3e-3),
+    (256, 2, 4, 16, 1, 2, jnp.float32, "default", 3e-3),
+    (256, 3, 4, 16, 4, 2, jnp.bfloat16, None, 1e-2),
 ]
 
 
@@ -430,7 +447,7 @@ def test_paged_decode_huge_v_norms(rng, qdtype):
 
 @pytest.mark.parametrize("num_seqs,qdtype,head_dim,group", [
     (2, jnp.bfloat16, 128, 4), (11, jnp.float16, 128, 4), (43, jnp.float32, 128, 4), (171, jnp.bfloat16, 128, 4),
-    (13, jnp.bfloat16, 64, 4), (9, jnp.float32, 64, 2)])
+    (13, jnp.bfloat16, 64, 4), (9, jnp.float32, 64, 2), (7, jnp.bfloat16, 256, 2), (5, jnp.float16, 256, 5)])
 def test_paged_decode_row_counts(rng, num_seqs, qdtype, head_dim, group):
     """Up to 2052 query rows with NaN / inf query rows among them: NaN rows exactly there, every
     other row against float64; the device memory is poisoned first."""
@@ -532,12 +549,12 @@ def test_paged_decode_huge_logits(rng):
         assert rel_err(got, want) < 2e-2
 
 
-@pytest.mark.parametrize("qdtype", [jnp.bfloat16, jnp.float32])
-def test_paged_decode_negative_and_nan_v_norms(rng, qdtype):
-    """Tensor-core kernels (bf16: v4's f16 products, float32: v3): V norms weigh with their sign,
-    and a NaN V norm of an attended token gives NaN rows for its KV head's query heads, as in the
-    float64 oracle."""
-    q, cache, tables, lens = _decode_inputs(rng, 128, 4, 4, 16, 4, 2, qdtype, num_seqs=4, max_len=600)
+@pytest.mark.parametrize("qdtype,head_dim", [(jnp.bfloat16, 128), (jnp.float32, 128), (jnp.bfloat16, 256)])
+def test_paged_decode_negative_and_nan_v_norms(rng, qdtype, head_dim):
+    """Tensor-core kernels (bf16: v4's f16 products, at head_dim 256 its warp pairs; float32: v3):
+    V norms weigh with their sign, and a NaN V norm of an attended token gives NaN rows for its KV
+    head's query heads, as in the float64 oracle."""
+    q, cache, tables, lens = _decode_inputs(rng, head_dim, 4, 4, 16, 4, 2, qdtype, num_seqs=4, max_len=600)
     v_norms = np.array(cache.v_norms)  # [num_pages, num_kv_heads, page_size]
     v_norms *= np.where(rng.random(v_norms.shape) < 0.3, -1.0, 1.0)
     v_norms[int(tables[2, 0]), 1, 0] = np.nan  # sequence 2, KV head 1, token 0
@@ -550,20 +567,39 @@ def test_paged_decode_negative_and_nan_v_norms(rng, qdtype):
     assert rel_err(got[~nan_rows], want[~nan_rows]) < (2e-2 if qdtype == jnp.bfloat16 else 2e-5)
 
 
-def test_paged_decode_v4_logits_beyond_float32_spacing(rng):
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_paged_decode_v4_logits_beyond_float32_spacing(rng, head_dim):
     """bf16 queries scaled so that scores reach ~2^28 in log2 units (float32 spacing 32 there) with V
     norms of 1e6 (beyond float16): every output is finite and, being a convex combination of V
     vectors, no longer than the longest attended one."""
-    q, cache, tables, lens = _decode_inputs(rng, 128, 4, 4, 16, 4, 2, jnp.bfloat16, num_seqs=4, max_len=600)
+    q, cache, tables, lens = _decode_inputs(rng, head_dim, 4, 4, 16, 4, 2, jnp.bfloat16, num_seqs=4, max_len=600)
     v_norms = 10.0 ** rng.uniform(5, 6, size=cache.v_norms.shape)
     cache = dataclasses.replace(cache, v_norms=jnp.asarray(v_norms, jnp.float32))
     q = (q.astype(jnp.float32) * 1e9).astype(jnp.bfloat16)
     got = np.asarray(_decode(q, cache, tables, lens, num_splits=2).astype(jnp.float32), np.float64)
     assert np.all(np.isfinite(got))
-    unit = np.asarray(cache.v_codec.centroids, np.float64)[unpack_codes(np.asarray(cache.v_codes), 4, 128)]
+    unit = np.asarray(cache.v_codec.centroids, np.float64)[unpack_codes(np.asarray(cache.v_codes), 4, head_dim)]
     longest_v = np.max(np.linalg.norm(unit, axis=-1) * v_norms)
     assert np.all(np.linalg.norm(got, axis=-1) <= 1.01 * longest_v)
     assert np.all(np.linalg.norm(got[1:], axis=-1) > 0)  # sequence 0 is empty (zeros)
+
+
+def test_every_ring_kernel_keeps_two_ctas_per_sm():
+    """On sm_90 every ring decode kernel (head_dim 256: the warp pairs) fits 2 CTAs per SM; one that
+    does not would quietly fall back to a slower kernel (the register variant, or v1 at 256)."""
+    from jax_tq import _ffi
+    mod = _ffi.cuda_module()
+    info = mod.device_info()
+    if (info["cc_major"], info["cc_minor"]) != (9, 0):
+        pytest.skip("the rings' shared memory is planned for sm_90")
+    for head_dim in (64, 128):
+        for k_bits in (2, 3, 4):
+            for v_bits in (2, 3, 4):
+                assert mod.ring_fits(head_dim, k_bits, v_bits) == 1, (head_dim, k_bits, v_bits)
+    for k_bits in (2, 4):
+        for v_bits in (2, 4):
+            assert mod.ring_fits(256, k_bits, v_bits) == 1, (256, k_bits, v_bits)
+    assert mod.ring_fits(256, 3, 4) == -1 and mod.ring_fits(96, 4, 4) == -1
 
 
 def test_paged_decode_vmap_and_jit(rng):

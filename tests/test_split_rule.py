@@ -41,12 +41,20 @@ def test_tensor_core_kernel_selection_follows_the_environment(monkeypatch):
         assert pd.uses_tensor_core_kernel(128, 4, 4, group) and pd.uses_tensor_core_kernel(64, 4, 4, group)
     for args in ((128, 2, 2, 4), (128, 4, 2, 1), (64, 2, 4, 8), (128, 3, 4, 4), (128, 4, 3, 4), (64, 3, 3, 1)):
         assert pd.uses_tensor_core_kernel(*args), args
-    for args in ((80, 4, 4, 4), (96, 4, 4, 4), (256, 4, 4, 8), (192, 3, 3, 4)):
+    for args in ((80, 4, 4, 4), (96, 4, 4, 4), (256, 3, 3, 8), (256, 4, 3, 2), (192, 3, 3, 4)):
         assert not pd.uses_tensor_core_kernel(*args), args
+    # head_dim 256: v4's warp pairs, 2- / 4-bit K and V with float16 products only
+    assert pd.uses_tensor_core_kernel(256, 4, 4, 8) and pd.uses_tensor_core_kernel(256, 4, 4, 1)
+    assert pd.uses_tensor_core_kernel(256, 2, 2, 2) and pd.uses_tensor_core_kernel(256, 4, 2, 4)
+    assert not pd.uses_tensor_core_kernel(256, 4, 4, 4, f16_products=False)
+    assert pd.uses_tensor_core_kernel(128, 4, 4, 4, f16_products=False)  # v3 there
     monkeypatch.setenv("JAX_TQ_CUDA_DECODE", "v1")
     assert not pd.uses_tensor_core_kernel(128, 4, 4, 4)
     monkeypatch.setenv("JAX_TQ_CUDA_DECODE", "v3")
     assert pd.uses_tensor_core_kernel(128, 4, 4, 4)
+    assert not pd.uses_tensor_core_kernel(256, 4, 4, 4)  # no v3 at head_dim 256
+    monkeypatch.setenv("JAX_TQ_CUDA_DECODE", "v5")
+    assert pd.uses_tensor_core_kernel(256, 4, 4, 4)
 
 
 def test_choose_num_splits(monkeypatch):
@@ -69,6 +77,11 @@ def test_choose_num_splits(monkeypatch):
     # Other configurations (v1): one wave of 2 CTAs/SM (tiles of 4-8 heads) or 4 CTAs/SM.
     assert pd.choose_num_splits("cuda", 4, 8, 2048, group=4, head_dim=96) == math.ceil(264 / 32)
     assert pd.choose_num_splits("cuda", 4, 8, 2048, group=1, head_dim=256, k_bits=3) == math.ceil(528 / 32)
+    # head_dim 256 K4V4 (warp pairs): head tiles of 4, whole waves of 2 CTAs per SM
+    assert pd.choose_num_splits("cuda", 32, 8, 512, group=2, head_dim=256) == 1
+    assert pd.choose_num_splits("cuda", 8, 8, 2048, group=8, head_dim=256) == 2  # 128 units (4 at 128)
+    assert pd.choose_num_splits("cuda", 8, 8, 2048, group=8, head_dim=128) == 4  # 64 units
+    assert pd.choose_num_splits("cuda", 4, 8, 2048, group=1, head_dim=256, f16_products=False) == math.ceil(528 / 32)
     monkeypatch.setenv("JAX_TQ_CUDA_DECODE", "v1")
     assert pd.choose_num_splits("cuda", 32, 8, 512, group=4) == 2
 
