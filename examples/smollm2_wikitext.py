@@ -259,7 +259,8 @@ def main(argv=None) -> int:
         print(f"free-running (the decode step writes its own cache; not checked): max |logit diff| "
               f"{r['free_max_abs_diff']:.3g}, argmax agreement {r['free_argmax_agree'] * 100:.1f}%, "
               f"{r['code_bytes_differ']} of {r['code_bytes']} code bytes differ from the evaluation path's "
-              f"cache (float32 rounding moves a code across a bucket boundary, and the flip propagates)")
+              f"cache" + (" (float32 rounding moves a code across a bucket boundary, and the flip propagates)"
+                          if r['code_bytes_differ'] else ""))
 
     print(f"\ntotal run time: {time.perf_counter() - t_start:.1f} s")
     return 0 if ok else 1

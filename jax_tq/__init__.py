@@ -10,6 +10,8 @@ Public API::
     cache = tq.write_cache(cache, k, v, slot_mapping)
     out = tq.paged_decode(q, cache, block_tables, seq_lens)
 """
+from jax_tq._ffi import kernels_available
+from jax_tq._ffi import unavailable_reason as kernels_unavailable_reason
 from jax_tq.backend import BackendUnavailableError, get_backend, use_backend
 from jax_tq.checks import checked
 from jax_tq.cache import PagedKVCache, write_cache
@@ -28,6 +30,8 @@ __all__ = [
     "compress",
     "decompress",
     "get_backend",
+    "kernels_available",
+    "kernels_unavailable_reason",
     "paged_decode",
     "use_backend",
     "write_cache",

@@ -39,12 +39,23 @@ def _jax_has_cuda() -> bool:
 
 
 def kernels_available(platform: str) -> bool:
-    """Whether FFI kernels for ``platform`` ("cpu" or "cuda") are built and registered."""
+    """Whether this install's FFI kernels for ``platform`` are built and registered with JAX
+    (public as ``jax_tq.kernels_available``).
+
+    Args:
+      platform: ``"cpu"`` or ``"cuda"`` (any other name: False).
+
+    Returns:
+      True when the compiled module loaded and its targets are registered; for ``"cuda"`` that also
+      needs a JAX with a CUDA backend, so it is False on a machine without a GPU even when the CUDA
+      kernels were built. Importing the module happens on the first call.
+    """
     return platform in _MODULES and _load(platform)[0] is not None
 
 
 def unavailable_reason(platform: str) -> str:
-    """Why :func:`kernels_available` is False for ``platform`` (empty string when it is True)."""
+    """Why :func:`kernels_available` is False for ``platform`` (empty string when it is True);
+    public as ``jax_tq.kernels_unavailable_reason``."""
     if platform not in _MODULES:
         return f"jax_tq has no FFI kernels for platform {platform!r}"
     return _load(platform)[1]

@@ -12,9 +12,9 @@ environment variable ``JAX_TQ_BACKEND``, then ``"auto"``.
 """
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import os
+import warnings
 
 BACKENDS = ("auto", "ffi", "xla")
 ENV_VAR = "JAX_TQ_BACKEND"
@@ -45,8 +45,8 @@ def get_backend() -> str:
 
 
 def use_backend(name: str):
-    """Context manager choosing the backend for ops traced inside it (``with`` only: as a plain
-    call it changes nothing).
+    """Context manager choosing the backend for ops traced inside it (``with`` only: a plain call
+    changes nothing, and warns when its unused result is dropped).
 
     Example::
 
@@ -63,13 +63,28 @@ def use_backend(name: str):
       ValueError: ``name`` is not one of ``"auto"``, ``"ffi"``, ``"xla"`` (at the call, before the
         ``with`` block is entered).
     """
-    return _backend_context(_checked(name.strip().lower() if isinstance(name, str) else name, "use_backend"))
+    return _BackendScope(_checked(name.strip().lower() if isinstance(name, str) else name, "use_backend"))
 
 
-@contextlib.contextmanager
-def _backend_context(name: str):
-    token = _override.set(name)
-    try:
-        yield
-    finally:
-        _override.reset(token)
+class _BackendScope:
+    """The ``with`` block of :func:`use_backend` (re-entrant, nestable)."""
+
+    def __init__(self, name: str):
+        self._name = name
+        self._tokens: list[contextvars.Token] = []
+        self._entered = False
+
+    def __enter__(self):
+        self._entered = True
+        self._tokens.append(_override.set(self._name))
+        return self
+
+    def __exit__(self, *exc_info):
+        _override.reset(self._tokens.pop())
+        return False
+
+    def __del__(self):
+        if not self._entered:
+            warnings.warn(f"jax_tq.use_backend({self._name!r}) was called without `with`, so it changed "
+                          f"nothing: use `with jax_tq.use_backend({self._name!r}):`, or the {ENV_VAR} "
+                          f"environment variable for a process-wide default", RuntimeWarning, stacklevel=2)

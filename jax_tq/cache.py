@@ -105,20 +105,38 @@ class PagedKVCache:
         return self.num_pages * self.page_size
 
     def bytes_per_token(self) -> int:
-        """Bytes one token occupies across all KV heads, K and V: packed codes plus fp32 norms."""
+        """Bytes one token occupies across all KV heads, K and V: the packed codes of K and V plus
+        their two float32 norms, per KV head (e.g. 136 = 64 + 64 + 4 + 4 at head_dim 128, K4V4)."""
         per_head = self.k_codec.packed_bytes + self.v_codec.packed_bytes + 8
         return per_head * self.num_kv_heads
 
+    def __repr__(self) -> str:
+        """Shapes and codecs only (the pools can hold millions of elements); abstract (traced)
+        pools show their shape too."""
+        def pool(name):
+            x = getattr(self, name)
+            return f"{name}={getattr(x, 'dtype', '?')}{list(getattr(x, 'shape', ()))}"
+        pools = ", ".join(pool(n) for n in ("k_codes", "k_norms", "v_codes", "v_norms"))
+        return f"PagedKVCache({pools}, k_codec={self.k_codec!r}, v_codec={self.v_codec!r})"
+
+
+_POOL_DTYPES = {"k_codes": jnp.uint8, "k_norms": jnp.float32, "v_codes": jnp.uint8, "v_norms": jnp.float32}
+
 
 def check_cache(cache, op: str) -> None:
-    """Raise TypeError unless ``cache`` is a :class:`PagedKVCache` with TurboQuant codecs;
-    ValueError if a codec's bits have no packed format, or a pool has no page, KV head or slot per
-    page (sizes :meth:`PagedKVCache.create` refuses)."""
+    """Raise TypeError unless ``cache`` is a :class:`PagedKVCache` with TurboQuant codecs and pools
+    of the storage dtypes (uint8 codes, float32 norms); ValueError if a codec's bits have no packed
+    format, or a pool has no page, KV head or slot per page (sizes :meth:`PagedKVCache.create`
+    refuses)."""
     if not isinstance(cache, PagedKVCache):
         raise TypeError(f"jax_tq.{op}: cache must be a jax_tq.PagedKVCache, got {type(cache).__name__}")
     check_packed_codec(cache.k_codec, op, "cache.k_codec")
     check_packed_codec(cache.v_codec, op, "cache.v_codec")
-    for name in ("k_codes", "k_norms", "v_codes", "v_norms"):
+    for name, dtype in _POOL_DTYPES.items():
+        got = getattr(getattr(cache, name), "dtype", None)
+        if got is not None and jnp.dtype(got) != jnp.dtype(dtype):
+            raise TypeError(f"jax_tq.{op}: cache.{name} must be {jnp.dtype(dtype).name}, got {jnp.dtype(got).name}")
+    for name in _POOL_DTYPES:
         shape = tuple(getattr(getattr(cache, name), "shape", ()))
         if len(shape) >= 3 and min(shape[:3]) < 1:
             raise ValueError(f"jax_tq.{op}: cache.{name} has shape {shape}: num_pages, num_kv_heads and "

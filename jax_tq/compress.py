@@ -252,6 +252,8 @@ def _write_kv_kernel_jvp(k_codec, v_codec, backend, primals, tangents):
     offset = jnp.where(valid, slots % page_size, 0)
 
     def scatter(pool_dot, x, x_dot, new_norms):
+        # skipped tokens (padding, maybe NaN / inf) as zeros: their gradient is exactly 0
+        x = jnp.where(valid[:, None, None], x, 0)
         flat_x, flat_dot = x.reshape(-1, x.shape[-1]), x_dot.reshape(-1, x.shape[-1])
         rows_norms = new_norms[page[:, None], jnp.arange(x.shape[1])[None, :], offset[:, None]].reshape(-1)
         dn = _norm_tangent(flat_x, flat_dot, rows_norms).reshape(x.shape[:2])

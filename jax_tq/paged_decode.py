@@ -83,11 +83,12 @@ def paged_decode(q, cache, block_tables, seq_lens, *, scale=None, num_splits=Non
 
     Raises:
       TypeError: q not float32/bfloat16/float16; block_tables or seq_lens not int32; cache not a
-        PagedKVCache; scale or num_splits not a concrete Python number of the right kind.
+        PagedKVCache, or a pool not of its storage dtype (uint8 codes, float32 norms); scale or
+        num_splits not a concrete Python number of the right kind.
       ValueError: wrong ranks or shapes, head_dim differs from the cache's codecs, num_heads not a
         multiple of num_kv_heads, num_splits < 1, a non-finite or float32-overflowing scale, an
         unknown precision; ``JAX_TQ_FUSED_ROTATION`` set to something other than 1/true/on/yes or
-        0/false/off/no.
+        0/false/off/no; ``JAX_TQ_CUDA_DECODE`` set to something other than v1 ... v5.
 
     Source: TurboQuant (arXiv 2504.19874), Algorithm 1: scores <Pi_k q, c[idx]> * ||k|| against the
     stored codes, the output rotated back once by Pi_v^T; split-K with a log-sum-exp combine
@@ -394,19 +395,47 @@ def uses_tensor_core_kernel(head_dim: int, k_bits: int, v_bits: int, group: int,
     64 or 128, K and V of 2, 3 or 4 bits each, any GQA group (groups of 1 or 2 query heads run
     padded to 4), unless ``JAX_TQ_CUDA_DECODE`` asks for v1 or v2 (the kernel handler reads the same
     variable); head_dim 256 with K and V of 2 or 4 bits each and float16 products
-    (``f16_products``), on v4's warp pairs, unless ``JAX_TQ_CUDA_DECODE`` names any kernel. (The
-    handler also needs v4's ring to fit, as on sm_90; elsewhere head_dim 256 runs v1.)"""
+    (``f16_products``), on v4's warp pairs, unless ``JAX_TQ_CUDA_DECODE`` names any kernel, on GPUs
+    with 228 KB of shared memory per SM (sm_90, sm_10x), where two of its CTAs fit.
+
+    Raises:
+      ValueError: ``JAX_TQ_CUDA_DECODE`` holds a value other than v1 ... v5 (or empty).
+    """
     del group  # every group size: head tiles of 4 (groups <= 4) or 8 query heads
-    requested = os.environ.get("JAX_TQ_CUDA_DECODE", "")
+    requested = requested_cuda_decode()
     if head_dim == 256:
-        return requested in ("", "v5") and f16_products and k_bits in (2, 4) and v_bits in (2, 4)
+        pairs_fit = _shared_memory_per_sm(_compat.gpu_compute_capability()) >= PAIRS_SMEM_PER_SM
+        return requested in ("", "v5") and f16_products and k_bits in (2, 4) and v_bits in (2, 4) and pairs_fit
     return requested not in ("v1", "v2") and head_dim in (64, 128) and k_bits in (2, 3, 4) and v_bits in (2, 3, 4)
 
 
 def uses_v4(f16_products: bool) -> bool:
     """Of the tensor-core kernels, whether the handler runs v4 (float16 products, unless
-    ``JAX_TQ_CUDA_DECODE=v3``) rather than v3 (float32-accurate products)."""
-    return f16_products and os.environ.get("JAX_TQ_CUDA_DECODE", "") != "v3"
+    ``JAX_TQ_CUDA_DECODE=v3``) rather than v3 (float32-accurate products).
+
+    Raises:
+      ValueError: ``JAX_TQ_CUDA_DECODE`` holds a value other than v1 ... v5 (or empty).
+    """
+    return f16_products and requested_cuda_decode() != "v3"
+
+
+#: Values of ``JAX_TQ_CUDA_DECODE`` (read by the CUDA handler too; empty: the default choice).
+CUDA_DECODE_CHOICES = ("", "v1", "v2", "v3", "v4", "v5")
+#: Shared memory per SM that two CTAs of v4's head_dim-256 warp pairs need (~114 KB each).
+PAIRS_SMEM_PER_SM = 228 * 1024
+
+
+def requested_cuda_decode() -> str:
+    """``JAX_TQ_CUDA_DECODE`` as the CUDA handler reads it (exact match; empty when unset).
+
+    Raises:
+      ValueError: any other value (the handler would quietly take it for the default, so that the
+        split count and the rotations' precision chosen here could not match the kernel that runs).
+    """
+    value = os.environ.get("JAX_TQ_CUDA_DECODE", "")
+    if value not in CUDA_DECODE_CHOICES:
+        raise ValueError(f"JAX_TQ_CUDA_DECODE={value!r}: expected one of v1, v2, v3, v4, v5 (or unset)")
+    return value
 
 
 def whole_wave_splits(units: int, slots: int, max_splits: int) -> int:

@@ -249,8 +249,18 @@ def compress_write(x, codes, norms, rotation, centroids, slot_mapping, bits: int
     _check_int_array("slot_mapping", slot_mapping, 1)
     if slot_mapping.shape[0] != x.shape[0]:
         raise ValueError(f"slot_mapping must have shape [{x.shape[0]}], got {slot_mapping.shape}")
+    # Skipped tokens (padding) enter as zeros: never stored, and their gradient is then exactly 0
+    # even where they hold NaN or inf.
+    x = jnp.where(_written(slot_mapping, norms.shape[0] * norms.shape[2])[:, None, None], x, 0)
     new_codes, new_norms = compress(x, rotation, centroids, bits)
     return _scatter_slots(codes, norms, new_codes, new_norms, slot_mapping)
+
+
+def _written(slot_mapping, num_slots: int):
+    """bool [T]: the slots that land in a pool of num_slots slots (the others are skipped)."""
+    slots = slot_mapping.astype(jnp.int32)
+    # An int32 slot is always below a pool of more than 2**31 - 1 slots (no int32 bound for it).
+    return (slots >= 0) & (slots < num_slots) if num_slots <= tq_format.INDEX_MAX else slots >= 0
 
 
 @jax.jit
@@ -258,9 +268,7 @@ def _scatter_slots(codes, norms, new_codes, new_norms, slot_mapping):
     """Write token rows into their slots, dropping slots outside [0, P*page_size)."""
     num_pages, _, page_size = norms.shape
     slots = slot_mapping.astype(jnp.int32)
-    num_slots = num_pages * page_size
-    # An int32 slot is always below a pool of more than 2**31 - 1 slots (no int32 bound for it).
-    valid = (slots >= 0) & (slots < num_slots) if num_slots <= tq_format.INDEX_MAX else slots >= 0
+    valid = _written(slots, num_pages * page_size)
     pages = jnp.where(valid, slots // page_size, num_pages)  # out of range -> dropped
     offsets = jnp.where(valid, slots % page_size, 0)
     codes = codes.at[pages, :, offsets].set(new_codes, mode="drop")

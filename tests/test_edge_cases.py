@@ -782,9 +782,15 @@ def test_refuses_bad_static_decode_options():
         sizes = dict(num_pages=3, page_size=8, num_kv_heads=2) | {name: bad}
         with pytest.raises(TypeError, match=rf"{name} must be an int"):
             tq.PagedKVCache.create(**sizes, k_codec=tq.TurboQuant(64, 4), v_codec=tq.TurboQuant(64, 4))
-    bad_codes = dataclasses.replace(cache, k_codes=cache.k_codes.astype(jnp.int8))
-    with pytest.raises(TypeError, match=r"cache k codes must be uint8, got int8"):
-        tq.write_cache(bad_codes, q[:, :2], q[:, :2], jnp.zeros((2,), jnp.int32))
+    # A pool of the wrong dtype: the same TypeError naming the pool from both ops.
+    for name, dtype in (("k_codes", jnp.int8), ("v_codes", jnp.int32), ("k_norms", jnp.float16),
+                        ("v_norms", jnp.bfloat16)):
+        bad = dataclasses.replace(cache, **{name: getattr(cache, name).astype(dtype)})
+        want = rf"cache.{name} must be {'uint8' if 'codes' in name else 'float32'}, got {jnp.dtype(dtype).name}"
+        with pytest.raises(TypeError, match=want):
+            tq.write_cache(bad, q[:, :2], q[:, :2], jnp.zeros((2,), jnp.int32))
+        with pytest.raises(TypeError, match=want):
+            tq.paged_decode(q, bad, jnp.zeros((q.shape[0], 1), jnp.int32), jnp.zeros((q.shape[0],), jnp.int32))
 
 
 @pytest.mark.parametrize("backend", ["ffi", "xla"])
@@ -1019,3 +1025,19 @@ def test_api_errors_found_by_the_docs_audit():
                                 dtype=jnp.int32)
     with pytest.raises(TypeError, match=r"y must have a floating dtype"):
         tq.reference.quantize_rotated(jnp.zeros((2, 64), jnp.int32), codec.centroids)
+
+
+def test_cache_repr_shows_shapes_and_codecs_not_pool_contents():
+    cache = tq.PagedKVCache.create(num_pages=300, page_size=16, num_kv_heads=2, k_codec=tq.TurboQuant(128, 4),
+                                   v_codec=tq.TurboQuant(128, 3, seed=1))
+    text = repr(cache)
+    assert len(text) < 400 and "\n" not in text
+    assert "k_codes=uint8[300, 2, 16, 64]" in text and "v_codes=uint8[300, 2, 16, 48]" in text
+    assert "bits=3" in text and "v_norms=float32[300, 2, 16]" in text
+    assert cache.bytes_per_token() == 2 * (64 + 48 + 4 + 4)
+
+
+def test_public_kernel_availability():
+    assert tq.kernels_available("cpu") and tq.kernels_unavailable_reason("cpu") == ""
+    assert not tq.kernels_available("tpu") and "tpu" in tq.kernels_unavailable_reason("tpu")
+    assert tq.kernels_available("cuda") == (tq.kernels_unavailable_reason("cuda") == "")

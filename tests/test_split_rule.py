@@ -55,6 +55,18 @@ def test_tensor_core_kernel_selection_follows_the_environment(monkeypatch):
     assert not pd.uses_tensor_core_kernel(256, 4, 4, 4)  # no v3 at head_dim 256
     monkeypatch.setenv("JAX_TQ_CUDA_DECODE", "v5")
     assert pd.uses_tensor_core_kernel(256, 4, 4, 4)
+    # a value the handler would take for the default is refused here rather than mismatching it
+    for bad in ("V3", "v9", " v1", "default"):
+        monkeypatch.setenv("JAX_TQ_CUDA_DECODE", bad)
+        with pytest.raises(ValueError, match="JAX_TQ_CUDA_DECODE"):
+            pd.uses_tensor_core_kernel(128, 4, 4, 4)
+        with pytest.raises(ValueError, match="JAX_TQ_CUDA_DECODE"):
+            pd.uses_v4(True)
+    monkeypatch.delenv("JAX_TQ_CUDA_DECODE")
+    # the warp pairs need 228 KB of shared memory per SM for 2 CTAs: not on sm_80 / sm_89
+    for cc, fits in (((9, 0), True), ((10, 0), True), ((8, 0), False), ((8, 9), False)):
+        monkeypatch.setattr(pd._compat, "gpu_compute_capability", lambda default=(9, 0), cc=cc: cc)
+        assert pd.uses_tensor_core_kernel(256, 4, 4, 4) == fits, cc
 
 
 def test_choose_num_splits(monkeypatch):

@@ -186,6 +186,19 @@ def test_backend_env_var(monkeypatch):
         tq.use_backend("cuda")
 
 
+def test_use_backend_without_with_warns_and_changes_nothing():
+    before = tq.get_backend()
+    with pytest.warns(RuntimeWarning, match="without `with`"):
+        tq.use_backend("xla")
+    assert tq.get_backend() == before
+    scope = tq.use_backend("xla")
+    with scope:  # the same scope entered twice, nested
+        with scope:
+            assert tq.get_backend() == "xla"
+        assert tq.get_backend() == "xla"
+    assert tq.get_backend() == before
+
+
 def test_explicit_ffi_backend_raises_where_no_kernel(monkeypatch, rng):
     from jax_tq import _ffi
     monkeypatch.setattr(_ffi, "kernels_available", lambda platform: False)
@@ -320,3 +333,22 @@ def test_write_cache_gradient_with_no_tokens(rng):
             dk, dpool = jax.grad(loss, argnums=(0, 1))(k, cache.k_norms)
         assert dk.shape == (0, 2, 64)
         np.testing.assert_array_equal(np.asarray(dpool), 1.0)  # nothing written: every norm passes through
+
+
+@pytest.mark.parametrize("backend", ["ffi", "xla"])
+def test_skipped_padding_token_with_nan_gets_zero_gradient(backend, rng):
+    """A padding token (slot -1 or beyond the pool) is never written: even holding NaN / inf its
+    gradient is exactly 0, and the written tokens' gradients are d||x|| = x / ||x||."""
+    cache = tq.PagedKVCache.create(num_pages=2, page_size=4, num_kv_heads=2, k_codec=tq.TurboQuant(64, 4),
+                                   v_codec=tq.TurboQuant(64, 3, seed=1))
+    k = jnp.asarray(rng.normal(size=(4, 2, 64)), jnp.float32).at[1].set(jnp.nan).at[3, 0, 5].set(jnp.inf)
+    slots = jnp.asarray([0, -1, 5, 8], jnp.int32)  # 8 = num_slots: skipped too
+    with tq.use_backend(backend):
+        loss = lambda kk, vv: (tq.write_cache(cache, kk, vv, slots).k_norms.sum()
+                               + tq.write_cache(cache, kk, vv, slots).v_norms.sum())
+        gk, gv = jax.grad(loss, argnums=(0, 1))(k, k)
+    for g in (gk, gv):
+        assert np.all(np.asarray(g[1]) == 0) and np.all(np.asarray(g[3]) == 0)
+        for t in (0, 2):
+            want = np.asarray(k[t]) / np.linalg.norm(np.asarray(k[t]), axis=-1, keepdims=True)
+            np.testing.assert_allclose(np.asarray(g[t]), want, rtol=1e-5, atol=1e-7)
