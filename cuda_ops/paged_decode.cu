@@ -1335,26 +1335,44 @@ bool use_ring(int gt, const DecodeParams& p) {
 // warp; head tiles of 4, max_gt), for f16 products and K and V of 2 or 4 bits each, where the ring
 // fits (sm_90); v1 otherwise (3-bit codes, whose half rows are not whole 16-byte units), and under
 // any JAX_TQ_CUDA_DECODE choice (there is no v3 or register variant).
-template <int KB, int VB>
-ffi::Error launch_pairs_if_fit(bool& launched, cudaStream_t stream, const DecodeParams& p, dim3 grid) {
-  launched = ring_fits<256, 4, KB, VB, 2>();
-  return launched ? launch_v4<256, 4, true, KB, VB, 2>(stream, p, grid) : ffi::Error::Success();
+template <int B>
+using Bits = std::integral_constant<int, B>;
+
+// f(Bits<KB>{}, Bits<VB>{}) for run-time K / V widths kb, vb of 2 or 4 (and 3 with THREE); `none`
+// for any other width (no kernel of it is instantiated).
+template <bool THREE, class R, class F>
+R with_widths(int kb, int vb, R none, F f) {
+  auto with_v = [&](auto k) -> R {
+    switch (vb) {
+      case 2: return f(k, Bits<2>{});
+      case 3: if constexpr (THREE) return f(k, Bits<3>{}); else return none;
+      case 4: return f(k, Bits<4>{});
+      default: return none;
+    }
+  };
+  switch (kb) {
+    case 2: return with_v(Bits<2>{});
+    case 3: if constexpr (THREE) return with_v(Bits<3>{}); else return none;
+    case 4: return with_v(Bits<4>{});
+    default: return none;
+  }
 }
 
+// Launches the warp-pair kernel when it applies and fits (err: its launch result); false otherwise.
 bool launch_pairs(int d, bool f16, cudaStream_t stream, const DecodeParams& p, dim3 grid, ffi::Error& err) {
-  bool launched = false;
 #if JTQ_HAS_D(256)
   static_assert(max_gt(256) == 4, "head_dim 256: head tiles of 4");
   if (d != 256 || !f16 || requested_kernel() != DecodeKernel::kDefault || !ring_pools_ok(p)) return false;
-  const int kb = p.k_bits, vb = p.v_bits;
-  if (kb == 4 && vb == 4) err = launch_pairs_if_fit<4, 4>(launched, stream, p, grid);
-  else if (kb == 4 && vb == 2) err = launch_pairs_if_fit<4, 2>(launched, stream, p, grid);
-  else if (kb == 2 && vb == 4) err = launch_pairs_if_fit<2, 4>(launched, stream, p, grid);
-  else if (kb == 2 && vb == 2) err = launch_pairs_if_fit<2, 2>(launched, stream, p, grid);
+  return with_widths<false>(p.k_bits, p.v_bits, false, [&](auto k, auto v) {
+    constexpr int KB = decltype(k)::value, VB = decltype(v)::value;
+    if (!ring_fits<256, 4, KB, VB, 2>()) return false;
+    err = launch_v4<256, 4, true, KB, VB, 2>(stream, p, grid);
+    return true;
+  });
 #else
   (void)d, (void)f16, (void)stream, (void)p, (void)grid, (void)err;
+  return false;
 #endif
-  return launched;
 }
 
 // v4 (f16 products) with compile-time K / V widths: the ring where it fits, else the register
@@ -1457,32 +1475,12 @@ ffi::Error dispatch_d(int d, int gt, bool f16, cudaStream_t stream, const Decode
   }
 }
 
-template <int D, int HALVES, int KB, int VB>
-int ring_fits_code() {
-  return ring_fits<D, 4, KB, VB, HALVES>() ? 1 : 0;
-}
-
 // ring_fits of the head-tile-4 kernel for runtime widths; -1 where no ring kernel is compiled in.
 template <int D, int HALVES>
 int ring_fits_widths(int kb, int vb) {
-  switch (10 * kb + vb) {
-    case 44: return ring_fits_code<D, HALVES, 4, 4>();
-    case 42: return ring_fits_code<D, HALVES, 4, 2>();
-    case 24: return ring_fits_code<D, HALVES, 2, 4>();
-    case 22: return ring_fits_code<D, HALVES, 2, 2>();
-    default: break;
-  }
-  if constexpr (HALVES == 1) {
-    switch (10 * kb + vb) {
-      case 43: return ring_fits_code<D, 1, 4, 3>();
-      case 34: return ring_fits_code<D, 1, 3, 4>();
-      case 33: return ring_fits_code<D, 1, 3, 3>();
-      case 32: return ring_fits_code<D, 1, 3, 2>();
-      case 23: return ring_fits_code<D, 1, 2, 3>();
-      default: break;
-    }
-  }
-  return -1;
+  return with_widths<HALVES == 1>(kb, vb, -1, [](auto k, auto v) {
+    return ring_fits<D, 4, decltype(k)::value, decltype(v)::value, HALVES>() ? 1 : 0;
+  });
 }
 
 }  // namespace
