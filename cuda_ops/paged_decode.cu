@@ -1332,9 +1332,9 @@ bool use_ring(int gt, const DecodeParams& p) {
 }
 
 // Head_dim 256 on the tensor cores: v4's ring with warp pairs (one half of the coordinates per
-// warp; head tiles of 4, max_gt), for f16 products and K and V of 2 or 4 bits each, where the ring
-// fits (sm_90); v1 otherwise (3-bit codes, whose half rows are not whole 16-byte units), and under
-// any JAX_TQ_CUDA_DECODE choice (there is no v3 or register variant).
+// warp; head tiles of 4, max_gt), for f16 products and K and V of 2, 3 or 4 bits each, where the
+// ring fits (sm_90); v1 otherwise, and under any JAX_TQ_CUDA_DECODE choice (there is no v3 or
+// register variant).
 template <int B>
 using Bits = std::integral_constant<int, B>;
 
@@ -1363,7 +1363,7 @@ bool launch_pairs(int d, bool f16, cudaStream_t stream, const DecodeParams& p, d
 #if JTQ_HAS_D(256)
   static_assert(max_gt(256) == 4, "head_dim 256: head tiles of 4");
   if (d != 256 || !f16 || requested_kernel() != DecodeKernel::kDefault || !ring_pools_ok(p)) return false;
-  return with_widths<false>(p.k_bits, p.v_bits, false, [&](auto k, auto v) {
+  return with_widths<true>(p.k_bits, p.v_bits, false, [&](auto k, auto v) {
     constexpr int KB = decltype(k)::value, VB = decltype(v)::value;
     if (!ring_fits<256, 4, KB, VB, 2>()) return false;
     err = launch_v4<256, 4, true, KB, VB, 2>(stream, p, grid);
@@ -1478,7 +1478,7 @@ ffi::Error dispatch_d(int d, int gt, bool f16, cudaStream_t stream, const Decode
 // ring_fits of the head-tile-4 kernel for runtime widths; -1 where no ring kernel is compiled in.
 template <int D, int HALVES>
 int ring_fits_widths(int kb, int vb) {
-  return with_widths<HALVES == 1>(kb, vb, -1, [](auto k, auto v) {
+  return with_widths<true>(kb, vb, -1, [](auto k, auto v) {
     return ring_fits<D, 4, decltype(k)::value, decltype(v)::value, HALVES>() ? 1 : 0;
   });
 }

@@ -1002,15 +1002,22 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
   // Loop-invariant per-lane parts of the copies: sources at byte 16 * lane of a tile's rows (unit
   // lane + 32 at +512), destinations at the units' stage offsets (shared-memory addresses, 32 bits).
   constexpr int NUK = RK, NUV = RV;  // 16-byte units of a tile's 16 K / V rows
-  // Pairs: unit u is 16-byte chunk u % UPR of row u / UPR's half (rows of HALVES * RK bytes), and
-  // unit lane + 32 is 32 / UPR rows after unit lane.
+  // Pairs: unit u is 16-byte chunk u % UPR of row u / UPR's half (rows of HALVES * RK bytes); unit
+  // lane + 32 lies a constant 32 / UPR rows after unit lane where UPR divides 32 (2- and 4-bit
+  // codes), else (3-bit: 3 units per half row) at a per-lane distance.
   constexpr int KUPR = RK / 16, VUPR = RV / 16;
-  static_assert(HALVES == 1 || (RK % 16 == 0 && RV % 16 == 0 && 32 % KUPR == 0 && 32 % VUPR == 0),
-                "warp pairs: half rows of whole 16-byte units");
-  constexpr int kK32 = HALVES == 1 ? 512 : (32 / KUPR) * HALVES * RK;  // source of unit lane + 32
-  constexpr int kV32 = HALVES == 1 ? 512 : (32 / VUPR) * HALVES * RV;
-  const uint8_t* k_src = p.kc + (HALVES == 1 ? 16 * lane : half * RK + (lane / KUPR) * (HALVES * RK) + (lane % KUPR) * 16);
-  const uint8_t* v_src = p.vc + (HALVES == 1 ? 16 * lane : half * RV + (lane / VUPR) * (HALVES * RV) + (lane % VUPR) * 16);
+  static_assert(HALVES == 1 || (RK % 16 == 0 && RV % 16 == 0), "warp pairs: half rows of whole 16-byte units");
+  auto unit_src = [&](int u, int R) {
+    return HALVES == 1 ? 16 * u : half * R + (u / (R / 16)) * (HALVES * R) + (u % (R / 16)) * 16;
+  };
+  auto unit32_distance = [&](int R) {  // source of unit lane + 32 minus that of unit lane
+    if constexpr (HALVES == 1) return 512;
+    else if (32 % (R / 16) == 0) return (32 / (R / 16)) * HALVES * R;
+    else return unit_src(lane + 32, R) - unit_src(lane, R);
+  };
+  const uint8_t* k_src = p.kc + unit_src(lane, RK);
+  const uint8_t* v_src = p.vc + unit_src(lane, RV);
+  const int kK32 = unit32_distance(RK), kV32 = unit32_distance(RV);
   const float* n_src = (lane < 4 ? p.kn : p.vn) + 4 * (lane & 3);
   const uint32_t ring_s = smem_addr(ring);
   const uint32_t dst_k0 = ring_s + ring_unit_offset<RK>(lane);

@@ -394,7 +394,7 @@ def uses_tensor_core_kernel(head_dim: int, k_bits: int, v_bits: int, group: int,
     """Whether the CUDA decode runs a tensor-core kernel (v3 / v4) for this configuration: head_dim
     64 or 128, K and V of 2, 3 or 4 bits each, any GQA group (groups of 1 or 2 query heads run
     padded to 4), unless ``JAX_TQ_CUDA_DECODE`` asks for v1 or v2 (the kernel handler reads the same
-    variable); head_dim 256 with K and V of 2 or 4 bits each and float16 products
+    variable); head_dim 256 with K and V of 2, 3 or 4 bits each and float16 products
     (``f16_products``), on v4's warp pairs, unless ``JAX_TQ_CUDA_DECODE`` names any kernel, on GPUs
     with 228 KB of shared memory per SM (sm_90, sm_10x), where two of its CTAs fit.
 
@@ -405,7 +405,7 @@ def uses_tensor_core_kernel(head_dim: int, k_bits: int, v_bits: int, group: int,
     requested = requested_cuda_decode()
     if head_dim == 256:
         pairs_fit = _shared_memory_per_sm(_compat.gpu_compute_capability()) >= PAIRS_SMEM_PER_SM
-        return requested in ("", "v5") and f16_products and k_bits in (2, 4) and v_bits in (2, 4) and pairs_fit
+        return requested in ("", "v5") and f16_products and k_bits in (2, 3, 4) and v_bits in (2, 3, 4) and pairs_fit
     return requested not in ("v1", "v2") and head_dim in (64, 128) and k_bits in (2, 3, 4) and v_bits in (2, 3, 4)
 
 

@@ -41,11 +41,12 @@ def test_tensor_core_kernel_selection_follows_the_environment(monkeypatch):
         assert pd.uses_tensor_core_kernel(128, 4, 4, group) and pd.uses_tensor_core_kernel(64, 4, 4, group)
     for args in ((128, 2, 2, 4), (128, 4, 2, 1), (64, 2, 4, 8), (128, 3, 4, 4), (128, 4, 3, 4), (64, 3, 3, 1)):
         assert pd.uses_tensor_core_kernel(*args), args
-    for args in ((80, 4, 4, 4), (96, 4, 4, 4), (256, 3, 3, 8), (256, 4, 3, 2), (192, 3, 3, 4)):
+    for args in ((80, 4, 4, 4), (96, 4, 4, 4), (192, 3, 3, 4)):
         assert not pd.uses_tensor_core_kernel(*args), args
-    # head_dim 256: v4's warp pairs, 2- / 4-bit K and V with float16 products only
+    # head_dim 256: v4's warp pairs, 2- / 3- / 4-bit K and V with float16 products only
     assert pd.uses_tensor_core_kernel(256, 4, 4, 8) and pd.uses_tensor_core_kernel(256, 4, 4, 1)
     assert pd.uses_tensor_core_kernel(256, 2, 2, 2) and pd.uses_tensor_core_kernel(256, 4, 2, 4)
+    assert pd.uses_tensor_core_kernel(256, 3, 3, 2) and pd.uses_tensor_core_kernel(256, 4, 3, 4)
     assert not pd.uses_tensor_core_kernel(256, 4, 4, 4, f16_products=False)
     assert pd.uses_tensor_core_kernel(128, 4, 4, 4, f16_products=False)  # v3 there
     monkeypatch.setenv("JAX_TQ_CUDA_DECODE", "v1")
