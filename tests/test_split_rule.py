@@ -89,7 +89,7 @@ def test_choose_num_splits(monkeypatch):
     assert pd.choose_num_splits("cuda", 32, 8, 512, group=1) == 1
     # Other configurations (v1): one wave of 2 CTAs/SM (tiles of 4-8 heads) or 4 CTAs/SM.
     assert pd.choose_num_splits("cuda", 4, 8, 2048, group=4, head_dim=96) == math.ceil(264 / 32)
-    assert pd.choose_num_splits("cuda", 4, 8, 2048, group=1, head_dim=256, k_bits=3) == math.ceil(528 / 32)
+    assert pd.choose_num_splits("cuda", 4, 8, 2048, group=1, head_dim=192, k_bits=3) == math.ceil(528 / 32)
     # head_dim 256 K4V4 (warp pairs): head tiles of 4, whole waves of 2 CTAs per SM
     assert pd.choose_num_splits("cuda", 32, 8, 512, group=2, head_dim=256) == 1
     assert pd.choose_num_splits("cuda", 8, 8, 2048, group=8, head_dim=256) == 2  # 128 units (4 at 128)
