@@ -1269,7 +1269,7 @@ ffi::Error dispatch_gt_v2(int gt, cudaStream_t stream, const DecodeParams& p, di
 //      every product precision with JAX_TQ_CUDA_DECODE=v3. v4 runs its shared-memory ring variant
 //      (use_ring: pages of a multiple of 16 tokens, 16-byte aligned pools, 2 CTAs per SM; the K / V
 //      widths compiled in) unless JAX_TQ_CUDA_DECODE=v4; "v5" names that default. Head_dim 256 with
-//      K and V of 2 or 4 bits and f16 products: v4's ring as warp pairs (launch_pairs), default only.
+//      K and V of 2 or 4 bits and f16 products: v4's ring as warp pairs (launch_wide), default only.
 //   v1 (block-synchronous cp.async pipeline, fp32 CUDA-core math): every other configuration, and
 //      everywhere with JAX_TQ_CUDA_DECODE=v1.
 //   v2 (warp-independent streaming, fp32): only with JAX_TQ_CUDA_DECODE=v2 (A/B timing; slower than
@@ -1331,10 +1331,6 @@ bool use_ring(int gt, const DecodeParams& p) {
   return gt <= 4 ? ring_fits<D, 4, KB, VB>() : ring_fits<D, 8, KB, VB>();
 }
 
-// Head_dim 256 on the tensor cores: v4's ring with warp pairs (one half of the coordinates per
-// warp; head tiles of 4, max_gt), for f16 products and K and V of 2, 3 or 4 bits each, where the
-// ring fits (sm_90); v1 otherwise, and under any JAX_TQ_CUDA_DECODE choice (there is no v3 or
-// register variant).
 template <int B>
 using Bits = std::integral_constant<int, B>;
 
@@ -1358,21 +1354,40 @@ R with_widths(int kb, int vb, R none, F f) {
   }
 }
 
-// Launches the warp-pair kernel when it applies and fits (err: its launch result); false otherwise.
-bool launch_pairs(int d, bool f16, cudaStream_t stream, const DecodeParams& p, dim3 grid, ffi::Error& err) {
+// The other head_dims on v4's ring, for f16 products where 2 of its CTAs fit per SM (sm_90), under
+// the default kernel choice only (there is no v3 or register variant of them); v1 otherwise:
+//   256: warp pairs (one half of the coordinates per warp; head tiles of 4, max_gt), K and V of 2,
+//        3 or 4 bits each;
+//   96:  rows padded to 128 coordinates, K4V4, head tiles of 4 or 8;
+//   192: warp pairs of 96 padded coordinates, K4V4, head tiles of 4 (groups of up to 4).
+// Launches the kernel when it applies and fits (err: its launch result); false otherwise.
+template <int D, int GT, int KB, int VB, int HALVES>
+bool launch_ring_if_fit(cudaStream_t stream, const DecodeParams& p, dim3 grid, ffi::Error& err) {
+  if (!ring_fits<D, GT, KB, VB, HALVES>()) return false;
+  err = launch_v4<D, GT, true, KB, VB, HALVES>(stream, p, grid);
+  return true;
+}
+
+bool launch_wide(int d, int gt, bool f16, cudaStream_t stream, const DecodeParams& p, dim3 grid, ffi::Error& err) {
+  if (!f16 || requested_kernel() != DecodeKernel::kDefault || !ring_pools_ok(p)) return false;
+  const bool k4v4 = p.k_bits == 4 && p.v_bits == 4;
+#if JTQ_HAS_D(96)
+  if (d == 96 && k4v4)
+    return gt <= 4 ? launch_ring_if_fit<96, 4, 4, 4, 1>(stream, p, grid, err)
+                   : launch_ring_if_fit<96, 8, 4, 4, 1>(stream, p, grid, err);
+#endif
+#if JTQ_HAS_D(192)
+  if (d == 192 && k4v4 && gt <= 4) return launch_ring_if_fit<192, 4, 4, 4, 2>(stream, p, grid, err);
+#endif
 #if JTQ_HAS_D(256)
   static_assert(max_gt(256) == 4, "head_dim 256: head tiles of 4");
-  if (d != 256 || !f16 || requested_kernel() != DecodeKernel::kDefault || !ring_pools_ok(p)) return false;
-  return with_widths<true>(p.k_bits, p.v_bits, false, [&](auto k, auto v) {
-    constexpr int KB = decltype(k)::value, VB = decltype(v)::value;
-    if (!ring_fits<256, 4, KB, VB, 2>()) return false;
-    err = launch_v4<256, 4, true, KB, VB, 2>(stream, p, grid);
-    return true;
-  });
-#else
-  (void)d, (void)f16, (void)stream, (void)p, (void)grid, (void)err;
-  return false;
+  if (d == 256)
+    return with_widths<true>(p.k_bits, p.v_bits, false, [&](auto k, auto v) {
+      return launch_ring_if_fit<256, 4, decltype(k)::value, decltype(v)::value, 2>(stream, p, grid, err);
+    });
 #endif
+  (void)d, (void)gt, (void)k4v4, (void)stream, (void)grid, (void)err;
+  return false;
 }
 
 // v4 (f16 products) with compile-time K / V widths: the ring where it fits, else the register
@@ -1429,7 +1444,7 @@ bool fused_rotation_ok(int d, int gt, const DecodeParams& p) {
 }
 
 ffi::Error dispatch_d(int d, int gt, bool f16, cudaStream_t stream, const DecodeParams& p, dim3 grid) {
-  if (ffi::Error err = ffi::Error::Success(); launch_pairs(d, f16, stream, p, grid, err)) return err;
+  if (ffi::Error err = ffi::Error::Success(); launch_wide(d, gt, f16, stream, p, grid, err)) return err;
   if (use_v3(d, gt, p)) {
 #if JTQ_HAS_D(128)
     if (d == 128) return dispatch_v3<128>(gt, f16, stream, p, grid);
@@ -1494,6 +1509,12 @@ int RingFitsOnDevice(int head_dim, int k_bits, int v_bits) {
 #endif
 #if JTQ_HAS_D(256)
   if (head_dim == 256) return ring_fits_widths<256, 2>(k_bits, v_bits);
+#endif
+#if JTQ_HAS_D(96)
+  if (head_dim == 96) return k_bits == 4 && v_bits == 4 ? (ring_fits<96, 4, 4, 4, 1>() ? 1 : 0) : -1;
+#endif
+#if JTQ_HAS_D(192)
+  if (head_dim == 192) return k_bits == 4 && v_bits == 4 ? (ring_fits<192, 4, 4, 4, 2>() ? 1 : 0) : -1;
 #endif
   return -1;
 }

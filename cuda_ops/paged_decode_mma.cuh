@@ -381,21 +381,27 @@ struct Tile {
 // the powers of two into qexp_s; 1 into bad_s where the head's q_rot row is not all finite (its
 // output row is NaN; the row is staged as zeros). With the fused rotation (p.rot) q is rotated here
 // first (rot_buf: 128 floats of the warp's shared memory).
-template <int D, int GT, int HPW>
+// Padded rows (v4, head_dim 96 / 192): the staged row is D / DB blocks of DB coordinates whose
+// first DV hold q's coordinates blk * DV .. (a row of (D / DB) * DV floats in p.q), the rest 0.
+template <int D, int GT, int HPW, int DV = D, int DB = D>
 __device__ __forceinline__ void stage_queries(const DecodeParams& p, float* q_s, float* qexp_s, int* bad_s,
                                               int seq, int kvh, int tile, int warp, int lane, float* rot_buf) {
   constexpr int QL = Dims<D>::kQL;  // coordinates QL * lane .. + QL - 1 of the row
+  constexpr int DQ = (D / DB) * DV;  // q's head_dim
 #pragma unroll
   for (int hh = 0; hh < HPW; ++hh) {
     const int g = HPW * warp + hh;
     const int hl = tile * GT + g;
     float x[QL] = {};
     if (g < GT && hl < p.G) {
-      const float* qp = p.q + (static_cast<int64_t>(seq) * p.H + kvh * p.G + hl) * D + QL * lane;
+      const float* qrow = p.q + (static_cast<int64_t>(seq) * p.H + kvh * p.G + hl) * DQ;
 #pragma unroll
-      for (int j = 0; j < QL; ++j) x[j] = qp[j];
+      for (int j = 0; j < QL; ++j) {
+        const int at = QL * lane + j, blk = at / DB, c = at - blk * DB;
+        if (DV == DB || c < DV) x[j] = qrow[blk * DV + c];
+      }
     }
-    if constexpr (D == kD) {
+    if constexpr (D == kD && DV == DB) {
       if (p.rot != nullptr) rotate_row_forward(x, p.rot, rot_buf, lane);  // warp-uniform
     }
     bool lane_finite = true;
@@ -606,9 +612,10 @@ __device__ __forceinline__ void merge_rotate_and_store(const DecodeParams& p, fl
 // tables: every warp must be past its loop), merged over the W warps and stored. With the fused
 // rotation and one split, the merged rows go to the table space after o_s and warp w rotates rows
 // w, w + W, ... back (out = Pi_v^T o_rot; rot_buf: the warp's 128 floats, free after its loop).
-// Warp pairs (DW = D / 2): `warp` is the pair (one of W), whose two warps hold the same m and l and
-// the coordinates half * DW .. of o.
-template <int D, int GT, int W, int DW = D>
+// Warp pairs (HALVES = 2): `warp` is the pair (one of W), whose two warps hold the same m and l and
+// the coordinates half * DV .. of o (DV = D / HALVES). A tile of DW > DV coordinates (padded rows)
+// holds DV real ones.
+template <int D, int GT, int W, int DW = D, int HALVES = 1>
 __device__ __forceinline__ void merge_tile_state(const DecodeParams& p, const float (&o)[Dims<DW>::kKS][4],
                                                  const float (&m)[2], float (&l)[2],
                                                  float (&o_s)[W][kNH * D], float (&m_s)[W][kNH],
@@ -623,10 +630,13 @@ __device__ __forceinline__ void merge_tile_state(const DecodeParams& p, const fl
   __syncthreads();
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
-    float* orow = &o_s[warp][(2 * t4 + hh) * D + half * DW + (DW / 8) * gid];
+    constexpr int DV = D / HALVES;
+    float* orow = &o_s[warp][(2 * t4 + hh) * D + half * DV + (DW / 8) * gid];
+    if (DV == DW || (DW / 8) * gid < DV) {
 #pragma unroll
-    for (int mt = 0; mt < Dims<DW>::kKS; ++mt)
-      *reinterpret_cast<float2*>(orow + 2 * mt) = make_float2(o[mt][hh], o[mt][2 + hh]);
+      for (int mt = 0; mt < Dims<DW>::kKS; ++mt)
+        *reinterpret_cast<float2*>(orow + 2 * mt) = make_float2(o[mt][hh], o[mt][2 + hh]);
+    }
     if (gid == 0 && half == 0) {
       m_s[warp][2 * t4 + hh] = m[hh];
       l_s[warp][2 * t4 + hh] = l[hh];
@@ -634,7 +644,7 @@ __device__ __forceinline__ void merge_tile_state(const DecodeParams& p, const fl
   }
   __syncthreads();
   if (D != kD || p.rot == nullptr || p.num_splits > 1) {
-    merge_warps_and_store<D, GT, kNH, W, 32 * W * (D / DW)>(p, m_s, l_s, o_s, bad_s, seq, split, kvh, tile);
+    merge_warps_and_store<D, GT, kNH, W, 32 * W * HALVES>(p, m_s, l_s, o_s, bad_s, seq, split, kvh, tile);
     return;
   }
   if constexpr (D == kD) merge_rotate_and_store<GT, W>(p, m_s, l_s, o_s, bad_s, warp, gid, t4, seq, split, kvh, tile, rot_buf);
@@ -878,20 +888,30 @@ constexpr float kLazyMax = 8.f;
 // from rows twice as long); after the K MMAs the two partial dot products are exchanged through
 // shared memory (one 64-thread named barrier per tile), so both warps hold the same scores, running
 // max, sums and weights, and each accumulates its half of the output.
+// Padded rows (head_dim 96, and 192 as pairs; ring, 4-bit codes): a warp's DV = 96 coordinates run
+// in the 128-coordinate tile loop. The ring copies each row's 48 bytes into the first three 16-byte
+// units of a 64-byte stage row; the fourth unit keeps whatever bytes it held (codes of finite
+// centroids), which meet q's zero padding in the K MMAs (0 * c = 0) and give output coordinates
+// 96..127 that the merge drops.
 template <int D, int GT, bool SPLIT, bool RING, int KB = 4, int VB = 4, int HALVES = 1>
 __global__ void __launch_bounds__(kT4, kCtasPerSm4)
     paged_decode_v4_kernel(const DecodeParams p) {
   static_assert(!RING || (KB != 0 && VB != 0), "the ring's stage layout needs compile-time widths");
   static_assert(GT == 4 || GT == 8, "v4: GT in {4, 8}");
   static_assert(kNH == kW4, "prologue: one head per warp");
-  static_assert(HALVES == 1 || (HALVES == 2 && RING && !SPLIT && D == 256), "warp pairs: head_dim 256, ring, f16");
-  constexpr int DW = D / HALVES;    // coordinates of a warp's share of a tile
+  static_assert(HALVES == 1 || (HALVES == 2 && RING && !SPLIT && (D == 256 || D == 192)),
+                "warp pairs: head_dim 256 or 192, ring, f16");
+  constexpr int DV = D / HALVES;              // coordinates of a warp's share of a tile
+  constexpr int DW = DV <= 64 ? 64 : 128;     // the tile loop's coordinates (DV padded)
+  constexpr bool PADDED = DV != DW;
+  static_assert(!PADDED || (RING && !SPLIT && DV % 16 == 0), "padded rows: ring, f16");
   constexpr int NP = kW4 / HALVES;  // tile streams: the warps, or the warp pairs
   static_assert(NP * kNH * D * 4 <= kSmemBytes, "o_s must fit in the table space");
   constexpr int kStage = stage_bytes<DW, KB ? KB : 4, VB ? VB : 4>();
   constexpr int kStages = ring_stages<DW, KB ? KB : 4, VB ? VB : 4, HALVES>();
   constexpr int KS = Dims<DW>::kKS;
   constexpr int RK = DW * (KB ? KB : 4) / 8, RV = DW * (VB ? VB : 4) / 8;  // ring: code bytes per K / V row
+  constexpr int RKG = DV * (KB ? KB : 4) / 8, RVG = DV * (VB ? VB : 4) / 8;  // ... of them in the pools
   // Table key shifts (load_k_keys): the ring's 2- / 3-bit K and 2-bit V codes make their own keys.
   constexpr bool V2 = RING && VB == 2;
   constexpr int KSHIFT = RING && (KB == 2 || KB == 3) ? KB : 4, VSHIFT = V2 ? 2 : 4;
@@ -1001,36 +1021,39 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
   uint8_t* ring = smem + kSmemBytes + warp * (kStages * kStage);
   // Loop-invariant per-lane parts of the copies: sources at byte 16 * lane of a tile's rows (unit
   // lane + 32 at +512), destinations at the units' stage offsets (shared-memory addresses, 32 bits).
-  constexpr int NUK = RK, NUV = RV;  // 16-byte units of a tile's 16 K / V rows
-  // Pairs: unit u is 16-byte chunk u % UPR of row u / UPR's half (rows of HALVES * RK bytes); unit
+  constexpr int NUK = RKG, NUV = RVG;  // 16-byte units of a tile's 16 K / V rows (their copied parts)
+  // Pairs: unit u is 16-byte chunk u % UPR of row u / UPR's half (rows of HALVES * RG bytes); unit
   // lane + 32 lies a constant 32 / UPR rows after unit lane where UPR divides 32 (2- and 4-bit
-  // codes), else (3-bit: 3 units per half row) at a per-lane distance.
-  constexpr int KUPR = RK / 16, VUPR = RV / 16;
-  static_assert(HALVES == 1 || (RK % 16 == 0 && RV % 16 == 0), "warp pairs: half rows of whole 16-byte units");
-  auto unit_src = [&](int u, int R) {
-    return HALVES == 1 ? 16 * u : half * R + (u / (R / 16)) * (HALVES * R) + (u % (R / 16)) * 16;
+  // codes), else (3-bit and padded rows: 3 units per half row) at a per-lane distance.
+  static_assert((HALVES == 1 && !PADDED) || (RKG % 16 == 0 && RVG % 16 == 0),
+                "warp pairs, padded rows: (half) rows of whole 16-byte units");
+  auto unit_src = [&](int u, int RG) {
+    return HALVES == 1 ? 16 * u : half * RG + (u / (RG / 16)) * (HALVES * RG) + (u % (RG / 16)) * 16;
   };
-  auto unit32_distance = [&](int R) {  // source of unit lane + 32 minus that of unit lane
+  auto unit32_distance = [&](int RG) {  // source of unit lane + 32 minus that of unit lane
     if constexpr (HALVES == 1) return 512;
-    else if (32 % (R / 16) == 0) return (32 / (R / 16)) * HALVES * R;
-    else return unit_src(lane + 32, R) - unit_src(lane, R);
+    else if (32 % (RG / 16) == 0) return (32 / (RG / 16)) * HALVES * RG;
+    else return unit_src(lane + 32, RG) - unit_src(lane, RG);
   };
-  const uint8_t* k_src = p.kc + unit_src(lane, RK);
-  const uint8_t* v_src = p.vc + unit_src(lane, RV);
-  const int kK32 = unit32_distance(RK), kV32 = unit32_distance(RV);
+  const uint8_t* k_src = p.kc + unit_src(lane, RKG);
+  const uint8_t* v_src = p.vc + unit_src(lane, RVG);
+  const int kK32 = unit32_distance(RKG), kV32 = unit32_distance(RVG);
+  // Stage offset of copied unit u: padded rows leave the last unit of every stage row uncopied.
+  auto k_stage_unit = [](int u) { return PADDED ? ring_unit_offset<RK>((u / (RKG / 16)) * (RK / 16) + u % (RKG / 16)) : ring_unit_offset<RK>(u); };
+  auto v_stage_unit = [](int u) { return PADDED ? ring_unit_offset<RV>((u / (RVG / 16)) * (RV / 16) + u % (RVG / 16)) : ring_unit_offset<RV>(u); };
   const float* n_src = (lane < 4 ? p.kn : p.vn) + 4 * (lane & 3);
   const uint32_t ring_s = smem_addr(ring);
-  const uint32_t dst_k0 = ring_s + ring_unit_offset<RK>(lane);
-  const uint32_t dst_k1 = ring_s + ring_unit_offset<RK>(lane + 32);
-  const uint32_t dst_v0 = ring_s + kTT * RK + ring_unit_offset<RV>(lane);
-  const uint32_t dst_v1 = ring_s + kTT * RK + ring_unit_offset<RV>(lane + 32);
+  const uint32_t dst_k0 = ring_s + k_stage_unit(lane);
+  const uint32_t dst_k1 = ring_s + k_stage_unit(lane + 32);
+  const uint32_t dst_v0 = ring_s + kTT * RK + v_stage_unit(lane);
+  const uint32_t dst_v1 = ring_s + kTT * RK + v_stage_unit(lane + 32);
   const uint32_t dst_n = ring_s + kTT * (RK + RV) + 16 * lane;
   auto issue = [&](int ti, int st, int phys) -> int {
     int n = 0;
     if (ti < ntt) {
       const int64_t row0 = tile_rows(ti, phys, n);
-      const uint8_t* ks = k_src + row0 * (HALVES * RK);
-      const uint8_t* vs = v_src + row0 * (HALVES * RV);
+      const uint8_t* ks = k_src + row0 * (HALVES * RKG);
+      const uint8_t* vs = v_src + row0 * (HALVES * RVG);
       const uint32_t so = st * kStage;
       if (NUK >= 32 || lane < NUK) cp_async16_s(dst_k0 + so, ks);
       if (NUK > 32 && (NUK >= 64 || lane + 32 < NUK)) cp_async16_s(dst_k1 + so, ks + kK32);
@@ -1072,10 +1095,11 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
 
   // ---- prologue: q of head `warp` (scaled, per-head power of two) in the table space ----------
   float* q_s = reinterpret_cast<float*>(smem);
-  stage_queries<D, GT, 1>(p, q_s, qexp_s, bad_s, seq, kvh, tile, warp, lane, w_s[warp]);
+  constexpr int QROW = HALVES * DW;  // staged q row: DW coordinates per half, zeros past DV
+  stage_queries<QROW, GT, 1, DV, DW>(p, q_s, qexp_s, bad_s, seq, kvh, tile, warp, lane, w_s[warp]);
   __syncthreads();
   uint32_t qh[KS][2], ql[KS][2];
-  query_fragments<DW>(q_s + half * DW, gid, t4, qh, ql, D);
+  query_fragments<DW>(q_s + half * DW, gid, t4, qh, ql, QROW);
   const float qx0 = qexp_s[2 * t4], qx1 = qexp_s[2 * t4 + 1];
   __syncthreads();
   build_pair_luts<SPLIT>(smem, lut_seed);
@@ -1208,8 +1232,8 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
     }
   }
 
-  merge_tile_state<D, GT, NP, DW>(p, o, m, l, o_s, m_s, l_s, bad_s, stream, gid, t4, seq, split, kvh, tile, w_s[warp],
-                                  half);
+  merge_tile_state<D, GT, NP, DW, HALVES>(p, o, m, l, o_s, m_s, l_s, bad_s, stream, gid, t4, seq, split, kvh, tile,
+                                          w_s[warp], half);
 }
 
 }  // namespace v3

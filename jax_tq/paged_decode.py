@@ -394,18 +394,22 @@ def uses_tensor_core_kernel(head_dim: int, k_bits: int, v_bits: int, group: int,
     """Whether the CUDA decode runs a tensor-core kernel (v3 / v4) for this configuration: head_dim
     64 or 128, K and V of 2, 3 or 4 bits each, any GQA group (groups of 1 or 2 query heads run
     padded to 4), unless ``JAX_TQ_CUDA_DECODE`` asks for v1 or v2 (the kernel handler reads the same
-    variable); head_dim 256 with K and V of 2, 3 or 4 bits each and float16 products
-    (``f16_products``), on v4's warp pairs, unless ``JAX_TQ_CUDA_DECODE`` names any kernel, on GPUs
-    with 228 KB of shared memory per SM (sm_90, sm_10x), where two of its CTAs fit.
+    variable). With float16 products (``f16_products``) and unless ``JAX_TQ_CUDA_DECODE`` names any
+    kernel, also head_dim 256 with K and V of 2, 3 or 4 bits each (v4's warp pairs), head_dim 96
+    with K4V4 (rows padded to 128 coordinates), and head_dim 192 with K4V4 and groups of up to 4
+    (warp pairs of padded halves), on GPUs with 228 KB of shared memory per SM (sm_90, sm_10x),
+    where two CTAs of these kernels fit (the handler asks the device; elsewhere they run v1).
 
     Raises:
       ValueError: ``JAX_TQ_CUDA_DECODE`` holds a value other than v1 ... v5 (or empty).
     """
-    del group  # every group size: head tiles of 4 (groups <= 4) or 8 query heads
     requested = requested_cuda_decode()
+    wide_fit = _shared_memory_per_sm(_compat.gpu_compute_capability()) >= PAIRS_SMEM_PER_SM
+    default_kernel = requested in ("", "v5") and f16_products and wide_fit
     if head_dim == 256:
-        pairs_fit = _shared_memory_per_sm(_compat.gpu_compute_capability()) >= PAIRS_SMEM_PER_SM
-        return requested in ("", "v5") and f16_products and k_bits in (2, 3, 4) and v_bits in (2, 3, 4) and pairs_fit
+        return default_kernel and k_bits in (2, 3, 4) and v_bits in (2, 3, 4)
+    if head_dim in (96, 192):
+        return default_kernel and k_bits == 4 and v_bits == 4 and (head_dim == 96 or group <= 4)
     return requested not in ("v1", "v2") and head_dim in (64, 128) and k_bits in (2, 3, 4) and v_bits in (2, 3, 4)
 
 

@@ -41,8 +41,11 @@ def test_tensor_core_kernel_selection_follows_the_environment(monkeypatch):
         assert pd.uses_tensor_core_kernel(128, 4, 4, group) and pd.uses_tensor_core_kernel(64, 4, 4, group)
     for args in ((128, 2, 2, 4), (128, 4, 2, 1), (64, 2, 4, 8), (128, 3, 4, 4), (128, 4, 3, 4), (64, 3, 3, 1)):
         assert pd.uses_tensor_core_kernel(*args), args
-    for args in ((80, 4, 4, 4), (96, 4, 4, 4), (192, 3, 3, 4)):
+    for args in ((80, 4, 4, 4), (96, 3, 3, 4), (96, 4, 2, 1), (192, 3, 3, 4), (192, 4, 4, 8)):
         assert not pd.uses_tensor_core_kernel(*args), args
+    # head_dim 96 (rows padded to 128) and 192 (pairs of padded halves, groups <= 4): K4V4, f16 only
+    assert pd.uses_tensor_core_kernel(96, 4, 4, 8) and pd.uses_tensor_core_kernel(192, 4, 4, 4)
+    assert not pd.uses_tensor_core_kernel(96, 4, 4, 4, f16_products=False)
     # head_dim 256: v4's warp pairs, 2- / 3- / 4-bit K and V with float16 products only
     assert pd.uses_tensor_core_kernel(256, 4, 4, 8) and pd.uses_tensor_core_kernel(256, 4, 4, 1)
     assert pd.uses_tensor_core_kernel(256, 2, 2, 2) and pd.uses_tensor_core_kernel(256, 4, 2, 4)
@@ -88,7 +91,7 @@ def test_choose_num_splits(monkeypatch):
     assert pd.choose_num_splits("cuda", 32, 8, 512, group=4, head_dim=64) == 1
     assert pd.choose_num_splits("cuda", 32, 8, 512, group=1) == 1
     # Other configurations (v1): one wave of 2 CTAs/SM (tiles of 4-8 heads) or 4 CTAs/SM.
-    assert pd.choose_num_splits("cuda", 4, 8, 2048, group=4, head_dim=96) == math.ceil(264 / 32)
+    assert pd.choose_num_splits("cuda", 4, 8, 2048, group=4, head_dim=96, k_bits=3) == math.ceil(264 / 32)
     assert pd.choose_num_splits("cuda", 4, 8, 2048, group=1, head_dim=192, k_bits=3) == math.ceil(528 / 32)
     # head_dim 256 K4V4 (warp pairs): head tiles of 4, whole waves of 2 CTAs per SM
     assert pd.choose_num_splits("cuda", 32, 8, 512, group=2, head_dim=256) == 1
@@ -162,7 +165,7 @@ def test_rotations_run_at_high_only_where_the_float16_kernel_runs(monkeypatch):
     for args, kw in [((False, "bfloat16"), {}),                 # no CUDA kernels built: the reference runs on a GPU
                      ((True, "float32"), {}),                   # float32 queries: v3, float32-accurate
                      ((True, "bfloat16"), {"backend": "xla"}),  # the reference backend
-                     ((True, "bfloat16"), {"head_dim": 96}),    # v1 (CUDA cores)
+                     ((True, "bfloat16"), {"head_dim": 80}),    # v1 (CUDA cores)
                      ((True, "bfloat16"), {"env": "v3"})]:      # v3 forced
         precisions = _rotation_precisions(monkeypatch, *args, **kw)
         assert len(precisions) == 2 and all("HIGHEST" in p for p in precisions), (args, kw, precisions)
