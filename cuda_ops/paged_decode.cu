@@ -1201,7 +1201,7 @@ ffi::Error launch_v3(cudaStream_t stream, const DecodeParams& p, dim3 grid) {
 
 template <int D, int GT, bool RING, int KB = 4, int VB = 4, int HALVES = 1>
 ffi::Error launch_v4(cudaStream_t stream, const DecodeParams& p, dim3 grid) {
-  constexpr int smem = v3::kSmemBytes + (RING ? v3::ring_bytes<D / HALVES, KB, VB, HALVES>() : 0);
+  constexpr int smem = v3::kSmemBytes + (RING ? v3::v4_ring_bytes<D, KB, VB, HALVES>() : 0);
   return launch_mma<v3::paged_decode_v4_kernel<D, GT, false, RING, KB, VB, HALVES>, smem>(
       v3::kT4, HALVES == 2 ? "v4 ring pairs" : RING ? "v4 ring" : "v4", stream, p, grid);
 }
@@ -1216,7 +1216,7 @@ bool ring_fits() {
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
   int state = known[dev].load(std::memory_order_acquire);
   if (state == 0) {
-    constexpr int smem = v3::kSmemBytes + v3::ring_bytes<D / HALVES, KB, VB, HALVES>();
+    constexpr int smem = v3::kSmemBytes + v3::v4_ring_bytes<D, KB, VB, HALVES>();
     const auto kernel = v3::paged_decode_v4_kernel<D, GT, false, true, KB, VB, HALVES>;
     int ctas = 0;
     const bool fits =

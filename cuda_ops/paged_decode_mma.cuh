@@ -860,6 +860,12 @@ constexpr int ring_stages() {
 }
 template <int D, int KB = 4, int VB = 4, int HALVES = 1>
 constexpr int ring_bytes() { return kW4 * ring_stages<D, KB, VB, HALVES>() * stage_bytes<D, KB, VB>(); }
+// Coordinates of one warp's share of a tile in v4's loop: head_dim / HALVES, padded to 64 or 128
+// (head_dim 96, and 192 as pairs, run in the 128-coordinate loop). The kernel's ring and the
+// launch's shared-memory size both come from it.
+constexpr int tile_width(int d, int halves) { return d / halves <= 64 ? 64 : 128; }
+template <int D, int KB, int VB, int HALVES>
+constexpr int v4_ring_bytes() { return ring_bytes<tile_width(D, HALVES), KB, VB, HALVES>(); }
 
 // Byte offset in a stage's 16-row block of code rows of R bytes of byte `b` of row r: 64-byte
 // rows in 16-byte units at ring_swizzle, 32-byte rows at ring_row64, other widths in order.
@@ -902,7 +908,7 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
   static_assert(HALVES == 1 || (HALVES == 2 && RING && !SPLIT && (D == 256 || D == 192)),
                 "warp pairs: head_dim 256 or 192, ring, f16");
   constexpr int DV = D / HALVES;              // coordinates of a warp's share of a tile
-  constexpr int DW = DV <= 64 ? 64 : 128;     // the tile loop's coordinates (DV padded)
+  constexpr int DW = tile_width(D, HALVES);  // the tile loop's coordinates (DV padded)
   constexpr bool PADDED = DV != DW;
   static_assert(!PADDED || (RING && !SPLIT && DV % 16 == 0), "padded rows: ring, f16");
   constexpr int NP = kW4 / HALVES;  // tile streams: the warps, or the warp pairs
@@ -910,6 +916,8 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
   constexpr int kStage = stage_bytes<DW, KB ? KB : 4, VB ? VB : 4>();
   constexpr int kStages = ring_stages<DW, KB ? KB : 4, VB ? VB : 4, HALVES>();
   constexpr int KS = Dims<DW>::kKS;
+  static_assert(!RING || kW4 * kStages * kStage == v4_ring_bytes<D, KB ? KB : 4, VB ? VB : 4, HALVES>(),
+                "the launch's shared-memory size (v4_ring_bytes) must be the ring's");
   constexpr int RK = DW * (KB ? KB : 4) / 8, RV = DW * (VB ? VB : 4) / 8;  // ring: code bytes per K / V row
   constexpr int RKG = DV * (KB ? KB : 4) / 8, RVG = DV * (VB ? VB : 4) / 8;  // ... of them in the pools
   // Table key shifts (load_k_keys): the ring's 2- / 3-bit K and 2-bit V codes make their own keys.
