@@ -78,6 +78,13 @@ __device__ __forceinline__ void cp_async16_s(uint32_t dst_smem, const void* src_
                : "memory");
 }
 
+// CU (16 or 8) bytes, the destination given as a shared-memory address (.cg takes 16 only).
+template <int CU>
+__device__ __forceinline__ void cp_async_s(uint32_t dst_smem, const void* src_gmem) {
+  if constexpr (CU == 16) cp_async16_s(dst_smem, src_gmem);
+  else asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(dst_smem), "l"(src_gmem), "n"(CU) : "memory");
+}
+
 __device__ __forceinline__ void cp_async_commit() {
   asm volatile("cp.async.commit_group;\n" ::: "memory");
 }
@@ -1358,7 +1365,7 @@ R with_widths(int kb, int vb, R none, F f) {
 // the default kernel choice only (there is no v3 or register variant of them); v1 otherwise:
 //   256: warp pairs (one half of the coordinates per warp; head tiles of 4, max_gt), K and V of 2,
 //        3 or 4 bits each;
-//   96:  rows padded to 128 coordinates, K4V4, head tiles of 4 or 8;
+//   80, 96: rows padded to 128 coordinates, K4V4, head tiles of 4 or 8;
 //   192: warp pairs of 96 padded coordinates, K4V4, head tiles of 4 (groups of up to 4).
 // Launches the kernel when it applies and fits (err: its launch result); false otherwise.
 template <int D, int GT, int KB, int VB, int HALVES>
@@ -1371,6 +1378,11 @@ bool launch_ring_if_fit(cudaStream_t stream, const DecodeParams& p, dim3 grid, f
 bool launch_wide(int d, int gt, bool f16, cudaStream_t stream, const DecodeParams& p, dim3 grid, ffi::Error& err) {
   if (!f16 || requested_kernel() != DecodeKernel::kDefault || !ring_pools_ok(p)) return false;
   const bool k4v4 = p.k_bits == 4 && p.v_bits == 4;
+#if JTQ_HAS_D(80)
+  if (d == 80 && k4v4)
+    return gt <= 4 ? launch_ring_if_fit<80, 4, 4, 4, 1>(stream, p, grid, err)
+                   : launch_ring_if_fit<80, 8, 4, 4, 1>(stream, p, grid, err);
+#endif
 #if JTQ_HAS_D(96)
   if (d == 96 && k4v4)
     return gt <= 4 ? launch_ring_if_fit<96, 4, 4, 4, 1>(stream, p, grid, err)
@@ -1509,6 +1521,9 @@ int RingFitsOnDevice(int head_dim, int k_bits, int v_bits) {
 #endif
 #if JTQ_HAS_D(256)
   if (head_dim == 256) return ring_fits_widths<256, 2>(k_bits, v_bits);
+#endif
+#if JTQ_HAS_D(80)
+  if (head_dim == 80) return k_bits == 4 && v_bits == 4 ? (ring_fits<80, 4, 4, 4, 1>() ? 1 : 0) : -1;
 #endif
 #if JTQ_HAS_D(96)
   if (head_dim == 96) return k_bits == 4 && v_bits == 4 ? (ring_fits<96, 4, 4, 4, 1>() ? 1 : 0) : -1;

@@ -894,11 +894,11 @@ constexpr float kLazyMax = 8.f;
 // from rows twice as long); after the K MMAs the two partial dot products are exchanged through
 // shared memory (one 64-thread named barrier per tile), so both warps hold the same scores, running
 // max, sums and weights, and each accumulates its half of the output.
-// Padded rows (head_dim 96, and 192 as pairs; ring, 4-bit codes): a warp's DV = 96 coordinates run
-// in the 128-coordinate tile loop. The ring copies each row's 48 bytes into the first three 16-byte
-// units of a 64-byte stage row; the fourth unit keeps whatever bytes it held (codes of finite
-// centroids), which meet q's zero padding in the K MMAs (0 * c = 0) and give output coordinates
-// 96..127 that the merge drops.
+// Padded rows (head_dim 80 and 96, and 192 as pairs; ring, 4-bit codes): a warp's DV = 80 or 96
+// coordinates run in the 128-coordinate tile loop. The ring copies each row's 40 / 48 bytes (8- /
+// 16-byte units) to the start of a 64-byte stage row; the rest keeps whatever bytes it held (codes
+// of finite centroids), which meet q's zero padding in the K MMAs (0 * c = 0) and give output
+// coordinates DV..127 that the merge drops.
 template <int D, int GT, bool SPLIT, bool RING, int KB = 4, int VB = 4, int HALVES = 1>
 __global__ void __launch_bounds__(kT4, kCtasPerSm4)
     paged_decode_v4_kernel(const DecodeParams p) {
@@ -1023,38 +1023,49 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
     }
   };
 
-  // Ring path: tile ti (< ntt) into stage `st` of this warp's ring; every lane copies 16-byte units
-  // lane, lane + 32 (if any) of the K and V code rows, lanes 0-7 one 16-byte quarter of the norms.
-  // Returns the valid count.
+  // Ring path: tile ti (< ntt) into stage `st` of this warp's ring; every lane copies units lane,
+  // lane + 32, ... (those that exist) of the K and V code rows, lanes 0-7 one 16-byte quarter of the
+  // norms. Returns the valid count.
   uint8_t* ring = smem + kSmemBytes + warp * (kStages * kStage);
-  // Loop-invariant per-lane parts of the copies: sources at byte 16 * lane of a tile's rows (unit
-  // lane + 32 at +512), destinations at the units' stage offsets (shared-memory addresses, 32 bits).
-  constexpr int NUK = RKG, NUV = RVG;  // 16-byte units of a tile's 16 K / V rows (their copied parts)
+  // Copy units of CU bytes: 16, or 8 where a (half) row is not whole 16-byte units (head_dim 80's
+  // 40-byte rows). Loop-invariant per-lane parts of the copies: sources at byte CU * lane of a
+  // tile's rows (unit lane + 32 c at + 32 c CU), destinations at the units' stage offsets
+  // (shared-memory addresses, 32 bits).
+  // (Unpadded stage rows are in pool order, so their units may straddle rows.)
+  constexpr int CU = !PADDED || (RKG % 16 == 0 && RVG % 16 == 0) ? 16 : 8;
+  static_assert(!PADDED || (RKG % CU == 0 && RVG % CU == 0), "padded rows: whole 8-byte copy units");
+  constexpr int NUK = kTT * RKG / CU, NUV = kTT * RVG / CU;  // units of a tile's 16 K / V rows (their copied parts)
+  static_assert(NUK <= 96 && NUV <= 96 && (HALVES == 1 || (CU == 16 && NUK <= 64 && NUV <= 64)),
+                "ring: at most three copies per lane (two with warp pairs)");
   // Pairs: unit u is 16-byte chunk u % UPR of row u / UPR's half (rows of HALVES * RG bytes); unit
   // lane + 32 lies a constant 32 / UPR rows after unit lane where UPR divides 32 (2- and 4-bit
   // codes), else (3-bit and padded rows: 3 units per half row) at a per-lane distance.
-  static_assert((HALVES == 1 && !PADDED) || (RKG % 16 == 0 && RVG % 16 == 0),
-                "warp pairs, padded rows: (half) rows of whole 16-byte units");
   auto unit_src = [&](int u, int RG) {
-    return HALVES == 1 ? 16 * u : half * RG + (u / (RG / 16)) * (HALVES * RG) + (u % (RG / 16)) * 16;
+    return HALVES == 1 ? CU * u : half * RG + (u / (RG / 16)) * (HALVES * RG) + (u % (RG / 16)) * 16;
   };
   auto unit32_distance = [&](int RG) {  // source of unit lane + 32 minus that of unit lane
-    if constexpr (HALVES == 1) return 512;
+    if constexpr (HALVES == 1) return 32 * CU;
     else if (32 % (RG / 16) == 0) return (32 / (RG / 16)) * HALVES * RG;
     else return unit_src(lane + 32, RG) - unit_src(lane, RG);
   };
   const uint8_t* k_src = p.kc + unit_src(lane, RKG);
   const uint8_t* v_src = p.vc + unit_src(lane, RVG);
   const int kK32 = unit32_distance(RKG), kV32 = unit32_distance(RVG);
-  // Stage offset of copied unit u: padded rows leave the last unit of every stage row uncopied.
-  auto k_stage_unit = [](int u) { return PADDED ? ring_unit_offset<RK>((u / (RKG / 16)) * (RK / 16) + u % (RKG / 16)) : ring_unit_offset<RK>(u); };
-  auto v_stage_unit = [](int u) { return PADDED ? ring_unit_offset<RV>((u / (RVG / 16)) * (RV / 16) + u % (RVG / 16)) : ring_unit_offset<RV>(u); };
+  // Stage offset of copied unit u: padded rows leave the end of every stage row uncopied.
+  auto k_stage_unit = [](int u) {
+    return PADDED ? ring_offset<RK>(u / (RKG / CU), CU * (u % (RKG / CU))) : ring_unit_offset<RK>(u);
+  };
+  auto v_stage_unit = [](int u) {
+    return PADDED ? ring_offset<RV>(u / (RVG / CU), CU * (u % (RVG / CU))) : ring_unit_offset<RV>(u);
+  };
   const float* n_src = (lane < 4 ? p.kn : p.vn) + 4 * (lane & 3);
   const uint32_t ring_s = smem_addr(ring);
   const uint32_t dst_k0 = ring_s + k_stage_unit(lane);
   const uint32_t dst_k1 = ring_s + k_stage_unit(lane + 32);
+  const uint32_t dst_k2 = ring_s + k_stage_unit(lane + 64);
   const uint32_t dst_v0 = ring_s + kTT * RK + v_stage_unit(lane);
   const uint32_t dst_v1 = ring_s + kTT * RK + v_stage_unit(lane + 32);
+  const uint32_t dst_v2 = ring_s + kTT * RK + v_stage_unit(lane + 64);
   const uint32_t dst_n = ring_s + kTT * (RK + RV) + 16 * lane;
   auto issue = [&](int ti, int st, int phys) -> int {
     int n = 0;
@@ -1063,10 +1074,12 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
       const uint8_t* ks = k_src + row0 * (HALVES * RKG);
       const uint8_t* vs = v_src + row0 * (HALVES * RVG);
       const uint32_t so = st * kStage;
-      if (NUK >= 32 || lane < NUK) cp_async16_s(dst_k0 + so, ks);
-      if (NUK > 32 && (NUK >= 64 || lane + 32 < NUK)) cp_async16_s(dst_k1 + so, ks + kK32);
-      if (NUV >= 32 || lane < NUV) cp_async16_s(dst_v0 + so, vs);
-      if (NUV > 32 && (NUV >= 64 || lane + 32 < NUV)) cp_async16_s(dst_v1 + so, vs + kV32);
+      if (NUK >= 32 || lane < NUK) cp_async_s<CU>(dst_k0 + so, ks);
+      if (NUK > 32 && (NUK >= 64 || lane + 32 < NUK)) cp_async_s<CU>(dst_k1 + so, ks + kK32);
+      if (NUK > 64 && (NUK >= 96 || lane + 64 < NUK)) cp_async_s<CU>(dst_k2 + so, ks + 2 * kK32);
+      if (NUV >= 32 || lane < NUV) cp_async_s<CU>(dst_v0 + so, vs);
+      if (NUV > 32 && (NUV >= 64 || lane + 32 < NUV)) cp_async_s<CU>(dst_v1 + so, vs + kV32);
+      if (NUV > 64 && (NUV >= 96 || lane + 64 < NUV)) cp_async_s<CU>(dst_v2 + so, vs + 2 * kV32);
       if (lane < 8) cp_async16_s(dst_n + so, n_src + row0);
     }
     cp_async_commit();  // one group per call, empty or not: wait_group counts stay aligned

@@ -395,8 +395,8 @@ def uses_tensor_core_kernel(head_dim: int, k_bits: int, v_bits: int, group: int,
     64 or 128, K and V of 2, 3 or 4 bits each, any GQA group (groups of 1 or 2 query heads run
     padded to 4), unless ``JAX_TQ_CUDA_DECODE`` asks for v1 or v2 (the kernel handler reads the same
     variable). With float16 products (``f16_products``) and unless ``JAX_TQ_CUDA_DECODE`` names any
-    kernel, also head_dim 256 with K and V of 2, 3 or 4 bits each (v4's warp pairs), head_dim 96
-    with K4V4 (rows padded to 128 coordinates), and head_dim 192 with K4V4 and groups of up to 4
+    kernel, also head_dim 256 with K and V of 2, 3 or 4 bits each (v4's warp pairs), head_dim 80
+    and 96 with K4V4 (rows padded to 128 coordinates), and head_dim 192 with K4V4 and groups of up to 4
     (warp pairs of padded halves), on GPUs with 228 KB of shared memory per SM (sm_90, sm_10x),
     where two CTAs of these kernels fit (the handler asks the device; elsewhere they run v1).
 
@@ -408,8 +408,8 @@ def uses_tensor_core_kernel(head_dim: int, k_bits: int, v_bits: int, group: int,
     default_kernel = requested in ("", "v5") and f16_products and wide_fit
     if head_dim == 256:
         return default_kernel and k_bits in (2, 3, 4) and v_bits in (2, 3, 4)
-    if head_dim in (96, 192):
-        return default_kernel and k_bits == 4 and v_bits == 4 and (head_dim == 96 or group <= 4)
+    if head_dim in (80, 96, 192):
+        return default_kernel and k_bits == 4 and v_bits == 4 and (head_dim != 192 or group <= 4)
     return requested not in ("v1", "v2") and head_dim in (64, 128) and k_bits in (2, 3, 4) and v_bits in (2, 3, 4)
 
 

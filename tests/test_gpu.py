@@ -366,8 +366,14 @@ TC_CASES = [
     (256, 256, 4, 2, jnp.bfloat16, None, 1e-2),
     (256, 8, 4, 2, jnp.bfloat16, None, 1e-2),        # v1: pages of 8
     (256, 16, 4, 2, jnp.float32, "highest", 2e-5),   # v1: float32 products
-    # head_dim 96: rows padded to 128 coordinates (v4's ring, head tiles of 4 and 8); 192: warp pairs
-    # of padded halves (groups up to 4); else v1
+    # head_dim 80 / 96: rows padded to 128 coordinates (v4's ring, head tiles of 4 and 8; 80: 8-byte
+    # copy units); 192: warp pairs of padded halves (groups up to 4); else v1
+    (80, 16, 4, None, jnp.bfloat16, None, 1e-2),
+    (80, 32, 8, 3, jnp.float16, None, 3e-3),
+    (80, 16, 1, 2, jnp.float32, "default", 3e-3),
+    (80, 48, 5, 1, jnp.bfloat16, None, 1e-2),
+    (80, 16, 6, 64, jnp.bfloat16, None, 1e-2),        # more splits than pages
+    (80, 8, 4, 2, jnp.bfloat16, None, 1e-2),          # v1: pages of 8
     (96, 16, 4, None, jnp.bfloat16, None, 1e-2),
     (96, 32, 8, 3, jnp.float16, None, 3e-3),
     (96, 16, 1, 2, jnp.float32, "default", 3e-3),
@@ -615,8 +621,8 @@ def test_every_ring_kernel_keeps_two_ctas_per_sm():
     for k_bits in (2, 3, 4):
         for v_bits in (2, 3, 4):
             assert mod.ring_fits(256, k_bits, v_bits) == 1, (256, k_bits, v_bits)
-    assert mod.ring_fits(96, 4, 4) == 1 and mod.ring_fits(192, 4, 4) == 1
-    assert mod.ring_fits(96, 2, 4) == -1 and mod.ring_fits(80, 4, 4) == -1
+    assert mod.ring_fits(80, 4, 4) == 1 and mod.ring_fits(96, 4, 4) == 1 and mod.ring_fits(192, 4, 4) == 1
+    assert mod.ring_fits(96, 2, 4) == -1 and mod.ring_fits(80, 3, 3) == -1
 
 
 def test_paged_decode_vmap_and_jit(rng):

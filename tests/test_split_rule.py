@@ -41,11 +41,13 @@ def test_tensor_core_kernel_selection_follows_the_environment(monkeypatch):
         assert pd.uses_tensor_core_kernel(128, 4, 4, group) and pd.uses_tensor_core_kernel(64, 4, 4, group)
     for args in ((128, 2, 2, 4), (128, 4, 2, 1), (64, 2, 4, 8), (128, 3, 4, 4), (128, 4, 3, 4), (64, 3, 3, 1)):
         assert pd.uses_tensor_core_kernel(*args), args
-    for args in ((80, 4, 4, 4), (96, 3, 3, 4), (96, 4, 2, 1), (192, 3, 3, 4), (192, 4, 4, 8)):
+    for args in ((80, 3, 3, 4), (80, 4, 2, 2), (96, 3, 3, 4), (96, 4, 2, 1), (192, 3, 3, 4), (192, 4, 4, 8)):
         assert not pd.uses_tensor_core_kernel(*args), args
-    # head_dim 96 (rows padded to 128) and 192 (pairs of padded halves, groups <= 4): K4V4, f16 only
+    # head_dim 80 / 96 (rows padded to 128) and 192 (pairs of padded halves, groups <= 4): K4V4, f16 only
+    assert pd.uses_tensor_core_kernel(80, 4, 4, 8) and pd.uses_tensor_core_kernel(80, 4, 4, 1)
     assert pd.uses_tensor_core_kernel(96, 4, 4, 8) and pd.uses_tensor_core_kernel(192, 4, 4, 4)
     assert not pd.uses_tensor_core_kernel(96, 4, 4, 4, f16_products=False)
+    assert not pd.uses_tensor_core_kernel(80, 4, 4, 4, f16_products=False)
     # head_dim 256: v4's warp pairs, 2- / 3- / 4-bit K and V with float16 products only
     assert pd.uses_tensor_core_kernel(256, 4, 4, 8) and pd.uses_tensor_core_kernel(256, 4, 4, 1)
     assert pd.uses_tensor_core_kernel(256, 2, 2, 2) and pd.uses_tensor_core_kernel(256, 4, 2, 4)
@@ -165,7 +167,7 @@ def test_rotations_run_at_high_only_where_the_float16_kernel_runs(monkeypatch):
     for args, kw in [((False, "bfloat16"), {}),                 # no CUDA kernels built: the reference runs on a GPU
                      ((True, "float32"), {}),                   # float32 queries: v3, float32-accurate
                      ((True, "bfloat16"), {"backend": "xla"}),  # the reference backend
-                     ((True, "bfloat16"), {"head_dim": 80}),    # v1 (CUDA cores)
+                     ((True, "bfloat16"), {"head_dim": 192, "group": 8}),  # v1 (CUDA cores)
                      ((True, "bfloat16"), {"env": "v3"})]:      # v3 forced
         precisions = _rotation_precisions(monkeypatch, *args, **kw)
         assert len(precisions) == 2 and all("HIGHEST" in p for p in precisions), (args, kw, precisions)
