@@ -1238,7 +1238,7 @@ bool ring_fits() {
 }
 
 // Largest query-head tile per head_dim (register budget: acc_v[GT][8] stays in registers).
-constexpr int max_gt(int d) { return d >= 256 ? 4 : 8; }
+constexpr int max_gt(int d) { return d >= 192 ? 4 : 8; }
 
 template <int D>
 ffi::Error dispatch_gt(int gt, cudaStream_t stream, const DecodeParams& p, dim3 grid) {
@@ -1365,8 +1365,9 @@ R with_widths(int kb, int vb, R none, F f) {
 // the default kernel choice only (there is no v3 or register variant of them); v1 otherwise:
 //   256: warp pairs (one half of the coordinates per warp; head tiles of 4, max_gt), K and V of 2,
 //        3 or 4 bits each;
-//   80, 96: rows padded to 128 coordinates, K4V4, head tiles of 4 or 8;
-//   192: warp pairs of 96 padded coordinates, K4V4, head tiles of 4 (groups of up to 4).
+//   80: rows padded to 128 coordinates, K4V4, head tiles of 4 or 8;
+//   96: rows padded to 128 coordinates, K and V of 2 or 4 bits each, head tiles of 4 or 8;
+//   192: warp pairs of 96 padded coordinates, K4V4, head tiles of 4 (max_gt).
 // Launches the kernel when it applies and fits (err: its launch result); false otherwise.
 template <int D, int GT, int KB, int VB, int HALVES>
 bool launch_ring_if_fit(cudaStream_t stream, const DecodeParams& p, dim3 grid, ffi::Error& err) {
@@ -1384,15 +1385,18 @@ bool launch_wide(int d, int gt, bool f16, cudaStream_t stream, const DecodeParam
                    : launch_ring_if_fit<80, 8, 4, 4, 1>(stream, p, grid, err);
 #endif
 #if JTQ_HAS_D(96)
-  if (d == 96 && k4v4)
-    return gt <= 4 ? launch_ring_if_fit<96, 4, 4, 4, 1>(stream, p, grid, err)
-                   : launch_ring_if_fit<96, 8, 4, 4, 1>(stream, p, grid, err);
+  if (d == 96)
+    return with_widths<false>(p.k_bits, p.v_bits, false, [&](auto k, auto v) {
+      constexpr int KB = decltype(k)::value, VB = decltype(v)::value;
+      return gt <= 4 ? launch_ring_if_fit<96, 4, KB, VB, 1>(stream, p, grid, err)
+                     : launch_ring_if_fit<96, 8, KB, VB, 1>(stream, p, grid, err);
+    });
 #endif
+  static_assert(max_gt(192) == 4 && max_gt(256) == 4, "warp pairs: head tiles of 4");
 #if JTQ_HAS_D(192)
-  if (d == 192 && k4v4 && gt <= 4) return launch_ring_if_fit<192, 4, 4, 4, 2>(stream, p, grid, err);
+  if (d == 192 && k4v4) return launch_ring_if_fit<192, 4, 4, 4, 2>(stream, p, grid, err);
 #endif
 #if JTQ_HAS_D(256)
-  static_assert(max_gt(256) == 4, "head_dim 256: head tiles of 4");
   if (d == 256)
     return with_widths<true>(p.k_bits, p.v_bits, false, [&](auto k, auto v) {
       return launch_ring_if_fit<256, 4, decltype(k)::value, decltype(v)::value, 2>(stream, p, grid, err);
@@ -1503,9 +1507,9 @@ ffi::Error dispatch_d(int d, int gt, bool f16, cudaStream_t stream, const Decode
 }
 
 // ring_fits of the head-tile-4 kernel for runtime widths; -1 where no ring kernel is compiled in.
-template <int D, int HALVES>
+template <int D, int HALVES, bool THREE = true>
 int ring_fits_widths(int kb, int vb) {
-  return with_widths<true>(kb, vb, -1, [](auto k, auto v) {
+  return with_widths<THREE>(kb, vb, -1, [](auto k, auto v) {
     return ring_fits<D, 4, decltype(k)::value, decltype(v)::value, HALVES>() ? 1 : 0;
   });
 }
@@ -1526,7 +1530,7 @@ int RingFitsOnDevice(int head_dim, int k_bits, int v_bits) {
   if (head_dim == 80) return k_bits == 4 && v_bits == 4 ? (ring_fits<80, 4, 4, 4, 1>() ? 1 : 0) : -1;
 #endif
 #if JTQ_HAS_D(96)
-  if (head_dim == 96) return k_bits == 4 && v_bits == 4 ? (ring_fits<96, 4, 4, 4, 1>() ? 1 : 0) : -1;
+  if (head_dim == 96) return ring_fits_widths<96, 1, false>(k_bits, v_bits);
 #endif
 #if JTQ_HAS_D(192)
   if (head_dim == 192) return k_bits == 4 && v_bits == 4 ? (ring_fits<192, 4, 4, 4, 2>() ? 1 : 0) : -1;

@@ -396,9 +396,10 @@ def uses_tensor_core_kernel(head_dim: int, k_bits: int, v_bits: int, group: int,
     padded to 4), unless ``JAX_TQ_CUDA_DECODE`` asks for v1 or v2 (the kernel handler reads the same
     variable). With float16 products (``f16_products``) and unless ``JAX_TQ_CUDA_DECODE`` names any
     kernel, also head_dim 256 with K and V of 2, 3 or 4 bits each (v4's warp pairs), head_dim 80
-    and 96 with K4V4 (rows padded to 128 coordinates), and head_dim 192 with K4V4 and groups of up to 4
-    (warp pairs of padded halves), on GPUs with 228 KB of shared memory per SM (sm_90, sm_10x),
-    where two CTAs of these kernels fit (the handler asks the device; elsewhere they run v1).
+    with K4V4 and 96 with K and V of 2 or 4 bits each (rows padded to 128 coordinates), and head_dim
+    192 with K4V4 (warp pairs of padded halves, head tiles of 4), on GPUs with 228 KB of shared
+    memory per SM (sm_90, sm_10x), where two CTAs of these kernels fit (the handler asks the device;
+    elsewhere they run v1).
 
     Raises:
       ValueError: ``JAX_TQ_CUDA_DECODE`` holds a value other than v1 ... v5 (or empty).
@@ -408,8 +409,10 @@ def uses_tensor_core_kernel(head_dim: int, k_bits: int, v_bits: int, group: int,
     default_kernel = requested in ("", "v5") and f16_products and wide_fit
     if head_dim == 256:
         return default_kernel and k_bits in (2, 3, 4) and v_bits in (2, 3, 4)
-    if head_dim in (80, 96, 192):
-        return default_kernel and k_bits == 4 and v_bits == 4 and (head_dim != 192 or group <= 4)
+    if head_dim == 96:
+        return default_kernel and k_bits in (2, 4) and v_bits in (2, 4)
+    if head_dim in (80, 192):
+        return default_kernel and k_bits == 4 and v_bits == 4
     return requested not in ("v1", "v2") and head_dim in (64, 128) and k_bits in (2, 3, 4) and v_bits in (2, 3, 4)
 
 
@@ -472,12 +475,12 @@ def choose_num_splits(platform: str, num_seqs: int, num_kv_heads: int, max_pages
         return 1
     by_length = max(1, max_pages // max(4, MIN_TOKENS_PER_SPLIT // page_size))
     if uses_tensor_core_kernel(head_dim, k_bits, v_bits, group, f16_products=f16_products):
-        units = num_seqs * num_kv_heads * -(-group // (4 if group <= 4 or head_dim >= 256 else 8))
+        units = num_seqs * num_kv_heads * -(-group // (4 if group <= 4 or head_dim >= 192 else 8))
         per_sm = v4_ctas_per_sm if uses_v4(f16_products) else v3_ctas_per_sm
         slots = per_sm(_compat.gpu_compute_capability()) * _compat.gpu_core_count()
         return whole_wave_splits(max(1, units), slots, by_length)
     tile = 1 if group <= 1 else 2 if group <= 2 else 4 if group <= 4 else 8
-    if head_dim >= 256:
+    if head_dim >= 192:
         tile = min(tile, 4)
     head_tiles = -(-group // tile)
     ctas_wanted = (2 if tile >= 4 else 4) * _compat.gpu_core_count()

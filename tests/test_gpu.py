@@ -367,7 +367,7 @@ TC_CASES = [
     (256, 8, 4, 2, jnp.bfloat16, None, 1e-2),        # v1: pages of 8
     (256, 16, 4, 2, jnp.float32, "highest", 2e-5),   # v1: float32 products
     # head_dim 80 / 96: rows padded to 128 coordinates (v4's ring, head tiles of 4 and 8; 80: 8-byte
-    # copy units); 192: warp pairs of padded halves (groups up to 4); else v1
+    # copy units); 192: warp pairs of padded halves (head tiles of 4); else v1
     (80, 16, 4, None, jnp.bfloat16, None, 1e-2),
     (80, 32, 8, 3, jnp.float16, None, 3e-3),
     (80, 16, 1, 2, jnp.float32, "default", 3e-3),
@@ -383,7 +383,9 @@ TC_CASES = [
     (192, 16, 4, None, jnp.bfloat16, None, 1e-2),
     (192, 32, 2, 3, jnp.float16, None, 3e-3),
     (192, 16, 1, 1, jnp.float32, "default", 3e-3),
-    (192, 16, 8, 2, jnp.bfloat16, None, 1e-2),        # v1: group 8
+    (192, 16, 8, 2, jnp.bfloat16, None, 1e-2),        # group 8: two head tiles of 4
+    (192, 32, 16, 1, jnp.float16, None, 3e-3),
+    (192, 16, 4, 2, jnp.float32, "highest", 2e-5),   # v1: float32 products
 ]
 
 
@@ -427,6 +429,11 @@ TC_BITS_CASES = [
     (256, 4, 3, 16, 4, 3, jnp.float16, None, 3e-3),
     (256, 2, 3, 48, 1, 2, jnp.float32, "default", 3e-3),
     (256, 3, 2, 16, 3, None, jnp.bfloat16, None, 1e-2),
+    # head_dim 96 with 2-bit K and / or V: padded rows of 24 bytes (8-byte copy units)
+    (96, 2, 2, 16, 4, None, jnp.bfloat16, None, 1e-2),
+    (96, 4, 2, 32, 8, 3, jnp.float16, None, 3e-3),
+    (96, 2, 4, 16, 1, 2, jnp.float32, "default", 3e-3),
+    (96, 2, 2, 48, 6, 64, jnp.bfloat16, None, 1e-2),
 ]
 
 
@@ -621,8 +628,11 @@ def test_every_ring_kernel_keeps_two_ctas_per_sm():
     for k_bits in (2, 3, 4):
         for v_bits in (2, 3, 4):
             assert mod.ring_fits(256, k_bits, v_bits) == 1, (256, k_bits, v_bits)
-    assert mod.ring_fits(80, 4, 4) == 1 and mod.ring_fits(96, 4, 4) == 1 and mod.ring_fits(192, 4, 4) == 1
-    assert mod.ring_fits(96, 2, 4) == -1 and mod.ring_fits(80, 3, 3) == -1
+    for k_bits in (2, 4):
+        for v_bits in (2, 4):
+            assert mod.ring_fits(96, k_bits, v_bits) == 1, (96, k_bits, v_bits)
+    assert mod.ring_fits(80, 4, 4) == 1 and mod.ring_fits(192, 4, 4) == 1
+    assert mod.ring_fits(96, 3, 4) == -1 and mod.ring_fits(80, 3, 3) == -1 and mod.ring_fits(192, 2, 4) == -1
 
 
 def test_paged_decode_vmap_and_jit(rng):

@@ -41,11 +41,14 @@ def test_tensor_core_kernel_selection_follows_the_environment(monkeypatch):
         assert pd.uses_tensor_core_kernel(128, 4, 4, group) and pd.uses_tensor_core_kernel(64, 4, 4, group)
     for args in ((128, 2, 2, 4), (128, 4, 2, 1), (64, 2, 4, 8), (128, 3, 4, 4), (128, 4, 3, 4), (64, 3, 3, 1)):
         assert pd.uses_tensor_core_kernel(*args), args
-    for args in ((80, 3, 3, 4), (80, 4, 2, 2), (96, 3, 3, 4), (96, 4, 2, 1), (192, 3, 3, 4), (192, 4, 4, 8)):
+    for args in ((80, 3, 3, 4), (80, 4, 2, 2), (96, 3, 3, 4), (96, 4, 3, 1), (192, 3, 3, 4), (192, 4, 2, 8)):
         assert not pd.uses_tensor_core_kernel(*args), args
-    # head_dim 80 / 96 (rows padded to 128) and 192 (pairs of padded halves, groups <= 4): K4V4, f16 only
+    # head_dim 80 (K4V4) / 96 (K, V of 2 or 4 bits), rows padded to 128, and 192 (K4V4, pairs of
+    # padded halves, head tiles of 4): f16 products only
     assert pd.uses_tensor_core_kernel(80, 4, 4, 8) and pd.uses_tensor_core_kernel(80, 4, 4, 1)
     assert pd.uses_tensor_core_kernel(96, 4, 4, 8) and pd.uses_tensor_core_kernel(192, 4, 4, 4)
+    assert pd.uses_tensor_core_kernel(96, 2, 2, 4) and pd.uses_tensor_core_kernel(96, 4, 2, 1)
+    assert pd.uses_tensor_core_kernel(192, 4, 4, 8) and pd.uses_tensor_core_kernel(192, 4, 4, 16)
     assert not pd.uses_tensor_core_kernel(96, 4, 4, 4, f16_products=False)
     assert not pd.uses_tensor_core_kernel(80, 4, 4, 4, f16_products=False)
     # head_dim 256: v4's warp pairs, 2- / 3- / 4-bit K and V with float16 products only
@@ -98,6 +101,7 @@ def test_choose_num_splits(monkeypatch):
     # head_dim 256 K4V4 (warp pairs): head tiles of 4, whole waves of 2 CTAs per SM
     assert pd.choose_num_splits("cuda", 32, 8, 512, group=2, head_dim=256) == 1
     assert pd.choose_num_splits("cuda", 8, 8, 2048, group=8, head_dim=256) == 2  # 128 units (4 at 128)
+    assert pd.choose_num_splits("cuda", 8, 8, 2048, group=8, head_dim=192) == 2  # pairs: head tiles of 4
     assert pd.choose_num_splits("cuda", 8, 8, 2048, group=8, head_dim=128) == 4  # 64 units
     assert pd.choose_num_splits("cuda", 4, 8, 2048, group=1, head_dim=256, f16_products=False) == math.ceil(528 / 32)
     monkeypatch.setenv("JAX_TQ_CUDA_DECODE", "v1")
@@ -167,7 +171,7 @@ def test_rotations_run_at_high_only_where_the_float16_kernel_runs(monkeypatch):
     for args, kw in [((False, "bfloat16"), {}),                 # no CUDA kernels built: the reference runs on a GPU
                      ((True, "float32"), {}),                   # float32 queries: v3, float32-accurate
                      ((True, "bfloat16"), {"backend": "xla"}),  # the reference backend
-                     ((True, "bfloat16"), {"head_dim": 192, "group": 8}),  # v1 (CUDA cores)
+                     ((True, "float16"), {"env": "v1"}),      # v1 forced
                      ((True, "bfloat16"), {"env": "v3"})]:      # v3 forced
         precisions = _rotation_precisions(monkeypatch, *args, **kw)
         assert len(precisions) == 2 and all("HIGHEST" in p for p in precisions), (args, kw, precisions)
