@@ -1,7 +1,8 @@
 // v3 and v4 split kernels for jax_tq_paged_decode: tensor-core (mma.sync m16n8k16, f16 in, f32
 // accumulate) versions of the split kernel:
-//   head_dim 64 or 128 (Dims<D>; v4's warp pairs: 256 as two halves of 128, K and V of 2 or 4
-//   bits, GT 4, ring only), K and V of 2, 3 or 4 bits each, GQA tile GT in {4, 8} (padded to
+//   head_dim 64 or 128 (Dims<D>; v4's ring also: 80 / 96 as rows padded to 128, 256 as warp pairs
+//   of two halves of 128, 192 as pairs of padded halves; see launch_wide in paged_decode.cu), K and
+//   V of 2, 3 or 4 bits each, GQA tile GT in {4, 8} (padded to
 //   the MMA's n = 8 heads; groups of 1 or 2 run in the 4-head tile). The layouts below are written
 //   for head_dim 128 and 4-bit codes; at 64 a lane holds half the codes (K: (D/4)*t4.., V:
 //   (D/8)*gid..), with half the k-steps and m-tiles, and the ring stores 32-byte rows in the order
