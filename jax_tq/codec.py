@@ -69,7 +69,7 @@ class TurboQuant:
     Args:
       head_dim: int in (64, 80, 96, 128, 192, 256).
       bits: int in 1..4 (packed cache storage needs 2..4; see ``jax_tq.format``).
-      seed: int >= 0, seeds the rotation (numpy default_rng).
+      seed: int >= 0, seeds the rotation (``np.random.default_rng([seed, rotation.ROTATION_STREAM])``).
       rotation: ``"haar"`` (QR of a Gaussian, sign-fixed) or ``"hadamard"`` (randomized
         block-Hadamard); see ``jax_tq.rotation``.
     Attributes:
