@@ -382,7 +382,7 @@ struct Tile {
 // the powers of two into qexp_s; 1 into bad_s where the head's q_rot row is not all finite (its
 // output row is NaN; the row is staged as zeros). With the fused rotation (p.rot) q is rotated here
 // first (rot_buf: 128 floats of the warp's shared memory).
-// Padded rows (v4, head_dim 96 / 192): the staged row is D / DB blocks of DB coordinates whose
+// Padded rows (v4, head_dim 80 / 96 / 192): the staged row is D / DB blocks of DB coordinates whose
 // first DV hold q's coordinates blk * DV .. (a row of (D / DB) * DV floats in p.q), the rest 0.
 template <int D, int GT, int HPW, int DV = D, int DB = D>
 __device__ __forceinline__ void stage_queries(const DecodeParams& p, float* q_s, float* qexp_s, int* bad_s,
@@ -862,7 +862,7 @@ constexpr int ring_stages() {
 template <int D, int KB = 4, int VB = 4, int HALVES = 1>
 constexpr int ring_bytes() { return kW4 * ring_stages<D, KB, VB, HALVES>() * stage_bytes<D, KB, VB>(); }
 // Coordinates of one warp's share of a tile in v4's loop: head_dim / HALVES, padded to 64 or 128
-// (head_dim 96, and 192 as pairs, run in the 128-coordinate loop). The kernel's ring and the
+// (head_dim 80 and 96, and 192 as pairs, run in the 128-coordinate loop). The kernel's ring and the
 // launch's shared-memory size both come from it.
 constexpr int tile_width(int d, int halves) { return d / halves <= 64 ? 64 : 128; }
 template <int D, int KB, int VB, int HALVES>
@@ -895,11 +895,12 @@ constexpr float kLazyMax = 8.f;
 // from rows twice as long); after the K MMAs the two partial dot products are exchanged through
 // shared memory (one 64-thread named barrier per tile), so both warps hold the same scores, running
 // max, sums and weights, and each accumulates its half of the output.
-// Padded rows (head_dim 80 and 96, and 192 as pairs; ring, 4-bit codes): a warp's DV = 80 or 96
-// coordinates run in the 128-coordinate tile loop. The ring copies each row's 40 / 48 bytes (8- /
-// 16-byte units) to the start of a 64-byte stage row; the rest keeps whatever bytes it held (codes
-// of finite centroids), which meet q's zero padding in the K MMAs (0 * c = 0) and give output
-// coordinates DV..127 that the merge drops.
+// Padded rows (head_dim 80 and 96, and 192 as pairs; ring; 4-bit codes, at 96 also 2-bit): a
+// warp's DV = 80 or 96 coordinates run in the 128-coordinate tile loop. The ring copies each row's
+// bytes (40 / 48 for 4-bit codes, 24 for 2-bit; 8- or 16-byte units) to the start of a stage row
+// of the 128-coordinate layout; the rest keeps whatever bytes it held (codes of finite centroids),
+// which meet q's zero padding in the K MMAs (0 * c = 0) and give output coordinates DV..127 that
+// the merge drops.
 template <int D, int GT, bool SPLIT, bool RING, int KB = 4, int VB = 4, int HALVES = 1>
 __global__ void __launch_bounds__(kT4, kCtasPerSm4)
     paged_decode_v4_kernel(const DecodeParams p) {
