@@ -1275,8 +1275,9 @@ ffi::Error dispatch_gt_v2(int gt, cudaStream_t stream, const DecodeParams& p, di
 //      per SM) for f16 products; v3 (4 warps per CTA, 3 per SM) for f32-accurate products, and for
 //      every product precision with JAX_TQ_CUDA_DECODE=v3. v4 runs its shared-memory ring variant
 //      (use_ring: pages of a multiple of 16 tokens, 16-byte aligned pools, 2 CTAs per SM; the K / V
-//      widths compiled in) unless JAX_TQ_CUDA_DECODE=v4; "v5" names that default. Head_dim 256 with
-//      K and V of 2 or 4 bits and f16 products: v4's ring as warp pairs (launch_wide), default only.
+//      widths compiled in) unless JAX_TQ_CUDA_DECODE=v4; "v5" names that default. Head_dim 80, 96,
+//      192 and 256 with f16 products: v4's ring with padded rows and / or warp pairs (launch_wide:
+//      which widths), default only.
 //   v1 (block-synchronous cp.async pipeline, fp32 CUDA-core math): every other configuration, and
 //      everywhere with JAX_TQ_CUDA_DECODE=v1.
 //   v2 (warp-independent streaming, fp32): only with JAX_TQ_CUDA_DECODE=v2 (A/B timing; slower than
