@@ -20,7 +20,7 @@ from jax_tq.compress import compress, decompress
 from jax_tq.paged_decode import paged_decode
 from jax_tq import nn  # noqa: E402  (flax is imported only when nn needs it)
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "BackendUnavailableError",
