@@ -460,6 +460,12 @@ def whole_wave_splits(units: int, slots: int, max_splits: int) -> int:
     return best
 
 
+def _max_head_tile(head_dim: int) -> int:
+    """Largest query-head tile of the CUDA decode kernels (max_gt in paged_decode.cu): 4 from
+    head_dim 192 on (the warp pairs), else 8."""
+    return 4 if head_dim >= 192 else 8
+
+
 def choose_num_splits(platform: str, num_seqs: int, num_kv_heads: int, max_pages: int, *,
                       group: int = 1, page_size: int = 16, head_dim: int = 128, k_bits: int = 4,
                       v_bits: int = 4, f16_products: bool = True) -> int:
@@ -475,13 +481,11 @@ def choose_num_splits(platform: str, num_seqs: int, num_kv_heads: int, max_pages
         return 1
     by_length = max(1, max_pages // max(4, MIN_TOKENS_PER_SPLIT // page_size))
     if uses_tensor_core_kernel(head_dim, k_bits, v_bits, group, f16_products=f16_products):
-        units = num_seqs * num_kv_heads * -(-group // (4 if group <= 4 or head_dim >= 192 else 8))
+        units = num_seqs * num_kv_heads * -(-group // (4 if group <= 4 else _max_head_tile(head_dim)))
         per_sm = v4_ctas_per_sm if uses_v4(f16_products) else v3_ctas_per_sm
         slots = per_sm(_compat.gpu_compute_capability()) * _compat.gpu_core_count()
         return whole_wave_splits(max(1, units), slots, by_length)
-    tile = 1 if group <= 1 else 2 if group <= 2 else 4 if group <= 4 else 8
-    if head_dim >= 192:
-        tile = min(tile, 4)
+    tile = 1 if group <= 1 else 2 if group <= 2 else 4 if group <= 4 else _max_head_tile(head_dim)
     head_tiles = -(-group // tile)
     ctas_wanted = (2 if tile >= 4 else 4) * _compat.gpu_core_count()
     by_occupancy = -(-ctas_wanted // max(1, num_seqs * num_kv_heads * head_tiles))
