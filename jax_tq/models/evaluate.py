@@ -35,7 +35,9 @@ from .llama import (
     forward_logits,
     init_caches,
     init_dense_caches,
+    make_decode_loop,
     make_decode_step,
+    make_dense_decode_loop,
     make_dense_decode_step,
 )
 
@@ -413,18 +415,20 @@ def greedy_generate(model: Llama, prompt_ids: Sequence[int], max_new_tokens: int
     ``[batch, max_len, Hkv, d]`` cache in ``dense_dtype`` (see
     :func:`jax_tq.models.llama.make_dense_decode_step`).
 
-    The prompt is fed through the same decode step, one token at a time (so one compilation
-    serves prefill and generation). Exactly ``max_new_tokens`` tokens are decoded per sequence
-    (the next token is chosen on the device, no host round trip per step); ``ids`` is cut after
-    the first ``eos_token_id``.
+    The prompt is fed through the decode step, one token at a time (one dispatch per token); the
+    first new token comes from the prompt's last step, the other ``max_new_tokens - 1`` from one
+    call of :func:`jax_tq.models.llama.make_decode_loop` (or its dense twin): all decode steps in
+    one dispatch, the next token chosen on the device, compiled before it is timed. ``ids`` is cut
+    after the first ``eos_token_id``.
 
     Returns:
       dict: ``ids`` (sequence 0's generated ids, prompt excluded, cut after EOS), ``all_ids``
       (int32 ``[batch, max_new_tokens]``, uncut), ``rows_agree`` (all sequences generated the
       same ids), ``compile_s`` (first step, incl. compilation), ``prefill_s`` (remaining prompt
-      steps), ``decode_steps`` (``max_new_tokens - 1``: the first new token comes from the
-      prefill), ``decode_s`` and ``tokens_per_s`` (``batch * decode_steps / decode_s``; excludes
-      compilation).
+      steps), ``loop_compile_s`` (compiling the decode loop, on a copy of the caches),
+      ``decode_steps`` (``max_new_tokens - 1``: the first new token comes from the prefill),
+      ``decode_s`` (the decode loop's call, until its tokens are ready) and ``tokens_per_s``
+      (``batch * decode_steps / decode_s``; NaN without decode steps).
     Raises:
       ValueError: empty prompt, ``batch < 1``, ``max_new_tokens < 1`` or an unparseable
         ``cache_config``.
@@ -442,19 +446,25 @@ def greedy_generate(model: Llama, prompt_ids: Sequence[int], max_new_tokens: int
     positions = [jnp.full((batch,), p, jnp.int32) for p in range(total + 1)]
     if cfg is None:
         caches = init_dense_caches(model.config, batch, total, dense_dtype)
-        dense_step = make_dense_decode_step(model)
+        dense_step, dense_loop = make_dense_decode_step(model), make_dense_decode_loop(model)
 
         def step(caches, tok, pos):
             return dense_step(caches, tok, positions[pos])
+
+        def loop(caches, tok, pos, n):
+            return dense_loop(caches, tok, positions[pos], n)
     else:
         n_pages = -(-total // cfg.page_size)
         caches = init_caches(model.config, cfg.k_bits, cfg.v_bits, batch * n_pages,
                              cfg.page_size, cfg.seed, cfg.rotation)
         tables = jnp.arange(batch * n_pages, dtype=jnp.int32).reshape(batch, n_pages)
-        paged_step = make_decode_step(model)
+        paged_step, paged_loop = make_decode_step(model), make_decode_loop(model)
 
         def step(caches, tok, pos):
             return paged_step(caches, tok, positions[pos], tables, positions[pos + 1])
+
+        def loop(caches, tok, pos, n):
+            return paged_loop(caches, tok, positions[pos], tables, positions[pos + 1], n)
 
     def prompt_tok(t):
         return jnp.full((batch,), t, jnp.int32)
@@ -469,20 +479,24 @@ def greedy_generate(model: Llama, prompt_ids: Sequence[int], max_new_tokens: int
     nxt = _greedy_next(logits)
     nxt.block_until_ready()
     prefill_s = time.perf_counter() - t0
-    out = [nxt]
-    t0 = time.perf_counter()
-    for pos in range(len(prompt), total - 1):
-        logits, caches = step(caches, nxt, pos)
-        nxt = _greedy_next(logits)
-        out.append(nxt)
-    nxt.block_until_ready()
-    decode_s = time.perf_counter() - t0
-    all_ids = np.stack([np.asarray(o) for o in out], axis=1)
+    steps = max_new_tokens - 1
+    out = [np.asarray(nxt)[:, None]]
+    loop_compile_s = decode_s = 0.0
+    if steps:
+        t0 = time.perf_counter()
+        spare = jax.tree_util.tree_map(jnp.copy, caches)  # donated to the compiling call
+        loop(spare, nxt, len(prompt), steps)[0].block_until_ready()
+        loop_compile_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        tokens, caches = loop(caches, nxt, len(prompt), steps)
+        tokens.block_until_ready()
+        decode_s = time.perf_counter() - t0
+        out.append(np.asarray(tokens))
+    all_ids = np.concatenate(out, axis=1)
     ids = [int(t) for t in all_ids[0]]
     if eos_token_id is not None and eos_token_id in ids:
         ids = ids[:ids.index(eos_token_id) + 1]
-    steps = max_new_tokens - 1
     return {"ids": ids, "all_ids": all_ids, "rows_agree": bool((all_ids == all_ids[:1]).all()),
-            "compile_s": compile_s, "prefill_s": prefill_s, "decode_steps": steps,
-            "decode_s": decode_s,
+            "compile_s": compile_s, "prefill_s": prefill_s, "loop_compile_s": loop_compile_s,
+            "decode_steps": steps, "decode_s": decode_s,
             "tokens_per_s": batch * steps / decode_s if decode_s > 0 and steps else float("nan")}

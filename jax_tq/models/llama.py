@@ -18,6 +18,10 @@ Three execution paths, all jit-compiled through ``nnx.split`` / ``nnx.merge`` in
 * :func:`make_dense_decode_step` - the uncompressed baseline for decoding: one new token per
   sequence into a dense per-layer K/V cache (bfloat16 by default; see :func:`init_dense_caches`),
   masked softmax attention over the valid prefix; the caches are donated.
+* :func:`make_decode_loop` / :func:`make_dense_decode_loop` - greedy decoding of ``num_steps``
+  tokens per sequence in one jitted ``lax.scan`` of the step above (one dispatch for all steps:
+  a jitted step takes the model's ~270 parameter arrays and the caches as arguments, whose
+  dispatch costs milliseconds of host time per step, more than the GPU's work for a small model).
 
 A compressed "cache" is a Python list with one :class:`jax_tq.PagedKVCache` per layer (see
 :func:`init_caches`); all layers share the same two codecs, which have no array leaves, so the
@@ -54,6 +58,8 @@ __all__ = [
     "init_dense_caches",
     "dense_decode_attention",
     "make_dense_decode_step",
+    "make_decode_loop",
+    "make_dense_decode_loop",
 ]
 
 
@@ -815,3 +821,98 @@ def make_dense_decode_step(model: Llama):
                                   jnp.asarray(position, jnp.int32))
 
     return step
+
+
+def _greedy_tokens(logits):
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 7), donate_argnums=(2,))
+def _decode_loop_pure(graphdef, state, caches, token, position, block_tables, seq_lens, num_steps):
+    model = nnx.merge(graphdef, state)
+    page_size = _page_size(caches[0])
+
+    def body(carry, _):
+        caches, token, position, seq_lens = carry
+        active = seq_lens > 0
+        slots = jnp.where(active, slot_mapping_for(block_tables, position, page_size), -1)
+        logits, caches = model.apply_compressed(token, position, caches, slots, block_tables, seq_lens)
+        nxt = _greedy_tokens(logits)
+        step = active.astype(jnp.int32)
+        return (caches, nxt, position + step, seq_lens + step), nxt
+
+    (caches, _, _, _), tokens = jax.lax.scan(body, (caches, token, position, seq_lens), None, length=num_steps)
+    return tokens.T, caches
+
+
+def make_decode_loop(model: Llama):
+    """Return ``loop(caches, token, position, block_tables, seq_lens, num_steps) -> (tokens, caches)``:
+    ``num_steps`` greedy decoding steps through the compressed caches in one jitted call.
+
+    Step ``i`` is :func:`decode_step` with the previous step's argmax token (the given ``token``
+    first), ``position + i`` and ``seq_lens + i`` for the active rows (``seq_lens > 0``; inactive
+    rows write nothing and stay at 0). A loop of ``num_steps`` is compiled once per value.
+
+    Args:
+      model: :class:`Llama`; later in-place changes to it are not seen by ``loop``.
+    Returns:
+      the function ``loop``: ``caches`` (per-layer :class:`jax_tq.PagedKVCache` list, donated),
+      ``token``, ``position``, ``seq_lens`` int32 ``[S]`` and ``block_tables`` int32
+      ``[S, max_pages]`` as in :func:`decode_step`, ``num_steps`` a Python int >= 1; returns int32
+      ``tokens [S, num_steps]`` (the token chosen at each step) and the new caches. It raises
+      ``ValueError`` for ``num_steps < 1`` and as :func:`decode_step` for bad shapes.
+    """
+    graphdef, state = nnx.split(model)
+
+    def loop(caches, token, position, block_tables, seq_lens, num_steps: int):
+        if int(num_steps) < 1:
+            raise ValueError(f"decode loop: num_steps must be >= 1, got {num_steps}")
+        check_token_ids(token, model.config.vocab_size, "decode loop", values=False)
+        _check_num_caches(model, caches)
+        token, position = jnp.asarray(token, jnp.int32), jnp.asarray(position, jnp.int32)
+        block_tables, seq_lens = jnp.asarray(block_tables, jnp.int32), jnp.asarray(seq_lens, jnp.int32)
+        _check_decode_shapes(token, position, block_tables, seq_lens)
+        return _decode_loop_pure(graphdef, state, list(caches), token, position, block_tables, seq_lens,
+                                 int(num_steps))
+
+    return loop
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5), donate_argnums=(2,))
+def _dense_decode_loop_pure(graphdef, state, caches, token, position, num_steps):
+    model = nnx.merge(graphdef, state)
+
+    def body(carry, _):
+        caches, token, position = carry
+        logits, caches = model.apply_dense(token, position, caches)
+        nxt = _greedy_tokens(logits)
+        return (caches, nxt, position + 1), nxt
+
+    (caches, _, _), tokens = jax.lax.scan(body, (caches, token, position), None, length=num_steps)
+    return tokens.T, caches
+
+
+def make_dense_decode_loop(model: Llama):
+    """Return ``loop(caches, token, position, num_steps) -> (tokens, caches)``: ``num_steps``
+    greedy steps of :func:`make_dense_decode_step`'s step in one jitted call (the uncompressed
+    baseline of :func:`make_decode_loop`).
+
+    Args:
+      model: :class:`Llama`; later in-place changes to it are not seen by ``loop``.
+    Returns:
+      the function ``loop``: ``caches`` from :func:`init_dense_caches` (donated), ``token`` and
+      ``position`` int32 ``[B]`` (keep ``position + num_steps <= max_len``: as in the step,
+      ``dynamic_update_slice`` clamps a later write onto the cache's last row),
+      ``num_steps`` a Python int >= 1; returns int32 ``tokens [B, num_steps]`` and the new caches.
+      It raises ``ValueError`` for ``num_steps < 1`` or ``len(caches) != num_layers``.
+    """
+    graphdef, state = nnx.split(model)
+
+    def loop(caches, token, position, num_steps: int):
+        if int(num_steps) < 1:
+            raise ValueError(f"dense decode loop: num_steps must be >= 1, got {num_steps}")
+        _check_num_caches(model, caches)
+        return _dense_decode_loop_pure(graphdef, state, list(caches), jnp.asarray(token, jnp.int32),
+                                       jnp.asarray(position, jnp.int32), int(num_steps))
+
+    return loop
