@@ -1367,7 +1367,8 @@ R with_widths(int kb, int vb, R none, F f) {
 //   256: warp pairs (one half of the coordinates per warp; head tiles of 4, max_gt), K and V of 2,
 //        3 or 4 bits each;
 //   80: rows padded to 128 coordinates, K4V4, head tiles of 4 or 8;
-//   96: rows padded to 128 coordinates, K and V of 2 or 4 bits each, head tiles of 4 or 8;
+//   96: rows padded to 128 coordinates, K and V of 2, 3 or 4 bits each (with a 3-bit side, the
+//       stage rows packed at the pool's stride: packed_rows), head tiles of 4 or 8;
 //   192: warp pairs of 96 padded coordinates, K4V4, head tiles of 4 (max_gt).
 // Launches the kernel when it applies and fits (err: its launch result); false otherwise.
 template <int D, int GT, int KB, int VB, int HALVES>
@@ -1387,7 +1388,7 @@ bool launch_wide(int d, int gt, bool f16, cudaStream_t stream, const DecodeParam
 #endif
 #if JTQ_HAS_D(96)
   if (d == 96)
-    return with_widths<false>(p.k_bits, p.v_bits, false, [&](auto k, auto v) {
+    return with_widths<true>(p.k_bits, p.v_bits, false, [&](auto k, auto v) {
       constexpr int KB = decltype(k)::value, VB = decltype(v)::value;
       return gt <= 4 ? launch_ring_if_fit<96, 4, KB, VB, 1>(stream, p, grid, err)
                      : launch_ring_if_fit<96, 8, KB, VB, 1>(stream, p, grid, err);
@@ -1531,7 +1532,7 @@ int RingFitsOnDevice(int head_dim, int k_bits, int v_bits) {
   if (head_dim == 80) return k_bits == 4 && v_bits == 4 ? (ring_fits<80, 4, 4, 4, 1>() ? 1 : 0) : -1;
 #endif
 #if JTQ_HAS_D(96)
-  if (head_dim == 96) return ring_fits_widths<96, 1, false>(k_bits, v_bits);
+  if (head_dim == 96) return ring_fits_widths<96, 1>(k_bits, v_bits);
 #endif
 #if JTQ_HAS_D(192)
   if (head_dim == 192) return k_bits == 4 && v_bits == 4 ? (ring_fits<192, 4, 4, 4, 2>() ? 1 : 0) : -1;

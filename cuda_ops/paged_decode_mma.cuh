@@ -865,8 +865,18 @@ constexpr int ring_bytes() { return kW4 * ring_stages<D, KB, VB, HALVES>() * sta
 // (head_dim 80 and 96, and 192 as pairs, run in the 128-coordinate loop). The kernel's ring and the
 // launch's shared-memory size both come from it.
 constexpr int tile_width(int d, int halves) { return d / halves <= 64 ? 64 : 128; }
+// Packed padded rows (one warp per tile, a 3-bit side): a stage holds the tile's rows at the pool's
+// stride (head_dim 96: 36-byte 3-bit rows), copied as whole 16-byte units of the 16-row blocks;
+// see the kernel. Other padded configurations pad each stage row to the 128-coordinate layout.
+constexpr bool packed_rows(int d, int halves, int kb, int vb) {
+  return halves == 1 && d != tile_width(d, halves) && (kb == 3 || vb == 3);
+}
+// Coordinates of a stage row: head_dim where rows are packed, else tile_width.
+constexpr int stage_width(int d, int halves, int kb, int vb) {
+  return packed_rows(d, halves, kb, vb) ? d : tile_width(d, halves);
+}
 template <int D, int KB, int VB, int HALVES>
-constexpr int v4_ring_bytes() { return ring_bytes<tile_width(D, HALVES), KB, VB, HALVES>(); }
+constexpr int v4_ring_bytes() { return ring_bytes<stage_width(D, HALVES, KB, VB), KB, VB, HALVES>(); }
 
 // Byte offset in a stage's 16-row block of code rows of R bytes of byte `b` of row r: 64-byte
 // rows in 16-byte units at ring_swizzle, 32-byte rows at ring_row64, other widths in order.
@@ -913,15 +923,18 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
   constexpr int DW = tile_width(D, HALVES);  // the tile loop's coordinates (DV padded)
   constexpr bool PADDED = DV != DW;
   static_assert(!PADDED || (RING && !SPLIT && DV % 16 == 0), "padded rows: ring, f16");
+  constexpr bool PACKED = packed_rows(D, HALVES, KB ? KB : 4, VB ? VB : 4);
+  constexpr int DS = stage_width(D, HALVES, KB ? KB : 4, VB ? VB : 4);  // coordinates of a stage row
   constexpr int NP = kW4 / HALVES;  // tile streams: the warps, or the warp pairs
   static_assert(NP * kNH * D * 4 <= kSmemBytes, "o_s must fit in the table space");
-  constexpr int kStage = stage_bytes<DW, KB ? KB : 4, VB ? VB : 4>();
-  constexpr int kStages = ring_stages<DW, KB ? KB : 4, VB ? VB : 4, HALVES>();
+  constexpr int kStage = stage_bytes<DS, KB ? KB : 4, VB ? VB : 4>();
+  constexpr int kStages = ring_stages<DS, KB ? KB : 4, VB ? VB : 4, HALVES>();
   constexpr int KS = Dims<DW>::kKS;
   static_assert(!RING || kW4 * kStages * kStage == v4_ring_bytes<D, KB ? KB : 4, VB ? VB : 4, HALVES>(),
                 "the launch's shared-memory size (v4_ring_bytes) must be the ring's");
   constexpr int RK = DW * (KB ? KB : 4) / 8, RV = DW * (VB ? VB : 4) / 8;  // ring: code bytes per K / V row
   constexpr int RKG = DV * (KB ? KB : 4) / 8, RVG = DV * (VB ? VB : 4) / 8;  // ... of them in the pools
+  constexpr int SK = DS * (KB ? KB : 4) / 8, SV = DS * (VB ? VB : 4) / 8;  // ... a stage row's stride
   // Table key shifts (load_k_keys): the ring's 2- / 3-bit K and 2-bit V codes make their own keys.
   constexpr bool V2 = RING && VB == 2;
   constexpr int KSHIFT = RING && (KB == 2 || KB == 3) ? KB : 4, VSHIFT = V2 ? 2 : 4;
@@ -1034,8 +1047,10 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
   // tile's rows (unit lane + 32 c at + 32 c CU), destinations at the units' stage offsets
   // (shared-memory addresses, 32 bits).
   // (Unpadded stage rows are in pool order, so their units may straddle rows.)
-  constexpr int CU = !PADDED || (RKG % 16 == 0 && RVG % 16 == 0) ? 16 : 8;
-  static_assert(!PADDED || (RKG % CU == 0 && RVG % CU == 0), "padded rows: whole 8-byte copy units");
+  constexpr int CU = !PADDED || PACKED || (RKG % 16 == 0 && RVG % 16 == 0) ? 16 : 8;
+  static_assert(!PADDED || PACKED || (RKG % CU == 0 && RVG % CU == 0), "padded rows: whole 8-byte copy units");
+  static_assert(!PACKED || ((kTT * RKG) % 16 == 0 && (kTT * RVG) % 16 == 0 && SK % 4 == 0 && SV % 2 == 0),
+                "packed rows: whole 16-byte units per block, rows aligned for the lanes' loads");
   constexpr int NUK = kTT * RKG / CU, NUV = kTT * RVG / CU;  // units of a tile's 16 K / V rows (their copied parts)
   static_assert(NUK <= 96 && NUV <= 96 && (HALVES == 1 || (CU == 16 && NUK <= 64 && NUV <= 64)),
                 "ring: at most three copies per lane (two with warp pairs)");
@@ -1054,21 +1069,22 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
   const uint8_t* v_src = p.vc + unit_src(lane, RVG);
   const int kK32 = unit32_distance(RKG), kV32 = unit32_distance(RVG);
   // Stage offset of copied unit u: padded rows leave the end of every stage row uncopied.
+  // Packed rows are copied like unpadded ones (16-byte units in pool order).
   auto k_stage_unit = [](int u) {
-    return PADDED ? ring_offset<RK>(u / (RKG / CU), CU * (u % (RKG / CU))) : ring_unit_offset<RK>(u);
+    return PADDED && !PACKED ? ring_offset<RK>(u / (RKG / CU), CU * (u % (RKG / CU))) : ring_unit_offset<SK>(u);
   };
   auto v_stage_unit = [](int u) {
-    return PADDED ? ring_offset<RV>(u / (RVG / CU), CU * (u % (RVG / CU))) : ring_unit_offset<RV>(u);
+    return PADDED && !PACKED ? ring_offset<RV>(u / (RVG / CU), CU * (u % (RVG / CU))) : ring_unit_offset<SV>(u);
   };
   const float* n_src = (lane < 4 ? p.kn : p.vn) + 4 * (lane & 3);
   const uint32_t ring_s = smem_addr(ring);
   const uint32_t dst_k0 = ring_s + k_stage_unit(lane);
   const uint32_t dst_k1 = ring_s + k_stage_unit(lane + 32);
   const uint32_t dst_k2 = ring_s + k_stage_unit(lane + 64);
-  const uint32_t dst_v0 = ring_s + kTT * RK + v_stage_unit(lane);
-  const uint32_t dst_v1 = ring_s + kTT * RK + v_stage_unit(lane + 32);
-  const uint32_t dst_v2 = ring_s + kTT * RK + v_stage_unit(lane + 64);
-  const uint32_t dst_n = ring_s + kTT * (RK + RV) + 16 * lane;
+  const uint32_t dst_v0 = ring_s + kTT * SK + v_stage_unit(lane);
+  const uint32_t dst_v1 = ring_s + kTT * SK + v_stage_unit(lane + 32);
+  const uint32_t dst_v2 = ring_s + kTT * SK + v_stage_unit(lane + 64);
+  const uint32_t dst_n = ring_s + kTT * (SK + SV) + 16 * lane;
   auto issue = [&](int ti, int st, int phys) -> int {
     int n = 0;
     if (ti < ntt) {
@@ -1087,17 +1103,20 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
     cp_async_commit();  // one group per call, empty or not: wait_group counts stay aligned
     return n;
   };
-  // A lane's K codes: (D/4) codes from code (D/4)*t4 of tokens gid, gid + 8; V: (D/8) codes from
-  // code (D/8)*gid of tokens 4*t4 + e.
+  // A lane's K codes: (DW/4) codes from code (DW/4)*t4 of tokens gid, gid + 8; V: (DW/8) codes from
+  // code (DW/8)*gid of tokens 4*t4 + e. Packed rows are SK / SV < RK / RV bytes apart, so the lanes
+  // of the padding coordinates (K: t4 = 3, V: 16 gid >= DV) read the next row's bytes (or, past the
+  // block's last row, the next block's): codes of finite centroids that meet q's zero padding in the
+  // K MMAs and give output coordinates DV.. that the merge drops, as in padded rows.
   auto read_stage = [&](int st, int n, Tile<DW>& t) {
     const uint8_t* src = ring + st * kStage;
     constexpr int kb = KB ? KB : 4, vb = VB ? VB : 4;
-    load_k_keys<kb, Dims<DW>::kKW, SharedMem>(src + ring_offset<RK>(gid, (RK / 4) * t4), t.k0);
-    load_k_keys<kb, Dims<DW>::kKW, SharedMem>(src + ring_offset<RK>(gid + 8, (RK / 4) * t4), t.k1);
+    load_k_keys<kb, Dims<DW>::kKW, SharedMem>(src + ring_offset<SK>(gid, (RK / 4) * t4), t.k0);
+    load_k_keys<kb, Dims<DW>::kKW, SharedMem>(src + ring_offset<SK>(gid + 8, (RK / 4) * t4), t.k1);
 #pragma unroll
     for (int e = 0; e < 4; ++e)
-      load_v_codes<vb, Dims<DW>::kVW, SharedMem>(src + kTT * RK + ring_offset<RV>(4 * t4 + e, (RV / 8) * gid), t.v[e]);
-    const float* norms = reinterpret_cast<const float*>(src + kTT * (RK + RV));
+      load_v_codes<vb, Dims<DW>::kVW, SharedMem>(src + kTT * SK + ring_offset<SV>(4 * t4 + e, (RV / 8) * gid), t.v[e]);
+    const float* norms = reinterpret_cast<const float*>(src + kTT * (SK + SV));
     mask_norms(t, n, norms[gid], norms[gid + 8], norms[kTT + gid], norms[kTT + gid + 8]);
   };
 

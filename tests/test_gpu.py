@@ -434,6 +434,13 @@ TC_BITS_CASES = [
     (96, 4, 2, 32, 8, 3, jnp.float16, None, 3e-3),
     (96, 2, 4, 16, 1, 2, jnp.float32, "default", 3e-3),
     (96, 2, 2, 48, 6, 64, jnp.bfloat16, None, 1e-2),
+    # head_dim 96 with 3-bit K and / or V: stage rows packed at the pool's 36-byte stride
+    (96, 3, 3, 16, 4, None, jnp.bfloat16, None, 1e-2),
+    (96, 3, 4, 32, 8, 3, jnp.float16, None, 3e-3),
+    (96, 4, 3, 16, 1, 2, jnp.float32, "default", 3e-3),
+    (96, 3, 2, 48, 6, 64, jnp.bfloat16, None, 1e-2),
+    (96, 2, 3, 16, 3, 1, jnp.bfloat16, None, 1e-2),
+    (96, 3, 3, 256, 2, 2, jnp.float16, None, 3e-3),
 ]
 
 
@@ -628,11 +635,11 @@ def test_every_ring_kernel_keeps_two_ctas_per_sm():
     for k_bits in (2, 3, 4):
         for v_bits in (2, 3, 4):
             assert mod.ring_fits(256, k_bits, v_bits) == 1, (256, k_bits, v_bits)
-    for k_bits in (2, 4):
-        for v_bits in (2, 4):
+    for k_bits in (2, 3, 4):
+        for v_bits in (2, 3, 4):
             assert mod.ring_fits(96, k_bits, v_bits) == 1, (96, k_bits, v_bits)
     assert mod.ring_fits(80, 4, 4) == 1 and mod.ring_fits(192, 4, 4) == 1
-    assert mod.ring_fits(96, 3, 4) == -1 and mod.ring_fits(80, 3, 3) == -1 and mod.ring_fits(192, 2, 4) == -1
+    assert mod.ring_fits(80, 3, 3) == -1 and mod.ring_fits(192, 2, 4) == -1
 
 
 def test_paged_decode_vmap_and_jit(rng):
