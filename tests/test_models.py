@@ -314,6 +314,68 @@ def test_dense_decode_loop_equals_greedy_dense_steps(tiny):
         make_dense_decode_loop(tiny)(loop_caches, first, np.array([4, 4]), 0)
 
 
+def test_decode_loops_refuse_bad_input_before_touching_the_caches(tiny):
+    """Each bad argument raises at call time, before the caches are donated (they stay readable)."""
+    paged = init_caches(TINY, 4, 4, num_pages=4, page_size=4, seed=0)
+    tables, tok, pos, lens = np.array([[0, 1], [2, 3]], np.int32), np.array([5, 6]), np.array([2, 2]), np.array([3, 3])
+    loop = make_decode_loop(tiny)
+    bad_paged = [
+        (TypeError, "num_steps must be a Python int", dict(num_steps=2.5)),
+        (TypeError, "num_steps must be a Python int", dict(num_steps=True)),
+        (ValueError, "num_steps must be >= 1", dict(num_steps=0)),
+        (ValueError, "token ids must lie in", dict(token=np.array([200, 6]))),
+        (ValueError, "token ids must lie in", dict(token=np.array([-1, 6]))),
+        (TypeError, "token ids must be integers", dict(token=np.array([5.0, 6.0]))),
+        (TypeError, "position must be integers", dict(position=np.array([2.9, 2.0]))),
+        (TypeError, "seq_lens must be integers", dict(seq_lens=np.array([True, True]))),
+        (TypeError, "block_tables must be integers", dict(block_tables=tables + 0.5)),
+        (ValueError, "do not fit the block tables' 8 tokens", dict(num_steps=7)),
+        (ValueError, "need at least one sequence", dict(token=np.zeros(0, np.int32), position=np.zeros(0, np.int32),
+                                                        seq_lens=np.zeros(0, np.int32),
+                                                        block_tables=np.zeros((0, 2), np.int32))),
+        (ValueError, "max_pages >= 1", dict(block_tables=np.zeros((2, 0), np.int32))),
+    ]
+    for err, msg, kw in bad_paged:
+        args = dict(caches=paged, token=tok, position=pos, block_tables=tables, seq_lens=lens, num_steps=2) | kw
+        with pytest.raises(err, match=msg):
+            loop(**args)
+    # 6 steps from position 2 fill the 8 slots exactly: allowed (the inactive row may be anywhere)
+    ok_lens = np.array([3, 0])
+    out, paged = loop(paged, tok, np.array([2, 7]), tables, ok_lens, 6)
+    assert out.shape == (2, 6)
+    mixed = [paged[0], init_caches(TINY, 4, 4, num_pages=4, page_size=2, seed=0)[1]]
+    with pytest.raises(ValueError, match="same page_size"):
+        loop(mixed, tok, pos, tables, lens, 1)
+    dense = init_dense_caches(TINY, 2, 6, jnp.float32)
+    with pytest.raises(TypeError, match="must be a jax_tq.PagedKVCache"):
+        loop(dense, tok, pos, tables, lens, 1)
+    np.asarray(paged[0].k_codes)  # not donated by the refused calls
+
+    dloop, dstep = make_dense_decode_loop(tiny), make_dense_decode_step(tiny)
+    bad_dense = [
+        (ValueError, "do not fit the caches' max_len 6", dict(position=np.array([4, 4]), num_steps=3)),
+        (ValueError, "do not fit the caches' max_len 6", dict(position=np.array([-1, 0]))),
+        (TypeError, "token ids must be integers", dict(token=np.array([5.6, 7.6]))),
+        (ValueError, "token and position must be", dict(token=np.array([1, 2, 3]))),
+        (ValueError, r"must be \[B=3", dict(token=np.array([1, 2, 3]), position=np.array([0, 0, 0]))),
+        (TypeError, "must be a \\(k, v\\) pair", dict(caches=paged)),
+        (TypeError, "must be a floating array",
+         dict(caches=[(k.astype(jnp.int8), v) for k, v in init_dense_caches(TINY, 2, 6, jnp.float32)])),
+        (TypeError, "num_steps must be a Python int", dict(num_steps="3")),
+    ]
+    for err, msg, kw in bad_dense:
+        args = dict(caches=dense, token=tok, position=np.array([0, 0]), num_steps=2) | kw
+        with pytest.raises(err, match=msg):
+            dloop(**args)
+    with pytest.raises(ValueError, match="do not fit the caches' max_len 6"):
+        dstep(dense, tok, np.array([6, 0]))
+    np.asarray(dense[0][0])  # not donated
+    out, dense = dloop(dense, tok, np.array([0, 4]), 2)  # row 1 writes rows 4 and 5: the last ones
+    assert out.shape == (2, 2)
+    with pytest.raises(TypeError, match="batch must be an int"):
+        ev.greedy_generate(tiny, [3, 14], 2, None, batch=2.5)
+
+
 @pytest.mark.parametrize("cache", [None, (4, 4)])
 def test_greedy_generate_batched(tiny, cache):
     prompt = [3, 14, 15, 92, 65]

@@ -425,11 +425,13 @@ def greedy_generate(model: Llama, prompt_ids: Sequence[int], max_new_tokens: int
       dict: ``ids`` (sequence 0's generated ids, prompt excluded, cut after EOS), ``all_ids``
       (int32 ``[batch, max_new_tokens]``, uncut), ``rows_agree`` (all sequences generated the
       same ids), ``compile_s`` (first step, incl. compilation), ``prefill_s`` (remaining prompt
-      steps), ``loop_compile_s`` (compiling the decode loop, on a copy of the caches),
+      steps), ``loop_compile_s`` (compiling the decode loop and running it once on a copy of the
+      caches, which holds a second copy of them in memory meanwhile),
       ``decode_steps`` (``max_new_tokens - 1``: the first new token comes from the prefill),
       ``decode_s`` (the decode loop's call, until its tokens are ready) and ``tokens_per_s``
       (``batch * decode_steps / decode_s``; NaN without decode steps).
     Raises:
+      TypeError: ``batch`` or ``max_new_tokens`` not an int.
       ValueError: empty prompt, ``batch < 1``, ``max_new_tokens < 1`` or an unparseable
         ``cache_config``.
       TypeError / ValueError: propagated from :func:`jax_tq.models.init_caches` (e.g. bits not
@@ -440,6 +442,9 @@ def greedy_generate(model: Llama, prompt_ids: Sequence[int], max_new_tokens: int
         raise ValueError("empty prompt")
     check_token_ids(np.asarray(prompt_ids), model.config.vocab_size, "greedy_generate")
     prompt = [int(t) for t in prompt_ids]
+    for name, value in (("batch", batch), ("max_new_tokens", max_new_tokens)):
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"greedy_generate: {name} must be an int, got {value!r}")
     if batch < 1 or max_new_tokens < 1:
         raise ValueError(f"need batch >= 1 and max_new_tokens >= 1, got {batch}, {max_new_tokens}")
     total = len(prompt) + max_new_tokens

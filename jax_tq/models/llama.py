@@ -614,6 +614,77 @@ def check_token_ids(token_ids, vocab_size: int, where: str, values: bool = True)
                          f"{ids.min()}..{ids.max()}")
 
 
+def _is_traced(*xs) -> bool:
+    return any(isinstance(x, jax.core.Tracer) for x in xs)
+
+
+def _int32(x, name: str, where: str) -> jax.Array:
+    """``x`` as int32; TypeError unless its dtype is an integer one (floats would be truncated)."""
+    dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
+    if not jnp.issubdtype(dtype, jnp.integer):
+        raise TypeError(f"{where}: {name} must be integers, got dtype {dtype}")
+    return jnp.asarray(x, jnp.int32)
+
+
+def _num_steps(num_steps, where: str) -> int:
+    """``num_steps`` as an int >= 1: TypeError unless a Python / numpy int (not bool, float or a
+    traced value: it sets the loop's length at trace time), ValueError below 1."""
+    if isinstance(num_steps, (bool, np.bool_)) or not isinstance(num_steps, (int, np.integer)):
+        raise TypeError(f"{where}: num_steps must be a Python int (static), got {num_steps!r}")
+    if num_steps < 1:
+        raise ValueError(f"{where}: num_steps must be >= 1, got {num_steps}")
+    return int(num_steps)
+
+
+def _check_paged_caches(caches: Sequence, where: str) -> int:
+    """The caches' common page_size; TypeError for a non-PagedKVCache entry, ValueError when the
+    layers' page sizes differ (the slots are computed once for all layers)."""
+    from jax_tq.cache import PagedKVCache
+
+    for i, c in enumerate(caches):
+        if not isinstance(c, PagedKVCache):
+            raise TypeError(f"{where}: caches[{i}] must be a jax_tq.PagedKVCache (see init_caches), got "
+                            f"{type(c).__name__}")
+    sizes = sorted({_page_size(c) for c in caches})
+    if len(sizes) > 1:
+        raise ValueError(f"{where}: every layer's cache must have the same page_size, got {sizes}")
+    return sizes[0]
+
+
+def _check_dense_caches(model: Llama, caches: Sequence, num_seqs: int, where: str) -> int:
+    """The dense caches' max_len; TypeError / ValueError unless every entry is a ``(k, v)`` pair of
+    floating arrays ``[num_seqs, max_len, num_kv_heads, head_dim]`` (init_dense_caches)."""
+    cfg = model.config
+    want = (num_seqs, None, cfg.num_kv_heads, cfg.head_dim)
+    max_lens = set()
+    for i, entry in enumerate(caches):
+        if not isinstance(entry, (tuple, list)) or len(entry) != 2:
+            raise TypeError(f"{where}: caches[{i}] must be a (k, v) pair from init_dense_caches, got "
+                            f"{type(entry).__name__}")
+        for name, x in zip("kv", entry):
+            shape, dtype = tuple(getattr(x, "shape", ())), getattr(x, "dtype", None)
+            if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+                raise TypeError(f"{where}: caches[{i}] {name} must be a floating array, got dtype {dtype}")
+            if len(shape) != 4 or any(w is not None and w != d for w, d in zip(want, shape)):
+                raise ValueError(f"{where}: caches[{i}] {name} must be [B={num_seqs}, max_len, "
+                                 f"num_kv_heads={cfg.num_kv_heads}, head_dim={cfg.head_dim}], got shape {shape}")
+            max_lens.add(shape[1])
+    if len(max_lens) != 1:
+        raise ValueError(f"{where}: every cache must have the same max_len, got {sorted(max_lens)}")
+    return max_lens.pop()
+
+
+def _check_dense_positions(position, num_steps: int, max_len: int, where: str) -> None:
+    """ValueError unless 0 <= position and position + num_steps <= max_len (concrete positions only):
+    dynamic_update_slice would clamp the write onto a valid cached row."""
+    if _is_traced(position):
+        return
+    pos = np.asarray(position)
+    if pos.size and (pos.min() < 0 or pos.max() + num_steps > max_len):
+        raise ValueError(f"{where}: positions {pos.min()}..{pos.max()} with {num_steps} step(s) do not fit the "
+                         f"caches' max_len {max_len} (need 0 <= position and position + steps <= max_len)")
+
+
 def slot_mapping_for(block_tables: jax.Array, positions: jax.Array, page_size: int) -> jax.Array:
     """Cache slots of ``positions`` for sequences with ``block_tables``.
 
@@ -764,11 +835,14 @@ def _check_decode_shapes(token, position, block_tables, seq_lens) -> None:
     if token.ndim != 1:
         raise ValueError(f"decode_step: token must be [S] (one token per sequence), got shape {token.shape}")
     num_seqs = token.shape[0]
+    if num_seqs < 1:
+        raise ValueError("decode_step: need at least one sequence (token is empty)")
     for name, x in (("position", position), ("seq_lens", seq_lens)):
         if x.shape != (num_seqs,):
             raise ValueError(f"decode_step: {name} must be [S={num_seqs}] like token, got shape {x.shape}")
-    if block_tables.ndim != 2 or block_tables.shape[0] != num_seqs:
-        raise ValueError(f"decode_step: block_tables must be [S={num_seqs}, max_pages], got shape {block_tables.shape}")
+    if block_tables.ndim != 2 or block_tables.shape[0] != num_seqs or block_tables.shape[1] < 1:
+        raise ValueError(f"decode_step: block_tables must be [S={num_seqs}, max_pages >= 1], got shape "
+                         f"{block_tables.shape}")
 
 
 def make_decode_step(model: Llama):
@@ -787,8 +861,11 @@ def make_decode_step(model: Llama):
 
     def step(caches, token, position, block_tables, seq_lens):
         check_token_ids(token, model.config.vocab_size, "decode_step", values=False)
-        token, position = jnp.asarray(token, jnp.int32), jnp.asarray(position, jnp.int32)
-        block_tables, seq_lens = jnp.asarray(block_tables, jnp.int32), jnp.asarray(seq_lens, jnp.int32)
+        _check_num_caches(model, caches)
+        _check_paged_caches(caches, "decode_step")
+        token, position = jnp.asarray(token, jnp.int32), _int32(position, "position", "decode_step")
+        block_tables = _int32(block_tables, "block_tables", "decode_step")
+        seq_lens = _int32(seq_lens, "seq_lens", "decode_step")
         _check_decode_shapes(token, position, block_tables, seq_lens)
         return _decode_pure(graphdef, state, list(caches), token, position, block_tables, seq_lens)
 
@@ -801,6 +878,19 @@ def _dense_decode_pure(graphdef, state, caches, token, position):
     return model.apply_dense(token, position, caches)
 
 
+def _dense_args(model: Llama, caches, token, position, num_steps: int, where: str):
+    """The checked int32 (token, position) of a dense decode step or loop."""
+    _check_num_caches(model, caches)
+    check_token_ids(token, model.config.vocab_size, where, values=False)
+    token, position = jnp.asarray(token, jnp.int32), _int32(position, "position", where)
+    if token.ndim != 1 or token.shape[0] < 1 or position.shape != token.shape:
+        raise ValueError(f"{where}: token and position must be [B] with B >= 1, got shapes {token.shape} and "
+                         f"{position.shape}")
+    max_len = _check_dense_caches(model, caches, token.shape[0], where)
+    _check_dense_positions(position, num_steps, max_len, where)
+    return token, position
+
+
 def make_dense_decode_step(model: Llama):
     """Return ``step(caches, token, position) -> (logits, caches)`` for dense caches.
 
@@ -810,15 +900,17 @@ def make_dense_decode_step(model: Llama):
       model: :class:`Llama`.
     Returns:
       the jitted ``step``: ``caches`` from :func:`init_dense_caches` (donated); ``token``,
-      ``position`` int32 ``[B]`` (``position`` = tokens already cached for the sequence,
-      ``< max_len``); returns ``(logits float32 [B, vocab], new_caches)`` and raises
-      ``ValueError`` when ``len(caches) != num_layers``.
+      ``position`` int ``[B]`` (``position`` = tokens already cached for the sequence,
+      ``< max_len``); returns ``(logits float32 [B, vocab], new_caches)``. It raises TypeError for
+      non-integer tokens / positions or caches that are not ``(k, v)`` pairs of floating arrays,
+      and ValueError for a wrong number of caches, shapes that do not match ``[B]`` /
+      ``[B, max_len, num_kv_heads, head_dim]``, or (concrete) positions outside ``[0, max_len)``.
     """
     graphdef, state = nnx.split(model)
 
     def step(caches, token, position):
-        return _dense_decode_pure(graphdef, state, list(caches), jnp.asarray(token, jnp.int32),
-                                  jnp.asarray(position, jnp.int32))
+        token, position = _dense_args(model, caches, token, position, 1, "dense decode step")
+        return _dense_decode_pure(graphdef, state, list(caches), token, position)
 
     return step
 
@@ -845,13 +937,26 @@ def _decode_loop_pure(graphdef, state, caches, token, position, block_tables, se
     return tokens.T, caches
 
 
+def _check_loop_capacity(position, seq_lens, capacity: int, num_steps: int, where: str) -> None:
+    """ValueError when an active row (seq_lens > 0) would step past its block table (concrete
+    values only): decode_step writes nothing there, so later tokens would not see their own K / V."""
+    if _is_traced(position, seq_lens):
+        return
+    pos, active = np.asarray(position), np.asarray(seq_lens) > 0
+    if active.any() and (pos[active].min() < 0 or pos[active].max() + num_steps > capacity):
+        raise ValueError(f"{where}: active rows' positions {pos[active].min()}..{pos[active].max()} with "
+                         f"{num_steps} step(s) do not fit the block tables' {capacity} tokens (max_pages x "
+                         f"page_size); give the rows more pages or take fewer steps")
+
+
 def make_decode_loop(model: Llama):
     """Return ``loop(caches, token, position, block_tables, seq_lens, num_steps) -> (tokens, caches)``:
     ``num_steps`` greedy decoding steps through the compressed caches in one jitted call.
 
     Step ``i`` is :func:`decode_step` with the previous step's argmax token (the given ``token``
-    first), ``position + i`` and ``seq_lens + i`` for the active rows (``seq_lens > 0``; inactive
-    rows write nothing and stay at 0). A loop of ``num_steps`` is compiled once per value.
+    first), ``position + i`` and ``seq_lens + i`` for the active rows (``seq_lens > 0``). Inactive
+    rows write nothing and stay at 0; their tokens are the argmax of logits from a zero attention
+    output, meaningless. A loop of ``num_steps`` is compiled once per value.
 
     Args:
       model: :class:`Llama`; later in-place changes to it are not seen by ``loop``.
@@ -860,20 +965,25 @@ def make_decode_loop(model: Llama):
       ``token``, ``position``, ``seq_lens`` int32 ``[S]`` and ``block_tables`` int32
       ``[S, max_pages]`` as in :func:`decode_step`, ``num_steps`` a Python int >= 1; returns int32
       ``tokens [S, num_steps]`` (the token chosen at each step) and the new caches. It raises
-      ``ValueError`` for ``num_steps < 1`` and as :func:`decode_step` for bad shapes.
+      TypeError for a ``num_steps`` that is not an int, non-integer inputs or caches that are not
+      :class:`jax_tq.PagedKVCache`; ValueError for ``num_steps < 1``, token ids outside
+      ``[0, vocab_size)``, bad shapes (as :func:`decode_step`), layers of different page sizes, or
+      (concrete values) an active row whose ``position + num_steps`` exceeds its block table's
+      ``max_pages * page_size`` tokens.
     """
     graphdef, state = nnx.split(model)
 
     def loop(caches, token, position, block_tables, seq_lens, num_steps: int):
-        if int(num_steps) < 1:
-            raise ValueError(f"decode loop: num_steps must be >= 1, got {num_steps}")
-        check_token_ids(token, model.config.vocab_size, "decode loop", values=False)
+        where = "decode loop"
+        steps = _num_steps(num_steps, where)
+        check_token_ids(token, model.config.vocab_size, where)
         _check_num_caches(model, caches)
-        token, position = jnp.asarray(token, jnp.int32), jnp.asarray(position, jnp.int32)
-        block_tables, seq_lens = jnp.asarray(block_tables, jnp.int32), jnp.asarray(seq_lens, jnp.int32)
+        page_size = _check_paged_caches(caches, where)
+        token, position = jnp.asarray(token, jnp.int32), _int32(position, "position", where)
+        block_tables, seq_lens = _int32(block_tables, "block_tables", where), _int32(seq_lens, "seq_lens", where)
         _check_decode_shapes(token, position, block_tables, seq_lens)
-        return _decode_loop_pure(graphdef, state, list(caches), token, position, block_tables, seq_lens,
-                                 int(num_steps))
+        _check_loop_capacity(position, seq_lens, block_tables.shape[1] * page_size, steps, where)
+        return _decode_loop_pure(graphdef, state, list(caches), token, position, block_tables, seq_lens, steps)
 
     return loop
 
@@ -901,18 +1011,19 @@ def make_dense_decode_loop(model: Llama):
       model: :class:`Llama`; later in-place changes to it are not seen by ``loop``.
     Returns:
       the function ``loop``: ``caches`` from :func:`init_dense_caches` (donated), ``token`` and
-      ``position`` int32 ``[B]`` (keep ``position + num_steps <= max_len``: as in the step,
-      ``dynamic_update_slice`` clamps a later write onto the cache's last row),
-      ``num_steps`` a Python int >= 1; returns int32 ``tokens [B, num_steps]`` and the new caches.
-      It raises ``ValueError`` for ``num_steps < 1`` or ``len(caches) != num_layers``.
+      ``position`` int ``[B]``, ``num_steps`` a Python int >= 1; returns int32
+      ``tokens [B, num_steps]`` and the new caches. It raises as the dense step does (with the
+      positions' range ``0 <= position`` and ``position + num_steps <= max_len``), and also for a
+      ``num_steps`` that is not an int (TypeError) or below 1 and token ids outside
+      ``[0, vocab_size)`` (ValueError).
     """
     graphdef, state = nnx.split(model)
 
     def loop(caches, token, position, num_steps: int):
-        if int(num_steps) < 1:
-            raise ValueError(f"dense decode loop: num_steps must be >= 1, got {num_steps}")
-        _check_num_caches(model, caches)
-        return _dense_decode_loop_pure(graphdef, state, list(caches), jnp.asarray(token, jnp.int32),
-                                       jnp.asarray(position, jnp.int32), int(num_steps))
+        where = "dense decode loop"
+        steps = _num_steps(num_steps, where)
+        check_token_ids(token, model.config.vocab_size, where)
+        token, position = _dense_args(model, caches, token, position, steps, where)
+        return _dense_decode_loop_pure(graphdef, state, list(caches), token, position, steps)
 
     return loop
