@@ -1366,7 +1366,8 @@ R with_widths(int kb, int vb, R none, F f) {
 // the default kernel choice only (there is no v3 or register variant of them); v1 otherwise:
 //   256: warp pairs (one half of the coordinates per warp; head tiles of 4, max_gt), K and V of 2,
 //        3 or 4 bits each;
-//   80: rows padded to 128 coordinates, K4V4, head tiles of 4 or 8;
+//   80: rows padded to 128 coordinates, K and V of 2, 3 or 4 bits each (but for K4V4, the stage rows
+//       packed at the pool's stride: packed_rows), head tiles of 4 or 8;
 //   96: rows padded to 128 coordinates, K and V of 2, 3 or 4 bits each (with a 3-bit side, the
 //       stage rows packed at the pool's stride: packed_rows), head tiles of 4 or 8;
 //   192: warp pairs of 96 padded coordinates, K4V4, head tiles of 4 (max_gt).
@@ -1382,9 +1383,12 @@ bool launch_wide(int d, int gt, bool f16, cudaStream_t stream, const DecodeParam
   if (!f16 || requested_kernel() != DecodeKernel::kDefault || !ring_pools_ok(p)) return false;
   const bool k4v4 = p.k_bits == 4 && p.v_bits == 4;
 #if JTQ_HAS_D(80)
-  if (d == 80 && k4v4)
-    return gt <= 4 ? launch_ring_if_fit<80, 4, 4, 4, 1>(stream, p, grid, err)
-                   : launch_ring_if_fit<80, 8, 4, 4, 1>(stream, p, grid, err);
+  if (d == 80)
+    return with_widths<true>(p.k_bits, p.v_bits, false, [&](auto k, auto v) {
+      constexpr int KB = decltype(k)::value, VB = decltype(v)::value;
+      return gt <= 4 ? launch_ring_if_fit<80, 4, KB, VB, 1>(stream, p, grid, err)
+                     : launch_ring_if_fit<80, 8, KB, VB, 1>(stream, p, grid, err);
+    });
 #endif
 #if JTQ_HAS_D(96)
   if (d == 96)
@@ -1529,7 +1533,7 @@ int RingFitsOnDevice(int head_dim, int k_bits, int v_bits) {
   if (head_dim == 256) return ring_fits_widths<256, 2>(k_bits, v_bits);
 #endif
 #if JTQ_HAS_D(80)
-  if (head_dim == 80) return k_bits == 4 && v_bits == 4 ? (ring_fits<80, 4, 4, 4, 1>() ? 1 : 0) : -1;
+  if (head_dim == 80) return ring_fits_widths<80, 1>(k_bits, v_bits);
 #endif
 #if JTQ_HAS_D(96)
   if (head_dim == 96) return ring_fits_widths<96, 1>(k_bits, v_bits);

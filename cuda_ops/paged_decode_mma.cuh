@@ -230,27 +230,50 @@ struct SharedMem {
   static __device__ __forceinline__ T at(const uint8_t* p) { return *reinterpret_cast<const T*>(p); }
 };
 
-// The N 3-bit groups (8 codes each, code i in bits 3i..3i+2; bits above 24 are not cleared) of a
-// lane's 8N codes at src: N = 4, 12 bytes on a 4-byte boundary (3 words); N = 2, 6 bytes on a 2-byte
-// boundary (a word and a half); N = 1, 3 bytes.
-// N consecutive 32-bit words at src (4N-byte aligned), as one vector load.
-template <int N, class Mem>
+// Largest power of two, at most 16, that divides x: the alignment of the loads at offsets that are
+// multiples of x from a 16-byte aligned base.
+constexpr int align_of(int x) { return x % 16 == 0 ? 16 : x % 8 == 0 ? 8 : x % 4 == 0 ? 4 : x % 2 == 0 ? 2 : 1; }
+
+// N consecutive 32-bit words at src, AL-byte aligned (AL >= 4): one vector load where AL allows,
+// else 8- or 4-byte loads.
+template <int N, class Mem, int AL = 16>
 __device__ __forceinline__ void load_words(const uint8_t* src, uint32_t (&w)[N]) {
   static_assert(N == 1 || N == 2 || N == 4, "1, 2 or 4 words");
-  if constexpr (N == 4) {
+  static_assert(AL >= 4, "words: 4-byte aligned");
+  if constexpr (N == 4 && AL >= 16) {
     const uint4 v = Mem::template at<uint4>(src);
     w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
-  } else if constexpr (N == 2) {
-    const uint2 v = Mem::template at<uint2>(src);
-    w[0] = v.x, w[1] = v.y;
+  } else if constexpr (N >= 2 && AL >= 8) {
+#pragma unroll
+    for (int i = 0; i < N; i += 2) {
+      const uint2 v = Mem::template at<uint2>(src + 4 * i);
+      w[i] = v.x, w[i + 1] = v.y;
+    }
   } else {
-    w[0] = Mem::template at<uint32_t>(src);
+#pragma unroll
+    for (int i = 0; i < N; ++i) w[i] = Mem::template at<uint32_t>(src + 4 * i);
   }
 }
 
-template <int N, class Mem>
+// The N 3-bit groups (8 codes each, code i in bits 3i..3i+2; bits above 24 are not cleared) of a
+// lane's 8N codes at src: N = 4, 12 bytes on an AL-byte boundary (AL >= 4: 3 words; AL = 2: the 4
+// words around them, shifted by 16 bits where src is not 4-byte aligned); N = 2, 6 bytes on a 2-byte
+// boundary (a word and a half); N = 1, 3 bytes.
+template <int N, class Mem, int AL = 16>
 __device__ __forceinline__ void load_groups3(const uint8_t* src, uint32_t (&g)[N]) {
-  if constexpr (N == 4) {
+  if constexpr (N == 4 && AL < 4) {
+    static_assert(AL == 2, "3-bit chunks of 12 bytes: 2-byte aligned");
+    const uint32_t shift = (reinterpret_cast<uintptr_t>(src) & 2u) * 8u;  // 0 or 16
+    const uint8_t* base = src - shift / 8;
+    const uint32_t w0 = Mem::template at<uint32_t>(base), w1 = Mem::template at<uint32_t>(base + 4),
+                   w2 = Mem::template at<uint32_t>(base + 8), w3 = Mem::template at<uint32_t>(base + 12);
+    const uint32_t a = __funnelshift_r(w0, w1, shift), b = __funnelshift_r(w1, w2, shift),
+                   c = __funnelshift_r(w2, w3, shift);
+    g[0] = a;
+    g[1] = __funnelshift_r(a, b, 24);
+    g[2] = __funnelshift_r(b, c, 16);
+    g[3] = c >> 8;
+  } else if constexpr (N == 4) {
     const uint32_t a = Mem::template at<uint32_t>(src), b = Mem::template at<uint32_t>(src + 4),
                    c = Mem::template at<uint32_t>(src + 8);
     g[0] = a;
@@ -272,18 +295,19 @@ __device__ __forceinline__ void load_groups3(const uint8_t* src, uint32_t (&g)[N
   }
 }
 
-// src: the first byte of a lane's 8N codes of width BITS (N = 4: a 4-byte aligned chunk; N <= 2:
-// a 3-bit chunk may start on any 2-byte (N = 2) or byte (N = 1) boundary).
-template <int BITS, int N, class Mem>
+// src: the first byte of a lane's 8N codes of width BITS, AL-byte aligned (AL: at most the chunk's
+// own alignment; a 3-bit chunk of N = 4 needs 2, of N <= 2 may start on any 2-byte (N = 2) or byte
+// (N = 1) boundary; other chunks need 4).
+template <int BITS, int N, class Mem, int AL = 16>
 __device__ __forceinline__ void load_nibbles(const uint8_t* src, uint32_t (&w)[N]) {
   static_assert(N == 1 || N == 2 || N == 4, "1, 2 or 4 groups of 8 codes");
   static_assert(BITS == 2 || BITS == 3 || BITS == 4, "2, 3 or 4 bits");
   if constexpr (BITS == 4) {
-    load_words<N, Mem>(src, w);
+    load_words<N, Mem, AL>(src, w);
   } else if constexpr (BITS == 2) {
     if constexpr (N >= 2) {
       uint32_t raw[N / 2];
-      load_words<N / 2, Mem>(src, raw);
+      load_words<N / 2, Mem, AL>(src, raw);
 #pragma unroll
       for (int i = 0; i < N / 2; ++i) {
         w[2 * i] = nibbles_from_2bit(raw[i] & 0xFFFFu);
@@ -293,7 +317,7 @@ __device__ __forceinline__ void load_nibbles(const uint8_t* src, uint32_t (&w)[N
       w[0] = nibbles_from_2bit(Mem::template at<unsigned short>(src));
     }
   } else {
-    load_groups3<N, Mem>(src, w);
+    load_groups3<N, Mem, AL>(src, w);
 #pragma unroll
     for (int i = 0; i < N; ++i) w[i] = nibbles_from_3bit(w[i]);
   }
@@ -316,14 +340,15 @@ __device__ __forceinline__ uint32_t pair_keys3(uint32_t x) {
 // K key words of a lane's 8N codes of width BITS at src (load_nibbles' chunk): 4-bit nibble words
 // (shift 4); 2-bit: a word's 8 pairs are its nibbles, keys (shift 2) of the word and of it >> 4
 // interleaved by a byte permute; 3-bit: pair_keys3 per group (shift 3).
-template <int BITS, int N, class Mem>
+// AL: src's alignment (load_nibbles).
+template <int BITS, int N, class Mem, int AL = 16>
 __device__ __forceinline__ void load_k_keys(const uint8_t* src, uint32_t (&w)[N]) {
   if constexpr (BITS == 4) {
-    load_nibbles<4, N, Mem>(src, w);
+    load_nibbles<4, N, Mem, AL>(src, w);
   } else if constexpr (BITS == 2) {
     static_assert(N == 2 || N == 4, "2-bit K chunks: 4 or 8 bytes");
     uint32_t raw[N / 2];
-    load_words<N / 2, Mem>(src, raw);
+    load_words<N / 2, Mem, AL>(src, raw);
 #pragma unroll
     for (int i = 0; i < N / 2; ++i) {
       const uint32_t hi = raw[i] >> 4;
@@ -331,7 +356,7 @@ __device__ __forceinline__ void load_k_keys(const uint8_t* src, uint32_t (&w)[N]
       w[2 * i + 1] = __byte_perm(raw[i], hi, 0x7362u);
     }
   } else {
-    load_groups3<N, Mem>(src, w);
+    load_groups3<N, Mem, AL>(src, w);
 #pragma unroll
     for (int i = 0; i < N; ++i) w[i] = pair_keys3(w[i]);
   }
@@ -339,7 +364,7 @@ __device__ __forceinline__ void load_k_keys(const uint8_t* src, uint32_t (&w)[N]
 
 // V codes of a lane's chunk for tile_accumulate_v: nibble words, or with BITS 2 the raw codes
 // (D/8 codes = one word at head_dim 128, 16 bits at 64, in w[0]) from which it makes keys itself.
-template <int BITS, int N, class Mem>
+template <int BITS, int N, class Mem, int AL = 16>
 __device__ __forceinline__ void load_v_codes(const uint8_t* src, uint32_t (&w)[N]) {
   if constexpr (BITS == 2) {
     static_assert(N == 1 || N == 2, "2-bit V chunks: 2 or 4 bytes");
@@ -347,7 +372,7 @@ __device__ __forceinline__ void load_v_codes(const uint8_t* src, uint32_t (&w)[N
     for (int i = 0; i < N; ++i) w[i] = 0u;
     w[0] = N == 2 ? Mem::template at<uint32_t>(src) : Mem::template at<unsigned short>(src);
   } else {
-    load_nibbles<BITS, N, Mem>(src, w);
+    load_nibbles<BITS, N, Mem, AL>(src, w);
   }
 }
 
@@ -865,11 +890,12 @@ constexpr int ring_bytes() { return kW4 * ring_stages<D, KB, VB, HALVES>() * sta
 // (head_dim 80 and 96, and 192 as pairs, run in the 128-coordinate loop). The kernel's ring and the
 // launch's shared-memory size both come from it.
 constexpr int tile_width(int d, int halves) { return d / halves <= 64 ? 64 : 128; }
-// Packed padded rows (one warp per tile, a 3-bit side): a stage holds the tile's rows at the pool's
-// stride (head_dim 96: 36-byte 3-bit rows), copied as whole 16-byte units of the 16-row blocks;
-// see the kernel. Other padded configurations pad each stage row to the 128-coordinate layout.
+// Packed padded rows (one warp per tile; a K or V row that is not whole 8-byte copy units: head_dim
+// 96's 36-byte 3-bit rows, head_dim 80's 20- and 30-byte 2- and 3-bit rows): a stage holds the
+// tile's rows at the pool's stride, copied as whole 16-byte units of the 16-row blocks; see the
+// kernel. Other padded configurations pad each stage row to the 128-coordinate layout.
 constexpr bool packed_rows(int d, int halves, int kb, int vb) {
-  return halves == 1 && d != tile_width(d, halves) && (kb == 3 || vb == 3);
+  return halves == 1 && d != tile_width(d, halves) && ((d * kb / 8) % 8 != 0 || (d * vb / 8) % 8 != 0);
 }
 // Coordinates of a stage row: head_dim where rows are packed, else tile_width.
 constexpr int stage_width(int d, int halves, int kb, int vb) {
@@ -1049,8 +1075,8 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
   // (Unpadded stage rows are in pool order, so their units may straddle rows.)
   constexpr int CU = !PADDED || PACKED || (RKG % 16 == 0 && RVG % 16 == 0) ? 16 : 8;
   static_assert(!PADDED || PACKED || (RKG % CU == 0 && RVG % CU == 0), "padded rows: whole 8-byte copy units");
-  static_assert(!PACKED || ((kTT * RKG) % 16 == 0 && (kTT * RVG) % 16 == 0 && SK % 4 == 0 && SV % 2 == 0),
-                "packed rows: whole 16-byte units per block, rows aligned for the lanes' loads");
+  static_assert(!PACKED || ((kTT * RKG) % 16 == 0 && (kTT * RVG) % 16 == 0),
+                "packed rows: whole 16-byte units per block");
   constexpr int NUK = kTT * RKG / CU, NUV = kTT * RVG / CU;  // units of a tile's 16 K / V rows (their copied parts)
   static_assert(NUK <= 96 && NUV <= 96 && (HALVES == 1 || (CU == 16 && NUK <= 64 && NUV <= 64)),
                 "ring: at most three copies per lane (two with warp pairs)");
@@ -1108,14 +1134,19 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
   // of the padding coordinates (K: t4 = 3, V: 16 gid >= DV) read the next row's bytes (or, past the
   // block's last row, the next block's): codes of finite centroids that meet q's zero padding in the
   // K MMAs and give output coordinates DV.. that the merge drops, as in padded rows.
+  // The lanes' loads are as aligned as the row stride and the in-row offsets allow (packed rows at
+  // head_dim 80: 2- to 8-byte; the blocks start on 16-byte boundaries).
+  constexpr int ALK = align_of(SK) < align_of(RK / 4) ? align_of(SK) : align_of(RK / 4);
+  constexpr int ALV = align_of(SV) < align_of(RV / 8) ? align_of(SV) : align_of(RV / 8);
   auto read_stage = [&](int st, int n, Tile<DW>& t) {
     const uint8_t* src = ring + st * kStage;
     constexpr int kb = KB ? KB : 4, vb = VB ? VB : 4;
-    load_k_keys<kb, Dims<DW>::kKW, SharedMem>(src + ring_offset<SK>(gid, (RK / 4) * t4), t.k0);
-    load_k_keys<kb, Dims<DW>::kKW, SharedMem>(src + ring_offset<SK>(gid + 8, (RK / 4) * t4), t.k1);
+    load_k_keys<kb, Dims<DW>::kKW, SharedMem, ALK>(src + ring_offset<SK>(gid, (RK / 4) * t4), t.k0);
+    load_k_keys<kb, Dims<DW>::kKW, SharedMem, ALK>(src + ring_offset<SK>(gid + 8, (RK / 4) * t4), t.k1);
 #pragma unroll
     for (int e = 0; e < 4; ++e)
-      load_v_codes<vb, Dims<DW>::kVW, SharedMem>(src + kTT * SK + ring_offset<SV>(4 * t4 + e, (RV / 8) * gid), t.v[e]);
+      load_v_codes<vb, Dims<DW>::kVW, SharedMem, ALV>(src + kTT * SK + ring_offset<SV>(4 * t4 + e, (RV / 8) * gid),
+                                                      t.v[e]);
     const float* norms = reinterpret_cast<const float*>(src + kTT * (SK + SV));
     mask_norms(t, n, norms[gid], norms[gid + 8], norms[kTT + gid], norms[kTT + gid + 8]);
   };

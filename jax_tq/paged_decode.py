@@ -396,7 +396,7 @@ def uses_tensor_core_kernel(head_dim: int, k_bits: int, v_bits: int, group: int,
     padded to 4), unless ``JAX_TQ_CUDA_DECODE`` asks for v1 or v2 (the kernel handler reads the same
     variable). With float16 products (``f16_products``) and unless ``JAX_TQ_CUDA_DECODE`` names any
     kernel, also head_dim 256 with K and V of 2, 3 or 4 bits each (v4's warp pairs), head_dim 80
-    with K4V4 and 96 with K and V of 2, 3 or 4 bits each (rows padded to 128 coordinates), and head_dim
+    and 96 with K and V of 2, 3 or 4 bits each (rows padded to 128 coordinates), and head_dim
     192 with K4V4 (warp pairs of padded halves, head tiles of 4), on GPUs with 228 KB of shared
     memory per SM (sm_90, sm_10x), where two CTAs of these kernels fit (the handler asks the device;
     elsewhere they run v1).
@@ -409,9 +409,9 @@ def uses_tensor_core_kernel(head_dim: int, k_bits: int, v_bits: int, group: int,
     default_kernel = requested in ("", "v5") and f16_products and wide_fit
     if head_dim == 256:
         return default_kernel and k_bits in (2, 3, 4) and v_bits in (2, 3, 4)
-    if head_dim == 96:
+    if head_dim in (80, 96):
         return default_kernel and k_bits in (2, 3, 4) and v_bits in (2, 3, 4)
-    if head_dim in (80, 192):
+    if head_dim == 192:
         return default_kernel and k_bits == 4 and v_bits == 4
     return requested not in ("v1", "v2") and head_dim in (64, 128) and k_bits in (2, 3, 4) and v_bits in (2, 3, 4)
 

@@ -441,6 +441,16 @@ TC_BITS_CASES = [
     (96, 3, 2, 48, 6, 64, jnp.bfloat16, None, 1e-2),
     (96, 2, 3, 16, 3, 1, jnp.bfloat16, None, 1e-2),
     (96, 3, 3, 256, 2, 2, jnp.float16, None, 3e-3),
+    # head_dim 80 with 2- / 3-bit K and / or V: packed rows of 20 / 30 bytes (2- to 8-byte aligned
+    # lane loads), and 4-bit rows packed beside them
+    (80, 3, 3, 16, 4, None, jnp.bfloat16, None, 1e-2),
+    (80, 2, 2, 32, 8, 3, jnp.float16, None, 3e-3),
+    (80, 4, 2, 16, 1, 2, jnp.float32, "default", 3e-3),
+    (80, 2, 4, 48, 6, 64, jnp.bfloat16, None, 1e-2),
+    (80, 3, 4, 16, 3, 1, jnp.bfloat16, None, 1e-2),
+    (80, 4, 3, 256, 2, 2, jnp.float16, None, 3e-3),
+    (80, 2, 3, 16, 5, None, jnp.bfloat16, None, 1e-2),
+    (80, 3, 2, 64, 4, 4, jnp.float16, None, 3e-3),
 ]
 
 
@@ -638,8 +648,8 @@ def test_every_ring_kernel_keeps_two_ctas_per_sm():
     for k_bits in (2, 3, 4):
         for v_bits in (2, 3, 4):
             assert mod.ring_fits(96, k_bits, v_bits) == 1, (96, k_bits, v_bits)
-    assert mod.ring_fits(80, 4, 4) == 1 and mod.ring_fits(192, 4, 4) == 1
-    assert mod.ring_fits(80, 3, 3) == -1 and mod.ring_fits(192, 2, 4) == -1
+            assert mod.ring_fits(80, k_bits, v_bits) == 1, (80, k_bits, v_bits)
+    assert mod.ring_fits(192, 4, 4) == 1 and mod.ring_fits(192, 2, 4) == -1
 
 
 def test_paged_decode_vmap_and_jit(rng):

@@ -41,10 +41,12 @@ def test_tensor_core_kernel_selection_follows_the_environment(monkeypatch):
         assert pd.uses_tensor_core_kernel(128, 4, 4, group) and pd.uses_tensor_core_kernel(64, 4, 4, group)
     for args in ((128, 2, 2, 4), (128, 4, 2, 1), (64, 2, 4, 8), (128, 3, 4, 4), (128, 4, 3, 4), (64, 3, 3, 1)):
         assert pd.uses_tensor_core_kernel(*args), args
-    for args in ((80, 3, 3, 4), (80, 4, 2, 2), (192, 3, 3, 4), (192, 4, 2, 8)):
+    for args in ((192, 3, 3, 4), (192, 4, 2, 8), (192, 2, 2, 1)):
         assert not pd.uses_tensor_core_kernel(*args), args
-    # head_dim 80 (K4V4) / 96 (K, V of 2, 3 or 4 bits), rows padded to 128, and 192 (K4V4, pairs of
-    # padded halves, head tiles of 4): f16 products only
+    # head_dim 80 / 96 (K, V of 2, 3 or 4 bits), rows padded to 128, and 192 (K4V4, pairs of padded
+    # halves, head tiles of 4): f16 products only
+    assert pd.uses_tensor_core_kernel(80, 3, 3, 4) and pd.uses_tensor_core_kernel(80, 4, 2, 2)
+    assert pd.uses_tensor_core_kernel(80, 2, 3, 8) and not pd.uses_tensor_core_kernel(80, 2, 2, 4, f16_products=False)
     assert pd.uses_tensor_core_kernel(96, 3, 3, 4) and pd.uses_tensor_core_kernel(96, 4, 3, 1)
     assert pd.uses_tensor_core_kernel(96, 3, 2, 8) and not pd.uses_tensor_core_kernel(96, 3, 3, 4, f16_products=False)
     assert pd.uses_tensor_core_kernel(80, 4, 4, 8) and pd.uses_tensor_core_kernel(80, 4, 4, 1)
@@ -98,7 +100,8 @@ def test_choose_num_splits(monkeypatch):
     assert pd.choose_num_splits("cuda", 32, 8, 512, group=4, head_dim=64) == 1
     assert pd.choose_num_splits("cuda", 32, 8, 512, group=1) == 1
     # Other configurations (v1): one wave of 2 CTAs/SM (tiles of 4-8 heads) or 4 CTAs/SM.
-    assert pd.choose_num_splits("cuda", 4, 8, 2048, group=4, head_dim=80, k_bits=3) == math.ceil(264 / 32)
+    assert pd.choose_num_splits("cuda", 4, 8, 2048, group=4, head_dim=80, k_bits=3,
+                                f16_products=False) == math.ceil(264 / 32)
     assert pd.choose_num_splits("cuda", 4, 8, 2048, group=1, head_dim=192, k_bits=3) == math.ceil(528 / 32)
     # head_dim 256 K4V4 (warp pairs): head tiles of 4, whole waves of 2 CTAs per SM
     assert pd.choose_num_splits("cuda", 32, 8, 512, group=2, head_dim=256) == 1
