@@ -1379,24 +1379,25 @@ bool launch_ring_if_fit(cudaStream_t stream, const DecodeParams& p, dim3 grid, f
   return true;
 }
 
+// head_dim D (80, 96) on v4's ring with rows padded to 128 coordinates: K and V of 2, 3 or 4 bits,
+// head tiles of 4 or 8.
+template <int D>
+bool launch_padded_if_fit(int gt, cudaStream_t stream, const DecodeParams& p, dim3 grid, ffi::Error& err) {
+  return with_widths<true>(p.k_bits, p.v_bits, false, [&](auto k, auto v) {
+    constexpr int KB = decltype(k)::value, VB = decltype(v)::value;
+    return gt <= 4 ? launch_ring_if_fit<D, 4, KB, VB, 1>(stream, p, grid, err)
+                   : launch_ring_if_fit<D, 8, KB, VB, 1>(stream, p, grid, err);
+  });
+}
+
 bool launch_wide(int d, int gt, bool f16, cudaStream_t stream, const DecodeParams& p, dim3 grid, ffi::Error& err) {
   if (!f16 || requested_kernel() != DecodeKernel::kDefault || !ring_pools_ok(p)) return false;
   const bool k4v4 = p.k_bits == 4 && p.v_bits == 4;
 #if JTQ_HAS_D(80)
-  if (d == 80)
-    return with_widths<true>(p.k_bits, p.v_bits, false, [&](auto k, auto v) {
-      constexpr int KB = decltype(k)::value, VB = decltype(v)::value;
-      return gt <= 4 ? launch_ring_if_fit<80, 4, KB, VB, 1>(stream, p, grid, err)
-                     : launch_ring_if_fit<80, 8, KB, VB, 1>(stream, p, grid, err);
-    });
+  if (d == 80) return launch_padded_if_fit<80>(gt, stream, p, grid, err);
 #endif
 #if JTQ_HAS_D(96)
-  if (d == 96)
-    return with_widths<true>(p.k_bits, p.v_bits, false, [&](auto k, auto v) {
-      constexpr int KB = decltype(k)::value, VB = decltype(v)::value;
-      return gt <= 4 ? launch_ring_if_fit<96, 4, KB, VB, 1>(stream, p, grid, err)
-                     : launch_ring_if_fit<96, 8, KB, VB, 1>(stream, p, grid, err);
-    });
+  if (d == 96) return launch_padded_if_fit<96>(gt, stream, p, grid, err);
 #endif
   static_assert(max_gt(192) == 4 && max_gt(256) == 4, "warp pairs: head tiles of 4");
 #if JTQ_HAS_D(192)
