@@ -888,7 +888,7 @@ template <int D, int KB = 4, int VB = 4, int HALVES = 1>
 constexpr int ring_bytes() { return kW4 * ring_stages<D, KB, VB, HALVES>() * stage_bytes<D, KB, VB>(); }
 // Coordinates of one warp's share of a tile in v4's loop: head_dim / HALVES, padded to 64 or 128
 // (head_dim 80 and 96, and 192 as pairs, run in the 128-coordinate loop). The kernel's ring and the
-// launch's shared-memory size both come from it.
+// launch's shared-memory size both come from it (through stage_width).
 constexpr int tile_width(int d, int halves) { return d / halves <= 64 ? 64 : 128; }
 // Packed padded rows (one warp per tile; a K or V row that is not whole 8-byte copy units: head_dim
 // 96's 36-byte 3-bit rows, head_dim 80's 20- and 30-byte 2- and 3-bit rows): a stage holds the
@@ -931,12 +931,14 @@ constexpr float kLazyMax = 8.f;
 // from rows twice as long); after the K MMAs the two partial dot products are exchanged through
 // shared memory (one 64-thread named barrier per tile), so both warps hold the same scores, running
 // max, sums and weights, and each accumulates its half of the output.
-// Padded rows (head_dim 80 and 96, and 192 as pairs; ring; 4-bit codes, at 96 also 2-bit): a
-// warp's DV = 80 or 96 coordinates run in the 128-coordinate tile loop. The ring copies each row's
-// bytes (40 / 48 for 4-bit codes, 24 for 2-bit; 8- or 16-byte units) to the start of a stage row
-// of the 128-coordinate layout; the rest keeps whatever bytes it held (codes of finite centroids),
-// which meet q's zero padding in the K MMAs (0 * c = 0) and give output coordinates DV..127 that
-// the merge drops.
+// Padded rows (head_dim 80 and 96, and 192 as pairs; ring): a warp's DV = 80 or 96 coordinates run
+// in the 128-coordinate tile loop. Where a row is whole 8-byte units (40 / 48 bytes for 4-bit
+// codes, 24 for 2-bit at 96), the ring copies its bytes (8- or 16-byte units) to the start of a
+// stage row of the 128-coordinate layout; the rest keeps whatever bytes it held (codes of finite
+// centroids), which meet q's zero padding in the K MMAs (0 * c = 0) and give output coordinates
+// DV..127 that the merge drops. Other rows (2- / 3-bit at 80, 3-bit at 96: packed_rows) stay at
+// the pool's stride in the stage, and the lanes of the padding coordinates read the next row's
+// codes to the same effect (read_stage).
 template <int D, int GT, bool SPLIT, bool RING, int KB = 4, int VB = 4, int HALVES = 1>
 __global__ void __launch_bounds__(kT4, kCtasPerSm4)
     paged_decode_v4_kernel(const DecodeParams p) {
