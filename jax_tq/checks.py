@@ -58,7 +58,9 @@ def checked(fn):
     Raises:
       TypeError: ``fn`` is not callable. Otherwise nothing itself; ``error.throw()`` raises
       ``checkify.JaxRuntimeError`` naming the first bad block-table entry, seq_lens value or
-      slot_mapping value.
+      slot_mapping value. Under ``jax.vmap`` the indices it names are those within the failing
+      batch element (``block_tables[s, p]`` of one element's ``[S, max_pages]`` table); the batch
+      index is not part of the message.
     """
     if not callable(fn):
         raise TypeError(f"jax_tq.checked: fn must be callable, got {type(fn).__name__}")
