@@ -28,7 +28,10 @@ def turboquant_attention_fn(k_codec: TurboQuant, v_codec: TurboQuant, base_atten
     Args:
       k_codec, v_codec: codecs whose head_dim is the attention head size.
       base_attention_fn: the attention to run on the reconstructed K/V, called with the module's
-        arguments; default ``flax.nnx.dot_product_attention``.
+        arguments; default ``flax.nnx.dot_product_attention``, or ``flax.linen.dot_product_attention``
+        when a linen module passes itself as ``module`` (``sow_weights=True``: the weights are sown
+        into linen's ``'intermediates'``). ``jax.nn.dot_product_attention`` does not take flax's
+        arguments (``dropout_rng``, float masks) and needs a wrapper inside flax modules.
 
     Returns:
       ``fn(query, key, value, *args, **kwargs)``, with ``base_attention_fn``'s signature (as
@@ -51,11 +54,13 @@ def turboquant_attention_fn(k_codec: TurboQuant, v_codec: TurboQuant, base_atten
     if base_attention_fn is None:
         from flax import nnx
 
-        base_attention_fn = nnx.dot_product_attention
+        signature_fn = nnx.dot_product_attention
+    else:
+        signature_fn = base_attention_fn
 
-    # wraps: the signature seen by inspect is base_attention_fn's; flax.linen passes mask, dropout,
+    # wraps: the signature seen by inspect is the base function's; flax.linen passes mask, dropout,
     # dtype and precision only to parameters it finds there by name.
-    @functools.wraps(base_attention_fn)
+    @functools.wraps(signature_fn)
     def attention_fn(query, key, value, *args, **kwargs):
         for name, x, codec in (("key", key, k_codec), ("value", value, v_codec)):
             check_float_input(jnp.asarray(x), name, "nn.turboquant_attention_fn")
@@ -64,9 +69,23 @@ def turboquant_attention_fn(k_codec: TurboQuant, v_codec: TurboQuant, base_atten
                                  f"{codec.head_dim}] (the codec's head_dim), got shape {tuple(jnp.shape(x))}")
         key_hat = _round_trip(key, k_codec)
         value_hat = _round_trip(value, v_codec)
-        return base_attention_fn(query, key_hat, value_hat, *args, **kwargs)
+        base = base_attention_fn or _default_base_attention(kwargs.get("module"))
+        return base(query, key_hat, value_hat, *args, **kwargs)
 
     return attention_fn
+
+
+def _default_base_attention(module):
+    """flax.linen's dot_product_attention for a linen module (it sows the weights into linen's
+    'intermediates' collection), else flax.nnx's."""
+    if module is not None:
+        from flax import linen
+
+        if isinstance(module, linen.Module):
+            return linen.dot_product_attention
+    from flax import nnx
+
+    return nnx.dot_product_attention
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1,))

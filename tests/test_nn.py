@@ -134,6 +134,25 @@ def test_linen_attention_gets_the_mask_and_dropout(rng, base):
     assert rel_err(dropped, out) > 1e-2
 
 
+def test_linen_module_with_the_default_base_sows_its_attention_weights(rng):
+    """A linen module that passes itself as ``module`` (sow_weights) gets linen's attention, whose
+    weights land in 'intermediates' (nnx's would sow under a class key that breaks the state)."""
+    linen = pytest.importorskip("flax.linen")
+    codec = tq.TurboQuant(head_dim=64, bits=4, seed=1)
+    module = linen.MultiHeadDotProductAttention(num_heads=2, qkv_features=128,
+                                                attention_fn=turboquant_attention_fn(codec, codec))
+    x = jnp.asarray(rng.normal(size=(1, 5, 128)), jnp.float32)
+    params = module.init(jax.random.PRNGKey(0), x)
+    out, state = module.apply(params, x, mutable=["intermediates"], sow_weights=True)
+    (weights,) = state["intermediates"]["attention_weights"]
+    assert weights.shape == (1, 2, 5, 5)
+    np.testing.assert_allclose(np.asarray(weights.sum(-1)), 1.0, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(module.apply(params, x)), rtol=1e-6, atol=1e-6)
+    _, state = module.apply(params, x, mutable=True, sow_weights=True)
+    assert sorted(state) == ["intermediates", "params"]
+    jax.tree_util.tree_map(jnp.shape, state)  # a usable pytree
+
+
 def test_attention_fn_names_the_tensor_with_the_wrong_head_dim():
     fn = turboquant_attention_fn(tq.TurboQuant(head_dim=64, bits=4), tq.TurboQuant(head_dim=64, bits=4))
     ok, short = jnp.zeros((1, 4, 2, 64)), jnp.zeros((1, 4, 2, 32))
