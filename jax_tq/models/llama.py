@@ -878,16 +878,20 @@ def _dense_decode_pure(graphdef, state, caches, token, position):
     return model.apply_dense(token, position, caches)
 
 
-def _dense_args(model: Llama, caches, token, position, num_steps: int, where: str):
-    """The checked int32 (token, position) of a dense decode step or loop."""
+def _dense_args(model: Llama, caches, token, position, num_steps: int, where: str, device_values: bool = True):
+    """The checked int32 (token, position) of a dense decode step or loop. ``device_values``: also
+    range-check positions held in device arrays (a host read that waits for them: a loop's one call,
+    not every step)."""
     _check_num_caches(model, caches)
     check_token_ids(token, model.config.vocab_size, where, values=False)
+    host_positions = not isinstance(position, jax.Array)
     token, position = jnp.asarray(token, jnp.int32), _int32(position, "position", where)
     if token.ndim != 1 or token.shape[0] < 1 or position.shape != token.shape:
         raise ValueError(f"{where}: token and position must be [B] with B >= 1, got shapes {token.shape} and "
                          f"{position.shape}")
     max_len = _check_dense_caches(model, caches, token.shape[0], where)
-    _check_dense_positions(position, num_steps, max_len, where)
+    if device_values or host_positions:
+        _check_dense_positions(position, num_steps, max_len, where)
     return token, position
 
 
@@ -904,12 +908,14 @@ def make_dense_decode_step(model: Llama):
       ``< max_len``); returns ``(logits float32 [B, vocab], new_caches)``. It raises TypeError for
       non-integer tokens / positions or caches that are not ``(k, v)`` pairs of floating arrays,
       and ValueError for a wrong number of caches, shapes that do not match ``[B]`` /
-      ``[B, max_len, num_kv_heads, head_dim]``, or (concrete) positions outside ``[0, max_len)``.
+      ``[B, max_len, num_kv_heads, head_dim]``, or host (numpy / Python) positions outside
+      ``[0, max_len)``; positions in device arrays are not read back every step (one outside that
+      range is clamped by ``dynamic_update_slice`` onto a cached row).
     """
     graphdef, state = nnx.split(model)
 
     def step(caches, token, position):
-        token, position = _dense_args(model, caches, token, position, 1, "dense decode step")
+        token, position = _dense_args(model, caches, token, position, 1, "dense decode step", device_values=False)
         return _dense_decode_pure(graphdef, state, list(caches), token, position)
 
     return step
