@@ -135,6 +135,15 @@ __device__ __forceinline__ uint32_t half2_satfinite(float x0, float x1) {
   return h;
 }
 
+// The 8 x 8 b16 matrix whose row lane / 4 holds this lane's x (elements 2 (lane % 4), +1), transposed in
+// registers (the same fragment layout): the f16x2 weights of a token row of S^T's accumulator become
+// the P^T B operand of the V MMA (tokens 2 (lane % 4), +1 of head lane / 4).
+__device__ __forceinline__ uint32_t transpose8x8_b16(uint32_t x) {
+  uint32_t y;
+  asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
+  return y;
+}
+
 // split2 with both parts saturated: identical for |x| <= 65504; a larger x gives a finite, too
 // small pair instead of inf and -inf (whose products would make NaN).
 __device__ __forceinline__ void split2_satfinite(float x0, float x1, uint32_t& hi, uint32_t& lo) {
@@ -574,23 +583,13 @@ __device__ __forceinline__ void tile_accumulate_v_nibbles(const uint32_t (&v)[4]
   }
 }
 
-// O^T += Vdec^T * P^T for one tile; P (the V weights) from the warp's tile wt: [kTT][kWRow], or
-// with LATIN at ptile_row.
+// The V MMAs of one tile with P^T's B fragments given: (ph0, pl0) for the k positions of the lane's
+// V rows 0, 1 and (ph1, pl1) for rows 2, 3 (hi / lo, lo 0 unless SPLIT).
 // V2: v holds raw 2-bit codes (load_v_codes), looked up with keys of shift 2.
-template <int D, bool SPLIT, bool LATIN = false, bool V2 = false>
-__device__ __forceinline__ void tile_accumulate_v(const uint32_t (&v)[4][Dims<D>::kVW], const float* wt, int gid,
-                                                  int t4, const PairLut<SPLIT>& ilut,
-                                                  float (&o)[Dims<D>::kKS][4]) {
-  auto w = [&](int e) { return wt[(LATIN ? ptile_row(4 * t4 + e) : (4 * t4 + e) * kWRow) + gid]; };
-  // B of the V MMA: head gid, tokens 4t4 + {0,1} (b0), 4t4 + {2,3} (b1).
-  uint32_t ph0, pl0 = 0u, ph1, pl1 = 0u;
-  if constexpr (SPLIT) {  // v3's weights may pass 65504 at logits beyond 2^28 (header: Range)
-    split2_satfinite(w(0), w(1), ph0, pl0);
-    split2_satfinite(w(2), w(3), ph1, pl1);
-  } else {
-    ph0 = half2_satfinite(w(0), w(1));
-    ph1 = half2_satfinite(w(2), w(3));
-  }
+template <int D, bool SPLIT, bool V2>
+__device__ __forceinline__ void tile_accumulate_v_b(const uint32_t (&v)[4][Dims<D>::kVW], uint32_t ph0, uint32_t pl0,
+                                                    uint32_t ph1, uint32_t pl1, const PairLut<SPLIT>& ilut,
+                                                    float (&o)[Dims<D>::kKS][4]) {
   if constexpr (V2) {
     // Nibble mt of a raw word holds coordinates 2mt (bits 0-1) and 2mt + 1 (bits 2-3): keys of
     // the even / odd coordinate for tokens (0, 1) and (2, 3) in nibble mt, then byte mt >> 1 of
@@ -611,6 +610,25 @@ __device__ __forceinline__ void tile_accumulate_v(const uint32_t (&v)[4][Dims<D>
   } else {
     tile_accumulate_v_nibbles<D, SPLIT>(v, ph0, pl0, ph1, pl1, ilut, o);
   }
+}
+
+// O^T += Vdec^T * P^T for one tile; P (the V weights) from the warp's tile wt: [kTT][kWRow], or
+// with LATIN at ptile_row.
+template <int D, bool SPLIT, bool LATIN = false, bool V2 = false>
+__device__ __forceinline__ void tile_accumulate_v(const uint32_t (&v)[4][Dims<D>::kVW], const float* wt, int gid,
+                                                  int t4, const PairLut<SPLIT>& ilut,
+                                                  float (&o)[Dims<D>::kKS][4]) {
+  auto w = [&](int e) { return wt[(LATIN ? ptile_row(4 * t4 + e) : (4 * t4 + e) * kWRow) + gid]; };
+  // B of the V MMA: head gid, tokens 4t4 + {0,1} (b0), 4t4 + {2,3} (b1).
+  uint32_t ph0, pl0 = 0u, ph1, pl1 = 0u;
+  if constexpr (SPLIT) {  // v3's weights may pass 65504 at logits beyond 2^28 (header: Range)
+    split2_satfinite(w(0), w(1), ph0, pl0);
+    split2_satfinite(w(2), w(3), ph1, pl1);
+  } else {
+    ph0 = half2_satfinite(w(0), w(1));
+    ph1 = half2_satfinite(w(2), w(3));
+  }
+  tile_accumulate_v_b<D, SPLIT, V2>(v, ph0, pl0, ph1, pl1, ilut, o);
 }
 
 // merge_tile_state's fused-rotation epilogue (head_dim kD, one split).
@@ -939,7 +957,7 @@ constexpr float kLazyMax = 8.f;
 // DV..127 that the merge drops. Other rows (2- / 3-bit at 80, 3-bit at 96: packed_rows) stay at
 // the pool's stride in the stage, and the lanes of the padding coordinates read the next row's
 // codes to the same effect (read_stage).
-template <int D, int GT, bool SPLIT, bool RING, int KB = 4, int VB = 4, int HALVES = 1>
+template <int D, int GT, bool SPLIT, bool RING, int KB = 4, int VB = 4, int HALVES = 1, bool PTRANS = true>
 __global__ void __launch_bounds__(kT4, kCtasPerSm4)
     paged_decode_v4_kernel(const DecodeParams p) {
   static_assert(!RING || (KB != 0 && VB != 0), "the ring's stage layout needs compile-time widths");
@@ -1014,11 +1032,15 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
     n = page_ok ? tok_end - base : 0;  // may exceed 16
     return static_cast<int64_t>(page_ok ? phys : 0) * page_rows + (kvh_rows + base - lp * p.page_size);
   };
+  // The token of the lane's V code row e (the V MMA's k positions 2t4 + {0, 1} (e = 0, 1) and
+  // 2t4 + 8 + {0, 1} (e = 2, 3)): PTRANS: the token at that position, as the weights' register
+  // transpose delivers them; else 4t4 + e, as the P tile's rows are read.
+  auto v_token = [&](int e) { return PTRANS ? 2 * t4 + (e & 1) + 8 * (e >> 1) : 4 * t4 + e; };
   // Per-lane byte offsets inside a 16-token tile's rows: K bytes (D/8)*t4.. of token gid (token
-  // gid + 8 at + 8 rows); V bytes (D/16)*gid.. of token 4*t4 (token 4*t4 + e at + e rows).
+  // gid + 8 at + 8 rows); V bytes (D/16)*gid.. of token v_token(0) (v_token(e) at + v_token(e) - v_token(0) rows).
   const int krow = D * (KB ? KB : p.k_bits) / 8, vrow = D * (VB ? VB : p.v_bits) / 8;  // code bytes per row
   const int k_lane = gid * krow + (HALVES == 1 ? (krow / 4) * t4 : half * RK + (RK / 4) * t4);
-  const int v_lane = 4 * t4 * vrow + (HALVES == 1 ? (vrow / 8) * gid : half * RV + (RV / 8) * gid);
+  const int v_lane = v_token(0) * vrow + (HALVES == 1 ? (vrow / 8) * gid : half * RV + (RV / 8) * gid);
   const float kNaN = __int_as_float(0x7fc00000);
   auto mask_norms = [&](Tile<DW>& t, int n, float kn0, float kn1, float vn0, float vn1) {
     t.kn0 = gid < n ? kn0 : kNaN;
@@ -1038,7 +1060,7 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
       ldg_codes<KB>(kp, p.k_bits, t.k0);
       ldg_codes<KB>(kp + 8 * krow, p.k_bits, t.k1);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) ldg_codes<VB>(vp + e * vrow, p.v_bits, t.v[e]);
+      for (int e = 0; e < 4; ++e) ldg_codes<VB>(vp + (v_token(e) - v_token(0)) * vrow, p.v_bits, t.v[e]);
       const float* knp = p.kn + row0 + gid;
       const float* vnp = p.vn + row0 + gid;
       mask_norms(t, n, __ldg(knp), __ldg(knp + 8), __ldg(vnp), __ldg(vnp + 8));
@@ -1061,7 +1083,7 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
     }
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int64_t rv = token_row(p, bt_seq, base + 4 * t4 + e, tok_end, kvh);
+      const int64_t rv = token_row(p, bt_seq, base + v_token(e), tok_end, kvh);
       if (rv >= 0) ldg_codes<VB>(p.vc + rv * vrow + (vrow / 8) * gid, p.v_bits, t.v[e]);
     }
   };
@@ -1104,7 +1126,11 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
   auto v_stage_unit = [](int u) {
     return PADDED && !PACKED ? ring_offset<RV>(u / (RVG / CU), CU * (u % (RVG / CU))) : ring_unit_offset<SV>(u);
   };
-  const float* n_src = (lane < 4 ? p.kn : p.vn) + 4 * (lane & 3);
+  // Norms: PTRANS: each lane copies one float (lane < 16: K norm of token lane & 15, else V), to slot
+  // 4 (t & 7) + 2 (K / V) + (t >> 3) of the stage's 32, so that lane (gid, t4) reads its four
+  // (K gid, K gid + 8, V gid, V gid + 8) as one float4; else lanes 0-7 copy 16 bytes in pool order.
+  const int n_tok = lane & 15;
+  const float* n_src = PTRANS ? (lane < 16 ? p.kn : p.vn) + n_tok : (lane < 4 ? p.kn : p.vn) + 4 * (lane & 3);
   const uint32_t ring_s = smem_addr(ring);
   const uint32_t dst_k0 = ring_s + k_stage_unit(lane);
   const uint32_t dst_k1 = ring_s + k_stage_unit(lane + 32);
@@ -1112,7 +1138,8 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
   const uint32_t dst_v0 = ring_s + kTT * SK + v_stage_unit(lane);
   const uint32_t dst_v1 = ring_s + kTT * SK + v_stage_unit(lane + 32);
   const uint32_t dst_v2 = ring_s + kTT * SK + v_stage_unit(lane + 64);
-  const uint32_t dst_n = ring_s + kTT * (SK + SV) + 16 * lane;
+  const uint32_t dst_n =
+      ring_s + kTT * (SK + SV) + (PTRANS ? 4 * (4 * (n_tok & 7) + 2 * (lane >> 4) + (n_tok >> 3)) : 16 * lane);
   auto issue = [&](int ti, int st, int phys) -> int {
     int n = 0;
     if (ti < ntt) {
@@ -1126,13 +1153,14 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
       if (NUV >= 32 || lane < NUV) cp_async_s<CU>(dst_v0 + so, vs);
       if (NUV > 32 && (NUV >= 64 || lane + 32 < NUV)) cp_async_s<CU>(dst_v1 + so, vs + kV32);
       if (NUV > 64 && (NUV >= 96 || lane + 64 < NUV)) cp_async_s<CU>(dst_v2 + so, vs + 2 * kV32);
-      if (lane < 8) cp_async16_s(dst_n + so, n_src + row0);
+      if constexpr (PTRANS) cp_async_s<4>(dst_n + so, n_src + row0);
+      else if (lane < 8) cp_async16_s(dst_n + so, n_src + row0);
     }
     cp_async_commit();  // one group per call, empty or not: wait_group counts stay aligned
     return n;
   };
   // A lane's K codes: (DW/4) codes from code (DW/4)*t4 of tokens gid, gid + 8; V: (DW/8) codes from
-  // code (DW/8)*gid of tokens 4*t4 + e. Packed rows are SK / SV < RK / RV bytes apart, so the lanes
+  // code (DW/8)*gid of tokens v_token(e). Packed rows are SK / SV < RK / RV bytes apart, so the lanes
   // of the padding coordinates (K: t4 = 3, V: 16 gid >= DV) read the next row's bytes (or, past the
   // block's last row, the next block's): codes of finite centroids that meet q's zero padding in the
   // K MMAs and give output coordinates DV.. that the merge drops, as in padded rows.
@@ -1147,10 +1175,15 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
     load_k_keys<kb, Dims<DW>::kKW, SharedMem, ALK>(src + ring_offset<SK>(gid + 8, (RK / 4) * t4), t.k1);
 #pragma unroll
     for (int e = 0; e < 4; ++e)
-      load_v_codes<vb, Dims<DW>::kVW, SharedMem, ALV>(src + kTT * SK + ring_offset<SV>(4 * t4 + e, (RV / 8) * gid),
+      load_v_codes<vb, Dims<DW>::kVW, SharedMem, ALV>(src + kTT * SK + ring_offset<SV>(v_token(e), (RV / 8) * gid),
                                                       t.v[e]);
     const float* norms = reinterpret_cast<const float*>(src + kTT * (SK + SV));
-    mask_norms(t, n, norms[gid], norms[gid + 8], norms[kTT + gid], norms[kTT + gid + 8]);
+    if constexpr (PTRANS) {
+      const float4 kv = *reinterpret_cast<const float4*>(norms + 4 * gid);
+      mask_norms(t, n, kv.x, kv.y, kv.z, kv.w);
+    } else {
+      mask_norms(t, n, norms[gid], norms[gid + 8], norms[kTT + gid], norms[kTT + gid + 8]);
+    }
   };
 
   // The first tiles' block-table and code reads are issued before the prologue, whose q staging
@@ -1217,7 +1250,7 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
     // -inf below 2^-126), so |weight| <= 2^kLazyMax.
     const float vn0 = cur.vn0, vn1 = cur.vn1;
     const float lv0 = fast_log2(fabsf(vn0)), lv1 = fast_log2(fabsf(vn1));
-    __syncwarp();
+    if constexpr (!PTRANS) __syncwarp();  // the previous tile's P reads are done
     // Lazy rescaling: the running max m moves only when a tile's max exceeds it by more than
     // kLazyMax (log2 units), so weights up to 2^kLazyMax (f16: fine) and the rescale is rare. Each
     // lane tests its own two tokens; only when some lane's test passes (a warp vote) is the tile
@@ -1261,10 +1294,19 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
       wa[hh] = pa * vn0;
       wb[hh] = pb * vn1;
     }
-    *reinterpret_cast<float2*>(wt + ptile_row(gid) + 2 * t4) = make_float2(wa[0], wa[1]);
-    *reinterpret_cast<float2*>(wt + ptile_row(gid + 8) + 2 * t4) = make_float2(wb[0], wb[1]);
-    __syncwarp();
-    tile_accumulate_v<DW, SPLIT, true, V2>(cur.v, wt, gid, t4, ilut, o);
+    if constexpr (PTRANS) {
+      static_assert(!SPLIT, "PTRANS: f16 products");
+      // (wa, wb) are rows gid and gid + 8 of the 16 x 8 S^T tile; transposed, each lane holds head
+      // gid of tokens 2t4, 2t4 + 1 and 2t4 + 8, 2t4 + 9: P^T's B fragments, no shared memory.
+      const uint32_t ph0 = transpose8x8_b16(half2_satfinite(wa[0], wa[1]));
+      const uint32_t ph1 = transpose8x8_b16(half2_satfinite(wb[0], wb[1]));
+      tile_accumulate_v_b<DW, SPLIT, V2>(cur.v, ph0, 0u, ph1, 0u, ilut, o);
+    } else {
+      *reinterpret_cast<float2*>(wt + ptile_row(gid) + 2 * t4) = make_float2(wa[0], wa[1]);
+      *reinterpret_cast<float2*>(wt + ptile_row(gid + 8) + 2 * t4) = make_float2(wb[0], wb[1]);
+      __syncwarp();
+      tile_accumulate_v<DW, SPLIT, true, V2>(cur.v, wt, gid, t4, ilut, o);
+    }
   };
 
   if constexpr (RING) {
