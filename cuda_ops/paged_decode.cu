@@ -1415,23 +1415,9 @@ bool launch_wide(int d, int gt, bool f16, cudaStream_t stream, const DecodeParam
 
 // v4 (f16 products) with compile-time K / V widths: the ring where it fits, else the register
 // variant.
-// A/B only (temporary): JAX_TQ_AB_PTILE=1 runs head_dim 128 K4V4 GT 4 on the ring with the P tile
-// through shared memory (the sixteenth session's kernel).
-inline bool ab_ptile() {
-  static const bool on = [] { const char* e = std::getenv("JAX_TQ_AB_PTILE"); return e && e[0] == '1'; }();
-  return on;
-}
-
 template <int D, int KB, int VB>
 ffi::Error launch_v4_bits(int gt, cudaStream_t stream, const DecodeParams& p, dim3 grid) {
   const bool four = gt <= 4;
-  if constexpr (D == 128 && KB == 4 && VB == 4) {
-    if (four && ab_ptile() && use_ring<D, KB, VB>(gt, p)) {
-      constexpr int smem = v3::kSmemBytes + v3::v4_ring_bytes<D, KB, VB, 1>();
-      return launch_mma<v3::paged_decode_v4_kernel<D, 4, false, true, KB, VB, 1, false>, smem>(
-          v3::kT4, "v4 ring ptile", stream, p, grid);
-    }
-  }
   if (use_ring<D, KB, VB>(gt, p))
     return four ? launch_v4<D, 4, true, KB, VB>(stream, p, grid) : launch_v4<D, 8, true, KB, VB>(stream, p, grid);
   if constexpr (KB == 4 && VB == 4)

@@ -55,12 +55,16 @@
 //
 // ---- softmax: per head in f32, lane state m / l for heads 2*t4, 2*t4 + 1 (m replicated over the
 //   8 gid lanes, l a per-lane partial summed at the end); P = p * v_norm goes through a per-warp
-//   16 x 8 shared tile to be re-read in the B layout of the V MMA.
+//   16 x 8 shared tile to be re-read in the B layout of the V MMA (v3). v4 converts the lane's two
+//   token rows of S^T to f16x2 and transposes each 8 x 8 half in registers (movmatrix), which gives
+//   that B layout directly, with tokens in mma order (below).
 //
 // ---- V phase: O^T[128 dims x 8 heads] += Vdec^T[128 x 16 tokens] * P^T[16 tokens x 8 heads] ---
 //   Eight m-tiles mt (16 output rows each). Both the rows and the contraction are PERMUTED:
 //     row r of m-tile mt (r = gid + 8*h2)  ->  coordinate 16*gid + 2*mt + h2
-//     k position 2*t4 + e   -> token 4*t4 + e,   k position 2*t4 + 8 + e -> token 4*t4 + 2 + e.
+//     k position 2*t4 + e   -> token 4*t4 + e,   k position 2*t4 + 8 + e -> token 4*t4 + 2 + e
+//     (v3; v4: k position j -> token j, so its lanes read tokens 2t4, 2t4+1, 2t4+8, 2t4+9 where
+//     the text below says 4t4 .. 4t4+3).
 //   So lane (gid, t4) needs bytes 8*gid .. 8*gid+7 of the code rows of tokens 4*t4 .. 4*t4+3 (one
 //   8-byte load each), and in m-tile mt byte mt of each: a0 = (low nibbles of tokens 4t4, 4t4+1),
 //   a1 = (high nibbles of tokens 4t4, 4t4+1), a2 / a3 the same for tokens 4t4+2, 4t4+3, each a
@@ -541,12 +545,6 @@ __device__ __forceinline__ void tile_scores(const Tile<D>& cur, const uint32_t (
   scale_scores<D>(cur, qx0, qx1, s);
 }
 
-// v4's per-warp P tile (16 tokens x 8 heads, 128 floats): token row r starts at ptile_row(r), a
-// Latin square over the banks: every 4-row block and every stripe {e, e + 4, e + 8, e + 12} covers
-// the 32 banks once, so both the 8-byte stores (rows gid / gid + 8, heads 2t4, 2t4 + 1) and the
-// 4-byte loads (rows 4t4 + e, head gid) are conflict-free (v3's padded rows: the loads only).
-__device__ __forceinline__ int ptile_row(int r) { return 32 * (r >> 2) + 8 * ((r + (r >> 2)) & 3); }
-
 // The V MMAs of tile_accumulate_v from nibble words: B = (ph, pl).
 template <int D, bool SPLIT>
 __device__ __forceinline__ void tile_accumulate_v_nibbles(const uint32_t (&v)[4][Dims<D>::kVW], uint32_t ph0,
@@ -612,13 +610,12 @@ __device__ __forceinline__ void tile_accumulate_v_b(const uint32_t (&v)[4][Dims<
   }
 }
 
-// O^T += Vdec^T * P^T for one tile; P (the V weights) from the warp's tile wt: [kTT][kWRow], or
-// with LATIN at ptile_row.
-template <int D, bool SPLIT, bool LATIN = false, bool V2 = false>
+// O^T += Vdec^T * P^T for one tile (v3); P (the V weights) from the warp's tile wt: [kTT][kWRow].
+template <int D, bool SPLIT>
 __device__ __forceinline__ void tile_accumulate_v(const uint32_t (&v)[4][Dims<D>::kVW], const float* wt, int gid,
                                                   int t4, const PairLut<SPLIT>& ilut,
                                                   float (&o)[Dims<D>::kKS][4]) {
-  auto w = [&](int e) { return wt[(LATIN ? ptile_row(4 * t4 + e) : (4 * t4 + e) * kWRow) + gid]; };
+  auto w = [&](int e) { return wt[(4 * t4 + e) * kWRow + gid]; };
   // B of the V MMA: head gid, tokens 4t4 + {0,1} (b0), 4t4 + {2,3} (b1).
   uint32_t ph0, pl0 = 0u, ph1, pl1 = 0u;
   if constexpr (SPLIT) {  // v3's weights may pass 65504 at logits beyond 2^28 (header: Range)
@@ -628,7 +625,7 @@ __device__ __forceinline__ void tile_accumulate_v(const uint32_t (&v)[4][Dims<D>
     ph0 = half2_satfinite(w(0), w(1));
     ph1 = half2_satfinite(w(2), w(3));
   }
-  tile_accumulate_v_b<D, SPLIT, V2>(v, ph0, pl0, ph1, pl1, ilut, o);
+  tile_accumulate_v_b<D, SPLIT, false>(v, ph0, pl0, ph1, pl1, ilut, o);
 }
 
 // merge_tile_state's fused-rotation epilogue (head_dim kD, one split).
@@ -957,7 +954,7 @@ constexpr float kLazyMax = 8.f;
 // DV..127 that the merge drops. Other rows (2- / 3-bit at 80, 3-bit at 96: packed_rows) stay at
 // the pool's stride in the stage, and the lanes of the padding coordinates read the next row's
 // codes to the same effect (read_stage).
-template <int D, int GT, bool SPLIT, bool RING, int KB = 4, int VB = 4, int HALVES = 1, bool PTRANS = true>
+template <int D, int GT, bool SPLIT, bool RING, int KB = 4, int VB = 4, int HALVES = 1>
 __global__ void __launch_bounds__(kT4, kCtasPerSm4)
     paged_decode_v4_kernel(const DecodeParams p) {
   static_assert(!RING || (KB != 0 && VB != 0), "the ring's stage layout needs compile-time widths");
@@ -990,7 +987,7 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ float qexp_s[kNH];
   __shared__ int bad_s[kNH];  // heads whose q_rot row is not all finite (NaN output rows)
-  __shared__ __align__(16) float w_s[kW4][kTT * kNH];  // P tiles, rows at ptile_row
+  __shared__ __align__(16) float w_s[kW4][kTT * kNH];  // per-warp scratch of the prologue and the merge
   __shared__ float m_s[NP][kNH];
   __shared__ float l_s[NP][kNH];
   __shared__ __align__(16) float4 x_s[HALVES == 2 ? kW4 * 2 * 32 : 1];  // pairs: [warp][tile parity][lane]
@@ -1032,10 +1029,9 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
     n = page_ok ? tok_end - base : 0;  // may exceed 16
     return static_cast<int64_t>(page_ok ? phys : 0) * page_rows + (kvh_rows + base - lp * p.page_size);
   };
-  // The token of the lane's V code row e (the V MMA's k positions 2t4 + {0, 1} (e = 0, 1) and
-  // 2t4 + 8 + {0, 1} (e = 2, 3)): PTRANS: the token at that position, as the weights' register
-  // transpose delivers them; else 4t4 + e, as the P tile's rows are read.
-  auto v_token = [&](int e) { return PTRANS ? 2 * t4 + (e & 1) + 8 * (e >> 1) : 4 * t4 + e; };
+  // The token of the lane's V code row e: the V MMA's k position 2t4 + {0, 1} (e = 0, 1) or
+  // 2t4 + 8 + {0, 1} (e = 2, 3), where the weights' register transpose puts that token's weight.
+  auto v_token = [&](int e) { return 2 * t4 + (e & 1) + 8 * (e >> 1); };
   // Per-lane byte offsets inside a 16-token tile's rows: K bytes (D/8)*t4.. of token gid (token
   // gid + 8 at + 8 rows); V bytes (D/16)*gid.. of token v_token(0) (v_token(e) at + v_token(e) - v_token(0) rows).
   const int krow = D * (KB ? KB : p.k_bits) / 8, vrow = D * (VB ? VB : p.v_bits) / 8;  // code bytes per row
@@ -1126,11 +1122,11 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
   auto v_stage_unit = [](int u) {
     return PADDED && !PACKED ? ring_offset<RV>(u / (RVG / CU), CU * (u % (RVG / CU))) : ring_unit_offset<SV>(u);
   };
-  // Norms: PTRANS: each lane copies one float (lane < 16: K norm of token lane & 15, else V), to slot
-  // 4 (t & 7) + 2 (K / V) + (t >> 3) of the stage's 32, so that lane (gid, t4) reads its four
-  // (K gid, K gid + 8, V gid, V gid + 8) as one float4; else lanes 0-7 copy 16 bytes in pool order.
+  // Norms: each lane copies one float (lane < 16: the K norm of token t = lane & 15, else its V
+  // norm) to slot 4 (t & 7) + 2 (K / V) + (t >> 3) of the stage's 32, so that lane (gid, t4) reads
+  // its four (K gid, K gid + 8, V gid, V gid + 8) as one float4.
   const int n_tok = lane & 15;
-  const float* n_src = PTRANS ? (lane < 16 ? p.kn : p.vn) + n_tok : (lane < 4 ? p.kn : p.vn) + 4 * (lane & 3);
+  const float* n_src = (lane < 16 ? p.kn : p.vn) + n_tok;
   const uint32_t ring_s = smem_addr(ring);
   const uint32_t dst_k0 = ring_s + k_stage_unit(lane);
   const uint32_t dst_k1 = ring_s + k_stage_unit(lane + 32);
@@ -1138,8 +1134,7 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
   const uint32_t dst_v0 = ring_s + kTT * SK + v_stage_unit(lane);
   const uint32_t dst_v1 = ring_s + kTT * SK + v_stage_unit(lane + 32);
   const uint32_t dst_v2 = ring_s + kTT * SK + v_stage_unit(lane + 64);
-  const uint32_t dst_n =
-      ring_s + kTT * (SK + SV) + (PTRANS ? 4 * (4 * (n_tok & 7) + 2 * (lane >> 4) + (n_tok >> 3)) : 16 * lane);
+  const uint32_t dst_n = ring_s + kTT * (SK + SV) + 4 * (4 * (n_tok & 7) + 2 * (lane >> 4) + (n_tok >> 3));
   auto issue = [&](int ti, int st, int phys) -> int {
     int n = 0;
     if (ti < ntt) {
@@ -1153,8 +1148,7 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
       if (NUV >= 32 || lane < NUV) cp_async_s<CU>(dst_v0 + so, vs);
       if (NUV > 32 && (NUV >= 64 || lane + 32 < NUV)) cp_async_s<CU>(dst_v1 + so, vs + kV32);
       if (NUV > 64 && (NUV >= 96 || lane + 64 < NUV)) cp_async_s<CU>(dst_v2 + so, vs + 2 * kV32);
-      if constexpr (PTRANS) cp_async_s<4>(dst_n + so, n_src + row0);
-      else if (lane < 8) cp_async16_s(dst_n + so, n_src + row0);
+      cp_async_s<4>(dst_n + so, n_src + row0);
     }
     cp_async_commit();  // one group per call, empty or not: wait_group counts stay aligned
     return n;
@@ -1178,12 +1172,8 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
       load_v_codes<vb, Dims<DW>::kVW, SharedMem, ALV>(src + kTT * SK + ring_offset<SV>(v_token(e), (RV / 8) * gid),
                                                       t.v[e]);
     const float* norms = reinterpret_cast<const float*>(src + kTT * (SK + SV));
-    if constexpr (PTRANS) {
-      const float4 kv = *reinterpret_cast<const float4*>(norms + 4 * gid);
-      mask_norms(t, n, kv.x, kv.y, kv.z, kv.w);
-    } else {
-      mask_norms(t, n, norms[gid], norms[gid + 8], norms[kTT + gid], norms[kTT + gid + 8]);
-    }
+    const float4 kv = *reinterpret_cast<const float4*>(norms + 4 * gid);
+    mask_norms(t, n, kv.x, kv.y, kv.z, kv.w);
   };
 
   // The first tiles' block-table and code reads are issued before the prologue, whose q staging
@@ -1224,8 +1214,6 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
 #pragma unroll
     for (int c = 0; c < 4; ++c) o[mt][c] = 0.f;
 
-  float* wt = w_s[warp];
-
   // Scores, online softmax and V accumulation of one tile held in registers.
   // Pairs: xb = the parity of the warp's tile count (the exchange slots alternate, so one barrier per
   // tile suffices).
@@ -1250,7 +1238,6 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
     // -inf below 2^-126), so |weight| <= 2^kLazyMax.
     const float vn0 = cur.vn0, vn1 = cur.vn1;
     const float lv0 = fast_log2(fabsf(vn0)), lv1 = fast_log2(fabsf(vn1));
-    if constexpr (!PTRANS) __syncwarp();  // the previous tile's P reads are done
     // Lazy rescaling: the running max m moves only when a tile's max exceeds it by more than
     // kLazyMax (log2 units), so weights up to 2^kLazyMax (f16: fine) and the rescale is rare. Each
     // lane tests its own two tokens; only when some lane's test passes (a warp vote) is the tile
@@ -1294,19 +1281,11 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
       wa[hh] = pa * vn0;
       wb[hh] = pb * vn1;
     }
-    if constexpr (PTRANS) {
-      static_assert(!SPLIT, "PTRANS: f16 products");
-      // (wa, wb) are rows gid and gid + 8 of the 16 x 8 S^T tile; transposed, each lane holds head
-      // gid of tokens 2t4, 2t4 + 1 and 2t4 + 8, 2t4 + 9: P^T's B fragments, no shared memory.
-      const uint32_t ph0 = transpose8x8_b16(half2_satfinite(wa[0], wa[1]));
-      const uint32_t ph1 = transpose8x8_b16(half2_satfinite(wb[0], wb[1]));
-      tile_accumulate_v_b<DW, SPLIT, V2>(cur.v, ph0, 0u, ph1, 0u, ilut, o);
-    } else {
-      *reinterpret_cast<float2*>(wt + ptile_row(gid) + 2 * t4) = make_float2(wa[0], wa[1]);
-      *reinterpret_cast<float2*>(wt + ptile_row(gid + 8) + 2 * t4) = make_float2(wb[0], wb[1]);
-      __syncwarp();
-      tile_accumulate_v<DW, SPLIT, true, V2>(cur.v, wt, gid, t4, ilut, o);
-    }
+    // (wa, wb) are rows gid and gid + 8 of the 16 x 8 S^T tile; transposed, each lane holds head
+    // gid of tokens 2t4, 2t4 + 1 and 2t4 + 8, 2t4 + 9: P^T's B fragments, no shared memory.
+    const uint32_t ph0 = transpose8x8_b16(half2_satfinite(wa[0], wa[1]));
+    const uint32_t ph1 = transpose8x8_b16(half2_satfinite(wb[0], wb[1]));
+    tile_accumulate_v_b<DW, false, V2>(cur.v, ph0, 0u, ph1, 0u, ilut, o);
   };
 
   if constexpr (RING) {
