@@ -230,7 +230,7 @@ def test_dense_decode_steps_match_causal_forward(tiny, dtype, atol):
     ids = rng.integers(0, TINY.vocab_size, (2, 13)).astype(np.int32)
     max_len = 16
     caches = init_dense_caches(TINY, 2, max_len, dtype)
-    assert caches[0][0].shape == (2, max_len, TINY.num_kv_heads, TINY.head_dim)
+    assert caches[0][0].shape == (2, TINY.num_kv_heads, max_len, TINY.head_dim)
     assert caches[0][0].dtype == dtype
     step = make_dense_decode_step(tiny)
     dec = []
@@ -244,8 +244,8 @@ def test_dense_decode_steps_match_causal_forward(tiny, dtype, atol):
         assert (dec[b].argmax(-1) == want.argmax(-1)).mean() >= 0.9
     # The cache holds exactly the 13 written positions; the rest stay zero.
     k = np.asarray(caches[1][0].astype(jnp.float32))
-    assert np.abs(k[:, :13]).sum(axis=(2, 3)).all()
-    assert not np.any(k[:, 13:])
+    assert np.abs(k[:, :, :13]).sum(axis=(1, 3)).all()
+    assert not np.any(k[:, :, 13:])
 
 
 def _fill_paged(tiny, caches, prompts, tables):

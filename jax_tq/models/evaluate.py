@@ -412,7 +412,7 @@ def greedy_generate(model: Llama, prompt_ids: Sequence[int], max_new_tokens: int
 
     ``cache_config``: a compressed paged cache spec (see :func:`parse_cache_config`; sequence
     ``b`` owns its own pages), or None / ``"none"`` for the uncompressed baseline, a dense
-    ``[batch, max_len, Hkv, d]`` cache in ``dense_dtype`` (see
+    ``[batch, Hkv, max_len, d]`` cache in ``dense_dtype`` (see
     :func:`jax_tq.models.llama.make_dense_decode_step`).
 
     The prompt is fed through the decode step, one token at a time (one dispatch per token); the

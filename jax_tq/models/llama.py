@@ -233,7 +233,7 @@ class Attention(nnx.Module):
 
         Args:
           x: ``[B, hidden]``; positions: int32 ``[B]`` (must be ``< max_len``);
-          k_cache, v_cache: ``[B, max_len, Hkv, d]``.
+          k_cache, v_cache: ``[B, Hkv, max_len, d]``.
         Returns:
           ``(y [B, hidden], k_cache, v_cache)``: this token's K/V written at ``positions``
           (``dynamic_update_slice``, in the cache dtype); row ``b`` attends to cache rows
@@ -241,8 +241,8 @@ class Attention(nnx.Module):
         """
         q, k, v = self.qkv(x, positions)
 
-        def put(cache, new, pos):  # cache [max_len, Hkv, d], new [Hkv, d]
-            return jax.lax.dynamic_update_slice_in_dim(cache, new[None].astype(cache.dtype), pos, 0)
+        def put(cache, new, pos):  # cache [Hkv, max_len, d], new [Hkv, d]
+            return jax.lax.dynamic_update_slice_in_dim(cache, new[:, None].astype(cache.dtype), pos, 1)
 
         k_cache = jax.vmap(put)(k_cache, k, positions)
         v_cache = jax.vmap(put)(v_cache, v, positions)
@@ -276,21 +276,23 @@ def dense_decode_attention(q, k_cache, v_cache, seq_lens, scale: float | None = 
     """Masked GQA softmax attention of one query per sequence over a dense cache.
 
     Args:
-      q: ``[B, H, d]``; k_cache, v_cache: ``[B, max_len, Hkv, d]`` (any float dtype);
+      q: ``[B, H, d]``; k_cache, v_cache: ``[B, Hkv, max_len, d]`` (any float dtype; each (sequence,
+        KV head) a contiguous ``[max_len, d]`` block, so both products are batched GEMMs over the
+        cache as stored, with no transpose of it);
       seq_lens: int32 ``[B]`` >= 1, number of valid cache rows of each sequence.
       scale: softmax scale, default ``1/sqrt(d)``.
     Returns:
       ``[B, H, d]`` in ``q.dtype``; logits, softmax and accumulation in float32.
     """
     B, H, d = q.shape
-    S, Hkv = k_cache.shape[1], k_cache.shape[2]
+    Hkv, S = k_cache.shape[1], k_cache.shape[2]
     scale = (1.0 / np.sqrt(d)) if scale is None else scale
     qg = q.reshape(B, Hkv, H // Hkv, d)
-    s = jnp.einsum("bkgd,bskd->bkgs", qg, k_cache, preferred_element_type=jnp.float32) * scale
+    s = jnp.einsum("bkgd,bksd->bkgs", qg, k_cache, preferred_element_type=jnp.float32) * scale
     valid = jnp.arange(S, dtype=jnp.int32)[None, :] < seq_lens[:, None]  # [B, S]
     s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
     p = jax.nn.softmax(s, axis=-1)
-    o = jnp.einsum("bkgs,bskd->bkgd", p, v_cache, preferred_element_type=jnp.float32)
+    o = jnp.einsum("bkgs,bksd->bkgd", p, v_cache, preferred_element_type=jnp.float32)
     return o.reshape(B, H, d).astype(q.dtype)
 
 
@@ -367,7 +369,7 @@ class Block(nnx.Module):
         Args:
           x: float ``[B, hidden]``.
           positions: int32 ``[B]`` (``< max_len``).
-          k_cache, v_cache: ``[B, max_len, Hkv, d]``.
+          k_cache, v_cache: ``[B, Hkv, max_len, d]``.
         Returns:
           ``(x [B, hidden], k_cache, v_cache)``, see :meth:`Attention.dense`.
         """
@@ -498,7 +500,7 @@ class Llama(nnx.Module):
         """One decode step through dense caches (one ``(k, v)`` pair per layer).
 
         Args:
-          token, position: int32 ``[B]``; caches: list of ``(k [B, max_len, Hkv, d], v)``.
+          token, position: int32 ``[B]``; caches: list of ``(k [B, Hkv, max_len, d], v)``.
         Returns:
           ``(logits float32 [B, vocab], new_caches list)``.
         Raises:
@@ -586,9 +588,10 @@ def init_dense_caches(config: LlamaConfig, batch: int, max_len: int, dtype=jnp.b
       dtype: cache dtype (bfloat16 by default).
     Returns:
       list of ``num_layers`` pairs of zero arrays ``(k, v)``, each
-      ``[batch, max_len, num_kv_heads, head_dim]`` in ``dtype``.
+      ``[batch, num_kv_heads, max_len, head_dim]`` in ``dtype`` (a sequence's KV head is one
+      contiguous ``[max_len, head_dim]`` block: the decode products read it without a transpose).
     """
-    shape = (batch, max_len, config.num_kv_heads, config.head_dim)
+    shape = (batch, config.num_kv_heads, max_len, config.head_dim)
     return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(config.num_layers)]
 
 
@@ -653,9 +656,9 @@ def _check_paged_caches(caches: Sequence, where: str) -> int:
 
 def _check_dense_caches(model: Llama, caches: Sequence, num_seqs: int, where: str) -> int:
     """The dense caches' max_len; TypeError / ValueError unless every entry is a ``(k, v)`` pair of
-    floating arrays ``[num_seqs, max_len, num_kv_heads, head_dim]`` (init_dense_caches)."""
+    floating arrays ``[num_seqs, num_kv_heads, max_len, head_dim]`` (init_dense_caches)."""
     cfg = model.config
-    want = (num_seqs, None, cfg.num_kv_heads, cfg.head_dim)
+    want = (num_seqs, cfg.num_kv_heads, None, cfg.head_dim)
     max_lens = set()
     for i, entry in enumerate(caches):
         if not isinstance(entry, (tuple, list)) or len(entry) != 2:
@@ -666,9 +669,9 @@ def _check_dense_caches(model: Llama, caches: Sequence, num_seqs: int, where: st
             if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
                 raise TypeError(f"{where}: caches[{i}] {name} must be a floating array, got dtype {dtype}")
             if len(shape) != 4 or any(w is not None and w != d for w, d in zip(want, shape)):
-                raise ValueError(f"{where}: caches[{i}] {name} must be [B={num_seqs}, max_len, "
-                                 f"num_kv_heads={cfg.num_kv_heads}, head_dim={cfg.head_dim}], got shape {shape}")
-            max_lens.add(shape[1])
+                raise ValueError(f"{where}: caches[{i}] {name} must be [B={num_seqs}, num_kv_heads={cfg.num_kv_heads}, "
+                                 f"max_len, head_dim={cfg.head_dim}], got shape {shape}")
+            max_lens.add(shape[2])
     if len(max_lens) != 1:
         raise ValueError(f"{where}: every cache must have the same max_len, got {sorted(max_lens)}")
     return max_lens.pop()
@@ -908,7 +911,7 @@ def make_dense_decode_step(model: Llama):
       ``< max_len``); returns ``(logits float32 [B, vocab], new_caches)``. It raises TypeError for
       non-integer tokens / positions or caches that are not ``(k, v)`` pairs of floating arrays,
       and ValueError for a wrong number of caches, shapes that do not match ``[B]`` /
-      ``[B, max_len, num_kv_heads, head_dim]``, or host (numpy / Python) positions outside
+      ``[B, num_kv_heads, max_len, head_dim]``, or host (numpy / Python) positions outside
       ``[0, max_len)``; positions in device arrays are not read back every step (one outside that
       range is clamped by ``dynamic_update_slice`` onto a cached row).
     """
