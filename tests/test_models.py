@@ -559,3 +559,58 @@ def test_smollm2_end_to_end():
 def test_from_params_names_a_layer_count_mismatch():
     with pytest.raises(ValueError, match=r"params\['layers'\] has 1 layers, config.num_layers is 2"):
         Llama.from_params(TINY, {"embed": np.zeros((97, 96)), "final_norm": np.ones(96), "layers": [{}]})
+
+
+def test_model_entry_points_refuse_inputs_they_got_silently_wrong(tiny):
+    """Found by a new-user trial: each call below ran without an error and gave wrong logits (mixed
+    page sizes or page counts across layers), used a wrapped or clamped value (int64 positions,
+    out-of-vocab host tokens, negative host positions, float tables and start positions) or failed
+    deep inside (bad token shapes)."""
+    ids = np.arange(5, 12, dtype=np.int32)
+    table = np.array([3, 0, 2, 1], np.int32)
+    mixed = [init_caches(TINY, 4, 4, num_pages=4, page_size=4)[0], init_caches(TINY, 4, 4, num_pages=4, page_size=8)[1]]
+    with pytest.raises(ValueError, match="same page_size"):
+        forward_compressed(tiny, ids, mixed, table)
+    uneven = [init_caches(TINY, 4, 4, num_pages=4, page_size=4)[0], init_caches(TINY, 4, 4, num_pages=2, page_size=4)[1]]
+    with pytest.raises(ValueError, match="same num_pages"):
+        forward_compressed(tiny, ids, uneven, table)
+    step, tabs = make_decode_step(tiny), np.array([[0, 1], [2, 3]], np.int32)
+    with pytest.raises(ValueError, match="same num_pages"):
+        step(uneven, np.array([3, 4]), np.array([0, 0]), tabs, np.array([1, 1]))
+    with pytest.raises(TypeError, match="must be a jax_tq.PagedKVCache"):
+        forward_compressed(tiny, ids, init_dense_caches(TINY, 1, 8), table)
+    caches = init_caches(TINY, 4, 4, num_pages=4, page_size=4)
+    with pytest.raises(TypeError, match="block_table must be integers"):
+        forward_compressed(tiny, ids, caches, table + 0.9)
+    with pytest.raises(TypeError, match="start_pos must be a Python int"):
+        forward_compressed(tiny, ids, caches, table, start_pos=4.9)
+
+    paged = init_caches(TINY, 4, 4, num_pages=4, page_size=4)
+    for tok in (np.array([TINY.vocab_size, 5]), np.array([-1, 5]), np.array([2**32 + 3, 5], np.int64)):
+        with pytest.raises(ValueError, match="token ids must lie in"):
+            step(paged, tok, np.array([0, 0]), tabs, np.array([1, 1]))
+    with pytest.raises(ValueError, match="positions must be >= 0"):
+        step(paged, np.array([3, 4]), np.array([-1, 0]), tabs, np.array([1, 1]))
+    for pos in (np.array([2**32 + 3, 0], np.int64), np.array([2**31 + 3, 0], np.uint32)):
+        with pytest.raises(ValueError, match="position must fit int32"):
+            step(paged, np.array([3, 4]), pos, tabs, np.array([1, 1]))
+    _, paged = step(paged, np.array([3, 4]), np.array([-1, 0]), tabs, np.array([0, 1]))  # inactive: any position
+
+    dense, dstep = init_dense_caches(TINY, 2, 8, jnp.float32), make_dense_decode_step(tiny)
+    with pytest.raises(ValueError, match="token ids must lie in"):
+        dstep(dense, np.array([TINY.vocab_size, 5]), np.array([0, 0]))
+    with pytest.raises(ValueError, match="position must fit int32"):
+        dstep(dense, np.array([3, 4]), np.array([2**32 + 3, 0], np.int64))
+    with pytest.raises(ValueError, match="position must fit int32"):
+        make_dense_decode_loop(tiny)(dense, np.array([3, 4]), np.array([2**32 + 1, 0], np.int64), 2)
+    np.asarray(dense[0][0])  # not donated by the refused calls
+
+    for bad in (np.zeros((2, 3), np.int32), np.zeros(0, np.int32), np.int32(3)):
+        with pytest.raises(ValueError, match=r"token_ids must be \[T\]"):
+            forward_logits(tiny, bad)
+    with pytest.raises(TypeError, match="start_pos must be a Python int"):
+        forward_logits(tiny, ids, start_pos=1.5)
+    with pytest.raises(ValueError, match="prompt_ids must be a 1-D"):
+        ev.greedy_generate(tiny, np.array([[1, 2], [3, 4]]), 2)
+    with pytest.raises(TypeError, match="token ids must be integers"):
+        ev.check_decode_matches_eval(tiny, np.array([1.7, 2.9]))

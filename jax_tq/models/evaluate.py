@@ -304,9 +304,11 @@ def check_decode_matches_eval(model: Llama, token_ids, cache_config=(4, 4),
       and ``ok`` (``same_codes_max_abs_diff <= atol``, ``own_norms_max_rel_diff <= 1e-3`` and
       ``positions_with_own_flips <= num_tokens // 4``).
     Raises:
-      ValueError: an unparseable ``cache_config``.
+      TypeError: token ids not integers.
+      ValueError: an unparseable ``cache_config``; ``token_ids`` not ``[n >= 1]`` or outside
+        ``[0, vocab_size)``.
       TypeError / ValueError: propagated from :func:`jax_tq.models.init_caches` (e.g. bits not
-        in 2..4, empty ``token_ids``).
+        in 2..4).
     """
     with jax.default_matmul_precision("float32"):
         return _check_decode_matches_eval(model, token_ids, cache_config, atol)
@@ -314,6 +316,9 @@ def check_decode_matches_eval(model: Llama, token_ids, cache_config=(4, 4),
 
 def _check_decode_matches_eval(model, token_ids, cache_config, atol):
     cfg = parse_cache_config(cache_config) or CacheConfig()
+    check_token_ids(token_ids, model.config.vocab_size, "check_decode_matches_eval")
+    if np.ndim(token_ids) != 1 or np.size(token_ids) < 1:
+        raise ValueError(f"check_decode_matches_eval: token_ids must be [n] with n >= 1, got shape {np.shape(token_ids)}")
     ids = np.asarray(token_ids, np.int32)
     n = ids.shape[0]
     ps = cfg.page_size
@@ -432,12 +437,15 @@ def greedy_generate(model: Llama, prompt_ids: Sequence[int], max_new_tokens: int
       (``batch * decode_steps / decode_s``; NaN without decode steps).
     Raises:
       TypeError: ``batch`` or ``max_new_tokens`` not an int.
-      ValueError: empty prompt, ``batch < 1``, ``max_new_tokens < 1`` or an unparseable
-        ``cache_config``.
+      ValueError: empty or not 1-D prompt, token ids outside ``[0, vocab_size)``, ``batch < 1``,
+        ``max_new_tokens < 1`` or an unparseable ``cache_config``.
       TypeError / ValueError: propagated from :func:`jax_tq.models.init_caches` (e.g. bits not
         in 2..4).
     """
     cfg = parse_cache_config(cache_config)
+    if np.ndim(prompt_ids) != 1:
+        raise ValueError(f"greedy_generate: prompt_ids must be a 1-D sequence of token ids, got shape "
+                         f"{np.shape(prompt_ids)}")
     if not len(prompt_ids):
         raise ValueError("empty prompt")
     check_token_ids(np.asarray(prompt_ids), model.config.vocab_size, "greedy_generate")

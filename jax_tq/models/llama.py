@@ -621,12 +621,47 @@ def _is_traced(*xs) -> bool:
     return any(isinstance(x, jax.core.Tracer) for x in xs)
 
 
+_INT32_RANGE = (int(np.iinfo(np.int32).min), int(np.iinfo(np.int32).max))
+
+
 def _int32(x, name: str, where: str) -> jax.Array:
-    """``x`` as int32; TypeError unless its dtype is an integer one (floats would be truncated)."""
+    """``x`` as int32; TypeError unless its dtype is an integer one (floats would be truncated),
+    ValueError for a concrete value outside int32 (it would wrap, e.g. 2**32 + 3 to 3)."""
     dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
     if not jnp.issubdtype(dtype, jnp.integer):
         raise TypeError(f"{where}: {name} must be integers, got dtype {dtype}")
+    info = np.iinfo(dtype)
+    if (info.min < _INT32_RANGE[0] or info.max > _INT32_RANGE[1]) and not _is_traced(x):
+        values = np.asarray(x)
+        if values.size and (values.min() < _INT32_RANGE[0] or values.max() > _INT32_RANGE[1]):
+            raise ValueError(f"{where}: {name} must fit int32, got values {values.min()}..{values.max()}")
     return jnp.asarray(x, jnp.int32)
+
+
+def _host_values(x) -> bool:
+    """Whether ``x`` is a host value (numpy / Python), whose values are checked without waiting for
+    a device."""
+    return not isinstance(x, (jax.Array, jax.core.Tracer))
+
+
+def _static_start(start_pos, where: str) -> int:
+    """``start_pos`` as an int >= 0: TypeError unless a Python / numpy int (not bool or float: a
+    float would be truncated), ValueError below 0."""
+    if isinstance(start_pos, (bool, np.bool_)) or not isinstance(start_pos, (int, np.integer)):
+        raise TypeError(f"{where}: start_pos must be a Python int, got {start_pos!r}")
+    if start_pos < 0:
+        raise ValueError(f"{where}: start_pos must be >= 0, got {start_pos}")
+    return int(start_pos)
+
+
+def _token_vector(token_ids, vocab_size: int, where: str) -> jax.Array:
+    """int32 ``[T >= 1]`` token ids: TypeError / ValueError as :func:`check_token_ids`, ValueError for
+    any other shape."""
+    check_token_ids(token_ids, vocab_size, where)
+    shape = tuple(np.shape(token_ids))
+    if len(shape) != 1 or shape[0] < 1:
+        raise ValueError(f"{where}: token_ids must be [T] with T >= 1 (one sequence, no batch axis), got shape {shape}")
+    return jnp.asarray(token_ids, jnp.int32)
 
 
 def _num_steps(num_steps, where: str) -> int:
@@ -641,7 +676,8 @@ def _num_steps(num_steps, where: str) -> int:
 
 def _check_paged_caches(caches: Sequence, where: str) -> int:
     """The caches' common page_size; TypeError for a non-PagedKVCache entry, ValueError when the
-    layers' page sizes differ (the slots are computed once for all layers)."""
+    layers' page sizes or page counts differ (one block table and one set of slots serve all
+    layers: a smaller pool would silently drop the pages beyond it)."""
     from jax_tq.cache import PagedKVCache
 
     for i, c in enumerate(caches):
@@ -651,6 +687,10 @@ def _check_paged_caches(caches: Sequence, where: str) -> int:
     sizes = sorted({_page_size(c) for c in caches})
     if len(sizes) > 1:
         raise ValueError(f"{where}: every layer's cache must have the same page_size, got {sizes}")
+    pages = sorted({int(c.num_pages) for c in caches})
+    if len(pages) > 1:
+        raise ValueError(f"{where}: every layer's cache must have the same num_pages (one block table serves "
+                         f"all layers), got {pages}")
     return sizes[0]
 
 
@@ -734,11 +774,14 @@ def forward_logits(model: Llama, token_ids, start_pos: int = 0) -> jax.Array:
     Returns:
       float32 logits ``[T, vocab]``; row ``t`` predicts token ``t + 1``.
     Raises:
-      TypeError / ValueError: token ids not integers / outside ``[0, vocab_size)``.
+      TypeError: token ids not integers; ``start_pos`` not an int.
+      ValueError: token ids outside ``[0, vocab_size)`` or not of shape ``[T >= 1]``;
+        ``start_pos < 0``.
     """
-    check_token_ids(token_ids, model.config.vocab_size, "forward_logits")
+    token_ids = _token_vector(token_ids, model.config.vocab_size, "forward_logits")
+    start_pos = _static_start(start_pos, "forward_logits")
     graphdef, state = nnx.split(model)
-    return _causal_pure(graphdef, state, jnp.asarray(token_ids, jnp.int32), int(start_pos))
+    return _causal_pure(graphdef, state, token_ids, start_pos)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5), donate_argnums=(3,))
@@ -770,20 +813,23 @@ def forward_compressed(model: Llama, token_ids, caches: Sequence, block_table, s
     Returns:
       ``(logits float32 [T, vocab], new_caches)``.
     Raises:
-      TypeError: token ids not integers.
-      ValueError: ``len(caches) != num_layers``; ``token_ids`` not 1-D with >= 1 token, or token
-        ids outside ``[0, vocab_size)``; ``block_table`` not 1-D; ``start_pos < 0`` or
-        ``start_pos + T`` beyond the table's ``max_pages * page_size`` tokens.
+      TypeError: token ids or ``block_table`` not integers; ``start_pos`` not an int; a cache that is
+        not a :class:`jax_tq.PagedKVCache`.
+      ValueError: ``len(caches) != num_layers``; layers of different page sizes or page counts;
+        ``token_ids`` not 1-D with >= 1 token, or token ids outside ``[0, vocab_size)``;
+        ``block_table`` not 1-D; ``start_pos < 0`` or ``start_pos + T`` beyond the table's
+        ``max_pages * page_size`` tokens.
       TypeError / ValueError: propagated from :func:`jax_tq.write_cache` /
         :func:`jax_tq.paged_decode`.
     """
+    where = "forward_compressed"
     _check_num_caches(model, caches)
-    check_token_ids(token_ids, model.config.vocab_size, "forward_compressed")
-    token_ids, block_table = jnp.asarray(token_ids, jnp.int32), jnp.asarray(block_table, jnp.int32)
-    if token_ids.ndim != 1 or token_ids.shape[0] < 1 or block_table.ndim != 1:
-        raise ValueError(f"forward_compressed: token_ids [T >= 1] and block_table [max_pages] must be 1-D, got "
-                         f"shapes {token_ids.shape} and {block_table.shape}")
-    page_size, start_pos = _page_size(caches[0]), int(start_pos)
+    page_size = _check_paged_caches(caches, where)
+    token_ids = _token_vector(token_ids, model.config.vocab_size, where)
+    block_table = _int32(block_table, "block_table", where)
+    start_pos = _static_start(start_pos, where)
+    if block_table.ndim != 1:
+        raise ValueError(f"forward_compressed: block_table must be [max_pages] (1-D), got shape {block_table.shape}")
     capacity = block_table.shape[0] * page_size
     if start_pos < 0 or start_pos + token_ids.shape[0] > capacity:
         raise ValueError(f"forward_compressed: positions {start_pos}..{start_pos + token_ids.shape[0] - 1} are not "
@@ -824,12 +870,26 @@ def decode_step(model: Llama, caches: Sequence, token, position, block_tables, s
     Returns:
       ``(logits float32 [S, vocab], new_caches)``.
     Raises:
-      ValueError: ``len(caches) != num_layers``; token, position or seq_lens not of shape ``[S]``,
-        block_tables not ``[S, max_pages]``.
+      TypeError: non-integer token, position, block_tables or seq_lens; a cache that is not a
+        :class:`jax_tq.PagedKVCache`.
+      ValueError: ``len(caches) != num_layers``; layers of different page sizes or page counts;
+        token, position or seq_lens not of shape ``[S]``, block_tables not ``[S, max_pages]``;
+        integers outside int32. For host (numpy / Python) inputs also: token ids outside
+        ``[0, vocab_size)``, an active row at a negative position. Inputs held in device arrays
+        are not read back every step: there an out-of-vocab id is clamped by the embedding
+        lookup, and a negative position writes nothing.
       TypeError / ValueError: propagated from :func:`jax_tq.write_cache` /
         :func:`jax_tq.paged_decode`.
     """
     return make_decode_step(model)(caches, token, position, block_tables, seq_lens)
+
+
+def _check_active_positions(position, seq_lens, where: str) -> None:
+    """ValueError for an active row (seq_lens > 0) at a negative position (nothing would be
+    written, and the row would attend to an unwritten slot)."""
+    pos, active = np.asarray(position), np.asarray(seq_lens) > 0
+    if active.any() and pos[active].min() < 0:
+        raise ValueError(f"{where}: active rows' positions must be >= 0, got {pos[active].min()}")
 
 
 def _check_decode_shapes(token, position, block_tables, seq_lens) -> None:
@@ -863,13 +923,17 @@ def make_decode_step(model: Llama):
     graphdef, state = nnx.split(model)
 
     def step(caches, token, position, block_tables, seq_lens):
-        check_token_ids(token, model.config.vocab_size, "decode_step", values=False)
+        where = "decode_step"
+        check_token_ids(token, model.config.vocab_size, where, values=_host_values(token))
         _check_num_caches(model, caches)
-        _check_paged_caches(caches, "decode_step")
-        token, position = jnp.asarray(token, jnp.int32), _int32(position, "position", "decode_step")
-        block_tables = _int32(block_tables, "block_tables", "decode_step")
-        seq_lens = _int32(seq_lens, "seq_lens", "decode_step")
+        _check_paged_caches(caches, where)
+        host_positions = _host_values(position) and _host_values(seq_lens)
+        token, position = _int32(token, "token", where), _int32(position, "position", where)
+        block_tables = _int32(block_tables, "block_tables", where)
+        seq_lens = _int32(seq_lens, "seq_lens", where)
         _check_decode_shapes(token, position, block_tables, seq_lens)
+        if host_positions:
+            _check_active_positions(position, seq_lens, where)
         return _decode_pure(graphdef, state, list(caches), token, position, block_tables, seq_lens)
 
     return step
@@ -886,9 +950,9 @@ def _dense_args(model: Llama, caches, token, position, num_steps: int, where: st
     range-check positions held in device arrays (a host read that waits for them: a loop's one call,
     not every step)."""
     _check_num_caches(model, caches)
-    check_token_ids(token, model.config.vocab_size, where, values=False)
-    host_positions = not isinstance(position, jax.Array)
-    token, position = jnp.asarray(token, jnp.int32), _int32(position, "position", where)
+    check_token_ids(token, model.config.vocab_size, where, values=device_values or _host_values(token))
+    host_positions = _host_values(position)
+    token, position = _int32(token, "token", where), _int32(position, "position", where)
     if token.ndim != 1 or token.shape[0] < 1 or position.shape != token.shape:
         raise ValueError(f"{where}: token and position must be [B] with B >= 1, got shapes {token.shape} and "
                          f"{position.shape}")
@@ -911,9 +975,11 @@ def make_dense_decode_step(model: Llama):
       ``< max_len``); returns ``(logits float32 [B, vocab], new_caches)``. It raises TypeError for
       non-integer tokens / positions or caches that are not ``(k, v)`` pairs of floating arrays,
       and ValueError for a wrong number of caches, shapes that do not match ``[B]`` /
-      ``[B, num_kv_heads, max_len, head_dim]``, or host (numpy / Python) positions outside
-      ``[0, max_len)``; positions in device arrays are not read back every step (one outside that
-      range is clamped by ``dynamic_update_slice`` onto a cached row).
+      ``[B, num_kv_heads, max_len, head_dim]``, integers outside int32, or host (numpy / Python)
+      token ids outside ``[0, vocab_size)`` or positions outside ``[0, max_len)``. Tokens and
+      positions in device arrays are not read back every step: an out-of-vocab id is clamped by
+      the embedding lookup, a position past ``max_len`` is clamped by ``dynamic_update_slice``
+      onto a cached row, and a negative one gives NaN logits (its row has no valid cache row).
     """
     graphdef, state = nnx.split(model)
 
@@ -988,7 +1054,7 @@ def make_decode_loop(model: Llama):
         check_token_ids(token, model.config.vocab_size, where)
         _check_num_caches(model, caches)
         page_size = _check_paged_caches(caches, where)
-        token, position = jnp.asarray(token, jnp.int32), _int32(position, "position", where)
+        token, position = _int32(token, "token", where), _int32(position, "position", where)
         block_tables, seq_lens = _int32(block_tables, "block_tables", where), _int32(seq_lens, "seq_lens", where)
         _check_decode_shapes(token, position, block_tables, seq_lens)
         _check_loop_capacity(position, seq_lens, block_tables.shape[1] * page_size, steps, where)
@@ -1022,9 +1088,10 @@ def make_dense_decode_loop(model: Llama):
       the function ``loop``: ``caches`` from :func:`init_dense_caches` (donated), ``token`` and
       ``position`` int ``[B]``, ``num_steps`` a Python int >= 1; returns int32
       ``tokens [B, num_steps]`` and the new caches. It raises as the dense step does (with the
-      positions' range ``0 <= position`` and ``position + num_steps <= max_len``), and also for a
-      ``num_steps`` that is not an int (TypeError) or below 1 and token ids outside
-      ``[0, vocab_size)`` (ValueError).
+      positions' range ``0 <= position`` and ``position + num_steps <= max_len``, and token ids in
+      ``[0, vocab_size)``, checked on concrete values, device arrays included: one host read per
+      call; traced ones, under an outer ``jax.jit``, are not checked), and also for a
+      ``num_steps`` that is not an int (TypeError) or below 1 (ValueError).
     """
     graphdef, state = nnx.split(model)
 
