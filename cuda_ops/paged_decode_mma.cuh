@@ -959,6 +959,7 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
     paged_decode_v4_kernel(const DecodeParams p) {
   static_assert(!RING || (KB != 0 && VB != 0), "the ring's stage layout needs compile-time widths");
   static_assert(GT == 4 || GT == 8, "v4: GT in {4, 8}");
+  static_assert(!SPLIT, "v4: f16 products (its V weights reach the V MMA as one f16x2 register transpose)");
   static_assert(kNH == kW4, "prologue: one head per warp");
   static_assert(HALVES == 1 || (HALVES == 2 && RING && !SPLIT && (D == 256 || D == 192)),
                 "warp pairs: head_dim 256 or 192, ring, f16");
