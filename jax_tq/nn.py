@@ -11,6 +11,7 @@ decode-step attention over a paged compressed cache.
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Callable
 
 import jax
@@ -28,15 +29,18 @@ def turboquant_attention_fn(k_codec: TurboQuant, v_codec: TurboQuant, base_atten
     Args:
       k_codec, v_codec: codecs whose head_dim is the attention head size.
       base_attention_fn: the attention to run on the reconstructed K/V, called with the module's
-        arguments; default ``flax.nnx.dot_product_attention``, or ``flax.linen.dot_product_attention``
-        when a linen module passes itself as ``module`` (``sow_weights=True``: the weights are sown
-        into linen's ``'intermediates'``). ``jax.nn.dot_product_attention`` does not take flax's
-        arguments (``dropout_rng``, float masks) and needs a wrapper inside flax modules.
+        arguments. Default: ``flax.linen.dot_product_attention`` when called from a flax.linen
+        module (which passes its own arguments: ``force_fp32_for_softmax``, the einsum overrides,
+        and with ``sow_weights=True`` itself as ``module``, so the weights are sown into linen's
+        ``'intermediates'``), else ``flax.nnx.dot_product_attention``. ``jax.nn.dot_product_attention``
+        does not take flax's arguments (``dropout_rng``, float masks) and needs a wrapper inside flax
+        modules.
 
     Returns:
-      ``fn(query, key, value, *args, **kwargs)``, with ``base_attention_fn``'s signature (as
-      ``inspect.signature`` reports it, so that flax.linen passes it the mask, dropout and dtype
-      arguments): query [..., q_len, num_heads, head_dim], key and
+      ``fn(query, key, value, *args, **kwargs)``, with ``base_attention_fn``'s signature, or by
+      default the union of linen's and nnx's ``dot_product_attention`` parameters (as
+      ``inspect.signature`` reports it: flax.linen passes an attention function only the arguments
+      it finds there by name): query [..., q_len, num_heads, head_dim], key and
       value [..., kv_len, num_kv_heads, head_dim] (any float dtype the kernels take); returns what
       ``base_attention_fn`` returns. Reconstructed K/V keep the input dtype. Differentiable: the
       compress/decompress round trip passes gradients straight through (identity; the
@@ -51,16 +55,6 @@ def turboquant_attention_fn(k_codec: TurboQuant, v_codec: TurboQuant, base_atten
     """
     check_packed_codec(k_codec, "nn.turboquant_attention_fn", "k_codec")
     check_packed_codec(v_codec, "nn.turboquant_attention_fn", "v_codec")
-    if base_attention_fn is None:
-        from flax import nnx
-
-        signature_fn = nnx.dot_product_attention
-    else:
-        signature_fn = base_attention_fn
-
-    # wraps: the signature seen by inspect is the base function's; flax.linen passes mask, dropout,
-    # dtype and precision only to parameters it finds there by name.
-    @functools.wraps(signature_fn)
     def attention_fn(query, key, value, *args, **kwargs):
         for name, x, codec in (("key", key, k_codec), ("value", value, v_codec)):
             check_float_input(jnp.asarray(x), name, "nn.turboquant_attention_fn")
@@ -69,23 +63,44 @@ def turboquant_attention_fn(k_codec: TurboQuant, v_codec: TurboQuant, base_atten
                                  f"{codec.head_dim}] (the codec's head_dim), got shape {tuple(jnp.shape(x))}")
         key_hat = _round_trip(key, k_codec)
         value_hat = _round_trip(value, v_codec)
-        base = base_attention_fn or _default_base_attention(kwargs.get("module"))
-        return base(query, key_hat, value_hat, *args, **kwargs)
+        if base_attention_fn is not None:
+            return base_attention_fn(query, key_hat, value_hat, *args, **kwargs)
+        return _default_base_attention(query, key_hat, value_hat, *args, **kwargs)
 
+    if base_attention_fn is not None:  # inspect.signature (through __wrapped__) sees the base's
+        return functools.wraps(base_attention_fn)(attention_fn)
+    functools.update_wrapper(attention_fn, _default_base_attention, assigned=("__name__", "__qualname__", "__doc__"),
+                             updated=())
+    attention_fn.__signature__ = _flax_attention_signature()
     return attention_fn
 
 
-def _default_base_attention(module):
-    """flax.linen's dot_product_attention for a linen module (it sows the weights into linen's
-    'intermediates' collection), else flax.nnx's."""
-    if module is not None:
-        from flax import linen
+#: Parameters of flax.linen.dot_product_attention that flax.nnx's does not take: only a linen
+#: module passes them (it passes an attention function the arguments its signature names).
+_LINEN_ONLY = ("force_fp32_for_softmax", "einsum_dot_general", "qk_attn_weights_einsum", "attn_weights_value_einsum")
 
-        if isinstance(module, linen.Module):
-            return linen.dot_product_attention
-    from flax import nnx
 
-    return nnx.dot_product_attention
+@functools.cache
+def _flax_attention_signature() -> inspect.Signature:
+    """nnx.dot_product_attention's signature plus linen's own keyword parameters."""
+    from flax import linen, nnx
+
+    params = dict(inspect.signature(nnx.dot_product_attention).parameters)
+    for name, param in inspect.signature(linen.dot_product_attention).parameters.items():
+        if name not in params:
+            params[name] = param.replace(kind=inspect.Parameter.KEYWORD_ONLY)
+    ordered = sorted(params.values(), key=lambda p: p.kind == inspect.Parameter.KEYWORD_ONLY)
+    return inspect.Signature(ordered)
+
+
+def _default_base_attention(query, key, value, *args, **kwargs):
+    """flax.linen's dot_product_attention when a linen module calls (it passes linen-only arguments,
+    or itself as ``module``: the weights are sown into linen's 'intermediates'), else flax.nnx's."""
+    from flax import linen, nnx
+
+    from_linen = isinstance(kwargs.get("module"), linen.Module) or any(name in kwargs for name in _LINEN_ONLY)
+    fn = linen.dot_product_attention if from_linen else nnx.dot_product_attention
+    return fn(query, key, value, *args, **kwargs)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1,))

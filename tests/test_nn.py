@@ -153,6 +153,42 @@ def test_linen_module_with_the_default_base_sows_its_attention_weights(rng):
     jax.tree_util.tree_map(jnp.shape, state)  # a usable pytree
 
 
+def test_linen_module_with_the_default_base_gets_its_own_arguments(rng):
+    """With the default base, a linen module passes its linen-only arguments (the einsum overrides,
+    force_fp32_for_softmax) and runs linen's attention with or without sow_weights: the output
+    equals linen's attention on the reconstructed K / V with the same overrides (the wrapper used
+    to show nnx's signature, so linen dropped them, and ran nnx's attention unless sow_weights)."""
+    linen = pytest.importorskip("flax.linen")
+    import functools
+
+    codec = tq.TurboQuant(head_dim=64, bits=4, seed=1)
+    def tripled():  # a qk einsum override (linen instantiates the class it is given)
+        return lambda subscripts, a, b, **kw: 3.0 * jnp.einsum(subscripts, a, b, **kw)
+    seen = {}
+
+    @functools.wraps(linen.dot_product_attention)  # linen passes what this signature names
+    def reference(q, k, v, *args, **kw):
+        seen["kwargs"] = sorted(kw)
+        return linen.dot_product_attention(q, tq.decompress(*tq.compress(k, codec), codec, dtype=k.dtype),
+                                           tq.decompress(*tq.compress(v, codec), codec, dtype=v.dtype), *args, **kw)
+
+    def module(attention_fn):
+        return linen.MultiHeadDotProductAttention(num_heads=2, qkv_features=128, dtype=jnp.bfloat16,
+                                                  force_fp32_for_softmax=True,
+                                                  qk_attn_weights_einsum_cls=tripled,
+                                                  attn_weights_value_einsum_cls=lambda: jnp.einsum,
+                                                  attention_fn=attention_fn)
+
+    x = jnp.asarray(rng.normal(size=(2, 6, 128)), jnp.float32)
+    want_mod, tq_mod = module(reference), module(turboquant_attention_fn(codec, codec))
+    params = want_mod.init(jax.random.PRNGKey(0), x)
+    want = want_mod.apply(params, x)
+    assert "qk_attn_weights_einsum" in seen["kwargs"] and "force_fp32_for_softmax" in seen["kwargs"]
+    np.testing.assert_array_equal(np.asarray(tq_mod.apply(params, x)), np.asarray(want))
+    out, _ = tq_mod.apply(params, x, mutable=["intermediates"], sow_weights=True)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
+
+
 def test_attention_fn_names_the_tensor_with_the_wrong_head_dim():
     fn = turboquant_attention_fn(tq.TurboQuant(head_dim=64, bits=4), tq.TurboQuant(head_dim=64, bits=4))
     ok, short = jnp.zeros((1, 4, 2, 64)), jnp.zeros((1, 4, 2, 32))
