@@ -95,6 +95,7 @@ def paged_decode(q, cache, block_tables, seq_lens, *, scale=None, num_splits=Non
     (Flash-Decoding); the fast Walsh-Hadamard transform for Pi = H D2 P H D1 (docs/FORMAT.md).
     """
     check_cache(cache, "paged_decode")
+    requested_cuda_decode()  # a misspelt kernel choice raises on every backend and query dtype
     q, block_tables, seq_lens = jnp.asarray(q), jnp.asarray(block_tables), jnp.asarray(seq_lens)
     scale, num_splits = _static_scale(scale), _static_num_splits(num_splits)
     _check_decode_args(q, cache, block_tables, seq_lens, num_splits)

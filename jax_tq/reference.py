@@ -82,7 +82,9 @@ def quantize_rotated(y, centroids):
       y: float array [..., d] (rotated unit-vector coordinates).
       centroids: float [2**bits], ascending.
     Returns:
-      uint8 codes [..., d]; a y exactly on a boundary gets the lower code.
+      uint8 codes [..., d]; a y exactly on a boundary gets the lower code. (XLA on the CPU flushes
+      float32 subnormals to zero, so a subnormal y next to the middle boundary 0 gets the code of
+      0; compress never produces one: its y are coordinates of unit vectors.)
     Raises:
       TypeError: y or centroids not floating.
     Source: TurboQuant (arXiv 2504.19874), Algorithm 1 line 5 (nearest centroid).
@@ -229,7 +231,8 @@ def compress_write(x, codes, norms, rotation, centroids, slot_mapping, bits: int
     Args:
       x: float [T, Hkv, d].
       codes: uint8 [P, Hkv, page_size, d*bits/8] pool.
-      norms: float32 [P, Hkv, page_size] pool.
+      norms: float [P, Hkv, page_size] pool (float32 in a PagedKVCache; as the oracle, any float
+        dtype, kept in the result).
       rotation: float [d, d].  centroids: float [2**bits].
       slot_mapping: int32 [T]; token t goes to page slot // page_size, offset slot % page_size.
         Slots < 0 or >= P * page_size are skipped. Duplicates: one writer wins (unspecified).

@@ -180,3 +180,24 @@ def test_rotations_run_at_high_only_where_the_float16_kernel_runs(monkeypatch):
                      ((True, "bfloat16"), {"env": "v3"})]:      # v3 forced
         precisions = _rotation_precisions(monkeypatch, *args, **kw)
         assert len(precisions) == 2 and all("HIGHEST" in p for p in precisions), (args, kw, precisions)
+
+
+@pytest.mark.parametrize("backend", ["xla", "ffi"])
+@pytest.mark.parametrize("qdtype", ["float32", "bfloat16"])
+def test_a_misspelt_cuda_decode_choice_raises_on_every_backend(monkeypatch, backend, qdtype):
+    """JAX_TQ_CUDA_DECODE was read only where the kernel choice mattered (bf16 queries on a kernel
+    backend): a typo went unnoticed for float32 queries and the xla backend (documentation trial)."""
+    import jax.numpy as jnp
+
+    import jax_tq as tq
+
+    codec = tq.TurboQuant(head_dim=64, bits=4, seed=0)
+    cache = tq.PagedKVCache.create(num_pages=2, page_size=8, num_kv_heads=1, k_codec=codec, v_codec=codec)
+    q = jnp.ones((1, 2, 64), qdtype)
+    tables, lens = jnp.zeros((1, 2), jnp.int32), jnp.ones((1,), jnp.int32)
+    monkeypatch.setenv("JAX_TQ_CUDA_DECODE", "v9")
+    with tq.use_backend(backend), pytest.raises(ValueError, match="JAX_TQ_CUDA_DECODE='v9'"):
+        tq.paged_decode(q, cache, tables, lens)
+    monkeypatch.delenv("JAX_TQ_CUDA_DECODE")
+    with tq.use_backend(backend):
+        assert tq.paged_decode(q, cache, tables, lens).shape == (1, 2, 64)

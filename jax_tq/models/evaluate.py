@@ -271,7 +271,7 @@ def compression_ratio_vs_bf16(config: LlamaConfig, k_bits: int | None, v_bits: i
     Returns:
       the compression ratio (float).
     Raises:
-      ValueError: as :func:`kv_bytes_per_token`.
+      TypeError / ValueError: as :func:`kv_bytes_per_token`.
     """
     return kv_bytes_per_token(config, None, None) / kv_bytes_per_token(config, k_bits, v_bits)
 
