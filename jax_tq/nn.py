@@ -69,8 +69,6 @@ def turboquant_attention_fn(k_codec: TurboQuant, v_codec: TurboQuant, base_atten
 
     if base_attention_fn is not None:  # inspect.signature (through __wrapped__) sees the base's
         return functools.wraps(base_attention_fn)(attention_fn)
-    functools.update_wrapper(attention_fn, _default_base_attention, assigned=("__name__", "__qualname__", "__doc__"),
-                             updated=())
     attention_fn.__signature__ = _flax_attention_signature()
     return attention_fn
 

@@ -31,6 +31,7 @@ from jax_tq.format import check_bits
 from .gguf_loader import LlamaConfig
 from .llama import (
     Llama,
+    _token_vector,
     check_token_ids,
     forward_compressed,
     forward_logits,
@@ -333,10 +334,7 @@ def check_decode_matches_eval(model: Llama, token_ids, cache_config=(4, 4),
 
 def _check_decode_matches_eval(model, token_ids, cache_config, atol):
     cfg = parse_cache_config(cache_config) or CacheConfig()
-    check_token_ids(token_ids, model.config.vocab_size, "check_decode_matches_eval")
-    if np.ndim(token_ids) != 1 or np.size(token_ids) < 1:
-        raise ValueError(f"check_decode_matches_eval: token_ids must be [n] with n >= 1, got shape {np.shape(token_ids)}")
-    ids = np.asarray(token_ids, np.int32)
+    ids = np.asarray(_token_vector(token_ids, model.config.vocab_size, "check_decode_matches_eval"))
     n = ids.shape[0]
     ps = cfg.page_size
     n_pages = -(-n // ps)

@@ -927,13 +927,13 @@ def make_decode_step(model: Llama):
         check_token_ids(token, model.config.vocab_size, where, values=_host_values(token))
         _check_num_caches(model, caches)
         _check_paged_caches(caches, where)
-        host_positions = _host_values(position) and _host_values(seq_lens)
+        host_position, host_seq_lens = position, seq_lens
         token, position = _int32(token, "token", where), _int32(position, "position", where)
         block_tables = _int32(block_tables, "block_tables", where)
         seq_lens = _int32(seq_lens, "seq_lens", where)
         _check_decode_shapes(token, position, block_tables, seq_lens)
-        if host_positions:
-            _check_active_positions(position, seq_lens, where)
+        if _host_values(host_position) and _host_values(host_seq_lens):  # no device read per step
+            _check_active_positions(host_position, host_seq_lens, where)
         return _decode_pure(graphdef, state, list(caches), token, position, block_tables, seq_lens)
 
     return step
@@ -951,14 +951,14 @@ def _dense_args(model: Llama, caches, token, position, num_steps: int, where: st
     not every step)."""
     _check_num_caches(model, caches)
     check_token_ids(token, model.config.vocab_size, where, values=device_values or _host_values(token))
-    host_positions = _host_values(position)
+    given_position = position
     token, position = _int32(token, "token", where), _int32(position, "position", where)
     if token.ndim != 1 or token.shape[0] < 1 or position.shape != token.shape:
         raise ValueError(f"{where}: token and position must be [B] with B >= 1, got shapes {token.shape} and "
                          f"{position.shape}")
     max_len = _check_dense_caches(model, caches, token.shape[0], where)
-    if device_values or host_positions:
-        _check_dense_positions(position, num_steps, max_len, where)
+    if device_values or _host_values(given_position):
+        _check_dense_positions(given_position, num_steps, max_len, where)
     return token, position
 
 
@@ -1098,7 +1098,6 @@ def make_dense_decode_loop(model: Llama):
     def loop(caches, token, position, num_steps: int):
         where = "dense decode loop"
         steps = _num_steps(num_steps, where)
-        check_token_ids(token, model.config.vocab_size, where)
         token, position = _dense_args(model, caches, token, position, steps, where)
         return _dense_decode_loop_pure(graphdef, state, list(caches), token, position, steps)
 
