@@ -17,8 +17,8 @@ import jax_tq as tq
 H, HKV, D, PAGE = 32, 8, 128, 16
 
 
-def decode_inputs(num_seqs, seq_len, key):
-    k_codec, v_codec = tq.TurboQuant(D, 4, 0), tq.TurboQuant(D, 4, 1)
+def decode_inputs(num_seqs, seq_len, key, rotation="haar"):
+    k_codec, v_codec = tq.TurboQuant(D, 4, 0, rotation), tq.TurboQuant(D, 4, 1, rotation)
     pages = num_seqs * (seq_len // PAGE)
     cache = tq.PagedKVCache.create(num_pages=pages, page_size=PAGE, num_kv_heads=HKV, k_codec=k_codec, v_codec=v_codec)
     k1, k2, k3 = jax.random.split(key, 3)

@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <string>
 #include <type_traits>
 
 #include <pybind11/pybind11.h>
@@ -26,6 +27,8 @@ namespace jax_tq::cuda {
 // the current device (head_dim 256: its warp pairs): 1 yes, 0 no (the handler then runs the
 // register variant, or v1 at head_dim 256), -1 no such ring kernel.
 int RingFitsOnDevice(int head_dim, int k_bits, int v_bits);
+bool ReadPhaseTrace(unsigned long long* dst);
+int PhaseTraceWords();
 }  // namespace jax_tq::cuda
 
 PYBIND11_MODULE(_cuda_ops, m) {
@@ -55,6 +58,15 @@ PYBIND11_MODULE(_cuda_ops, m) {
         return d;
       },
       py::arg("device") = 0);
+  m.def("phase_trace", []() {
+    std::string buf(static_cast<size_t>(jax_tq::cuda::PhaseTraceWords()) * 8, '\0');
+    if (!jax_tq::cuda::ReadPhaseTrace(reinterpret_cast<unsigned long long*>(buf.data()))) {
+      cudaGetLastError();
+      throw std::runtime_error("jax_tq._cuda_ops.phase_trace: CUDA error");
+    }
+    return py::bytes(buf);
+  }, "v4's phase trace (JAX_TQ_TRACE_PHASES=1): uint64 [2048 CTAs][8 warps][6 stamps][globaltimer ns, SM id], "
+     "then zeroed (a diagnostic for benchmarks/phase_trace.py).");
   m.def("ring_fits", &jax_tq::cuda::RingFitsOnDevice, py::arg("head_dim"), py::arg("k_bits"), py::arg("v_bits"),
         "Whether v4's ring decode kernel for these widths keeps 2 CTAs per SM on the current device: 1 yes, "
         "0 no (the decode then runs a slower kernel), -1 no ring kernel for them.");

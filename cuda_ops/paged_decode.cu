@@ -85,6 +85,29 @@ __device__ __forceinline__ void cp_async_s(uint32_t dst_smem, const void* src_gm
   else asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(dst_smem), "l"(src_gmem), "n"(CU) : "memory");
 }
 
+// A kernel's first few global reads (q, centroids, rotation words, block-table entries), issued
+// before its first tiles' copies, whose megabytes would otherwise delay them by a loaded memory
+// latency. Plain (coherent) loads: a following __threadfence_block() keeps the compiler from sinking
+// them below it, which it does with read-only (.nc) loads.
+__device__ __forceinline__ float ld_early(const float* src) {
+  float v;
+  asm volatile("ld.global.f32 %0, [%1];\n" : "=f"(v) : "l"(src) : "memory");
+  return v;
+}
+__device__ __forceinline__ int ld_early(const int* src) {
+  int v;
+  asm volatile("ld.global.s32 %0, [%1];\n" : "=r"(v) : "l"(src) : "memory");
+  return v;
+}
+__device__ __forceinline__ int4 ld_early(const int4* src) {
+  int4 v;
+  asm volatile("ld.global.v4.s32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(src)
+               : "memory");
+  return v;
+}
+
 __device__ __forceinline__ void cp_async_commit() {
   asm volatile("cp.async.commit_group;\n" ::: "memory");
 }
@@ -262,7 +285,32 @@ struct DecodeParams {
   CopyPlan kcopy, vcopy;
   int k_bits, v_bits;
   const int32_t* rot;   // [2][128] Hadamard spec words (K, V; format.h), or nullptr: q / out rotated outside
+  unsigned long long* trace;  // v4's phase trace (PhaseTrace below), or nullptr (the default)
 };
+
+// A diagnostic: with JAX_TQ_TRACE_PHASES=1 in the environment, v4 records for each warp of its first
+// kTraceCtas CTAs (blockIdx.x + gridDim.x * blockIdx.y) kTraceStamps pairs (%globaltimer ns, %smid):
+// kernel start, first reads landed, q staged and first copies issued, tables built (the loop
+// starts), end of the warp's tile loop, kernel end; read back by _cuda_ops.phase_trace()
+// (benchmarks/phase_trace.py). Off, the kernels only test a null pointer.
+constexpr int kTraceCtas = 2048;
+constexpr int kTraceWarps = 8;
+constexpr int kTraceStamps = 6;
+constexpr int kTraceWords = kTraceCtas * kTraceWarps * kTraceStamps * 2;
+__device__ unsigned long long g_phase_trace[kTraceWords];
+
+__device__ __forceinline__ void trace_phase(const DecodeParams& p, int warp, int lane, int stamp) {
+  if (p.trace == nullptr || lane != 0) return;
+  const unsigned cta = blockIdx.x + gridDim.x * blockIdx.y;
+  if (cta >= kTraceCtas || warp >= kTraceWarps) return;
+  unsigned long long ns;
+  unsigned sm;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+  unsigned long long* slot = p.trace + ((cta * kTraceWarps + warp) * kTraceStamps + stamp) * 2;
+  slot[0] = ns;
+  slot[1] = sm;
+}
 
 // ---- The Hadamard rotation applied inside the kernels (rotation spec words: format.h) ---------
 // A warp holds one 128-coordinate row, x[j] = coordinate 4 * lane + j; buf is 128 floats of the
@@ -287,7 +335,7 @@ __device__ __forceinline__ void warp_fwht128(float (&x)[4], int lane) {
 }
 
 __device__ __forceinline__ void load_rot_words(const int32_t* spec, int lane, uint32_t (&w)[4]) {
-  const int4 v = __ldg(reinterpret_cast<const int4*>(spec) + lane);
+  const int4 v = ld_early(reinterpret_cast<const int4*>(spec) + lane);
   w[0] = static_cast<uint32_t>(v.x);
   w[1] = static_cast<uint32_t>(v.y);
   w[2] = static_cast<uint32_t>(v.z);
@@ -296,9 +344,7 @@ __device__ __forceinline__ void load_rot_words(const int32_t* spec, int lane, ui
 
 // x <- Pi x with Pi = H D2 P H D1 (H normalized: the two 1 / sqrt(128) factors are the exact
 // 2^-7 applied first, so no intermediate grows past the normalized transform's values).
-__device__ __forceinline__ void rotate_row_forward(float (&x)[4], const int32_t* spec, float* buf, int lane) {
-  uint32_t w[4];
-  load_rot_words(spec, lane, w);
+__device__ __forceinline__ void rotate_row_forward(float (&x)[4], const uint32_t (&w)[4], float* buf, int lane) {
 #pragma unroll
   for (int j = 0; j < 4; ++j) x[j] = (rot_neg1(w[j]) ? -x[j] : x[j]) * 0x1p-7f;
   warp_fwht128(x, lane);
@@ -316,9 +362,7 @@ __device__ __forceinline__ void rotate_row_forward(float (&x)[4], const int32_t*
 }
 
 // x <- Pi^T x = D1 H P^T D2 H x.
-__device__ __forceinline__ void rotate_row_inverse(float (&x)[4], const int32_t* spec, float* buf, int lane) {
-  uint32_t w[4];
-  load_rot_words(spec, lane, w);
+__device__ __forceinline__ void rotate_row_inverse(float (&x)[4], const uint32_t (&w)[4], float* buf, int lane) {
 #pragma unroll
   for (int j = 0; j < 4; ++j) x[j] *= 0x1p-7f;
   warp_fwht128(x, lane);
@@ -332,6 +376,18 @@ __device__ __forceinline__ void rotate_row_inverse(float (&x)[4], const int32_t*
   warp_fwht128(x, lane);
 #pragma unroll
   for (int j = 0; j < 4; ++j) x[j] = rot_neg1(w[j]) ? -x[j] : x[j];
+}
+
+// The same with the spec words read from global memory here (lane's words 4 lane .. 4 lane + 3).
+__device__ __forceinline__ void rotate_row_forward(float (&x)[4], const int32_t* spec, float* buf, int lane) {
+  uint32_t w[4];
+  load_rot_words(spec, lane, w);
+  rotate_row_forward(x, w, buf, lane);
+}
+__device__ __forceinline__ void rotate_row_inverse(float (&x)[4], const int32_t* spec, float* buf, int lane) {
+  uint32_t w[4];
+  load_rot_words(spec, lane, w);
+  rotate_row_inverse(x, w, buf, lane);
 }
 
 // Row index ((phys * Hkv + kvh) * page + off) of logical token `tok`, or -1 when the token is
@@ -1523,6 +1579,15 @@ int ring_fits_widths(int kb, int vb) {
 
 }  // namespace
 
+// The phase trace buffer (kTraceWords words) into dst, then zeroed; false on a CUDA error.
+bool ReadPhaseTrace(unsigned long long* dst) {
+  if (cudaDeviceSynchronize() != cudaSuccess) return false;
+  if (cudaMemcpyFromSymbol(dst, g_phase_trace, sizeof(g_phase_trace)) != cudaSuccess) return false;
+  static unsigned long long zeros[kTraceWords];
+  return cudaMemcpyToSymbol(g_phase_trace, zeros, sizeof(g_phase_trace)) == cudaSuccess;
+}
+int PhaseTraceWords() { return kTraceWords; }
+
 int RingFitsOnDevice(int head_dim, int k_bits, int v_bits) {
 #if JTQ_HAS_D(64)
   if (head_dim == 64) return ring_fits_widths<64, 1>(k_bits, v_bits);
@@ -1615,6 +1680,11 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot,
   p.k_bits = k_bits;
   p.v_bits = v_bits;
   p.rot = dims.fused ? rotation.typed_data() : nullptr;
+  p.trace = nullptr;
+  if (const char* env = std::getenv("JAX_TQ_TRACE_PHASES"); env != nullptr && env[0] == '1') {
+    void* trace = nullptr;
+    if (cudaGetSymbolAddress(&trace, g_phase_trace) == cudaSuccess) p.trace = static_cast<unsigned long long*>(trace);
+  }
   if (P == 0) {  // nothing can be read: every row is 0 (all page ids are out of range)
     p.P = 0;
   }

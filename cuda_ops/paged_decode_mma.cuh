@@ -220,8 +220,8 @@ __device__ __forceinline__ LutSeed load_lut_seed(const float* kcent, const float
                                                  int k_shift, int v_shift) {
   const int e = threadIdx.x & 255;
   const int km = (1 << k_bits) - 1, vm = (1 << v_bits) - 1;
-  return {__ldg(kcent + (e & km)), __ldg(kcent + ((e >> k_shift) & km)), __ldg(vcent + (e & vm)),
-          __ldg(vcent + ((e >> v_shift) & vm))};
+  return {ld_early(kcent + (e & km)), ld_early(kcent + ((e >> k_shift) & km)), ld_early(vcent + (e & vm)),
+          ld_early(vcent + ((e >> v_shift) & vm))};
 }
 
 template <bool SPLIT>
@@ -413,35 +413,66 @@ struct Tile {
   float vn0, vn1;  // V norms of tokens gid, gid + 8 (0 when masked)
 };
 
+// v4's one-page tile: its block-table entry (-1 past the split's end) and its first row inside the
+// page (rows of the KV heads before its own, plus the tile's first token's offset in the page).
+struct TilePage {
+  int phys;
+  int row_in_page;
+};
+
 // ---- pieces shared by the v3 and v4 kernels (identical code in both) ---------------------------
 
-// q of the tile's query heads HPW * warp .. + HPW - 1 (scaled by scale * log2(e), then by a
-// per-head power of two so that |q| < 1: no f16 overflow with huge logits) into q_s [kNH][kD];
-// the powers of two into qexp_s; 1 into bad_s where the head's q_rot row is not all finite (its
-// output row is NaN; the row is staged as zeros). With the fused rotation (p.rot) q is rotated here
-// first (rot_buf: 128 floats of the warp's shared memory).
+// q of the tile's query heads HPW * warp .. + HPW - 1 (0 past the group), and with the fused
+// rotation (p.rot) the lane's words of Pi_k's spec: read at kernel start, before the tiles' copies,
+// so that these few loads do not queue behind the copies.
 // Padded rows (v4, head_dim 80 / 96 / 192): the staged row is D / DB blocks of DB coordinates whose
 // first DV hold q's coordinates blk * DV .. (a row of (D / DB) * DV floats in p.q), the rest 0.
+template <int D, int HPW>
+struct QueryRows {
+  float x[HPW][Dims<D>::kQL];  // coordinates kQL * lane .. of each head's staged row
+  uint32_t rot[4];             // the fused rotation's spec words 4 lane .. 4 lane + 3
+};
+
 template <int D, int GT, int HPW, int DV = D, int DB = D>
-__device__ __forceinline__ void stage_queries(const DecodeParams& p, float* q_s, float* qexp_s, int* bad_s,
-                                              int seq, int kvh, int tile, int warp, int lane, float* rot_buf) {
-  constexpr int QL = Dims<D>::kQL;  // coordinates QL * lane .. + QL - 1 of the row
+__device__ __forceinline__ QueryRows<D, HPW> load_query_rows(const DecodeParams& p, int seq, int kvh, int tile,
+                                                             int warp, int lane) {
+  constexpr int QL = Dims<D>::kQL;
   constexpr int DQ = (D / DB) * DV;  // q's head_dim
+  QueryRows<D, HPW> r = {};
 #pragma unroll
   for (int hh = 0; hh < HPW; ++hh) {
     const int g = HPW * warp + hh;
     const int hl = tile * GT + g;
-    float x[QL] = {};
     if (g < GT && hl < p.G) {
       const float* qrow = p.q + (static_cast<int64_t>(seq) * p.H + kvh * p.G + hl) * DQ;
 #pragma unroll
       for (int j = 0; j < QL; ++j) {
         const int at = QL * lane + j, blk = at / DB, c = at - blk * DB;
-        if (DV == DB || c < DV) x[j] = qrow[blk * DV + c];
+        if (DV == DB || c < DV) r.x[hh][j] = ld_early(qrow + blk * DV + c);
       }
     }
+  }
+  if constexpr (D == kD && DV == DB) {
+    if (p.rot != nullptr) load_rot_words(p.rot, lane, r.rot);  // warp-uniform
+  }
+  return r;
+}
+
+// The rows of load_query_rows, rotated where the rotation is fused (rot_buf: 128 floats of the
+// warp's shared memory), scaled by scale * log2(e) and then by a per-head power of two so that
+// |q| < 1 (no f16 overflow with huge logits), into q_s [kNH][D]; the powers of two into qexp_s; 1
+// into bad_s where the head's q_rot row is not all finite (its output row is NaN; the row is staged
+// as zeros).
+template <int D, int HPW, int DV = D, int DB = D>
+__device__ __forceinline__ void stage_queries(const DecodeParams& p, QueryRows<D, HPW>& r, float* q_s,
+                                              float* qexp_s, int* bad_s, int warp, int lane, float* rot_buf) {
+  constexpr int QL = Dims<D>::kQL;  // coordinates QL * lane .. + QL - 1 of the row
+#pragma unroll
+  for (int hh = 0; hh < HPW; ++hh) {
+    const int g = HPW * warp + hh;
+    float (&x)[QL] = r.x[hh];
     if constexpr (D == kD && DV == DB) {
-      if (p.rot != nullptr) rotate_row_forward(x, p.rot, rot_buf, lane);  // warp-uniform
+      if (p.rot != nullptr) rotate_row_forward(x, r.rot, rot_buf, lane);  // warp-uniform
     }
     bool lane_finite = true;
 #pragma unroll
@@ -633,7 +664,8 @@ template <int GT, int W>
 __device__ __forceinline__ void merge_rotate_and_store(const DecodeParams& p, float (&m_s)[W][kNH],
                                                        float (&l_s)[W][kNH], float (&o_s)[W][kNH * kD],
                                                        const int* bad_s, int warp, int gid, int t4, int seq,
-                                                       int split, int kvh, int tile, float* rot_buf) {
+                                                       int split, int kvh, int tile, float* rot_buf,
+                                                       const int4* rot_v_s) {
   static_assert((W * kNH + GT) * kD * 4 <= kSmemBytes, "the fused rotation's rows after o_s");
   float* rows_s = &o_s[0][0] + W * kNH * kD;
   merge_warps_and_store<kD, GT, kNH, W>(p, m_s, l_s, o_s, bad_s, seq, split, kvh, tile, rows_s);
@@ -643,7 +675,14 @@ __device__ __forceinline__ void merge_rotate_and_store(const DecodeParams& p, fl
     float x[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) x[j] = rows_s[g * kD + 4 * lane + j];
-    rotate_row_inverse(x, p.rot + kD, rot_buf, lane);
+    if (rot_v_s != nullptr) {
+      const int4 v = rot_v_s[lane];
+      const uint32_t w[4] = {static_cast<uint32_t>(v.x), static_cast<uint32_t>(v.y), static_cast<uint32_t>(v.z),
+                             static_cast<uint32_t>(v.w)};
+      rotate_row_inverse(x, w, rot_buf, lane);
+    } else {
+      rotate_row_inverse(x, p.rot + kD, rot_buf, lane);
+    }
     float* dst = p.out + (static_cast<int64_t>(seq) * p.H + kvh * p.G + tile * GT + g) * kD + 4 * lane;
     *reinterpret_cast<float4*>(dst) = make_float4(x[0], x[1], x[2], x[3]);
   }
@@ -652,7 +691,8 @@ __device__ __forceinline__ void merge_rotate_and_store(const DecodeParams& p, fl
 // After a warp-independent tile loop: each warp's (m, l, o) into shared memory (o_s reuses the
 // tables: every warp must be past its loop), merged over the W warps and stored. With the fused
 // rotation and one split, the merged rows go to the table space after o_s and warp w rotates rows
-// w, w + W, ... back (out = Pi_v^T o_rot; rot_buf: the warp's 128 floats, free after its loop).
+// w, w + W, ... back (out = Pi_v^T o_rot; rot_buf: the warp's 128 floats, free after its loop;
+// rot_v_s: Pi_v's spec words staged in shared memory, or null to read them from p.rot).
 // Warp pairs (HALVES = 2): `warp` is the pair (one of W), whose two warps hold the same m and l and
 // the coordinates half * DV .. of o (DV = D / HALVES). A tile of DW > DV coordinates (padded rows)
 // holds DV real ones.
@@ -662,7 +702,7 @@ __device__ __forceinline__ void merge_tile_state(const DecodeParams& p, const fl
                                                  float (&o_s)[W][kNH * D], float (&m_s)[W][kNH],
                                                  float (&l_s)[W][kNH], const int* bad_s, int warp, int gid,
                                                  int t4, int seq, int split, int kvh, int tile, float* rot_buf,
-                                                 int half = 0) {
+                                                 int half = 0, const int4* rot_v_s = nullptr) {
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
 #pragma unroll
@@ -688,7 +728,8 @@ __device__ __forceinline__ void merge_tile_state(const DecodeParams& p, const fl
     merge_warps_and_store<D, GT, kNH, W, 32 * W * HALVES>(p, m_s, l_s, o_s, bad_s, seq, split, kvh, tile);
     return;
   }
-  if constexpr (D == kD) merge_rotate_and_store<GT, W>(p, m_s, l_s, o_s, bad_s, warp, gid, t4, seq, split, kvh, tile, rot_buf);
+  if constexpr (D == kD)
+    merge_rotate_and_store<GT, W>(p, m_s, l_s, o_s, bad_s, warp, gid, t4, seq, split, kvh, tile, rot_buf, rot_v_s);
 }
 
 // SPLIT: q, P and the centroids enter the MMAs as f16 hi + lo (3 MMAs per product, ~f32 accurate);
@@ -735,7 +776,8 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
 
   // ---- prologue: q (scaled, per-head power of two) staged in the table space, then the tables -
   float* q_s = reinterpret_cast<float*>(smem);
-  stage_queries<D, GT, 2>(p, q_s, qexp_s, bad_s, seq, kvh, tile, warp, lane, w_s[warp]);
+  QueryRows<D, 2> qrows = load_query_rows<D, GT, 2>(p, seq, kvh, tile, warp, lane);
+  stage_queries<D, 2>(p, qrows, q_s, qexp_s, bad_s, warp, lane, w_s[warp]);
   __syncthreads();
   uint32_t qh[KS][2], ql[KS][2];
   query_fragments<D>(q_s, gid, t4, qh, ql);
@@ -992,6 +1034,7 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
   __shared__ float m_s[NP][kNH];
   __shared__ float l_s[NP][kNH];
   __shared__ __align__(16) float4 x_s[HALVES == 2 ? kW4 * 2 * 32 : 1];  // pairs: [warp][tile parity][lane]
+  __shared__ int4 rot_v_s[32];  // the fused epilogue's Pi_v spec words
   auto& o_s = *reinterpret_cast<float(*)[NP][kNH * D]>(smem);  // after the main loop only
 
   const int tid = threadIdx.x;
@@ -1017,18 +1060,28 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
   // RING is launched only for pages of a multiple of 16 tokens (use_ring in paged_decode.cu): its
   // tiles are whole 16-row blocks inside one page, with no per-token path.
   const bool one_page_tiles = RING || (p.page_size & (kTT - 1)) == 0;
-  auto tile_page = [&](int ti) -> int {
-    return ti < ntt ? __ldg(bt_seq + p.pdiv.div(static_cast<uint32_t>(tok0 + ti * kTT))) : -1;
-  };
-  // First row of one-page tile ti (page 0 for an id outside [0, P)) and its valid token count.
+  // One-page tile ti's block-table entry (-1 past the end) and its first row inside the page
+  // (this KV head's rows, then the tile's offset in its page), found one step before its copies are
+  // issued, from one division.
   const int kvh_rows = kvh * p.page_size;   // rows before this KV head's within a page
-  const int page_rows = p.Hkv * p.page_size;  // rows per physical page
-  auto tile_rows = [&](int ti, int phys, int& n) -> int64_t {
-    const int base = tok0 + ti * kTT;
-    const int lp = static_cast<int>(p.pdiv.div(static_cast<uint32_t>(base)));
-    const bool page_ok = phys >= 0 && phys < p.P;
-    n = page_ok ? tok_end - base : 0;  // may exceed 16
-    return static_cast<int64_t>(page_ok ? phys : 0) * page_rows + (kvh_rows + base - lp * p.page_size);
+  const uint32_t page_rows = static_cast<uint32_t>(p.Hkv * p.page_size);  // rows per physical page
+  // (EARLY: the kernel's first reads, see ld_early.)
+  auto tile_page = [&](int ti, auto early) -> TilePage {
+    const uint32_t base = static_cast<uint32_t>(tok0 + ti * kTT);
+    const uint32_t lp = p.pdiv.div(base);
+    int phys = -1;
+    if (ti < ntt) phys = decltype(early)::value ? ld_early(bt_seq + lp) : __ldg(bt_seq + lp);
+    return {phys, kvh_rows + static_cast<int>(base - lp * p.page_size)};
+  };
+  constexpr std::true_type kEarly{};
+  constexpr std::false_type kLate{};
+  // First row of one-page tile ti (page 0 for an id outside [0, P)) and its valid token count.
+  // (P < 2^31, so one unsigned compare rejects negative ids too; rows of 64 bits.)
+  auto tile_rows = [&](int ti, TilePage tp, int& n) -> uint64_t {
+    const bool page_ok = static_cast<uint32_t>(tp.phys) < static_cast<uint32_t>(p.P);
+    n = page_ok ? tok_end - (tok0 + ti * kTT) : 0;  // may exceed 16
+    const uint32_t page = page_ok ? static_cast<uint32_t>(tp.phys) : 0u;
+    return static_cast<uint64_t>(page) * page_rows + static_cast<uint32_t>(tp.row_in_page);
   };
   // The token of the lane's V code row e: the V MMA's k position 2t4 + {0, 1} (e = 0, 1) or
   // 2t4 + 8 + {0, 1} (e = 2, 3), where the weights' register transpose puts that token's weight.
@@ -1046,12 +1099,12 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
     t.vn1 = gid + 8 < n ? vn1 : 0.f;
   };
   // Register path. Called with ntt > 0 only (so P > 0). A tile past the end (ti >= ntt,
-  // phys = -1) reads page 0 with every token masked.
-  auto load = [&](int ti, Tile<DW>& t, int phys) {
+  // tp.phys = -1) reads page 0 with every token masked.
+  auto load = [&](int ti, Tile<DW>& t, TilePage tp) {
     const int base = tok0 + ti * kTT;
     if (one_page_tiles) {
       int n;
-      const int64_t row0 = tile_rows(ti, phys, n);
+      const uint64_t row0 = tile_rows(ti, tp, n);
       const uint8_t* kp = p.kc + row0 * krow + k_lane;
       const uint8_t* vp = p.vc + row0 * vrow + v_lane;
       ldg_codes<KB>(kp, p.k_bits, t.k0);
@@ -1136,10 +1189,10 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
   const uint32_t dst_v1 = ring_s + kTT * SK + v_stage_unit(lane + 32);
   const uint32_t dst_v2 = ring_s + kTT * SK + v_stage_unit(lane + 64);
   const uint32_t dst_n = ring_s + kTT * (SK + SV) + 4 * (4 * (n_tok & 7) + 2 * (lane >> 4) + (n_tok >> 3));
-  auto issue = [&](int ti, int st, int phys) -> int {
+  auto issue = [&](int ti, int st, TilePage tp) -> int {
     int n = 0;
     if (ti < ntt) {
-      const int64_t row0 = tile_rows(ti, phys, n);
+      const uint64_t row0 = tile_rows(ti, tp, n);
       const uint8_t* ks = k_src + row0 * (HALVES * RKG);
       const uint8_t* vs = v_src + row0 * (HALVES * RVG);
       const uint32_t so = st * kStage;
@@ -1177,25 +1230,47 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
     mask_norms(t, n, kv.x, kv.y, kv.z, kv.w);
   };
 
-  // The first tiles' block-table and code reads are issued before the prologue, whose q staging
-  // and table build then overlap their latency; the centroids are loaded first of all.
+  // The kernel's small reads come first, all at once: the centroids, q, Pi_k's and Pi_v's spec words
+  // (the fused epilogue's, staged in shared memory) and the first tiles' block-table entries; the
+  // tiles' copies follow the q staging. (Issued after the copies, these reads waited a loaded memory
+  // latency behind them, at the start and again in the fused epilogue.)
   static_assert(kT4 == 256, "one K and one V table entry per thread");
+  trace_phase(p, warp, lane, 0);
   const LutSeed lut_seed = load_lut_seed(p.kcent, p.vcent, p.k_bits, p.v_bits, KSHIFT, VSHIFT);
+  constexpr int QROW = HALVES * DW;  // staged q row: DW coordinates per half, zeros past DV
+  QueryRows<QROW, 1> qrows = load_query_rows<QROW, GT, 1, DV, DW>(p, seq, kvh, tile, warp, lane);
+  const bool fused_epilogue = D == kD && p.rot != nullptr && p.num_splits == 1;
+  int4 rot_v = {};
+  if (fused_epilogue && warp == 0) rot_v = ld_early(reinterpret_cast<const int4*>(p.rot + kD) + lane);
   Tile<DW> cur, nxt;
-  int phys_next = -1, n_st[kStages] = {};
+  TilePage page_next = {-1, 0}, first[kStages];  // first: the pages of the warp's first tiles
+#pragma unroll
+  for (int st = 0; st < kStages; ++st) first[st] = {-1, 0};
+  int n_st[kStages] = {};
   if constexpr (RING) {
 #pragma unroll
-    for (int st = 0; st < kStages; ++st) n_st[st] = issue(stream + st * NP, st, tile_page(stream + st * NP));
-    phys_next = tile_page(stream + kStages * NP);
-  } else {
-    phys_next = one_page_tiles ? tile_page(stream + NP) : -1;
-    if (stream < ntt) load(stream, cur, one_page_tiles ? tile_page(stream) : -1);
+    for (int st = 0; st < kStages; ++st) first[st] = tile_page(stream + st * NP, kEarly);
+    page_next = tile_page(stream + kStages * NP, kEarly);
+  } else if (one_page_tiles) {
+    first[0] = tile_page(stream, kEarly);
+    page_next = tile_page(stream + NP, kEarly);
   }
+  __threadfence_block();  // keeps the compiler from sinking the reads above below the q staging
+  trace_phase(p, warp, lane, 1);
 
   // ---- prologue: q of head `warp` (scaled, per-head power of two) in the table space ----------
+  // The first tiles' copies are issued after it (the block-table reads above have landed by then),
+  // so that the prologue's own loads are not queued behind them.
   float* q_s = reinterpret_cast<float*>(smem);
-  constexpr int QROW = HALVES * DW;  // staged q row: DW coordinates per half, zeros past DV
-  stage_queries<QROW, GT, 1, DV, DW>(p, q_s, qexp_s, bad_s, seq, kvh, tile, warp, lane, w_s[warp]);
+  stage_queries<QROW, 1, DV, DW>(p, qrows, q_s, qexp_s, bad_s, warp, lane, w_s[warp]);
+  if (warp == 0) rot_v_s[lane] = rot_v;
+  if constexpr (RING) {
+#pragma unroll
+    for (int st = 0; st < kStages; ++st) n_st[st] = issue(stream + st * NP, st, first[st]);
+  } else {
+    if (stream < ntt) load(stream, cur, first[0]);
+  }
+  trace_phase(p, warp, lane, 2);
   __syncthreads();
   uint32_t qh[KS][2], ql[KS][2];
   query_fragments<DW>(q_s + half * DW, gid, t4, qh, ql, QROW);
@@ -1204,6 +1279,7 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
   build_pair_luts<SPLIT>(smem, lut_seed);
   __syncthreads();
   const PairLut<SPLIT> ilut(smem, lane);
+  trace_phase(p, warp, lane, 3);
 
   // The running max starts finite (-FLT_MAX), so no exp2 argument is -inf - (-inf): no "any valid
   // token yet" selects. A row with no valid token keeps l = 0 (its output is 0, its lse -inf).
@@ -1298,8 +1374,8 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
       __syncwarp();  // every lane's copies of this stage are visible to the whole warp
       read_stage(ST, n_st[ST], cur);
       __syncwarp();  // every lane has read the stage before it is overwritten
-      n_st[ST] = issue(ti + kStages * NP, ST, phys_next);
-      phys_next = tile_page(ti + (kStages + 1) * NP);
+      n_st[ST] = issue(ti + kStages * NP, ST, page_next);
+      page_next = tile_page(ti + (kStages + 1) * NP, kLate);
       consume(cur, (ti / NP) & 1);  // ti = stream + k * NP with stream < NP: k
     };
     // One pass over the ring from stage ST (tile ti), stopping after the last tile.
@@ -1317,8 +1393,8 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
     // Prefetch tile ti + NP into `next`, then consume `cur`; called on alternating register sets
     // (no tile copy between iterations).
     auto step = [&](int ti, const Tile<DW>& cur, Tile<DW>& next) {
-      load(ti + NP, next, phys_next);
-      if (one_page_tiles) phys_next = tile_page(ti + 2 * NP);
+      load(ti + NP, next, page_next);
+      if (one_page_tiles) page_next = tile_page(ti + 2 * NP, kLate);
       consume(cur, 0);
     };
 #pragma unroll 1
@@ -1329,8 +1405,10 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
     }
   }
 
+  trace_phase(p, warp, lane, 4);
   merge_tile_state<D, GT, NP, DW, HALVES>(p, o, m, l, o_s, m_s, l_s, bad_s, stream, gid, t4, seq, split, kvh, tile,
-                                          w_s[warp], half);
+                                          w_s[warp], half, fused_epilogue ? rot_v_s : nullptr);
+  trace_phase(p, warp, lane, 5);
 }
 
 }  // namespace v3
