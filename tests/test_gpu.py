@@ -11,6 +11,7 @@ vmap.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -650,6 +651,32 @@ def test_every_ring_kernel_keeps_two_ctas_per_sm():
             assert mod.ring_fits(96, k_bits, v_bits) == 1, (96, k_bits, v_bits)
             assert mod.ring_fits(80, k_bits, v_bits) == 1, (80, k_bits, v_bits)
     assert mod.ring_fits(192, 4, 4) == 1 and mod.ring_fits(192, 2, 4) == -1
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_paged_decode_phase_trace(rng, monkeypatch, num_splits):
+    """JAX_TQ_TRACE_PHASES=1 (benchmarks/phase_trace.py): v4 stamps every warp of every CTA, in time
+    order, with one SM per CTA, and nothing past the grid; the output is bitwise the untraced one;
+    reading the trace clears it."""
+    if os.environ.get("JAX_TQ_CUDA_DECODE", "") not in ("", "v4"):
+        pytest.skip("the phase trace is v4's")
+    from jax_tq import _ffi
+    module = _ffi.cuda_module()
+    q, cache, tables, lens = _decode_inputs(rng, 128, 4, 4, 16, 4, 2, jnp.bfloat16, num_seqs=3, max_len=2000,
+                                            rotation="hadamard")
+    plain = np.asarray(jax.jit(lambda *a: tq.paged_decode(*a, num_splits=num_splits))(q, cache, tables, lens))
+    module.phase_trace()
+    monkeypatch.setenv("JAX_TQ_TRACE_PHASES", "1")
+    traced = np.asarray(jax.jit(lambda *a: tq.paged_decode(*a, num_splits=num_splits))(q, cache, tables, lens))
+    raw = np.frombuffer(module.phase_trace(), np.uint64).reshape(2048, 8, 6, 2)
+    np.testing.assert_array_equal(traced, plain)
+    ctas = q.shape[0] * num_splits * cache.num_kv_heads  # one head tile of 4 per KV head
+    stamps, sms = raw[..., 0], raw[..., 1]
+    assert np.all(stamps[:ctas] > 0), "every warp of every CTA stamps all six phases"
+    assert np.all(np.diff(stamps[:ctas].astype(np.int64), axis=-1) >= 0), "stamps in time order"
+    assert np.all(sms[:ctas] == sms[:ctas, :1, :1]), "one SM per CTA"
+    assert np.all(raw[ctas:] == 0), "nothing past the grid"
+    assert not np.any(np.frombuffer(module.phase_trace(), np.uint64)), "a read clears the trace"
 
 
 def test_paged_decode_vmap_and_jit(rng):
