@@ -96,11 +96,24 @@ def require_unbatched(names: Sequence[str], dims: Sequence[Any], op: str) -> Non
             )
 
 
+_INT32_MAX = 2**31 - 1
+
+
 def fold_pool_batch(block_ids, batch: int, pool_size: int):
     """Offset per-batch page (or slot) ids into a pool of ``batch * pool_size`` entries.
 
     ``block_ids`` is [batch, ...] int32; entries outside [0, pool_size) stay invalid (become -1).
+
+    Raises:
+      ValueError: the folded pool has more entries than int32 ids address (a vmap over caches whose
+        pages or slots add up past 2^31 - 1: their ids would wrap and the writes or reads be skipped).
     """
+    batch, pool_size = int(batch), int(pool_size)
+    largest_id = (batch - 1) * pool_size + min(pool_size, _INT32_MAX + 1) - 1  # ids are int32: < 2^31 each
+    if batch > 1 and largest_id > _INT32_MAX:
+        raise ValueError(f"jax_tq: vmap over {batch} caches of {pool_size} pages or slots each folds them into one "
+                         f"pool whose ids reach {largest_id}, past int32 (2^31 - 1); vmap over fewer caches at a "
+                         "time (e.g. lax.map over chunks of the batch)")
     jnp = jax.numpy
     offsets = (jnp.arange(batch, dtype=jnp.int32) * pool_size).reshape((batch,) + (1,) * (block_ids.ndim - 1))
     valid = (block_ids >= 0) & (block_ids < pool_size)

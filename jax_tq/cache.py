@@ -58,8 +58,8 @@ class PagedKVCache:
                 raise TypeError(f"PagedKVCache.create: {name} must be an int, got {type(value).__name__} {value!r}")
             if int(value) < 1:
                 raise ValueError(f"PagedKVCache.create: {name} must be >= 1, got {value}")
-        if page_size > 256:
-            raise ValueError(f"PagedKVCache.create: page_size must be <= 256, got {page_size}")
+        if page_size > MAX_PAGE_SIZE:
+            raise ValueError(f"PagedKVCache.create: page_size must be <= {MAX_PAGE_SIZE}, got {page_size}")
         for name, codec in (("k_codec", k_codec), ("v_codec", v_codec)):
             if not isinstance(codec, TurboQuant):
                 raise TypeError(f"PagedKVCache.create: {name} must be a jax_tq.TurboQuant, got {type(codec).__name__}")
@@ -120,14 +120,17 @@ class PagedKVCache:
         return f"PagedKVCache({pools}, k_codec={self.k_codec!r}, v_codec={self.v_codec!r})"
 
 
+#: Largest page_size (tokens per page) the kernels serve.
+MAX_PAGE_SIZE = 256
+
 _POOL_DTYPES = {"k_codes": jnp.uint8, "k_norms": jnp.float32, "v_codes": jnp.uint8, "v_norms": jnp.float32}
 
 
 def check_cache(cache, op: str) -> None:
     """Raise TypeError unless ``cache`` is a :class:`PagedKVCache` with TurboQuant codecs and pools
     of the storage dtypes (uint8 codes, float32 norms); ValueError if a codec's bits have no packed
-    format, or a pool has no page, KV head or slot per page (sizes :meth:`PagedKVCache.create`
-    refuses)."""
+    format, the codecs' head_dims differ, a pool has no page, KV head or slot per page, or pages of
+    more than 256 slots (what :meth:`PagedKVCache.create` refuses, for caches built otherwise)."""
     if not isinstance(cache, PagedKVCache):
         raise TypeError(f"jax_tq.{op}: cache must be a jax_tq.PagedKVCache, got {type(cache).__name__}")
     check_packed_codec(cache.k_codec, op, "cache.k_codec")
@@ -136,11 +139,17 @@ def check_cache(cache, op: str) -> None:
         got = getattr(getattr(cache, name), "dtype", None)
         if got is not None and jnp.dtype(got) != jnp.dtype(dtype):
             raise TypeError(f"jax_tq.{op}: cache.{name} must be {jnp.dtype(dtype).name}, got {jnp.dtype(got).name}")
+    if cache.k_codec.head_dim != cache.v_codec.head_dim:
+        raise ValueError(f"jax_tq.{op}: cache.k_codec.head_dim {cache.k_codec.head_dim} != cache.v_codec.head_dim "
+                         f"{cache.v_codec.head_dim}")
     for name in _POOL_DTYPES:
         shape = tuple(getattr(getattr(cache, name), "shape", ()))
         if len(shape) >= 3 and min(shape[:3]) < 1:
             raise ValueError(f"jax_tq.{op}: cache.{name} has shape {shape}: num_pages, num_kv_heads and "
                              "page_size must each be >= 1")
+        if len(shape) >= 3 and shape[2] > MAX_PAGE_SIZE:
+            raise ValueError(f"jax_tq.{op}: cache.{name} has shape {shape}: page_size {shape[2]} is above "
+                             f"{MAX_PAGE_SIZE}")
 
 
 def write_cache(cache: PagedKVCache, k, v, slot_mapping) -> PagedKVCache:

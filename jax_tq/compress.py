@@ -98,7 +98,9 @@ def decompress(codes, norms, codec, dtype=jnp.float32):
     Args:
       codes: uint8 [..., head_dim * bits / 8] from :func:`compress`.
       norms: float32 [...] (same leading shape as codes).
-      codec: the :class:`jax_tq.TurboQuant` that produced them.
+      codec: the :class:`jax_tq.TurboQuant` that produced them. Codes carry no codec metadata: a
+        codec of another head_dim and bits with the same packed row size (e.g. head_dim 64 at 3
+        bits and 96 at 2 bits, 24 bytes each) is not detected and decodes garbage.
       dtype: output dtype, float32, bfloat16 or float16.
 
     Returns:

@@ -48,9 +48,9 @@ def paged_decode(q, cache, block_tables, seq_lens, *, scale=None, num_splits=Non
         outside [0, num_pages) is skipped (see docs/FORMAT.md; use checked mode to catch it).
       seq_lens: int32 [num_seqs], number of cached tokens each query attends to, clamped to
         [0, max_pages * page_size]. A sequence with 0 tokens gets an all-zero output.
-      scale: softmax scale, a finite Python number with |scale| * log2(e) within float32 (|scale| <=
-        ~2.36e38; static: not a traced value); default 1 / sqrt(head_dim).
-      num_splits: split-K count, a Python int >= 1 (static); default chosen per platform to fill
+      scale: softmax scale, a finite Python or NumPy number with |scale| * log2(e) within float32
+        (|scale| <= ~2.36e38; static: not a traced value); default 1 / sqrt(head_dim).
+      num_splits: split-K count, a Python or NumPy integer >= 1 (static); default chosen per platform to fill
         the device (1 on CPU). Any value is correct; values above max_pages act as max_pages (the
         extra splits would be empty).
       precision: ``jax.lax.Precision`` (or any of its names, e.g. ``"highest"``, ``"float32"``,

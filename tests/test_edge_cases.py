@@ -641,6 +641,63 @@ def test_refuses_cache_pools_without_pages_heads_or_slots(axis):
         jax.eval_shape(tq.write_cache, empty, k, k, jnp.zeros((3,), jnp.int32))
 
 
+def test_refuses_hand_built_caches_create_would_refuse():
+    """Pages of more than 256 slots and K / V codecs of different head_dims (PagedKVCache.create's
+    limits) in a cache built directly: named errors from write_cache and paged_decode too."""
+    spec = jax.ShapeDtypeStruct
+    c64 = tq.TurboQuant(64, 4)
+    big = tq.PagedKVCache(k_codes=spec((2, 1, 300, 32), jnp.uint8), k_norms=spec((2, 1, 300), jnp.float32),
+                          v_codes=spec((2, 1, 300, 32), jnp.uint8), v_norms=spec((2, 1, 300), jnp.float32),
+                          k_codec=c64, v_codec=c64)
+    q, kv = jnp.zeros((1, 1, 64)), jnp.zeros((1, 1, 64))
+    tables, lens, slots = jnp.zeros((1, 2), jnp.int32), jnp.ones((1,), jnp.int32), jnp.zeros((1,), jnp.int32)
+    with pytest.raises(ValueError, match=r"paged_decode: cache.k_codes has shape \(2, 1, 300, 32\): page_size 300 is above 256"):
+        jax.eval_shape(tq.paged_decode, q, big, tables, lens)
+    with pytest.raises(ValueError, match=r"write_cache: cache.k_codes has shape .*page_size 300 is above 256"):
+        jax.eval_shape(tq.write_cache, big, kv, kv, slots)
+    mixed = tq.PagedKVCache(k_codes=spec((2, 1, 8, 32), jnp.uint8), k_norms=spec((2, 1, 8), jnp.float32),
+                            v_codes=spec((2, 1, 8, 64), jnp.uint8), v_norms=spec((2, 1, 8), jnp.float32),
+                            k_codec=c64, v_codec=tq.TurboQuant(128, 4))
+    with pytest.raises(ValueError, match=r"write_cache: cache.k_codec.head_dim 64 != cache.v_codec.head_dim 128"):
+        jax.eval_shape(tq.write_cache, mixed, kv, kv, slots)
+    with pytest.raises(ValueError, match=r"paged_decode: cache.k_codec.head_dim 64 != cache.v_codec.head_dim 128"):
+        jax.eval_shape(tq.paged_decode, q, mixed, tables, lens)
+
+
+def test_vmap_over_caches_past_int32_ids_is_refused():
+    """The kernels' vmap folds a batch of caches into one pool: ids past int32 would wrap, and their
+    writes and reads be skipped silently. Traced only (abstract pools of ~100 GB); a fold that fits
+    still traces. (The xla backend's jnp reference vmaps without folding.)"""
+    spec = jax.ShapeDtypeStruct
+    codec = tq.TurboQuant(64, 4)
+
+    def caches(batch, pages, page_size):
+        return tq.PagedKVCache(k_codes=spec((batch, pages, 1, page_size, 32), jnp.uint8),
+                               k_norms=spec((batch, pages, 1, page_size), jnp.float32),
+                               v_codes=spec((batch, pages, 1, page_size, 32), jnp.uint8),
+                               v_norms=spec((batch, pages, 1, page_size), jnp.float32), k_codec=codec, v_codec=codec)
+    kv, slots = spec((3, 2, 1, 64), jnp.float32), spec((3, 2), jnp.int32)
+    q, tables, lens = spec((3, 1, 1, 64), jnp.float32), spec((3, 1, 4), jnp.int32), spec((3, 1), jnp.int32)
+    with tq.use_backend("ffi"):
+        with pytest.raises(ValueError, match=r"vmap over 3 caches of 1073741824 pages or slots .*past int32"):
+            jax.eval_shape(jax.vmap(tq.write_cache), caches(3, 2**24, 64), kv, kv, slots)
+        with pytest.raises(ValueError, match=r"vmap over 3 caches of 1073741824 pages .*past int32"):
+            jax.eval_shape(jax.vmap(tq.paged_decode), q, caches(3, 2**30, 1), tables, lens)
+        jax.eval_shape(jax.vmap(tq.write_cache), caches(2, 2**24, 64), spec((2, 2, 1, 64), jnp.float32),
+                       spec((2, 2, 1, 64), jnp.float32), spec((2, 2), jnp.int32))  # ids up to 2^31 - 1: fits
+
+
+def test_numpy_scalars_are_static_decode_options(rng):
+    """scale and num_splits as NumPy scalars (documented): the same result as Python numbers."""
+    cache = random_cache(rng, num_pages=3, page_size=8, num_kv_heads=2, head_dim=64, k_bits=4, v_bits=3)
+    q = jnp.asarray(rng.normal(size=(2, 4, 64)), jnp.float32)
+    tables, lens = jnp.asarray([[2, 0, 1], [1, 2, 0]], jnp.int32), jnp.asarray([19, 11], jnp.int32)
+    want = tq.paged_decode(q, cache, tables, lens, scale=0.25, num_splits=2)
+    assert np.all(np.isfinite(np.asarray(want))) and np.any(np.asarray(want) != 0)
+    got = jax.jit(lambda *a: tq.paged_decode(*a, scale=np.float32(0.25), num_splits=np.int64(2)))(q, cache, tables, lens)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 def test_refuses_bad_write_and_codec_op_arguments_at_trace_time():
     cache = _small_cache()
     codec = cache.k_codec
