@@ -100,7 +100,7 @@ def decompress(codes, norms, codec, dtype=jnp.float32):
       norms: float32 [...] (same leading shape as codes).
       codec: the :class:`jax_tq.TurboQuant` that produced them. Codes carry no codec metadata: a
         codec of another head_dim and bits with the same packed row size (e.g. head_dim 64 at 3
-        bits and 96 at 2 bits, 24 bytes each) is not detected and decodes garbage.
+        bits and 96 at 2 bits, 24 bytes each) is not detected, and the vectors decoded are wrong.
       dtype: output dtype, float32, bfloat16 or float16.
 
     Returns:
