@@ -14,6 +14,7 @@ import numpy as np
 
 from jax_tq import _compat, _ffi
 from jax_tq.backend import BackendUnavailableError
+from jax_tq.format import INDEX_MAX
 
 _PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 
@@ -96,9 +97,6 @@ def require_unbatched(names: Sequence[str], dims: Sequence[Any], op: str) -> Non
             )
 
 
-_INT32_MAX = 2**31 - 1
-
-
 def fold_pool_batch(block_ids, batch: int, pool_size: int):
     """Offset per-batch page (or slot) ids into a pool of ``batch * pool_size`` entries.
 
@@ -109,8 +107,8 @@ def fold_pool_batch(block_ids, batch: int, pool_size: int):
         pages or slots add up past 2^31 - 1: their ids would wrap and the writes or reads be skipped).
     """
     batch, pool_size = int(batch), int(pool_size)
-    largest_id = (batch - 1) * pool_size + min(pool_size, _INT32_MAX + 1) - 1  # ids are int32: < 2^31 each
-    if batch > 1 and largest_id > _INT32_MAX:
+    largest_id = (batch - 1) * pool_size + min(pool_size, INDEX_MAX + 1) - 1  # ids are int32: < 2^31 each
+    if batch > 1 and largest_id > INDEX_MAX:
         raise ValueError(f"jax_tq: vmap over {batch} caches of {pool_size} pages or slots each folds them into one "
                          f"pool whose ids reach {largest_id}, past int32 (2^31 - 1); vmap over fewer caches at a "
                          "time (e.g. lax.map over chunks of the batch)")
