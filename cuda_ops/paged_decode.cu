@@ -378,12 +378,7 @@ __device__ __forceinline__ void rotate_row_inverse(float (&x)[4], const uint32_t
   for (int j = 0; j < 4; ++j) x[j] = rot_neg1(w[j]) ? -x[j] : x[j];
 }
 
-// The same with the spec words read from global memory here (lane's words 4 lane .. 4 lane + 3).
-__device__ __forceinline__ void rotate_row_forward(float (&x)[4], const int32_t* spec, float* buf, int lane) {
-  uint32_t w[4];
-  load_rot_words(spec, lane, w);
-  rotate_row_forward(x, w, buf, lane);
-}
+// The inverse with the spec words read from global memory here (lane's words 4 lane .. 4 lane + 3).
 __device__ __forceinline__ void rotate_row_inverse(float (&x)[4], const int32_t* spec, float* buf, int lane) {
   uint32_t w[4];
   load_rot_words(spec, lane, w);
