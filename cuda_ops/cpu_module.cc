@@ -63,4 +63,6 @@ PYBIND11_MODULE(_cpu_ops, m) {
     return jax_tq::FfiRegistrations(JaxTqCompressCpu, JaxTqDecompressCpu, JaxTqWriteCacheCpu,
                                     JaxTqPagedDecodeCpu);
   });
+  m.def("ffi_api_version", &jax_tq::FfiApiVersion,
+        "(major, minor) of the XLA FFI API in the headers this module was compiled against.");
 }

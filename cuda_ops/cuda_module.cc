@@ -37,6 +37,8 @@ PYBIND11_MODULE(_cuda_ops, m) {
     return jax_tq::FfiRegistrations(JaxTqCompressCuda, JaxTqDecompressCuda, JaxTqWriteCacheCuda,
                                     JaxTqPagedDecodeCuda);
   });
+  m.def("ffi_api_version", &jax_tq::FfiApiVersion,
+        "(major, minor) of the XLA FFI API in the headers this module was compiled against.");
   m.def(
       "device_info",
       [](int device) {

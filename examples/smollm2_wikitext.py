@@ -37,7 +37,9 @@ import time
 import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
+try:  # an installed jax_tq (with its compiled kernels) first; the source tree only without one
+    import jax_tq  # noqa: F401
+except ImportError:
     sys.path.insert(0, REPO)
 
 

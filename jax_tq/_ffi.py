@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
+import re
 
 from jax_tq import _compat
 
@@ -22,11 +24,45 @@ def _load(platform: str):
         module = importlib.import_module(module_name)
     except ImportError as err:
         return None, f"{module_name} is not built or cannot be imported ({err})"
+    mismatch = _ffi_api_mismatch(module, module_name)
+    if mismatch:
+        return None, mismatch
     if platform == "cuda" and not _jax_has_cuda():
         return None, "JAX has no CUDA backend"
     for name, capsule in module.registrations().items():
         _compat.register_ffi_target(name, capsule, ffi_platform)
     return module, ""
+
+
+def installed_ffi_api_version():
+    """(major, minor) of the XLA FFI API in the installed jaxlib's headers, or None when they
+    cannot be read."""
+    import jax
+
+    try:
+        path = os.path.join(jax.ffi.include_dir(), "xla", "ffi", "api", "c_api.h")
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, AttributeError):
+        return None
+    found = [re.search(rf"#define XLA_FFI_API_{part}\s+(\d+)", text) for part in ("MAJOR", "MINOR")]
+    return None if None in found else tuple(int(m.group(1)) for m in found)
+
+
+def _ffi_api_mismatch(module, module_name: str) -> str:
+    """Why ``module`` must not be registered with this jaxlib ('' when it may): it was compiled
+    against a newer XLA FFI API than the installed jaxlib serves (a build-isolated ``pip install``
+    may build against a newer jax than the one installed), and XLA would refuse its handlers when it
+    starts a backend, taking the backend down for every JAX computation."""
+    built = tuple(module.ffi_api_version()) if hasattr(module, "ffi_api_version") else None
+    running = installed_ffi_api_version()
+    if built is None or running is None:
+        return ""
+    if built[0] == running[0] and built[1] <= running[1]:
+        return ""
+    return (f"{module_name} was compiled against XLA FFI API {built[0]}.{built[1]} (a newer jaxlib's "
+            f"headers) but the installed jaxlib serves {running[0]}.{running[1]}: reinstall jax_tq with "
+            "`pip install --no-build-isolation .` so that it builds against the installed jax")
 
 
 def _jax_has_cuda() -> bool:

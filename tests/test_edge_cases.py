@@ -1098,3 +1098,25 @@ def test_public_kernel_availability():
     assert tq.kernels_available("cpu") and tq.kernels_unavailable_reason("cpu") == ""
     assert not tq.kernels_available("tpu") and "tpu" in tq.kernels_unavailable_reason("tpu")
     assert tq.kernels_available("cuda") == (tq.kernels_unavailable_reason("cuda") == "")
+
+
+def test_kernels_built_against_a_newer_ffi_api_are_not_registered(monkeypatch):
+    """A module compiled against newer XLA FFI headers than the installed jaxlib's (a build-isolated
+    pip install can pull a newer jax into its build) is reported unavailable, with the fix named,
+    instead of registered: XLA would refuse its handlers when starting a backend, taking every JAX
+    computation down. Same major and an older or equal minor is fine."""
+    from jax_tq import _cpu_ops, _ffi
+    built = tuple(_cpu_ops.ffi_api_version())
+    assert _ffi.installed_ffi_api_version() is not None
+    assert built[0] == _ffi.installed_ffi_api_version()[0] and built[1] <= _ffi.installed_ffi_api_version()[1]
+    for running in ((built[0], built[1]), (built[0], built[1] + 1)):
+        monkeypatch.setattr(_ffi, "installed_ffi_api_version", lambda running=running: running)
+        assert _ffi._ffi_api_mismatch(_cpu_ops, "jax_tq._cpu_ops") == ""
+    for running in ((built[0], built[1] - 1), (built[0] + 1, 0)):
+        monkeypatch.setattr(_ffi, "installed_ffi_api_version", lambda running=running: running)
+        module, reason = _ffi._load.__wrapped__("cpu")  # the loader itself, past its cache
+        assert module is None
+        assert f"compiled against XLA FFI API {built[0]}.{built[1]}" in reason
+        assert f"serves {running[0]}.{running[1]}" in reason and "--no-build-isolation" in reason
+    monkeypatch.setattr(_ffi, "installed_ffi_api_version", lambda: None)  # headers not found: no check
+    assert _ffi._ffi_api_mismatch(_cpu_ops, "jax_tq._cpu_ops") == ""

@@ -1,5 +1,5 @@
 // jax_tq pybind11 module plumbing shared by jax_tq._cpu_ops (cpu_module.cc) and
-// jax_tq._cuda_ops (cuda_module.cc): registrations() -> {target_name: capsule}.
+// jax_tq._cuda_ops (cuda_module.cc): registrations() -> {target_name: capsule}, ffi_api_version().
 // Host only.
 #ifndef JAX_TQ_FFI_MODULE_H_
 #define JAX_TQ_FFI_MODULE_H_
@@ -30,6 +30,11 @@ inline pybind11::dict FfiRegistrations(XLA_FFI_Handler* compress, XLA_FFI_Handle
   d["jax_tq_paged_decode"] = EncapsulateFfiHandler(paged_decode);
   return d;
 }
+
+// (major, minor) of the XLA FFI API in the headers this module was compiled against: jax_tq/_ffi.py
+// compares it with the installed jaxlib's before registering (a handler built against newer headers
+// fails XLA's registration, which takes JAX's whole backend down with it).
+inline pybind11::tuple FfiApiVersion() { return pybind11::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR); }
 
 }  // namespace jax_tq
 
