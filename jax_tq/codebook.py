@@ -23,7 +23,6 @@ import functools
 import math
 
 import numpy as np
-from scipy import special, stats
 
 __all__ = ["SUPPORTED_BITS", "lloyd_max_centroids", "mse_per_unit_vector", "coordinate_pdf"]
 
@@ -53,6 +52,8 @@ def _beta_shape(head_dim: int) -> float:
 
 def _log_density_constant(head_dim: int) -> float:
     """log of C = Gamma(d/2) / (sqrt(pi) Gamma((d-1)/2)), the normaliser of f(t)."""
+    from scipy import special  # imported on first use: scipy.stats alone adds ~0.9 s to an import
+
     return (special.gammaln(head_dim / 2.0) - 0.5 * math.log(math.pi)
             - special.gammaln((head_dim - 1) / 2.0))
 
@@ -76,6 +77,8 @@ def coordinate_pdf(t, head_dim: int) -> np.ndarray:
 
 def _cell_masses(edges: np.ndarray, head_dim: int) -> np.ndarray:
     """P(edges[i] < t <= edges[i+1]) for each cell; edges float64 [L+1] with -1 and 1 at the ends."""
+    from scipy import stats
+
     a = _beta_shape(head_dim)
     cdf = stats.beta.cdf((edges + 1.0) / 2.0, a, a)
     return np.diff(cdf)
@@ -91,6 +94,8 @@ def _cell_first_moments(edges: np.ndarray, head_dim: int) -> np.ndarray:
 
 def _cell_second_moments(edges: np.ndarray, head_dim: int) -> np.ndarray:
     """int_{cell} t^2 f(t) dt from Beta partial moments, with t = 2B - 1, t^2 = 4B^2 - 4B + 1."""
+    from scipy import stats
+
     a = _beta_shape(head_dim)
     x = (edges + 1.0) / 2.0
     mean_b = 0.5                                      # E[B] = a / (2a)
@@ -109,6 +114,8 @@ def _edges_from_centroids(centroids: np.ndarray) -> np.ndarray:
 
 def _initial_centroids(head_dim: int, bits: int) -> np.ndarray:
     """Start Lloyd's iteration at the conditional means of the 2^bits equal-mass cells."""
+    from scipy import stats
+
     levels = 2 ** bits
     a = _beta_shape(head_dim)
     quantiles = stats.beta.ppf(np.linspace(0.0, 1.0, levels + 1), a, a) * 2.0 - 1.0

@@ -78,10 +78,20 @@ def turboquant_attention_fn(k_codec: TurboQuant, v_codec: TurboQuant, base_atten
 _LINEN_ONLY = ("force_fp32_for_softmax", "einsum_dot_general", "qk_attn_weights_einsum", "attn_weights_value_einsum")
 
 
+def _flax_modules():
+    """(flax.linen, flax.nnx). Raises ModuleNotFoundError naming what to install when flax is missing."""
+    try:
+        from flax import linen, nnx
+    except ModuleNotFoundError as err:
+        raise ModuleNotFoundError("jax_tq's flax integration needs flax: pip install flax (or jax_tq's "
+                                  "'examples' extra)") from err
+    return linen, nnx
+
+
 @functools.cache
 def _flax_attention_signature() -> inspect.Signature:
     """nnx.dot_product_attention's signature plus linen's own keyword parameters."""
-    from flax import linen, nnx
+    linen, nnx = _flax_modules()
 
     params = dict(inspect.signature(nnx.dot_product_attention).parameters)
     for name, param in inspect.signature(linen.dot_product_attention).parameters.items():
@@ -94,7 +104,7 @@ def _flax_attention_signature() -> inspect.Signature:
 def _default_base_attention(query, key, value, *args, **kwargs):
     """flax.linen's dot_product_attention when a linen module calls (it passes linen-only arguments,
     or itself as ``module``: the weights are sown into linen's 'intermediates'), else flax.nnx's."""
-    from flax import linen, nnx
+    linen, nnx = _flax_modules()
 
     from_linen = isinstance(kwargs.get("module"), linen.Module) or any(name in kwargs for name in _LINEN_ONLY)
     fn = linen.dot_product_attention if from_linen else nnx.dot_product_attention

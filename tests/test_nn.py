@@ -1,6 +1,9 @@
 """Flax integration: the TurboQuant attention_fn inside nnx.MultiHeadAttention, and paged_attention."""
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -205,3 +208,15 @@ def test_attention_fn_names_the_tensor_with_the_wrong_dtype():
         fn(ok, ok.astype(jnp.int32), ok)
     with pytest.raises(TypeError, match=r"turboquant_attention_fn: value must be .* got uint8"):
         fn(ok, ok, ok.astype(jnp.uint8))
+
+
+def test_missing_flax_names_what_to_install():
+    """Without flax, jax_tq.models and the flax attention say what to install instead of a bare
+    "No module named 'flax'" (run in a child process whose flax import fails)."""
+    code = ("import sys; sys.modules['flax'] = None\n"
+            "import jax_tq.nn as nn\n"
+            "try:\n    nn._flax_modules()\nexcept ModuleNotFoundError as e:\n    print('nn:', e)\n"
+            "try:\n    import jax_tq.models\nexcept ModuleNotFoundError as e:\n    print('models:', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True).stdout
+    assert "nn: jax_tq's flax integration needs flax: pip install flax" in out
+    assert "models: jax_tq.models needs flax (and gguf, tokenizers to load weights)" in out

@@ -10,6 +10,12 @@ Quick start::
     model, tokenizer, config = load_smollm2()
     ppl = wikitext_perplexity(model, tokenizer, text, kv_bits=(4, 4))
 """
+try:
+    import flax  # noqa: F401
+except ModuleNotFoundError as _err:
+    raise ModuleNotFoundError("jax_tq.models needs flax (and gguf, tokenizers to load weights): "
+                              "pip install flax gguf tokenizers, or jax_tq's 'examples' extra") from _err
+
 from jax_tq.models.gguf_loader import (
     LlamaConfig,
     build_tokenizer,
