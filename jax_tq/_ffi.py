@@ -34,6 +34,7 @@ def _load(platform: str):
     return module, ""
 
 
+@functools.lru_cache(maxsize=None)
 def installed_ffi_api_version():
     """(major, minor) of the XLA FFI API in the installed jaxlib's headers, or None when they
     cannot be read."""

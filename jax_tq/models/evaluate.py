@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_tq.cache import MAX_PAGE_SIZE
 from jax_tq.format import check_bits
 
 from .gguf_loader import LlamaConfig
@@ -81,8 +82,8 @@ class CacheConfig:
         for name in ("k_bits", "v_bits"):
             if not _is_int(getattr(self, name)) or getattr(self, name) not in (2, 3, 4):
                 raise ValueError(f"CacheConfig: {name} must be 2, 3 or 4, got {getattr(self, name)!r}")
-        if not _is_int(self.page_size) or not 1 <= self.page_size <= 256:
-            raise ValueError(f"CacheConfig: page_size must be an int in [1, 256], got {self.page_size!r}")
+        if not _is_int(self.page_size) or not 1 <= self.page_size <= MAX_PAGE_SIZE:
+            raise ValueError(f"CacheConfig: page_size must be an int in [1, {MAX_PAGE_SIZE}], got {self.page_size!r}")
         if not _is_int(self.seed) or self.seed < 0:
             raise ValueError(f"CacheConfig: seed must be an int >= 0, got {self.seed!r}")
         if self.rotation not in ("haar", "hadamard"):
