@@ -299,9 +299,10 @@ constexpr int kTraceStamps = 6;
 constexpr int kTraceWords = kTraceCtas * kTraceWarps * kTraceStamps * 2;
 __device__ unsigned long long g_phase_trace[kTraceWords];
 
-__device__ __forceinline__ void trace_phase(const DecodeParams& p, int warp, int lane, int stamp) {
+// cta: blockIdx.x + gridDim.x * blockIdx.y of the grid of one work item per CTA (a CTA of two items
+// records as two CTAs).
+__device__ __forceinline__ void trace_phase(const DecodeParams& p, unsigned cta, int warp, int lane, int stamp) {
   if (p.trace == nullptr || lane != 0) return;
-  const unsigned cta = blockIdx.x + gridDim.x * blockIdx.y;
   if (cta >= kTraceCtas || warp >= kTraceWarps) return;
   unsigned long long ns;
   unsigned sm;
@@ -812,7 +813,7 @@ __device__ __forceinline__ void merge_warps_and_store(const DecodeParams& p, con
                                                       const float (&o_s)[W][NH * D], const int* bad_s,
                                                       int seq, int split, int kvh, int tile,
                                                       float* rows_s = nullptr) {
-  for (int idx = threadIdx.x; idx < GT * D; idx += T) {
+  for (int idx = threadIdx.x % T; idx < GT * D; idx += T) {  // T divides the CTA (two v4 items: 2T threads)
     const int g = idx / D;
     const int dd = idx - g * D;
     const int hl = tile * GT + g;
@@ -1257,30 +1258,34 @@ ffi::Error launch_v3(cudaStream_t stream, const DecodeParams& p, dim3 grid) {
   return launch_mma<v3::paged_decode_v3_kernel<D, GT, SPLIT, KB, VB>>(kThreads, "v3", stream, p, grid);
 }
 
-template <int D, int GT, bool RING, int KB = 4, int VB = 4, int HALVES = 1>
+// ITEMS = 2: two work items (query-head rows blockIdx.y * 2, + 1) per CTA of 16 warps; grid.y
+// (the rows) must be even.
+template <int D, int GT, bool RING, int KB = 4, int VB = 4, int HALVES = 1, int ITEMS = 1>
 ffi::Error launch_v4(cudaStream_t stream, const DecodeParams& p, dim3 grid) {
-  constexpr int smem = v3::kSmemBytes + (RING ? v3::v4_ring_bytes<D, KB, VB, HALVES>() : 0);
-  return launch_mma<v3::paged_decode_v4_kernel<D, GT, false, RING, KB, VB, HALVES>, smem>(
-      v3::kT4, HALVES == 2 ? "v4 ring pairs" : RING ? "v4 ring" : "v4", stream, p, grid);
+  constexpr int smem = v3::kSmemBytes + (RING ? v3::v4_ring_bytes<D, KB, VB, HALVES, ITEMS>() : 0);
+  grid.y /= ITEMS;
+  return launch_mma<v3::paged_decode_v4_kernel<D, GT, false, RING, KB, VB, HALVES, ITEMS>, smem>(
+      v3::kT4 * ITEMS, ITEMS == 2 ? "v4 ring, two items per CTA" : HALVES == 2 ? "v4 ring pairs" : RING ? "v4 ring" : "v4",
+      stream, p, grid);
 }
 
 // Whether v4's ring variant keeps kCtasPerSm4 CTAs per SM on the current device (the split rule
 // assumes it): yes on sm_90 (227 KB of shared memory per SM); sm_80's 164 KB holds one, so the
 // register variant runs there. Asked once per device.
-template <int D, int GT, int KB, int VB, int HALVES = 1>
+template <int D, int GT, int KB, int VB, int HALVES = 1, int ITEMS = 1>
 bool ring_fits() {
   static std::atomic<int> known[64];  // 0: not asked yet, 1: fits, 2: does not
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
   int state = known[dev].load(std::memory_order_acquire);
   if (state == 0) {
-    constexpr int smem = v3::kSmemBytes + v3::v4_ring_bytes<D, KB, VB, HALVES>();
-    const auto kernel = v3::paged_decode_v4_kernel<D, GT, false, true, KB, VB, HALVES>;
+    constexpr int smem = v3::kSmemBytes + v3::v4_ring_bytes<D, KB, VB, HALVES, ITEMS>();
+    const auto kernel = v3::paged_decode_v4_kernel<D, GT, false, true, KB, VB, HALVES, ITEMS>;
     int ctas = 0;
     const bool fits =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) == cudaSuccess &&
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, v3::kT4, smem) == cudaSuccess &&
-        ctas >= v3::kCtasPerSm4;
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, v3::kT4 * ITEMS, smem) == cudaSuccess &&
+        ctas >= v3::kCtasPerSm4 / ITEMS;
     if (!fits) (void)cudaGetLastError();  // a refused attribute is an answer here, not an error to keep
     state = fits ? 1 : 2;
     known[dev].store(state, std::memory_order_release);
@@ -1466,9 +1471,26 @@ bool launch_wide(int d, int gt, bool f16, cudaStream_t stream, const DecodeParam
 
 // v4 (f16 products) with compile-time K / V widths: the ring where it fits, else the register
 // variant.
+// Two work items per CTA of 16 warps (v4's ITEMS = 2) for head_dim 128, K4V4, head tiles of 4,
+// an even number of query-head rows, where it fits (sm_90), unless JAX_TQ_V4_ITEMS=1.
+template <int D, int KB, int VB>
+bool use_two_items(int gt, const DecodeParams& p, dim3 grid) {
+  static const bool allowed = [] {
+    const char* env = std::getenv("JAX_TQ_V4_ITEMS");
+    return env == nullptr || std::string(env) != "1";
+  }();
+  if constexpr (D == 128 && KB == 4 && VB == 4)
+    return allowed && gt <= 4 && grid.y % 2 == 0 && ring_pools_ok(p) && ring_fits<D, 4, KB, VB, 1, 2>();
+  else
+    return false;
+}
+
 template <int D, int KB, int VB>
 ffi::Error launch_v4_bits(int gt, cudaStream_t stream, const DecodeParams& p, dim3 grid) {
   const bool four = gt <= 4;
+  if constexpr (D == 128 && KB == 4 && VB == 4) {
+    if (use_two_items<D, KB, VB>(gt, p, grid)) return launch_v4<D, 4, true, KB, VB, 1, 2>(stream, p, grid);
+  }
   if (use_ring<D, KB, VB>(gt, p))
     return four ? launch_v4<D, 4, true, KB, VB>(stream, p, grid) : launch_v4<D, 8, true, KB, VB>(stream, p, grid);
   if constexpr (KB == 4 && VB == 4)
@@ -1582,6 +1604,14 @@ bool ReadPhaseTrace(unsigned long long* dst) {
   return cudaMemcpyToSymbol(g_phase_trace, zeros, sizeof(g_phase_trace)) == cudaSuccess;
 }
 int PhaseTraceWords() { return kTraceWords; }
+
+int TwoItemsFitOnDevice() {
+#if JTQ_HAS_D(128)
+  return ring_fits<128, 4, 4, 4, 1, 2>() ? 1 : 0;
+#else
+  return -1;
+#endif
+}
 
 int RingFitsOnDevice(int head_dim, int k_bits, int v_bits) {
 #if JTQ_HAS_D(64)

@@ -230,6 +230,13 @@ __device__ __forceinline__ void build_pair_luts(uint8_t* smem, const LutSeed& se
   store_lut_entry<SPLIT>(smem, 1, threadIdx.x & 255, seed.v_lo, seed.v_hi);
 }
 
+// Two items per CTA: item 0's 256 threads build the K table, item 1's the V table (entry e = tid).
+template <bool SPLIT>
+__device__ __forceinline__ void build_item_lut(uint8_t* smem, const LutSeed& seed, int item, int tid) {
+  if (item == 0) store_lut_entry<SPLIT>(smem, 0, tid, seed.k_lo, seed.k_hi);
+  else store_lut_entry<SPLIT>(smem, 1, tid, seed.v_lo, seed.v_hi);
+}
+
 // ---- code loads of any width: a lane's 8N consecutive codes as N nibble words ------------------
 // (8 codes each, code i in bits 4i..4i+3), so that everything after the load is the 4-bit code.
 // 4-bit rows hold them as they are; 2- and 3-bit rows (docs/FORMAT.md) are spread to nibbles here.
@@ -696,7 +703,44 @@ __device__ __forceinline__ void merge_rotate_and_store(const DecodeParams& p, fl
 // Warp pairs (HALVES = 2): `warp` is the pair (one of W), whose two warps hold the same m and l and
 // the coordinates half * DV .. of o (DV = D / HALVES). A tile of DW > DV coordinates (padded rows)
 // holds DV real ones.
-template <int D, int GT, int W, int DW = D, int HALVES = 1>
+// The fused epilogue for a CTA of two items (merge_tile_state's FAST): after the warps' states
+// are in shared memory, warp g merges head g's row over the W warps itself (each lane its 4
+// coordinates), rotates it back and stores it: no merged-rows pass and its barrier.
+template <int GT, int W>
+__device__ __forceinline__ void merge_rotate_per_warp(const DecodeParams& p, float (&m_s)[W][kNH],
+                                                      float (&l_s)[W][kNH], float (&o_s)[W][kNH * kD],
+                                                      const int* bad_s, int warp, int lane, int seq, int kvh,
+                                                      int tile, float* rot_buf, const int4* rot_v_s) {
+  for (int g = warp; g < GT && tile * GT + g < p.G; g += W) {
+    float M = m_s[0][g];
+#pragma unroll
+    for (int w = 1; w < W; ++w) M = fmaxf(M, m_s[w][g]);
+    float L = 0.f, x[4] = {0.f, 0.f, 0.f, 0.f};
+    if (M > -INFINITY) {
+#pragma unroll
+      for (int w = 0; w < W; ++w) {
+        const float f = fast_exp2(m_s[w][g] - M);  // m = -inf -> 0 (its l and o are 0)
+        L = fmaf(l_s[w][g], f, L);
+        const float4 ow = *reinterpret_cast<const float4*>(&o_s[w][g * kD + 4 * lane]);
+        x[0] = fmaf(ow.x, f, x[0]);
+        x[1] = fmaf(ow.y, f, x[1]);
+        x[2] = fmaf(ow.z, f, x[2]);
+        x[3] = fmaf(ow.w, f, x[3]);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) x[j] = head_output_value(L, x[j], bad_s[g] != 0);
+    const int4 v = rot_v_s[lane];
+    const uint32_t words[4] = {static_cast<uint32_t>(v.x), static_cast<uint32_t>(v.y), static_cast<uint32_t>(v.z),
+                               static_cast<uint32_t>(v.w)};
+    rotate_row_inverse(x, words, rot_buf, lane);
+    float* dst = p.out + (static_cast<int64_t>(seq) * p.H + kvh * p.G + tile * GT + g) * kD + 4 * lane;
+    *reinterpret_cast<float4*>(dst) = make_float4(x[0], x[1], x[2], x[3]);
+  }
+}
+
+// FAST: the fused epilogue by merge_rotate_per_warp (with rot_v_s).
+template <int D, int GT, int W, int DW = D, int HALVES = 1, bool FAST = false>
 __device__ __forceinline__ void merge_tile_state(const DecodeParams& p, const float (&o)[Dims<DW>::kKS][4],
                                                  const float (&m)[2], float (&l)[2],
                                                  float (&o_s)[W][kNH * D], float (&m_s)[W][kNH],
@@ -727,6 +771,12 @@ __device__ __forceinline__ void merge_tile_state(const DecodeParams& p, const fl
   if (D != kD || p.rot == nullptr || p.num_splits > 1) {
     merge_warps_and_store<D, GT, kNH, W, 32 * W * HALVES>(p, m_s, l_s, o_s, bad_s, seq, split, kvh, tile);
     return;
+  }
+  if constexpr (D == kD && FAST && HALVES == 1) {
+    if (rot_v_s != nullptr) {
+      merge_rotate_per_warp<GT, W>(p, m_s, l_s, o_s, bad_s, warp, 4 * gid + t4, seq, kvh, tile, rot_buf, rot_v_s);
+      return;
+    }
   }
   if constexpr (D == kD)
     merge_rotate_and_store<GT, W>(p, m_s, l_s, o_s, bad_s, warp, gid, t4, seq, split, kvh, tile, rot_buf, rot_v_s);
@@ -934,15 +984,22 @@ constexpr int stage_bytes() { return kTT * (D * KB / 8 + D * VB / 8) + 2 * kTT *
 // Per-warp ring bytes: at most 5 KB, which keeps 2 CTAs (64 KB of tables each) on an sm_90 SM;
 // 4.5 KB with warp pairs (HALVES = 2), whose score exchange takes 1 KB per warp more.
 // (ring_fits in paged_decode.cu asks the device; RingFitsOnDevice reports it to the GPU tests.)
+// Two work items per CTA (ITEMS = 2: one CTA of 16 warps per SM, both items reading one pair of
+// tables): the 64 KB of the second CTA's tables go to the rings, 8.5 KB per warp (4 stages at
+// head_dim 128, 4 bits).
 constexpr int kRingWarpBudget = 5120;
 constexpr int kPairRingWarpBudget = 4608;
-template <int D, int KB = 4, int VB = 4, int HALVES = 1>
+constexpr int kItemsRingWarpBudget = 8704;
+template <int D, int KB = 4, int VB = 4, int HALVES = 1, int ITEMS = 1>
 constexpr int ring_stages() {
-  constexpr int n = (HALVES == 1 ? kRingWarpBudget : kPairRingWarpBudget) / stage_bytes<D, KB, VB>();
+  constexpr int budget = ITEMS == 2 ? kItemsRingWarpBudget : HALVES == 1 ? kRingWarpBudget : kPairRingWarpBudget;
+  constexpr int n = budget / stage_bytes<D, KB, VB>();
   return n < 2 ? 2 : n > 4 ? 4 : n;
 }
-template <int D, int KB = 4, int VB = 4, int HALVES = 1>
-constexpr int ring_bytes() { return kW4 * ring_stages<D, KB, VB, HALVES>() * stage_bytes<D, KB, VB>(); }
+template <int D, int KB = 4, int VB = 4, int HALVES = 1, int ITEMS = 1>
+constexpr int ring_bytes() {
+  return ITEMS * kW4 * ring_stages<D, KB, VB, HALVES, ITEMS>() * stage_bytes<D, KB, VB>();
+}
 // Coordinates of one warp's share of a tile in v4's loop: head_dim / HALVES, padded to 64 or 128
 // (head_dim 80 and 96, and 192 as pairs, run in the 128-coordinate loop). The kernel's ring and the
 // launch's shared-memory size both come from it (through stage_width).
@@ -958,8 +1015,8 @@ constexpr bool packed_rows(int d, int halves, int kb, int vb) {
 constexpr int stage_width(int d, int halves, int kb, int vb) {
   return packed_rows(d, halves, kb, vb) ? d : tile_width(d, halves);
 }
-template <int D, int KB, int VB, int HALVES>
-constexpr int v4_ring_bytes() { return ring_bytes<stage_width(D, HALVES, KB, VB), KB, VB, HALVES>(); }
+template <int D, int KB, int VB, int HALVES, int ITEMS = 1>
+constexpr int v4_ring_bytes() { return ring_bytes<stage_width(D, HALVES, KB, VB), KB, VB, HALVES, ITEMS>(); }
 
 // Byte offset in a stage's 16-row block of code rows of R bytes of byte `b` of row r: 64-byte
 // rows in 16-byte units at ring_swizzle, 32-byte rows at ring_row64, other widths in order.
@@ -996,9 +1053,18 @@ constexpr float kLazyMax = 8.f;
 // DV..127 that the merge drops. Other rows (2- / 3-bit at 80, 3-bit at 96: packed_rows) stay at
 // the pool's stride in the stage, and the lanes of the padding coordinates read the next row's
 // codes to the same effect (read_stage).
-template <int D, int GT, bool SPLIT, bool RING, int KB = 4, int VB = 4, int HALVES = 1>
-__global__ void __launch_bounds__(kT4, kCtasPerSm4)
+// ITEMS = 2 (ring, head tiles of 4, no warp pairs): one CTA of 16 warps serves two work items,
+// the query-head rows blockIdx.y * 2 and + 1 of the grid of one item per CTA: warps 0-7 the first,
+// 8-15 the second, each set as one CTA of ITEMS = 1, with one pair of tables for both (each item's
+// threads build one of them) and 4-stage rings. Two CTAs of one SM share its memory unevenly (the
+// older one's warps are issued first, so the younger one ends ~10 us later at (32, 8192)); the
+// warps of one CTA keep together. Its q rows are staged outside the tables, which are built first
+// (one prologue barrier), and each warp merges and rotates back its head's row in the fused
+// epilogue.
+template <int D, int GT, bool SPLIT, bool RING, int KB = 4, int VB = 4, int HALVES = 1, int ITEMS = 1>
+__global__ void __launch_bounds__(kT4 * ITEMS, kCtasPerSm4 / ITEMS)
     paged_decode_v4_kernel(const DecodeParams p) {
+  static_assert(ITEMS == 1 || (ITEMS == 2 && RING && HALVES == 1 && GT == 4), "two items: ring, head tiles of 4");
   static_assert(!RING || (KB != 0 && VB != 0), "the ring's stage layout needs compile-time widths");
   static_assert(GT == 4 || GT == 8, "v4: GT in {4, 8}");
   static_assert(!SPLIT, "v4: f16 products (its V weights reach the V MMA as one f16x2 register transpose)");
@@ -1014,9 +1080,11 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
   constexpr int NP = kW4 / HALVES;  // tile streams: the warps, or the warp pairs
   static_assert(NP * kNH * D * 4 <= kSmemBytes, "o_s must fit in the table space");
   constexpr int kStage = stage_bytes<DS, KB ? KB : 4, VB ? VB : 4>();
-  constexpr int kStages = ring_stages<DS, KB ? KB : 4, VB ? VB : 4, HALVES>();
+  constexpr int kStages = ring_stages<DS, KB ? KB : 4, VB ? VB : 4, HALVES, ITEMS>();
+  static_assert(ITEMS == 1 || (NP * kNH + GT) * D * 4 <= ITEMS * kW4 * kStages * kStage,
+                "the second item's o_s and merged rows in the rings");
   constexpr int KS = Dims<DW>::kKS;
-  static_assert(!RING || kW4 * kStages * kStage == v4_ring_bytes<D, KB ? KB : 4, VB ? VB : 4, HALVES>(),
+  static_assert(!RING || ITEMS * kW4 * kStages * kStage == v4_ring_bytes<D, KB ? KB : 4, VB ? VB : 4, HALVES, ITEMS>(),
                 "the launch's shared-memory size (v4_ring_bytes) must be the ring's");
   constexpr int RK = DW * (KB ? KB : 4) / 8, RV = DW * (VB ? VB : 4) / 8;  // ring: code bytes per K / V row
   constexpr int RKG = DV * (KB ? KB : 4) / 8, RVG = DV * (VB ? VB : 4) / 8;  // ... of them in the pools
@@ -1027,17 +1095,24 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
   static_assert(!V2 || !SPLIT, "raw 2-bit V keys: f16 products only");
 
   // kSmemBytes: interleaved K / V tables; RING: then ring_bytes() of per-warp rings.
+  // Per item (ITEMS = 2): qexp_s, bad_s, m_s, l_s, q_sep and o_s (the second item's in the rings).
   extern __shared__ __align__(16) uint8_t smem[];
-  __shared__ float qexp_s[kNH];
-  __shared__ int bad_s[kNH];  // heads whose q_rot row is not all finite (NaN output rows)
-  __shared__ __align__(16) float w_s[kW4][kTT * kNH];  // per-warp scratch of the prologue and the merge
-  __shared__ float m_s[NP][kNH];
-  __shared__ float l_s[NP][kNH];
+  __shared__ float qexp_all[ITEMS][kNH];
+  __shared__ int bad_all[ITEMS][kNH];  // heads whose q_rot row is not all finite (NaN output rows)
+  __shared__ __align__(16) float w_s[ITEMS * kW4][kTT * kNH];  // per-warp scratch of the prologue and the merge
+  __shared__ float m_all[ITEMS][NP][kNH];
+  __shared__ float l_all[ITEMS][NP][kNH];
   __shared__ __align__(16) float4 x_s[HALVES == 2 ? kW4 * 2 * 32 : 1];  // pairs: [warp][tile parity][lane]
   __shared__ int4 rot_v_s[32];  // the fused epilogue's Pi_v spec words
-  auto& o_s = *reinterpret_cast<float(*)[NP][kNH * D]>(smem);  // after the main loop only
+  const int item = ITEMS == 1 ? 0 : static_cast<int>(threadIdx.x) / kT4;
+  float* qexp_s = qexp_all[item];
+  int* bad_s = bad_all[item];
+  auto& m_s = m_all[item];
+  auto& l_s = l_all[item];
+  auto& o_s = *reinterpret_cast<float(*)[NP][kNH * D]>(smem + item * kSmemBytes);  // after the main loop only
 
-  const int tid = threadIdx.x;
+  const int tid = threadIdx.x - item * kT4;  // in the item's 256 threads
+  const int slot = threadIdx.x >> 5;         // the warp's ring and scratch (w_s)
   const int warp = tid >> 5;
   const int stream = warp / HALVES;  // this warp's tiles: stream, stream + NP, ...
   const int half = warp % HALVES;    // pairs: coordinates half * DW ..
@@ -1047,8 +1122,10 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
   const int ns = p.num_splits;
   const int seq = blockIdx.x / ns;
   const int split = blockIdx.x - seq * ns;
-  const int kvh = blockIdx.y / p.ntiles;
-  const int tile = blockIdx.y - kvh * p.ntiles;
+  const int row = blockIdx.y * ITEMS + item;  // the item's query-head row (host: gridDim.y * ITEMS rows)
+  const int kvh = row / p.ntiles;
+  const int tile = row - kvh * p.ntiles;
+  const unsigned trace_cta = blockIdx.x + gridDim.x * row;
 
   const SplitRange range = split_range(p.sl[seq], p.max_pages, p.page_size, ns, split);
   const int tok0 = static_cast<int>(range.tok_begin);
@@ -1141,7 +1218,7 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
   // Ring path: tile ti (< ntt) into stage `st` of this warp's ring; every lane copies units lane,
   // lane + 32, ... (those that exist) of the K and V code rows, lanes 0-7 one 16-byte quarter of the
   // norms. Returns the valid count.
-  uint8_t* ring = smem + kSmemBytes + warp * (kStages * kStage);
+  uint8_t* ring = smem + kSmemBytes + slot * (kStages * kStage);
   // Copy units of CU bytes: 16, or 8 where a (half) row is not whole 16-byte units (head_dim 80's
   // 40-byte rows). Loop-invariant per-lane parts of the copies: sources at byte CU * lane of a
   // tile's rows (unit lane + 32 c at + 32 c CU), destinations at the units' stage offsets
@@ -1235,13 +1312,13 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
   // tiles' copies follow the q staging. (Issued after the copies, these reads waited a loaded memory
   // latency behind them, at the start and again in the fused epilogue.)
   static_assert(kT4 == 256, "one K and one V table entry per thread");
-  trace_phase(p, warp, lane, 0);
+  trace_phase(p, trace_cta, warp, lane, 0);
   const LutSeed lut_seed = load_lut_seed(p.kcent, p.vcent, p.k_bits, p.v_bits, KSHIFT, VSHIFT);
   constexpr int QROW = HALVES * DW;  // staged q row: DW coordinates per half, zeros past DV
   QueryRows<QROW, 1> qrows = load_query_rows<QROW, GT, 1, DV, DW>(p, seq, kvh, tile, warp, lane);
   const bool fused_epilogue = D == kD && p.rot != nullptr && p.num_splits == 1;
   int4 rot_v = {};
-  if (fused_epilogue && warp == 0) rot_v = ld_early(reinterpret_cast<const int4*>(p.rot + kD) + lane);
+  if (fused_epilogue && slot == 0) rot_v = ld_early(reinterpret_cast<const int4*>(p.rot + kD) + lane);
   Tile<DW> cur, nxt;
   TilePage page_next = {-1, 0}, first[kStages];  // first: the pages of the warp's first tiles
 #pragma unroll
@@ -1256,30 +1333,36 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
     page_next = tile_page(stream + NP, kEarly);
   }
   __threadfence_block();  // keeps the compiler from sinking the reads above below the q staging
-  trace_phase(p, warp, lane, 1);
+  trace_phase(p, trace_cta, warp, lane, 1);
 
   // ---- prologue: q of head `warp` (scaled, per-head power of two) in the table space ----------
   // The first tiles' copies are issued after it (the block-table reads above have landed by then),
   // so that the prologue's own loads are not queued behind them.
-  float* q_s = reinterpret_cast<float*>(smem);
-  stage_queries<QROW, 1, DV, DW>(p, qrows, q_s, qexp_s, bad_s, warp, lane, w_s[warp]);
-  if (warp == 0) rot_v_s[lane] = rot_v;
+  // ITEMS = 2: each item's threads build one table first, q goes to q_sep, one barrier.
+  constexpr bool kQSep = ITEMS == 2;
+  __shared__ __align__(16) float q_sep[kQSep ? ITEMS * kNH * QROW : 1];
+  float* q_s = kQSep ? q_sep + item * kNH * QROW : reinterpret_cast<float*>(smem);
+  if constexpr (kQSep) build_item_lut<SPLIT>(smem, lut_seed, item, tid);
+  stage_queries<QROW, 1, DV, DW>(p, qrows, q_s, qexp_s, bad_s, warp, lane, w_s[slot]);
+  if (slot == 0) rot_v_s[lane] = rot_v;
   if constexpr (RING) {
 #pragma unroll
     for (int st = 0; st < kStages; ++st) n_st[st] = issue(stream + st * NP, st, first[st]);
   } else {
     if (stream < ntt) load(stream, cur, first[0]);
   }
-  trace_phase(p, warp, lane, 2);
+  trace_phase(p, trace_cta, warp, lane, 2);
   __syncthreads();
   uint32_t qh[KS][2], ql[KS][2];
   query_fragments<DW>(q_s + half * DW, gid, t4, qh, ql, QROW);
   const float qx0 = qexp_s[2 * t4], qx1 = qexp_s[2 * t4 + 1];
-  __syncthreads();
-  build_pair_luts<SPLIT>(smem, lut_seed);
-  __syncthreads();
+  if constexpr (!kQSep) {
+    __syncthreads();
+    build_pair_luts<SPLIT>(smem, lut_seed);
+    __syncthreads();
+  }
   const PairLut<SPLIT> ilut(smem, lane);
-  trace_phase(p, warp, lane, 3);
+  trace_phase(p, trace_cta, warp, lane, 3);
 
   // The running max starts finite (-FLT_MAX), so no exp2 argument is -inf - (-inf): no "any valid
   // token yet" selects. A row with no valid token keeps l = 0 (its output is 0, its lse -inf).
@@ -1405,10 +1488,10 @@ __global__ void __launch_bounds__(kT4, kCtasPerSm4)
     }
   }
 
-  trace_phase(p, warp, lane, 4);
-  merge_tile_state<D, GT, NP, DW, HALVES>(p, o, m, l, o_s, m_s, l_s, bad_s, stream, gid, t4, seq, split, kvh, tile,
-                                          w_s[warp], half, fused_epilogue ? rot_v_s : nullptr);
-  trace_phase(p, warp, lane, 5);
+  trace_phase(p, trace_cta, warp, lane, 4);
+  merge_tile_state<D, GT, NP, DW, HALVES, ITEMS == 2>(p, o, m, l, o_s, m_s, l_s, bad_s, stream, gid, t4, seq, split,
+                                                      kvh, tile, w_s[slot], half, fused_epilogue ? rot_v_s : nullptr);
+  trace_phase(p, trace_cta, warp, lane, 5);
 }
 
 }  // namespace v3

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on the GPU machine: build jax_tq with CUDA, run the GPU tests, the benchmarks,
 # and optionally the main job; print short tables. Usage: bash scripts/gpu_run.sh [build tests bench model]
-# stages: build v3 ncu trace tests dtests bits hd rot bench graphs profile breakdown mstep model (default: build tests bench). Logs go to $OUT (the device tool brings them back).
+# stages: build v3 ncu items trace tests dtests bits hd rot bench graphs profile breakdown mstep model (default: build tests bench). Logs go to $OUT (the device tool brings them back).
 # One device call may run 600 s at most: "build tests" (~9 min on the H200) and "bench" (~4 min) fit
 # in two back-to-back calls; the build stays while the machine is warm (30 s after a call).
 set -uo pipefail
@@ -52,8 +52,9 @@ fi
 if has dtests; then  # the decode GPU tests on the default kernels and the device-time helper's, then on v4's register variant
   timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_device_time.py -k "decode or device_time" 2>&1 \
     | tee "$OUT/gpu_decode_tests.log" | tail -n 8
-  for v in ${DTEST_VARIANTS:-v4}; do  # v4: the register variant (the default runs the ring variant)
-    JAX_TQ_CUDA_DECODE=$v timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -x -m gpu tests/test_gpu.py -k decode 2>&1 \
+  for v in ${DTEST_VARIANTS:-v4 items1}; do  # v4: the register variant (the default runs the ring variant); items1: one item per CTA
+    if [[ $v == items1 ]]; then variant_env="JAX_TQ_V4_ITEMS=1"; else variant_env="JAX_TQ_CUDA_DECODE=$v"; fi
+    env $variant_env timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -x -m gpu tests/test_gpu.py -k decode 2>&1 \
       | tee "$OUT/gpu_decode_tests_$v.log" | tail -n 5
   done
   echo "dtests: $(( $(date +%s) - t0 )) s"
@@ -110,6 +111,15 @@ if has ncu; then  # decode kernels under Nsight Compute (NCU_VERSIONS default "d
     echo "== ncu decode $v"
     grep -E "  [a-z_:<>0-9 ]*paged_decode|Duration|DRAM Throughput|L1/TEX Cache Thr|Compute \(SM\) Thr|Registers Per|Achieved Occupancy|Issued Warp Per|Executed Ipc A|issue_stalled|wavefronts|conflicts|inst_executed|Bank" "$OUT/ncu_$v.txt" \
       | grep -vE "ratio +0(\.0[0-9])?$" | sed -E 's/smsp__average_warps_issue_stalled_//; s/_per_issue_active.ratio//' | head -n 80
+  done
+fi
+if has items; then  # v4 with two work items per CTA (the default) against one (JAX_TQ_V4_ITEMS=1): time, then the phase trace
+  for c in ${ITEMS_CHOICES:-2 1}; do
+    echo "== JAX_TQ_V4_ITEMS=$c"
+    JAX_TQ_V4_ITEMS=$c timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/bench_decode.py --only-tq --device-time --rotations hadamard \
+      --shapes ${ITEMS_SHAPES:-32x8192,1x32768,128x2048} 2>&1 | tee "$OUT/items_$c.txt" | grep "^|" | grep -v -- "---" | cut -d'|' -f2-3,5
+    JAX_TQ_V4_ITEMS=$c JAX_TQ_TRACE_PHASES=1 PYTHONPATH=benchmarks:${PYTHONPATH:-} timeout 100 python3 benchmarks/phase_trace.py 32x8192 2>&1 \
+      | grep -E "^==|kernel span|loop end \(|^  end|later|earlier|^  [a-z].*p50"
   done
 fi
 if has trace; then  # the device timeline of one call in the benchmark chain (JAX profiler, CUPTI)

@@ -578,6 +578,26 @@ def test_paged_decode_fused_rotation(rng, page_size, group, num_splits, qdtype, 
         assert rel_err(got[s][ok], want[s][ok]) < 5 * tol, f"sequence {s}"
 
 
+@pytest.mark.parametrize("hkv,group,num_splits,rotation", [
+    (2, 1, 1, "hadamard"), (4, 3, 1, "haar"), (4, 4, 3, "hadamard"), (6, 2, 2, "haar"),
+    (3, 4, 1, "hadamard"), (1, 2, 5, "haar"), (2, 4, 200, "hadamard"),
+])
+def test_paged_decode_two_item_rows(rng, hkv, group, num_splits, rotation):
+    """head_dim 128 K4V4 with head tiles of 4: an even number of KV heads runs two per CTA (v4's
+    ITEMS = 2, on sm_90), an odd number one per CTA; every KV head's rows against float64, with the
+    fused (Hadamard) epilogue and without, with one split and with more splits than pages."""
+    q, cache, tables, lens = _decode_inputs(rng, 128, 4, 4, 16, group, hkv, jnp.bfloat16, num_seqs=4, max_len=1200,
+                                            rotation=rotation)
+    _poison_device(q.size * 4 * 8 * 70)
+    got = np.asarray(_decode(q, cache, tables, lens, num_splits=num_splits).astype(jnp.float32), np.float64)
+    assert np.all(np.isfinite(got)) and np.all(got[0] == 0.0)
+    want = _on_cpu(decode_f64, np.asarray(q.astype(jnp.float32)), cache, tables, lens)
+    for s in range(1, q.shape[0]):
+        for h in range(hkv):
+            rows = slice(h * group, (h + 1) * group)
+            assert rel_err(got[s, rows], want[s, rows]) < 2e-2, (s, h)
+
+
 def test_paged_decode_split_counts_agree(rng):
     q, cache, tables, lens = _decode_inputs(rng, 128, 4, 4, 16, 4, 2, jnp.float32, num_seqs=3, max_len=2000)
     outs = [np.asarray(_decode(q, cache, tables, lens, num_splits=s)) for s in (1, 2, 3, 7, 200)]
@@ -651,6 +671,7 @@ def test_every_ring_kernel_keeps_two_ctas_per_sm():
             assert mod.ring_fits(96, k_bits, v_bits) == 1, (96, k_bits, v_bits)
             assert mod.ring_fits(80, k_bits, v_bits) == 1, (80, k_bits, v_bits)
     assert mod.ring_fits(192, 4, 4) == 1 and mod.ring_fits(192, 2, 4) == -1
+    assert mod.two_items_fit() == 1, "head_dim 128 K4V4: one CTA of two work items per SM"
 
 
 @pytest.mark.parametrize("num_splits", [1, 2])
@@ -676,6 +697,12 @@ def test_paged_decode_phase_trace(rng, monkeypatch, num_splits):
     assert np.all(np.diff(stamps[:ctas].astype(np.int64), axis=-1) >= 0), "stamps in time order"
     assert np.all(sms[:ctas] == sms[:ctas, :1, :1]), "one SM per CTA"
     assert np.all(raw[ctas:] == 0), "nothing past the grid"
+    if module.two_items_fit() == 1 and os.environ.get("JAX_TQ_V4_ITEMS", "") != "1":
+        # Two work items per CTA: the KV heads 2b and 2b + 1 of a (sequence, split) on one SM.
+        cols = q.shape[0] * num_splits
+        for x in range(cols):
+            for b in range(0, cache.num_kv_heads, 2):
+                assert sms[x + cols * b, 0, 0] == sms[x + cols * (b + 1), 0, 0], (x, b)
     assert not np.any(np.frombuffer(module.phase_trace(), np.uint64)), "a read clears the trace"
 
 
