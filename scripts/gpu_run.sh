@@ -22,6 +22,15 @@ if has build; then
   python3 -c "import jax, jax_tq, jax_tq._cuda_ops as m; from jax_tq import _ffi; print('jax', jax.__version__, jax.devices(), 'cuda kernels:', _ffi.kernels_available('cuda'), _ffi.unavailable_reason('cuda'))"
   echo "build: $(( $(date +%s) - t0 )) s"
 fi
+if has items; then  # v4 with two work items per CTA (the default) against one (JAX_TQ_V4_ITEMS=1): time, then the phase trace
+  for c in ${ITEMS_CHOICES:-2 1}; do
+    echo "== JAX_TQ_V4_ITEMS=$c"
+    JAX_TQ_V4_ITEMS=$c timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/bench_decode.py --only-tq --device-time --rotations hadamard \
+      --shapes ${ITEMS_SHAPES:-32x8192,1x32768,128x2048} 2>&1 | tee "$OUT/items_$c.txt" | grep "^|" | grep -v -- "---" | cut -d'|' -f2-3,5
+    JAX_TQ_V4_ITEMS=$c JAX_TQ_TRACE_PHASES=1 PYTHONPATH=benchmarks:${PYTHONPATH:-} timeout 100 python3 benchmarks/phase_trace.py 32x8192 2>&1 \
+      | grep -E "^==|kernel span|loop end \(|^  end|later|earlier|^  [a-z].*p50"
+  done
+fi
 if has v3; then  # tensor-core decode (default where it applies) and its variants: correctness, then timing
   for v in ${V3_TEST_VERSIONS:-3}; do
     echo "== decode tests, JAX_TQ_CUDA_DECODE=v$v"
@@ -111,15 +120,6 @@ if has ncu; then  # decode kernels under Nsight Compute (NCU_VERSIONS default "d
     echo "== ncu decode $v"
     grep -E "  [a-z_:<>0-9 ]*paged_decode|Duration|DRAM Throughput|L1/TEX Cache Thr|Compute \(SM\) Thr|Registers Per|Achieved Occupancy|Issued Warp Per|Executed Ipc A|issue_stalled|wavefronts|conflicts|inst_executed|Bank" "$OUT/ncu_$v.txt" \
       | grep -vE "ratio +0(\.0[0-9])?$" | sed -E 's/smsp__average_warps_issue_stalled_//; s/_per_issue_active.ratio//' | head -n 80
-  done
-fi
-if has items; then  # v4 with two work items per CTA (the default) against one (JAX_TQ_V4_ITEMS=1): time, then the phase trace
-  for c in ${ITEMS_CHOICES:-2 1}; do
-    echo "== JAX_TQ_V4_ITEMS=$c"
-    JAX_TQ_V4_ITEMS=$c timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/bench_decode.py --only-tq --device-time --rotations hadamard \
-      --shapes ${ITEMS_SHAPES:-32x8192,1x32768,128x2048} 2>&1 | tee "$OUT/items_$c.txt" | grep "^|" | grep -v -- "---" | cut -d'|' -f2-3,5
-    JAX_TQ_V4_ITEMS=$c JAX_TQ_TRACE_PHASES=1 PYTHONPATH=benchmarks:${PYTHONPATH:-} timeout 100 python3 benchmarks/phase_trace.py 32x8192 2>&1 \
-      | grep -E "^==|kernel span|loop end \(|^  end|later|earlier|^  [a-z].*p50"
   done
 fi
 if has trace; then  # the device timeline of one call in the benchmark chain (JAX profiler, CUPTI)

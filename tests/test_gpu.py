@@ -697,7 +697,8 @@ def test_paged_decode_phase_trace(rng, monkeypatch, num_splits):
     assert np.all(np.diff(stamps[:ctas].astype(np.int64), axis=-1) >= 0), "stamps in time order"
     assert np.all(sms[:ctas] == sms[:ctas, :1, :1]), "one SM per CTA"
     assert np.all(raw[ctas:] == 0), "nothing past the grid"
-    if module.two_items_fit() == 1 and os.environ.get("JAX_TQ_V4_ITEMS", "") != "1":
+    default_kernel = os.environ.get("JAX_TQ_CUDA_DECODE", "") == "" and os.environ.get("JAX_TQ_V4_ITEMS", "") != "1"
+    if module.two_items_fit() == 1 and default_kernel:
         # Two work items per CTA: the KV heads 2b and 2b + 1 of a (sequence, split) on one SM.
         cols = q.shape[0] * num_splits
         for x in range(cols):
