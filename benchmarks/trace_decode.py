@@ -31,8 +31,8 @@ def chain_fn(inner):
     return chain
 
 
-def one_shape(num_seqs, seq_len):
-    (q, cache, tables, lens), = make_tq_inputs(num_seqs, seq_len, jax.random.PRNGKey(0), 1)
+def one_shape(num_seqs, seq_len, rotation):
+    (q, cache, tables, lens), = make_tq_inputs(num_seqs, seq_len, jax.random.PRNGKey(0), 1, rotation=rotation)
     chain = chain_fn(INNER)
     for _ in range(3):
         jax.block_until_ready(chain(q, cache, tables, lens))
@@ -45,7 +45,7 @@ def one_shape(num_seqs, seq_len):
     # call's) up to the next, then per-call averages over the whole chain.
     split_idx = [i for i, e in enumerate(kernels) if "paged_decode" in e["name"] and "combine" not in e["name"]]
     span, busy = span_us(kernels) / INNER, sum(e["dur"] for e in kernels) / INNER
-    print(f"== {num_seqs}x{seq_len}: {len(kernels)} kernels in {INNER} calls; per call: span {span:.1f} us, "
+    print(f"== {num_seqs}x{seq_len} ({rotation}): {len(kernels)} kernels in {INNER} calls; per call: span {span:.1f} us, "
           f"kernels busy {busy:.1f} us, idle {span - busy:.1f} us")
     if len(split_idx) >= 3:
         a, b = split_idx[len(split_idx) // 2 - 1], split_idx[len(split_idx) // 2]
@@ -60,10 +60,12 @@ def one_shape(num_seqs, seq_len):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("shapes", nargs="*", default=["32x8192", "1x32768"], help="NUM_SEQSxSEQ_LEN (default 32x8192 1x32768)")
-    for spec in ap.parse_args().shapes:
+    ap.add_argument("--rotation", default="haar", choices=["haar", "hadamard"], help="the codecs' rotation kind")
+    args = ap.parse_args()
+    for spec in args.shapes:
         num_seqs, seq_len = (int(v) for v in spec.split("x"))
         try:
-            one_shape(num_seqs, seq_len)
+            one_shape(num_seqs, seq_len, args.rotation)
         except Exception as err:  # noqa: BLE001 - a profiler without CUPTI must not end the run
             print(f"== {spec}: trace failed: {type(err).__name__}: {str(err)[:300]}")
 
