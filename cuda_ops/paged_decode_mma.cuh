@@ -1342,15 +1342,22 @@ __global__ void __launch_bounds__(kT4 * ITEMS, kCtasPerSm4 / ITEMS)
   constexpr bool kQSep = ITEMS == 2;
   __shared__ __align__(16) float q_sep[kQSep ? ITEMS * kNH * QROW : 1];
   float* q_s = kQSep ? q_sep + item * kNH * QROW : reinterpret_cast<float*>(smem);
+  auto first_copies = [&]() {
+    if constexpr (RING) {
+#pragma unroll
+      for (int st = 0; st < kStages; ++st) n_st[st] = issue(stream + st * NP, st, first[st]);
+    } else {
+      if (stream < ntt) load(stream, cur, first[0]);
+    }
+  };
+  // Two items: the first copies go right behind the small reads (issued first, so still served
+  // first) unless p.copies_first is 0 (JAX_TQ_V4_COPIES_FIRST=0, an A/B switch).
+  const bool copies_first = ITEMS == 2 && p.copies_first != 0;
+  if (copies_first) first_copies();
   if constexpr (kQSep) build_item_lut<SPLIT>(smem, lut_seed, item, tid);
   stage_queries<QROW, 1, DV, DW>(p, qrows, q_s, qexp_s, bad_s, warp, lane, w_s[slot]);
   if (slot == 0) rot_v_s[lane] = rot_v;
-  if constexpr (RING) {
-#pragma unroll
-    for (int st = 0; st < kStages; ++st) n_st[st] = issue(stream + st * NP, st, first[st]);
-  } else {
-    if (stream < ntt) load(stream, cur, first[0]);
-  }
+  if (!copies_first) first_copies();
   trace_phase(p, trace_cta, warp, lane, 2);
   __syncthreads();
   uint32_t qh[KS][2], ql[KS][2];

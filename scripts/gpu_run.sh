@@ -22,12 +22,13 @@ if has build; then
   python3 -c "import jax, jax_tq, jax_tq._cuda_ops as m; from jax_tq import _ffi; print('jax', jax.__version__, jax.devices(), 'cuda kernels:', _ffi.kernels_available('cuda'), _ffi.unavailable_reason('cuda'))"
   echo "build: $(( $(date +%s) - t0 )) s"
 fi
-if has items; then  # v4 with two work items per CTA (the default) against one (JAX_TQ_V4_ITEMS=1): time, then the phase trace
-  for c in ${ITEMS_CHOICES:-2 1}; do
-    echo "== JAX_TQ_V4_ITEMS=$c"
-    JAX_TQ_V4_ITEMS=$c timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/bench_decode.py --only-tq --device-time --rotations hadamard \
-      --shapes ${ITEMS_SHAPES:-32x8192,1x32768,128x2048} 2>&1 | tee "$OUT/items_$c.txt" | grep "^|" | grep -v -- "---" | cut -d'|' -f2-3,5
-    JAX_TQ_V4_ITEMS=$c JAX_TQ_TRACE_PHASES=1 PYTHONPATH=benchmarks:${PYTHONPATH:-} timeout 100 python3 benchmarks/phase_trace.py 32x8192 2>&1 \
+if has items; then  # v4's two work items per CTA (the default) against its A/B switches: time, then the phase trace
+  for c in ${ITEMS_CHOICES:-default JAX_TQ_V4_COPIES_FIRST=0 JAX_TQ_V4_ITEMS=1}; do  # each: default or VAR=VALUE[,VAR=VALUE]
+    echo "== $c"
+    choice_env=$([[ $c == default ]] || echo "${c//,/ }")
+    env $choice_env timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/bench_decode.py --only-tq --device-time --rotations hadamard \
+      --shapes ${ITEMS_SHAPES:-32x8192,1x32768,128x2048} 2>&1 | tee "$OUT/items_${c//[=,]/_}.txt" | grep "^|" | grep -v -- "---" | cut -d'|' -f2-3,5
+    env $choice_env JAX_TQ_TRACE_PHASES=1 PYTHONPATH=benchmarks:${PYTHONPATH:-} timeout 100 python3 benchmarks/phase_trace.py 32x8192 2>&1 \
       | grep -E "^==|kernel span|loop end \(|^  end|later|earlier|^  [a-z].*p50"
   done
 fi
