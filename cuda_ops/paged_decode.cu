@@ -286,7 +286,6 @@ struct DecodeParams {
   int k_bits, v_bits;
   const int32_t* rot;   // [2][128] Hadamard spec words (K, V; format.h), or nullptr: q / out rotated outside
   unsigned long long* trace;  // v4's phase trace (PhaseTrace below), or nullptr (the default)
-  int copies_first;  // v4, two items per CTA: 1 (default) issue the first copies before the q staging
 };
 
 // A diagnostic: with JAX_TQ_TRACE_PHASES=1 in the environment, v4 records for each warp of its first
@@ -1707,8 +1706,6 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot,
   p.v_bits = v_bits;
   p.rot = dims.fused ? rotation.typed_data() : nullptr;
   p.trace = nullptr;
-  p.copies_first = 1;
-  if (const char* env = std::getenv("JAX_TQ_V4_COPIES_FIRST"); env != nullptr && env[0] == '0') p.copies_first = 0;
   if (const char* env = std::getenv("JAX_TQ_TRACE_PHASES"); env != nullptr && env[0] == '1') {
     void* trace = nullptr;
     if (cudaGetSymbolAddress(&trace, g_phase_trace) == cudaSuccess) p.trace = static_cast<unsigned long long*>(trace);

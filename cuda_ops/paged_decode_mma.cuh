@@ -1351,13 +1351,13 @@ __global__ void __launch_bounds__(kT4 * ITEMS, kCtasPerSm4 / ITEMS)
     }
   };
   // Two items: the first copies go right behind the small reads (issued first, so still served
-  // first) unless p.copies_first is 0 (JAX_TQ_V4_COPIES_FIRST=0, an A/B switch).
-  const bool copies_first = ITEMS == 2 && p.copies_first != 0;
-  if (copies_first) first_copies();
+  // first): -0.5 us at (32, 8192) against issuing them after the q staging.
+  constexpr bool kCopiesFirst = ITEMS == 2;
+  if constexpr (kCopiesFirst) first_copies();
   if constexpr (kQSep) build_item_lut<SPLIT>(smem, lut_seed, item, tid);
   stage_queries<QROW, 1, DV, DW>(p, qrows, q_s, qexp_s, bad_s, warp, lane, w_s[slot]);
   if (slot == 0) rot_v_s[lane] = rot_v;
-  if (!copies_first) first_copies();
+  if constexpr (!kCopiesFirst) first_copies();
   trace_phase(p, trace_cta, warp, lane, 2);
   __syncthreads();
   uint32_t qh[KS][2], ql[KS][2];

@@ -22,8 +22,8 @@ if has build; then
   python3 -c "import jax, jax_tq, jax_tq._cuda_ops as m; from jax_tq import _ffi; print('jax', jax.__version__, jax.devices(), 'cuda kernels:', _ffi.kernels_available('cuda'), _ffi.unavailable_reason('cuda'))"
   echo "build: $(( $(date +%s) - t0 )) s"
 fi
-if has items; then  # v4's two work items per CTA (the default) against its A/B switches: time, then the phase trace
-  for c in ${ITEMS_CHOICES:-default JAX_TQ_V4_COPIES_FIRST=0 JAX_TQ_V4_ITEMS=1}; do  # each: default or VAR=VALUE[,VAR=VALUE]
+if has items; then  # v4's two work items per CTA (the default) against one (JAX_TQ_V4_ITEMS=1): time, then the phase trace
+  for c in ${ITEMS_CHOICES:-default JAX_TQ_V4_ITEMS=1}; do  # each: default or VAR=VALUE[,VAR=VALUE]
     echo "== $c"
     choice_env=$([[ $c == default ]] || echo "${c//,/ }")
     env $choice_env timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/bench_decode.py --only-tq --device-time --rotations hadamard \
