@@ -804,9 +804,9 @@ __global__ void __launch_bounds__(kThreads)
 // Warp-independent kernels (v2, v3) end the same way: each warp staged its (m, l, o) per query
 // head of the tile in shared memory; merge them with log-sum-exp and write the split's partial (or
 // the output when there is a single split). NH is the row width of the staging arrays (>= GT).
-// W: warps of the CTA (blockDim.x = 32 * W).
+// W: warps per work item (blockDim.x = 32 * W, or 64 * W for v4's two items per CTA).
 // rows_s (the fused rotation, one split): the rows go to rows_s[g * D + dd] instead, still rotated.
-// T: the threads of the CTA that take part (all of them), 32 W unless warps pair up.
+// T: the threads of one work item, 32 W unless warps pair up (a CTA of two items: half of them).
 template <int D, int GT, int NH, int W = kWarps, int T = 32 * W>
 __device__ __forceinline__ void merge_warps_and_store(const DecodeParams& p, const float (&m_s)[W][NH],
                                                       const float (&l_s)[W][NH],

@@ -21,7 +21,7 @@
 // of paged_decode.cu).
 //
 // Contract (identical to v1 / v2): same grid (num_splits * num_seqs, num_kv_heads * group_tiles),
-// 128 threads (v4: 256), same per-split token range, same partial (o / l, m + log l) writes (or
+// 128 threads (v4: 256; two items per CTA: 512 on a grid.y of half the rows), same per-split token range, same partial (o / l, m + log l) writes (or
 // the final output when num_splits == 1), so the combine kernel applies unchanged. Tokens >=
 // tok_end and block-table entries outside [0, P) never contribute: v3 never reads them; v4's
 // one-page tiles read their codes from inside a real page (page 0 for an invalid id; no read past
@@ -695,14 +695,6 @@ __device__ __forceinline__ void merge_rotate_and_store(const DecodeParams& p, fl
   }
 }
 
-// After a warp-independent tile loop: each warp's (m, l, o) into shared memory (o_s reuses the
-// tables: every warp must be past its loop), merged over the W warps and stored. With the fused
-// rotation and one split, the merged rows go to the table space after o_s and warp w rotates rows
-// w, w + W, ... back (out = Pi_v^T o_rot; rot_buf: the warp's 128 floats, free after its loop;
-// rot_v_s: Pi_v's spec words staged in shared memory, or null to read them from p.rot).
-// Warp pairs (HALVES = 2): `warp` is the pair (one of W), whose two warps hold the same m and l and
-// the coordinates half * DV .. of o (DV = D / HALVES). A tile of DW > DV coordinates (padded rows)
-// holds DV real ones.
 // The fused epilogue for a CTA of two items (merge_tile_state's FAST): after the warps' states
 // are in shared memory, warp g merges head g's row over the W warps itself (each lane its 4
 // coordinates), rotates it back and stores it: no merged-rows pass and its barrier.
@@ -739,7 +731,14 @@ __device__ __forceinline__ void merge_rotate_per_warp(const DecodeParams& p, flo
   }
 }
 
-// FAST: the fused epilogue by merge_rotate_per_warp (with rot_v_s).
+// After a warp-independent tile loop: each warp's (m, l, o) into shared memory (o_s reuses the
+// tables: every warp must be past its loop), merged over the W warps and stored. With the fused
+// rotation and one split, the merged rows go to the table space after o_s and warp w rotates rows
+// w, w + W, ... back (out = Pi_v^T o_rot; rot_buf: the warp's 128 floats, free after its loop;
+// rot_v_s: Pi_v's spec words staged in shared memory, or null to read them from p.rot).
+// Warp pairs (HALVES = 2): `warp` is the pair (one of W), whose two warps hold the same m and l and
+// the coordinates half * DV .. of o (DV = D / HALVES). A tile of DW > DV coordinates (padded rows)
+// holds DV real ones. FAST: the fused epilogue by merge_rotate_per_warp (with rot_v_s).
 template <int D, int GT, int W, int DW = D, int HALVES = 1, bool FAST = false>
 __device__ __forceinline__ void merge_tile_state(const DecodeParams& p, const float (&o)[Dims<DW>::kKS][4],
                                                  const float (&m)[2], float (&l)[2],
@@ -1336,9 +1335,10 @@ __global__ void __launch_bounds__(kT4 * ITEMS, kCtasPerSm4 / ITEMS)
   trace_phase(p, trace_cta, warp, lane, 1);
 
   // ---- prologue: q of head `warp` (scaled, per-head power of two) in the table space ----------
-  // The first tiles' copies are issued after it (the block-table reads above have landed by then),
-  // so that the prologue's own loads are not queued behind them.
-  // ITEMS = 2: each item's threads build one table first, q goes to q_sep, one barrier.
+  // One item per CTA: the first tiles' copies are issued after it (the block-table reads above
+  // have landed by then), so that the prologue's own loads are not queued behind them.
+  // Two items: the copies first, then each item's threads build one table, q goes to q_sep, one
+  // barrier.
   constexpr bool kQSep = ITEMS == 2;
   __shared__ __align__(16) float q_sep[kQSep ? ITEMS * kNH * QROW : 1];
   float* q_s = kQSep ? q_sep + item * kNH * QROW : reinterpret_cast<float*>(smem);

@@ -96,6 +96,7 @@ def paged_decode(q, cache, block_tables, seq_lens, *, scale=None, num_splits=Non
     """
     check_cache(cache, "paged_decode")
     requested_cuda_decode()  # a misspelt kernel choice raises on every backend and query dtype
+    requested_v4_items()
     q, block_tables, seq_lens = jnp.asarray(q), jnp.asarray(block_tables), jnp.asarray(seq_lens)
     scale, num_splits = _static_scale(scale), _static_num_splits(num_splits)
     _check_decode_args(q, cache, block_tables, seq_lens, num_splits)
@@ -443,6 +444,23 @@ def requested_cuda_decode() -> str:
     value = os.environ.get("JAX_TQ_CUDA_DECODE", "")
     if value not in CUDA_DECODE_CHOICES:
         raise ValueError(f"JAX_TQ_CUDA_DECODE={value!r}: expected one of v1, v2, v3, v4, v5 (or unset)")
+    return value
+
+
+V4_ITEMS_CHOICES = ("", "1", "2")
+
+
+def requested_v4_items() -> str:
+    """``JAX_TQ_V4_ITEMS`` as the CUDA handler reads it: ``"1"`` keeps one work item per CTA in v4's
+    head_dim-128 K4V4 ring kernel; ``""`` (unset) or ``"2"``, the default, runs two KV heads per CTA
+    of 16 warps where they apply. It changes only which kernel runs, not the result's accuracy.
+
+    Raises:
+      ValueError: any other value (the handler would quietly take it for the default).
+    """
+    value = os.environ.get("JAX_TQ_V4_ITEMS", "")
+    if value not in V4_ITEMS_CHOICES:
+        raise ValueError(f"JAX_TQ_V4_ITEMS={value!r}: expected 1 or 2 (or unset)")
     return value
 
 

@@ -76,6 +76,14 @@ def test_tensor_core_kernel_selection_follows_the_environment(monkeypatch):
         with pytest.raises(ValueError, match="JAX_TQ_CUDA_DECODE"):
             pd.uses_v4(True)
     monkeypatch.delenv("JAX_TQ_CUDA_DECODE")
+    for ok in ("1", "2"):
+        monkeypatch.setenv("JAX_TQ_V4_ITEMS", ok)
+        assert pd.requested_v4_items() == ok
+    for bad in ("0", "one", "1 ", "3"):
+        monkeypatch.setenv("JAX_TQ_V4_ITEMS", bad)
+        with pytest.raises(ValueError, match="JAX_TQ_V4_ITEMS"):
+            pd.requested_v4_items()
+    monkeypatch.delenv("JAX_TQ_V4_ITEMS")
     # the warp pairs need 228 KB of shared memory per SM for 2 CTAs: not on sm_80 / sm_89
     for cc, fits in (((9, 0), True), ((10, 0), True), ((8, 0), False), ((8, 9), False)):
         monkeypatch.setattr(pd._compat, "gpu_compute_capability", lambda default=(9, 0), cc=cc: cc)
@@ -199,5 +207,9 @@ def test_a_misspelt_cuda_decode_choice_raises_on_every_backend(monkeypatch, back
     with tq.use_backend(backend), pytest.raises(ValueError, match="JAX_TQ_CUDA_DECODE='v9'"):
         tq.paged_decode(q, cache, tables, lens)
     monkeypatch.delenv("JAX_TQ_CUDA_DECODE")
+    monkeypatch.setenv("JAX_TQ_V4_ITEMS", "0")
+    with tq.use_backend(backend), pytest.raises(ValueError, match="JAX_TQ_V4_ITEMS='0'"):
+        tq.paged_decode(q, cache, tables, lens)
+    monkeypatch.delenv("JAX_TQ_V4_ITEMS")
     with tq.use_backend(backend):
         assert tq.paged_decode(q, cache, tables, lens).shape == (1, 2, 64)
