@@ -1706,7 +1706,7 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot,
   p.v_bits = v_bits;
   p.rot = dims.fused ? rotation.typed_data() : nullptr;
   p.trace = nullptr;
-  if (const char* env = std::getenv("JAX_TQ_TRACE_PHASES"); env != nullptr && env[0] == '1') {
+  if (const char* env = std::getenv("JAX_TQ_TRACE_PHASES"); env != nullptr && std::string(env) == "1") {
     void* trace = nullptr;
     if (cudaGetSymbolAddress(&trace, g_phase_trace) == cudaSuccess) p.trace = static_cast<unsigned long long*>(trace);
   }

@@ -10,7 +10,7 @@ import numpy as np
 from jax_tq.checks import check_slot_mapping
 from jax_tq.codec import TurboQuant
 from jax_tq.compress import check_packed_codec, write_kv
-from jax_tq.format import cache_codes_shape, cache_norms_shape, check_bits
+from jax_tq.format import cache_codes_shape, cache_norms_shape, check_bits, check_index_dtype
 
 
 @jax.tree_util.register_dataclass
@@ -179,13 +179,15 @@ def write_cache(cache: PagedKVCache, k, v, slot_mapping) -> PagedKVCache:
     layout of docs/FORMAT.md.
     """
     check_cache(cache, "write_cache")
-    k, v, slot_mapping = jnp.asarray(k), jnp.asarray(v), jnp.asarray(slot_mapping)
+    k, v = jnp.asarray(k), jnp.asarray(v)
     for name, x in (("k", k), ("v", v)):
         if x.ndim != 3:
             raise ValueError(f"jax_tq.write_cache: {name} must be [num_tokens, num_kv_heads, head_dim], got shape "
                              f"{tuple(x.shape)}")
     if k.shape[0] != v.shape[0]:
         raise ValueError(f"jax_tq.write_cache: k has {k.shape[0]} tokens but v has {v.shape[0]}")
+    check_index_dtype(slot_mapping, f"jax_tq.write_cache: slot_mapping must be int32 [{k.shape[0]}]")
+    slot_mapping = jnp.asarray(slot_mapping)
     check_slot_mapping(slot_mapping, num_slots=cache.num_slots)
     k_codes, k_norms, v_codes, v_norms = write_kv(k, v, (cache.k_codes, cache.k_norms), (cache.v_codes, cache.v_norms),
                                                   cache.k_codec, cache.v_codec, slot_mapping)

@@ -40,6 +40,23 @@ ROT_NEG1_BIT = 1 << 16
 ROT_NEG2_BIT = 1 << 17
 
 
+def check_index_dtype(x, what: str) -> None:
+    """Refuses an index operand (block_tables, seq_lens, slot_mapping) given with a dtype other than
+    int32, before ``jnp.asarray`` sees it: with x64 off that casts NumPy int64 to int32, wrapping
+    values past 2^31 - 1 into valid-looking indices, and float64 to float32 (the error would then
+    name the wrong dtype). Values without a dtype (lists, Python ints) are left to ``jnp.asarray``.
+
+    Args:
+      x: the operand as the user passed it (NumPy or JAX array, list, scalar).
+      what: the message's start, e.g. "jax_tq.paged_decode: block_tables must be int32 [num_seqs=2, max_pages]".
+    Raises:
+      TypeError: "{what}, got {dtype}{shape}" where x has a dtype other than int32.
+    """
+    dtype = getattr(x, "dtype", None)
+    if dtype is not None and np.dtype(dtype) != np.int32:
+        raise TypeError(f"{what}, got {np.dtype(dtype)}{tuple(np.shape(x))}")
+
+
 def _is_int(value) -> bool:
     """True for Python / numpy integers (bool excluded)."""
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))

@@ -97,9 +97,11 @@ def paged_decode(q, cache, block_tables, seq_lens, *, scale=None, num_splits=Non
     check_cache(cache, "paged_decode")
     requested_cuda_decode()  # a misspelt kernel choice raises on every backend and query dtype
     requested_v4_items()
-    q, block_tables, seq_lens = jnp.asarray(q), jnp.asarray(block_tables), jnp.asarray(seq_lens)
+    requested_trace_phases()
+    q = jnp.asarray(q)
     scale, num_splits = _static_scale(scale), _static_num_splits(num_splits)
     _check_decode_args(q, cache, block_tables, seq_lens, num_splits)
+    block_tables, seq_lens = jnp.asarray(block_tables), jnp.asarray(seq_lens)
     f16_products = _allows_f16_products(precision, q.dtype)
     if num_splits is not None:
         num_splits = min(num_splits, max(1, block_tables.shape[1]))
@@ -338,16 +340,17 @@ def _check_decode_args(q, cache, block_tables, seq_lens, num_splits) -> None:
         raise ValueError(
             f"{op}: num_heads {num_heads} is not a multiple of the cache's num_kv_heads {cache.num_kv_heads} (GQA)"
         )
+    tables_spec = f"{op}: block_tables must be int32 [num_seqs={num_seqs}, max_pages]"
+    lens_spec = f"{op}: seq_lens must be int32 [num_seqs={num_seqs}]"
+    tq_format.check_index_dtype(block_tables, tables_spec)
+    tq_format.check_index_dtype(seq_lens, lens_spec)
     block_tables, seq_lens = jnp.asarray(block_tables), jnp.asarray(seq_lens)
     if block_tables.dtype != jnp.int32 or block_tables.ndim != 2 or block_tables.shape[0] != num_seqs:
         error = TypeError if block_tables.dtype != jnp.int32 else ValueError
-        raise error(
-            f"{op}: block_tables must be int32 [num_seqs={num_seqs}, max_pages], got "
-            f"{block_tables.dtype}{tuple(block_tables.shape)}"
-        )
+        raise error(f"{tables_spec}, got {block_tables.dtype}{tuple(block_tables.shape)}")
     if seq_lens.dtype != jnp.int32 or seq_lens.shape != (num_seqs,):
         error = TypeError if seq_lens.dtype != jnp.int32 else ValueError
-        raise error(f"{op}: seq_lens must be int32 [num_seqs={num_seqs}], got {seq_lens.dtype}{tuple(seq_lens.shape)}")
+        raise error(f"{lens_spec}, got {seq_lens.dtype}{tuple(seq_lens.shape)}")
     if num_splits is not None and int(num_splits) < 1:
         raise ValueError(f"{op}: num_splits must be >= 1 (or None for automatic), got {num_splits}")
 
@@ -462,6 +465,19 @@ def requested_v4_items() -> str:
     if value not in V4_ITEMS_CHOICES:
         raise ValueError(f"JAX_TQ_V4_ITEMS={value!r}: expected 1 or 2 (or unset)")
     return value
+
+
+def requested_trace_phases() -> bool:
+    """``JAX_TQ_TRACE_PHASES``, as the CUDA handler reads it at each call: ``"1"`` records v4's phase
+    trace (``benchmarks/phase_trace.py``); ``""`` (unset) or ``"0"`` does not.
+
+    Raises:
+      ValueError: any other value (the handler would quietly take it for off).
+    """
+    value = os.environ.get("JAX_TQ_TRACE_PHASES", "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"JAX_TQ_TRACE_PHASES={value!r}: expected 0 or 1 (or unset)")
+    return value == "1"
 
 
 def whole_wave_splits(units: int, slots: int, max_splits: int) -> int:

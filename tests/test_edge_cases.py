@@ -571,6 +571,30 @@ def test_refuses_bad_codec_and_cache_parameters():
                                k_codec=tq.TurboQuant(64, 4), v_codec=tq.TurboQuant(128, 4))
 
 
+def test_numpy_int64_indices_are_refused_not_wrapped():
+    """With x64 off, jnp.asarray casts NumPy int64 to int32, so 2^32 + 5 would have become slot /
+    page 5 and a seq_len of 2^32 zero; they are refused with the dtype the caller passed
+    (new-user trial 16)."""
+    assert not jax.config.jax_enable_x64
+    cache = _small_cache(num_kv_heads=1)
+    q, tables, lens = _decode_args(num_heads=2)
+    k = np.ones((1, 1, 64), np.float32)
+    before = np.asarray(cache.k_norms).copy()
+    with pytest.raises(TypeError, match=r"write_cache: slot_mapping must be int32 \[1\], got int64\(1,\)"):
+        tq.write_cache(cache, k, k, np.array([2**32 + 5], np.int64))
+    np.testing.assert_array_equal(np.asarray(cache.k_norms), before)
+    with pytest.raises(TypeError, match=r"block_tables must be int32 \[num_seqs=2, max_pages\], got int64\(2, 1\)"):
+        tq.paged_decode(q, cache, np.full((2, 1), 2**32 + 1, np.int64), lens)
+    with pytest.raises(TypeError, match=r"seq_lens must be int32 \[num_seqs=2\], got int64\(2,\)"):
+        tq.paged_decode(q, cache, tables, np.full((2,), 2**32, np.int64))
+    with pytest.raises(TypeError, match=r"block_tables must be int32 .*, got float64\(2, 3\)"):
+        tq.paged_decode(q, cache, np.zeros((2, 3)), lens)
+    # NumPy int32 and Python lists stay accepted
+    out = tq.paged_decode(q, cache, np.asarray(tables), [5, 5])
+    assert out.shape == q.shape
+    tq.write_cache(cache, k, k, np.array([5], np.int32))
+
+
 def test_refuses_bad_decode_arguments_at_trace_time():
     cache = _small_cache()
     q, tables, lens = _decode_args()

@@ -84,6 +84,14 @@ def test_tensor_core_kernel_selection_follows_the_environment(monkeypatch):
         with pytest.raises(ValueError, match="JAX_TQ_V4_ITEMS"):
             pd.requested_v4_items()
     monkeypatch.delenv("JAX_TQ_V4_ITEMS")
+    for value, on in (("0", False), ("1", True)):
+        monkeypatch.setenv("JAX_TQ_TRACE_PHASES", value)
+        assert pd.requested_trace_phases() == on
+    for bad in ("true", "10", "1x", "on"):
+        monkeypatch.setenv("JAX_TQ_TRACE_PHASES", bad)
+        with pytest.raises(ValueError, match="JAX_TQ_TRACE_PHASES"):
+            pd.requested_trace_phases()
+    monkeypatch.delenv("JAX_TQ_TRACE_PHASES")
     # the warp pairs need 228 KB of shared memory per SM for 2 CTAs: not on sm_80 / sm_89
     for cc, fits in (((9, 0), True), ((10, 0), True), ((8, 0), False), ((8, 9), False)):
         monkeypatch.setattr(pd._compat, "gpu_compute_capability", lambda default=(9, 0), cc=cc: cc)
@@ -211,5 +219,9 @@ def test_a_misspelt_cuda_decode_choice_raises_on_every_backend(monkeypatch, back
     with tq.use_backend(backend), pytest.raises(ValueError, match="JAX_TQ_V4_ITEMS='0'"):
         tq.paged_decode(q, cache, tables, lens)
     monkeypatch.delenv("JAX_TQ_V4_ITEMS")
+    monkeypatch.setenv("JAX_TQ_TRACE_PHASES", "yes")
+    with tq.use_backend(backend), pytest.raises(ValueError, match="JAX_TQ_TRACE_PHASES='yes'"):
+        tq.paged_decode(q, cache, tables, lens)
+    monkeypatch.delenv("JAX_TQ_TRACE_PHASES")
     with tq.use_backend(backend):
         assert tq.paged_decode(q, cache, tables, lens).shape == (1, 2, 64)
