@@ -76,26 +76,26 @@ def test_tensor_core_kernel_selection_follows_the_environment(monkeypatch):
         with pytest.raises(ValueError, match="JAX_TQ_CUDA_DECODE"):
             pd.uses_v4(True)
     monkeypatch.delenv("JAX_TQ_CUDA_DECODE")
-    for ok in ("1", "2"):
-        monkeypatch.setenv("JAX_TQ_V4_ITEMS", ok)
-        assert pd.requested_v4_items() == ok
-    for bad in ("0", "one", "1 ", "3"):
-        monkeypatch.setenv("JAX_TQ_V4_ITEMS", bad)
-        with pytest.raises(ValueError, match="JAX_TQ_V4_ITEMS"):
-            pd.requested_v4_items()
-    monkeypatch.delenv("JAX_TQ_V4_ITEMS")
-    for value, on in (("0", False), ("1", True)):
-        monkeypatch.setenv("JAX_TQ_TRACE_PHASES", value)
-        assert pd.requested_trace_phases() == on
-    for bad in ("true", "10", "1x", "on"):
-        monkeypatch.setenv("JAX_TQ_TRACE_PHASES", bad)
-        with pytest.raises(ValueError, match="JAX_TQ_TRACE_PHASES"):
-            pd.requested_trace_phases()
-    monkeypatch.delenv("JAX_TQ_TRACE_PHASES")
     # the warp pairs need 228 KB of shared memory per SM for 2 CTAs: not on sm_80 / sm_89
     for cc, fits in (((9, 0), True), ((10, 0), True), ((8, 0), False), ((8, 9), False)):
         monkeypatch.setattr(pd._compat, "gpu_compute_capability", lambda default=(9, 0), cc=cc: cc)
         assert pd.uses_tensor_core_kernel(256, 4, 4, 4) == fits, cc
+
+
+@pytest.mark.parametrize("name,read,good,bad", [
+    ("JAX_TQ_V4_ITEMS", "requested_v4_items", {"1": "1", "2": "2", "": ""}, ("0", "one", "1 ", "3")),
+    ("JAX_TQ_TRACE_PHASES", "requested_trace_phases", {"0": False, "1": True, "": False}, ("true", "10", "1x", "on")),
+])
+def test_kernel_env_switches_are_read_exactly(monkeypatch, name, read, good, bad):
+    """The CUDA handler reads these switches by exact value; any other value raises here instead of
+    being taken for the default."""
+    for value, expected in good.items():
+        monkeypatch.setenv(name, value)
+        assert getattr(pd, read)() == expected, value
+    for value in bad:
+        monkeypatch.setenv(name, value)
+        with pytest.raises(ValueError, match=name):
+            getattr(pd, read)()
 
 
 def test_choose_num_splits(monkeypatch):
