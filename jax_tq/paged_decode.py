@@ -100,8 +100,7 @@ def paged_decode(q, cache, block_tables, seq_lens, *, scale=None, num_splits=Non
     requested_trace_phases()
     q = jnp.asarray(q)
     scale, num_splits = _static_scale(scale), _static_num_splits(num_splits)
-    _check_decode_args(q, cache, block_tables, seq_lens, num_splits)
-    block_tables, seq_lens = jnp.asarray(block_tables), jnp.asarray(seq_lens)
+    block_tables, seq_lens = _check_decode_args(q, cache, block_tables, seq_lens, num_splits)
     f16_products = _allows_f16_products(precision, q.dtype)
     if num_splits is not None:
         num_splits = min(num_splits, max(1, block_tables.shape[1]))
@@ -316,7 +315,8 @@ def _decode_bwd(k_bits, v_bits, scale, num_splits, f16_products, backend, operan
 _decode.defvjp(_decode_fwd, _decode_bwd)
 
 
-def _check_decode_args(q, cache, block_tables, seq_lens, num_splits) -> None:
+def _check_decode_args(q, cache, block_tables, seq_lens, num_splits):
+    """The trace-time checks of paged_decode's arguments; returns (block_tables, seq_lens) as arrays."""
     op = "jax_tq.paged_decode"
     if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         raise TypeError(f"{op}: q must be float32, bfloat16 or float16, got {q.dtype}")
@@ -353,6 +353,7 @@ def _check_decode_args(q, cache, block_tables, seq_lens, num_splits) -> None:
         raise error(f"{lens_spec}, got {seq_lens.dtype}{tuple(seq_lens.shape)}")
     if num_splits is not None and int(num_splits) < 1:
         raise ValueError(f"{op}: num_splits must be >= 1 (or None for automatic), got {num_splits}")
+    return block_tables, seq_lens
 
 
 #: Shared memory of one tensor-core decode CTA (v3): 64 KB of tables + static arrays + the
@@ -444,9 +445,18 @@ def requested_cuda_decode() -> str:
       ValueError: any other value (the handler would quietly take it for the default, so that the
         split count and the rotations' precision chosen here could not match the kernel that runs).
     """
-    value = os.environ.get("JAX_TQ_CUDA_DECODE", "")
-    if value not in CUDA_DECODE_CHOICES:
-        raise ValueError(f"JAX_TQ_CUDA_DECODE={value!r}: expected one of v1, v2, v3, v4, v5 (or unset)")
+    return _env_choice("JAX_TQ_CUDA_DECODE", CUDA_DECODE_CHOICES, "one of v1, v2, v3, v4, v5")
+
+
+def _env_choice(name: str, choices, expected: str) -> str:
+    """Environment variable ``name`` ("" when unset), which must be one of ``choices``.
+
+    Raises:
+      ValueError: any other value, naming ``expected``.
+    """
+    value = os.environ.get(name, "")
+    if value not in choices:
+        raise ValueError(f"{name}={value!r}: expected {expected} (or unset)")
     return value
 
 
@@ -461,10 +471,7 @@ def requested_v4_items() -> str:
     Raises:
       ValueError: any other value (the handler would quietly take it for the default).
     """
-    value = os.environ.get("JAX_TQ_V4_ITEMS", "")
-    if value not in V4_ITEMS_CHOICES:
-        raise ValueError(f"JAX_TQ_V4_ITEMS={value!r}: expected 1 or 2 (or unset)")
-    return value
+    return _env_choice("JAX_TQ_V4_ITEMS", V4_ITEMS_CHOICES, "1 or 2")
 
 
 def requested_trace_phases() -> bool:
@@ -474,10 +481,7 @@ def requested_trace_phases() -> bool:
     Raises:
       ValueError: any other value (the handler would quietly take it for off).
     """
-    value = os.environ.get("JAX_TQ_TRACE_PHASES", "")
-    if value not in ("", "0", "1"):
-        raise ValueError(f"JAX_TQ_TRACE_PHASES={value!r}: expected 0 or 1 (or unset)")
-    return value == "1"
+    return _env_choice("JAX_TQ_TRACE_PHASES", ("", "0", "1"), "0 or 1") == "1"
 
 
 def whole_wave_splits(units: int, slots: int, max_splits: int) -> int:
