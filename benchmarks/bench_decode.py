@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import re
 import statistics
 import time
 
@@ -46,6 +47,7 @@ L2_BYTES = 60 * 2**20
 ROTATE_BYTES = 4 * L2_BYTES  # the distinct copies of one benchmark's inputs add up to at least this
 NAN = float("nan")
 CHAIN_ROW = "benchmark chain alone (add + sum, no op)"
+CHAIN_KERNEL = re.compile(r"fusion|reduce|wrapped|convert|copy|memset", re.IGNORECASE)  # XLA's kernels
 ROTATIONS = ("haar", "hadamard")  # --rotations: the codecs' rotation kinds to time
 PAGE_ORDER = "random"  # --page-order: jax_tq block tables a random permutation of the pool, or sequential
 
@@ -93,6 +95,18 @@ def kernel_breakdown(fn, arg_sets):
     chain = chained(fn, inner)
     jax.block_until_ready(chain(arg_sets))
     return device_time.kernel_seconds_by_name(lambda: jax.block_until_ready(chain(arg_sets)), inner)
+
+
+def op_kernel_seconds(fn, arg_sets, label):
+    """Device seconds per call of ``fn``'s own kernels in the chained program: every kernel but XLA's
+    fusions and reductions (the chain's add on q and sum of the output)."""
+    by_name = kernel_breakdown(fn, arg_sets)
+    if not by_name:
+        return NAN
+    print(f"  {label}:")
+    for name, sec in sorted(by_name.items(), key=lambda kv: -kv[1]):
+        print(f"    kernel {sec * 1e6:8.2f} us  {name[:110]}")
+    return sum(sec for name, sec in by_name.items() if not CHAIN_KERNEL.search(name))
 
 
 def copy_bandwidth():
@@ -233,6 +247,8 @@ def bench_shape(num_seqs, seq_len, splits_list, copy_bw, quick, only_tq=False):
             return jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=l, implementation=impl)
         try:
             rows.append((f"bf16 dot_product_attention {impl}", *time_calls(attn, dsets, outer=outer), dense))
+            if DEVICE_TIME and impl == "cudnn":
+                rows.append((f"bf16 {impl} own kernels", NAN, NAN, op_kernel_seconds(attn, dsets, impl), dense))
         except Exception as err:  # noqa: BLE001
             print(f"  {impl} failed: {type(err).__name__}: {str(err)[:200]}")
             rows.append((f"bf16 dot_product_attention {impl}", NAN, NAN, NAN, dense))
