@@ -1035,16 +1035,7 @@ int ftype_of(ffi::DataType t) {
   }
 }
 
-int sm_count() {
-  static const int n = [] {
-    int dev = 0, v = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess) return 132;
-    if (cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || v <= 0)
-      return 132;
-    return v;
-  }();
-  return n;
-}
+int sm_count() { return device_sm_count(132); }
 
 // Occupancy (blocks per SM) of a kernel whose dynamic shared-memory limit is already raised; the
 // call sites read it once per kernel instantiation, after allow_dynamic_smem (cuda_launch.h), which

@@ -27,9 +27,10 @@ namespace jax_tq::cuda {
 // the current device (head_dim 256: its warp pairs): 1 yes, 0 no (the handler then runs the
 // register variant, or v1 at head_dim 256), -1 no such ring kernel.
 int RingFitsOnDevice(int head_dim, int k_bits, int v_bits);
-// Whether v4's two-items kernel (head_dim 128, K4V4: one CTA of 16 warps per SM) fits on the
-// current device: 1 yes, 0 no (the handler runs the ring kernel of one item per CTA), -1 not built.
-int TwoItemsFitOnDevice();
+// Whether v4's kernel of `items` (2, 4 or 8) work items per CTA (head_dim 128, K4V4: one CTA of 16
+// warps per SM) fits on the current device: 1 yes, 0 no (the handler runs the ring kernel of one
+// item per CTA), -1 not built or no such kernel.
+int ItemsFitOnDevice(int items);
 bool ReadPhaseTrace(unsigned long long* dst);
 int PhaseTraceWords();
 }  // namespace jax_tq::cuda
@@ -75,7 +76,7 @@ PYBIND11_MODULE(_cuda_ops, m) {
   m.def("ring_fits", &jax_tq::cuda::RingFitsOnDevice, py::arg("head_dim"), py::arg("k_bits"), py::arg("v_bits"),
         "Whether v4's ring decode kernel for these widths keeps 2 CTAs per SM on the current device: 1 yes, "
         "0 no (the decode then runs a slower kernel), -1 no ring kernel for them.");
-  m.def("two_items_fit", &jax_tq::cuda::TwoItemsFitOnDevice,
-        "Whether v4's kernel of two work items per CTA (head_dim 128, K4V4, 16 warps) fits on the current device: "
-        "1 yes, 0 no (the decode then runs one item per CTA), -1 not built.");
+  m.def("items_fit", &jax_tq::cuda::ItemsFitOnDevice, py::arg("items") = 2,
+        "Whether v4's kernel of `items` (2, 4 or 8) work items per CTA (head_dim 128, K4V4, 16 warps) fits on the "
+        "current device: 1 yes, 0 no (the decode then runs one item per CTA), -1 not built or no such kernel.");
 }

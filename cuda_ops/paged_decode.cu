@@ -1258,14 +1258,14 @@ ffi::Error launch_v3(cudaStream_t stream, const DecodeParams& p, dim3 grid) {
   return launch_mma<v3::paged_decode_v3_kernel<D, GT, SPLIT, KB, VB>>(kThreads, "v3", stream, p, grid);
 }
 
-// ITEMS = 2: two work items (query-head rows blockIdx.y * 2, + 1) per CTA of 16 warps; grid.y
-// (the rows) must be even.
+// ITEMS = 2, 4 or 8: that many work items (query-head rows blockIdx.y * ITEMS + i) per CTA of 16
+// warps; ITEMS must divide grid.y (the rows).
 template <int D, int GT, bool RING, int KB = 4, int VB = 4, int HALVES = 1, int ITEMS = 1>
 ffi::Error launch_v4(cudaStream_t stream, const DecodeParams& p, dim3 grid) {
   constexpr int smem = v3::kSmemBytes + (RING ? v3::v4_ring_bytes<D, KB, VB, HALVES, ITEMS>() : 0);
   grid.y /= ITEMS;
   return launch_mma<v3::paged_decode_v4_kernel<D, GT, false, RING, KB, VB, HALVES, ITEMS>, smem>(
-      v3::kT4 * ITEMS, ITEMS == 2 ? "v4 ring, two items per CTA" : HALVES == 2 ? "v4 ring pairs" : RING ? "v4 ring" : "v4",
+      v3::v4_threads(ITEMS), ITEMS > 1 ? "v4 ring, several items per CTA" : HALVES == 2 ? "v4 ring pairs" : RING ? "v4 ring" : "v4",
       stream, p, grid);
 }
 
@@ -1284,8 +1284,8 @@ bool ring_fits() {
     int ctas = 0;
     const bool fits =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) == cudaSuccess &&
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, v3::kT4 * ITEMS, smem) == cudaSuccess &&
-        ctas >= v3::kCtasPerSm4 / ITEMS;
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, v3::v4_threads(ITEMS), smem) == cudaSuccess &&
+        ctas >= v3::v4_ctas_per_sm(ITEMS);
     if (!fits) (void)cudaGetLastError();  // a refused attribute is an answer here, not an error to keep
     state = fits ? 1 : 2;
     known[dev].store(state, std::memory_order_release);
@@ -1469,27 +1469,67 @@ bool launch_wide(int d, int gt, bool f16, cudaStream_t stream, const DecodeParam
   return false;
 }
 
-// v4 (f16 products) with compile-time K / V widths: the ring where it fits, else the register
-// variant.
-// Two work items per CTA of 16 warps (v4's ITEMS = 2) for head_dim 128, K4V4, head tiles of 4,
-// an even number of query-head rows, where it fits (sm_90), unless JAX_TQ_V4_ITEMS=1.
-template <int D, int KB, int VB>
-bool use_two_items(int gt, const DecodeParams& p, dim3 grid) {
-  static const bool allowed = [] {
+// Several work items per CTA of 16 warps (v4's ITEMS = 2, 4 or 8) for head_dim 128, K4V4, head
+// tiles of 4, where they fit (sm_90). The count: the fewest waves of one CTA per SM with the least
+// work per SM (waves * ITEMS), ties to more items (fewer prologues and epilogues per SM); with 8
+// KV heads on 132 SMs: (32, 8192) runs 2 per CTA (128 CTAs), (64, 4096) 4 and (128, 2048) 8, one
+// wave each. JAX_TQ_V4_ITEMS = 1 keeps one item per CTA; 2, 4 or 8 asks for that count where it
+// divides the rows (else the automatic choice).
+
+// JAX_TQ_V4_ITEMS: 0 when unset or empty (the automatic choice); jax_tq refuses values other than
+// 1, 2, 4 and 8 before a launch.
+int requested_items() {
+  static const int items = [] {
     const char* env = std::getenv("JAX_TQ_V4_ITEMS");
-    return env == nullptr || std::string(env) != "1";
+    return env == nullptr ? 0 : std::atoi(env);
   }();
-  if constexpr (D == 128 && KB == 4 && VB == 4)
-    return allowed && gt <= 4 && grid.y % 2 == 0 && ring_pools_ok(p) && ring_fits<D, 4, KB, VB, 1, 2>();
-  else
-    return false;
+  return items;
 }
 
+// The items per CTA for a grid of one item per CTA (grid.y: the query-head rows), or 0: none of
+// 2, 4, 8 divides the rows.
+int choose_items(dim3 grid) {
+  const int asked = requested_items();
+  if ((asked == 2 || asked == 4 || asked == 8) && grid.y % asked == 0) return asked;
+  const int64_t sms = device_sm_count(0);
+  int best = 0;
+  int64_t best_cost = 0;
+  for (int items : {2, 4, 8}) {
+    if (grid.y % items != 0) continue;
+    const int64_t ctas = static_cast<int64_t>(grid.x) * (grid.y / items);
+    const int64_t waves = sms > 0 ? (ctas + sms - 1) / sms : 1;
+    if (best == 0 || waves * items <= best_cost) best = items, best_cost = waves * items;
+  }
+  return best;
+}
+
+template <int D, int KB, int VB>
+int use_items(int gt, const DecodeParams& p, dim3 grid) {
+  if constexpr (D == 128 && KB == 4 && VB == 4) {
+    if (requested_items() == 1 || gt > 4 || !ring_pools_ok(p)) return 0;
+    switch (choose_items(grid)) {
+      case 2: return ring_fits<D, 4, KB, VB, 1, 2>() ? 2 : 0;
+      case 4: return ring_fits<D, 4, KB, VB, 1, 4>() ? 4 : 0;
+      case 8: return ring_fits<D, 4, KB, VB, 1, 8>() ? 8 : 0;
+      default: return 0;
+    }
+  }
+  (void)gt, (void)p, (void)grid;
+  return 0;
+}
+
+// v4 (f16 products) with compile-time K / V widths: several items per CTA where they apply, else
+// the ring where it fits, else the register variant.
 template <int D, int KB, int VB>
 ffi::Error launch_v4_bits(int gt, cudaStream_t stream, const DecodeParams& p, dim3 grid) {
   const bool four = gt <= 4;
   if constexpr (D == 128 && KB == 4 && VB == 4) {
-    if (use_two_items<D, KB, VB>(gt, p, grid)) return launch_v4<D, 4, true, KB, VB, 1, 2>(stream, p, grid);
+    switch (use_items<D, KB, VB>(gt, p, grid)) {
+      case 2: return launch_v4<D, 4, true, KB, VB, 1, 2>(stream, p, grid);
+      case 4: return launch_v4<D, 4, true, KB, VB, 1, 4>(stream, p, grid);
+      case 8: return launch_v4<D, 4, true, KB, VB, 1, 8>(stream, p, grid);
+      default: break;
+    }
   }
   if (use_ring<D, KB, VB>(gt, p))
     return four ? launch_v4<D, 4, true, KB, VB>(stream, p, grid) : launch_v4<D, 8, true, KB, VB>(stream, p, grid);
@@ -1605,9 +1645,12 @@ bool ReadPhaseTrace(unsigned long long* dst) {
 }
 int PhaseTraceWords() { return kTraceWords; }
 
-int TwoItemsFitOnDevice() {
+int ItemsFitOnDevice(int items) {
 #if JTQ_HAS_D(128)
-  return ring_fits<128, 4, 4, 4, 1, 2>() ? 1 : 0;
+  if (items == 2) return ring_fits<128, 4, 4, 4, 1, 2>() ? 1 : 0;
+  if (items == 4) return ring_fits<128, 4, 4, 4, 1, 4>() ? 1 : 0;
+  if (items == 8) return ring_fits<128, 4, 4, 4, 1, 8>() ? 1 : 0;
+  return -1;
 #else
   return -1;
 #endif

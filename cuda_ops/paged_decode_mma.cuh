@@ -955,6 +955,11 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
 constexpr int kW4 = 8;                 // warps per CTA
 constexpr int kT4 = 32 * kW4;          // threads per CTA
 constexpr int kCtasPerSm4 = 2;
+// Work items per CTA (ITEMS): one CTA of 8 warps (two per SM), or one CTA of 16 warps per SM that
+// serves ITEMS = 2, 4 or 8 items (query-head rows) with 16 / ITEMS warps each.
+constexpr int v4_threads(int items) { return items == 1 ? kT4 : 2 * kT4; }
+constexpr int v4_ctas_per_sm(int items) { return items == 1 ? kCtasPerSm4 : 1; }
+constexpr int v4_item_warps(int items) { return items == 1 ? kW4 : 2 * kW4 / items; }
 
 // v4 with RING (the default where it fits, see use_ring in paged_decode.cu): each warp streams
 // its one-page tiles through its own shared-memory ring of ring_stages() stages by cp.async. A tile
@@ -989,15 +994,20 @@ constexpr int stage_bytes() { return kTT * (D * KB / 8 + D * VB / 8) + 2 * kTT *
 constexpr int kRingWarpBudget = 5120;
 constexpr int kPairRingWarpBudget = 4608;
 constexpr int kItemsRingWarpBudget = 8704;
+// Eight items: their q rows (4 KB per item) take the room of the fourth stage.
+constexpr int kManyItemsRingWarpBudget = 6528;
 template <int D, int KB = 4, int VB = 4, int HALVES = 1, int ITEMS = 1>
 constexpr int ring_stages() {
-  constexpr int budget = ITEMS == 2 ? kItemsRingWarpBudget : HALVES == 1 ? kRingWarpBudget : kPairRingWarpBudget;
+  constexpr int budget = ITEMS == 8   ? kManyItemsRingWarpBudget
+                         : ITEMS > 1  ? kItemsRingWarpBudget
+                         : HALVES == 1 ? kRingWarpBudget
+                                       : kPairRingWarpBudget;
   constexpr int n = budget / stage_bytes<D, KB, VB>();
   return n < 2 ? 2 : n > 4 ? 4 : n;
 }
 template <int D, int KB = 4, int VB = 4, int HALVES = 1, int ITEMS = 1>
 constexpr int ring_bytes() {
-  return ITEMS * kW4 * ring_stages<D, KB, VB, HALVES, ITEMS>() * stage_bytes<D, KB, VB>();
+  return v4_threads(ITEMS) / 32 * ring_stages<D, KB, VB, HALVES, ITEMS>() * stage_bytes<D, KB, VB>();
 }
 // Coordinates of one warp's share of a tile in v4's loop: head_dim / HALVES, padded to 64 or 128
 // (head_dim 80 and 96, and 192 as pairs, run in the 128-coordinate loop). The kernel's ring and the
@@ -1060,10 +1070,14 @@ constexpr float kLazyMax = 8.f;
 // warps of one CTA keep together. Its q rows are staged outside the tables, which are built first
 // (one prologue barrier), and each warp merges and rotates back its head's row in the fused
 // epilogue.
+// ITEMS = 4 or 8: the same with 4 or 2 warps per item (each stages 2 or 4 of the tile's 8 q rows),
+// so that a grid of more items than two per SM runs in one wave of CTAs (one prologue and epilogue
+// per SM instead of one per wave); 3-stage rings at 8 items (their q rows take 32 KB).
 template <int D, int GT, bool SPLIT, bool RING, int KB = 4, int VB = 4, int HALVES = 1, int ITEMS = 1>
-__global__ void __launch_bounds__(kT4 * ITEMS, kCtasPerSm4 / ITEMS)
+__global__ void __launch_bounds__(v4_threads(ITEMS), v4_ctas_per_sm(ITEMS))
     paged_decode_v4_kernel(const DecodeParams p) {
-  static_assert(ITEMS == 1 || (ITEMS == 2 && RING && HALVES == 1 && GT == 4), "two items: ring, head tiles of 4");
+  static_assert(ITEMS == 1 || ((ITEMS == 2 || ITEMS == 4 || ITEMS == 8) && RING && HALVES == 1 && GT == 4),
+                "several items: 2, 4 or 8, ring, head tiles of 4");
   static_assert(!RING || (KB != 0 && VB != 0), "the ring's stage layout needs compile-time widths");
   static_assert(GT == 4 || GT == 8, "v4: GT in {4, 8}");
   static_assert(!SPLIT, "v4: f16 products (its V weights reach the V MMA as one f16x2 register transpose)");
@@ -1076,14 +1090,18 @@ __global__ void __launch_bounds__(kT4 * ITEMS, kCtasPerSm4 / ITEMS)
   static_assert(!PADDED || (RING && !SPLIT && DV % 16 == 0), "padded rows: ring, f16");
   constexpr bool PACKED = packed_rows(D, HALVES, KB ? KB : 4, VB ? VB : 4);
   constexpr int DS = stage_width(D, HALVES, KB ? KB : 4, VB ? VB : 4);  // coordinates of a stage row
-  constexpr int NP = kW4 / HALVES;  // tile streams: the warps, or the warp pairs
+  constexpr int IW = v4_item_warps(ITEMS);  // warps per item
+  constexpr int NP = IW / HALVES;  // tile streams: the item's warps, or the warp pairs
+  constexpr int HPW = kNH / IW;    // heads each warp stages in the prologue (rows past GT: zeros)
   static_assert(NP * kNH * D * 4 <= kSmemBytes, "o_s must fit in the table space");
   constexpr int kStage = stage_bytes<DS, KB ? KB : 4, VB ? VB : 4>();
   constexpr int kStages = ring_stages<DS, KB ? KB : 4, VB ? VB : 4, HALVES, ITEMS>();
-  static_assert(ITEMS == 1 || (NP * kNH + GT) * D * 4 <= ITEMS * kW4 * kStages * kStage,
+  static_assert(ITEMS != 2 || (NP * kNH + GT) * D * 4 <= 2 * kW4 * kStages * kStage,
                 "the second item's o_s and merged rows in the rings");
+  static_assert(ITEMS <= 2 || ITEMS * NP * kNH * D * 4 <= kSmemBytes, "the items' o_s in the table space");
   constexpr int KS = Dims<DW>::kKS;
-  static_assert(!RING || ITEMS * kW4 * kStages * kStage == v4_ring_bytes<D, KB ? KB : 4, VB ? VB : 4, HALVES, ITEMS>(),
+  static_assert(!RING || v4_threads(ITEMS) / 32 * kStages * kStage ==
+                             v4_ring_bytes<D, KB ? KB : 4, VB ? VB : 4, HALVES, ITEMS>(),
                 "the launch's shared-memory size (v4_ring_bytes) must be the ring's");
   constexpr int RK = DW * (KB ? KB : 4) / 8, RV = DW * (VB ? VB : 4) / 8;  // ring: code bytes per K / V row
   constexpr int RKG = DV * (KB ? KB : 4) / 8, RVG = DV * (VB ? VB : 4) / 8;  // ... of them in the pools
@@ -1094,23 +1112,25 @@ __global__ void __launch_bounds__(kT4 * ITEMS, kCtasPerSm4 / ITEMS)
   static_assert(!V2 || !SPLIT, "raw 2-bit V keys: f16 products only");
 
   // kSmemBytes: interleaved K / V tables; RING: then ring_bytes() of per-warp rings.
-  // Per item (ITEMS = 2): qexp_s, bad_s, m_s, l_s, q_sep and o_s (the second item's in the rings).
+  // Per item (ITEMS > 1): qexp_s, bad_s, m_s, l_s, q_sep and o_s.
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ float qexp_all[ITEMS][kNH];
   __shared__ int bad_all[ITEMS][kNH];  // heads whose q_rot row is not all finite (NaN output rows)
-  __shared__ __align__(16) float w_s[ITEMS * kW4][kTT * kNH];  // per-warp scratch of the prologue and the merge
+  __shared__ __align__(16) float w_s[v4_threads(ITEMS) / 32][kTT * kNH];  // per-warp scratch of the prologue and the merge
   __shared__ float m_all[ITEMS][NP][kNH];
   __shared__ float l_all[ITEMS][NP][kNH];
   __shared__ __align__(16) float4 x_s[HALVES == 2 ? kW4 * 2 * 32 : 1];  // pairs: [warp][tile parity][lane]
   __shared__ int4 rot_v_s[32];  // the fused epilogue's Pi_v spec words
-  const int item = ITEMS == 1 ? 0 : static_cast<int>(threadIdx.x) / kT4;
+  const int item = ITEMS == 1 ? 0 : static_cast<int>(threadIdx.x) / (32 * IW);
   float* qexp_s = qexp_all[item];
   int* bad_s = bad_all[item];
   auto& m_s = m_all[item];
   auto& l_s = l_all[item];
-  auto& o_s = *reinterpret_cast<float(*)[NP][kNH * D]>(smem + item * kSmemBytes);  // after the main loop only
+  // (ITEMS = 2: the second item's in the rings; 4 and 8: all in the table space)
+  constexpr int kOsItemBytes = ITEMS == 2 ? kSmemBytes : NP * kNH * D * 4;
+  auto& o_s = *reinterpret_cast<float(*)[NP][kNH * D]>(smem + item * kOsItemBytes);  // after the main loop only
 
-  const int tid = threadIdx.x - item * kT4;  // in the item's 256 threads
+  const int tid = threadIdx.x - item * 32 * IW;  // in the item's threads
   const int slot = threadIdx.x >> 5;         // the warp's ring and scratch (w_s)
   const int warp = tid >> 5;
   const int stream = warp / HALVES;  // this warp's tiles: stream, stream + NP, ...
@@ -1311,10 +1331,11 @@ __global__ void __launch_bounds__(kT4 * ITEMS, kCtasPerSm4 / ITEMS)
   // tiles' copies follow the q staging. (Issued after the copies, these reads waited a loaded memory
   // latency behind them, at the start and again in the fused epilogue.)
   static_assert(kT4 == 256, "one K and one V table entry per thread");
+  static_assert(HPW * IW == kNH, "the prologue stages every head row of the tile");
   trace_phase(p, trace_cta, warp, lane, 0);
   const LutSeed lut_seed = load_lut_seed(p.kcent, p.vcent, p.k_bits, p.v_bits, KSHIFT, VSHIFT);
   constexpr int QROW = HALVES * DW;  // staged q row: DW coordinates per half, zeros past DV
-  QueryRows<QROW, 1> qrows = load_query_rows<QROW, GT, 1, DV, DW>(p, seq, kvh, tile, warp, lane);
+  QueryRows<QROW, HPW> qrows = load_query_rows<QROW, GT, HPW, DV, DW>(p, seq, kvh, tile, warp, lane);
   const bool fused_epilogue = D == kD && p.rot != nullptr && p.num_splits == 1;
   int4 rot_v = {};
   if (fused_epilogue && slot == 0) rot_v = ld_early(reinterpret_cast<const int4*>(p.rot + kD) + lane);
@@ -1339,7 +1360,7 @@ __global__ void __launch_bounds__(kT4 * ITEMS, kCtasPerSm4 / ITEMS)
   // have landed by then), so that the prologue's own loads are not queued behind them.
   // Two items: the copies first, then each item's threads build one table, q goes to q_sep, one
   // barrier.
-  constexpr bool kQSep = ITEMS == 2;
+  constexpr bool kQSep = ITEMS >= 2;
   __shared__ __align__(16) float q_sep[kQSep ? ITEMS * kNH * QROW : 1];
   float* q_s = kQSep ? q_sep + item * kNH * QROW : reinterpret_cast<float*>(smem);
   auto first_copies = [&]() {
@@ -1352,10 +1373,10 @@ __global__ void __launch_bounds__(kT4 * ITEMS, kCtasPerSm4 / ITEMS)
   };
   // Two items: the first copies go right behind the small reads (issued first, so still served
   // first): -0.5 us at (32, 8192) against issuing them after the q staging.
-  constexpr bool kCopiesFirst = ITEMS == 2;
+  constexpr bool kCopiesFirst = ITEMS >= 2;
   if constexpr (kCopiesFirst) first_copies();
-  if constexpr (kQSep) build_item_lut<SPLIT>(smem, lut_seed, item, tid);
-  stage_queries<QROW, 1, DV, DW>(p, qrows, q_s, qexp_s, bad_s, warp, lane, w_s[slot]);
+  if constexpr (kQSep) build_item_lut<SPLIT>(smem, lut_seed, threadIdx.x >> 8, threadIdx.x & 255);
+  stage_queries<QROW, HPW, DV, DW>(p, qrows, q_s, qexp_s, bad_s, warp, lane, w_s[slot]);
   if (slot == 0) rot_v_s[lane] = rot_v;
   if constexpr (!kCopiesFirst) first_copies();
   trace_phase(p, trace_cta, warp, lane, 2);
@@ -1496,7 +1517,7 @@ __global__ void __launch_bounds__(kT4 * ITEMS, kCtasPerSm4 / ITEMS)
   }
 
   trace_phase(p, trace_cta, warp, lane, 4);
-  merge_tile_state<D, GT, NP, DW, HALVES, ITEMS == 2>(p, o, m, l, o_s, m_s, l_s, bad_s, stream, gid, t4, seq, split,
+  merge_tile_state<D, GT, NP, DW, HALVES, (ITEMS >= 2)>(p, o, m, l, o_s, m_s, l_s, bad_s, stream, gid, t4, seq, split,
                                                       kvh, tile, w_s[slot], half, fused_epilogue ? rot_v_s : nullptr);
   trace_phase(p, trace_cta, warp, lane, 5);
 }

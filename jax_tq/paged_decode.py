@@ -460,18 +460,21 @@ def _env_choice(name: str, choices, expected: str) -> str:
     return value
 
 
-V4_ITEMS_CHOICES = ("", "1", "2")
+V4_ITEMS_CHOICES = ("", "1", "2", "4", "8")
 
 
 def requested_v4_items() -> str:
-    """``JAX_TQ_V4_ITEMS`` as the CUDA handler reads it: ``"1"`` keeps one work item per CTA in v4's
-    head_dim-128 K4V4 ring kernel; ``""`` (unset) or ``"2"``, the default, runs two KV heads per CTA
-    of 16 warps where they apply. It changes only which kernel runs, not the result's accuracy.
+    """``JAX_TQ_V4_ITEMS`` as the CUDA handler reads it (once per process), for v4's head_dim-128
+    K4V4 ring kernel with head tiles of 4: ``""`` (unset), the default, runs 2, 4 or 8 KV heads
+    per CTA of 16 warps, the count that needs the fewest waves of one CTA per SM for the least work
+    per SM; ``"1"`` keeps one KV head per CTA; ``"2"``, ``"4"`` or ``"8"`` asks for that count
+    where it divides ``num_kv_heads`` (else the default's choice). It changes only which kernel
+    runs, not the result's accuracy.
 
     Raises:
       ValueError: any other value (the handler would quietly take it for the default).
     """
-    return _env_choice("JAX_TQ_V4_ITEMS", V4_ITEMS_CHOICES, "1 or 2")
+    return _env_choice("JAX_TQ_V4_ITEMS", V4_ITEMS_CHOICES, "1, 2, 4 or 8")
 
 
 def requested_trace_phases() -> bool:

@@ -598,6 +598,43 @@ def test_paged_decode_two_item_rows(rng, hkv, group, num_splits, rotation):
             assert rel_err(got[s, rows], want[s, rows]) < 2e-2, (s, h)
 
 
+@pytest.mark.parametrize("num_seqs,items,num_splits,rotation", [
+    (40, 4, 1, "hadamard"), (40, 4, 1, "haar"), (100, 8, 1, "hadamard"), (100, 8, 1, "haar"),
+    (20, 4, 2, "hadamard"), (50, 8, 2, "hadamard"),
+])
+def test_paged_decode_many_item_rows(rng, monkeypatch, num_seqs, items, num_splits, rotation):
+    """head_dim 128 K4V4, 8 KV heads in head tiles of 4, grids of more than two items per SM: 40
+    sequences (160 CTAs of two items, 2 waves on 132 SMs) run 4 KV heads per CTA, 100 sequences
+    8 (one wave each). The phase trace shows the KV heads of each CTA on one SM (and the next
+    CTA's on another); every KV head's rows against float64, fused epilogue (one split, Hadamard)
+    and not."""
+    from jax_tq import _ffi
+    module = _ffi.cuda_module()
+    default_kernel = os.environ.get("JAX_TQ_CUDA_DECODE", "") == "" and os.environ.get("JAX_TQ_V4_ITEMS", "") == ""
+    q, cache, tables, lens = _decode_inputs(rng, 128, 4, 4, 16, 4, 8, jnp.bfloat16, num_seqs=num_seqs, max_len=700,
+                                            rotation=rotation)
+    module.phase_trace()
+    monkeypatch.setenv("JAX_TQ_TRACE_PHASES", "1")
+    _poison_device(q.size * 4 * 8 * 70)
+    got = np.asarray(_decode(q, cache, tables, lens, num_splits=num_splits).astype(jnp.float32), np.float64)
+    sms = np.frombuffer(module.phase_trace(), np.uint64).reshape(2048, 8, 6, 2)[..., 0, 0, 1]
+    assert np.all(np.isfinite(got)) and np.all(got[0] == 0.0)
+    want = _on_cpu(decode_f64, np.asarray(q.astype(jnp.float32)), cache, tables, lens)
+    for s in range(1, num_seqs):
+        for h in range(8):
+            rows = slice(h * 4, (h + 1) * 4)
+            assert rel_err(got[s, rows], want[s, rows]) < 2e-2, (s, h)
+    sm_count = module.device_info().get("sm_count", 132)
+    if module.items_fit(items) == 1 and default_kernel and sm_count == 132:
+        cols = num_seqs * num_splits
+        for x in range(cols):
+            on = [sms[x + cols * row] for row in range(8)]
+            for row in range(8):
+                assert on[row] == on[row - row % items], (x, row, on)
+            if items < 8:
+                assert on[0] != on[items], (x, on)
+
+
 def test_paged_decode_split_counts_agree(rng):
     q, cache, tables, lens = _decode_inputs(rng, 128, 4, 4, 16, 4, 2, jnp.float32, num_seqs=3, max_len=2000)
     outs = [np.asarray(_decode(q, cache, tables, lens, num_splits=s)) for s in (1, 2, 3, 7, 200)]
@@ -671,7 +708,9 @@ def test_every_ring_kernel_keeps_two_ctas_per_sm():
             assert mod.ring_fits(96, k_bits, v_bits) == 1, (96, k_bits, v_bits)
             assert mod.ring_fits(80, k_bits, v_bits) == 1, (80, k_bits, v_bits)
     assert mod.ring_fits(192, 4, 4) == 1 and mod.ring_fits(192, 2, 4) == -1
-    assert mod.two_items_fit() == 1, "head_dim 128 K4V4: one CTA of two work items per SM"
+    for items in (2, 4, 8):
+        assert mod.items_fit(items) == 1, f"head_dim 128 K4V4: one CTA of {items} work items per SM"
+    assert mod.items_fit(3) == -1
 
 
 @pytest.mark.parametrize("num_splits", [1, 2])
@@ -698,7 +737,7 @@ def test_paged_decode_phase_trace(rng, monkeypatch, num_splits):
     assert np.all(sms[:ctas] == sms[:ctas, :1, :1]), "one SM per CTA"
     assert np.all(raw[ctas:] == 0), "nothing past the grid"
     default_kernel = os.environ.get("JAX_TQ_CUDA_DECODE", "") == "" and os.environ.get("JAX_TQ_V4_ITEMS", "") != "1"
-    if module.two_items_fit() == 1 and default_kernel:
+    if module.items_fit(2) == 1 and default_kernel:
         # Two work items per CTA: the KV heads 2b and 2b + 1 of a (sequence, split) on one SM.
         cols = q.shape[0] * num_splits
         for x in range(cols):

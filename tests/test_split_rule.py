@@ -83,7 +83,8 @@ def test_tensor_core_kernel_selection_follows_the_environment(monkeypatch):
 
 
 @pytest.mark.parametrize("name,read,good,bad", [
-    ("JAX_TQ_V4_ITEMS", "requested_v4_items", {"1": "1", "2": "2", "": ""}, ("0", "one", "1 ", "3")),
+    ("JAX_TQ_V4_ITEMS", "requested_v4_items", {"1": "1", "2": "2", "4": "4", "8": "8", "": ""},
+     ("0", "one", "1 ", "3", "16")),
     ("JAX_TQ_TRACE_PHASES", "requested_trace_phases", {"0": False, "1": True, "": False}, ("true", "10", "1x", "on")),
 ])
 def test_kernel_env_switches_are_read_exactly(monkeypatch, name, read, good, bad):

@@ -26,6 +26,22 @@ cudaError_t allow_dynamic_smem(std::atomic<uint64_t>& done, Kernel kernel, int s
   return e;
 }
 
+// Streaming multiprocessors of the current device (asked once per device 0..63), or `fallback`
+// where the runtime does not answer.
+inline int device_sm_count(int fallback) {
+  static std::atomic<int> known[64];
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return fallback;
+  int n = known[dev].load(std::memory_order_acquire);
+  if (n > 0) return n;
+  if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n <= 0) {
+    (void)cudaGetLastError();
+    return fallback;
+  }
+  known[dev].store(n, std::memory_order_release);
+  return n;
+}
+
 }  // namespace cuda
 }  // namespace jax_tq
 
