@@ -26,6 +26,11 @@ from jax_tq.paged_decode import paged_decode
 def turboquant_attention_fn(k_codec: TurboQuant, v_codec: TurboQuant, base_attention_fn: Callable | None = None):
     """An ``attention_fn`` that compresses K and V with TurboQuant before ``base_attention_fn``.
 
+    It compresses the K/V it is given at every call and keeps nothing: it measures quantization's
+    effect in prefill and evaluation. In a module's ``decode=True`` mode flax caches the
+    uncompressed K/V itself (no memory saved, and every step compresses the whole cache again); for
+    decoding from a compressed cache use :class:`jax_tq.PagedKVCache` with :func:`paged_attention`.
+
     Args:
       k_codec, v_codec: codecs whose head_dim is the attention head size.
       base_attention_fn: the attention to run on the reconstructed K/V, called with the module's
