@@ -38,23 +38,33 @@ def pct(values, qs=(0, 10, 50, 90, 100)):
 
 
 def report(stamps, sm_ids):
-    written = (stamps > 0).all(axis=(1, 2))
-    t, sm = stamps[written].astype(np.float64), sm_ids[written]
+    """Print the percentiles of one trace: stamps uint64 [CTAS, WARPS, STAMPS] (0 = not written),
+    sm_ids [CTAS]. A work item counts where its warp 0 stamped every phase; of its warps, those
+    that stamped every phase (all 8 with one or two items per CTA, 4 or 2 with 4 or 8 items)."""
+    warps_written = (stamps > 0).all(axis=2)
+    written = warps_written[:, 0]
+    t = np.where(warps_written[written][..., None], stamps[written].astype(np.float64), np.nan)
+    sm = sm_ids[written]
     if not len(t):
         print("  no trace written (a non-v4 kernel, or JAX_TQ_TRACE_PHASES unset)")
         return
-    t = (t - t[:, :, 0].min()) / 1e3  # us from the first CTA's start
-    start, end = t[:, :, 0].min(axis=1), t[:, :, -1].max(axis=1)
-    print(f"  CTAs traced: {len(t)} on {len(np.unique(sm))} SMs; kernel span: {end.max():.2f} us")
+    t = (t - np.nanmin(t[:, :, 0])) / 1e3  # us from the first CTA's start
+    start, end = np.nanmin(t[:, :, 0], axis=1), np.nanmax(t[:, :, -1], axis=1)
+    warps = warps_written[written].sum(axis=1)
+    print(f"  work items traced: {len(t)} on {len(np.unique(sm))} SMs, {int(warps.min())}-{int(warps.max())} warps "
+          f"each; kernel span: {end.max():.2f} us")
     print(f"  {'CTA start':26s}{pct(start)}")
     for k, name in enumerate(PHASES, start=1):
-        print(f"  {name + ' (latest warp)':26s}{pct(t[:, :, k].max(axis=1))}")
+        print(f"  {name + ' (latest warp)':26s}{pct(np.nanmax(t[:, :, k], axis=1))}")
     loop_end = t[:, :, 4]
-    print(f"  {'loop end spread in a CTA':26s}{pct(loop_end.max(axis=1) - loop_end.min(axis=1))}")
-    print(f"  {'epilogue':26s}{pct(end - loop_end.max(axis=1))}")
+    print(f"  {'loop end spread in a CTA':26s}{pct(np.nanmax(loop_end, axis=1) - np.nanmin(loop_end, axis=1))}")
+    print(f"  {'epilogue':26s}{pct(end - np.nanmax(loop_end, axis=1))}")
     by_sm = {}
     for s_id, e in zip(sm, end):
         by_sm.setdefault(int(s_id), []).append(e)
+    spread = np.array([max(v) - min(v) for v in by_sm.values() if len(v) > 1])
+    if len(spread):
+        print(f"  SMs with several work items: {len(spread)}; end spread on an SM {pct(spread)}")
     pairs = np.array([sorted(v) for v in by_sm.values() if len(v) == 2])
     if len(pairs):
         print(f"  SMs with two CTAs: {len(pairs)}; their CTAs' end times: earlier {pct(pairs[:, 0])}")

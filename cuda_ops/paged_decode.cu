@@ -1487,10 +1487,10 @@ int requested_items() {
 }
 
 // The items per CTA for a grid of one item per CTA (grid.y: the query-head rows), or 0: none of
-// 2, 4, 8 divides the rows.
-int choose_items(dim3 grid) {
+// 2, 4, 8 divides the rows. honor_env: JAX_TQ_V4_ITEMS = 2, 4 or 8 first, where it divides them.
+int choose_items(dim3 grid, bool honor_env) {
   const int asked = requested_items();
-  if ((asked == 2 || asked == 4 || asked == 8) && grid.y % asked == 0) return asked;
+  if (honor_env && (asked == 2 || asked == 4 || asked == 8) && grid.y % asked == 0) return asked;
   const int64_t sms = device_sm_count(0);
   int best = 0;
   int64_t best_cost = 0;
@@ -1503,15 +1503,24 @@ int choose_items(dim3 grid) {
   return best;
 }
 
+template <int D, int GT, int KB, int VB>
+bool items_fit(int items) {
+  switch (items) {
+    case 2: return ring_fits<D, GT, KB, VB, 1, 2>();
+    case 4: return ring_fits<D, GT, KB, VB, 1, 4>();
+    case 8: return ring_fits<D, GT, KB, VB, 1, 8>();
+    default: return false;
+  }
+}
+
+// The first of (the env's count, the automatic count, 2) that divides the rows and fits the
+// device, or 0 (one item per CTA).
 template <int D, int KB, int VB>
 int use_items(int gt, const DecodeParams& p, dim3 grid) {
   if constexpr (D == 128 && KB == 4 && VB == 4) {
     if (requested_items() == 1 || gt > 4 || !ring_pools_ok(p)) return 0;
-    switch (choose_items(grid)) {
-      case 2: return ring_fits<D, 4, KB, VB, 1, 2>() ? 2 : 0;
-      case 4: return ring_fits<D, 4, KB, VB, 1, 4>() ? 4 : 0;
-      case 8: return ring_fits<D, 4, KB, VB, 1, 8>() ? 8 : 0;
-      default: return 0;
+    for (int items : {choose_items(grid, true), choose_items(grid, false), 2}) {
+      if (items != 0 && grid.y % items == 0 && items_fit<D, 4, KB, VB>(items)) return items;
     }
   }
   (void)gt, (void)p, (void)grid;
@@ -1647,10 +1656,8 @@ int PhaseTraceWords() { return kTraceWords; }
 
 int ItemsFitOnDevice(int items) {
 #if JTQ_HAS_D(128)
-  if (items == 2) return ring_fits<128, 4, 4, 4, 1, 2>() ? 1 : 0;
-  if (items == 4) return ring_fits<128, 4, 4, 4, 1, 4>() ? 1 : 0;
-  if (items == 8) return ring_fits<128, 4, 4, 4, 1, 8>() ? 1 : 0;
-  return -1;
+  if (items != 2 && items != 4 && items != 8) return -1;
+  return items_fit<128, 4, 4, 4>(items) ? 1 : 0;
 #else
   return -1;
 #endif

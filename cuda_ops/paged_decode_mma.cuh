@@ -994,7 +994,9 @@ constexpr int stage_bytes() { return kTT * (D * KB / 8 + D * VB / 8) + 2 * kTT *
 constexpr int kRingWarpBudget = 5120;
 constexpr int kPairRingWarpBudget = 4608;
 constexpr int kItemsRingWarpBudget = 8704;
-// Eight items: their q rows (4 KB per item) take the room of the fourth stage.
+// Eight items: their q rows (4 KB per item) take the room of the fourth stage. (Four items keep 4
+// stages with 1.3 KB to spare: 231,168 of sm_90's 232,448 bytes per block; more per-item shared
+// arrays would make them not fit (items_fit(4), asserted in the GPU tests; the handler then runs 2).)
 constexpr int kManyItemsRingWarpBudget = 6528;
 template <int D, int KB = 4, int VB = 4, int HALVES = 1, int ITEMS = 1>
 constexpr int ring_stages() {
@@ -1126,7 +1128,9 @@ __global__ void __launch_bounds__(v4_threads(ITEMS), v4_ctas_per_sm(ITEMS))
   int* bad_s = bad_all[item];
   auto& m_s = m_all[item];
   auto& l_s = l_all[item];
-  // (ITEMS = 2: the second item's in the rings; 4 and 8: all in the table space)
+  // (ITEMS = 2: the second item's in the rings; 4 and 8: all in the table space, no room after
+  // them for merge_rotate_and_store's rows, which these items never reach: their fused epilogue
+  // always has rot_v_s, so merge_tile_state takes merge_rotate_per_warp)
   constexpr int kOsItemBytes = ITEMS == 2 ? kSmemBytes : NP * kNH * D * 4;
   auto& o_s = *reinterpret_cast<float(*)[NP][kNH * D]>(smem + item * kOsItemBytes);  // after the main loop only
 

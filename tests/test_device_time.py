@@ -98,3 +98,25 @@ def test_device_time_on_the_gpu_sees_every_program_kernel():
         assert device_time.span_us(r) >= 0.99 * sum(e["dur"] for e in r)
     per_call = device_time.device_seconds_per_call(run, calls)
     assert 0 < per_call <= 1.5 * host
+
+
+def test_phase_trace_report_counts_items_with_fewer_warps(capsys):
+    """benchmarks/phase_trace.py's report: with 4 or 8 work items per CTA an item has 4 or 2 warps,
+    whose other trace slots stay 0; such items are reported (not dropped as unwritten), from their
+    stamped warps only."""
+    phase_trace = pytest.importorskip("phase_trace")
+    np = pytest.importorskip("numpy")
+    stamps = np.zeros((2048, 8, 6), np.uint64)
+    sm_ids = np.zeros(2048, np.uint64)
+    base = 10_000_000
+    for item in range(8):  # one CTA of 8 items with 2 warps each, on SM 3
+        for warp in range(2):
+            stamps[item, warp] = base + 1000 * np.array([0, 1, 2, 5, 70 + item + warp, 73 + item + warp])
+        sm_ids[item] = 3
+    phase_trace.report(stamps, sm_ids)
+    out = capsys.readouterr().out
+    assert "work items traced: 8 on 1 SMs, 2-2 warps each" in out
+    assert "kernel span: 81.00 us" in out  # item 7, warp 1: 73 + 7 + 1
+    assert "no trace written" not in out
+    phase_trace.report(np.zeros_like(stamps), sm_ids)
+    assert "no trace written" in capsys.readouterr().out

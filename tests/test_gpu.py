@@ -598,12 +598,13 @@ def test_paged_decode_two_item_rows(rng, hkv, group, num_splits, rotation):
             assert rel_err(got[s, rows], want[s, rows]) < 2e-2, (s, h)
 
 
-@pytest.mark.parametrize("num_seqs,items,num_splits,rotation", [
-    (40, 4, 1, "hadamard"), (40, 4, 1, "haar"), (100, 8, 1, "hadamard"), (100, 8, 1, "haar"),
-    (20, 4, 2, "hadamard"), (50, 8, 2, "hadamard"),
+@pytest.mark.parametrize("num_seqs,items,num_splits,rotation,group", [
+    (40, 4, 1, "hadamard", 4), (40, 4, 1, "haar", 4), (100, 8, 1, "hadamard", 4), (100, 8, 1, "haar", 4),
+    (20, 4, 2, "hadamard", 4), (50, 8, 2, "hadamard", 4), (40, 4, 1, "hadamard", 2), (100, 8, 1, "haar", 3),
 ])
-def test_paged_decode_many_item_rows(rng, monkeypatch, num_seqs, items, num_splits, rotation):
-    """head_dim 128 K4V4, 8 KV heads in head tiles of 4, grids of more than two items per SM: 40
+def test_paged_decode_many_item_rows(rng, monkeypatch, num_seqs, items, num_splits, rotation, group):
+    """head_dim 128 K4V4, 8 KV heads in head tiles of 4 (groups of 2 and 3 padded), grids of more
+    than two items per SM: 40
     sequences (160 CTAs of two items, 2 waves on 132 SMs) run 4 KV heads per CTA, 100 sequences
     8 (one wave each). The phase trace shows the KV heads of each CTA on one SM (and the next
     CTA's on another); every KV head's rows against float64, fused epilogue (one split, Hadamard)
@@ -611,8 +612,8 @@ def test_paged_decode_many_item_rows(rng, monkeypatch, num_seqs, items, num_spli
     from jax_tq import _ffi
     module = _ffi.cuda_module()
     default_kernel = os.environ.get("JAX_TQ_CUDA_DECODE", "") == "" and os.environ.get("JAX_TQ_V4_ITEMS", "") == ""
-    q, cache, tables, lens = _decode_inputs(rng, 128, 4, 4, 16, 4, 8, jnp.bfloat16, num_seqs=num_seqs, max_len=700,
-                                            rotation=rotation)
+    q, cache, tables, lens = _decode_inputs(rng, 128, 4, 4, 16, group, 8, jnp.bfloat16, num_seqs=num_seqs,
+                                            max_len=700, rotation=rotation)
     module.phase_trace()
     monkeypatch.setenv("JAX_TQ_TRACE_PHASES", "1")
     _poison_device(q.size * 4 * 8 * 70)
@@ -622,7 +623,7 @@ def test_paged_decode_many_item_rows(rng, monkeypatch, num_seqs, items, num_spli
     want = _on_cpu(decode_f64, np.asarray(q.astype(jnp.float32)), cache, tables, lens)
     for s in range(1, num_seqs):
         for h in range(8):
-            rows = slice(h * 4, (h + 1) * 4)
+            rows = slice(h * group, (h + 1) * group)
             assert rel_err(got[s, rows], want[s, rows]) < 2e-2, (s, h)
     sm_count = module.device_info().get("sm_count", 132)
     if module.items_fit(items) == 1 and default_kernel and sm_count == 132:
