@@ -1475,7 +1475,7 @@ bool launch_wide(int d, int gt, bool f16, cudaStream_t stream, const DecodeParam
 // KV heads on 132 SMs: (32, 8192) runs 2 per CTA (128 CTAs), (64, 4096) 4 and (128, 2048) 8, one
 // wave each. JAX_TQ_V4_ITEMS = 1 keeps one item per CTA; 2, 4 or 8 asks for that count where it
 // divides the rows (else the automatic choice).
-
+//
 // JAX_TQ_V4_ITEMS: 0 when unset or empty (the automatic choice); jax_tq refuses values other than
 // 1, 2, 4 and 8 before a launch.
 int requested_items() {
@@ -1486,11 +1486,9 @@ int requested_items() {
   return items;
 }
 
-// The items per CTA for a grid of one item per CTA (grid.y: the query-head rows), or 0: none of
-// 2, 4, 8 divides the rows. honor_env: JAX_TQ_V4_ITEMS = 2, 4 or 8 first, where it divides them.
-int choose_items(dim3 grid, bool honor_env) {
-  const int asked = requested_items();
-  if (honor_env && (asked == 2 || asked == 4 || asked == 8) && grid.y % asked == 0) return asked;
+// The automatic items per CTA for a grid of one item per CTA (grid.y: the query-head rows), or 0:
+// none of 2, 4, 8 divides the rows.
+int choose_items(dim3 grid) {
   const int64_t sms = device_sm_count(0);
   int best = 0;
   int64_t best_cost = 0;
@@ -1519,7 +1517,7 @@ template <int D, int KB, int VB>
 int use_items(int gt, const DecodeParams& p, dim3 grid) {
   if constexpr (D == 128 && KB == 4 && VB == 4) {
     if (requested_items() == 1 || gt > 4 || !ring_pools_ok(p)) return 0;
-    for (int items : {choose_items(grid, true), choose_items(grid, false), 2}) {
+    for (int items : {requested_items(), choose_items(grid), 2}) {  // items_fit refuses 0 and 1
       if (items != 0 && grid.y % items == 0 && items_fit<D, 4, KB, VB>(items)) return items;
     }
   }
