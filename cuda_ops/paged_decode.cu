@@ -807,15 +807,22 @@ __global__ void __launch_bounds__(kThreads)
 // W: warps per work item (blockDim.x = 32 * W, or 64 * W for v4's two items per CTA).
 // rows_s (the fused rotation, one split): the rows go to rows_s[g * D + dd] instead, still rotated.
 // T: the threads of one work item, 32 W unless warps pair up (a CTA of two items: half of them).
-template <int D, int GT, int NH, int W = kWarps, int T = 32 * W>
+// SWZ: o_s rows in o_swizzled order (the tensor-core kernels at head_dim 128).
+// Coordinate dd of head h's o_s row of 128 floats: its 16-byte unit XORed with h >> 1, so that the
+// tensor-core kernels' float4 stores (a quarter warp: heads 2 t4 + hh, units 4 gid + j, gid of one
+// parity pair) hit 8 distinct bank quads; a row is still read conflict-free in any order of units.
+__host__ __device__ constexpr int o_swizzled(int h, int dd) { return h * 128 + (dd ^ ((h >> 1) << 2)); }
+template <int D, int GT, int NH, int W = kWarps, int T = 32 * W, bool SWZ = false>
 __device__ __forceinline__ void merge_warps_and_store(const DecodeParams& p, const float (&m_s)[W][NH],
                                                       const float (&l_s)[W][NH],
                                                       const float (&o_s)[W][NH * D], const int* bad_s,
                                                       int seq, int split, int kvh, int tile,
                                                       float* rows_s = nullptr) {
+  static_assert(!SWZ || D == 128, "o_swizzled rows are 128 floats");
   for (int idx = threadIdx.x % T; idx < GT * D; idx += T) {  // T divides the CTA (two v4 items: 2T threads)
     const int g = idx / D;
     const int dd = idx - g * D;
+    const int at = SWZ ? o_swizzled(g, dd) : idx;
     const int hl = tile * GT + g;
     if (hl >= p.G) continue;
     float M = m_s[0][g];
@@ -827,7 +834,7 @@ __device__ __forceinline__ void merge_warps_and_store(const DecodeParams& p, con
       for (int w = 0; w < W; ++w) {
         const float f = fast_exp2(m_s[w][g] - M);  // m = -inf -> 0 (its l and o are 0)
         L = fmaf(l_s[w][g], f, L);
-        O = fmaf(o_s[w][idx], f, O);
+        O = fmaf(o_s[w][at], f, O);
       }
     }
     if (rows_s != nullptr) rows_s[idx] = head_output_value(L, O, bad_s[g] != 0);

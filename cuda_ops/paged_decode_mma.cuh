@@ -675,7 +675,7 @@ __device__ __forceinline__ void merge_rotate_and_store(const DecodeParams& p, fl
                                                        const int4* rot_v_s) {
   static_assert((W * kNH + GT) * kD * 4 <= kSmemBytes, "the fused rotation's rows after o_s");
   float* rows_s = &o_s[0][0] + W * kNH * kD;
-  merge_warps_and_store<kD, GT, kNH, W>(p, m_s, l_s, o_s, bad_s, seq, split, kvh, tile, rows_s);
+  merge_warps_and_store<kD, GT, kNH, W, 32 * W, true>(p, m_s, l_s, o_s, bad_s, seq, split, kvh, tile, rows_s);
   __syncthreads();
   const int lane = 4 * gid + t4;
   for (int g = warp; g < GT && tile * GT + g < p.G; g += W) {  // v3: 4 warps, up to 8 rows
@@ -713,7 +713,7 @@ __device__ __forceinline__ void merge_rotate_per_warp(const DecodeParams& p, flo
       for (int w = 0; w < W; ++w) {
         const float f = fast_exp2(m_s[w][g] - M);  // m = -inf -> 0 (its l and o are 0)
         L = fmaf(l_s[w][g], f, L);
-        const float4 ow = *reinterpret_cast<const float4*>(&o_s[w][g * kD + 4 * lane]);
+        const float4 ow = *reinterpret_cast<const float4*>(&o_s[w][o_swizzled(g, 4 * lane)]);
         x[0] = fmaf(ow.x, f, x[0]);
         x[1] = fmaf(ow.y, f, x[1]);
         x[2] = fmaf(ow.z, f, x[2]);
@@ -752,14 +752,27 @@ __device__ __forceinline__ void merge_tile_state(const DecodeParams& p, const fl
     for (int off = 4; off < 32; off <<= 1) l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], off);
   }
   __syncthreads();
+  // Head_dim 128 in one warp: o_swizzled rows, float4 stores of the GT real heads (the lane's
+  // coordinates 16 gid + 4 j .. + 3 are o[2 j][hh], o[2 j][2 + hh], o[2 j + 1][hh], o[2 j + 1][2 + hh]).
+  constexpr bool kSwz = D == kD && DW == kD && HALVES == 1;
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
     constexpr int DV = D / HALVES;
-    float* orow = &o_s[warp][(2 * t4 + hh) * D + half * DV + (DW / 8) * gid];
-    if (DV == DW || (DW / 8) * gid < DV) {
+    if constexpr (kSwz) {
+      const int h = 2 * t4 + hh;
+      if (h < GT) {
 #pragma unroll
-      for (int mt = 0; mt < Dims<DW>::kKS; ++mt)
-        *reinterpret_cast<float2*>(orow + 2 * mt) = make_float2(o[mt][hh], o[mt][2 + hh]);
+        for (int j = 0; j < 4; ++j)
+          *reinterpret_cast<float4*>(&o_s[warp][o_swizzled(h, 16 * gid + 4 * j)]) =
+              make_float4(o[2 * j][hh], o[2 * j][2 + hh], o[2 * j + 1][hh], o[2 * j + 1][2 + hh]);
+      }
+    } else {
+      float* orow = &o_s[warp][(2 * t4 + hh) * D + half * DV + (DW / 8) * gid];
+      if (DV == DW || (DW / 8) * gid < DV) {
+#pragma unroll
+        for (int mt = 0; mt < Dims<DW>::kKS; ++mt)
+          *reinterpret_cast<float2*>(orow + 2 * mt) = make_float2(o[mt][hh], o[mt][2 + hh]);
+      }
     }
     if (gid == 0 && half == 0) {
       m_s[warp][2 * t4 + hh] = m[hh];
@@ -768,7 +781,7 @@ __device__ __forceinline__ void merge_tile_state(const DecodeParams& p, const fl
   }
   __syncthreads();
   if (D != kD || p.rot == nullptr || p.num_splits > 1) {
-    merge_warps_and_store<D, GT, kNH, W, 32 * W * HALVES>(p, m_s, l_s, o_s, bad_s, seq, split, kvh, tile);
+    merge_warps_and_store<D, GT, kNH, W, 32 * W * HALVES, kSwz>(p, m_s, l_s, o_s, bad_s, seq, split, kvh, tile);
     return;
   }
   if constexpr (D == kD && FAST && HALVES == 1) {
