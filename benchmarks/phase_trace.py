@@ -2,8 +2,9 @@
 
 For each warp of each CTA of one decode call the kernel records %globaltimer (and %smid) at its
 start, when its first small reads have landed, when q is staged and its first copies are issued,
-when the tables are built (its tile loop starts), when its tile loop ends, and at its end (after
-the merge and the fused epilogue). This prints, in us from the first CTA's start, percentiles over
+when the tables are built (its tile loop starts), when its tile loop ends, at four points of the
+epilogue (past its first barrier; o_s written and past the second; the row merged over the warps;
+rotated back: the fused per-warp epilogue, which the issue's benchmark runs) and at its end. This prints, in us from the first CTA's start, percentiles over
 the CTAs of each phase, the spread of the warps' loop ends inside a CTA, and how the CTAs' end
 times go with their SM (whether the two CTAs of an SM end alike). A diagnostic of a GPU build
 (benchmarks/profile_kernels.py's inputs, Hadamard codecs). The timer ticks in ~0.26 us steps.
@@ -22,8 +23,9 @@ import jax_tq as tq
 from jax_tq import _ffi
 from profile_kernels import decode_inputs
 
-CTAS, WARPS, STAMPS = 2048, 8, 6
-PHASES = ("first reads landed", "q staged, copies issued", "tables built", "loop end", "end")
+CTAS, WARPS, STAMPS = 2048, 8, 10
+PHASES = ("first reads landed", "q staged, copies issued", "tables built", "loop end", "merge: l, barrier 1",
+          "merge: o_s, barrier 2", "merged over warps", "rotated back", "end")
 
 
 def read_trace():
@@ -59,6 +61,9 @@ def report(stamps, sm_ids):
     loop_end = t[:, :, 4]
     print(f"  {'loop end spread in a CTA':26s}{pct(np.nanmax(loop_end, axis=1) - np.nanmin(loop_end, axis=1))}")
     print(f"  {'epilogue':26s}{pct(end - np.nanmax(loop_end, axis=1))}")
+    latest = np.nanmax(t, axis=1)
+    for k in range(5, STAMPS):
+        print(f"  {'step to ' + PHASES[k - 1]:26s}{pct(latest[:, k] - latest[:, k - 1])}")
     by_sm = {}
     for s_id, e in zip(sm, end):
         by_sm.setdefault(int(s_id), []).append(e)

@@ -291,11 +291,13 @@ struct DecodeParams {
 // A diagnostic: with JAX_TQ_TRACE_PHASES=1 in the environment, v4 records for each warp of its first
 // kTraceCtas CTAs (blockIdx.x + gridDim.x * blockIdx.y) kTraceStamps pairs (%globaltimer ns, %smid):
 // kernel start, first reads landed, q staged and first copies issued, tables built (the loop
-// starts), end of the warp's tile loop, kernel end; read back by _cuda_ops.phase_trace()
+// starts), end of the warp's tile loop, then in the epilogue: past its first barrier, o_s written
+// and past the second, the row merged over the warps, rotated back (the fused per-warp epilogue;
+// warps without a row stamp both at its end), kernel end; read back by _cuda_ops.phase_trace()
 // (benchmarks/phase_trace.py). Off, the kernels only test a null pointer.
 constexpr int kTraceCtas = 2048;
 constexpr int kTraceWarps = 8;
-constexpr int kTraceStamps = 6;
+constexpr int kTraceStamps = 10;
 constexpr int kTraceWords = kTraceCtas * kTraceWarps * kTraceStamps * 2;
 __device__ unsigned long long g_phase_trace[kTraceWords];
 

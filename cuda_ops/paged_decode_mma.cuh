@@ -702,7 +702,9 @@ template <int GT, int W>
 __device__ __forceinline__ void merge_rotate_per_warp(const DecodeParams& p, float (&m_s)[W][kNH],
                                                       float (&l_s)[W][kNH], float (&o_s)[W][kNH * kD],
                                                       const int* bad_s, int warp, int lane, int seq, int kvh,
-                                                      int tile, float* rot_buf, const int4* rot_v_s) {
+                                                      int tile, float* rot_buf, const int4* rot_v_s,
+                                                      unsigned trace_cta = ~0u) {
+  bool stamped = false;
   for (int g = warp; g < GT && tile * GT + g < p.G; g += W) {
     float M = m_s[0][g];
 #pragma unroll
@@ -722,12 +724,19 @@ __device__ __forceinline__ void merge_rotate_per_warp(const DecodeParams& p, flo
     }
 #pragma unroll
     for (int j = 0; j < 4; ++j) x[j] = head_output_value(L, x[j], bad_s[g] != 0);
+    if (!stamped) trace_phase(p, trace_cta, warp, lane, 7);
     const int4 v = rot_v_s[lane];
     const uint32_t words[4] = {static_cast<uint32_t>(v.x), static_cast<uint32_t>(v.y), static_cast<uint32_t>(v.z),
                                static_cast<uint32_t>(v.w)};
     rotate_row_inverse(x, words, rot_buf, lane);
+    if (!stamped) trace_phase(p, trace_cta, warp, lane, 8);
+    stamped = true;
     float* dst = p.out + (static_cast<int64_t>(seq) * p.H + kvh * p.G + tile * GT + g) * kD + 4 * lane;
     *reinterpret_cast<float4*>(dst) = make_float4(x[0], x[1], x[2], x[3]);
+  }
+  if (!stamped) {
+    trace_phase(p, trace_cta, warp, lane, 7);
+    trace_phase(p, trace_cta, warp, lane, 8);
   }
 }
 
@@ -745,13 +754,16 @@ __device__ __forceinline__ void merge_tile_state(const DecodeParams& p, const fl
                                                  float (&o_s)[W][kNH * D], float (&m_s)[W][kNH],
                                                  float (&l_s)[W][kNH], const int* bad_s, int warp, int gid,
                                                  int t4, int seq, int split, int kvh, int tile, float* rot_buf,
-                                                 int half = 0, const int4* rot_v_s = nullptr) {
+                                                 int half = 0, const int4* rot_v_s = nullptr,
+                                                 unsigned trace_cta = ~0u) {
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
 #pragma unroll
     for (int off = 4; off < 32; off <<= 1) l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], off);
   }
   __syncthreads();
+  const int trace_warp = warp * HALVES + half;  // the kernel's warp (pairs: `warp` is the pair)
+  trace_phase(p, trace_cta, trace_warp, 4 * gid + t4, 5);
   // Head_dim 128 in one warp: o_swizzled rows, float4 stores of the GT real heads (the lane's
   // coordinates 16 gid + 4 j .. + 3 are o[2 j][hh], o[2 j][2 + hh], o[2 j + 1][hh], o[2 j + 1][2 + hh]).
   constexpr bool kSwz = D == kD && DW == kD && HALVES == 1;
@@ -780,18 +792,27 @@ __device__ __forceinline__ void merge_tile_state(const DecodeParams& p, const fl
     }
   }
   __syncthreads();
+  trace_phase(p, trace_cta, trace_warp, 4 * gid + t4, 6);
+  // The other epilogues stamp the per-warp epilogue's two inner phases at their end.
+  auto stamp_inner = [&]() {
+    trace_phase(p, trace_cta, trace_warp, 4 * gid + t4, 7);
+    trace_phase(p, trace_cta, trace_warp, 4 * gid + t4, 8);
+  };
   if (D != kD || p.rot == nullptr || p.num_splits > 1) {
     merge_warps_and_store<D, GT, kNH, W, 32 * W * HALVES, kSwz>(p, m_s, l_s, o_s, bad_s, seq, split, kvh, tile);
+    stamp_inner();
     return;
   }
   if constexpr (D == kD && FAST && HALVES == 1) {
     if (rot_v_s != nullptr) {
-      merge_rotate_per_warp<GT, W>(p, m_s, l_s, o_s, bad_s, warp, 4 * gid + t4, seq, kvh, tile, rot_buf, rot_v_s);
+      merge_rotate_per_warp<GT, W>(p, m_s, l_s, o_s, bad_s, warp, 4 * gid + t4, seq, kvh, tile, rot_buf, rot_v_s,
+                                   trace_cta);
       return;
     }
   }
   if constexpr (D == kD)
     merge_rotate_and_store<GT, W>(p, m_s, l_s, o_s, bad_s, warp, gid, t4, seq, split, kvh, tile, rot_buf, rot_v_s);
+  stamp_inner();
 }
 
 // SPLIT: q, P and the centroids enter the MMAs as f16 hi + lo (3 MMAs per product, ~f32 accurate);
@@ -1535,8 +1556,9 @@ __global__ void __launch_bounds__(v4_threads(ITEMS), v4_ctas_per_sm(ITEMS))
 
   trace_phase(p, trace_cta, warp, lane, 4);
   merge_tile_state<D, GT, NP, DW, HALVES, (ITEMS >= 2)>(p, o, m, l, o_s, m_s, l_s, bad_s, stream, gid, t4, seq, split,
-                                                      kvh, tile, w_s[slot], half, fused_epilogue ? rot_v_s : nullptr);
-  trace_phase(p, trace_cta, warp, lane, 5);
+                                                      kvh, tile, w_s[slot], half, fused_epilogue ? rot_v_s : nullptr,
+                                                      trace_cta);
+  trace_phase(p, trace_cta, warp, lane, 9);
 }
 
 }  // namespace v3

@@ -106,12 +106,12 @@ def test_phase_trace_report_counts_items_with_fewer_warps(capsys):
     stamped warps only."""
     phase_trace = pytest.importorskip("phase_trace")
     np = pytest.importorskip("numpy")
-    stamps = np.zeros((2048, 8, 6), np.uint64)
+    stamps = np.zeros((2048, 8, phase_trace.STAMPS), np.uint64)
     sm_ids = np.zeros(2048, np.uint64)
     base = 10_000_000
     for item in range(8):  # one CTA of 8 items with 2 warps each, on SM 3
         for warp in range(2):
-            stamps[item, warp] = base + 1000 * np.array([0, 1, 2, 5, 70 + item + warp, 73 + item + warp])
+            stamps[item, warp] = base + 1000 * np.array([0, 1, 2, 5] + [70 + k / 2 + item + warp for k in range(5)] + [73 + item + warp])
         sm_ids[item] = 3
     phase_trace.report(stamps, sm_ids)
     out = capsys.readouterr().out

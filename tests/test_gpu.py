@@ -618,7 +618,7 @@ def test_paged_decode_many_item_rows(rng, monkeypatch, num_seqs, items, num_spli
     monkeypatch.setenv("JAX_TQ_TRACE_PHASES", "1")
     _poison_device(q.size * 4 * 8 * 70)
     got = np.asarray(_decode(q, cache, tables, lens, num_splits=num_splits).astype(jnp.float32), np.float64)
-    sms = np.frombuffer(module.phase_trace(), np.uint64).reshape(2048, 8, 6, 2)[..., 0, 0, 1]
+    sms = np.frombuffer(module.phase_trace(), np.uint64).reshape(2048, 8, 10, 2)[..., 0, 0, 1]
     assert np.all(np.isfinite(got)) and np.all(got[0] == 0.0)
     want = _on_cpu(decode_f64, np.asarray(q.astype(jnp.float32)), cache, tables, lens)
     for s in range(1, num_seqs):
@@ -729,11 +729,11 @@ def test_paged_decode_phase_trace(rng, monkeypatch, num_splits):
     module.phase_trace()
     monkeypatch.setenv("JAX_TQ_TRACE_PHASES", "1")
     traced = np.asarray(jax.jit(lambda *a: tq.paged_decode(*a, num_splits=num_splits))(q, cache, tables, lens))
-    raw = np.frombuffer(module.phase_trace(), np.uint64).reshape(2048, 8, 6, 2)
+    raw = np.frombuffer(module.phase_trace(), np.uint64).reshape(2048, 8, 10, 2)
     np.testing.assert_array_equal(traced, plain)
     ctas = q.shape[0] * num_splits * cache.num_kv_heads  # one head tile of 4 per KV head
     stamps, sms = raw[..., 0], raw[..., 1]
-    assert np.all(stamps[:ctas] > 0), "every warp of every CTA stamps all six phases"
+    assert np.all(stamps[:ctas] > 0), "every warp of every CTA stamps all ten phases"
     assert np.all(np.diff(stamps[:ctas].astype(np.int64), axis=-1) >= 0), "stamps in time order"
     assert np.all(sms[:ctas] == sms[:ctas, :1, :1]), "one SM per CTA"
     assert np.all(raw[ctas:] == 0), "nothing past the grid"
