@@ -71,7 +71,7 @@ PYBIND11_MODULE(_cuda_ops, m) {
       throw std::runtime_error("jax_tq._cuda_ops.phase_trace: CUDA error");
     }
     return py::bytes(buf);
-  }, "v4's phase trace (JAX_TQ_TRACE_PHASES=1): uint64 [2048 CTAs][8 warps][6 stamps][globaltimer ns, SM id], "
+  }, "v4's phase trace (JAX_TQ_TRACE_PHASES=1): uint64 [2048 CTAs][8 warps][10 stamps][globaltimer ns, SM id], "
      "then zeroed (a diagnostic for benchmarks/phase_trace.py).");
   m.def("ring_fits", &jax_tq::cuda::RingFitsOnDevice, py::arg("head_dim"), py::arg("k_bits"), py::arg("v_bits"),
         "Whether v4's ring decode kernel for these widths keeps 2 CTAs per SM on the current device: 1 yes, "

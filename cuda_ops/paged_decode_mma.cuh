@@ -803,6 +803,7 @@ __device__ __forceinline__ void merge_tile_state(const DecodeParams& p, const fl
     stamp_inner();
     return;
   }
+  static_assert(D != kD || kSwz, "the fused epilogues read o_swizzled rows");
   if constexpr (D == kD && FAST && HALVES == 1) {
     if (rot_v_s != nullptr) {
       merge_rotate_per_warp<GT, W>(p, m_s, l_s, o_s, bad_s, warp, 4 * gid + t4, seq, kvh, tile, rot_buf, rot_v_s,
