@@ -13,6 +13,10 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     && export PYTHONPATH=/tmp/site
 fi
 has() { [[ " $stages " == *" $1 "* ]]; }
+# Under Nsight Compute: no preallocation of 75% of the GPU by XLA (kernel replay saves and restores
+# the device memory a kernel may touch; suspected in ncu's segfaults since the eleventh session).
+ncu_env="XLA_PYTHON_CLIENT_PREALLOCATE=false"
+
 t0=$(date +%s)
 if has build; then
   nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv,noheader
@@ -98,7 +102,7 @@ if has bench; then
   echo "bench: $(( $(date +%s) - t0 )) s"
 fi
 if has profile; then
-  ncu --clock-control none -k regex:"tq_|paged_decode" --section SpeedOfLight --section LaunchStats \
+  env $ncu_env ncu --clock-control none -k regex:"tq_|paged_decode" --section SpeedOfLight --section LaunchStats \
       --section Occupancy python3 benchmarks/profile_kernels.py >"$OUT/ncu.txt" 2>&1
   grep -E "tq_|paged_decode|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)|Registers Per|Achieved Occupancy|Grid Size" "$OUT/ncu.txt" | head -n 80
 fi
@@ -109,7 +113,7 @@ fi
 if has ncu; then  # decode kernels under Nsight Compute (NCU_VERSIONS default "default": the kernel the handler picks; or v1..v5; NCU_SHAPES default 32x8192)
   for v in ${NCU_VERSIONS:-default}; do
     sel=""; [ "$v" != default ] && sel="v$v"
-    JAX_TQ_CUDA_DECODE=$sel PYTHONPATH=benchmarks:${PYTHONPATH:-} timeout ${NCU_TIMEOUT:-200} \
+    env $ncu_env JAX_TQ_CUDA_DECODE=$sel PYTHONPATH=benchmarks:${PYTHONPATH:-} timeout ${NCU_TIMEOUT:-200} \
       ncu --clock-control none -k regex:"paged_decode_(split|v2|v3|v4)" --launch-skip 1 --launch-count ${NCU_COUNT:-1} \
       --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
       --section MemoryWorkloadAnalysis --section SchedulerStats --section InstructionStats --section SourceCounters \
@@ -128,7 +132,7 @@ if has trace; then  # the device timeline of one call in the benchmark chain (JA
     | tee "$OUT/trace.txt" | grep -E "^==|^\|" | head -n 60
 fi
 if has breakdown; then  # every kernel of profile_kernels.py (decode calls, a cache write, a compress) with its duration
-  timeout ${NCU_TIMEOUT:-200} ncu --clock-control none --metrics gpu__time_duration.sum --csv \
+  env $ncu_env timeout ${NCU_TIMEOUT:-200} ncu --clock-control none --metrics gpu__time_duration.sum --csv \
     --log-file "$OUT/breakdown.csv" python3 benchmarks/profile_kernels.py >/dev/null 2>&1
   python3 - "$OUT/breakdown.csv" <<'PY'
 import csv, sys
