@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on the GPU machine: build jax_tq with CUDA, run the GPU tests, the benchmarks,
 # and optionally the main job; print short tables. Usage: bash scripts/gpu_run.sh [build tests bench model]
-# stages: build v3 ncu items trace tests dtests bits hd rot bench graphs profile breakdown mstep model (default: build tests bench). Logs go to $OUT (the device tool brings them back).
+# stages: build ab v3 ncu items trace tests dtests bits hd rot bench graphs profile breakdown mstep model (default: build tests bench). Logs go to $OUT (the device tool brings them back).
 # One device call may run 600 s at most: "build tests" (~9 min on the H200) and "bench" (~4 min) fit
 # in two back-to-back calls; the build stays while the machine is warm (30 s after a call).
 set -uo pipefail
@@ -35,6 +35,23 @@ if has items; then  # v4's two work items per CTA (the default) against one (JAX
     env $choice_env JAX_TQ_TRACE_PHASES=1 PYTHONPATH=benchmarks:${PYTHONPATH:-} timeout 100 python3 benchmarks/phase_trace.py 32x8192 2>&1 \
       | grep -E "^==|kernel span|loop end \(|^  end|later|earlier|^  [a-z].*p50"
   done
+fi
+if has ab; then  # A/B in one call, on one machine: each source tree of AB_TREES (default ". ab/base .")
+  # built with CUDA, then timed and phase-traced at AB_SHAPES; "." is the working tree. Make another
+  # commit's tree with: mkdir -p ab/base && git archive <rev> | tar -x -C ab/base (untracked, so it
+  # travels; delete it afterwards). The working tree's install is restored at the end.
+  for tree in ${AB_TREES:-. ab/base .}; do
+    echo "== A/B: $tree"
+    if ! (cd "$tree" && JAX_TQ_CUDA=ON JAX_TQ_CUDA_ARCHS=${JAX_TQ_CUDA_ARCHS:-90} python3 -m pip install --no-build-isolation --no-deps -e . >"$OUT/build_ab.log" 2>&1); then
+      tail -n 40 "$OUT/build_ab.log"; echo "A/B BUILD FAILED: $tree"; continue
+    fi
+    (cd "$tree" && timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/bench_decode.py --only-tq --device-time --rotations hadamard \
+      --shapes ${AB_SHAPES:-32x8192} 2>&1 | grep "^|" | grep -v -- "---" | cut -d'|' -f2-3,5)
+    (cd "$tree" && JAX_TQ_TRACE_PHASES=1 PYTHONPATH=benchmarks:${PYTHONPATH:-} timeout 100 python3 benchmarks/phase_trace.py 32x8192 2>&1 \
+      | grep -E "kernel span|first reads|tables built|loop end \(|^  end|epilogue")
+  done
+  JAX_TQ_CUDA=ON JAX_TQ_CUDA_ARCHS=${JAX_TQ_CUDA_ARCHS:-90} python3 -m pip install --no-build-isolation --no-deps -e . >"$OUT/build_ab.log" 2>&1
+  echo "ab: $(( $(date +%s) - t0 )) s"
 fi
 if has v3; then  # tensor-core decode (default where it applies) and its variants: correctness, then timing
   for v in ${V3_TEST_VERSIONS:-3}; do
