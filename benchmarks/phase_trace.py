@@ -4,9 +4,10 @@ For each warp of each CTA of one decode call the kernel records %globaltimer (an
 start, when its first small reads have landed, when q is staged and its first copies are issued,
 when the tables are built (its tile loop starts), when its tile loop ends, at four points of the
 epilogue (past its first barrier; o_s written and past the second; the row merged over the warps;
-rotated back: the fused per-warp epilogue, which the issue's benchmark runs) and at its end. This prints, in us from the first CTA's start, percentiles over
-the CTAs of each phase, the spread of the warps' loop ends inside a CTA, and how the CTAs' end
-times go with their SM (whether the two CTAs of an SM end alike). A diagnostic of a GPU build
+rotated back: the fused per-warp epilogue, which the issue's benchmark runs) and at its end. This
+prints, in us from the first CTA's start, percentiles over the CTAs of each phase and of each
+epilogue step, the spread of the warps' loop ends inside a CTA, and how the CTAs' end times go with
+their SM (whether the two CTAs of an SM end alike). A diagnostic of a GPU build
 (benchmarks/profile_kernels.py's inputs, Hadamard codecs). The timer ticks in ~0.26 us steps.
 
 Usage: JAX_TQ_TRACE_PHASES=1 python3 benchmarks/phase_trace.py [32x8192[:splits] ...]
