@@ -465,6 +465,12 @@ __device__ __forceinline__ QueryRows<D, HPW> load_query_rows(const DecodeParams&
   return r;
 }
 
+// Staged q rows of 128 floats: 16-byte unit u of row r is stored at unit u ^ ((u >> 3) | (r & 1) << 2),
+// so that query_fragments' float4 loads (a quarter warp: rows of one parity pair, units 8 t4 + ks)
+// hit 8 distinct bank quads instead of one; a warp's stage_queries stores (one row, units = lanes)
+// stay conflict-free.
+__device__ __forceinline__ int q_swizzled_unit(int row, int unit) { return unit ^ ((unit >> 3) | (row & 1) << 2); }
+
 // The rows of load_query_rows, rotated where the rotation is fused (rot_buf: 128 floats of the
 // warp's shared memory), scaled by scale * log2(e) and then by a per-head power of two so that
 // |q| < 1 (no f16 overflow with huge logits), into q_s [kNH][D]; the powers of two into qexp_s; 1
@@ -496,8 +502,13 @@ __device__ __forceinline__ void stage_queries(const DecodeParams& p, QueryRows<D
     int ex = 0;
     if (mx > 0.f && mx <= 3.0e38f) frexpf(mx, &ex);  // mx < 2^ex
     const float down = ldexpf(1.f, -ex);
+    if constexpr (D == 128) {
+      *reinterpret_cast<float4*>(q_s + g * D + 4 * q_swizzled_unit(g, lane)) =
+          make_float4(x[0] * down, x[1] * down, x[2] * down, x[3] * down);
+    } else {
 #pragma unroll
-    for (int j = 0; j < QL; ++j) q_s[g * D + QL * lane + j] = x[j] * down;
+      for (int j = 0; j < QL; ++j) q_s[g * D + QL * lane + j] = x[j] * down;
+    }
     if (lane == 0) qexp_s[g] = ldexpf(1.f, ex);
   }
 }
@@ -515,15 +526,18 @@ __device__ __forceinline__ void rescale_output(float (&o)[MT][4], const float (&
 }
 
 // B fragments of Q^T: head gid, coordinates (D/4)*t4 + 4*ks + {0,1} (b0), {2,3} (b1), f16 hi / lo.
-// q_s rows are `stride` floats apart (a warp pair's half: q_s at its first coordinate, stride 2D).
+// q_s rows are `stride` floats apart (a warp pair's half: q_s at its first coordinate, stride 2D);
+// rows of 128 floats in q_swizzled_unit order (stage_queries).
 template <int D>
 __device__ __forceinline__ void query_fragments(const float* q_s, int gid, int t4,
                                                 uint32_t (&qh)[Dims<D>::kKS][2], uint32_t (&ql)[Dims<D>::kKS][2],
                                                 int stride = D) {
-  const float* qr = q_s + gid * stride + (D / 4) * t4;
+  const bool swizzled = D == 128 && stride == 128;
+  const float* qrow = q_s + gid * stride;
 #pragma unroll
   for (int ks = 0; ks < Dims<D>::kKS; ++ks) {
-    const float4 v = *reinterpret_cast<const float4*>(qr + 4 * ks);
+    const int unit = (D / 16) * t4 + ks;
+    const float4 v = *reinterpret_cast<const float4*>(qrow + 4 * (swizzled ? q_swizzled_unit(gid, unit) : unit));
     split2(v.x, v.y, qh[ks][0], ql[ks][0]);
     split2(v.z, v.w, qh[ks][1], ql[ks][1]);
   }
