@@ -1398,9 +1398,24 @@ __global__ void __launch_bounds__(v4_threads(ITEMS), v4_ctas_per_sm(ITEMS))
   for (int st = 0; st < kStages; ++st) first[st] = {-1, 0};
   int n_st[kStages] = {};
   if constexpr (RING) {
+    if (split == 0) {
+      // Split 0 starts at token 0 whatever the sequence's length: its first block-table entries
+      // are read without waiting for seq_lens (entries past the table's width as -1; those past
+      // the sequence's tiles are never used: issue() checks ti < ntt).
+      auto first_page = [&](int ti) -> TilePage {
+        const uint32_t base = static_cast<uint32_t>(ti * kTT);
+        const uint32_t lp = p.pdiv.div(base);
+        const int phys = lp < static_cast<uint32_t>(p.max_pages) ? ld_early(bt_seq + lp) : -1;
+        return {phys, kvh_rows + static_cast<int>(base - lp * p.page_size)};
+      };
 #pragma unroll
-    for (int st = 0; st < kStages; ++st) first[st] = tile_page(stream + st * NP, kEarly);
-    page_next = tile_page(stream + kStages * NP, kEarly);
+      for (int st = 0; st < kStages; ++st) first[st] = first_page(stream + st * NP);
+      page_next = first_page(stream + kStages * NP);
+    } else {
+#pragma unroll
+      for (int st = 0; st < kStages; ++st) first[st] = tile_page(stream + st * NP, kEarly);
+      page_next = tile_page(stream + kStages * NP, kEarly);
+    }
   } else if (one_page_tiles) {
     first[0] = tile_page(stream, kEarly);
     page_next = tile_page(stream + NP, kEarly);
