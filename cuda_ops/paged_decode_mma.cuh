@@ -736,8 +736,14 @@ __device__ __forceinline__ void merge_rotate_per_warp(const DecodeParams& p, flo
         x[3] = fmaf(ow.w, f, x[3]);
       }
     }
+    {
+      // head_output_value with one division for the lane's 4 coordinates (f16-product kernels:
+      // x * (1 / L) is within an ulp of x / L)
+      const bool bad = bad_s[g] != 0;
+      const float inv = L > 0.f ? 1.f / L : 0.f;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) x[j] = head_output_value(L, x[j], bad_s[g] != 0);
+      for (int j = 0; j < 4; ++j) x[j] = bad ? __int_as_float(0x7fc00000) : x[j] * inv;
+    }
     if (!stamped) trace_phase(p, trace_cta, warp, lane, 7);
     const int4 v = rot_v_s[lane];
     const uint32_t words[4] = {static_cast<uint32_t>(v.x), static_cast<uint32_t>(v.y), static_cast<uint32_t>(v.z),
