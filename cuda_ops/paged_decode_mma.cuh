@@ -1205,11 +1205,18 @@ __global__ void __launch_bounds__(v4_threads(ITEMS), v4_ctas_per_sm(ITEMS))
   const int tile = row - kvh * p.ntiles;
   const unsigned trace_cta = blockIdx.x + gridDim.x * row;
 
-  const SplitRange range = split_range(p.sl[seq], p.max_pages, p.page_size, ns, split);
-  const int tok0 = static_cast<int>(range.tok_begin);
-  const int tok_end = static_cast<int>(range.tok_end);
-  const int ntok = tok_end > tok0 && p.P > 0 ? tok_end - tok0 : 0;  // P = 0: nothing to read
-  const int ntt = (ntok + kTT - 1) / kTT;
+  // The split's tokens [tok0, tok_end) and tiles ntt, from seq_lens. The ring path sets them only
+  // after its other first reads are issued (below): the first use of the seq_lens value stalls the
+  // warp until it lands, and every read issued after that use would wait behind it.
+  int tok0 = 0, tok_end = 0, ntt = 0;
+  auto set_range = [&](int seq_len) {
+    const SplitRange range = split_range(seq_len, p.max_pages, p.page_size, ns, split);
+    tok0 = static_cast<int>(range.tok_begin);
+    tok_end = static_cast<int>(range.tok_end);
+    const int ntok = tok_end > tok0 && p.P > 0 ? tok_end - tok0 : 0;  // P = 0: nothing to read
+    ntt = (ntok + kTT - 1) / kTT;
+  };
+  if constexpr (!RING) set_range(p.sl[seq]);
   const int32_t* bt_seq = p.bt + static_cast<int64_t>(seq) * p.max_pages;
 
   // RING is launched only for pages of a multiple of 16 tokens (use_ring in paged_decode.cu): its
@@ -1417,7 +1424,11 @@ __global__ void __launch_bounds__(v4_threads(ITEMS), v4_ctas_per_sm(ITEMS))
 #pragma unroll
       for (int st = 0; st < kStages; ++st) first[st] = first_page(stream + st * NP);
       page_next = first_page(stream + kStages * NP);
-    } else {
+    }
+    // seq_lens is read after the reads above (the centroids, q, Pi_v, split 0's table entries) and
+    // used right away: one wait for all of them.
+    set_range(ld_early(p.sl + seq));
+    if (split != 0) {
 #pragma unroll
       for (int st = 0; st < kStages; ++st) first[st] = tile_page(stream + st * NP, kEarly);
       page_next = tile_page(stream + kStages * NP, kEarly);
