@@ -1329,6 +1329,11 @@ __global__ void __launch_bounds__(v4_threads(ITEMS), v4_ctas_per_sm(ITEMS))
   };
   const uint8_t* k_src = p.kc + unit_src(lane, RKG);
   const uint8_t* v_src = p.vc + unit_src(lane, RVG);
+  // Two or four items per CTA (128 registers, the loop's limit): the compiler rematerializes
+  // lane-derived addresses from %tid in every tile (~20 instructions); an empty asm makes these
+  // values opaque, so they stay in registers (SASS: 1509 -> 1424 instructions per pass of the
+  // two-items loop, 4 tiles). At 8 items (3 stages) it made the loop reload a spilled register.
+  if constexpr (ITEMS == 2 || ITEMS == 4) asm("" : "+l"(k_src), "+l"(v_src));
   const int kK32 = unit32_distance(RKG), kV32 = unit32_distance(RVG);
   // Stage offset of copied unit u: padded rows leave the end of every stage row uncopied.
   // Packed rows are copied like unpadded ones (16-byte units in pool order).
@@ -1344,13 +1349,16 @@ __global__ void __launch_bounds__(v4_threads(ITEMS), v4_ctas_per_sm(ITEMS))
   const int n_tok = lane & 15;
   const float* n_src = (lane < 16 ? p.kn : p.vn) + n_tok;
   const uint32_t ring_s = smem_addr(ring);
-  const uint32_t dst_k0 = ring_s + k_stage_unit(lane);
-  const uint32_t dst_k1 = ring_s + k_stage_unit(lane + 32);
+  uint32_t dst_k0 = ring_s + k_stage_unit(lane);
+  uint32_t dst_k1 = ring_s + k_stage_unit(lane + 32);
+  if constexpr (ITEMS == 2 || ITEMS == 4) asm("" : "+r"(dst_k0), "+r"(dst_k1));
   const uint32_t dst_k2 = ring_s + k_stage_unit(lane + 64);
-  const uint32_t dst_v0 = ring_s + kTT * SK + v_stage_unit(lane);
-  const uint32_t dst_v1 = ring_s + kTT * SK + v_stage_unit(lane + 32);
+  constexpr bool kVLikeK = RK == RV && RKG == RVG && SK == SV;  // V units at K's offsets + kTT * SK
+  const uint32_t dst_v0 = kVLikeK ? dst_k0 + kTT * SK : ring_s + kTT * SK + v_stage_unit(lane);
+  const uint32_t dst_v1 = kVLikeK ? dst_k1 + kTT * SK : ring_s + kTT * SK + v_stage_unit(lane + 32);
   const uint32_t dst_v2 = ring_s + kTT * SK + v_stage_unit(lane + 64);
-  const uint32_t dst_n = ring_s + kTT * (SK + SV) + 4 * (4 * (n_tok & 7) + 2 * (lane >> 4) + (n_tok >> 3));
+  uint32_t dst_n = ring_s + kTT * (SK + SV) + 4 * (4 * (n_tok & 7) + 2 * (lane >> 4) + (n_tok >> 3));
+  if constexpr (ITEMS == 2 || ITEMS == 4) asm("" : "+r"(dst_n));
   auto issue = [&](int ti, int st, TilePage tp) -> int {
     int n = 0;
     if (ti < ntt) {
@@ -1474,7 +1482,8 @@ __global__ void __launch_bounds__(v4_threads(ITEMS), v4_ctas_per_sm(ITEMS))
     build_pair_luts<SPLIT>(smem, lut_seed);
     __syncthreads();
   }
-  const PairLut<SPLIT> ilut(smem, lane);
+  PairLut<SPLIT> ilut(smem, lane);
+  if constexpr (ITEMS == 2 || ITEMS == 4) asm("" : "+r"(ilut.k_lane), "+r"(ilut.v_lane));
   trace_phase(p, trace_cta, warp, lane, 3);
 
   // The running max starts finite (-FLT_MAX), so no exp2 argument is -inf - (-inf): no "any valid
