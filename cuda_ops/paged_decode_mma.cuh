@@ -742,7 +742,7 @@ __device__ __forceinline__ void merge_rotate_per_warp(const DecodeParams& p, flo
       const bool bad = bad_s[g] != 0;
       const float inv = L > 0.f ? 1.f / L : 0.f;
 #pragma unroll
-      for (int j = 0; j < 4; ++j) x[j] = bad ? __int_as_float(0x7fc00000) : x[j] * inv;
+      for (int j = 0; j < 4; ++j) x[j] = bad ? __int_as_float(0x7fc00000) : L > 0.f ? x[j] * inv : 0.f;
     }
     if (!stamped) trace_phase(p, trace_cta, warp, lane, 7);
     const int4 v = rot_v_s[lane];
@@ -1331,7 +1331,7 @@ __global__ void __launch_bounds__(v4_threads(ITEMS), v4_ctas_per_sm(ITEMS))
   const uint8_t* v_src = p.vc + unit_src(lane, RVG);
   // Two or four items per CTA (128 registers, the loop's limit): the compiler rematerializes
   // lane-derived addresses from %tid in every tile (~20 instructions); an empty asm makes these
-  // values opaque, so they stay in registers (SASS: 1509 -> 1424 instructions per pass of the
+  // values opaque, so they stay in registers (SASS: 1514 -> 1424 instructions per pass of the
   // two-items loop, 4 tiles). At 8 items (3 stages) it made the loop reload a spilled register.
   if constexpr (ITEMS == 2 || ITEMS == 4) asm("" : "+l"(k_src), "+l"(v_src));
   const int kK32 = unit32_distance(RKG), kV32 = unit32_distance(RVG);
@@ -1353,7 +1353,8 @@ __global__ void __launch_bounds__(v4_threads(ITEMS), v4_ctas_per_sm(ITEMS))
   uint32_t dst_k1 = ring_s + k_stage_unit(lane + 32);
   if constexpr (ITEMS == 2 || ITEMS == 4) asm("" : "+r"(dst_k0), "+r"(dst_k1));
   const uint32_t dst_k2 = ring_s + k_stage_unit(lane + 64);
-  constexpr bool kVLikeK = RK == RV && RKG == RVG && SK == SV;  // V units at K's offsets + kTT * SK
+  // V units at K's offsets + kTT * SK (two or four items: keeps the loop's registers down)
+  constexpr bool kVLikeK = (ITEMS == 2 || ITEMS == 4) && RK == RV && RKG == RVG && SK == SV;
   const uint32_t dst_v0 = kVLikeK ? dst_k0 + kTT * SK : ring_s + kTT * SK + v_stage_unit(lane);
   const uint32_t dst_v1 = kVLikeK ? dst_k1 + kTT * SK : ring_s + kTT * SK + v_stage_unit(lane + 32);
   const uint32_t dst_v2 = ring_s + kTT * SK + v_stage_unit(lane + 64);
