@@ -1024,14 +1024,19 @@ constexpr int v4_item_warps(int items) { return items == 1 ? kW4 : 2 * kW4 / ite
 // (head_dim 128, 4 bits: 2176 bytes): K codes [0, 1024), V codes
 // [1024, 2048), K norms [2048, 2112), V norms [2112, 2176); the code rows (16 tokens x 64 bytes =
 // 64 units of 16 bytes, unit u = 4 * token + chunk) are stored at unit ring_swizzle(u), which makes
-// both the K reads (16 bytes of tokens gid, gid + 8) and the V reads (8 bytes of tokens 4t4 + e)
-// conflict-free. (V codes loaded straight into registers instead, through L1, measured slower:
+// the K reads (16 bytes of tokens gid, gid + 8; a quarter warp: tokens 2j, 2j + 1, chunks 0-3), the
+// V reads (8 bytes of tokens v_token(e) = 2t4 + c; a half warp: tokens c, c + 2, c + 4, c + 6,
+// chunks 0-1 or 2-3) and the copies (a quarter warp: the units of tokens 2j, 2j + 1) conflict-free:
+// bit 2 of the unit (token parity) is flipped by bit 1 of the token and bit 1 (chunk pair) by bit 2.
+// (Before, u ^ ((u >> 2) & 4) ^ ((u >> 4) & 2) served the V reads of tokens 4t4 + e; with v4's
+// tokens 2t4 + c it put them 2-way in conflict: 4 wavefronts per V read instead of 2, ~8 of the
+// ~100 shared wavefronts per tile, measured by ncu.) (V codes loaded straight into registers instead, through L1, measured slower:
 // 108.8 against 97.9 us at (32, 8192); the L1 pipe that serves shared memory served them too.)
 // At head_dim 64 (32-byte rows, 2 units each) token row r is stored at row slot ring_row64(r), a
 // permutation inside each block of 4 rows that puts the V reads' rows 4*t4 + e (one instruction:
 // e fixed) into 4 different 8-bank groups; the K reads (8 bytes of rows gid, gid + 8) and the
 // copies stay contiguous per half warp. Stage: K [0, 512), V [512, 1024), norms [1024, 1152).
-__device__ __forceinline__ int ring_swizzle(int u) { return u ^ ((u >> 2) & 4) ^ ((u >> 4) & 2); }
+__device__ __forceinline__ int ring_swizzle(int u) { return u ^ ((u >> 1) & 4) ^ ((u >> 3) & 2); }
 __device__ __forceinline__ int ring_row64(int r) { return (r & ~3) | ((r + (r >> 2)) & 3); }
 
 // Other code widths (KB / VB bits, 2 or 3 on either side): a stage holds 16 K rows of D * KB / 8
