@@ -1033,8 +1033,8 @@ constexpr int v4_item_warps(int items) { return items == 1 ? kW4 : 2 * kW4 / ite
 // ~100 shared wavefronts per tile, measured by ncu.) (V codes loaded straight into registers instead, through L1, measured slower:
 // 108.8 against 97.9 us at (32, 8192); the L1 pipe that serves shared memory served them too.)
 // At head_dim 64 (32-byte rows, 2 units each) token row r is stored at row slot ring_row64(r), a
-// permutation inside each block of 4 rows that puts the V reads' rows 4*t4 + e (one instruction:
-// e fixed) into 4 different 8-bank groups; the K reads (8 bytes of rows gid, gid + 8) and the
+// permutation inside each block of 4 rows that puts the V reads' rows (one instruction: v4's
+// tokens 2t4 + c, c in {0, 1, 8, 9}; also v3's 4t4 + e) into 4 different 8-bank groups; the K reads (8 bytes of rows gid, gid + 8) and the
 // copies stay contiguous per half warp. Stage: K [0, 512), V [512, 1024), norms [1024, 1152).
 __device__ __forceinline__ int ring_swizzle(int u) { return u ^ ((u >> 1) & 4) ^ ((u >> 3) & 2); }
 __device__ __forceinline__ int ring_row64(int r) { return (r & ~3) | ((r + (r >> 2)) & 3); }
