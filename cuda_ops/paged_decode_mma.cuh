@@ -1030,14 +1030,16 @@ constexpr int v4_item_warps(int items) { return items == 1 ? kW4 : 2 * kW4 / ite
 // bit 2 of the unit (token parity) is flipped by bit 1 of the token and bit 1 (chunk pair) by bit 2.
 // (Before, u ^ ((u >> 2) & 4) ^ ((u >> 4) & 2) served the V reads of tokens 4t4 + e; with v4's
 // tokens 2t4 + c it put them 2-way in conflict: 4 wavefronts per V read instead of 2, ~8 of the
-// ~100 shared wavefronts per tile, measured by ncu.) (V codes loaded straight into registers instead, through L1, measured slower:
-// 108.8 against 97.9 us at (32, 8192); the L1 pipe that serves shared memory served them too.)
+// ~100 shared wavefronts per tile, measured by ncu.) (V codes loaded straight into registers
+// instead, through L1, measured slower: 108.8 against 97.9 us at (32, 8192); the L1 pipe that
+// serves shared memory served them too.)
 // At head_dim 64 (32-byte rows, 2 units each) token row r is stored at row slot ring_row64(r), a
 // permutation inside each block of 4 rows that puts the V reads' rows (one instruction: v4's
-// tokens 2t4 + c, c in {0, 1, 8, 9}; also v3's 4t4 + e) into 4 different 8-bank groups; the K reads (8 bytes of rows gid, gid + 8) and the
-// copies stay contiguous per half warp. Stage: K [0, 512), V [512, 1024), norms [1024, 1152).
-__device__ __forceinline__ int ring_swizzle(int u) { return u ^ ((u >> 1) & 4) ^ ((u >> 3) & 2); }
-__device__ __forceinline__ int ring_row64(int r) { return (r & ~3) | ((r + (r >> 2)) & 3); }
+// tokens 2t4 + c, c in {0, 1, 8, 9}) into 4 different 8-bank groups; the K reads (8 bytes of rows
+// gid, gid + 8) and the copies stay contiguous per half warp. Stage: K [0, 512), V [512, 1024),
+// norms [1024, 1152). Both layouts are checked at compile time (ring_layout_conflict_free).
+__host__ __device__ constexpr int ring_swizzle(int u) { return u ^ ((u >> 1) & 4) ^ ((u >> 3) & 2); }
+__host__ __device__ constexpr int ring_row64(int r) { return (r & ~3) | ((r + (r >> 2)) & 3); }
 
 // Other code widths (KB / VB bits, 2 or 3 on either side): a stage holds 16 K rows of D * KB / 8
 // bytes, 16 V rows, then the norms; rows of 32 bytes are stored at ring_row64, others in order.
@@ -1092,18 +1094,57 @@ constexpr int v4_ring_bytes() { return ring_bytes<stage_width(D, HALVES, KB, VB)
 // Byte offset in a stage's 16-row block of code rows of R bytes of byte `b` of row r: 64-byte
 // rows in 16-byte units at ring_swizzle, 32-byte rows at ring_row64, other widths in order.
 template <int R>
-__device__ __forceinline__ int ring_offset(int r, int b) {
+__host__ __device__ constexpr int ring_offset(int r, int b) {
   if constexpr (R == 64) return 16 * ring_swizzle(4 * r + (b >> 4)) + (b & 15);
   else if constexpr (R == 32) return 32 * ring_row64(r) + b;
   else return R * r + b;
 }
 // The same for whole 16-byte unit u of the block (copied by cp.async).
 template <int R>
-__device__ __forceinline__ int ring_unit_offset(int u) {
+__host__ __device__ constexpr int ring_unit_offset(int u) {
   if constexpr (R == 64) return 16 * ring_swizzle(u);
   else if constexpr (R == 32) return 32 * ring_row64(u >> 1) + 16 * (u & 1);
   else return 16 * u;
 }
+// True when each 128-byte phase of one warp-wide shared access touches all 32 banks once (one
+// wavefront per phase): phases of 32 / 16 / 8 lanes for 4- / 8- / 16-byte accesses; offset(lane)
+// is the lane's byte offset.
+template <typename Offset>
+constexpr bool phases_conflict_free(Offset offset, int bytes) {
+  const int lanes = 128 / bytes;
+  for (int first = 0; first < 32; first += lanes) {
+    uint32_t banks = 0;
+    for (int lane = first; lane < first + lanes; ++lane)
+      for (int w = 0; w < bytes / 4; ++w) banks |= 1u << ((offset(lane) / 4 + w) % 32);
+    if (banks != 0xffffffffu) return false;
+  }
+  return true;
+}
+// The ring's 4-bit code blocks of R-byte rows (R = 64: head_dim 128, 32: head_dim 64): v4's K
+// reads (R / 4 bytes of tokens gid and gid + 8, from byte (R / 4) t4), V reads (R / 8 bytes of token
+// v_token(e) = 2 t4 + (e & 1) + 8 (e >> 1), from byte (R / 8) gid) and 16-byte copies (unit
+// lane + 32 c) each take the fewest wavefronts.
+template <int R>
+constexpr bool ring_layout_conflict_free() {
+  constexpr int kBytes = R / 4, vBytes = R / 8;
+  for (int h = 0; h < 2; ++h) {
+    auto k_read = [h](int lane) { return ring_offset<R>((lane >> 2) + 8 * h, (R / 4) * (lane & 3)); };
+    if (!phases_conflict_free(k_read, kBytes)) return false;
+  }
+  for (int e = 0; e < 4; ++e) {
+    auto v_read = [e](int lane) {
+      return ring_offset<R>(2 * (lane & 3) + (e & 1) + 8 * (e >> 1), (R / 8) * (lane >> 2));
+    };
+    if (!phases_conflict_free(v_read, vBytes)) return false;
+  }
+  for (int c = 0; c < R / 32; ++c) {
+    auto copy = [c](int lane) { return ring_unit_offset<R>(lane + 32 * c); };
+    if (!phases_conflict_free(copy, 16)) return false;
+  }
+  return true;
+}
+static_assert(ring_layout_conflict_free<64>() && ring_layout_conflict_free<32>(),
+              "the ring's code layout puts a K read, V read or copy in bank conflict");
 // v4's running max moves only when a tile's max exceeds it by more than this (log2 units): the
 // f16 V weights stay <= 2^8 and the rescale of o is rare.
 constexpr float kLazyMax = 8.f;
