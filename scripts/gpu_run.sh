@@ -40,6 +40,7 @@ if has ab; then  # A/B in one call, on one machine: each source tree of AB_TREES
   # built with CUDA, then timed and phase-traced at AB_SHAPES; "." is the working tree. Make another
   # commit's tree with: mkdir -p ab/base && git archive <rev> | tar -x -C ab/base (untracked, so it
   # travels; delete it afterwards). The working tree's install is restored at the end.
+  # CUDAFLAGS=-DJTQ_DEV_ONLY_D=128 builds head_dim 128's kernels only (~60 s per tree instead of ~150).
   for tree in ${AB_TREES:-. ab/base .}; do
     echo "== A/B: $tree"
     if ! (cd "$tree" && JAX_TQ_CUDA=ON JAX_TQ_CUDA_ARCHS=${JAX_TQ_CUDA_ARCHS:-90} python3 -m pip install --no-build-isolation --no-deps -e . >"$OUT/build_ab.log" 2>&1); then
