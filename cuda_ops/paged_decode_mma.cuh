@@ -415,7 +415,7 @@ __device__ __forceinline__ void ldg_codes(const uint8_t* src, int bits, uint32_t
 template <int D>
 struct Tile {
   uint32_t k0[Dims<D>::kKW], k1[Dims<D>::kKW];  // K codes (D/4)*t4 .. of tokens gid, gid + 8
-  uint32_t v[4][Dims<D>::kVW];                  // V codes (D/8)*gid .. of tokens 4*t4 + e
+  uint32_t v[4][Dims<D>::kVW];                  // V codes (D/8)*gid .. of tokens 4*t4 + e (v4: v4_v_token)
   float kn0, kn1;  // K norms of tokens gid, gid + 8 (NaN: token masked)
   float vn0, vn1;  // V norms of tokens gid, gid + 8 (0 when masked)
 };
@@ -1106,6 +1106,9 @@ __host__ __device__ constexpr int ring_unit_offset(int u) {
   else if constexpr (R == 32) return 32 * ring_row64(u >> 1) + 16 * (u & 1);
   else return 16 * u;
 }
+// v4's V code row e (0..3) of lane (gid, t4): the V MMA's k position 2t4 + (e & 1) + 8 (e >> 1),
+// where the weights' register transpose puts that token's weight (the kernel and the bank check).
+__host__ __device__ constexpr int v4_v_token(int t4, int e) { return 2 * t4 + (e & 1) + 8 * (e >> 1); }
 // True when each 128-byte phase of one warp-wide shared access touches all 32 banks once (one
 // wavefront per phase): phases of 32 / 16 / 8 lanes for 4- / 8- / 16-byte accesses; offset(lane)
 // is the lane's byte offset.
@@ -1122,7 +1125,7 @@ constexpr bool phases_conflict_free(Offset offset, int bytes) {
 }
 // The ring's 4-bit code blocks of R-byte rows (R = 64: head_dim 128, 32: head_dim 64): v4's K
 // reads (R / 4 bytes of tokens gid and gid + 8, from byte (R / 4) t4), V reads (R / 8 bytes of token
-// v_token(e) = 2 t4 + (e & 1) + 8 (e >> 1), from byte (R / 8) gid) and 16-byte copies (unit
+// v4_v_token(t4, e), from byte (R / 8) gid) and 16-byte copies (unit
 // lane + 32 c) each take the fewest wavefronts.
 template <int R>
 constexpr bool ring_layout_conflict_free() {
@@ -1133,7 +1136,7 @@ constexpr bool ring_layout_conflict_free() {
   }
   for (int e = 0; e < 4; ++e) {
     auto v_read = [e](int lane) {
-      return ring_offset<R>(2 * (lane & 3) + (e & 1) + 8 * (e >> 1), (R / 8) * (lane >> 2));
+      return ring_offset<R>(v4_v_token(lane & 3, e), (R / 8) * (lane >> 2));
     };
     if (!phases_conflict_free(v_read, vBytes)) return false;
   }
@@ -1293,7 +1296,7 @@ __global__ void __launch_bounds__(v4_threads(ITEMS), v4_ctas_per_sm(ITEMS))
   };
   // The token of the lane's V code row e: the V MMA's k position 2t4 + {0, 1} (e = 0, 1) or
   // 2t4 + 8 + {0, 1} (e = 2, 3), where the weights' register transpose puts that token's weight.
-  auto v_token = [&](int e) { return 2 * t4 + (e & 1) + 8 * (e >> 1); };
+  auto v_token = [&](int e) { return v4_v_token(t4, e); };
   // Per-lane byte offsets inside a 16-token tile's rows: K bytes (D/8)*t4.. of token gid (token
   // gid + 8 at + 8 rows); V bytes (D/16)*gid.. of token v_token(0) (v_token(e) at + v_token(e) - v_token(0) rows).
   const int krow = D * (KB ? KB : p.k_bits) / 8, vrow = D * (VB ? VB : p.v_bits) / 8;  // code bytes per row
