@@ -636,6 +636,29 @@ def test_paged_decode_many_item_rows(rng, monkeypatch, num_seqs, items, num_spli
                 assert on[0] != on[items], (x, on)
 
 
+@pytest.mark.parametrize("rotation", ["hadamard", "haar"])
+def test_paged_decode_long_sequences_one_split(rng, rotation):
+    """Sequences of 9,000-12,000 tokens in one split (head_dim 128 K4V4, 2 KV heads: two items per
+    CTA on sm_90, 8 warps each): 70-94 tiles per warp, many passes over each warp's ring and more
+    than 64 tiles per warp (the other decode tests stay under 2,000 tokens); every KV head's rows
+    against float64."""
+    q, cache, tables, lens = _decode_inputs(rng, 128, 4, 4, 16, 4, 2, jnp.bfloat16, num_seqs=3, max_len=12000,
+                                            rotation=rotation)
+    lens = lens.at[1].set(12000 - 5).at[2].set(9000)
+    need = int(np.sum(-(-np.asarray(lens) // 16)))
+    cache = random_cache(rng, num_pages=need + 3, page_size=16, num_kv_heads=2, head_dim=128, k_bits=4, v_bits=4,
+                         seed=int(rng.integers(1000)), rotation=rotation)
+    tables = jnp.asarray(random_tables(rng, np.asarray(lens), 16, need + 3))
+    _poison_device(q.size * 4 * 8 * 70)
+    got = np.asarray(_decode(q, cache, tables, lens, num_splits=1).astype(jnp.float32), np.float64)
+    assert np.all(np.isfinite(got)) and np.all(got[0] == 0.0)
+    want = _on_cpu(decode_f64, np.asarray(q.astype(jnp.float32)), cache, tables, lens)
+    for s in (1, 2):
+        for h in range(2):
+            rows = slice(4 * h, 4 * h + 4)
+            assert rel_err(got[s, rows], want[s, rows]) < 2e-2, (s, h)
+
+
 def test_paged_decode_split_counts_agree(rng):
     q, cache, tables, lens = _decode_inputs(rng, 128, 4, 4, 16, 4, 2, jnp.float32, num_seqs=3, max_len=2000)
     outs = [np.asarray(_decode(q, cache, tables, lens, num_splits=s)) for s in (1, 2, 3, 7, 200)]
