@@ -636,26 +636,30 @@ def test_paged_decode_many_item_rows(rng, monkeypatch, num_seqs, items, num_spli
                 assert on[0] != on[items], (x, on)
 
 
-@pytest.mark.parametrize("rotation", ["hadamard", "haar"])
-def test_paged_decode_long_sequences_one_split(rng, rotation):
-    """Sequences of 9,000-12,000 tokens in one split (head_dim 128 K4V4, 2 KV heads: two items per
-    CTA on sm_90, 8 warps each): 70-94 tiles per warp, many passes over each warp's ring and more
-    than 64 tiles per warp (the other decode tests stay under 2,000 tokens); every KV head's rows
-    against float64."""
-    q, cache, tables, lens = _decode_inputs(rng, 128, 4, 4, 16, 4, 2, jnp.bfloat16, num_seqs=3, max_len=12000,
-                                            rotation=rotation)
+@pytest.mark.parametrize("hkv,page_size,num_splits,rotation", [
+    (2, 16, 1, "hadamard"), (2, 16, 1, "haar"), (4, 64, 2, "hadamard"), (6, 32, 2, "haar"),
+])
+def test_paged_decode_long_sequences(rng, hkv, page_size, num_splits, rotation):
+    """Sequences of 9,000-12,000 tokens (head_dim 128 K4V4, an even number of KV heads: two items
+    per CTA on sm_90, 8 warps each) in 1 or 2 splits: 35-94 tiles per warp, many passes over each
+    warp's ring, more than 32 tiles per warp in every split (the other decode tests stay under
+    2,000 tokens), second splits (tok0 > 0), pages of several tiles; every KV head's rows against
+    float64."""
+    group = 4
+    q, cache, tables, lens = _decode_inputs(rng, 128, 4, 4, page_size, group, hkv, jnp.bfloat16, num_seqs=3,
+                                            max_len=12000, rotation=rotation)
     lens = lens.at[1].set(12000 - 5).at[2].set(9000)
-    need = int(np.sum(-(-np.asarray(lens) // 16)))
-    cache = random_cache(rng, num_pages=need + 3, page_size=16, num_kv_heads=2, head_dim=128, k_bits=4, v_bits=4,
-                         seed=int(rng.integers(1000)), rotation=rotation)
-    tables = jnp.asarray(random_tables(rng, np.asarray(lens), 16, need + 3))
+    need = int(np.sum(-(-np.asarray(lens) // page_size)))
+    cache = random_cache(rng, num_pages=need + 3, page_size=page_size, num_kv_heads=hkv, head_dim=128, k_bits=4,
+                         v_bits=4, seed=int(rng.integers(1000)), rotation=rotation)
+    tables = jnp.asarray(random_tables(rng, np.asarray(lens), page_size, need + 3))
     _poison_device(q.size * 4 * 8 * 70)
-    got = np.asarray(_decode(q, cache, tables, lens, num_splits=1).astype(jnp.float32), np.float64)
+    got = np.asarray(_decode(q, cache, tables, lens, num_splits=num_splits).astype(jnp.float32), np.float64)
     assert np.all(np.isfinite(got)) and np.all(got[0] == 0.0)
     want = _on_cpu(decode_f64, np.asarray(q.astype(jnp.float32)), cache, tables, lens)
     for s in (1, 2):
-        for h in range(2):
-            rows = slice(4 * h, 4 * h + 4)
+        for h in range(hkv):
+            rows = slice(group * h, group * h + group)
             assert rel_err(got[s, rows], want[s, rows]) < 2e-2, (s, h)
 
 
