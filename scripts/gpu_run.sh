@@ -49,7 +49,7 @@ if has ab; then  # A/B in one call, on one machine: each source tree of AB_TREES
     (cd "$tree" && timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/bench_decode.py --only-tq --device-time --rotations hadamard \
       --shapes ${AB_SHAPES:-32x8192} 2>&1 | grep "^|" | grep -v -- "---" | cut -d'|' -f2-3,5)
     (cd "$tree" && JAX_TQ_TRACE_PHASES=1 PYTHONPATH=benchmarks:${PYTHONPATH:-} timeout 100 python3 benchmarks/phase_trace.py 32x8192 2>&1 \
-      | grep -E "kernel span|first reads|tables built|loop end \(|^  end|epilogue")
+      | grep -E "kernel span|first reads|q staged|tables built|loop end \(|^  end|epilogue")
   done
   JAX_TQ_CUDA=ON JAX_TQ_CUDA_ARCHS=${JAX_TQ_CUDA_ARCHS:-90} python3 -m pip install --no-build-isolation --no-deps -e . >"$OUT/build_ab.log" 2>&1
   echo "ab: $(( $(date +%s) - t0 )) s"
