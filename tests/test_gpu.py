@@ -296,10 +296,15 @@ DECODE_CASES = [
 
 
 def _decode_inputs(rng, head_dim, k_bits, v_bits, page_size, group, hkv, qdtype, num_seqs=5, max_len=700,
-                   rotation="haar"):
-    seq_lens = rng.integers(1, max_len, size=num_seqs).astype(np.int32)
-    seq_lens[0] = 0  # empty sequence -> zeros
-    seq_lens[-1] = page_size * int(rng.integers(1, 4))  # an exact multiple of the page size
+                   rotation="haar", seq_lens=None):
+    """Random decode inputs; seq_lens: given lengths instead of random ones (then num_seqs and
+    max_len are unused)."""
+    if seq_lens is None:
+        seq_lens = rng.integers(1, max_len, size=num_seqs).astype(np.int32)
+        seq_lens[0] = 0  # empty sequence -> zeros
+        seq_lens[-1] = page_size * int(rng.integers(1, 4))  # an exact multiple of the page size
+    seq_lens = np.asarray(seq_lens, np.int32)
+    num_seqs = len(seq_lens)
     need = sum(-(-int(n) // page_size) for n in seq_lens)
     num_pages = need + 3
     cache = random_cache(rng, num_pages=num_pages, page_size=page_size, num_kv_heads=hkv, head_dim=head_dim,
@@ -646,13 +651,8 @@ def test_paged_decode_long_sequences(rng, hkv, page_size, num_splits, rotation):
     2,000 tokens), second splits (tok0 > 0), pages of several tiles; every KV head's rows against
     float64."""
     group = 4
-    q, cache, tables, lens = _decode_inputs(rng, 128, 4, 4, page_size, group, hkv, jnp.bfloat16, num_seqs=3,
-                                            max_len=12000, rotation=rotation)
-    lens = lens.at[1].set(12000 - 5).at[2].set(9000)
-    need = int(np.sum(-(-np.asarray(lens) // page_size)))
-    cache = random_cache(rng, num_pages=need + 3, page_size=page_size, num_kv_heads=hkv, head_dim=128, k_bits=4,
-                         v_bits=4, seed=int(rng.integers(1000)), rotation=rotation)
-    tables = jnp.asarray(random_tables(rng, np.asarray(lens), page_size, need + 3))
+    q, cache, tables, lens = _decode_inputs(rng, 128, 4, 4, page_size, group, hkv, jnp.bfloat16,
+                                            rotation=rotation, seq_lens=[0, 12000 - 5, 9000])
     _poison_device(q.size * 4 * 8 * 70)
     got = np.asarray(_decode(q, cache, tables, lens, num_splits=num_splits).astype(jnp.float32), np.float64)
     assert np.all(np.isfinite(got)) and np.all(got[0] == 0.0)
