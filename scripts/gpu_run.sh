@@ -13,6 +13,17 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     && export PYTHONPATH=/tmp/site
 fi
 has() { [[ " $stages " == *" $1 "* ]]; }
+# pip install -e . with CUDA in the current directory. CMake reads CUDAFLAGS only when it first
+# configures a build directory, so one configured under other flags (the ab stage's
+# -DJTQ_DEV_ONLY_D=128, which builds head_dim 128 only) is removed first: on a warm machine it
+# once made a later full build a head_dim-128 one, and 89 decode GPU tests failed with "head_dim
+# 64 not compiled in".
+cuda_install() {
+  local stamp="build/.cudaflags" want="flags:${CUDAFLAGS:-}"
+  if [[ -d build && "$(cat "$stamp" 2>/dev/null)" != "$want" ]]; then rm -rf build; fi
+  JAX_TQ_CUDA=ON JAX_TQ_CUDA_ARCHS=${JAX_TQ_CUDA_ARCHS:-90} python3 -m pip install --no-build-isolation --no-deps -e . \
+    && mkdir -p build && printf '%s' "$want" >"$stamp"
+}
 # Under Nsight Compute: no preallocation of 75% of the GPU by XLA (kernel replay saves and restores
 # the device memory a kernel may touch; suspected in ncu's segfaults since the eleventh session).
 ncu_env="XLA_PYTHON_CLIENT_PREALLOCATE=false"
@@ -20,7 +31,7 @@ ncu_env="XLA_PYTHON_CLIENT_PREALLOCATE=false"
 t0=$(date +%s)
 if has build; then
   nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv,noheader
-  if ! JAX_TQ_CUDA=ON JAX_TQ_CUDA_ARCHS=${JAX_TQ_CUDA_ARCHS:-90} python3 -m pip install --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1; then
+  if ! cuda_install >"$OUT/build.log" 2>&1; then
     tail -n 80 "$OUT/build.log"; echo "BUILD FAILED"; exit 1
   fi
   python3 -c "import jax, jax_tq, jax_tq._cuda_ops as m; from jax_tq import _ffi; print('jax', jax.__version__, jax.devices(), 'cuda kernels:', _ffi.kernels_available('cuda'), _ffi.unavailable_reason('cuda'))"
@@ -43,7 +54,7 @@ if has ab; then  # A/B in one call, on one machine: each source tree of AB_TREES
   # CUDAFLAGS=-DJTQ_DEV_ONLY_D=128 builds head_dim 128's kernels only (~60 s per tree instead of ~150).
   for tree in ${AB_TREES:-. ab/base .}; do
     echo "== A/B: $tree"
-    if ! (cd "$tree" && JAX_TQ_CUDA=ON JAX_TQ_CUDA_ARCHS=${JAX_TQ_CUDA_ARCHS:-90} python3 -m pip install --no-build-isolation --no-deps -e . >"$OUT/build_ab.log" 2>&1); then
+    if ! (cd "$tree" && cuda_install >"$OUT/build_ab.log" 2>&1); then
       tail -n 40 "$OUT/build_ab.log"; echo "A/B BUILD FAILED: $tree"; continue
     fi
     (cd "$tree" && timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/bench_decode.py --only-tq --device-time --rotations hadamard \
@@ -51,7 +62,7 @@ if has ab; then  # A/B in one call, on one machine: each source tree of AB_TREES
     (cd "$tree" && JAX_TQ_TRACE_PHASES=1 PYTHONPATH=benchmarks:${PYTHONPATH:-} timeout 100 python3 benchmarks/phase_trace.py 32x8192 2>&1 \
       | grep -E "kernel span|first reads|q staged|tables built|loop end \(|^  end|epilogue")
   done
-  JAX_TQ_CUDA=ON JAX_TQ_CUDA_ARCHS=${JAX_TQ_CUDA_ARCHS:-90} python3 -m pip install --no-build-isolation --no-deps -e . >"$OUT/build_ab.log" 2>&1
+  cuda_install >"$OUT/build_ab.log" 2>&1
   echo "ab: $(( $(date +%s) - t0 )) s"
 fi
 if has v3; then  # tensor-core decode (default where it applies) and its variants: correctness, then timing
