@@ -295,6 +295,15 @@ DECODE_CASES = [
 ]
 
 
+#: v4's phase trace: [CTAs][warps][stamps][globaltimer ns, SM id] (kTrace* in paged_decode.cu).
+PHASE_TRACE_SHAPE = (2048, 8, 10, 2)
+
+
+def _read_phase_trace(module):
+    """The CUDA module's phase trace as uint64 PHASE_TRACE_SHAPE (the read clears it)."""
+    return np.frombuffer(module.phase_trace(), np.uint64).reshape(PHASE_TRACE_SHAPE)
+
+
 def _decode_inputs(rng, head_dim, k_bits, v_bits, page_size, group, hkv, qdtype, num_seqs=5, max_len=700,
                    rotation="haar", seq_lens=None):
     """Random decode inputs; seq_lens: given lengths instead of random ones (then num_seqs and
@@ -623,7 +632,7 @@ def test_paged_decode_many_item_rows(rng, monkeypatch, num_seqs, items, num_spli
     monkeypatch.setenv("JAX_TQ_TRACE_PHASES", "1")
     _poison_device(q.size * 4 * 8 * 70)
     got = np.asarray(_decode(q, cache, tables, lens, num_splits=num_splits).astype(jnp.float32), np.float64)
-    sms = np.frombuffer(module.phase_trace(), np.uint64).reshape(2048, 8, 10, 2)[..., 0, 0, 1]
+    sms = _read_phase_trace(module)[..., 0, 0, 1]
     assert np.all(np.isfinite(got)) and np.all(got[0] == 0.0)
     want = _on_cpu(decode_f64, np.asarray(q.astype(jnp.float32)), cache, tables, lens)
     for s in range(1, num_seqs):
@@ -756,7 +765,7 @@ def test_paged_decode_phase_trace(rng, monkeypatch, num_splits):
     module.phase_trace()
     monkeypatch.setenv("JAX_TQ_TRACE_PHASES", "1")
     traced = np.asarray(jax.jit(lambda *a: tq.paged_decode(*a, num_splits=num_splits))(q, cache, tables, lens))
-    raw = np.frombuffer(module.phase_trace(), np.uint64).reshape(2048, 8, 10, 2)
+    raw = _read_phase_trace(module)
     np.testing.assert_array_equal(traced, plain)
     ctas = q.shape[0] * num_splits * cache.num_kv_heads  # one head tile of 4 per KV head
     stamps, sms = raw[..., 0], raw[..., 1]
