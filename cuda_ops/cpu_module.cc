@@ -12,7 +12,7 @@
 namespace ffi = xla::ffi;
 namespace py = pybind11;
 
-// Implementations (compress.cc, paged_decode.cc).
+// Implementations (compress.cc, paged_decode.cc, qjl.cc).
 namespace jax_tq {
 namespace cpu {
 ffi::Error CompressImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> rotation,
@@ -42,6 +42,17 @@ ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q_rot, ffi::Buffer<ffi::U8> k_c
                            ffi::Result<ffi::Buffer<ffi::F32>> partial_lse, int32_t k_bits,
                            int32_t v_bits, int32_t num_splits, float scale,
                            int32_t f16_products);
+ffi::Error QjlCompressImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> rotation,
+                           ffi::Buffer<ffi::F32> centroids, ffi::Buffer<ffi::F32> sketch,
+                           ffi::Result<ffi::Buffer<ffi::U8>> codes,
+                           ffi::Result<ffi::Buffer<ffi::F32>> norms,
+                           ffi::Result<ffi::Buffer<ffi::U8>> signs,
+                           ffi::Result<ffi::Buffer<ffi::F32>> gamma, int32_t bits);
+ffi::Error QjlScoresImpl(ffi::Buffer<ffi::F32> q_rot, ffi::Buffer<ffi::F32> q_sketch,
+                         ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::F32> norms,
+                         ffi::Buffer<ffi::U8> signs, ffi::Buffer<ffi::F32> gamma,
+                         ffi::Buffer<ffi::F32> centroids, ffi::Result<ffi::Buffer<ffi::F32>> scores,
+                         int32_t bits, float qjl_scale);
 }  // namespace cpu
 }  // namespace jax_tq
 
@@ -57,11 +68,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTqWriteCacheCpu, jax_tq::cpu::WriteCacheImpl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTqPagedDecodeCpu, jax_tq::cpu::PagedDecodeImpl,
                               jax_tq::ffi_checks::BindPagedDecode(ffi::Ffi::Bind()));
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTqQjlCompressCpu, jax_tq::cpu::QjlCompressImpl,
+                              jax_tq::ffi_checks::BindQjlCompress(ffi::Ffi::Bind()));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTqQjlScoresCpu, jax_tq::cpu::QjlScoresImpl,
+                              jax_tq::ffi_checks::BindQjlScores(ffi::Ffi::Bind()));
+
 PYBIND11_MODULE(_cpu_ops, m) {
   m.doc() = "jax_tq CPU XLA FFI handlers";
   m.def("registrations", []() {
-    return jax_tq::FfiRegistrations(JaxTqCompressCpu, JaxTqDecompressCpu, JaxTqWriteCacheCpu,
-                                    JaxTqPagedDecodeCpu);
+    return jax_tq::FfiRegistrations({JaxTqCompressCpu, JaxTqDecompressCpu, JaxTqWriteCacheCpu,
+                                     JaxTqPagedDecodeCpu, JaxTqQjlCompressCpu, JaxTqQjlScoresCpu});
   });
   m.def("ffi_api_version", &jax_tq::FfiApiVersion,
         "(major, minor) of the XLA FFI API in the headers this module was compiled against.");

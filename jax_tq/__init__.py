@@ -9,15 +9,20 @@ Public API::
     cache = tq.PagedKVCache.create(num_pages=..., page_size=16, num_kv_heads=..., k_codec=..., v_codec=...)
     cache = tq.write_cache(cache, k, v, slot_mapping)
     out = tq.paged_decode(q, cache, block_tables, seq_lens)
+
+    prod = tq.TurboQuantProd(head_dim=128, bits=4)   # 3-bit mse codes + 1 QJL bit
+    keys = tq.qjl_compress(k, prod)
+    scores = tq.qjl_scores(q, keys, prod)            # unbiased <q, k>
 """
 from jax_tq._ffi import kernels_available
 from jax_tq._ffi import unavailable_reason as kernels_unavailable_reason
 from jax_tq.backend import BackendUnavailableError, get_backend, use_backend
 from jax_tq.checks import checked
 from jax_tq.cache import PagedKVCache, write_cache
-from jax_tq.codec import TurboQuant
+from jax_tq.codec import TurboQuant, TurboQuantProd
 from jax_tq.compress import compress, decompress
 from jax_tq.paged_decode import paged_decode
+from jax_tq.qjl import QJLCodes, qjl_compress, qjl_scores
 from jax_tq import nn  # noqa: E402  (flax is imported only when nn needs it)
 
 __version__ = "0.2.0"
@@ -25,7 +30,9 @@ __version__ = "0.2.0"
 __all__ = [
     "BackendUnavailableError",
     "PagedKVCache",
+    "QJLCodes",
     "TurboQuant",
+    "TurboQuantProd",
     "checked",
     "compress",
     "decompress",
@@ -33,6 +40,8 @@ __all__ = [
     "kernels_available",
     "kernels_unavailable_reason",
     "paged_decode",
+    "qjl_compress",
+    "qjl_scores",
     "use_backend",
     "write_cache",
 ]

@@ -97,6 +97,19 @@ def require_unbatched(names: Sequence[str], dims: Sequence[Any], op: str) -> Non
             )
 
 
+def rows_batch(prim, n_row_operands: int, codec_names: Sequence[str], args, dims, **params):
+    """Batching rule of a row-wise primitive: fold the vmapped axis into the row axis (axis 0) of the
+    first ``n_row_operands`` operands; the rest are the codec's (named ``codec_names``, never
+    batched). Returns (outputs [size, rows, ...], batch dims)."""
+    require_unbatched(codec_names, dims[n_row_operands:], prim.name)
+    size = batch_size(args, dims)
+    rows = [move_batch_to_front(a, d, size) for a, d in zip(args[:n_row_operands], dims[:n_row_operands])]
+    n = rows[0].shape[1]
+    folded = [r.reshape((size * n,) + r.shape[2:]) for r in rows]
+    outs = prim.bind(*folded, *args[n_row_operands:], **params)
+    return [o.reshape((size, n) + o.shape[1:]) for o in outs], [0] * len(outs)
+
+
 def fold_pool_batch(block_ids, batch: int, pool_size: int):
     """Offset per-batch page (or slot) ids into a pool of ``batch * pool_size`` entries.
 

@@ -17,10 +17,12 @@ import numpy as np
 
 from jax_tq import codebook, format as tq_format, rotation as tq_rotation
 
-__all__ = ["TurboQuant", "CODEC_BITS"]
+__all__ = ["TurboQuant", "TurboQuantProd", "CODEC_BITS", "PROD_BITS"]
 
 #: Bit widths the codec accepts (packed storage additionally requires bits in 2..4).
 CODEC_BITS = (1, 2, 3, 4)
+#: Total bit widths of TurboQuantProd: a packed TurboQuant_mse code of bits - 1 (2..4) + 1 QJL bit.
+PROD_BITS = (3, 4, 5)
 
 
 def _validate_spec(head_dim, bits, seed, rotation) -> None:
@@ -166,4 +168,114 @@ class TurboQuant:
 
     def __repr__(self) -> str:
         return (f"TurboQuant(head_dim={self.head_dim}, bits={self.bits}, seed={self.seed}, "
+                f"rotation={self.rotation_kind!r})")
+
+
+_SKETCHES: dict = {}
+
+
+def _device_sketch(head_dim: int, seed: int):
+    """jnp float32 [d, d] QJL sketch; cached once made outside any trace."""
+    cached = _SKETCHES.get((head_dim, seed))
+    if cached is not None:
+        return cached
+    sketch = jnp.asarray(tq_rotation.gaussian_sketch(head_dim, seed).astype(np.float32))
+    if not isinstance(sketch, jax.core.Tracer):
+        _SKETCHES[(head_dim, seed)] = sketch
+    return sketch
+
+
+@jax.tree_util.register_pytree_node_class
+class TurboQuantProd:
+    """TurboQuant_prod codec: unbiased inner products (arXiv 2504.19874, Algorithm 2).
+
+    A vector x is stored as TurboQuant_mse at ``bits - 1`` bits (codes + fp32 norm, exactly what
+    :class:`TurboQuant` stores) plus the QJL 1-bit sketch of the residual: ``signs = sign(S r)``
+    (``head_dim`` bits) and ``gamma = ||r||`` (fp32), with ``r = Pi x / ||x|| - c[codes]`` the
+    residual of the unit vector in the rotated domain and S the Gaussian sketch. The estimate
+
+        <q, x> ~ ||x|| * (<Pi q, c[codes]> + sqrt(pi/2) / head_dim * gamma * <S Pi q, signs>)
+
+    is unbiased (QJL, arXiv 2406.03482) with variance (pi/2) D_mse(bits-1) / d * ||q||^2 ||x||^2.
+    S is applied in the rotated domain: S Pi is again an i.i.d. Gaussian matrix, so this is the
+    paper's sign(S' r) with S' = S Pi, and q needs one rotation and one sketch product per query.
+
+    Args:
+      head_dim: int in (64, 80, 96, 128, 192, 256).
+      bits: total bits per coordinate, 3, 4 or 5 (the mse code gets bits - 1 in 2..4).
+      seed: int >= 0, seeds the rotation and (on its own stream) the sketch.
+      rotation: ``"haar"`` or ``"hadamard"`` (see :class:`TurboQuant`).
+    Attributes:
+      mse: the :class:`TurboQuant` of ``bits - 1`` bits that stores codes and norms.
+      sketch: float32 jax array [head_dim, head_dim], S with i.i.d. N(0, 1) entries.
+      qjl_scale: sqrt(pi/2) / head_dim (the scale for N(0, 1) entries, TURBOQUANT.md).
+    Raises:
+      TypeError / ValueError: an argument of the wrong type or an unsupported value.
+
+    Like :class:`TurboQuant` it is a pytree with no array leaves, compared and hashed by spec.
+    """
+
+    __slots__ = ("head_dim", "bits", "seed", "rotation_kind")
+
+    def __init__(self, head_dim: int = 128, bits: int = 4, seed: int = 0, rotation: str = "haar"):
+        if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)):
+            raise TypeError(f"bits must be an int, got {type(bits).__name__} ({bits!r})")
+        if bits not in PROD_BITS:
+            raise ValueError(f"TurboQuantProd bits must be one of {PROD_BITS} (a packed mse code of bits - 1 "
+                             f"in 2..4 plus one QJL bit), got {bits}")
+        _validate_spec(head_dim, bits - 1, seed, rotation)
+        spec = (int(head_dim), int(bits), int(seed), rotation)
+        _float32_parameters(spec[0], spec[1] - 1, spec[2], spec[3])
+        tq_rotation.gaussian_sketch(spec[0], spec[2])
+        self.head_dim, self.bits, self.seed, self.rotation_kind = spec
+
+    def tree_flatten(self):
+        """No leaves; aux data = spec tuple."""
+        return (), self.spec
+
+    @classmethod
+    def tree_unflatten(cls, spec, leaves):
+        """Rebuild without validation or recomputation."""
+        codec = object.__new__(cls)
+        codec.head_dim, codec.bits, codec.seed, codec.rotation_kind = spec
+        return codec
+
+    @property
+    def spec(self) -> tuple[int, int, int, str]:
+        """Static configuration (head_dim, bits, seed, rotation_kind)."""
+        return (self.head_dim, self.bits, self.seed, self.rotation_kind)
+
+    def __eq__(self, other):
+        return isinstance(other, TurboQuantProd) and self.spec == other.spec
+
+    def __hash__(self):
+        return hash(("TurboQuantProd", self.spec))
+
+    @property
+    def mse(self) -> TurboQuant:
+        """The TurboQuant_mse codec of ``bits - 1`` bits (codes, norms, rotation, centroids)."""
+        return TurboQuant(self.head_dim, self.bits - 1, self.seed, self.rotation_kind)
+
+    @property
+    def sketch(self):
+        """float32 [head_dim, head_dim] QJL sketch S (applied to rotated residuals)."""
+        return _device_sketch(self.head_dim, self.seed)
+
+    @property
+    def qjl_scale(self) -> float:
+        """sqrt(pi/2) / head_dim: the QJL estimator's scale for a sketch of N(0, 1) entries."""
+        return float(np.sqrt(np.pi / 2) / self.head_dim)
+
+    @property
+    def packed_bytes(self) -> int:
+        """Bytes of packed mse codes per vector, head_dim * (bits - 1) / 8."""
+        return tq_format.packed_bytes(self.head_dim, self.bits - 1)
+
+    @property
+    def sign_bytes(self) -> int:
+        """Bytes of QJL sign bits per vector, head_dim / 8."""
+        return tq_format.sign_bytes(self.head_dim)
+
+    def __repr__(self) -> str:
+        return (f"TurboQuantProd(head_dim={self.head_dim}, bits={self.bits}, seed={self.seed}, "
                 f"rotation={self.rotation_kind!r})")

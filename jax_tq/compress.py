@@ -375,23 +375,12 @@ pu.register_lowerings(write_kv_p, _write_kv_reference, _write_kv_ffi)
 
 # ----------------------------------------------------------------------------- batching
 
-def _rows_batch(prim, n_row_operands: int, args, dims, **params):
-    """Fold the vmapped axis into the row axis of the first ``n_row_operands`` operands."""
-    pu.require_unbatched(("rotation", "centroids"), dims[n_row_operands:], prim.name)
-    size = pu.batch_size(args, dims)
-    rows = [pu.move_batch_to_front(a, d, size) for a, d in zip(args[:n_row_operands], dims[:n_row_operands])]
-    n = rows[0].shape[1]
-    folded = [r.reshape((size * n,) + r.shape[2:]) for r in rows]
-    outs = prim.bind(*folded, *args[n_row_operands:], **params)
-    return [o.reshape((size, n) + o.shape[1:]) for o in outs], [0] * len(outs)
-
-
 def _compress_batch(args, dims, **params):
-    return _rows_batch(compress_p, 1, args, dims, **params)
+    return pu.rows_batch(compress_p, 1, ("rotation", "centroids"), args, dims, **params)
 
 
 def _decompress_batch(args, dims, **params):
-    return _rows_batch(decompress_p, 2, args, dims, **params)
+    return pu.rows_batch(decompress_p, 2, ("rotation", "centroids"), args, dims, **params)
 
 
 def _pool_slots(norms_batched):

@@ -23,7 +23,7 @@ import numpy as np
 __all__ = [
     "SUPPORTED_HEAD_DIMS", "PACKED_BITS", "CODES_PER_GROUP", "packed_bytes", "check_head_dim",
     "check_bits", "pack_codes", "unpack_codes", "cache_codes_shape", "cache_norms_shape",
-    "hadamard_spec", "ROT_NEG1_BIT", "ROT_NEG2_BIT",
+    "hadamard_spec", "ROT_NEG1_BIT", "ROT_NEG2_BIT", "sign_bytes", "pack_signs", "unpack_signs",
 ]
 
 #: head_dims the storage format (and the kernels) support.
@@ -191,6 +191,62 @@ def pack_codes(codes, bits: int):
     byte_shifts = xp.asarray(8 * np.arange(bits, dtype=np.uint32))
     group_bytes = (words[..., None] >> byte_shifts).astype(xp.uint8)   # keeps the low 8 bits
     return group_bytes.reshape(codes.shape[:-1] + (head_dim * bits // 8,))
+
+
+def sign_bytes(head_dim: int) -> int:
+    """Bytes of QJL sign bits per vector: head_dim / 8 (one bit per coordinate; 128 -> 16).
+
+    Raises:
+      TypeError / ValueError: unsupported head_dim (see check_head_dim).
+    """
+    return check_head_dim(head_dim) // 8
+
+
+def pack_signs(positive):
+    """Pack QJL sign bits: the 1-bit case of the codes' LSB-first stream.
+
+    Coordinate j is bit j % 8 of byte j // 8; a set bit means sign +1 (the sketched residual was
+    >= 0), a clear bit -1.
+
+    Args:
+      positive: bool (or integer 0/1) array [..., head_dim] (numpy or jax), head_dim in
+        SUPPORTED_HEAD_DIMS.
+    Returns:
+      uint8 array [..., head_dim / 8], same array module as the input.
+    Raises:
+      ValueError: unsupported head_dim (last axis).
+    Source: QJL (Zandieh et al., arXiv 2406.03482) sign(S r) bits, stored as in docs/FORMAT.md.
+    """
+    xp = _array_module(positive)
+    positive = xp.asarray(positive)
+    head_dim = check_head_dim(positive.shape[-1] if positive.ndim else 0, name="positive.shape[-1]")
+    bits = (positive != 0).astype(xp.uint32).reshape(positive.shape[:-1] + (head_dim // 8, 8))
+    words = _bitwise_or_last_axis(xp, bits << xp.asarray(np.arange(8, dtype=np.uint32)))
+    return words.astype(xp.uint8)
+
+
+def unpack_signs(packed, head_dim: int):
+    """Unpack QJL sign bits to +-1 (inverse of :func:`pack_signs`).
+
+    Args:
+      packed: uint8 array [..., head_dim / 8] (numpy or jax).
+      head_dim: int in SUPPORTED_HEAD_DIMS.
+    Returns:
+      int8 array [..., head_dim] of +1 / -1, same array module as the input.
+    Raises:
+      TypeError: packed not uint8.  ValueError: unsupported head_dim or a last axis other than
+        head_dim / 8.
+    """
+    xp = _array_module(packed)
+    packed = xp.asarray(packed)
+    num_bytes = sign_bytes(head_dim)
+    if np.dtype(packed.dtype) != np.uint8:
+        raise TypeError(f"packed signs must be uint8, got {np.dtype(packed.dtype)}")
+    if packed.ndim == 0 or packed.shape[-1] != num_bytes:
+        raise ValueError(f"packed signs must be [..., head_dim/8 = {num_bytes}] for head_dim={head_dim}, "
+                         f"got shape {packed.shape}")
+    bits = (packed.astype(xp.uint32)[..., None] >> xp.asarray(np.arange(8, dtype=np.uint32))) & xp.uint32(1)
+    return (bits.astype(xp.int8) * 2 - 1).reshape(packed.shape[:-1] + (head_dim,))
 
 
 def unpack_codes(packed, bits: int, head_dim: int):

@@ -22,7 +22,8 @@ from jax_tq import format as tq_format
 
 __all__ = [
     "compress", "decompress", "compress_write", "dequantize_rotated", "paged_decode_rotated",
-    "paged_decode", "attention_dense", "quantize_rotated",
+    "paged_decode", "attention_dense", "quantize_rotated", "qjl_compress", "qjl_scores_rotated",
+    "qjl_estimate",
 ]
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -489,3 +490,86 @@ def _attention_dense_impl(q, k, v, seq_lens, scale):
     weights = _masked_softmax_weights(scores, valid, jnp.asarray(scale, compute_dtype))
     out = jnp.einsum("skgt,stkd->skgd", weights, v.astype(compute_dtype), precision=_HIGHEST)
     return out.reshape(num_seqs, num_heads, head_dim)
+
+
+# ---------------------------------------------------------------------------------------------
+# TurboQuant_prod: QJL 1-bit residual, unbiased inner products
+# ---------------------------------------------------------------------------------------------
+def qjl_compress(x, rotation, centroids, sketch, bits: int):
+    """TurboQuant_prod quantization (FFI target ``jax_tq_qjl_compress``).
+
+    Args:
+      x: float32 | bfloat16 | float16 (| float64 under x64) array [..., d].
+      rotation: float [d, d], Pi.  centroids: float [2**bits], the mse codebook.
+      sketch: float [d, d], S (i.i.d. N(0, 1)).  bits: the mse width, 2, 3 or 4.
+    Returns:
+      (codes uint8 [..., d*bits/8], norms [...], signs uint8 [..., d/8], gamma [...]): codes and
+      norms exactly as :func:`compress`; with y = Pi x / ||x|| and r = y - c[codes], gamma = ||r||
+      and signs the bits of S r >= 0 (docs/FORMAT.md). A zero vector has y = 0, so r = -c[codes].
+    Raises:
+      TypeError / ValueError: bad dtypes, shapes, bits or head_dim.
+    Source: TurboQuant (arXiv 2504.19874), Algorithm 2 (Quant_prod): Quant_mse at bits - 1, then
+      qjl = sign(S r), gamma = ||r||; here on the rotated residual (S Pi is again Gaussian).
+    """
+    x, rotation = jnp.asarray(x), jnp.asarray(rotation)
+    centroids, sketch = jnp.asarray(centroids), jnp.asarray(sketch)
+    _check_float("x", x)
+    head_dim = x.shape[-1] if x.ndim else 0
+    _check_rotation(rotation, head_dim)
+    _check_centroids("centroids", centroids, bits)
+    if sketch.shape != (head_dim, head_dim):
+        raise ValueError(f"sketch must have shape ({head_dim}, {head_dim}), got {sketch.shape}")
+    _check_float("sketch", sketch)
+    return _qjl_compress_impl(x, rotation, centroids, sketch, bits=bits)
+
+
+@_jit("bits")
+def _qjl_compress_impl(x, rotation, centroids, sketch, bits):
+    compute_dtype = _compute_dtype(x.dtype)
+    x = x.astype(compute_dtype)
+    norms, unit = _norm_and_unit(x)
+    rotated = jnp.matmul(unit, rotation.astype(compute_dtype).T, precision=_HIGHEST)
+    centroids = centroids.astype(compute_dtype)
+    codes = quantize_rotated(rotated, centroids)
+    residual = rotated - centroids[codes.astype(jnp.int32)]
+    gamma = jnp.sqrt(jnp.sum(residual * residual, axis=-1))
+    sketched = jnp.matmul(residual, sketch.astype(compute_dtype).T, precision=_HIGHEST)
+    return tq_format.pack_codes(codes, bits), norms, tq_format.pack_signs(sketched >= 0), gamma
+
+
+def qjl_estimate(q_rot, q_sketch, key_values, key_signs, norms, gamma, qjl_scale):
+    """The TurboQuant_prod inner-product estimate on unpacked keys (any d, the worked example's too).
+
+    Args:
+      q_rot: float [..., Q, d], Pi q.  q_sketch: float [..., Q, d], S Pi q.
+      key_values: float [..., S, d], c[codes] per key.  key_signs: float [..., S, d] of +-1.
+      norms, gamma: float [..., S].  qjl_scale: sqrt(pi/2) / d for N(0, 1) sketches.
+    Returns:
+      [..., Q, S] = norms * (<q_rot, c[codes]> + qjl_scale * gamma * <q_sketch, signs>), raw scores
+      (no softmax, no 1/sqrt(d)), in promote(inputs, float32).
+    Source: TurboQuant (arXiv 2504.19874), Algorithm 2 (DeQuant_prod) in inner-product form;
+      QJL (arXiv 2406.03482), the unbiased sign-sketch estimator.
+    """
+    dtype = _compute_dtype(q_rot.dtype, q_sketch.dtype, key_values.dtype, norms.dtype, gamma.dtype)
+    mse = jnp.einsum("...qd,...sd->...qs", q_rot.astype(dtype), key_values.astype(dtype), precision=_HIGHEST)
+    qjl = jnp.einsum("...qd,...sd->...qs", q_sketch.astype(dtype), key_signs.astype(dtype), precision=_HIGHEST)
+    return norms.astype(dtype)[..., None, :] * (mse + qjl_scale * gamma.astype(dtype)[..., None, :] * qjl)
+
+
+def qjl_scores_rotated(q_rot, q_sketch, codes, norms, signs, gamma, centroids, bits: int, qjl_scale: float):
+    """Raw TurboQuant_prod attention scores over packed keys (FFI target ``jax_tq_qjl_scores``).
+
+    Args:
+      q_rot, q_sketch: float [..., Q, d] (Pi q and S Pi q).
+      codes: uint8 [..., S, d*bits/8].  norms: float [..., S].  signs: uint8 [..., S, d/8].
+      gamma: float [..., S].  centroids: float [2**bits].  bits: mse width 2, 3 or 4.
+      qjl_scale: float, sqrt(pi/2) / d.
+    Returns:
+      [..., Q, S] scores (see :func:`qjl_estimate`), float32 (float64 for float64 inputs under x64).
+    Raises:
+      ValueError: bits / head_dim unsupported or packed widths that do not match d.
+    """
+    d = q_rot.shape[-1]
+    values = jnp.asarray(centroids)[tq_format.unpack_codes(codes, bits, d).astype(jnp.int32)]
+    key_signs = tq_format.unpack_signs(signs, d)
+    return qjl_estimate(q_rot, q_sketch, values, key_signs, norms, gamma, qjl_scale)

@@ -27,7 +27,7 @@ import functools
 
 import numpy as np
 
-__all__ = ["ROTATION_KINDS", "haar_rotation", "hadamard_rotation", "hadamard_factors",
+__all__ = ["ROTATION_KINDS", "gaussian_sketch", "haar_rotation", "hadamard_rotation", "hadamard_factors",
            "make_rotation", "block_hadamard"]
 
 #: Accepted values of the ``kind`` argument of :func:`make_rotation`.
@@ -192,3 +192,33 @@ def make_rotation(kind: str, head_dim: int, seed: int) -> np.ndarray:
     if kind == "hadamard":
         return hadamard_rotation(head_dim, seed)
     raise ValueError(f"kind must be one of {ROTATION_KINDS}, got {kind!r}")
+
+
+#: Second entropy word of the QJL sketch's random stream (independent of the rotation's).
+SKETCH_STREAM = 0x7451_716A6C  # "tQqjl"
+
+
+@functools.lru_cache(maxsize=None)
+def _sketch_cached(head_dim: int, seed: int) -> np.ndarray:
+    sketch = np.random.default_rng([seed, SKETCH_STREAM]).standard_normal((head_dim, head_dim))
+    sketch.setflags(write=False)
+    return sketch
+
+
+def gaussian_sketch(head_dim: int, seed: int) -> np.ndarray:
+    """The QJL sketch S: i.i.d. N(0, 1) entries, drawn from ``default_rng([seed, SKETCH_STREAM])``.
+
+    Args:
+      head_dim: int d >= 1.
+      seed: int >= 0.
+    Returns:
+      float64 numpy array [d, d] (rows not normalised: the QJL estimator's scale sqrt(pi/2) / d
+      is for N(0, 1) entries); a fresh copy.
+    Raises:
+      TypeError: head_dim or seed not an int.  ValueError: head_dim < 1 or seed < 0.
+    Source: QJL (Zandieh et al., arXiv 2406.03482), the Gaussian JL matrix of the 1-bit sketch;
+      TurboQuant (arXiv 2504.19874), Algorithm 2 (TurboQuant_prod) applies it to the residual.
+    """
+    head_dim = _check_int("head_dim", head_dim, 1)
+    seed = _check_int("seed", seed, 0)
+    return np.array(_sketch_cached(head_dim, seed), copy=True)

@@ -265,3 +265,43 @@ def test_hadamard_spec_test_vector_and_codec_rows():
 def test_hadamard_spec_errors(args, match):
     with pytest.raises(ValueError, match=match):
         tq_format.hadamard_spec(*args)
+
+
+# ---------------------------------------------------------------------------------------------
+# QJL sign bits
+# ---------------------------------------------------------------------------------------------
+EXPECTED_SIGN_VECTORS = [("+ - - - - - - -", 0x01), ("- - - - - - - +", 0x80), ("+ + - + - - + +", 0xCB),
+                         ("- + - + - + - +", 0xAA)]
+
+
+def parse_format_md_sign_vectors():
+    """Rows '| + - ... | hex byte |' of FORMAT.md's sign-bit table."""
+    pattern = re.compile(r"^\|\s*([+\- ]{15})\s*\|\s*([0-9a-f]{2})\s*\|\s*$")
+    return [(m.group(1), int(m.group(2), 16)) for m in map(pattern.match, FORMAT_MD.read_text().splitlines()) if m]
+
+
+def test_format_md_sign_vectors_match_expected():
+    assert parse_format_md_sign_vectors() == EXPECTED_SIGN_VECTORS
+
+
+@pytest.mark.parametrize("signs,byte", EXPECTED_SIGN_VECTORS)
+def test_sign_vectors_byte_for_byte(signs, byte):
+    group = np.array([s == "+" for s in signs.split()])
+    full = np.tile(group, 16)                          # head_dim 128
+    expected = np.full(16, byte, np.uint8)
+    np.testing.assert_array_equal(tq_format.pack_signs(full), expected)
+    np.testing.assert_array_equal(np.asarray(tq_format.pack_signs(jnp.asarray(full))), expected)
+    np.testing.assert_array_equal(np.packbits(full.astype(np.uint8), bitorder="little"), expected)
+    np.testing.assert_array_equal(tq_format.unpack_signs(expected, 128), np.where(full, 1, -1))
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_signs_round_trip_and_validation(rng, head_dim):
+    positive = rng.integers(0, 2, size=(3, head_dim)).astype(bool)
+    packed = tq_format.pack_signs(positive)
+    assert packed.shape == (3, tq_format.sign_bytes(head_dim)) and packed.dtype == np.uint8
+    np.testing.assert_array_equal(tq_format.unpack_signs(packed, head_dim), np.where(positive, 1, -1))
+    with pytest.raises(ValueError, match="head_dim"):
+        tq_format.unpack_signs(packed[:, :-1], head_dim)
+    with pytest.raises(TypeError, match="uint8"):
+        tq_format.unpack_signs(packed.astype(np.int32), head_dim)

@@ -279,6 +279,72 @@ inline ffi::Error validate_paged_decode(
 }
 
 // ---------------------------------------------------------------------------
+// jax_tq_qjl_compress: x [N, d], rotation [d, d], centroids [2**bits], sketch [d, d]
+//   -> codes [N, packed], norms [N], signs [N, d/8], gamma [N]
+// ---------------------------------------------------------------------------
+struct QjlCompressDims {
+  int64_t n, d, pb, sb;
+};
+
+inline ffi::Error validate_qjl_compress(const Op& op, const ffi::AnyBuffer& x,
+                                        const ffi::Buffer<ffi::F32>& rotation,
+                                        const ffi::Buffer<ffi::F32>& centroids,
+                                        const ffi::Buffer<ffi::F32>& sketch,
+                                        const ffi::Buffer<ffi::U8>& codes,
+                                        const ffi::Buffer<ffi::F32>& norms,
+                                        const ffi::Buffer<ffi::U8>& signs,
+                                        const ffi::Buffer<ffi::F32>& gamma, int32_t bits,
+                                        QjlCompressDims* out) {
+  const auto xd = x.dimensions();
+  JTQ_RETURN_IF_ERROR(check_rank(op, xd, 2, "x must be rank 2 [N, d]"));
+  const int64_t n = xd[0], d = xd[1];
+  JTQ_RETURN_IF_ERROR(check_bits_dim(op, bits, d));
+  const int64_t pb = packed_bytes(static_cast<int>(d), bits), sb = sign_bytes(static_cast<int>(d));
+  JTQ_RETURN_IF_ERROR(check_dims(op, "rotation", rotation.dimensions(), {d, d}));
+  JTQ_RETURN_IF_ERROR(check_dims(op, "centroids", centroids.dimensions(), {int64_t(1) << bits}));
+  JTQ_RETURN_IF_ERROR(check_dims(op, "sketch", sketch.dimensions(), {d, d}));
+  JTQ_RETURN_IF_ERROR(check_dims(op, "codes (result)", codes.dimensions(), {n, pb}));
+  JTQ_RETURN_IF_ERROR(check_dims(op, "norms (result)", norms.dimensions(), {n}));
+  JTQ_RETURN_IF_ERROR(check_dims(op, "signs (result)", signs.dimensions(), {n, sb}));
+  JTQ_RETURN_IF_ERROR(check_dims(op, "gamma (result)", gamma.dimensions(), {n}));
+  *out = QjlCompressDims{n, d, pb, sb};
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------
+// jax_tq_qjl_scores: q_rot [B, Q, d], q_sketch [B, Q, d], codes [B, S, packed], norms [B, S],
+//   signs [B, S, d/8], gamma [B, S], centroids [2**bits] -> scores [B, Q, S]
+// ---------------------------------------------------------------------------
+struct QjlScoresDims {
+  int64_t b, q, s, d, pb, sb;
+};
+
+inline ffi::Error validate_qjl_scores(
+    const Op& op, const ffi::Buffer<ffi::F32>& q_rot, const ffi::Buffer<ffi::F32>& q_sketch,
+    const ffi::Buffer<ffi::U8>& codes, const ffi::Buffer<ffi::F32>& norms,
+    const ffi::Buffer<ffi::U8>& signs, const ffi::Buffer<ffi::F32>& gamma,
+    const ffi::Buffer<ffi::F32>& centroids, const ffi::Buffer<ffi::F32>& scores, int32_t bits,
+    QjlScoresDims* out) {
+  const auto qd = q_rot.dimensions();
+  JTQ_RETURN_IF_ERROR(check_rank(op, qd, 3, "q_rot must be rank 3 [B, Q, d]"));
+  const int64_t b = qd[0], q = qd[1], d = qd[2];
+  JTQ_RETURN_IF_ERROR(check_bits_dim(op, bits, d));
+  const int64_t pb = packed_bytes(static_cast<int>(d), bits), sb = sign_bytes(static_cast<int>(d));
+  const auto cd = codes.dimensions();
+  JTQ_RETURN_IF_ERROR(check_rank(op, cd, 3, "codes must be rank 3 [B, S, packed]"));
+  const int64_t s = cd[1];
+  JTQ_RETURN_IF_ERROR(check_dims(op, "q_sketch", q_sketch.dimensions(), {b, q, d}));
+  JTQ_RETURN_IF_ERROR(check_dims(op, "codes", cd, {b, s, pb}));
+  JTQ_RETURN_IF_ERROR(check_dims(op, "norms", norms.dimensions(), {b, s}));
+  JTQ_RETURN_IF_ERROR(check_dims(op, "signs", signs.dimensions(), {b, s, sb}));
+  JTQ_RETURN_IF_ERROR(check_dims(op, "gamma", gamma.dimensions(), {b, s}));
+  JTQ_RETURN_IF_ERROR(check_dims(op, "centroids", centroids.dimensions(), {int64_t(1) << bits}));
+  JTQ_RETURN_IF_ERROR(check_dims(op, "scores (result)", scores.dimensions(), {b, q, s}));
+  *out = QjlScoresDims{b, q, s, d, pb, sb};
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------
 // Operand / result / attribute binding of each FFI target (docs/DESIGN.md), for
 // XLA_FFI_DEFINE_HANDLER_SYMBOL. `b` is ffi::Ffi::Bind() on CPU and
 // ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>() on CUDA.
@@ -345,6 +411,33 @@ auto BindPagedDecode(B b) {
       .template Attr<int32_t>("num_splits")
       .template Attr<float>("scale")
       .template Attr<int32_t>("f16_products");  // 1: q, p and centroids may enter products as f16
+}
+
+template <typename B>
+auto BindQjlCompress(B b) {
+  return std::move(b).template Arg<ffi::AnyBuffer>()           // x [N, d]
+      .template Arg<ffi::Buffer<ffi::F32>>()        // rotation [d, d]
+      .template Arg<ffi::Buffer<ffi::F32>>()        // centroids [2**bits]
+      .template Arg<ffi::Buffer<ffi::F32>>()        // sketch [d, d]
+      .template Ret<ffi::Buffer<ffi::U8>>()         // codes [N, packed]
+      .template Ret<ffi::Buffer<ffi::F32>>()        // norms [N]
+      .template Ret<ffi::Buffer<ffi::U8>>()         // signs [N, d/8]
+      .template Ret<ffi::Buffer<ffi::F32>>()        // gamma [N]
+      .template Attr<int32_t>("bits");
+}
+
+template <typename B>
+auto BindQjlScores(B b) {
+  return std::move(b).template Arg<ffi::Buffer<ffi::F32>>()    // q_rot [B, Q, d]
+      .template Arg<ffi::Buffer<ffi::F32>>()        // q_sketch [B, Q, d]
+      .template Arg<ffi::Buffer<ffi::U8>>()         // codes [B, S, packed]
+      .template Arg<ffi::Buffer<ffi::F32>>()        // norms [B, S]
+      .template Arg<ffi::Buffer<ffi::U8>>()         // signs [B, S, d/8]
+      .template Arg<ffi::Buffer<ffi::F32>>()        // gamma [B, S]
+      .template Arg<ffi::Buffer<ffi::F32>>()        // centroids [2**bits]
+      .template Ret<ffi::Buffer<ffi::F32>>()        // scores [B, Q, S]
+      .template Attr<int32_t>("bits")
+      .template Attr<float>("qjl_scale");
 }
 
 }  // namespace ffi_checks

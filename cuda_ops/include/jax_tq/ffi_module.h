@@ -19,15 +19,24 @@ pybind11::capsule EncapsulateFfiHandler(T* fn) {
   return pybind11::capsule(reinterpret_cast<void*>(fn));
 }
 
-// {target_name: capsule} for the four FFI targets of one platform (docs/DESIGN.md).
-inline pybind11::dict FfiRegistrations(XLA_FFI_Handler* compress, XLA_FFI_Handler* decompress,
-                                       XLA_FFI_Handler* write_cache,
-                                       XLA_FFI_Handler* paged_decode) {
+// {target_name: capsule} for the FFI targets of one platform (docs/DESIGN.md).
+struct FfiHandlers {
+  XLA_FFI_Handler* compress;
+  XLA_FFI_Handler* decompress;
+  XLA_FFI_Handler* write_cache;
+  XLA_FFI_Handler* paged_decode;
+  XLA_FFI_Handler* qjl_compress;
+  XLA_FFI_Handler* qjl_scores;
+};
+
+inline pybind11::dict FfiRegistrations(const FfiHandlers& h) {
   pybind11::dict d;
-  d["jax_tq_compress"] = EncapsulateFfiHandler(compress);
-  d["jax_tq_decompress"] = EncapsulateFfiHandler(decompress);
-  d["jax_tq_write_cache"] = EncapsulateFfiHandler(write_cache);
-  d["jax_tq_paged_decode"] = EncapsulateFfiHandler(paged_decode);
+  d["jax_tq_compress"] = EncapsulateFfiHandler(h.compress);
+  d["jax_tq_decompress"] = EncapsulateFfiHandler(h.decompress);
+  d["jax_tq_write_cache"] = EncapsulateFfiHandler(h.write_cache);
+  d["jax_tq_paged_decode"] = EncapsulateFfiHandler(h.paged_decode);
+  d["jax_tq_qjl_compress"] = EncapsulateFfiHandler(h.qjl_compress);
+  d["jax_tq_qjl_scores"] = EncapsulateFfiHandler(h.qjl_scores);
   return d;
 }
 

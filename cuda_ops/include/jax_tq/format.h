@@ -169,6 +169,35 @@ JTQ_HD void unpack_row(const uint8_t* row, int head_dim, int bits, uint8_t* code
   }
 }
 
+// A group of 8 codes (group g of a packed row: bits bytes at offset g * bits) as nibbles, code k
+// in bits 4k..4k+3 of the result, for every packed width.
+JTQ_HD uint32_t group8_nibbles(const uint8_t* row, int g, int bits) {
+  const uint8_t* p = row + g * bits;
+  uint32_t w = 0;
+  for (int i = 0; i < bits; ++i) w |= uint32_t(p[i]) << (8 * i);
+  return bits == 4 ? w : (bits == 3 ? nibbles_from_3bit(w) : nibbles_from_2bit(w));
+}
+
+// ---------------------------------------------------------------------------
+// QJL sign bits (TurboQuant_prod, docs/FORMAT.md): sign_bytes = head_dim / 8; coordinate j is bit
+// j % 8 of byte j / 8 (the 1-bit case of the codes' LSB-first stream); a set bit is +1 (the
+// sketched residual was >= 0), a clear bit -1. Mirrors jax_tq.format.pack_signs.
+// ---------------------------------------------------------------------------
+JTQ_HD int sign_bytes(int head_dim) { return head_dim / 8; }
+
+JTQ_HD float sign_value(const uint8_t* row, int j) {
+  return ((row[j >> 3] >> (j & 7)) & 1u) ? 1.0f : -1.0f;
+}
+
+// Sign bits of s[0 .. head_dim): bit set where s[j] >= 0 (NaN counts as negative).
+JTQ_HD void pack_sign_bits(const float* s, int head_dim, uint8_t* row) {
+  for (int b = 0; b < head_dim / 8; ++b) {
+    uint32_t byte = 0;
+    for (int k = 0; k < 8; ++k) byte |= (s[8 * b + k] >= 0.0f ? 1u : 0u) << k;
+    row[b] = uint8_t(byte);
+  }
+}
+
 // ---------------------------------------------------------------------------
 // Quantizer: code = number of boundaries strictly less than y, where
 // boundary_i = (c_i + c_{i+1}) / 2 (computed in float32), nb = 2**bits - 1.

@@ -1,0 +1,237 @@
+"""TurboQuant_prod: QJL 1-bit residual compression and unbiased attention scores (functions and
+their primitives).
+
+Implements TurboQuant_prod (Zandieh et al., "TurboQuant", arXiv 2504.19874, Algorithm 2): a vector
+is stored as TurboQuant_mse at ``bits - 1`` bits plus the QJL sign sketch of its residual (Zandieh
+et al., "QJL: 1-Bit Quantized JL Transform for KV Cache Quantization with Zero Overhead",
+arXiv 2406.03482), which makes inner products with it unbiased. The storage is
+docs/FORMAT.md's (codes and norms as TurboQuant_mse, sign bits LSB-first, gamma fp32).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_tq import _compat, reference
+from jax_tq import _primitive_utils as pu
+from jax_tq.backend import get_backend
+from jax_tq.codec import TurboQuantProd
+from jax_tq.compress import check_float_input, check_last_dim
+
+__all__ = ["QJLCodes", "qjl_compress", "qjl_scores"]
+
+qjl_compress_p = _compat.Primitive("jax_tq_qjl_compress")
+qjl_compress_p.multiple_results = True
+qjl_scores_p = _compat.Primitive("jax_tq_qjl_scores")
+qjl_scores_p.multiple_results = True
+
+
+class QJLCodes(NamedTuple):
+    """TurboQuant_prod storage of vectors [...] (a pytree; docs/FORMAT.md).
+
+    Attributes:
+      codes: uint8 [..., head_dim * (bits - 1) / 8], the packed TurboQuant_mse codes.
+      norms: float32 [...], ||x||.
+      signs: uint8 [..., head_dim / 8], QJL sign bits of the sketched residual.
+      gamma: float32 [...], the residual's norm ||Pi x / ||x|| - c[codes]|| (unit-sphere scale).
+    """
+
+    codes: jax.Array
+    norms: jax.Array
+    signs: jax.Array
+    gamma: jax.Array
+
+
+def _check_prod_codec(codec, op: str) -> None:
+    if not isinstance(codec, TurboQuantProd):
+        raise TypeError(f"jax_tq.{op}: codec must be a jax_tq.TurboQuantProd, got {type(codec).__name__}")
+
+
+# ----------------------------------------------------------------------------- public API
+
+def qjl_compress(x, codec):
+    """Compress vectors with TurboQuant_prod (mse codes at bits - 1 + QJL sign bits of the residual).
+
+    Args:
+      x: [..., head_dim] float32, bfloat16 or float16.
+      codec: :class:`jax_tq.TurboQuantProd` with ``head_dim == x.shape[-1]``.
+
+    Returns:
+      :class:`QJLCodes` (codes uint8 [..., head_dim * (bits-1) / 8], norms float32 [...],
+      signs uint8 [..., head_dim / 8], gamma float32 [...]). codes and norms are exactly what
+      :func:`jax_tq.compress` gives with ``codec.mse``; with y = Pi x / ||x|| and r = y - c[codes],
+      gamma = ||r|| and signs[j] = (S r)_j >= 0. A zero vector gets norm 0 (its scores are 0).
+
+    Raises:
+      TypeError: x not float32/bfloat16/float16; codec not a TurboQuantProd.
+      ValueError: the last axis of x is not codec.head_dim.
+
+    Source: TurboQuant (arXiv 2504.19874), Algorithm 2 (Quant_prod), with the sketch applied to the
+    rotated residual (S Pi is again an i.i.d. Gaussian matrix). Not differentiable.
+    """
+    x = jnp.asarray(x)
+    _check_prod_codec(codec, "qjl_compress")
+    check_float_input(x, "x", "qjl_compress")
+    check_last_dim(x, codec.head_dim, "x", "qjl_compress")
+    lead = x.shape[:-1]
+    flat = x.reshape((-1, codec.head_dim))
+    mse = codec.mse
+    operands = (flat, mse.rotation, mse.centroids, codec.sketch)
+    backend = get_backend()
+    if backend == "xla":
+        outs = reference.qjl_compress(*operands, mse.bits)
+    else:
+        outs = qjl_compress_p.bind(*operands, bits=mse.bits, backend=backend)
+    codes, norms, signs, gamma = outs
+    return QJLCodes(codes.reshape(lead + (codec.packed_bytes,)), norms.reshape(lead),
+                    signs.reshape(lead + (codec.sign_bytes,)), gamma.reshape(lead))
+
+
+def qjl_scores(q, keys, codec):
+    """Unbiased raw attention scores <q, k> of queries against TurboQuant_prod-compressed keys.
+
+    scores[..., i, s] = norms[s] * (<Pi q_i, c[codes_s]> + sqrt(pi/2) / head_dim * gamma[s] *
+    <S Pi q_i, signs_s>): no softmax and no 1/sqrt(head_dim) (scale them as the model does).
+
+    Args:
+      q: [..., num_queries, head_dim] float32, bfloat16 or float16.
+      keys: :class:`QJLCodes` of keys [..., num_keys] from :func:`qjl_compress` with ``codec``
+        (the same leading axes ``...`` as q).
+      codec: the :class:`jax_tq.TurboQuantProd` of the keys.
+
+    Returns:
+      float32 [..., num_queries, num_keys]. E[scores] = q . k over the sketch's randomness; the
+      variance is (pi/2) D_mse(bits-1) / head_dim * ||q||^2 ||k||^2 (TURBOQUANT.md).
+
+    Raises:
+      TypeError: q not float32/bfloat16/float16, key arrays of the wrong dtype, codec not a
+        TurboQuantProd.
+      ValueError: q's last axis is not codec.head_dim, or the key arrays' shapes do not match each
+        other, the codec, or q's leading axes.
+
+    Source: TurboQuant (arXiv 2504.19874), Algorithm 2 (DeQuant_prod) in inner-product form; QJL
+    (arXiv 2406.03482), the sign-sketch estimator with scale sqrt(pi/2) / d for N(0, 1) sketches.
+    Not differentiable.
+    """
+    q = jnp.asarray(q)
+    _check_prod_codec(codec, "qjl_scores")
+    check_float_input(q, "q", "qjl_scores")
+    check_last_dim(q, codec.head_dim, "q", "qjl_scores")
+    if q.ndim < 2:
+        raise ValueError(f"jax_tq.qjl_scores: q must be [..., num_queries, head_dim], got shape {tuple(q.shape)}")
+    keys = _check_keys(keys, codec, q.shape[:-2])
+    lead, num_queries, num_keys = q.shape[:-2], q.shape[-2], keys.norms.shape[-1]
+    batch = int(np.prod(lead, dtype=np.int64))
+    mse = codec.mse
+    q_flat = q.reshape((batch, num_queries, codec.head_dim)).astype(jnp.float32)
+    q_rot = jnp.matmul(q_flat, mse.rotation.T, precision=jax.lax.Precision.HIGHEST)
+    q_sketch = jnp.matmul(q_rot, codec.sketch.T, precision=jax.lax.Precision.HIGHEST)
+    operands = (q_rot, q_sketch, keys.codes.reshape((batch, num_keys, codec.packed_bytes)),
+                keys.norms.reshape((batch, num_keys)), keys.signs.reshape((batch, num_keys, codec.sign_bytes)),
+                keys.gamma.reshape((batch, num_keys)), mse.centroids)
+    backend = get_backend()
+    if backend == "xla":
+        scores = reference.qjl_scores_rotated(*operands, mse.bits, codec.qjl_scale)
+    else:
+        (scores,) = qjl_scores_p.bind(*operands, bits=mse.bits, qjl_scale=codec.qjl_scale, backend=backend)
+    return scores.reshape(lead + (num_queries, num_keys))
+
+
+def _check_keys(keys, codec, lead) -> QJLCodes:
+    """The keys as a QJLCodes of jnp arrays; TypeError / ValueError naming the field that is wrong."""
+    op = "jax_tq.qjl_scores"
+    if not isinstance(keys, tuple) or len(keys) != 4:
+        raise TypeError(f"{op}: keys must be a jax_tq.QJLCodes (codes, norms, signs, gamma), got {type(keys).__name__}")
+    keys = QJLCodes(*(jnp.asarray(a) for a in keys))
+    for name, want in (("codes", jnp.uint8), ("norms", jnp.float32), ("signs", jnp.uint8), ("gamma", jnp.float32)):
+        got = getattr(keys, name).dtype
+        if got != want:
+            raise TypeError(f"{op}: keys.{name} must be {jnp.dtype(want).name}, got {got}")
+    if keys.norms.ndim != len(lead) + 1 or keys.norms.shape[:-1] != lead:
+        raise ValueError(f"{op}: keys.norms must be [..., num_keys] with q's leading axes {tuple(lead)}, got "
+                         f"shape {tuple(keys.norms.shape)}")
+    token_shape = keys.norms.shape
+    expected = {"codes": token_shape + (codec.packed_bytes,), "signs": token_shape + (codec.sign_bytes,),
+                "gamma": token_shape}
+    for name, shape in expected.items():
+        if getattr(keys, name).shape != shape:
+            raise ValueError(f"{op}: keys.{name} has shape {tuple(getattr(keys, name).shape)}, expected {shape} for "
+                             f"norms {tuple(token_shape)} and {codec!r}")
+    return keys
+
+
+# ----------------------------------------------------------------------------- abstract eval
+
+def _qjl_compress_abstract(x, rotation, centroids, sketch, *, bits, backend):
+    n, d = x.shape
+    inputs = (x, rotation, centroids, sketch)
+    return (_compat.output_aval((n, d * bits // 8), jnp.uint8, *inputs),
+            _compat.output_aval((n,), jnp.float32, *inputs),
+            _compat.output_aval((n, d // 8), jnp.uint8, *inputs),
+            _compat.output_aval((n,), jnp.float32, *inputs))
+
+
+def _qjl_scores_abstract(q_rot, q_sketch, codes, norms, signs, gamma, centroids, *, bits, qjl_scale, backend):
+    b, num_queries, _ = q_rot.shape
+    inputs = (q_rot, q_sketch, codes, norms, signs, gamma, centroids)
+    return (_compat.output_aval((b, num_queries, norms.shape[1]), jnp.float32, *inputs),)
+
+
+qjl_compress_p.def_abstract_eval(_qjl_compress_abstract)
+qjl_scores_p.def_abstract_eval(_qjl_scores_abstract)
+for _prim in (qjl_compress_p, qjl_scores_p):
+    pu.define_impl(_prim)
+
+
+# ----------------------------------------------------------------------------- lowering
+
+def _qjl_compress_reference(x, rotation, centroids, sketch, *, bits):
+    return reference.qjl_compress(x, rotation, centroids, sketch, bits)
+
+
+def _qjl_scores_reference(*operands, bits, qjl_scale):
+    return (reference.qjl_scores_rotated(*operands, bits, qjl_scale).astype(jnp.float32),)
+
+
+def _qjl_compress_ffi(ctx, *operands, bits):
+    return _compat.ffi_lowering("jax_tq_qjl_compress")(ctx, *operands, bits=np.int32(bits))
+
+
+def _qjl_scores_ffi(ctx, *operands, bits, qjl_scale):
+    return _compat.ffi_lowering("jax_tq_qjl_scores")(ctx, *operands, bits=np.int32(bits),
+                                                     qjl_scale=np.float32(qjl_scale))
+
+
+pu.register_lowerings(qjl_compress_p, _qjl_compress_reference, _qjl_compress_ffi)
+pu.register_lowerings(qjl_scores_p, _qjl_scores_reference, _qjl_scores_ffi)
+
+
+# ----------------------------------------------------------------------------- batching
+
+def _qjl_compress_batch(args, dims, **params):
+    return pu.rows_batch(qjl_compress_p, 1, ("rotation", "centroids", "sketch"), args, dims, **params)
+
+
+def _qjl_scores_batch(args, dims, **params):
+    """vmap over queries only folds into num_queries (the keys are read once); otherwise every
+    operand gets the vmapped axis and it folds into the batch axis."""
+    pu.require_unbatched(("centroids",), dims[6:], "qjl_scores")
+    size = pu.batch_size(args, dims)
+    queries, keys = args[:2], args[2:6]
+    if all(d is _compat.NOT_MAPPED for d in dims[2:6]):
+        moved = [pu.move_batch_to_front(a, d, size) for a, d in zip(queries, dims[:2])]  # [V, B, Q, d]
+        b, num_queries, head_dim = moved[0].shape[1:]
+        folded = [jnp.swapaxes(a, 0, 1).reshape((b, size * num_queries, head_dim)) for a in moved]
+        (scores,) = qjl_scores_p.bind(*folded, *keys, args[6], **params)
+        return [scores.reshape((b, size, num_queries, scores.shape[-1]))], [1]
+    moved = [pu.move_batch_to_front(a, d, size) for a, d in zip(args[:6], dims[:6])]
+    folded = [a.reshape((-1,) + a.shape[2:]) for a in moved]
+    (scores,) = qjl_scores_p.bind(*folded, args[6], **params)
+    return [scores.reshape((size, moved[0].shape[1]) + scores.shape[1:])], [0]
+
+
+_compat.batching.primitive_batchers[qjl_compress_p] = _qjl_compress_batch
+_compat.batching.primitive_batchers[qjl_scores_p] = _qjl_scores_batch
