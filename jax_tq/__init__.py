@@ -22,7 +22,7 @@ from jax_tq.cache import PagedKVCache, write_cache
 from jax_tq.codec import TurboQuant, TurboQuantProd
 from jax_tq.compress import compress, decompress
 from jax_tq.paged_decode import paged_decode
-from jax_tq.qjl import QJLCodes, qjl_compress, qjl_scores
+from jax_tq.qjl import QJLCodes, qjl_compress, qjl_decompress, qjl_scores
 from jax_tq import nn  # noqa: E402  (flax is imported only when nn needs it)
 
 __version__ = "0.2.0"
@@ -41,6 +41,7 @@ __all__ = [
     "kernels_unavailable_reason",
     "paged_decode",
     "qjl_compress",
+    "qjl_decompress",
     "qjl_scores",
     "use_backend",
     "write_cache",

@@ -64,8 +64,40 @@ def _device_parameters(spec):
     return params
 
 
+class _SpecCodec:
+    """A codec fixed by its spec (head_dim, bits, seed, rotation_kind): a pytree with no leaves,
+    compared and hashed by type and spec."""
+
+    __slots__ = ("head_dim", "bits", "seed", "rotation_kind")
+
+    def _set_fields(self, spec) -> None:
+        self.head_dim, self.bits, self.seed, self.rotation_kind = spec
+
+    def tree_flatten(self):
+        """No leaves; aux data = spec tuple."""
+        return (), self.spec
+
+    @classmethod
+    def tree_unflatten(cls, spec, leaves):
+        """Rebuild without validation or recomputation."""
+        codec = object.__new__(cls)
+        codec._set_fields(spec)
+        return codec
+
+    @property
+    def spec(self) -> tuple[int, int, int, str]:
+        """Static configuration (head_dim, bits, seed, rotation_kind)."""
+        return (self.head_dim, self.bits, self.seed, self.rotation_kind)
+
+    def __eq__(self, other):
+        return type(other) is type(self) and self.spec == other.spec
+
+    def __hash__(self):
+        return hash((type(self).__name__, self.spec))
+
+
 @jax.tree_util.register_pytree_node_class
-class TurboQuant:
+class TurboQuant(_SpecCodec):
     """TurboQuant_mse codec parameters (arXiv 2504.19874, Algorithm 1).
 
     Args:
@@ -88,7 +120,7 @@ class TurboQuant:
     Codecs compare and hash by spec, so they can also be static arguments of ``jax.jit``.
     """
 
-    __slots__ = ("head_dim", "bits", "seed", "rotation_kind")
+    __slots__ = ()
 
     def __init__(self, head_dim: int = 128, bits: int = 4, seed: int = 0,
                  rotation: str = "haar"):
@@ -96,21 +128,6 @@ class TurboQuant:
         spec = (int(head_dim), int(bits), int(seed), rotation)
         _float32_parameters(*spec)  # computed (and cached) now, not inside a trace
         self._set_fields(spec)
-
-    def _set_fields(self, spec) -> None:
-        self.head_dim, self.bits, self.seed, self.rotation_kind = spec
-
-    # ---- pytree protocol -------------------------------------------------------------------
-    def tree_flatten(self):
-        """No leaves; aux data = spec tuple."""
-        return (), self.spec
-
-    @classmethod
-    def tree_unflatten(cls, spec, leaves):
-        """Rebuild without validation or recomputation."""
-        codec = object.__new__(cls)
-        codec._set_fields(spec)
-        return codec
 
     @property
     def rotation(self):
@@ -122,18 +139,7 @@ class TurboQuant:
         """float32 [2**bits] Lloyd-Max centroids, ascending, unit-sphere scale."""
         return _device_parameters(self.spec)[1]
 
-    def __eq__(self, other):
-        return isinstance(other, TurboQuant) and self.spec == other.spec
-
-    def __hash__(self):
-        return hash(("TurboQuant", self.spec))
-
     # ---- derived properties ----------------------------------------------------------------
-    @property
-    def spec(self) -> tuple[int, int, int, str]:
-        """Static configuration (head_dim, bits, seed, rotation_kind)."""
-        return (self.head_dim, self.bits, self.seed, self.rotation_kind)
-
     @property
     def num_levels(self) -> int:
         """Number of centroids, 2**bits."""
@@ -186,7 +192,7 @@ def _device_sketch(head_dim: int, seed: int):
 
 
 @jax.tree_util.register_pytree_node_class
-class TurboQuantProd:
+class TurboQuantProd(_SpecCodec):
     """TurboQuant_prod codec: unbiased inner products (arXiv 2504.19874, Algorithm 2).
 
     A vector x is stored as TurboQuant_mse at ``bits - 1`` bits (codes + fp32 norm, exactly what
@@ -215,7 +221,7 @@ class TurboQuantProd:
     Like :class:`TurboQuant` it is a pytree with no array leaves, compared and hashed by spec.
     """
 
-    __slots__ = ("head_dim", "bits", "seed", "rotation_kind")
+    __slots__ = ()
 
     def __init__(self, head_dim: int = 128, bits: int = 4, seed: int = 0, rotation: str = "haar"):
         if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)):
@@ -227,29 +233,7 @@ class TurboQuantProd:
         spec = (int(head_dim), int(bits), int(seed), rotation)
         _float32_parameters(spec[0], spec[1] - 1, spec[2], spec[3])
         tq_rotation.gaussian_sketch(spec[0], spec[2])
-        self.head_dim, self.bits, self.seed, self.rotation_kind = spec
-
-    def tree_flatten(self):
-        """No leaves; aux data = spec tuple."""
-        return (), self.spec
-
-    @classmethod
-    def tree_unflatten(cls, spec, leaves):
-        """Rebuild without validation or recomputation."""
-        codec = object.__new__(cls)
-        codec.head_dim, codec.bits, codec.seed, codec.rotation_kind = spec
-        return codec
-
-    @property
-    def spec(self) -> tuple[int, int, int, str]:
-        """Static configuration (head_dim, bits, seed, rotation_kind)."""
-        return (self.head_dim, self.bits, self.seed, self.rotation_kind)
-
-    def __eq__(self, other):
-        return isinstance(other, TurboQuantProd) and self.spec == other.spec
-
-    def __hash__(self):
-        return hash(("TurboQuantProd", self.spec))
+        self._set_fields(spec)
 
     @property
     def mse(self) -> TurboQuant:

@@ -19,9 +19,10 @@ from jax_tq import _compat, reference
 from jax_tq import _primitive_utils as pu
 from jax_tq.backend import get_backend
 from jax_tq.codec import TurboQuantProd
-from jax_tq.compress import check_float_input, check_last_dim
+from jax_tq.compress import FLOAT_DTYPES, check_float_input, check_last_dim, decompress
+from jax_tq.format import unpack_signs
 
-__all__ = ["QJLCodes", "qjl_compress", "qjl_scores"]
+__all__ = ["QJLCodes", "qjl_compress", "qjl_decompress", "qjl_scores"]
 
 qjl_compress_p = _compat.Primitive("jax_tq_qjl_compress")
 qjl_compress_p.multiple_results = True
@@ -140,9 +141,40 @@ def qjl_scores(q, keys, codec):
     return scores.reshape(lead + (num_queries, num_keys))
 
 
-def _check_keys(keys, codec, lead) -> QJLCodes:
-    """The keys as a QJLCodes of jnp arrays; TypeError / ValueError naming the field that is wrong."""
-    op = "jax_tq.qjl_scores"
+def qjl_decompress(keys, codec, dtype=jnp.float32):
+    """Unbiased reconstructions x_hat of TurboQuant_prod-compressed vectors (Algorithm 2, DeQuant_prod).
+
+    x_hat = norm * Pi^T (c[codes] + sqrt(pi/2) / head_dim * gamma * S^T signs), so that <q, x_hat>
+    is exactly :func:`qjl_scores`' estimate of <q, x> for every q. The vector itself is noisy
+    (its error has variance ~ (pi/2 - 1) gamma^2 per unit norm on top of the mse part): use it where
+    only inner products matter, e.g. keys in attention.
+
+    Args:
+      keys: :class:`QJLCodes` [...] from :func:`qjl_compress` with ``codec``.
+      codec: :class:`jax_tq.TurboQuantProd`.
+      dtype: output dtype, float32, bfloat16 or float16.
+    Returns:
+      [..., head_dim] array of ``dtype``.
+    Raises:
+      TypeError / ValueError: as :func:`qjl_scores` for the key arrays; an unsupported dtype.
+    Source: TurboQuant (arXiv 2504.19874), Algorithm 2 (DeQuant_prod), with the sketch on the
+    rotated residual. The mse part runs the decompress kernel, the sign part one XLA product.
+    """
+    _check_prod_codec(codec, "qjl_decompress")
+    if jnp.dtype(dtype) not in [jnp.dtype(d) for d in FLOAT_DTYPES]:
+        raise TypeError(f"jax_tq.qjl_decompress: dtype must be float32, bfloat16 or float16, got {dtype}")
+    keys = _check_keys(keys, codec, None, "jax_tq.qjl_decompress")
+    mse = decompress(keys.codes, keys.norms, codec.mse, jnp.float32)
+    signs = unpack_signs(keys.signs, codec.head_dim).astype(jnp.float32)
+    sketch_back = jnp.matmul(jnp.matmul(signs, codec.sketch, precision=jax.lax.Precision.HIGHEST),
+                             codec.mse.rotation, precision=jax.lax.Precision.HIGHEST)   # (Pi^T S^T s) as rows
+    weight = keys.norms * jnp.float32(codec.qjl_scale) * keys.gamma
+    return (mse + weight[..., None] * sketch_back).astype(dtype)
+
+
+def _check_keys(keys, codec, lead, op="jax_tq.qjl_scores") -> QJLCodes:
+    """The keys as a QJLCodes of jnp arrays; TypeError / ValueError naming the field that is wrong.
+    ``lead``: the leading axes the keys must have before num_keys (None: any)."""
     if not isinstance(keys, tuple) or len(keys) != 4:
         raise TypeError(f"{op}: keys must be a jax_tq.QJLCodes (codes, norms, signs, gamma), got {type(keys).__name__}")
     keys = QJLCodes(*(jnp.asarray(a) for a in keys))
@@ -150,7 +182,7 @@ def _check_keys(keys, codec, lead) -> QJLCodes:
         got = getattr(keys, name).dtype
         if got != want:
             raise TypeError(f"{op}: keys.{name} must be {jnp.dtype(want).name}, got {got}")
-    if keys.norms.ndim != len(lead) + 1 or keys.norms.shape[:-1] != lead:
+    if lead is not None and (keys.norms.ndim != len(lead) + 1 or keys.norms.shape[:-1] != lead):
         raise ValueError(f"{op}: keys.norms must be [..., num_keys] with q's leading axes {tuple(lead)}, got "
                          f"shape {tuple(keys.norms.shape)}")
     token_shape = keys.norms.shape

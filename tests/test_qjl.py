@@ -163,6 +163,20 @@ def test_scores_match_float64_oracle(rng, head_dim, bits, dtype, lead, num_queri
         assert rel_err(tq.qjl_scores(q, keys, codec), np.asarray(got)) < 1e-5
 
 
+@pytest.mark.parametrize("head_dim,bits,dtype", [(64, 3, jnp.float32), (128, 4, jnp.bfloat16), (96, 5, jnp.float32)])
+def test_decompress_inner_products_are_the_scores(rng, head_dim, bits, dtype):
+    codec = tq.TurboQuantProd(head_dim, bits, seed=int(rng.integers(1 << 16)))
+    keys = tq.qjl_compress(jnp.asarray(rng.normal(size=(2, 50, head_dim)), jnp.float32), codec)
+    q = jnp.asarray(rng.normal(size=(2, 7, head_dim)), jnp.float32)
+    x_hat = tq.qjl_decompress(keys, codec, dtype)
+    assert x_hat.shape == (2, 50, head_dim) and x_hat.dtype == dtype
+    got = np.einsum("bqd,bsd->bqs", _f64(q), _f64(x_hat))
+    want = qjl_scores_f64(np.asarray(q), keys, codec)
+    assert rel_err(got, want) < (1e-5 if dtype == jnp.float32 else 1e-2)
+    with pytest.raises(TypeError, match="dtype"):
+        tq.qjl_decompress(keys, codec, jnp.int32)
+
+
 def test_vmap_over_queries_reads_the_keys_once(rng):
     codec = tq.TurboQuantProd(64, 4)
     keys = random_keys(rng, codec, (2, 40))
