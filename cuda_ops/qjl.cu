@@ -152,27 +152,21 @@ qjl_compress_kernel(const void* __restrict__ x, int ft, const float* __restrict_
   }
 }
 
-__global__ void __launch_bounds__(kScoreThreads)
-qjl_scores_kernel(const float* __restrict__ q_rot, const float* __restrict__ q_sketch,
-                  const uint8_t* __restrict__ codes, const float* __restrict__ norms,
-                  const uint8_t* __restrict__ signs, const float* __restrict__ gamma,
-                  const float* __restrict__ centroids, int64_t num_queries, int64_t num_keys, int d,
-                  int bits, float qjl_scale, float* __restrict__ scores) {
-  __shared__ float qr[kQueries][kMaxHeadDim];
-  __shared__ float qs[kQueries][kMaxHeadDim];
-  __shared__ float cent[kMaxCentroids];
-  const int64_t b = blockIdx.y;
-  const int64_t key = int64_t(blockIdx.x) * kScoreThreads + threadIdx.x;
-  const bool valid = key < num_keys;
+// One batch entry's scores for this CTA's keys (see qjl_scores_kernel).
+__device__ void qjl_scores_batch(const float* __restrict__ q_rot, const float* __restrict__ q_sketch,
+                                 const uint8_t* __restrict__ codes, const float* __restrict__ norms,
+                                 const uint8_t* __restrict__ signs, const float* __restrict__ gamma,
+                                 const float* cent, float (*qr)[kMaxHeadDim], float (*qs)[kMaxHeadDim],
+                                 int64_t b, int64_t key, bool valid, int64_t num_queries, int64_t num_keys,
+                                 int d, int bits, float qjl_scale, float* __restrict__ scores) {
   const int64_t flat_key = b * num_keys + (valid ? key : 0);
-  if (threadIdx.x < (1 << bits)) cent[threadIdx.x] = centroids[threadIdx.x];
   const uint8_t* key_codes = codes + flat_key * packed_bytes(d, bits);
   const uint8_t* key_signs = signs + flat_key * sign_bytes(d);
   const float norm = valid ? norms[flat_key] : 0.f;
   const float qjl_weight = valid ? qjl_scale * gamma[flat_key] : 0.f;
 
   for (int64_t q0 = 0; q0 < num_queries; q0 += kQueries) {
-    __syncthreads();  // the previous pass has read qr / qs (and cent is written)
+    __syncthreads();  // the previous pass (or batch entry) has read qr / qs, and cent is written
     for (int i = threadIdx.x; i < kQueries * d; i += kScoreThreads) {
       const int qi = i / d, j = i % d;
       const bool real = q0 + qi < num_queries;
@@ -203,6 +197,23 @@ qjl_scores_kernel(const float* __restrict__ q_rot, const float* __restrict__ q_s
         scores[(b * num_queries + q0 + qi) * num_keys + key] = norm * (mse[qi] + qjl_weight * qjl[qi]);
     }
   }
+}
+
+__global__ void __launch_bounds__(kScoreThreads)
+qjl_scores_kernel(const float* __restrict__ q_rot, const float* __restrict__ q_sketch,
+                  const uint8_t* __restrict__ codes, const float* __restrict__ norms,
+                  const uint8_t* __restrict__ signs, const float* __restrict__ gamma,
+                  const float* __restrict__ centroids, int64_t num_batches, int64_t num_queries,
+                  int64_t num_keys, int d, int bits, float qjl_scale, float* __restrict__ scores) {
+  __shared__ float qr[kQueries][kMaxHeadDim];
+  __shared__ float qs[kQueries][kMaxHeadDim];
+  __shared__ float cent[kMaxCentroids];
+  if (threadIdx.x < (1 << bits)) cent[threadIdx.x] = centroids[threadIdx.x];
+  const int64_t key = int64_t(blockIdx.x) * kScoreThreads + threadIdx.x;
+  const bool valid = key < num_keys;
+  for (int64_t b = blockIdx.y; b < num_batches; b += gridDim.y)  // grid.y is at most 65535
+    qjl_scores_batch(q_rot, q_sketch, codes, norms, signs, gamma, cent, qr, qs, b, key, valid, num_queries,
+                     num_keys, d, bits, qjl_scale, scores);
 }
 
 ffi_checks::Op cuda_op(const char* op) { return ffi_checks::Op{op, ffi_checks::kCudaTag}; }
@@ -259,13 +270,11 @@ ffi::Error QjlScoresCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot,
                                                       gamma, centroids, *scores, bits, &dims));
   if (dims.b == 0 || dims.q == 0 || dims.s == 0) return ffi::Error::Success();
   const int64_t key_blocks = (dims.s + kScoreThreads - 1) / kScoreThreads;
-  if (key_blocks > kMaxGridX || dims.b > kMaxGridY)
-    return cuda_op(op).invalid("too many keys or batch entries: B " + std::to_string(dims.b) + ", S " +
-                               std::to_string(dims.s));
-  const dim3 grid(unsigned(key_blocks), unsigned(dims.b));
+  if (key_blocks > kMaxGridX) return cuda_op(op).invalid("too many keys: " + std::to_string(dims.s));
+  const dim3 grid(unsigned(key_blocks), unsigned(dims.b < kMaxGridY ? dims.b : kMaxGridY));
   qjl_scores_kernel<<<grid, kScoreThreads, 0, stream>>>(
       q_rot.typed_data(), q_sketch.typed_data(), codes.typed_data(), norms.typed_data(), signs.typed_data(),
-      gamma.typed_data(), centroids.typed_data(), dims.q, dims.s, int(dims.d), bits, qjl_scale,
+      gamma.typed_data(), centroids.typed_data(), dims.b, dims.q, dims.s, int(dims.d), bits, qjl_scale,
       scores->typed_data());
   return launched(op);
 }

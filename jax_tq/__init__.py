@@ -13,6 +13,7 @@ Public API::
     prod = tq.TurboQuantProd(head_dim=128, bits=4)   # 3-bit mse codes + 1 QJL bit
     keys = tq.qjl_compress(k, prod)
     scores = tq.qjl_scores(q, keys, prod)            # unbiased <q, k>
+    k_hat = tq.qjl_decompress(keys, prod)            # <q, k_hat> == scores
 """
 from jax_tq._ffi import kernels_available
 from jax_tq._ffi import unavailable_reason as kernels_unavailable_reason

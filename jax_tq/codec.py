@@ -71,7 +71,19 @@ class _SpecCodec:
     __slots__ = ("head_dim", "bits", "seed", "rotation_kind")
 
     def _set_fields(self, spec) -> None:
-        self.head_dim, self.bits, self.seed, self.rotation_kind = spec
+        for name, value in zip(_SpecCodec.__slots__, spec):
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"{type(self).__name__} is immutable (its spec fixes its rotation, codebook and hash); "
+                             f"make a new codec instead of setting {name!r}")
+
+    def __reduce__(self):  # pickle / copy rebuild through the constructor (the fields are read-only)
+        return (type(self), self.spec)
+
+    def same_spec(self, other) -> bool:
+        """True if ``other`` is a codec of the same type and (head_dim, bits, seed, rotation_kind)."""
+        return self == other
 
     def tree_flatten(self):
         """No leaves; aux data = spec tuple."""
@@ -168,10 +180,6 @@ class TurboQuant(_SpecCodec):
             return None
         return tq_format.hadamard_spec(*tq_rotation.hadamard_factors(self.head_dim, self.seed))
 
-    def same_spec(self, other) -> bool:
-        """True if ``other`` is a TurboQuant with the same (head_dim, bits, seed, rotation_kind)."""
-        return isinstance(other, TurboQuant) and self.spec == other.spec
-
     def __repr__(self) -> str:
         return (f"TurboQuant(head_dim={self.head_dim}, bits={self.bits}, seed={self.seed}, "
                 f"rotation={self.rotation_kind!r})")
@@ -214,7 +222,8 @@ class TurboQuantProd(_SpecCodec):
     Attributes:
       mse: the :class:`TurboQuant` of ``bits - 1`` bits that stores codes and norms.
       sketch: float32 jax array [head_dim, head_dim], S with i.i.d. N(0, 1) entries.
-      qjl_scale: sqrt(pi/2) / head_dim (the scale for N(0, 1) entries, TURBOQUANT.md).
+      qjl_scale: sqrt(pi/2) / head_dim (the QJL scale for N(0, 1) entries; sqrt(pi/2) / sqrt(d)
+        would be right for unit-norm rows only).
     Raises:
       TypeError / ValueError: an argument of the wrong type or an unsupported value.
 

@@ -9,6 +9,7 @@ docs/FORMAT.md's (codes and norms as TurboQuant_mse, sign bits LSB-first, gamma 
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -70,8 +71,12 @@ def qjl_compress(x, codec):
       TypeError: x not float32/bfloat16/float16; codec not a TurboQuantProd.
       ValueError: the last axis of x is not codec.head_dim.
 
+    float64 x is cast to float32 where x64 is off (as ``jnp.asarray`` does). A NaN in a vector gives a
+    NaN norm (so NaN scores); its gamma, codes and signs are then unspecified.
+
     Source: TurboQuant (arXiv 2504.19874), Algorithm 2 (Quant_prod), with the sketch applied to the
-    rotated residual (S Pi is again an i.i.d. Gaussian matrix). Not differentiable.
+    rotated residual (S Pi is again an i.i.d. Gaussian matrix). Differentiable in x through norms
+    and gamma (the reference's derivatives on every backend); codes and signs get none.
     """
     x = jnp.asarray(x)
     _check_prod_codec(codec, "qjl_compress")
@@ -85,7 +90,7 @@ def qjl_compress(x, codec):
     if backend == "xla":
         outs = reference.qjl_compress(*operands, mse.bits)
     else:
-        outs = qjl_compress_p.bind(*operands, bits=mse.bits, backend=backend)
+        outs = _compress_kernel(*operands, mse.bits, backend)
     codes, norms, signs, gamma = outs
     return QJLCodes(codes.reshape(lead + (codec.packed_bytes,)), norms.reshape(lead),
                     signs.reshape(lead + (codec.sign_bytes,)), gamma.reshape(lead))
@@ -100,12 +105,16 @@ def qjl_scores(q, keys, codec):
     Args:
       q: [..., num_queries, head_dim] float32, bfloat16 or float16.
       keys: :class:`QJLCodes` of keys [..., num_keys] from :func:`qjl_compress` with ``codec``
-        (the same leading axes ``...`` as q).
-      codec: the :class:`jax_tq.TurboQuantProd` of the keys.
+        (the same leading axes ``...`` as q); a plain tuple or list must hold the fields in the
+        order (codes, norms, signs, gamma).
+      codec: the :class:`jax_tq.TurboQuantProd` of the keys. Keys carry no codec: a codec of
+        another seed or rotation gives plausible but wrong scores (another bits or head_dim is
+        caught by the packed widths).
 
     Returns:
       float32 [..., num_queries, num_keys]. E[scores] = q . k over the sketch's randomness; the
-      variance is (pi/2) D_mse(bits-1) / head_dim * ||q||^2 ||k||^2 (TURBOQUANT.md).
+      variance is (pi/2) D_mse(bits-1) / head_dim * ||q||^2 ||k||^2 (QJL's (pi/2) / d ||q||^2 ||r||^2
+      with E ||r||^2 = D_mse(bits-1) per unit key, arXiv 2504.19874 / 2406.03482).
 
     Raises:
       TypeError: q not float32/bfloat16/float16, key arrays of the wrong dtype, codec not a
@@ -115,7 +124,8 @@ def qjl_scores(q, keys, codec):
 
     Source: TurboQuant (arXiv 2504.19874), Algorithm 2 (DeQuant_prod) in inner-product form; QJL
     (arXiv 2406.03482), the sign-sketch estimator with scale sqrt(pi/2) / d for N(0, 1) sketches.
-    Not differentiable.
+    Differentiable in q, keys.norms and keys.gamma on every backend (the reference's derivatives).
+    float64 q is cast to float32 where x64 is off.
     """
     q = jnp.asarray(q)
     _check_prod_codec(codec, "qjl_scores")
@@ -137,8 +147,43 @@ def qjl_scores(q, keys, codec):
     if backend == "xla":
         scores = reference.qjl_scores_rotated(*operands, mse.bits, codec.qjl_scale)
     else:
-        (scores,) = qjl_scores_p.bind(*operands, bits=mse.bits, qjl_scale=codec.qjl_scale, backend=backend)
+        scores = _scores_kernel(*operands, mse.bits, codec.qjl_scale, backend)
     return scores.reshape(lead + (num_queries, num_keys))
+
+
+# The kernels' derivatives are the reference's: the same on every backend (codes and signs are
+# integers and get none; a tie that the kernel and the reference round apart moves gamma's only).
+@functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5))
+def _compress_kernel(x, rotation, centroids, sketch, bits, backend):
+    return tuple(qjl_compress_p.bind(x, rotation, centroids, sketch, bits=bits, backend=backend))
+
+
+@_compress_kernel.defjvp
+def _compress_kernel_jvp(bits, backend, primals, tangents):
+    outs = _compress_kernel(*primals, bits, backend)
+    _, (_, d_norms, _, d_gamma) = jax.jvp(lambda x: reference.qjl_compress(x, *primals[1:], bits), primals[:1],
+                                          tangents[:1])
+    return outs, (_compat.float0_zeros_like(outs[0]), d_norms, _compat.float0_zeros_like(outs[2]), d_gamma)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(7, 8, 9))
+def _scores_kernel(q_rot, q_sketch, codes, norms, signs, gamma, centroids, bits, qjl_scale, backend):
+    (scores,) = qjl_scores_p.bind(q_rot, q_sketch, codes, norms, signs, gamma, centroids, bits=bits,
+                                  qjl_scale=qjl_scale, backend=backend)
+    return scores
+
+
+@_scores_kernel.defjvp
+def _scores_kernel_jvp(bits, qjl_scale, backend, primals, tangents):
+    q_rot, q_sketch, codes, norms, signs, gamma, centroids = primals
+
+    def estimate(q_rot, q_sketch, norms, gamma):
+        return reference.qjl_scores_rotated(q_rot, q_sketch, codes, norms, signs, gamma, centroids, bits, qjl_scale)
+
+    differentiable = (0, 1, 3, 5)
+    _, d_scores = jax.jvp(estimate, tuple(primals[i] for i in differentiable),
+                          tuple(tangents[i] for i in differentiable))
+    return _scores_kernel(*primals, bits, qjl_scale, backend), d_scores
 
 
 def qjl_decompress(keys, codec, dtype=jnp.float32):
@@ -162,7 +207,7 @@ def qjl_decompress(keys, codec, dtype=jnp.float32):
     """
     _check_prod_codec(codec, "qjl_decompress")
     if jnp.dtype(dtype) not in [jnp.dtype(d) for d in FLOAT_DTYPES]:
-        raise TypeError(f"jax_tq.qjl_decompress: dtype must be float32, bfloat16 or float16, got {dtype}")
+        raise TypeError(f"jax_tq.qjl_decompress: dtype must be float32, bfloat16 or float16, got {jnp.dtype(dtype).name}")
     keys = _check_keys(keys, codec, None, "jax_tq.qjl_decompress")
     mse = decompress(keys.codes, keys.norms, codec.mse, jnp.float32)
     signs = unpack_signs(keys.signs, codec.head_dim).astype(jnp.float32)
@@ -175,7 +220,7 @@ def qjl_decompress(keys, codec, dtype=jnp.float32):
 def _check_keys(keys, codec, lead, op="jax_tq.qjl_scores") -> QJLCodes:
     """The keys as a QJLCodes of jnp arrays; TypeError / ValueError naming the field that is wrong.
     ``lead``: the leading axes the keys must have before num_keys (None: any)."""
-    if not isinstance(keys, tuple) or len(keys) != 4:
+    if not isinstance(keys, (tuple, list)) or len(keys) != 4:
         raise TypeError(f"{op}: keys must be a jax_tq.QJLCodes (codes, norms, signs, gamma), got {type(keys).__name__}")
     keys = QJLCodes(*(jnp.asarray(a) for a in keys))
     for name, want in (("codes", jnp.uint8), ("norms", jnp.float32), ("signs", jnp.uint8), ("gamma", jnp.float32)):

@@ -205,6 +205,29 @@ def test_vmap_over_keys_and_compress(rng):
         assert rel_err(scores[i], want) < 1e-5
 
 
+def test_derivatives_are_the_references_on_every_backend(rng):
+    codec = tq.TurboQuantProd(64, 4)
+    x = jnp.asarray(rng.normal(size=(2, 20, 64)), jnp.float32)
+    q = jnp.asarray(rng.normal(size=(2, 5, 64)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(2, 5, 20)), jnp.float32)
+
+    def loss(q, x):
+        keys = tq.qjl_compress(x, codec)
+        return jnp.sum(w * tq.qjl_scores(q, keys, codec))
+
+    dq, dx = jax.jit(jax.grad(loss, argnums=(0, 1)))(q, x)
+    _, tangent = jax.jvp(loss, (q, x), (w[..., :1] * q, x))
+    with tq.use_backend("xla"):
+        want_dq, want_dx = jax.grad(loss, argnums=(0, 1))(q, x)
+        _, want_tangent = jax.jvp(loss, (q, x), (w[..., :1] * q, x))
+    assert rel_err(dq, want_dq) < 1e-5 and rel_err(dx, want_dx) < 1e-4
+    assert abs(float(tangent - want_tangent)) < 1e-4 * max(1.0, abs(float(want_tangent)))
+    assert float(jnp.abs(dx).max()) > 0
+    keys = tq.qjl_compress(x, codec)  # scores are linear in q: the gradient is the reconstruction
+    dq_one = jax.grad(lambda q: jnp.sum(tq.qjl_scores(q, keys, codec)[0, 0, 3]))(q)
+    assert rel_err(dq_one[0, 0], tq.qjl_decompress(keys, codec)[0, 3]) < 1e-5
+
+
 # ----------------------------------------------------------------------------- errors
 
 def test_bad_inputs_raise_clear_errors(rng):
@@ -230,6 +253,11 @@ def test_bad_inputs_raise_clear_errors(rng):
         tq.qjl_scores(q[:1], keys, codec)
     with pytest.raises(TypeError, match="QJLCodes"):
         tq.qjl_scores(q, keys.codes, codec)
+    q_random = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
+    np.testing.assert_array_equal(np.asarray(tq.qjl_scores(q_random, list(keys), codec)),
+                                  np.asarray(tq.qjl_scores(q_random, keys, codec)))
+    with pytest.raises(AttributeError, match="immutable"):
+        codec.bits = 3
 
 
 # ----------------------------------------------------------------------------- CUDA (marked gpu: skipped
@@ -268,3 +296,15 @@ def test_gpu_scores_match_oracle(rng, head_dim, bits, num_queries, num_keys):
     assert rel_err(got, want) < 1e-5
     vmapped = jax.vmap(tq.qjl_scores, in_axes=(0, None, None))(jnp.stack([q, -q]), keys, codec)
     assert rel_err(vmapped[1], -want) < 1e-5
+
+
+@pytest.mark.gpu
+def test_gpu_scores_more_batch_entries_than_grid_y(rng):
+    """70000 batch entries: more than a grid's y extent (65535); the kernel strides over them."""
+    codec = tq.TurboQuantProd(64, 4)
+    q = jnp.asarray(rng.normal(size=(70000, 1, 64)), jnp.float32)
+    keys = random_keys(rng, codec, (70000, 3))
+    _poison_gpu(70000 * 3 * 4 * 2)
+    got = tq.qjl_scores(q, keys, codec)
+    assert np.all(np.isfinite(np.asarray(got)))
+    assert rel_err(got, qjl_scores_f64(np.asarray(q), keys, codec)) < 1e-5
