@@ -12,7 +12,7 @@
 namespace ffi = xla::ffi;
 namespace py = pybind11;
 
-// Implementations (compress.cc, paged_decode.cc, qjl.cc).
+// Implementations (compress.cc, paged_decode.cc, paged_prefill.cc, qjl.cc).
 namespace jax_tq {
 namespace cpu {
 ffi::Error CompressImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> rotation,
@@ -53,6 +53,13 @@ ffi::Error QjlScoresImpl(ffi::Buffer<ffi::F32> q_rot, ffi::Buffer<ffi::F32> q_sk
                          ffi::Buffer<ffi::U8> signs, ffi::Buffer<ffi::F32> gamma,
                          ffi::Buffer<ffi::F32> centroids, ffi::Result<ffi::Buffer<ffi::F32>> scores,
                          int32_t bits, float qjl_scale);
+ffi::Error PagedPrefillImpl(ffi::Buffer<ffi::F32> q_rot, ffi::Buffer<ffi::U8> k_codes,
+                            ffi::Buffer<ffi::F32> k_norms, ffi::Buffer<ffi::U8> v_codes,
+                            ffi::Buffer<ffi::F32> v_norms, ffi::Buffer<ffi::F32> k_centroids,
+                            ffi::Buffer<ffi::F32> v_centroids, ffi::Buffer<ffi::S32> block_tables,
+                            ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> query_start_loc,
+                            ffi::Result<ffi::Buffer<ffi::F32>> out_rot, int32_t k_bits, int32_t v_bits,
+                            float scale);
 }  // namespace cpu
 }  // namespace jax_tq
 
@@ -74,11 +81,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTqQjlCompressCpu, jax_tq::cpu::QjlCompressImpl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTqQjlScoresCpu, jax_tq::cpu::QjlScoresImpl,
                               jax_tq::ffi_checks::BindQjlScores(ffi::Ffi::Bind()));
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTqPagedPrefillCpu, jax_tq::cpu::PagedPrefillImpl,
+                              jax_tq::ffi_checks::BindPagedPrefill(ffi::Ffi::Bind()));
+
 PYBIND11_MODULE(_cpu_ops, m) {
   m.doc() = "jax_tq CPU XLA FFI handlers";
   m.def("registrations", []() {
     return jax_tq::FfiRegistrations({JaxTqCompressCpu, JaxTqDecompressCpu, JaxTqWriteCacheCpu,
-                                     JaxTqPagedDecodeCpu, JaxTqQjlCompressCpu, JaxTqQjlScoresCpu});
+                                     JaxTqPagedDecodeCpu, JaxTqQjlCompressCpu, JaxTqQjlScoresCpu,
+                                     JaxTqPagedPrefillCpu});
   });
   m.def("ffi_api_version", &jax_tq::FfiApiVersion,
         "(major, minor) of the XLA FFI API in the headers this module was compiled against.");

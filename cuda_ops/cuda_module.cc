@@ -1,5 +1,5 @@
 // pybind11 module jax_tq._cuda_ops: registrations() -> {target_name: capsule} for the CUDA XLA FFI
-// handlers (compress.cu, paged_decode.cu, qjl.cu), registered by jax_tq/_ffi.py with platform="CUDA".
+// handlers (compress.cu, paged_decode.cu, paged_prefill.cu, qjl.cu), registered by jax_tq/_ffi.py with platform="CUDA".
 // Target names, operands, results and attributes are those of the CPU module (docs/DESIGN.md).
 // Also device_info() -> {"sm_count", "l2_bytes", "name", "cc_major", "cc_minor",
 // "max_smem_per_block_optin"} for device 0 (used to choose the split-K count), and
@@ -23,6 +23,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxTqWriteCacheCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxTqPagedDecodeCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxTqQjlCompressCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxTqQjlScoresCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxTqPagedPrefillCuda);
 
 namespace jax_tq::cuda {
 // paged_decode.cu: whether v4's ring kernel for (head_dim, K bits, V bits) keeps 2 CTAs per SM on
@@ -41,7 +42,8 @@ PYBIND11_MODULE(_cuda_ops, m) {
   m.doc() = "jax_tq CUDA XLA FFI handlers";
   m.def("registrations", []() {
     return jax_tq::FfiRegistrations({JaxTqCompressCuda, JaxTqDecompressCuda, JaxTqWriteCacheCuda,
-                                     JaxTqPagedDecodeCuda, JaxTqQjlCompressCuda, JaxTqQjlScoresCuda});
+                                     JaxTqPagedDecodeCuda, JaxTqQjlCompressCuda, JaxTqQjlScoresCuda,
+                                     JaxTqPagedPrefillCuda});
   });
   m.def("ffi_api_version", &jax_tq::FfiApiVersion,
         "(major, minor) of the XLA FFI API in the headers this module was compiled against.");

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "jax_tq/cpu_attention.h"
 #include "jax_tq/ffi_checks.h"
 #include "jax_tq/format.h"
 #include "xla/ffi/api/ffi.h"
@@ -22,33 +23,6 @@ namespace ffi = xla::ffi;
 namespace jax_tq {
 namespace cpu {
 namespace {
-
-constexpr double kNegInf = -std::numeric_limits<double>::infinity();
-
-// dots[h] = sum_i q[h, i] * k[i] for the G query rows of a group, each summed in i order (so the
-// result does not depend on the grouping); four heads per pass, so that their four sums overlap.
-void group_dots(const double* q, const double* k, int64_t G, int64_t d, double* dots) {
-  int64_t h = 0;
-  for (; h + 4 <= G; h += 4) {
-    const double *q0 = q + h * d, *q1 = q0 + d, *q2 = q1 + d, *q3 = q2 + d;
-    double a0 = 0.0, a1 = 0.0, a2 = 0.0, a3 = 0.0;
-    for (int64_t i = 0; i < d; ++i) {
-      a0 += q0[i] * k[i];
-      a1 += q1[i] * k[i];
-      a2 += q2[i] * k[i];
-      a3 += q3[i] * k[i];
-    }
-    dots[h] = a0;
-    dots[h + 1] = a1;
-    dots[h + 2] = a2;
-    dots[h + 3] = a3;
-  }
-  for (; h < G; ++h) {
-    double a = 0.0;
-    for (int64_t i = 0; i < d; ++i) a += q[h * d + i] * k[i];
-    dots[h] = a;
-  }
-}
 
 // x <- H_un x, the unnormalized Sylvester Hadamard transform of a power-of-two length d.
 void fwht(double* x, int64_t d) {
@@ -171,23 +145,8 @@ ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q_rot, ffi::Buffer<ffi::U8> k_c
             const double kscale = dscale * double(kn[nidx]);
 
             group_dots(qg.data(), krow, G, d, dots.data());
-            for (int64_t hh = 0; hh < G; ++hh) {
-              const double score = kscale * dots[hh];
-              if (!(score > kNegInf)) continue;  // -inf (or NaN) logit contributes nothing
-              double* oh = &o[hh * d];
-              double p;
-              if (score > m[hh]) {
-                const double alpha = std::exp(m[hh] - score);  // 0 when m = -inf
-                l[hh] *= alpha;
-                for (int64_t i = 0; i < d; ++i) oh[i] *= alpha;
-                m[hh] = score;
-                p = 1.0;
-              } else {
-                p = std::exp(score - m[hh]);
-              }
-              l[hh] += p;
-              for (int64_t i = 0; i < d; ++i) oh[i] += p * vrow[i];
-            }
+            for (int64_t hh = 0; hh < G; ++hh)
+              online_softmax_add(kscale * dots[hh], vrow, d, m[hh], l[hh], &o[hh * d]);
           }
         }
 

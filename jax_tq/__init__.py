@@ -9,6 +9,7 @@ Public API::
     cache = tq.PagedKVCache.create(num_pages=..., page_size=16, num_kv_heads=..., k_codec=..., v_codec=...)
     cache = tq.write_cache(cache, k, v, slot_mapping)
     out = tq.paged_decode(q, cache, block_tables, seq_lens)
+    out = tq.paged_prefill(q_new, cache, block_tables, seq_lens, query_start_loc)  # causal, new tokens
 
     prod = tq.TurboQuantProd(head_dim=128, bits=4)   # 3-bit mse codes + 1 QJL bit
     keys = tq.qjl_compress(k, prod)
@@ -23,6 +24,7 @@ from jax_tq.cache import PagedKVCache, write_cache
 from jax_tq.codec import TurboQuant, TurboQuantProd
 from jax_tq.compress import compress, decompress
 from jax_tq.paged_decode import paged_decode
+from jax_tq.paged_prefill import paged_prefill
 from jax_tq.qjl import QJLCodes, qjl_compress, qjl_decompress, qjl_scores
 from jax_tq import nn  # noqa: E402  (flax is imported only when nn needs it)
 
@@ -41,6 +43,7 @@ __all__ = [
     "kernels_available",
     "kernels_unavailable_reason",
     "paged_decode",
+    "paged_prefill",
     "qjl_compress",
     "qjl_decompress",
     "qjl_scores",

@@ -76,9 +76,9 @@ def checked(fn):
     return wrapper
 
 
-def check_decode_indices(block_tables, seq_lens, *, num_pages: int, page_size: int) -> None:
+def check_decode_indices(block_tables, seq_lens, *, num_pages: int, page_size: int, op: str = "paged_decode") -> None:
     """Insert checks: 0 <= seq_lens <= max_pages * page_size, and every block-table entry a sequence
-    uses lies in [0, num_pages). No-op outside checked mode."""
+    uses lies in [0, num_pages); messages name ``jax_tq.{op}``. No-op outside checked mode."""
     if not checks_enabled():
         return
     capacity = block_tables.shape[1] * page_size
@@ -90,7 +90,7 @@ def check_decode_indices(block_tables, seq_lens, *, num_pages: int, page_size: i
     checkify.check(
         ~jnp.any(bad_len),
         # The static bounds are part of the text (they may exceed int32).
-        f"jax_tq.paged_decode: seq_lens[{{i}}] = {{n}} is outside [0, {capacity}] (max_pages * page_size)",
+        f"jax_tq.{op}: seq_lens[{{i}}] = {{n}} is outside [0, {capacity}] (max_pages * page_size)",
         i=first, n=seq_lens[first],
     )
     if block_tables.size == 0:  # no page entries: every positive length was reported above
@@ -103,9 +103,34 @@ def check_decode_indices(block_tables, seq_lens, *, num_pages: int, page_size: i
     row, col = flat // block_tables.shape[1], flat % block_tables.shape[1]
     checkify.check(
         ~jnp.any(bad),
-        f"jax_tq.paged_decode: block_tables[{{r}}, {{c}}] = {{p}} is outside the pool [0, {num_pages}) but the sequence "
+        f"jax_tq.{op}: block_tables[{{r}}, {{c}}] = {{p}} is outside the pool [0, {num_pages}) but the sequence "
         "uses that page",
         r=row, c=col, p=block_tables.reshape(-1)[flat],
+    )
+
+
+def check_query_start_loc(query_start_loc, seq_lens, *, num_rows: int) -> None:
+    """Insert checks: query_start_loc starts at 0, never decreases and ends at num_rows, and no
+    sequence has more new rows than tokens (seq_lens[s] >= its rows). No-op outside checked mode."""
+    if not checks_enabled():
+        return
+    steps = jnp.diff(query_start_loc)
+    first = jnp.argmin(steps) if steps.size else 0
+    checkify.check(
+        (query_start_loc[0] == 0) & (query_start_loc[-1] == num_rows) & (jnp.all(steps >= 0) if steps.size else True),
+        f"jax_tq.paged_prefill: query_start_loc must rise from 0 to num_tokens = {num_rows} without decreasing; "
+        "it starts at {a}, ends at {b}, and its smallest step is at {i}",
+        a=query_start_loc[0], b=query_start_loc[-1], i=first,
+    )
+    if steps.size == 0:
+        return
+    short = steps > seq_lens
+    s = jnp.argmax(short)
+    checkify.check(
+        ~jnp.any(short),
+        "jax_tq.paged_prefill: sequence {s} has {q} new query rows but seq_lens[{s}] = {n} tokens (write the new "
+        "tokens into the cache first; seq_lens counts them)",
+        s=s, q=steps[s], n=seq_lens[s],
     )
 
 

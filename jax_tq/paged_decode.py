@@ -215,19 +215,19 @@ def _reference_any(q, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables
     return jnp.einsum("she,ed->shd", out_rot, _rotation_from_spec(rotation[1]), precision=highest)
 
 
-def _static_scale(scale):
+def _static_scale(scale, op="jax_tq.paged_decode"):
     """``scale`` as a Python float (None stays None); TypeError / ValueError naming it otherwise."""
     if scale is None:
         return None
     if isinstance(scale, (bool, str, bytes)):
-        raise TypeError(f"jax_tq.paged_decode: scale must be a Python number, got {type(scale).__name__} {scale!r}")
+        raise TypeError(f"{op}: scale must be a Python number, got {type(scale).__name__} {scale!r}")
     try:
         value = float(scale)
     except (TypeError, jax.errors.ConcretizationTypeError) as err:
-        raise TypeError(f"jax_tq.paged_decode: scale must be a concrete Python number (static), got "
+        raise TypeError(f"{op}: scale must be a concrete Python number (static), got "
                         f"{type(scale).__name__}; pass it as a static argument under jit") from err
     if not math.isfinite(value) or abs(value) * _LOG2E > _FLOAT32_MAX:
-        raise ValueError(f"jax_tq.paged_decode: scale must be finite, and |scale| <= "
+        raise ValueError(f"{op}: scale must be finite, and |scale| <= "
                          f"{_FLOAT32_MAX / _LOG2E:.3g} so that scale * log2(e) is a finite float32; got {value}")
     return value
 
@@ -315,14 +315,16 @@ def _decode_bwd(k_bits, v_bits, scale, num_splits, f16_products, backend, operan
 _decode.defvjp(_decode_fwd, _decode_bwd)
 
 
-def _check_decode_args(q, cache, block_tables, seq_lens, num_splits):
-    """The trace-time checks of paged_decode's arguments; returns (block_tables, seq_lens) as arrays."""
-    op = "jax_tq.paged_decode"
+def _check_decode_args(q, cache, block_tables, seq_lens, num_splits, op="jax_tq.paged_decode", rows="num_seqs"):
+    """The trace-time checks of paged_decode's arguments (and paged_prefill's, whose q rows are
+    ``rows="num_tokens"`` and whose num_seqs is block_tables'); returns (block_tables, seq_lens) as arrays."""
     if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         raise TypeError(f"{op}: q must be float32, bfloat16 or float16, got {q.dtype}")
     if q.ndim != 3:
-        raise ValueError(f"{op}: q must be [num_seqs, num_heads, head_dim], got shape {tuple(q.shape)}")
+        raise ValueError(f"{op}: q must be [{rows}, num_heads, head_dim], got shape {tuple(q.shape)}")
     num_seqs, num_heads, head_dim = q.shape
+    if rows != "num_seqs":
+        num_seqs = jnp.shape(block_tables)[0] if jnp.ndim(block_tables) == 2 else "num_seqs"
     for name, codec in (("k_codec", cache.k_codec), ("v_codec", cache.v_codec)):
         if codec.head_dim != head_dim:
             raise ValueError(f"{op}: q has head_dim {head_dim} but the cache's {name} has head_dim {codec.head_dim}")

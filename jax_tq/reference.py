@@ -23,7 +23,7 @@ from jax_tq import format as tq_format
 __all__ = [
     "compress", "decompress", "compress_write", "dequantize_rotated", "paged_decode_rotated",
     "paged_decode", "attention_dense", "quantize_rotated", "qjl_compress", "qjl_scores_rotated",
-    "qjl_estimate",
+    "qjl_estimate", "paged_prefill_rotated", "prefill_row_lens",
 ]
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -392,6 +392,68 @@ def _paged_decode_rotated_impl(q_rot, k_codes, k_norms, v_codes, v_norms, k_cent
     weights = _masked_softmax_weights(scores, valid, jnp.asarray(scale, compute_dtype))
     out = jnp.einsum("skgt,sktd->skgd", weights, values, precision=_HIGHEST)
     return out.reshape(num_seqs, num_heads, head_dim)
+
+
+def prefill_row_lens(query_start_loc, seq_lens, num_rows: int, max_tokens: int):
+    """Each query row's sequence and causal length (the semantics of format.h's prefill_rows).
+
+    Sequence s owns rows [begin_s, end_s): query_start_loc clamped to [0, num_rows], end_s >= begin_s.
+    Its seq_len is clamped to [0, max_tokens]; its row i sits at position
+    seq_len - (end_s - begin_s) + (i - begin_s) and attends to tokens [0, that position].
+
+    Args:
+      query_start_loc: int32 [S + 1].  seq_lens: int32 [S].  num_rows: T.  max_tokens: max_pages * page_size.
+    Returns:
+      (seq int32 [T], lens int32 [T]): the sequence of each row (0 for a row of none) and its causal
+      length (0 for a row of none, so that it gets a zero output). Where ranges overlap (a
+      decreasing query_start_loc) the last sequence owns the row.
+    """
+    starts = jnp.clip(query_start_loc[:-1], 0, num_rows)
+    ends = jnp.clip(query_start_loc[1:], starts, num_rows)
+    lens = jnp.clip(seq_lens, 0, max_tokens)
+    rows = jnp.arange(num_rows, dtype=jnp.int32)[:, None]
+    inside = (rows >= starts[None, :]) & (rows < ends[None, :])                  # [T, S]
+    num_seqs = starts.shape[0]
+    last = num_seqs - 1 - jnp.argmax(inside[:, ::-1], axis=1)                   # the last s holding the row
+    owned = jnp.any(inside, axis=1)
+    seq = jnp.where(owned, last, 0).astype(jnp.int32)
+    position = lens[seq] - (ends[seq] - starts[seq]) + (rows[:, 0] - starts[seq])
+    causal = jnp.clip(position + 1, 0, lens[seq])
+    return seq, jnp.where(owned, causal, 0).astype(jnp.int32)
+
+
+def paged_prefill_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids,
+                          block_tables, seq_lens, query_start_loc, k_bits: int, v_bits: int, scale: float):
+    """Causal attention of several sequences' new query rows over a TurboQuant paged cache, in the
+    rotated domain (FFI target ``jax_tq_paged_prefill``).
+
+    Each row attends as a one-query decode of its sequence cut at its own position
+    (:func:`prefill_row_lens`), so this is :func:`paged_decode_rotated` over the rows: memory
+    O(T x max_pages x page_size x head_dim), meant for tests and short prompts.
+
+    Args:
+      q_rot: float [T, H, d], the new tokens' queries (sequence s owns rows
+        [query_start_loc[s], query_start_loc[s + 1])), rotated by K's Pi, not scaled.
+      k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids: as :func:`paged_decode_rotated`.
+      block_tables: int32 [S, max_pages].  seq_lens: int32 [S], every token of each sequence in the
+        cache, the new ones included.  query_start_loc: int32 [S + 1].
+      k_bits, v_bits: 2, 3 or 4.  scale: softmax scale.
+    Returns:
+      out_rot [T, H, d]; rows of no sequence, and rows before their sequence's start, are 0.
+    Raises:
+      TypeError / ValueError: as :func:`paged_decode_rotated`; query_start_loc not [S + 1].
+    Source: TurboQuant (arXiv 2504.19874), Algorithm 1 applied to a KV cache, with a causal mask.
+    """
+    block_tables, seq_lens = jnp.asarray(block_tables), jnp.asarray(seq_lens)
+    query_start_loc = jnp.asarray(query_start_loc)
+    if query_start_loc.shape != (seq_lens.shape[0] + 1,):
+        raise ValueError(f"query_start_loc must be [num_seqs + 1 = {seq_lens.shape[0] + 1}], got {query_start_loc.shape}")
+    if seq_lens.shape[0] == 0:  # no sequence: every row is one of none
+        return jnp.zeros(jnp.shape(q_rot), _compute_dtype(jnp.result_type(q_rot)))
+    page_size = jnp.shape(k_codes)[2]
+    seq, lens = prefill_row_lens(query_start_loc, seq_lens, jnp.shape(q_rot)[0], block_tables.shape[1] * page_size)
+    return paged_decode_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids,
+                                block_tables[seq], lens, k_bits, v_bits, scale)
 
 
 def _check_decode_args(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids,

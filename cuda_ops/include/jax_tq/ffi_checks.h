@@ -215,6 +215,37 @@ inline ffi::Error validate_compress_write(
 // rotation [2, d] (the fused rotation, d a power of two): the K and V codecs' Hadamard spec words
 // (format.h); q is then the unrotated query and out_rot the unrotated output.
 // ---------------------------------------------------------------------------
+// The K / V pools and centroids of an attention target (paged decode, paged prefill), against
+// num_heads H and head_dim d.
+struct PoolDims {
+  int64_t P, Hkv, page, kpb, vpb;
+};
+
+inline ffi::Error check_pools(const Op& op, int64_t H, int64_t d, int32_t k_bits, int32_t v_bits,
+                              const ffi::Buffer<ffi::U8>& k_codes, const ffi::Buffer<ffi::F32>& k_norms,
+                              const ffi::Buffer<ffi::U8>& v_codes, const ffi::Buffer<ffi::F32>& v_norms,
+                              const ffi::Buffer<ffi::F32>& k_centroids,
+                              const ffi::Buffer<ffi::F32>& v_centroids, PoolDims* out) {
+  const auto kd = k_codes.dimensions();
+  JTQ_RETURN_IF_ERROR(check_rank(op, kd, 4, "k_codes must be rank 4 [P, Hkv, page_size, packed]"));
+  const int64_t P = kd[0], Hkv = kd[1], page = kd[2];
+  const int64_t kpb = packed_bytes(static_cast<int>(d), k_bits);
+  const int64_t vpb = packed_bytes(static_cast<int>(d), v_bits);
+  if (Hkv <= 0 || H % Hkv != 0)
+    return op.invalid("num_heads (" + std::to_string(H) + ") must be a multiple of num_kv_heads (" +
+                      std::to_string(Hkv) + ")");
+  JTQ_RETURN_IF_ERROR(check_dims(op, "k_codes", kd, {P, Hkv, page, kpb}));
+  JTQ_RETURN_IF_ERROR(check_dims(op, "k_norms", k_norms.dimensions(), {P, Hkv, page}));
+  JTQ_RETURN_IF_ERROR(check_dims(op, "v_codes", v_codes.dimensions(), {P, Hkv, page, vpb}));
+  JTQ_RETURN_IF_ERROR(check_dims(op, "v_norms", v_norms.dimensions(), {P, Hkv, page}));
+  JTQ_RETURN_IF_ERROR(
+      check_dims(op, "k_centroids", k_centroids.dimensions(), {int64_t(1) << k_bits}));
+  JTQ_RETURN_IF_ERROR(
+      check_dims(op, "v_centroids", v_centroids.dimensions(), {int64_t(1) << v_bits}));
+  *out = PoolDims{P, Hkv, page, kpb, vpb};
+  return ffi::Error::Success();
+}
+
 struct DecodeDims {
   int64_t S, H, d;        // q_rot
   int64_t P, Hkv, page;   // k/v pools
@@ -239,26 +270,14 @@ inline ffi::Error validate_paged_decode(
   JTQ_RETURN_IF_ERROR(check_rank(op, qd, 3, "q_rot must be rank 3 [S, H, d]"));
   const int64_t S = qd[0], H = qd[1], d = qd[2];
   JTQ_RETURN_IF_ERROR(check_head_dim(op, d));
-  const auto kd = k_codes.dimensions();
-  JTQ_RETURN_IF_ERROR(check_rank(op, kd, 4, "k_codes must be rank 4 [P, Hkv, page_size, packed]"));
-  const int64_t P = kd[0], Hkv = kd[1], page = kd[2];
-  const int64_t kpb = packed_bytes(static_cast<int>(d), k_bits);
-  const int64_t vpb = packed_bytes(static_cast<int>(d), v_bits);
-  if (Hkv <= 0 || H % Hkv != 0)
-    return op.invalid("num_heads (" + std::to_string(H) + ") must be a multiple of num_kv_heads (" +
-                      std::to_string(Hkv) + ")");
+  PoolDims pools;
+  JTQ_RETURN_IF_ERROR(check_pools(op, H, d, k_bits, v_bits, k_codes, k_norms, v_codes, v_norms,
+                                  k_centroids, v_centroids, &pools));
+  const int64_t P = pools.P, Hkv = pools.Hkv, page = pools.page, kpb = pools.kpb, vpb = pools.vpb;
   const auto bd = block_tables.dimensions();
   JTQ_RETURN_IF_ERROR(check_rank(op, bd, 2, "block_tables must be rank 2 [S, max_pages]"));
   const int64_t max_pages = bd[1];
   const int64_t ns = num_splits;
-  JTQ_RETURN_IF_ERROR(check_dims(op, "k_codes", kd, {P, Hkv, page, kpb}));
-  JTQ_RETURN_IF_ERROR(check_dims(op, "k_norms", k_norms.dimensions(), {P, Hkv, page}));
-  JTQ_RETURN_IF_ERROR(check_dims(op, "v_codes", v_codes.dimensions(), {P, Hkv, page, vpb}));
-  JTQ_RETURN_IF_ERROR(check_dims(op, "v_norms", v_norms.dimensions(), {P, Hkv, page}));
-  JTQ_RETURN_IF_ERROR(
-      check_dims(op, "k_centroids", k_centroids.dimensions(), {int64_t(1) << k_bits}));
-  JTQ_RETURN_IF_ERROR(
-      check_dims(op, "v_centroids", v_centroids.dimensions(), {int64_t(1) << v_bits}));
   JTQ_RETURN_IF_ERROR(check_dims(op, "block_tables", bd, {S, max_pages}));
   JTQ_RETURN_IF_ERROR(check_dims(op, "seq_lens", seq_lens.dimensions(), {S}));
   JTQ_RETURN_IF_ERROR(check_dims(op, "out_rot (result)", out_rot.dimensions(), {S, H, d}));
@@ -341,6 +360,41 @@ inline ffi::Error validate_qjl_scores(
   JTQ_RETURN_IF_ERROR(check_dims(op, "centroids", centroids.dimensions(), {int64_t(1) << bits}));
   JTQ_RETURN_IF_ERROR(check_dims(op, "scores (result)", scores.dimensions(), {b, q, s}));
   *out = QjlScoresDims{b, q, s, d, pb, sb};
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------
+// jax_tq_paged_prefill: q_rot [T, H, d], the pools, block_tables [S, max_pages], seq_lens [S],
+//   query_start_loc [S + 1] -> out_rot [T, H, d]
+// ---------------------------------------------------------------------------
+struct PrefillDims {
+  int64_t T, H, d, S, max_pages;
+  PoolDims pools;
+};
+
+inline ffi::Error validate_paged_prefill(
+    const Op& op, const ffi::Buffer<ffi::F32>& q_rot, const ffi::Buffer<ffi::U8>& k_codes,
+    const ffi::Buffer<ffi::F32>& k_norms, const ffi::Buffer<ffi::U8>& v_codes,
+    const ffi::Buffer<ffi::F32>& v_norms, const ffi::Buffer<ffi::F32>& k_centroids,
+    const ffi::Buffer<ffi::F32>& v_centroids, const ffi::Buffer<ffi::S32>& block_tables,
+    const ffi::Buffer<ffi::S32>& seq_lens, const ffi::Buffer<ffi::S32>& query_start_loc,
+    const ffi::Buffer<ffi::F32>& out_rot, int32_t k_bits, int32_t v_bits, PrefillDims* out) {
+  JTQ_RETURN_IF_ERROR(check_bits(op, "k_bits", k_bits));
+  JTQ_RETURN_IF_ERROR(check_bits(op, "v_bits", v_bits));
+  const auto qd = q_rot.dimensions();
+  JTQ_RETURN_IF_ERROR(check_rank(op, qd, 3, "q_rot must be rank 3 [T, H, d]"));
+  const int64_t T = qd[0], H = qd[1], d = qd[2];
+  JTQ_RETURN_IF_ERROR(check_head_dim(op, d));
+  PoolDims pools;
+  JTQ_RETURN_IF_ERROR(check_pools(op, H, d, k_bits, v_bits, k_codes, k_norms, v_codes, v_norms,
+                                  k_centroids, v_centroids, &pools));
+  const auto bd = block_tables.dimensions();
+  JTQ_RETURN_IF_ERROR(check_rank(op, bd, 2, "block_tables must be rank 2 [S, max_pages]"));
+  const int64_t S = bd[0], max_pages = bd[1];
+  JTQ_RETURN_IF_ERROR(check_dims(op, "seq_lens", seq_lens.dimensions(), {S}));
+  JTQ_RETURN_IF_ERROR(check_dims(op, "query_start_loc", query_start_loc.dimensions(), {S + 1}));
+  JTQ_RETURN_IF_ERROR(check_dims(op, "out_rot (result)", out_rot.dimensions(), {T, H, d}));
+  *out = PrefillDims{T, H, d, S, max_pages, pools};
   return ffi::Error::Success();
 }
 
@@ -438,6 +492,24 @@ auto BindQjlScores(B b) {
       .template Ret<ffi::Buffer<ffi::F32>>()        // scores [B, Q, S]
       .template Attr<int32_t>("bits")
       .template Attr<float>("qjl_scale");
+}
+
+template <typename B>
+auto BindPagedPrefill(B b) {
+  return std::move(b).template Arg<ffi::Buffer<ffi::F32>>()    // q_rot [T, H, d]
+      .template Arg<ffi::Buffer<ffi::U8>>()         // k_codes
+      .template Arg<ffi::Buffer<ffi::F32>>()        // k_norms
+      .template Arg<ffi::Buffer<ffi::U8>>()         // v_codes
+      .template Arg<ffi::Buffer<ffi::F32>>()        // v_norms
+      .template Arg<ffi::Buffer<ffi::F32>>()        // k_centroids
+      .template Arg<ffi::Buffer<ffi::F32>>()        // v_centroids
+      .template Arg<ffi::Buffer<ffi::S32>>()        // block_tables [S, max_pages]
+      .template Arg<ffi::Buffer<ffi::S32>>()        // seq_lens [S]
+      .template Arg<ffi::Buffer<ffi::S32>>()        // query_start_loc [S + 1]
+      .template Ret<ffi::Buffer<ffi::F32>>()        // out_rot [T, H, d]
+      .template Attr<int32_t>("k_bits")
+      .template Attr<int32_t>("v_bits")
+      .template Attr<float>("scale");
 }
 
 }  // namespace ffi_checks

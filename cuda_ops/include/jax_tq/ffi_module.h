@@ -27,6 +27,7 @@ struct FfiHandlers {
   XLA_FFI_Handler* paged_decode;
   XLA_FFI_Handler* qjl_compress;
   XLA_FFI_Handler* qjl_scores;
+  XLA_FFI_Handler* paged_prefill;
 };
 
 inline pybind11::dict FfiRegistrations(const FfiHandlers& h) {
@@ -37,6 +38,7 @@ inline pybind11::dict FfiRegistrations(const FfiHandlers& h) {
   d["jax_tq_paged_decode"] = EncapsulateFfiHandler(h.paged_decode);
   d["jax_tq_qjl_compress"] = EncapsulateFfiHandler(h.qjl_compress);
   d["jax_tq_qjl_scores"] = EncapsulateFfiHandler(h.qjl_scores);
+  d["jax_tq_paged_prefill"] = EncapsulateFfiHandler(h.paged_prefill);
   return d;
 }
 

@@ -251,6 +251,27 @@ JTQ_HD SplitRange split_range(int64_t seq_len, int64_t max_pages, int64_t page_s
   return SplitRange{seq_len, p0, p1, p0 * page_size, t1};
 }
 
+// Paged prefill (docs/DESIGN.md): sequence s owns the query rows [begin, end), query_start_loc
+// clamped to [0, T] with end >= begin; its seq_len is clamped to [0, max_pages * page_size]. Row i
+// sits at position seq_len - (end - begin) + (i - begin) of its sequence and attends causally to
+// tokens [0, that position]: causal_len tokens (0 for a row before the sequence's start).
+struct PrefillRows {
+  int64_t begin, end, seq_len;
+  JTQ_HD int64_t causal_len(int64_t row) const {
+    const int64_t len = seq_len - (end - begin) + (row - begin) + 1;
+    return len < 0 ? 0 : (len > seq_len ? seq_len : len);
+  }
+};
+
+JTQ_HD int64_t clamp_index(int64_t v, int64_t lo, int64_t hi) { return v < lo ? lo : (v > hi ? hi : v); }
+
+JTQ_HD PrefillRows prefill_rows(const int32_t* query_start_loc, const int32_t* seq_lens, int64_t s,
+                                int64_t num_rows, int64_t max_tokens) {
+  const int64_t begin = clamp_index(query_start_loc[s], 0, num_rows);
+  const int64_t end = clamp_index(query_start_loc[s + 1], begin, num_rows);
+  return PrefillRows{begin, end, clamp_index(seq_lens[s], 0, max_tokens)};
+}
+
 // ---------------------------------------------------------------------------
 // Hadamard rotation spec (codecs with rotation="hadamard", head_dim a power of two):
 //   Pi = H D2 P H D1, H the normalized Sylvester Hadamard matrix (H[i][k] = (-1)^popcount(i & k)

@@ -1,0 +1,105 @@
+// CPU XLA FFI handler implementation for jax_tq_paged_prefill (see docs/DESIGN.md): causal
+// attention of each sequence's new query rows over its compressed paged cache (the new tokens
+// already written). The handler symbol (ffi::Ffi::Bind) lives in cpu_module.cc.
+//
+// For each (sequence, KV head) every K / V token row is decoded once and serves every query row
+// that sees it (rows at or after the token's position) and every query head of the GQA group.
+// Softmax accumulation in double with running-max subtraction (cpu_attention.h).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "jax_tq/cpu_attention.h"
+#include "jax_tq/ffi_checks.h"
+#include "jax_tq/format.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jax_tq {
+namespace cpu {
+
+ffi::Error PagedPrefillImpl(ffi::Buffer<ffi::F32> q_rot, ffi::Buffer<ffi::U8> k_codes,
+                            ffi::Buffer<ffi::F32> k_norms, ffi::Buffer<ffi::U8> v_codes,
+                            ffi::Buffer<ffi::F32> v_norms, ffi::Buffer<ffi::F32> k_centroids,
+                            ffi::Buffer<ffi::F32> v_centroids, ffi::Buffer<ffi::S32> block_tables,
+                            ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> query_start_loc,
+                            ffi::Result<ffi::Buffer<ffi::F32>> out_rot, int32_t k_bits, int32_t v_bits,
+                            float scale) {
+  static constexpr ffi_checks::Op op{"jax_tq_paged_prefill", ffi_checks::kCpuTag};
+  ffi_checks::PrefillDims dims;
+  JTQ_RETURN_IF_ERROR(ffi_checks::validate_paged_prefill(op, q_rot, k_codes, k_norms, v_codes, v_norms,
+                                                         k_centroids, v_centroids, block_tables, seq_lens,
+                                                         query_start_loc, *out_rot, k_bits, v_bits, &dims));
+  const int64_t T = dims.T, H = dims.H, d = dims.d, max_pages = dims.max_pages;
+  const int64_t P = dims.pools.P, Hkv = dims.pools.Hkv, page = dims.pools.page;
+  const int64_t G = H / Hkv;
+  const float* q = q_rot.typed_data();
+  float* out = out_rot->typed_data();
+  std::fill(out, out + T * H * d, 0.0f);  // rows of no sequence stay zero
+
+  uint8_t codes[kMaxHeadDim];
+  double krow[kMaxHeadDim], vrow[kMaxHeadDim];
+  std::vector<double> qg, m, l, o, dots(G);
+  std::vector<bool> row_ok;
+  for (int64_t s = 0; s < dims.S; ++s) {
+    const PrefillRows rows = prefill_rows(query_start_loc.typed_data(), seq_lens.typed_data(), s, T,
+                                          max_pages * page);
+    const int64_t q_len = rows.end - rows.begin, R = q_len * G;  // R rows: (query row, head of the group)
+    if (q_len == 0) continue;
+    const int32_t* table = block_tables.typed_data() + s * max_pages;
+    qg.assign(R * d, 0.0);
+    o.assign(R * d, 0.0);
+    m.assign(R, kNegInf);
+    l.assign(R, 0.0);
+    row_ok.assign(R, true);
+    for (int64_t g = 0; g < Hkv; ++g) {
+      std::fill(o.begin(), o.end(), 0.0);
+      std::fill(m.begin(), m.end(), kNegInf);
+      std::fill(l.begin(), l.end(), 0.0);
+      for (int64_t r = 0; r < R; ++r) {
+        const float* src = q + ((rows.begin + r / G) * H + g * G + r % G) * d;
+        bool ok = true;
+        for (int64_t i = 0; i < d; ++i) {
+          qg[r * d + i] = src[i];
+          ok = ok && std::isfinite(src[i]);
+        }
+        row_ok[r] = ok;
+      }
+      int64_t first_row = 0;  // the first query row that sees token t (rows see more tokens as i grows)
+      for (int64_t t = 0; t < rows.seq_len; ++t) {
+        while (first_row < q_len && rows.causal_len(rows.begin + first_row) <= t) ++first_row;
+        const int64_t phys = table[t / page];
+        if (phys < 0 || phys >= P) continue;  // invalid entry: its tokens contribute nothing
+        const int64_t nidx = norms_offset(phys, g, t % page, Hkv, page);
+        unpack_row(k_codes.typed_data() + codes_offset(phys, g, t % page, Hkv, page, dims.pools.kpb), int(d),
+                   k_bits, codes);
+        for (int64_t i = 0; i < d; ++i) krow[i] = k_centroids.typed_data()[codes[i]];
+        unpack_row(v_codes.typed_data() + codes_offset(phys, g, t % page, Hkv, page, dims.pools.vpb), int(d),
+                   v_bits, codes);
+        const double vnorm = v_norms.typed_data()[nidx];
+        for (int64_t i = 0; i < d; ++i) vrow[i] = vnorm * double(v_centroids.typed_data()[codes[i]]);
+        const double kscale = double(scale) * double(k_norms.typed_data()[nidx]);
+        for (int64_t i = first_row; i < q_len; ++i) {
+          group_dots(&qg[i * G * d], krow, G, d, dots.data());
+          for (int64_t hh = 0; hh < G; ++hh) {
+            const int64_t r = i * G + hh;
+            online_softmax_add(kscale * dots[hh], vrow, d, m[r], l[r], &o[r * d]);
+          }
+        }
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        float* dst = out + ((rows.begin + r / G) * H + g * G + r % G) * d;
+        const double inv = l[r] > 0.0 ? 1.0 / l[r] : 0.0;
+        for (int64_t i = 0; i < d; ++i)
+          dst[i] = row_ok[r] ? float(o[r * d + i] * inv) : std::numeric_limits<float>::quiet_NaN();
+      }
+    }
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace cpu
+}  // namespace jax_tq

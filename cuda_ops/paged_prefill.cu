@@ -1,0 +1,251 @@
+// CUDA XLA FFI handler for jax_tq_paged_prefill (docs/DESIGN.md): causal attention of each
+// sequence's new query rows over its compressed paged cache.
+//
+// v1, CUDA cores. A CTA of 4 warps takes a tile of consecutive query rows (tokens) of the flattened
+// token axis and up to 16 query heads of one KV head's GQA group: at most 16 (row, head) pairs, 4 per
+// warp, each held by the warp's lanes (coordinate lane + 32 k). K and V tokens pass through shared
+// memory 16 at a time, decoded once (centroid x norm, float32) for all of the CTA's pairs. A tile
+// that spans sequences is processed one sequence piece at a time. Rows of no sequence are zeroed by
+// a memset before the kernel.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "jax_tq/ffi_checks.h"
+#include "jax_tq/format.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jax_tq {
+namespace cuda {
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = 32 * kWarps;
+constexpr int kPairs = 16;                     // (query row, head) pairs per CTA
+constexpr int kPairsPerWarp = kPairs / kWarps;
+constexpr int kSlots = kMaxHeadDim / 32;       // coordinates per lane
+constexpr int kTokens = 16;                    // K / V tokens per shared-memory tile
+
+struct PrefillParams {
+  const float* q;
+  const uint8_t *k_codes, *v_codes;
+  const float *k_norms, *v_norms, *k_centroids, *v_centroids;
+  const int32_t *block_tables, *seq_lens, *query_start_loc;
+  float* out;
+  int64_t T, H, S, max_pages, P, Hkv, page;
+  int d, k_bits, v_bits, kpb, vpb;
+  int heads_per_cta, rows_per_cta, head_chunks;
+  float scale;
+};
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// The sequence whose rows contain `row` (query_start_loc non-decreasing), or -1 for a row of none.
+__device__ int64_t sequence_of(const PrefillParams& p, int64_t row) {
+  int64_t lo = 0, hi = p.S - 1, found = -1;
+  while (lo <= hi) {  // the last s with query_start_loc[s] <= row
+    const int64_t mid = (lo + hi) / 2;
+    if (p.query_start_loc[mid] <= row) {
+      found = mid;
+      lo = mid + 1;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  if (found < 0) return -1;
+  const PrefillRows rows = prefill_rows(p.query_start_loc, p.seq_lens, found, p.T, p.max_pages * p.page);
+  return row >= rows.begin && row < rows.end ? found : -1;
+}
+
+struct Tile {
+  float k[kTokens][kMaxHeadDim];
+  float v[kTokens][kMaxHeadDim];
+  float k_scale[kTokens];  // scale * k_norm, or 0 with valid = 0 for an invalid page
+  int valid[kTokens];
+};
+
+// Decodes tokens [t0, t0 + kTokens) of sequence s, KV head g, into the tile (all threads).
+__device__ void load_tile(const PrefillParams& p, Tile& tile, int64_t s, int64_t g, int64_t t0, int64_t limit) {
+  const int32_t* table = p.block_tables + s * p.max_pages;
+  for (int idx = threadIdx.x; idx < kTokens * p.d; idx += kThreads) {
+    const int j = idx / p.d, c = idx % p.d;
+    const int64_t t = t0 + j;
+    const int64_t phys = t < limit ? int64_t(table[t / p.page]) : -1;
+    const bool ok = phys >= 0 && phys < p.P;
+    float kv = 0.f, vv = 0.f;
+    if (ok) {
+      const int64_t slot = t % p.page;
+      const int64_t nidx = norms_offset(phys, g, slot, p.Hkv, p.page);
+      kv = p.k_centroids[get_code(p.k_codes + codes_offset(phys, g, slot, p.Hkv, p.page, p.kpb), c, p.k_bits)];
+      vv = p.v_norms[nidx] *
+           p.v_centroids[get_code(p.v_codes + codes_offset(phys, g, slot, p.Hkv, p.page, p.vpb), c, p.v_bits)];
+      if (c == 0) tile.k_scale[j] = p.scale * p.k_norms[nidx];
+    }
+    if (c == 0) tile.valid[j] = ok;
+    tile.k[j][c] = kv;
+    tile.v[j][c] = vv;
+  }
+}
+
+// Rows [a, b) of sequence s, heads [h0, h0 + hc) of KV head g's group.
+__device__ void attend_piece(const PrefillParams& p, Tile& tile, int64_t s, int64_t a, int64_t b, int64_t g,
+                             int64_t h0, int hc) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const PrefillRows rows = prefill_rows(p.query_start_loc, p.seq_lens, s, p.T, p.max_pages * p.page);
+  const int pairs = int(b - a) * hc;
+  float q[kPairsPerWarp][kSlots], o[kPairsPerWarp][kSlots], m[kPairsPerWarp], l[kPairsPerWarp];
+  int64_t len[kPairsPerWarp];
+  bool finite[kPairsPerWarp];
+#pragma unroll
+  for (int w = 0; w < kPairsPerWarp; ++w) {
+    const int pair = warp + kWarps * w;
+    const bool real = pair < pairs;
+    const int64_t row = a + (real ? pair / hc : 0), head = h0 + (real ? pair % hc : 0);
+    len[w] = real ? rows.causal_len(row) : 0;
+    bool ok = true;
+#pragma unroll
+    for (int k = 0; k < kSlots; ++k) {
+      const int c = lane + 32 * k;
+      q[w][k] = real && c < p.d ? p.q[(row * p.H + head) * p.d + c] : 0.f;
+      ok = ok && isfinite(q[w][k]);
+      o[w][k] = 0.f;
+    }
+    finite[w] = __all_sync(0xffffffffu, ok);
+    m[w] = -INFINITY;
+    l[w] = 0.f;
+  }
+  const int64_t limit = rows.causal_len(b - 1);  // the piece's longest row
+  for (int64_t t0 = 0; t0 < limit; t0 += kTokens) {
+    __syncthreads();  // the previous tile (or piece) has been read
+    load_tile(p, tile, s, g, t0, limit);
+    __syncthreads();
+#pragma unroll
+    for (int w = 0; w < kPairsPerWarp; ++w) {
+      for (int j = 0; j < kTokens; ++j) {
+        if (t0 + j >= len[w] || !tile.valid[j]) continue;  // warp-uniform
+        float dot = 0.f;
+#pragma unroll
+        for (int k = 0; k < kSlots; ++k)  // coordinates past d are not in the tile (stale shared memory)
+          if (lane + 32 * k < p.d) dot = fmaf(q[w][k], tile.k[j][lane + 32 * k], dot);
+        const float score = warp_sum(dot) * tile.k_scale[j];
+        if (!(score > -INFINITY)) continue;
+        float weight;
+        if (score > m[w]) {
+          const float alpha = __expf(m[w] - score);  // 0 when m = -inf
+          l[w] *= alpha;
+#pragma unroll
+          for (int k = 0; k < kSlots; ++k) o[w][k] *= alpha;
+          m[w] = score;
+          weight = 1.f;
+        } else {
+          weight = __expf(score - m[w]);
+        }
+        l[w] += weight;
+#pragma unroll
+        for (int k = 0; k < kSlots; ++k)
+          if (lane + 32 * k < p.d) o[w][k] = fmaf(weight, tile.v[j][lane + 32 * k], o[w][k]);
+      }
+    }
+  }
+#pragma unroll
+  for (int w = 0; w < kPairsPerWarp; ++w) {
+    const int pair = warp + kWarps * w;
+    if (pair >= pairs) continue;
+    const int64_t row = a + pair / hc, head = h0 + pair % hc;
+    const float inv = l[w] > 0.f ? 1.f / l[w] : 0.f;
+#pragma unroll
+    for (int k = 0; k < kSlots; ++k) {
+      const int c = lane + 32 * k;
+      if (c < p.d) p.out[(row * p.H + head) * p.d + c] = finite[w] ? o[w][k] * inv : NAN;
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) paged_prefill_kernel(PrefillParams p) {
+  __shared__ Tile tile;
+  const int64_t g = blockIdx.y / p.head_chunks;
+  const int64_t chunk = blockIdx.y % p.head_chunks;
+  const int64_t group = p.H / p.Hkv;
+  const int64_t h0 = g * group + chunk * p.heads_per_cta;
+  const int hc = int(group - chunk * p.heads_per_cta < p.heads_per_cta ? group - chunk * p.heads_per_cta
+                                                                        : p.heads_per_cta);
+  const int64_t tile_begin = int64_t(blockIdx.x) * p.rows_per_cta;
+  const int64_t tile_end = tile_begin + p.rows_per_cta < p.T ? tile_begin + p.rows_per_cta : p.T;
+  for (int64_t row = tile_begin; row < tile_end;) {
+    const int64_t s = sequence_of(p, row);
+    if (s < 0) {  // a row of no sequence: zeroed by the memset
+      ++row;
+      continue;
+    }
+    const PrefillRows rows = prefill_rows(p.query_start_loc, p.seq_lens, s, p.T, p.max_pages * p.page);
+    const int64_t piece_end = rows.end < tile_end ? rows.end : tile_end;
+    attend_piece(p, tile, s, row, piece_end, g, h0, hc);
+    row = piece_end;
+  }
+}
+
+ffi_checks::Op cuda_op() { return ffi_checks::Op{"jax_tq_paged_prefill", ffi_checks::kCudaTag}; }
+
+}  // namespace
+
+ffi::Error PagedPrefillCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot, ffi::Buffer<ffi::U8> k_codes,
+                                ffi::Buffer<ffi::F32> k_norms, ffi::Buffer<ffi::U8> v_codes,
+                                ffi::Buffer<ffi::F32> v_norms, ffi::Buffer<ffi::F32> k_centroids,
+                                ffi::Buffer<ffi::F32> v_centroids, ffi::Buffer<ffi::S32> block_tables,
+                                ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> query_start_loc,
+                                ffi::Result<ffi::Buffer<ffi::F32>> out_rot, int32_t k_bits, int32_t v_bits,
+                                float scale) {
+  ffi_checks::PrefillDims dims;
+  JTQ_RETURN_IF_ERROR(ffi_checks::validate_paged_prefill(cuda_op(), q_rot, k_codes, k_norms, v_codes, v_norms,
+                                                         k_centroids, v_centroids, block_tables, seq_lens,
+                                                         query_start_loc, *out_rot, k_bits, v_bits, &dims));
+  const int64_t bytes = dims.T * dims.H * dims.d * int64_t(sizeof(float));
+  if (bytes == 0) return ffi::Error::Success();
+  if (cudaError_t e = cudaMemsetAsync(out_rot->typed_data(), 0, size_t(bytes), stream); e != cudaSuccess)
+    return cuda_op().internal(std::string("memset: ") + cudaGetErrorString(e));
+  if (dims.S == 0) return ffi::Error::Success();
+  PrefillParams p{};
+  p.q = q_rot.typed_data();
+  p.k_codes = k_codes.typed_data();
+  p.v_codes = v_codes.typed_data();
+  p.k_norms = k_norms.typed_data();
+  p.v_norms = v_norms.typed_data();
+  p.k_centroids = k_centroids.typed_data();
+  p.v_centroids = v_centroids.typed_data();
+  p.block_tables = block_tables.typed_data();
+  p.seq_lens = seq_lens.typed_data();
+  p.query_start_loc = query_start_loc.typed_data();
+  p.out = out_rot->typed_data();
+  p.T = dims.T, p.H = dims.H, p.S = dims.S, p.max_pages = dims.max_pages;
+  p.P = dims.pools.P, p.Hkv = dims.pools.Hkv, p.page = dims.pools.page;
+  p.d = int(dims.d), p.k_bits = k_bits, p.v_bits = v_bits, p.kpb = int(dims.pools.kpb), p.vpb = int(dims.pools.vpb);
+  const int64_t group = dims.H / dims.pools.Hkv;
+  p.heads_per_cta = int(group < kPairs ? group : kPairs);
+  p.head_chunks = int((group + p.heads_per_cta - 1) / p.heads_per_cta);
+  p.rows_per_cta = kPairs / p.heads_per_cta;
+  p.scale = scale;
+  const int64_t tiles = (dims.T + p.rows_per_cta - 1) / p.rows_per_cta;
+  const int64_t heads = dims.pools.Hkv * p.head_chunks;
+  if (tiles > 2147483647 || heads > 65535)
+    return cuda_op().invalid("too many query rows or heads: T " + std::to_string(dims.T) + ", KV heads x head chunks " +
+                             std::to_string(heads));
+  paged_prefill_kernel<<<dim3(unsigned(tiles), unsigned(heads)), kThreads, 0, stream>>>(p);
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess)
+    return cuda_op().internal(std::string("kernel launch: ") + cudaGetErrorString(e));
+  return ffi::Error::Success();
+}
+
+}  // namespace cuda
+}  // namespace jax_tq
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTqPagedPrefillCuda, jax_tq::cuda::PagedPrefillCudaImpl,
+                              jax_tq::ffi_checks::BindPagedPrefill(
+                                  ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              {ffi::Traits::kCmdBufferCompatible});

@@ -1,0 +1,183 @@
+"""Paged prefill: causal attention of several sequences' new query rows over a TurboQuant-compressed
+paged KV cache (the new tokens already written with :func:`jax_tq.write_cache`).
+
+The queries are rotated once into K's rotated space, scored against the K centroids scaled by each
+key's fp32 norm, and the softmax-weighted V centroids rotated back once (TurboQuant, arXiv
+2504.19874, Algorithm 1, applied to attention), with a causal mask per query row. Each K / V token
+is decoded once per (sequence, KV head, tile of query rows) instead of once per query row.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_tq import _compat, reference
+from jax_tq import format as tq_format
+from jax_tq import _primitive_utils as pu
+from jax_tq.backend import get_backend
+from jax_tq.cache import check_cache
+from jax_tq.checks import check_decode_indices, check_query_start_loc
+from jax_tq.paged_decode import _check_decode_args, _static_scale
+
+__all__ = ["paged_prefill"]
+
+paged_prefill_p = _compat.Primitive("jax_tq_paged_prefill")
+paged_prefill_p.multiple_results = True
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def paged_prefill(q, cache, block_tables, seq_lens, query_start_loc, *, scale=None):
+    """Causal attention of new query rows (a prompt, or a chunk of one) over a compressed paged cache.
+
+    Args:
+      q: [num_tokens, num_heads, head_dim] float32/bfloat16/float16, the new tokens of every
+        sequence concatenated: sequence s owns rows [query_start_loc[s], query_start_loc[s + 1]).
+        num_heads must be a multiple of ``cache.num_kv_heads`` (GQA).
+      cache: :class:`jax_tq.PagedKVCache` holding every token of each sequence, the new ones
+        included (write them first with :func:`jax_tq.write_cache`).
+      block_tables: int32 [num_seqs, max_pages], as for :func:`jax_tq.paged_decode`.
+      seq_lens: int32 [num_seqs], each sequence's tokens in the cache (new ones included), clamped
+        to [0, max_pages * page_size].
+      query_start_loc: int32 [num_seqs + 1], non-decreasing from 0 to num_tokens (vLLM's name;
+        FlashInfer's qo_indptr, flash-attn's cu_seqlens_q). Row i of sequence s (of q_len_s rows)
+        sits at position seq_lens[s] - q_len_s + i and attends to the sequence's tokens [0, that
+        position]: chunked prefill (earlier tokens already cached) is the case q_len_s < seq_lens[s].
+      scale: softmax scale, a finite Python number (static); default 1 / sqrt(head_dim).
+
+    Returns:
+      [num_tokens, num_heads, head_dim] of q's dtype. Rows that no sequence owns, and rows placed
+      before their sequence's start (q_len_s > seq_lens[s]), are 0; a query row holding a NaN or
+      inf gives a NaN row. Out-of-range values of query_start_loc are clamped to [0, num_tokens];
+      if it decreases, which sequence a row belongs to is unspecified (``jax_tq.checked`` reports it).
+      Differentiable in q and the cache's norms (reverse mode: a custom VJP through the reference).
+
+    Raises:
+      TypeError: q not float32/bfloat16/float16; an index array not int32; cache not a PagedKVCache.
+      ValueError: wrong ranks or shapes, head_dim differs from the cache's codecs, num_heads not a
+        multiple of num_kv_heads, query_start_loc not [num_seqs + 1], a bad scale.
+
+    Source: TurboQuant (arXiv 2504.19874), Algorithm 1 applied to attention (scores
+    <Pi_k q, c[idx]> * ||k||, output rotated back by Pi_v^T once); causal prefill over a paged cache
+    as in vLLM / FlashInfer.
+    """
+    check_cache(cache, "paged_prefill")
+    q = jnp.asarray(q)
+    scale = _static_scale(scale, "jax_tq.paged_prefill")
+    block_tables, seq_lens = _check_decode_args(q, cache, block_tables, seq_lens, None, op="jax_tq.paged_prefill",
+                                                rows="num_tokens")
+    query_start_loc = _check_query_start_loc(query_start_loc, seq_lens.shape[0])
+    check_decode_indices(block_tables, seq_lens, num_pages=cache.num_pages, page_size=cache.page_size,
+                         op="paged_prefill")
+    check_query_start_loc(query_start_loc, seq_lens, num_rows=q.shape[0])
+    k_codec, v_codec = cache.k_codec, cache.v_codec
+    scale = 1.0 / math.sqrt(k_codec.head_dim) if scale is None else scale
+    q_rot = jnp.einsum("thd,ed->the", q.astype(jnp.float32), k_codec.rotation, precision=_HIGHEST)
+    operands = (q_rot, cache.k_codes, cache.k_norms, cache.v_codes, cache.v_norms, k_codec.centroids,
+                v_codec.centroids, block_tables, seq_lens, query_start_loc)
+    backend = get_backend()
+    if backend == "xla":
+        out_rot = _reference(*operands, k_bits=k_codec.bits, v_bits=v_codec.bits, scale=scale)[0]
+    else:
+        out_rot = _prefill(*operands, k_codec.bits, v_codec.bits, scale, backend)
+    out = jnp.einsum("the,ed->thd", out_rot, v_codec.rotation, precision=_HIGHEST)
+    return out.astype(q.dtype)
+
+
+def _check_query_start_loc(query_start_loc, num_seqs: int):
+    spec = f"jax_tq.paged_prefill: query_start_loc must be int32 [num_seqs + 1 = {num_seqs + 1}]"
+    tq_format.check_index_dtype(query_start_loc, spec)
+    query_start_loc = jnp.asarray(query_start_loc)
+    if query_start_loc.dtype != jnp.int32 or query_start_loc.shape != (num_seqs + 1,):
+        error = TypeError if query_start_loc.dtype != jnp.int32 else ValueError
+        raise error(f"{spec}, got {query_start_loc.dtype}{tuple(query_start_loc.shape)}")
+    return query_start_loc
+
+
+def _reference(q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, starts, *, k_bits, v_bits,
+               scale):
+    """The primitive's semantics in jnp; a row whose q_rot is not all finite gives a NaN row (and
+    enters the reference as zeros, so that no NaN reaches its neighbours' gradients)."""
+    finite = jnp.all(jnp.isfinite(q_rot), axis=-1, keepdims=True)
+    out_rot = reference.paged_prefill_rotated(jnp.where(finite, q_rot, 0), k_codes, k_norms, v_codes, v_norms,
+                                              k_cent, v_cent, tables, lens, starts, k_bits, v_bits, scale)
+    return (jnp.where(finite, out_rot, jnp.nan).astype(jnp.float32),)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(10, 11, 12, 13))
+def _prefill(q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, starts, k_bits, v_bits,
+             scale, backend):
+    """The kernel call, differentiable in q_rot, k_norms and v_norms (the codes are integers)."""
+    (out,) = paged_prefill_p.bind(q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, starts,
+                                  k_bits=k_bits, v_bits=v_bits, scale=scale, backend=backend)
+    return out
+
+
+def _prefill_fwd(*args):
+    return _prefill(*args), args[:10]
+
+
+def _prefill_bwd(k_bits, v_bits, scale, backend, operands, cotangent):
+    """Backward pass through the reference (the same gradient on every backend)."""
+    q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, starts = operands
+
+    def attend(q_rot, k_norms, v_norms):
+        return _reference(q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, starts,
+                          k_bits=k_bits, v_bits=v_bits, scale=scale)[0]
+
+    _, vjp = jax.vjp(attend, q_rot, k_norms, v_norms)
+    dq, dk_norms, dv_norms = vjp(cotangent)
+    return dq, None, dk_norms, None, dv_norms, None, None, None, None, None
+
+
+_prefill.defvjp(_prefill_fwd, _prefill_bwd)
+
+
+def _abstract(q_rot, *operands, **params):
+    return (_compat.output_aval(q_rot.shape, jnp.float32, q_rot, *operands),)
+
+
+def _ffi(ctx, *operands, k_bits, v_bits, scale):
+    return _compat.ffi_lowering("jax_tq_paged_prefill")(ctx, *operands, k_bits=np.int32(k_bits),
+                                                         v_bits=np.int32(v_bits), scale=np.float32(scale))
+
+
+paged_prefill_p.def_abstract_eval(_abstract)
+pu.define_impl(paged_prefill_p)
+pu.register_lowerings(paged_prefill_p, _reference, _ffi, may_be_empty=(7, 8, 9))  # no sequences
+
+
+def _batch(args, dims, **params):
+    """Fold vmapped axes into the token and sequence axes: element b's rows follow element b - 1's
+    and its sequences are followed by one empty sequence (no tokens) that owns its rows after its last
+    boundary, so that no row changes owner (rows of no sequence stay 0). A batched cache is folded into
+    one page pool, each element's block tables offset into its own slice."""
+    q, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, starts = args
+    pu.require_unbatched(("k centroids", "v centroids"), dims[5:7], "paged_prefill")
+    size = pu.batch_size(args, dims)
+    pools = list(args[1:5])
+    tables = pu.move_batch_to_front(tables, dims[7], size)
+    if any(d is not _compat.NOT_MAPPED for d in dims[1:5]):
+        pools = [pu.move_batch_to_front(a, d, size) for a, d in zip(pools, dims[1:5])]
+        tables = pu.fold_pool_batch(tables, size, pools[0].shape[1])
+        pools = [p.reshape((-1,) + p.shape[2:]) for p in pools]
+    q = pu.move_batch_to_front(q, dims[0], size)
+    lens = pu.move_batch_to_front(lens, dims[8], size)
+    starts = pu.move_batch_to_front(starts, dims[9], size)
+    num_tokens, max_pages = q.shape[1], tables.shape[-1]
+    # Each element's boundaries clamped to its own rows before the offset (the kernel clamps to all rows).
+    starts = jnp.clip(starts, 0, num_tokens) + (jnp.arange(size, dtype=jnp.int32) * num_tokens)[:, None]
+    folded_starts = jnp.concatenate([starts.reshape(-1), jnp.asarray([size * num_tokens], jnp.int32)])
+    folded_tables = jnp.concatenate([tables, jnp.zeros((size, 1, max_pages), jnp.int32)], axis=1)
+    folded_lens = jnp.concatenate([lens, jnp.zeros((size, 1), jnp.int32)], axis=1)
+    (out,) = paged_prefill_p.bind(q.reshape((-1,) + q.shape[2:]), *pools, k_cent, v_cent,
+                                  folded_tables.reshape(-1, max_pages), folded_lens.reshape(-1), folded_starts,
+                                  **params)
+    return [out.reshape((size, num_tokens) + out.shape[1:])], [0]
+
+
+_compat.batching.primitive_batchers[paged_prefill_p] = _batch

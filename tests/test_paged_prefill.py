@@ -1,0 +1,217 @@
+"""paged_prefill (causal attention of new query rows over the compressed paged cache) through the
+FFI kernels (CPU here, CUDA where marked) against the float64 oracle: each row is a one-query decode
+of its sequence cut at its own position."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_tq as tq
+from jax_tq.paged_prefill import paged_prefill_p
+from oracle import decode_f64, primitive_count, random_cache, random_tables, rel_err
+
+
+@pytest.fixture(autouse=True)
+def ffi_backend():
+    with tq.use_backend("ffi"):
+        yield
+
+
+def prefill_f64(q, cache, tables, seq_lens, query_start_loc):
+    """float64 oracle: rows of sequence s (valid, non-decreasing query_start_loc) decode with the
+    sequence's table and their causal length; every other row is 0."""
+    q = np.asarray(q, np.float64)
+    tables, seq_lens, starts = (np.asarray(a) for a in (tables, seq_lens, query_start_loc))
+    want = np.zeros(q.shape)
+    for s in range(len(seq_lens)):
+        begin, end = int(starts[s]), int(starts[s + 1])
+        if end <= begin:
+            continue
+        lens = np.clip(int(seq_lens[s]) - (end - begin) + np.arange(end - begin) + 1, 0, int(seq_lens[s]))
+        row_tables = jnp.asarray(np.repeat(tables[s:s + 1], end - begin, axis=0))
+        want[begin:end] = decode_f64(q[begin:end], cache, row_tables, jnp.asarray(lens.astype(np.int32)))
+    return want
+
+
+def _case(rng, *, head_dim=64, k_bits=4, v_bits=3, page_size=8, num_kv_heads=2, group=3, seq_lens=(10, 33, 5, 0),
+          q_lens=(4, 33, 2, 0), lead_rows=0, tail_rows=0, num_pages=40, dtype=jnp.float32, rotation="haar"):
+    cache = random_cache(rng, num_pages=num_pages, page_size=page_size, num_kv_heads=num_kv_heads,
+                         head_dim=head_dim, k_bits=k_bits, v_bits=v_bits, seed=int(rng.integers(1 << 16)),
+                         rotation=rotation)
+    tables = random_tables(rng, seq_lens, page_size, num_pages)
+    starts = lead_rows + np.concatenate([[0], np.cumsum(q_lens)])
+    num_tokens = int(starts[-1]) + tail_rows
+    q = jnp.asarray(rng.normal(size=(num_tokens, num_kv_heads * group, head_dim)), dtype)
+    return q, cache, tables, jnp.asarray(seq_lens, jnp.int32), jnp.asarray(starts, jnp.int32)
+
+
+@pytest.mark.parametrize("head_dim,k_bits,v_bits,page_size,group,dtype", [
+    (64, 4, 3, 8, 3, jnp.float32), (80, 2, 4, 16, 1, jnp.bfloat16), (128, 4, 4, 16, 4, jnp.float16),
+    (96, 3, 2, 32, 2, jnp.float32), (256, 4, 2, 8, 8, jnp.bfloat16)])
+def test_prefill_matches_float64_oracle(rng, head_dim, k_bits, v_bits, page_size, group, dtype):
+    """Chunked (4 new rows of 10 tokens), whole (33 of 33), more rows than tokens (3 of 2: one row
+    before the start), no rows, and rows of no sequence before and after."""
+    q, cache, tables, lens, starts = _case(rng, head_dim=head_dim, k_bits=k_bits, v_bits=v_bits, page_size=page_size,
+                                           group=group, seq_lens=(10, 33, 2, 0, 7), q_lens=(4, 33, 3, 0, 7),
+                                           lead_rows=2, tail_rows=3, dtype=dtype)
+    got = jax.jit(tq.paged_prefill)(q, cache, tables, lens, starts)
+    assert got.shape == q.shape and got.dtype == q.dtype
+    want = prefill_f64(q.astype(jnp.float32), cache, tables, lens, starts)
+    tol = 1e-5 if dtype == jnp.float32 else 1e-2
+    assert rel_err(got, want) < tol
+    zero_rows = np.r_[0:2, 2 + 4 + 33, q.shape[0] - 3:q.shape[0]]  # lead, the row before its start, tail
+    assert np.all(np.asarray(got, np.float32)[zero_rows] == 0)
+    with tq.use_backend("xla"):
+        assert rel_err(jax.jit(lambda *a: tq.paged_prefill(*a))(q, cache, tables, lens, starts), want) < tol
+
+
+def test_last_row_of_a_prefill_is_the_decode_of_the_sequence(rng):
+    q, cache, tables, lens, starts = _case(rng, seq_lens=(21, 40), q_lens=(21, 9))
+    out = tq.paged_prefill(q, cache, tables, lens, starts)
+    last = jnp.asarray([20, 29])
+    decode = tq.paged_decode(q[last], cache, tables, lens)
+    assert rel_err(out[last], decode) < 1e-5
+
+
+def test_prefill_after_write_cache_is_causal_attention_over_the_decoded_cache(rng):
+    """End to end: write a prompt's K / V, prefill it, compare with dense causal softmax attention
+    over decompress(compress(K / V))."""
+    num_tokens, hkv, group, d, page_size = 37, 2, 2, 64, 8
+    k_codec, v_codec = tq.TurboQuant(d, 4, seed=3), tq.TurboQuant(d, 3, seed=4)
+    cache = tq.PagedKVCache.create(num_pages=8, page_size=page_size, num_kv_heads=hkv, k_codec=k_codec,
+                                   v_codec=v_codec)
+    k, v = (jnp.asarray(rng.normal(size=(num_tokens, hkv, d)), jnp.float32) for _ in range(2))
+    q = jnp.asarray(rng.normal(size=(num_tokens, hkv * group, d)), jnp.float32)
+    pages = rng.permutation(8)[:5]
+    slots = jnp.asarray(pages[np.arange(num_tokens) // page_size] * page_size + np.arange(num_tokens) % page_size,
+                        jnp.int32)
+    cache = tq.write_cache(cache, k, v, slots)
+    out = tq.paged_prefill(q, cache, jnp.asarray(pages[None], jnp.int32), jnp.asarray([num_tokens], jnp.int32),
+                           jnp.asarray([0, num_tokens], jnp.int32))
+    k_hat = np.asarray(tq.decompress(*tq.compress(k, k_codec), k_codec), np.float64)
+    v_hat = np.asarray(tq.decompress(*tq.compress(v, v_codec), v_codec), np.float64)
+    # query head h reads KV head h // group
+    scores = np.einsum("thd,shd->hts", np.asarray(q, np.float64), np.repeat(k_hat, group, axis=1)) / np.sqrt(d)
+    scores = np.where(np.tril(np.ones((num_tokens, num_tokens), bool))[None], scores, -np.inf)
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    want = np.einsum("hts,shd->thd", weights, np.repeat(v_hat, group, axis=1))
+    assert rel_err(out, want) < 1e-5
+
+
+def test_nan_query_row_gives_a_nan_row_only(rng):
+    q, cache, tables, lens, starts = _case(rng)
+    q = q.at[5, 1].set(jnp.nan)
+    out = np.asarray(tq.paged_prefill(q, cache, tables, lens, starts))
+    assert np.all(np.isnan(out[5, 1])) and np.isfinite(np.delete(out.reshape(-1, 64), 5 * 6 + 1, axis=0)).all()
+
+
+def test_vmap_folds_into_one_kernel_call(rng):
+    q, cache, tables, lens, starts = _case(rng, seq_lens=(10, 33, 5), q_lens=(4, 30, 2), tail_rows=2)
+    qs = jnp.stack([q, -q, 2 * q])
+    starts_b = jnp.stack([starts, starts, jnp.asarray([0, 0, 36, 36], jnp.int32)])  # element 2: one sequence of 36 rows
+    lens_b = jnp.stack([lens, lens, jnp.asarray([0, 36, 0], jnp.int32)])
+    fn = jax.vmap(tq.paged_prefill, in_axes=(0, None, None, 0, 0))
+    jaxpr = jax.make_jaxpr(fn)(qs, cache, tables, lens_b, starts_b).jaxpr
+    assert primitive_count(jaxpr, paged_prefill_p) == 1
+    got = jax.jit(fn)(qs, cache, tables, lens_b, starts_b)
+    for b in range(3):
+        assert rel_err(got[b], prefill_f64(qs[b], cache, tables, lens_b[b], starts_b[b])) < 1e-5
+    caches = jax.tree_util.tree_map(lambda a: jnp.stack([a, a]), cache)           # a batched cache too
+    got = jax.vmap(tq.paged_prefill, in_axes=(0, 0, None, None, None))(qs[:2], caches, tables, lens, starts)
+    assert rel_err(got[1], prefill_f64(qs[1], cache, tables, lens, starts)) < 1e-5
+
+
+def test_gradient_matches_the_reference_and_finite_differences(rng):
+    q, cache, tables, lens, starts = _case(rng, seq_lens=(9, 12), q_lens=(3, 12))
+    w = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
+
+    def loss(q, k_norms):
+        return jnp.sum(w * tq.paged_prefill(q, dataclasses.replace(cache, k_norms=k_norms), tables, lens, starts))
+
+    dq, dkn = jax.jit(jax.grad(loss, argnums=(0, 1)))(q, cache.k_norms)
+    with tq.use_backend("xla"):
+        want_dq, want_dkn = jax.grad(loss, argnums=(0, 1))(q, cache.k_norms)
+    assert rel_err(dq, want_dq) < 1e-5 and rel_err(dkn, want_dkn) < 1e-5
+    direction = rng.normal(size=q.shape)
+    w64, q64 = np.asarray(w, np.float64), np.asarray(q, np.float64)
+    eps = 1e-5
+    fd = (np.sum(w64 * prefill_f64(q64 + eps * direction, cache, tables, lens, starts))
+          - np.sum(w64 * prefill_f64(q64 - eps * direction, cache, tables, lens, starts))) / (2 * eps)
+    assert abs(fd - float(np.sum(np.asarray(dq, np.float64) * direction))) < 1e-4 * max(1.0, abs(fd))
+
+
+def test_bad_inputs_raise_clear_errors(rng):
+    q, cache, tables, lens, starts = _case(rng)
+    with pytest.raises(ValueError, match=r"query_start_loc must be int32 \[num_seqs \+ 1 = 5\]"):
+        tq.paged_prefill(q, cache, tables, lens, starts[:-1])
+    with pytest.raises(TypeError, match="query_start_loc must be int32"):
+        tq.paged_prefill(q, cache, tables, lens, np.asarray(starts, np.int64))
+    with pytest.raises(ValueError, match=r"q must be \[num_tokens, num_heads, head_dim\]"):
+        tq.paged_prefill(q[0], cache, tables, lens, starts)
+    with pytest.raises(ValueError, match="not a multiple of the cache's num_kv_heads"):
+        tq.paged_prefill(q[:, :5], cache, tables, lens, starts)
+    with pytest.raises(ValueError, match=r"seq_lens must be int32 \[num_seqs=4\]"):
+        tq.paged_prefill(q, cache, tables, lens[:3], starts)
+    with pytest.raises(ValueError, match="jax_tq.paged_prefill: scale must be finite"):
+        tq.paged_prefill(q, cache, tables, lens, starts, scale=float("inf"))
+
+
+@pytest.mark.parametrize("starts,lens,match", [
+    ([0, 4, 3, 39, 39], [10, 33, 5, 0], "query_start_loc must rise from 0"),
+    ([1, 4, 37, 39, 39], [10, 33, 5, 0], "query_start_loc must rise from 0"),
+    ([0, 4, 37, 39, 39], [10, 32, 5, 0], r"sequence 1 has 33 new query rows but seq_lens\[1\] = 32"),
+])
+def test_checked_prefill_reports_bad_query_start_loc(rng, starts, lens, match):
+    q, cache, tables, _, _ = _case(rng)
+    err, _ = jax.jit(tq.checked(tq.paged_prefill))(q, cache, tables, jnp.asarray(lens, jnp.int32),
+                                                   jnp.asarray(starts, jnp.int32))
+    with pytest.raises(Exception, match=match):
+        err.throw()
+
+
+# ----------------------------------------------------------------------------- CUDA (marked gpu: skipped
+# without one, conftest.py); the autouse fixture selects the "ffi" backend, so these run the CUDA kernel
+
+def _poison_gpu(nbytes: int) -> None:
+    buf = jnp.full((max(1, nbytes // 4),), jnp.nan, jnp.float32)
+    buf.block_until_ready()
+    del buf
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim,k_bits,v_bits,page_size,group,num_kv_heads,dtype", [
+    (64, 4, 4, 16, 4, 2, jnp.bfloat16), (128, 4, 4, 16, 4, 8, jnp.bfloat16), (128, 3, 2, 8, 1, 4, jnp.float32),
+    (80, 2, 3, 32, 3, 2, jnp.float16), (96, 4, 2, 16, 6, 1, jnp.float32), (192, 3, 4, 64, 2, 2, jnp.bfloat16),
+    (256, 4, 4, 16, 16, 1, jnp.bfloat16), (64, 2, 2, 256, 32, 1, jnp.float32)])
+def test_gpu_prefill_matches_oracle(rng, head_dim, k_bits, v_bits, page_size, group, num_kv_heads, dtype):
+    """Sequences straddling CTA tiles, chunked and whole prompts, rows of no sequence, groups up to 32
+    (two head chunks per KV head), every head_dim."""
+    q, cache, tables, lens, starts = _case(rng, head_dim=head_dim, k_bits=k_bits, v_bits=v_bits, page_size=page_size,
+                                           group=group, num_kv_heads=num_kv_heads, seq_lens=(300, 77, 5, 0, 129),
+                                           q_lens=(45, 77, 7, 0, 1), lead_rows=3, tail_rows=5, num_pages=80,
+                                           dtype=dtype)
+    _poison_gpu(q.size * 4 * 4)
+    got = jax.jit(tq.paged_prefill)(q, cache, tables, lens, starts)
+    want = prefill_f64(q.astype(jnp.float32), cache, tables, lens, starts)
+    assert rel_err(got, want) < (1e-5 if dtype == jnp.float32 else 1e-2)
+    assert np.all(np.asarray(got, np.float32)[:3] == 0) and np.all(np.asarray(got, np.float32)[-5:] == 0)
+
+
+@pytest.mark.gpu
+def test_gpu_prefill_long_prompt_vmap_and_grad(rng):
+    q, cache, tables, lens, starts = _case(rng, head_dim=128, page_size=16, group=4, num_kv_heads=2,
+                                           seq_lens=(2048,), q_lens=(1024,), num_pages=160)
+    got = tq.paged_prefill(q, cache, tables, lens, starts)
+    assert rel_err(got, prefill_f64(q, cache, tables, lens, starts)) < 1e-5
+    both = jax.vmap(tq.paged_prefill, in_axes=(0, None, None, None, None))(jnp.stack([q, -q]), cache, tables, lens,
+                                                                            starts)
+    assert rel_err(both[0], got) < 1e-6
+    dq = jax.grad(lambda q: jnp.sum(tq.paged_prefill(q, cache, tables, lens, starts)[-4:]))(q)
+    with tq.use_backend("xla"):
+        want = jax.grad(lambda q: jnp.sum(tq.paged_prefill(q, cache, tables, lens, starts)[-4:]))(q)
+    assert rel_err(dq, want) < 1e-4
