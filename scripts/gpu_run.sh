@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on the GPU machine: build jax_tq with CUDA, run the GPU tests, the benchmarks,
 # and optionally the main job; print short tables. Usage: bash scripts/gpu_run.sh [build tests bench model]
-# stages: build ab v3 ncu items trace tests dtests qjl bits hd rot bench graphs profile breakdown mstep model (default: build tests bench). Logs go to $OUT (the device tool brings them back).
+# stages: build ab v3 ncu items trace tests dtests qjl prefill bits hd rot bench graphs profile breakdown mstep model (default: build tests bench). Logs go to $OUT (the device tool brings them back).
 # One device call may run 600 s at most: "build tests" (~9 min on the H200) and "bench" (~4 min) fit
 # in two back-to-back calls; the build stays while the machine is warm (30 s after a call).
 set -uo pipefail
@@ -89,7 +89,7 @@ if has tests; then
       | tee "$OUT/gpu_tests_v$v.log" | tail -n 5
   done
   # The op tests run on the default device: on this machine they test the CUDA kernels against float64.
-  timeout ${OP_TEST_TIMEOUT:-300} python3 -m pytest -q tests/test_ops.py tests/test_edge_cases.py tests/test_transforms.py tests/test_checks.py tests/test_sharding.py tests/test_qjl.py 2>&1 | tee "$OUT/op_tests.log" | tail -n 15
+  timeout ${OP_TEST_TIMEOUT:-300} python3 -m pytest -q tests/test_ops.py tests/test_edge_cases.py tests/test_transforms.py tests/test_checks.py tests/test_sharding.py tests/test_qjl.py tests/test_paged_prefill.py 2>&1 | tee "$OUT/op_tests.log" | tail -n 15
   echo "tests: $(( $(date +%s) - t0 )) s"
 fi
 if has qjl; then  # TurboQuant_prod: the QJL GPU tests (CUDA kernels against float64), then its benchmark
@@ -97,6 +97,12 @@ if has qjl; then  # TurboQuant_prod: the QJL GPU tests (CUDA kernels against flo
   PYTHONPATH=benchmarks:${PYTHONPATH:-} timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/bench_qjl.py 2>&1 \
     | tee "$OUT/bench_qjl.txt" | tail -n 12
   echo "qjl: $(( $(date +%s) - t0 )) s"
+fi
+if has prefill; then  # paged prefill: its tests (CUDA kernel against float64), then its benchmark
+  timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q tests/test_paged_prefill.py 2>&1 | tee "$OUT/prefill_tests.log" | tail -n 8
+  PYTHONPATH=benchmarks:${PYTHONPATH:-} timeout ${BENCH_TIMEOUT:-200} python3 benchmarks/bench_prefill.py 2>&1 \
+    | tee "$OUT/bench_prefill.txt" | tail -n 8
+  echo "prefill: $(( $(date +%s) - t0 )) s"
 fi
 if has dtests; then  # the decode GPU tests on the default kernels and the device-time helper's, then on v4's register variant
   timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_device_time.py -k "decode or device_time" 2>&1 \
