@@ -10,8 +10,6 @@ Usage: python benchmarks/bench_prefill.py [--quick]
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -23,19 +21,6 @@ import device_time
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 SHAPES = ((1, 2048), (1, 8192), (8, 1024))  # (num_seqs, prompt_len)
-
-
-def seconds_per_call(run, inner, reps):
-    run()
-    dev = device_time.device_seconds_per_call(run, inner)
-    if dev is not None:
-        return dev
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        run()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) / inner
 
 
 def compressed_setup(num_seqs, prompt_len, key):
@@ -67,9 +52,9 @@ def bench(num_seqs, prompt_len, inner, reps):
     row_lens = jnp.asarray(np.tile(np.arange(1, prompt_len + 1), num_seqs), jnp.int32)
     times = {}
     prefill = jax.jit(lambda qs: [tq.paged_prefill(q, cache, tables, lens, starts) for q in qs])
-    times["prefill"] = seconds_per_call(lambda: jax.block_until_ready(prefill(qs)), inner, reps)
+    times["prefill"] = device_time.seconds_per_call(lambda: jax.block_until_ready(prefill(qs)), inner, reps)
     per_row = jax.jit(lambda qs: [tq.paged_decode(q, cache, row_tables, row_lens) for q in qs])
-    times["decode rows"] = seconds_per_call(lambda: jax.block_until_ready(per_row(qs)), inner, reps)
+    times["decode rows"] = device_time.seconds_per_call(lambda: jax.block_until_ready(per_row(qs)), inner, reps)
     kd = k.reshape(num_seqs, prompt_len, KV_HEADS, HEAD_DIM)
     vd = v.reshape(num_seqs, prompt_len, KV_HEADS, HEAD_DIM)
     for impl in ("xla", "cudnn"):
@@ -78,7 +63,7 @@ def bench(num_seqs, prompt_len, inner, reps):
                                                  is_causal=True, implementation=impl) for q in qs]
         try:
             f = jax.jit(dense)
-            times[impl] = seconds_per_call(lambda: jax.block_until_ready(f(qs)), inner, reps)
+            times[impl] = device_time.seconds_per_call(lambda: jax.block_until_ready(f(qs)), inner, reps)
         except Exception as err:  # cuDNN absent (CPU) or refusing the shape
             print(f"  {impl}: unavailable ({type(err).__name__})")
             times[impl] = float("nan")

@@ -13,8 +13,6 @@ Usage: python benchmarks/bench_qjl.py [--quick]
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -25,20 +23,6 @@ import device_time
 
 HEAD_DIM, BITS = 128, 4
 SHAPES = ((1, 32, 32768), (8, 4, 32768), (32, 8, 8192))  # (B, Q, S)
-
-
-def seconds_per_call(run, inner, reps):
-    """GPU span per call (profiler), or the host median per call without kernel events."""
-    run()
-    dev = device_time.device_seconds_per_call(run, inner)
-    if dev is not None:
-        return dev
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        run()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) / inner
 
 
 def bench_scores(shape, inner, reps):
@@ -54,10 +38,10 @@ def bench_scores(shape, inner, reps):
             with tq.use_backend(backend):
                 return [tq.qjl_scores(q, k, codec) for q, k in zip(qs, packed)]
         f = jax.jit(scores)
-        times[backend] = seconds_per_call(lambda: jax.block_until_ready(f(qs, packed)), inner, reps)
+        times[backend] = device_time.seconds_per_call(lambda: jax.block_until_ready(f(qs, packed)), inner, reps)
     dense = jax.jit(lambda qs, ks: [jnp.einsum("bqd,bsd->bqs", q, k, preferred_element_type=jnp.float32)
                                     for q, k in zip(qs, ks)])
-    times["bf16"] = seconds_per_call(lambda: jax.block_until_ready(dense(qs, ks)), inner, reps)
+    times["bf16"] = device_time.seconds_per_call(lambda: jax.block_until_ready(dense(qs, ks)), inner, reps)
     key_bytes = b * s * (codec.packed_bytes + codec.sign_bytes + 8)
     out_bytes = b * q_len * s * 4
     return times, key_bytes, out_bytes, 4.0 * b * q_len * s * HEAD_DIM
@@ -72,7 +56,7 @@ def bench_compress(n, inner, reps):
             with tq.use_backend(backend):
                 return [tq.qjl_compress(x, codec) for x in xs]
         f = jax.jit(comp)
-        times[backend] = seconds_per_call(lambda: jax.block_until_ready(f(xs)), inner, reps)
+        times[backend] = device_time.seconds_per_call(lambda: jax.block_until_ready(f(xs)), inner, reps)
     return times
 
 

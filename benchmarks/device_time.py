@@ -131,3 +131,20 @@ if __name__ == "__main__":
 
     argparse.ArgumentParser(description=__doc__.splitlines()[0],
                             epilog="A helper module for the benchmarks: nothing to run on its own.").parse_args()
+
+
+def seconds_per_call(run, inner, reps):
+    """GPU span of one ``run()`` per call (``inner`` calls per run, after one warm-up run), or the
+    host clock's median over ``reps`` runs per call where there are no GPU kernel events (CPU)."""
+    import time
+
+    run()
+    dev = device_seconds_per_call(run, inner)
+    if dev is not None:
+        return dev
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) / inner

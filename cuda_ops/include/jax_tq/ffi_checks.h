@@ -445,9 +445,11 @@ auto BindWriteCache(B b) {
       .template Attr<int32_t>("v_bits");
 }
 
+// The operands that paged decode and paged prefill share, in their order. By reference: a Binding
+// cannot be moved into a function (its move constructor is private), only chained.
 template <typename B>
-auto BindPagedDecode(B b) {
-  return std::move(b).template Arg<ffi::Buffer<ffi::F32>>()    // q_rot [S, H, d]
+auto BindAttentionOperands(B&& b) {
+  return std::move(b).template Arg<ffi::Buffer<ffi::F32>>()    // q_rot [S, H, d] (prefill: [T, H, d])
       .template Arg<ffi::Buffer<ffi::U8>>()         // k_codes
       .template Arg<ffi::Buffer<ffi::F32>>()        // k_norms
       .template Arg<ffi::Buffer<ffi::U8>>()         // v_codes
@@ -455,7 +457,12 @@ auto BindPagedDecode(B b) {
       .template Arg<ffi::Buffer<ffi::F32>>()        // k_centroids
       .template Arg<ffi::Buffer<ffi::F32>>()        // v_centroids
       .template Arg<ffi::Buffer<ffi::S32>>()        // block_tables [S, max_pages]
-      .template Arg<ffi::Buffer<ffi::S32>>()        // seq_lens [S]
+      .template Arg<ffi::Buffer<ffi::S32>>();       // seq_lens [S]
+}
+
+template <typename B>
+auto BindPagedDecode(B b) {
+  return BindAttentionOperands(std::move(b))
       .template Arg<ffi::Buffer<ffi::S32>>()        // rotation [2, 0] or [2, d] (fused)
       .template Ret<ffi::Buffer<ffi::F32>>()        // out_rot [S, H, d]
       .template Ret<ffi::Buffer<ffi::F32>>()        // partial_out [S, H, ns, d]
@@ -496,15 +503,7 @@ auto BindQjlScores(B b) {
 
 template <typename B>
 auto BindPagedPrefill(B b) {
-  return std::move(b).template Arg<ffi::Buffer<ffi::F32>>()    // q_rot [T, H, d]
-      .template Arg<ffi::Buffer<ffi::U8>>()         // k_codes
-      .template Arg<ffi::Buffer<ffi::F32>>()        // k_norms
-      .template Arg<ffi::Buffer<ffi::U8>>()         // v_codes
-      .template Arg<ffi::Buffer<ffi::F32>>()        // v_norms
-      .template Arg<ffi::Buffer<ffi::F32>>()        // k_centroids
-      .template Arg<ffi::Buffer<ffi::F32>>()        // v_centroids
-      .template Arg<ffi::Buffer<ffi::S32>>()        // block_tables [S, max_pages]
-      .template Arg<ffi::Buffer<ffi::S32>>()        // seq_lens [S]
+  return BindAttentionOperands(std::move(b))
       .template Arg<ffi::Buffer<ffi::S32>>()        // query_start_loc [S + 1]
       .template Ret<ffi::Buffer<ffi::F32>>()        // out_rot [T, H, d]
       .template Attr<int32_t>("k_bits")
