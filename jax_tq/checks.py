@@ -109,21 +109,37 @@ def check_decode_indices(block_tables, seq_lens, *, num_pages: int, page_size: i
     )
 
 
+def reject_checkify_residuals(op: str, **wanted) -> None:
+    """Raise a clear TypeError where a custom VJP's integer residuals arrive as something else: JAX
+    passes checkify's error state in their place when the forward pass ran under jax_tq.checked /
+    checkify and jax.grad was applied outside it. ``wanted``: name -> (value, expected dtype)."""
+    for name, (value, dtype) in wanted.items():
+        if jnp.result_type(value) != jnp.dtype(dtype):
+            raise TypeError(
+                f"jax_tq.{op}: its backward pass got {name} as {jnp.result_type(value)}, not {jnp.dtype(dtype)}: "
+                f"jax.grad of a checked {op} is not supported; differentiate inside the check, "
+                f"jax_tq.checked(jax.grad(f))")
+
+
 def check_query_start_loc(query_start_loc, seq_lens, *, num_rows: int) -> None:
     """Insert checks: query_start_loc starts at 0, never decreases and ends at num_rows, and no
     sequence has more new rows than tokens (seq_lens[s] >= its rows). No-op outside checked mode."""
     if not checks_enabled():
         return
-    steps = jnp.diff(query_start_loc)
-    first = jnp.argmin(steps) if steps.size else 0
-    checkify.check(
-        (query_start_loc[0] == 0) & (query_start_loc[-1] == num_rows) & (jnp.all(steps >= 0) if steps.size else True),
-        f"jax_tq.paged_prefill: query_start_loc must rise from 0 to num_tokens = {num_rows} without decreasing; "
-        "it starts at {a}, ends at {b}, and its smallest step is at {i}",
-        a=query_start_loc[0], b=query_start_loc[-1], i=first,
-    )
-    if steps.size == 0:
+    checkify.check(query_start_loc[0] == 0, "jax_tq.paged_prefill: query_start_loc[0] = {a} must be 0",
+                   a=query_start_loc[0])
+    checkify.check(query_start_loc[-1] == num_rows,
+                   f"jax_tq.paged_prefill: query_start_loc[-1] = {{b}} must be num_tokens = {num_rows}",
+                   b=query_start_loc[-1])
+    if seq_lens.size == 0:
         return
+    steps = jnp.diff(query_start_loc)
+    s = jnp.argmin(steps)
+    checkify.check(
+        steps[s] >= 0,
+        "jax_tq.paged_prefill: query_start_loc decreases from {a} to {b} at sequence {s}",
+        a=query_start_loc[s], b=query_start_loc[s + 1], s=s,
+    )
     short = steps > seq_lens
     s = jnp.argmax(short)
     checkify.check(

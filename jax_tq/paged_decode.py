@@ -22,7 +22,7 @@ from jax_tq import _ffi as ffi_loader
 from jax_tq import _primitive_utils as pu
 from jax_tq.backend import get_backend
 from jax_tq.cache import check_cache
-from jax_tq.checks import check_decode_indices
+from jax_tq.checks import check_decode_indices, reject_checkify_residuals
 
 paged_decode_p = _compat.Primitive("jax_tq_paged_decode")
 paged_decode_p.multiple_results = True
@@ -292,16 +292,9 @@ def _decode_fwd(*args):
 def _decode_bwd(k_bits, v_bits, scale, num_splits, f16_products, backend, operands, cotangent):
     """Backward pass through the reference (recomputes the softmax; memory O(num_seqs x tokens))."""
     q, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, rotation = operands
-    wanted = {"k_codes": (k_codes, jnp.uint8), "v_codes": (v_codes, jnp.uint8), "block_tables": (tables, jnp.int32),
-              "seq_lens": (lens, jnp.int32), "rotation": (rotation, jnp.int32)}
-    for name, (value, dtype) in wanted.items():
-        if jnp.result_type(value) != jnp.dtype(dtype):
-            # JAX passes checkify's error state in place of the residuals when the forward pass ran
-            # under jax_tq.checked / checkify and jax.grad was applied outside it.
-            raise TypeError(
-                f"jax_tq.paged_decode: its backward pass got {name} as {jnp.result_type(value)}, not {jnp.dtype(dtype)}: "
-                f"jax.grad of a checked paged_decode is not supported; differentiate inside the check, "
-                f"jax_tq.checked(jax.grad(f))")
+    reject_checkify_residuals("paged_decode", k_codes=(k_codes, jnp.uint8), v_codes=(v_codes, jnp.uint8),
+                              block_tables=(tables, jnp.int32), seq_lens=(lens, jnp.int32),
+                              rotation=(rotation, jnp.int32))
 
     def attend(q, kn, vn):  # the xla backend's function: the same gradient on both backends
         return _reference_any(q, k_codes, kn, v_codes, vn, k_cent, v_cent, tables, lens, rotation, k_bits,

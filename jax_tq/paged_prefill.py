@@ -20,7 +20,7 @@ from jax_tq import format as tq_format
 from jax_tq import _primitive_utils as pu
 from jax_tq.backend import get_backend
 from jax_tq.cache import check_cache
-from jax_tq.checks import check_decode_indices, check_query_start_loc
+from jax_tq.checks import check_decode_indices, check_query_start_loc, reject_checkify_residuals
 from jax_tq.paged_decode import _check_decode_args, _static_scale
 
 __all__ = ["paged_prefill"]
@@ -50,11 +50,13 @@ def paged_prefill(q, cache, block_tables, seq_lens, query_start_loc, *, scale=No
       scale: softmax scale, a finite Python number (static); default 1 / sqrt(head_dim).
 
     Returns:
-      [num_tokens, num_heads, head_dim] of q's dtype. Rows that no sequence owns, and rows placed
-      before their sequence's start (q_len_s > seq_lens[s]), are 0; a query row holding a NaN or
-      inf gives a NaN row. Out-of-range values of query_start_loc are clamped to [0, num_tokens];
+      [num_tokens, num_heads, head_dim] of q's dtype. Rows that no sequence owns are 0 whatever
+      their query holds; rows placed before their sequence's start (q_len_s > seq_lens[s]) are 0;
+      an owned row whose query holds a NaN or inf is NaN. Out-of-range values of query_start_loc are clamped to [0, num_tokens];
       if it decreases, which sequence a row belongs to is unspecified (``jax_tq.checked`` reports it).
-      Differentiable in q and the cache's norms (reverse mode: a custom VJP through the reference).
+      Differentiable in q and the cache's norms (reverse mode: a custom VJP through the reference,
+      whose memory is O(num_tokens x max_pages x page_size x num_kv_heads x head_dim); the ``xla``
+      backend's forward pass is that reference too).
 
     Raises:
       TypeError: q not float32/bfloat16/float16; an index array not int32; cache not a PagedKVCache.
@@ -98,14 +100,21 @@ def _check_query_start_loc(query_start_loc, num_seqs: int):
     return query_start_loc
 
 
+def _owned_rows(q_rot, k_codes, tables, lens, starts):
+    """bool [T, 1, 1]: the rows some sequence owns (the others are 0 whatever their query holds)."""
+    owned = reference.prefill_row_lens(starts, lens, q_rot.shape[0], tables.shape[1] * k_codes.shape[2])[2]
+    return owned[:, None, None]
+
+
 def _reference(q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, starts, *, k_bits, v_bits,
                scale):
-    """The primitive's semantics in jnp; a row whose q_rot is not all finite gives a NaN row (and
-    enters the reference as zeros, so that no NaN reaches its neighbours' gradients)."""
+    """The primitive's semantics in jnp: an owned row whose q_rot is not all finite gives a NaN row
+    (and enters the reference as zeros, so that no NaN reaches its neighbours' gradients)."""
     finite = jnp.all(jnp.isfinite(q_rot), axis=-1, keepdims=True)
     out_rot = reference.paged_prefill_rotated(jnp.where(finite, q_rot, 0), k_codes, k_norms, v_codes, v_norms,
                                               k_cent, v_cent, tables, lens, starts, k_bits, v_bits, scale)
-    return (jnp.where(finite, out_rot, jnp.nan).astype(jnp.float32),)
+    nan_rows = ~finite & _owned_rows(q_rot, k_codes, tables, lens, starts)
+    return (jnp.where(nan_rows, jnp.nan, out_rot).astype(jnp.float32),)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(10, 11, 12, 13))
@@ -124,6 +133,9 @@ def _prefill_fwd(*args):
 def _prefill_bwd(k_bits, v_bits, scale, backend, operands, cotangent):
     """Backward pass through the reference (the same gradient on every backend)."""
     q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, starts = operands
+    reject_checkify_residuals("paged_prefill", k_codes=(k_codes, jnp.uint8), v_codes=(v_codes, jnp.uint8),
+                              block_tables=(tables, jnp.int32), seq_lens=(lens, jnp.int32),
+                              query_start_loc=(starts, jnp.int32))
 
     def attend(q_rot, k_norms, v_norms):
         return _reference(q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, starts,
@@ -169,6 +181,8 @@ def _batch(args, dims, **params):
     lens = pu.move_batch_to_front(lens, dims[8], size)
     starts = pu.move_batch_to_front(starts, dims[9], size)
     num_tokens, max_pages = q.shape[1], tables.shape[-1]
+    owned = jax.vmap(lambda q, lens, starts: _owned_rows(q, pools[0], tables[0], lens, starts))(q, lens, starts)
+    q = jnp.where(owned, q, 0)  # rows of no sequence stay 0 once a gap sequence owns them
     # Each element's boundaries clamped to its own rows before the offset (the kernel clamps to all rows).
     starts = jnp.clip(starts, 0, num_tokens) + (jnp.arange(size, dtype=jnp.int32) * num_tokens)[:, None]
     folded_starts = jnp.concatenate([starts.reshape(-1), jnp.asarray([size * num_tokens], jnp.int32)])

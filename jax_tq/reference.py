@@ -404,9 +404,10 @@ def prefill_row_lens(query_start_loc, seq_lens, num_rows: int, max_tokens: int):
     Args:
       query_start_loc: int32 [S + 1].  seq_lens: int32 [S].  num_rows: T.  max_tokens: max_pages * page_size.
     Returns:
-      (seq int32 [T], lens int32 [T]): the sequence of each row (0 for a row of none) and its causal
-      length (0 for a row of none, so that it gets a zero output). Where ranges overlap (a
-      decreasing query_start_loc) the last sequence owns the row.
+      (seq int32 [T], lens int32 [T], owned bool [T]): the sequence of each row (0 for a row of
+      none), its causal length (0 for a row of none, so that it gets a zero output) and whether a
+      sequence owns it. Where ranges overlap (a decreasing query_start_loc) the last sequence owns
+      the row.
     """
     starts = jnp.clip(query_start_loc[:-1], 0, num_rows)
     ends = jnp.clip(query_start_loc[1:], starts, num_rows)
@@ -414,12 +415,14 @@ def prefill_row_lens(query_start_loc, seq_lens, num_rows: int, max_tokens: int):
     rows = jnp.arange(num_rows, dtype=jnp.int32)[:, None]
     inside = (rows >= starts[None, :]) & (rows < ends[None, :])                  # [T, S]
     num_seqs = starts.shape[0]
+    if num_seqs == 0:
+        return (jnp.zeros(num_rows, jnp.int32), jnp.zeros(num_rows, jnp.int32), jnp.zeros(num_rows, bool))
     last = num_seqs - 1 - jnp.argmax(inside[:, ::-1], axis=1)                   # the last s holding the row
     owned = jnp.any(inside, axis=1)
     seq = jnp.where(owned, last, 0).astype(jnp.int32)
     position = lens[seq] - (ends[seq] - starts[seq]) + (rows[:, 0] - starts[seq])
     causal = jnp.clip(position + 1, 0, lens[seq])
-    return seq, jnp.where(owned, causal, 0).astype(jnp.int32)
+    return seq, jnp.where(owned, causal, 0).astype(jnp.int32), owned
 
 
 def paged_prefill_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids,
@@ -451,7 +454,7 @@ def paged_prefill_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids
     if seq_lens.shape[0] == 0:  # no sequence: every row is one of none
         return jnp.zeros(jnp.shape(q_rot), _compute_dtype(jnp.result_type(q_rot)))
     page_size = jnp.shape(k_codes)[2]
-    seq, lens = prefill_row_lens(query_start_loc, seq_lens, jnp.shape(q_rot)[0], block_tables.shape[1] * page_size)
+    seq, lens, _ = prefill_row_lens(query_start_loc, seq_lens, jnp.shape(q_rot)[0], block_tables.shape[1] * page_size)
     return paged_decode_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids,
                                 block_tables[seq], lens, k_bits, v_bits, scale)
 

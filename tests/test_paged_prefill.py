@@ -110,6 +110,31 @@ def test_nan_query_row_gives_a_nan_row_only(rng):
     assert np.all(np.isnan(out[5, 1])) and np.isfinite(np.delete(out.reshape(-1, 64), 5 * 6 + 1, axis=0)).all()
 
 
+def test_nan_query_rows_of_no_sequence_stay_zero_on_every_path(rng):
+    q, cache, tables, lens, starts = _case(rng, lead_rows=1, tail_rows=2)
+    q = q.at[0, 2].set(jnp.nan).at[-1, 0].set(jnp.inf).at[3, 0].set(jnp.nan)  # rows 0 and -1 owned by none
+    outs = [tq.paged_prefill(q, cache, tables, lens, starts),
+            jax.vmap(tq.paged_prefill, in_axes=(0, None, None, None, None))(jnp.stack([q, q]), cache, tables, lens,
+                                                                            starts)[1]]
+    with tq.use_backend("xla"):
+        outs.append(jax.jit(lambda *a: tq.paged_prefill(*a))(q, cache, tables, lens, starts))
+    for out in map(np.asarray, outs):
+        assert np.all(out[0] == 0) and np.all(out[-1] == 0) and np.all(np.isnan(out[3, 0]))
+        assert np.all(np.isfinite(out[1:-1].reshape(-1, 64)[np.arange(out[1:-1].size // 64) != 2 * 6]))
+
+
+def test_checked_prefill_without_sequences_and_grad_outside_the_check(rng):
+    q, cache, _, _, _ = _case(rng)
+    err, out = jax.jit(tq.checked(tq.paged_prefill))(q, cache, jnp.zeros((0, 1), jnp.int32), jnp.zeros((0,), jnp.int32),
+                                                     jnp.zeros((1,), jnp.int32))
+    with pytest.raises(Exception, match=r"query_start_loc\[-1\] = 0 must be num_tokens"):
+        err.throw()
+    assert np.all(np.asarray(out) == 0)
+    _, _, tables, lens, starts = _case(rng)
+    with pytest.raises(TypeError, match="jax.grad of a checked paged_prefill is not supported"):
+        jax.grad(lambda q: tq.checked(lambda q: tq.paged_prefill(q, cache, tables, lens, starts).sum())(q)[1])(q)
+
+
 def test_vmap_folds_into_one_kernel_call(rng):
     q, cache, tables, lens, starts = _case(rng, seq_lens=(10, 33, 5), q_lens=(4, 30, 2), tail_rows=2)
     qs = jnp.stack([q, -q, 2 * q])
@@ -162,8 +187,9 @@ def test_bad_inputs_raise_clear_errors(rng):
 
 
 @pytest.mark.parametrize("starts,lens,match", [
-    ([0, 4, 3, 39, 39], [10, 33, 5, 0], "query_start_loc must rise from 0"),
-    ([1, 4, 37, 39, 39], [10, 33, 5, 0], "query_start_loc must rise from 0"),
+    ([0, 4, 3, 39, 39], [10, 33, 5, 0], "query_start_loc decreases from 4 to 3 at sequence 1"),
+    ([1, 4, 37, 39, 39], [10, 33, 5, 0], r"query_start_loc\[0\] = 1 must be 0"),
+    ([0, 4, 37, 39, 38], [10, 33, 5, 0], r"query_start_loc\[-1\] = 38 must be num_tokens = 39"),
     ([0, 4, 37, 39, 39], [10, 32, 5, 0], r"sequence 1 has 33 new query rows but seq_lens\[1\] = 32"),
 ])
 def test_checked_prefill_reports_bad_query_start_loc(rng, starts, lens, match):
