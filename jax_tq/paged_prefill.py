@@ -55,8 +55,8 @@ def paged_prefill(q, cache, block_tables, seq_lens, query_start_loc, *, scale=No
       an owned row whose query holds a NaN or inf is NaN. Out-of-range values of query_start_loc are clamped to [0, num_tokens];
       if it decreases, which sequence a row belongs to is unspecified (``jax_tq.checked`` reports it).
       Differentiable in q and the cache's norms (reverse mode: a custom VJP through the reference,
-      whose memory is O(num_tokens x max_pages x page_size x num_kv_heads x head_dim); the ``xla``
-      backend's forward pass is that reference too).
+      16 rows at a time with rematerialisation, :func:`jax_tq.reference.paged_prefill_rotated`; the
+      ``xla`` backend's forward pass is that reference too).
 
     Raises:
       TypeError: q not float32/bfloat16/float16; an index array not int32; cache not a PagedKVCache.

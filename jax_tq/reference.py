@@ -425,14 +425,21 @@ def prefill_row_lens(query_start_loc, seq_lens, num_rows: int, max_tokens: int):
     return seq, jnp.where(owned, causal, 0).astype(jnp.int32), owned
 
 
+#: Query rows the prefill reference decodes at a time (its memory is O(chunk x max_pages x page_size
+#: x num_kv_heads x head_dim), in the forward and, rematerialised, in the backward pass).
+PREFILL_ROW_CHUNK = 16
+
+
 def paged_prefill_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids,
                           block_tables, seq_lens, query_start_loc, k_bits: int, v_bits: int, scale: float):
     """Causal attention of several sequences' new query rows over a TurboQuant paged cache, in the
     rotated domain (FFI target ``jax_tq_paged_prefill``).
 
     Each row attends as a one-query decode of its sequence cut at its own position
-    (:func:`prefill_row_lens`), so this is :func:`paged_decode_rotated` over the rows: memory
-    O(T x max_pages x page_size x head_dim), meant for tests and short prompts.
+    (:func:`prefill_row_lens`): :func:`paged_decode_rotated` over the rows, PREFILL_ROW_CHUNK rows at
+    a time (``lax.map`` of a rematerialised function), so that memory stays
+    O(PREFILL_ROW_CHUNK x max_pages x page_size x num_kv_heads x head_dim) in the forward and the
+    backward pass; time O(T x max_pages x page_size), sequential over the chunks.
 
     Args:
       q_rot: float [T, H, d], the new tokens' queries (sequence s owns rows
@@ -454,9 +461,25 @@ def paged_prefill_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids
     if seq_lens.shape[0] == 0:  # no sequence: every row is one of none
         return jnp.zeros(jnp.shape(q_rot), _compute_dtype(jnp.result_type(q_rot)))
     page_size = jnp.shape(k_codes)[2]
-    seq, lens, _ = prefill_row_lens(query_start_loc, seq_lens, jnp.shape(q_rot)[0], block_tables.shape[1] * page_size)
-    return paged_decode_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids,
-                                block_tables[seq], lens, k_bits, v_bits, scale)
+    num_rows = jnp.shape(q_rot)[0]
+    seq, lens, _ = prefill_row_lens(query_start_loc, seq_lens, num_rows, block_tables.shape[1] * page_size)
+
+    def rows(chunk):  # one chunk of rows as one-query decodes; rematerialised in the backward pass
+        q_chunk, seq_chunk, lens_chunk = chunk
+        return paged_decode_rotated(q_chunk, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids,
+                                    block_tables[seq_chunk], lens_chunk, k_bits, v_bits, scale)
+
+    if num_rows <= PREFILL_ROW_CHUNK:
+        return rows((q_rot, seq, lens))
+    chunks = -(-num_rows // PREFILL_ROW_CHUNK)
+    pad = chunks * PREFILL_ROW_CHUNK - num_rows
+
+    def split(a):  # [num_rows, ...] -> [chunks, PREFILL_ROW_CHUNK, ...] (padding rows: length 0)
+        a = jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1))
+        return a.reshape((chunks, PREFILL_ROW_CHUNK) + a.shape[1:])
+
+    out = jax.lax.map(jax.checkpoint(rows), (split(jnp.asarray(q_rot)), split(seq), split(lens)))
+    return out.reshape((-1,) + out.shape[2:])[:num_rows]
 
 
 def _check_decode_args(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids,
