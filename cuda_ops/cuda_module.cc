@@ -21,9 +21,16 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxTqCompressCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxTqDecompressCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxTqWriteCacheCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxTqPagedDecodeCuda);
+// Kernels not yet run on a GPU (qjl.cu, paged_prefill.cu) are built and registered only with
+// JAX_TQ_CUDA_UNVERIFIED=ON (CMake defines JTQ_CUDA_UNVERIFIED); CI builds them to keep them compiling.
+#ifdef JTQ_CUDA_UNVERIFIED
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxTqQjlCompressCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxTqQjlScoresCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxTqPagedPrefillCuda);
+#define JTQ_UNVERIFIED_HANDLERS JaxTqQjlCompressCuda, JaxTqQjlScoresCuda, JaxTqPagedPrefillCuda
+#else
+#define JTQ_UNVERIFIED_HANDLERS nullptr, nullptr, nullptr
+#endif
 
 namespace jax_tq::cuda {
 // paged_decode.cu: whether v4's ring kernel for (head_dim, K bits, V bits) keeps 2 CTAs per SM on
@@ -42,8 +49,7 @@ PYBIND11_MODULE(_cuda_ops, m) {
   m.doc() = "jax_tq CUDA XLA FFI handlers";
   m.def("registrations", []() {
     return jax_tq::FfiRegistrations({JaxTqCompressCuda, JaxTqDecompressCuda, JaxTqWriteCacheCuda,
-                                     JaxTqPagedDecodeCuda, JaxTqQjlCompressCuda, JaxTqQjlScoresCuda,
-                                     JaxTqPagedPrefillCuda});
+                                     JaxTqPagedDecodeCuda, JTQ_UNVERIFIED_HANDLERS});
   });
   m.def("ffi_api_version", &jax_tq::FfiApiVersion,
         "(major, minor) of the XLA FFI API in the headers this module was compiled against.");

@@ -98,6 +98,26 @@ def unavailable_reason(platform: str) -> str:
     return _load(platform)[1]
 
 
+@functools.lru_cache(maxsize=None)
+def _registered_targets(platform: str) -> frozenset:
+    module = _load(platform)[0] if platform in _MODULES else None
+    return frozenset(module.registrations()) if module is not None else frozenset()
+
+
+def has_target(platform: str, target: str) -> bool:
+    """Whether the loaded module for ``platform`` registers the FFI target ``target``: a CUDA module
+    built without the kernels not yet run on a GPU (``JAX_TQ_CUDA_UNVERIFIED`` off, the default)
+    lacks theirs, and their ops then run the reference on that platform (backend "auto")."""
+    return target in _registered_targets(platform)
+
+
+def missing_target_reason(platform: str, target: str) -> str:
+    """Why ``target`` has no kernel on ``platform`` although the module loaded."""
+    module_name = _MODULES[platform][0]
+    return (f"{module_name} was built without {target} (a kernel not yet run on a GPU; rebuild with "
+            "JAX_TQ_CUDA_UNVERIFIED=ON to include it)")
+
+
 def cuda_module():
     """The loaded CUDA module, or None."""
     return _load("cuda")[0] if "cuda" in _MODULES else None

@@ -53,17 +53,18 @@ def register_lowerings(
     """
     for platform in _PLATFORMS:
         _compat.mlir.register_lowering(
-            prim, functools.partial(_lower, platform, reference_impl, ffi_rule, tuple(may_be_empty)),
+            prim, functools.partial(_lower, platform, prim.name, reference_impl, ffi_rule, tuple(may_be_empty)),
             platform=platform,
         )
 
 
-def _lower(platform, reference_impl, ffi_rule, may_be_empty, ctx, *operands, backend: str, **params):
-    use_kernel = _ffi.kernels_available(platform)
+def _lower(platform, target, reference_impl, ffi_rule, may_be_empty, ctx, *operands, backend: str, **params):
+    use_kernel = _ffi.kernels_available(platform) and _ffi.has_target(platform, target)
     if not use_kernel and backend == "ffi":
+        reason = (_ffi.unavailable_reason(platform) if not _ffi.kernels_available(platform)
+                  else _ffi.missing_target_reason(platform, target))
         raise BackendUnavailableError(
-            f"jax_tq backend 'ffi' was chosen but cannot serve {platform!r}: "
-            f"{_ffi.unavailable_reason(platform)}. Use backend 'auto' or 'xla'."
+            f"jax_tq backend 'ffi' was chosen but cannot serve {platform!r}: {reason}. Use backend 'auto' or 'xla'."
         )
     inputs = [a for i, a in enumerate(ctx.avals_in) if i not in may_be_empty]
     if not use_kernel or has_zero_size(inputs) or has_zero_size(ctx.avals_out):

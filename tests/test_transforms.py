@@ -213,6 +213,23 @@ def test_explicit_ffi_backend_raises_where_no_kernel(monkeypatch, rng):
     np.testing.assert_array_equal(np.asarray(codes), np.asarray(want))
 
 
+def test_a_module_without_a_target_serves_it_with_the_reference(monkeypatch, rng):
+    """A kernel module built without some kernels (the CUDA module without JAX_TQ_CUDA_UNVERIFIED):
+    backend "auto" runs those ops' reference, "ffi" names the missing target."""
+    from jax_tq import _ffi
+    monkeypatch.setattr(_ffi, "has_target", lambda platform, target: target != "jax_tq_qjl_scores")
+    codec = tq.TurboQuantProd(64, 4)
+    keys = tq.qjl_compress(jnp.asarray(rng.normal(size=(9, 64)), jnp.float32), codec)
+    q = jnp.asarray(rng.normal(size=(3, 64)), jnp.float32)
+    with pytest.raises(tq.BackendUnavailableError, match="built without jax_tq_qjl_scores"):
+        jax.jit(lambda q: tq.qjl_scores(q, keys, codec))(q)
+    with tq.use_backend("auto"):
+        got = jax.jit(lambda q: tq.qjl_scores(q, keys, codec))(q)
+    with tq.use_backend("xla"):
+        want = tq.qjl_scores(q, keys, codec)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
 def test_grad_of_paged_decode_matches_the_reference(rng):
     cache, tables, lens = _setup(rng)
     q = jnp.asarray(rng.normal(size=(4, 6, 64)), jnp.float32)

@@ -5,6 +5,7 @@
 #define JAX_TQ_FFI_MODULE_H_
 
 #include <type_traits>
+#include <utility>
 
 #include <pybind11/pybind11.h>
 
@@ -30,15 +31,16 @@ struct FfiHandlers {
   XLA_FFI_Handler* paged_prefill;
 };
 
+// A null handler (a kernel the module was built without) is left out.
 inline pybind11::dict FfiRegistrations(const FfiHandlers& h) {
   pybind11::dict d;
-  d["jax_tq_compress"] = EncapsulateFfiHandler(h.compress);
-  d["jax_tq_decompress"] = EncapsulateFfiHandler(h.decompress);
-  d["jax_tq_write_cache"] = EncapsulateFfiHandler(h.write_cache);
-  d["jax_tq_paged_decode"] = EncapsulateFfiHandler(h.paged_decode);
-  d["jax_tq_qjl_compress"] = EncapsulateFfiHandler(h.qjl_compress);
-  d["jax_tq_qjl_scores"] = EncapsulateFfiHandler(h.qjl_scores);
-  d["jax_tq_paged_prefill"] = EncapsulateFfiHandler(h.paged_prefill);
+  const std::pair<const char*, XLA_FFI_Handler*> targets[] = {
+      {"jax_tq_compress", h.compress},         {"jax_tq_decompress", h.decompress},
+      {"jax_tq_write_cache", h.write_cache},   {"jax_tq_paged_decode", h.paged_decode},
+      {"jax_tq_qjl_compress", h.qjl_compress}, {"jax_tq_qjl_scores", h.qjl_scores},
+      {"jax_tq_paged_prefill", h.paged_prefill}};
+  for (const auto& [name, handler] : targets)
+    if (handler != nullptr) d[name] = EncapsulateFfiHandler(handler);
   return d;
 }
 
