@@ -1,6 +1,7 @@
 """Shared test helpers: fresh random inputs, float64 oracle, poisoning."""
 from __future__ import annotations
 
+import contextlib
 import os
 import zlib
 
@@ -42,3 +43,22 @@ def poison_device_memory(nbytes: int) -> None:
     buf = jax.numpy.full((n,), jax.numpy.nan, jax.numpy.float32)
     buf.block_until_ready()
     del buf
+
+
+def kernels_built(platform: str, targets) -> bool:
+    """Whether this install's module for ``platform`` has kernels for every FFI target in ``targets``
+    (the CUDA module built without JAX_TQ_CUDA_UNVERIFIED lacks the QJL and prefill ones)."""
+    from jax_tq import _ffi
+    return _ffi.kernels_available(platform) and all(_ffi.has_target(platform, t) for t in targets)
+
+
+@contextlib.contextmanager
+def kernel_backend(request, targets):
+    """Backend "ffi" where the default device's module has ``targets``' kernels, else "auto" (their
+    reference); a test marked gpu is skipped when the CUDA module lacks them."""
+    import jax_tq as tq
+    platform = "cuda" if jax.devices()[0].platform == "gpu" else jax.devices()[0].platform
+    if "gpu" in request.keywords and not kernels_built("cuda", targets):
+        pytest.skip("jax_tq._cuda_ops was built without these kernels (JAX_TQ_CUDA_UNVERIFIED=ON builds them)")
+    with tq.use_backend("ffi" if kernels_built(platform, targets) else "auto"):
+        yield

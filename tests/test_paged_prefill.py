@@ -11,26 +11,17 @@ import numpy as np
 import pytest
 
 import jax_tq as tq
-from jax_tq import _ffi
 from jax_tq.paged_prefill import paged_prefill_p
+from conftest import kernel_backend
 from oracle import decode_f64, primitive_count, random_cache, random_tables, rel_err
 
 
 TARGETS = ("jax_tq_paged_prefill",)
 
 
-def _kernels_built(platform: str) -> bool:
-    """Whether this install's module for ``platform`` has these ops' kernels (a CUDA module built
-    without JAX_TQ_CUDA_UNVERIFIED lacks them, and their ops run the reference on the GPU)."""
-    return _ffi.kernels_available(platform) and all(_ffi.has_target(platform, t) for t in TARGETS)
-
-
 @pytest.fixture(autouse=True)
 def ffi_backend(request):
-    platform = "cuda" if jax.devices()[0].platform == "gpu" else jax.devices()[0].platform
-    if "gpu" in request.keywords and not _kernels_built("cuda"):
-        pytest.skip("jax_tq._cuda_ops was built without these kernels (JAX_TQ_CUDA_UNVERIFIED=ON builds them)")
-    with tq.use_backend("ffi" if _kernels_built(platform) else "auto"):
+    with kernel_backend(request, TARGETS):
         yield
 
 

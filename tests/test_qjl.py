@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 
 import jax_tq as tq
-from jax_tq import _compat, _ffi, reference
+from jax_tq import _compat, reference
 from jax_tq.format import unpack_codes, unpack_signs
 from jax_tq.qjl import qjl_compress_p, qjl_scores_p
+from conftest import kernel_backend
 from oracle import primitive_count, rel_err
 
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -19,18 +20,9 @@ DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 TARGETS = ("jax_tq_qjl_compress", "jax_tq_qjl_scores")
 
 
-def _kernels_built(platform: str) -> bool:
-    """Whether this install's module for ``platform`` has these ops' kernels (a CUDA module built
-    without JAX_TQ_CUDA_UNVERIFIED lacks them, and their ops run the reference on the GPU)."""
-    return _ffi.kernels_available(platform) and all(_ffi.has_target(platform, t) for t in TARGETS)
-
-
 @pytest.fixture(autouse=True)
 def ffi_backend(request):
-    platform = "cuda" if jax.devices()[0].platform == "gpu" else jax.devices()[0].platform
-    if "gpu" in request.keywords and not _kernels_built("cuda"):
-        pytest.skip("jax_tq._cuda_ops was built without these kernels (JAX_TQ_CUDA_UNVERIFIED=ON builds them)")
-    with tq.use_backend("ffi" if _kernels_built(platform) else "auto"):
+    with kernel_backend(request, TARGETS):
         yield
 
 
