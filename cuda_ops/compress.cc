@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "jax_tq/cpu_floats.h"
+#include "jax_tq/cpu_matvec.h"
 #include "jax_tq/ffi_checks.h"
 #include "jax_tq/format.h"
 #include "xla/ffi/api/ffi.h"
@@ -43,8 +44,7 @@ struct RowCompressor {
     if (rows >= kTransposeRows) {
       thread_local std::vector<double> buffer;
       buffer.resize(size_t(d) * size_t(d));
-      for (int j = 0; j < d; ++j)
-        for (int k = 0; k < d; ++k) buffer[size_t(k) * d + j] = double(rot[int64_t(j) * d + k]);
+      transpose_to_double(rot, d, buffer.data());
       rot_t = buffer.data();
     }
   }
@@ -61,7 +61,7 @@ struct RowCompressor {
     uint8_t codes[kMaxHeadDim];
     double y[kMaxHeadDim];
     for (int i = 0; i < d; ++i) u[i] = float(double(x[i]) * inv);
-    rot_t ? rotate_transposed(u, y) : rotate(u, y);
+    rot_t ? matvec_transposed(rot_t, u, d, y) : rotate(u, y);
     for (int j = 0; j < d; ++j) codes[j] = uint8_t(bucketize(float(y[j]), boundaries, nb));
     pack_row(codes, d, bits, row);
     return float(norm);
@@ -70,7 +70,8 @@ struct RowCompressor {
  private:
   static constexpr int64_t kTransposeRows = 32;
 
-  // y_j = sum_k Pi[j, k] u_k, summed in k order in double (both versions give the same bits);
+  // y_j = sum_k Pi[j, k] u_k, summed in k order in double (the same bits as matvec_transposed,
+  // which the constructor's transposed copy serves);
   // kRows outputs at a time, so that their kRows independent sums overlap.
   void rotate(const float* u, double* y) const {
     constexpr int kRows = 8;  // every supported head_dim is a multiple of 16
@@ -81,16 +82,6 @@ struct RowCompressor {
         for (int r = 0; r < kRows; ++r) acc[r] += double(rot[int64_t(j0 + r) * d + k]) * uk;
       }
       for (int r = 0; r < kRows; ++r) y[j0 + r] = acc[r];
-    }
-  }
-
-  // The same sums with every j at once: the inner loop runs over contiguous j (vectorised).
-  void rotate_transposed(const float* u, double* y) const {
-    for (int j = 0; j < d; ++j) y[j] = 0.0;
-    for (int k = 0; k < d; ++k) {
-      const double uk = u[k];
-      const double* col = rot_t + size_t(k) * d;
-      for (int j = 0; j < d; ++j) y[j] += col[j] * uk;
     }
   }
 };

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "jax_tq/cpu_floats.h"
+#include "jax_tq/cpu_matvec.h"
 #include "jax_tq/ffi_checks.h"
 #include "jax_tq/format.h"
 #include "xla/ffi/api/ffi.h"
@@ -22,22 +23,11 @@ namespace {
 using ffi_checks::Op;
 using namespace cpu_floats;  // NOLINT: load_row, FloatKind, kDtypeMsg
 
-// m [d, d] (row-major) transposed into double: out[k * d + j] = m[j, k], so that y = m @ v runs
-// over contiguous memory (y[j] += out[k * d + j] * v[k]).
+// m [d, d] transposed into double (cpu_matvec.h).
 std::vector<double> transposed(const float* m, int d) {
   std::vector<double> out(size_t(d) * size_t(d));
-  for (int j = 0; j < d; ++j)
-    for (int k = 0; k < d; ++k) out[size_t(k) * d + j] = double(m[int64_t(j) * d + k]);
+  transpose_to_double(m, d, out.data());
   return out;
-}
-
-void matvec(const std::vector<double>& m_t, const double* v, int d, double* y) {
-  for (int j = 0; j < d; ++j) y[j] = 0.0;
-  for (int k = 0; k < d; ++k) {
-    const double vk = v[k];
-    const double* col = m_t.data() + size_t(k) * d;
-    for (int j = 0; j < d; ++j) y[j] += col[j] * vk;
-  }
 }
 
 struct QjlRow {
@@ -55,14 +45,14 @@ QjlRow compress_row(const float* x, int d, int bits, const std::vector<double>& 
   double u[kMaxHeadDim], y[kMaxHeadDim], r[kMaxHeadDim], s[kMaxHeadDim];
   uint8_t codes[kMaxHeadDim];
   for (int i = 0; i < d; ++i) u[i] = double(float(double(x[i]) * inv));
-  matvec(rot_t, u, d, y);
+  matvec_transposed(rot_t.data(), u, d, y);
   double rr = 0.0;
   for (int j = 0; j < d; ++j) {
     codes[j] = uint8_t(bucketize(float(y[j]), boundaries, (1 << bits) - 1));
     r[j] = y[j] - double(centroids[codes[j]]);
     rr += r[j] * r[j];
   }
-  matvec(sketch_t, r, d, s);
+  matvec_transposed(sketch_t.data(), r, d, s);
   float s_f[kMaxHeadDim];
   for (int i = 0; i < d; ++i) s_f[i] = float(s[i]);
   pack_row(codes, d, bits, codes_row);
