@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <string>
 
+#include "jax_tq/cuda_warp.h"
 #include "jax_tq/ffi_checks.h"
 #include "jax_tq/format.h"
 #include "xla/ffi/api/ffi.h"
@@ -40,12 +41,6 @@ struct PrefillParams {
   int heads_per_cta, rows_per_cta, head_chunks;
   float scale;
 };
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
 
 // The sequence whose rows contain `row` (query_start_loc non-decreasing), or -1 for a row of none.
 __device__ int64_t sequence_of(const PrefillParams& p, int64_t row) {

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <string>
 
+#include "jax_tq/cuda_warp.h"
 #include "jax_tq/ffi_checks.h"
 #include "jax_tq/format.h"
 #include "xla/ffi/api/ffi.h"
@@ -35,18 +36,6 @@ __device__ __forceinline__ float load_x(const void* x, int ft, int64_t i) {
   if (ft == int(FType::kF32)) return static_cast<const float*>(x)[i];
   if (ft == int(FType::kBF16)) return __bfloat162float(static_cast<const __nv_bfloat16*>(x)[i]);
   return __half2float(static_cast<const __half*>(x)[i]);
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
 }
 
 // out[v][j] = sum_k m[j, k] * in[v][k] for every j of this warp (j = warp, warp + 8, ...): lanes
