@@ -97,7 +97,7 @@ def quantize_rotated(y, centroids):
     return jnp.sum(y[..., None] > boundaries, axis=-1, dtype=jnp.int32).astype(jnp.uint8)
 
 
-def compress(x, rotation, centroids, bits: int):
+def compress(x, rotation, centroids, bits: int, fit_scale: bool = False):
     """TurboQuant_mse quantization of vectors x (FFI target ``jax_tq_compress``).
 
     Args:
@@ -105,14 +105,18 @@ def compress(x, rotation, centroids, bits: int):
       rotation: float [d, d], Pi (y = Pi @ u).
       centroids: float [2**bits], ascending.
       bits: 2, 3 or 4.
+      fit_scale: False: codes of y and norms = ||x||. True: the fitted scale (docs/FORMAT.md
+        "Fitted scale", :func:`fit_codes`): codes of the best pre-scaling of y and norms =
+        ||x|| <y, c[codes]> / |c[codes]|^2.
     Returns:
-      (codes uint8 [..., d*bits/8], norms [...]) with norms = ||x||_2 in the compute dtype
-      (float32, or float64 for float64 x under x64). A zero vector gets norm 0 and all codes
-      equal to the code of y = 0 (it decodes to exactly 0 because its norm is 0).
+      (codes uint8 [..., d*bits/8], norms [...]) with norms = ||x||_2 (or the fitted scale) in the
+      compute dtype (float32, or float64 for float64 x under x64). A zero vector gets norm 0 and
+      all codes equal to the code of y = 0 (it decodes to exactly 0 because its norm is 0).
     Raises:
       TypeError: non-floating x / rotation / centroids.  ValueError: bad shapes, bits, head_dim.
     Source: TurboQuant (arXiv 2504.19874), Algorithm 1 (Quant_mse): y = Pi x / ||x||, idx_j =
-      argmin_k |y_j - c_k|.
+      argmin_k |y_j - c_k|; the fitted scale is the least-squares gain of a gain-shape quantizer
+      (Gersho & Gray, "Vector Quantization and Signal Compression", 1992, ch. 12).
     """
     x, rotation, centroids = jnp.asarray(x), jnp.asarray(rotation), jnp.asarray(centroids)
     _check_float("x", x)
@@ -121,7 +125,7 @@ def compress(x, rotation, centroids, bits: int):
     _check_centroids("centroids", centroids, bits)
     _check_float("rotation", rotation)
     _check_float("centroids", centroids)
-    return _compress_impl(x, rotation, centroids, bits=bits)
+    return _compress_impl(x, rotation, centroids, bits=bits, fit_scale=bool(fit_scale))
 
 
 def _norm_and_unit(x):
@@ -146,15 +150,87 @@ def _norm_and_unit(x):
     return norms.astype(x.dtype), unit.astype(x.dtype)
 
 
-@_jit("bits")
-def _compress_impl(x, rotation, centroids, bits):
-    """compress after validation."""
+def _rotated_unit(x, rotation):
+    """(||x||, y = Pi x / ||x||) in the compute dtype (see :func:`_norm_and_unit`)."""
     compute_dtype = _compute_dtype(x.dtype)
-    x = x.astype(compute_dtype)
-    norms, unit = _norm_and_unit(x)
-    rotated = jnp.matmul(unit, rotation.astype(compute_dtype).T, precision=_HIGHEST)
-    codes = quantize_rotated(rotated, centroids.astype(compute_dtype))
+    norms, unit = _norm_and_unit(x.astype(compute_dtype))
+    return norms, jnp.matmul(unit, rotation.astype(compute_dtype).T, precision=_HIGHEST)
+
+
+@_jit("bits", "fit_scale")
+def _compress_impl(x, rotation, centroids, bits, fit_scale=False):
+    """compress after validation."""
+    norms, rotated = _rotated_unit(x, rotation)
+    if fit_scale:
+        codes, gain = fit_codes(rotated, centroids)
+        norms = norms * gain
+    else:
+        codes = quantize_rotated(rotated, centroids.astype(rotated.dtype))
     return tq_format.pack_codes(codes, bits), norms
+
+
+def fit_codes(y, centroids):
+    """The fitted scale's quantizer (docs/FORMAT.md "Fitted scale"): for each pre-scaling s_k of
+    ``jax_tq.format.FIT_GRID``, codes_k = number of boundaries b_i with fl32(s_k b_i) < y; the k
+    with the largest <y, c[codes_k]>^2 / |c[codes_k]|^2 wins (the first on ties).
+
+    Args:
+      y: float [..., d], rotated unit vectors (float32, or float64 under x64).
+      centroids: float [2**bits], ascending.
+    Returns:
+      (codes uint8 [..., d], gain [...] = <y, c[codes]> / |c[codes]|^2 in y's dtype): the stored
+      scale of x is ||x|| * gain.
+    """
+    boundaries = ((centroids[1:] + centroids[:-1]) * 0.5).astype(jnp.float32)
+    values = centroids.astype(y.dtype)
+    best_codes = jnp.zeros(y.shape, jnp.uint8)
+    best_dot = jnp.zeros(y.shape[:-1], y.dtype)
+    best_sq = jnp.ones(y.shape[:-1], y.dtype)
+    best_gain = jnp.full(y.shape[:-1], -1.0, y.dtype)
+    for s in tq_format.FIT_GRID:
+        scaled = (jnp.float32(s) * boundaries).astype(y.dtype)  # fl32(s_k * b_i), exact in y's dtype
+        codes = jnp.sum(y[..., None] > scaled, axis=-1, dtype=jnp.int32)
+        c = values[codes]
+        dot = jnp.sum(y * c, axis=-1)
+        sq = jnp.sum(c * c, axis=-1)
+        gain = dot * dot / sq
+        better = gain > best_gain
+        best_codes = jnp.where(better[..., None], codes.astype(jnp.uint8), best_codes)
+        best_dot, best_sq = jnp.where(better, dot, best_dot), jnp.where(better, sq, best_sq)
+        best_gain = jnp.where(better, gain, best_gain)
+    return best_codes, best_dot / best_sq
+
+
+def window_rows(x, rotation):
+    """The window's stored rows of vectors x: bfloat16 of ||x|| * (Pi x / ||x||), i.e. Pi x
+    rounded once to bfloat16 (docs/FORMAT.md "Window").
+
+    Args:
+      x: float [..., d].  rotation: float [d, d], Pi.
+    Returns:
+      bfloat16 [..., d].
+    """
+    norms, rotated = _rotated_unit(jnp.asarray(x), jnp.asarray(rotation))
+    return (norms[..., None] * rotated).astype(jnp.float32).astype(jnp.bfloat16)
+
+
+def window_write(x, window, rotation, window_slots):
+    """Write tokens' rows into a window pool (the window half of ``jax_tq_write_cache``).
+
+    Args:
+      x: float [T, Hkv, d].  window: bfloat16 [num_windows, Hkv, W, d].
+      rotation: float [d, d].  window_slots: int32 [T], entry w * W + p % W of each token;
+        negative or >= num_windows * W: not written.
+    Returns:
+      the updated pool (a copy).
+    """
+    num_windows, _, length, _ = window.shape
+    slots = jnp.asarray(window_slots, jnp.int32)
+    valid = (slots >= 0) & (slots < num_windows * length)
+    rows = window_rows(jnp.where(valid[:, None, None], x, 0), rotation)
+    ids = jnp.where(valid, slots // max(length, 1), num_windows)  # out of range: dropped
+    entries = jnp.where(valid, slots % max(length, 1), 0)
+    return window.at[ids, :, entries].set(rows, mode="drop")
 
 
 def dequantize_rotated(codes, norms, centroids, bits: int):
@@ -226,7 +302,7 @@ def _rotate_back(rotated, rotation, dtype):
     return decoded.astype(dtype)
 
 
-def compress_write(x, codes, norms, rotation, centroids, slot_mapping, bits: int):
+def compress_write(x, codes, norms, rotation, centroids, slot_mapping, bits: int, fit_scale: bool = False):
     """Compress tokens and scatter them into the paged pools (one pool of FFI target ``jax_tq_write_cache``).
 
     Args:
@@ -237,7 +313,7 @@ def compress_write(x, codes, norms, rotation, centroids, slot_mapping, bits: int
       rotation: float [d, d].  centroids: float [2**bits].
       slot_mapping: int32 [T]; token t goes to page slot // page_size, offset slot % page_size.
         Slots < 0 or >= P * page_size are skipped. Duplicates: one writer wins (unspecified).
-      bits: 2, 3 or 4.
+      bits: 2, 3 or 4.  fit_scale: as :func:`compress`.
     Returns:
       (codes, norms): updated copies of the pools (same shapes / dtypes).
     Raises:
@@ -256,7 +332,7 @@ def compress_write(x, codes, norms, rotation, centroids, slot_mapping, bits: int
     # Skipped tokens (padding) enter as zeros: never stored, and their gradient is then exactly 0
     # even where they hold NaN or inf.
     x = jnp.where(_written(slot_mapping, norms.shape[0] * norms.shape[2])[:, None, None], x, 0)
-    new_codes, new_norms = compress(x, rotation, centroids, bits)
+    new_codes, new_norms = compress(x, rotation, centroids, bits, fit_scale)
     return _scatter_slots(codes, norms, new_codes, new_norms, slot_mapping)
 
 
@@ -336,7 +412,7 @@ def _masked_softmax_weights(scores, valid, scale):
 
 
 def paged_decode_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids,
-                         block_tables, seq_lens, k_bits: int, v_bits: int, scale: float):
+                         block_tables, seq_lens, k_bits: int, v_bits: int, scale: float, window=None):
     """Single-query attention over a TurboQuant paged cache, in the rotated domain
     (FFI target ``jax_tq_paged_decode``, without the split-K workspace).
 
@@ -349,14 +425,20 @@ def paged_decode_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids,
         block_tables[i, j]; ids outside [0, P) are skipped (never read out of bounds).
       seq_lens: int32 [S], clamped to [0, max_pages*page_size].
       k_bits, v_bits: 2, 3 or 4.  scale: softmax scale (float).
+      window: None, or (k_window, v_window, window_ids): bfloat16 [num_windows, Hkv, W, d] rings of
+        rotated rows and int32 [S]; sequence s then reads its last min(L, W) tokens (L its clamped
+        length) from entries p % W of window window_ids[s] (none if that id is outside
+        [0, num_windows)) and the others from the pages (docs/FORMAT.md "Window").
     Returns:
-      out_rot [S, H, d] in promote(q_rot.dtype, float32): sum_t p_t v_norm_t c_v[vcode_t] with
-      p = softmax_t(scale * k_norm_t * <q_rot, c_k[kcode_t]>) over valid tokens; query head h
-      uses KV head h // (H / Hkv). Rows with no valid token are exactly 0.
+      out_rot [S, H, d] in promote(q_rot.dtype, float32): sum_t p_t v_t over the valid tokens, with
+      v_t = v_norm_t c_v[vcode_t] (pages) or the window's V row, and p = softmax_t(scale * s_t),
+      s_t = k_norm_t <q_rot, c_k[kcode_t]> (pages) or <q_rot, K row> (window); query head h uses
+      KV head h // (H / Hkv). Rows with no valid token are exactly 0.
     Raises:
       TypeError / ValueError: bad dtypes / shapes, H not a multiple of Hkv, bad bits.
     Source: TurboQuant (arXiv 2504.19874), Algorithm 1 applied to a KV cache; scores use
-      <Pi q, c[idx]> = <q, Pi^T c[idx]> (Algorithm 1 DeQuant_mse), so keys are never un-rotated.
+      <Pi q, c[idx]> = <q, Pi^T c[idx]> (Algorithm 1 DeQuant_mse), so keys are never un-rotated;
+      the window is KIVI's full-precision residual (Liu et al., arXiv 2402.02750).
     """
     q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids = (
         jnp.asarray(a) for a in (q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids,
@@ -364,15 +446,53 @@ def paged_decode_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids,
     block_tables, seq_lens = jnp.asarray(block_tables), jnp.asarray(seq_lens)
     _check_decode_args(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids,
                        block_tables, seq_lens, k_bits, v_bits)
-    return _paged_decode_rotated_impl(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids,
-                                      v_centroids, block_tables, seq_lens, scale,
-                                      k_bits=k_bits, v_bits=v_bits)
+    window = _check_window(window, k_codes.shape[1], q_rot.shape[2], q_rot.shape[0])
+    capacity = block_tables.shape[1] * k_codes.shape[2]
+    length = 0 if window is None else window[0].shape[2]
+    paged = tq_format.paged_tokens(seq_lens.astype(jnp.int32), capacity, length)
+    ends = jnp.clip(seq_lens.astype(jnp.int32), 0, capacity)
+    return _attend_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids,
+                           block_tables, paged, window, paged, ends, scale, k_bits=k_bits, v_bits=v_bits)
+
+
+def _check_window(window, num_kv_heads: int, head_dim: int, num_seqs: int):
+    """None, or the (k_window, v_window, window_ids) triple as arrays, validated; an empty window
+    (num_windows * W == 0) becomes None."""
+    if window is None:
+        return None
+    k_window, v_window, window_ids = (jnp.asarray(a) for a in window)
+    if (k_window.ndim != 4 or k_window.shape[1] != num_kv_heads or k_window.shape[3] != head_dim
+            or v_window.shape != k_window.shape):
+        raise ValueError(f"k_window / v_window must be [num_windows, {num_kv_heads}, window, {head_dim}], got "
+                         f"{k_window.shape} and {v_window.shape}")
+    _check_float("k_window", k_window)
+    _check_float("v_window", v_window)
+    _check_int_array("window_ids", window_ids, 1)
+    if window_ids.shape != (num_seqs,):
+        raise ValueError(f"window_ids must be [{num_seqs}], got {window_ids.shape}")
+    if k_window.shape[0] * k_window.shape[2] == 0:
+        return None
+    return k_window, v_window, window_ids
+
+
+def _window_tokens(window, lo, hi):
+    """Keys / values [S, Hkv, W, d] of each row's window ring and a bool [S, W] mask of the entries
+    holding positions [lo, hi) (at most W of them: entry p % W), none where the id is invalid."""
+    k_window, v_window, ids = window
+    num_windows, _, length, _ = k_window.shape
+    id_ok = (ids >= 0) & (ids < num_windows)
+    safe = jnp.where(id_ok, ids, 0)
+    entries = jnp.arange(length, dtype=jnp.int32)[None, :]
+    offset = jnp.mod(entries - lo[:, None], length)          # position lo + offset sits in this entry
+    mask = id_ok[:, None] & (offset < (hi - lo)[:, None])
+    return k_window[safe], v_window[safe], mask
 
 
 @_jit("k_bits", "v_bits")
-def _paged_decode_rotated_impl(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids,
-                               v_centroids, block_tables, seq_lens, scale, k_bits, v_bits):
-    """paged_decode_rotated after validation."""
+def _attend_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids, block_tables,
+                    paged_len, window, win_lo, win_hi, scale, k_bits, v_bits):
+    """One query row per table row: the pages' tokens [0, paged_len) and the window's positions
+    [win_lo, win_hi) (window None: none), one softmax."""
     num_seqs, num_heads, head_dim = q_rot.shape
     num_pages, num_kv_heads, page_size, _ = k_codes.shape
     group = num_heads // num_kv_heads
@@ -381,7 +501,13 @@ def _paged_decode_rotated_impl(q_rot, k_codes, k_norms, v_codes, v_norms, k_cent
     safe_pages = jnp.where(page_ok, block_tables, 0)
     keys = _gather_sequence_tokens(k_codes, k_norms, k_centroids, k_bits, safe_pages)
     values = _gather_sequence_tokens(v_codes, v_norms, v_centroids, v_bits, safe_pages)
-    valid = _valid_token_mask(block_tables, seq_lens, num_pages, page_size)[:, None, None, :]
+    valid = _valid_token_mask(block_tables, paged_len, num_pages, page_size)
+    if window is not None:
+        win_keys, win_values, win_valid = _window_tokens(window, win_lo, win_hi)
+        keys = jnp.concatenate([keys.astype(compute_dtype), win_keys.astype(compute_dtype)], axis=2)
+        values = jnp.concatenate([values.astype(compute_dtype), win_values.astype(compute_dtype)], axis=2)
+        valid = jnp.concatenate([valid, win_valid], axis=1)
+    valid = valid[:, None, None, :]
     queries = q_rot.astype(compute_dtype).reshape(num_seqs, num_kv_heads, group, head_dim)
     # Slots outside the sequences may hold anything (NaN norms included): masked before any
     # product, so that 0 * NaN leaks into neither the output nor its gradient.
@@ -431,13 +557,15 @@ PREFILL_ROW_CHUNK = 16
 
 
 def paged_prefill_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids,
-                          block_tables, seq_lens, query_start_loc, k_bits: int, v_bits: int, scale: float):
+                          block_tables, seq_lens, query_start_loc, k_bits: int, v_bits: int, scale: float,
+                          window=None):
     """Causal attention of several sequences' new query rows over a TurboQuant paged cache, in the
     rotated domain (FFI target ``jax_tq_paged_prefill``).
 
-    Each row attends as a one-query decode of its sequence cut at its own position
-    (:func:`prefill_row_lens`): :func:`paged_decode_rotated` over the rows, PREFILL_ROW_CHUNK rows at
-    a time (``lax.map`` of a rematerialised function), so that memory stays
+    Each row attends to its sequence's tokens up to its own position (:func:`prefill_row_lens`), as
+    they stand in the cache: with a window, the sequence's last min(L, W) tokens (L its clamped
+    length) from the window, the others from the pages. Rows are computed PREFILL_ROW_CHUNK at a
+    time (``lax.map`` of a rematerialised function), so that memory stays
     O(PREFILL_ROW_CHUNK x max_pages x page_size x num_kv_heads x head_dim) in the forward and the
     backward pass; time O(T x max_pages x page_size), sequential over the chunks.
 
@@ -448,6 +576,7 @@ def paged_prefill_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids
       block_tables: int32 [S, max_pages].  seq_lens: int32 [S], every token of each sequence in the
         cache, the new ones included.  query_start_loc: int32 [S + 1].
       k_bits, v_bits: 2, 3 or 4.  scale: softmax scale.
+      window: None or (k_window, v_window, window_ids [S]), as :func:`paged_decode_rotated`.
     Returns:
       out_rot [T, H, d]; rows of no sequence, and rows before their sequence's start, are 0.
     Raises:
@@ -460,14 +589,23 @@ def paged_prefill_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids
         raise ValueError(f"query_start_loc must be [num_seqs + 1 = {seq_lens.shape[0] + 1}], got {query_start_loc.shape}")
     if seq_lens.shape[0] == 0:  # no sequence: every row is one of none
         return jnp.zeros(jnp.shape(q_rot), _compute_dtype(jnp.result_type(q_rot)))
+    _check_decode_args(jnp.asarray(q_rot)[:0].reshape((0,) + jnp.shape(q_rot)[1:]), k_codes, k_norms, v_codes,
+                       v_norms, k_centroids, v_centroids, block_tables[:0], seq_lens[:0], k_bits, v_bits)
+    window = _check_window(window, jnp.shape(k_codes)[1], jnp.shape(q_rot)[2], seq_lens.shape[0])
     page_size = jnp.shape(k_codes)[2]
     num_rows = jnp.shape(q_rot)[0]
-    seq, lens, _ = prefill_row_lens(query_start_loc, seq_lens, num_rows, block_tables.shape[1] * page_size)
+    capacity = block_tables.shape[1] * page_size
+    seq, lens, _ = prefill_row_lens(query_start_loc, seq_lens, num_rows, capacity)
+    length = 0 if window is None else window[0].shape[2]
+    seq_paged = tq_format.paged_tokens(seq_lens.astype(jnp.int32), capacity, length)
 
-    def rows(chunk):  # one chunk of rows as one-query decodes; rematerialised in the backward pass
+    def rows(chunk):  # one chunk of rows as one-query attentions; rematerialised in the backward pass
         q_chunk, seq_chunk, lens_chunk = chunk
-        return paged_decode_rotated(q_chunk, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids,
-                                    block_tables[seq_chunk], lens_chunk, k_bits, v_bits, scale)
+        paged = jnp.minimum(lens_chunk, seq_paged[seq_chunk])
+        rows_window = None if window is None else (window[0], window[1], window[2][seq_chunk])
+        return _attend_rotated(jnp.asarray(q_chunk), k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids,
+                               block_tables[seq_chunk], paged, rows_window, seq_paged[seq_chunk],
+                               jnp.maximum(lens_chunk, seq_paged[seq_chunk]), scale, k_bits=k_bits, v_bits=v_bits)
 
     if num_rows <= PREFILL_ROW_CHUNK:
         return rows((q_rot, seq, lens))

@@ -246,12 +246,49 @@ inline ffi::Error check_pools(const Op& op, int64_t H, int64_t d, int32_t k_bits
   return ffi::Error::Success();
 }
 
+// The recent-token window of an attention target or a cache write (format.h "Recent-token
+// window"): k_window, v_window bf16 [num_windows, Hkv, window, d] (num_windows * window may be 0:
+// no window); `ids` int32 [rows] (window_ids of the sequences, or window_slots of written tokens).
+// The pools may carry leading batch axes, folded into num_windows like the page pools'.
+struct WindowDims {
+  int64_t num_windows, window;
+  bool on() const { return num_windows > 0 && window > 0; }
+};
+
+inline ffi::Error check_window(const Op& op, int64_t Hkv, int64_t d, const ffi::Buffer<ffi::BF16>& k_window,
+                               const ffi::Buffer<ffi::BF16>& v_window, const ffi::Buffer<ffi::S32>& ids,
+                               const char* ids_name, int64_t rows, WindowDims* out) {
+  const std::vector<int64_t> kw = fold_leading(k_window.dimensions(), 4);
+  JTQ_RETURN_IF_ERROR(check_rank(op, kw, 4, "k_window must be rank 4 [num_windows, Hkv, window, d]"));
+  const int64_t num_windows = kw[0], window = kw[2];
+  JTQ_RETURN_IF_ERROR(check_dims(op, "k_window", kw, {num_windows, Hkv, window, d}));
+  JTQ_RETURN_IF_ERROR(check_dims(op, "v_window", fold_leading(v_window.dimensions(), 4), {num_windows, Hkv, window, d}));
+  JTQ_RETURN_IF_ERROR(check_dims(op, ids_name, ids.dimensions(), {rows}));
+  *out = WindowDims{num_windows, window};
+  return ffi::Error::Success();
+}
+
+// The window pools of jax_tq_write_cache (operands 11-13, results 4-5): as check_window with
+// window_slots [T], and results of the operands' shapes.
+inline ffi::Error validate_window_write(const Op& op, int64_t T, int64_t Hkv, int64_t d,
+                                       const ffi::Buffer<ffi::BF16>& k_window_in,
+                                       const ffi::Buffer<ffi::BF16>& v_window_in,
+                                       const ffi::Buffer<ffi::S32>& window_slots,
+                                       const ffi::Buffer<ffi::BF16>& k_window_out,
+                                       const ffi::Buffer<ffi::BF16>& v_window_out, WindowDims* out) {
+  JTQ_RETURN_IF_ERROR(check_window(op, Hkv, d, k_window_in, v_window_in, window_slots, "window_slots", T, out));
+  const std::initializer_list<int64_t> want = {out->num_windows, Hkv, out->window, d};
+  JTQ_RETURN_IF_ERROR(check_dims(op, "k_window (result)", fold_leading(k_window_out.dimensions(), 4), want));
+  return check_dims(op, "v_window (result)", fold_leading(v_window_out.dimensions(), 4), want);
+}
+
 struct DecodeDims {
   int64_t S, H, d;        // q_rot
   int64_t P, Hkv, page;   // k/v pools
   int64_t kpb, vpb;       // packed bytes per K / V row
   int64_t max_pages, ns;  // block_tables columns, num_splits
   bool fused;             // rotation is [2, d]: the handler rotates q and the output itself
+  WindowDims win;         // the recent-token window (win.on(): the last tokens come from it)
 };
 
 inline ffi::Error validate_paged_decode(
@@ -259,8 +296,9 @@ inline ffi::Error validate_paged_decode(
     const ffi::Buffer<ffi::F32>& k_norms, const ffi::Buffer<ffi::U8>& v_codes,
     const ffi::Buffer<ffi::F32>& v_norms, const ffi::Buffer<ffi::F32>& k_centroids,
     const ffi::Buffer<ffi::F32>& v_centroids, const ffi::Buffer<ffi::S32>& block_tables,
-    const ffi::Buffer<ffi::S32>& seq_lens, const ffi::Buffer<ffi::S32>& rotation,
-    const ffi::Buffer<ffi::F32>& out_rot,
+    const ffi::Buffer<ffi::S32>& seq_lens, const ffi::Buffer<ffi::BF16>& k_window,
+    const ffi::Buffer<ffi::BF16>& v_window, const ffi::Buffer<ffi::S32>& window_ids,
+    const ffi::Buffer<ffi::S32>& rotation, const ffi::Buffer<ffi::F32>& out_rot,
     const ffi::Buffer<ffi::F32>& partial_out, const ffi::Buffer<ffi::F32>& partial_lse,
     int32_t k_bits, int32_t v_bits, int32_t num_splits, DecodeDims* out) {
   JTQ_RETURN_IF_ERROR(check_bits(op, "k_bits", k_bits));
@@ -293,7 +331,9 @@ inline ffi::Error validate_paged_decode(
                       std::to_string(rd[0]) + ", " + std::to_string(rd[1]) + "]");
   if (fused && (d & (d - 1)) != 0)
     return op.invalid("the fused (Hadamard) rotation needs a power-of-two head_dim, got " + std::to_string(d));
-  *out = DecodeDims{S, H, d, P, Hkv, page, kpb, vpb, max_pages, ns, fused};
+  WindowDims win;
+  JTQ_RETURN_IF_ERROR(check_window(op, Hkv, d, k_window, v_window, window_ids, "window_ids", S, &win));
+  *out = DecodeDims{S, H, d, P, Hkv, page, kpb, vpb, max_pages, ns, fused, win};
   return ffi::Error::Success();
 }
 
@@ -370,6 +410,7 @@ inline ffi::Error validate_qjl_scores(
 struct PrefillDims {
   int64_t T, H, d, S, max_pages;
   PoolDims pools;
+  WindowDims win;
 };
 
 inline ffi::Error validate_paged_prefill(
@@ -377,8 +418,10 @@ inline ffi::Error validate_paged_prefill(
     const ffi::Buffer<ffi::F32>& k_norms, const ffi::Buffer<ffi::U8>& v_codes,
     const ffi::Buffer<ffi::F32>& v_norms, const ffi::Buffer<ffi::F32>& k_centroids,
     const ffi::Buffer<ffi::F32>& v_centroids, const ffi::Buffer<ffi::S32>& block_tables,
-    const ffi::Buffer<ffi::S32>& seq_lens, const ffi::Buffer<ffi::S32>& query_start_loc,
-    const ffi::Buffer<ffi::F32>& out_rot, int32_t k_bits, int32_t v_bits, PrefillDims* out) {
+    const ffi::Buffer<ffi::S32>& seq_lens, const ffi::Buffer<ffi::BF16>& k_window,
+    const ffi::Buffer<ffi::BF16>& v_window, const ffi::Buffer<ffi::S32>& window_ids,
+    const ffi::Buffer<ffi::S32>& query_start_loc, const ffi::Buffer<ffi::F32>& out_rot, int32_t k_bits,
+    int32_t v_bits, PrefillDims* out) {
   JTQ_RETURN_IF_ERROR(check_bits(op, "k_bits", k_bits));
   JTQ_RETURN_IF_ERROR(check_bits(op, "v_bits", v_bits));
   const auto qd = q_rot.dimensions();
@@ -394,7 +437,9 @@ inline ffi::Error validate_paged_prefill(
   JTQ_RETURN_IF_ERROR(check_dims(op, "seq_lens", seq_lens.dimensions(), {S}));
   JTQ_RETURN_IF_ERROR(check_dims(op, "query_start_loc", query_start_loc.dimensions(), {S + 1}));
   JTQ_RETURN_IF_ERROR(check_dims(op, "out_rot (result)", out_rot.dimensions(), {T, H, d}));
-  *out = PrefillDims{T, H, d, S, max_pages, pools};
+  WindowDims win;
+  JTQ_RETURN_IF_ERROR(check_window(op, pools.Hkv, d, k_window, v_window, window_ids, "window_ids", S, &win));
+  *out = PrefillDims{T, H, d, S, max_pages, pools, win};
   return ffi::Error::Success();
 }
 
@@ -410,7 +455,8 @@ auto BindCompress(B b) {
       .template Arg<ffi::Buffer<ffi::F32>>()        // centroids [2**bits]
       .template Ret<ffi::Buffer<ffi::U8>>()         // codes [N, packed]
       .template Ret<ffi::Buffer<ffi::F32>>()        // norms [N]
-      .template Attr<int32_t>("bits");
+      .template Attr<int32_t>("bits")
+      .template Attr<int32_t>("fit_scale");  // 1: the fitted scale (format.h), 0: ||x||
 }
 
 template <typename B>
@@ -437,12 +483,19 @@ auto BindWriteCache(B b) {
       .template Arg<ffi::Buffer<ffi::F32>>()        // v_rotation [d, d]
       .template Arg<ffi::Buffer<ffi::F32>>()        // v_centroids [2**v_bits]
       .template Arg<ffi::Buffer<ffi::S32>>()        // slot_mapping [T]
+      .template Arg<ffi::Buffer<ffi::BF16>>()       // k_window [num_windows, Hkv, window, d]
+      .template Arg<ffi::Buffer<ffi::BF16>>()       // v_window [num_windows, Hkv, window, d]
+      .template Arg<ffi::Buffer<ffi::S32>>()        // window_slots [T] (entry w * window + p % window)
       .template Ret<ffi::Buffer<ffi::U8>>()         // k_codes (aliases operand 2)
       .template Ret<ffi::Buffer<ffi::F32>>()        // k_norms (aliases operand 3)
       .template Ret<ffi::Buffer<ffi::U8>>()         // v_codes (aliases operand 4)
       .template Ret<ffi::Buffer<ffi::F32>>()        // v_norms (aliases operand 5)
+      .template Ret<ffi::Buffer<ffi::BF16>>()       // k_window (aliases operand 11)
+      .template Ret<ffi::Buffer<ffi::BF16>>()       // v_window (aliases operand 12)
       .template Attr<int32_t>("k_bits")
-      .template Attr<int32_t>("v_bits");
+      .template Attr<int32_t>("v_bits")
+      .template Attr<int32_t>("k_fit_scale")
+      .template Attr<int32_t>("v_fit_scale");
 }
 
 // The operands that paged decode and paged prefill share, in their order. By reference: a Binding
@@ -457,7 +510,10 @@ auto BindAttentionOperands(B&& b) {
       .template Arg<ffi::Buffer<ffi::F32>>()        // k_centroids
       .template Arg<ffi::Buffer<ffi::F32>>()        // v_centroids
       .template Arg<ffi::Buffer<ffi::S32>>()        // block_tables [S, max_pages]
-      .template Arg<ffi::Buffer<ffi::S32>>();       // seq_lens [S]
+      .template Arg<ffi::Buffer<ffi::S32>>()        // seq_lens [S]
+      .template Arg<ffi::Buffer<ffi::BF16>>()       // k_window [num_windows, Hkv, window, d]
+      .template Arg<ffi::Buffer<ffi::BF16>>()       // v_window [num_windows, Hkv, window, d]
+      .template Arg<ffi::Buffer<ffi::S32>>();       // window_ids [S]
 }
 
 template <typename B>

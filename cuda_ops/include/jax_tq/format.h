@@ -214,6 +214,46 @@ JTQ_HD uint32_t bucketize(float y, const float* boundaries, int nb) {
 }
 
 // ---------------------------------------------------------------------------
+// Fitted scale (codecs with scale="fit", docs/FORMAT.md "Fitted scale"). The unit rotated vector
+// y is quantized against the boundaries scaled by each of kFitCandidates pre-scalings
+// s_k = fit_grid(k) = (45 + 3k) / 64 (exact in float32), codes_k[j] = #{i : fl32(s_k * b_i) < y_j};
+// the candidate that keeps the most energy, fit_gain = <y, c[codes_k]>^2 / |c[codes_k]|^2, wins (the
+// first such k on ties), and the stored "norm" is the least-squares scale
+// ||x|| * <y, c[codes]> / |c[codes]|^2 (0 for a zero vector), so that decoding stays
+// x_hat = norm * Pi^T c[codes] and the attention kernels read it unchanged. Mirrors
+// jax_tq.format.FIT_GRID.
+// ---------------------------------------------------------------------------
+constexpr int kFitCandidates = 17;
+
+JTQ_HD float fit_grid(int k) { return float(45 + 3 * k) * (1.0f / 64.0f); }
+
+// The scaled boundary i of candidate k, fl32(s_k * b_i), b_i = centroid_boundary(centroids, i).
+JTQ_HD float fit_boundary(const float* centroids, int k, int i) {
+  return fit_grid(k) * centroid_boundary(centroids, i);
+}
+
+// ---------------------------------------------------------------------------
+// Recent-token window (docs/FORMAT.md "Window"): a cache may keep the last `window` tokens of each
+// sequence exactly, as bfloat16 rows of the ROTATED vector (Pi_k k, Pi_v v) in a ring per window id:
+//   k_window, v_window bf16 [num_windows, num_kv_heads, window, head_dim];
+// the token at position p of a sequence whose window id is w sits in entry [w, head, p % window].
+// A sequence of (clamped) length L reads its last min(L, window) tokens from the ring and the
+// others, [0, paged_tokens), from the pages; a window id outside [0, num_windows) contributes no
+// window token (never read out of bounds). window = 0: no window, every token from the pages.
+// Rows hold bf16(fl32(||x|| * y_j)) (round to nearest even), y the unit rotated vector of the codes.
+// ---------------------------------------------------------------------------
+JTQ_HD int64_t clamp_len(int64_t len, int64_t capacity) { return len < 0 ? 0 : (len > capacity ? capacity : len); }
+
+// Tokens of a sequence of length seq_len (clamped to [0, capacity]) read from the pages.
+JTQ_HD int64_t paged_tokens(int64_t seq_len, int64_t capacity, int64_t window) {
+  const int64_t len = clamp_len(seq_len, capacity);
+  return len > window ? len - window : 0;
+}
+
+// Ring entry (within one window id and head) of the token at position p >= 0.
+JTQ_HD int64_t window_entry(int64_t position, int64_t window) { return position % window; }
+
+// ---------------------------------------------------------------------------
 // Paged cache indexing (int64 arithmetic throughout).
 // ---------------------------------------------------------------------------
 // Element offset of the first byte of the packed row in
