@@ -18,7 +18,8 @@ namespace cpu {
 ffi::Error CompressImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> rotation,
                         ffi::Buffer<ffi::F32> centroids,
                         ffi::Result<ffi::Buffer<ffi::U8>> codes,
-                        ffi::Result<ffi::Buffer<ffi::F32>> norms, int32_t bits);
+                        ffi::Result<ffi::Buffer<ffi::F32>> norms, int32_t bits,
+                        int32_t fit_scale);
 ffi::Error DecompressImpl(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::F32> norms,
                           ffi::Buffer<ffi::F32> rotation, ffi::Buffer<ffi::F32> centroids,
                           ffi::Result<ffi::AnyBuffer> x, int32_t bits);
@@ -27,16 +28,22 @@ ffi::Error WriteCacheImpl(ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::U
                           ffi::Buffer<ffi::F32> v_norms_in, ffi::Buffer<ffi::F32> k_rotation,
                           ffi::Buffer<ffi::F32> k_centroids, ffi::Buffer<ffi::F32> v_rotation,
                           ffi::Buffer<ffi::F32> v_centroids, ffi::Buffer<ffi::S32> slot_mapping,
+                          ffi::Buffer<ffi::BF16> k_window_in, ffi::Buffer<ffi::BF16> v_window_in,
+                          ffi::Buffer<ffi::S32> window_slots,
                           ffi::Result<ffi::Buffer<ffi::U8>> k_codes_out,
                           ffi::Result<ffi::Buffer<ffi::F32>> k_norms_out,
                           ffi::Result<ffi::Buffer<ffi::U8>> v_codes_out,
-                          ffi::Result<ffi::Buffer<ffi::F32>> v_norms_out, int32_t k_bits,
-                          int32_t v_bits);
+                          ffi::Result<ffi::Buffer<ffi::F32>> v_norms_out,
+                          ffi::Result<ffi::Buffer<ffi::BF16>> k_window_out,
+                          ffi::Result<ffi::Buffer<ffi::BF16>> v_window_out, int32_t k_bits,
+                          int32_t v_bits, int32_t k_fit_scale, int32_t v_fit_scale);
 ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q_rot, ffi::Buffer<ffi::U8> k_codes,
                            ffi::Buffer<ffi::F32> k_norms, ffi::Buffer<ffi::U8> v_codes,
                            ffi::Buffer<ffi::F32> v_norms, ffi::Buffer<ffi::F32> k_centroids,
                            ffi::Buffer<ffi::F32> v_centroids, ffi::Buffer<ffi::S32> block_tables,
-                           ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> rotation,
+                           ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::BF16> k_window,
+                           ffi::Buffer<ffi::BF16> v_window, ffi::Buffer<ffi::S32> window_ids,
+                           ffi::Buffer<ffi::S32> rotation,
                            ffi::Result<ffi::Buffer<ffi::F32>> out_rot,
                            ffi::Result<ffi::Buffer<ffi::F32>> partial_out,
                            ffi::Result<ffi::Buffer<ffi::F32>> partial_lse, int32_t k_bits,
@@ -57,7 +64,9 @@ ffi::Error PagedPrefillImpl(ffi::Buffer<ffi::F32> q_rot, ffi::Buffer<ffi::U8> k_
                             ffi::Buffer<ffi::F32> k_norms, ffi::Buffer<ffi::U8> v_codes,
                             ffi::Buffer<ffi::F32> v_norms, ffi::Buffer<ffi::F32> k_centroids,
                             ffi::Buffer<ffi::F32> v_centroids, ffi::Buffer<ffi::S32> block_tables,
-                            ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> query_start_loc,
+                            ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::BF16> k_window,
+                            ffi::Buffer<ffi::BF16> v_window, ffi::Buffer<ffi::S32> window_ids,
+                            ffi::Buffer<ffi::S32> query_start_loc,
                             ffi::Result<ffi::Buffer<ffi::F32>> out_rot, int32_t k_bits, int32_t v_bits,
                             float scale);
 }  // namespace cpu

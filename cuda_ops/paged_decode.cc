@@ -6,6 +6,10 @@
 // partial (lse = m + log(l), out = o / l) into the workspace results, then a
 // log-sum-exp combine produces out_rot. Softmax accumulation is in double with
 // running-max subtraction, so huge logits never give inf/NaN.
+//
+// Recent-token window (format.h): the splits cut the tokens [0, paged_tokens) of the pages; the
+// window's positions [paged_tokens, L) (bf16 rows of the rotated K / V) join the last split's
+// online softmax, so that the combine merges them as it merges pages.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -14,6 +18,7 @@
 #include <vector>
 
 #include "jax_tq/cpu_attention.h"
+#include "jax_tq/cpu_floats.h"
 #include "jax_tq/ffi_checks.h"
 #include "jax_tq/format.h"
 #include "xla/ffi/api/ffi.h"
@@ -23,6 +28,8 @@ namespace ffi = xla::ffi;
 namespace jax_tq {
 namespace cpu {
 namespace {
+
+using cpu_floats::bf16_to_f32;
 
 // x <- H_un x, the unnormalized Sylvester Hadamard transform of a power-of-two length d.
 void fwht(double* x, int64_t d) {
@@ -62,7 +69,9 @@ ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q_rot, ffi::Buffer<ffi::U8> k_c
                            ffi::Buffer<ffi::F32> k_norms, ffi::Buffer<ffi::U8> v_codes,
                            ffi::Buffer<ffi::F32> v_norms, ffi::Buffer<ffi::F32> k_centroids,
                            ffi::Buffer<ffi::F32> v_centroids, ffi::Buffer<ffi::S32> block_tables,
-                           ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> rotation,
+                           ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::BF16> k_window,
+                           ffi::Buffer<ffi::BF16> v_window, ffi::Buffer<ffi::S32> window_ids,
+                           ffi::Buffer<ffi::S32> rotation,
                            ffi::Result<ffi::Buffer<ffi::F32>> out_rot,
                            ffi::Result<ffi::Buffer<ffi::F32>> partial_out,
                            ffi::Result<ffi::Buffer<ffi::F32>> partial_lse, int32_t k_bits,
@@ -73,7 +82,8 @@ ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q_rot, ffi::Buffer<ffi::U8> k_c
   ffi_checks::DecodeDims dims;
   JTQ_RETURN_IF_ERROR(ffi_checks::validate_paged_decode(
       op, q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids, block_tables,
-      seq_lens, rotation, *out_rot, *partial_out, *partial_lse, k_bits, v_bits, num_splits, &dims));
+      seq_lens, k_window, v_window, window_ids, rotation, *out_rot, *partial_out, *partial_lse,
+      k_bits, v_bits, num_splits, &dims));
   const int64_t S = dims.S, H = dims.H, d = dims.d;
   const int64_t P = dims.P, Hkv = dims.Hkv, page = dims.page;
   const int64_t kpb = dims.kpb, vpb = dims.vpb, max_pages = dims.max_pages, ns = dims.ns;
@@ -90,6 +100,12 @@ ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q_rot, ffi::Buffer<ffi::U8> k_c
   float* out = out_rot->typed_data();
   float* pout = partial_out->typed_data();
   float* plse = partial_lse->typed_data();
+  // The recent-token window (format.h): W = 0 when there is none (every token from the pages).
+  const int64_t num_windows = dims.win.num_windows, W = dims.win.on() ? dims.win.window : 0;
+  const uint16_t* kw = static_cast<const uint16_t*>(k_window.untyped_data());
+  const uint16_t* vw = static_cast<const uint16_t*>(v_window.untyped_data());
+  const int32_t* wids = window_ids.typed_data();
+  const int64_t capacity = max_pages * page;
   const int32_t* rot_k = dims.fused ? rotation.typed_data() : nullptr;  // fused: q and out unrotated
   const int32_t* rot_v = dims.fused ? rot_k + d : nullptr;
 
@@ -110,6 +126,12 @@ ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q_rot, ffi::Buffer<ffi::U8> k_c
 
   for (int64_t s = 0; s < S; ++s) {
     const int32_t* bts = bt + s * max_pages;
+    // The pages hold tokens [0, paged); the window positions [paged, len) (none for an id outside
+    // [0, num_windows)).
+    const int64_t len = clamp_len(sl[s], capacity);
+    const int64_t paged = paged_tokens(sl[s], capacity, W);
+    const int64_t wid = W > 0 ? int64_t(wids[s]) : -1;
+    const bool window_ok = wid >= 0 && wid < num_windows;
 
     for (int64_t g = 0; g < Hkv; ++g) {
       const int64_t h0 = g * G;
@@ -127,7 +149,7 @@ ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q_rot, ffi::Buffer<ffi::U8> k_c
         std::fill(m.begin(), m.end(), kNegInf);
         std::fill(l.begin(), l.end(), 0.0);
         std::fill(o.begin(), o.end(), 0.0);
-        const SplitRange range = split_range(sl[s], max_pages, page, ns, sp);
+        const SplitRange range = split_range(paged, max_pages, page, ns, sp);
         const int64_t seq_len = range.seq_len, p_begin = range.page_begin, p_end = range.page_end;
 
         for (int64_t j = p_begin; j < p_end; ++j) {
@@ -147,6 +169,18 @@ ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q_rot, ffi::Buffer<ffi::U8> k_c
             group_dots(qg.data(), krow, G, d, dots.data());
             for (int64_t hh = 0; hh < G; ++hh)
               online_softmax_add(kscale * dots[hh], vrow, d, m[hh], l[hh], &o[hh * d]);
+          }
+        }
+
+        // The window's tokens follow the last split's pages (rows of the rotated K / V, bf16).
+        if (sp == ns - 1 && window_ok) {
+          for (int64_t p = paged; p < len; ++p) {
+            const int64_t base = ((wid * Hkv + g) * W + window_entry(p, W)) * d;
+            for (int64_t i = 0; i < d; ++i) krow[i] = double(bf16_to_f32(kw[base + i]));
+            for (int64_t i = 0; i < d; ++i) vrow[i] = double(bf16_to_f32(vw[base + i]));
+            group_dots(qg.data(), krow, G, d, dots.data());
+            for (int64_t hh = 0; hh < G; ++hh)
+              online_softmax_add(dscale * dots[hh], vrow, d, m[hh], l[hh], &o[hh * d]);
           }
         }
 

@@ -4,7 +4,9 @@
 //
 // For each (sequence, KV head) every K / V token row is decoded once and serves every query row
 // that sees it (rows at or after the token's position) and every query head of the GQA group.
-// Softmax accumulation in double with running-max subtraction (cpu_attention.h).
+// Softmax accumulation in double with running-max subtraction (cpu_attention.h). With a
+// recent-token window (format.h) the sequence's tokens [paged_tokens, seq_len) come from the
+// window ring (bf16 rows of the rotated K / V) instead of the pages.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -12,6 +14,7 @@
 #include <vector>
 
 #include "jax_tq/cpu_attention.h"
+#include "jax_tq/cpu_floats.h"
 #include "jax_tq/ffi_checks.h"
 #include "jax_tq/format.h"
 #include "xla/ffi/api/ffi.h"
@@ -21,24 +24,33 @@ namespace ffi = xla::ffi;
 namespace jax_tq {
 namespace cpu {
 
+using cpu_floats::bf16_to_f32;
+
 ffi::Error PagedPrefillImpl(ffi::Buffer<ffi::F32> q_rot, ffi::Buffer<ffi::U8> k_codes,
                             ffi::Buffer<ffi::F32> k_norms, ffi::Buffer<ffi::U8> v_codes,
                             ffi::Buffer<ffi::F32> v_norms, ffi::Buffer<ffi::F32> k_centroids,
                             ffi::Buffer<ffi::F32> v_centroids, ffi::Buffer<ffi::S32> block_tables,
-                            ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> query_start_loc,
+                            ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::BF16> k_window,
+                            ffi::Buffer<ffi::BF16> v_window, ffi::Buffer<ffi::S32> window_ids,
+                            ffi::Buffer<ffi::S32> query_start_loc,
                             ffi::Result<ffi::Buffer<ffi::F32>> out_rot, int32_t k_bits, int32_t v_bits,
                             float scale) {
   static constexpr ffi_checks::Op op{"jax_tq_paged_prefill", ffi_checks::kCpuTag};
   ffi_checks::PrefillDims dims;
   JTQ_RETURN_IF_ERROR(ffi_checks::validate_paged_prefill(op, q_rot, k_codes, k_norms, v_codes, v_norms,
                                                          k_centroids, v_centroids, block_tables, seq_lens,
-                                                         query_start_loc, *out_rot, k_bits, v_bits, &dims));
+                                                         k_window, v_window, window_ids, query_start_loc,
+                                                         *out_rot, k_bits, v_bits, &dims));
   const int64_t T = dims.T, H = dims.H, d = dims.d, max_pages = dims.max_pages;
   const int64_t P = dims.pools.P, Hkv = dims.pools.Hkv, page = dims.pools.page;
   const int64_t G = H / Hkv;
   const float* q = q_rot.typed_data();
   float* out = out_rot->typed_data();
   std::fill(out, out + T * H * d, 0.0f);  // rows of no sequence stay zero
+  // The recent-token window (format.h): W = 0 when there is none (every token from the pages).
+  const int64_t num_windows = dims.win.num_windows, W = dims.win.on() ? dims.win.window : 0;
+  const uint16_t* kw = static_cast<const uint16_t*>(k_window.untyped_data());
+  const uint16_t* vw = static_cast<const uint16_t*>(v_window.untyped_data());
 
   uint8_t codes[kMaxHeadDim];
   double krow[kMaxHeadDim], vrow[kMaxHeadDim];
@@ -50,6 +62,11 @@ ffi::Error PagedPrefillImpl(ffi::Buffer<ffi::F32> q_rot, ffi::Buffer<ffi::U8> k_
     const int64_t q_len = rows.end - rows.begin, R = q_len * G;  // R rows: (query row, head of the group)
     if (q_len == 0) continue;
     const int32_t* table = block_tables.typed_data() + s * max_pages;
+    // Tokens [0, paged) sit in the pages, positions [paged, seq_len) in the window ring (none for
+    // an id outside [0, num_windows)): the cache as it stands, whatever row reads it.
+    const int64_t paged = paged_tokens(rows.seq_len, max_pages * page, W);
+    const int64_t wid = W > 0 ? int64_t(window_ids.typed_data()[s]) : -1;
+    const bool window_ok = wid >= 0 && wid < num_windows;
     qg.assign(R * d, 0.0);
     o.assign(R * d, 0.0);
     m.assign(R, kNegInf);
@@ -71,17 +88,26 @@ ffi::Error PagedPrefillImpl(ffi::Buffer<ffi::F32> q_rot, ffi::Buffer<ffi::U8> k_
       int64_t first_row = 0;  // the first query row that sees token t (rows see more tokens as i grows)
       for (int64_t t = 0; t < rows.seq_len; ++t) {
         while (first_row < q_len && rows.causal_len(rows.begin + first_row) <= t) ++first_row;
-        const int64_t phys = table[t / page];
-        if (phys < 0 || phys >= P) continue;  // invalid entry: its tokens contribute nothing
-        const int64_t nidx = norms_offset(phys, g, t % page, Hkv, page);
-        unpack_row(k_codes.typed_data() + codes_offset(phys, g, t % page, Hkv, page, dims.pools.kpb), int(d),
-                   k_bits, codes);
-        for (int64_t i = 0; i < d; ++i) krow[i] = k_centroids.typed_data()[codes[i]];
-        unpack_row(v_codes.typed_data() + codes_offset(phys, g, t % page, Hkv, page, dims.pools.vpb), int(d),
-                   v_bits, codes);
-        const double vnorm = v_norms.typed_data()[nidx];
-        for (int64_t i = 0; i < d; ++i) vrow[i] = vnorm * double(v_centroids.typed_data()[codes[i]]);
-        const double kscale = double(scale) * double(k_norms.typed_data()[nidx]);
+        double kscale;
+        if (t < paged) {
+          const int64_t phys = table[t / page];
+          if (phys < 0 || phys >= P) continue;  // invalid entry: its tokens contribute nothing
+          const int64_t nidx = norms_offset(phys, g, t % page, Hkv, page);
+          unpack_row(k_codes.typed_data() + codes_offset(phys, g, t % page, Hkv, page, dims.pools.kpb), int(d),
+                     k_bits, codes);
+          for (int64_t i = 0; i < d; ++i) krow[i] = k_centroids.typed_data()[codes[i]];
+          unpack_row(v_codes.typed_data() + codes_offset(phys, g, t % page, Hkv, page, dims.pools.vpb), int(d),
+                     v_bits, codes);
+          const double vnorm = v_norms.typed_data()[nidx];
+          for (int64_t i = 0; i < d; ++i) vrow[i] = vnorm * double(v_centroids.typed_data()[codes[i]]);
+          kscale = double(scale) * double(k_norms.typed_data()[nidx]);
+        } else {
+          if (!window_ok) continue;  // no window ring: the sequence's last tokens contribute nothing
+          const int64_t base = ((wid * Hkv + g) * W + window_entry(t, W)) * d;
+          for (int64_t i = 0; i < d; ++i) krow[i] = double(bf16_to_f32(kw[base + i]));
+          for (int64_t i = 0; i < d; ++i) vrow[i] = double(bf16_to_f32(vw[base + i]));
+          kscale = double(scale);
+        }
         for (int64_t i = first_row; i < q_len; ++i) {
           group_dots(&qg[i * G * d], krow, G, d, dots.data());
           for (int64_t hh = 0; hh < G; ++hh) {
