@@ -76,6 +76,12 @@ struct GemmParams {
   bool vec_io;             // 16-byte vector access to x / out allowed (alignment)
   int Hkv, page_size;      // write_cache
   int64_t total_slots;     // write_cache: P * page_size
+  // write_cache's recent-token window (format.h), or win == nullptr: none. Token t's rows go to
+  // entry win_slots[t] % win_len of window win_slots[t] / win_len (skipped outside [0, win_entries)).
+  uint16_t* win;           // bf16 [num_windows, Hkv, win_len, D]
+  const int32_t* win_slots;  // [T]
+  int64_t win_entries;     // num_windows * win_len
+  int win_len;             // W
 };
 
 __device__ __forceinline__ float load_elem(const void* base, int dtype, int64_t i) {
@@ -176,6 +182,27 @@ __device__ __forceinline__ int64_t dest_row(const GemmParams& p, int64_t n) {
   return (page * p.Hkv + h) * p.page_size + off;  // row index into [P, Hkv, page]
 }
 
+// Row of vector n (token n / Hkv, KV head n % Hkv) in write_cache's window [num_windows, Hkv, W]:
+// entry slot % W of window slot / W (slot = win_slots[token]), or -1: not written.
+__device__ __forceinline__ int64_t window_row(const GemmParams& p, int64_t n) {
+  const int64_t t = n / p.Hkv;
+  const int64_t h = n - t * p.Hkv;
+  const int64_t s = p.win_slots[t];
+  if (s < 0 || s >= p.win_entries) return -1;
+  const int64_t w = s / p.win_len;
+  return (w * p.Hkv + h) * p.win_len + (s - w * p.win_len);
+}
+
+// code = number of boundaries strictly less than y; bnd: 15 ascending midpoints padded with +inf
+// (bnd[15] is never read); b7 = bnd[7].
+__device__ __forceinline__ uint32_t bucketize16(float y, const float* bnd, float b7) {
+  int pos = (b7 < y) ? 8 : 0;
+  pos += (bnd[pos + 3] < y) ? 4 : 0;
+  pos += (bnd[pos + 1] < y) ? 2 : 0;
+  pos += (bnd[pos] < y) ? 1 : 0;
+  return static_cast<uint32_t>(pos);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Norms without overflow or underflow. The kernels sum squares in f32, which overflows for
 // |x| >~ 1e19 and loses the sum below ~1e-19; a row whose sum lies outside [kSafeSumSq, FLT_MAX]
@@ -210,8 +237,11 @@ __device__ __noinline__ float scaled_row_norm(const void* x, int dtype, int64_t 
   return sqrtf(s) * ldexpf(1.f, e);
 }
 
-template <int D, int VPT, bool DECOMP>
-__global__ void __launch_bounds__(kThreads) tq_gemm_kernel(const GemmParams p) {
+// FIT (compress only, DECOMP false): the fitted scale (format.h "Fitted scale"); fit_tab: shared
+// [kFitCandidates][16] scaled boundaries (each padded with +inf), filled here. Otherwise nullptr.
+template <int D, int VPT, bool DECOMP, bool FIT = false>
+__device__ __forceinline__ void tq_gemm_body(const GemmParams& p, float* fit_tab = nullptr) {
+  static_assert(!FIT || !DECOMP, "the fitted scale is a compress epilogue");
   using Geo = GemmGeom<D>;
   using L = GemmLayout<D, VPT>;
   constexpr int MV = L::MV, UST = L::UST, ON = Geo::ON, KT = Geo::KT, BST = Geo::BST;
@@ -236,6 +266,12 @@ __global__ void __launch_bounds__(kThreads) tq_gemm_kernel(const GemmParams p) {
     cent_s[tid] = tid < ncent ? p.cent[tid] : 0.f;
     // boundary_i = (c_i + c_{i+1}) / 2 in float32, as format.h / the reference.
     bnd_s[tid] = tid < ncent - 1 ? (p.cent[tid] + p.cent[tid + 1]) * 0.5f : INFINITY;
+  }
+  if constexpr (FIT) {  // fl32(s_k * b_i), as format.h fit_boundary
+    for (int e = tid; e < kFitCandidates * 16; e += kThreads) {
+      const int k = e >> 4, i = e & 15;
+      fit_tab[e] = i < ncent - 1 ? fit_boundary(p.cent, k, i) : INFINITY;
+    }
   }
 
   // ---- prologue ------------------------------------------------------------------------------
@@ -372,6 +408,73 @@ __global__ void __launch_bounds__(kThreads) tq_gemm_kernel(const GemmParams p) {
 
   // ---- epilogue ------------------------------------------------------------------------------
   if constexpr (!DECOMP) {
+    // FIT: acc[i][j] is y_j of vector ty * VPT + i (U was normalised); a vector's D coordinates are
+    // spread over the 16 lanes tx of one half warp. For each candidate k in order: codes_k by
+    // bucketize16 against its scaled boundaries, <y, c> and |c|^2 summed over the lane's
+    // coordinates, then over the half warp (xor butterfly: the same sums in all 16 lanes); the
+    // first k of the largest dot^2 / sq wins. The fitted norms go to inv[] (free after the
+    // prologue), the window rows (write_cache) take ||x|| * y.
+    int best_k[VPT];
+    if constexpr (FIT) {
+      float best_gain[VPT], best_dot[VPT], best_sq[VPT];
+#pragma unroll
+      for (int i = 0; i < VPT; ++i) {
+        best_k[i] = 0;
+        best_gain[i] = -1.f;
+        best_dot[i] = 0.f;
+        best_sq[i] = 1.f;
+      }
+#pragma unroll 1
+      for (int k = 0; k < kFitCandidates; ++k) {
+        const float* tb = fit_tab + 16 * k;
+        const float b7 = tb[7];
+        float dot[VPT], sq[VPT];
+#pragma unroll
+        for (int i = 0; i < VPT; ++i) {
+          dot[i] = 0.f;
+          sq[i] = 0.f;
+#pragma unroll
+          for (int j = 0; j < ON; ++j) {
+            const float y = acc[i][j];
+            const float c = cent_s[bucketize16(y, tb, b7)];
+            dot[i] = fmaf(y, c, dot[i]);
+            sq[i] = fmaf(c, c, sq[i]);
+          }
+        }
+#pragma unroll
+        for (int o = 1; o < 16; o <<= 1) {
+#pragma unroll
+          for (int i = 0; i < VPT; ++i) {
+            dot[i] += __shfl_xor_sync(0xFFFFFFFFu, dot[i], o);
+            sq[i] += __shfl_xor_sync(0xFFFFFFFFu, sq[i], o);
+          }
+        }
+#pragma unroll
+        for (int i = 0; i < VPT; ++i) {
+          const float gain = dot[i] * dot[i] / sq[i];
+          if (gain > best_gain[i]) {  // strictly: the first k keeps a tie (NaN never wins)
+            best_gain[i] = gain;
+            best_dot[i] = dot[i];
+            best_sq[i] = sq[i];
+            best_k[i] = k;
+          }
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < VPT; ++i) {
+        const int v = ty * VPT + i;
+        const int64_t n = n0 + v;
+        if (p.win != nullptr && n < p.N) {
+          const int64_t wr = window_row(p, n);
+          if (wr >= 0) {
+            __nv_bfloat16* dst = reinterpret_cast<__nv_bfloat16*>(p.win) + wr * D;
+#pragma unroll
+            for (int j = 0; j < ON; ++j) dst[out_coord<D>(tx, j)] = __float2bfloat16_rn(nrm[v] * acc[i][j]);
+          }
+        }
+        if (tx == 0) inv[v] = nrm[v] * (best_dot[i] / best_sq[i]);  // 0 for a zero vector
+      }
+    }
     __syncthreads();  // everyone is done reading U: reuse it for the codes
     uint8_t* codes_s = reinterpret_cast<uint8_t*>(U);  // [MV][D]
     const int half = 1 << (bits - 1);
@@ -381,6 +484,11 @@ __global__ void __launch_bounds__(kThreads) tq_gemm_kernel(const GemmParams p) {
 #pragma unroll
       for (int j = 0; j < ON; ++j) {
         const float y = acc[i][j];
+        if constexpr (FIT) {  // the winner's codes
+          const float* tb = fit_tab + 16 * best_k[i];
+          codes_s[v * D + out_coord<D>(tx, j)] = static_cast<uint8_t>(bucketize16(y, tb, tb[7]));
+          continue;
+        }
         // code = number of boundaries strictly less than y (boundaries ascending).
         int pos = 0;
         for (int s = half; s > 0; s >>= 1)
@@ -428,7 +536,7 @@ __global__ void __launch_bounds__(kThreads) tq_gemm_kernel(const GemmParams p) {
       const int64_t n = n0 + tid;
       if (n < p.N) {
         const int64_t row = dest_row(p, n);
-        if (row >= 0) p.norms[row] = nrm[tid];
+        if (row >= 0) p.norms[row] = FIT ? inv[tid] : nrm[tid];
       }
     }
   } else {
@@ -449,6 +557,22 @@ __global__ void __launch_bounds__(kThreads) tq_gemm_kernel(const GemmParams p) {
       }
     }
   }
+}
+
+template <int D, int VPT, bool DECOMP>
+__global__ void __launch_bounds__(kThreads) tq_gemm_kernel(const GemmParams p) {
+  tq_gemm_body<D, VPT, DECOMP>(p);
+}
+
+// Compress with the fitted scale (format.h "Fitted scale"): the v1 kernel, whose CTA holds whole
+// vectors (the 17 candidates' sums need every coordinate of a vector; the tensor-core kernel's column
+// blocks split them over CTAs). grid.z selects the problem: 0 -> p0, 1 -> p1 (write_cache: K and V
+// in one launch).
+template <int D, int VPT>
+__global__ void __launch_bounds__(kThreads) tq_fit_kernel(const GemmParams p0, const GemmParams p1) {
+  __shared__ float fit_tab[kFitCandidates * 16];
+  const GemmParams p = blockIdx.z == 0 ? p0 : p1;
+  tq_gemm_body<D, VPT, false, true>(p, fit_tab);
 }
 
 // =============================================================================================
@@ -647,19 +771,11 @@ __device__ __forceinline__ void compress_mma_chunk(float (&acc)[NT][4], const ui
   }
 }
 
-// code = number of boundaries strictly less than y; bnd: 15 ascending midpoints padded with +inf
-// (bnd[15] is never read); b7 = bnd[7].
-__device__ __forceinline__ uint32_t bucketize16(float y, const float* bnd, float b7) {
-  int pos = (b7 < y) ? 8 : 0;
-  pos += (bnd[pos + 3] < y) ? 4 : 0;
-  pos += (bnd[pos + 1] < y) ? 2 : 0;
-  pos += (bnd[pos] < y) ? 1 : 0;
-  return static_cast<uint32_t>(pos);
-}
-
 // Register caps: bf16 x: 128 (2 CTAs of 8 warps per SM); f32 / f16 x (hi + lo fragments) may
 // take up to ~160 on the large tile rather than spill (1-2 CTAs per SM).
-template <int D, int NC, int WARPS, int XT>
+// WIN: write_cache with a recent-token window (p.win): the epilogue also writes the window rows
+// (a separate instantiation, so that the kernels without a window keep their registers).
+template <int D, int NC, int WARPS, int XT, bool WIN = false>
 __global__ void __launch_bounds__(WARPS * 32,
                                   (WARPS >= 8 ? (XT == static_cast<int>(FType::kBF16) ? 2 : 1) : 4))
     tq_compress_mma_kernel(const GemmParams p0, const GemmParams p1) {
@@ -823,6 +939,22 @@ __global__ void __launch_bounds__(WARPS * 32,
     }
     const float inv0 = n0 > 0.f ? 1.0f / n0 : 0.f;
     const float inv1 = n1 > 0.f ? 1.0f / n1 : 0.f;
+
+    // ---- write_cache's window rows: bf16(||x|| * y) of this CTA's columns ----
+    if constexpr (WIN) {
+      const int64_t w0 = v0 ? window_row(p, r0) : -1;
+      const int64_t w1 = v1 ? window_row(p, r1) : -1;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const int col = col0 + nt * 8 + 2 * t;
+        if (w0 >= 0)
+          *reinterpret_cast<uint32_t*>(p.win + w0 * D + col) =
+              bf2_bits(__floats2bfloat162_rn(n0 * (acc[nt][0] * inv0), n0 * (acc[nt][1] * inv0)));
+        if (w1 >= 0)
+          *reinterpret_cast<uint32_t*>(p.win + w1 * D + col) =
+              bf2_bits(__floats2bfloat162_rn(n1 * (acc[nt][2] * inv1), n1 * (acc[nt][3] * inv1)));
+      }
+    }
 
     // ---- bucketize into the warp's staging rows ----
 #pragma unroll
@@ -1087,11 +1219,47 @@ ffi::Error launch_gemm(const char* op, cudaStream_t stream, int d, const GemmPar
   }
 }
 
+// The fitted-scale compress (tq_fit_kernel); p1: a second problem of p's N, head_dim and x dtype,
+// run by grid.z = 1 of the same launch (nullptr: none).
+template <int D, int VPT>
+ffi::Error launch_fit_t(const char* op, cudaStream_t stream, const GemmParams& p, const GemmParams* p1) {
+  using L = GemmLayout<D, VPT>;
+  auto kernel = tq_fit_kernel<D, VPT>;
+  constexpr int smem = L::total;
+  static std::atomic<uint64_t> smem_set{0};
+  if (cudaError_t e = allow_dynamic_smem(smem_set, kernel, smem); e != cudaSuccess)
+    return cuda_error(op, "shared memory attribute", e);
+  const int64_t blocks = (p.N + L::MV - 1) / L::MV;
+  if (blocks > 0x7FFFFFFF) return invalid(op, "too many vectors");
+  const unsigned nz = p1 != nullptr ? 2u : 1u;
+  kernel<<<dim3(static_cast<unsigned>(blocks), 1, nz), kThreads, smem, stream>>>(p, p1 ? *p1 : p);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return cuda_error(op, "kernel launch", e);
+  return ffi::Error::Success();
+}
+
+ffi::Error launch_fit(const char* op, cudaStream_t stream, int d, const GemmParams& p,
+                      const GemmParams* p1 = nullptr) {
+  if (p.N == 0) return ffi::Error::Success();
+  if (p.N > (int64_t(1) << 40)) return invalid(op, "too many vectors");
+  // Large batches: 64 vectors per CTA (more reuse of each Pi tile); small ones: 16 per CTA.
+  const bool big = (p.N + 63) / 64 >= 2 * static_cast<int64_t>(sm_count());
+  switch (d) {
+    case 64: return big ? launch_fit_t<64, 4>(op, stream, p, p1) : launch_fit_t<64, 1>(op, stream, p, p1);
+    case 80: return big ? launch_fit_t<80, 4>(op, stream, p, p1) : launch_fit_t<80, 1>(op, stream, p, p1);
+    case 96: return big ? launch_fit_t<96, 4>(op, stream, p, p1) : launch_fit_t<96, 1>(op, stream, p, p1);
+    case 128: return big ? launch_fit_t<128, 4>(op, stream, p, p1) : launch_fit_t<128, 1>(op, stream, p, p1);
+    case 192: return big ? launch_fit_t<192, 4>(op, stream, p, p1) : launch_fit_t<192, 1>(op, stream, p, p1);
+    case 256: return big ? launch_fit_t<256, 4>(op, stream, p, p1) : launch_fit_t<256, 1>(op, stream, p, p1);
+    default: return invalid(op, "unsupported head_dim " + std::to_string(d));
+  }
+}
+
 // v2 tensor-core kernels. DECOMP: tq_decompress_mma_kernel (XT unused), else
-// tq_compress_mma_kernel<..., XT>.
+// tq_compress_mma_kernel<..., XT, WIN>.
 // p1: a second problem of the same shape and x dtype, run by grid.z = 1 of the same launch
 // (compress only; nullptr: none).
-template <int D, int NC, int WARPS, bool DECOMP, int XT>
+template <int D, int NC, int WARPS, bool DECOMP, int XT, bool WIN = false>
 ffi::Error launch_mma_t(const char* op, cudaStream_t stream, const GemmParams& p,
                         const GemmParams* p1) {
   using G = MmaGeom<D, NC, WARPS>;
@@ -1099,7 +1267,7 @@ ffi::Error launch_mma_t(const char* op, cudaStream_t stream, const GemmParams& p
   constexpr int smem = DECOMP ? G::decomp_smem : G::comp_smem;
   auto kernel = [] {
     if constexpr (DECOMP) return tq_decompress_mma_kernel<D, NC, WARPS>;
-    else return tq_compress_mma_kernel<D, NC, WARPS, XT>;
+    else return tq_compress_mma_kernel<D, NC, WARPS, XT, WIN>;
   }();
   static std::atomic<uint64_t> smem_set{0};
   if (cudaError_t e = allow_dynamic_smem(smem_set, kernel, smem); e != cudaSuccess)
@@ -1126,7 +1294,7 @@ ffi::Error launch_mma_t(const char* op, cudaStream_t stream, const GemmParams& p
 // Large batches: a warp tile is 16 rows x NC = min(d, 128 or d/2) outputs, 8 warps per CTA,
 // persistent grid. Small batches (a decode step's write): 16 x 16 tiles, 4 warps per CTA,
 // d/16 column blocks, so that enough CTAs run. Same per-output MMA sequence in both.
-template <int D, bool DECOMP, int XT>
+template <int D, bool DECOMP, int XT, bool WIN = false>
 ffi::Error launch_mma_d(const char* op, cudaStream_t stream, const GemmParams& p,
                         const GemmParams* p1) {
   // f32 / f16 x (3 MMAs, hi + lo x fragments) and decompress: narrower tiles keep the
@@ -1137,36 +1305,38 @@ ffi::Error launch_mma_d(const char* op, cudaStream_t stream, const GemmParams& p
                               : (D <= 128 ? D : D / 2);
   const int64_t ntiles = (p.N + 15) / 16;
   if (ntiles >= 8 * static_cast<int64_t>(sm_count()))
-    return launch_mma_t<D, NCB, 8, DECOMP, XT>(op, stream, p, p1);
-  return launch_mma_t<D, 16, 4, DECOMP, XT>(op, stream, p, p1);
+    return launch_mma_t<D, NCB, 8, DECOMP, XT, WIN>(op, stream, p, p1);
+  return launch_mma_t<D, 16, 4, DECOMP, XT, WIN>(op, stream, p, p1);
 }
 
-template <bool DECOMP, int XT>
+template <bool DECOMP, int XT, bool WIN = false>
 ffi::Error launch_mma_x(const char* op, cudaStream_t stream, int d, const GemmParams& p,
                         const GemmParams* p1 = nullptr) {
   switch (d) {
-    case 64: return launch_mma_d<64, DECOMP, XT>(op, stream, p, p1);
-    case 80: return launch_mma_d<80, DECOMP, XT>(op, stream, p, p1);
-    case 96: return launch_mma_d<96, DECOMP, XT>(op, stream, p, p1);
-    case 128: return launch_mma_d<128, DECOMP, XT>(op, stream, p, p1);
-    case 192: return launch_mma_d<192, DECOMP, XT>(op, stream, p, p1);
-    case 256: return launch_mma_d<256, DECOMP, XT>(op, stream, p, p1);
+    case 64: return launch_mma_d<64, DECOMP, XT, WIN>(op, stream, p, p1);
+    case 80: return launch_mma_d<80, DECOMP, XT, WIN>(op, stream, p, p1);
+    case 96: return launch_mma_d<96, DECOMP, XT, WIN>(op, stream, p, p1);
+    case 128: return launch_mma_d<128, DECOMP, XT, WIN>(op, stream, p, p1);
+    case 192: return launch_mma_d<192, DECOMP, XT, WIN>(op, stream, p, p1);
+    case 256: return launch_mma_d<256, DECOMP, XT, WIN>(op, stream, p, p1);
     default: return invalid(op, "unsupported head_dim " + std::to_string(d));
   }
 }
 
-// p1 (optional): a second problem with p's N, head_dim and x dtype, run in the same launch.
+// p1 (optional): a second problem with p's N, head_dim and x dtype, run in the same launch (and
+// a window where p has one).
+template <bool WIN = false>
 ffi::Error launch_compress(const char* op, cudaStream_t stream, int d, const GemmParams& p,
                            const GemmParams* p1 = nullptr) {
   if (p.N == 0) return ffi::Error::Success();
   if (p.N > (int64_t(1) << 40)) return invalid(op, "too many vectors");
   switch (p.dtype) {
     case static_cast<int>(FType::kBF16):
-      return launch_mma_x<false, static_cast<int>(FType::kBF16)>(op, stream, d, p, p1);
+      return launch_mma_x<false, static_cast<int>(FType::kBF16), WIN>(op, stream, d, p, p1);
     case static_cast<int>(FType::kF16):
-      return launch_mma_x<false, static_cast<int>(FType::kF16)>(op, stream, d, p, p1);
+      return launch_mma_x<false, static_cast<int>(FType::kF16), WIN>(op, stream, d, p, p1);
     default:
-      return launch_mma_x<false, static_cast<int>(FType::kF32)>(op, stream, d, p, p1);
+      return launch_mma_x<false, static_cast<int>(FType::kF32), WIN>(op, stream, d, p, p1);
   }
 }
 
@@ -1190,7 +1360,8 @@ ffi::Error launch_decompress(const char* op, cudaStream_t stream, int d, const G
 ffi::Error CompressCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> rotation,
                             ffi::Buffer<ffi::F32> centroids,
                             ffi::Result<ffi::Buffer<ffi::U8>> codes,
-                            ffi::Result<ffi::Buffer<ffi::F32>> norms, int32_t bits) {
+                            ffi::Result<ffi::Buffer<ffi::F32>> norms, int32_t bits,
+                            int32_t fit_scale) {
   static const char* op = "jax_tq_compress";
   const int ft = ftype_of(x.element_type());
   if (ft < 0) return invalid(op, "x dtype must be float32, bfloat16 or float16");
@@ -1216,6 +1387,7 @@ ffi::Error CompressCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<f
   p.page_size = 1;
   p.total_slots = 0;
   if (!aligned16(p.rot)) return invalid(op, "rotation buffer is not 16-byte aligned");
+  if (fit_scale != 0) return launch_fit(op, stream, static_cast<int>(d), p);
   return launch_compress(op, stream, static_cast<int>(d), p);
 }
 
@@ -1297,7 +1469,7 @@ ffi::Error prepare_write(const char* op, const char* name, cudaStream_t stream,
   p->cent = centroids.typed_data();
   p->slots = slot_mapping.typed_data();
   p->out = nullptr;
-  p->N = (num_pages == 0 || page_size == 0) ? 0 : t_n * hkv;
+  p->N = (num_pages == 0 || page_size == 0) ? 0 : t_n * hkv;  // (the window may raise it: prepare_window)
   p->bits = bits;
   p->dtype = ft;
   p->vec_io = aligned16(p->x);
@@ -1308,11 +1480,42 @@ ffi::Error prepare_write(const char* op, const char* name, cudaStream_t stream,
   return ffi::Error::Success();
 }
 
+// One window pool of a cache write: copies it when the result is not aliased to the operand, and
+// points *p at it (win.on(): every token is then a vector of the launch, even with no pages).
+ffi::Error prepare_window(const char* op, cudaStream_t stream, const ffi_checks::WindowDims& win,
+                          const ffi::Buffer<ffi::BF16>& window_in, ffi::Buffer<ffi::BF16>& window_out,
+                          const ffi::Buffer<ffi::S32>& window_slots, int64_t vectors, GemmParams* p) {
+  void* out = window_out.untyped_data();
+  if (out != window_in.untyped_data() && window_in.size_bytes() > 0) {
+    cudaError_t e = cudaMemcpyAsync(out, window_in.untyped_data(), window_in.size_bytes(),
+                                    cudaMemcpyDeviceToDevice, stream);
+    if (e != cudaSuccess) return cuda_error(op, "cudaMemcpyAsync(window)", e);
+  }
+  if (!win.on()) return ffi::Error::Success();
+  if (!aligned4(out)) return invalid(op, "window buffer is not 4-byte aligned");
+  if (win.window >= (int64_t(1) << 31)) return invalid(op, "window too long");
+  p->win = static_cast<uint16_t*>(out);
+  p->win_slots = window_slots.typed_data();
+  p->win_entries = win.num_windows * win.window;
+  p->win_len = static_cast<int>(win.window);
+  p->N = vectors;
+  return ffi::Error::Success();
+}
+
+// The compress launch of one problem (p1: a second one in the same launch): the fitted scale's
+// kernel or the tensor-core one.
+ffi::Error launch_write(const char* op, cudaStream_t stream, int d, bool fit, const GemmParams& p,
+                        const GemmParams* p1 = nullptr) {
+  if (fit) return launch_fit(op, stream, d, p, p1);
+  return p.win != nullptr ? launch_compress<true>(op, stream, d, p, p1) : launch_compress(op, stream, d, p, p1);
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
 // jax_tq_write_cache: k and v written at the same slots, in ONE kernel launch
-// (grid.z = 2) when k and v share a dtype (the common case; else two launches).
+// (grid.z = 2) when k and v share a dtype and the scale kind (the common case; else two launches).
+// The window pools (k_window, v_window; window_slots) are written by the same kernels' epilogues.
 // ---------------------------------------------------------------------------------------------
 ffi::Error WriteCacheCudaImpl(cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuffer v,
                               ffi::Buffer<ffi::U8> k_codes_in, ffi::Buffer<ffi::F32> k_norms_in,
@@ -1320,11 +1523,15 @@ ffi::Error WriteCacheCudaImpl(cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuf
                               ffi::Buffer<ffi::F32> k_rotation, ffi::Buffer<ffi::F32> k_centroids,
                               ffi::Buffer<ffi::F32> v_rotation, ffi::Buffer<ffi::F32> v_centroids,
                               ffi::Buffer<ffi::S32> slot_mapping,
+                              ffi::Buffer<ffi::BF16> k_window_in, ffi::Buffer<ffi::BF16> v_window_in,
+                              ffi::Buffer<ffi::S32> window_slots,
                               ffi::Result<ffi::Buffer<ffi::U8>> k_codes_out,
                               ffi::Result<ffi::Buffer<ffi::F32>> k_norms_out,
                               ffi::Result<ffi::Buffer<ffi::U8>> v_codes_out,
-                              ffi::Result<ffi::Buffer<ffi::F32>> v_norms_out, int32_t k_bits,
-                              int32_t v_bits) {
+                              ffi::Result<ffi::Buffer<ffi::F32>> v_norms_out,
+                              ffi::Result<ffi::Buffer<ffi::BF16>> k_window_out,
+                              ffi::Result<ffi::Buffer<ffi::BF16>> v_window_out, int32_t k_bits,
+                              int32_t v_bits, int32_t k_fit_scale, int32_t v_fit_scale) {
   static const char* op = "jax_tq_write_cache";
   GemmParams pk, pv;
   JTQ_RETURN_IF_ERROR(prepare_write(op, "k", stream, k, k_codes_in, k_norms_in, k_rotation,
@@ -1333,11 +1540,22 @@ ffi::Error WriteCacheCudaImpl(cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuf
   JTQ_RETURN_IF_ERROR(prepare_write(op, "v", stream, v, v_codes_in, v_norms_in, v_rotation,
                                     v_centroids, slot_mapping, *v_codes_out, *v_norms_out, v_bits,
                                     &pv));
-  const int dk = static_cast<int>(k.dimensions()[2]), dv = static_cast<int>(v.dimensions()[2]);
-  if (pk.N == pv.N && dk == dv && pk.dtype == pv.dtype && pk.vec_io == pv.vec_io)
-    return launch_compress(op, stream, dk, pk, &pv);
-  JTQ_RETURN_IF_ERROR(launch_compress(op, stream, dk, pk));
-  return launch_compress(op, stream, dv, pv);
+  const auto kd = k.dimensions();  // [T, Hkv, d], validated by prepare_write
+  ffi_checks::WindowDims win;
+  JTQ_RETURN_IF_ERROR(ffi_checks::validate_window_write(cuda_op(op), kd[0], kd[1], kd[2], k_window_in,
+                                                        v_window_in, window_slots, *k_window_out,
+                                                        *v_window_out, &win));
+  JTQ_RETURN_IF_ERROR(prepare_window(op, stream, win, k_window_in, *k_window_out, window_slots,
+                                     kd[0] * kd[1], &pk));
+  JTQ_RETURN_IF_ERROR(prepare_window(op, stream, win, v_window_in, *v_window_out, window_slots,
+                                     kd[0] * kd[1], &pv));
+  const bool k_fit = k_fit_scale != 0, v_fit = v_fit_scale != 0;
+  const int dk = static_cast<int>(kd[2]), dv = static_cast<int>(v.dimensions()[2]);
+  if (pk.N == pv.N && dk == dv && pk.dtype == pv.dtype && pk.vec_io == pv.vec_io && k_fit == v_fit &&
+      (pk.win == nullptr) == (pv.win == nullptr))
+    return launch_write(op, stream, dk, k_fit, pk, &pv);
+  JTQ_RETURN_IF_ERROR(launch_write(op, stream, dk, k_fit, pk));
+  return launch_write(op, stream, dv, v_fit, pv);
 }
 
 }  // namespace cuda

@@ -14,8 +14,11 @@
 //        softmax: one warp per head (chunk max, rescale factor, p, row sum); p * v_norm stored.
 //        V phase: one lane per 8 coordinates of a token, acc[GT][8] in registers.
 //      Writes (o / l, m + log l) per head into the workspace, or the final output when
-//      num_splits == 1.
-//   2. combine kernel (num_splits > 1 only), one CTA per (sequence, query head): log-sum-exp merge.
+//      num_splits == 1 and there is no window.
+//   2. combine kernel (num_splits > 1, no window), one CTA per (sequence, query head): log-sum-exp
+//      merge. With a recent-token window (W > 0) the split kernels stream the pages' tokens
+//      [0, paged_tokens) only and always write partials, and the window combine kernel (one CTA per
+//      (sequence, KV head, up to 8 query heads)) adds the window's tokens as one more split.
 // Instantiations: head_dim (6) x GT (1, 2, 4, 8; 4 max at d=256) = 23 kernels; k_bits / v_bits are a
 // uniform run-time switch inside the K and V phases (smem code rows sized for 4 bits), which keeps
 // the build to ~1 min for sm_80 + sm_90. Copy loops use run-time row sizes (not unrolled).
@@ -286,7 +289,26 @@ struct DecodeParams {
   int k_bits, v_bits;
   const int32_t* rot;   // [2][128] Hadamard spec words (K, V; format.h), or nullptr: q / out rotated outside
   unsigned long long* trace;  // v4's phase trace (PhaseTrace below), or nullptr (the default)
+  int window;           // the recent-token window W (format.h), 0: none. W > 0: the split kernels stream
+                        // the pages' tokens [0, paged_tokens) only and always write partials; the window
+                        // combine kernel adds the window's tokens.
 };
+
+// The length whose tokens the split kernels stream from the pages: format.h's paged_tokens
+// (max(clamp(seq_len, 0, capacity) - W, 0): the last W tokens come from the window) in 32 bits (the
+// handler keeps capacity = max_pages * page_size below 2^31); W = 0: seq_len clamped, as the
+// split range clamps it anyway.
+__device__ __forceinline__ int paged_len(const DecodeParams& p, int seq_len) {
+  const int capacity = p.max_pages * p.page_size;
+  const int len = seq_len < 0 ? 0 : (seq_len > capacity ? capacity : seq_len);
+  return len > p.window ? len - p.window : 0;
+}
+
+// Whether the split kernels write split partials (pout / plse for a combine kernel) rather than
+// the output: several splits, or a window (the window combine adds it as one more split).
+__host__ __device__ __forceinline__ bool writes_partials(const DecodeParams& p) {
+  return p.num_splits > 1 || p.window > 0;
+}
 
 // A diagnostic: with JAX_TQ_TRACE_PHASES=1 in the environment, v4 records for each warp of its first
 // kTraceCtas CTAs (blockIdx.x + gridDim.x * blockIdx.y) kTraceStamps pairs (%globaltimer ns, %smid):
@@ -552,7 +574,7 @@ __device__ __forceinline__ void store_head_output(const DecodeParams& p, int seq
                                                   int dd, float m, float l, float acc, bool bad) {
   const float o = head_output_value(l, acc, bad);
   const int64_t sh = static_cast<int64_t>(seq) * p.H + h;
-  if (p.num_splits == 1) {
+  if (!writes_partials(p)) {
     p.out[sh * D + dd] = o;
     return;
   }
@@ -597,7 +619,7 @@ __global__ void __launch_bounds__(kThreads)
   const int kb = p.k_bits, vb = p.v_bits;
 
   // ---- token range of this split ------------------------------------------------------------
-  const SplitRange range = split_range(p.sl[seq], p.max_pages, p.page_size, ns, split);
+  const SplitRange range = split_range(paged_len(p, p.sl[seq]), p.max_pages, p.page_size, ns, split);
   const int tok0 = static_cast<int>(range.tok_begin);
   const int tok_end = static_cast<int>(range.tok_end);
   const int ntok = tok_end > tok0 ? tok_end - tok0 : 0;
@@ -906,7 +928,7 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t kbytes = p.kcopy.bytes, vbytes = p.vcopy.bytes;
 
   // ---- token range of this split (identical to v1) ------------------------------------------
-  const SplitRange range = split_range(p.sl[seq], p.max_pages, p.page_size, ns, split);
+  const SplitRange range = split_range(paged_len(p, p.sl[seq]), p.max_pages, p.page_size, ns, split);
   const int tok0 = static_cast<int>(range.tok_begin);
   const int tok_end = static_cast<int>(range.tok_end);
   const int ntok = tok_end > tok0 ? tok_end - tok0 : 0;
@@ -1204,6 +1226,281 @@ __global__ void __launch_bounds__(kCombineThreads, 1)
     }
     rotate_row_inverse(x, rot_v, w_s, lane);  // the split weights are no longer needed
     *reinterpret_cast<float4*>(o + 4 * lane) = make_float4(x[0], x[1], x[2], x[3]);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Window combine kernel (a recent-token window, W > 0; the split kernels then always write
+// partials): one CTA of kCombineThreads per (sequence, KV head, chunk of up to win_heads<D>() query
+// heads of its group), so that the group's heads share every window row it reads (the rows are read
+// once per KV head, not once per query head). Sequence s of clamped length L reads positions
+// [P0, L), P0 = paged_tokens(L) (format.h), from entries p % W of window window_ids[s] (none for an
+// id outside [0, num_windows)): score = scale * <q_rot, K row>, value = the V row (bf16 rows of the
+// rotated vectors), in the same softmax as the splits' tokens:
+//   1. warp g stages head g's q row (rotated by Pi_k first where the rotation is fused) times
+//      scale * log2(e); a row that is not all finite makes the head's output row NaN;
+//   2. warp w takes the window tokens w, w + 8, w + 16, ... in batches of TB (their K and V rows
+//      loaded at once: lane l holds the bf16 pairs l + 32 i of a row), scores each for every head (a
+//      warp sum) and keeps an online softmax (m in log2 units, l, o) per head;
+//   3. warp g merges head g's window state over the warps, and the splits' lse (natural log, as
+//      the split kernels write it: (m + log2 l) ln 2) with it: the row's max M and denominator;
+//   4. thread (g, c) adds the splits' partial outputs and the window's o with their weights,
+//      divides and stores (with the fused rotation, warp g first rotates head g's row back by Pi_v^T).
+// A split whose lse is -inf (no token) is skipped; a row with no token at all is 0.
+// ---------------------------------------------------------------------------------------------
+struct WindowCombineParams {
+  const float* q;        // [S, H, D]: q_rot, or q where the rotation is fused (rot)
+  const float* pout;     // [S, H, ns, D]
+  const float* plse;     // [S, H, ns]
+  float* out;            // [S, H, D]
+  const uint32_t* kwin;  // [num_windows, Hkv, W, D] bf16, read as pairs (coordinates 2i, 2i + 1)
+  const uint32_t* vwin;  // [num_windows, Hkv, W, D] bf16
+  const int32_t* sl;     // [S]
+  const int32_t* ids;    // [S] window ids
+  const int32_t* rot;    // [2][128] Hadamard spec words (K, V), or nullptr
+  int64_t capacity;      // max_pages * page_size
+  int H, Hkv, G, ns, window, num_windows, chunks;  // chunks: CTAs per (sequence, KV head)
+  float qscale;          // scale * log2(e)
+};
+
+// Query heads per window-combine CTA (its per-warp window outputs o_s: 32 KB at head_dim 128 / 256).
+template <int D>
+constexpr int win_heads() { return D <= 128 ? 8 : 4; }
+
+__device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w & 0xFFFF0000u); }
+
+template <int D>
+__global__ void __launch_bounds__(kCombineThreads)
+    paged_decode_window_combine_kernel(const WindowCombineParams p) {
+  constexpr int HC = win_heads<D>();
+  constexpr int NW = kCombineThreads / 32;  // warps
+  constexpr int NP = (D / 2 + 31) / 32;     // bf16 pairs of a row per lane: pair lane + 32 i
+  constexpr int TB = NP <= 2 ? 8 : 4;       // tokens per warp per batch (their rows in registers)
+  static_assert(HC <= NW, "one head per warp in the prologue and the merge");
+  static_assert(D % 2 == 0, "bf16 pairs");
+  __shared__ __align__(16) float q_s[HC][D];  // q rows (log2 units); then the fused rotation's rows
+  __shared__ __align__(16) float o_s[NW][HC * D];  // each warp's window output per head (rotation buffer first)
+  __shared__ float m_s[NW][HC];
+  __shared__ float l_s[NW][HC];
+  __shared__ float M_s[HC], den_s[HC], wf_s[HC], mw_s[HC];
+  __shared__ int bad_s[HC];
+
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5;
+  const int lane = tid & 31;
+  const int chunk = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.chunks));
+  const int sk = static_cast<int>(blockIdx.x / static_cast<unsigned>(p.chunks));  // seq * Hkv + kvh
+  const int seq = sk / p.Hkv;
+  const int kvh = sk - seq * p.Hkv;
+  const int g0 = chunk * HC;
+  const int gn = p.G - g0 < HC ? p.G - g0 : HC;  // query heads of this CTA (>= 1)
+  const int64_t row0 = static_cast<int64_t>(seq) * p.H + kvh * p.G + g0;  // (seq, first head) row of q / out
+  const bool fused = D == v3::kD && p.rot != nullptr;
+
+  // The window's tokens: positions [P0, L).
+  const int seq_len = p.sl[seq];
+  const int wid = p.ids[seq];
+  const int64_t L = clamp_len(seq_len, p.capacity);
+  const int64_t P0 = paged_tokens(seq_len, p.capacity, p.window);
+  const int nw = wid >= 0 && wid < p.num_windows ? static_cast<int>(L - P0) : 0;
+
+  // ---- 1. q rows ------------------------------------------------------------------------------
+  if (warp < gn) {
+    const int g = warp;
+    const float* src = p.q + (row0 + g) * D;
+    bool finite = true;
+    if constexpr (D == v3::kD) {
+      if (fused) {
+        const float4 v = reinterpret_cast<const float4*>(src)[lane];
+        float x[4] = {v.x, v.y, v.z, v.w};
+        uint32_t w[4];
+        load_rot_words(p.rot, lane, w);
+        rotate_row_forward(x, w, o_s[warp], lane);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          finite = finite && isfinite(x[j]);
+          q_s[g][4 * lane + j] = x[j] * p.qscale;
+        }
+      }
+    }
+    if (!fused) {
+      for (int c = lane; c < D; c += 32) {
+        const float x = src[c];
+        finite = finite && isfinite(x);
+        q_s[g][c] = x * p.qscale;
+      }
+    }
+    finite = __all_sync(0xffffffffu, finite);
+    if (lane == 0) bad_s[g] = !finite;
+  }
+  __syncthreads();
+
+  // ---- 2. window tokens: warp w takes tokens w + NW * k -----------------------------------------
+  float m[HC], l[HC], o[HC][NP][2];
+#pragma unroll
+  for (int g = 0; g < HC; ++g) {
+    m[g] = -INFINITY;
+    l[g] = 0.f;
+#pragma unroll
+    for (int i = 0; i < NP; ++i) o[g][i][0] = o[g][i][1] = 0.f;
+  }
+  const int64_t win_rows = (static_cast<int64_t>(wid) * p.Hkv + kvh) * p.window;  // entry 0 of (wid, kvh)
+#pragma unroll 1
+  for (int base = warp; base < nw; base += NW * TB) {
+    uint32_t kr[TB][NP], vr[TB][NP];
+#pragma unroll
+    for (int tt = 0; tt < TB; ++tt) {
+      const int j = base + NW * tt;
+      const int64_t e = j < nw ? (P0 + j) % p.window : -1;  // ring entry of position P0 + j
+      const uint32_t* kp = p.kwin + (win_rows + e) * (D / 2);
+      const uint32_t* vp = p.vwin + (win_rows + e) * (D / 2);
+#pragma unroll
+      for (int i = 0; i < NP; ++i) {
+        const int c2 = lane + 32 * i;
+        const bool ok = e >= 0 && (D / 2 % 32 == 0 || c2 < D / 2);
+        kr[tt][i] = ok ? __ldg(kp + c2) : 0u;
+        vr[tt][i] = ok ? __ldg(vp + c2) : 0u;
+      }
+    }
+#pragma unroll
+    for (int g = 0; g < HC; ++g) {
+      if (g >= gn) break;  // CTA-uniform
+      float2 qv[NP];
+#pragma unroll
+      for (int i = 0; i < NP; ++i) {
+        const int c2 = lane + 32 * i;
+        qv[i] = D / 2 % 32 == 0 || c2 < D / 2 ? *reinterpret_cast<const float2*>(&q_s[g][2 * c2])
+                                              : make_float2(0.f, 0.f);
+      }
+      float s[TB];
+      float bm = -INFINITY;
+#pragma unroll
+      for (int tt = 0; tt < TB; ++tt) {
+        float a = 0.f;
+#pragma unroll
+        for (int i = 0; i < NP; ++i) {
+          a = fmaf(qv[i].x, bf16_lo(kr[tt][i]), a);
+          a = fmaf(qv[i].y, bf16_hi(kr[tt][i]), a);
+        }
+        a = warp_sum(a);
+        if (base + NW * tt >= nw || !(a > -INFINITY)) a = -INFINITY;  // no such token, or NaN: no weight
+        s[tt] = a;
+        bm = fmaxf(bm, a);
+      }
+      const float mn = fmaxf(m[g], bm);
+      if (mn == -INFINITY) continue;  // warp-uniform: no weight yet
+      const float alpha = fast_exp2(m[g] - mn);  // m = -inf -> 0
+      l[g] *= alpha;
+#pragma unroll
+      for (int i = 0; i < NP; ++i) {
+        o[g][i][0] *= alpha;
+        o[g][i][1] *= alpha;
+      }
+#pragma unroll
+      for (int tt = 0; tt < TB; ++tt) {
+        const float pr = fast_exp2(s[tt] - mn);  // s = -inf -> 0
+        l[g] += pr;
+#pragma unroll
+        for (int i = 0; i < NP; ++i) {
+          o[g][i][0] = fmaf(pr, bf16_lo(vr[tt][i]), o[g][i][0]);
+          o[g][i][1] = fmaf(pr, bf16_hi(vr[tt][i]), o[g][i][1]);
+        }
+      }
+      m[g] = mn;
+    }
+  }
+#pragma unroll
+  for (int g = 0; g < HC; ++g) {
+    if (g >= gn) break;
+    if (lane == 0) {
+      m_s[warp][g] = m[g];
+      l_s[warp][g] = l[g];
+    }
+#pragma unroll
+    for (int i = 0; i < NP; ++i) {
+      const int c2 = lane + 32 * i;
+      if (D / 2 % 32 == 0 || c2 < D / 2)
+        *reinterpret_cast<float2*>(&o_s[warp][g * D + 2 * c2]) = make_float2(o[g][i][0], o[g][i][1]);
+    }
+  }
+  __syncthreads();
+
+  // ---- 3. per head: the window's state over the warps, merged with the splits' lse ---------------
+  if (warp < gn) {
+    const int g = warp;
+    float mw = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) mw = fmaxf(mw, m_s[w][g]);
+    float lw = 0.f;
+    if (mw > -INFINITY) {
+#pragma unroll
+      for (int w = 0; w < NW; ++w) lw = fmaf(l_s[w][g], fast_exp2(m_s[w][g] - mw), lw);  // m = -inf -> 0
+    }
+    const float* lse = p.plse + (row0 + g) * p.ns;
+    float gmax = -INFINITY;
+    for (int s = lane; s < p.ns; s += 32) gmax = fmaxf(gmax, lse[s]);
+    gmax = warp_max(gmax);
+    const float wmax = mw > -INFINITY ? mw * kLn2 : -INFINITY;  // the window's max score, natural log
+    const float M = fmaxf(gmax, wmax);
+    float den = 0.f;
+    if (M > -INFINITY) {
+      for (int s = lane; s < p.ns; s += 32) {
+        const float ls = lse[s];
+        den += ls == -INFINITY ? 0.f : expf(ls - M);
+      }
+    }
+    den = warp_sum(den);
+    const float wf = mw > -INFINITY ? expf(wmax - M) : 0.f;  // the window's o and l are relative to 2^mw
+    if (lane == 0) {
+      M_s[g] = M;
+      den_s[g] = fmaf(lw, wf, den);  // >= 1 where M is finite: its split or window term is 1
+      wf_s[g] = wf;
+      mw_s[g] = mw;
+    }
+  }
+  __syncthreads();
+
+  // ---- 4. outputs -------------------------------------------------------------------------------
+  for (int idx = tid; idx < gn * D; idx += kCombineThreads) {
+    const int g = idx / D;
+    const int c = idx - g * D;
+    const float M = M_s[g];
+    float val = 0.f;  // no token at all: a zero row
+    if (bad_s[g]) {
+      val = __int_as_float(0x7fc00000);
+    } else if (M > -INFINITY || M != M) {  // finite, +inf or NaN: the last two give NaN below
+      const float* lse = p.plse + (row0 + g) * p.ns;
+      const float* po = p.pout + (row0 + g) * p.ns * D + c;
+      float num = 0.f;
+      for (int s = 0; s < p.ns; ++s) {
+        const float ls = lse[s];
+        const float w = ls == -INFINITY ? 0.f : expf(ls - M);
+        if (w != 0.f) num = fmaf(w, po[static_cast<int64_t>(s) * D], num);  // an empty split: skipped
+      }
+      const float mw = mw_s[g];
+      if (mw > -INFINITY) {
+        float ow = 0.f;
+#pragma unroll
+        for (int w = 0; w < NW; ++w) ow = fmaf(o_s[w][g * D + c], fast_exp2(m_s[w][g] - mw), ow);
+        num = fmaf(ow, wf_s[g], num);
+      }
+      val = num / den_s[g];
+    }
+    if (fused) q_s[g][c] = val;  // q_s is free since the barrier after step 2
+    else p.out[(row0 + g) * D + c] = val;
+  }
+  if constexpr (D == v3::kD) {
+    if (fused) {  // out = Pi_v^T o_rot, warp g for head g
+      __syncthreads();
+      if (warp < gn) {
+        float x[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) x[j] = q_s[warp][4 * lane + j];
+        rotate_row_inverse(x, p.rot + v3::kD, o_s[warp], lane);  // o_s is no longer read
+        *reinterpret_cast<float4*>(p.out + (row0 + warp) * D + 4 * lane) = make_float4(x[0], x[1], x[2], x[3]);
+      }
+    }
   }
 }
 
@@ -1650,6 +1947,43 @@ int ring_fits_widths(int kb, int vb) {
   });
 }
 
+// Query heads per window-combine CTA for a run-time head_dim.
+int win_heads_of(int d) { return d <= 128 ? win_heads<128>() : win_heads<256>(); }
+
+template <int D>
+ffi::Error launch_window_combine_d(cudaStream_t stream, const WindowCombineParams& wp, int64_t ctas) {
+  paged_decode_window_combine_kernel<D><<<static_cast<unsigned>(ctas), kCombineThreads, 0, stream>>>(wp);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return cuda_error("window combine kernel launch", e);
+  return ffi::Error::Success();
+}
+
+// The window combine after the split kernel (ctas: num_seqs * num_kv_heads * wp.chunks).
+ffi::Error launch_window_combine(int d, cudaStream_t stream, const WindowCombineParams& wp, int64_t ctas) {
+  if (ctas == 0) return ffi::Error::Success();
+  switch (d) {
+#if JTQ_HAS_D(64)
+    case 64: return launch_window_combine_d<64>(stream, wp, ctas);
+#endif
+#if JTQ_HAS_D(80)
+    case 80: return launch_window_combine_d<80>(stream, wp, ctas);
+#endif
+#if JTQ_HAS_D(96)
+    case 96: return launch_window_combine_d<96>(stream, wp, ctas);
+#endif
+#if JTQ_HAS_D(128)
+    case 128: return launch_window_combine_d<128>(stream, wp, ctas);
+#endif
+#if JTQ_HAS_D(192)
+    case 192: return launch_window_combine_d<192>(stream, wp, ctas);
+#endif
+#if JTQ_HAS_D(256)
+    case 256: return launch_window_combine_d<256>(stream, wp, ctas);
+#endif
+    default: return invalid("head_dim " + std::to_string(d) + " not compiled in");
+  }
+}
+
 }  // namespace
 
 // The phase trace buffer (kTraceWords words) into dst, then zeroed; false on a CUDA error.
@@ -1698,7 +2032,8 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot,
                                ffi::Buffer<ffi::F32> k_centroids,
                                ffi::Buffer<ffi::F32> v_centroids,
                                ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens,
-                               ffi::Buffer<ffi::S32> rotation,
+                               ffi::Buffer<ffi::BF16> k_window, ffi::Buffer<ffi::BF16> v_window,
+                               ffi::Buffer<ffi::S32> window_ids, ffi::Buffer<ffi::S32> rotation,
                                ffi::Result<ffi::Buffer<ffi::F32>> out_rot,
                                ffi::Result<ffi::Buffer<ffi::F32>> partial_out,
                                ffi::Result<ffi::Buffer<ffi::F32>> partial_lse, int32_t k_bits,
@@ -1708,7 +2043,8 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot,
   ffi_checks::DecodeDims dims;
   JTQ_RETURN_IF_ERROR(ffi_checks::validate_paged_decode(
       kOp, q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids, block_tables,
-      seq_lens, rotation, *out_rot, *partial_out, *partial_lse, k_bits, v_bits, num_splits, &dims));
+      seq_lens, k_window, v_window, window_ids, rotation, *out_rot, *partial_out, *partial_lse, k_bits, v_bits,
+      num_splits, &dims));
   const int64_t S = dims.S, H = dims.H, d = dims.d;
   const int64_t P = dims.P, Hkv = dims.Hkv, page = dims.page;
   const int64_t kpb = dims.kpb, vpb = dims.vpb, max_pages = dims.max_pages, ns = dims.ns;
@@ -1717,6 +2053,8 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot,
   if (max_pages * page >= (int64_t(1) << 31) - kChunk * kStages)
     return invalid("max_pages * page_size must be < 2^31");
   if (S * ns >= (int64_t(1) << 31)) return invalid("num_seqs * num_splits too large");
+  const bool win = dims.win.on();  // the recent-token window (format.h): its tokens in the window combine
+  if (win && dims.win.window >= (int64_t(1) << 31)) return invalid("window too long");
 
   const int64_t G = H / Hkv;
   int gt;
@@ -1767,21 +2105,52 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot,
     void* trace = nullptr;
     if (cudaGetSymbolAddress(&trace, g_phase_trace) == cudaSuccess) p.trace = static_cast<unsigned long long*>(trace);
   }
+  p.window = win ? static_cast<int>(dims.win.window) : 0;
   if (P == 0) {  // nothing can be read: every row is 0 (all page ids are out of range)
     p.P = 0;
   }
 
   // Checked before any launch. XLA's buffers are aligned, and head_dim is validated above.
-  if (ns > 1 && reinterpret_cast<uintptr_t>(p.pout) % 16 != 0)
+  if (ns > 1 && !win && reinterpret_cast<uintptr_t>(p.pout) % 16 != 0)
     return invalid("partial_out workspace is not 16-byte aligned");
   if (ns > 1 && d > kCombineMaxD) return invalid("head_dim above the combine kernel's 256");
   if (dims.fused && !fused_rotation_ok(static_cast<int>(d), gt, p))
     return invalid("the fused (Hadamard) rotation runs on the tensor-core kernels only: head_dim 128, "
                    "K and V of 2, 3 or 4 bits, code pools aligned to the per-lane loads, a 16-byte aligned "
                    "rotation operand, JAX_TQ_CUDA_DECODE not v1 / v2");
+  WindowCombineParams wp{};
+  int64_t win_ctas = 0;
+  if (win) {
+    const int heads = win_heads_of(static_cast<int>(d));
+    wp.chunks = static_cast<int>((G + heads - 1) / heads);
+    win_ctas = S * Hkv * wp.chunks;
+    if (win_ctas >= (int64_t(1) << 31)) return invalid("too many (sequence, KV head, head chunk) CTAs for the window");
+    if (reinterpret_cast<uintptr_t>(k_window.untyped_data()) % 4 != 0 ||
+        reinterpret_cast<uintptr_t>(v_window.untyped_data()) % 4 != 0)
+      return invalid("k_window / v_window buffers are not 4-byte aligned");
+    wp.q = p.q;
+    wp.pout = p.pout;
+    wp.plse = p.plse;
+    wp.out = p.out;
+    wp.kwin = static_cast<const uint32_t*>(k_window.untyped_data());
+    wp.vwin = static_cast<const uint32_t*>(v_window.untyped_data());
+    wp.sl = p.sl;
+    wp.ids = window_ids.typed_data();
+    wp.rot = p.rot;
+    wp.capacity = max_pages * page;
+    wp.H = p.H;
+    wp.Hkv = p.Hkv;
+    wp.G = p.G;
+    wp.ns = p.num_splits;
+    wp.window = p.window;
+    wp.num_windows = static_cast<int>(dims.win.num_windows < (int64_t(1) << 31) - 1 ? dims.win.num_windows
+                                                                                   : (int64_t(1) << 31) - 1);
+    wp.qscale = p.qscale;
+  }
   const dim3 grid(static_cast<unsigned>(S * ns), static_cast<unsigned>(Hkv * ntiles));
   if (auto e = dispatch_d(static_cast<int>(d), gt, f16_products != 0, stream, p, grid); e.failure())
     return e;
+  if (win) return launch_window_combine(static_cast<int>(d), stream, wp, win_ctas);
   if (ns > 1) {
     paged_decode_combine_kernel<<<static_cast<unsigned>(S * H), kCombineThreads, 0, stream>>>(
         p.pout, p.plse, p.out, static_cast<int>(ns), static_cast<int>(d), p.rot ? p.rot + d : nullptr);

@@ -21,8 +21,10 @@
 // of paged_decode.cu).
 //
 // Contract (identical to v1 / v2): same grid (num_splits * num_seqs, num_kv_heads * group_tiles),
-// 128 threads (v4: 256; two items per CTA: 512 on a grid.y of half the rows), same per-split token range, same partial (o / l, m + log l) writes (or
-// the final output when num_splits == 1), so the combine kernel applies unchanged. Tokens >=
+// 128 threads (v4: 256; two items per CTA: 512 on a grid.y of half the rows), same per-split token range
+// (paged_len: with a window, the pages' tokens only), same partial (o / l, m + log l) writes (or the
+// final output when num_splits == 1 and there is no window: writes_partials), so the combine
+// kernels apply unchanged. Tokens >=
 // tok_end and block-table entries outside [0, P) never contribute: v3 never reads them; v4's
 // one-page tiles read their codes from inside a real page (page 0 for an invalid id; no read past
 // a pool) and give them weight 0 (finite centroids: 0 * c = 0). Empty splits write lse = -inf; a
@@ -680,7 +682,7 @@ __device__ __forceinline__ void tile_accumulate_v(const uint32_t (&v)[4][Dims<D>
   tile_accumulate_v_b<D, SPLIT, false>(v, ph0, pl0, ph1, pl1, ilut, o);
 }
 
-// merge_tile_state's fused-rotation epilogue (head_dim kD, one split).
+// merge_tile_state's fused-rotation epilogue (head_dim kD, one split, no window).
 template <int GT, int W>
 __device__ __forceinline__ void merge_rotate_and_store(const DecodeParams& p, float (&m_s)[W][kNH],
                                                        float (&l_s)[W][kNH], float (&o_s)[W][kNH * kD],
@@ -818,7 +820,7 @@ __device__ __forceinline__ void merge_tile_state(const DecodeParams& p, const fl
     trace_phase(p, trace_cta, trace_warp, 4 * gid + t4, 7);
     trace_phase(p, trace_cta, trace_warp, 4 * gid + t4, 8);
   };
-  if (D != kD || p.rot == nullptr || p.num_splits > 1) {
+  if (D != kD || p.rot == nullptr || writes_partials(p)) {
     merge_warps_and_store<D, GT, kNH, W, 32 * W * HALVES, kSwz>(p, m_s, l_s, o_s, bad_s, seq, split, kvh, tile);
     stamp_inner();
     return;
@@ -871,7 +873,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
   const int tile = blockIdx.y - kvh * p.ntiles;
 
   // ---- token range of this split (identical to v1) ------------------------------------------
-  const SplitRange range = split_range(p.sl[seq], p.max_pages, p.page_size, ns, split);
+  const SplitRange range = split_range(paged_len(p, p.sl[seq]), p.max_pages, p.page_size, ns, split);
   const int tok0 = static_cast<int>(range.tok_begin);
   const int tok_end = static_cast<int>(range.tok_end);
   const int ntok = tok_end > tok0 ? tok_end - tok0 : 0;
@@ -1259,7 +1261,7 @@ __global__ void __launch_bounds__(v4_threads(ITEMS), v4_ctas_per_sm(ITEMS))
   // warp until it lands, and every read issued after that use would wait behind it.
   int tok0 = 0, tok_end = 0, ntt = 0;
   auto set_range = [&](int seq_len) {
-    const SplitRange range = split_range(seq_len, p.max_pages, p.page_size, ns, split);
+    const SplitRange range = split_range(paged_len(p, seq_len), p.max_pages, p.page_size, ns, split);
     tok0 = static_cast<int>(range.tok_begin);
     tok_end = static_cast<int>(range.tok_end);
     const int ntok = tok_end > tok0 && p.P > 0 ? tok_end - tok0 : 0;  // P = 0: nothing to read
@@ -1460,7 +1462,7 @@ __global__ void __launch_bounds__(v4_threads(ITEMS), v4_ctas_per_sm(ITEMS))
   const LutSeed lut_seed = load_lut_seed(p.kcent, p.vcent, p.k_bits, p.v_bits, KSHIFT, VSHIFT);
   constexpr int QROW = HALVES * DW;  // staged q row: DW coordinates per half, zeros past DV
   QueryRows<QROW, HPW> qrows = load_query_rows<QROW, GT, HPW, DV, DW>(p, seq, kvh, tile, warp, lane);
-  const bool fused_epilogue = D == kD && p.rot != nullptr && p.num_splits == 1;
+  const bool fused_epilogue = D == kD && p.rot != nullptr && !writes_partials(p);
   int4 rot_v = {};
   if (fused_epilogue && slot == 0) rot_v = ld_early(reinterpret_cast<const int4*>(p.rot + kD) + lane);
   Tile<DW> cur, nxt;

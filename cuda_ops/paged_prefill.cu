@@ -6,7 +6,10 @@
 // warp, each held by the warp's lanes (coordinate lane + 32 k). K and V tokens pass through shared
 // memory 16 at a time, decoded once (centroid x norm, float32) for all of the CTA's pairs. A tile
 // that spans sequences is processed one sequence piece at a time. Rows of no sequence are zeroed by
-// a memset before the kernel.
+// a memset before the kernel. With a recent-token window (W > 0) a sequence's tokens
+// [paged_tokens, L) come from its window ring (bf16 rows of the rotated vectors, entry t % W) instead
+// of the pages: a row of causal length n reads pages [0, min(n, paged_tokens)) and window positions
+// [paged_tokens, n).
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -35,6 +38,9 @@ struct PrefillParams {
   const uint8_t *k_codes, *v_codes;
   const float *k_norms, *v_norms, *k_centroids, *v_centroids;
   const int32_t *block_tables, *seq_lens, *query_start_loc;
+  const uint16_t *k_window, *v_window;  // bf16 [num_windows, Hkv, W, d] (W = 0: no window)
+  const int32_t* window_ids;            // [S]
+  int64_t num_windows, W;
   float* out;
   int64_t T, H, S, max_pages, P, Hkv, page;
   int d, k_bits, v_bits, kpb, vpb;
@@ -89,6 +95,29 @@ __device__ void load_tile(const PrefillParams& p, Tile& tile, int64_t s, int64_t
   }
 }
 
+// The window's tokens [max(t0, paged), min(t0 + kTokens, limit)) of the tile (format.h: positions
+// from paged_tokens on; entry t % W of window wid, -1: none), over what load_tile wrote there (its
+// zeros, valid 0): the same (token, coordinate) per thread as load_tile, so no barrier between them.
+// The rows hold norm * y already: k_scale = scale.
+__device__ void load_window_tile(const PrefillParams& p, Tile& tile, int64_t g, int64_t t0, int64_t limit,
+                                 int64_t paged, int64_t wid) {
+  for (int idx = threadIdx.x; idx < kTokens * p.d; idx += kThreads) {
+    const int j = idx / p.d, c = idx % p.d;
+    const int64_t t = t0 + j;
+    if (t < paged || t >= limit) continue;
+    float kv = 0.f, vv = 0.f;
+    if (wid >= 0) {
+      const int64_t at = ((wid * p.Hkv + g) * p.W + t % p.W) * p.d + c;
+      kv = __uint_as_float(uint32_t(p.k_window[at]) << 16);  // bf16 -> f32
+      vv = __uint_as_float(uint32_t(p.v_window[at]) << 16);
+      if (c == 0) tile.k_scale[j] = p.scale;
+    }
+    if (c == 0) tile.valid[j] = wid >= 0;
+    tile.k[j][c] = kv;
+    tile.v[j][c] = vv;
+  }
+}
+
 // Rows [a, b) of sequence s, heads [h0, h0 + hc) of KV head g's group.
 __device__ void attend_piece(const PrefillParams& p, Tile& tile, int64_t s, int64_t a, int64_t b, int64_t g,
                              int64_t h0, int hc) {
@@ -117,9 +146,17 @@ __device__ void attend_piece(const PrefillParams& p, Tile& tile, int64_t s, int6
     l[w] = 0.f;
   }
   const int64_t limit = rows.causal_len(b - 1);  // the piece's longest row
+  // Window (W > 0): the sequence's tokens from `paged` (format.h paged_tokens) on are in window
+  // `wid` (-1: none). W = 0: paged is the sequence's clamped length >= limit, every token paged.
+  const int64_t paged = paged_tokens(p.seq_lens[s], p.max_pages * p.page, p.W);
+  const int64_t page_limit = limit < paged ? limit : paged;
   for (int64_t t0 = 0; t0 < limit; t0 += kTokens) {
     __syncthreads();  // the previous tile (or piece) has been read
-    load_tile(p, tile, s, g, t0, limit);
+    load_tile(p, tile, s, g, t0, page_limit);
+    if (p.W > 0 && t0 + kTokens > paged) {  // the tile reaches the window's positions
+      const int64_t id = p.window_ids[s];
+      load_window_tile(p, tile, g, t0, limit, paged, id >= 0 && id < p.num_windows ? id : -1);
+    }
     __syncthreads();
 #pragma unroll
     for (int w = 0; w < kPairsPerWarp; ++w) {
@@ -194,13 +231,16 @@ ffi::Error PagedPrefillCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot
                                 ffi::Buffer<ffi::F32> k_norms, ffi::Buffer<ffi::U8> v_codes,
                                 ffi::Buffer<ffi::F32> v_norms, ffi::Buffer<ffi::F32> k_centroids,
                                 ffi::Buffer<ffi::F32> v_centroids, ffi::Buffer<ffi::S32> block_tables,
-                                ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> query_start_loc,
+                                ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::BF16> k_window,
+                                ffi::Buffer<ffi::BF16> v_window, ffi::Buffer<ffi::S32> window_ids,
+                                ffi::Buffer<ffi::S32> query_start_loc,
                                 ffi::Result<ffi::Buffer<ffi::F32>> out_rot, int32_t k_bits, int32_t v_bits,
                                 float scale) {
   ffi_checks::PrefillDims dims;
   JTQ_RETURN_IF_ERROR(ffi_checks::validate_paged_prefill(cuda_op(), q_rot, k_codes, k_norms, v_codes, v_norms,
                                                          k_centroids, v_centroids, block_tables, seq_lens,
-                                                         query_start_loc, *out_rot, k_bits, v_bits, &dims));
+                                                         k_window, v_window, window_ids, query_start_loc,
+                                                         *out_rot, k_bits, v_bits, &dims));
   const int64_t bytes = dims.T * dims.H * dims.d * int64_t(sizeof(float));
   if (bytes == 0) return ffi::Error::Success();
   if (cudaError_t e = cudaMemsetAsync(out_rot->typed_data(), 0, size_t(bytes), stream); e != cudaSuccess)
@@ -217,6 +257,13 @@ ffi::Error PagedPrefillCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot
   p.block_tables = block_tables.typed_data();
   p.seq_lens = seq_lens.typed_data();
   p.query_start_loc = query_start_loc.typed_data();
+  if (dims.win.on()) {
+    p.k_window = static_cast<const uint16_t*>(k_window.untyped_data());
+    p.v_window = static_cast<const uint16_t*>(v_window.untyped_data());
+    p.window_ids = window_ids.typed_data();
+    p.num_windows = dims.win.num_windows;
+    p.W = dims.win.window;
+  }  // else W = 0 (p is zero-initialized): no window
   p.out = out_rot->typed_data();
   p.T = dims.T, p.H = dims.H, p.S = dims.S, p.max_pages = dims.max_pages;
   p.P = dims.pools.P, p.Hkv = dims.pools.Hkv, p.page = dims.pools.page;
