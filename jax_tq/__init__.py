@@ -7,7 +7,9 @@ Public API::
     codes, norms = tq.compress(x, codec)
     x_hat = tq.decompress(codes, norms, codec, dtype=jnp.float32)
     cache = tq.PagedKVCache.create(num_pages=..., page_size=16, num_kv_heads=..., k_codec=..., v_codec=...)
-    cache = tq.write_cache(cache, k, v, slot_mapping)
+    cache = tq.PagedKVCache.create(num_pages=..., page_size=16, num_kv_heads=..., preset="k4v4",
+                                   head_dim=128, num_windows=num_seqs)   # fitted scales + 64-token window
+    cache = tq.write_cache(cache, k, v, slot_mapping)                    # window caches: + window_slots
     out = tq.paged_decode(q, cache, block_tables, seq_lens)
     out = tq.paged_prefill(q_new, cache, block_tables, seq_lens, query_start_loc)  # causal, new tokens
 
@@ -20,9 +22,10 @@ from jax_tq._ffi import kernels_available
 from jax_tq._ffi import unavailable_reason as kernels_unavailable_reason
 from jax_tq.backend import BackendUnavailableError, get_backend, use_backend
 from jax_tq.checks import checked
-from jax_tq.cache import PagedKVCache, write_cache
+from jax_tq.cache import PRESETS, CachePreset, PagedKVCache, get_preset, write_cache
 from jax_tq.codec import TurboQuant, TurboQuantProd
-from jax_tq.compress import compress, decompress
+from jax_tq.compress import compress, decompress, window_rows
+from jax_tq.format import window_slot_mapping
 from jax_tq.paged_decode import paged_decode
 from jax_tq.paged_prefill import paged_prefill
 from jax_tq.qjl import QJLCodes, qjl_compress, qjl_decompress, qjl_scores
@@ -32,6 +35,8 @@ __version__ = "0.2.0"
 
 __all__ = [
     "BackendUnavailableError",
+    "CachePreset",
+    "PRESETS",
     "PagedKVCache",
     "QJLCodes",
     "TurboQuant",
@@ -40,6 +45,7 @@ __all__ = [
     "compress",
     "decompress",
     "get_backend",
+    "get_preset",
     "kernels_available",
     "kernels_unavailable_reason",
     "paged_decode",
@@ -48,5 +54,7 @@ __all__ = [
     "qjl_decompress",
     "qjl_scores",
     "use_backend",
+    "window_rows",
+    "window_slot_mapping",
     "write_cache",
 ]

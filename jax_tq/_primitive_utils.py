@@ -43,22 +43,26 @@ def register_lowerings(
     reference_impl: Callable[..., Any],
     ffi_rule: Callable[..., Any],
     may_be_empty: Sequence[int] = (),
+    results_may_be_empty: Sequence[int] = (),
 ) -> None:
     """Register a lowering for every platform.
 
     ``ffi_rule(ctx, *operands, **params)`` emits the FFI custom call; ``reference_impl(*operands,
     **params)`` is the pure-jnp version used for empty arrays and, under backend "auto", on platforms
     without kernels. Both receive the primitive's params without ``backend``. ``may_be_empty``: the
-    operand indices whose zero size is a mode of the kernel (e.g. no rotation), not an empty input.
+    operand indices whose zero size is a mode of the kernel (e.g. no rotation, no window), not an
+    empty input; ``results_may_be_empty`` likewise for results.
     """
     for platform in _PLATFORMS:
         _compat.mlir.register_lowering(
-            prim, functools.partial(_lower, platform, prim.name, reference_impl, ffi_rule, tuple(may_be_empty)),
+            prim, functools.partial(_lower, platform, prim.name, reference_impl, ffi_rule, tuple(may_be_empty),
+                                    tuple(results_may_be_empty)),
             platform=platform,
         )
 
 
-def _lower(platform, target, reference_impl, ffi_rule, may_be_empty, ctx, *operands, backend: str, **params):
+def _lower(platform, target, reference_impl, ffi_rule, may_be_empty, results_may_be_empty, ctx, *operands,
+           backend: str, **params):
     use_kernel = _ffi.kernels_available(platform) and _ffi.has_target(platform, target)
     if not use_kernel and backend == "ffi":
         reason = (_ffi.unavailable_reason(platform) if not _ffi.kernels_available(platform)
@@ -67,7 +71,8 @@ def _lower(platform, target, reference_impl, ffi_rule, may_be_empty, ctx, *opera
             f"jax_tq backend 'ffi' was chosen but cannot serve {platform!r}: {reason}. Use backend 'auto' or 'xla'."
         )
     inputs = [a for i, a in enumerate(ctx.avals_in) if i not in may_be_empty]
-    if not use_kernel or has_zero_size(inputs) or has_zero_size(ctx.avals_out):
+    results = [a for i, a in enumerate(ctx.avals_out) if i not in results_may_be_empty]
+    if not use_kernel or has_zero_size(inputs) or has_zero_size(results):
         fallback = functools.partial(reference_impl, **params)
         return _compat.mlir.lower_fun(fallback, multiple_results=True)(ctx, *operands)
     return ffi_rule(ctx, *operands, **params)

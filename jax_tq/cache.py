@@ -1,4 +1,5 @@
-"""Paged TurboQuant KV cache: page pools for K and V, and the compress-and-write into them."""
+"""Paged TurboQuant KV cache: page pools for K and V, an optional window of recent tokens kept
+exactly, named presets, and the compress-and-write into them."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,10 +8,66 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_tq.checks import check_slot_mapping
+from jax_tq.checks import check_slot_mapping, check_window_slots
 from jax_tq.codec import TurboQuant
 from jax_tq.compress import check_packed_codec, write_kv
-from jax_tq.format import cache_codes_shape, cache_norms_shape, check_bits, check_index_dtype
+from jax_tq.format import (MAX_WINDOW, cache_codes_shape, cache_norms_shape, check_bits, check_index_dtype,
+                           window_shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class CachePreset:
+    """A named cache setting: codec bits, per-vector scale, rotation and recent-token window.
+
+    Attributes:
+      name: e.g. ``"k4v4"``.
+      k_bits, v_bits: TurboQuant bits per coordinate of K and V (2, 3 or 4).
+      scale: the codecs' per-vector scale (``"fit"``: the fitted least-squares scale).
+      window: recent tokens of each sequence kept exactly (bfloat16 rows of the rotated vectors).
+      rotation: the codecs' rotation (``"hadamard"``: applied inside the decode kernel at head_dim 128).
+
+    Compressed bytes per token and KV head: ``head_dim * (k_bits + v_bits) / 8 + 8`` (the same as the
+    plain codec's: the fitted scale takes the norm's slot); the window costs ``4 * head_dim`` bytes
+    per token, KV head and window slot, a fixed amount per sequence.
+    """
+
+    name: str
+    k_bits: int
+    v_bits: int
+    scale: str = "fit"
+    window: int = 64
+    rotation: str = "hadamard"
+
+    def codecs(self, head_dim: int, seed: int = 0) -> tuple[TurboQuant, TurboQuant]:
+        """(K codec, V codec) of this preset: K seeded ``seed``, V ``seed + 1``.
+
+        Raises:
+          TypeError / ValueError: an unsupported head_dim or seed (from :class:`TurboQuant`).
+        """
+        return (TurboQuant(head_dim, self.k_bits, seed, self.rotation, self.scale),
+                TurboQuant(head_dim, self.v_bits, seed + 1, self.rotation, self.scale))
+
+
+#: The presets, each the best setting measured at its byte budget (docs/performance.md, "Quality"):
+#: fitted scales, Hadamard codecs and a 64-token window.
+PRESETS = {name: CachePreset(name, bits, bits) for name, bits in (("k4v4", 4), ("k3v3", 3), ("k2v2", 2))}
+
+
+def get_preset(preset) -> CachePreset:
+    """The :class:`CachePreset` named ``preset`` (case-insensitive), or ``preset`` itself if it is one.
+
+    Raises:
+      ValueError: an unknown name (the message lists the presets).
+      TypeError: neither a string nor a CachePreset.
+    """
+    if isinstance(preset, CachePreset):
+        return preset
+    if not isinstance(preset, str):
+        raise TypeError(f"preset must be a preset name or a CachePreset, got {type(preset).__name__}")
+    found = PRESETS.get(preset.strip().lower())
+    if found is None:
+        raise ValueError(f"unknown cache preset {preset!r}; presets: {', '.join(PRESETS)}")
+    return found
 
 
 @jax.tree_util.register_dataclass
@@ -20,10 +77,15 @@ class PagedKVCache:
 
     Fields (layout in docs/FORMAT.md):
       k_codes: uint8 [num_pages, num_kv_heads, page_size, head_dim * k_bits / 8]
-      k_norms: float32 [num_pages, num_kv_heads, page_size]
+      k_norms: float32 [num_pages, num_kv_heads, page_size] (the per-vector scale)
       v_codes: uint8 [num_pages, num_kv_heads, page_size, head_dim * v_bits / 8]
       v_norms: float32 [num_pages, num_kv_heads, page_size]
       k_codec, v_codec: the :class:`jax_tq.TurboQuant` codecs (K and V may use different bit widths).
+      k_window, v_window: None (no window), or bfloat16 [num_windows, num_kv_heads, window, head_dim]:
+        the last ``window`` tokens of each sequence, exactly (the rotated vectors Pi_k k, Pi_v v),
+        in a ring per window id (docs/FORMAT.md "Window"). The attention ops read a sequence's last
+        min(seq_len, window) tokens from here and the others from the pages; :func:`write_cache`
+        fills both.
     """
 
     k_codes: jax.Array
@@ -32,27 +94,58 @@ class PagedKVCache:
     v_norms: jax.Array
     k_codec: TurboQuant
     v_codec: TurboQuant
+    k_window: jax.Array | None = None
+    v_window: jax.Array | None = None
 
     @classmethod
-    def create(cls, *, num_pages: int, page_size: int, num_kv_heads: int, k_codec: TurboQuant, v_codec: TurboQuant):
+    def create(cls, *, num_pages: int, page_size: int, num_kv_heads: int, k_codec: TurboQuant | None = None,
+               v_codec: TurboQuant | None = None, preset=None, head_dim: int | None = None, seed: int = 0,
+               window: int | None = None, num_windows: int = 0):
         """An empty cache (all codes 0, all norms 0: every slot decodes to the zero vector).
 
         Args:
           num_pages: pages in each pool (>= 1).
           page_size: tokens per page, 1 to 256 (any value, not only powers of two).
           num_kv_heads: KV heads (>= 1).
-          k_codec, v_codec: codecs with the same head_dim and bits in {2, 3, 4}.
+          k_codec, v_codec: codecs with the same head_dim and bits in {2, 3, 4}; or
+          preset: a preset name (``"k4v4"``, ``"k3v3"``, ``"k2v2"``, :data:`PRESETS`) or
+            :class:`CachePreset`, with ``head_dim`` and ``seed`` (K seeded ``seed``, V ``seed + 1``).
+          window: recent tokens kept exactly per sequence, 0 to 256 (default: the preset's, else 0).
+          num_windows: sequences that can hold a window at once (window ids 0 .. num_windows - 1);
+            needed (>= 1) when the window is not 0.
 
         Returns:
           A :class:`PagedKVCache` with pools k_codes / v_codes uint8
-          [num_pages, num_kv_heads, page_size, head_dim * bits / 8] and k_norms / v_norms float32
-          [num_pages, num_kv_heads, page_size] (layout: docs/FORMAT.md).
+          [num_pages, num_kv_heads, page_size, head_dim * bits / 8], k_norms / v_norms float32
+          [num_pages, num_kv_heads, page_size] and, with a window, k_window / v_window bfloat16
+          [num_windows, num_kv_heads, window, head_dim] (zeros) (layout: docs/FORMAT.md).
 
         Raises:
-          TypeError: a size that is not a Python int; a codec that is not a TurboQuant.
+          TypeError: a size that is not a Python int; a codec that is not a TurboQuant; a preset
+            that is not a name or CachePreset.
           ValueError: non-positive sizes, page_size > 256, codecs with different head_dim or
-            unsupported bits.
+            unsupported bits; both or neither of codecs and preset; a preset without head_dim; an
+            unknown preset; a window outside [0, 256] or one without num_windows >= 1.
         """
+        if preset is not None:
+            if k_codec is not None or v_codec is not None:
+                raise ValueError("PagedKVCache.create: pass either k_codec / v_codec or preset, not both")
+            if head_dim is None:
+                raise ValueError("PagedKVCache.create: a preset needs head_dim")
+            preset = get_preset(preset)
+            k_codec, v_codec = preset.codecs(head_dim, seed)
+            window = preset.window if window is None else window
+        elif k_codec is None or v_codec is None:
+            raise ValueError("PagedKVCache.create: pass k_codec and v_codec, or preset (with head_dim)")
+        window = 0 if window is None else window
+        for name, value in (("window", window), ("num_windows", num_windows)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise TypeError(f"PagedKVCache.create: {name} must be an int, got {type(value).__name__} {value!r}")
+        if not 0 <= window <= MAX_WINDOW:
+            raise ValueError(f"PagedKVCache.create: window must be in [0, {MAX_WINDOW}], got {window}")
+        if window and num_windows < 1:
+            raise ValueError(f"PagedKVCache.create: a window of {window} tokens needs num_windows >= 1 (one per "
+                             f"sequence that can be live at once), got {num_windows}")
         for name, value in (("num_pages", num_pages), ("page_size", page_size), ("num_kv_heads", num_kv_heads)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
                 raise TypeError(f"PagedKVCache.create: {name} must be an int, got {type(value).__name__} {value!r}")
@@ -70,6 +163,10 @@ class PagedKVCache:
         check_bits(k_codec.bits, name="PagedKVCache.create: k_codec.bits")
         check_bits(v_codec.bits, name="PagedKVCache.create: v_codec.bits")
         d = k_codec.head_dim
+        windows = (None, None)
+        if window:
+            shape = window_shape(num_windows, num_kv_heads, window, d)
+            windows = (jnp.zeros(shape, jnp.bfloat16), jnp.zeros(shape, jnp.bfloat16))
         return cls(
             k_codes=jnp.zeros(cache_codes_shape(num_pages, num_kv_heads, page_size, d, k_codec.bits), jnp.uint8),
             k_norms=jnp.zeros(cache_norms_shape(num_pages, num_kv_heads, page_size), jnp.float32),
@@ -77,6 +174,8 @@ class PagedKVCache:
             v_norms=jnp.zeros(cache_norms_shape(num_pages, num_kv_heads, page_size), jnp.float32),
             k_codec=k_codec,
             v_codec=v_codec,
+            k_window=windows[0],
+            v_window=windows[1],
         )
 
     @property
@@ -100,6 +199,21 @@ class PagedKVCache:
         return self.k_codec.head_dim
 
     @property
+    def window(self) -> int:
+        """Recent tokens kept exactly per sequence (0: no window)."""
+        return 0 if self.k_window is None else self.k_window.shape[-2]
+
+    @property
+    def num_windows(self) -> int:
+        """Window ids 0 .. num_windows - 1 (0 without a window)."""
+        return 0 if self.k_window is None else self.k_window.shape[-4]
+
+    def window_bytes(self) -> int:
+        """Bytes of the window pools (K and V, all window ids): ``4 * head_dim * num_kv_heads *
+        window * num_windows``, a fixed cost per sequence slot (0 without a window)."""
+        return 2 * 2 * self.head_dim * self.num_kv_heads * self.window * self.num_windows
+
+    @property
     def num_slots(self) -> int:
         """Token slots in the cache: num_pages * page_size (valid slot_mapping values are 0 .. num_slots-1)."""
         return self.num_pages * self.page_size
@@ -116,7 +230,8 @@ class PagedKVCache:
         def pool(name):
             x = getattr(self, name)
             return f"{name}={getattr(x, 'dtype', '?')}{list(getattr(x, 'shape', ()))}"
-        pools = ", ".join(pool(n) for n in ("k_codes", "k_norms", "v_codes", "v_norms"))
+        names = ("k_codes", "k_norms", "v_codes", "v_norms") + (("k_window", "v_window") if self.window else ())
+        pools = ", ".join(pool(n) for n in names)
         return f"PagedKVCache({pools}, k_codec={self.k_codec!r}, v_codec={self.v_codec!r})"
 
 
@@ -142,6 +257,19 @@ def check_cache(cache, op: str) -> None:
     if cache.k_codec.head_dim != cache.v_codec.head_dim:
         raise ValueError(f"jax_tq.{op}: cache.k_codec.head_dim {cache.k_codec.head_dim} != cache.v_codec.head_dim "
                          f"{cache.v_codec.head_dim}")
+    if (cache.k_window is None) != (cache.v_window is None):
+        raise ValueError(f"jax_tq.{op}: cache.k_window and cache.v_window must both be arrays or both None")
+    if cache.k_window is not None:
+        for name in ("k_window", "v_window"):
+            pool = getattr(cache, name)
+            if jnp.dtype(getattr(pool, "dtype", None)) != jnp.dtype(jnp.bfloat16):
+                raise TypeError(f"jax_tq.{op}: cache.{name} must be bfloat16, got {getattr(pool, 'dtype', None)}")
+            want = (cache.num_kv_heads, cache.head_dim)
+            shape = tuple(pool.shape)
+            if len(shape) < 4 or (shape[-3], shape[-1]) != want or shape != tuple(cache.k_window.shape) or (
+                    shape[-2] < 1 or shape[-4] < 1):
+                raise ValueError(f"jax_tq.{op}: cache.{name} has shape {shape}, expected [num_windows >= 1, "
+                                 f"{want[0]}, window >= 1, {want[1]}] (and K's and V's equal)")
     for name in _POOL_DTYPES:
         shape = tuple(getattr(getattr(cache, name), "shape", ()))
         if len(shape) >= 3 and min(shape[:3]) < 1:
@@ -152,8 +280,9 @@ def check_cache(cache, op: str) -> None:
                              f"{MAX_PAGE_SIZE}")
 
 
-def write_cache(cache: PagedKVCache, k, v, slot_mapping) -> PagedKVCache:
-    """Compress K and V of new tokens and write them into the cache's pages (fused: one kernel call for both).
+def write_cache(cache: PagedKVCache, k, v, slot_mapping, window_slots=None) -> PagedKVCache:
+    """Compress K and V of new tokens and write them into the cache's pages (fused: one kernel call for both),
+    and, for a cache with a window, their exact rows into the window.
 
     Args:
       cache: the :class:`PagedKVCache` to update.
@@ -162,6 +291,12 @@ def write_cache(cache: PagedKVCache, k, v, slot_mapping) -> PagedKVCache:
         slot_mapping[i] % page_size. Negative slots (padding) and slots >= num_pages * page_size are
         skipped. Tokens that share a slot leave one of them (unspecified; under differentiation the
         last one, and the gradient follows the stored token).
+      window_slots: int32 [num_tokens], required when the cache has a window (else must be None):
+        token i's ring entry ``w * window + position % window`` (w its sequence's window id), or -1
+        to skip it; :func:`jax_tq.window_slot_mapping` makes it from window ids, positions and
+        sequence lengths, and skips the tokens that are not among their sequence's last ``window``
+        (two tokens of one write must not share an entry: which one stays is unspecified). Every
+        token is written to the pages too, so the window may be dropped later.
 
     Returns:
       The updated cache. The pools are aliased to the inputs of the FFI call: donate the cache to the
@@ -170,13 +305,15 @@ def write_cache(cache: PagedKVCache, k, v, slot_mapping) -> PagedKVCache:
 
     Raises:
       TypeError / ValueError: cache not a PagedKVCache; dtypes or shapes that do not match the cache
-        (message names the argument).
+        (message names the argument); window_slots missing for a cache with a window, or given for
+        one without.
 
-    Differentiable in k and v through the written norms (d norm = <x, dx> / norm), and in the
-    pools' norms for the slots not written, the same on every backend; the codes get no gradient.
+    Differentiable in k and v through the written norms (d norm = <x, dx> / norm; for fitted scales
+    d scale = <dx, Pi^T c[codes]> / |c[codes]|^2), and in the pools' norms for the slots not
+    written, the same on every backend; the codes and the bfloat16 window rows get no gradient.
 
     Source: TurboQuant (arXiv 2504.19874), Algorithm 1 (Quant_mse) per token and KV head; page
-    layout of docs/FORMAT.md.
+    layout of docs/FORMAT.md; the exact recent-token window of KIVI (Liu et al., arXiv 2402.02750).
     """
     check_cache(cache, "write_cache")
     k, v = jnp.asarray(k), jnp.asarray(v)
@@ -189,6 +326,30 @@ def write_cache(cache: PagedKVCache, k, v, slot_mapping) -> PagedKVCache:
     check_index_dtype(slot_mapping, f"jax_tq.write_cache: slot_mapping must be int32 [{k.shape[0]}]")
     slot_mapping = jnp.asarray(slot_mapping)
     check_slot_mapping(slot_mapping, num_slots=cache.num_slots)
-    k_codes, k_norms, v_codes, v_norms = write_kv(k, v, (cache.k_codes, cache.k_norms), (cache.v_codes, cache.v_norms),
-                                                  cache.k_codec, cache.v_codec, slot_mapping)
-    return dataclasses.replace(cache, k_codes=k_codes, k_norms=k_norms, v_codes=v_codes, v_norms=v_norms)
+    window_slots = _window_slots(cache, window_slots, k.shape[0])
+    windows = (cache.k_window, cache.v_window) if cache.window else None
+    outs = write_kv(k, v, (cache.k_codes, cache.k_norms), (cache.v_codes, cache.v_norms), cache.k_codec,
+                    cache.v_codec, slot_mapping, windows, window_slots)
+    k_codes, k_norms, v_codes, v_norms = outs[:4]
+    new = dataclasses.replace(cache, k_codes=k_codes, k_norms=k_norms, v_codes=v_codes, v_norms=v_norms)
+    return dataclasses.replace(new, k_window=outs[4], v_window=outs[5]) if cache.window else new
+
+
+def _window_slots(cache, window_slots, num_tokens: int):
+    """window_slots as an int32 [num_tokens] array (None without a window); TypeError / ValueError
+    naming it when missing, superfluous, or of the wrong dtype or shape."""
+    if not cache.window:
+        if window_slots is not None:
+            raise ValueError("jax_tq.write_cache: window_slots given but the cache has no window")
+        return None
+    spec = f"jax_tq.write_cache: window_slots must be int32 [{num_tokens}]"
+    if window_slots is None:
+        raise ValueError(f"{spec} for a cache with a window of {cache.window} tokens (jax_tq.window_slot_mapping "
+                         "makes it; -1 skips a token)")
+    check_index_dtype(window_slots, spec)
+    window_slots = jnp.asarray(window_slots)
+    if window_slots.dtype != jnp.int32 or window_slots.shape != (num_tokens,):
+        error = TypeError if window_slots.dtype != jnp.int32 else ValueError
+        raise error(f"{spec}, got {window_slots.dtype}{tuple(window_slots.shape)}")
+    check_window_slots(window_slots, num_entries=cache.num_windows * cache.window)
+    return window_slots

@@ -162,3 +162,32 @@ def check_slot_mapping(slot_mapping, *, num_slots: int) -> None:
         f"jax_tq.write_cache: slot_mapping[{{i}}] = {{s}} is outside the pool (num_pages * page_size = {num_slots})",
         i=first, s=slot_mapping[first],
     )
+
+
+def check_window_slots(window_slots, *, num_entries: int) -> None:
+    """Insert a check that every non-negative window slot is < num_windows * window (negative slots
+    skip a token and are allowed). No-op outside checked mode."""
+    if not checks_enabled() or window_slots.size == 0 or num_entries > INDEX_MAX:
+        return
+    bad = window_slots >= num_entries
+    first = jnp.argmax(bad)
+    checkify.check(
+        ~jnp.any(bad),
+        f"jax_tq.write_cache: window_slots[{{i}}] = {{s}} is outside the window (num_windows * window = "
+        f"{num_entries})",
+        i=first, s=window_slots[first],
+    )
+
+
+def check_window_ids(window_ids, seq_lens, *, num_windows: int, op: str = "paged_decode") -> None:
+    """Insert a check that every sequence with tokens has a window id in [0, num_windows) (its last
+    tokens live there). No-op outside checked mode."""
+    if not checks_enabled() or window_ids.size == 0:
+        return
+    bad = (seq_lens > 0) & ((window_ids < 0) | (window_ids >= num_windows))
+    first = jnp.argmax(bad)
+    checkify.check(
+        ~jnp.any(bad),
+        f"jax_tq.{op}: window_ids[{{i}}] = {{w}} is outside [0, {num_windows}) but sequence {{i}} has tokens",
+        i=first, w=window_ids[first],
+    )

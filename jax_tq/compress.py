@@ -66,7 +66,8 @@ def compress(x, codec):
 
     Returns:
       (codes, norms): codes uint8 [..., head_dim * bits / 8] packed as in docs/FORMAT.md, norms float32
-      [...] (the L2 norm of each vector, in the units of x). A zero vector gives norm 0.
+      [...] (the L2 norm of each vector, in the units of x; for a ``scale="fit"`` codec the fitted
+      least-squares scale, docs/FORMAT.md "Fitted scale"). A zero vector gives norm 0.
 
     Raises:
       TypeError: x is not a float32/bfloat16/float16 array; codec is not a TurboQuant.
@@ -75,8 +76,9 @@ def compress(x, codec):
     Source: TurboQuant (arXiv 2504.19874), Algorithm 1 (Quant_mse) with the norm stored apart.
 
     Differentiable in x through the norms only, on every backend: d norm = <x, dx> / norm (0 for a
-    zero vector); the codes are integers and get no gradient (rounding to centroids has none worth
-    using).
+    zero vector; for fitted scales d scale = <dx, Pi^T c[codes]> / |c[codes]|^2, the scale being
+    linear in x for fixed codes); the codes are integers and get no gradient (rounding to centroids
+    has none worth using).
     """
     x = jnp.asarray(x)
     check_packed_codec(codec, "compress")
@@ -86,7 +88,7 @@ def compress(x, codec):
     flat = x.reshape((-1, codec.head_dim))
     backend = get_backend()
     if backend == "xla":
-        codes, norms = reference.compress(flat, codec.rotation, codec.centroids, codec.bits)
+        codes, norms = reference.compress(flat, codec.rotation, codec.centroids, codec.bits, codec.fit_scale)
     else:
         codes, norms = _compress_kernel(flat, codec, backend)
     return codes.reshape(lead + (codec.packed_bytes,)), norms.reshape(lead)
@@ -144,10 +146,43 @@ def decompress(codes, norms, codec, dtype=jnp.float32):
     return x.reshape(lead + (codec.head_dim,))
 
 
+def window_rows(x, codec):
+    """The rows a cache's recent-token window stores for vectors x: Pi x (the codec's rotation)
+    rounded once to bfloat16 (docs/FORMAT.md "Window"); what :func:`jax_tq.write_cache` writes
+    into the window, computed in jnp (float32, highest precision).
+
+    Args:
+      x: [..., head_dim] float32 / bfloat16 / float16.
+      codec: :class:`jax_tq.TurboQuant` of head_dim ``x.shape[-1]``.
+    Returns:
+      bfloat16 [..., head_dim].
+    Raises:
+      TypeError / ValueError: as :func:`compress` (x's dtype, a codec that is not a TurboQuant, a
+        last axis other than codec.head_dim).
+    """
+    x = jnp.asarray(x)
+    if not isinstance(codec, TurboQuant):
+        raise TypeError(f"jax_tq.window_rows: codec must be a jax_tq.TurboQuant, got {type(codec).__name__}")
+    check_float_input(x, "x", "window_rows")
+    check_last_dim(x, codec.head_dim, "x", "window_rows")
+    return reference.window_rows(x, codec.rotation)
+
+
 def _norm_tangent(x, dx, norms):
     """d ||x|| = <x / ||x||, dx> per row of x [n, d] (0 for a zero row), float32 [n]."""
     inv = jnp.where(norms > 0, 1.0 / jnp.where(norms > 0, norms, 1.0), 0.0)
     return jnp.sum(x.astype(jnp.float32) * inv[:, None] * dx.astype(jnp.float32), axis=-1)
+
+
+def _scale_tangent(x, dx, norms, codes, codec):
+    """The tangent of the stored per-vector scale of rows x [n, d] along dx: d ||x|| for a
+    ``scale="norm"`` codec; for ``"fit"``, <dx, r> / |r|^2 with r = Pi^T c[codes] (the fitted
+    scale ||x|| <y, c> / |c|^2 = <x, r> / |r|^2 is linear in x for fixed codes). float32 [n]."""
+    if not codec.fit_scale:
+        return _norm_tangent(x, dx, norms)
+    ones = jnp.ones(codes.shape[:-1], jnp.float32)
+    direction = reference.decompress(codes, ones, codec.rotation, codec.centroids, codec.bits)
+    return jnp.sum(dx.astype(jnp.float32) * direction, axis=-1) / jnp.sum(direction * direction, axis=-1)
 
 
 def _float0_zeros(a):
@@ -157,13 +192,14 @@ def _float0_zeros(a):
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
 def _compress_kernel(flat, codec, backend):
     """The compress kernel on flat rows; its JVP is the norms' (the codes are integers)."""
-    return tuple(compress_p.bind(flat, codec.rotation, codec.centroids, bits=codec.bits, backend=backend))
+    return tuple(compress_p.bind(flat, codec.rotation, codec.centroids, bits=codec.bits, fit_scale=codec.fit_scale,
+                                 backend=backend))
 
 
 @_compress_kernel.defjvp
 def _compress_kernel_jvp(codec, backend, primals, tangents):
     codes, norms = _compress_kernel(primals[0], codec, backend)
-    return (codes, norms), (_float0_zeros(codes), _norm_tangent(primals[0], tangents[0], norms))
+    return (codes, norms), (_float0_zeros(codes), _scale_tangent(primals[0], tangents[0], norms, codes, codec))
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4))
@@ -182,8 +218,8 @@ def _decompress_kernel_jvp(codec, dtype, backend, primals, tangents):
     return _decompress_kernel(codes, norms, codec, dtype, backend), (d_norms[:, None] * directions).astype(dtype)
 
 
-def write_kv(k, v, k_pools, v_pools, k_codec, v_codec, slot_mapping):
-    """Compress K and V of new tokens and write both into their page pools in ONE kernel call.
+def write_kv(k, v, k_pools, v_pools, k_codec, v_codec, slot_mapping, windows=None, window_slots=None):
+    """Compress K and V of new tokens and write both into their page pools (and windows) in ONE kernel call.
 
     What :func:`jax_tq.write_cache` runs: on the GPU one launch serves both (a decode step's write
     is latency-bound, so a second launch would cost as much as the first).
@@ -196,10 +232,13 @@ def write_kv(k, v, k_pools, v_pools, k_codec, v_codec, slot_mapping):
       slot_mapping: int32 [num_tokens], shared by K and V; token i goes to page
         slot_mapping[i] // page_size, offset slot_mapping[i] % page_size. Negative or out-of-pool
         slots are skipped; tokens sharing a slot leave one of them (under differentiation the last).
+      windows: None, or (k_window, v_window) bfloat16 [num_windows, num_kv_heads, window, head_dim].
+      window_slots: int32 [num_tokens] ring entries (with ``windows``; negative or past the pool:
+        not written).
 
     Returns:
-      (k_codes, k_norms, v_codes, v_norms), the updated pools, aliased to the inputs of the FFI call
-      (in place under donation).
+      (k_codes, k_norms, v_codes, v_norms, k_window, v_window), the updated pools (the windows None
+      without ``windows``), aliased to the inputs of the FFI call (in place under donation).
 
     Raises:
       TypeError / ValueError on dtypes and shapes that do not match (message names the argument),
@@ -215,20 +254,36 @@ def write_kv(k, v, k_pools, v_pools, k_codec, v_codec, slot_mapping):
             f"jax_tq.write_cache: the K and V pools must have the same num_pages and page_size (one "
             f"slot_mapping addresses both), got K norms {tuple(k_pools[1].shape)} and V norms "
             f"{tuple(v_pools[1].shape)}")
+    has_window = windows is not None
+    if not has_window:
+        windows = tuple(empty_window(k.shape[1], k_codec.head_dim) for _ in range(2))
+        window_slots = jnp.full(k.shape[:1], -1, jnp.int32)
     backend = get_backend()
     if backend == "xla":
-        return _write_kv_reference(k, v, *k_pools, *v_pools, k_codec.rotation, k_codec.centroids, v_codec.rotation,
-                                   v_codec.centroids, slot_mapping, k_bits=k_codec.bits, v_bits=v_codec.bits)
-    return _write_kv_kernel(k, v, *k_pools, *v_pools, slot_mapping, k_codec, v_codec, backend)
+        outs = _write_kv_reference(k, v, *k_pools, *v_pools, k_codec.rotation, k_codec.centroids, v_codec.rotation,
+                                   v_codec.centroids, slot_mapping, *windows, window_slots, k_bits=k_codec.bits,
+                                   v_bits=v_codec.bits, k_fit_scale=k_codec.fit_scale, v_fit_scale=v_codec.fit_scale)
+    else:
+        outs = _write_kv_kernel(k, v, *k_pools, *v_pools, slot_mapping, *windows, window_slots, k_codec, v_codec,
+                                backend)
+    return tuple(outs[:4]) + (tuple(outs[4:]) if has_window else (None, None))
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(7, 8, 9))
-def _write_kv_kernel(k, v, k_codes, k_norms, v_codes, v_norms, slot_mapping, k_codec, v_codec, backend):
+def empty_window(num_kv_heads: int, head_dim: int):
+    """The window operand of a cache without a window: bfloat16 [0, num_kv_heads, 0, head_dim]."""
+    return jnp.zeros((0, num_kv_heads, 0, head_dim), jnp.bfloat16)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(10, 11, 12))
+def _write_kv_kernel(k, v, k_codes, k_norms, v_codes, v_norms, slot_mapping, k_window, v_window, window_slots,
+                     k_codec, v_codec, backend):
     """The fused K+V write; its JVP carries the pools' norm tangents, with the written slots'
-    replaced by the new tokens' norm tangents (the codes are integers)."""
+    replaced by the new tokens' scale tangents (the codes are integers, the window rows bfloat16
+    copies that get no tangent)."""
     return tuple(write_kv_p.bind(
         k, v, k_codes, k_norms, v_codes, v_norms, k_codec.rotation, k_codec.centroids, v_codec.rotation,
-        v_codec.centroids, slot_mapping, k_bits=k_codec.bits, v_bits=v_codec.bits, backend=backend))
+        v_codec.centroids, slot_mapping, k_window, v_window, window_slots, k_bits=k_codec.bits, v_bits=v_codec.bits,
+        k_fit_scale=k_codec.fit_scale, v_fit_scale=v_codec.fit_scale, backend=backend))
 
 
 def _last_writer_slots(slots):
@@ -245,29 +300,35 @@ def _last_writer_slots(slots):
 def _write_kv_kernel_jvp(k_codec, v_codec, backend, primals, tangents):
     # Under differentiation a repeated slot keeps its last token (one of the outcomes write_cache
     # allows), so that the stored norm and its tangent come from the same token.
-    k, v, k_codes, k_norms, v_codes, v_norms, slots = primals
+    k, v, k_codes, k_norms, v_codes, v_norms, slots, k_window, v_window, window_slots = primals
     slots = _last_writer_slots(slots)
-    outs = _write_kv_kernel(k, v, k_codes, k_norms, v_codes, v_norms, slots, k_codec, v_codec, backend)
+    outs = _write_kv_kernel(k, v, k_codes, k_norms, v_codes, v_norms, slots, k_window, v_window, window_slots,
+                            k_codec, v_codec, backend)
     num_pages, _, page_size = k_norms.shape
     valid = (slots >= 0) & (slots < num_pages * page_size)
     page = jnp.where(valid, slots // page_size, num_pages)  # out of range: dropped by the scatter
     offset = jnp.where(valid, slots % page_size, 0)
 
-    def scatter(pool_dot, x, x_dot, new_norms):
+    def scatter(pool_dot, x, x_dot, new_codes, new_norms, codec):
         # skipped tokens (padding, maybe NaN / inf) as zeros: their gradient is exactly 0
         x = jnp.where(valid[:, None, None], x, 0)
         flat_x, flat_dot = x.reshape(-1, x.shape[-1]), x_dot.reshape(-1, x.shape[-1])
-        rows_norms = new_norms[page[:, None], jnp.arange(x.shape[1])[None, :], offset[:, None]].reshape(-1)
-        dn = _norm_tangent(flat_x, flat_dot, rows_norms).reshape(x.shape[:2])
+        heads = jnp.arange(x.shape[1])[None, :]
+        rows_norms = new_norms[page[:, None], heads, offset[:, None]].reshape(-1)
+        rows_codes = new_codes[jnp.minimum(page, num_pages - 1)[:, None], heads, offset[:, None]]
+        dn = _scale_tangent(flat_x, flat_dot, rows_norms, rows_codes.reshape(-1, rows_codes.shape[-1]), codec)
+        dn = jnp.where(valid[:, None], dn.reshape(x.shape[:2]), 0.0)
         # set = keep the unwritten rows + add at the written ones (a scatter-add transposes; a
         # scatter-set does only with unique indices).
         zeros = jnp.zeros_like(pool_dot)
         written = zeros.at[page, :, offset].add(1.0, mode="drop") > 0
         return jnp.where(written, 0.0, pool_dot) + zeros.at[page, :, offset].add(dn, mode="drop")
 
-    k_norms_dot = scatter(tangents[3], k, tangents[0], outs[1])
-    v_norms_dot = scatter(tangents[5], v, tangents[1], outs[3])
-    return outs, (_float0_zeros(k_codes), k_norms_dot, _float0_zeros(v_codes), v_norms_dot)
+    k_norms_dot = scatter(tangents[3], k, tangents[0], outs[0], outs[1], k_codec)
+    v_norms_dot = scatter(tangents[5], v, tangents[1], outs[2], outs[3], v_codec)
+    zero = _float0_zeros
+    return outs, (zero(k_codes), k_norms_dot, zero(v_codes), v_norms_dot, jnp.zeros_like(outs[4]),
+                  jnp.zeros_like(outs[5]))
 
 
 def _check_write_args(x, codes, norms, codec, slot_mapping, name="k/v") -> None:
@@ -304,7 +365,7 @@ def _check_write_args(x, codes, norms, codec, slot_mapping, name="k/v") -> None:
 
 # ----------------------------------------------------------------------------- abstract eval
 
-def _compress_abstract(x, rotation, centroids, *, bits, backend):
+def _compress_abstract(x, rotation, centroids, *, bits, fit_scale, backend):
     n, d = x.shape
     inputs = (x, rotation, centroids)
     return (_compat.output_aval((n, packed_bytes(d, bits)), jnp.uint8, *inputs),
@@ -315,9 +376,12 @@ def _decompress_abstract(codes, norms, rotation, centroids, *, bits, dtype, back
     return (_compat.output_aval((codes.shape[0], rotation.shape[0]), dtype, codes, norms, rotation, centroids),)
 
 
-def _write_kv_abstract(k, v, k_codes, k_norms, v_codes, v_norms, *codecs_and_slots, k_bits, v_bits, backend):
-    inputs = (k, v, k_codes, k_norms, v_codes, v_norms, *codecs_and_slots)
-    return tuple(_compat.output_aval(a.shape, a.dtype, *inputs) for a in (k_codes, k_norms, v_codes, v_norms))
+def _write_kv_abstract(k, v, k_codes, k_norms, v_codes, v_norms, k_rot, k_cent, v_rot, v_cent, slots, k_window,
+                       v_window, window_slots, **params):
+    inputs = (k, v, k_codes, k_norms, v_codes, v_norms, k_rot, k_cent, v_rot, v_cent, slots, k_window, v_window,
+              window_slots)
+    return tuple(_compat.output_aval(a.shape, a.dtype, *inputs)
+                 for a in (k_codes, k_norms, v_codes, v_norms, k_window, v_window))
 
 
 compress_p.def_abstract_eval(_compress_abstract)
@@ -329,8 +393,8 @@ for _prim in (compress_p, decompress_p, write_kv_p):
 
 # ----------------------------------------------------------------------------- lowering
 
-def _compress_reference(x, rotation, centroids, *, bits):
-    return reference.compress(x, rotation, centroids, bits)
+def _compress_reference(x, rotation, centroids, *, bits, fit_scale):
+    return reference.compress(x, rotation, centroids, bits, fit_scale)
 
 
 def _decompress_reference(codes, norms, rotation, centroids, *, bits, dtype):
@@ -342,35 +406,45 @@ def _flat_pools(codes, norms):
     return codes.reshape((-1,) + codes.shape[-3:]), norms.reshape((-1,) + norms.shape[-2:])
 
 
-def _pool_write_reference(x, codes, norms, rotation, centroids, slot_mapping, *, bits):
+def _pool_write_reference(x, codes, norms, rotation, centroids, slot_mapping, *, bits, fit_scale):
     new_codes, new_norms = reference.compress_write(x, *_flat_pools(codes, norms), rotation, centroids,
-                                                    slot_mapping, bits)
+                                                    slot_mapping, bits, fit_scale)
     return new_codes.reshape(codes.shape), new_norms.reshape(norms.shape)
 
 
-def _write_kv_reference(k, v, k_codes, k_norms, v_codes, v_norms, k_rot, k_cent, v_rot, v_cent, slots, *,
-                        k_bits, v_bits):
-    k_new = _pool_write_reference(k, k_codes, k_norms, k_rot, k_cent, slots, bits=k_bits)
-    v_new = _pool_write_reference(v, v_codes, v_norms, v_rot, v_cent, slots, bits=v_bits)
-    return (*k_new, *v_new)
+def _window_write_reference(x, window, rotation, window_slots):
+    if window.size == 0:  # no window
+        return window
+    flat = window.reshape((-1,) + window.shape[-3:])  # vmap's leading axes folded into num_windows
+    return reference.window_write(x, flat, rotation, window_slots).reshape(window.shape)
 
 
-def _compress_ffi(ctx, *operands, bits):
-    return _compat.ffi_lowering("jax_tq_compress")(ctx, *operands, bits=np.int32(bits))
+def _write_kv_reference(k, v, k_codes, k_norms, v_codes, v_norms, k_rot, k_cent, v_rot, v_cent, slots, k_window,
+                        v_window, window_slots, *, k_bits, v_bits, k_fit_scale, v_fit_scale):
+    k_new = _pool_write_reference(k, k_codes, k_norms, k_rot, k_cent, slots, bits=k_bits, fit_scale=k_fit_scale)
+    v_new = _pool_write_reference(v, v_codes, v_norms, v_rot, v_cent, slots, bits=v_bits, fit_scale=v_fit_scale)
+    return (*k_new, *v_new, _window_write_reference(k, k_window, k_rot, window_slots),
+            _window_write_reference(v, v_window, v_rot, window_slots))
+
+
+def _compress_ffi(ctx, *operands, bits, fit_scale):
+    return _compat.ffi_lowering("jax_tq_compress")(ctx, *operands, bits=np.int32(bits), fit_scale=np.int32(fit_scale))
 
 
 def _decompress_ffi(ctx, *operands, bits, dtype):
     return _compat.ffi_lowering("jax_tq_decompress")(ctx, *operands, bits=np.int32(bits))
 
 
-def _write_kv_ffi(ctx, *operands, k_bits, v_bits):
-    rule = _compat.ffi_lowering("jax_tq_write_cache", operand_output_aliases={2: 0, 3: 1, 4: 2, 5: 3})
-    return rule(ctx, *operands, k_bits=np.int32(k_bits), v_bits=np.int32(v_bits))
+def _write_kv_ffi(ctx, *operands, k_bits, v_bits, k_fit_scale, v_fit_scale):
+    rule = _compat.ffi_lowering("jax_tq_write_cache", operand_output_aliases={2: 0, 3: 1, 4: 2, 5: 3, 11: 4, 12: 5})
+    return rule(ctx, *operands, k_bits=np.int32(k_bits), v_bits=np.int32(v_bits), k_fit_scale=np.int32(k_fit_scale),
+                v_fit_scale=np.int32(v_fit_scale))
 
 
 pu.register_lowerings(compress_p, _compress_reference, _compress_ffi)
 pu.register_lowerings(decompress_p, _decompress_reference, _decompress_ffi)
-pu.register_lowerings(write_kv_p, _write_kv_reference, _write_kv_ffi)
+pu.register_lowerings(write_kv_p, _write_kv_reference, _write_kv_ffi, may_be_empty=(11, 12),
+                      results_may_be_empty=(4, 5))  # no window
 
 
 # ----------------------------------------------------------------------------- batching
@@ -388,20 +462,23 @@ def _pool_slots(norms_batched):
     return math.prod(norms_batched.shape[1:-2]) * norms_batched.shape[-1]
 
 
-def _write_kv_batch(args, dims, *, k_bits, v_bits, backend):
-    """vmap of a K+V cache write: each batch element gets its own pools (shared pools are
-    broadcast); the pools keep their batch axis, the handlers fold it into num_pages."""
-    k, v, kc, kn, vc, vn, k_rot, k_cent, v_rot, v_cent, slots = args
+def _write_kv_batch(args, dims, **params):
+    """vmap of a K+V cache write: each batch element gets its own pools and windows (shared ones are
+    broadcast); they keep their batch axis, the handlers fold it into num_pages / num_windows."""
+    k, v, kc, kn, vc, vn, k_rot, k_cent, v_rot, v_cent, slots, kw, vw, wslots = args
     pu.require_unbatched(("k rotation", "k centroids", "v rotation", "v centroids"), dims[6:10], "write_cache")
     size = pu.batch_size(args, dims)
-    moved = [pu.move_batch_to_front(a, d, size) for a, d in zip((k, v, kc, kn, vc, vn, slots), dims[:6] + dims[10:])]
-    k, v, kc, kn, vc, vn, slots = moved
+    batched = (k, v, kc, kn, vc, vn, slots, kw, vw, wslots)
+    batched_dims = dims[:6] + dims[10:]
+    k, v, kc, kn, vc, vn, slots, kw, vw, wslots = [pu.move_batch_to_front(a, d, size)
+                                                   for a, d in zip(batched, batched_dims)]
     folded_slots = pu.fold_pool_batch(slots, size, _pool_slots(kn)).reshape(-1)
+    folded_wslots = pu.fold_pool_batch(wslots, size, math.prod(kw.shape[1:-3]) * kw.shape[-2]).reshape(-1)
     fold = lambda a: a.reshape((-1,) + a.shape[2:])  # noqa: E731
     # The pools keep their batch axis: a reshape would make XLA copy the donated pools.
     outs = write_kv_p.bind(fold(k), fold(v), kc, kn, vc, vn, k_rot, k_cent, v_rot, v_cent,
-                           folded_slots, k_bits=k_bits, v_bits=v_bits, backend=backend)
-    return list(outs), [0, 0, 0, 0]
+                           folded_slots, kw, vw, folded_wslots, **params)
+    return list(outs), [0] * 6
 
 
 _compat.batching.primitive_batchers[compress_p] = _compress_batch

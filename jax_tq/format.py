@@ -353,7 +353,7 @@ def paged_tokens(seq_lens, capacity: int, window: int):
       an array like ``seq_lens``.
     """
     xp = _array_module(seq_lens)
-    lens = xp.clip(xp.asarray(seq_lens), 0, capacity)
+    lens = xp.clip(xp.asarray(seq_lens), 0, min(capacity, INDEX_MAX))  # int32 lengths: no larger bound
     return xp.maximum(lens - window, 0)
 
 

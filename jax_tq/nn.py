@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_tq.cache import PagedKVCache, write_cache
+from jax_tq.format import window_slot_mapping
 from jax_tq.codec import TurboQuant
 from jax_tq.compress import check_float_input, check_packed_codec, compress, decompress
 from jax_tq.paged_decode import paged_decode
@@ -128,8 +129,8 @@ def _round_trip_jvp(codec, primals, tangents):
     return _round_trip(x, codec), dx
 
 
-def paged_attention(q, k, v, cache: PagedKVCache, slot_mapping, block_tables, seq_lens, *, scale=None,
-                    num_splits=None, precision=None):
+def paged_attention(q, k, v, cache: PagedKVCache, slot_mapping, block_tables, seq_lens, *, window_ids=None,
+                    scale=None, num_splits=None, precision=None):
     """One decode step of attention over a compressed paged cache: write, then attend.
 
     Args:
@@ -140,6 +141,8 @@ def paged_attention(q, k, v, cache: PagedKVCache, slot_mapping, block_tables, se
       cache: the layer's :class:`PagedKVCache` (donate it to the enclosing jit for an in-place update).
       slot_mapping: int32 [num_seqs], where each new token is stored.
       block_tables: int32 [num_seqs, max_pages]; seq_lens: int32 [num_seqs], lengths INCLUDING the new token.
+      window_ids: int32 [num_seqs] window id of each sequence, for a cache with a window (default
+        ``arange(num_seqs)``): the new token also goes to entry (seq_lens - 1) % window of it.
       scale, num_splits, precision: as in :func:`jax_tq.paged_decode` (softmax scale, default
         1/sqrt(head_dim); split-K count; product precision).
 
@@ -158,6 +161,12 @@ def paged_attention(q, k, v, cache: PagedKVCache, slot_mapping, block_tables, se
         if jnp.ndim(q) >= 1 and jnp.ndim(x) >= 1 and jnp.shape(x)[0] != jnp.shape(q)[0]:
             raise ValueError(f"jax_tq.nn.paged_attention: {name} must hold one token per sequence, "
                              f"[num_seqs={jnp.shape(q)[0]}, num_kv_heads, head_dim], got shape {tuple(jnp.shape(x))}")
-    cache = write_cache(cache, k, v, slot_mapping)
-    out = paged_decode(q, cache, block_tables, seq_lens, scale=scale, num_splits=num_splits, precision=precision)
+    window_slots = None
+    if cache.window:
+        seq_lens = jnp.asarray(seq_lens)
+        window_ids = jnp.arange(seq_lens.shape[0], dtype=jnp.int32) if window_ids is None else window_ids
+        window_slots = window_slot_mapping(window_ids, seq_lens - 1, seq_lens, cache.window)
+    cache = write_cache(cache, k, v, slot_mapping, window_slots)
+    out = paged_decode(q, cache, block_tables, seq_lens, window_ids=window_ids, scale=scale, num_splits=num_splits,
+                       precision=precision)
     return out, cache

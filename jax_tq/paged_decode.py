@@ -22,7 +22,8 @@ from jax_tq import _ffi as ffi_loader
 from jax_tq import _primitive_utils as pu
 from jax_tq.backend import get_backend
 from jax_tq.cache import check_cache
-from jax_tq.checks import check_decode_indices, reject_checkify_residuals
+from jax_tq.checks import check_decode_indices, check_window_ids, reject_checkify_residuals
+from jax_tq.compress import empty_window
 
 paged_decode_p = _compat.Primitive("jax_tq_paged_decode")
 paged_decode_p.multiple_results = True
@@ -35,7 +36,8 @@ _LOG2E = 1.4426950408889634  # the kernels take scores in log2 units: scale * lo
 MIN_TOKENS_PER_SPLIT = 256
 
 
-def paged_decode(q, cache, block_tables, seq_lens, *, scale=None, num_splits=None, precision=None):
+def paged_decode(q, cache, block_tables, seq_lens, *, window_ids=None, scale=None, num_splits=None,
+                 precision=None):
     """Decode attention of one query token per sequence over a compressed paged KV cache.
 
     Args:
@@ -48,6 +50,10 @@ def paged_decode(q, cache, block_tables, seq_lens, *, scale=None, num_splits=Non
         outside [0, num_pages) is skipped (see docs/FORMAT.md; use checked mode to catch it).
       seq_lens: int32 [num_seqs], number of cached tokens each query attends to, clamped to
         [0, max_pages * page_size]. A sequence with 0 tokens gets an all-zero output.
+      window_ids: int32 [num_seqs], for a cache with a window: the window id of each sequence, whose
+        last min(seq_len, window) tokens are read from the window (exact) instead of the pages, in the
+        same softmax; default ``arange(num_seqs)``. An id outside [0, num_windows) contributes no
+        window token (checked mode reports it). Must be None for a cache without a window.
       scale: softmax scale, a finite Python or NumPy number with |scale| * log2(e) within float32
         (|scale| <= ~2.36e38; static: not a traced value); default 1 / sqrt(head_dim).
       num_splits: split-K count, a Python or NumPy integer >= 1 (static); default chosen per platform to fill
@@ -105,12 +111,13 @@ def paged_decode(q, cache, block_tables, seq_lens, *, scale=None, num_splits=Non
     if num_splits is not None:
         num_splits = min(num_splits, max(1, block_tables.shape[1]))
     check_decode_indices(block_tables, seq_lens, num_pages=cache.num_pages, page_size=cache.page_size)
+    windows = window_operands(cache, window_ids, seq_lens, "paged_decode")
     k_codec, v_codec = cache.k_codec, cache.v_codec
     scale = 1.0 / math.sqrt(k_codec.head_dim) if scale is None else scale
     backend = get_backend()
     group = q.shape[1] // cache.num_kv_heads
     pools = (cache.k_codes, cache.k_norms, cache.v_codes, cache.v_norms, k_codec.centroids, v_codec.centroids,
-             block_tables, seq_lens)
+             block_tables, seq_lens, *windows)
     fused = _fused_rotation(k_codec, v_codec, backend, group)
     if fused is not None:  # the kernel rotates q and the output itself
         out = _decode(q.astype(jnp.float32), *pools, fused, k_codec.bits, v_codec.bits, scale,
@@ -134,14 +141,42 @@ def paged_decode(q, cache, block_tables, seq_lens, *, scale=None, num_splits=Non
     return out.astype(q.dtype)
 
 
-def _reference_rotated(q_rot, *operands):
+def _reference_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, k_window, v_window,
+                       window_ids, k_bits, v_bits, scale):
     """reference.paged_decode_rotated with the kernels' NaN rows where q_rot is not all finite.
     Such a row enters the reference as zeros, so that neither its output nor its gradient (zero
     for q, none into the cache norms) carries its NaN into the rows and norms it shares a KV head
     with (a NaN query that the loss masks out leaves every other gradient finite)."""
     finite = jnp.all(jnp.isfinite(q_rot), axis=-1, keepdims=True)
-    out_rot = reference.paged_decode_rotated(jnp.where(finite, q_rot, 0), *operands)
+    out_rot = reference.paged_decode_rotated(jnp.where(finite, q_rot, 0), k_codes, k_norms, v_codes, v_norms, k_cent,
+                                             v_cent, tables, lens, k_bits, v_bits, scale,
+                                             window=(k_window, v_window, window_ids))
     return jnp.where(finite, out_rot, jnp.nan)
+
+
+def window_operands(cache, window_ids, seq_lens, op: str):
+    """(k_window, v_window, window_ids) operands of an attention primitive: the cache's window and
+    int32 [num_seqs] ids (default arange), or an empty window and zero ids for a cache without one.
+
+    Raises:
+      TypeError / ValueError: window_ids given for a cache without a window, or not int32 [num_seqs].
+    """
+    num_seqs = seq_lens.shape[0]
+    if not cache.window:
+        if window_ids is not None:
+            raise ValueError(f"jax_tq.{op}: window_ids given but the cache has no window")
+        empty = empty_window(cache.num_kv_heads, cache.head_dim)
+        return empty, empty, jnp.zeros((num_seqs,), jnp.int32)
+    spec = f"jax_tq.{op}: window_ids must be int32 [num_seqs={num_seqs}]"
+    if window_ids is None:
+        window_ids = jnp.arange(num_seqs, dtype=jnp.int32)
+    tq_format.check_index_dtype(window_ids, spec)
+    window_ids = jnp.asarray(window_ids)
+    if window_ids.dtype != jnp.int32 or window_ids.shape != (num_seqs,):
+        error = TypeError if window_ids.dtype != jnp.int32 else ValueError
+        raise error(f"{spec}, got {window_ids.dtype}{tuple(window_ids.shape)}")
+    check_window_ids(window_ids, seq_lens, num_windows=cache.num_windows, op=op)
+    return cache.k_window, cache.v_window, window_ids
 
 
 #: The primitive's rotation operand when q is already rotated (q_rot) and the output stays rotated.
@@ -201,17 +236,15 @@ def _rotation_from_spec(words):
     return jnp.matmul(hadamard, mixed, precision=jax.lax.Precision.HIGHEST)
 
 
-def _reference_any(q, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, rotation, k_bits,
-                   v_bits, scale):
+def _reference_any(q, *operands_and_rotation, k_bits, v_bits, scale):
     """The primitive's semantics in jnp: :func:`_reference_rotated` on q (rotation [2, 0]), or with
     the fused rotation ([2, d]) between q = Pi_k^T q_rot and out = Pi_v^T out_rot (float32)."""
+    *operands, rotation = operands_and_rotation
     if rotation.shape[1] == 0:
-        return _reference_rotated(q, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, k_bits,
-                                  v_bits, scale)
+        return _reference_rotated(q, *operands, k_bits, v_bits, scale)
     highest = jax.lax.Precision.HIGHEST
     q_rot = jnp.einsum("shd,ed->she", q, _rotation_from_spec(rotation[0]), precision=highest)
-    out_rot = _reference_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens,
-                                 k_bits, v_bits, scale)
+    out_rot = _reference_rotated(q_rot, *operands, k_bits, v_bits, scale)
     return jnp.einsum("she,ed->shd", out_rot, _rotation_from_spec(rotation[1]), precision=highest)
 
 
@@ -270,39 +303,42 @@ def _allows_f16_products(precision, q_dtype) -> bool:
     return precision != jax.lax.Precision.HIGHEST
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(10, 11, 12, 13, 14, 15))
-def _decode(q, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, rotation,
-            k_bits, v_bits, scale, num_splits, f16_products, backend):
-    """The kernel call, differentiable in q, k_norms and v_norms (the codes are integers). With
-    rotation [2, 0], q is q_rot and the result out_rot; with [2, d] (the fused rotation) both are
-    unrotated. A row whose q_rot is not all finite gives a NaN output row."""
+_NUM_OPERANDS = 13  # q, the four pools, two centroids, block_tables, seq_lens, two windows, window_ids, rotation
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=tuple(range(_NUM_OPERANDS, _NUM_OPERANDS + 6)))
+def _decode(q, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, k_window, v_window, window_ids,
+            rotation, k_bits, v_bits, scale, num_splits, f16_products, backend):
+    """The kernel call, differentiable in q, k_norms and v_norms (the codes are integers, the window
+    rows bfloat16 copies). With rotation [2, 0], q is q_rot and the result out_rot; with [2, d] (the
+    fused rotation) both are unrotated. A row whose q_rot is not all finite gives a NaN output row."""
     (out,) = paged_decode_p.bind(
-        q, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, rotation,
-        k_bits=k_bits, v_bits=v_bits, scale=scale, num_splits=num_splits, f16_products=f16_products,
+        q, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, k_window, v_window, window_ids,
+        rotation, k_bits=k_bits, v_bits=v_bits, scale=scale, num_splits=num_splits, f16_products=f16_products,
         backend=backend,
     )
     return out
 
 
 def _decode_fwd(*args):
-    operands, static = args[:10], args[10:]
+    operands, static = args[:_NUM_OPERANDS], args[_NUM_OPERANDS:]
     return _decode(*operands, *static), operands
 
 
 def _decode_bwd(k_bits, v_bits, scale, num_splits, f16_products, backend, operands, cotangent):
     """Backward pass through the reference (recomputes the softmax; memory O(num_seqs x tokens))."""
-    q, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, rotation = operands
+    q, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, k_window, v_window, ids, rotation = operands
     reject_checkify_residuals("paged_decode", k_codes=(k_codes, jnp.uint8), v_codes=(v_codes, jnp.uint8),
                               block_tables=(tables, jnp.int32), seq_lens=(lens, jnp.int32),
-                              rotation=(rotation, jnp.int32))
+                              window_ids=(ids, jnp.int32), rotation=(rotation, jnp.int32))
 
     def attend(q, kn, vn):  # the xla backend's function: the same gradient on both backends
-        return _reference_any(q, k_codes, kn, v_codes, vn, k_cent, v_cent, tables, lens, rotation, k_bits,
-                              v_bits, scale)
+        return _reference_any(q, k_codes, kn, v_codes, vn, k_cent, v_cent, tables, lens, k_window, v_window, ids,
+                              rotation, k_bits=k_bits, v_bits=v_bits, scale=scale)
 
     _, vjp = jax.vjp(attend, q, k_norms, v_norms)
     dq, dk_norms, dv_norms = vjp(cotangent)
-    return dq, None, dk_norms, None, dv_norms, None, None, None, None, None
+    return (dq, None, dk_norms, None, dv_norms) + (None,) * (_NUM_OPERANDS - 5)
 
 
 _decode.defvjp(_decode_fwd, _decode_bwd)
@@ -531,14 +567,12 @@ def choose_num_splits(platform: str, num_seqs: int, num_kv_heads: int, max_pages
 
 # ----------------------------------------------------------------------------- primitive
 
-def _abstract(q, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids, block_tables, seq_lens, rotation,
-              **params):
-    inputs = (q, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids, block_tables, seq_lens, rotation)
-    return (_compat.output_aval(q.shape, jnp.float32, *inputs),)
+def _abstract(q, *operands, **params):
+    return (_compat.output_aval(q.shape, jnp.float32, q, *operands),)
 
 
 def _reference(*operands, k_bits, v_bits, scale, num_splits, f16_products):
-    return (_reference_any(*operands, k_bits, v_bits, scale),)
+    return (_reference_any(*operands, k_bits=k_bits, v_bits=v_bits, scale=scale),)
 
 
 def _ffi(ctx, *operands, k_bits, v_bits, scale, num_splits, f16_products):
@@ -564,30 +598,36 @@ def _ffi(ctx, *operands, k_bits, v_bits, scale, num_splits, f16_products):
 
 paged_decode_p.def_abstract_eval(_abstract)
 pu.define_impl(paged_decode_p)
-pu.register_lowerings(paged_decode_p, _reference, _ffi, may_be_empty=(9,))  # rotation [2, 0]: q is q_rot
+# rotation [2, 0]: q is q_rot; windows [0, Hkv, 0, d]: none
+pu.register_lowerings(paged_decode_p, _reference, _ffi, may_be_empty=(9, 10, 12))
+
+
+def fold_batched_pools(pools, pool_dims, ids, ids_dim, size: int, pool_size):
+    """vmap of an attention primitive's pools (the four page pools, or the two windows): batched
+    pools are folded into one pool, each element's ids (block tables, window ids) offset into its
+    own slice; unbatched ones stay shared. Returns (pools, ids [size, ...])."""
+    ids = pu.move_batch_to_front(ids, ids_dim, size)
+    if all(d is _compat.NOT_MAPPED for d in pool_dims):
+        return list(pools), ids
+    pools = [pu.move_batch_to_front(a, d, size) for a, d in zip(pools, pool_dims)]
+    ids = pu.fold_pool_batch(ids, size, pool_size(pools[0]))
+    return [p.reshape((-1,) + p.shape[2:]) for p in pools], ids
 
 
 def _batch(args, dims, **params):
     """Fold vmapped axes into the kernel's sequence axis; a batched cache is folded into one page pool
-    (each batch element's block table is offset into its own slice of the pool)."""
-    q, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, rotation = args
-    pu.require_unbatched(("k centroids", "v centroids", "rotation"), dims[5:7] + dims[9:10], "paged_decode")
+    (each batch element's block table is offset into its own slice of the pool) and one window pool."""
+    q, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, k_window, v_window, ids, rotation = args
+    pu.require_unbatched(("k centroids", "v centroids", "rotation"), dims[5:7] + dims[12:13], "paged_decode")
     size = pu.batch_size(args, dims)
-    pool_dims = dims[1:5]
-    pools = list(args[1:5])
-    if any(d is not _compat.NOT_MAPPED for d in pool_dims):
-        pools = [pu.move_batch_to_front(a, d, size) for a, d in zip(pools, pool_dims)]
-        pages_per_pool = pools[0].shape[1]
-        tables = pu.fold_pool_batch(pu.move_batch_to_front(tables, dims[7], size), size, pages_per_pool)
-        pools = [p.reshape((-1,) + p.shape[2:]) for p in pools]
-    else:
-        tables = pu.move_batch_to_front(tables, dims[7], size)
+    pools, tables = fold_batched_pools(args[1:5], dims[1:5], tables, dims[7], size, lambda p: p.shape[1])
+    windows, ids = fold_batched_pools(args[9:11], dims[9:11], ids, dims[11], size, lambda w: w.shape[1])
     q = pu.move_batch_to_front(q, dims[0], size)
     lens = pu.move_batch_to_front(lens, dims[8], size)
     num_seqs = q.shape[1]
     (out,) = paged_decode_p.bind(
         q.reshape((-1,) + q.shape[2:]), *pools, k_cent, v_cent,
-        tables.reshape((-1, tables.shape[-1])), lens.reshape(-1), rotation, **params,
+        tables.reshape((-1, tables.shape[-1])), lens.reshape(-1), *windows, ids.reshape(-1), rotation, **params,
     )
     return [out.reshape((size, num_seqs) + out.shape[1:])], [0]
 

@@ -21,7 +21,7 @@ from jax_tq import _primitive_utils as pu
 from jax_tq.backend import get_backend
 from jax_tq.cache import check_cache
 from jax_tq.checks import check_decode_indices, check_query_start_loc, reject_checkify_residuals
-from jax_tq.paged_decode import _check_decode_args, _static_scale
+from jax_tq.paged_decode import _check_decode_args, _static_scale, fold_batched_pools, window_operands
 
 __all__ = ["paged_prefill"]
 
@@ -31,7 +31,7 @@ paged_prefill_p.multiple_results = True
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def paged_prefill(q, cache, block_tables, seq_lens, query_start_loc, *, scale=None):
+def paged_prefill(q, cache, block_tables, seq_lens, query_start_loc, *, window_ids=None, scale=None):
     """Causal attention of new query rows (a prompt, or a chunk of one) over a compressed paged cache.
 
     Args:
@@ -47,6 +47,10 @@ def paged_prefill(q, cache, block_tables, seq_lens, query_start_loc, *, scale=No
         FlashInfer's qo_indptr, flash-attn's cu_seqlens_q). Row i of sequence s (of q_len_s rows)
         sits at position seq_lens[s] - q_len_s + i and attends to the sequence's tokens [0, that
         position]: chunked prefill (earlier tokens already cached) is the case q_len_s < seq_lens[s].
+      window_ids: int32 [num_seqs], for a cache with a window (default ``arange(num_seqs)``; None
+        without one). Rows see the cache as it stands: the sequence's last min(seq_len, window)
+        tokens from its window, the others from the pages (a row earlier than the window's first
+        token sees only compressed tokens).
       scale: softmax scale, a finite Python number (static); default 1 / sqrt(head_dim).
 
     Returns:
@@ -76,11 +80,12 @@ def paged_prefill(q, cache, block_tables, seq_lens, query_start_loc, *, scale=No
     check_decode_indices(block_tables, seq_lens, num_pages=cache.num_pages, page_size=cache.page_size,
                          op="paged_prefill")
     check_query_start_loc(query_start_loc, seq_lens, num_rows=q.shape[0])
+    windows = window_operands(cache, window_ids, seq_lens, "paged_prefill")
     k_codec, v_codec = cache.k_codec, cache.v_codec
     scale = 1.0 / math.sqrt(k_codec.head_dim) if scale is None else scale
     q_rot = jnp.einsum("thd,ed->the", q.astype(jnp.float32), k_codec.rotation, precision=_HIGHEST)
     operands = (q_rot, cache.k_codes, cache.k_norms, cache.v_codes, cache.v_norms, k_codec.centroids,
-                v_codec.centroids, block_tables, seq_lens, query_start_loc)
+                v_codec.centroids, block_tables, seq_lens, *windows, query_start_loc)
     backend = get_backend()
     if backend == "xla":
         out_rot = _reference(*operands, k_bits=k_codec.bits, v_bits=v_codec.bits, scale=scale)[0]
@@ -106,44 +111,50 @@ def _owned_rows(q_rot, k_codes, tables, lens, starts):
     return owned[:, None, None]
 
 
-def _reference(q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, starts, *, k_bits, v_bits,
-               scale):
+def _reference(q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, k_window, v_window,
+               window_ids, starts, *, k_bits, v_bits, scale):
     """The primitive's semantics in jnp: an owned row whose q_rot is not all finite gives a NaN row
     (and enters the reference as zeros, so that no NaN reaches its neighbours' gradients)."""
     finite = jnp.all(jnp.isfinite(q_rot), axis=-1, keepdims=True)
     out_rot = reference.paged_prefill_rotated(jnp.where(finite, q_rot, 0), k_codes, k_norms, v_codes, v_norms,
-                                              k_cent, v_cent, tables, lens, starts, k_bits, v_bits, scale)
+                                              k_cent, v_cent, tables, lens, starts, k_bits, v_bits, scale,
+                                              window=(k_window, v_window, window_ids))
     nan_rows = ~finite & _owned_rows(q_rot, k_codes, tables, lens, starts)
     return (jnp.where(nan_rows, jnp.nan, out_rot).astype(jnp.float32),)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(10, 11, 12, 13))
-def _prefill(q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, starts, k_bits, v_bits,
-             scale, backend):
-    """The kernel call, differentiable in q_rot, k_norms and v_norms (the codes are integers)."""
-    (out,) = paged_prefill_p.bind(q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, starts,
-                                  k_bits=k_bits, v_bits=v_bits, scale=scale, backend=backend)
+_NUM_OPERANDS = 13  # q_rot, the four pools, two centroids, block_tables, seq_lens, two windows, ids, query_start_loc
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=tuple(range(_NUM_OPERANDS, _NUM_OPERANDS + 4)))
+def _prefill(q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, k_window, v_window, window_ids,
+             starts, k_bits, v_bits, scale, backend):
+    """The kernel call, differentiable in q_rot, k_norms and v_norms (the codes are integers, the
+    window rows bfloat16 copies)."""
+    (out,) = paged_prefill_p.bind(q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, k_window,
+                                  v_window, window_ids, starts, k_bits=k_bits, v_bits=v_bits, scale=scale,
+                                  backend=backend)
     return out
 
 
 def _prefill_fwd(*args):
-    return _prefill(*args), args[:10]
+    return _prefill(*args), args[:_NUM_OPERANDS]
 
 
 def _prefill_bwd(k_bits, v_bits, scale, backend, operands, cotangent):
     """Backward pass through the reference (the same gradient on every backend)."""
-    q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, starts = operands
+    q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, k_window, v_window, ids, starts = operands
     reject_checkify_residuals("paged_prefill", k_codes=(k_codes, jnp.uint8), v_codes=(v_codes, jnp.uint8),
                               block_tables=(tables, jnp.int32), seq_lens=(lens, jnp.int32),
-                              query_start_loc=(starts, jnp.int32))
+                              window_ids=(ids, jnp.int32), query_start_loc=(starts, jnp.int32))
 
     def attend(q_rot, k_norms, v_norms):
-        return _reference(q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, starts,
-                          k_bits=k_bits, v_bits=v_bits, scale=scale)[0]
+        return _reference(q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, k_window,
+                          v_window, ids, starts, k_bits=k_bits, v_bits=v_bits, scale=scale)[0]
 
     _, vjp = jax.vjp(attend, q_rot, k_norms, v_norms)
     dq, dk_norms, dv_norms = vjp(cotangent)
-    return dq, None, dk_norms, None, dv_norms, None, None, None, None, None
+    return (dq, None, dk_norms, None, dv_norms) + (None,) * (_NUM_OPERANDS - 5)
 
 
 _prefill.defvjp(_prefill_fwd, _prefill_bwd)
@@ -160,7 +171,7 @@ def _ffi(ctx, *operands, k_bits, v_bits, scale):
 
 paged_prefill_p.def_abstract_eval(_abstract)
 pu.define_impl(paged_prefill_p)
-pu.register_lowerings(paged_prefill_p, _reference, _ffi, may_be_empty=(7, 8, 9))  # no sequences
+pu.register_lowerings(paged_prefill_p, _reference, _ffi, may_be_empty=(7, 8, 9, 10, 11, 12))  # no sequences / window
 
 
 def _batch(args, dims, **params):
@@ -168,18 +179,14 @@ def _batch(args, dims, **params):
     and its sequences are followed by one empty sequence (no tokens) that owns its rows after its last
     boundary, so that no row changes owner (rows of no sequence stay 0). A batched cache is folded into
     one page pool, each element's block tables offset into its own slice."""
-    q, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, starts = args
+    q, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, k_window, v_window, ids, starts = args
     pu.require_unbatched(("k centroids", "v centroids"), dims[5:7], "paged_prefill")
     size = pu.batch_size(args, dims)
-    pools = list(args[1:5])
-    tables = pu.move_batch_to_front(tables, dims[7], size)
-    if any(d is not _compat.NOT_MAPPED for d in dims[1:5]):
-        pools = [pu.move_batch_to_front(a, d, size) for a, d in zip(pools, dims[1:5])]
-        tables = pu.fold_pool_batch(tables, size, pools[0].shape[1])
-        pools = [p.reshape((-1,) + p.shape[2:]) for p in pools]
+    pools, tables = fold_batched_pools(args[1:5], dims[1:5], tables, dims[7], size, lambda p: p.shape[1])
+    windows, ids = fold_batched_pools(args[9:11], dims[9:11], ids, dims[11], size, lambda w: w.shape[1])
     q = pu.move_batch_to_front(q, dims[0], size)
     lens = pu.move_batch_to_front(lens, dims[8], size)
-    starts = pu.move_batch_to_front(starts, dims[9], size)
+    starts = pu.move_batch_to_front(starts, dims[12], size)
     num_tokens, max_pages = q.shape[1], tables.shape[-1]
     owned = jax.vmap(lambda q, lens, starts: _owned_rows(q, pools[0], tables[0], lens, starts))(q, lens, starts)
     q = jnp.where(owned, q, 0)  # rows of no sequence stay 0 once a gap sequence owns them
@@ -188,9 +195,10 @@ def _batch(args, dims, **params):
     folded_starts = jnp.concatenate([starts.reshape(-1), jnp.asarray([size * num_tokens], jnp.int32)])
     folded_tables = jnp.concatenate([tables, jnp.zeros((size, 1, max_pages), jnp.int32)], axis=1)
     folded_lens = jnp.concatenate([lens, jnp.zeros((size, 1), jnp.int32)], axis=1)
+    folded_ids = jnp.concatenate([ids, jnp.full((size, 1), -1, jnp.int32)], axis=1)
     (out,) = paged_prefill_p.bind(q.reshape((-1,) + q.shape[2:]), *pools, k_cent, v_cent,
-                                  folded_tables.reshape(-1, max_pages), folded_lens.reshape(-1), folded_starts,
-                                  **params)
+                                  folded_tables.reshape(-1, max_pages), folded_lens.reshape(-1), *windows,
+                                  folded_ids.reshape(-1), folded_starts, **params)
     return [out.reshape((size, num_tokens) + out.shape[1:])], [0]
 
 

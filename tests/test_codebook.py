@@ -217,7 +217,7 @@ def test_rotation_errors():
 # ---------------------------------------------------------------------------------------------
 def test_codec_fields():
     tq = codec.TurboQuant(head_dim=96, bits=3, seed=5, rotation="hadamard")
-    assert tq.spec == (96, 3, 5, "hadamard")
+    assert tq.spec == (96, 3, 5, "hadamard", "norm")
     assert tq.rotation.dtype == jnp.float32 and tq.rotation.shape == (96, 96)
     assert tq.centroids.dtype == jnp.float32 and tq.centroids.shape == (8,)
     assert tq.num_levels == 8 and tq.packed_bytes == 36
