@@ -30,6 +30,7 @@ whole list is donated as is. A dense cache is a list of ``(k, v)`` array pairs p
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Sequence
 
@@ -37,6 +38,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from jax_tq.format import window_slot_mapping
 
 from .gguf_loader import LlamaConfig
 
@@ -201,7 +204,7 @@ class Attention(nnx.Module):
         q, k, v = self.qkv(x, positions)
         return self.out(causal_attention(q, k, v))
 
-    def compressed(self, x, positions, cache, slot_mapping, block_tables, seq_lens):
+    def compressed(self, x, positions, cache, slot_mapping, block_tables, seq_lens, window=None):
         """Attention through a compressed paged cache.
 
         Writes this call's K/V (``[T, Hkv, d]``) at ``slot_mapping [T]`` with
@@ -215,17 +218,27 @@ class Attention(nnx.Module):
           slot_mapping: int32 ``[T]`` cache slots to write (negative: not written).
           block_tables: int32 ``[T, max_pages]``.
           seq_lens: int32 ``[T]`` cached tokens row ``t`` attends to (including itself).
+          window: for a cache with a window, a :class:`WindowUse`: which window ids the rows use and
+            where the new tokens go (None without a window).
         Returns:
           ``(y [T, hidden], new_cache)``.
         Raises:
           TypeError / ValueError: propagated from :func:`jax_tq.write_cache` /
-            :func:`jax_tq.paged_decode` (wrong cache type, dtypes or shapes).
+            :func:`jax_tq.paged_decode`.
         """
         import jax_tq as tq
 
         q, k, v = self.qkv(x, positions)
-        cache = tq.write_cache(cache, k, v, slot_mapping)
-        o = tq.paged_decode(q, cache, block_tables, seq_lens)
+        if window is None:
+            cache = tq.write_cache(cache, k, v, slot_mapping)
+            return self.out(tq.paged_decode(q, cache, block_tables, seq_lens)), cache
+        before = cache
+        cache = tq.write_cache(cache, k, v, slot_mapping, window.slots)
+        if window.row_start is None:  # decode: row t is sequence t, window id window.ids[t]
+            o = tq.paged_decode(q, cache, block_tables, seq_lens, window_ids=window.ids)
+        else:  # one sequence's T positions: each row reads its own last tokens exactly
+            rows = row_windows(cache, before, k, v, window.row_start, window.ids[0])
+            o = tq.paged_decode(q, rows, block_tables, seq_lens, window_ids=jnp.arange(q.shape[0], dtype=jnp.int32))
         return self.out(o), cache
 
     def dense(self, x, positions, k_cache, v_cache):
@@ -248,6 +261,59 @@ class Attention(nnx.Module):
         v_cache = jax.vmap(put)(v_cache, v, positions)
         o = dense_decode_attention(q, k_cache, v_cache, positions + 1)
         return self.out(o), k_cache, v_cache
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class WindowUse:
+    """How a compressed forward uses the caches' recent-token windows.
+
+    Attributes:
+      ids: int32 ``[T]`` window id of each query row's sequence (decode), or ``[T]`` all equal to
+        the one sequence's id (``row_start`` set).
+      slots: int32 ``[T]`` ring entries the new tokens are written to (``write_cache``'s
+        ``window_slots``; -1: not written).
+      row_start: None for decode steps (row ``t`` is sequence ``t``); for one sequence's
+        positions ``row_start .. row_start + T - 1`` (prefill / evaluation) the position of row 0:
+        each row then reads its own last ``window`` tokens exactly (:func:`row_windows`).
+    """
+
+    ids: jax.Array
+    slots: jax.Array
+    row_start: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+
+
+def row_windows(cache, before, k, v, start: int, window_id):
+    """A view of ``cache`` whose window id ``t`` holds what row ``t`` of one sequence's positions
+    ``start .. start + T - 1`` reads exactly: the rotated rows of positions ``(p - window, p]``
+    (p = start + t), from ``k, v`` for this call's tokens and from the window ``window_id`` of
+    ``before`` (the cache as it was before this call's write) for earlier ones.
+
+    Args:
+      cache: :class:`jax_tq.PagedKVCache` with a window, after the write of k, v (its pages are kept).
+      before: the same cache before that write.
+      k, v: float ``[T, Hkv, d]`` this call's keys and values.
+      start: static position of k[0].  window_id: int32 scalar, the sequence's window id.
+    Returns:
+      the cache with k_window / v_window of ``[T, Hkv, window, d]`` (memory O(T x window)).
+    """
+    import jax_tq as tq
+
+    W = cache.window
+    T = k.shape[0]
+    # Rows of positions start - W .. start + T - 1: the ring's (entries p % W) then this call's.
+    earlier = (start - W + jnp.arange(W)) % W
+    ring_k = jnp.swapaxes(before.k_window[window_id][:, earlier], 0, 1)
+    ring_v = jnp.swapaxes(before.v_window[window_id][:, earlier], 0, 1)
+    seq_k = jnp.concatenate([ring_k, tq.window_rows(k, cache.k_codec)])
+    seq_v = jnp.concatenate([ring_v, tq.window_rows(v, cache.v_codec)])
+    t = jnp.arange(T)[:, None]
+    entries = jnp.arange(W)[None, :]
+    # Row t's entry e holds position p - ((p - e) mod W), p = start + t: index W + t - that offset.
+    index = W + t - jnp.mod(start + t - entries, W)
+    rows_k = jnp.swapaxes(seq_k[index], 1, 2)  # [T, W, Hkv, d] -> [T, Hkv, W, d]
+    rows_v = jnp.swapaxes(seq_v[index], 1, 2)
+    return dataclasses.replace(cache, k_window=rows_k, v_window=rows_v)
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, scale: float | None = None):
@@ -348,7 +414,7 @@ class Block(nnx.Module):
         x = x + self.attn.causal(self.attn_norm(x), positions)
         return x + self.mlp(self.ffn_norm(x))
 
-    def compressed(self, x, positions, cache, slot_mapping, block_tables, seq_lens):
+    def compressed(self, x, positions, cache, slot_mapping, block_tables, seq_lens, window=None):
         """Block with attention through the compressed cache.
 
         Args:
@@ -359,7 +425,7 @@ class Block(nnx.Module):
           TypeError / ValueError: propagated from :meth:`Attention.compressed`.
         """
         h, cache = self.attn.compressed(self.attn_norm(x), positions, cache, slot_mapping,
-                                        block_tables, seq_lens)
+                                        block_tables, seq_lens, window)
         x = x + h
         return x + self.mlp(self.ffn_norm(x)), cache
 
@@ -472,14 +538,15 @@ class Llama(nnx.Module):
             x = blk.causal(x, positions)
         return self.logits(x)
 
-    def apply_compressed(self, token_ids, positions, caches, slot_mapping, block_tables, seq_lens):
+    def apply_compressed(self, token_ids, positions, caches, slot_mapping, block_tables, seq_lens, window=None):
         """Forward through the compressed caches (one :class:`jax_tq.PagedKVCache` per layer).
 
         Args:
           token_ids: int32 ``[T]``; positions: int32 ``[T]`` (RoPE positions);
           caches: list (len ``num_layers``); slot_mapping: int32 ``[T]`` cache slots to write;
           block_tables: int32 ``[T, max_pages]``; seq_lens: int32 ``[T]`` (row ``t`` attends to
-          ``seq_lens[t]`` cached tokens of its table, including itself).
+          ``seq_lens[t]`` cached tokens of its table, including itself);
+          window: a :class:`WindowUse` for caches with a window, else None.
         Returns:
           ``(logits float32 [T, vocab], new_caches list)``.
         Raises:
@@ -492,7 +559,7 @@ class Llama(nnx.Module):
         x = self.embed[...][token_ids]
         new = []
         for blk, cache in zip(self.layers, caches):
-            x, cache = blk.compressed(x, positions, cache, slot_mapping, block_tables, seq_lens)
+            x, cache = blk.compressed(x, positions, cache, slot_mapping, block_tables, seq_lens, window)
             new.append(cache)
         return self.logits(x), new
 
@@ -546,11 +613,14 @@ class Llama(nnx.Module):
 
 
 def init_caches(config: LlamaConfig, k_bits: int, v_bits: int, num_pages: int,
-                page_size: int = 16, seed: int = 0, rotation: str = "haar"):
+                page_size: int = 16, seed: int = 0, rotation: str = "haar", *, scale: str = "norm",
+                window: int = 0, num_windows: int = 1):
     """One empty :class:`jax_tq.PagedKVCache` per layer with TurboQuant K/V codecs.
 
-    The K codec uses ``seed`` and the V codec ``seed + 1``, both with ``rotation``; all layers
-    share the codecs.
+    The K codec uses ``seed`` and the V codec ``seed + 1``, both with ``rotation`` and ``scale``;
+    all layers share the codecs. (A preset: ``init_caches(config, p.k_bits, p.v_bits, ...,
+    rotation=p.rotation, scale=p.scale, window=p.window)`` for ``p = jax_tq.get_preset("k4v4")``,
+    or :func:`jax_tq.models.cache_config_caches`.)
 
     Args:
       config: model config (``num_layers``, ``num_kv_heads``, ``head_dim``).
@@ -561,22 +631,24 @@ def init_caches(config: LlamaConfig, k_bits: int, v_bits: int, num_pages: int,
         Hadamard; at head_dim 128 :func:`jax_tq.paged_decode` then applies the rotations inside
         the kernel where one runs, see its docstring; at other head_dims, e.g. SmolLM2's 64, they
         stay two rotation GEMMs around it, as with Haar codecs).
+      scale: the codecs' per-vector scale, ``"norm"`` or ``"fit"`` (:class:`jax_tq.TurboQuant`).
+      window: recent tokens kept exactly per sequence (0: none); num_windows: window ids (one per
+        sequence decoded at once; row ``b`` of a decode step uses id ``b``).
     Returns:
       list of ``num_layers`` caches.
     Raises:
       TypeError / ValueError: propagated from :class:`jax_tq.TurboQuant` /
-        :meth:`jax_tq.PagedKVCache.create` (unsupported ``head_dim``, bits or ``rotation``,
-        non-int or non-positive sizes, ``page_size > 256``).
+        :meth:`jax_tq.PagedKVCache.create` (unsupported ``head_dim``, bits, ``rotation`` or
+        ``scale``, non-int or non-positive sizes, ``page_size > 256``, a bad window).
     """
     import jax_tq as tq
 
-    k_codec = tq.TurboQuant(head_dim=config.head_dim, bits=k_bits, seed=seed, rotation=rotation)
-    v_codec = tq.TurboQuant(head_dim=config.head_dim, bits=v_bits, seed=seed + 1,
-                            rotation=rotation)
-    return [tq.PagedKVCache.create(num_pages=num_pages, page_size=page_size,
-                                   num_kv_heads=config.num_kv_heads,
-                                   k_codec=k_codec, v_codec=v_codec)
-            for _ in range(config.num_layers)]
+    k_codec = tq.TurboQuant(config.head_dim, k_bits, seed, rotation, scale)
+    v_codec = tq.TurboQuant(config.head_dim, v_bits, seed + 1, rotation, scale)
+    cache = tq.PagedKVCache.create(num_pages=num_pages, page_size=page_size, num_kv_heads=config.num_kv_heads,
+                                   k_codec=k_codec, v_codec=v_codec, window=window,
+                                   num_windows=num_windows if window else 0)
+    return [jax.tree_util.tree_map(jnp.copy, cache) for _ in range(config.num_layers)]
 
 
 def init_dense_caches(config: LlamaConfig, batch: int, max_len: int, dtype=jnp.bfloat16):
@@ -785,23 +857,30 @@ def forward_logits(model: Llama, token_ids, start_pos: int = 0) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5), donate_argnums=(3,))
-def _compressed_pure(graphdef, state, token_ids, caches, block_table, start_pos):
+def _compressed_pure(graphdef, state, token_ids, caches, block_table, start_pos, window_id):
     model = nnx.merge(graphdef, state)
     T = token_ids.shape[0]
     positions = start_pos + jnp.arange(T, dtype=jnp.int32)
     page_size = _page_size(caches[0])
     slots = slot_mapping_for(block_table, positions, page_size)
     tables = jnp.broadcast_to(block_table[None, :], (T, block_table.shape[0]))
-    return model.apply_compressed(token_ids, positions, caches, slots, tables, positions + 1)
+    window = None
+    if caches[0].window:
+        ids = jnp.full((T,), window_id, jnp.int32)
+        window_slots = window_slot_mapping(ids, positions, jnp.full((T,), start_pos + T, jnp.int32), caches[0].window)
+        window = WindowUse(ids, window_slots, start_pos)
+    return model.apply_compressed(token_ids, positions, caches, slots, tables, positions + 1, window)
 
 
-def forward_compressed(model: Llama, token_ids, caches: Sequence, block_table, start_pos: int = 0):
+def forward_compressed(model: Llama, token_ids, caches: Sequence, block_table, start_pos: int = 0,
+                       window_id: int = 0):
     """Evaluation / prefill path through the compressed paged caches (jit-compiled, caches donated).
 
-    Token ``t`` (position ``start_pos + t``) is written to its slot given by ``block_table``; then
-    every position attends, via :func:`jax_tq.paged_decode`, to the compressed K/V of itself and all
-    earlier positions of the sequence (including any tokens cached before ``start_pos``) -
-    exactly what decoding would see.
+    Token ``t`` (position ``start_pos + t``) is written to its slot given by ``block_table`` (and,
+    with a window, the last ``window`` tokens to the window ``window_id``); then every position
+    attends, via :func:`jax_tq.paged_decode`, to the compressed K/V of itself and all earlier
+    positions of the sequence (including any tokens cached before ``start_pos``), its own last
+    ``window`` positions exactly - exactly what decoding would see.
 
     Args:
       model: :class:`Llama`.
@@ -810,8 +889,10 @@ def forward_compressed(model: Llama, token_ids, caches: Sequence, block_table, s
       block_table: int32 ``[max_pages]`` physical pages of this sequence; must cover
         ``start_pos + T`` tokens.
       start_pos: position of ``token_ids[0]`` (tokens before it must already be cached).
+      window_id: the sequence's window id (caches with a window).
     Returns:
-      ``(logits float32 [T, vocab], new_caches)``.
+      ``(logits float32 [T, vocab], new_caches)``. With a window the attention holds
+      ``[T, num_kv_heads, window, head_dim]`` rows per layer for the rows' own windows.
     Raises:
       TypeError: token ids or ``block_table`` not integers; ``start_pos`` not an int; a cache that is
         not a :class:`jax_tq.PagedKVCache`.
@@ -836,12 +917,22 @@ def forward_compressed(model: Llama, token_ids, caches: Sequence, block_table, s
                          f"covered by block_table ({block_table.shape[0]} pages x page_size {page_size} = "
                          f"{capacity} tokens)")
     graphdef, state = nnx.split(model)
-    return _compressed_pure(graphdef, state, token_ids, list(caches), block_table, start_pos)
+    window_id = _int32(window_id, "window_id", where)
+    return _compressed_pure(graphdef, state, token_ids, list(caches), block_table, start_pos, window_id)
 
 
 def _check_num_caches(model: Llama, caches: Sequence) -> None:
     if len(caches) != model.config.num_layers:
         raise ValueError(f"expected {model.config.num_layers} caches, got {len(caches)}")
+
+
+def _decode_window(caches, position, seq_lens):
+    """The :class:`WindowUse` of a decode step (row b uses window id b), or None without a window."""
+    window = caches[0].window
+    if not window:
+        return None
+    ids = jnp.arange(position.shape[0], dtype=jnp.int32)
+    return WindowUse(ids, window_slot_mapping(ids, position, seq_lens, window))
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
@@ -851,7 +942,8 @@ def _decode_pure(graphdef, state, caches, token, position, block_tables, seq_len
     slots = slot_mapping_for(block_tables, position, page_size)
     # A sequence with seq_len 0 (inactive) writes nothing.
     slots = jnp.where(seq_lens > 0, slots, -1)
-    return model.apply_compressed(token, position, caches, slots, block_tables, seq_lens)
+    return model.apply_compressed(token, position, caches, slots, block_tables, seq_lens,
+                                  _decode_window(caches, position, seq_lens))
 
 
 def decode_step(model: Llama, caches: Sequence, token, position, block_tables, seq_lens):
@@ -1003,7 +1095,8 @@ def _decode_loop_pure(graphdef, state, caches, token, position, block_tables, se
         caches, token, position, seq_lens = carry
         active = seq_lens > 0
         slots = jnp.where(active, slot_mapping_for(block_tables, position, page_size), -1)
-        logits, caches = model.apply_compressed(token, position, caches, slots, block_tables, seq_lens)
+        logits, caches = model.apply_compressed(token, position, caches, slots, block_tables, seq_lens,
+                                                _decode_window(caches, position, seq_lens))
         nxt = _greedy_tokens(logits)
         step = active.astype(jnp.int32)
         return (caches, nxt, position + step, seq_lens + step), nxt
