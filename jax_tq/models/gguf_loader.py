@@ -54,6 +54,12 @@ class LlamaConfig:
       max_position_embeddings: trained context length (``llama.context_length``).
       tie_word_embeddings: True when the lm head reuses the token embedding (no ``output.weight``).
       bos_token_id / eos_token_id: special token ids (may be None).
+      architecture: ``general.architecture`` of the file (``llama``, ``qwen2`` or ``qwen3``).
+      attention_bias: q/k/v projections have biases (Qwen2 / Qwen2.5; ``blk.N.attn_q.bias``).
+      qk_norm: per-head RMSNorm of q and k before RoPE (Qwen3; ``blk.N.attn_q_norm.weight``).
+      rope_freq_factors: None, or ``head_dim // 2`` divisors of the RoPE inverse frequencies
+        (llama.cpp's ``rope_freqs.weight``, Llama 3.1's scaling, times a linear
+        ``rope.scaling.factor``); see :func:`jax_tq.models.llama.rope_cos_sin`.
     """
 
     vocab_size: int = 49152
@@ -69,6 +75,10 @@ class LlamaConfig:
     tie_word_embeddings: bool = True
     bos_token_id: int | None = 1
     eos_token_id: int | None = 2
+    architecture: str = "llama"
+    attention_bias: bool = False
+    qk_norm: bool = False
+    rope_freq_factors: tuple[float, ...] | None = None
 
 
 def default_smollm2_path() -> str:
