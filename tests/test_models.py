@@ -960,6 +960,56 @@ def test_gguf_rope_scaling_metadata(tmp_path):
         load_config(read_gguf(str(path)))
 
 
+#: text -> its pre-tokens (byte-level symbols: 'Ġ' space, 'Ċ' newline) for each tokenizer.ggml.pre.
+_PRE_TEXT = "He'll pay 12345 dollars, OK'D?\n"
+_PRE_SPLITS = {
+    # GPT-2 regex: case-sensitive contractions, digit runs with their leading space.
+    "default": ["He", "'ll", "Ġpay", "Ġ12345", "Ġdollars", ",", "ĠOK", "'", "D", "?", "Ċ"],
+    # llama.cpp smollm / starcoder: every digit alone, then the GPT-2 regex.
+    "smollm": ["He", "'ll", "Ġpay", "Ġ", "1", "2", "3", "4", "5", "Ġdollars", ",", "ĠOK", "'", "D", "?", "Ċ"],
+    # Llama 3: case-insensitive contractions, digits in groups of up to 3, punctuation keeps its newline.
+    "llama-bpe": ["He", "'ll", "Ġpay", "Ġ", "123", "45", "Ġdollars", ",", "ĠOK", "'D", "?Ċ"],
+    # Qwen2: the Llama 3 regex with single digits.
+    "qwen2": ["He", "'ll", "Ġpay", "Ġ", "1", "2", "3", "4", "5", "Ġdollars", ",", "ĠOK", "'D", "?Ċ"],
+}
+
+
+@pytest.mark.parametrize("pre", list(_PRE_SPLITS))
+def test_gguf_tokenizer_pre_tokenizer_per_pre_value(pre, tmp_path):
+    """tokenizer.ggml.pre picks llama.cpp's pre-tokenizer: exact splits of a text with digits and
+    contractions; Llama 3 matches whole vocabulary words before merges (ignore_merges) and defaults
+    add_bos_token to True (metadata overrides it); no tokenizer adds BOS."""
+    import gguf
+
+    from jax_tq.models.gguf_loader import build_tokenizer, load_config, read_gguf
+
+    byte_symbols = [chr(c) for c in range(33, 127)] + ["Ġ", "Ċ"]
+    path = tmp_path / "tok.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, value in (("embedding_length", 8), ("head_count", 2), ("feed_forward_length", 16), ("block_count", 1)):
+        getattr(writer, "add_" + key)(value)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(byte_symbols + ["Ġdollars", "<|bos|>"])
+    writer.add_token_types([1] * (len(byte_symbols) + 1) + [3])
+    writer.add_token_merges([])
+    writer.add_bos_token_id(len(byte_symbols) + 1)
+    writer.add_tensor("token_embd.weight", np.zeros((len(byte_symbols) + 2, 8), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    reader = read_gguf(str(path))
+    tok = build_tokenizer(reader)
+    assert [piece for piece, _ in tok.pre_tokenizer.pre_tokenize_str(_PRE_TEXT)] == _PRE_SPLITS[pre]
+    enc = tok.encode(_PRE_TEXT)
+    assert ("Ġdollars" in enc.tokens) == (pre == "llama-bpe")  # no merges lead there: only ignore_merges
+    assert tok.decode(enc.ids) == _PRE_TEXT
+    assert tok.encode("<|bos|>He").tokens == ["<|bos|>", "H", "e"]  # control tokens match whole
+    assert enc.ids[0] != len(byte_symbols) + 1  # no BOS added
+    assert load_config(reader).add_bos_token == (pre == "llama-bpe")
+
+
 def test_gguf_loader_refuses_unknown_architectures_and_unused_tensors(tmp_path):
     """An architecture other than llama / qwen2 / qwen3 and a tensor the model would drop (an
     output-projection bias) are refused by name instead of loading a wrong model."""
@@ -977,3 +1027,29 @@ def test_gguf_loader_refuses_unknown_architectures_and_unused_tensors(tmp_path):
     with pytest.raises(ValueError, match=r"architecture 'gemma2' \(expected one of \['llama', 'qwen2', 'qwen3'\]\)"):
         load_config(read_gguf(str(path)))
 
+
+def test_gguf_tokenizer_refusals_and_add_bos_token(tmp_path):
+    """A SentencePiece ('llama') tokenizer and an unknown tokenizer.ggml.pre are refused by name;
+    tokenizer.ggml.add_bos_token is exposed as config.add_bos_token."""
+    import gguf
+
+    from jax_tq.models.gguf_loader import build_tokenizer, load_config, read_gguf
+
+    arch, hp = _FAMILY["qwen2"]
+    path = tmp_path / "m.gguf"
+    _write_family_gguf(path, arch, hp, _hf_weights(hp, len(_TINY_TOKENS), num_layers=1, seed=0),
+                       pre="some-new-bpe", add_bos=True)
+    reader = read_gguf(str(path))
+    assert load_config(reader).add_bos_token is True  # qwen2's default is False
+    with pytest.raises(ValueError, match="unsupported tokenizer.ggml.pre 'some-new-bpe'"):
+        build_tokenizer(reader)
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("llama")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=r"unsupported tokenizer model 'llama' \(SentencePiece\)"):
+        build_tokenizer(read_gguf(str(path)))

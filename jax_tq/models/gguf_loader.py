@@ -46,6 +46,22 @@ SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 #: interleaved RoPE (see the module docstring).
 _QK_PERMUTED = {"llama": True, "qwen2": False, "qwen3": False}
 
+#: Llama 3 pre-tokenizer regex (Meta's tokenizer.json; llama.cpp ``llama-vocab.cpp``
+#: ``LLAMA_VOCAB_PRE_TYPE_LLAMA3``): digits in groups of up to 3.
+_LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+#: ``tokenizer.ggml.pre`` -> (pre-tokenization, BPE ignore_merges, default add_bos), after llama.cpp
+#: ``llama-vocab.cpp`` (``llama_vocab::impl::load``, ``llm_tokenizer_bpe``). Pre-tokenization:
+#: ``"gpt2"`` the GPT-2 byte-level regex; ``"digits"`` single digits first, then the GPT-2 regex
+#: (StarCoder / SmolLM); a regex string: split on it (isolated), then byte-level without a regex.
+_PRE_TOKENIZERS = {
+    **dict.fromkeys(("default", "gpt-2"), ("gpt2", False, False)),
+    **dict.fromkeys(("smollm", "starcoder", "refact", "codeshell"), ("digits", False, False)),
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe"), (_LLAMA3_REGEX, True, True)),
+    # Qwen2 / Qwen2.5 / Qwen3 (LLAMA_VOCAB_PRE_TYPE_QWEN2): the Llama 3 regex with single digits.
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen"), (_LLAMA3_REGEX.replace(r"\p{N}{1,3}", r"\p{N}"), False, False)),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +87,9 @@ class LlamaConfig:
       rope_freq_factors: None, or ``head_dim // 2`` divisors of the RoPE inverse frequencies
         (llama.cpp's ``rope_freqs.weight``, Llama 3.1's scaling, times a linear
         ``rope.scaling.factor``); see :func:`jax_tq.models.llama.rope_cos_sin`.
+      add_bos_token: the tokenizer metadata says a BOS token starts each text
+        (``tokenizer.ggml.add_bos_token``, else llama.cpp's default for ``tokenizer.ggml.pre``:
+        True for Llama 3). Informational: jax_tq never adds BOS itself.
     """
 
     vocab_size: int = 49152
@@ -90,6 +109,7 @@ class LlamaConfig:
     attention_bias: bool = False
     qk_norm: bool = False
     rope_freq_factors: tuple[float, ...] | None = None
+    add_bos_token: bool = False
 
 
 def default_smollm2_path() -> str:
@@ -219,6 +239,7 @@ def load_config(reader) -> LlamaConfig:
             vocab = len(tokens.data) if tokens is not None else 0
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    default_bos = _PRE_TOKENIZERS.get(str(_field(reader, "tokenizer.ggml.pre", "default")), (None, False, False))[2]
     return LlamaConfig(
         vocab_size=int(vocab),
         hidden_size=hidden,
@@ -237,6 +258,7 @@ def load_config(reader) -> LlamaConfig:
         attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in tensors,
         qk_norm=arch == "qwen3",
         rope_freq_factors=_rope_freq_factors(reader, tensors, arch, head_dim),
+        add_bos_token=bool(_field(reader, "tokenizer.ggml.add_bos_token", default_bos)),
     )
 
 
@@ -383,25 +405,34 @@ def build_tokenizer(reader):
     """Build a GPT-2 style byte-level BPE ``tokenizers.Tokenizer`` from GGUF metadata.
 
     Uses ``tokenizer.ggml.tokens`` (vocab; id = index), ``tokenizer.ggml.merges``,
-    ``tokenizer.ggml.token_type`` (type 3 = control -> registered as special tokens, so that e.g.
-    ``<|im_start|>`` in text maps to its single id). Pre-tokenization follows llama.cpp's
-    ``smollm``/``starcoder`` pre-tokenizer: individual digits, then the GPT-2 byte-level regex.
-    No BOS is added (``tokenizer.ggml.add_bos_token`` is False for SmolLM2). Byte-level BPE:
-    Radford et al. 2019 (GPT-2).
+    ``tokenizer.ggml.token_type`` (type 3 = control -> special tokens, type 4 = user-defined ->
+    added tokens, so that e.g. ``<|im_start|>`` in text maps to its single id). Pre-tokenization
+    follows llama.cpp's ``tokenizer.ggml.pre`` (``llama-vocab.cpp``): ``smollm`` / ``starcoder``:
+    individual digits, then the GPT-2 byte-level regex; ``llama-bpe`` (Llama 3): the Llama 3
+    regex (digits in groups of up to 3) and whole-word vocabulary matches before merges
+    (``ignore_merges``); ``qwen2`` (Qwen2 / 2.5 / 3): the same regex with single digits;
+    ``default`` / ``gpt-2`` / absent: the GPT-2 regex. No BOS is ever added (see
+    :attr:`LlamaConfig.add_bos_token`). Byte-level BPE: Radford et al. 2019 (GPT-2).
 
     Args:
       reader: a ``gguf.GGUFReader``.
     Returns:
       the ``tokenizers.Tokenizer``.
     Raises:
-      ValueError: ``tokenizer.ggml.model`` is not ``gpt2``, or the vocabulary / merges are
+      ValueError: ``tokenizer.ggml.model`` is not ``gpt2`` (e.g. ``llama``: SentencePiece, not
+        supported), ``tokenizer.ggml.pre`` is not one listed above, or the vocabulary / merges are
         inconsistent (e.g. a merge whose parts are not tokens).
     """
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
     kind = _field(reader, "tokenizer.ggml.model")
     if kind != "gpt2":
-        raise ValueError(f"unsupported tokenizer model {kind!r} (expected 'gpt2' byte-level BPE)")
+        what = " (SentencePiece)" if kind == "llama" else ""
+        raise ValueError(f"unsupported tokenizer model {kind!r}{what}: only 'gpt2' byte-level BPE is supported")
+    pre = str(_field(reader, "tokenizer.ggml.pre", "default"))
+    if pre not in _PRE_TOKENIZERS:
+        raise ValueError(f"unsupported tokenizer.ggml.pre {pre!r} (supported: {sorted(_PRE_TOKENIZERS)})")
+    split, ignore_merges, _ = _PRE_TOKENIZERS[pre]
     tokens = list(_field(reader, "tokenizer.ggml.tokens"))
     merges_raw = list(_field(reader, "tokenizer.ggml.merges", []))
     types = _field(reader, "tokenizer.ggml.token_type")
@@ -413,24 +444,29 @@ def build_tokenizer(reader):
                              f"concatenation is a token")
     unk_id = _field(reader, "tokenizer.ggml.unknown_token_id")
     try:
-        bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=False,
+        bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=False, ignore_merges=ignore_merges,
                          unk_token=tokens[int(unk_id)] if unk_id is not None else None)
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:  # tokenizers' Rust panics are BaseExceptions (pyo3 PanicException)
         raise ValueError(f"GGUF tokenizer metadata rejected by tokenizers ({type(e).__name__}: {e})") from None
     tok = Tokenizer(bpe)
-    pre = str(_field(reader, "tokenizer.ggml.pre", "default"))
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre in ("smollm", "starcoder", "refact", "codeshell"):
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True), byte_level])
+    if split in ("gpt2", "digits"):
+        steps = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+        if split == "digits":
+            steps.insert(0, pre_tokenizers.Digits(individual_digits=True))
     else:
-        tok.pre_tokenizer = byte_level
+        steps = [pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    tok.pre_tokenizer = pre_tokenizers.Sequence(steps)
     tok.decoder = decoders.ByteLevel()
     if types is not None:
-        special = [tokens[i] for i, t in enumerate(types) if int(t) == 3]
-        tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in special])
+        def added(kind):  # the tokens of one llama.cpp token type, each matched whole in text
+            return [AddedToken(tokens[i], special=kind == 3, normalized=False)
+                    for i, t in enumerate(types) if int(t) == kind]
+
+        tok.add_special_tokens(added(3))
+        tok.add_tokens(added(4))
     return tok
 
 
@@ -443,14 +479,15 @@ def load_gguf(path: str, dtype=None):
       dtype: parameter / activation dtype (default ``jnp.float32``, recommended on CPU).
     Returns:
       ``(model, tokenizer, config)``: a :class:`jax_tq.models.llama.Llama`, a
-      ``tokenizers.Tokenizer`` and the :class:`LlamaConfig`.
+      ``tokenizers.Tokenizer`` (never adds BOS; ``config.add_bos_token`` says whether the model
+      expects one) and the :class:`LlamaConfig`.
     Raises:
       FileNotFoundError: no GGUF file at ``path``.
       IsADirectoryError: ``path`` is a directory.
       TypeError: ``dtype`` not a floating dtype.
       ValueError: not a GGUF file (or a truncated one), an unsupported architecture or RoPE
-        scaling, missing or inconsistent metadata, a non-``gpt2`` tokenizer, a tensor shape
-        mismatch or a tensor the model would not use.
+        scaling, missing or inconsistent metadata, a non-``gpt2`` tokenizer or an unknown
+        pre-tokenizer, a tensor shape mismatch or a tensor the model would not use.
       KeyError: a required tensor is missing.
     """
     import jax.numpy as jnp
