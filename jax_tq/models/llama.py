@@ -4,6 +4,9 @@ Architecture (Touvron et al. 2023, "LLaMA: Open and Efficient Foundation Languag
 pre-norm blocks with RMSNorm (Zhang & Sennrich 2019), rotary position embeddings in the
 Hugging Face / GPT-NeoX ``rotate_half`` layout (Su et al. 2021, "RoFormer"), grouped-query
 attention (Ainslie et al. 2023, "GQA"), SwiGLU MLP (Shazeer 2020) and a tied or untied lm head.
+The same module covers the Llama family as llama.cpp reads it from GGUF: Llama 3.x (RoPE frequency
+factors), Qwen2 / Qwen2.5 (q/k/v biases) and Qwen3 (per-head RMSNorm of q and k), see
+:class:`LlamaConfig`.
 
 Three execution paths, all jit-compiled through ``nnx.split`` / ``nnx.merge`` into pure functions:
 
@@ -99,18 +102,30 @@ class RMSNorm(nnx.Module):
         return (y * self.weight[...].astype(jnp.float32)).astype(x.dtype)
 
 
-def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float):
+def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float,
+                 freq_factors: Sequence[float] | None = None):
     """RoPE tables for the ``rotate_half`` (NeoX / HF) layout (Su et al. 2021).
 
     Args:
       positions: int ``[...]`` absolute token positions.
       head_dim: even rotary dimension.
       theta: base frequency.
+      freq_factors: optional ``head_dim // 2`` positive divisors of the inverse frequencies
+        (llama.cpp's ``rope_freqs.weight``: ggml's ``rope_yarn(theta / freq_factors[i0 / 2])``;
+        Llama 3.1's scaling, ``convert_hf_to_gguf.py`` ``LlamaModel.generate_extra_tensors``;
+        linear scaling by ``s`` (position interpolation) is every factor equal to ``s``).
     Returns:
       ``(cos, sin)`` float32 ``[..., head_dim]`` where entries ``i`` and ``i + head_dim/2`` share
-      the frequency ``theta ** (-2i / head_dim)``.
+      the frequency ``theta ** (-2i / head_dim) / freq_factors[i]`` (radians per position).
+    Raises:
+      ValueError: ``freq_factors`` is not of length ``head_dim // 2``.
     """
     inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    if freq_factors is not None:
+        if len(freq_factors) != head_dim // 2:
+            raise ValueError(f"rope freq_factors must have head_dim // 2 = {head_dim // 2} entries, got "
+                             f"{len(freq_factors)}")
+        inv_freq = inv_freq / np.asarray(freq_factors, np.float64)
     inv_freq = jnp.asarray(inv_freq, jnp.float32)
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq
     emb = jnp.concatenate([freqs, freqs], axis=-1)
@@ -141,17 +156,21 @@ def _dense(rngs: nnx.Rngs, n_in: int, n_out: int, dtype) -> nnx.Param:
 
 
 class Attention(nnx.Module):
-    """Grouped-query self-attention with RoPE (no biases).
+    """Grouped-query self-attention with RoPE, optional q/k/v biases and optional QK norm.
 
     GQA: Ainslie et al. 2023; RoPE: Su et al. 2021. Weights (``y = x @ W``): ``wq [hidden, H*d]``,
     ``wk, wv [hidden, Hkv*d]``, ``wo [H*d, hidden]``. Query head ``h`` uses KV head
-    ``h // (H // Hkv)`` (same grouping as :func:`jax_tq.paged_decode`).
+    ``h // (H // Hkv)`` (same grouping as :func:`jax_tq.paged_decode`). With
+    ``config.attention_bias`` (Qwen2 / Qwen2.5): biases ``bq [H*d]``, ``bk, bv [Hkv*d]`` (none on
+    ``wo``), else None. With ``config.qk_norm`` (Qwen3, HF ``modeling_qwen3.py``): ``q_norm``,
+    ``k_norm``, :class:`RMSNorm` over each head's ``d`` features of q and k before RoPE, else None.
 
     Args:
       config: :class:`LlamaConfig` (``hidden_size``, ``num_heads`` = H, ``num_kv_heads`` = Hkv,
-        ``head_dim`` = d, ``rope_theta``).
+        ``head_dim`` = d, ``rope_theta``, ``rope_freq_factors``, ``attention_bias``, ``qk_norm``,
+        ``rms_norm_eps``).
       dtype: weight dtype.
-      rngs: ``nnx.Rngs`` for the random (``N(0, 1/n_in)``) weight initialisation.
+      rngs: ``nnx.Rngs`` for the random (``N(0, 1/n_in)``) weight initialisation (biases 0, norms 1).
     """
 
     def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
@@ -160,13 +179,19 @@ class Attention(nnx.Module):
         self.num_kv_heads = c.num_kv_heads
         self.head_dim = c.head_dim
         self.rope_theta = c.rope_theta
-        self.wq = _dense(rngs, c.hidden_size, c.num_heads * c.head_dim, dtype)
-        self.wk = _dense(rngs, c.hidden_size, c.num_kv_heads * c.head_dim, dtype)
-        self.wv = _dense(rngs, c.hidden_size, c.num_kv_heads * c.head_dim, dtype)
-        self.wo = _dense(rngs, c.num_heads * c.head_dim, c.hidden_size, dtype)
+        self.rope_freq_factors = c.rope_freq_factors
+        q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.wq = _dense(rngs, c.hidden_size, q_dim, dtype)
+        self.wk = _dense(rngs, c.hidden_size, kv_dim, dtype)
+        self.wv = _dense(rngs, c.hidden_size, kv_dim, dtype)
+        self.wo = _dense(rngs, q_dim, c.hidden_size, dtype)
+        bias = (lambda n: nnx.Param(jnp.zeros((n,), dtype))) if c.attention_bias else (lambda n: None)
+        self.bq, self.bk, self.bv = bias(q_dim), bias(kv_dim), bias(kv_dim)
+        norm = (lambda: RMSNorm(c.head_dim, c.rms_norm_eps, dtype)) if c.qk_norm else (lambda: None)
+        self.q_norm, self.k_norm = norm(), norm()
 
     def qkv(self, x: jax.Array, positions: jax.Array):
-        """Project and rotate.
+        """Project (plus bias), normalise q and k per head (QK norm), rotate q and k (RoPE).
 
         Args:
           x: float ``[T, hidden]``.
@@ -176,10 +201,18 @@ class Attention(nnx.Module):
           dtype of ``x @ W``.
         """
         T = x.shape[0]
-        q = (x @ self.wq[...]).reshape(T, self.num_heads, self.head_dim)
-        k = (x @ self.wk[...]).reshape(T, self.num_kv_heads, self.head_dim)
-        v = (x @ self.wv[...]).reshape(T, self.num_kv_heads, self.head_dim)
-        cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta)
+
+        def project(w, b, n_heads, norm=None):
+            y = x @ w[...]
+            if b is not None:
+                y = y + b[...]
+            y = y.reshape(T, n_heads, self.head_dim)
+            return y if norm is None else norm(y)
+
+        q = project(self.wq, self.bq, self.num_heads, self.q_norm)
+        k = project(self.wk, self.bk, self.num_kv_heads, self.k_norm)
+        v = project(self.wv, self.bv, self.num_kv_heads)
+        cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta, self.rope_freq_factors)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def out(self, attn: jax.Array) -> jax.Array:
@@ -477,7 +510,8 @@ class Llama(nnx.Module):
 
         Args:
           config: :class:`LlamaConfig` matching ``params``.
-          params: nested dict of float arrays (keys as in ``load_params``).
+          params: nested dict of float arrays (keys as in ``load_params``; ``bq``, ``bk``, ``bv``
+            only with ``config.attention_bias``, ``q_norm``, ``k_norm`` only with ``config.qk_norm``).
           dtype: parameter dtype.
         Returns:
           a :class:`Llama` holding ``params`` cast to ``dtype``.
@@ -503,8 +537,12 @@ class Llama(nnx.Module):
         for blk, p in zip(model.layers, params["layers"], strict=True):
             blk.attn_norm.weight = nnx.Param(put(blk.attn_norm.weight, p["attn_norm"]))
             blk.ffn_norm.weight = nnx.Param(put(blk.ffn_norm.weight, p["ffn_norm"]))
-            for name in ("wq", "wk", "wv", "wo"):
-                setattr(blk.attn, name, nnx.Param(put(getattr(blk.attn, name), p[name])))
+            for name in ("wq", "wk", "wv", "wo", "bq", "bk", "bv"):
+                if getattr(blk.attn, name) is not None:
+                    setattr(blk.attn, name, nnx.Param(put(getattr(blk.attn, name), p[name])))
+            for name in ("q_norm", "k_norm"):
+                if getattr(blk.attn, name) is not None:
+                    getattr(blk.attn, name).weight = nnx.Param(put(getattr(blk.attn, name).weight, p[name]))
             for name in ("w_gate", "w_up", "w_down"):
                 setattr(blk.mlp, name, nnx.Param(put(getattr(blk.mlp, name), p[name])))
         return model
