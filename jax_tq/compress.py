@@ -436,7 +436,10 @@ def _decompress_ffi(ctx, *operands, bits, dtype):
 
 
 def _write_kv_ffi(ctx, *operands, k_bits, v_bits, k_fit_scale, v_fit_scale):
-    rule = _compat.ffi_lowering("jax_tq_write_cache", operand_output_aliases={2: 0, 3: 1, 4: 2, 5: 3, 11: 4, 12: 5})
+    aliases = {2: 0, 3: 1, 4: 2, 5: 3}
+    if not pu.has_zero_size(ctx.avals_in[11:13]):  # a window (an empty one is a constant: no alias, no copy)
+        aliases.update({11: 4, 12: 5})
+    rule = _compat.ffi_lowering("jax_tq_write_cache", operand_output_aliases=aliases)
     return rule(ctx, *operands, k_bits=np.int32(k_bits), v_bits=np.int32(v_bits), k_fit_scale=np.int32(k_fit_scale),
                 v_fit_scale=np.int32(v_fit_scale))
 

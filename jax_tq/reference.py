@@ -450,7 +450,7 @@ def paged_decode_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids,
     capacity = block_tables.shape[1] * k_codes.shape[2]
     length = 0 if window is None else window[0].shape[2]
     paged = tq_format.paged_tokens(seq_lens.astype(jnp.int32), capacity, length)
-    ends = jnp.clip(seq_lens.astype(jnp.int32), 0, capacity)
+    ends = jnp.clip(seq_lens.astype(jnp.int32), 0, min(capacity, tq_format.INDEX_MAX))
     return _attend_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids,
                            block_tables, paged, window, paged, ends, scale, k_bits=k_bits, v_bits=v_bits)
 

@@ -43,12 +43,15 @@ from jax_tq.models.evaluate import (
     CacheConfig,
     check_decode_matches_eval,
     chunk_token_ids,
+    compare_caches,
+    config_caches,
     compression_ratio_vs_bf16,
     greedy_generate,
     kv_bytes_per_token,
     parse_cache_config,
     token_log_likelihoods,
     wikitext_perplexity,
+    window_bytes_per_sequence,
 )
 
 __all__ = [
@@ -58,6 +61,8 @@ __all__ = [
     "build_tokenizer",
     "check_decode_matches_eval",
     "chunk_token_ids",
+    "compare_caches",
+    "config_caches",
     "compression_ratio_vs_bf16",
     "decode_step",
     "default_smollm2_path",
@@ -79,4 +84,5 @@ __all__ = [
     "read_gguf",
     "token_log_likelihoods",
     "wikitext_perplexity",
+    "window_bytes_per_sequence",
 ]

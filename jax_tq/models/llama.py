@@ -319,8 +319,9 @@ class WindowUse:
 def row_windows(cache, before, k, v, start: int, window_id):
     """A view of ``cache`` whose window id ``t`` holds what row ``t`` of one sequence's positions
     ``start .. start + T - 1`` reads exactly: the rotated rows of positions ``(p - window, p]``
-    (p = start + t), from ``k, v`` for this call's tokens and from the window ``window_id`` of
-    ``before`` (the cache as it was before this call's write) for earlier ones.
+    (p = start + t), for this call's tokens as :func:`jax_tq.write_cache` writes them (the same
+    kernel, into a scratch window of T entries) and for earlier ones from the window ``window_id``
+    of ``before`` (the cache as it was before this call's write).
 
     Args:
       cache: :class:`jax_tq.PagedKVCache` with a window, after the write of k, v (its pages are kept).
@@ -334,18 +335,20 @@ def row_windows(cache, before, k, v, start: int, window_id):
 
     W = cache.window
     T = k.shape[0]
+    scratch_shape = (1, cache.num_kv_heads, T, cache.head_dim)
+    scratch = dataclasses.replace(before, k_window=jnp.zeros(scratch_shape, jnp.bfloat16),
+                                  v_window=jnp.zeros(scratch_shape, jnp.bfloat16))
+    written = tq.write_cache(scratch, k, v, jnp.full((T,), -1, jnp.int32), jnp.arange(T, dtype=jnp.int32))
     # Rows of positions start - W .. start + T - 1: the ring's (entries p % W) then this call's.
     earlier = (start - W + jnp.arange(W)) % W
-    ring_k = jnp.swapaxes(before.k_window[window_id][:, earlier], 0, 1)
-    ring_v = jnp.swapaxes(before.v_window[window_id][:, earlier], 0, 1)
-    seq_k = jnp.concatenate([ring_k, tq.window_rows(k, cache.k_codec)])
-    seq_v = jnp.concatenate([ring_v, tq.window_rows(v, cache.v_codec)])
+    seq_k = jnp.concatenate([before.k_window[window_id][:, earlier], written.k_window[0]], axis=1)
+    seq_v = jnp.concatenate([before.v_window[window_id][:, earlier], written.v_window[0]], axis=1)
     t = jnp.arange(T)[:, None]
     entries = jnp.arange(W)[None, :]
     # Row t's entry e holds position p - ((p - e) mod W), p = start + t: index W + t - that offset.
     index = W + t - jnp.mod(start + t - entries, W)
-    rows_k = jnp.swapaxes(seq_k[index], 1, 2)  # [T, W, Hkv, d] -> [T, Hkv, W, d]
-    rows_v = jnp.swapaxes(seq_v[index], 1, 2)
+    rows_k = jnp.swapaxes(seq_k[:, index], 0, 1)  # [Hkv, T, W, d] -> [T, Hkv, W, d]
+    rows_v = jnp.swapaxes(seq_v[:, index], 0, 1)
     return dataclasses.replace(cache, k_window=rows_k, v_window=rows_v)
 
 
