@@ -187,7 +187,7 @@ ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q_rot, ffi::Buffer<ffi::U8> k_c
         // Write partials for this split.
         for (int64_t hh = 0; hh < G; ++hh) {
           const int64_t h = h0 + hh;
-          const int64_t li = (s * H + h) * ns + sp;
+          const int64_t li = (s * H + h) * dims.pstride + sp;
           float* po = pout + li * d;
           if (l[hh] > 0.0) {
             lse_d[hh * ns + sp] = m[hh] + std::log(l[hh]);
@@ -206,7 +206,7 @@ ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q_rot, ffi::Buffer<ffi::U8> k_c
       for (int64_t hh = 0; hh < G; ++hh) {
         const int64_t h = h0 + hh;
         const double* lse = &lse_d[hh * ns];
-        const float* po = pout + (s * H + h) * ns * d;
+        const float* po = pout + (s * H + h) * dims.pstride * d;
         float* oh = out + (s * H + h) * d;
         if (!row_ok[hh]) {
           for (int64_t i = 0; i < d; ++i) oh[i] = std::numeric_limits<float>::quiet_NaN();

@@ -584,9 +584,10 @@ def _ffi(ctx, *operands, k_bits, v_bits, scale, num_splits, f16_products):
         num_splits = choose_num_splits(platform, num_seqs, num_kv_heads, ctx.avals_in[7].shape[1],
                                        group=num_heads // num_kv_heads, page_size=page_size, head_dim=head_dim,
                                        k_bits=k_bits, v_bits=v_bits, f16_products=bool(f16_products))
+    partials = num_splits + (0 if pu.has_zero_size(ctx.avals_in[9:10]) else 1)  # + the window's
     workspace = (
-        _compat.ShapedArray((num_seqs, num_heads, num_splits, head_dim), jnp.float32),
-        _compat.ShapedArray((num_seqs, num_heads, num_splits), jnp.float32),
+        _compat.ShapedArray((num_seqs, num_heads, partials, head_dim), jnp.float32),
+        _compat.ShapedArray((num_seqs, num_heads, partials), jnp.float32),
     )
     ctx = ctx.replace(avals_out=[ctx.avals_out[0], *workspace])
     results = _compat.ffi_lowering("jax_tq_paged_decode")(

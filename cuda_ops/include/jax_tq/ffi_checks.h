@@ -210,8 +210,10 @@ inline ffi::Error validate_compress_write(
 // ---------------------------------------------------------------------------
 // jax_tq_paged_decode: q_rot [S, H, d], k/v codes [P, Hkv, page_size, packed],
 //   k/v norms [P, Hkv, page_size], k/v centroids [2**bits],
-//   block_tables [S, max_pages], seq_lens [S], rotation [2, 0] or [2, d]
-//   -> out_rot [S, H, d], partial_out [S, H, ns, d], partial_lse [S, H, ns]
+//   block_tables [S, max_pages], seq_lens [S], k_window / v_window [num_windows, Hkv, W, d],
+//   window_ids [S], rotation [2, 0] or [2, d]
+//   -> out_rot [S, H, d], partial_out [S, H, ns (+1), d], partial_lse [S, H, ns (+1)]
+// (+1: with a window, the window's partial follows the splits')
 // rotation [2, d] (the fused rotation, d a power of two): the K and V codecs' Hadamard spec words
 // (format.h); q is then the unrotated query and out_rot the unrotated output.
 // ---------------------------------------------------------------------------
@@ -289,6 +291,7 @@ struct DecodeDims {
   int64_t max_pages, ns;  // block_tables columns, num_splits
   bool fused;             // rotation is [2, d]: the handler rotates q and the output itself
   WindowDims win;         // the recent-token window (win.on(): the last tokens come from it)
+  int64_t pstride;        // partials per (seq, head): ns, plus one for the window's (win.on())
 };
 
 inline ffi::Error validate_paged_decode(
@@ -319,10 +322,6 @@ inline ffi::Error validate_paged_decode(
   JTQ_RETURN_IF_ERROR(check_dims(op, "block_tables", bd, {S, max_pages}));
   JTQ_RETURN_IF_ERROR(check_dims(op, "seq_lens", seq_lens.dimensions(), {S}));
   JTQ_RETURN_IF_ERROR(check_dims(op, "out_rot (result)", out_rot.dimensions(), {S, H, d}));
-  JTQ_RETURN_IF_ERROR(
-      check_dims(op, "partial_out (result)", partial_out.dimensions(), {S, H, ns, d}));
-  JTQ_RETURN_IF_ERROR(
-      check_dims(op, "partial_lse (result)", partial_lse.dimensions(), {S, H, ns}));
   const auto rd = rotation.dimensions();
   JTQ_RETURN_IF_ERROR(check_rank(op, rd, 2, "rotation must be rank 2 [2, 0] or [2, d]"));
   const bool fused = rd[1] != 0;
@@ -333,7 +332,13 @@ inline ffi::Error validate_paged_decode(
     return op.invalid("the fused (Hadamard) rotation needs a power-of-two head_dim, got " + std::to_string(d));
   WindowDims win;
   JTQ_RETURN_IF_ERROR(check_window(op, Hkv, d, k_window, v_window, window_ids, "window_ids", S, &win));
-  *out = DecodeDims{S, H, d, P, Hkv, page, kpb, vpb, max_pages, ns, fused, win};
+  // The workspace holds each split's partial and, with a window, the window's after them.
+  const int64_t pstride = ns + (win.on() ? 1 : 0);
+  JTQ_RETURN_IF_ERROR(
+      check_dims(op, "partial_out (result)", partial_out.dimensions(), {S, H, pstride, d}));
+  JTQ_RETURN_IF_ERROR(
+      check_dims(op, "partial_lse (result)", partial_lse.dimensions(), {S, H, pstride}));
+  *out = DecodeDims{S, H, d, P, Hkv, page, kpb, vpb, max_pages, ns, fused, win, pstride};
   return ffi::Error::Success();
 }
 
