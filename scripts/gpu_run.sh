@@ -19,7 +19,7 @@ has() { [[ " $stages " == *" $1 "* ]]; }
 # once made a later full build a head_dim-128 one, and 89 decode GPU tests failed with "head_dim
 # 64 not compiled in".
 # The kernels not yet run on a GPU (QJL, prefill) are built only for the stages that test them.
-unverified=OFF; if has qjl || has prefill; then unverified=ON; fi
+unverified=${JAX_TQ_CUDA_UNVERIFIED:-OFF}; if has qjl || has prefill; then unverified=ON; fi
 cuda_install() {
   local stamp="build/.cudaflags" want="flags:${CUDAFLAGS:-} unverified:$unverified"
   if [[ -d build && "$(cat "$stamp" 2>/dev/null)" != "$want" ]]; then rm -rf build; fi

@@ -361,10 +361,34 @@ def test_gpu_write_cache_window_rows_match_the_cpu_s(request, rng, head_dim, fit
                              jax.device_put(v, cpu_device), jax.device_put(slots, cpu_device),
                              jax.device_put(wslots, cpu_device))
     for name in ("k_window", "v_window"):
+        # The GPU rotates on the tensor cores (bf16 hi / lo products, ~2^-16 of the row's norm per
+        # coordinate): a small coordinate's bf16 may differ by more than one of its own ulps.
         a, b = np.asarray(getattr(gpu, name), np.float32), np.asarray(getattr(cpu, name), np.float32)
-        assert np.all(np.abs(a - b) <= np.abs(b) * 2.0 ** -7 + 1e-30), name
+        row = np.linalg.norm(b, axis=-1, keepdims=True)
+        assert np.all(np.abs(a - b) <= np.abs(b) * 2.0 ** -7 + row * 2.0 ** -13), name
+        assert rel_err(a, b) < 4e-3, name
     for name in ("k_norms", "v_norms"):
         same = np.asarray(gpu.k_codes == cpu.k_codes).all(-1) if name == "k_norms" else np.asarray(
             gpu.v_codes == cpu.v_codes).all(-1)
         assert same.mean() > 0.97
         np.testing.assert_allclose(np.asarray(getattr(gpu, name))[same], np.asarray(getattr(cpu, name))[same], rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim,group", [(128, 4), (64, 3)])
+def test_gpu_prefill_with_a_window_matches_the_float64_oracle(request, rng, head_dim, group):
+    cache = make_cache(rng, head_dim=head_dim, num_kv_heads=2, page_size=16, num_pages=32, window=64, num_windows=3)
+    tables = np.stack([rng.permutation(32)[:8] for _ in range(3)]).astype(np.int32)
+    seq_lens = np.asarray([100, 40, 128], np.int32)   # chunked: 30 of 100 new; 40 of 40; 10 of 128
+    starts = np.asarray([0, 30, 70, 80], np.int32)
+    ids = np.asarray([2, 0, 1], np.int32)
+    q = rng.normal(size=(80, 2 * group, head_dim)).astype(np.float32)
+    poison_device_memory(1 << 26)
+    with kernel_backend(request, ["jax_tq_paged_prefill"]):
+        out = np.asarray(jax.jit(tq.paged_prefill)(q, cache, tables, seq_lens, starts, window_ids=ids))
+    for s in range(3):
+        keys, values, valid = sequence_tokens(cache, tables[s], seq_lens[s], ids[s])
+        rows = range(starts[s], starts[s + 1])
+        for i, row in enumerate(rows):
+            n = seq_lens[s] - len(rows) + i + 1
+            assert rel_err(out[row], attend_f64(q[row], keys[:n], values[:n], valid[:n], 1 / np.sqrt(head_dim))) < 2e-5
