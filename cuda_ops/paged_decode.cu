@@ -1,6 +1,8 @@
 // CUDA XLA FFI handler for jax_tq_paged_decode (see docs/DESIGN.md).
 //
-// Two launches on the stream:
+// Two launches on the stream (three with a recent-token window, W > 0: the window-partial kernel first):
+//   0. window-partial kernel (W > 0 only), one CTA per (sequence, KV head, chunk of query heads):
+//      the window's tokens as one more partial, in slot num_splits of each head's partials.
 //   1. split kernel, grid (num_splits * num_seqs, num_kv_heads * group_tiles), 128 threads.
 //      One CTA = one (sequence, split, kv head, tile of up to GT query heads of the GQA group).
 //      It streams its token range in chunks of kChunk tokens through a kStages-deep cp.async
@@ -15,10 +17,11 @@
 //        V phase: one lane per 8 coordinates of a token, acc[GT][8] in registers.
 //      Writes (o / l, m + log l) per head into the workspace, or the final output when
 //      num_splits == 1 and there is no window.
-//   2. combine kernel (num_splits > 1, no window), one CTA per (sequence, query head): log-sum-exp
-//      merge. With a recent-token window (W > 0) the split kernels stream the pages' tokens
-//      [0, paged_tokens) only and always write partials, and the window combine kernel (one CTA per
-//      (sequence, KV head, up to 8 query heads)) adds the window's tokens as one more split.
+//   2. combine kernel (num_splits > 1, or a window), one CTA per (sequence, query head):
+//      log-sum-exp merge of the head's partials. With a window (W > 0) the split kernels stream the
+//      pages' tokens [0, paged_tokens) only and always write partials, the workspace holds
+//      num_splits + 1 partials per (sequence, head) (pstride; the window's last) and the combine
+//      merges all of them.
 // Instantiations: head_dim (6) x GT (1, 2, 4, 8; 4 max at d=256) = 23 kernels; k_bits / v_bits are a
 // uniform run-time switch inside the K and V phases (smem code rows sized for 4 bits), which keeps
 // the build to ~1 min for sm_80 + sm_90. Copy loops use run-time row sizes (not unrolled).
@@ -280,8 +283,8 @@ struct DecodeParams {
   const int32_t* bt;    // [S, max_pages]
   const int32_t* sl;    // [S]
   float* out;           // [S, H, D]
-  float* pout;          // [S, H, ns, D]
-  float* plse;          // [S, H, ns]
+  float* pout;          // [S, H, pstride, D]
+  float* plse;          // [S, H, pstride]
   int S, H, Hkv, G, ntiles, P, page_size, max_pages, num_splits;
   FastDiv pdiv;         // division by page_size
   float qscale;         // scale * log2(e)
@@ -291,7 +294,8 @@ struct DecodeParams {
   unsigned long long* trace;  // v4's phase trace (PhaseTrace below), or nullptr (the default)
   int window;           // the recent-token window W (format.h), 0: none. W > 0: the split kernels stream
                         // the pages' tokens [0, paged_tokens) only and always write partials; the window
-                        // combine kernel adds the window's tokens.
+                        // partial kernel writes the window's tokens' partial (slot num_splits).
+  int pstride;          // partials per (sequence, head) in pout / plse: num_splits, + 1 with a window
 };
 
 // The length whose tokens the split kernels stream from the pages: format.h's paged_tokens
@@ -305,7 +309,7 @@ __device__ __forceinline__ int paged_len(const DecodeParams& p, int seq_len) {
 }
 
 // Whether the split kernels write split partials (pout / plse for a combine kernel) rather than
-// the output: several splits, or a window (the window combine adds it as one more split).
+// the output: several splits, or a window (its partial is merged with the splits' by the combine).
 __host__ __device__ __forceinline__ bool writes_partials(const DecodeParams& p) {
   return p.num_splits > 1 || p.window > 0;
 }
@@ -578,7 +582,7 @@ __device__ __forceinline__ void store_head_output(const DecodeParams& p, int seq
     p.out[sh * D + dd] = o;
     return;
   }
-  const int64_t li = sh * p.num_splits + split;
+  const int64_t li = sh * p.pstride + split;
   p.pout[li * D + dd] = o;
   if (dd == 0) p.plse[li] = bad ? INFINITY : l > 0.f ? (m + log2f(l)) * kLn2 : -INFINITY;
 }
@@ -1230,60 +1234,66 @@ __global__ void __launch_bounds__(kCombineThreads, 1)
 }
 
 // ---------------------------------------------------------------------------------------------
-// Window combine kernel (a recent-token window, W > 0; the split kernels then always write
-// partials): one CTA of kCombineThreads per (sequence, KV head, chunk of up to win_heads<D>() query
-// heads of its group), so that the group's heads share every window row it reads (the rows are read
-// once per KV head, not once per query head). Sequence s of clamped length L reads positions
-// [P0, L), P0 = paged_tokens(L) (format.h), from entries p % W of window window_ids[s] (none for an
-// id outside [0, num_windows)): score = scale * <q_rot, K row>, value = the V row (bf16 rows of the
-// rotated vectors), in the same softmax as the splits' tokens:
+// Window-partial kernel (a recent-token window, W > 0; launched before the split kernel, which it
+// does not depend on): one CTA of kCombineThreads per (sequence, KV head, chunk of up to p.hc <=
+// win_heads<D>() query heads of its group), so that the chunk's heads share every window row it
+// reads. Sequence s of clamped length L reads positions [P0, L), P0 = paged_tokens(L) (format.h),
+// from entries p % W of window window_ids[s] (none for an id outside [0, num_windows)):
+// score = scale * <q_rot, K row>, value = the V row (bf16 rows of the rotated vectors), and writes
+// their softmax state as one more partial, in slot ns (after the splits') of each head's pstride
+// = ns + 1 partials, in the split kernels' form, which the combine kernel merges with the splits':
 //   1. warp g stages head g's q row (rotated by Pi_k first where the rotation is fused) times
-//      scale * log2(e); a row that is not all finite makes the head's output row NaN;
+//      scale * log2(e); a row that is not all finite is flagged. Warp w's first batch of window
+//      rows is loaded before, so that its latency overlaps the q staging;
 //   2. warp w takes the window tokens w, w + 8, w + 16, ... in batches of TB (their K and V rows
 //      loaded at once: lane l holds the bf16 pairs l + 32 i of a row), scores each for every head (a
 //      warp sum) and keeps an online softmax (m in log2 units, l, o) per head;
-//   3. warp g merges head g's window state over the warps, and the splits' lse (natural log, as
-//      the split kernels write it: (m + log2 l) ln 2) with it: the row's max M and denominator;
-//   4. thread (g, c) adds the splits' partial outputs and the window's o with their weights,
-//      divides and stores (with the fused rotation, warp g first rotates head g's row back by Pi_v^T).
-// A split whose lse is -inf (no token) is skipped; a row with no token at all is 0.
+//   3. lane 0 of warp g merges head g's window state over the warps: lse = (m + log2 l) ln 2 (natural log, as
+//      the split kernels write it), -inf where the head has no window token (its partial output is
+//      then not written: the combine skips it), +inf where its q row is not all finite;
+//   4. thread (g, c) writes o / l (in V's rotated space), NaN for a non-finite q row (with the
+//      splits' +inf lse the combine turns the row into NaN).
 // ---------------------------------------------------------------------------------------------
-struct WindowCombineParams {
+struct WindowPartialParams {
   const float* q;        // [S, H, D]: q_rot, or q where the rotation is fused (rot)
-  const float* pout;     // [S, H, ns, D]
-  const float* plse;     // [S, H, ns]
-  float* out;            // [S, H, D]
+  float* pout;           // [S, H, pstride, D]: slot ns written
+  float* plse;           // [S, H, pstride]: slot ns written
   const uint32_t* kwin;  // [num_windows, Hkv, W, D] bf16, read as pairs (coordinates 2i, 2i + 1)
   const uint32_t* vwin;  // [num_windows, Hkv, W, D] bf16
   const int32_t* sl;     // [S]
   const int32_t* ids;    // [S] window ids
   const int32_t* rot;    // [2][128] Hadamard spec words (K, V), or nullptr
   int64_t capacity;      // max_pages * page_size
-  int H, Hkv, G, ns, window, num_windows, chunks;  // chunks: CTAs per (sequence, KV head)
+  int H, Hkv, G, ns, pstride, window, num_windows;
+  int hc;                // query heads per CTA, 1 <= hc <= win_heads<D>()
+  int chunks;            // CTAs per (sequence, KV head): ceil(G / hc)
   float qscale;          // scale * log2(e)
 };
 
-// Query heads per window-combine CTA (its per-warp window outputs o_s: 32 KB at head_dim 128 / 256).
+// Query heads per window-partial CTA at most (its per-warp window outputs o_s: 16 KB at head_dim
+// 128). 4, not 8: at d 128 the kernel then needs 127 registers (sm_90, no spills) instead of 157,
+// so two CTAs fit per SM; a group of 8 takes two CTAs, each reading the window rows (32 KB per
+// (sequence, KV head) at W 64), the second mostly from L2.
 template <int D>
-constexpr int win_heads() { return D <= 128 ? 8 : 4; }
+constexpr int win_heads() { return 4; }
 
 __device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w & 0xFFFF0000u); }
 
 template <int D>
 __global__ void __launch_bounds__(kCombineThreads)
-    paged_decode_window_combine_kernel(const WindowCombineParams p) {
+    paged_decode_window_partial_kernel(const WindowPartialParams p) {
   constexpr int HC = win_heads<D>();
   constexpr int NW = kCombineThreads / 32;  // warps
   constexpr int NP = (D / 2 + 31) / 32;     // bf16 pairs of a row per lane: pair lane + 32 i
   constexpr int TB = NP <= 2 ? 8 : 4;       // tokens per warp per batch (their rows in registers)
   static_assert(HC <= NW, "one head per warp in the prologue and the merge");
   static_assert(D % 2 == 0, "bf16 pairs");
-  __shared__ __align__(16) float q_s[HC][D];  // q rows (log2 units); then the fused rotation's rows
+  __shared__ __align__(16) float q_s[HC][D];  // q rows (log2 units)
   __shared__ __align__(16) float o_s[NW][HC * D];  // each warp's window output per head (rotation buffer first)
   __shared__ float m_s[NW][HC];
   __shared__ float l_s[NW][HC];
-  __shared__ float M_s[HC], den_s[HC], wf_s[HC], mw_s[HC];
+  __shared__ float mw_s[HC], lw_s[HC];
   __shared__ int bad_s[HC];
 
   const int tid = threadIdx.x;
@@ -1293,9 +1303,9 @@ __global__ void __launch_bounds__(kCombineThreads)
   const int sk = static_cast<int>(blockIdx.x / static_cast<unsigned>(p.chunks));  // seq * Hkv + kvh
   const int seq = sk / p.Hkv;
   const int kvh = sk - seq * p.Hkv;
-  const int g0 = chunk * HC;
-  const int gn = p.G - g0 < HC ? p.G - g0 : HC;  // query heads of this CTA (>= 1)
-  const int64_t row0 = static_cast<int64_t>(seq) * p.H + kvh * p.G + g0;  // (seq, first head) row of q / out
+  const int g0 = chunk * p.hc;
+  const int gn = p.G - g0 < p.hc ? p.G - g0 : p.hc;  // query heads of this CTA (1 <= gn <= HC)
+  const int64_t row0 = static_cast<int64_t>(seq) * p.H + kvh * p.G + g0;  // (seq, first head) row of q
   const bool fused = D == v3::kD && p.rot != nullptr;
 
   // The window's tokens: positions [P0, L).
@@ -1304,6 +1314,27 @@ __global__ void __launch_bounds__(kCombineThreads)
   const int64_t L = clamp_len(seq_len, p.capacity);
   const int64_t P0 = paged_tokens(seq_len, p.capacity, p.window);
   const int nw = wid >= 0 && wid < p.num_windows ? static_cast<int>(L - P0) : 0;
+  const int64_t win_rows = (static_cast<int64_t>(wid) * p.Hkv + kvh) * p.window;  // entry 0 of (wid, kvh)
+
+  // The K and V rows of the warp's window tokens base + NW * tt (zeros past the window's tokens).
+  uint32_t kr[TB][NP], vr[TB][NP];
+  auto load_batch = [&](int base) {
+#pragma unroll
+    for (int tt = 0; tt < TB; ++tt) {
+      const int j = base + NW * tt;
+      const int64_t e = j < nw ? (P0 + j) % p.window : -1;  // ring entry of position P0 + j
+      const uint32_t* kp = p.kwin + (win_rows + e) * (D / 2);
+      const uint32_t* vp = p.vwin + (win_rows + e) * (D / 2);
+#pragma unroll
+      for (int i = 0; i < NP; ++i) {
+        const int c2 = lane + 32 * i;
+        const bool ok = e >= 0 && (D / 2 % 32 == 0 || c2 < D / 2);
+        kr[tt][i] = ok ? __ldg(kp + c2) : 0u;
+        vr[tt][i] = ok ? __ldg(vp + c2) : 0u;
+      }
+    }
+  };
+  load_batch(warp);  // the first batch, in flight during the q staging
 
   // ---- 1. q rows ------------------------------------------------------------------------------
   if (warp < gn) {
@@ -1345,24 +1376,9 @@ __global__ void __launch_bounds__(kCombineThreads)
 #pragma unroll
     for (int i = 0; i < NP; ++i) o[g][i][0] = o[g][i][1] = 0.f;
   }
-  const int64_t win_rows = (static_cast<int64_t>(wid) * p.Hkv + kvh) * p.window;  // entry 0 of (wid, kvh)
 #pragma unroll 1
   for (int base = warp; base < nw; base += NW * TB) {
-    uint32_t kr[TB][NP], vr[TB][NP];
-#pragma unroll
-    for (int tt = 0; tt < TB; ++tt) {
-      const int j = base + NW * tt;
-      const int64_t e = j < nw ? (P0 + j) % p.window : -1;  // ring entry of position P0 + j
-      const uint32_t* kp = p.kwin + (win_rows + e) * (D / 2);
-      const uint32_t* vp = p.vwin + (win_rows + e) * (D / 2);
-#pragma unroll
-      for (int i = 0; i < NP; ++i) {
-        const int c2 = lane + 32 * i;
-        const bool ok = e >= 0 && (D / 2 % 32 == 0 || c2 < D / 2);
-        kr[tt][i] = ok ? __ldg(kp + c2) : 0u;
-        vr[tt][i] = ok ? __ldg(vp + c2) : 0u;
-      }
-    }
+    if (base != warp) load_batch(base);  // the first batch is loaded already
 #pragma unroll
     for (int g = 0; g < HC; ++g) {
       if (g >= gn) break;  // CTA-uniform
@@ -1426,8 +1442,8 @@ __global__ void __launch_bounds__(kCombineThreads)
   }
   __syncthreads();
 
-  // ---- 3. per head: the window's state over the warps, merged with the splits' lse ---------------
-  if (warp < gn) {
+  // ---- 3. per head: the window's state over the warps, its lse ----------------------------------
+  if (warp < gn && lane == 0) {
     const int g = warp;
     float mw = -INFINITY;
 #pragma unroll
@@ -1437,70 +1453,30 @@ __global__ void __launch_bounds__(kCombineThreads)
 #pragma unroll
       for (int w = 0; w < NW; ++w) lw = fmaf(l_s[w][g], fast_exp2(m_s[w][g] - mw), lw);  // m = -inf -> 0
     }
-    const float* lse = p.plse + (row0 + g) * p.ns;
-    float gmax = -INFINITY;
-    for (int s = lane; s < p.ns; s += 32) gmax = fmaxf(gmax, lse[s]);
-    gmax = warp_max(gmax);
-    const float wmax = mw > -INFINITY ? mw * kLn2 : -INFINITY;  // the window's max score, natural log
-    const float M = fmaxf(gmax, wmax);
-    float den = 0.f;
-    if (M > -INFINITY) {
-      for (int s = lane; s < p.ns; s += 32) {
-        const float ls = lse[s];
-        den += ls == -INFINITY ? 0.f : expf(ls - M);
-      }
-    }
-    den = warp_sum(den);
-    const float wf = mw > -INFINITY ? expf(wmax - M) : 0.f;  // the window's o and l are relative to 2^mw
-    if (lane == 0) {
-      M_s[g] = M;
-      den_s[g] = fmaf(lw, wf, den);  // >= 1 where M is finite: its split or window term is 1
-      wf_s[g] = wf;
-      mw_s[g] = mw;
-    }
+    mw_s[g] = mw;
+    lw_s[g] = lw;  // >= 1 where mw is finite: the warp holding the max has a term 2^0
+    p.plse[(row0 + g) * p.pstride + p.ns] =
+        bad_s[g] ? INFINITY : mw > -INFINITY ? (mw + log2f(lw)) * kLn2 : -INFINITY;
   }
   __syncthreads();
 
-  // ---- 4. outputs -------------------------------------------------------------------------------
+  // ---- 4. the window's partial outputs ------------------------------------------------------------
   for (int idx = tid; idx < gn * D; idx += kCombineThreads) {
     const int g = idx / D;
     const int c = idx - g * D;
-    const float M = M_s[g];
-    float val = 0.f;  // no token at all: a zero row
+    const float mw = mw_s[g];
+    float val;
     if (bad_s[g]) {
       val = __int_as_float(0x7fc00000);
-    } else if (M > -INFINITY || M != M) {  // finite, +inf or NaN: the last two give NaN below
-      const float* lse = p.plse + (row0 + g) * p.ns;
-      const float* po = p.pout + (row0 + g) * p.ns * D + c;
-      float num = 0.f;
-      for (int s = 0; s < p.ns; ++s) {
-        const float ls = lse[s];
-        const float w = ls == -INFINITY ? 0.f : expf(ls - M);
-        if (w != 0.f) num = fmaf(w, po[static_cast<int64_t>(s) * D], num);  // an empty split: skipped
-      }
-      const float mw = mw_s[g];
-      if (mw > -INFINITY) {
-        float ow = 0.f;
+    } else if (mw > -INFINITY) {
+      float ow = 0.f;
 #pragma unroll
-        for (int w = 0; w < NW; ++w) ow = fmaf(o_s[w][g * D + c], fast_exp2(m_s[w][g] - mw), ow);
-        num = fmaf(ow, wf_s[g], num);
-      }
-      val = num / den_s[g];
+      for (int w = 0; w < NW; ++w) ow = fmaf(o_s[w][g * D + c], fast_exp2(m_s[w][g] - mw), ow);
+      val = ow / lw_s[g];
+    } else {
+      continue;  // no window token: lse = -inf, the combine skips this partial
     }
-    if (fused) q_s[g][c] = val;  // q_s is free since the barrier after step 2
-    else p.out[(row0 + g) * D + c] = val;
-  }
-  if constexpr (D == v3::kD) {
-    if (fused) {  // out = Pi_v^T o_rot, warp g for head g
-      __syncthreads();
-      if (warp < gn) {
-        float x[4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) x[j] = q_s[warp][4 * lane + j];
-        rotate_row_inverse(x, p.rot + v3::kD, o_s[warp], lane);  // o_s is no longer read
-        *reinterpret_cast<float4*>(p.out + (row0 + warp) * D + 4 * lane) = make_float4(x[0], x[1], x[2], x[3]);
-      }
-    }
+    p.pout[((row0 + g) * p.pstride + p.ns) * D + c] = val;
   }
 }
 
@@ -1947,38 +1923,49 @@ int ring_fits_widths(int kb, int vb) {
   });
 }
 
-// Query heads per window-combine CTA for a run-time head_dim.
+// Query heads per window-partial CTA at most, for a run-time head_dim.
 int win_heads_of(int d) { return d <= 128 ? win_heads<128>() : win_heads<256>(); }
 
+// Query heads per window-partial CTA: the most (min(G, win_heads)), halved while the grid has fewer
+// than kWinMinCtas CTAs, down to one head per CTA (small batches: more CTAs, each reading the
+// (sequence, KV head)'s window rows again, from L2 mostly; e.g. 1 sequence x 8 KV heads x G 4:
+// 32 CTAs of one head instead of 8 of four).
+constexpr int64_t kWinMinCtas = 128;
+int window_heads_per_cta(int64_t S, int64_t Hkv, int64_t G, int d) {
+  int64_t hc = G < win_heads_of(d) ? G : win_heads_of(d);
+  while (hc > 1 && S * Hkv * ((G + hc - 1) / hc) < kWinMinCtas) hc = (hc + 1) / 2;
+  return static_cast<int>(hc);
+}
+
 template <int D>
-ffi::Error launch_window_combine_d(cudaStream_t stream, const WindowCombineParams& wp, int64_t ctas) {
-  paged_decode_window_combine_kernel<D><<<static_cast<unsigned>(ctas), kCombineThreads, 0, stream>>>(wp);
+ffi::Error launch_window_partial_d(cudaStream_t stream, const WindowPartialParams& wp, int64_t ctas) {
+  paged_decode_window_partial_kernel<D><<<static_cast<unsigned>(ctas), kCombineThreads, 0, stream>>>(wp);
   cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return cuda_error("window combine kernel launch", e);
+  if (e != cudaSuccess) return cuda_error("window partial kernel launch", e);
   return ffi::Error::Success();
 }
 
-// The window combine after the split kernel (ctas: num_seqs * num_kv_heads * wp.chunks).
-ffi::Error launch_window_combine(int d, cudaStream_t stream, const WindowCombineParams& wp, int64_t ctas) {
+// The window's partials (slot wp.ns), before the split kernel (ctas: num_seqs * num_kv_heads * wp.chunks).
+ffi::Error launch_window_partial(int d, cudaStream_t stream, const WindowPartialParams& wp, int64_t ctas) {
   if (ctas == 0) return ffi::Error::Success();
   switch (d) {
 #if JTQ_HAS_D(64)
-    case 64: return launch_window_combine_d<64>(stream, wp, ctas);
+    case 64: return launch_window_partial_d<64>(stream, wp, ctas);
 #endif
 #if JTQ_HAS_D(80)
-    case 80: return launch_window_combine_d<80>(stream, wp, ctas);
+    case 80: return launch_window_partial_d<80>(stream, wp, ctas);
 #endif
 #if JTQ_HAS_D(96)
-    case 96: return launch_window_combine_d<96>(stream, wp, ctas);
+    case 96: return launch_window_partial_d<96>(stream, wp, ctas);
 #endif
 #if JTQ_HAS_D(128)
-    case 128: return launch_window_combine_d<128>(stream, wp, ctas);
+    case 128: return launch_window_partial_d<128>(stream, wp, ctas);
 #endif
 #if JTQ_HAS_D(192)
-    case 192: return launch_window_combine_d<192>(stream, wp, ctas);
+    case 192: return launch_window_partial_d<192>(stream, wp, ctas);
 #endif
 #if JTQ_HAS_D(256)
-    case 256: return launch_window_combine_d<256>(stream, wp, ctas);
+    case 256: return launch_window_partial_d<256>(stream, wp, ctas);
 #endif
     default: return invalid("head_dim " + std::to_string(d) + " not compiled in");
   }
@@ -2053,7 +2040,9 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot,
   if (max_pages * page >= (int64_t(1) << 31) - kChunk * kStages)
     return invalid("max_pages * page_size must be < 2^31");
   if (S * ns >= (int64_t(1) << 31)) return invalid("num_seqs * num_splits too large");
-  const bool win = dims.win.on();  // the recent-token window (format.h): its tokens in the window combine
+  const bool win = dims.win.on();  // the recent-token window (format.h): its tokens in the window-partial kernel
+  const int64_t pstride = dims.pstride;  // partials per (sequence, head): ns, + 1 with a window (its partial last)
+  if (pstride != ns + (win ? 1 : 0)) return invalid("partial workspace stride mismatch");
   if (win && dims.win.window >= (int64_t(1) << 31)) return invalid("window too long");
 
   const int64_t G = H / Hkv;
@@ -2106,23 +2095,27 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot,
     if (cudaGetSymbolAddress(&trace, g_phase_trace) == cudaSuccess) p.trace = static_cast<unsigned long long*>(trace);
   }
   p.window = win ? static_cast<int>(dims.win.window) : 0;
+  p.pstride = static_cast<int>(pstride);
   if (P == 0) {  // nothing can be read: every row is 0 (all page ids are out of range)
     p.P = 0;
   }
 
   // Checked before any launch. XLA's buffers are aligned, and head_dim is validated above.
-  if (ns > 1 && !win && reinterpret_cast<uintptr_t>(p.pout) % 16 != 0)
+  // The combine merges the pstride partials of each (sequence, head): the splits' and, with a
+  // window, the window's (also with one split); W = 0 and one split: no combine.
+  const bool combine = ns > 1 || win;
+  if (combine && reinterpret_cast<uintptr_t>(p.pout) % 16 != 0)
     return invalid("partial_out workspace is not 16-byte aligned");
-  if (ns > 1 && d > kCombineMaxD) return invalid("head_dim above the combine kernel's 256");
+  if (combine && d > kCombineMaxD) return invalid("head_dim above the combine kernel's 256");
   if (dims.fused && !fused_rotation_ok(static_cast<int>(d), gt, p))
     return invalid("the fused (Hadamard) rotation runs on the tensor-core kernels only: head_dim 128, "
                    "K and V of 2, 3 or 4 bits, code pools aligned to the per-lane loads, a 16-byte aligned "
                    "rotation operand, JAX_TQ_CUDA_DECODE not v1 / v2");
-  WindowCombineParams wp{};
+  WindowPartialParams wp{};
   int64_t win_ctas = 0;
   if (win) {
-    const int heads = win_heads_of(static_cast<int>(d));
-    wp.chunks = static_cast<int>((G + heads - 1) / heads);
+    wp.hc = window_heads_per_cta(S, Hkv, G, static_cast<int>(d));
+    wp.chunks = static_cast<int>((G + wp.hc - 1) / wp.hc);
     win_ctas = S * Hkv * wp.chunks;
     if (win_ctas >= (int64_t(1) << 31)) return invalid("too many (sequence, KV head, head chunk) CTAs for the window");
     if (reinterpret_cast<uintptr_t>(k_window.untyped_data()) % 4 != 0 ||
@@ -2131,7 +2124,6 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot,
     wp.q = p.q;
     wp.pout = p.pout;
     wp.plse = p.plse;
-    wp.out = p.out;
     wp.kwin = static_cast<const uint32_t*>(k_window.untyped_data());
     wp.vwin = static_cast<const uint32_t*>(v_window.untyped_data());
     wp.sl = p.sl;
@@ -2142,18 +2134,23 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot,
     wp.Hkv = p.Hkv;
     wp.G = p.G;
     wp.ns = p.num_splits;
+    wp.pstride = p.pstride;
     wp.window = p.window;
     wp.num_windows = static_cast<int>(dims.win.num_windows < (int64_t(1) << 31) - 1 ? dims.win.num_windows
                                                                                    : (int64_t(1) << 31) - 1);
     wp.qscale = p.qscale;
   }
+  // The window's partials first (independent of the split kernel), then the splits', then the combine.
+  if (win) {
+    if (auto e = launch_window_partial(static_cast<int>(d), stream, wp, win_ctas); e.failure()) return e;
+  }
   const dim3 grid(static_cast<unsigned>(S * ns), static_cast<unsigned>(Hkv * ntiles));
   if (auto e = dispatch_d(static_cast<int>(d), gt, f16_products != 0, stream, p, grid); e.failure())
     return e;
-  if (win) return launch_window_combine(static_cast<int>(d), stream, wp, win_ctas);
-  if (ns > 1) {
+  if (combine) {
+    // ns = pstride: the combine's partial count and stride (the window's partial is the last).
     paged_decode_combine_kernel<<<static_cast<unsigned>(S * H), kCombineThreads, 0, stream>>>(
-        p.pout, p.plse, p.out, static_cast<int>(ns), static_cast<int>(d), p.rot ? p.rot + d : nullptr);
+        p.pout, p.plse, p.out, static_cast<int>(pstride), static_cast<int>(d), p.rot ? p.rot + d : nullptr);
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return cuda_error("combine kernel launch", e);
   }
