@@ -176,7 +176,7 @@ def _llama_cpp_rows(text_name: str, chunkings) -> dict:
     if not os.path.exists(LLAMA_CPP_RESULTS):
         return {}
     with open(LLAMA_CPP_RESULTS, encoding="utf-8") as f:
-        results = json.load(f)["results"].get(text_name, {})
+        results = json.load(f)["results"].get({"shakespeare": "tiny_shakespeare"}.get(text_name, text_name), {})
     rows = {}
     for n, length in chunkings:
         got = results.get(f"{n}x{length}", {})

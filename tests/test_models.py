@@ -685,15 +685,16 @@ def test_loader_and_evaluation_helpers_name_bad_input(tmp_path):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--seed", "-1"], "--seed must be >= 0"),
+    (["--seeds", "0,-1"], "--seeds must be >= 0"),
+    (["--seeds", "a"], "--seeds must be comma-separated integers"),
+    (["--chunks", "4x1"], "--chunks entries must be NxL"),
+    (["--texts", "wikitext2,nope"], "--texts must name some of"),
     (["--max-new-tokens", "1"], "--max-new-tokens must be 0 (skip) or >= 2"),
     (["--max-new-tokens", "-5"], "--max-new-tokens must be 0 (skip) or >= 2"),
     (["--check-tokens", "-3"], "--check-tokens must be >= 0"),
     (["--configs", ","], "--configs names no KV cache"),
     (["--prompt", ""], "--prompt must not be empty"),
     (["--configs", "none,v4:k2"], "cannot parse cache spec 'v4:k2'"),
-    (["--data", "."], "not a file"),
-    (["--data", "BINARY"], "is not UTF-8 text"),
 ])
 def test_example_refuses_bad_arguments_before_loading_the_model(argv, message, tmp_path, capsys):
     """examples/smollm2_wikitext.py: each bad argument ends with 'error: ...' and exit code 2 before
