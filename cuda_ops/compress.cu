@@ -12,6 +12,9 @@
 //   decompress: prologue decodes the codes to centroid values [d][MV]; main loop x = c @ Pi;
 //               epilogue scales by the norm and writes f32 / bf16 / f16 rows (coalesced).
 // Grid: ceil(N / MV) CTAs of 256 threads (16 x 16); a thread owns VPT vectors x d/16 outputs.
+// (That v1 kernel now serves decompress to f32 and the fitted scale at d 192 / 256. The plain
+// compress runs on tensor cores (tq_compress_mma_kernel, "v2" below), and so does the fitted scale
+// at d <= 128 (tq_fit_mma_kernel: the same MMAs, whole rows per CTA, then the 17-candidate fit).)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -1010,6 +1013,321 @@ __global__ void __launch_bounds__(WARPS * 32,
   }
 }
 
+// =============================================================================================
+// Fitted scale on tensor cores (format.h "Fitted scale"; d <= 128, the v1 tq_fit_kernel for 192 /
+// 256, whose Pi hi + lo would not fit in one CTA's shared memory).
+//
+// The candidates' sums need every coordinate of a vector, so a CTA holds the whole [d, d] Bt (hi +
+// lo, as tq_compress_mma_kernel's, staged once per CTA) and computes whole 16-row tiles: warp w takes
+// the n8 tiles [w * NT, (w + 1) * NT) with the same per-output MMA sequence as
+// tq_compress_mma_kernel (compress_mma_chunk), so y = acc * (1 / ||x||) and the norms are bitwise
+// those of the plain codec. y goes to shared memory [16][YST] (f32) and the norms to nrm_s; then the
+// CTA fits RF of the 16 rows (a "unit": tile * (16 / RF) + part, rows part * RF .. + RF - 1; RF < 16
+// spreads a small batch over more SMs, the other rows' x are not loaded and give y = 0): TPR =
+// threads / RF lanes per row, lane l holding coordinates l + TPR * j (conflict-free reads). For each
+// candidate k: codes_k by the binary search of bucketize16 (levels 1-2 from registers), <y, c> and
+// |c|^2 over the lane's coordinates, then an xor butterfly over the row's TPR lanes (the same sums
+// in all of them); the first k of the largest dot^2 / sq wins (as v1). The winner's codes
+// are staged [RF][CST] bytes and packed per 8-code group (format.h layout) to dest_row; the norm
+// slot takes ||x|| * dot / sq, the window rows (write_cache) bf16(||x|| * y_j). grid.z selects
+// p0 / p1 (write_cache: K and V in one launch). Persistent over units (grid <= units); the next
+// unit's x is requested right after the MMAs, so that its loads overlap the fit.
+// =============================================================================================
+template <int D>
+struct FitGeom {
+  static constexpr int WARPS = ((D / 8) % 4) == 0 ? 4 : 2;  // d 80: 10 n8 tiles -> 2 warps
+  static constexpr int kThr = WARPS * 32;
+  static constexpr int NT = D / 8 / WARPS;  // n8 tiles per warp
+  static constexpr int NC = NT * 8;         // columns per warp
+  static constexpr int KC = D / 32;
+  static constexpr bool KREM = (D % 32) != 0;
+  static constexpr int SB = bt_stride_bytes(D);
+  static constexpr int SBE = SB / 2;
+  static constexpr int bt_bytes = D * SB;
+  static_assert(NT * 8 * WARPS == D, "n8 tiles split over the warps");
+};
+
+template <int D, int RF>
+struct FitLayout {
+  using G = FitGeom<D>;
+  static constexpr int TPR = G::kThr / RF;  // lanes per fitted row
+  static constexpr int CPT = D / TPR;       // coordinates per lane: l + TPR * j
+  // y row stride (floats), = TPR (mod 32): lane (row r, l) reads bank (r * TPR + l) % 32 = its lane.
+  static constexpr int YST = D + (((TPR % 32) - (D % 32)) + 32) % 32;
+  static constexpr int CST = D + 8;  // codes staging row stride (bytes)
+  static constexpr int y_off = 2 * G::bt_bytes;
+  static constexpr int c_off = y_off + 16 * YST * 4;
+  static constexpr int total = c_off + RF * CST;
+  static_assert(16 % RF == 0 && TPR <= 32 && 32 % TPR == 0 && D % TPR == 0, "fit lanes");
+  static_assert(YST % 2 == 0 && YST % 32 == TPR % 32 && CST % 8 == 0 && c_off % 16 == 0, "layout");
+};
+
+// bucketize16 with its first two levels from registers: b3, b7, b11 = tb[3], tb[7], tb[11]
+// (the same comparisons, so the same code).
+__device__ __forceinline__ uint32_t bucketize_fit(float y, const float* tb, float b3, float b7,
+                                                  float b11) {
+  const bool hi = b7 < y;
+  int pos = hi ? 8 : 0;
+  pos += ((hi ? b11 : b3) < y) ? 4 : 0;
+  pos += (tb[pos + 1] < y) ? 2 : 0;
+  pos += (tb[pos] < y) ? 1 : 0;
+  return static_cast<uint32_t>(pos);
+}
+
+template <int D, int XT, int RF>
+__global__ void __launch_bounds__(FitGeom<D>::kThr)
+    tq_fit_mma_kernel(const GemmParams p0, const GemmParams p1) {
+  const GemmParams p = blockIdx.z == 0 ? p0 : p1;
+  using G = FitGeom<D>;
+  using L = FitLayout<D, RF>;
+  constexpr int NT = G::NT, NC = G::NC, SBE = G::SBE, KC = G::KC, kThr = G::kThr;
+  constexpr int TPR = L::TPR, CPT = L::CPT, YST = L::YST, CST = L::CST;
+  constexpr int RSPLIT = 16 / RF;
+  constexpr int GROUPS = D / 8;
+  constexpr bool SPLIT = XT != static_cast<int>(FType::kBF16);
+
+  extern __shared__ __align__(16) uint8_t smem[];
+  uint16_t* bt_hi = reinterpret_cast<uint16_t*>(smem);
+  uint16_t* bt_lo = reinterpret_cast<uint16_t*>(smem + G::bt_bytes);
+  float* y_s = reinterpret_cast<float*>(smem + L::y_off);
+  uint8_t* codes_s = smem + L::c_off;
+  __shared__ float cent_s[16];
+  __shared__ float fit_tab[kFitCandidates * 16];
+  __shared__ float nrm_s[16];
+
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int bits = p.bits;
+  const int ncent = 1 << bits;
+  const int64_t nunits = (p.N + 15) / 16 * RSPLIT;
+  const int64_t ustride = gridDim.x;
+
+  // x of a unit's tile (rows g and g + 8; only the unit's rows are loaded), all chunks at once.
+  XRaw<XT, 8> all0[KC > 0 ? KC : 1], all1[KC > 0 ? KC : 1];
+  XRaw<XT, 4> rem0, rem1;
+  auto row_ok = [&](int64_t tile, int part, int r) {  // r: row of the tile
+    return tile * 16 + r < p.N && r / RF == part;
+  };
+  auto load_unit = [&](int64_t u) {
+    const int64_t tile = u / RSPLIT;
+    const int part = static_cast<int>(u - tile * RSPLIT);
+    const int64_t r0 = tile * 16 + g, r1 = r0 + 8;
+    const bool v0 = row_ok(tile, part, g), v1 = row_ok(tile, part, g + 8);
+#pragma unroll
+    for (int j = 0; j < KC; ++j) {
+      load_raw<XT, 8>(all0[j], p.x, r0 * D + 8 * t + 32 * j, v0, p.vec_io);
+      load_raw<XT, 8>(all1[j], p.x, r1 * D + 8 * t + 32 * j, v1, p.vec_io);
+    }
+    if constexpr (G::KREM) {
+      load_raw<XT, 4>(rem0, p.x, r0 * D + 32 * KC + 4 * t, v0, p.vec_io);
+      load_raw<XT, 4>(rem1, p.x, r1 * D + 32 * KC + 4 * t, v1, p.vec_io);
+    }
+  };
+  int64_t u = blockIdx.x;  // < nunits (grid <= units)
+  load_unit(u);
+
+  if (tid < 16) cent_s[tid] = tid < ncent ? p.cent[tid] : 0.f;
+  for (int e = tid; e < kFitCandidates * 16; e += kThr) {  // fl32(s_k * b_i), as format.h
+    const int k = e >> 4, i = e & 15;
+    fit_tab[e] = i < ncent - 1 ? fit_boundary(p.cent, k, i) : INFINITY;
+  }
+  // Bt[o][k] = Pi[o][k], all d rows, split into bf16 hi / lo; kBatch float4 loads in flight.
+  {
+    constexpr int kPi = D * (D / 4);
+    constexpr int kBatch = 8;
+    const float4* rot4 = reinterpret_cast<const float4*>(p.rot);
+#pragma unroll 1
+    for (int e0 = 0; e0 < kPi; e0 += kBatch * kThr) {
+      float4 v[kBatch];
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        const int e = e0 + b * kThr + tid;
+        if (e < kPi) v[b] = __ldg(rot4 + e);
+      }
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        const int e = e0 + b * kThr + tid;
+        if (e < kPi) {
+          const int o = e / (D / 4);
+          const int k4 = e - o * (D / 4);
+          uint2 h, l;
+          split2(v[b].x, v[b].y, h.x, l.x);
+          split2(v[b].z, v[b].w, h.y, l.y);
+          *reinterpret_cast<uint2*>(bt_hi + o * SBE + 4 * k4) = h;
+          *reinterpret_cast<uint2*>(bt_lo + o * SBE + 4 * k4) = l;
+        }
+      }
+    }
+  }
+  __syncthreads();
+
+  const int pb = D * bits / 8;
+  // This warp's Bt rows (n = g of each of its n8 tiles) at the thread's k offset.
+  const uint16_t* bhi0 = bt_hi + (warp * NC + g) * SBE + 8 * t;
+  const uint16_t* blo0 = bt_lo + (warp * NC + g) * SBE + 8 * t;
+  // Fit lanes: row rl of the unit, lane l of the row.
+  const int rl = tid / TPR;
+  const int l = tid - rl * TPR;
+
+  for (; u < nunits; u += ustride) {
+    const int64_t tile = u / RSPLIT;
+    const int part = static_cast<int>(u - tile * RSPLIT);
+    const int64_t r0 = tile * 16 + g, r1 = r0 + 8;
+    const bool v0 = row_ok(tile, part, g), v1 = row_ok(tile, part, g + 8);
+
+    // ---- y = x Pi^T (this warp's columns), as tq_compress_mma_kernel ----
+    float acc[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+    float ss0 = 0.f, ss1 = 0.f;
+#pragma unroll
+    for (int j = 0; j < KC; ++j) {
+      uint32_t ph[4], pl[4], qh[4], ql[4];
+      convert_raw<XT, 8>(all0[j], ph, pl, ss0);
+      convert_raw<XT, 8>(all1[j], qh, ql, ss1);
+      compress_mma_chunk<NT, SBE, SPLIT, 8>(acc, ph, qh, pl, ql, bhi0 + 32 * j, blo0 + 32 * j);
+    }
+    if constexpr (G::KREM) {
+      uint32_t ph[2], pl[2], qh[2], ql[2];
+      convert_raw<XT, 4>(rem0, ph, pl, ss0);
+      convert_raw<XT, 4>(rem1, qh, ql, ss1);
+      const int kb = 32 * KC + 4 * t;
+      compress_mma_chunk<NT, SBE, SPLIT, 4>(acc, ph, qh, pl, ql, bt_hi + (warp * NC + g) * SBE + kb,
+                                            bt_lo + (warp * NC + g) * SBE + kb);
+    }
+    // The next unit's x, in flight during the fit below.
+    if (u + ustride < nunits) load_unit(u + ustride);
+
+    // ---- norms: quad butterfly (bitwise identical in the 4 lanes, and in every warp) ----
+    ss0 += __shfl_xor_sync(0xFFFFFFFFu, ss0, 1);
+    ss0 += __shfl_xor_sync(0xFFFFFFFFu, ss0, 2);
+    ss1 += __shfl_xor_sync(0xFFFFFFFFu, ss1, 1);
+    ss1 += __shfl_xor_sync(0xFFFFFFFFu, ss1, 2);
+    float n0 = sqrtf(ss0), n1 = sqrtf(ss1);
+    if (v0 && needs_scaled_norm(ss0)) {  // same in the quad's 4 lanes: they all take it
+      const float scaled = scaled_row_norm<D, 4>(p.x, p.dtype, r0, t);
+      if (scaled >= 0.f) n0 = scaled;
+    }
+    if (v1 && needs_scaled_norm(ss1)) {
+      const float scaled = scaled_row_norm<D, 4>(p.x, p.dtype, r1, t);
+      if (scaled >= 0.f) n1 = scaled;
+    }
+    const float inv0 = n0 > 0.f ? 1.0f / n0 : 0.f;
+    const float inv1 = n1 > 0.f ? 1.0f / n1 : 0.f;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const int col = warp * NC + nt * 8 + 2 * t;
+      *reinterpret_cast<float2*>(y_s + g * YST + col) = make_float2(acc[nt][0] * inv0, acc[nt][1] * inv0);
+      *reinterpret_cast<float2*>(y_s + (g + 8) * YST + col) =
+          make_float2(acc[nt][2] * inv1, acc[nt][3] * inv1);
+    }
+    if (warp == 0 && t == 0) {
+      nrm_s[g] = n0;
+      nrm_s[g + 8] = n1;
+    }
+    __syncthreads();
+
+    // ---- fit: row rt of the tile, coordinates l + TPR * j ----
+    {
+      const int rt = part * RF + rl;
+      const int64_t n = tile * 16 + rt;
+      const bool valid = n < p.N;
+      float y[CPT];
+#pragma unroll
+      for (int j = 0; j < CPT; ++j) y[j] = y_s[rt * YST + l + TPR * j];
+      const float nrm = nrm_s[rt];
+      if (p.win != nullptr && valid) {  // write_cache's window row: bf16(||x|| * y)
+        const int64_t wr = window_row(p, n);
+        if (wr >= 0) {
+          __nv_bfloat16* dst = reinterpret_cast<__nv_bfloat16*>(p.win) + wr * D;
+#pragma unroll
+          for (int j = 0; j < CPT; ++j) dst[l + TPR * j] = __float2bfloat16_rn(nrm * y[j]);
+        }
+      }
+      // The candidates in passes of KB (independent sums and butterflies: ILP for the latency-bound
+      // small batches; the last pass skips the k past the last candidate, a block-uniform branch).
+      // The argmax runs in k order.
+      constexpr int KB = CPT <= 5 ? 9 : 6;
+      float best_gain = -1.f, best_dot = 0.f, best_sq = 1.f;
+      int best_k = 0;
+#pragma unroll 1
+      for (int k0 = 0; k0 < kFitCandidates; k0 += KB) {
+        float dot[KB], sq[KB];
+#pragma unroll
+        for (int b = 0; b < KB; ++b) {
+          dot[b] = 0.f;
+          sq[b] = 0.f;
+          if (k0 + b >= kFitCandidates) continue;
+          const float* tb = fit_tab + 16 * (k0 + b);
+          const float b3 = tb[3], b7 = tb[7], b11 = tb[11];
+#pragma unroll
+          for (int j = 0; j < CPT; ++j) {
+            const float c = cent_s[bucketize_fit(y[j], tb, b3, b7, b11)];
+            dot[b] = fmaf(y[j], c, dot[b]);
+            sq[b] = fmaf(c, c, sq[b]);
+          }
+        }
+#pragma unroll
+        for (int o = 1; o < TPR; o <<= 1) {
+#pragma unroll
+          for (int b = 0; b < KB; ++b) {
+            dot[b] += __shfl_xor_sync(0xFFFFFFFFu, dot[b], o);
+            sq[b] += __shfl_xor_sync(0xFFFFFFFFu, sq[b], o);
+          }
+        }
+#pragma unroll
+        for (int b = 0; b < KB; ++b) {
+          const float gain = dot[b] * dot[b] / sq[b];
+          if (k0 + b < kFitCandidates && gain > best_gain) {  // strictly: the first k keeps a tie
+            best_gain = gain;                                  // (NaN never wins)
+            best_dot = dot[b];
+            best_sq = sq[b];
+            best_k = k0 + b;
+          }
+        }
+      }
+      const float* tb = fit_tab + 16 * best_k;
+      const float b3 = tb[3], b7 = tb[7], b11 = tb[11];
+#pragma unroll
+      for (int j = 0; j < CPT; ++j)
+        codes_s[rl * CST + l + TPR * j] = static_cast<uint8_t>(bucketize_fit(y[j], tb, b3, b7, b11));
+      if (l == 0 && valid) {
+        const int64_t row = dest_row(p, n);
+        if (row >= 0) p.norms[row] = nrm * (best_dot / best_sq);  // 0 for a zero vector
+      }
+    }
+    __syncthreads();
+
+    // ---- pack (format.h) and write: RF rows x GROUPS groups of 8 codes ----
+    for (int e = tid; e < RF * GROUPS; e += kThr) {
+      const int r = e / GROUPS;
+      const int grp = e - r * GROUPS;
+      const int64_t n = tile * 16 + part * RF + r;
+      if (n >= p.N) continue;
+      const int64_t row = dest_row(p, n);
+      if (row < 0) continue;
+      const uint2 cv = *reinterpret_cast<const uint2*>(codes_s + r * CST + 8 * grp);
+      uint32_t w = 0;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        w |= ((cv.x >> (8 * k)) & 0xFFu) << (bits * k);
+        w |= ((cv.y >> (8 * k)) & 0xFFu) << (bits * (k + 4));
+      }
+      uint8_t* dst = p.codes + row * pb + grp * bits;  // bits bytes per group
+      if (bits == 4) {
+        *reinterpret_cast<uint32_t*>(dst) = w;
+      } else if (bits == 2) {
+        *reinterpret_cast<uint16_t*>(dst) = static_cast<uint16_t>(w);
+      } else {
+        dst[0] = static_cast<uint8_t>(w & 0xFFu);
+        dst[1] = static_cast<uint8_t>((w >> 8) & 0xFFu);
+        dst[2] = static_cast<uint8_t>((w >> 16) & 0xFFu);
+      }
+    }
+    __syncthreads();  // y_s, nrm_s and codes_s are rewritten by the next unit
+  }
+}
+
 // Packed group word (8 codes, LSB-first) of row `row`, codes [k0, k0 + 8) (k0 % 8 == 0).
 __device__ __forceinline__ uint32_t load_group(const uint8_t* row, int k0, int bits) {
   if (bits == 4) return __ldg(reinterpret_cast<const uint32_t*>(row + k0 / 2));
@@ -1238,17 +1556,74 @@ ffi::Error launch_fit_t(const char* op, cudaStream_t stream, const GemmParams& p
   return ffi::Error::Success();
 }
 
+// The fitted scale on tensor cores (tq_fit_mma_kernel, d <= 128). RF = rows fitted per CTA and
+// unit: a small batch takes the smallest RF whose units still fit one CTA per SM (the fit of 16 rows
+// is a CTA's longest phase, and every CTA stages the whole Pi); otherwise RF = 16 and a persistent
+// grid of the occupancy's CTAs. p1: a second problem of p's N, head_dim and x dtype (grid.z = 1).
+template <int D, int XT, int RF>
+ffi::Error launch_fit_mma_t(const char* op, cudaStream_t stream, const GemmParams& p,
+                            const GemmParams* p1) {
+  using G = FitGeom<D>;
+  constexpr int smem = FitLayout<D, RF>::total;
+  auto kernel = tq_fit_mma_kernel<D, XT, RF>;
+  static std::atomic<uint64_t> smem_set{0};
+  if (cudaError_t e = allow_dynamic_smem(smem_set, kernel, smem); e != cudaSuccess)
+    return cuda_error(op, "shared memory attribute", e);
+  static const KernelCfg cfg = occupancy_cfg(kernel, G::kThr, smem);
+  if (cfg.err != cudaSuccess) return cuda_error(op, "kernel setup", cfg.err);
+  const unsigned nz = p1 != nullptr ? 2u : 1u;
+  const int64_t units = (p.N + 15) / 16 * (16 / RF);
+  const int64_t cap = std::max<int64_t>(
+      1, static_cast<int64_t>(cfg.blocks_per_sm) * sm_count() / nz);  // persistent grid
+  const int64_t gx = std::min(units, cap);
+  kernel<<<dim3(static_cast<unsigned>(gx), 1, nz), G::kThr, smem, stream>>>(p, p1 ? *p1 : p);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return cuda_error(op, "kernel launch", e);
+  return ffi::Error::Success();
+}
+
+template <int D, int XT>
+ffi::Error launch_fit_mma_d(const char* op, cudaStream_t stream, const GemmParams& p,
+                            const GemmParams* p1) {
+  const int64_t ntiles = (p.N + 15) / 16;
+  const int64_t ctas = ntiles * (p1 != nullptr ? 2 : 1);  // units of RF = 16
+  const int64_t sms = sm_count();
+  if (4 * ctas <= sms) return launch_fit_mma_t<D, XT, 4>(op, stream, p, p1);
+  if (2 * ctas <= sms) return launch_fit_mma_t<D, XT, 8>(op, stream, p, p1);
+  return launch_fit_mma_t<D, XT, 16>(op, stream, p, p1);
+}
+
+template <int XT>
+ffi::Error launch_fit_mma_x(const char* op, cudaStream_t stream, int d, const GemmParams& p,
+                            const GemmParams* p1) {
+  switch (d) {
+    case 64: return launch_fit_mma_d<64, XT>(op, stream, p, p1);
+    case 80: return launch_fit_mma_d<80, XT>(op, stream, p, p1);
+    case 96: return launch_fit_mma_d<96, XT>(op, stream, p, p1);
+    case 128: return launch_fit_mma_d<128, XT>(op, stream, p, p1);
+    default: return invalid(op, "unsupported head_dim " + std::to_string(d));
+  }
+}
+
+// The fitted-scale compress: tensor cores for d <= 128 (tq_fit_mma_kernel), the v1 fp32 kernel
+// (tq_fit_kernel) for d 192 / 256.
 ffi::Error launch_fit(const char* op, cudaStream_t stream, int d, const GemmParams& p,
                       const GemmParams* p1 = nullptr) {
   if (p.N == 0) return ffi::Error::Success();
   if (p.N > (int64_t(1) << 40)) return invalid(op, "too many vectors");
+  if (d <= 128) {
+    switch (p.dtype) {
+      case static_cast<int>(FType::kBF16):
+        return launch_fit_mma_x<static_cast<int>(FType::kBF16)>(op, stream, d, p, p1);
+      case static_cast<int>(FType::kF16):
+        return launch_fit_mma_x<static_cast<int>(FType::kF16)>(op, stream, d, p, p1);
+      default:
+        return launch_fit_mma_x<static_cast<int>(FType::kF32)>(op, stream, d, p, p1);
+    }
+  }
   // Large batches: 64 vectors per CTA (more reuse of each Pi tile); small ones: 16 per CTA.
   const bool big = (p.N + 63) / 64 >= 2 * static_cast<int64_t>(sm_count());
   switch (d) {
-    case 64: return big ? launch_fit_t<64, 4>(op, stream, p, p1) : launch_fit_t<64, 1>(op, stream, p, p1);
-    case 80: return big ? launch_fit_t<80, 4>(op, stream, p, p1) : launch_fit_t<80, 1>(op, stream, p, p1);
-    case 96: return big ? launch_fit_t<96, 4>(op, stream, p, p1) : launch_fit_t<96, 1>(op, stream, p, p1);
-    case 128: return big ? launch_fit_t<128, 4>(op, stream, p, p1) : launch_fit_t<128, 1>(op, stream, p, p1);
     case 192: return big ? launch_fit_t<192, 4>(op, stream, p, p1) : launch_fit_t<192, 1>(op, stream, p, p1);
     case 256: return big ? launch_fit_t<256, 4>(op, stream, p, p1) : launch_fit_t<256, 1>(op, stream, p, p1);
     default: return invalid(op, "unsupported head_dim " + std::to_string(d));
