@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on the GPU machine: build jax_tq with CUDA, run the GPU tests, the benchmarks,
 # and optionally the main job; print short tables. Usage: bash scripts/gpu_run.sh [build tests bench model]
-# stages: build ab v3 ncu items trace tests dtests ftests fbench qjl prefill bits hd rot bench graphs profile breakdown mstep model (default: build tests bench). Logs go to $OUT (the device tool brings them back).
+# stages: build ab v3 ncu items trace tests dtests ftests fbench regress qjl prefill bits hd rot bench graphs profile breakdown mstep model (default: build tests bench). Logs go to $OUT (the device tool brings them back).
 # One device call may run 600 s at most: "build tests" (~9 min on the H200) and "bench" (~4 min) fit
 # in two back-to-back calls; the build stays while the machine is warm (30 s after a call).
 set -uo pipefail
@@ -95,15 +95,18 @@ if has tests; then
   timeout ${OP_TEST_TIMEOUT:-300} python3 -m pytest -q tests/test_ops.py tests/test_edge_cases.py tests/test_transforms.py tests/test_checks.py tests/test_sharding.py tests/test_qjl.py tests/test_paged_prefill.py 2>&1 | tee "$OUT/op_tests.log" | tail -n 15
   echo "tests: $(( $(date +%s) - t0 )) s"
 fi
-if has ftests; then  # the fitted scale and the window on the CUDA kernels (against float64 / the CPU), then the decode GPU tests
+if has ftests; then  # the fitted scale and the window on the CUDA kernels (against float64 / the CPU)
   timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -m gpu tests/test_fit_scale.py tests/test_window.py 2>&1 \
     | tee "$OUT/format_gpu_tests.log" | tail -n 12
-  timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -x -m gpu tests/test_gpu.py -k decode 2>&1 | tee "$OUT/gpu_decode_tests.log" | tail -n 6
   echo "ftests: $(( $(date +%s) - t0 )) s"
 fi
 if has fbench; then  # decode and write time of the presets against the plain codecs and cuDNN (FBENCH_ARGS)
   timeout ${BENCH_TIMEOUT:-400} python3 benchmarks/bench_format.py ${FBENCH_ARGS:-} 2>&1 | tee "$OUT/bench_format.txt" | grep -E "^\||^#|^jax"
   echo "fbench: $(( $(date +%s) - t0 )) s"
+fi
+if has regress; then  # the decode GPU tests on the default kernels (a change of the format's paths must not move them)
+  timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -x -m gpu tests/test_gpu.py -k decode 2>&1 | tee "$OUT/gpu_decode_tests.log" | tail -n 6
+  echo "regress: $(( $(date +%s) - t0 )) s"
 fi
 if has qjl; then  # TurboQuant_prod: the QJL GPU tests (CUDA kernels against float64), then its benchmark
   timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q tests/test_qjl.py 2>&1 | tee "$OUT/qjl_tests.log" | tail -n 8
