@@ -1,7 +1,12 @@
 // CUDA XLA FFI handler for jax_tq_paged_decode (see docs/DESIGN.md).
 //
-// Two launches on the stream (three with a recent-token window, W > 0: the window-partial kernel first):
-//   0. window-partial kernel (W > 0 only), one CTA per (sequence, KV head, chunk of query heads):
+// Two launches on the stream, or one (one split, no window or a folded one), or three (a window the
+// split kernel does not fold: the window-partial kernel first). A recent-token window (W > 0) is
+// folded into the tensor-core v4 kernel's tile loop wherever v4 runs (head_dim 64 / 128, f16
+// products): its tokens are tiles of bf16 rows in the same online softmax, read by split 0's CTA with
+// one split (whose output is final: no combine) or by a CTA of their own (split num_splits, writing
+// the last partial) with several. Elsewhere:
+//   0. window-partial kernel, one CTA per (sequence, KV head, chunk of query heads):
 //      the window's tokens as one more partial, in slot num_splits of each head's partials.
 //   1. split kernel, grid (num_splits * num_seqs, num_kv_heads * group_tiles), 128 threads.
 //      One CTA = one (sequence, split, kv head, tile of up to GT query heads of the GQA group).
@@ -17,11 +22,11 @@
 //        V phase: one lane per 8 coordinates of a token, acc[GT][8] in registers.
 //      Writes (o / l, m + log l) per head into the workspace, or the final output when
 //      num_splits == 1 and there is no window.
-//   2. combine kernel (num_splits > 1, or a window), one CTA per (sequence, query head):
-//      log-sum-exp merge of the head's partials. With a window (W > 0) the split kernels stream the
-//      pages' tokens [0, paged_tokens) only and always write partials, the workspace holds
+//   2. combine kernel (num_splits > 1, or a window the split kernel does not fold), one CTA per
+//      (sequence, query head): log-sum-exp merge of the head's partials. With a window (W > 0) the
+//      split kernels stream the pages' tokens [0, paged_tokens) only, the workspace holds
 //      num_splits + 1 partials per (sequence, head) (pstride; the window's last) and the combine
-//      merges all of them.
+//      merges those written (a folded window with one split writes none).
 // Instantiations: head_dim (6) x GT (1, 2, 4, 8; 4 max at d=256) = 23 kernels; k_bits / v_bits are a
 // uniform run-time switch inside the K and V phases (smem code rows sized for 4 bits), which keeps
 // the build to ~1 min for sm_80 + sm_90. Copy loops use run-time row sizes (not unrolled).
@@ -293,9 +298,18 @@ struct DecodeParams {
   const int32_t* rot;   // [2][128] Hadamard spec words (K, V; format.h), or nullptr: q / out rotated outside
   unsigned long long* trace;  // v4's phase trace (PhaseTrace below), or nullptr (the default)
   int window;           // the recent-token window W (format.h), 0: none. W > 0: the split kernels stream
-                        // the pages' tokens [0, paged_tokens) only and always write partials; the window
-                        // partial kernel writes the window's tokens' partial (slot num_splits).
+                        // the pages' tokens [0, paged_tokens) only; the window's tokens are either
+                        // folded into v4's tile loop (kwin set) or the window-partial kernel's partial
+                        // (slot num_splits, kwin nullptr: the split kernels always write partials).
   int pstride;          // partials per (sequence, head) in pout / plse: num_splits, + 1 with a window
+  // The folded window (v4 only; kwin == nullptr: not folded): its CTA is split window_split, 0 with
+  // one split (pages and window in one CTA, whose output is final), else num_splits (a CTA of its own,
+  // grid_splits = num_splits + 1, writing partial slot num_splits).
+  const uint16_t* kwin;  // [num_windows, Hkv, W, D] bf16
+  const uint16_t* vwin;  // [num_windows, Hkv, W, D] bf16
+  const int32_t* window_ids;  // [S]
+  int num_windows, window_split;
+  int grid_splits;      // CTAs per sequence along grid.x: num_splits, + 1 for a folded window's own CTA
 };
 
 // The length whose tokens the split kernels stream from the pages: format.h's paged_tokens
@@ -309,9 +323,10 @@ __device__ __forceinline__ int paged_len(const DecodeParams& p, int seq_len) {
 }
 
 // Whether the split kernels write split partials (pout / plse for a combine kernel) rather than
-// the output: several splits, or a window (its partial is merged with the splits' by the combine).
+// the output: several splits, or a window not folded into the split kernel (its partial is merged
+// with the splits' by the combine).
 __host__ __device__ __forceinline__ bool writes_partials(const DecodeParams& p) {
-  return p.num_splits > 1 || p.window > 0;
+  return p.num_splits > 1 || (p.window > 0 && p.kwin == nullptr);
 }
 
 // A diagnostic: with JAX_TQ_TRACE_PHASES=1 in the environment, v4 records for each warp of its first
@@ -1868,6 +1883,12 @@ bool fused_rotation_ok(int d, int gt, const DecodeParams& p) {
 #endif
 }
 
+// Whether dispatch_d runs v4 for head_dim 64 or 128 (launch_wide serves neither): the kernel that folds a
+// window's tokens into its tile loop (v4's FOLD).
+bool runs_v4_unpadded(int d, int gt, bool f16, const DecodeParams& p) {
+  return f16 && requested_kernel() != DecodeKernel::kV3 && (d == 64 || d == 128) && use_v3(d, gt, p);
+}
+
 ffi::Error dispatch_d(int d, int gt, bool f16, cudaStream_t stream, const DecodeParams& p, dim3 grid) {
   if (ffi::Error err = ffi::Error::Success(); launch_wide(d, gt, f16, stream, p, grid, err)) return err;
   if (use_v3(d, gt, p)) {
@@ -2100,10 +2121,27 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot,
     p.P = 0;
   }
 
+  // A window is folded into v4's tile loop where v4 runs (16-byte aligned windows); else its partial
+  // comes from the window-partial kernel.
+  p.kwin = nullptr;
+  p.vwin = nullptr;
+  p.window_ids = window_ids.typed_data();
+  p.num_windows = static_cast<int>(dims.win.num_windows < (int64_t(1) << 31) - 1 ? dims.win.num_windows
+                                                                                : (int64_t(1) << 31) - 1);
+  p.window_split = ns > 1 ? static_cast<int>(ns) : 0;
+  const bool fold = win && runs_v4_unpadded(static_cast<int>(d), gt, f16_products != 0, p) &&
+                    reinterpret_cast<uintptr_t>(k_window.untyped_data()) % 16 == 0 &&
+                    reinterpret_cast<uintptr_t>(v_window.untyped_data()) % 16 == 0;
+  if (fold) {
+    p.kwin = static_cast<const uint16_t*>(k_window.untyped_data());
+    p.vwin = static_cast<const uint16_t*>(v_window.untyped_data());
+  }
+  p.grid_splits = static_cast<int>(ns) + (fold && ns > 1 ? 1 : 0);
+  if (S * p.grid_splits >= (int64_t(1) << 31)) return invalid("num_seqs * num_splits too large");
   // Checked before any launch. XLA's buffers are aligned, and head_dim is validated above.
   // The combine merges the pstride partials of each (sequence, head): the splits' and, with a
   // window, the window's (also with one split); W = 0 and one split: no combine.
-  const bool combine = ns > 1 || win;
+  const bool combine = ns > 1 || (win && !fold);
   if (combine && reinterpret_cast<uintptr_t>(p.pout) % 16 != 0)
     return invalid("partial_out workspace is not 16-byte aligned");
   if (combine && d > kCombineMaxD) return invalid("head_dim above the combine kernel's 256");
@@ -2113,7 +2151,7 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot,
                    "rotation operand, JAX_TQ_CUDA_DECODE not v1 / v2");
   WindowPartialParams wp{};
   int64_t win_ctas = 0;
-  if (win) {
+  if (win && !fold) {
     wp.hc = window_heads_per_cta(S, Hkv, G, static_cast<int>(d));
     wp.chunks = static_cast<int>((G + wp.hc - 1) / wp.hc);
     win_ctas = S * Hkv * wp.chunks;
@@ -2141,10 +2179,10 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot,
     wp.qscale = p.qscale;
   }
   // The window's partials first (independent of the split kernel), then the splits', then the combine.
-  if (win) {
+  if (win && !fold) {
     if (auto e = launch_window_partial(static_cast<int>(d), stream, wp, win_ctas); e.failure()) return e;
   }
-  const dim3 grid(static_cast<unsigned>(S * ns), static_cast<unsigned>(Hkv * ntiles));
+  const dim3 grid(static_cast<unsigned>(S * p.grid_splits), static_cast<unsigned>(Hkv * ntiles));
   if (auto e = dispatch_d(static_cast<int>(d), gt, f16_products != 0, stream, p, grid); e.failure())
     return e;
   if (combine) {

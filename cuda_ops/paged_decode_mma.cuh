@@ -1155,6 +1155,143 @@ static_assert(ring_layout_conflict_free<64>() && ring_layout_conflict_free<32>()
 constexpr float kLazyMax = 8.f;
 
 
+// ---- the folded window (format.h "Window"): its tokens as tiles of v4's loop ------------------
+// The window CTA (split p.window_split) of a sequence of clamped length L reads positions [P0, L)
+// (P0 = paged_tokens) from entries (P0 + j) % W of window win_id. Its bf16 rows enter the MMAs as f16
+// of row * 2^-8 (exact for |x| in [2^-6, 1.6e7]; below, f16 subnormals: an absolute error under
+// 2^-17; beyond, inf), and the K and V "norms" of its tokens are 2^8 (kWindowNorm): the same score
+// and weight scaling as a code tile's, so the two kinds of tiles share the online softmax.
+constexpr float kWindowNorm = 256.f;
+constexpr float kWindowScale = 1.f / kWindowNorm;
+
+struct WindowSpan {
+  int64_t row0;  // row of entry 0 of (win_id, kvh) in [num_windows, Hkv, W]
+  int p0;        // the first window position
+  int n;         // window tokens (0: none, or an id outside [0, num_windows))
+};
+
+__device__ __forceinline__ WindowSpan window_span(const DecodeParams& p, int win_id, int kvh, int seq_len) {
+  const int capacity = p.max_pages * p.page_size;
+  const int len = seq_len < 0 ? 0 : (seq_len > capacity ? capacity : seq_len);
+  const int p0 = len > p.window ? len - p.window : 0;
+  const bool ok = static_cast<uint32_t>(win_id) < static_cast<uint32_t>(p.num_windows);
+  return {ok ? (static_cast<int64_t>(win_id) * p.Hkv + kvh) * p.window : 0, p0, ok ? len - p0 : 0};
+}
+
+// Row of window token j (0 <= j), or -1 past the window's tokens.
+__device__ __forceinline__ int64_t window_token_row(const DecodeParams& p, const WindowSpan& ws, int j) {
+  return j < ws.n ? ws.row0 + (ws.p0 + j) % p.window : -1;
+}
+
+// N 32-bit words (bf16 pairs) of row `row` from coordinate c0 (aligned to the loads: 16 bytes for N a
+// multiple of 4, else 8), or zeros (row < 0).
+template <int N>
+__device__ __forceinline__ void load_window_words(const uint16_t* pool, int64_t row, int d, int c0,
+                                                  uint32_t (&w)[N]) {
+  static_assert(N % 2 == 0, "8- or 16-byte loads");
+  if (row < 0) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) w[i] = 0u;
+    return;
+  }
+  if constexpr (N % 4 == 0) {
+    const uint4* src = reinterpret_cast<const uint4*>(pool + row * d + c0);
+#pragma unroll
+    for (int i = 0; i < N / 4; ++i) {
+      const uint4 v = __ldg(src + i);
+      w[4 * i] = v.x, w[4 * i + 1] = v.y, w[4 * i + 2] = v.z, w[4 * i + 3] = v.w;
+    }
+  } else {
+    const uint2* src = reinterpret_cast<const uint2*>(pool + row * d + c0);
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) {
+      const uint2 v = __ldg(src + i);
+      w[2 * i] = v.x, w[2 * i + 1] = v.y;
+    }
+  }
+}
+
+// f16x2 of (a, b) * 2^-8 from bf16 values (the lower half a).
+__device__ __forceinline__ uint32_t window_h2(float a, float b) {
+  return h2_bits(__floats2half2_rn(a * kWindowScale, b * kWindowScale));
+}
+__device__ __forceinline__ float bf16_low(uint32_t w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf16_high(uint32_t w) { return __uint_as_float(w & 0xFFFF0000u); }
+
+// Scores of window tokens j0 + gid, j0 + gid + 8 in tile_dots' layout (K rows for A: coordinates
+// (D/4) t4 + 4 ks + {0, 1} / {2, 3} in k-step ks), and their K norms (kWindowNorm, NaN: no token).
+// Rows are read in PARTS pieces (fewer live registers).
+template <int D>
+__device__ __forceinline__ void window_scores(const DecodeParams& p, const WindowSpan& ws, int j0, int gid, int t4,
+                                              const uint32_t (&qh)[Dims<D>::kKS][2], float (&s)[4], float& kn0,
+                                              float& kn1) {
+  constexpr int PARTS = D == 128 ? 4 : 2;
+  constexpr int KW = D / 8 / PARTS;  // bf16 pairs of a lane's D / 4 coordinates, per part
+  constexpr int KSP = Dims<D>::kKS / PARTS;
+  const int64_t ra = window_token_row(p, ws, j0 + gid), rb = window_token_row(p, ws, j0 + gid + 8);
+  float sh[2][4] = {};
+#pragma unroll
+  for (int part = 0; part < PARTS; ++part) {
+    uint32_t ka[KW], kb[KW];
+    load_window_words<KW>(p.kwin, ra, D, (D / 4) * t4 + 2 * KW * part, ka);
+    load_window_words<KW>(p.kwin, rb, D, (D / 4) * t4 + 2 * KW * part, kb);
+#pragma unroll
+    for (int k = 0; k < KSP; ++k) {
+      const int ks = KSP * part + k;
+      const uint32_t a[4] = {window_h2(bf16_low(ka[2 * k]), bf16_high(ka[2 * k])),
+                             window_h2(bf16_low(kb[2 * k]), bf16_high(kb[2 * k])),
+                             window_h2(bf16_low(ka[2 * k + 1]), bf16_high(ka[2 * k + 1])),
+                             window_h2(bf16_low(kb[2 * k + 1]), bf16_high(kb[2 * k + 1]))};
+      mma16816(sh[ks & 1], a, qh[ks][0], qh[ks][1]);
+    }
+  }
+#pragma unroll
+  for (int c = 0; c < 4; ++c) s[c] = sh[0][c] + sh[1][c];
+  const float nan = __int_as_float(0x7fc00000);
+  kn0 = ra >= 0 ? kWindowNorm : nan;
+  kn1 = rb >= 0 ? kWindowNorm : nan;
+}
+
+// O^T += Vwin^T * P^T for window tokens j0 .. j0 + 15: A rows are coordinates (D/8) gid + 2 mt + {0, 1}
+// of m-tile mt, its k positions the tokens v4_v_token(t4, e) (e = 0..3), where (ph0, ph1) put their weights.
+template <int D>
+__device__ __forceinline__ void window_accumulate_v(const DecodeParams& p, const WindowSpan& ws, int j0, int gid,
+                                                    int t4, uint32_t ph0, uint32_t ph1, float (&o)[Dims<D>::kKS][4]) {
+  constexpr int PARTS = D == 128 ? 4 : 2;
+  constexpr int VW = D / 16 / PARTS;  // bf16 pairs of a lane's D / 8 coordinates, per part
+  int64_t rows[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) rows[e] = window_token_row(p, ws, j0 + v4_v_token(t4, e));
+#pragma unroll
+  for (int part = 0; part < PARTS; ++part) {
+    uint32_t v[4][VW];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) load_window_words<VW>(p.vwin, rows[e], D, (D / 8) * gid + 2 * VW * part, v[e]);
+#pragma unroll
+    for (int k = 0; k < VW; ++k) {
+      const int mt = VW * part + k;
+      const uint32_t a[4] = {window_h2(bf16_low(v[0][k]), bf16_low(v[1][k])),
+                             window_h2(bf16_high(v[0][k]), bf16_high(v[1][k])),
+                             window_h2(bf16_low(v[2][k]), bf16_low(v[3][k])),
+                             window_h2(bf16_high(v[2][k]), bf16_high(v[3][k]))};
+      mma16816(o[mt], a, ph0, ph1);
+    }
+  }
+}
+
+// The window CTA's (win_id, kvh) K and V rows to L2, at kernel start (they are read after its page tiles).
+template <int D>
+__device__ __forceinline__ void prefetch_window_l2(const DecodeParams& p, int win_id, int kvh, int tid, int nthreads) {
+  if (static_cast<uint32_t>(win_id) >= static_cast<uint32_t>(p.num_windows)) return;
+  const int64_t first = (static_cast<int64_t>(win_id) * p.Hkv + kvh) * p.window * D;  // element
+  const int lines = (p.window * D * 2 + 127) / 128;
+  for (int i = tid; i < 2 * lines; i += nthreads) {
+    const uint16_t* pool = i < lines ? p.kwin : p.vwin;
+    const char* addr = reinterpret_cast<const char*>(pool + first) + 128 * (i < lines ? i : i - lines);
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(addr));
+  }
+}
+
 // KB / VB: the K / V code width (2, 3 or 4), or 0 (register variant only): the runtime p.k_bits /
 // p.v_bits.
 // HALVES = 2 (head_dim 256, ring only): warp pairs. Both warps of a pair take the same tiles, each
@@ -1249,8 +1386,9 @@ __global__ void __launch_bounds__(v4_threads(ITEMS), v4_ctas_per_sm(ITEMS))
   const int gid = lane >> 2;
   const int t4 = lane & 3;
   const int ns = p.num_splits;
-  const int seq = blockIdx.x / ns;
-  const int split = blockIdx.x - seq * ns;
+  const int gs = p.grid_splits;  // ns, + 1 where a CTA of its own serves the folded window (split ns)
+  const int seq = blockIdx.x / gs;
+  const int split = blockIdx.x - seq * gs;
   const int row = blockIdx.y * ITEMS + item;  // the item's query-head row (host: gridDim.y * ITEMS rows)
   const int kvh = row / p.ntiles;
   const int tile = row - kvh * p.ntiles;
@@ -1260,14 +1398,22 @@ __global__ void __launch_bounds__(v4_threads(ITEMS), v4_ctas_per_sm(ITEMS))
   // after its other first reads are issued (below): the first use of the seq_lens value stalls the
   // warp until it lands, and every read issued after that use would wait behind it.
   int tok0 = 0, tok_end = 0, ntt = 0;
-  auto set_range = [&](int seq_len) {
-    const SplitRange range = split_range(paged_len(p, seq_len), p.max_pages, p.page_size, ns, split);
+  auto set_range = [&](int len) {
+    if (split >= ns) return;  // the folded window's own CTA: no page tokens
+    const SplitRange range = split_range(paged_len(p, len), p.max_pages, p.page_size, ns, split);
     tok0 = static_cast<int>(range.tok_begin);
     tok_end = static_cast<int>(range.tok_end);
     const int ntok = tok_end > tok0 && p.P > 0 ? tok_end - tok0 : 0;  // P = 0: nothing to read
     ntt = (ntok + kTT - 1) / kTT;
   };
-  if constexpr (!RING) set_range(p.sl[seq]);
+  // The folded window (format.h "Window"; p.kwin, FOLD): read by the CTA of split p.window_split,
+  // after its page tiles (nothing of it stays live through the tile loop: re-read there).
+  constexpr bool FOLD = HALVES == 1 && !PADDED && (D == 64 || D == 128);
+  auto window_cta = [&]() { return FOLD && p.kwin != nullptr && split == p.window_split; };
+  if constexpr (!RING) {
+    set_range(p.sl[seq]);
+    if (window_cta()) prefetch_window_l2<D>(p, ld_early(p.window_ids + seq), kvh, tid, 32 * IW);
+  }
   const int32_t* bt_seq = p.bt + static_cast<int64_t>(seq) * p.max_pages;
 
   // RING is launched only for pages of a multiple of 16 tokens (use_ring in paged_decode.cu): its
@@ -1487,7 +1633,9 @@ __global__ void __launch_bounds__(v4_threads(ITEMS), v4_ctas_per_sm(ITEMS))
     }
     // seq_lens is read after the reads above (the centroids, q, Pi_v, split 0's table entries) and
     // used right away: one wait for all of them.
+    const int win_id = window_cta() ? ld_early(p.window_ids + seq) : -1;
     set_range(ld_early(p.sl + seq));
+    if (window_cta()) prefetch_window_l2<D>(p, win_id, kvh, tid, 32 * IW);
     if (split != 0) {
 #pragma unroll
       for (int st = 0; st < kStages; ++st) first[st] = tile_page(stream + st * NP, kEarly);
@@ -1548,29 +1696,10 @@ __global__ void __launch_bounds__(v4_threads(ITEMS), v4_ctas_per_sm(ITEMS))
 #pragma unroll
     for (int c = 0; c < 4; ++c) o[mt][c] = 0.f;
 
-  // Scores, online softmax and V accumulation of one tile held in registers.
-  // Pairs: xb = the parity of the warp's tile count (the exchange slots alternate, so one barrier per
-  // tile suffices).
-  auto consume = [&](const Tile<DW>& cur, int xb) {
-    float s[4];
-    if constexpr (HALVES == 2) {
-      tile_dots<DW, SPLIT>(cur, qh, ql, ilut, s);
-      x_s[(2 * warp + xb) * 32 + lane] = make_float4(s[0], s[1], s[2], s[3]);
-      asm volatile("bar.sync %0, 64;" ::"r"(1 + stream) : "memory");  // the pair's two warps
-      const float4 other = x_s[(2 * (warp ^ 1) + xb) * 32 + lane];
-      s[0] += other.x;  // a + b in one warp, b + a in the other: the same float
-      s[1] += other.y;
-      s[2] += other.z;
-      s[3] += other.w;
-      scale_scores<DW>(cur, qx0, qx1, s);
-    } else {
-      tile_scores<DW, SPLIT>(cur, qh, ql, qx0, qx1, ilut, s);
-    }
-
-    // The weight is p * v_norm with the norm as stored (a NaN norm gives a NaN output row, as in
-    // the reference and v1; masked tokens have norm 0); the max covers log2 |v_norm| (flushed to
-    // -inf below 2^-126), so |weight| <= 2^kLazyMax.
-    const float vn0 = cur.vn0, vn1 = cur.vn1;
+  // Online softmax of one tile's scores s (log2 units, tile_scores' layout) with V norms vn0, vn1 of
+  // tokens gid, gid + 8: rescales o and l where the running max moves, and gives the V weights
+  // p * v_norm as P^T's B fragments ph0 (tokens 2t4, 2t4 + 1), ph1 (2t4 + 8, 2t4 + 9).
+  auto weigh = [&](float (&s)[4], float vn0, float vn1, uint32_t& ph0, uint32_t& ph1) {
     const float lv0 = fast_log2(fabsf(vn0)), lv1 = fast_log2(fabsf(vn1));
     // Lazy rescaling: the running max m moves only when a tile's max exceeds it by more than
     // kLazyMax (log2 units), so weights up to 2^kLazyMax (f16: fine) and the rescale is rare. Each
@@ -1617,8 +1746,33 @@ __global__ void __launch_bounds__(v4_threads(ITEMS), v4_ctas_per_sm(ITEMS))
     }
     // (wa, wb) are rows gid and gid + 8 of the 16 x 8 S^T tile; transposed, each lane holds head
     // gid of tokens 2t4, 2t4 + 1 and 2t4 + 8, 2t4 + 9: P^T's B fragments, no shared memory.
-    const uint32_t ph0 = transpose8x8_b16(half2_satfinite(wa[0], wa[1]));
-    const uint32_t ph1 = transpose8x8_b16(half2_satfinite(wb[0], wb[1]));
+    ph0 = transpose8x8_b16(half2_satfinite(wa[0], wa[1]));
+    ph1 = transpose8x8_b16(half2_satfinite(wb[0], wb[1]));
+  };
+  // Scores, online softmax and V accumulation of one tile held in registers.
+  // Pairs: xb = the parity of the warp's tile count (the exchange slots alternate, so one barrier per
+  // tile suffices).
+  auto consume = [&](const Tile<DW>& cur, int xb) {
+    float s[4];
+    if constexpr (HALVES == 2) {
+      tile_dots<DW, SPLIT>(cur, qh, ql, ilut, s);
+      x_s[(2 * warp + xb) * 32 + lane] = make_float4(s[0], s[1], s[2], s[3]);
+      asm volatile("bar.sync %0, 64;" ::"r"(1 + stream) : "memory");  // the pair's two warps
+      const float4 other = x_s[(2 * (warp ^ 1) + xb) * 32 + lane];
+      s[0] += other.x;  // a + b in one warp, b + a in the other: the same float
+      s[1] += other.y;
+      s[2] += other.z;
+      s[3] += other.w;
+      scale_scores<DW>(cur, qx0, qx1, s);
+    } else {
+      tile_scores<DW, SPLIT>(cur, qh, ql, qx0, qx1, ilut, s);
+    }
+
+    // The weight is p * v_norm with the norm as stored (a NaN norm gives a NaN output row, as in
+    // the reference and v1; masked tokens have norm 0); the max covers log2 |v_norm| (flushed to
+    // -inf below 2^-126), so |weight| <= 2^kLazyMax.
+    uint32_t ph0, ph1;
+    weigh(s, cur.vn0, cur.vn1, ph0, ph1);
     tile_accumulate_v_b<DW, false, V2>(cur.v, ph0, 0u, ph1, 0u, ilut, o);
   };
 
@@ -1662,6 +1816,29 @@ __global__ void __launch_bounds__(v4_threads(ITEMS), v4_ctas_per_sm(ITEMS))
     }
   }
 
+  if constexpr (FOLD) {
+    // The window's tiles after the page tiles (in L2 by then: prefetched at the start), continuing
+    // their round robin: window tile wt on stream (ntt + wt) % NP, the streams with fewer page tiles.
+    if (window_cta()) {
+      const WindowSpan ws = window_span(p, ld_early(p.window_ids + seq), kvh, ld_early(p.sl + seq));
+#pragma unroll 1
+      for (int wt = (stream - ntt % NP + NP) % NP; wt * kTT < ws.n; wt += NP) {
+        float s[4];
+        float kn0, kn1;
+        window_scores<DW>(p, ws, wt * kTT, gid, t4, qh, s, kn0, kn1);
+        s[0] *= qx0 * kn0;
+        s[1] *= qx1 * kn0;
+        s[2] *= qx0 * kn1;
+        s[3] *= qx1 * kn1;
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+          if (!(s[c] > -INFINITY)) s[c] = -INFINITY;  // no such token (NaN), or a NaN product
+        uint32_t ph0, ph1;
+        weigh(s, kn0 == kn0 ? kWindowNorm : 0.f, kn1 == kn1 ? kWindowNorm : 0.f, ph0, ph1);
+        window_accumulate_v<DW>(p, ws, wt * kTT, gid, t4, ph0, ph1, o);
+      }
+    }
+  }
   trace_phase(p, trace_cta, warp, lane, 4);
   merge_tile_state<D, GT, NP, DW, HALVES, (ITEMS >= 2)>(p, o, m, l, o_s, m_s, l_s, bad_s, stream, gid, t4, seq, split,
                                                       kvh, tile, w_s[slot], half, fused_epilogue ? rot_v_s : nullptr,

@@ -518,13 +518,14 @@ def requested_trace_phases() -> bool:
     return _env_choice("JAX_TQ_TRACE_PHASES", ("", "0", "1"), "0 or 1") == "1"
 
 
-def whole_wave_splits(units: int, slots: int, max_splits: int) -> int:
+def whole_wave_splits(units: int, slots: int, max_splits: int, extra: int = 0) -> int:
     """The split count whose ``units * splits`` CTAs best fill whole waves of ``slots`` resident
     CTAs (a last, partly filled wave leaves SMs idle), preferring fewer splits unless more fill
-    clearly (>= 2 points) better; searched up to ~4 waves or ``max_splits``."""
+    clearly (>= 2 points) better; searched up to ~4 waves or ``max_splits``. ``extra``: CTAs per
+    unit beside its splits' when there are several (a folded window's own CTA)."""
     best, best_fill = 1, 0.0
     for splits in range(1, max(1, max_splits) + 1):
-        waves = units * splits / slots
+        waves = units * (splits + (extra if splits > 1 else 0)) / slots
         fill = waves / math.ceil(waves)
         if fill > best_fill + 0.02:
             best, best_fill = splits, fill
@@ -541,13 +542,14 @@ def _max_head_tile(head_dim: int) -> int:
 
 def choose_num_splits(platform: str, num_seqs: int, num_kv_heads: int, max_pages: int, *,
                       group: int = 1, page_size: int = 16, head_dim: int = 128, k_bits: int = 4,
-                      v_bits: int = 4, f16_products: bool = True) -> int:
+                      v_bits: int = 4, f16_products: bool = True, window: bool = False) -> int:
     """Split-K count for a launch: 1 on CPU. On a GPU, with at most one split per
     ``MIN_TOKENS_PER_SPLIT`` tokens (and 4 pages):
 
     * tensor-core kernel (:func:`uses_tensor_core_kernel`): the count whose (sequence, KV head,
       head tile, split) CTAs best fill whole waves of :func:`v4_ctas_per_sm` (``f16_products``)
-      or :func:`v3_ctas_per_sm` CTAs per SM;
+      or :func:`v3_ctas_per_sm` CTAs per SM; with a ``window`` that v4 folds into its tile loop
+      (head_dim 64 / 128), several splits come with one more CTA per unit, the window's;
     * otherwise one wave: 2 resident CTAs per SM for head tiles of 4 or 8 query heads, 4 else.
     """
     if platform == "cpu":
@@ -557,7 +559,8 @@ def choose_num_splits(platform: str, num_seqs: int, num_kv_heads: int, max_pages
         units = num_seqs * num_kv_heads * -(-group // (4 if group <= 4 else _max_head_tile(head_dim)))
         per_sm = v4_ctas_per_sm if uses_v4(f16_products) else v3_ctas_per_sm
         slots = per_sm(_compat.gpu_compute_capability()) * _compat.gpu_core_count()
-        return whole_wave_splits(max(1, units), slots, by_length)
+        folded = window and uses_v4(f16_products) and head_dim in (64, 128)
+        return whole_wave_splits(max(1, units), slots, by_length, extra=1 if folded else 0)
     tile = 1 if group <= 1 else 2 if group <= 2 else 4 if group <= 4 else _max_head_tile(head_dim)
     head_tiles = -(-group // tile)
     ctas_wanted = (2 if tile >= 4 else 4) * _compat.gpu_core_count()
@@ -583,7 +586,8 @@ def _ffi(ctx, *operands, k_bits, v_bits, scale, num_splits, f16_products):
         num_kv_heads, page_size = ctx.avals_in[2].shape[1], ctx.avals_in[2].shape[2]
         num_splits = choose_num_splits(platform, num_seqs, num_kv_heads, ctx.avals_in[7].shape[1],
                                        group=num_heads // num_kv_heads, page_size=page_size, head_dim=head_dim,
-                                       k_bits=k_bits, v_bits=v_bits, f16_products=bool(f16_products))
+                                       k_bits=k_bits, v_bits=v_bits, f16_products=bool(f16_products),
+                                       window=not pu.has_zero_size(ctx.avals_in[9:10]))
     partials = num_splits + (0 if pu.has_zero_size(ctx.avals_in[9:10]) else 1)  # + the window's
     workspace = (
         _compat.ShapedArray((num_seqs, num_heads, partials, head_dim), jnp.float32),

@@ -106,6 +106,11 @@ def test_choose_num_splits(monkeypatch):
     # Tensor-core kernels, whole waves: v4 (f16 products) 2 CTAs per SM, v3 3 CTAs per SM.
     assert pd.choose_num_splits("cuda", 32, 8, 512, group=4) == 1        # 256 of 264 slots
     assert pd.choose_num_splits("cuda", 1, 8, 2048, group=4) == 33       # 264 of 264
+    # A window folded into v4's loop: several splits bring one more CTA per unit (its own).
+    assert pd.choose_num_splits("cuda", 1, 8, 2048, group=4, window=True) == 32  # (32 + 1) * 8 = 264
+    assert pd.choose_num_splits("cuda", 32, 8, 512, group=4, window=True) == 1   # folded into split 0
+    assert pd.choose_num_splits("cuda", 1, 8, 2048, group=4, head_dim=96, window=True) == \
+        pd.choose_num_splits("cuda", 1, 8, 2048, group=4, head_dim=96)         # not folded there
     assert pd.choose_num_splits("cuda", 32, 8, 512, group=4, f16_products=False) == 3
     assert pd.choose_num_splits("cuda", 1, 8, 2048, group=4, f16_products=False) == 49
     monkeypatch.setenv("JAX_TQ_CUDA_DECODE", "v3")

@@ -323,11 +323,27 @@ def test_decode_gradient_with_a_window(rng, backend):
 @pytest.mark.parametrize("bits", [(4, 4), (3, 3), (2, 2)])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_gpu_decode_with_a_window_matches_the_float64_oracle(request, rng, head_dim, rotation, group, bits, dtype):
-    cache = make_cache(rng, head_dim=head_dim, num_kv_heads=2, page_size=16, num_pages=64, window=64,
+    check_gpu_decode_with_a_window(request, rng, head_dim, rotation, group, bits, dtype, page_size=16,
+                                   ids=[5, 4, 3, 2, 1, 0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim,group,page_size", [(128, 4, 16), (128, 8, 8), (64, 2, 8)])
+def test_gpu_decode_with_invalid_window_ids_and_any_page_size(request, rng, head_dim, group, page_size):
+    """Ids outside [0, num_windows) drop the window's tokens; pages of 8 tokens run the tensor-core
+    kernel's register variant (the window folded into its tile loop there too)."""
+    check_gpu_decode_with_a_window(request, rng, head_dim, "hadamard", group, (4, 4), jnp.bfloat16,
+                                   page_size=page_size, ids=[5, -1, 3, 6, 1, 0])
+
+
+def check_gpu_decode_with_a_window(request, rng, head_dim, rotation, group, bits, dtype, *, page_size, ids):
+    num_pages = 64 * 16 // page_size
+    cache = make_cache(rng, head_dim=head_dim, num_kv_heads=2, page_size=page_size, num_pages=num_pages, window=64,
                        num_windows=6, k_bits=bits[0], v_bits=bits[1], rotation=rotation)
-    tables = np.stack([rng.permutation(64)[:10] for _ in range(6)]).astype(np.int32)
+    width = 160 // page_size
+    tables = np.stack([rng.permutation(num_pages)[:width] for _ in range(6)]).astype(np.int32)
     seq_lens = np.asarray([0, 1, 64, 65, 100, 160], np.int32)
-    ids = np.asarray([5, 4, 3, 2, 1, 0], np.int32)
+    ids = np.asarray(ids, np.int32)
     q = rng.normal(size=(6, 2 * group, head_dim)).astype(np.float32)
     poison_device_memory(1 << 26)
     with kernel_backend(request, DECODE_TARGETS):
