@@ -163,15 +163,16 @@ def write_rows(bits_list):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", default="32x8192,1x32768")
+    parser.add_argument("--shapes", default="32x8192,1x32768", help="decode shapes; empty: the writes only")
     parser.add_argument("--bits", default="4,3,2")
     args = parser.parse_args()
-    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s]
     bits_list = [int(b) for b in args.bits.split(",")]
     bandwidth = copy_bandwidth()
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; copy bandwidth (read + write) "
           f"{bandwidth / 1e9:.0f} GB/s")
-    decode_rows(shapes, bits_list, bandwidth)
+    if shapes:
+        decode_rows(shapes, bits_list, bandwidth)
     write_rows(bits_list)
 
 

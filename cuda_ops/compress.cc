@@ -291,7 +291,7 @@ ffi::Error WriteCacheImpl(ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::U
                           ffi::Buffer<ffi::F32> k_centroids, ffi::Buffer<ffi::F32> v_rotation,
                           ffi::Buffer<ffi::F32> v_centroids, ffi::Buffer<ffi::S32> slot_mapping,
                           ffi::Buffer<ffi::BF16> k_window_in, ffi::Buffer<ffi::BF16> v_window_in,
-                          ffi::Buffer<ffi::S32> window_slots,
+                          ffi::Buffer<ffi::S32> window_slots, ffi::Buffer<ffi::S32> rotation_spec,
                           ffi::Result<ffi::Buffer<ffi::U8>> k_codes_out,
                           ffi::Result<ffi::Buffer<ffi::F32>> k_norms_out,
                           ffi::Result<ffi::Buffer<ffi::U8>> v_codes_out,
@@ -313,6 +313,8 @@ ffi::Error WriteCacheImpl(ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::U
   JTQ_RETURN_IF_ERROR(ffi_checks::validate_window_write(op, kd.t_n, kd.hkv, kd.d, k_window_in,
                                                         v_window_in, window_slots, *k_window_out,
                                                         *v_window_out, &win));
+  bool spec_present;  // the CPU applies the dense rotations (the same Pi) either way
+  JTQ_RETURN_IF_ERROR(ffi_checks::validate_rotation_spec(op, rotation_spec, kd.d, vd.d, &spec_present));
   // The window pools share K's [Hkv, d] (validated above); V's rows must fit them.
   if (win.on() && (vd.hkv != kd.hkv || vd.d != kd.d))
     return op.invalid("v has shape " + ffi_checks::dims_str(v.dimensions()) + ", expected k's " +

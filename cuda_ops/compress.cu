@@ -14,7 +14,9 @@
 // Grid: ceil(N / MV) CTAs of 256 threads (16 x 16); a thread owns VPT vectors x d/16 outputs.
 // (That v1 kernel now serves decompress to f32 and the fitted scale at d 192 / 256. The plain
 // compress runs on tensor cores (tq_compress_mma_kernel, "v2" below), and so does the fitted scale
-// at d <= 128 (tq_fit_mma_kernel: the same MMAs, whole rows per CTA, then the 17-candidate fit).)
+// at d <= 128 (tq_fit_mma_kernel: the same MMAs, whole rows per CTA, then the 17-candidate fit),
+// except for write_cache's Hadamard codecs of head_dim 64 / 128 given their spec words
+// (tq_fit_hadamard_kernel: one warp per vector, the fast transform, no matrix).)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -28,6 +30,7 @@
 #include "jax_tq/cuda_launch.h"
 #include "jax_tq/ffi_checks.h"
 #include "jax_tq/format.h"
+#include "jax_tq/hadamard.cuh"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -85,6 +88,7 @@ struct GemmParams {
   const int32_t* win_slots;  // [T]
   int64_t win_entries;     // num_windows * win_len
   int win_len;             // W
+  const int32_t* rot_spec;  // [D] Hadamard spec words of rot (format.h), or nullptr: rot only
 };
 
 __device__ __forceinline__ float load_elem(const void* base, int dtype, int64_t i) {
@@ -222,8 +226,9 @@ __device__ __forceinline__ bool needs_scaled_norm(float sum_sq) {
 
 template <int D, int kLanes>
 __device__ __noinline__ float scaled_row_norm(const void* x, int dtype, int64_t row, int lane_in_row) {
-  const unsigned mask = kLanes == 1 ? 1u << (threadIdx.x & 31)
-                                    : ((1u << kLanes) - 1u) << ((threadIdx.x & 31) & ~(kLanes - 1));
+  const unsigned mask = kLanes == 32 ? 0xffffffffu
+                        : kLanes == 1 ? 1u << (threadIdx.x & 31)
+                                      : ((1u << kLanes) - 1u) << ((threadIdx.x & 31) & ~(kLanes - 1));
   float mx = 0.f;
   for (int k = lane_in_row; k < D; k += kLanes) mx = fmaxf(mx, fabsf(load_elem(x, dtype, row * D + k)));
   for (int o = 1; o < kLanes; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(mask, mx, o));
@@ -1537,6 +1542,129 @@ ffi::Error launch_gemm(const char* op, cudaStream_t stream, int d, const GemmPar
   }
 }
 
+// =============================================================================================
+// Fitted scale for Hadamard codecs, head_dim 64 / 128 (p.rot_spec): one warp per vector, no matrix.
+// Lane l holds coordinates (D/32) l .. + D/32 - 1: x, its norm (xor butterfly; the scaled re-read of
+// scaled_row_norm where the f32 sum of squares leaves its safe range), y = (Pi x) / ||x|| with Pi
+// applied as H D2 P H D1 (hadamard.cuh) instead of the dense product, the window row bf16(||x|| y),
+// then the fit as tq_fit_mma_kernel's: all kFitCandidates candidates at once (codes_k by
+// bucketize_fit, <y, c> and |c|^2 over the lane's coordinates, an xor butterfly over the warp), the
+// first k of the largest dot^2 / sq, its codes packed per 8-code group (format.h: LSB first, the
+// group's lanes OR their shifted codes together) and the norm slot ||x|| * dot / sq. grid.z selects
+// p0 / p1 (K and V). Persistent over rows.
+// =============================================================================================
+constexpr int kHadWarps = 4;
+
+template <int D>
+__global__ void __launch_bounds__(kHadWarps * 32) tq_fit_hadamard_kernel(const GemmParams p0, const GemmParams p1) {
+  const GemmParams p = blockIdx.z == 0 ? p0 : p1;
+  constexpr int C = D / 32;  // coordinates per lane
+  constexpr int LPG = 8 / C;  // lanes per 8-code group
+  __shared__ float fit_tab[kFitCandidates * 16];
+  __shared__ float cent_s[16];
+  __shared__ float buf_s[kHadWarps][D];
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int bits = p.bits;
+  const int ncent = 1 << bits;
+  if (tid < 16) cent_s[tid] = tid < ncent ? p.cent[tid] : 0.f;
+  for (int e = tid; e < kFitCandidates * 16; e += kHadWarps * 32) {  // fl32(s_k * b_i), as format.h
+    const int k = e >> 4, i = e & 15;
+    fit_tab[e] = i < ncent - 1 ? fit_boundary(p.cent, k, i) : INFINITY;
+  }
+  uint32_t w[C];
+#pragma unroll
+  for (int j = 0; j < C; ++j) w[j] = static_cast<uint32_t>(__ldg(p.rot_spec + C * lane + j));
+  __syncthreads();
+  const int pb = D * bits / 8;
+  for (int64_t n = static_cast<int64_t>(blockIdx.x) * kHadWarps + warp; n < p.N;
+       n += static_cast<int64_t>(gridDim.x) * kHadWarps) {
+    float x[C];
+#pragma unroll
+    for (int j = 0; j < C; ++j) x[j] = load_elem(p.x, p.dtype, n * D + C * lane + j);
+    float ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < C; ++j) ss = fmaf(x[j], x[j], ss);
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    float nrm = sqrtf(ss);
+    if (needs_scaled_norm(ss)) {  // the same ss in every lane: the whole warp takes it
+      const float scaled = scaled_row_norm<D, 32>(p.x, p.dtype, n, lane);
+      if (scaled >= 0.f) nrm = scaled;
+    }
+    const float inv = nrm > 0.f ? 1.0f / nrm : 0.f;
+    warp_hadamard_rotate<D>(x, w, buf_s[warp], lane);
+    float y[C];
+#pragma unroll
+    for (int j = 0; j < C; ++j) y[j] = x[j] * inv;
+    if (p.win != nullptr) {  // write_cache's window row: bf16(||x|| * y)
+      const int64_t wr = window_row(p, n);
+      if (wr >= 0) {
+        __nv_bfloat16* dst = reinterpret_cast<__nv_bfloat16*>(p.win) + wr * D + C * lane;
+#pragma unroll
+        for (int j = 0; j < C; ++j) dst[j] = __float2bfloat16_rn(nrm * y[j]);
+      }
+    }
+    float dot[kFitCandidates], sq[kFitCandidates];
+#pragma unroll
+    for (int k = 0; k < kFitCandidates; ++k) {
+      const float* tb = fit_tab + 16 * k;
+      const float b3 = tb[3], b7 = tb[7], b11 = tb[11];
+      dot[k] = 0.f;
+      sq[k] = 0.f;
+#pragma unroll
+      for (int j = 0; j < C; ++j) {
+        const float c = cent_s[bucketize_fit(y[j], tb, b3, b7, b11)];
+        dot[k] = fmaf(y[j], c, dot[k]);
+        sq[k] = fmaf(c, c, sq[k]);
+      }
+    }
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+#pragma unroll
+      for (int k = 0; k < kFitCandidates; ++k) {
+        dot[k] += __shfl_xor_sync(0xffffffffu, dot[k], o);
+        sq[k] += __shfl_xor_sync(0xffffffffu, sq[k], o);
+      }
+    }
+    float best_gain = -1.f, best_dot = 0.f, best_sq = 1.f;
+    int best_k = 0;
+#pragma unroll
+    for (int k = 0; k < kFitCandidates; ++k) {
+      const float gain = dot[k] * dot[k] / sq[k];
+      if (gain > best_gain) {  // strictly: the first k keeps a tie (NaN never wins)
+        best_gain = gain;
+        best_dot = dot[k];
+        best_sq = sq[k];
+        best_k = k;
+      }
+    }
+    const float* tb = fit_tab + 16 * best_k;
+    const float b3 = tb[3], b7 = tb[7], b11 = tb[11];
+    uint32_t group = 0;  // this lane's codes at their places in its 8-code group word
+#pragma unroll
+    for (int j = 0; j < C; ++j)
+      group |= bucketize_fit(y[j], tb, b3, b7, b11) << (bits * (C * (lane % LPG) + j));
+#pragma unroll
+    for (int o = 1; o < LPG; o <<= 1) group |= __shfl_xor_sync(0xffffffffu, group, o);
+    const int64_t row = dest_row(p, n);
+    if (row >= 0) {
+      if (lane % LPG == 0) {
+        uint8_t* dst = p.codes + row * pb + (lane / LPG) * bits;  // bits bytes per group
+        if (bits == 4) {
+          *reinterpret_cast<uint32_t*>(dst) = group;
+        } else if (bits == 2) {
+          *reinterpret_cast<uint16_t*>(dst) = static_cast<uint16_t>(group);
+        } else {
+          dst[0] = static_cast<uint8_t>(group & 0xFFu);
+          dst[1] = static_cast<uint8_t>((group >> 8) & 0xFFu);
+          dst[2] = static_cast<uint8_t>((group >> 16) & 0xFFu);
+        }
+      }
+      if (lane == 0) p.norms[row] = nrm * (best_dot / best_sq);  // 0 for a zero vector
+    }
+  }
+}
+
 // The fitted-scale compress (tq_fit_kernel); p1: a second problem of p's N, head_dim and x dtype,
 // run by grid.z = 1 of the same launch (nullptr: none).
 template <int D, int VPT>
@@ -1605,12 +1733,27 @@ ffi::Error launch_fit_mma_x(const char* op, cudaStream_t stream, int d, const Ge
   }
 }
 
-// The fitted-scale compress: tensor cores for d <= 128 (tq_fit_mma_kernel), the v1 fp32 kernel
-// (tq_fit_kernel) for d 192 / 256.
+template <int D>
+ffi::Error launch_fit_hadamard_d(const char* op, cudaStream_t stream, const GemmParams& p, const GemmParams* p1) {
+  const int64_t ctas = std::min<int64_t>((p.N + kHadWarps - 1) / kHadWarps, 16 * static_cast<int64_t>(sm_count()));
+  const unsigned nz = p1 != nullptr ? 2u : 1u;
+  tq_fit_hadamard_kernel<D><<<dim3(static_cast<unsigned>(ctas), 1, nz), kHadWarps * 32, 0, stream>>>(p, p1 ? *p1 : p);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return cuda_error(op, "kernel launch", e);
+  return ffi::Error::Success();
+}
+
+// The fitted-scale compress: Hadamard codecs of head_dim 64 / 128 with their spec words (p.rot_spec,
+// and p1's) one warp per vector (tq_fit_hadamard_kernel); else tensor cores for d <= 128
+// (tq_fit_mma_kernel), the v1 fp32 kernel (tq_fit_kernel) for d 192 / 256.
 ffi::Error launch_fit(const char* op, cudaStream_t stream, int d, const GemmParams& p,
                       const GemmParams* p1 = nullptr) {
   if (p.N == 0) return ffi::Error::Success();
   if (p.N > (int64_t(1) << 40)) return invalid(op, "too many vectors");
+  if (p.rot_spec != nullptr && (p1 == nullptr || p1->rot_spec != nullptr)) {
+    if (d == 64) return launch_fit_hadamard_d<64>(op, stream, p, p1);
+    if (d == 128) return launch_fit_hadamard_d<128>(op, stream, p, p1);
+  }
   if (d <= 128) {
     switch (p.dtype) {
       case static_cast<int>(FType::kBF16):
@@ -1899,7 +2042,7 @@ ffi::Error WriteCacheCudaImpl(cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuf
                               ffi::Buffer<ffi::F32> v_rotation, ffi::Buffer<ffi::F32> v_centroids,
                               ffi::Buffer<ffi::S32> slot_mapping,
                               ffi::Buffer<ffi::BF16> k_window_in, ffi::Buffer<ffi::BF16> v_window_in,
-                              ffi::Buffer<ffi::S32> window_slots,
+                              ffi::Buffer<ffi::S32> window_slots, ffi::Buffer<ffi::S32> rotation_spec,
                               ffi::Result<ffi::Buffer<ffi::U8>> k_codes_out,
                               ffi::Result<ffi::Buffer<ffi::F32>> k_norms_out,
                               ffi::Result<ffi::Buffer<ffi::U8>> v_codes_out,
@@ -1926,6 +2069,10 @@ ffi::Error WriteCacheCudaImpl(cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuf
                                      kd[0] * kd[1], &pv));
   const bool k_fit = k_fit_scale != 0, v_fit = v_fit_scale != 0;
   const int dk = static_cast<int>(kd[2]), dv = static_cast<int>(v.dimensions()[2]);
+  bool spec_present;
+  JTQ_RETURN_IF_ERROR(ffi_checks::validate_rotation_spec(cuda_op(op), rotation_spec, dk, dv, &spec_present));
+  pk.rot_spec = spec_present ? rotation_spec.typed_data() : nullptr;
+  pv.rot_spec = spec_present ? rotation_spec.typed_data() + dk : nullptr;
   if (pk.N == pv.N && dk == dv && pk.dtype == pv.dtype && pk.vec_io == pv.vec_io && k_fit == v_fit &&
       (pk.win == nullptr) == (pv.win == nullptr))
     return launch_write(op, stream, dk, k_fit, pk, &pv);

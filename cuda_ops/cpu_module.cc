@@ -29,7 +29,7 @@ ffi::Error WriteCacheImpl(ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::U
                           ffi::Buffer<ffi::F32> k_centroids, ffi::Buffer<ffi::F32> v_rotation,
                           ffi::Buffer<ffi::F32> v_centroids, ffi::Buffer<ffi::S32> slot_mapping,
                           ffi::Buffer<ffi::BF16> k_window_in, ffi::Buffer<ffi::BF16> v_window_in,
-                          ffi::Buffer<ffi::S32> window_slots,
+                          ffi::Buffer<ffi::S32> window_slots, ffi::Buffer<ffi::S32> rotation_spec,
                           ffi::Result<ffi::Buffer<ffi::U8>> k_codes_out,
                           ffi::Result<ffi::Buffer<ffi::F32>> k_norms_out,
                           ffi::Result<ffi::Buffer<ffi::U8>> v_codes_out,

@@ -282,8 +282,20 @@ def _write_kv_kernel(k, v, k_codes, k_norms, v_codes, v_norms, slot_mapping, k_w
     copies that get no tangent)."""
     return tuple(write_kv_p.bind(
         k, v, k_codes, k_norms, v_codes, v_norms, k_codec.rotation, k_codec.centroids, v_codec.rotation,
-        v_codec.centroids, slot_mapping, k_window, v_window, window_slots, k_bits=k_codec.bits, v_bits=v_codec.bits,
-        k_fit_scale=k_codec.fit_scale, v_fit_scale=v_codec.fit_scale, backend=backend))
+        v_codec.centroids, slot_mapping, k_window, v_window, window_slots, rotation_spec(k_codec, v_codec),
+        k_bits=k_codec.bits, v_bits=v_codec.bits, k_fit_scale=k_codec.fit_scale, v_fit_scale=v_codec.fit_scale,
+        backend=backend))
+
+
+def rotation_spec(k_codec: TurboQuant, v_codec: TurboQuant):
+    """The write kernels' rotation_spec operand: int32 [2, d], the Hadamard spec rows
+    (:func:`jax_tq.format.hadamard_spec`) of K's and V's rotation where both are Hadamard rotations of
+    one head_dim (the CUDA handler may then rotate in O(d log d)), else int32 [2, 0]. Either way the
+    dense rotations define Pi."""
+    k_spec, v_spec = k_codec.hadamard_spec, v_codec.hadamard_spec
+    if k_spec is None or v_spec is None or k_codec.head_dim != v_codec.head_dim:
+        return jnp.zeros((2, 0), jnp.int32)
+    return jnp.asarray(np.stack([k_spec, v_spec]), jnp.int32)
 
 
 def _last_writer_slots(slots):
@@ -377,7 +389,7 @@ def _decompress_abstract(codes, norms, rotation, centroids, *, bits, dtype, back
 
 
 def _write_kv_abstract(k, v, k_codes, k_norms, v_codes, v_norms, k_rot, k_cent, v_rot, v_cent, slots, k_window,
-                       v_window, window_slots, **params):
+                       v_window, window_slots, rotation_spec, **params):
     inputs = (k, v, k_codes, k_norms, v_codes, v_norms, k_rot, k_cent, v_rot, v_cent, slots, k_window, v_window,
               window_slots)
     return tuple(_compat.output_aval(a.shape, a.dtype, *inputs)
@@ -420,7 +432,7 @@ def _window_write_reference(x, window, rotation, window_slots):
 
 
 def _write_kv_reference(k, v, k_codes, k_norms, v_codes, v_norms, k_rot, k_cent, v_rot, v_cent, slots, k_window,
-                        v_window, window_slots, *, k_bits, v_bits, k_fit_scale, v_fit_scale):
+                        v_window, window_slots, rotation_spec=None, *, k_bits, v_bits, k_fit_scale, v_fit_scale):
     k_new = _pool_write_reference(k, k_codes, k_norms, k_rot, k_cent, slots, bits=k_bits, fit_scale=k_fit_scale)
     v_new = _pool_write_reference(v, v_codes, v_norms, v_rot, v_cent, slots, bits=v_bits, fit_scale=v_fit_scale)
     return (*k_new, *v_new, _window_write_reference(k, k_window, k_rot, window_slots),
@@ -446,8 +458,8 @@ def _write_kv_ffi(ctx, *operands, k_bits, v_bits, k_fit_scale, v_fit_scale):
 
 pu.register_lowerings(compress_p, _compress_reference, _compress_ffi)
 pu.register_lowerings(decompress_p, _decompress_reference, _decompress_ffi)
-pu.register_lowerings(write_kv_p, _write_kv_reference, _write_kv_ffi, may_be_empty=(11, 12),
-                      results_may_be_empty=(4, 5))  # no window
+pu.register_lowerings(write_kv_p, _write_kv_reference, _write_kv_ffi, may_be_empty=(11, 12, 14),
+                      results_may_be_empty=(4, 5))  # no window; no rotation spec
 
 
 # ----------------------------------------------------------------------------- batching
@@ -468,11 +480,12 @@ def _pool_slots(norms_batched):
 def _write_kv_batch(args, dims, **params):
     """vmap of a K+V cache write: each batch element gets its own pools and windows (shared ones are
     broadcast); they keep their batch axis, the handlers fold it into num_pages / num_windows."""
-    k, v, kc, kn, vc, vn, k_rot, k_cent, v_rot, v_cent, slots, kw, vw, wslots = args
+    k, v, kc, kn, vc, vn, k_rot, k_cent, v_rot, v_cent, slots, kw, vw, wslots, spec = args
     pu.require_unbatched(("k rotation", "k centroids", "v rotation", "v centroids"), dims[6:10], "write_cache")
+    pu.require_unbatched(("rotation spec",), dims[14:], "write_cache")
     size = pu.batch_size(args, dims)
     batched = (k, v, kc, kn, vc, vn, slots, kw, vw, wslots)
-    batched_dims = dims[:6] + dims[10:]
+    batched_dims = dims[:6] + dims[10:14]
     k, v, kc, kn, vc, vn, slots, kw, vw, wslots = [pu.move_batch_to_front(a, d, size)
                                                    for a, d in zip(batched, batched_dims)]
     folded_slots = pu.fold_pool_batch(slots, size, _pool_slots(kn)).reshape(-1)
@@ -480,7 +493,7 @@ def _write_kv_batch(args, dims, **params):
     fold = lambda a: a.reshape((-1,) + a.shape[2:])  # noqa: E731
     # The pools keep their batch axis: a reshape would make XLA copy the donated pools.
     outs = write_kv_p.bind(fold(k), fold(v), kc, kn, vc, vn, k_rot, k_cent, v_rot, v_cent,
-                           folded_slots, kw, vw, folded_wslots, **params)
+                           folded_slots, kw, vw, folded_wslots, spec, **params)
     return list(outs), [0] * 6
 
 

@@ -163,3 +163,53 @@ def test_fit_compress_on_the_gpu_matches_the_float64_oracle(request, rng, head_d
     same = np.all(got_codes == want_codes, axis=-1)
     assert same.mean() > 0.97
     np.testing.assert_allclose(np.asarray(scales)[same], want_scale[same], rtol=2e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", (64, 128))
+@pytest.mark.parametrize("bits", ((4, 3), (2, 4)))
+@pytest.mark.parametrize("dtype", (jnp.bfloat16, jnp.float32))
+def test_gpu_write_cache_of_hadamard_codecs_matches_the_float64_oracle(request, rng, head_dim, bits, dtype):
+    """write_cache of fitted Hadamard codecs rotates by the fast transform on the GPU (the codecs'
+    spec words): every written token's codes and scale as the float64 oracle's (ties aside), its
+    window row bf16(Pi x); zero, one-spike, huge and tiny vectors; skipped slots."""
+    k_codec = tq.TurboQuant(head_dim, bits[0], int(rng.integers(1000)), "hadamard", "fit")
+    v_codec = tq.TurboQuant(head_dim, bits[1], int(rng.integers(1000)), "hadamard", "fit")
+    num_tokens, heads, page = 200, 2, 16
+    cache = tq.PagedKVCache.create(num_pages=32, page_size=page, num_kv_heads=heads, k_codec=k_codec,
+                                   v_codec=v_codec, window=64, num_windows=4)
+    x = rng.normal(size=(2, num_tokens, heads, head_dim)) * rng.uniform(0.01, 50, size=(2, num_tokens, heads, 1))
+    x[:, 0] = 0.0
+    x[:, 1] = 0.0
+    x[:, 1, :, 3] = -2.0
+    x[:, 2] *= 1e25   # sum of squares past float32: the scaled norm
+    x[:, 3] *= 1e-25  # below its safe range
+    x = np.asarray(jnp.asarray(x, dtype), np.float64)
+    slots = rng.permutation(32 * page)[:num_tokens].astype(np.int32)
+    slots[5] = -1
+    window_slots = rng.permutation(4 * 64)[:num_tokens].astype(np.int32)
+    window_slots[6] = -1
+    with kernel_backend(request, ["jax_tq_write_cache"]):
+        new = jax.jit(tq.write_cache)(cache, jnp.asarray(x[0], dtype), jnp.asarray(x[1], dtype), jnp.asarray(slots),
+                                      jnp.asarray(window_slots))
+    for which, codec, codes_pool, norms_pool, window in ((0, k_codec, new.k_codes, new.k_norms, new.k_window),
+                                                        (1, v_codec, new.v_codes, new.v_norms, new.v_window)):
+        rows = x[which].reshape(-1, head_dim)
+        want_codes, _, best_gain, want_scale = fit_oracle(rows, codec.rotation, codec.centroids)
+        ok = np.repeat(slots >= 0, heads)
+        page_of, off = np.repeat(slots // page, heads), np.repeat(slots % page, heads)
+        head = np.tile(np.arange(heads), num_tokens)
+        got = np.asarray(codes_pool)[page_of[ok], head[ok], off[ok]]
+        got_codes = unpack_codes(got, codec.bits, head_dim).astype(np.int64)
+        same = np.all(got_codes == want_codes[ok], axis=-1)
+        assert same.mean() > 0.97, (which, same.mean())
+        got_scale = np.asarray(norms_pool)[page_of[ok], head[ok], off[ok]]
+        np.testing.assert_allclose(got_scale[same], want_scale[ok][same], rtol=2e-5)
+        assert np.all(got_scale[[0, 1]] == 0.0)  # token 0: zero vectors
+        entries = np.repeat(window_slots, heads)
+        wok = entries >= 0
+        want_rows = rows @ np.asarray(codec.rotation, np.float64).T
+        got_rows = np.asarray(window, np.float64)[entries[wok] // 64, head[wok], entries[wok] % 64]
+        scale = np.abs(want_rows[wok]).max(-1, keepdims=True)
+        np.testing.assert_allclose(got_rows / np.where(scale > 0, scale, 1), want_rows[wok] / np.where(scale > 0, scale, 1),
+                                   atol=1e-2)

@@ -284,6 +284,19 @@ inline ffi::Error validate_window_write(const Op& op, int64_t T, int64_t Hkv, in
   return check_dims(op, "v_window (result)", fold_leading(v_window_out.dimensions(), 4), want);
 }
 
+// jax_tq_write_cache's rotation_spec (operand 14): int32 [2, 0] (the dense rotations only), or
+// [2, d] with K and V of one head_dim d: the Hadamard spec words (format.h) of K's and V's rotation,
+// which the CUDA handler may apply instead of the dense matrices (the same Pi). *present: [2, d].
+inline ffi::Error validate_rotation_spec(const Op& op, const ffi::Buffer<ffi::S32>& spec, int64_t dk, int64_t dv,
+                                         bool* present) {
+  const auto dims = spec.dimensions();
+  JTQ_RETURN_IF_ERROR(check_rank(op, dims, 2, "rotation_spec must be rank 2 [2, d] or [2, 0]"));
+  *present = dims[1] != 0;
+  if (!*present) return check_dims(op, "rotation_spec", dims, {2, 0});
+  if (dk != dv) return op.invalid("rotation_spec [2, d] needs k and v of one head_dim");
+  return check_dims(op, "rotation_spec", dims, {2, dk});
+}
+
 struct DecodeDims {
   int64_t S, H, d;        // q_rot
   int64_t P, Hkv, page;   // k/v pools
@@ -491,6 +504,7 @@ auto BindWriteCache(B b) {
       .template Arg<ffi::Buffer<ffi::BF16>>()       // k_window [num_windows, Hkv, window, d]
       .template Arg<ffi::Buffer<ffi::BF16>>()       // v_window [num_windows, Hkv, window, d]
       .template Arg<ffi::Buffer<ffi::S32>>()        // window_slots [T] (entry w * window + p % window)
+      .template Arg<ffi::Buffer<ffi::S32>>()        // rotation_spec [2, d] (K's, V's Hadamard spec) or [2, 0]
       .template Ret<ffi::Buffer<ffi::U8>>()         // k_codes (aliases operand 2)
       .template Ret<ffi::Buffer<ffi::F32>>()        // k_norms (aliases operand 3)
       .template Ret<ffi::Buffer<ffi::U8>>()         // v_codes (aliases operand 4)

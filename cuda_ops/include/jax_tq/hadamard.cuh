@@ -1,0 +1,68 @@
+// The Hadamard rotation of format.h (Pi = H D2 P H D1, spec words rot_perm / rot_neg1 / rot_neg2)
+// applied to one vector of head_dim D (64 or 128) held by a warp: lane l holds coordinates
+// (D / 32) l .. (D / 32) l + D / 32 - 1, contiguous. O(d log d) shuffles and adds instead of a
+// d x d product; the same Pi as the dense matrix (jax_tq.rotation.hadamard_rotation) up to float32
+// rounding.
+#ifndef JAX_TQ_HADAMARD_CUH_
+#define JAX_TQ_HADAMARD_CUH_
+
+#include <cstdint>
+
+#include "jax_tq/format.h"
+
+namespace jax_tq {
+namespace cuda {
+
+// x <- H x (unnormalized Sylvester Hadamard: (H x)_i = sum_k (-1)^popcount(i & k) x_k).
+template <int D>
+__device__ __forceinline__ void warp_fwht(float (&x)[D / 32], int lane) {
+  constexpr int C = D / 32;
+#pragma unroll
+  for (int s = 1; s < C; s <<= 1) {
+#pragma unroll
+    for (int j = 0; j < C; ++j) {
+      if (j & s) continue;
+      const float a = x[j], b = x[j | s];
+      x[j] = a + b;
+      x[j | s] = a - b;
+    }
+  }
+#pragma unroll
+  for (int m = 1; m < 32; m <<= 1) {
+    const bool upper = (lane & m) != 0;
+#pragma unroll
+    for (int j = 0; j < C; ++j) {
+      const float y = __shfl_xor_sync(0xffffffffu, x[j], m);
+      x[j] = upper ? y - x[j] : x[j] + y;
+    }
+  }
+}
+
+// x <- Pi x. w: the spec words of the lane's coordinates; buf: D floats of the warp's own (shared
+// memory) for the permutation. The two 1 / sqrt(D) factors are the exact 1 / D applied first.
+template <int D>
+__device__ __forceinline__ void warp_hadamard_rotate(float (&x)[D / 32], const uint32_t (&w)[D / 32], float* buf,
+                                                     int lane) {
+  static_assert(D == 64 || D == 128, "warp Hadamard rotation: head_dim 64 or 128");
+  constexpr int C = D / 32;
+  constexpr float kInvD = 1.0f / D;
+#pragma unroll
+  for (int j = 0; j < C; ++j) x[j] = (rot_neg1(w[j]) ? -x[j] : x[j]) * kInvD;
+  warp_fwht<D>(x, lane);
+  __syncwarp();
+#pragma unroll
+  for (int j = 0; j < C; ++j) buf[C * lane + j] = x[j];
+  __syncwarp();
+#pragma unroll
+  for (int j = 0; j < C; ++j) {
+    const float z = buf[rot_perm(w[j]) & (D - 1)];  // (P v)_i = v_perm[i]
+    x[j] = rot_neg2(w[j]) ? -z : z;
+  }
+  __syncwarp();  // buf may be reused at once
+  warp_fwht<D>(x, lane);
+}
+
+}  // namespace cuda
+}  // namespace jax_tq
+
+#endif  // JAX_TQ_HADAMARD_CUH_
