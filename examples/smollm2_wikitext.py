@@ -36,6 +36,7 @@ import argparse
 import math
 import os
 import sys
+import textwrap
 import time
 
 import numpy as np
@@ -272,10 +273,11 @@ def save_plot(points, path: str, title: str) -> None:
     ax.set_xscale("log")
     ax.set_xlabel("KV-cache bytes per token (all layers, window spread over the chunk)")
     ax.set_ylabel("perplexity")
-    ax.set_title(title, fontsize=9)
+    ax.set_title(textwrap.fill(title, 90), fontsize=9, loc="left")
     ax.grid(True, which="both", alpha=0.3)
+    ax.margins(x=0.25, y=0.1)  # room for the labels right of the points
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
 

@@ -29,6 +29,10 @@ class CachePreset:
     Compressed bytes per token and KV head: ``head_dim * (k_bits + v_bits) / 8 + 8`` (the same as the
     plain codec's: the fitted scale takes the norm's slot); the window costs ``4 * head_dim`` bytes
     per token, KV head and window slot, a fixed amount per sequence.
+
+    Raises:
+      TypeError / ValueError: bits not an int in (2, 3, 4), or a window outside [0, 256] (at
+        construction).
     """
 
     name: str
@@ -37,6 +41,12 @@ class CachePreset:
     scale: str = "fit"
     window: int = 64
     rotation: str = "hadamard"
+
+    def __post_init__(self):
+        check_bits(self.k_bits, "CachePreset k_bits")
+        check_bits(self.v_bits, "CachePreset v_bits")
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or not 0 <= self.window <= MAX_WINDOW:
+            raise ValueError(f"CachePreset window must be an int in [0, {MAX_WINDOW}], got {self.window!r}")
 
     def codecs(self, head_dim: int, seed: int = 0) -> tuple[TurboQuant, TurboQuant]:
         """(K codec, V codec) of this preset: K seeded ``seed``, V ``seed + 1``.
@@ -125,7 +135,8 @@ class PagedKVCache:
             that is not a name or CachePreset.
           ValueError: non-positive sizes, page_size > 256, codecs with different head_dim or
             unsupported bits; both or neither of codecs and preset; a preset without head_dim; an
-            unknown preset; a window outside [0, 256] or one without num_windows >= 1.
+            unknown preset; a window outside [0, 256] or one without num_windows >= 1; num_windows
+            without a window; head_dim or seed with codecs (they carry their own).
         """
         if preset is not None:
             if k_codec is not None or v_codec is not None:
@@ -137,6 +148,8 @@ class PagedKVCache:
             window = preset.window if window is None else window
         elif k_codec is None or v_codec is None:
             raise ValueError("PagedKVCache.create: pass k_codec and v_codec, or preset (with head_dim)")
+        elif head_dim is not None or seed != 0:
+            raise ValueError("PagedKVCache.create: head_dim and seed go with a preset; the codecs carry their own")
         window = 0 if window is None else window
         for name, value in (("window", window), ("num_windows", num_windows)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
@@ -146,6 +159,8 @@ class PagedKVCache:
         if window and num_windows < 1:
             raise ValueError(f"PagedKVCache.create: a window of {window} tokens needs num_windows >= 1 (one per "
                              f"sequence that can be live at once), got {num_windows}")
+        if not window and num_windows:
+            raise ValueError(f"PagedKVCache.create: num_windows={num_windows} given without a window (window=0)")
         for name, value in (("num_pages", num_pages), ("page_size", page_size), ("num_kv_heads", num_kv_heads)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
                 raise TypeError(f"PagedKVCache.create: {name} must be an int, got {type(value).__name__} {value!r}")
@@ -201,12 +216,12 @@ class PagedKVCache:
     @property
     def window(self) -> int:
         """Recent tokens kept exactly per sequence (0: no window)."""
-        return 0 if self.k_window is None else self.k_window.shape[-2]
+        return 0 if self.k_window is None else int(np.shape(self.k_window)[-2])
 
     @property
     def num_windows(self) -> int:
         """Window ids 0 .. num_windows - 1 (0 without a window)."""
-        return 0 if self.k_window is None else self.k_window.shape[-4]
+        return 0 if self.k_window is None else int(np.shape(self.k_window)[-4])
 
     def window_bytes(self) -> int:
         """Bytes of the window pools (K and V, all window ids): ``4 * head_dim * num_kv_heads *
@@ -289,7 +304,7 @@ def write_cache(cache: PagedKVCache, k, v, slot_mapping, window_slots=None) -> P
       k, v: [num_tokens, num_kv_heads, head_dim] float32/bfloat16/float16.
       slot_mapping: int32 [num_tokens]; token i goes to page slot_mapping[i] // page_size at offset
         slot_mapping[i] % page_size. Negative slots (padding) and slots >= num_pages * page_size are
-        skipped. Tokens that share a slot leave one of them (unspecified; under differentiation the
+        skipped; a padding token (negative slot) is not written to the window either. Tokens that share a slot leave one of them (unspecified; under differentiation the
         last one, and the gradient follows the stored token).
       window_slots: int32 [num_tokens], required when the cache has a window (else must be None):
         token i's ring entry ``w * window + position % window`` (w its sequence's window id), or -1
@@ -327,6 +342,8 @@ def write_cache(cache: PagedKVCache, k, v, slot_mapping, window_slots=None) -> P
     slot_mapping = jnp.asarray(slot_mapping)
     check_slot_mapping(slot_mapping, num_slots=cache.num_slots)
     window_slots = _window_slots(cache, window_slots, k.shape[0])
+    if window_slots is not None:  # a padding token (negative slot) is written nowhere
+        window_slots = jnp.where(slot_mapping < 0, -1, window_slots)
     windows = (cache.k_window, cache.v_window) if cache.window else None
     outs = write_kv(k, v, (cache.k_codes, cache.k_norms), (cache.v_codes, cache.v_norms), cache.k_codec,
                     cache.v_codec, slot_mapping, windows, window_slots)

@@ -428,7 +428,9 @@ def _window_write_reference(x, window, rotation, window_slots):
     if window.size == 0:  # no window
         return window
     flat = window.reshape((-1,) + window.shape[-3:])  # vmap's leading axes folded into num_windows
-    return reference.window_write(x, flat, rotation, window_slots).reshape(window.shape)
+    # bfloat16 copies that get no gradient, as the kernels' rule has it
+    rows = reference.window_write(jax.lax.stop_gradient(x), jax.lax.stop_gradient(flat), rotation, window_slots)
+    return rows.reshape(window.shape)
 
 
 def _write_kv_reference(k, v, k_codes, k_norms, v_codes, v_norms, k_rot, k_cent, v_rot, v_cent, slots, k_window,

@@ -363,20 +363,34 @@ def window_slot_mapping(window_ids, positions, seq_lens, window: int):
     A token at ``position`` of a sequence with window id ``w`` and, after the write, ``seq_len``
     tokens goes to entry ``w * window + position % window`` if it is among the sequence's last
     ``window`` tokens (``seq_len - window <= position < seq_len``), else -1 (not written: a later
-    token of the same write takes its entry). Negative window ids or positions give -1.
+    token of the same write takes its entry). Negative window ids or positions give -1, and so do
+    ids whose entries would pass int32 (``w * window + window - 1 >= 2**31``).
 
     Args:
-      window_ids, positions, seq_lens: int32 arrays [num_tokens] (jnp or numpy), per token: its
-        sequence's window id, its position, and its sequence's length after the write.
+      window_ids, positions, seq_lens: integer arrays [num_tokens] (jnp or numpy; jnp if any of
+        them is a jax array or tracer), per token: its sequence's window id, its position, and its
+        sequence's length after the write; numpy values must fit int32.
       window: the cache's window (>= 1).
     Returns:
       int32 [num_tokens].
     Raises:
-      ValueError: window < 1.
+      ValueError: window < 1; numpy values outside int32.  TypeError: a non-integer array.
     """
     if not _is_int(window) or window < 1:
         raise ValueError(f"window must be an int >= 1, got {window!r}")
-    xp = _array_module(window_ids)
-    window_ids, positions, seq_lens = (xp.asarray(a).astype(xp.int32) for a in (window_ids, positions, seq_lens))
-    kept = (window_ids >= 0) & (positions >= 0) & (positions < seq_lens) & (positions >= seq_lens - window)
-    return xp.where(kept, window_ids * window + positions % window, -1).astype(xp.int32)
+    named = (("window_ids", window_ids), ("positions", positions), ("seq_lens", seq_lens))
+    xp = np if all(_array_module(a) is np for _, a in named) else _array_module(next(
+        a for _, a in named if _array_module(a) is not np))
+    arrays = []
+    for name, a in named:
+        a = xp.asarray(a)
+        if not np.issubdtype(a.dtype, np.integer):
+            raise TypeError(f"window_slot_mapping: {name} must be integers, got {a.dtype}")
+        if xp is np and a.size and (a.min() < np.iinfo(np.int32).min or a.max() > np.iinfo(np.int32).max):
+            raise ValueError(f"window_slot_mapping: {name} holds values outside int32")
+        arrays.append(a.astype(xp.int32))
+    window_ids, positions, seq_lens = arrays
+    max_id = (np.iinfo(np.int32).max - (window - 1)) // window
+    kept = ((window_ids >= 0) & (window_ids <= max_id) & (positions >= 0) & (positions < seq_lens)
+            & (positions >= seq_lens - window))
+    return xp.where(kept, xp.where(kept, window_ids, 0) * window + positions % window, -1).astype(xp.int32)

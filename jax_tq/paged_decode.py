@@ -176,7 +176,8 @@ def window_operands(cache, window_ids, seq_lens, op: str):
         error = TypeError if window_ids.dtype != jnp.int32 else ValueError
         raise error(f"{spec}, got {window_ids.dtype}{tuple(window_ids.shape)}")
     check_window_ids(window_ids, seq_lens, num_windows=cache.num_windows, op=op)
-    return cache.k_window, cache.v_window, window_ids
+    # The window rows are bfloat16 copies that get no gradient, on every backend (the kernels' rules).
+    return jax.lax.stop_gradient(cache.k_window), jax.lax.stop_gradient(cache.v_window), window_ids
 
 
 #: The primitive's rotation operand when q is already rotated (q_rot) and the output stays rotated.

@@ -140,16 +140,17 @@ def test_prefill_reads_the_cache_as_it_stands(rng, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_write_cache_fills_pages_and_window_independently(rng, backend):
+def test_write_cache_fills_pages_and_window(rng, backend):
     cache = make_cache(rng)
     k = rng.normal(size=(6, 2, 64)).astype(np.float32)
     v = rng.normal(size=(6, 2, 64)).astype(np.float32)
     slots = np.asarray([0, 9, -1, 30, 11, -1], np.int32)
-    window_slots = np.asarray([2, -1, 14, 7, 15, -1], np.int32)  # 15 = 3 * 5: past the pool, skipped
+    # 15 = 3 * 5: past the pool, skipped; token 2 is padding (slot -1): its window slot is ignored
+    window_slots = np.asarray([2, -1, 14, 7, 15, -1], np.int32)
     with tq.use_backend(backend):
         new = jax.jit(tq.write_cache)(cache, jnp.asarray(k), jnp.asarray(v), slots, window_slots)
         rows_k, rows_v = tq.window_rows(k, cache.k_codec), tq.window_rows(v, cache.v_codec)
-    written = {2: 0, 14: 2, 7: 3}
+    written = {2: 0, 7: 3}
 
     def entries(pool):  # [num_windows, Hkv, W, d] -> [num_windows * W, Hkv, d]: entry w * W + e
         return np.swapaxes(np.asarray(pool, np.float32), 1, 2).reshape(15, 2, 64)
@@ -179,6 +180,48 @@ def test_window_slot_mapping_keeps_each_sequence_s_last_tokens():
                                   got)
     with pytest.raises(ValueError, match="window must be"):
         tq.window_slot_mapping(ids, positions, lens, 0)
+    # An id whose entries would pass int32 is no entry (not a wrapped-around valid one).
+    np.testing.assert_array_equal(tq.window_slot_mapping([2**30, 2**25 - 1], [0, 0], [1, 1], 64), [-1, 2**31 - 64])
+    with pytest.raises(ValueError, match="window_ids holds values outside int32"):
+        tq.window_slot_mapping(np.asarray([2**40]), [3], [4], 2)
+    with pytest.raises(TypeError, match="positions must be integers"):
+        tq.window_slot_mapping([1], [3.7], [4], 2)
+    # numpy ids with traced positions: the jnp path
+    traced = jax.jit(lambda p: tq.window_slot_mapping(ids, p, lens, 3))(jnp.asarray(positions))
+    np.testing.assert_array_equal(traced, got)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_padding_token_is_written_nowhere(rng, backend):
+    """A negative slot (padding) skips the window too, whatever its window slot says (the padding
+    row of sequence 0 at position 0 gets window entry 0 from window_slot_mapping)."""
+    cache = make_cache(rng, window=8, num_windows=2)
+    k = jnp.asarray(rng.normal(size=(4, 2, 64)), jnp.float32)
+    slots = jnp.asarray([0, 1, 2, -1], jnp.int32)
+    window_slots = tq.window_slot_mapping(jnp.zeros(4, jnp.int32), jnp.asarray([0, 1, 2, 0], jnp.int32),
+                                          jnp.full(4, 3, jnp.int32), 8)
+    assert int(window_slots[3]) == 0
+    with tq.use_backend(backend):
+        new = jax.jit(tq.write_cache)(cache, k, k, slots, window_slots)
+    want = np.asarray(tq.window_rows(k[:1], cache.k_codec), np.float32)
+    np.testing.assert_allclose(np.asarray(new.k_window[0, :, 0], np.float32), want[0], rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_window_rows_get_no_gradient_on_any_backend(rng, backend):
+    cache = make_cache(rng, window=8, num_windows=2)
+    k = jnp.asarray(rng.normal(size=(3, 2, 64)), jnp.float32)
+    slots = jnp.asarray([0, 1, 2], jnp.int32)
+    window_slots = jnp.asarray([0, 1, 2], jnp.int32)
+    tables = jnp.asarray([[0, 1, 2], [3, 4, 5]], jnp.int32)
+    lens = jnp.asarray([3, 3], jnp.int32)
+    q = jnp.asarray(rng.normal(size=(2, 2, 64)), jnp.float32)
+    with tq.use_backend(backend):
+        via_write = jax.jit(jax.grad(
+            lambda kk: tq.write_cache(cache, kk, kk, slots, window_slots).k_window.astype(jnp.float32).sum()))(k)
+        via_decode = jax.jit(jax.grad(
+            lambda w: tq.paged_decode(q, dataclasses.replace(cache, k_window=w), tables, lens).sum()))(cache.k_window)
+    assert float(jnp.abs(via_write).max()) == 0.0 and float(jnp.abs(via_decode.astype(jnp.float32)).max()) == 0.0
 
 
 def test_decode_steps_through_a_window_match_a_dense_float64_attention(rng):
@@ -227,6 +270,10 @@ def test_presets_and_create():
         (dict(preset="k4v4", head_dim=64, num_windows=1, k_codec=tq.TurboQuant(64)), ValueError, "not both"),
         (dict(), ValueError, "pass k_codec and v_codec"),
         (dict(preset=4, head_dim=64, num_windows=1), TypeError, "preset must be"),
+        (dict(preset="k4v4", head_dim=64, window=0, num_windows=2), ValueError, "without a window"),
+        (dict(k_codec=tq.TurboQuant(64), v_codec=tq.TurboQuant(64), num_windows=2), ValueError, "without a window"),
+        (dict(k_codec=tq.TurboQuant(64), v_codec=tq.TurboQuant(64), head_dim=64), ValueError, "go with a preset"),
+        (dict(k_codec=tq.TurboQuant(64), v_codec=tq.TurboQuant(64), seed=3), ValueError, "go with a preset"),
     ]:
         with pytest.raises(error, match=match):
             tq.PagedKVCache.create(num_pages=3, page_size=16, num_kv_heads=2, **kwargs)
