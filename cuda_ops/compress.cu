@@ -245,6 +245,41 @@ __device__ __noinline__ float scaled_row_norm(const void* x, int dtype, int64_t 
   return sqrtf(s) * ldexpf(1.f, e);
 }
 
+// The norms of rows r0, r1 (v0 / v1: the rows exist) from a quad's partial sums of squares ss0,
+// ss1: a quad butterfly (bitwise identical in its 4 lanes, t = lane & 3), then the scaled re-read
+// where a sum left its safe range (the same in the quad's 4 lanes: they all take it).
+template <int D>
+__device__ __forceinline__ float2 quad_row_norms(float ss0, float ss1, bool v0, bool v1, const void* x, int dtype,
+                                                 int64_t r0, int64_t r1, int t) {
+  ss0 += __shfl_xor_sync(0xFFFFFFFFu, ss0, 1);
+  ss0 += __shfl_xor_sync(0xFFFFFFFFu, ss0, 2);
+  ss1 += __shfl_xor_sync(0xFFFFFFFFu, ss1, 1);
+  ss1 += __shfl_xor_sync(0xFFFFFFFFu, ss1, 2);
+  float n0 = sqrtf(ss0), n1 = sqrtf(ss1);
+  if (v0 && needs_scaled_norm(ss0)) {
+    const float scaled = scaled_row_norm<D, 4>(x, dtype, r0, t);
+    if (scaled >= 0.f) n0 = scaled;
+  }
+  if (v1 && needs_scaled_norm(ss1)) {
+    const float scaled = scaled_row_norm<D, 4>(x, dtype, r1, t);
+    if (scaled >= 0.f) n1 = scaled;
+  }
+  return make_float2(n0, n1);
+}
+
+// Packed group word w (8 codes, format.h) to its bits bytes at dst.
+__device__ __forceinline__ void store_group(uint8_t* dst, uint32_t w, int bits) {
+  if (bits == 4) {
+    *reinterpret_cast<uint32_t*>(dst) = w;
+  } else if (bits == 2) {
+    *reinterpret_cast<uint16_t*>(dst) = static_cast<uint16_t>(w);
+  } else {
+    dst[0] = static_cast<uint8_t>(w & 0xFFu);
+    dst[1] = static_cast<uint8_t>((w >> 8) & 0xFFu);
+    dst[2] = static_cast<uint8_t>((w >> 16) & 0xFFu);
+  }
+}
+
 // FIT (compress only, DECOMP false): the fitted scale (format.h "Fitted scale"); fit_tab: shared
 // [kFitCandidates][16] scaled boundaries (each padded with +inf), filled here. Otherwise nullptr.
 template <int D, int VPT, bool DECOMP, bool FIT = false>
@@ -932,19 +967,8 @@ __global__ void __launch_bounds__(WARPS * 32,
     }
 
     // ---- norms: quad butterfly (bitwise identical in the 4 lanes) ----
-    ss0 += __shfl_xor_sync(0xFFFFFFFFu, ss0, 1);
-    ss0 += __shfl_xor_sync(0xFFFFFFFFu, ss0, 2);
-    ss1 += __shfl_xor_sync(0xFFFFFFFFu, ss1, 1);
-    ss1 += __shfl_xor_sync(0xFFFFFFFFu, ss1, 2);
-    float n0 = sqrtf(ss0), n1 = sqrtf(ss1);
-    if (v0 && needs_scaled_norm(ss0)) {  // same in the quad's 4 lanes: they all take it
-      const float scaled = scaled_row_norm<D, 4>(p.x, p.dtype, r0, t);
-      if (scaled >= 0.f) n0 = scaled;
-    }
-    if (v1 && needs_scaled_norm(ss1)) {
-      const float scaled = scaled_row_norm<D, 4>(p.x, p.dtype, r1, t);
-      if (scaled >= 0.f) n1 = scaled;
-    }
+    const float2 nn = quad_row_norms<D>(ss0, ss1, v0, v1, p.x, p.dtype, r0, r1, t);
+    const float n0 = nn.x, n1 = nn.y;
     const float inv0 = n0 > 0.f ? 1.0f / n0 : 0.f;
     const float inv1 = n1 > 0.f ? 1.0f / n1 : 0.f;
 
@@ -994,15 +1018,7 @@ __global__ void __launch_bounds__(WARPS * 32,
         w |= ((cv.y >> (8 * k)) & 0xFFu) << (bits * (k + 4));
       }
       uint8_t* dst = p.codes + row * pb + (col0 / 8 + q) * bits;  // bits bytes per group
-      if (bits == 4) {
-        *reinterpret_cast<uint32_t*>(dst) = w;
-      } else if (bits == 2) {
-        *reinterpret_cast<uint16_t*>(dst) = static_cast<uint16_t>(w);
-      } else {
-        dst[0] = static_cast<uint8_t>(w & 0xFFu);
-        dst[1] = static_cast<uint8_t>((w >> 8) & 0xFFu);
-        dst[2] = static_cast<uint8_t>((w >> 16) & 0xFFu);
-      }
+      store_group(dst, w, bits);
     }
     if (blockIdx.y == 0 && t == 0) {
       if (v0) {
@@ -1204,19 +1220,8 @@ __global__ void __launch_bounds__(FitGeom<D>::kThr)
     if (u + ustride < nunits) load_unit(u + ustride);
 
     // ---- norms: quad butterfly (bitwise identical in the 4 lanes, and in every warp) ----
-    ss0 += __shfl_xor_sync(0xFFFFFFFFu, ss0, 1);
-    ss0 += __shfl_xor_sync(0xFFFFFFFFu, ss0, 2);
-    ss1 += __shfl_xor_sync(0xFFFFFFFFu, ss1, 1);
-    ss1 += __shfl_xor_sync(0xFFFFFFFFu, ss1, 2);
-    float n0 = sqrtf(ss0), n1 = sqrtf(ss1);
-    if (v0 && needs_scaled_norm(ss0)) {  // same in the quad's 4 lanes: they all take it
-      const float scaled = scaled_row_norm<D, 4>(p.x, p.dtype, r0, t);
-      if (scaled >= 0.f) n0 = scaled;
-    }
-    if (v1 && needs_scaled_norm(ss1)) {
-      const float scaled = scaled_row_norm<D, 4>(p.x, p.dtype, r1, t);
-      if (scaled >= 0.f) n1 = scaled;
-    }
+    const float2 nn = quad_row_norms<D>(ss0, ss1, v0, v1, p.x, p.dtype, r0, r1, t);
+    const float n0 = nn.x, n1 = nn.y;
     const float inv0 = n0 > 0.f ? 1.0f / n0 : 0.f;
     const float inv1 = n1 > 0.f ? 1.0f / n1 : 0.f;
 #pragma unroll
@@ -1319,15 +1324,7 @@ __global__ void __launch_bounds__(FitGeom<D>::kThr)
         w |= ((cv.y >> (8 * k)) & 0xFFu) << (bits * (k + 4));
       }
       uint8_t* dst = p.codes + row * pb + grp * bits;  // bits bytes per group
-      if (bits == 4) {
-        *reinterpret_cast<uint32_t*>(dst) = w;
-      } else if (bits == 2) {
-        *reinterpret_cast<uint16_t*>(dst) = static_cast<uint16_t>(w);
-      } else {
-        dst[0] = static_cast<uint8_t>(w & 0xFFu);
-        dst[1] = static_cast<uint8_t>((w >> 8) & 0xFFu);
-        dst[2] = static_cast<uint8_t>((w >> 16) & 0xFFu);
-      }
+      store_group(dst, w, bits);
     }
     __syncthreads();  // y_s, nrm_s and codes_s are rewritten by the next unit
   }
@@ -1650,15 +1647,7 @@ __global__ void __launch_bounds__(kHadWarps * 32) tq_fit_hadamard_kernel(const G
     if (row >= 0) {
       if (lane % LPG == 0) {
         uint8_t* dst = p.codes + row * pb + (lane / LPG) * bits;  // bits bytes per group
-        if (bits == 4) {
-          *reinterpret_cast<uint32_t*>(dst) = group;
-        } else if (bits == 2) {
-          *reinterpret_cast<uint16_t*>(dst) = static_cast<uint16_t>(group);
-        } else {
-          dst[0] = static_cast<uint8_t>(group & 0xFFu);
-          dst[1] = static_cast<uint8_t>((group >> 8) & 0xFFu);
-          dst[2] = static_cast<uint8_t>((group >> 16) & 0xFFu);
-        }
+        store_group(dst, group, bits);
       }
       if (lane == 0) p.norms[row] = nrm * (best_dot / best_sq);  // 0 for a zero vector
     }

@@ -1147,6 +1147,10 @@ __global__ void __launch_bounds__(kThreads)
 
 // Tensor-core split kernel v3 (head_dim 128, K4V4, GT 4 / 8): the default where it applies (see
 // use_v3). Included textually here: it uses the helpers above.
+// The two bfloat16 values of a 32-bit pair (lower half: the even coordinate) as float.
+__device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w & 0xFFFF0000u); }
+
 #include "paged_decode_mma.cuh"
 
 // ---------------------------------------------------------------------------------------------
@@ -1292,8 +1296,6 @@ struct WindowPartialParams {
 template <int D>
 constexpr int win_heads() { return 4; }
 
-__device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
-__device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w & 0xFFFF0000u); }
 
 template <int D>
 __global__ void __launch_bounds__(kCombineThreads)

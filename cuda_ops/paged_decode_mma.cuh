@@ -1215,8 +1215,6 @@ __device__ __forceinline__ void load_window_words(const uint16_t* pool, int64_t 
 __device__ __forceinline__ uint32_t window_h2(float a, float b) {
   return h2_bits(__floats2half2_rn(a * kWindowScale, b * kWindowScale));
 }
-__device__ __forceinline__ float bf16_low(uint32_t w) { return __uint_as_float(w << 16); }
-__device__ __forceinline__ float bf16_high(uint32_t w) { return __uint_as_float(w & 0xFFFF0000u); }
 
 // Scores of window tokens j0 + gid, j0 + gid + 8 in tile_dots' layout (K rows for A: coordinates
 // (D/4) t4 + 4 ks + {0, 1} / {2, 3} in k-step ks), and their K norms (kWindowNorm, NaN: no token).
@@ -1238,10 +1236,10 @@ __device__ __forceinline__ void window_scores(const DecodeParams& p, const Windo
 #pragma unroll
     for (int k = 0; k < KSP; ++k) {
       const int ks = KSP * part + k;
-      const uint32_t a[4] = {window_h2(bf16_low(ka[2 * k]), bf16_high(ka[2 * k])),
-                             window_h2(bf16_low(kb[2 * k]), bf16_high(kb[2 * k])),
-                             window_h2(bf16_low(ka[2 * k + 1]), bf16_high(ka[2 * k + 1])),
-                             window_h2(bf16_low(kb[2 * k + 1]), bf16_high(kb[2 * k + 1]))};
+      const uint32_t a[4] = {window_h2(bf16_lo(ka[2 * k]), bf16_hi(ka[2 * k])),
+                             window_h2(bf16_lo(kb[2 * k]), bf16_hi(kb[2 * k])),
+                             window_h2(bf16_lo(ka[2 * k + 1]), bf16_hi(ka[2 * k + 1])),
+                             window_h2(bf16_lo(kb[2 * k + 1]), bf16_hi(kb[2 * k + 1]))};
       mma16816(sh[ks & 1], a, qh[ks][0], qh[ks][1]);
     }
   }
@@ -1270,10 +1268,10 @@ __device__ __forceinline__ void window_accumulate_v(const DecodeParams& p, const
 #pragma unroll
     for (int k = 0; k < VW; ++k) {
       const int mt = VW * part + k;
-      const uint32_t a[4] = {window_h2(bf16_low(v[0][k]), bf16_low(v[1][k])),
-                             window_h2(bf16_high(v[0][k]), bf16_high(v[1][k])),
-                             window_h2(bf16_low(v[2][k]), bf16_low(v[3][k])),
-                             window_h2(bf16_high(v[2][k]), bf16_high(v[3][k]))};
+      const uint32_t a[4] = {window_h2(bf16_lo(v[0][k]), bf16_lo(v[1][k])),
+                             window_h2(bf16_hi(v[0][k]), bf16_hi(v[1][k])),
+                             window_h2(bf16_lo(v[2][k]), bf16_lo(v[3][k])),
+                             window_h2(bf16_hi(v[2][k]), bf16_hi(v[3][k]))};
       mma16816(o[mt], a, ph0, ph1);
     }
   }

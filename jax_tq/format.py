@@ -379,8 +379,8 @@ def window_slot_mapping(window_ids, positions, seq_lens, window: int):
     if not _is_int(window) or window < 1:
         raise ValueError(f"window must be an int >= 1, got {window!r}")
     named = (("window_ids", window_ids), ("positions", positions), ("seq_lens", seq_lens))
-    xp = np if all(_array_module(a) is np for _, a in named) else _array_module(next(
-        a for _, a in named if _array_module(a) is not np))
+    modules = {_array_module(a) for _, a in named}
+    xp = np if modules == {np} else (modules - {np}).pop()
     arrays = []
     for name, a in named:
         a = xp.asarray(a)

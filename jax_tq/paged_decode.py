@@ -582,14 +582,15 @@ def _reference(*operands, k_bits, v_bits, scale, num_splits, f16_products):
 def _ffi(ctx, *operands, k_bits, v_bits, scale, num_splits, f16_products):
     q_aval = ctx.avals_in[0]
     num_seqs, num_heads, head_dim = q_aval.shape
+    window = not pu.has_zero_size(ctx.avals_in[9:10])
     if num_splits == 0:
         platform = _compat.lowering_platforms(ctx)[0]
         num_kv_heads, page_size = ctx.avals_in[2].shape[1], ctx.avals_in[2].shape[2]
         num_splits = choose_num_splits(platform, num_seqs, num_kv_heads, ctx.avals_in[7].shape[1],
                                        group=num_heads // num_kv_heads, page_size=page_size, head_dim=head_dim,
                                        k_bits=k_bits, v_bits=v_bits, f16_products=bool(f16_products),
-                                       window=not pu.has_zero_size(ctx.avals_in[9:10]))
-    partials = num_splits + (0 if pu.has_zero_size(ctx.avals_in[9:10]) else 1)  # + the window's
+                                       window=window)
+    partials = num_splits + (1 if window else 0)  # + the window's
     workspace = (
         _compat.ShapedArray((num_seqs, num_heads, partials, head_dim), jnp.float32),
         _compat.ShapedArray((num_seqs, num_heads, partials), jnp.float32),
