@@ -1545,19 +1545,79 @@ ffi::Error launch_gemm(const char* op, cudaStream_t stream, int d, const GemmPar
 // scaled_row_norm where the f32 sum of squares leaves its safe range), y = (Pi x) / ||x|| with Pi
 // applied as H D2 P H D1 (hadamard.cuh) instead of the dense product, the window row bf16(||x|| y),
 // then the fit as tq_fit_mma_kernel's: all kFitCandidates candidates at once (codes_k by
-// bucketize_fit, <y, c> and |c|^2 over the lane's coordinates, an xor butterfly over the warp), the
-// first k of the largest dot^2 / sq, its codes packed per 8-code group (format.h: LSB first, the
-// group's lanes OR their shifted codes together) and the norm slot ||x|| * dot / sq. grid.z selects
+// bucketize_fit_quad, <y, c> and |c|^2 over the lane's coordinates, a reduce-scatter over the warp
+// leaving one candidate's sums per lane), the first k of the largest dot^2 / sq (warp_best_fit),
+// its codes packed per 8-code group (format.h: LSB first, the group's lanes OR their shifted codes
+// together) and the norm slot ||x|| * dot / sq. grid.z selects
 // p0 / p1 (K and V). Persistent over rows.
 // =============================================================================================
 constexpr int kHadWarps = 4;
+
+// bucketize_fit with its last two levels from one 16-byte load of tb[pos .. pos + 3] (tb 16-byte
+// aligned; the same comparisons, so the same code).
+__device__ __forceinline__ uint32_t bucketize_fit_quad(float y, const float* tb, float b3, float b7, float b11) {
+  const bool hi = b7 < y;
+  int pos = hi ? 8 : 0;
+  pos += ((hi ? b11 : b3) < y) ? 4 : 0;
+  const float4 q = *reinterpret_cast<const float4*>(tb + pos);
+  const bool upper = q.y < y;  // tb[pos + 1] < y
+  return static_cast<uint32_t>(pos + (upper ? 2 : 0) + (((upper ? q.z : q.x) < y) ? 1 : 0));
+}
+
+// Reduce-scatter of N (dot, sq) pairs over the warp: at mask M the lanes with bit M set keep pairs
+// H .. N - 1 (H = ceil(N / 2); a missing pair is (0, 0)), the others 0 .. H - 1, each adding its
+// partner's copy of the pairs it keeps. Ends with one whole-warp pair per lane (dot, sq) and its
+// index k (lanes holding a missing pair get (0, 0)): 40 shuffles for 17 pairs instead of a
+// butterfly's 170.
+template <int N, int M>
+__device__ __forceinline__ void reduce_scatter_pairs(const float (&d)[N], const float (&s)[N], int lane, float& dot,
+                                                     float& sq, int& k) {
+  if constexpr (M == 0) {
+    static_assert(N == 1, "reduce_scatter_pairs: at most 32 pairs");
+    dot = d[0];
+    sq = s[0];
+  } else {
+    constexpr int H = (N + 1) / 2;
+    const bool upper = (lane & M) != 0;
+    float d2[H], s2[H];
+#pragma unroll
+    for (int i = 0; i < H; ++i) {
+      const int hi = i + H < N ? i + H : N - 1;
+      const float dh = i + H < N ? d[hi] : 0.f, sh = i + H < N ? s[hi] : 0.f;
+      d2[i] = (upper ? dh : d[i]) + __shfl_xor_sync(0xffffffffu, upper ? d[i] : dh, M);
+      s2[i] = (upper ? sh : s[i]) + __shfl_xor_sync(0xffffffffu, upper ? s[i] : sh, M);
+    }
+    if (upper) k += H;
+    reduce_scatter_pairs<H, M / 2>(d2, s2, lane, dot, sq, k);
+  }
+}
+
+// The first k of the largest dot_k^2 / sq_k over the warp's pairs (a NaN gain, e.g. a missing pair's
+// 0 / 0, never wins): every lane gets k and dot_k / sq_k. (gain, k) is a total order, so the xor
+// butterfly ends with the same winner in every lane.
+__device__ __forceinline__ void warp_best_fit(float dot, float sq, int& k, float& ratio) {
+  float gain = dot * dot / sq;
+  if (!(gain >= 0.f)) gain = -1.f;
+  ratio = dot / sq;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const float og = __shfl_xor_sync(0xffffffffu, gain, o);
+    const int ok = __shfl_xor_sync(0xffffffffu, k, o);
+    const float orat = __shfl_xor_sync(0xffffffffu, ratio, o);
+    if (og > gain || (og == gain && ok < k)) {
+      gain = og;
+      k = ok;
+      ratio = orat;
+    }
+  }
+}
 
 template <int D>
 __global__ void __launch_bounds__(kHadWarps * 32) tq_fit_hadamard_kernel(const GemmParams p0, const GemmParams p1) {
   const GemmParams p = blockIdx.z == 0 ? p0 : p1;
   constexpr int C = D / 32;  // coordinates per lane
   constexpr int LPG = 8 / C;  // lanes per 8-code group
-  __shared__ float fit_tab[kFitCandidates * 16];
+  __shared__ __align__(16) float fit_tab[kFitCandidates * 16];
   __shared__ float cent_s[16];
   __shared__ float buf_s[kHadWarps][D];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -1610,37 +1670,21 @@ __global__ void __launch_bounds__(kHadWarps * 32) tq_fit_hadamard_kernel(const G
       sq[k] = 0.f;
 #pragma unroll
       for (int j = 0; j < C; ++j) {
-        const float c = cent_s[bucketize_fit(y[j], tb, b3, b7, b11)];
+        const float c = cent_s[bucketize_fit_quad(y[j], tb, b3, b7, b11)];
         dot[k] = fmaf(y[j], c, dot[k]);
         sq[k] = fmaf(c, c, sq[k]);
       }
     }
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-#pragma unroll
-      for (int k = 0; k < kFitCandidates; ++k) {
-        dot[k] += __shfl_xor_sync(0xffffffffu, dot[k], o);
-        sq[k] += __shfl_xor_sync(0xffffffffu, sq[k], o);
-      }
-    }
-    float best_gain = -1.f, best_dot = 0.f, best_sq = 1.f;
+    float pair_dot, pair_sq, ratio;
     int best_k = 0;
-#pragma unroll
-    for (int k = 0; k < kFitCandidates; ++k) {
-      const float gain = dot[k] * dot[k] / sq[k];
-      if (gain > best_gain) {  // strictly: the first k keeps a tie (NaN never wins)
-        best_gain = gain;
-        best_dot = dot[k];
-        best_sq = sq[k];
-        best_k = k;
-      }
-    }
+    reduce_scatter_pairs<kFitCandidates, 16>(dot, sq, lane, pair_dot, pair_sq, best_k);
+    warp_best_fit(pair_dot, pair_sq, best_k, ratio);
     const float* tb = fit_tab + 16 * best_k;
     const float b3 = tb[3], b7 = tb[7], b11 = tb[11];
     uint32_t group = 0;  // this lane's codes at their places in its 8-code group word
 #pragma unroll
     for (int j = 0; j < C; ++j)
-      group |= bucketize_fit(y[j], tb, b3, b7, b11) << (bits * (C * (lane % LPG) + j));
+      group |= bucketize_fit_quad(y[j], tb, b3, b7, b11) << (bits * (C * (lane % LPG) + j));
 #pragma unroll
     for (int o = 1; o < LPG; o <<= 1) group |= __shfl_xor_sync(0xffffffffu, group, o);
     const int64_t row = dest_row(p, n);
@@ -1649,7 +1693,7 @@ __global__ void __launch_bounds__(kHadWarps * 32) tq_fit_hadamard_kernel(const G
         uint8_t* dst = p.codes + row * pb + (lane / LPG) * bits;  // bits bytes per group
         store_group(dst, group, bits);
       }
-      if (lane == 0) p.norms[row] = nrm * (best_dot / best_sq);  // 0 for a zero vector
+      if (lane == 0) p.norms[row] = nrm * ratio;  // 0 for a zero vector
     }
   }
 }

@@ -172,7 +172,8 @@ def test_fit_compress_on_the_gpu_matches_the_float64_oracle(request, rng, head_d
 def test_gpu_write_cache_of_hadamard_codecs_matches_the_float64_oracle(request, rng, head_dim, bits, dtype):
     """write_cache of fitted Hadamard codecs rotates by the fast transform on the GPU (the codecs'
     spec words): every written token's codes and scale as the float64 oracle's (ties aside), its
-    window row bf16(Pi x); zero, one-spike, huge and tiny vectors; skipped slots."""
+    window row bf16(Pi x); zero, one-spike, huge and tiny vectors; skipped slots (token 5's window
+    entry is left as it was: a padding token writes neither)."""
     k_codec = tq.TurboQuant(head_dim, bits[0], int(rng.integers(1000)), "hadamard", "fit")
     v_codec = tq.TurboQuant(head_dim, bits[1], int(rng.integers(1000)), "hadamard", "fit")
     num_tokens, heads, page = 200, 2, 16
@@ -207,9 +208,12 @@ def test_gpu_write_cache_of_hadamard_codecs_matches_the_float64_oracle(request, 
         np.testing.assert_allclose(got_scale[same], want_scale[ok][same], rtol=2e-5)
         assert np.all(got_scale[[0, 1]] == 0.0)  # token 0: zero vectors
         entries = np.repeat(window_slots, heads)
-        wok = entries >= 0
+        wok = (entries >= 0) & ok  # a token with no page slot (padding) writes no window row either
         want_rows = rows @ np.asarray(codec.rotation, np.float64).T
         got_rows = np.asarray(window, np.float64)[entries[wok] // 64, head[wok], entries[wok] % 64]
         scale = np.abs(want_rows[wok]).max(-1, keepdims=True)
         np.testing.assert_allclose(got_rows / np.where(scale > 0, scale, 1), want_rows[wok] / np.where(scale > 0, scale, 1),
                                    atol=1e-2)
+        before = np.asarray(cache.k_window if which == 0 else cache.v_window)
+        padding = window_slots[5]
+        np.testing.assert_array_equal(np.asarray(window)[padding // 64, :, padding % 64], before[padding // 64, :, padding % 64])
