@@ -126,13 +126,15 @@ def test_uncompressed_forward_matches_numpy_reference(tiny):
     np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
 
 
-@pytest.mark.parametrize("bits", [(4, 4), (2, 3)])
-def test_compressed_eval_matches_decode_steps(tiny, bits):
-    """Batched evaluation path == token-by-token jitted decode steps, at every position."""
+@pytest.mark.parametrize("bits,window", [((4, 4), 0), ((2, 3), 0), ((2, 2), 5)])
+def test_compressed_eval_matches_decode_steps(tiny, bits, window):
+    """Batched evaluation path == token-by-token jitted decode steps, at every position (with a
+    window: each row's last 5 tokens exact on both paths)."""
     ids = np.random.default_rng(2).integers(0, TINY.vocab_size, 21).astype(np.int32)
     ps, n_pages = 4, 6
     table = np.array([5, 0, 3, 1, 4, 2], np.int32)
-    caches = init_caches(TINY, *bits, num_pages=n_pages, page_size=ps, seed=3)
+    fmt = dict(window=window, num_windows=2, scale="fit", rotation="hadamard") if window else {}
+    caches = init_caches(TINY, *bits, num_pages=n_pages, page_size=ps, seed=3, **fmt)
     eval_logits, _ = forward_compressed(tiny, ids, caches, table)
     eval_logits = np.asarray(eval_logits)
 
@@ -140,7 +142,7 @@ def test_compressed_eval_matches_decode_steps(tiny, bits):
     # sequence so that cross-talk between block tables would show up.
     other = np.random.default_rng(3).integers(0, TINY.vocab_size, 21).astype(np.int32)
     tables = np.stack([table, table + n_pages])
-    caches = init_caches(TINY, *bits, num_pages=2 * n_pages, page_size=ps, seed=3)
+    caches = init_caches(TINY, *bits, num_pages=2 * n_pages, page_size=ps, seed=3, **fmt)
     step = make_decode_step(tiny)
     dec = []
     for t in range(len(ids)):
@@ -151,7 +153,7 @@ def test_compressed_eval_matches_decode_steps(tiny, bits):
     np.testing.assert_allclose(dec[:, 0], eval_logits, atol=2e-4, rtol=1e-4)
     assert (dec[:, 0].argmax(-1) == eval_logits.argmax(-1)).all()
     # Row 1 must equal running its sequence alone.
-    caches = init_caches(TINY, *bits, num_pages=n_pages, page_size=ps, seed=3)
+    caches = init_caches(TINY, *bits, num_pages=n_pages, page_size=ps, seed=3, **fmt)
     other_logits, _ = forward_compressed(tiny, other, caches, table)
     np.testing.assert_allclose(dec[:, 1], np.asarray(other_logits), atol=2e-4, rtol=1e-4)
 

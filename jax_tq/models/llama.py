@@ -335,10 +335,18 @@ def row_windows(cache, before, k, v, start: int, window_id):
 
     W = cache.window
     T = k.shape[0]
-    scratch_shape = (1, cache.num_kv_heads, T, cache.head_dim)
-    scratch = dataclasses.replace(before, k_window=jnp.zeros(scratch_shape, jnp.bfloat16),
-                                  v_window=jnp.zeros(scratch_shape, jnp.bfloat16))
-    written = tq.write_cache(scratch, k, v, jnp.full((T,), -1, jnp.int32), jnp.arange(T, dtype=jnp.int32))
+    # A scratch cache of T page slots and T window entries: write_cache writes a token's window row
+    # only with its page slot (a token without one is padding), so the scratch pages take them.
+    def pools(codes, norms, window):
+        return (jnp.zeros((T, codes.shape[1], 1, codes.shape[3]), codes.dtype),
+                jnp.zeros((T, norms.shape[1], 1), norms.dtype), jnp.zeros((1,) + window.shape[1:2] + (T,) + window.shape[3:], window.dtype))
+
+    k_codes, k_norms, k_window = pools(before.k_codes, before.k_norms, before.k_window)
+    v_codes, v_norms, v_window = pools(before.v_codes, before.v_norms, before.v_window)
+    scratch = dataclasses.replace(before, k_codes=k_codes, k_norms=k_norms, v_codes=v_codes, v_norms=v_norms,
+                                  k_window=k_window, v_window=v_window)
+    slots = jnp.arange(T, dtype=jnp.int32)
+    written = tq.write_cache(scratch, k, v, slots, slots)
     # Rows of positions start - W .. start + T - 1: the ring's (entries p % W) then this call's.
     earlier = (start - W + jnp.arange(W)) % W
     seq_k = jnp.concatenate([before.k_window[window_id][:, earlier], written.k_window[0]], axis=1)
