@@ -401,7 +401,8 @@ def check_gpu_decode_with_a_window(request, rng, head_dim, rotation, group, bits
                 keys, values, valid = sequence_tokens(cache, tables[s], seq_lens[s], ids[s])
                 want = attend_f64(np.asarray(jnp.asarray(q[s], dtype), np.float64), keys, values, valid,
                                   1 / np.sqrt(head_dim))
-                tol = 2e-3 if dtype == jnp.bfloat16 else 2e-5
+                # bf16 output: its rounding alone is 1.5-1.9e-3 norm-wise (48 seeds x 4 cases on the H200)
+                tol = 3e-3 if dtype == jnp.bfloat16 else 2e-5
                 assert (rel_err(out[s], want) < tol) if valid.any() else np.all(np.asarray(out[s]) == 0), (s, splits)
 
 
