@@ -280,6 +280,27 @@ __device__ __forceinline__ void store_group(uint8_t* dst, uint32_t w, int bits) 
   }
 }
 
+// bucketize16 with its first two levels from registers (b3, b7, b11 = tb[3], tb[7], tb[11]) and
+// its last two from one 16-byte load of tb[pos .. pos + 3] (tb 16-byte aligned): the same
+// comparisons, so the same code.
+__device__ __forceinline__ uint32_t bucketize_fit(float y, const float* tb, float b3, float b7, float b11) {
+  const bool hi = b7 < y;
+  int pos = hi ? 8 : 0;
+  pos += ((hi ? b11 : b3) < y) ? 4 : 0;
+  const float4 q = *reinterpret_cast<const float4*>(tb + pos);
+  const bool upper = q.y < y;  // tb[pos + 1] < y
+  return static_cast<uint32_t>(pos + (upper ? 2 : 0) + (((upper ? q.z : q.x) < y) ? 1 : 0));
+}
+
+// fit_tab[16 k + i] = fl32(s_k * b_i) for the kFitCandidates pre-scalings, INFINITY past the last
+// boundary (format.h fit_boundary), filled by the CTA's nthreads threads.
+__device__ __forceinline__ void fill_fit_table(float* fit_tab, const float* cent, int ncent, int tid, int nthreads) {
+  for (int e = tid; e < kFitCandidates * 16; e += nthreads) {
+    const int k = e >> 4, i = e & 15;
+    fit_tab[e] = i < ncent - 1 ? fit_boundary(cent, k, i) : INFINITY;
+  }
+}
+
 // FIT (compress only, DECOMP false): the fitted scale (format.h "Fitted scale"); fit_tab: shared
 // [kFitCandidates][16] scaled boundaries (each padded with +inf), filled here. Otherwise nullptr.
 template <int D, int VPT, bool DECOMP, bool FIT = false>
@@ -310,12 +331,7 @@ __device__ __forceinline__ void tq_gemm_body(const GemmParams& p, float* fit_tab
     // boundary_i = (c_i + c_{i+1}) / 2 in float32, as format.h / the reference.
     bnd_s[tid] = tid < ncent - 1 ? (p.cent[tid] + p.cent[tid + 1]) * 0.5f : INFINITY;
   }
-  if constexpr (FIT) {  // fl32(s_k * b_i), as format.h fit_boundary
-    for (int e = tid; e < kFitCandidates * 16; e += kThreads) {
-      const int k = e >> 4, i = e & 15;
-      fit_tab[e] = i < ncent - 1 ? fit_boundary(p.cent, k, i) : INFINITY;
-    }
-  }
+  if constexpr (FIT) fill_fit_table(fit_tab, p.cent, ncent, tid, kThreads);
 
   // ---- prologue ------------------------------------------------------------------------------
   if constexpr (!DECOMP) {
@@ -613,7 +629,7 @@ __global__ void __launch_bounds__(kThreads) tq_gemm_kernel(const GemmParams p) {
 // in one launch).
 template <int D, int VPT>
 __global__ void __launch_bounds__(kThreads) tq_fit_kernel(const GemmParams p0, const GemmParams p1) {
-  __shared__ float fit_tab[kFitCandidates * 16];
+  __shared__ __align__(16) float fit_tab[kFitCandidates * 16];
   const GemmParams p = blockIdx.z == 0 ? p0 : p1;
   tq_gemm_body<D, VPT, false, true>(p, fit_tab);
 }
@@ -1083,18 +1099,6 @@ struct FitLayout {
   static_assert(YST % 2 == 0 && YST % 32 == TPR % 32 && CST % 8 == 0 && c_off % 16 == 0, "layout");
 };
 
-// bucketize16 with its first two levels from registers: b3, b7, b11 = tb[3], tb[7], tb[11]
-// (the same comparisons, so the same code).
-__device__ __forceinline__ uint32_t bucketize_fit(float y, const float* tb, float b3, float b7,
-                                                  float b11) {
-  const bool hi = b7 < y;
-  int pos = hi ? 8 : 0;
-  pos += ((hi ? b11 : b3) < y) ? 4 : 0;
-  pos += (tb[pos + 1] < y) ? 2 : 0;
-  pos += (tb[pos] < y) ? 1 : 0;
-  return static_cast<uint32_t>(pos);
-}
-
 template <int D, int XT, int RF>
 __global__ void __launch_bounds__(FitGeom<D>::kThr)
     tq_fit_mma_kernel(const GemmParams p0, const GemmParams p1) {
@@ -1113,7 +1117,7 @@ __global__ void __launch_bounds__(FitGeom<D>::kThr)
   float* y_s = reinterpret_cast<float*>(smem + L::y_off);
   uint8_t* codes_s = smem + L::c_off;
   __shared__ float cent_s[16];
-  __shared__ float fit_tab[kFitCandidates * 16];
+  __shared__ __align__(16) float fit_tab[kFitCandidates * 16];
   __shared__ float nrm_s[16];
 
   const int tid = threadIdx.x;
@@ -1148,10 +1152,7 @@ __global__ void __launch_bounds__(FitGeom<D>::kThr)
   load_unit(u);
 
   if (tid < 16) cent_s[tid] = tid < ncent ? p.cent[tid] : 0.f;
-  for (int e = tid; e < kFitCandidates * 16; e += kThr) {  // fl32(s_k * b_i), as format.h
-    const int k = e >> 4, i = e & 15;
-    fit_tab[e] = i < ncent - 1 ? fit_boundary(p.cent, k, i) : INFINITY;
-  }
+  fill_fit_table(fit_tab, p.cent, ncent, tid, kThr);
   // Bt[o][k] = Pi[o][k], all d rows, split into bf16 hi / lo; kBatch float4 loads in flight.
   {
     constexpr int kPi = D * (D / 4);
@@ -1545,24 +1546,13 @@ ffi::Error launch_gemm(const char* op, cudaStream_t stream, int d, const GemmPar
 // scaled_row_norm where the f32 sum of squares leaves its safe range), y = (Pi x) / ||x|| with Pi
 // applied as H D2 P H D1 (hadamard.cuh) instead of the dense product, the window row bf16(||x|| y),
 // then the fit as tq_fit_mma_kernel's: all kFitCandidates candidates at once (codes_k by
-// bucketize_fit_quad, <y, c> and |c|^2 over the lane's coordinates, a reduce-scatter over the warp
+// bucketize_fit, <y, c> and |c|^2 over the lane's coordinates, a reduce-scatter over the warp
 // leaving one candidate's sums per lane), the first k of the largest dot^2 / sq (warp_best_fit),
 // its codes packed per 8-code group (format.h: LSB first, the group's lanes OR their shifted codes
 // together) and the norm slot ||x|| * dot / sq. grid.z selects
 // p0 / p1 (K and V). Persistent over rows.
 // =============================================================================================
 constexpr int kHadWarps = 4;
-
-// bucketize_fit with its last two levels from one 16-byte load of tb[pos .. pos + 3] (tb 16-byte
-// aligned; the same comparisons, so the same code).
-__device__ __forceinline__ uint32_t bucketize_fit_quad(float y, const float* tb, float b3, float b7, float b11) {
-  const bool hi = b7 < y;
-  int pos = hi ? 8 : 0;
-  pos += ((hi ? b11 : b3) < y) ? 4 : 0;
-  const float4 q = *reinterpret_cast<const float4*>(tb + pos);
-  const bool upper = q.y < y;  // tb[pos + 1] < y
-  return static_cast<uint32_t>(pos + (upper ? 2 : 0) + (((upper ? q.z : q.x) < y) ? 1 : 0));
-}
 
 // Reduce-scatter of N (dot, sq) pairs over the warp: at mask M the lanes with bit M set keep pairs
 // H .. N - 1 (H = ceil(N / 2); a missing pair is (0, 0)), the others 0 .. H - 1, each adding its
@@ -1624,10 +1614,7 @@ __global__ void __launch_bounds__(kHadWarps * 32) tq_fit_hadamard_kernel(const G
   const int bits = p.bits;
   const int ncent = 1 << bits;
   if (tid < 16) cent_s[tid] = tid < ncent ? p.cent[tid] : 0.f;
-  for (int e = tid; e < kFitCandidates * 16; e += kHadWarps * 32) {  // fl32(s_k * b_i), as format.h
-    const int k = e >> 4, i = e & 15;
-    fit_tab[e] = i < ncent - 1 ? fit_boundary(p.cent, k, i) : INFINITY;
-  }
+  fill_fit_table(fit_tab, p.cent, ncent, tid, kHadWarps * 32);
   uint32_t w[C];
 #pragma unroll
   for (int j = 0; j < C; ++j) w[j] = static_cast<uint32_t>(__ldg(p.rot_spec + C * lane + j));
@@ -1670,7 +1657,7 @@ __global__ void __launch_bounds__(kHadWarps * 32) tq_fit_hadamard_kernel(const G
       sq[k] = 0.f;
 #pragma unroll
       for (int j = 0; j < C; ++j) {
-        const float c = cent_s[bucketize_fit_quad(y[j], tb, b3, b7, b11)];
+        const float c = cent_s[bucketize_fit(y[j], tb, b3, b7, b11)];
         dot[k] = fmaf(y[j], c, dot[k]);
         sq[k] = fmaf(c, c, sq[k]);
       }
@@ -1684,7 +1671,7 @@ __global__ void __launch_bounds__(kHadWarps * 32) tq_fit_hadamard_kernel(const G
     uint32_t group = 0;  // this lane's codes at their places in its 8-code group word
 #pragma unroll
     for (int j = 0; j < C; ++j)
-      group |= bucketize_fit_quad(y[j], tb, b3, b7, b11) << (bits * (C * (lane % LPG) + j));
+      group |= bucketize_fit(y[j], tb, b3, b7, b11) << (bits * (C * (lane % LPG) + j));
 #pragma unroll
     for (int o = 1; o < LPG; o <<= 1) group |= __shfl_xor_sync(0xffffffffu, group, o);
     const int64_t row = dest_row(p, n);

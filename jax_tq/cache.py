@@ -304,8 +304,9 @@ def write_cache(cache: PagedKVCache, k, v, slot_mapping, window_slots=None) -> P
       k, v: [num_tokens, num_kv_heads, head_dim] float32/bfloat16/float16.
       slot_mapping: int32 [num_tokens]; token i goes to page slot_mapping[i] // page_size at offset
         slot_mapping[i] % page_size. Negative slots (padding) and slots >= num_pages * page_size are
-        skipped; a padding token (negative slot) is not written to the window either. Tokens that share a slot leave one of them (unspecified; under differentiation the
-        last one, and the gradient follows the stored token).
+        skipped; a padding token (negative slot) is not written to the window either. Tokens that
+        share a slot leave one of them (unspecified; under differentiation the last one, and the
+        gradient follows the stored token).
       window_slots: int32 [num_tokens], required when the cache has a window (else must be None):
         token i's ring entry ``w * window + position % window`` (w its sequence's window id), or -1
         to skip it; :func:`jax_tq.window_slot_mapping` makes it from window ids, positions and

@@ -335,16 +335,15 @@ def row_windows(cache, before, k, v, start: int, window_id):
 
     W = cache.window
     T = k.shape[0]
-    # A scratch cache of T page slots and T window entries: write_cache writes a token's window row
-    # only with its page slot (a token without one is padding), so the scratch pages take them.
-    def pools(codes, norms, window):
-        return (jnp.zeros((T, codes.shape[1], 1, codes.shape[3]), codes.dtype),
-                jnp.zeros((T, norms.shape[1], 1), norms.dtype), jnp.zeros((1,) + window.shape[1:2] + (T,) + window.shape[3:], window.dtype))
+    # A scratch cache of T page slots (page size 1) and T window entries: write_cache writes a
+    # token's window row only with its page slot (a token without one is padding).
+    def pool(codes):
+        return jnp.zeros((T, cache.num_kv_heads, 1, codes.shape[-1]), jnp.uint8)
 
-    k_codes, k_norms, k_window = pools(before.k_codes, before.k_norms, before.k_window)
-    v_codes, v_norms, v_window = pools(before.v_codes, before.v_norms, before.v_window)
-    scratch = dataclasses.replace(before, k_codes=k_codes, k_norms=k_norms, v_codes=v_codes, v_norms=v_norms,
-                                  k_window=k_window, v_window=v_window)
+    norms = jnp.zeros((T, cache.num_kv_heads, 1), jnp.float32)
+    window = jnp.zeros((1, cache.num_kv_heads, T, cache.head_dim), jnp.bfloat16)
+    scratch = dataclasses.replace(before, k_codes=pool(before.k_codes), k_norms=norms, v_codes=pool(before.v_codes),
+                                  v_norms=norms, k_window=window, v_window=window)
     slots = jnp.arange(T, dtype=jnp.int32)
     written = tq.write_cache(scratch, k, v, slots, slots)
     # Rows of positions start - W .. start + T - 1: the ring's (entries p % W) then this call's.
