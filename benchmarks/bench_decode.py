@@ -341,7 +341,7 @@ def table_rows(shape, rows, bw_host, bw_dev):
     t_xla = next((t for r, t in zip(rows, times) if r[0].endswith(" xla")), NAN)
     lines = []
     for (name, med, best, dev, nbytes), t in zip(rows, times):
-        chain = name == CHAIN_ROW  # no bytes of its own: no bandwidth, no speedup
+        chain = name == CHAIN_ROW or not t > 0  # no bytes of its own (or no time taken): no bandwidth, no speedup
         line = dict(shape=shape, impl=name, us=med * 1e6, best_us=best * 1e6, dev_us=dev * 1e6, mb=nbytes / 1e6,
                     gbs=NAN if chain else nbytes / t / 1e9, pct=NAN if chain else 100 * nbytes / t / bw,
                     vs_cudnn=NAN if chain else t_cudnn / t, vs_xla=NAN if chain else t_xla / t)

@@ -1,4 +1,4 @@
-"""Where the head_dim-128 split kernel's time goes: v4's phase trace (JAX_TQ_TRACE_PHASES=1).
+"""Where the head_dim-128 decode kernel's time goes: the float16 tensor-core kernel's phase trace.
 
 For each warp of each CTA of one decode call the kernel records %globaltimer (and %smid) at its
 start, when its first small reads have landed, when q is staged and its first copies are issued,
@@ -10,7 +10,8 @@ epilogue step, the spread of the warps' loop ends inside a CTA, and how the CTAs
 their SM (whether the two CTAs of an SM end alike). A diagnostic of a GPU build
 (benchmarks/profile_kernels.py's inputs, Hadamard codecs). The timer ticks in ~0.26 us steps.
 
-Usage: JAX_TQ_TRACE_PHASES=1 python3 benchmarks/phase_trace.py [32x8192[:splits] ...]
+Usage (a build with the trace: JAX_TQ_TRACE_PHASES=ON pip install --no-build-isolation -e .):
+  python3 benchmarks/phase_trace.py [32x8192[:splits] ...]
 """
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def report(stamps, sm_ids):
     t = np.where(warps_written[written][..., None], stamps[written].astype(np.float64), np.nan)
     sm = sm_ids[written]
     if not len(t):
-        print("  no trace written (a non-v4 kernel, or JAX_TQ_TRACE_PHASES unset)")
+        print("  no trace written (another kernel than the float16 tensor-core one)")
         return
     t = (t - np.nanmin(t[:, :, 0])) / 1e3  # us from the first CTA's start
     start, end = np.nanmin(t[:, :, 0], axis=1), np.nanmax(t[:, :, -1], axis=1)
@@ -87,8 +88,8 @@ def report(stamps, sm_ids):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("shapes", nargs="*", default=["32x8192"], help="NUM_SEQSxSEQ_LEN[:NUM_SPLITS]")
-    if os.environ.get("JAX_TQ_TRACE_PHASES") != "1":
-        raise SystemExit("set JAX_TQ_TRACE_PHASES=1")
+    if not hasattr(_ffi.cuda_module(), "phase_trace"):
+        raise SystemExit("this build has no phase trace: reinstall with JAX_TQ_TRACE_PHASES=ON")
     for spec in ap.parse_args().shapes:
         shape, _, splits = spec.partition(":")
         num_seqs, seq_len = (int(v) for v in shape.split("x"))

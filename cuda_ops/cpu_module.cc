@@ -48,7 +48,7 @@ ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q_rot, ffi::Buffer<ffi::U8> k_c
                            ffi::Result<ffi::Buffer<ffi::F32>> partial_out,
                            ffi::Result<ffi::Buffer<ffi::F32>> partial_lse, int32_t k_bits,
                            int32_t v_bits, int32_t num_splits, float scale,
-                           int32_t f16_products);
+                           int32_t f16_products, int32_t kernel);
 ffi::Error QjlCompressImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> rotation,
                            ffi::Buffer<ffi::F32> centroids, ffi::Buffer<ffi::F32> sketch,
                            ffi::Result<ffi::Buffer<ffi::U8>> codes,
@@ -93,6 +93,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTqQjlScoresCpu, jax_tq::cpu::QjlScoresImpl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTqPagedPrefillCpu, jax_tq::cpu::PagedPrefillImpl,
                               jax_tq::ffi_checks::BindPagedPrefill(ffi::Ffi::Bind()));
 
+namespace {
+// DeviceCaps of a GPU described by a dict (see plan_decode's doc below).
+jax_tq::DeviceCaps DescribedGpu(const py::object& device) {
+  const py::dict d = device.cast<py::dict>();
+  jax_tq::DeviceCaps caps;
+  caps.cuda = true;
+  caps.sm_count = d["sm_count"].cast<int64_t>();
+  caps.f32_ctas_per_sm = d["f32_ctas_per_sm"].cast<int64_t>();
+  caps.f16_ctas_per_sm = d["f16_ctas_per_sm"].cast<int64_t>();
+  const bool ring = d["ring_fits"].cast<bool>(), items = d["items_fit"].cast<bool>();
+  caps.ring_fits = [ring, items](int, int, int, int, int, int n) { return n > 1 ? items : ring; };
+  return caps;
+}
+}  // namespace
+
 PYBIND11_MODULE(_cpu_ops, m) {
   m.doc() = "jax_tq CPU XLA FFI handlers";
   m.def("registrations", []() {
@@ -102,4 +117,12 @@ PYBIND11_MODULE(_cpu_ops, m) {
   });
   m.def("ffi_api_version", &jax_tq::FfiApiVersion,
         "(major, minor) of the XLA FFI API in the headers this module was compiled against.");
+  jax_tq::DefPlanDecode(
+      m,
+      [](const jax_tq::DecodeProblem& problem, py::object device) {
+        return jax_tq::plan_decode(problem, device.is_none() ? jax_tq::DeviceCaps{} : DescribedGpu(device));
+      },
+      "The decode plan of the CPU kernel (device=None), or of the CUDA kernels on a GPU described by `device`: "
+      "{'sm_count', 'f32_ctas_per_sm', 'f16_ctas_per_sm', 'ring_fits', 'items_fit'} (the last two: bool, whether "
+      "the float16 kernel's ring variants keep their residency), for tests of GPU plans on any machine.");
 }

@@ -2,8 +2,8 @@
 // handlers (compress.cu, paged_decode.cu, paged_prefill.cu, qjl.cu), registered by jax_tq/_ffi.py with platform="CUDA".
 // Target names, operands, results and attributes are those of the CPU module (docs/DESIGN.md).
 // Also device_info() -> {"sm_count", "l2_bytes", "name", "cc_major", "cc_minor",
-// "max_smem_per_block_optin"} for device 0 (used to choose the split-K count), and
-// ring_fits(head_dim, k_bits, v_bits) (a diagnostic for the GPU tests).
+// "max_smem_per_block_optin", "max_smem_per_sm"} for a device, plan_decode(...) (the decode plan on
+// the current device) and, in builds with JAX_TQ_TRACE_PHASES=ON, phase_trace().
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -33,16 +33,11 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxTqPagedPrefillCuda);
 #endif
 
 namespace jax_tq::cuda {
-// paged_decode.cu: whether v4's ring kernel for (head_dim, K bits, V bits) keeps 2 CTAs per SM on
-// the current device (head_dim 256: its warp pairs): 1 yes, 0 no (the handler then runs the
-// register variant, or v1 at head_dim 256), -1 no such ring kernel.
-int RingFitsOnDevice(int head_dim, int k_bits, int v_bits);
-// Whether v4's kernel of `items` (2, 4 or 8) work items per CTA (head_dim 128, K4V4: one CTA of 16
-// warps per SM) fits on the current device: 1 yes, 0 no (the handler runs the ring kernel of one
-// item per CTA), -1 not built or no such kernel.
-int ItemsFitOnDevice(int items);
+DecodePlan PlanDecodeOnDevice(const DecodeProblem& problem);  // paged_decode.cu
+#ifdef JTQ_TRACE_PHASES
 bool ReadPhaseTrace(unsigned long long* dst);
 int PhaseTraceWords();
+#endif
 }  // namespace jax_tq::cuda
 
 PYBIND11_MODULE(_cuda_ops, m) {
@@ -74,6 +69,14 @@ PYBIND11_MODULE(_cuda_ops, m) {
         return d;
       },
       py::arg("device") = 0);
+  jax_tq::DefPlanDecode(
+      m,
+      [](const jax_tq::DecodeProblem& problem, py::object device) {
+        if (!device.is_none()) throw py::value_error("_cuda_ops.plan_decode plans for the current device: device=None");
+        return jax_tq::cuda::PlanDecodeOnDevice(problem);
+      },
+      "The decode plan on the current device (jax_tq/decode_plan.h).");
+#ifdef JTQ_TRACE_PHASES
   m.def("phase_trace", []() {
     std::string buf(static_cast<size_t>(jax_tq::cuda::PhaseTraceWords()) * 8, '\0');
     if (!jax_tq::cuda::ReadPhaseTrace(reinterpret_cast<unsigned long long*>(buf.data()))) {
@@ -81,12 +84,7 @@ PYBIND11_MODULE(_cuda_ops, m) {
       throw std::runtime_error("jax_tq._cuda_ops.phase_trace: CUDA error");
     }
     return py::bytes(buf);
-  }, "v4's phase trace (JAX_TQ_TRACE_PHASES=1): uint64 [2048 CTAs][8 warps][10 stamps][globaltimer ns, SM id], "
-     "then zeroed (a diagnostic for benchmarks/phase_trace.py).");
-  m.def("ring_fits", &jax_tq::cuda::RingFitsOnDevice, py::arg("head_dim"), py::arg("k_bits"), py::arg("v_bits"),
-        "Whether v4's ring decode kernel for these widths keeps 2 CTAs per SM on the current device: 1 yes, "
-        "0 no (the decode then runs a slower kernel), -1 no ring kernel for them.");
-  m.def("items_fit", &jax_tq::cuda::ItemsFitOnDevice, py::arg("items") = 2,
-        "Whether v4's kernel of `items` (2, 4 or 8) work items per CTA (head_dim 128, K4V4, 16 warps) fits on the "
-        "current device: 1 yes, 0 no (the decode then runs one item per CTA), -1 not built or no such kernel.");
+  }, "The float16 tensor-core kernel's phase trace (builds with JAX_TQ_TRACE_PHASES=ON): uint64 [2048 CTAs][8 "
+     "warps][10 stamps][globaltimer ns, SM id], then zeroed (a diagnostic for benchmarks/phase_trace.py).");
+#endif
 }

@@ -76,7 +76,8 @@ ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q_rot, ffi::Buffer<ffi::U8> k_c
                            ffi::Result<ffi::Buffer<ffi::F32>> partial_out,
                            ffi::Result<ffi::Buffer<ffi::F32>> partial_lse, int32_t k_bits,
                            int32_t v_bits, int32_t num_splits, float scale,
-                           int32_t /*f16_products: the CPU kernel always computes in float64*/) {
+                           int32_t /*f16_products: the CPU kernel always computes in float64*/,
+                           int32_t /*kernel: a CUDA kernel family, nothing to choose here*/) {
   // ---- validation --------------------------------------------------------
   static constexpr ffi_checks::Op op{"jax_tq_paged_decode", ffi_checks::kCpuTag};
   ffi_checks::DecodeDims dims;

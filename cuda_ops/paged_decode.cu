@@ -1,5 +1,14 @@
 // CUDA XLA FFI handler for jax_tq_paged_decode (see docs/DESIGN.md).
 //
+// The kernel, its variant and the split count come from plan_decode (jax_tq/decode_plan.h), the
+// planner jax_tq also calls when it traces the call. Three kernel families:
+//   CUDA-core (decode_cuda_core_kernel below): float32 math, every head_dim and width;
+//   tensor-core float32-accurate (paged_decode_mma.cuh, v3::decode_tc_f32_kernel): hi / lo
+//     float16 splits, head_dim 64 / 128, for calls that ask for float32-accurate products;
+//   tensor-core float16 (v3::decode_tc_f16_kernel): 8 warps per CTA, tiles in registers or (where
+//     it fits) in a per-warp cp.async ring, several work items per CTA at head_dim 128 K4V4; also
+//     head_dim 80 / 96 (padded rows), 192 / 256 (warp pairs) on its ring.
+// The CUDA-core kernel's structure:
 // Two launches on the stream, or one (one split, no window or a folded one), or three (a window the
 // split kernel does not fold: the window-partial kernel first). A recent-token window (W > 0) is
 // folded into the tensor-core v4 kernel's tile loop wherever v4 runs (head_dim 64 / 128, f16
@@ -36,15 +45,17 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cfloat>
 #include <cmath>
-#include <cstdlib>
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 #include <type_traits>
 
 #include "jax_tq/cuda_launch.h"
+#include "jax_tq/decode_plan.h"
 #include "jax_tq/ffi_checks.h"
 #include "jax_tq/format.h"
 #include "xla/ffi/api/ffi.h"
@@ -329,22 +340,26 @@ __host__ __device__ __forceinline__ bool writes_partials(const DecodeParams& p) 
   return p.num_splits > 1 || (p.window > 0 && p.kwin == nullptr);
 }
 
-// A diagnostic: with JAX_TQ_TRACE_PHASES=1 in the environment, v4 records for each warp of its first
+// A diagnostic, in builds with JAX_TQ_TRACE_PHASES=ON (CMake; the macro JTQ_TRACE_PHASES): the
+// float16 tensor-core kernel records for each warp of its first
 // kTraceCtas CTAs (blockIdx.x + gridDim.x * blockIdx.y) kTraceStamps pairs (%globaltimer ns, %smid):
 // kernel start, first reads landed, q staged and first copies issued, tables built (the loop
 // starts), end of the warp's tile loop, then in the epilogue: past its first barrier, o_s written
 // and past the second, the row merged over the warps, rotated back (the fused per-warp epilogue;
 // warps without a row stamp both at its end), kernel end; read back by _cuda_ops.phase_trace()
-// (benchmarks/phase_trace.py). Off, the kernels only test a null pointer.
+// (benchmarks/phase_trace.py). Other builds compile the stamps out.
+#ifdef JTQ_TRACE_PHASES
 constexpr int kTraceCtas = 2048;
 constexpr int kTraceWarps = 8;
 constexpr int kTraceStamps = 10;
 constexpr int kTraceWords = kTraceCtas * kTraceWarps * kTraceStamps * 2;
 __device__ unsigned long long g_phase_trace[kTraceWords];
+#endif
 
 // cta: blockIdx.x + gridDim.x * blockIdx.y of the grid of one work item per CTA (a CTA of two items
 // records as two CTAs).
 __device__ __forceinline__ void trace_phase(const DecodeParams& p, unsigned cta, int warp, int lane, int stamp) {
+#ifdef JTQ_TRACE_PHASES
   if (p.trace == nullptr || lane != 0) return;
   if (cta >= kTraceCtas || warp >= kTraceWarps) return;
   unsigned long long ns;
@@ -354,6 +369,9 @@ __device__ __forceinline__ void trace_phase(const DecodeParams& p, unsigned cta,
   unsigned long long* slot = p.trace + ((cta * kTraceWarps + warp) * kTraceStamps + stamp) * 2;
   slot[0] = ns;
   slot[1] = sm;
+#else
+  (void)p, (void)cta, (void)warp, (void)lane, (void)stamp;
+#endif
 }
 
 // ---- The Hadamard rotation applied inside the kernels (rotation spec words: format.h) ---------
@@ -604,7 +622,7 @@ __device__ __forceinline__ void store_head_output(const DecodeParams& p, int seq
 
 template <int D, int GT>
 __global__ void __launch_bounds__(kThreads)
-    paged_decode_split_kernel(const DecodeParams p) {
+    decode_cuda_core_kernel(const DecodeParams p) {
   using L = Layout<D, GT>;
   using Geo = KGeom<D>;
   constexpr int LPT = Geo::LPT, DL = Geo::DL, QROW = Geo::QROW;
@@ -826,25 +844,7 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// =============================================================================================
-// v2 split kernel: warp-independent streaming (head_dim 64 / 128 / 256, any bits, GT 1/2/4/8,
-// GT <= 4 at d = 256). Same grid, same token range per CTA, same partial / output writes as v1.
-//
-//   Lane mapping: LPT = D / 8 lanes per token; lane j = lane % LPT owns coordinates 8j .. 8j+7
-//   of its token (k_bits / v_bits bytes of codes each); TPS = 32 / LPT tokens per warp step
-//   (slot = lane / LPT). q of those 8 coordinates for all GT heads lives in registers, pre-scaled
-//   by scale * log2(e). A warp processes token groups of TG = NSTEP * TPS consecutive tokens;
-//   group gi goes to warp gi % 4. Each slot (LPT lanes) keeps its own online softmax (m, l) per
-//   head and acc[GT][8]; no block barrier in the main loop. Loads go straight from global memory
-//   into registers: the codes / norms of group gi + 4 are issued before group gi is computed,
-//   the block-table entries of group gi + 8 one iteration earlier still (so the code loads never
-//   wait on a block-table load). Codes of any width are expanded to 8 nibbles in one word; the
-//   centroid lookup is a 16-entry fp32 table in shared memory (conflict-free).
-//   End: slots merged with shuffles, the 4 warps through shared memory (one barrier).
-//   Invalid tokens (>= tok_end, page id outside [0, P)) are never read: their K norm is set to
-//   NaN, which the score clamp turns into -inf (weight 0), and their V codes / norm to 0.
-// =============================================================================================
-// Warp-independent kernels (v2, v3) end the same way: each warp staged its (m, l, o) per query
+// The tensor-core kernels end the same way: each warp staged its (m, l, o) per query
 // head of the tile in shared memory; merge them with log-sum-exp and write the split's partial (or
 // the output when there is a single split). NH is the row width of the staging arrays (>= GT).
 // W: warps per work item (blockDim.x = 32 * W, or 64 * W for v4's two items per CTA).
@@ -885,268 +885,7 @@ __device__ __forceinline__ void merge_warps_and_store(const DecodeParams& p, con
   }
 }
 
-namespace v2 {
-
-template <int D, int GT>
-struct Geo2 {
-  static constexpr int LPT = D / 8;                 // lanes per token
-  static constexpr int TPS = 32 / LPT;              // tokens per warp step
-  static constexpr int NSTEP = GT >= 8 ? 4 : 8;     // steps per token group (register budget)
-  static constexpr int TG = NSTEP * TPS;            // tokens per group
-  static_assert(LPT >= 8 && LPT <= 32 && (LPT & (LPT - 1)) == 0, "v2 needs D in {64, 128, 256}");
-};
-
-// Raw code bits of coordinates 8j .. 8j+7 of one row (bits * 8 bits, LSB-first).
-__device__ __forceinline__ uint32_t load_codes(const uint8_t* rowp, int bits, int j) {
-  if (bits == 4) return __ldg(reinterpret_cast<const unsigned int*>(rowp) + j);
-  if (bits == 2) return __ldg(reinterpret_cast<const unsigned short*>(rowp) + j);
-  const uint8_t* b = rowp + 3 * j;
-  return uint32_t(__ldg(b)) | (uint32_t(__ldg(b + 1)) << 8) | (uint32_t(__ldg(b + 2)) << 16);
-}
-
-// 8 codes of `bits` bits (code i at bit bits*i) -> 8 nibbles (code i at bit 4i).
-__device__ __forceinline__ uint32_t to_nibbles(uint32_t x, int bits) {
-  if (bits == 4) return x;
-  return bits == 2 ? nibbles_from_2bit(x) : nibbles_from_3bit(x);
-}
-
-// c[e] = table[code e] for the 8 nibbles of n.
-__device__ __forceinline__ void decode8(uint32_t n, const float* tab, float (&c)[8]) {
-  const uint32_t a = (n << 2) & 0x3C3C3C3Cu;  // even coordinates, byte offsets
-  const uint32_t b = (n >> 2) & 0x3C3C3C3Cu;  // odd coordinates, byte offsets
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    c[2 * k] = table_at(tab, __byte_perm(a, 0u, 0x4440u + k));
-    c[2 * k + 1] = table_at(tab, __byte_perm(b, 0u, 0x4440u + k));
-  }
-}
-
-template <int D, int GT>
-__global__ void __launch_bounds__(kThreads)
-    paged_decode_v2_kernel(const DecodeParams p) {
-  using Geo = Geo2<D, GT>;
-  constexpr int LPT = Geo::LPT, TPS = Geo::TPS, NSTEP = Geo::NSTEP, TG = Geo::TG;
-
-  __shared__ float kcent_s[16];
-  __shared__ float vcent_s[16];
-  __shared__ float m_s[kWarps][GT];
-  __shared__ float l_s[kWarps][GT];
-  __shared__ __align__(16) float o_s[kWarps][GT * D];
-
-  const int tid = threadIdx.x;
-  const int warp = tid >> 5;
-  const int lane = tid & 31;
-  const int j = lane % LPT;     // coordinate slice 8j .. 8j+7
-  const int slot = lane / LPT;  // token slot within a warp step
-  const int ns = p.num_splits;
-  const int seq = blockIdx.x / ns;
-  const int split = blockIdx.x - seq * ns;
-  const int kvh = blockIdx.y / p.ntiles;
-  const int tile = blockIdx.y - kvh * p.ntiles;
-  const int kb = p.k_bits, vb = p.v_bits;
-  const int64_t kbytes = p.kcopy.bytes, vbytes = p.vcopy.bytes;
-
-  // ---- token range of this split (identical to v1) ------------------------------------------
-  const SplitRange range = split_range(paged_len(p, p.sl[seq]), p.max_pages, p.page_size, ns, split);
-  const int tok0 = static_cast<int>(range.tok_begin);
-  const int tok_end = static_cast<int>(range.tok_end);
-  const int ntok = tok_end > tok0 ? tok_end - tok0 : 0;
-  const int ngroups = (ntok + TG - 1) / TG;
-  const int32_t* bt_seq = p.bt + static_cast<int64_t>(seq) * p.max_pages;
-
-  if (tid < 16) {
-    kcent_s[tid] = tid < (1 << kb) ? p.kcent[tid] : 0.f;
-    vcent_s[tid] = tid < (1 << vb) ? p.vcent[tid] : 0.f;
-  }
-
-  // q of coordinates 8j .. 8j+7 for every head of the tile (0 for heads past the group); warp 0
-  // marks the heads whose q_rot row is not all finite (every warp's lanes cover the whole row).
-  __shared__ int bad_s[GT];
-  float q[GT][8];
-#pragma unroll
-  for (int g = 0; g < GT; ++g) {
-    const int hl = tile * GT + g;
-    bool finite = true;
-    if (hl < p.G) {
-      const float* qp = p.q + (static_cast<int64_t>(seq) * p.H + kvh * p.G + hl) * D + 8 * j;
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        finite &= isfinite(qp[e]);
-        q[g][e] = qp[e] * p.qscale;
-      }
-    } else {
-#pragma unroll
-      for (int e = 0; e < 8; ++e) q[g][e] = 0.f;
-    }
-    finite = __all_sync(0xffffffffu, finite);
-    if (warp == 0 && lane == 0) bad_s[g] = !finite;
-  }
-
-  float m[GT], l[GT], acc[GT][8];
-#pragma unroll
-  for (int g = 0; g < GT; ++g) {
-    m[g] = -INFINITY;
-    l[g] = 0.f;
-#pragma unroll
-    for (int e = 0; e < 8; ++e) acc[g][e] = 0.f;
-  }
-
-  // Physical page id (raw block-table entry; -1 when the token is outside the split) of this
-  // lane's token at every step of group gi. Validated against [0, P) only when used, so the
-  // loads stay in flight.
-  auto lookup = [&](int gi, int (&ph)[NSTEP]) {
-#pragma unroll
-    for (int s = 0; s < NSTEP; ++s) {
-      int r = -1;
-      if (gi < ngroups) {
-        const int tok = tok0 + gi * TG + s * TPS + slot;
-        if (tok < tok_end) r = __ldg(bt_seq + p.pdiv.div(static_cast<uint32_t>(tok)));
-      }
-      ph[s] = r;
-    }
-  };
-  // Codes and norms of this lane's token at every step of group gi (ph from lookup(gi)).
-  auto load = [&](int gi, const int (&ph)[NSTEP], uint32_t (&kw)[NSTEP], uint32_t (&vw)[NSTEP],
-                  float (&kn)[NSTEP], float (&vn)[NSTEP]) {
-#pragma unroll
-    for (int s = 0; s < NSTEP; ++s) {
-      kw[s] = 0u;
-      vw[s] = 0u;
-      kn[s] = __int_as_float(0x7fc00000);  // NaN: score -> -inf (token masked)
-      vn[s] = 0.f;
-      if (static_cast<uint32_t>(ph[s]) < static_cast<uint32_t>(p.P)) {  // also false for -1
-        const int tok = tok0 + gi * TG + s * TPS + slot;
-        const int lp = static_cast<int>(p.pdiv.div(static_cast<uint32_t>(tok)));
-        const int off = tok - lp * p.page_size;
-        const int64_t row = (static_cast<int64_t>(ph[s]) * p.Hkv + kvh) * p.page_size + off;
-        kw[s] = load_codes(p.kc + row * kbytes, kb, j);
-        vw[s] = load_codes(p.vc + row * vbytes, vb, j);
-        kn[s] = __ldg(p.kn + row);
-        vn[s] = __ldg(p.vn + row);
-      }
-    }
-  };
-
-  __syncthreads();  // centroid tables visible
-
-  int ph[NSTEP];
-  uint32_t kw[NSTEP], vw[NSTEP];
-  float kn[NSTEP], vn[NSTEP];
-  int gi = warp;
-  lookup(gi, ph);
-  load(gi, ph, kw, vw, kn, vn);
-  lookup(gi + kWarps, ph);
-
-#pragma unroll 1
-  for (; gi < ngroups; gi += kWarps) {
-    // Prefetch: codes / norms of the next group, block-table entries of the one after.
-    uint32_t kw2[NSTEP], vw2[NSTEP];
-    float kn2[NSTEP], vn2[NSTEP];
-    load(gi + kWarps, ph, kw2, vw2, kn2, vn2);
-    lookup(gi + 2 * kWarps, ph);
-
-    // ---- scores (log2 units), all heads, all steps -----------------------------------------
-    float sc[GT][NSTEP];
-#pragma unroll
-    for (int s = 0; s < NSTEP; ++s) {
-      float c[8];
-      decode8(to_nibbles(kw[s], kb), kcent_s, c);
-#pragma unroll
-      for (int g = 0; g < GT; ++g) {
-        float a = q[g][0] * c[0];
-#pragma unroll
-        for (int e = 1; e < 8; ++e) a = fmaf(q[g][e], c[e], a);
-#pragma unroll
-        for (int o = LPT / 2; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
-        float v = a * kn[s];
-        if (!(v > -INFINITY)) v = -INFINITY;  // masked token (NaN norm) or NaN: no weight
-        sc[g][s] = v;
-      }
-    }
-
-    // ---- online softmax per head (per slot; identical in the slot's LPT lanes) -------------
-#pragma unroll
-    for (int g = 0; g < GT; ++g) {
-      float gm = sc[g][0];
-#pragma unroll
-      for (int s = 1; s < NSTEP; ++s) gm = fmaxf(gm, sc[g][s]);
-      const float mn = fmaxf(m[g], gm);
-      const bool any = mn > -INFINITY;
-      const float alpha = any ? fast_exp2(m[g] - mn) : 1.f;  // m = -inf -> 0
-      float ps = 0.f;
-#pragma unroll
-      for (int s = 0; s < NSTEP; ++s) {
-        const float pr = any ? fast_exp2(sc[g][s] - mn) : 0.f;  // s = -inf -> 0
-        ps += pr;
-        sc[g][s] = pr > 0.f ? pr * vn[s] : 0.f;  // V weight: p * v_norm
-      }
-      l[g] = l[g] * alpha + ps;
-      m[g] = mn;
-#pragma unroll
-      for (int e = 0; e < 8; ++e) acc[g][e] *= alpha;
-    }
-
-    // ---- V accumulation ----------------------------------------------------------------------
-#pragma unroll
-    for (int s = 0; s < NSTEP; ++s) {
-      float c[8];
-      decode8(to_nibbles(vw[s], vb), vcent_s, c);
-#pragma unroll
-      for (int g = 0; g < GT; ++g) {
-        const float w = sc[g][s];
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc[g][e] = fmaf(w, c[e], acc[g][e]);
-      }
-    }
-
-#pragma unroll
-    for (int s = 0; s < NSTEP; ++s) {
-      kw[s] = kw2[s];
-      vw[s] = vw2[s];
-      kn[s] = kn2[s];
-      vn[s] = vn2[s];
-    }
-  }
-
-  // ---- merge the TPS slots of the warp (lanes with equal j differ in the bits >= log2(LPT)) ---
-#pragma unroll
-  for (int g = 0; g < GT; ++g) {
-    if constexpr (TPS > 1) {
-      float mw = m[g];
-#pragma unroll
-      for (int o = LPT; o < 32; o <<= 1) mw = fmaxf(mw, __shfl_xor_sync(0xffffffffu, mw, o));
-      const float f = m[g] > -INFINITY ? fast_exp2(m[g] - mw) : 0.f;  // mw >= m[g]
-      float lg = l[g] * f;
-#pragma unroll
-      for (int e = 0; e < 8; ++e) acc[g][e] *= f;
-#pragma unroll
-      for (int o = LPT; o < 32; o <<= 1) {
-        lg += __shfl_xor_sync(0xffffffffu, lg, o);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc[g][e] += __shfl_xor_sync(0xffffffffu, acc[g][e], o);
-      }
-      m[g] = mw;
-      l[g] = lg;
-    }
-    if (slot == 0) {
-      float4* dst = reinterpret_cast<float4*>(&o_s[warp][g * D + 8 * j]);
-      dst[0] = make_float4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
-      dst[1] = make_float4(acc[g][4], acc[g][5], acc[g][6], acc[g][7]);
-    }
-    if (lane == 0) {
-      m_s[warp][g] = m[g];
-      l_s[warp][g] = l[g];
-    }
-  }
-  __syncthreads();
-
-  merge_warps_and_store<D, GT, GT>(p, m_s, l_s, o_s, bad_s, seq, split, kvh, tile);
-}
-
-}  // namespace v2
-
-// Tensor-core split kernel v3 (head_dim 128, K4V4, GT 4 / 8): the default where it applies (see
-// use_v3). Included textually here: it uses the helpers above.
+// The tensor-core kernels (paged_decode_mma.cuh), included textually here: they use the helpers above.
 // The two bfloat16 values of a 32-bit pair (lower half: the even coordinate) as float.
 __device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w & 0xFFFF0000u); }
@@ -1516,24 +1255,77 @@ int copy_gran(int64_t bytes, uintptr_t ptr) {
   return 2;
 }
 
+// JTQ_DEV_ONLY_D=<head_dim>: developer builds that instantiate one head_dim only.
+#if defined(JTQ_DEV_ONLY_D)
+#define JTQ_HAS_D(x) (JTQ_DEV_ONLY_D == (x))
+#else
+#define JTQ_HAS_D(x) 1
+#endif
+
+template <int D>
+using Dim = std::integral_constant<int, D>;
+template <int B>
+using Bits = std::integral_constant<int, B>;
+
+// f(Dim<D>{}) for a run-time head_dim d compiled into this build; none() for any other.
+template <class F, class N>
+auto with_head_dim(int d, F f, N none) -> decltype(none()) {
+  switch (d) {
+#if JTQ_HAS_D(64)
+    case 64: return f(Dim<64>{});
+#endif
+#if JTQ_HAS_D(80)
+    case 80: return f(Dim<80>{});
+#endif
+#if JTQ_HAS_D(96)
+    case 96: return f(Dim<96>{});
+#endif
+#if JTQ_HAS_D(128)
+    case 128: return f(Dim<128>{});
+#endif
+#if JTQ_HAS_D(192)
+    case 192: return f(Dim<192>{});
+#endif
+#if JTQ_HAS_D(256)
+    case 256: return f(Dim<256>{});
+#endif
+    default: return none();
+  }
+}
+
+ffi::Error head_dim_not_built(int d) { return invalid("head_dim " + std::to_string(d) + " not compiled in"); }
+
+// f(Bits<KB>{}, Bits<VB>{}) for run-time K / V widths kb, vb of 2, 3 or 4; none() for any other.
+template <class F, class N>
+auto with_widths(int kb, int vb, F f, N none) -> decltype(none()) {
+  auto with_v = [&](auto k) {
+    switch (vb) {
+      case 2: return f(k, Bits<2>{});
+      case 3: return f(k, Bits<3>{});
+      case 4: return f(k, Bits<4>{});
+      default: return none();
+    }
+  };
+  switch (kb) {
+    case 2: return with_v(Bits<2>{});
+    case 3: return with_v(Bits<3>{});
+    case 4: return with_v(Bits<4>{});
+    default: return none();
+  }
+}
+
+// ---- launches ----------------------------------------------------------------------------------
+
 template <int D, int GT>
-ffi::Error launch_split(cudaStream_t stream, const DecodeParams& p, dim3 grid) {
-  auto kernel = paged_decode_split_kernel<D, GT>;
+ffi::Error launch_cuda_core(cudaStream_t stream, const DecodeParams& p, dim3 grid) {
+  auto kernel = decode_cuda_core_kernel<D, GT>;
   constexpr int smem = Layout<D, GT>::total;
   static std::atomic<uint64_t> smem_set{0};
   if (cudaError_t e = allow_dynamic_smem(smem_set, kernel, smem); e != cudaSuccess)
     return cuda_error("cudaFuncSetAttribute", e);
   kernel<<<grid, kThreads, smem, stream>>>(p);
   cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return cuda_error("split kernel launch", e);
-  return ffi::Error::Success();
-}
-
-template <int D, int GT>
-ffi::Error launch_v2(cudaStream_t stream, const DecodeParams& p, dim3 grid) {
-  v2::paged_decode_v2_kernel<D, GT><<<grid, kThreads, 0, stream>>>(p);
-  cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return cuda_error("v2 split kernel launch", e);
+  if (e != cudaSuccess) return cuda_error("CUDA-core split kernel launch", e);
   return ffi::Error::Success();
 }
 
@@ -1551,399 +1343,176 @@ ffi::Error launch_mma(int threads, const char* name, cudaStream_t stream, const 
   return ffi::Error::Success();
 }
 
-// KB / VB: compile-time code widths, or 0: the runtime p.k_bits / p.v_bits (register variants).
-template <int D, int GT, bool SPLIT, int KB = 4, int VB = 4>
-ffi::Error launch_v3(cudaStream_t stream, const DecodeParams& p, dim3 grid) {
-  return launch_mma<v3::paged_decode_v3_kernel<D, GT, SPLIT, KB, VB>>(kThreads, "v3", stream, p, grid);
+// The float32-accurate tensor-core kernel (hi / lo products). KB / VB: compile-time code widths, or
+// 0: the run-time p.k_bits / p.v_bits.
+template <int D, int GT, int KB = 4, int VB = 4>
+ffi::Error launch_tc_f32(cudaStream_t stream, const DecodeParams& p, dim3 grid) {
+  return launch_mma<v3::decode_tc_f32_kernel<D, GT, true, KB, VB>>(kThreads, "tensor-core f32", stream, p, grid);
 }
 
-// ITEMS = 2, 4 or 8: that many work items (query-head rows blockIdx.y * ITEMS + i) per CTA of 16
-// warps; ITEMS must divide grid.y (the rows).
+// The float16 tensor-core kernel. RING: its tiles through a per-warp cp.async ring; HALVES = 2: warp
+// pairs; ITEMS = 2, 4 or 8: that many work items (query-head rows blockIdx.y * ITEMS + i) per CTA of
+// 16 warps (ITEMS divides grid.y, the rows).
 template <int D, int GT, bool RING, int KB = 4, int VB = 4, int HALVES = 1, int ITEMS = 1>
-ffi::Error launch_v4(cudaStream_t stream, const DecodeParams& p, dim3 grid) {
+ffi::Error launch_tc_f16(cudaStream_t stream, const DecodeParams& p, dim3 grid) {
   constexpr int smem = v3::kSmemBytes + (RING ? v3::v4_ring_bytes<D, KB, VB, HALVES, ITEMS>() : 0);
   grid.y /= ITEMS;
-  return launch_mma<v3::paged_decode_v4_kernel<D, GT, false, RING, KB, VB, HALVES, ITEMS>, smem>(
-      v3::v4_threads(ITEMS), ITEMS > 1 ? "v4 ring, several items per CTA" : HALVES == 2 ? "v4 ring pairs" : RING ? "v4 ring" : "v4",
-      stream, p, grid);
+  return launch_mma<v3::decode_tc_f16_kernel<D, GT, false, RING, KB, VB, HALVES, ITEMS>, smem>(
+      v3::v4_threads(ITEMS), "tensor-core f16", stream, p, grid);
 }
 
-// Whether v4's ring variant keeps kCtasPerSm4 CTAs per SM on the current device (the split rule
-// assumes it): yes on sm_90 (227 KB of shared memory per SM); sm_80's 164 KB holds one, so the
-// register variant runs there. Asked once per device.
-template <int D, int GT, int KB, int VB, int HALVES = 1, int ITEMS = 1>
-bool ring_fits() {
-  static std::atomic<int> known[64];  // 0: not asked yet, 1: fits, 2: does not
+// ---- what the planner asks of the device --------------------------------------------------------
+
+// Resident CTAs per SM of `kernel` on the current device (asked once per device 0..63), at most `cap`.
+template <auto kKernel>
+int64_t resident_ctas(int threads, int smem, int cap) {
+  static std::atomic<int> known[64];  // 0: not asked yet, else the answer + 1
   int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 1;
   int state = known[dev].load(std::memory_order_acquire);
   if (state == 0) {
-    constexpr int smem = v3::kSmemBytes + v3::v4_ring_bytes<D, KB, VB, HALVES, ITEMS>();
-    const auto kernel = v3::paged_decode_v4_kernel<D, GT, false, true, KB, VB, HALVES, ITEMS>;
     int ctas = 0;
-    const bool fits =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) == cudaSuccess &&
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, v3::v4_threads(ITEMS), smem) == cudaSuccess &&
-        ctas >= v3::v4_ctas_per_sm(ITEMS);
-    if (!fits) (void)cudaGetLastError();  // a refused attribute is an answer here, not an error to keep
-    state = fits ? 1 : 2;
+    if (cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kKernel, threads, smem) != cudaSuccess) {
+      (void)cudaGetLastError();  // a refused attribute is an answer here, not an error to keep
+      ctas = 1;
+    }
+    state = (ctas < 1 ? 1 : ctas > cap ? cap : ctas) + 1;
     known[dev].store(state, std::memory_order_release);
   }
-  return state == 1;
+  return state - 1;
 }
 
-// Largest query-head tile per head_dim (register budget: acc_v[GT][8] stays in registers).
-constexpr int max_gt(int d) { return d >= 192 ? 4 : 8; }
-
-template <int D>
-ffi::Error dispatch_gt(int gt, cudaStream_t stream, const DecodeParams& p, dim3 grid) {
-  switch (gt) {
-    case 1: return launch_split<D, 1>(stream, p, grid);
-    case 2: return launch_split<D, 2>(stream, p, grid);
-    case 4: return launch_split<D, 4>(stream, p, grid);
-    default: return launch_split<D, max_gt(D)>(stream, p, grid);
-  }
+// Whether the float16 kernel's ring variant keeps its residency (v4_ctas_per_sm) on the current
+// device: yes on sm_90 (227 KB of shared memory per SM); sm_80's 164 KB holds one.
+template <int D, int GT, int KB, int VB, int HALVES = 1, int ITEMS = 1>
+bool ring_fits() {
+  constexpr int smem = v3::kSmemBytes + v3::v4_ring_bytes<D, KB, VB, HALVES, ITEMS>();
+  constexpr int want = v3::v4_ctas_per_sm(ITEMS);
+  return resident_ctas<v3::decode_tc_f16_kernel<D, GT, false, true, KB, VB, HALVES, ITEMS>>(
+             v3::v4_threads(ITEMS), smem, want) >= want;
 }
 
-// JTQ_DEV_ONLY_D=<head_dim>: developer builds that instantiate one head_dim only.
-#if defined(JTQ_DEV_ONLY_D)
-#define JTQ_HAS_D(x) (JTQ_DEV_ONLY_D == (x))
+// ring_fits for run-time arguments, of the ring kernels this build has; false for any other.
+bool ring_fits_any(int d, int tile, int kb, int vb, int halves, int items) {
+  return with_head_dim(d, [&](auto dim) -> bool {
+    constexpr int D = decltype(dim)::value;
+    if (items > 1) {
+      if constexpr (D == 128) {
+        if (tile != 4 || kb != 4 || vb != 4 || halves != 1) return false;
+        switch (items) {
+          case 2: return ring_fits<128, 4, 4, 4, 1, 2>();
+          case 4: return ring_fits<128, 4, 4, 4, 1, 4>();
+          case 8: return ring_fits<128, 4, 4, 4, 1, 8>();
+          default: return false;
+        }
+      }
+      return false;
+    }
+    if constexpr (D == 192) {
+      return tile == 4 && halves == 2 && kb == 4 && vb == 4 && ring_fits<192, 4, 4, 4, 2>();
+    } else {
+      constexpr int kHalves = D == 256 ? 2 : 1;
+      if (halves != kHalves || (kHalves == 2 && tile != 4)) return false;
+      return with_widths(kb, vb, [&](auto k, auto v) -> bool {
+        constexpr int KB = decltype(k)::value, VB = decltype(v)::value;
+        if constexpr (kHalves == 2) return ring_fits<D, 4, KB, VB, 2>();
+        else return tile == 4 ? ring_fits<D, 4, KB, VB>() : ring_fits<D, 8, KB, VB>();
+      }, [] { return false; });
+    }
+  }, [] { return false; });
+}
+
+DeviceCaps cuda_decode_caps() {
+  DeviceCaps caps;
+  caps.cuda = true;
+  caps.sm_count = std::max(1, device_sm_count(1));
+#if JTQ_HAS_D(128)
+  constexpr int kCapD = 128;
 #else
-#define JTQ_HAS_D(x) 1
+  constexpr int kCapD = 64;
 #endif
+  caps.f32_ctas_per_sm = resident_ctas<v3::decode_tc_f32_kernel<kCapD, 4, true, 4, 4>>(kThreads, v3::kSmemBytes,
+                                                                                        v3::kCtasPerSm);
+  caps.f16_ctas_per_sm = resident_ctas<v3::decode_tc_f16_kernel<kCapD, 4, false, false, 4, 4, 1, 1>>(
+      v3::v4_threads(1), v3::kSmemBytes, v3::v4_ctas_per_sm(1));
+  caps.ring_fits = ring_fits_any;
+  return caps;
+}
+
+// ---- the plan's launch ------------------------------------------------------------------------
 
 template <int D>
-ffi::Error dispatch_gt_v2(int gt, cudaStream_t stream, const DecodeParams& p, dim3 grid) {
+ffi::Error launch_cuda_core_tile(int gt, cudaStream_t stream, const DecodeParams& p, dim3 grid) {
   switch (gt) {
-    case 1: return launch_v2<D, 1>(stream, p, grid);
-    case 2: return launch_v2<D, 2>(stream, p, grid);
-    case 4: return launch_v2<D, 4>(stream, p, grid);
-    default: return launch_v2<D, max_gt(D)>(stream, p, grid);
+    case 1: return launch_cuda_core<D, 1>(stream, p, grid);
+    case 2: return launch_cuda_core<D, 2>(stream, p, grid);
+    case 4: return launch_cuda_core<D, 4>(stream, p, grid);
+    default: return launch_cuda_core<D, (D >= 192 ? 4 : 8)>(stream, p, grid);
   }
 }
 
-// Kernel choice (environment variable JAX_TQ_CUDA_DECODE = v1 | v2 | v3 | v4 | v5, read once;
-// jax_tq's split-count rule reads the same variable):
-//   v4 / v3 (tensor-core mma.sync kernels, paged_decode_mma.cuh): the default where they apply -
-//      head_dim 64 / 128, K and V of 2, 3 or 4 bits each, any GQA group (head tiles of 4 or 8), K / V
-//      code pools aligned to their per-lane loads (code_alignment). v4 (8 warps per CTA, 2 CTAs
-//      per SM) for f16 products; v3 (4 warps per CTA, 3 per SM) for f32-accurate products, and for
-//      every product precision with JAX_TQ_CUDA_DECODE=v3. v4 runs its shared-memory ring variant
-//      (use_ring: pages of a multiple of 16 tokens, 16-byte aligned pools, 2 CTAs per SM; the K / V
-//      widths compiled in) unless JAX_TQ_CUDA_DECODE=v4; "v5" names that default. Head_dim 80, 96,
-//      192 and 256 with f16 products: v4's ring with padded rows and / or warp pairs (launch_wide:
-//      which widths), default only.
-//   v1 (block-synchronous cp.async pipeline, fp32 CUDA-core math): every other configuration, and
-//      everywhere with JAX_TQ_CUDA_DECODE=v1.
-//   v2 (warp-independent streaming, fp32): only with JAX_TQ_CUDA_DECODE=v2 (A/B timing; slower than
-//      v1 on the H200, docs/performance.md), for head_dim 64 / 128 / 256 with 4-byte aligned pools.
-enum class DecodeKernel { kDefault, kV1, kV2, kV3, kV4 };
-
-DecodeKernel requested_kernel() {
-  static const DecodeKernel k = [] {
-    const char* env = std::getenv("JAX_TQ_CUDA_DECODE");
-    const std::string v = env ? env : "";
-    if (v == "v1") return DecodeKernel::kV1;
-    if (v == "v2") return DecodeKernel::kV2;
-    if (v == "v3") return DecodeKernel::kV3;
-    if (v == "v4") return DecodeKernel::kV4;
-    if (v == "v5") return DecodeKernel::kDefault;  // v4's ring variant, the default where it fits
-    return DecodeKernel::kDefault;
-  }();
-  return k;
-}
-
-bool use_v2(int d, const DecodeParams& p) {
-  if (requested_kernel() != DecodeKernel::kV2) return false;
-  if (d != 64 && d != 128 && d != 256) return false;
-  return reinterpret_cast<uintptr_t>(p.kc) % 4 == 0 && reinterpret_cast<uintptr_t>(p.vc) % 4 == 0;
-}
-
-// Alignment a code pool needs for the tensor-core kernels' per-lane loads of `lane_bytes` (a K
-// lane: head_dim * bits / 32 bytes, a V lane: / 64): 4- and 2-bit chunks are loaded whole, 3-bit
-// ones as 4-byte words with 2-byte halves and bytes where they start unaligned.
-int code_alignment(int bits, int lane_bytes) { return bits == 3 ? 4 : lane_bytes; }
-
-// The tensor-core kernels: head_dim 64 or 128 (as compiled in), K and V of 2, 3 or 4 bits, any
-// GQA group (head tiles of 1 or 2 query heads run in the 4-head kernels, padded like a group of 3),
-// K / V code pools aligned to a lane's loads (code_alignment).
-bool use_v3(int d, int gt, const DecodeParams& p) {
-  (void)gt;
-  const DecodeKernel k = requested_kernel();
-  if (k == DecodeKernel::kV1 || k == DecodeKernel::kV2) return false;
-  if (!((d == 128 && JTQ_HAS_D(128)) || (d == 64 && JTQ_HAS_D(64)))) return false;
-  if (p.k_bits < 2 || p.k_bits > 4 || p.v_bits < 2 || p.v_bits > 4) return false;
-  const int k_align = code_alignment(p.k_bits, d * p.k_bits / 32);
-  const int v_align = code_alignment(p.v_bits, d * p.v_bits / 64);
-  return reinterpret_cast<uintptr_t>(p.kc) % k_align == 0 && reinterpret_cast<uintptr_t>(p.vc) % v_align == 0;
-}
-
-// v4's ring variant (16-byte cp.async of whole one-page tiles): pages of a multiple of 16 tokens,
-// all four pools 16-byte aligned, 2 CTAs per SM; JAX_TQ_CUDA_DECODE=v4 keeps the register variant.
-bool ring_pools_ok(const DecodeParams& p) {
-  if (requested_kernel() == DecodeKernel::kV4 || p.page_size % 16 != 0) return false;
-  for (const void* pool : {static_cast<const void*>(p.kc), static_cast<const void*>(p.vc),
-                           static_cast<const void*>(p.kn), static_cast<const void*>(p.vn)})
-    if (reinterpret_cast<uintptr_t>(pool) % 16 != 0) return false;
-  return true;
-}
-
-template <int D, int KB, int VB>
-bool use_ring(int gt, const DecodeParams& p) {
-  if (!ring_pools_ok(p)) return false;
-  return gt <= 4 ? ring_fits<D, 4, KB, VB>() : ring_fits<D, 8, KB, VB>();
-}
-
-template <int B>
-using Bits = std::integral_constant<int, B>;
-
-// f(Bits<KB>{}, Bits<VB>{}) for run-time K / V widths kb, vb of 2 or 4 (and 3 with THREE); `none`
-// for any other width (no kernel of it is instantiated).
-template <bool THREE, class R, class F>
-R with_widths(int kb, int vb, R none, F f) {
-  auto with_v = [&](auto k) -> R {
-    switch (vb) {
-      case 2: return f(k, Bits<2>{});
-      case 3: if constexpr (THREE) return f(k, Bits<3>{}); else return none;
-      case 4: return f(k, Bits<4>{});
-      default: return none;
-    }
-  };
-  switch (kb) {
-    case 2: return with_v(Bits<2>{});
-    case 3: if constexpr (THREE) return with_v(Bits<3>{}); else return none;
-    case 4: return with_v(Bits<4>{});
-    default: return none;
-  }
-}
-
-// The other head_dims on v4's ring, for f16 products where 2 of its CTAs fit per SM (sm_90), under
-// the default kernel choice only (there is no v3 or register variant of them); v1 otherwise:
-//   256: warp pairs (one half of the coordinates per warp; head tiles of 4, max_gt), K and V of 2,
-//        3 or 4 bits each;
-//   80: rows padded to 128 coordinates, K and V of 2, 3 or 4 bits each (but for K4V4, the stage rows
-//       packed at the pool's stride: packed_rows), head tiles of 4 or 8;
-//   96: rows padded to 128 coordinates, K and V of 2, 3 or 4 bits each (with a 3-bit side, the
-//       stage rows packed at the pool's stride: packed_rows), head tiles of 4 or 8;
-//   192: warp pairs of 96 padded coordinates, K4V4, head tiles of 4 (max_gt).
-// Launches the kernel when it applies and fits (err: its launch result); false otherwise.
-template <int D, int GT, int KB, int VB, int HALVES>
-bool launch_ring_if_fit(cudaStream_t stream, const DecodeParams& p, dim3 grid, ffi::Error& err) {
-  if (!ring_fits<D, GT, KB, VB, HALVES>()) return false;
-  err = launch_v4<D, GT, true, KB, VB, HALVES>(stream, p, grid);
-  return true;
-}
-
-// head_dim D (80, 96) on v4's ring with rows padded to 128 coordinates: K and V of 2, 3 or 4 bits,
-// head tiles of 4 or 8.
 template <int D>
-bool launch_padded_if_fit(int gt, cudaStream_t stream, const DecodeParams& p, dim3 grid, ffi::Error& err) {
-  return with_widths<true>(p.k_bits, p.v_bits, false, [&](auto k, auto v) {
-    constexpr int KB = decltype(k)::value, VB = decltype(v)::value;
-    return gt <= 4 ? launch_ring_if_fit<D, 4, KB, VB, 1>(stream, p, grid, err)
-                   : launch_ring_if_fit<D, 8, KB, VB, 1>(stream, p, grid, err);
-  });
+ffi::Error launch_tc_f32_plan(const DecodePlan& plan, cudaStream_t stream, const DecodeParams& p, dim3 grid) {
+  const bool four = plan.head_tile <= 4;
+  if (p.k_bits != 4 || p.v_bits != 4)  // other widths: the variants that read them at run time
+    return four ? launch_tc_f32<D, 4, 0, 0>(stream, p, grid) : launch_tc_f32<D, 8, 0, 0>(stream, p, grid);
+  return four ? launch_tc_f32<D, 4>(stream, p, grid) : launch_tc_f32<D, 8>(stream, p, grid);
 }
 
-bool launch_wide(int d, int gt, bool f16, cudaStream_t stream, const DecodeParams& p, dim3 grid, ffi::Error& err) {
-  if (!f16 || requested_kernel() != DecodeKernel::kDefault || !ring_pools_ok(p)) return false;
-  const bool k4v4 = p.k_bits == 4 && p.v_bits == 4;
-#if JTQ_HAS_D(80)
-  if (d == 80) return launch_padded_if_fit<80>(gt, stream, p, grid, err);
-#endif
-#if JTQ_HAS_D(96)
-  if (d == 96) return launch_padded_if_fit<96>(gt, stream, p, grid, err);
-#endif
-  static_assert(max_gt(192) == 4 && max_gt(256) == 4, "warp pairs: head tiles of 4");
-#if JTQ_HAS_D(192)
-  if (d == 192 && k4v4) return launch_ring_if_fit<192, 4, 4, 4, 2>(stream, p, grid, err);
-#endif
-#if JTQ_HAS_D(256)
-  if (d == 256)
-    return with_widths<true>(p.k_bits, p.v_bits, false, [&](auto k, auto v) {
-      return launch_ring_if_fit<256, 4, decltype(k)::value, decltype(v)::value, 2>(stream, p, grid, err);
-    });
-#endif
-  (void)d, (void)gt, (void)k4v4, (void)stream, (void)grid, (void)err;
-  return false;
-}
-
-// Several work items per CTA of 16 warps (v4's ITEMS = 2, 4 or 8) for head_dim 128, K4V4, head
-// tiles of 4, where they fit (sm_90). The count: the fewest waves of one CTA per SM with the least
-// work per SM (waves * ITEMS), ties to more items (fewer prologues and epilogues per SM); with 8
-// KV heads on 132 SMs: (32, 8192) runs 2 per CTA (128 CTAs), (64, 4096) 4 and (128, 2048) 8, one
-// wave each. JAX_TQ_V4_ITEMS = 1 keeps one item per CTA; 2, 4 or 8 asks for that count where it
-// divides the rows (else the automatic choice).
-//
-// JAX_TQ_V4_ITEMS: 0 when unset or empty (the automatic choice); jax_tq refuses values other than
-// 1, 2, 4 and 8 before a launch.
-int requested_items() {
-  static const int items = [] {
-    const char* env = std::getenv("JAX_TQ_V4_ITEMS");
-    return env == nullptr ? 0 : std::atoi(env);
-  }();
-  return items;
-}
-
-// The automatic items per CTA for a grid of one item per CTA (grid.y: the query-head rows), or 0:
-// none of 2, 4, 8 divides the rows.
-int choose_items(dim3 grid) {
-  const int64_t sms = device_sm_count(0);
-  int best = 0;
-  int64_t best_cost = 0;
-  for (int items : {2, 4, 8}) {
-    if (grid.y % items != 0) continue;
-    const int64_t ctas = static_cast<int64_t>(grid.x) * (grid.y / items);
-    const int64_t waves = sms > 0 ? (ctas + sms - 1) / sms : 1;
-    if (best == 0 || waves * items <= best_cost) best = items, best_cost = waves * items;
-  }
-  return best;
-}
-
-template <int D, int GT, int KB, int VB>
-bool items_fit(int items) {
-  switch (items) {
-    case 2: return ring_fits<D, GT, KB, VB, 1, 2>();
-    case 4: return ring_fits<D, GT, KB, VB, 1, 4>();
-    case 8: return ring_fits<D, GT, KB, VB, 1, 8>();
-    default: return false;
-  }
-}
-
-// The first of (the env's count, the automatic count, 2) that divides the rows and fits the
-// device, or 0 (one item per CTA).
+// head_dim 64 / 128: several items per CTA, else the ring, else tiles in registers.
 template <int D, int KB, int VB>
-int use_items(int gt, const DecodeParams& p, dim3 grid) {
+ffi::Error launch_tc_f16_unpadded(const DecodePlan& plan, cudaStream_t stream, const DecodeParams& p, dim3 grid) {
+  const bool four = plan.head_tile <= 4;
   if constexpr (D == 128 && KB == 4 && VB == 4) {
-    if (requested_items() == 1 || gt > 4 || !ring_pools_ok(p)) return 0;
-    for (int items : {requested_items(), choose_items(grid), 2}) {  // items_fit refuses 0 and 1
-      if (items != 0 && grid.y % items == 0 && items_fit<D, 4, KB, VB>(items)) return items;
-    }
-  }
-  (void)gt, (void)p, (void)grid;
-  return 0;
-}
-
-// v4 (f16 products) with compile-time K / V widths: several items per CTA where they apply, else
-// the ring where it fits, else the register variant.
-template <int D, int KB, int VB>
-ffi::Error launch_v4_bits(int gt, cudaStream_t stream, const DecodeParams& p, dim3 grid) {
-  const bool four = gt <= 4;
-  if constexpr (D == 128 && KB == 4 && VB == 4) {
-    switch (use_items<D, KB, VB>(gt, p, grid)) {
-      case 2: return launch_v4<D, 4, true, KB, VB, 1, 2>(stream, p, grid);
-      case 4: return launch_v4<D, 4, true, KB, VB, 1, 4>(stream, p, grid);
-      case 8: return launch_v4<D, 4, true, KB, VB, 1, 8>(stream, p, grid);
+    switch (plan.items) {
+      case 2: return launch_tc_f16<D, 4, true, KB, VB, 1, 2>(stream, p, grid);
+      case 4: return launch_tc_f16<D, 4, true, KB, VB, 1, 4>(stream, p, grid);
+      case 8: return launch_tc_f16<D, 4, true, KB, VB, 1, 8>(stream, p, grid);
       default: break;
     }
   }
-  if (use_ring<D, KB, VB>(gt, p))
-    return four ? launch_v4<D, 4, true, KB, VB>(stream, p, grid) : launch_v4<D, 8, true, KB, VB>(stream, p, grid);
+  if (plan.ring)
+    return four ? launch_tc_f16<D, 4, true, KB, VB>(stream, p, grid) : launch_tc_f16<D, 8, true, KB, VB>(stream, p, grid);
   if constexpr (KB == 4 && VB == 4)
-    return four ? launch_v4<D, 4, false>(stream, p, grid) : launch_v4<D, 8, false>(stream, p, grid);
+    return four ? launch_tc_f16<D, 4, false>(stream, p, grid) : launch_tc_f16<D, 8, false>(stream, p, grid);
   else  // other widths share one register variant that reads them at run time
-    return four ? launch_v4<D, 4, false, 0, 0>(stream, p, grid) : launch_v4<D, 8, false, 0, 0>(stream, p, grid);
+    return four ? launch_tc_f16<D, 4, false, 0, 0>(stream, p, grid) : launch_tc_f16<D, 8, false, 0, 0>(stream, p, grid);
 }
 
-template <int D, int KB>
-ffi::Error launch_v4_vbits(int gt, cudaStream_t stream, const DecodeParams& p, dim3 grid) {
-  switch (p.v_bits) {
-    case 2: return launch_v4_bits<D, KB, 2>(gt, stream, p, grid);
-    case 3: return launch_v4_bits<D, KB, 3>(gt, stream, p, grid);
-    default: return launch_v4_bits<D, KB, 4>(gt, stream, p, grid);
+// The other head_dims, on the ring only: 80 / 96 rows padded to 128 coordinates (head tiles of 4 or
+// 8), 256 warp pairs (head tiles of 4), 192 warp pairs of padded halves (K4V4, head tiles of 4).
+template <int D, int KB, int VB>
+ffi::Error launch_tc_f16_wide(const DecodePlan& plan, cudaStream_t stream, const DecodeParams& p, dim3 grid) {
+  if constexpr (D == 192) {
+    if constexpr (KB == 4 && VB == 4) return launch_tc_f16<192, 4, true, 4, 4, 2>(stream, p, grid);
+    else return invalid("tensor-core f16 kernel: head_dim 192 needs K4V4");
+  } else if constexpr (D == 256) {
+    return launch_tc_f16<256, 4, true, KB, VB, 2>(stream, p, grid);
+  } else {
+    return plan.head_tile <= 4 ? launch_tc_f16<D, 4, true, KB, VB, 1>(stream, p, grid)
+                               : launch_tc_f16<D, 8, true, KB, VB, 1>(stream, p, grid);
   }
 }
 
-// gt: 1, 2 or 4 -> the 4-head kernels, 8 -> the 8-head ones.
-template <int D>
-ffi::Error dispatch_v3(int gt, bool f16, cudaStream_t stream, const DecodeParams& p, dim3 grid) {
-  const bool four = gt <= 4;
-  // v4 (8 warps per CTA in 128 registers) for f16 products; f32-accurate (hi / lo) products need
-  // more registers than that and stay on v3.
-  if (f16 && requested_kernel() != DecodeKernel::kV3) {
-    switch (p.k_bits) {
-      case 2: return launch_v4_vbits<D, 2>(gt, stream, p, grid);
-      case 3: return launch_v4_vbits<D, 3>(gt, stream, p, grid);
-      default: return launch_v4_vbits<D, 4>(gt, stream, p, grid);
+ffi::Error launch_plan(const DecodePlan& plan, int d, cudaStream_t stream, const DecodeParams& p, dim3 grid) {
+  return with_head_dim(d, [&](auto dim) -> ffi::Error {
+    constexpr int D = decltype(dim)::value;
+    constexpr bool kUnpadded = D == 64 || D == 128;
+    switch (plan.kernel) {
+      case DecodeKernel::kTensorCoreF16:
+        return with_widths(p.k_bits, p.v_bits, [&](auto k, auto v) -> ffi::Error {
+          constexpr int KB = decltype(k)::value, VB = decltype(v)::value;
+          if constexpr (kUnpadded) return launch_tc_f16_unpadded<D, KB, VB>(plan, stream, p, grid);
+          else return launch_tc_f16_wide<D, KB, VB>(plan, stream, p, grid);
+        }, [] { return invalid("tensor-core f16 kernel: K and V of 2, 3 or 4 bits"); });
+      case DecodeKernel::kTensorCoreF32:
+        if constexpr (kUnpadded) return launch_tc_f32_plan<D>(plan, stream, p, grid);
+        else return invalid("tensor-core f32 kernel: head_dim 64 or 128 only");
+      default:
+        return launch_cuda_core_tile<D>(plan.head_tile, stream, p, grid);
     }
-  }
-  if (p.k_bits != 4 || p.v_bits != 4) {  // other widths: the variants that read them at run time
-    if (four) return f16 ? launch_v3<D, 4, false, 0, 0>(stream, p, grid) : launch_v3<D, 4, true, 0, 0>(stream, p, grid);
-    return f16 ? launch_v3<D, 8, false, 0, 0>(stream, p, grid) : launch_v3<D, 8, true, 0, 0>(stream, p, grid);
-  }
-  if (four) return f16 ? launch_v3<D, 4, false>(stream, p, grid) : launch_v3<D, 4, true>(stream, p, grid);
-  return f16 ? launch_v3<D, 8, false>(stream, p, grid) : launch_v3<D, 8, true>(stream, p, grid);
-}
-
-// The fused rotation is built into the tensor-core kernels (and the combine) only.
-bool fused_rotation_ok(int d, int gt, const DecodeParams& p) {
-#if JTQ_HAS_D(128)
-  return d == v3::kD && use_v3(d, gt, p) && reinterpret_cast<uintptr_t>(p.rot) % 16 == 0;
-#else
-  (void)d, (void)gt, (void)p;
-  return false;
-#endif
-}
-
-// Whether dispatch_d runs v4 for head_dim 64 or 128 (launch_wide serves neither): the kernel that folds a
-// window's tokens into its tile loop (v4's FOLD).
-bool runs_v4_unpadded(int d, int gt, bool f16, const DecodeParams& p) {
-  return f16 && requested_kernel() != DecodeKernel::kV3 && (d == 64 || d == 128) && use_v3(d, gt, p);
-}
-
-ffi::Error dispatch_d(int d, int gt, bool f16, cudaStream_t stream, const DecodeParams& p, dim3 grid) {
-  if (ffi::Error err = ffi::Error::Success(); launch_wide(d, gt, f16, stream, p, grid, err)) return err;
-  if (use_v3(d, gt, p)) {
-#if JTQ_HAS_D(128)
-    if (d == 128) return dispatch_v3<128>(gt, f16, stream, p, grid);
-#endif
-#if JTQ_HAS_D(64)
-    if (d == 64) return dispatch_v3<64>(gt, f16, stream, p, grid);
-#endif
-  }
-  if (use_v2(d, p)) {
-    switch (d) {
-#if JTQ_HAS_D(64)
-      case 64: return dispatch_gt_v2<64>(gt, stream, p, grid);
-#endif
-#if JTQ_HAS_D(128)
-      case 128: return dispatch_gt_v2<128>(gt, stream, p, grid);
-#endif
-#if JTQ_HAS_D(256)
-      case 256: return dispatch_gt_v2<256>(gt, stream, p, grid);
-#endif
-      default: break;
-    }
-  }
-  switch (d) {
-#if JTQ_HAS_D(64)
-    case 64: return dispatch_gt<64>(gt, stream, p, grid);
-#endif
-#if JTQ_HAS_D(80)
-    case 80: return dispatch_gt<80>(gt, stream, p, grid);
-#endif
-#if JTQ_HAS_D(96)
-    case 96: return dispatch_gt<96>(gt, stream, p, grid);
-#endif
-#if JTQ_HAS_D(128)
-    case 128: return dispatch_gt<128>(gt, stream, p, grid);
-#endif
-#if JTQ_HAS_D(192)
-    case 192: return dispatch_gt<192>(gt, stream, p, grid);
-#endif
-#if JTQ_HAS_D(256)
-    case 256: return dispatch_gt<256>(gt, stream, p, grid);
-#endif
-    default: return invalid("head_dim " + std::to_string(d) + " not compiled in");
-  }
-}
-
-// ring_fits of the head-tile-4 kernel for runtime widths; -1 where no ring kernel is compiled in.
-template <int D, int HALVES, bool THREE = true>
-int ring_fits_widths(int kb, int vb) {
-  return with_widths<THREE>(kb, vb, -1, [](auto k, auto v) {
-    return ring_fits<D, 4, decltype(k)::value, decltype(v)::value, HALVES>() ? 1 : 0;
-  });
+  }, [d] { return head_dim_not_built(d); });
 }
 
 // Query heads per window-partial CTA at most, for a run-time head_dim.
@@ -1960,42 +1529,30 @@ int window_heads_per_cta(int64_t S, int64_t Hkv, int64_t G, int d) {
   return static_cast<int>(hc);
 }
 
-template <int D>
-ffi::Error launch_window_partial_d(cudaStream_t stream, const WindowPartialParams& wp, int64_t ctas) {
-  paged_decode_window_partial_kernel<D><<<static_cast<unsigned>(ctas), kCombineThreads, 0, stream>>>(wp);
-  cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return cuda_error("window partial kernel launch", e);
-  return ffi::Error::Success();
-}
-
 // The window's partials (slot wp.ns), before the split kernel (ctas: num_seqs * num_kv_heads * wp.chunks).
 ffi::Error launch_window_partial(int d, cudaStream_t stream, const WindowPartialParams& wp, int64_t ctas) {
   if (ctas == 0) return ffi::Error::Success();
-  switch (d) {
-#if JTQ_HAS_D(64)
-    case 64: return launch_window_partial_d<64>(stream, wp, ctas);
-#endif
-#if JTQ_HAS_D(80)
-    case 80: return launch_window_partial_d<80>(stream, wp, ctas);
-#endif
-#if JTQ_HAS_D(96)
-    case 96: return launch_window_partial_d<96>(stream, wp, ctas);
-#endif
-#if JTQ_HAS_D(128)
-    case 128: return launch_window_partial_d<128>(stream, wp, ctas);
-#endif
-#if JTQ_HAS_D(192)
-    case 192: return launch_window_partial_d<192>(stream, wp, ctas);
-#endif
-#if JTQ_HAS_D(256)
-    case 256: return launch_window_partial_d<256>(stream, wp, ctas);
-#endif
-    default: return invalid("head_dim " + std::to_string(d) + " not compiled in");
-  }
+  return with_head_dim(d, [&](auto dim) -> ffi::Error {
+    paged_decode_window_partial_kernel<decltype(dim)::value><<<static_cast<unsigned>(ctas), kCombineThreads, 0, stream>>>(wp);
+    cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) return cuda_error("window partial kernel launch", e);
+    return ffi::Error::Success();
+  }, [d] { return head_dim_not_built(d); });
+}
+
+// The largest power of two up to 16 that divides every address.
+int common_alignment(std::initializer_list<const void*> ptrs) {
+  int align = 16;
+  for (const void* ptr : ptrs)
+    while (reinterpret_cast<uintptr_t>(ptr) % align != 0) align /= 2;
+  return align;
 }
 
 }  // namespace
 
+DecodePlan PlanDecodeOnDevice(const DecodeProblem& problem) { return plan_decode(problem, cuda_decode_caps()); }
+
+#ifdef JTQ_TRACE_PHASES
 // The phase trace buffer (kTraceWords words) into dst, then zeroed; false on a CUDA error.
 bool ReadPhaseTrace(unsigned long long* dst) {
   if (cudaDeviceSynchronize() != cudaSuccess) return false;
@@ -2004,37 +1561,7 @@ bool ReadPhaseTrace(unsigned long long* dst) {
   return cudaMemcpyToSymbol(g_phase_trace, zeros, sizeof(g_phase_trace)) == cudaSuccess;
 }
 int PhaseTraceWords() { return kTraceWords; }
-
-int ItemsFitOnDevice(int items) {
-#if JTQ_HAS_D(128)
-  if (items != 2 && items != 4 && items != 8) return -1;
-  return items_fit<128, 4, 4, 4>(items) ? 1 : 0;
-#else
-  return -1;
 #endif
-}
-
-int RingFitsOnDevice(int head_dim, int k_bits, int v_bits) {
-#if JTQ_HAS_D(64)
-  if (head_dim == 64) return ring_fits_widths<64, 1>(k_bits, v_bits);
-#endif
-#if JTQ_HAS_D(128)
-  if (head_dim == 128) return ring_fits_widths<128, 1>(k_bits, v_bits);
-#endif
-#if JTQ_HAS_D(256)
-  if (head_dim == 256) return ring_fits_widths<256, 2>(k_bits, v_bits);
-#endif
-#if JTQ_HAS_D(80)
-  if (head_dim == 80) return ring_fits_widths<80, 1>(k_bits, v_bits);
-#endif
-#if JTQ_HAS_D(96)
-  if (head_dim == 96) return ring_fits_widths<96, 1>(k_bits, v_bits);
-#endif
-#if JTQ_HAS_D(192)
-  if (head_dim == 192) return k_bits == 4 && v_bits == 4 ? (ring_fits<192, 4, 4, 4, 2>() ? 1 : 0) : -1;
-#endif
-  return -1;
-}
 
 ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot,
                                ffi::Buffer<ffi::U8> k_codes, ffi::Buffer<ffi::F32> k_norms,
@@ -2048,7 +1575,7 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot,
                                ffi::Result<ffi::Buffer<ffi::F32>> partial_out,
                                ffi::Result<ffi::Buffer<ffi::F32>> partial_lse, int32_t k_bits,
                                int32_t v_bits, int32_t num_splits, float scale,
-                               int32_t f16_products) {
+                               int32_t f16_products, int32_t kernel) {
   // ---- validation (shared with the CPU handler) ----------------------------------------------
   ffi_checks::DecodeDims dims;
   JTQ_RETURN_IF_ERROR(ffi_checks::validate_paged_decode(
@@ -2068,12 +1595,29 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot,
   if (pstride != ns + (win ? 1 : 0)) return invalid("partial workspace stride mismatch");
   if (win && dims.win.window >= (int64_t(1) << 31)) return invalid("window too long");
 
+  if (kernel < 0 || kernel > static_cast<int32_t>(DecodeKernel::kTensorCoreF16))
+    return invalid("kernel must be 0 (the planner's choice), 1, 2 or 3, got " + std::to_string(kernel));
   const int64_t G = H / Hkv;
-  int gt;
-  if (G <= 1) gt = 1;
-  else if (G == 2) gt = 2;
-  else if (G <= 4) gt = 4;
-  else gt = max_gt(static_cast<int>(d));
+  DecodeProblem problem;
+  problem.num_seqs = S;
+  problem.num_heads = H;
+  problem.num_kv_heads = Hkv;
+  problem.head_dim = d;
+  problem.max_pages = max_pages;
+  problem.page_size = page;
+  problem.k_bits = k_bits;
+  problem.v_bits = v_bits;
+  problem.f16_products = f16_products != 0;
+  problem.window = win;
+  problem.hadamard = dims.fused;
+  problem.num_splits = ns;
+  problem.kernel = static_cast<DecodeKernel>(kernel);
+  problem.alignment = win ? common_alignment({k_codes.untyped_data(), v_codes.untyped_data(), k_norms.untyped_data(),
+                                              v_norms.untyped_data(), k_window.untyped_data(), v_window.untyped_data()})
+                          : common_alignment({k_codes.untyped_data(), v_codes.untyped_data(), k_norms.untyped_data(),
+                                              v_norms.untyped_data()});
+  const DecodePlan plan = plan_decode(problem, cuda_decode_caps());
+  const int gt = plan.head_tile;
   const int64_t ntiles = (G + gt - 1) / gt;
   if (Hkv * ntiles > 65535) return invalid("num_kv_heads * ceil(group / 8) must be <= 65535");
 
@@ -2113,27 +1657,25 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot,
   p.v_bits = v_bits;
   p.rot = dims.fused ? rotation.typed_data() : nullptr;
   p.trace = nullptr;
-  if (const char* env = std::getenv("JAX_TQ_TRACE_PHASES"); env != nullptr && std::string(env) == "1") {
-    void* trace = nullptr;
-    if (cudaGetSymbolAddress(&trace, g_phase_trace) == cudaSuccess) p.trace = static_cast<unsigned long long*>(trace);
-  }
+#ifdef JTQ_TRACE_PHASES
+  if (void* trace = nullptr; cudaGetSymbolAddress(&trace, g_phase_trace) == cudaSuccess)
+    p.trace = static_cast<unsigned long long*>(trace);
+#endif
   p.window = win ? static_cast<int>(dims.win.window) : 0;
   p.pstride = static_cast<int>(pstride);
   if (P == 0) {  // nothing can be read: every row is 0 (all page ids are out of range)
     p.P = 0;
   }
 
-  // A window is folded into v4's tile loop where v4 runs (16-byte aligned windows); else its partial
-  // comes from the window-partial kernel.
+  // A window is folded into the float16 tensor-core kernel's tile loop where the plan says so; else
+  // its partial comes from the window-partial kernel.
   p.kwin = nullptr;
   p.vwin = nullptr;
   p.window_ids = window_ids.typed_data();
   p.num_windows = static_cast<int>(dims.win.num_windows < (int64_t(1) << 31) - 1 ? dims.win.num_windows
                                                                                 : (int64_t(1) << 31) - 1);
   p.window_split = ns > 1 ? static_cast<int>(ns) : 0;
-  const bool fold = win && runs_v4_unpadded(static_cast<int>(d), gt, f16_products != 0, p) &&
-                    reinterpret_cast<uintptr_t>(k_window.untyped_data()) % 16 == 0 &&
-                    reinterpret_cast<uintptr_t>(v_window.untyped_data()) % 16 == 0;
+  const bool fold = win && plan.folds_window;
   if (fold) {
     p.kwin = static_cast<const uint16_t*>(k_window.untyped_data());
     p.vwin = static_cast<const uint16_t*>(v_window.untyped_data());
@@ -2147,10 +1689,11 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot,
   if (combine && reinterpret_cast<uintptr_t>(p.pout) % 16 != 0)
     return invalid("partial_out workspace is not 16-byte aligned");
   if (combine && d > kCombineMaxD) return invalid("head_dim above the combine kernel's 256");
-  if (dims.fused && !fused_rotation_ok(static_cast<int>(d), gt, p))
-    return invalid("the fused (Hadamard) rotation runs on the tensor-core kernels only: head_dim 128, "
-                   "K and V of 2, 3 or 4 bits, code pools aligned to the per-lane loads, a 16-byte aligned "
-                   "rotation operand, JAX_TQ_CUDA_DECODE not v1 / v2");
+  if (dims.fused && (!plan.fused_rotation || reinterpret_cast<uintptr_t>(p.rot) % 16 != 0))
+    return invalid(std::string("the fused (Hadamard) rotation runs on the tensor-core kernels only (head_dim 128, K and "
+                               "V of 2, 3 or 4 bits, code pools aligned to the per-lane loads, a 16-byte aligned "
+                               "rotation operand); this call's plan: ") +
+                   kDecodeKernelNames[static_cast<int>(plan.kernel)]);
   WindowPartialParams wp{};
   int64_t win_ctas = 0;
   if (win && !fold) {
@@ -2185,8 +1728,7 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot,
     if (auto e = launch_window_partial(static_cast<int>(d), stream, wp, win_ctas); e.failure()) return e;
   }
   const dim3 grid(static_cast<unsigned>(S * p.grid_splits), static_cast<unsigned>(Hkv * ntiles));
-  if (auto e = dispatch_d(static_cast<int>(d), gt, f16_products != 0, stream, p, grid); e.failure())
-    return e;
+  if (auto e = launch_plan(plan, static_cast<int>(d), stream, p, grid); e.failure()) return e;
   if (combine) {
     // ns = pstride: the combine's partial count and stride (the window's partial is the last).
     paged_decode_combine_kernel<<<static_cast<unsigned>(S * H), kCombineThreads, 0, stream>>>(

@@ -9,18 +9,18 @@
 //   ring_row64. 2- and 3-bit codes are spread to the same 4-bit nibbles when loaded (load_nibbles),
 //   or, in v4's ring, turned into table keys of their own width (load_k_keys, 2-bit V in
 //   tile_accumulate_v). The fused rotation is head_dim 128 only.
-// The default where the configuration matches (see use_v3 in paged_decode.cu; JAX_TQ_CUDA_DECODE
-// = v1 / v2 turns them off); v1 serves every other configuration. v4 (at the end of this file) is
+// Chosen by plan_decode (jax_tq/decode_plan.h): v3 is the tensor-core float32-accurate kernel, v4
+// the float16 one; the CUDA-core kernel serves every other configuration. v4 (at the end of this file) is
 // v3's tile loop with 8 warps per CTA, for f16 products, with its tiles in registers or (RING, the
 // default where it fits) in a per-warp cp.async ring; v3 keeps f32-accurate (hi / lo) products.
 // History and measurements: docs/performance.md.
 //
 // This header is NOT self-contained: paged_decode.cu includes it textually inside
-// namespace jax_tq::cuda::{anonymous}, after the v2 kernel; it uses DecodeParams, token_row,
+// namespace jax_tq::cuda::{anonymous}; it uses DecodeParams, token_row,
 // fast_exp2, warp_max, kThreads / kWarps, kLn2 from there, and <cuda_fp16.h> (included at the top
 // of paged_decode.cu).
 //
-// Contract (identical to v1 / v2): same grid (num_splits * num_seqs, num_kv_heads * group_tiles),
+// Contract (identical to the CUDA-core kernel's): same grid (num_splits * num_seqs, num_kv_heads * group_tiles),
 // 128 threads (v4: 256; two items per CTA: 512 on a grid.y of half the rows), same per-split token range
 // (paged_len: with a window, the pages' tokens only), same partial (o / l, m + log l) writes (or the
 // final output when num_splits == 1 and there is no window: writes_partials), so the combine
@@ -78,7 +78,7 @@
 // Each warp streams its own 16-token tiles (tile i -> warp i % 4; v4: i % 8), codes / norms loaded
 // straight from global memory into registers one tile ahead (v4's ring variant: by cp.async into a
 // per-warp shared-memory ring, 2-4 tiles ahead); no block barrier in the main loop; the
-// warps are merged through shared memory at the end (as in v2).
+// warps are merged through shared memory at the end.
 //
 // Range: the V weights p * v_norm are taken relative to a running max that includes log2 v_norm,
 // so they are <= 1 for any norm up to the float32 rounding of that max (v3: 2^(half the logits'
@@ -846,7 +846,7 @@ __device__ __forceinline__ void merge_tile_state(const DecodeParams& p, const fl
 // KB / VB: the K / V code width (2, 3 or 4), or 0: the runtime p.k_bits / p.v_bits (ldg_codes).
 template <int D, int GT, bool SPLIT, int KB = 4, int VB = 4>
 __global__ void __launch_bounds__(kThreads, kCtasPerSm)
-    paged_decode_v3_kernel(const DecodeParams p) {
+    decode_tc_f32_kernel(const DecodeParams p) {
   static_assert(GT == 4 || GT == 8, "v3: GT in {4, 8}");
   static_assert(kNH == 2 * kWarps, "prologue: two heads per warp");
   static_assert(kWarps * kNH * D * 4 <= kSmemBytes, "o_s must fit in the table space");
@@ -1318,7 +1318,7 @@ __device__ __forceinline__ void prefetch_window_l2(const DecodeParams& p, int wi
 // per SM instead of one per wave); 3-stage rings at 8 items (their q rows take 32 KB).
 template <int D, int GT, bool SPLIT, bool RING, int KB = 4, int VB = 4, int HALVES = 1, int ITEMS = 1>
 __global__ void __launch_bounds__(v4_threads(ITEMS), v4_ctas_per_sm(ITEMS))
-    paged_decode_v4_kernel(const DecodeParams p) {
+    decode_tc_f16_kernel(const DecodeParams p) {
   static_assert(ITEMS == 1 || ((ITEMS == 2 || ITEMS == 4 || ITEMS == 8) && RING && HALVES == 1 && GT == 4),
                 "several items: 2, 4 or 8, ring, head tiles of 4");
   static_assert(!RING || (KB != 0 && VB != 0), "the ring's stage layout needs compile-time widths");

@@ -118,6 +118,11 @@ def missing_target_reason(platform: str, target: str) -> str:
             "JAX_TQ_CUDA_UNVERIFIED=ON to include it)")
 
 
+def module(platform: str):
+    """The loaded kernel module for ``platform`` ("cpu" or "cuda"), or None."""
+    return _load(platform)[0] if platform in _MODULES else None
+
+
 def cuda_module():
     """The loaded CUDA module, or None."""
-    return _load("cuda")[0] if "cuda" in _MODULES else None
+    return module("cuda")

@@ -31,11 +31,6 @@ paged_decode_p.multiple_results = True
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 _LOG2E = 1.4426950408889634  # the kernels take scores in log2 units: scale * log2(e) in float32
 
-#: Each split streams at least this many tokens, so its prefetch has work to overlap and the
-#: combine stays cheap next to the split's own work.
-MIN_TOKENS_PER_SPLIT = 256
-
-
 def paged_decode(q, cache, block_tables, seq_lens, *, window_ids=None, scale=None, num_splits=None,
                  precision=None):
     """Decode attention of one query token per sequence over a compressed paged KV cache.
@@ -64,8 +59,7 @@ def paged_decode(q, cache, block_tables, seq_lens, *, window_ids=None, scale=Non
         ``HIGHEST``: float32-accurate (relative error ~1e-5 or less). ``DEFAULT``/``HIGH``: the GPU kernel
         may round q, the softmax weights and the centroids to float16 inside its tensor-core
         products (relative error ~2^-11 per term, below a bfloat16 query's own rounding of 2^-9);
-        where the kernel that runs does so (head_dim 64 or 128, K and V of 2, 3 or 4 bits, with jax_tq's CUDA
-        kernels built and ``JAX_TQ_CUDA_DECODE`` not asking for v1 / v2 / v3), the query and output
+        where the kernel that runs does so (the tensor-core float16 kernel: :func:`plan`), the query and output
         rotations run at ``HIGH`` too (TF32 on the GPU, ~3e-4; no effect on the CPU), unless
         inside ``jax.default_matmul_precision("highest")`` (or ``"float32"``).
         Default: ``HIGHEST`` for float32 queries, ``DEFAULT`` for bfloat16/float16 queries. The
@@ -74,11 +68,11 @@ def paged_decode(q, cache, block_tables, seq_lens, *, window_ids=None, scale=Non
     Rotations: with Hadamard codecs (``rotation="hadamard"``) of head_dim 128 the kernel itself
     computes q_rot = Pi_k q and out = Pi_v^T o_rot (two fast Walsh-Hadamard transforms per row:
     float32 in the CUDA kernels, float64 in the CPU kernel), so no rotation GEMM runs around it.
-    That holds on the CPU (the ``ffi``/``auto`` backends) and, on a GPU, where the tensor-core
-    kernel runs (:func:`uses_tensor_core_kernel`).
-    Everywhere else (Haar codecs, other head_dims, the ``xla`` backend, or
-    ``JAX_TQ_FUSED_ROTATION`` set to ``0``/``false``/``off``/``no``) the rotations are two XLA GEMMs
-    around the kernel. The choice is made when the call is traced (a jitted function keeps it).
+    That holds on the CPU (the ``ffi``/``auto`` backends) and, on a GPU, where a tensor-core
+    kernel runs (:func:`plan`). Everywhere else (Haar codecs, other head_dims, the ``xla`` backend)
+    the rotations are two XLA GEMMs around the kernel. The kernel, its split count and the rotations
+    are chosen by one C++ planner (:func:`plan`) when the call is traced (a jitted function keeps
+    them); ``JAX_TQ_DECODE_KERNEL`` (:func:`requested_kernel`) overrides the kernel family, for tests.
 
     Returns:
       [num_seqs, num_heads, head_dim] array of q's dtype. A query row holding a NaN or inf gives a
@@ -93,17 +87,14 @@ def paged_decode(q, cache, block_tables, seq_lens, *, window_ids=None, scale=Non
         num_splits not a concrete Python number of the right kind.
       ValueError: wrong ranks or shapes, head_dim differs from the cache's codecs, num_heads not a
         multiple of num_kv_heads, num_splits < 1, a non-finite or float32-overflowing scale, an
-        unknown precision; ``JAX_TQ_FUSED_ROTATION`` set to something other than 1/true/on/yes or
-        0/false/off/no; ``JAX_TQ_CUDA_DECODE`` set to something other than v1 ... v5.
+        unknown precision; ``JAX_TQ_DECODE_KERNEL`` set to something other than a kernel family.
 
     Source: TurboQuant (arXiv 2504.19874), Algorithm 1: scores <Pi_k q, c[idx]> * ||k|| against the
     stored codes, the output rotated back once by Pi_v^T; split-K with a log-sum-exp combine
     (Flash-Decoding); the fast Walsh-Hadamard transform for Pi = H D2 P H D1 (docs/FORMAT.md).
     """
     check_cache(cache, "paged_decode")
-    requested_cuda_decode()  # a misspelt kernel choice raises on every backend and query dtype
-    requested_v4_items()
-    requested_trace_phases()
+    kernel = requested_kernel()  # a misspelt kernel choice raises on every backend and query dtype
     q = jnp.asarray(q)
     scale, num_splits = _static_scale(scale), _static_num_splits(num_splits)
     block_tables, seq_lens = _check_decode_args(q, cache, block_tables, seq_lens, num_splits)
@@ -115,18 +106,19 @@ def paged_decode(q, cache, block_tables, seq_lens, *, window_ids=None, scale=Non
     k_codec, v_codec = cache.k_codec, cache.v_codec
     scale = 1.0 / math.sqrt(k_codec.head_dim) if scale is None else scale
     backend = get_backend()
-    group = q.shape[1] // cache.num_kv_heads
     pools = (cache.k_codes, cache.k_norms, cache.v_codes, cache.v_norms, k_codec.centroids, v_codec.centroids,
              block_tables, seq_lens, *windows)
-    fused = _fused_rotation(k_codec, v_codec, backend, group)
-    if fused is not None:  # the kernel rotates q and the output itself
-        out = _decode(q.astype(jnp.float32), *pools, fused, k_codec.bits, v_codec.bits, scale,
-                      int(num_splits or 0), f16_products, backend)
-        return out.astype(q.dtype)
-    kernel_rounds_to_f16 = (backend != "xla" and uses_v4(f16_products) and ffi_loader.kernels_available("cuda")
-                            and uses_tensor_core_kernel(k_codec.head_dim, k_codec.bits, v_codec.bits, group,
-                                                        f16_products=f16_products))
-    rotation_precision = _rotation_precision(kernel_rounds_to_f16)
+    hadamard = k_codec.hadamard_spec is not None and v_codec.hadamard_spec is not None
+    platform = _trace_platform(backend)
+    chosen = platform and plan(platform, num_seqs=q.shape[0], num_heads=q.shape[1], num_kv_heads=cache.num_kv_heads,
+                               head_dim=k_codec.head_dim, max_pages=block_tables.shape[1], page_size=cache.page_size,
+                               k_bits=k_codec.bits, v_bits=v_codec.bits, f16_products=f16_products,
+                               window=bool(cache.window), hadamard=hadamard, kernel=kernel)
+    static = (k_codec.bits, v_codec.bits, scale, int(num_splits or 0), f16_products, kernel, backend)
+    if chosen and chosen["fused_rotation"]:  # the kernel rotates q and the output itself
+        rotation = jnp.asarray(np.stack([k_codec.hadamard_spec, v_codec.hadamard_spec]))
+        return _decode(q.astype(jnp.float32), *pools, rotation, *static).astype(q.dtype)
+    rotation_precision = _rotation_precision(bool(chosen and platform == "cuda" and chosen["f16_rounding"]))
     q_rot = jnp.einsum("shd,ed->she", q.astype(jnp.float32), k_codec.rotation, precision=rotation_precision)
     operands = (q_rot, *pools)
     # A query row holding an inf or NaN makes every element of its q_rot row inf or NaN (inf * 0 is
@@ -135,8 +127,7 @@ def paged_decode(q, cache, block_tables, seq_lens, *, window_ids=None, scale=Non
     if backend == "xla":
         out_rot = _reference_rotated(*operands, k_codec.bits, v_codec.bits, scale)
     else:
-        out_rot = _decode(*operands, _NO_ROTATION, k_codec.bits, v_codec.bits, scale, int(num_splits or 0),
-                          f16_products, backend)
+        out_rot = _decode(*operands, _NO_ROTATION, *static)
     out = jnp.einsum("she,ed->shd", out_rot, v_codec.rotation, precision=rotation_precision)
     return out.astype(q.dtype)
 
@@ -183,47 +174,60 @@ def window_operands(cache, window_ids, seq_lens, op: str):
 #: The primitive's rotation operand when q is already rotated (q_rot) and the output stays rotated.
 _NO_ROTATION = np.zeros((2, 0), np.int32)
 
-#: head_dim of the kernels that apply a Hadamard rotation themselves.
-FUSED_ROTATION_HEAD_DIM = 128
-FUSED_ROTATION_ENV = "JAX_TQ_FUSED_ROTATION"  # 0 / false / off / no: the rotations stay XLA GEMMs
+#: The run-time override of the CUDA kernel family, for tests and A/B timing: one of DECODE_KERNELS
+#: (that family wherever it can run the call; the planner's choice elsewhere), unset or empty: the planner's.
+KERNEL_ENV = "JAX_TQ_DECODE_KERNEL"
+#: The CUDA kernel families (cuda_ops/include/jax_tq/decode_plan.h), in the order of their ids 1, 2, 3.
+DECODE_KERNELS = ("cuda-core", "tensor-core-f32", "tensor-core-f16")
 
 
-def _fused_rotation(k_codec, v_codec, backend: str, group: int):
-    """The primitive's rotation operand, int32 [2, head_dim] (the K and V codecs' Hadamard spec
-    words, docs/FORMAT.md), where the kernel that runs applies q_rot = Pi_k q and out = Pi_v^T o_rot
-    itself (no rotation GEMMs around it); else None. That needs Hadamard codecs of head_dim 128
-    (powers of two), a kernel backend, and on a GPU the tensor-core kernels
-    (:func:`uses_tensor_core_kernel`). ``JAX_TQ_FUSED_ROTATION=0`` turns it off (A/B timing).
-
-    Raises:
-      ValueError: ``JAX_TQ_FUSED_ROTATION`` is not one of 1/true/on/yes or 0/false/off/no.
-    """
-    if not _env_flag(FUSED_ROTATION_ENV, default=True) or backend == "xla":
-        return None
-    k_spec, v_spec = k_codec.hadamard_spec, v_codec.hadamard_spec
-    if k_spec is None or v_spec is None or k_codec.head_dim != FUSED_ROTATION_HEAD_DIM:
-        return None
-    if ffi_loader.kernels_available("cuda") and not uses_tensor_core_kernel(
-            k_codec.head_dim, k_codec.bits, v_codec.bits, group):
-        return None
-    return jnp.asarray(np.stack([k_spec, v_spec]))
-
-
-def _env_flag(name: str, default: bool) -> bool:
-    """Boolean environment variable: unset or empty -> default; 1/true/on/yes or 0/false/off/no
-    (any case, surrounding spaces ignored).
+def requested_kernel() -> int:
+    """``JAX_TQ_DECODE_KERNEL`` as the id the planner and the CUDA handler take: 0 (unset or empty:
+    the planner's choice), 1 ``cuda-core``, 2 ``tensor-core-f32``, 3 ``tensor-core-f16``. Read when a
+    call is traced; a jitted function keeps its choice.
 
     Raises:
-      ValueError: any other value (a typo must not silently keep the default).
+      ValueError: any other value (a typo must not silently run the default).
     """
-    value = os.environ.get(name, "").strip().lower()
-    if not value:
-        return default
-    if value in ("1", "true", "on", "yes"):
-        return True
-    if value in ("0", "false", "off", "no"):
-        return False
-    raise ValueError(f"{name}={os.environ[name]!r}: expected 1/true/on/yes or 0/false/off/no")
+    value = os.environ.get(KERNEL_ENV, "")
+    if value and value not in DECODE_KERNELS:
+        raise ValueError(f"{KERNEL_ENV}={value!r}: expected one of {', '.join(DECODE_KERNELS)} (or unset)")
+    return DECODE_KERNELS.index(value) + 1 if value else 0
+
+
+def plan(platform: str, *, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, max_pages: int,
+         page_size: int, k_bits: int, v_bits: int, f16_products: bool = True, window: bool = False,
+         hadamard: bool = False, num_splits: int = 0, kernel: int = 0) -> dict:
+    """The decode plan of the kernel module for ``platform`` ("cpu" or "cuda"): the C++ planner
+    (``cuda_ops/include/jax_tq/decode_plan.h``) that the CUDA handler runs at each launch.
+
+    Returns:
+      dict with ``kernel`` (``"cpu"``, ``"cuda-core"``, ``"tensor-core-f32"`` or ``"tensor-core-f16"``),
+      ``num_splits`` (split-K parts; ``num_splits`` when given, else the count that best fills the
+      GPU's waves: 1 on the CPU), ``fused_rotation`` (the kernel rotates q and the output itself:
+      Hadamard codecs of head_dim 128, on the CPU kernel and the tensor-core ones), ``f16_rounding``
+      (products round to float16), ``folds_window``, ``head_tile``, ``ring``, ``halves``, ``items``
+      (the float16 kernel's variant). None where the module is not loaded.
+    """
+    module = ffi_loader.module(platform) if ffi_loader.kernels_available(platform) else None
+    if module is None:
+        return None
+    return _plan_cached(module, int(num_seqs), int(num_heads), int(num_kv_heads), int(head_dim), int(max_pages),
+                        int(page_size), int(k_bits), int(v_bits), bool(f16_products), bool(window), bool(hadamard),
+                        int(num_splits), int(kernel))
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan_cached(module, *args):
+    return module.plan_decode(*args)
+
+
+def _trace_platform(backend: str) -> str | None:
+    """The kernel module a traced call plans for: "cuda" where jax_tq's CUDA kernels are loaded,
+    else "cpu"; None for the xla backend (no kernel)."""
+    if backend == "xla":
+        return None
+    return "cuda" if ffi_loader.kernels_available("cuda") else "cpu"
 
 
 def _rotation_from_spec(words):
@@ -283,7 +287,7 @@ def _static_num_splits(num_splits):
 def _rotation_precision(kernel_rounds_to_f16: bool) -> jax.lax.Precision:
     """Precision of the two rotation GEMMs: ``HIGH`` (TF32 on the GPU, relative error ~3e-4, about
     the kernel's own float16 rounding; 1.8-2x faster there at 8-128 sequences, see
-    benchmarks/bench_rotation.py) where the decode kernel that runs rounds to float16 (v4), else
+    benchmarks/bench_rotation.py) where the decode kernel that runs rounds to float16, else
     ``HIGHEST``; also ``HIGHEST`` inside ``jax.default_matmul_precision("highest" / "float32")``."""
     forced_highest = jax.config.jax_default_matmul_precision in ("highest", "float32")
     return jax.lax.Precision.HIGH if kernel_rounds_to_f16 and not forced_highest else jax.lax.Precision.HIGHEST
@@ -307,16 +311,16 @@ def _allows_f16_products(precision, q_dtype) -> bool:
 _NUM_OPERANDS = 13  # q, the four pools, two centroids, block_tables, seq_lens, two windows, window_ids, rotation
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=tuple(range(_NUM_OPERANDS, _NUM_OPERANDS + 6)))
+@functools.partial(jax.custom_vjp, nondiff_argnums=tuple(range(_NUM_OPERANDS, _NUM_OPERANDS + 7)))
 def _decode(q, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, k_window, v_window, window_ids,
-            rotation, k_bits, v_bits, scale, num_splits, f16_products, backend):
+            rotation, k_bits, v_bits, scale, num_splits, f16_products, kernel, backend):
     """The kernel call, differentiable in q, k_norms and v_norms (the codes are integers, the window
     rows bfloat16 copies). With rotation [2, 0], q is q_rot and the result out_rot; with [2, d] (the
     fused rotation) both are unrotated. A row whose q_rot is not all finite gives a NaN output row."""
     (out,) = paged_decode_p.bind(
         q, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, k_window, v_window, window_ids,
         rotation, k_bits=k_bits, v_bits=v_bits, scale=scale, num_splits=num_splits, f16_products=f16_products,
-        backend=backend,
+        kernel=kernel, backend=backend,
     )
     return out
 
@@ -326,7 +330,7 @@ def _decode_fwd(*args):
     return _decode(*operands, *static), operands
 
 
-def _decode_bwd(k_bits, v_bits, scale, num_splits, f16_products, backend, operands, cotangent):
+def _decode_bwd(k_bits, v_bits, scale, num_splits, f16_products, kernel, backend, operands, cotangent):
     """Backward pass through the reference (recomputes the softmax; memory O(num_seqs x tokens))."""
     q, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, k_window, v_window, ids, rotation = operands
     reject_checkify_residuals("paged_decode", k_codes=(k_codes, jnp.uint8), v_codes=(v_codes, jnp.uint8),
@@ -388,208 +392,27 @@ def _check_decode_args(q, cache, block_tables, seq_lens, num_splits, op="jax_tq.
     return block_tables, seq_lens
 
 
-#: Shared memory of one tensor-core decode CTA (v3): 64 KB of tables + static arrays + the
-#: driver's per-CTA reserve; its registers allow 3 CTAs per SM.
-V3_SMEM_PER_CTA = 65536 + 2848 + 1024
-V3_MAX_CTAS_BY_REGISTERS = 3
-
-
-#: v4 (the tensor-core kernel for float16 products): 8 warps per CTA share the 64 KB of tables;
-#: 128 registers per thread allow 2 CTAs per SM. Its ring variant adds at most 40 KB of per-warp
-#: cp.async stages (V4_RING_SMEM_PER_CTA; 34 KB at head_dim 128 and 4 bits); the handler runs it
-#: only where 2 such CTAs fit per SM (sm_90), and the register variant elsewhere, so 2 CTAs per SM
-#: hold for both.
-V4_SMEM_PER_CTA = 65536 + 4640 + 1024
-V4_RING_SMEM_PER_CTA = V4_SMEM_PER_CTA + 8 * 5120
-V4_MAX_CTAS_BY_REGISTERS = 2
-
-
-def _shared_memory_per_sm(compute_capability: tuple[int, int]) -> int:
-    """Shared memory per SM (CUDA programming guide, compute capabilities table): 228 KB on sm_90 /
-    sm_10x (H100, H200, B200), 164 KB on sm_80 / sm_87, 100 KB on the other sm_8x and on sm_12x
-    (RTX 40xx / 50xx class); 100 KB (the smallest) for any other."""
-    major, minor = compute_capability
-    if major in (9, 10):
-        return 228 * 1024
-    return 164 * 1024 if (major, minor) in ((8, 0), (8, 7)) else 100 * 1024
-
-
-def v3_ctas_per_sm(compute_capability: tuple[int, int]) -> int:
-    """Resident v3 CTAs per SM: 3 on sm_90 (228 KB shared memory per SM), 2 on sm_80 / sm_87
-    (164 KB), 1 on other sm_8x (100 KB)."""
-    smem_per_sm = _shared_memory_per_sm(compute_capability)
-    return max(1, min(V3_MAX_CTAS_BY_REGISTERS, smem_per_sm // V3_SMEM_PER_CTA))
-
-
-def v4_ctas_per_sm(compute_capability: tuple[int, int]) -> int:
-    """Resident v4 CTAs (8 warps each) per SM: 2 on sm_90 and sm_80 / sm_87, 1 on other sm_8x."""
-    smem_per_sm = _shared_memory_per_sm(compute_capability)
-    return max(1, min(V4_MAX_CTAS_BY_REGISTERS, smem_per_sm // V4_SMEM_PER_CTA))
-
-
-def uses_tensor_core_kernel(head_dim: int, k_bits: int, v_bits: int, group: int, *,
-                            f16_products: bool = True) -> bool:
-    """Whether the CUDA decode runs a tensor-core kernel (v3 / v4) for this configuration: head_dim
-    64 or 128, K and V of 2, 3 or 4 bits each, any GQA group (groups of 1 or 2 query heads run
-    padded to 4), unless ``JAX_TQ_CUDA_DECODE`` asks for v1 or v2 (the kernel handler reads the same
-    variable). With float16 products (``f16_products``) and unless ``JAX_TQ_CUDA_DECODE`` names any
-    kernel, also head_dim 256 with K and V of 2, 3 or 4 bits each (v4's warp pairs), head_dim 80
-    and 96 with K and V of 2, 3 or 4 bits each (rows padded to 128 coordinates), and head_dim
-    192 with K4V4 (warp pairs of padded halves, head tiles of 4), on GPUs with 228 KB of shared
-    memory per SM (sm_90, sm_10x), where two CTAs of these kernels fit (the handler asks the device;
-    elsewhere they run v1).
-
-    Raises:
-      ValueError: ``JAX_TQ_CUDA_DECODE`` holds a value other than v1 ... v5 (or empty).
-    """
-    requested = requested_cuda_decode()
-    wide_fit = _shared_memory_per_sm(_compat.gpu_compute_capability()) >= PAIRS_SMEM_PER_SM
-    default_kernel = requested in ("", "v5") and f16_products and wide_fit
-    if head_dim == 256:
-        return default_kernel and k_bits in (2, 3, 4) and v_bits in (2, 3, 4)
-    if head_dim in (80, 96):
-        return default_kernel and k_bits in (2, 3, 4) and v_bits in (2, 3, 4)
-    if head_dim == 192:
-        return default_kernel and k_bits == 4 and v_bits == 4
-    return requested not in ("v1", "v2") and head_dim in (64, 128) and k_bits in (2, 3, 4) and v_bits in (2, 3, 4)
-
-
-def uses_v4(f16_products: bool) -> bool:
-    """Of the tensor-core kernels, whether the handler runs v4 (float16 products, unless
-    ``JAX_TQ_CUDA_DECODE=v3``) rather than v3 (float32-accurate products).
-
-    Raises:
-      ValueError: ``JAX_TQ_CUDA_DECODE`` holds a value other than v1 ... v5 (or empty).
-    """
-    return f16_products and requested_cuda_decode() != "v3"
-
-
-#: Values of ``JAX_TQ_CUDA_DECODE`` (read by the CUDA handler too; empty: the default choice).
-CUDA_DECODE_CHOICES = ("", "v1", "v2", "v3", "v4", "v5")
-#: Shared memory per SM that two CTAs of v4's head_dim-256 warp pairs need (~114 KB each).
-PAIRS_SMEM_PER_SM = 228 * 1024
-
-
-def requested_cuda_decode() -> str:
-    """``JAX_TQ_CUDA_DECODE`` as the CUDA handler reads it (exact match; empty when unset).
-
-    Raises:
-      ValueError: any other value (the handler would quietly take it for the default, so that the
-        split count and the rotations' precision chosen here could not match the kernel that runs).
-    """
-    return _env_choice("JAX_TQ_CUDA_DECODE", CUDA_DECODE_CHOICES, "one of v1, v2, v3, v4, v5")
-
-
-def _env_choice(name: str, choices, expected: str) -> str:
-    """Environment variable ``name`` ("" when unset), which must be one of ``choices``.
-
-    Raises:
-      ValueError: any other value, naming ``expected``.
-    """
-    value = os.environ.get(name, "")
-    if value not in choices:
-        raise ValueError(f"{name}={value!r}: expected {expected} (or unset)")
-    return value
-
-
-V4_ITEMS_CHOICES = ("", "1", "2", "4", "8")
-
-
-def requested_v4_items() -> str:
-    """``JAX_TQ_V4_ITEMS`` as the CUDA handler reads it (once per process), for v4's head_dim-128
-    K4V4 ring kernel with head tiles of 4: ``""`` (unset), the default, runs 2, 4 or 8 KV heads
-    per CTA of 16 warps, the count that needs the fewest waves of one CTA per SM for the least work
-    per SM; ``"1"`` keeps one KV head per CTA; ``"2"``, ``"4"`` or ``"8"`` asks for that count
-    where it divides ``num_kv_heads`` (else the default's choice). It changes only which kernel
-    runs, not the result's accuracy.
-
-    Raises:
-      ValueError: any other value (the handler would quietly take it for the default).
-    """
-    return _env_choice("JAX_TQ_V4_ITEMS", V4_ITEMS_CHOICES, "1, 2, 4 or 8")
-
-
-def requested_trace_phases() -> bool:
-    """``JAX_TQ_TRACE_PHASES``, as the CUDA handler reads it at each call: ``"1"`` records v4's phase
-    trace (``benchmarks/phase_trace.py``); ``""`` (unset) or ``"0"`` does not.
-
-    Raises:
-      ValueError: any other value (the handler would quietly take it for off).
-    """
-    return _env_choice("JAX_TQ_TRACE_PHASES", ("", "0", "1"), "0 or 1") == "1"
-
-
-def whole_wave_splits(units: int, slots: int, max_splits: int, extra: int = 0) -> int:
-    """The split count whose ``units * splits`` CTAs best fill whole waves of ``slots`` resident
-    CTAs (a last, partly filled wave leaves SMs idle), preferring fewer splits unless more fill
-    clearly (>= 2 points) better; searched up to ~4 waves or ``max_splits``. ``extra``: CTAs per
-    unit beside its splits' when there are several (a folded window's own CTA)."""
-    best, best_fill = 1, 0.0
-    for splits in range(1, max(1, max_splits) + 1):
-        waves = units * (splits + (extra if splits > 1 else 0)) / slots
-        fill = waves / math.ceil(waves)
-        if fill > best_fill + 0.02:
-            best, best_fill = splits, fill
-        if waves >= 4:
-            break
-    return best
-
-
-def _max_head_tile(head_dim: int) -> int:
-    """Largest query-head tile of the CUDA decode kernels (max_gt in paged_decode.cu): 4 from
-    head_dim 192 on (the warp pairs), else 8."""
-    return 4 if head_dim >= 192 else 8
-
-
-def choose_num_splits(platform: str, num_seqs: int, num_kv_heads: int, max_pages: int, *,
-                      group: int = 1, page_size: int = 16, head_dim: int = 128, k_bits: int = 4,
-                      v_bits: int = 4, f16_products: bool = True, window: bool = False) -> int:
-    """Split-K count for a launch: 1 on CPU. On a GPU, with at most one split per
-    ``MIN_TOKENS_PER_SPLIT`` tokens (and 4 pages):
-
-    * tensor-core kernel (:func:`uses_tensor_core_kernel`): the count whose (sequence, KV head,
-      head tile, split) CTAs best fill whole waves of :func:`v4_ctas_per_sm` (``f16_products``)
-      or :func:`v3_ctas_per_sm` CTAs per SM; with a ``window`` that v4 folds into its tile loop
-      (head_dim 64 / 128), several splits come with one more CTA per unit, the window's;
-    * otherwise one wave: 2 resident CTAs per SM for head tiles of 4 or 8 query heads, 4 else.
-    """
-    if platform == "cpu":
-        return 1
-    by_length = max(1, max_pages // max(4, MIN_TOKENS_PER_SPLIT // page_size))
-    if uses_tensor_core_kernel(head_dim, k_bits, v_bits, group, f16_products=f16_products):
-        units = num_seqs * num_kv_heads * -(-group // (4 if group <= 4 else _max_head_tile(head_dim)))
-        per_sm = v4_ctas_per_sm if uses_v4(f16_products) else v3_ctas_per_sm
-        slots = per_sm(_compat.gpu_compute_capability()) * _compat.gpu_core_count()
-        folded = window and uses_v4(f16_products) and head_dim in (64, 128)
-        return whole_wave_splits(max(1, units), slots, by_length, extra=1 if folded else 0)
-    tile = 1 if group <= 1 else 2 if group <= 2 else 4 if group <= 4 else _max_head_tile(head_dim)
-    head_tiles = -(-group // tile)
-    ctas_wanted = (2 if tile >= 4 else 4) * _compat.gpu_core_count()
-    by_occupancy = -(-ctas_wanted // max(1, num_seqs * num_kv_heads * head_tiles))
-    return int(max(1, min(by_occupancy, by_length)))
-
-
 # ----------------------------------------------------------------------------- primitive
 
 def _abstract(q, *operands, **params):
     return (_compat.output_aval(q.shape, jnp.float32, q, *operands),)
 
 
-def _reference(*operands, k_bits, v_bits, scale, num_splits, f16_products):
+def _reference(*operands, k_bits, v_bits, scale, num_splits, f16_products, kernel):
     return (_reference_any(*operands, k_bits=k_bits, v_bits=v_bits, scale=scale),)
 
 
-def _ffi(ctx, *operands, k_bits, v_bits, scale, num_splits, f16_products):
+def _ffi(ctx, *operands, k_bits, v_bits, scale, num_splits, f16_products, kernel):
     q_aval = ctx.avals_in[0]
     num_seqs, num_heads, head_dim = q_aval.shape
     window = not pu.has_zero_size(ctx.avals_in[9:10])
     if num_splits == 0:
         platform = _compat.lowering_platforms(ctx)[0]
         num_kv_heads, page_size = ctx.avals_in[2].shape[1], ctx.avals_in[2].shape[2]
-        num_splits = choose_num_splits(platform, num_seqs, num_kv_heads, ctx.avals_in[7].shape[1],
-                                       group=num_heads // num_kv_heads, page_size=page_size, head_dim=head_dim,
-                                       k_bits=k_bits, v_bits=v_bits, f16_products=bool(f16_products),
-                                       window=window)
+        num_splits = plan(platform, num_seqs=num_seqs, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                          head_dim=head_dim, max_pages=ctx.avals_in[7].shape[1], page_size=page_size, k_bits=k_bits,
+                          v_bits=v_bits, f16_products=bool(f16_products), window=window,
+                          hadamard=ctx.avals_in[12].shape[1] > 0, kernel=kernel)["num_splits"]
     partials = num_splits + (1 if window else 0)  # + the window's
     workspace = (
         _compat.ShapedArray((num_seqs, num_heads, partials, head_dim), jnp.float32),
@@ -597,8 +420,8 @@ def _ffi(ctx, *operands, k_bits, v_bits, scale, num_splits, f16_products):
     )
     ctx = ctx.replace(avals_out=[ctx.avals_out[0], *workspace])
     results = _compat.ffi_lowering("jax_tq_paged_decode")(
-        ctx, *operands, k_bits=np.int32(k_bits), v_bits=np.int32(v_bits),
-        num_splits=np.int32(num_splits), scale=np.float32(scale), f16_products=np.int32(f16_products),
+        ctx, *operands, k_bits=np.int32(k_bits), v_bits=np.int32(v_bits), num_splits=np.int32(num_splits),
+        scale=np.float32(scale), f16_products=np.int32(f16_products), kernel=np.int32(kernel),
     )
     return results[:1]
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on the GPU machine: build jax_tq with CUDA, run the GPU tests, the benchmarks,
 # and optionally the main job; print short tables. Usage: bash scripts/gpu_run.sh [build tests bench model]
-# stages: build ab v3 ncu items trace tests dtests ftests fbench regress qjl prefill bits hd rot bench graphs profile breakdown mstep model (default: build tests bench). Logs go to $OUT (the device tool brings them back).
+# stages: build ab kernels phases ncu trace tests dtests ftests fbench regress qjl prefill bits hd rot bench graphs profile breakdown mstep model (default: build tests bench). Logs go to $OUT (the device tool brings them back).
 # One device call may run 600 s at most: "build tests" (~9 min on the H200) and "bench" (~4 min) fit
 # in two back-to-back calls; the build stays while the machine is warm (30 s after a call).
 set -uo pipefail
@@ -21,7 +21,7 @@ has() { [[ " $stages " == *" $1 "* ]]; }
 # The kernels not yet run on a GPU (QJL, prefill) are built only for the stages that test them.
 unverified=${JAX_TQ_CUDA_UNVERIFIED:-OFF}; if has qjl || has prefill; then unverified=ON; fi
 cuda_install() {
-  local stamp="build/.cudaflags" want="flags:${CUDAFLAGS:-} unverified:$unverified"
+  local stamp="build/.cudaflags" want="flags:${CUDAFLAGS:-} unverified:$unverified trace:${JAX_TQ_TRACE_PHASES:-OFF}"
   if [[ -d build && "$(cat "$stamp" 2>/dev/null)" != "$want" ]]; then rm -rf build; fi
   JAX_TQ_CUDA=ON JAX_TQ_CUDA_UNVERIFIED=$unverified JAX_TQ_CUDA_ARCHS=${JAX_TQ_CUDA_ARCHS:-90} \
     python3 -m pip install --no-build-isolation --no-deps -e . \
@@ -40,18 +40,18 @@ if has build; then
   python3 -c "import jax, jax_tq, jax_tq._cuda_ops as m; from jax_tq import _ffi; print('jax', jax.__version__, jax.devices(), 'cuda kernels:', _ffi.kernels_available('cuda'), _ffi.unavailable_reason('cuda'))"
   echo "build: $(( $(date +%s) - t0 )) s"
 fi
-if has items; then  # v4's two work items per CTA (the default) against one (JAX_TQ_V4_ITEMS=1): time, then the phase trace
-  for c in ${ITEMS_CHOICES:-default JAX_TQ_V4_ITEMS=1}; do  # each: default or VAR=VALUE[,VAR=VALUE]
-    echo "== $c"
-    choice_env=$([[ $c == default ]] || echo "${c//,/ }")
-    env $choice_env timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/bench_decode.py --only-tq --device-time --rotations hadamard \
-      --shapes ${ITEMS_SHAPES:-32x8192,1x32768,128x2048} 2>&1 | tee "$OUT/items_${c//[=,]/_}.txt" | grep "^|" | grep -v -- "---" | cut -d'|' -f2-3,5
-    env $choice_env JAX_TQ_TRACE_PHASES=1 PYTHONPATH=benchmarks:${PYTHONPATH:-} timeout 100 python3 benchmarks/phase_trace.py 32x8192 2>&1 \
+if has phases; then  # a build with the phase trace (JAX_TQ_TRACE_PHASES=ON), its test and report; then the plain build again
+  if JAX_TQ_TRACE_PHASES=ON cuda_install >"$OUT/build_trace.log" 2>&1; then
+    JAX_TQ_TRACE_PHASES=ON timeout 100 python3 -m pytest -q -m gpu tests/test_gpu.py -k "phase_trace or many_item" 2>&1 | tail -n 3
+    PYTHONPATH=benchmarks:${PYTHONPATH:-} timeout 100 python3 benchmarks/phase_trace.py ${PHASE_SHAPES:-32x8192} 2>&1 \
       | grep -E "^==|kernel span|loop end \(|^  end|later|earlier|^  [a-z].*p50"
-  done
+  else
+    tail -n 40 "$OUT/build_trace.log"; echo "TRACE BUILD FAILED"
+  fi
+  cuda_install >"$OUT/build.log" 2>&1
 fi
 if has ab; then  # A/B in one call, on one machine: each source tree of AB_TREES (default ". ab/base .")
-  # built with CUDA, then timed and phase-traced at AB_SHAPES; "." is the working tree. Make another
+  # built with CUDA, then timed at AB_SHAPES; "." is the working tree. Make another
   # commit's tree with: mkdir -p ab/base && git archive <rev> | tar -x -C ab/base (untracked, so it
   # travels; delete it afterwards). The working tree's install is restored at the end.
   # CUDAFLAGS=-DJTQ_DEV_ONLY_D=128 builds head_dim 128's kernels only (~60 s per tree instead of ~150).
@@ -62,34 +62,27 @@ if has ab; then  # A/B in one call, on one machine: each source tree of AB_TREES
     fi
     (cd "$tree" && timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/bench_decode.py --only-tq --device-time --rotations hadamard \
       --shapes ${AB_SHAPES:-32x8192} 2>&1 | grep "^|" | grep -v -- "---" | cut -d'|' -f2-3,5)
-    (cd "$tree" && JAX_TQ_TRACE_PHASES=1 PYTHONPATH=benchmarks:${PYTHONPATH:-} timeout 100 python3 benchmarks/phase_trace.py 32x8192 2>&1 \
-      | grep -E "kernel span|first reads|q staged|tables built|loop end \(|^  end|epilogue")
   done
   cuda_install >"$OUT/build_ab.log" 2>&1
   echo "ab: $(( $(date +%s) - t0 )) s"
 fi
-if has v3; then  # tensor-core decode (default where it applies) and its variants: correctness, then timing
-  for v in ${V3_TEST_VERSIONS:-3}; do
-    echo "== decode tests, JAX_TQ_CUDA_DECODE=v$v"
-    JAX_TQ_CUDA_DECODE=v$v timeout ${V3_TIMEOUT:-150} python3 -m pytest -q -x -m gpu tests/test_gpu.py -k decode 2>&1 \
-      | tee "$OUT/v3_tests_v$v.log" | tail -n 5
+if has kernels; then  # each kernel family (JAX_TQ_DECODE_KERNEL) wherever it runs: the decode GPU tests, then timing
+  for k in ${KERNELS:-cuda-core tensor-core-f32 tensor-core-f16}; do
+    echo "== $k"
+    JAX_TQ_DECODE_KERNEL=$k timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -x -m gpu tests/test_gpu.py -k decode 2>&1 \
+      | tee "$OUT/kernel_tests_$k.log" | tail -n 3
+    JAX_TQ_DECODE_KERNEL=$k timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/bench_decode.py --only-tq --device-time \
+      --shapes ${KERNEL_SHAPES:-32x8192,1x32768} 2>&1 | tee "$OUT/kernel_bench_$k.txt" | grep "^|" | grep -v -- "---" | cut -d'|' -f2-6
   done
-  for v in ${V3_VERSIONS:-1 3}; do
-    echo "== decode v$v"
-    splits=auto; [ $v != 1 ] && splits=${V3_SPLITS:-auto}
-    JAX_TQ_CUDA_DECODE=v$v timeout ${V3_TIMEOUT:-150} python3 benchmarks/bench_decode.py --only-tq \
-      --splits $splits --shapes ${V3_SHAPES:-32x8192,1x32768,128x2048} 2>&1 | tee "$OUT/v3_bench_v$v.txt" | grep "^|" | grep -v -- "---" | cut -d'|' -f2-6
-  done
-  echo "v3: $(( $(date +%s) - t0 )) s"
+  echo "kernels: $(( $(date +%s) - t0 )) s"
 fi
 if has tests; then
   timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_device_time.py 2>&1 \
     | tee "$OUT/gpu_tests.log" | tail -n 25
-  # The same decode cases on the CUDA-core kernel v1 (the default routes head_dim 128 K4V4 to the
-  # tensor-core kernels) and on v4's register variant (the default runs its ring variant on sm_90).
-  for v in ${TEST_VARIANTS:-4}; do  # TEST_VARIANTS="1 4" adds the CUDA-core kernel v1
-    JAX_TQ_CUDA_DECODE=v$v timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -m gpu tests/test_gpu.py -k decode 2>&1 \
-      | tee "$OUT/gpu_tests_v$v.log" | tail -n 5
+  # The same decode cases on the other kernel families (the planner routes most of them to the float16 one).
+  for k in ${TEST_KERNELS:-cuda-core tensor-core-f32}; do
+    JAX_TQ_DECODE_KERNEL=$k timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -m gpu tests/test_gpu.py -k decode 2>&1 \
+      | tee "$OUT/gpu_tests_$k.log" | tail -n 5
   done
   # The op tests run on the default device: on this machine they test the CUDA kernels against float64.
   timeout ${OP_TEST_TIMEOUT:-300} python3 -m pytest -q tests/test_ops.py tests/test_edge_cases.py tests/test_transforms.py tests/test_checks.py tests/test_sharding.py tests/test_qjl.py tests/test_paged_prefill.py 2>&1 | tee "$OUT/op_tests.log" | tail -n 15
@@ -120,13 +113,12 @@ if has prefill; then  # paged prefill: its tests (CUDA kernel against float64), 
     | tee "$OUT/bench_prefill.txt" | tail -n 8
   echo "prefill: $(( $(date +%s) - t0 )) s"
 fi
-if has dtests; then  # the decode GPU tests on the default kernels and the device-time helper's, then on v4's register variant
-  timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_device_time.py -k "decode or device_time" 2>&1 \
+if has dtests; then  # the decode GPU tests on the planner's kernels and the device-time helper's, then on the other families
+  timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_device_time.py -k "decode or device_time or plan or float16" 2>&1 \
     | tee "$OUT/gpu_decode_tests.log" | tail -n 8
-  for v in ${DTEST_VARIANTS:-v4 items1}; do  # v4: the register variant (the default runs the ring variant); items1: one item per CTA
-    if [[ $v == items1 ]]; then variant_env="JAX_TQ_V4_ITEMS=1"; else variant_env="JAX_TQ_CUDA_DECODE=$v"; fi
-    env $variant_env timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -x -m gpu tests/test_gpu.py -k decode 2>&1 \
-      | tee "$OUT/gpu_decode_tests_$v.log" | tail -n 5
+  for k in ${DTEST_KERNELS:-tensor-core-f32 cuda-core}; do
+    JAX_TQ_DECODE_KERNEL=$k timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -x -m gpu tests/test_gpu.py -k decode 2>&1 \
+      | tee "$OUT/gpu_decode_tests_$k.log" | tail -n 5
   done
   echo "dtests: $(( $(date +%s) - t0 )) s"
 fi
@@ -140,11 +132,11 @@ if has bits; then  # jax_tq alone per (head_dim, K bits, V bits): BITS_CONFIGS="
   done
   echo "bits: $(( $(date +%s) - t0 )) s"
 fi
-if has hd; then  # one head_dim against the bf16 paths (HD, HD_HEADS, HD_SHAPES), then jax_tq on v1 (HD_V1=0 skips it)
+if has hd; then  # one head_dim against the bf16 paths (HD, HD_HEADS, HD_SHAPES), then jax_tq on the CUDA-core kernel (HD_V1=0 skips it)
   timeout ${BENCH_TIMEOUT:-200} python3 benchmarks/bench_decode.py --device-time --head-dim ${HD:-256} --heads ${HD_HEADS:-16:8} \
     --rotations ${HD_ROTATIONS:-haar} --shapes ${HD_SHAPES:-32x8192,8x8192,1x32768} 2>&1 | tee "$OUT/hd_${HD:-256}.txt" | grep "^|" | grep -v -- "---"
   if [ "${HD_V1:-1}" != 0 ]; then
-    JAX_TQ_CUDA_DECODE=v1 timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/bench_decode.py --only-tq --device-time --head-dim ${HD:-256} \
+    JAX_TQ_DECODE_KERNEL=cuda-core timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/bench_decode.py --only-tq --device-time --head-dim ${HD:-256} \
       --heads ${HD_HEADS:-16:8} --rotations ${HD_ROTATIONS:-haar} --shapes ${HD_SHAPES:-32x8192,8x8192,1x32768} 2>&1 \
       | tee "$OUT/hd_${HD:-256}_v1.txt" | grep "^|" | grep -v -- "---"
   fi
@@ -167,11 +159,11 @@ if has graphs; then  # the same decode timing with XLA command buffers (CUDA gra
   XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN --xla_gpu_graph_min_graph_size=1" \
     timeout ${BENCH_TIMEOUT:-200} python3 benchmarks/bench_decode.py ${DECODE_ARGS:-} 2>&1 | tee "$OUT/bench_decode_graphs.txt" | tail -n 30
 fi
-if has ncu; then  # decode kernels under Nsight Compute (NCU_VERSIONS default "default": the kernel the handler picks; or v1..v5; NCU_SHAPES default 32x8192)
-  for v in ${NCU_VERSIONS:-default}; do
-    sel=""; [ "$v" != default ] && sel="v$v"
-    env $ncu_env JAX_TQ_CUDA_DECODE=$sel PYTHONPATH=benchmarks:${PYTHONPATH:-} timeout ${NCU_TIMEOUT:-200} \
-      ncu --clock-control none -k regex:"paged_decode_(split|v2|v3|v4)" --launch-skip 1 --launch-count ${NCU_COUNT:-1} \
+if has ncu; then  # decode kernels under Nsight Compute (NCU_KERNELS default "default": the planner's; or kernel families; NCU_SHAPES default 32x8192)
+  for v in ${NCU_KERNELS:-default}; do
+    sel=""; [ "$v" != default ] && sel="$v"
+    env $ncu_env JAX_TQ_DECODE_KERNEL=$sel PYTHONPATH=benchmarks:${PYTHONPATH:-} timeout ${NCU_TIMEOUT:-200} \
+      ncu --clock-control none -k regex:"decode_(cuda_core|tc_f32|tc_f16)_kernel" --launch-skip 1 --launch-count ${NCU_COUNT:-1} \
       --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
       --section MemoryWorkloadAnalysis --section SchedulerStats --section InstructionStats --section SourceCounters \
       --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum,sm__inst_executed.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared.avg.pct_of_peak_sustained_elapsed \
@@ -180,7 +172,7 @@ if has ncu; then  # decode kernels under Nsight Compute (NCU_VERSIONS default "d
     # per-SASS-instruction counters (shared wavefronts, ideal wavefronts, stalls) of the same kernel
     ncu -i "$OUT/ncu_$v.ncu-rep" --page source --csv --print-source sass 2>"$OUT/ncu_source_$v.err" | gzip >"$OUT/ncu_source_$v.csv.gz"
     echo "== ncu decode $v"
-    grep -E "  [a-z_:<>0-9 ]*paged_decode|Duration|DRAM Throughput|L1/TEX Cache Thr|Compute \(SM\) Thr|Registers Per|Achieved Occupancy|Issued Warp Per|Executed Ipc A|issue_stalled|wavefronts|conflicts|inst_executed|Bank" "$OUT/ncu_$v.txt" \
+    grep -E "  [a-z_:<>0-9 ]*decode_|Duration|DRAM Throughput|L1/TEX Cache Thr|Compute \(SM\) Thr|Registers Per|Achieved Occupancy|Issued Warp Per|Executed Ipc A|issue_stalled|wavefronts|conflicts|inst_executed|Bank" "$OUT/ncu_$v.txt" \
       | grep -vE "ratio +0(\.0[0-9])?$" | sed -E 's/smsp__average_warps_issue_stalled_//; s/_per_issue_active.ratio//' | head -n 80
   done
 fi

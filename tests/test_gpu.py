@@ -20,7 +20,6 @@ import pytest
 
 import jax_tq as tq
 from jax_tq.format import unpack_codes
-from jax_tq.paged_decode import uses_tensor_core_kernel
 from oracle import compress_f64, decode_f64, decompress_f64, random_cache, random_tables, rel_err
 
 
@@ -295,7 +294,8 @@ DECODE_CASES = [
 ]
 
 
-#: v4's phase trace: [CTAs][warps][stamps][globaltimer ns, SM id] (kTrace* in paged_decode.cu).
+#: The float16 tensor-core kernel's phase trace (builds with JAX_TQ_TRACE_PHASES=ON):
+#: [CTAs][warps][stamps][globaltimer ns, SM id] (kTrace* in paged_decode.cu).
 PHASE_TRACE_SHAPE = (2048, 8, 10, 2)
 
 
@@ -580,7 +580,8 @@ def test_paged_decode_fused_rotation(rng, page_size, group, num_splits, qdtype, 
         bad[3, 0] = True
     fn = jax.jit(lambda *a: tq.paged_decode(*a, num_splits=num_splits, precision=precision))
     fused = "tensor<2x128xi32>" in fn.lower(q, cache, tables, lens).as_text()
-    assert fused == uses_tensor_core_kernel(128, bits, bits, group)
+    from jax_tq.paged_decode import _allows_f16_products
+    assert fused == _plan(q, cache, tables, num_splits, _allows_f16_products(precision, q.dtype), True)["fused_rotation"]
     _poison_device(q.size * 4 * 8 * 70)
     got = np.asarray(fn(q, cache, tables, lens).astype(jnp.float32), np.float64)
     assert np.all(np.isnan(got[bad])) and np.all(np.isfinite(got[~bad])) and np.all(got[0] == 0.0)
@@ -616,7 +617,7 @@ def test_paged_decode_two_item_rows(rng, hkv, group, num_splits, rotation):
     (40, 4, 1, "hadamard", 4), (40, 4, 1, "haar", 4), (100, 8, 1, "hadamard", 4), (100, 8, 1, "haar", 4),
     (20, 4, 2, "hadamard", 4), (50, 8, 2, "hadamard", 4), (40, 4, 1, "hadamard", 2), (100, 8, 1, "haar", 3),
 ])
-def test_paged_decode_many_item_rows(rng, monkeypatch, num_seqs, items, num_splits, rotation, group):
+def test_paged_decode_many_item_rows(rng, num_seqs, items, num_splits, rotation, group):
     """head_dim 128 K4V4, 8 KV heads in head tiles of 4 (groups of 2 and 3 padded), grids of more
     than two items per SM: 40
     sequences (160 CTAs of two items, 2 waves on 132 SMs) run 4 KV heads per CTA, 100 sequences
@@ -625,22 +626,24 @@ def test_paged_decode_many_item_rows(rng, monkeypatch, num_seqs, items, num_spli
     and not."""
     from jax_tq import _ffi
     module = _ffi.cuda_module()
-    default_kernel = os.environ.get("JAX_TQ_CUDA_DECODE", "") == "" and os.environ.get("JAX_TQ_V4_ITEMS", "") == ""
+    tracing = hasattr(module, "phase_trace")
     q, cache, tables, lens = _decode_inputs(rng, 128, 4, 4, 16, group, 8, jnp.bfloat16, num_seqs=num_seqs,
                                             max_len=700, rotation=rotation)
-    module.phase_trace()
-    monkeypatch.setenv("JAX_TQ_TRACE_PHASES", "1")
+    if tracing:
+        module.phase_trace()
     _poison_device(q.size * 4 * 8 * 70)
     got = np.asarray(_decode(q, cache, tables, lens, num_splits=num_splits).astype(jnp.float32), np.float64)
-    sms = _read_phase_trace(module)[..., 0, 0, 1]
+    sms = _read_phase_trace(module)[..., 0, 0, 1] if tracing else None
     assert np.all(np.isfinite(got)) and np.all(got[0] == 0.0)
     want = _on_cpu(decode_f64, np.asarray(q.astype(jnp.float32)), cache, tables, lens)
     for s in range(1, num_seqs):
         for h in range(8):
             rows = slice(h * group, (h + 1) * group)
             assert rel_err(got[s, rows], want[s, rows]) < 2e-2, (s, h)
-    sm_count = module.device_info().get("sm_count", 132)
-    if module.items_fit(items) == 1 and default_kernel and sm_count == 132:
+    planned = _plan(q, cache, tables, num_splits, True, rotation == "hadamard")
+    if module.device_info().get("sm_count") == 132 and _default_kernel():
+        assert planned["kernel"] == "tensor-core-f16" and planned["items"] == items, planned
+    if tracing and planned["items"] == items:  # the KV heads of each CTA on one SM, the next CTA's on another
         cols = num_seqs * num_splits
         for x in range(cols):
             on = [sms[x + cols * row] for row in range(8)]
@@ -648,6 +651,20 @@ def test_paged_decode_many_item_rows(rng, monkeypatch, num_seqs, items, num_spli
                 assert on[row] == on[row - row % items], (x, row, on)
             if items < 8:
                 assert on[0] != on[items], (x, on)
+
+
+def _default_kernel() -> bool:
+    return os.environ.get("JAX_TQ_DECODE_KERNEL", "") in ("", "tensor-core-f16")
+
+
+def _plan(q, cache, tables, num_splits, f16_products, rotation):
+    """The CUDA module's decode plan for this call (rotation: Hadamard codecs)."""
+    from jax_tq import _ffi
+    from jax_tq.paged_decode import requested_kernel
+    return _ffi.cuda_module().plan_decode(
+        q.shape[0], q.shape[1], cache.num_kv_heads, q.shape[2], tables.shape[1], cache.page_size, cache.k_codec.bits,
+        cache.v_codec.bits, f16_products, bool(cache.window), rotation, num_splits=num_splits or 0,
+        kernel=requested_kernel())
 
 
 @pytest.mark.parametrize("hkv,page_size,num_splits,rotation", [
@@ -725,56 +742,52 @@ def test_paged_decode_v4_logits_beyond_float32_spacing(rng, head_dim):
     assert np.all(np.linalg.norm(got[1:], axis=-1) > 0)  # sequence 0 is empty (zeros)
 
 
-def test_every_ring_kernel_keeps_two_ctas_per_sm():
-    """On sm_90 every ring decode kernel (head_dim 256: the warp pairs) fits 2 CTAs per SM; one that
-    does not would quietly fall back to a slower kernel (the register variant, or v1 at 256)."""
+def test_the_float16_kernel_runs_its_fastest_variants_on_sm_90():
+    """On sm_90 the planner puts every head_dim / width the float16 tensor-core kernel serves on its
+    ring (2 CTAs per SM; head_dim 256 and 192: warp pairs), and head_dim 128 K4V4 on several work
+    items per CTA; a kernel that no longer fits would quietly fall back to a slower variant."""
     from jax_tq import _ffi
     mod = _ffi.cuda_module()
     info = mod.device_info()
-    if (info["cc_major"], info["cc_minor"]) != (9, 0):
+    if (info["cc_major"], info["cc_minor"]) != (9, 0) or not _default_kernel():
         pytest.skip("the rings' shared memory is planned for sm_90")
-    for head_dim in (64, 128):
+
+    def plan(head_dim, k_bits, v_bits, num_seqs=32, group=4):
+        return mod.plan_decode(num_seqs, 8 * group, 8, head_dim, 512, 16, k_bits, v_bits, True, False, False)
+
+    for head_dim in (64, 128, 80, 96, 256):
         for k_bits in (2, 3, 4):
             for v_bits in (2, 3, 4):
-                assert mod.ring_fits(head_dim, k_bits, v_bits) == 1, (head_dim, k_bits, v_bits)
-    for k_bits in (2, 3, 4):
-        for v_bits in (2, 3, 4):
-            assert mod.ring_fits(256, k_bits, v_bits) == 1, (256, k_bits, v_bits)
-    for k_bits in (2, 3, 4):
-        for v_bits in (2, 3, 4):
-            assert mod.ring_fits(96, k_bits, v_bits) == 1, (96, k_bits, v_bits)
-            assert mod.ring_fits(80, k_bits, v_bits) == 1, (80, k_bits, v_bits)
-    assert mod.ring_fits(192, 4, 4) == 1 and mod.ring_fits(192, 2, 4) == -1
-    for items in (2, 4, 8):
-        assert mod.items_fit(items) == 1, f"head_dim 128 K4V4: one CTA of {items} work items per SM"
-    assert mod.items_fit(3) == -1
+                got = plan(head_dim, k_bits, v_bits)
+                assert got["kernel"] == "tensor-core-f16" and got["ring"], (head_dim, k_bits, v_bits, got)
+    assert plan(192, 4, 4)["ring"] and plan(192, 4, 4)["halves"] == 2 and plan(192, 2, 4)["kernel"] == "cuda-core"
+    for num_seqs, items in ((32, 2), (64, 4), (128, 8)):
+        assert plan(128, 4, 4, num_seqs)["items"] == items, f"head_dim 128 K4V4: one CTA of {items} work items per SM"
+    assert mod.plan_decode(32, 32, 8, 128, 512, 16, 4, 4, False, False, False)["kernel"] == "tensor-core-f32"
 
 
 @pytest.mark.parametrize("num_splits", [1, 2])
-def test_paged_decode_phase_trace(rng, monkeypatch, num_splits):
-    """JAX_TQ_TRACE_PHASES=1 (benchmarks/phase_trace.py): v4 stamps every warp of every CTA, in time
-    order, with one SM per CTA, and nothing past the grid; the output is bitwise the untraced one;
-    reading the trace clears it."""
-    if os.environ.get("JAX_TQ_CUDA_DECODE", "") not in ("", "v4"):
-        pytest.skip("the phase trace is v4's")
+def test_paged_decode_phase_trace(rng, num_splits):
+    """Builds with JAX_TQ_TRACE_PHASES=ON (benchmarks/phase_trace.py): the float16 kernel stamps every
+    warp of every CTA, in time order, with one SM per CTA, and nothing past the grid; reading the
+    trace clears it."""
     from jax_tq import _ffi
     module = _ffi.cuda_module()
+    if not hasattr(module, "phase_trace") or not _default_kernel():
+        pytest.skip("a build without the phase trace (JAX_TQ_TRACE_PHASES=ON builds it)")
     q, cache, tables, lens = _decode_inputs(rng, 128, 4, 4, 16, 4, 2, jnp.bfloat16, num_seqs=3, max_len=2000,
                                             rotation="hadamard")
-    plain = np.asarray(jax.jit(lambda *a: tq.paged_decode(*a, num_splits=num_splits))(q, cache, tables, lens))
     module.phase_trace()
-    monkeypatch.setenv("JAX_TQ_TRACE_PHASES", "1")
     traced = np.asarray(jax.jit(lambda *a: tq.paged_decode(*a, num_splits=num_splits))(q, cache, tables, lens))
     raw = _read_phase_trace(module)
-    np.testing.assert_array_equal(traced, plain)
+    assert np.all(np.isfinite(traced))
     ctas = q.shape[0] * num_splits * cache.num_kv_heads  # one head tile of 4 per KV head
     stamps, sms = raw[..., 0], raw[..., 1]
     assert np.all(stamps[:ctas] > 0), "every warp of every CTA stamps all ten phases"
     assert np.all(np.diff(stamps[:ctas].astype(np.int64), axis=-1) >= 0), "stamps in time order"
     assert np.all(sms[:ctas] == sms[:ctas, :1, :1]), "one SM per CTA"
     assert np.all(raw[ctas:] == 0), "nothing past the grid"
-    default_kernel = os.environ.get("JAX_TQ_CUDA_DECODE", "") == "" and os.environ.get("JAX_TQ_V4_ITEMS", "") != "1"
-    if module.items_fit(2) == 1 and default_kernel:
+    if _plan(q, cache, tables, num_splits, True, True)["items"] == 2:
         # Two work items per CTA: the KV heads 2b and 2b + 1 of a (sequence, split) on one SM.
         cols = q.shape[0] * num_splits
         for x in range(cols):

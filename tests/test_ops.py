@@ -10,7 +10,6 @@ import pytest
 
 import jax_tq as tq
 from jax_tq import _ffi
-from jax_tq.paged_decode import uses_tensor_core_kernel
 from oracle import compress_f64, decode_f64, decompress_f64, random_cache, random_tables, rel_err
 
 HEAD_DIMS = (64, 80, 96, 128, 192, 256)
@@ -166,10 +165,11 @@ def _lowered_rotation_operand(fn, *args) -> bool:
 
 @pytest.mark.parametrize("k_bits,v_bits,group,num_splits,q_dtype", [
     (4, 4, 4, 1, jnp.bfloat16), (4, 4, 3, 3, jnp.float32), (3, 2, 8, 2, jnp.float16), (2, 4, 1, 5, jnp.float32)])
-def test_paged_decode_fused_hadamard_rotation(rng, monkeypatch, k_bits, v_bits, group, num_splits, q_dtype):
+def test_paged_decode_fused_hadamard_rotation(rng, k_bits, v_bits, group, num_splits, q_dtype):
     """Hadamard codecs (head_dim 128): the kernel applies q_rot = Pi_k q and out = Pi_v^T o_rot itself
     (the rotation operand reaches the FFI call; no rotation GEMM), with the same values as the
-    float64 oracle, as the dense path (JAX_TQ_FUSED_ROTATION=0) and NaN rows where q is not finite."""
+    float64 oracle, as the xla backend (rotation GEMMs around the reference), and NaN rows where q is
+    not finite."""
     seq_lens = jnp.asarray([70, 0, 33, 160], jnp.int32)
     num_pages = 3 + sum(-(-int(n) // 16) for n in seq_lens)
     cache = random_cache(rng, num_pages=num_pages, page_size=16, num_kv_heads=2, head_dim=128, k_bits=k_bits,
@@ -182,47 +182,18 @@ def test_paged_decode_fused_hadamard_rotation(rng, monkeypatch, k_bits, v_bits, 
     def fn(q, t, s):
         return tq.paged_decode(q, cache, t, s, num_splits=num_splits)
 
-    # On a GPU only the tensor-core kernels rotate; the CPU handler does for every configuration.
-    fused = not _ffi.kernels_available("cuda") or uses_tensor_core_kernel(128, k_bits, v_bits, group)
-    assert _lowered_rotation_operand(fn, q, tables, seq_lens) == fused
+    # The CPU kernel and (on a GPU) the tensor-core kernels rotate for every one of these configurations.
+    assert _lowered_rotation_operand(fn, q, tables, seq_lens)
     got = np.asarray(jax.jit(fn)(q, tables, seq_lens).astype(jnp.float32), np.float64)
     assert got.dtype == np.float64 and np.all(np.isnan(got[bad])) and np.all(np.isfinite(got[~bad]))
     want = decode_f64(np.asarray(jnp.where(jnp.isnan(q), 0, q), np.float64), cache, tables, seq_lens)
     tol = 1e-5 if q_dtype == jnp.float32 else 1e-2
     assert rel_err(got[~bad], want[~bad]) < tol
     assert np.all(got[1] == 0)
-    monkeypatch.setenv("JAX_TQ_FUSED_ROTATION", "0")
-
-    def dense_fn(q, t, s):  # a new function: jit's trace cache does not know the variable
-        return tq.paged_decode(q, cache, t, s, num_splits=num_splits)
-
-    assert not _lowered_rotation_operand(dense_fn, q, tables, seq_lens)
-    dense = np.asarray(jax.jit(dense_fn)(q, tables, seq_lens).astype(jnp.float32), np.float64)
+    with tq.use_backend("xla"):
+        dense = np.asarray(jax.jit(fn)(q, tables, seq_lens).astype(jnp.float32), np.float64)
     assert np.array_equal(np.isnan(dense), np.isnan(got))
     assert rel_err(got[~bad], dense[~bad]) < tol
-
-
-@pytest.mark.parametrize("value,fused", [("0", False), (" Off ", False), ("false", False), ("NO", False),
-                                         ("1", True), ("yes", True), ("", True)])
-def test_fused_rotation_env_values(rng, monkeypatch, value, fused):
-    """JAX_TQ_FUSED_ROTATION takes the usual boolean spellings; a typo raises instead of silently
-    keeping the fused path."""
-    cache = random_cache(rng, num_pages=4, page_size=16, num_kv_heads=1, head_dim=128, k_bits=4, v_bits=4,
-                         rotation="hadamard")
-    q = jnp.asarray(rng.normal(size=(1, 4, 128)), jnp.float32)
-    tables, seq_lens = jnp.asarray([[0, 1]], jnp.int32), jnp.asarray([20], jnp.int32)
-    monkeypatch.setenv("JAX_TQ_FUSED_ROTATION", value)
-
-    def fn(q, t, s):
-        return tq.paged_decode(q, cache, t, s)
-
-    expect = fused and (not _ffi.kernels_available("cuda") or uses_tensor_core_kernel(128, 4, 4, 4))
-    assert _lowered_rotation_operand(fn, q, tables, seq_lens) == expect
-    monkeypatch.setenv("JAX_TQ_FUSED_ROTATION", "nope")
-    with pytest.raises(ValueError, match="JAX_TQ_FUSED_ROTATION='nope'"):
-        jax.jit(lambda q, t, s: tq.paged_decode(q, cache, t, s)).lower(q, tables, seq_lens)
-    with tq.use_backend("xla"), pytest.raises(ValueError, match="JAX_TQ_FUSED_ROTATION"):
-        jax.jit(lambda q, t, s: tq.paged_decode(q, cache, t, s)).lower(q, tables, seq_lens)
 
 
 def test_paged_decode_fused_rotation_grad_vmap_and_reference_lowering(rng):

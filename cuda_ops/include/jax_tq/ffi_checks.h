@@ -546,7 +546,8 @@ auto BindPagedDecode(B b) {
       .template Attr<int32_t>("v_bits")
       .template Attr<int32_t>("num_splits")
       .template Attr<float>("scale")
-      .template Attr<int32_t>("f16_products");  // 1: q, p and centroids may enter products as f16
+      .template Attr<int32_t>("f16_products")   // 1: q, p and centroids may enter products as f16
+      .template Attr<int32_t>("kernel");        // a requested kernel family (decode_plan.h), 0: the planner's
 }
 
 template <typename B>
