@@ -338,3 +338,12 @@ ffi::Error WriteCacheImpl(ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::U
 
 }  // namespace cpu
 }  // namespace jax_tq
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTqCompressCpu, jax_tq::cpu::CompressImpl,
+                              jax_tq::ffi_checks::BindCompress(ffi::Ffi::Bind()));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTqDecompressCpu, jax_tq::cpu::DecompressImpl,
+                              jax_tq::ffi_checks::BindDecompress(ffi::Ffi::Bind()));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTqWriteCacheCpu, jax_tq::cpu::WriteCacheImpl,
+                              jax_tq::ffi_checks::BindWriteCache(ffi::Ffi::Bind()));

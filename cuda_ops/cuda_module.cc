@@ -13,24 +13,18 @@
 #include <pybind11/pybind11.h>
 
 #include "jax_tq/ffi_module.h"
+#include "jax_tq/ops.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace py = pybind11;
 
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxTqCompressCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxTqDecompressCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxTqWriteCacheCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxTqPagedDecodeCuda);
-// Kernels not yet run on a GPU (qjl.cu, paged_prefill.cu) are built and registered only with
-// JAX_TQ_CUDA_UNVERIFIED=ON (CMake defines JTQ_CUDA_UNVERIFIED); CI builds them to keep them compiling.
-#ifdef JTQ_CUDA_UNVERIFIED
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxTqQjlCompressCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxTqQjlScoresCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxTqPagedPrefillCuda);
-#define JTQ_UNVERIFIED_HANDLERS JaxTqQjlCompressCuda, JaxTqQjlScoresCuda, JaxTqPagedPrefillCuda
-#else
-#define JTQ_UNVERIFIED_HANDLERS nullptr, nullptr, nullptr
-#endif
+// The op table's CUDA handlers. Kernels not yet run on a GPU (qjl.cu, paged_prefill.cu) are built
+// only with JAX_TQ_CUDA_UNVERIFIED=ON (CI builds them to keep them compiling): a handler this build
+// leaves out is a null weak symbol, and registrations() leaves it out (its op runs the reference).
+#define JTQ_DECLARE_CUDA(name, Stem) \
+  extern "C" __attribute__((weak)) XLA_FFI_Error* JaxTq##Stem##Cuda(XLA_FFI_CallFrame* call_frame);
+JAX_TQ_OPS(JTQ_DECLARE_CUDA)
+#undef JTQ_DECLARE_CUDA
 
 namespace jax_tq::cuda {
 DecodePlan PlanDecodeOnDevice(const DecodeProblem& problem);  // paged_decode.cu
@@ -43,8 +37,9 @@ int PhaseTraceWords();
 PYBIND11_MODULE(_cuda_ops, m) {
   m.doc() = "jax_tq CUDA XLA FFI handlers";
   m.def("registrations", []() {
-    return jax_tq::FfiRegistrations({JaxTqCompressCuda, JaxTqDecompressCuda, JaxTqWriteCacheCuda,
-                                     JaxTqPagedDecodeCuda, JTQ_UNVERIFIED_HANDLERS});
+#define JTQ_CUDA_TARGET(name, Stem) {"jax_tq_" #name, JaxTq##Stem##Cuda},
+    return jax_tq::FfiRegistrations({JAX_TQ_OPS(JTQ_CUDA_TARGET)});
+#undef JTQ_CUDA_TARGET
   });
   m.def("ffi_api_version", &jax_tq::FfiApiVersion,
         "(major, minor) of the XLA FFI API in the headers this module was compiled against.");

@@ -239,3 +239,6 @@ ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q_rot, ffi::Buffer<ffi::U8> k_c
 
 }  // namespace cpu
 }  // namespace jax_tq
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTqPagedDecodeCpu, jax_tq::cpu::PagedDecodeImpl,
+                              jax_tq::ffi_checks::BindPagedDecode(ffi::Ffi::Bind()));

@@ -129,3 +129,6 @@ ffi::Error PagedPrefillImpl(ffi::Buffer<ffi::F32> q_rot, ffi::Buffer<ffi::U8> k_
 
 }  // namespace cpu
 }  // namespace jax_tq
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTqPagedPrefillCpu, jax_tq::cpu::PagedPrefillImpl,
+                              jax_tq::ffi_checks::BindPagedPrefill(ffi::Ffi::Bind()));

@@ -136,3 +136,9 @@ ffi::Error QjlScoresImpl(ffi::Buffer<ffi::F32> q_rot, ffi::Buffer<ffi::F32> q_sk
 
 }  // namespace cpu
 }  // namespace jax_tq
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTqQjlCompressCpu, jax_tq::cpu::QjlCompressImpl,
+                              jax_tq::ffi_checks::BindQjlCompress(ffi::Ffi::Bind()));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTqQjlScoresCpu, jax_tq::cpu::QjlScoresImpl,
+                              jax_tq::ffi_checks::BindQjlScores(ffi::Ffi::Bind()));

@@ -5,6 +5,7 @@
 #define JAX_TQ_FFI_MODULE_H_
 
 #include <cstdint>
+#include <initializer_list>
 #include <type_traits>
 #include <utility>
 
@@ -22,25 +23,10 @@ pybind11::capsule EncapsulateFfiHandler(T* fn) {
   return pybind11::capsule(reinterpret_cast<void*>(fn));
 }
 
-// {target_name: capsule} for the FFI targets of one platform (docs/DESIGN.md).
-struct FfiHandlers {
-  XLA_FFI_Handler* compress;
-  XLA_FFI_Handler* decompress;
-  XLA_FFI_Handler* write_cache;
-  XLA_FFI_Handler* paged_decode;
-  XLA_FFI_Handler* qjl_compress;
-  XLA_FFI_Handler* qjl_scores;
-  XLA_FFI_Handler* paged_prefill;
-};
-
-// A null handler (a kernel the module was built without) is left out.
-inline pybind11::dict FfiRegistrations(const FfiHandlers& h) {
+// {target_name: capsule} for the FFI targets of one platform (jax_tq/ops.h, docs/DESIGN.md). A
+// null handler (a kernel the module was built without) is left out.
+inline pybind11::dict FfiRegistrations(std::initializer_list<std::pair<const char*, XLA_FFI_Handler*>> targets) {
   pybind11::dict d;
-  const std::pair<const char*, XLA_FFI_Handler*> targets[] = {
-      {"jax_tq_compress", h.compress},         {"jax_tq_decompress", h.decompress},
-      {"jax_tq_write_cache", h.write_cache},   {"jax_tq_paged_decode", h.paged_decode},
-      {"jax_tq_qjl_compress", h.qjl_compress}, {"jax_tq_qjl_scores", h.qjl_scores},
-      {"jax_tq_paged_prefill", h.paged_prefill}};
   for (const auto& [name, handler] : targets)
     if (handler != nullptr) d[name] = EncapsulateFfiHandler(handler);
   return d;
