@@ -15,10 +15,8 @@
 // default where it fits) in a per-warp cp.async ring; v3 keeps f32-accurate (hi / lo) products.
 // History and measurements: docs/performance.md.
 //
-// This header is NOT self-contained: paged_decode.cu includes it textually inside
-// namespace jax_tq::cuda::{anonymous}; it uses DecodeParams, token_row,
-// fast_exp2, warp_max, kThreads / kWarps, kLn2 from there, and <cuda_fp16.h> (included at the top
-// of paged_decode.cu).
+// Included by paged_decode.cu (whose handler launches these kernels); the helpers it uses
+// (DecodeParams, token_row, fast_exp2, merge_warps_and_store, ...) are decode_device.cuh's.
 //
 // Contract (identical to the CUDA-core kernel's): same grid (num_splits * num_seqs, num_kv_heads * group_tiles),
 // 128 threads (v4: 256; two items per CTA: 512 on a grid.y of half the rows), same per-split token range
@@ -87,9 +85,19 @@
 // far below the running max lose relative (not absolute) precision in f16 subnormals. In particular, if EVERY token's V norm is below ~2^-14
 // (6e-5) the weights are f16 subnormals: the output keeps an absolute error of ~1e-8 * |c| but
 // its relative error grows (real V vectors have norms of order 1 and above).
-#ifndef JAX_TQ_PAGED_DECODE_MMA_CUH_
-#define JAX_TQ_PAGED_DECODE_MMA_CUH_
+#ifndef JAX_TQ_DECODE_TENSOR_CORE_CUH_
+#define JAX_TQ_DECODE_TENSOR_CORE_CUH_
 
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "jax_tq/decode_device.cuh"
+#include "jax_tq/format.h"
+
+namespace jax_tq {
+namespace cuda {
+namespace {
 namespace v3 {
 
 constexpr int kD = 128;     // head_dim of the fused rotation
@@ -1845,5 +1853,8 @@ __global__ void __launch_bounds__(v4_threads(ITEMS), v4_ctas_per_sm(ITEMS))
 }
 
 }  // namespace v3
+}  // namespace
+}  // namespace cuda
+}  // namespace jax_tq
 
-#endif  // JAX_TQ_PAGED_DECODE_MMA_CUH_
+#endif  // JAX_TQ_DECODE_TENSOR_CORE_CUH_
