@@ -302,11 +302,11 @@ ffi::Error WriteCacheImpl(ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::U
   static constexpr Op op{"jax_tq_write_cache", ffi_checks::kCpuTag};
   if (kind_of(k.element_type()) == FloatKind::kOther) return op.invalid(std::string("k") + kDtypeMsg);
   CompressWriteDims kd, vd;
-  JTQ_RETURN_IF_ERROR(ffi_checks::validate_compress_write(op, k, k_codes_in, k_norms_in, k_rotation,
+  JTQ_RETURN_IF_ERROR(ffi_checks::validate_write_cache(op, k, k_codes_in, k_norms_in, k_rotation,
                                                           k_centroids, slot_mapping, *k_codes_out,
                                                           *k_norms_out, k_bits, &kd));
   if (kind_of(v.element_type()) == FloatKind::kOther) return op.invalid(std::string("v") + kDtypeMsg);
-  JTQ_RETURN_IF_ERROR(ffi_checks::validate_compress_write(op, v, v_codes_in, v_norms_in, v_rotation,
+  JTQ_RETURN_IF_ERROR(ffi_checks::validate_write_cache(op, v, v_codes_in, v_norms_in, v_rotation,
                                                           v_centroids, slot_mapping, *v_codes_out,
                                                           *v_norms_out, v_bits, &vd));
   WindowDims win;

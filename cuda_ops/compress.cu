@@ -1980,7 +1980,7 @@ ffi::Error prepare_write(const char* op, const char* name, cudaStream_t stream,
   const int ft = ftype_of(x.element_type());
   if (ft < 0) return invalid(op, std::string(name) + " dtype must be float32, bfloat16 or float16");
   ffi_checks::CompressWriteDims dims;
-  JTQ_RETURN_IF_ERROR(ffi_checks::validate_compress_write(cuda_op(op), x, codes_in, norms_in,
+  JTQ_RETURN_IF_ERROR(ffi_checks::validate_write_cache(cuda_op(op), x, codes_in, norms_in,
                                                           rotation, centroids, slot_mapping,
                                                           codes_out, norms_out, bits, &dims));
   const int64_t t_n = dims.t_n, hkv = dims.hkv;

@@ -10,7 +10,7 @@ import numpy as np
 
 from jax_tq.checks import check_slot_mapping, check_window_slots
 from jax_tq.codec import TurboQuant
-from jax_tq.compress import check_packed_codec, write_kv
+from jax_tq.compress import check_packed_codec, write_cache_pools
 from jax_tq.format import (MAX_WINDOW, cache_codes_shape, cache_norms_shape, check_bits, check_index_dtype,
                            window_shape)
 
@@ -346,7 +346,7 @@ def write_cache(cache: PagedKVCache, k, v, slot_mapping, window_slots=None) -> P
     if window_slots is not None:  # a padding token (negative slot) is written nowhere
         window_slots = jnp.where(slot_mapping < 0, -1, window_slots)
     windows = (cache.k_window, cache.v_window) if cache.window else None
-    outs = write_kv(k, v, (cache.k_codes, cache.k_norms), (cache.v_codes, cache.v_norms), cache.k_codec,
+    outs = write_cache_pools(k, v, (cache.k_codes, cache.k_norms), (cache.v_codes, cache.v_norms), cache.k_codec,
                     cache.v_codec, slot_mapping, windows, window_slots)
     k_codes, k_norms, v_codes, v_norms = outs[:4]
     new = dataclasses.replace(cache, k_codes=k_codes, k_norms=k_norms, v_codes=v_codes, v_norms=v_norms)

@@ -26,8 +26,8 @@ compress_p = _compat.Primitive("jax_tq_compress")
 compress_p.multiple_results = True
 decompress_p = _compat.Primitive("jax_tq_decompress")
 decompress_p.multiple_results = True
-write_kv_p = _compat.Primitive("jax_tq_write_cache")  # compress and write of K and V in one call
-write_kv_p.multiple_results = True
+write_cache_p = _compat.Primitive("jax_tq_write_cache")  # compress and write of K and V in one call
+write_cache_p.multiple_results = True
 
 
 # ----------------------------------------------------------------------------- validation
@@ -218,7 +218,7 @@ def _decompress_kernel_jvp(codec, dtype, backend, primals, tangents):
     return _decompress_kernel(codes, norms, codec, dtype, backend), (d_norms[:, None] * directions).astype(dtype)
 
 
-def write_kv(k, v, k_pools, v_pools, k_codec, v_codec, slot_mapping, windows=None, window_slots=None):
+def write_cache_pools(k, v, k_pools, v_pools, k_codec, v_codec, slot_mapping, windows=None, window_slots=None):
     """Compress K and V of new tokens and write both into their page pools (and windows) in ONE kernel call.
 
     What :func:`jax_tq.write_cache` runs: on the GPU one launch serves both (a decode step's write
@@ -260,11 +260,11 @@ def write_kv(k, v, k_pools, v_pools, k_codec, v_codec, slot_mapping, windows=Non
         window_slots = jnp.full(k.shape[:1], -1, jnp.int32)
     backend = get_backend()
     if backend == "xla":
-        outs = _write_kv_reference(k, v, *k_pools, *v_pools, k_codec.rotation, k_codec.centroids, v_codec.rotation,
+        outs = _write_cache_reference(k, v, *k_pools, *v_pools, k_codec.rotation, k_codec.centroids, v_codec.rotation,
                                    v_codec.centroids, slot_mapping, *windows, window_slots, k_bits=k_codec.bits,
                                    v_bits=v_codec.bits, k_fit_scale=k_codec.fit_scale, v_fit_scale=v_codec.fit_scale)
     else:
-        outs = _write_kv_kernel(k, v, *k_pools, *v_pools, slot_mapping, *windows, window_slots, k_codec, v_codec,
+        outs = _write_cache_kernel(k, v, *k_pools, *v_pools, slot_mapping, *windows, window_slots, k_codec, v_codec,
                                 backend)
     return tuple(outs[:4]) + (tuple(outs[4:]) if has_window else (None, None))
 
@@ -275,12 +275,12 @@ def empty_window(num_kv_heads: int, head_dim: int):
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(10, 11, 12))
-def _write_kv_kernel(k, v, k_codes, k_norms, v_codes, v_norms, slot_mapping, k_window, v_window, window_slots,
+def _write_cache_kernel(k, v, k_codes, k_norms, v_codes, v_norms, slot_mapping, k_window, v_window, window_slots,
                      k_codec, v_codec, backend):
     """The fused K+V write; its JVP carries the pools' norm tangents, with the written slots'
     replaced by the new tokens' scale tangents (the codes are integers, the window rows bfloat16
     copies that get no tangent)."""
-    return tuple(write_kv_p.bind(
+    return tuple(write_cache_p.bind(
         k, v, k_codes, k_norms, v_codes, v_norms, k_codec.rotation, k_codec.centroids, v_codec.rotation,
         v_codec.centroids, slot_mapping, k_window, v_window, window_slots, rotation_spec(k_codec, v_codec),
         k_bits=k_codec.bits, v_bits=v_codec.bits, k_fit_scale=k_codec.fit_scale, v_fit_scale=v_codec.fit_scale,
@@ -308,13 +308,13 @@ def _last_writer_slots(slots):
     return jnp.where(keep, slots, -1)
 
 
-@_write_kv_kernel.defjvp
-def _write_kv_kernel_jvp(k_codec, v_codec, backend, primals, tangents):
+@_write_cache_kernel.defjvp
+def _write_cache_kernel_jvp(k_codec, v_codec, backend, primals, tangents):
     # Under differentiation a repeated slot keeps its last token (one of the outcomes write_cache
     # allows), so that the stored norm and its tangent come from the same token.
     k, v, k_codes, k_norms, v_codes, v_norms, slots, k_window, v_window, window_slots = primals
     slots = _last_writer_slots(slots)
-    outs = _write_kv_kernel(k, v, k_codes, k_norms, v_codes, v_norms, slots, k_window, v_window, window_slots,
+    outs = _write_cache_kernel(k, v, k_codes, k_norms, v_codes, v_norms, slots, k_window, v_window, window_slots,
                             k_codec, v_codec, backend)
     num_pages, _, page_size = k_norms.shape
     valid = (slots >= 0) & (slots < num_pages * page_size)
@@ -388,7 +388,7 @@ def _decompress_abstract(codes, norms, rotation, centroids, *, bits, dtype, back
     return (_compat.output_aval((codes.shape[0], rotation.shape[0]), dtype, codes, norms, rotation, centroids),)
 
 
-def _write_kv_abstract(k, v, k_codes, k_norms, v_codes, v_norms, k_rot, k_cent, v_rot, v_cent, slots, k_window,
+def _write_cache_abstract(k, v, k_codes, k_norms, v_codes, v_norms, k_rot, k_cent, v_rot, v_cent, slots, k_window,
                        v_window, window_slots, rotation_spec, **params):
     inputs = (k, v, k_codes, k_norms, v_codes, v_norms, k_rot, k_cent, v_rot, v_cent, slots, k_window, v_window,
               window_slots)
@@ -398,8 +398,8 @@ def _write_kv_abstract(k, v, k_codes, k_norms, v_codes, v_norms, k_rot, k_cent, 
 
 compress_p.def_abstract_eval(_compress_abstract)
 decompress_p.def_abstract_eval(_decompress_abstract)
-write_kv_p.def_abstract_eval(_write_kv_abstract)
-for _prim in (compress_p, decompress_p, write_kv_p):
+write_cache_p.def_abstract_eval(_write_cache_abstract)
+for _prim in (compress_p, decompress_p, write_cache_p):
     pu.define_impl(_prim)
 
 
@@ -419,7 +419,7 @@ def _flat_pools(codes, norms):
 
 
 def _pool_write_reference(x, codes, norms, rotation, centroids, slot_mapping, *, bits, fit_scale):
-    new_codes, new_norms = reference.compress_write(x, *_flat_pools(codes, norms), rotation, centroids,
+    new_codes, new_norms = reference.write_cache_pool(x, *_flat_pools(codes, norms), rotation, centroids,
                                                     slot_mapping, bits, fit_scale)
     return new_codes.reshape(codes.shape), new_norms.reshape(norms.shape)
 
@@ -433,7 +433,7 @@ def _window_write_reference(x, window, rotation, window_slots):
     return rows.reshape(window.shape)
 
 
-def _write_kv_reference(k, v, k_codes, k_norms, v_codes, v_norms, k_rot, k_cent, v_rot, v_cent, slots, k_window,
+def _write_cache_reference(k, v, k_codes, k_norms, v_codes, v_norms, k_rot, k_cent, v_rot, v_cent, slots, k_window,
                         v_window, window_slots, rotation_spec=None, *, k_bits, v_bits, k_fit_scale, v_fit_scale):
     k_new = _pool_write_reference(k, k_codes, k_norms, k_rot, k_cent, slots, bits=k_bits, fit_scale=k_fit_scale)
     v_new = _pool_write_reference(v, v_codes, v_norms, v_rot, v_cent, slots, bits=v_bits, fit_scale=v_fit_scale)
@@ -449,7 +449,7 @@ def _decompress_ffi(ctx, *operands, bits, dtype):
     return _compat.ffi_lowering("jax_tq_decompress")(ctx, *operands, bits=np.int32(bits))
 
 
-def _write_kv_ffi(ctx, *operands, k_bits, v_bits, k_fit_scale, v_fit_scale):
+def _write_cache_ffi(ctx, *operands, k_bits, v_bits, k_fit_scale, v_fit_scale):
     aliases = {2: 0, 3: 1, 4: 2, 5: 3}
     if not pu.has_zero_size(ctx.avals_in[11:13]):  # a window (an empty one is a constant: no alias, no copy)
         aliases.update({11: 4, 12: 5})
@@ -460,7 +460,7 @@ def _write_kv_ffi(ctx, *operands, k_bits, v_bits, k_fit_scale, v_fit_scale):
 
 pu.register_lowerings(compress_p, _compress_reference, _compress_ffi)
 pu.register_lowerings(decompress_p, _decompress_reference, _decompress_ffi)
-pu.register_lowerings(write_kv_p, _write_kv_reference, _write_kv_ffi, may_be_empty=(11, 12, 14),
+pu.register_lowerings(write_cache_p, _write_cache_reference, _write_cache_ffi, may_be_empty=(11, 12, 14),
                       results_may_be_empty=(4, 5))  # no window; no rotation spec
 
 
@@ -479,7 +479,7 @@ def _pool_slots(norms_batched):
     return math.prod(norms_batched.shape[1:-2]) * norms_batched.shape[-1]
 
 
-def _write_kv_batch(args, dims, **params):
+def _write_cache_batch(args, dims, **params):
     """vmap of a K+V cache write: each batch element gets its own pools and windows (shared ones are
     broadcast); they keep their batch axis, the handlers fold it into num_pages / num_windows."""
     k, v, kc, kn, vc, vn, k_rot, k_cent, v_rot, v_cent, slots, kw, vw, wslots, spec = args
@@ -494,11 +494,11 @@ def _write_kv_batch(args, dims, **params):
     folded_wslots = pu.fold_pool_batch(wslots, size, math.prod(kw.shape[1:-3]) * kw.shape[-2]).reshape(-1)
     fold = lambda a: a.reshape((-1,) + a.shape[2:])  # noqa: E731
     # The pools keep their batch axis: a reshape would make XLA copy the donated pools.
-    outs = write_kv_p.bind(fold(k), fold(v), kc, kn, vc, vn, k_rot, k_cent, v_rot, v_cent,
+    outs = write_cache_p.bind(fold(k), fold(v), kc, kn, vc, vn, k_rot, k_cent, v_rot, v_cent,
                            folded_slots, kw, vw, folded_wslots, spec, **params)
     return list(outs), [0] * 6
 
 
 _compat.batching.primitive_batchers[compress_p] = _compress_batch
 _compat.batching.primitive_batchers[decompress_p] = _decompress_batch
-_compat.batching.primitive_batchers[write_kv_p] = _write_kv_batch
+_compat.batching.primitive_batchers[write_cache_p] = _write_cache_batch

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax_tq import format as tq_format
 
 __all__ = [
-    "compress", "decompress", "compress_write", "dequantize_rotated", "paged_decode_rotated",
+    "compress", "decompress", "write_cache_pool", "dequantize_rotated", "paged_decode_rotated",
     "paged_decode", "attention_dense", "quantize_rotated", "qjl_compress", "qjl_scores_rotated",
     "qjl_estimate", "paged_prefill_rotated", "prefill_row_lens",
 ]
@@ -302,7 +302,7 @@ def _rotate_back(rotated, rotation, dtype):
     return decoded.astype(dtype)
 
 
-def compress_write(x, codes, norms, rotation, centroids, slot_mapping, bits: int, fit_scale: bool = False):
+def write_cache_pool(x, codes, norms, rotation, centroids, slot_mapping, bits: int, fit_scale: bool = False):
     """Compress tokens and scatter them into the paged pools (one pool of FFI target ``jax_tq_write_cache``).
 
     Args:

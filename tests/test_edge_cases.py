@@ -462,7 +462,7 @@ def test_vmap_compress_and_decompress_axis_1(rng):
 
 
 def test_vmap_write_cache_axis_1_in_and_out(rng):
-    from jax_tq.compress import write_kv_p
+    from jax_tq.compress import write_cache_p
     base = random_cache(rng, num_pages=4, page_size=8, num_kv_heads=2, head_dim=64, k_bits=3, v_bits=2)
     other = random_cache(rng, num_pages=4, page_size=8, num_kv_heads=2, head_dim=64, k_bits=3, v_bits=2)
     stacked = jax.tree.map(lambda *xs: jnp.stack(xs, axis=1), base, other)  # pools batched on axis 1
@@ -471,7 +471,7 @@ def test_vmap_write_cache_axis_1_in_and_out(rng):
     slots = jnp.asarray(np.stack([rng.choice(32, 6, replace=False) for _ in range(2)], axis=1).astype(np.int32))
     slots = slots.at[4, 1].set(-1).at[5, 0].set(32)  # padding / outside the pool: skipped
     fn = jax.vmap(tq.write_cache, in_axes=(1, 1, 1, 1), out_axes=1)
-    assert _count(fn, write_kv_p, stacked, k, v, slots) == 1
+    assert _count(fn, write_cache_p, stacked, k, v, slots) == 1
     got = jax.jit(fn)(stacked, k, v, slots)
     assert got.k_codes.shape == (4, 2, 2, 8, 24) and got.v_norms.shape == (4, 2, 2, 8)
     for b, cache in enumerate((base, other)):

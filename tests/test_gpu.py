@@ -2,7 +2,7 @@
 CPU kernels, on fresh random inputs. Skipped unless the default JAX device is a GPU.
 
 Covers: compress / decompress for every head_dim x bits x dtype (small and large batches: the two
-tile shapes of the CUDA GEMM), compress_write into poisoned pools (written slots match compress,
+tile shapes of the CUDA GEMM), write_cache_pool into poisoned pools (written slots match compress,
 every other byte untouched, donated and non-donated), paged decode over a cross product of
 head_dim, K/V bits, page sizes, GQA groups, split counts (1, 3, more than pages), seq_lens with 0
 and non-multiples of the page size, invalid block-table entries, q dtypes, huge logits, jit and
@@ -154,7 +154,7 @@ def test_decompress_large_batch(rng):
     assert rel_err(small, want[-50:]) < 1e-6
 
 
-# ----------------------------------------------------------------------------- compress_write
+# ----------------------------------------------------------------------------- write_cache_pool
 
 WRITE_CASES = [(128, 4, 4, 16, 8), (64, 2, 3, 8, 2), (80, 3, 3, 48, 1), (96, 4, 2, 256, 4),
                (192, 3, 4, 16, 3), (256, 2, 2, 8, 2)]

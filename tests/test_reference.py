@@ -201,9 +201,9 @@ def test_compress_errors():
 
 
 # ---------------------------------------------------------------------------------------------
-# compress_write
+# write_cache_pool
 # ---------------------------------------------------------------------------------------------
-def test_compress_write_scatter_and_skip():
+def test_write_cache_pool_scatter_and_skip():
     rng = np.random.default_rng(9)
     num_pages, num_kv_heads, page_size, head_dim, bits = 3, 2, 4, 64, 3
     rotation_matrix, centroids = codec_arrays(head_dim, bits)
@@ -212,7 +212,7 @@ def test_compress_write_scatter_and_skip():
     old_norms = rng.uniform(1, 2, (num_pages, num_kv_heads, page_size)).astype(np.float32)
     x = rng.standard_normal((6, num_kv_heads, head_dim)).astype(np.float32)
     slots = np.array([0, 5, -1, 11, 12, 1000], np.int32)  # 12 = P*page is out of range
-    new_codes, new_norms = jax.jit(reference.compress_write, static_argnums=6)(
+    new_codes, new_norms = jax.jit(reference.write_cache_pool, static_argnums=6)(
         x, old_codes, old_norms, rotation_matrix, centroids, slots, bits)
     token_codes, token_norms = reference.compress(x, rotation_matrix, centroids, bits)
     expected_codes, expected_norms = old_codes.copy(), old_norms.copy()
@@ -227,25 +227,25 @@ def test_compress_write_scatter_and_skip():
     np.testing.assert_array_equal(expected_codes[0, :, 2], old_codes[0, :, 2])  # untouched slot
 
 
-def test_compress_write_errors():
+def test_write_cache_pool_errors():
     rotation_matrix, centroids = codec_arrays(64, 2)
     codes = jnp.zeros((2, 1, 4, 16), jnp.uint8)
     norms = jnp.zeros((2, 1, 4), jnp.float32)
     x = jnp.zeros((3, 1, 64), jnp.float32)
     with pytest.raises(ValueError, match="slot_mapping"):
-        reference.compress_write(x, codes, norms, rotation_matrix, centroids,
+        reference.write_cache_pool(x, codes, norms, rotation_matrix, centroids,
                                  jnp.zeros((2,), jnp.int32), 2)
     with pytest.raises(TypeError, match="slot_mapping"):
-        reference.compress_write(x, codes, norms, rotation_matrix, centroids,
+        reference.write_cache_pool(x, codes, norms, rotation_matrix, centroids,
                                  jnp.zeros((3,), jnp.float32), 2)
     with pytest.raises(TypeError, match="codes"):
-        reference.compress_write(x, codes.astype(jnp.int32), norms, rotation_matrix, centroids,
+        reference.write_cache_pool(x, codes.astype(jnp.int32), norms, rotation_matrix, centroids,
                                  jnp.zeros((3,), jnp.int32), 2)
     with pytest.raises(ValueError, match="norms"):
-        reference.compress_write(x, codes, norms[:1], rotation_matrix, centroids,
+        reference.write_cache_pool(x, codes, norms[:1], rotation_matrix, centroids,
                                  jnp.zeros((3,), jnp.int32), 2)
     with pytest.raises(ValueError, match="x"):
-        reference.compress_write(x[:, :, :32], codes, norms, rotation_matrix, centroids,
+        reference.write_cache_pool(x[:, :, :32], codes, norms, rotation_matrix, centroids,
                                  jnp.zeros((3,), jnp.int32), 2)
 
 
@@ -334,7 +334,7 @@ def test_paged_decode_ignores_garbage_past_seq_len_and_unread_pages():
 
 
 def test_paged_decode_full_pipeline_matches_dense_attention():
-    """compress_write K/V into pages, paged_decode (rotate in/out) == dense attention on the
+    """write_cache_pool K/V into pages, paged_decode (rotate in/out) == dense attention on the
     decompressed K/V."""
     rng = np.random.default_rng(55)
     head_dim, num_kv_heads, num_heads, page_size, num_pages = 80, 2, 4, 8, 12
@@ -354,10 +354,10 @@ def test_paged_decode_full_pipeline_matches_dense_attention():
     slots = (block_tables[:, positions // page_size] * page_size + positions % page_size)
     slots = np.where(block_tables[:, positions // page_size] >= 0, slots, -1).astype(np.int32)
     flat_slots = slots.reshape(-1)
-    k_codes, k_norms = reference.compress_write(k.reshape(-1, num_kv_heads, head_dim), k_codes,
+    k_codes, k_norms = reference.write_cache_pool(k.reshape(-1, num_kv_heads, head_dim), k_codes,
                                                 k_norms, k_codec.rotation, k_codec.centroids,
                                                 flat_slots, 4)
-    v_codes, v_norms = reference.compress_write(v.reshape(-1, num_kv_heads, head_dim), v_codes,
+    v_codes, v_norms = reference.write_cache_pool(v.reshape(-1, num_kv_heads, head_dim), v_codes,
                                                 v_norms, v_codec.rotation, v_codec.centroids,
                                                 flat_slots, 3)
     k_hat = reference.decompress(*reference.compress(k, k_codec.rotation, k_codec.centroids, 4),

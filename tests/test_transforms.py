@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import jax_tq as tq
-from jax_tq.compress import write_kv_p
+from jax_tq.compress import write_cache_p
 from jax_tq.paged_decode import paged_decode_p
 from oracle import decode_f64, decompress_f64, primitive_count as _primitive_count, random_cache, random_tables, rel_err
 
@@ -88,7 +88,7 @@ def test_vmap_write_cache_gives_each_element_its_writes(rng):
     slots = jnp.asarray(np.stack([rng.choice(256, 5, replace=False) for _ in range(3)]).astype(np.int32))
     fn = jax.vmap(tq.write_cache, in_axes=(None, 0, 0, 0))
     jaxpr = jax.make_jaxpr(fn)(cache, k, v, slots).jaxpr
-    assert _primitive_count(jaxpr, write_kv_p) == 1  # K and V: one call
+    assert _primitive_count(jaxpr, write_cache_p) == 1  # K and V: one call
     got = fn(cache, k, v, slots)
     for b in range(3):
         want = tq.write_cache(cache, k[b], v[b], slots[b])

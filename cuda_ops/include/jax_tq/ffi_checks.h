@@ -176,7 +176,7 @@ struct CompressWriteDims {
   int64_t t_n, hkv, d, pb, num_pages, page_size;
 };
 
-inline ffi::Error validate_compress_write(
+inline ffi::Error validate_write_cache(
     const Op& op, const ffi::AnyBuffer& x, const ffi::Buffer<ffi::U8>& codes_in,
     const ffi::Buffer<ffi::F32>& norms_in, const ffi::Buffer<ffi::F32>& rotation,
     const ffi::Buffer<ffi::F32>& centroids, const ffi::Buffer<ffi::S32>& slot_mapping,
