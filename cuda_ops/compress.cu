@@ -28,6 +28,7 @@
 #include <string>
 
 #include "jax_tq/cuda_launch.h"
+#include "jax_tq/dispatch.h"
 #include "jax_tq/ffi_checks.h"
 #include "jax_tq/format.h"
 #include "jax_tq/hadamard.cuh"
@@ -1475,6 +1476,8 @@ ffi_checks::Op cuda_op(const char* op) { return ffi_checks::Op{op, ffi_checks::k
 
 ffi::Error invalid(const char* op, const std::string& msg) { return cuda_op(op).invalid(msg); }
 
+ffi::Error unsupported_head_dim(const char* op, int d) { return invalid(op, "unsupported head_dim " + std::to_string(d)); }
+
 ffi::Error cuda_error(const char* op, const char* what, cudaError_t e) {
   return cuda_op(op).internal(std::string(what) + ": " + cudaGetErrorString(e));
 }
@@ -1529,15 +1532,10 @@ ffi::Error launch_gemm(const char* op, cudaStream_t stream, int d, const GemmPar
   if (p.N == 0) return ffi::Error::Success();
   // Large batches: 64 vectors per CTA (more reuse of each Pi tile); small ones: 16 per CTA.
   const bool big = (p.N + 63) / 64 >= 2 * static_cast<int64_t>(sm_count());
-  switch (d) {
-    case 64: return big ? launch_gemm_t<64, 4, DECOMP>(op, stream, p) : launch_gemm_t<64, 1, DECOMP>(op, stream, p);
-    case 80: return big ? launch_gemm_t<80, 4, DECOMP>(op, stream, p) : launch_gemm_t<80, 1, DECOMP>(op, stream, p);
-    case 96: return big ? launch_gemm_t<96, 4, DECOMP>(op, stream, p) : launch_gemm_t<96, 1, DECOMP>(op, stream, p);
-    case 128: return big ? launch_gemm_t<128, 4, DECOMP>(op, stream, p) : launch_gemm_t<128, 1, DECOMP>(op, stream, p);
-    case 192: return big ? launch_gemm_t<192, 4, DECOMP>(op, stream, p) : launch_gemm_t<192, 1, DECOMP>(op, stream, p);
-    case 256: return big ? launch_gemm_t<256, 4, DECOMP>(op, stream, p) : launch_gemm_t<256, 1, DECOMP>(op, stream, p);
-    default: return invalid(op, "unsupported head_dim " + std::to_string(d));
-  }
+  return with_value(SupportedHeadDims{}, d, [&](auto dim) {
+    constexpr int D = decltype(dim)::value;
+    return big ? launch_gemm_t<D, 4, DECOMP>(op, stream, p) : launch_gemm_t<D, 1, DECOMP>(op, stream, p);
+  }, [&] { return unsupported_head_dim(op, d); });
 }
 
 // =============================================================================================
@@ -1744,13 +1742,11 @@ ffi::Error launch_fit_mma_d(const char* op, cudaStream_t stream, const GemmParam
 template <int XT>
 ffi::Error launch_fit_mma_x(const char* op, cudaStream_t stream, int d, const GemmParams& p,
                             const GemmParams* p1) {
-  switch (d) {
-    case 64: return launch_fit_mma_d<64, XT>(op, stream, p, p1);
-    case 80: return launch_fit_mma_d<80, XT>(op, stream, p, p1);
-    case 96: return launch_fit_mma_d<96, XT>(op, stream, p, p1);
-    case 128: return launch_fit_mma_d<128, XT>(op, stream, p, p1);
-    default: return invalid(op, "unsupported head_dim " + std::to_string(d));
-  }
+  return with_value(SupportedHeadDims{}, d, [&](auto dim) {
+    constexpr int D = decltype(dim)::value;
+    if constexpr (D <= 128) return launch_fit_mma_d<D, XT>(op, stream, p, p1);
+    else return unsupported_head_dim(op, d);
+  }, [&] { return unsupported_head_dim(op, d); });
 }
 
 template <int D>
@@ -1786,11 +1782,11 @@ ffi::Error launch_fit(const char* op, cudaStream_t stream, int d, const GemmPara
   }
   // Large batches: 64 vectors per CTA (more reuse of each Pi tile); small ones: 16 per CTA.
   const bool big = (p.N + 63) / 64 >= 2 * static_cast<int64_t>(sm_count());
-  switch (d) {
-    case 192: return big ? launch_fit_t<192, 4>(op, stream, p, p1) : launch_fit_t<192, 1>(op, stream, p, p1);
-    case 256: return big ? launch_fit_t<256, 4>(op, stream, p, p1) : launch_fit_t<256, 1>(op, stream, p, p1);
-    default: return invalid(op, "unsupported head_dim " + std::to_string(d));
-  }
+  return with_value(SupportedHeadDims{}, d, [&](auto dim) {
+    constexpr int D = decltype(dim)::value;
+    if constexpr (D > 128) return big ? launch_fit_t<D, 4>(op, stream, p, p1) : launch_fit_t<D, 1>(op, stream, p, p1);
+    else return unsupported_head_dim(op, d);
+  }, [&] { return unsupported_head_dim(op, d); });
 }
 
 // v2 tensor-core kernels. DECOMP: tq_decompress_mma_kernel (XT unused), else
@@ -1850,15 +1846,9 @@ ffi::Error launch_mma_d(const char* op, cudaStream_t stream, const GemmParams& p
 template <bool DECOMP, int XT, bool WIN = false>
 ffi::Error launch_mma_x(const char* op, cudaStream_t stream, int d, const GemmParams& p,
                         const GemmParams* p1 = nullptr) {
-  switch (d) {
-    case 64: return launch_mma_d<64, DECOMP, XT, WIN>(op, stream, p, p1);
-    case 80: return launch_mma_d<80, DECOMP, XT, WIN>(op, stream, p, p1);
-    case 96: return launch_mma_d<96, DECOMP, XT, WIN>(op, stream, p, p1);
-    case 128: return launch_mma_d<128, DECOMP, XT, WIN>(op, stream, p, p1);
-    case 192: return launch_mma_d<192, DECOMP, XT, WIN>(op, stream, p, p1);
-    case 256: return launch_mma_d<256, DECOMP, XT, WIN>(op, stream, p, p1);
-    default: return invalid(op, "unsupported head_dim " + std::to_string(d));
-  }
+  return with_value(SupportedHeadDims{}, d, [&](auto dim) {
+    return launch_mma_d<decltype(dim)::value, DECOMP, XT, WIN>(op, stream, p, p1);
+  }, [&] { return unsupported_head_dim(op, d); });
 }
 
 // p1 (optional): a second problem with p's N, head_dim and x dtype, run in the same launch (and

@@ -58,6 +58,7 @@
 #include "jax_tq/decode_device.cuh"
 #include "jax_tq/decode_plan.h"
 #include "jax_tq/decode_tensor_core.cuh"
+#include "jax_tq/dispatch.h"
 #include "jax_tq/ffi_checks.h"
 #include "jax_tq/format.h"
 #include "xla/ffi/api/ffi.h"
@@ -782,48 +783,20 @@ using Bits = std::integral_constant<int, B>;
 // f(Dim<D>{}) for a run-time head_dim d compiled into this build; none() for any other.
 template <class F, class N>
 auto with_head_dim(int d, F f, N none) -> decltype(none()) {
-  switch (d) {
-#if JTQ_HAS_D(64)
-    case 64: return f(Dim<64>{});
-#endif
-#if JTQ_HAS_D(80)
-    case 80: return f(Dim<80>{});
-#endif
-#if JTQ_HAS_D(96)
-    case 96: return f(Dim<96>{});
-#endif
-#if JTQ_HAS_D(128)
-    case 128: return f(Dim<128>{});
-#endif
-#if JTQ_HAS_D(192)
-    case 192: return f(Dim<192>{});
-#endif
-#if JTQ_HAS_D(256)
-    case 256: return f(Dim<256>{});
-#endif
-    default: return none();
-  }
+  return with_value(SupportedHeadDims{}, d, [&](auto dim) -> decltype(none()) {
+    if constexpr (JTQ_HAS_D(decltype(dim)::value)) return f(dim);
+    else return none();
+  }, none);
 }
 
 ffi::Error head_dim_not_built(int d) { return invalid("head_dim " + std::to_string(d) + " not compiled in"); }
 
-// f(Bits<KB>{}, Bits<VB>{}) for run-time K / V widths kb, vb of 2, 3 or 4; none() for any other.
+// f(Bits<KB>{}, Bits<VB>{}) for run-time K / V widths kb, vb of the packed widths; none() for any other.
 template <class F, class N>
 auto with_widths(int kb, int vb, F f, N none) -> decltype(none()) {
-  auto with_v = [&](auto k) {
-    switch (vb) {
-      case 2: return f(k, Bits<2>{});
-      case 3: return f(k, Bits<3>{});
-      case 4: return f(k, Bits<4>{});
-      default: return none();
-    }
-  };
-  switch (kb) {
-    case 2: return with_v(Bits<2>{});
-    case 3: return with_v(Bits<3>{});
-    case 4: return with_v(Bits<4>{});
-    default: return none();
-  }
+  return with_value(PackedBits{}, kb, [&](auto k) {
+    return with_value(PackedBits{}, vb, [&](auto v) { return f(k, v); }, none);
+  }, none);
 }
 
 // ---- launches ----------------------------------------------------------------------------------

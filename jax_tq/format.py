@@ -31,9 +31,10 @@ __all__ = [
     "FIT_GRID", "SCALE_KINDS", "MAX_WINDOW", "paged_tokens", "window_slot_mapping", "window_shape",
 ]
 
-#: head_dims the storage format (and the kernels) support.
+#: head_dims the storage format (and the kernels) support; the C++ table is format.h's
+#: SupportedHeadDims (tests/test_format.py checks the two agree).
 SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 192, 256)
-#: Bit widths of packed storage.
+#: Bit widths of packed storage (format.h's PackedBits).
 PACKED_BITS = (2, 3, 4)
 #: Codes per packing group; a group of 8 b-bit codes is exactly b bytes.
 CODES_PER_GROUP = 8

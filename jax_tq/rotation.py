@@ -27,6 +27,8 @@ import functools
 
 import numpy as np
 
+from jax_tq.format import SUPPORTED_HEAD_DIMS
+
 __all__ = ["ROTATION_KINDS", "gaussian_sketch", "haar_rotation", "hadamard_rotation", "hadamard_factors",
            "make_rotation", "block_hadamard"]
 
@@ -34,7 +36,7 @@ __all__ = ["ROTATION_KINDS", "gaussian_sketch", "haar_rotation", "hadamard_rotat
 ROTATION_KINDS = ("haar", "hadamard")
 
 #: head_dims for which the block-diagonal Hadamard construction is defined and tested.
-HADAMARD_HEAD_DIMS = (64, 80, 96, 128, 192, 256)
+HADAMARD_HEAD_DIMS = SUPPORTED_HEAD_DIMS  # every head_dim of the format (jax_tq/format.py)
 
 
 #: Second entropy word of the rotations' random streams: the rotation of seed s is drawn from

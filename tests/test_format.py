@@ -305,3 +305,12 @@ def test_signs_round_trip_and_validation(rng, head_dim):
         tq_format.unpack_signs(packed[:, :-1], head_dim)
     with pytest.raises(TypeError, match="uint8"):
         tq_format.unpack_signs(packed.astype(np.int32), head_dim)
+
+
+def test_the_cpp_tables_match_the_python_ones():
+    """format.h's SupportedHeadDims / PackedBits (what the kernels instantiate) are format.py's tables."""
+    header = (pathlib.Path(__file__).parent.parent / "cuda_ops/include/jax_tq/format.h").read_text()
+    for name, table in (("SupportedHeadDims", tq_format.SUPPORTED_HEAD_DIMS), ("PackedBits", tq_format.PACKED_BITS)):
+        found = re.search(rf"using {name} = IntList<([0-9, ]+)>;", header)
+        assert found, name
+        assert tuple(int(v) for v in found.group(1).split(",")) == tuple(table), name

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_tq.cache import MAX_PAGE_SIZE, PRESETS, CachePreset, get_preset
-from jax_tq.format import MAX_WINDOW, SCALE_KINDS, check_bits
+from jax_tq.format import MAX_WINDOW, PACKED_BITS, SCALE_KINDS, check_bits
 
 from .gguf_loader import LlamaConfig
 from .llama import (
@@ -115,8 +115,8 @@ class CacheConfig:
 
     def __post_init__(self):
         for name in ("k_bits", "v_bits"):
-            if not _is_int(getattr(self, name)) or getattr(self, name) not in (2, 3, 4):
-                raise ValueError(f"CacheConfig: {name} must be 2, 3 or 4, got {getattr(self, name)!r}")
+            if not _is_int(getattr(self, name)) or getattr(self, name) not in PACKED_BITS:
+                raise ValueError(f"CacheConfig: {name} must be one of {PACKED_BITS}, got {getattr(self, name)!r}")
         if not _is_int(self.page_size) or not 1 <= self.page_size <= MAX_PAGE_SIZE:
             raise ValueError(f"CacheConfig: page_size must be an int in [1, {MAX_PAGE_SIZE}], got {self.page_size!r}")
         if not _is_int(self.seed) or self.seed < 0:

@@ -29,23 +29,25 @@ namespace jax_tq {
 // ---------------------------------------------------------------------------
 // Supported configurations.
 // ---------------------------------------------------------------------------
+// The tables (jax_tq/format.py's SUPPORTED_HEAD_DIMS and PACKED_BITS): a new head_dim or width is
+// one entry here, its packing below and its kernels' specializations; kernels instantiate per entry
+// through with_value (jax_tq/dispatch.h).
+template <int... Vs>
+struct IntList {
+  static constexpr int kSize = sizeof...(Vs);
+  static constexpr bool contains(int v) { return ((v == Vs) || ...); }
+};
+using SupportedHeadDims = IntList<64, 80, 96, 128, 192, 256>;
+using PackedBits = IntList<2, 3, 4>;
+
 constexpr int kMinBits = 2;
 constexpr int kMaxBits = 4;
 constexpr int kMaxCentroids = 1 << kMaxBits;  // 16
 constexpr int kMaxHeadDim = 256;
-constexpr int kNumSupportedHeadDims = 6;
-// Host-side list (for messages / loops); device code should use
-// is_supported_head_dim().
-constexpr int kSupportedHeadDims[kNumSupportedHeadDims] = {64, 80, 96, 128, 192, 256};
 
-JTQ_HD bool is_supported_head_dim(int head_dim) {
-  switch (head_dim) {
-    case 64: case 80: case 96: case 128: case 192: case 256: return true;
-    default: return false;
-  }
-}
+JTQ_HD bool is_supported_head_dim(int head_dim) { return SupportedHeadDims::contains(head_dim); }
 
-JTQ_HD bool is_supported_bits(int bits) { return bits >= kMinBits && bits <= kMaxBits; }
+JTQ_HD bool is_supported_bits(int bits) { return PackedBits::contains(bits); }
 
 // Number of bytes of one packed row. Every supported head_dim is a multiple of 16,
 // so head_dim * bits is always a multiple of 8 (and head_dim a multiple of 8 for
