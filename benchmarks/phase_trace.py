@@ -16,7 +16,6 @@ Usage (a build with the trace: JAX_TQ_TRACE_PHASES=ON pip install --no-build-iso
 from __future__ import annotations
 
 import argparse
-import os
 
 import jax
 import numpy as np

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 import jax_tq as tq
-from jax_tq import _ffi
 from oracle import compress_f64, decode_f64, decompress_f64, random_cache, random_tables, rel_err
 
 HEAD_DIMS = (64, 80, 96, 128, 192, 256)

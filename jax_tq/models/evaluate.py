@@ -29,7 +29,7 @@ import numpy as np
 from jax_tq.cache import MAX_PAGE_SIZE, PRESETS, CachePreset, get_preset
 from jax_tq.format import MAX_WINDOW, PACKED_BITS, SCALE_KINDS, check_bits
 
-from .gguf_loader import LlamaConfig
+from .config import LlamaConfig
 from .llama import (
     Llama,
     _token_vector,

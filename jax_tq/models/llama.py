@@ -44,7 +44,7 @@ from flax import nnx
 
 from jax_tq.format import window_slot_mapping
 
-from .gguf_loader import LlamaConfig
+from .config import LlamaConfig
 
 __all__ = [
     "LlamaConfig",
