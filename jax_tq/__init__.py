@@ -26,7 +26,7 @@ from jax_tq.cache import PRESETS, CachePreset, PagedKVCache, get_preset, write_c
 from jax_tq.codec import TurboQuant, TurboQuantProd
 from jax_tq.compress import compress, decompress, window_rows
 from jax_tq.format import window_slot_mapping
-from jax_tq.paged_decode import paged_decode
+from jax_tq.paged_decode import paged_decode, plan_decode
 from jax_tq.paged_prefill import paged_prefill
 from jax_tq.qjl import QJLCodes, qjl_compress, qjl_decompress, qjl_scores
 from jax_tq import nn  # noqa: E402  (flax is imported only when nn needs it)
@@ -50,6 +50,7 @@ __all__ = [
     "kernels_unavailable_reason",
     "paged_decode",
     "paged_prefill",
+    "plan_decode",
     "qjl_compress",
     "qjl_decompress",
     "qjl_scores",

@@ -59,7 +59,7 @@ def paged_decode(q, cache, block_tables, seq_lens, *, window_ids=None, scale=Non
         ``HIGHEST``: float32-accurate (relative error ~1e-5 or less). ``DEFAULT``/``HIGH``: the GPU kernel
         may round q, the softmax weights and the centroids to float16 inside its tensor-core
         products (relative error ~2^-11 per term, below a bfloat16 query's own rounding of 2^-9);
-        where the kernel that runs does so (the tensor-core float16 kernel: :func:`plan`), the query and output
+        where the kernel that runs does so (the tensor-core float16 kernel: :func:`plan_decode`), the query and output
         rotations run at ``HIGH`` too (TF32 on the GPU, ~3e-4; no effect on the CPU), unless
         inside ``jax.default_matmul_precision("highest")`` (or ``"float32"``).
         Default: ``HIGHEST`` for float32 queries, ``DEFAULT`` for bfloat16/float16 queries. The
@@ -69,9 +69,9 @@ def paged_decode(q, cache, block_tables, seq_lens, *, window_ids=None, scale=Non
     computes q_rot = Pi_k q and out = Pi_v^T o_rot (two fast Walsh-Hadamard transforms per row:
     float32 in the CUDA kernels, float64 in the CPU kernel), so no rotation GEMM runs around it.
     That holds on the CPU (the ``ffi``/``auto`` backends) and, on a GPU, where a tensor-core
-    kernel runs (:func:`plan`). Everywhere else (Haar codecs, other head_dims, the ``xla`` backend)
+    kernel runs (:func:`plan_decode`). Everywhere else (Haar codecs, other head_dims, the ``xla`` backend)
     the rotations are two XLA GEMMs around the kernel. The kernel, its split count and the rotations
-    are chosen by one C++ planner (:func:`plan`) when the call is traced (a jitted function keeps
+    are chosen by one C++ planner (:func:`plan_decode` shows its plan) when the call is traced (a jitted function keeps
     them); ``JAX_TQ_DECODE_KERNEL`` (:func:`requested_kernel`) overrides the kernel family, for tests.
 
     Returns:
@@ -108,12 +108,8 @@ def paged_decode(q, cache, block_tables, seq_lens, *, window_ids=None, scale=Non
     backend = get_backend()
     pools = (cache.k_codes, cache.k_norms, cache.v_codes, cache.v_norms, k_codec.centroids, v_codec.centroids,
              block_tables, seq_lens, *windows)
-    hadamard = k_codec.hadamard_spec is not None and v_codec.hadamard_spec is not None
     platform = _trace_platform(backend)
-    chosen = platform and plan(platform, num_seqs=q.shape[0], num_heads=q.shape[1], num_kv_heads=cache.num_kv_heads,
-                               head_dim=k_codec.head_dim, max_pages=block_tables.shape[1], page_size=cache.page_size,
-                               k_bits=k_codec.bits, v_bits=v_codec.bits, f16_products=f16_products,
-                               window=bool(cache.window), hadamard=hadamard, kernel=kernel)
+    chosen = platform and _plan_call(platform, q, cache, block_tables, f16_products, 0, kernel)
     static = (k_codec.bits, v_codec.bits, scale, int(num_splits or 0), f16_products, kernel, backend)
     if chosen and chosen["fused_rotation"]:  # the kernel rotates q and the output itself
         rotation = jnp.asarray(np.stack([k_codec.hadamard_spec, v_codec.hadamard_spec]))
@@ -215,6 +211,41 @@ def plan(platform: str, *, num_seqs: int, num_heads: int, num_kv_heads: int, hea
     return _plan_cached(module, int(num_seqs), int(num_heads), int(num_kv_heads), int(head_dim), int(max_pages),
                         int(page_size), int(k_bits), int(v_bits), bool(f16_products), bool(window), bool(hadamard),
                         int(num_splits), int(kernel))
+
+
+def plan_decode(q, cache, block_tables, *, num_splits=None, precision=None, platform=None) -> dict | None:
+    """What :func:`paged_decode` runs for these arguments: the kernel, its split count and whether
+    it applies the rotations itself, as the C++ planner decides (:func:`plan`).
+
+    Args:
+      q, cache, block_tables, num_splits, precision: as for :func:`paged_decode` (only shapes,
+        dtypes and the cache's codecs are read: ``jax.ShapeDtypeStruct`` works for q and
+        block_tables).
+      platform: ``"cpu"`` or ``"cuda"``; default: where :func:`paged_decode` would plan (``"cuda"``
+        where jax_tq's CUDA kernels are loaded, else ``"cpu"``).
+
+    Returns:
+      :func:`plan`'s dict, or None under the ``xla`` backend or where the platform's kernels are
+      not loaded (the jnp reference runs).
+
+    Raises:
+      ValueError: ``JAX_TQ_DECODE_KERNEL`` is not a kernel family; an unknown precision.
+    """
+    kernel = requested_kernel()
+    platform = platform or _trace_platform(get_backend())
+    if platform is None:
+        return None
+    f16_products = _allows_f16_products(precision, q.dtype)
+    return _plan_call(platform, q, cache, block_tables, f16_products, int(num_splits or 0), kernel)
+
+
+def _plan_call(platform, q, cache, block_tables, f16_products, num_splits, kernel):
+    k_codec, v_codec = cache.k_codec, cache.v_codec
+    hadamard = k_codec.hadamard_spec is not None and v_codec.hadamard_spec is not None
+    return plan(platform, num_seqs=q.shape[0], num_heads=q.shape[1], num_kv_heads=cache.num_kv_heads,
+                head_dim=k_codec.head_dim, max_pages=block_tables.shape[1], page_size=cache.page_size,
+                k_bits=k_codec.bits, v_bits=v_codec.bits, f16_products=f16_products, window=bool(cache.window),
+                hadamard=hadamard, num_splits=num_splits, kernel=kernel)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -197,3 +197,27 @@ def test_a_misspelt_kernel_choice_raises_on_every_backend(monkeypatch, backend, 
         assert pd.requested_kernel() == expected
         with tq.use_backend(backend):
             assert tq.paged_decode(q, cache, tables, lens).shape == (1, 2, 64)
+
+
+def test_plan_decode_reports_what_paged_decode_runs():
+    """jax_tq.plan_decode from paged_decode's arguments: the CPU plan here (fused rotation for the
+    presets' Hadamard codecs at head_dim 128, one split unless asked), None under the xla backend,
+    and the lowered call carries the rotation operand exactly when the plan says so."""
+    import jax
+    import jax.numpy as jnp
+
+    import jax_tq as tq
+
+    for head_dim in (64, 128):
+        cache = tq.PagedKVCache.create(num_pages=8, page_size=16, num_kv_heads=2, preset="k4v4", head_dim=head_dim,
+                                       num_windows=2)
+        q = jnp.ones((2, 8, head_dim), jnp.bfloat16)
+        tables, lens = jnp.zeros((2, 4), jnp.int32), jnp.full((2,), 20, jnp.int32)
+        got = tq.plan_decode(q, cache, tables)
+        assert got["kernel"] == "cpu" and got["num_splits"] == 1 and got["fused_rotation"] == (head_dim == 128)
+        assert tq.plan_decode(q, cache, tables, num_splits=3)["num_splits"] == 3
+        assert tq.plan_decode(q, cache, tables, platform="cpu") == got
+        text = jax.jit(lambda q: tq.paged_decode(q, cache, tables, lens)).lower(q).as_text()
+        assert (f"tensor<2x{head_dim}xi32>" in text) == got["fused_rotation"]
+        with tq.use_backend("xla"):
+            assert tq.plan_decode(q, cache, tables) is None
