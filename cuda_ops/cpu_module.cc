@@ -2,6 +2,7 @@
 // (the op table, jax_tq/ops.h; each handler is defined beside its implementation), ffi_api_version()
 // and plan_decode().
 #include <cstdint>
+#include <string>
 
 #include <pybind11/pybind11.h>
 
@@ -19,12 +20,25 @@ JAX_TQ_OPS(JTQ_DECLARE_CPU)
 namespace {
 // DeviceCaps of a GPU described by a dict (see plan_decode's doc below).
 jax_tq::DeviceCaps DescribedGpu(const py::object& device) {
+  if (!py::isinstance<py::dict>(device))
+    throw py::type_error("plan_decode: device must be None or a dict {sm_count, f32_ctas_per_sm, f16_ctas_per_sm, "
+                         "ring_fits, items_fit}");
   const py::dict d = device.cast<py::dict>();
+  auto count = [&](const char* key, int64_t most) {
+    if (!d.contains(key)) throw py::key_error(std::string("plan_decode: device has no '") + key + "'");
+    const py::object v = d[key];
+    if (!py::isinstance<py::int_>(v) || py::isinstance<py::bool_>(v))
+      throw py::type_error(std::string("plan_decode: device['") + key + "'] must be an int");
+    const int64_t n = v.cast<int64_t>();
+    if (n < 1 || n > most)
+      throw py::value_error(std::string("plan_decode: device['") + key + "'] must be in [1, " + std::to_string(most) + "]");
+    return n;
+  };
   jax_tq::DeviceCaps caps;
   caps.cuda = true;
-  caps.sm_count = d["sm_count"].cast<int64_t>();
-  caps.f32_ctas_per_sm = d["f32_ctas_per_sm"].cast<int64_t>();
-  caps.f16_ctas_per_sm = d["f16_ctas_per_sm"].cast<int64_t>();
+  caps.sm_count = count("sm_count", 1 << 16);
+  caps.f32_ctas_per_sm = count("f32_ctas_per_sm", 64);
+  caps.f16_ctas_per_sm = count("f16_ctas_per_sm", 64);
   const bool ring = d["ring_fits"].cast<bool>(), items = d["items_fit"].cast<bool>();
   caps.ring_fits = [ring, items](int, int, int, int, int, int n) { return n > 1 ? items : ring; };
   return caps;

@@ -225,17 +225,28 @@ def plan_decode(q, cache, block_tables, *, num_splits=None, precision=None, plat
         where jax_tq's CUDA kernels are loaded, else ``"cpu"``).
 
     Returns:
-      :func:`plan`'s dict, or None under the ``xla`` backend or where the platform's kernels are
-      not loaded (the jnp reference runs).
+      :func:`plan`'s dict, or None where the jnp reference runs: the ``xla`` backend (unless
+      ``platform`` is given), or the platform's kernels not loaded.
 
     Raises:
-      ValueError: ``JAX_TQ_DECODE_KERNEL`` is not a kernel family; an unknown precision.
+      TypeError / ValueError: what :func:`paged_decode` raises for these arguments (shapes, dtypes,
+        GQA, head_dim, num_splits, precision); a platform other than "cpu", "cuda" or None;
+        ``JAX_TQ_DECODE_KERNEL`` not a kernel family.
     """
+    check_cache(cache, "plan_decode")
     kernel = requested_kernel()
+    if platform not in (None, "cpu", "cuda"):
+        raise ValueError(f"jax_tq.plan_decode: platform must be 'cpu', 'cuda' or None, got {platform!r}")
+    q = q if isinstance(q, jax.ShapeDtypeStruct) else jnp.asarray(q)
+    num_splits = _static_num_splits(num_splits)
+    lens = jax.ShapeDtypeStruct((q.shape[0],) if q.ndim == 3 else (0,), jnp.int32)
+    block_tables, _ = _check_decode_args(q, cache, block_tables, lens, num_splits, op="jax_tq.plan_decode")
+    if num_splits is not None:
+        num_splits = min(num_splits, max(1, block_tables.shape[1]))
+    f16_products = _allows_f16_products(precision, q.dtype)
     platform = platform or _trace_platform(get_backend())
     if platform is None:
         return None
-    f16_products = _allows_f16_products(precision, q.dtype)
     return _plan_call(platform, q, cache, block_tables, f16_products, int(num_splits or 0), kernel)
 
 
@@ -380,6 +391,11 @@ def _decode_bwd(k_bits, v_bits, scale, num_splits, f16_products, kernel, backend
 _decode.defvjp(_decode_fwd, _decode_bwd)
 
 
+def _as_array(x):
+    """x as a jnp array, or a jax.ShapeDtypeStruct left as it is (shapes only: plan_decode)."""
+    return x if isinstance(x, jax.ShapeDtypeStruct) else jnp.asarray(x)
+
+
 def _check_decode_args(q, cache, block_tables, seq_lens, num_splits, op="jax_tq.paged_decode", rows="num_seqs"):
     """The trace-time checks of paged_decode's arguments (and paged_prefill's, whose q rows are
     ``rows="num_tokens"`` and whose num_seqs is block_tables'); returns (block_tables, seq_lens) as arrays."""
@@ -411,7 +427,7 @@ def _check_decode_args(q, cache, block_tables, seq_lens, num_splits, op="jax_tq.
     lens_spec = f"{op}: seq_lens must be int32 [num_seqs={num_seqs}]"
     tq_format.check_index_dtype(block_tables, tables_spec)
     tq_format.check_index_dtype(seq_lens, lens_spec)
-    block_tables, seq_lens = jnp.asarray(block_tables), jnp.asarray(seq_lens)
+    block_tables, seq_lens = _as_array(block_tables), _as_array(seq_lens)
     if block_tables.dtype != jnp.int32 or block_tables.ndim != 2 or block_tables.shape[0] != num_seqs:
         error = TypeError if block_tables.dtype != jnp.int32 else ValueError
         raise error(f"{tables_spec}, got {block_tables.dtype}{tuple(block_tables.shape)}")

@@ -221,3 +221,46 @@ def test_plan_decode_reports_what_paged_decode_runs():
         assert (f"tensor<2x{head_dim}xi32>" in text) == got["fused_rotation"]
         with tq.use_backend("xla"):
             assert tq.plan_decode(q, cache, tables) is None
+
+
+def test_invalid_problems_and_devices_raise():
+    """A problem no kernel accepts, or a GPU description that makes no sense, is refused by name;
+    absurd but valid sizes plan quickly (the wave search is bounded by the device, not max_pages)."""
+    m = _ffi.module("cpu")
+    ok = (8, 32, 8, 128, 64, 16, 4, 4, True, False, False)
+    for i, bad, name in ((1, 30, "num_heads"), (2, 0, "num_kv_heads"), (3, 100, "head_dim"), (5, 0, "page_size"),
+                         (6, 5, "k_bits"), (4, -1, "max_pages"), (0, -1, "num_seqs")):
+        args = list(ok)
+        args[i] = bad
+        with pytest.raises(ValueError, match=name):
+            m.plan_decode(*args)
+    with pytest.raises(ValueError, match="num_splits"):
+        m.plan_decode(*ok, num_splits=-3)
+    for device, error, name in ((dict(H200, f16_ctas_per_sm=-1), ValueError, "f16_ctas_per_sm"),
+                                (dict(H200, sm_count=0), ValueError, "sm_count"),
+                                (dict(H200, sm_count=132.5), TypeError, "sm_count"),
+                                ([1, 2], TypeError, "device")):
+        with pytest.raises(error, match=name):
+            m.plan_decode(*ok, device=device)
+    huge = dict(H200, sm_count=1 << 16, f16_ctas_per_sm=64)
+    assert m.plan_decode(1, 32, 8, 128, 2**31 - 1, 16, 4, 4, True, False, False, device=huge)["num_splits"] > 1
+
+
+def test_plan_decode_checks_arguments_like_paged_decode():
+    import jax.numpy as jnp
+
+    import jax_tq as tq
+
+    cache = tq.PagedKVCache.create(num_pages=8, page_size=16, num_kv_heads=2, preset="k4v4", head_dim=128,
+                                   num_windows=2)
+    q, tables = jnp.ones((2, 8, 128), jnp.bfloat16), jnp.zeros((2, 4), jnp.int32)
+    for kw, error in ((dict(num_splits=0), ValueError), (dict(num_splits=2.5), TypeError),
+                      (dict(num_splits=True), TypeError), (dict(platform="gpu"), ValueError)):
+        with pytest.raises(error):
+            tq.plan_decode(q, cache, tables, **kw)
+    assert tq.plan_decode(q, cache, tables, num_splits=10**30)["num_splits"] == 4  # capped to max_pages
+    for bad_q, bad_tables, match in ((jnp.ones((2, 7, 128)), tables, "GQA"), (jnp.ones((2, 8, 64)), tables, "head_dim"),
+                                     (q, tables.astype(jnp.float32), "block_tables"),
+                                     (q, jnp.zeros((5, 4), jnp.int32), "block_tables")):
+        with pytest.raises((TypeError, ValueError), match=match):
+            tq.plan_decode(bad_q, cache, bad_tables)

@@ -10,6 +10,9 @@
 #include <cmath>
 #include <cstdint>
 #include <functional>
+#include <string>
+
+#include "jax_tq/format.h"
 
 namespace jax_tq {
 
@@ -25,7 +28,7 @@ enum class DecodeKernel : int32_t {
 inline constexpr const char* kDecodeKernelNames[] = {"auto", "cuda-core", "tensor-core-f32", "tensor-core-f16",
                                                      "cpu"};
 
-// One decode call, as its shapes and attributes say.
+// One decode call, as its shapes and attributes say (decode_problem_error: what makes it invalid).
 struct DecodeProblem {
   int64_t num_seqs = 0, num_heads = 0, num_kv_heads = 1, head_dim = 0, max_pages = 0, page_size = 1;
   int k_bits = 4, v_bits = 4;
@@ -36,6 +39,22 @@ struct DecodeProblem {
   int alignment = 16;        // bytes every pool is aligned to (XLA's buffers: 16 or more)
   DecodeKernel kernel = DecodeKernel::kAuto;  // a requested family, used wherever it can run the call
 };
+
+// Why a problem cannot be planned (a kernel would refuse it), or "" when it can.
+inline std::string decode_problem_error(const DecodeProblem& p) {
+  constexpr int64_t kMax = (int64_t(1) << 31) - 1;
+  if (p.num_seqs < 0 || p.num_seqs > kMax) return "num_seqs must be in [0, 2^31)";
+  if (p.num_kv_heads < 1 || p.num_kv_heads > kMax) return "num_kv_heads must be in [1, 2^31)";
+  if (p.num_heads < p.num_kv_heads || p.num_heads > kMax || p.num_heads % p.num_kv_heads != 0)
+    return "num_heads must be a positive multiple of num_kv_heads (GQA)";
+  if (!is_supported_head_dim(static_cast<int>(p.head_dim < 0 || p.head_dim > 1024 ? 0 : p.head_dim)))
+    return "head_dim is not a supported head_dim (format.h SupportedHeadDims)";
+  if (!is_supported_bits(p.k_bits) || !is_supported_bits(p.v_bits)) return "k_bits and v_bits must be 2, 3 or 4";
+  if (p.page_size < 1 || p.page_size > kMax) return "page_size must be in [1, 2^31)";
+  if (p.max_pages < 0 || p.max_pages > kMax) return "max_pages must be in [0, 2^31)";
+  if (p.num_splits < 0 || p.num_splits > kMax) return "num_splits must be in [0, 2^31) (0: the planner's)";
+  return "";
+}
 
 // What the planner needs of the device.
 struct DeviceCaps {
@@ -114,9 +133,14 @@ inline bool family_fits(DecodeKernel k, const DecodeProblem& p, const DeviceCaps
 // better; searched up to ~4 waves or max_splits. extra: CTAs per unit beside its splits' when there
 // are several (a folded window's own CTA).
 inline int64_t whole_wave_splits(int64_t units, int64_t slots, int64_t max_splits, int extra) {
+  if (units < 1) units = 1;
+  if (slots < 1) slots = 1;
+  // 4 waves are reached by splits = 4 * slots / units + 1 at the latest: the search's bound
+  const int64_t reach = 4 * slots / units + 1;
+  const int64_t last = max_splits < 1 ? 1 : (max_splits < reach ? max_splits : reach);
   int64_t best = 1;
   double best_fill = 0.0;
-  for (int64_t splits = 1; splits <= (max_splits > 1 ? max_splits : 1); ++splits) {
+  for (int64_t splits = 1; splits <= last; ++splits) {
     const double waves = static_cast<double>(units) * static_cast<double>(splits + (splits > 1 ? extra : 0)) /
                          static_cast<double>(slots);
     const double fill = waves / std::ceil(waves);

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <initializer_list>
+#include <string>
 #include <type_traits>
 #include <utility>
 
@@ -55,6 +56,7 @@ void DefPlanDecode(pybind11::module_& m, Planner planner, const char* doc) {
         p.max_pages = max_pages, p.page_size = page_size, p.k_bits = k_bits, p.v_bits = v_bits;
         p.f16_products = f16_products, p.window = window, p.hadamard = hadamard, p.num_splits = num_splits;
         p.kernel = static_cast<DecodeKernel>(kernel);
+        if (const std::string error = decode_problem_error(p); !error.empty()) throw py::value_error("plan_decode: " + error);
         const DecodePlan plan = planner(p, device);
         py::dict d;
         d["kernel"] = kDecodeKernelNames[static_cast<int>(plan.kernel)];
