@@ -50,7 +50,6 @@
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
-#include <initializer_list>
 #include <string>
 #include <type_traits>
 
@@ -1025,11 +1024,11 @@ ffi::Error launch_window_partial(int d, cudaStream_t stream, const WindowPartial
   }, [d] { return head_dim_not_built(d); });
 }
 
-// The largest power of two up to 16 that divides every address.
-int common_alignment(std::initializer_list<const void*> ptrs) {
+// The largest power of two up to 16 that divides the first n addresses.
+int common_alignment(const void* const* ptrs, int n) {
   int align = 16;
-  for (const void* ptr : ptrs)
-    while (reinterpret_cast<uintptr_t>(ptr) % align != 0) align /= 2;
+  for (int i = 0; i < n; ++i)
+    while (reinterpret_cast<uintptr_t>(ptrs[i]) % align != 0) align /= 2;
   return align;
 }
 
@@ -1097,10 +1096,9 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot,
   problem.hadamard = dims.fused;
   problem.num_splits = ns;
   problem.kernel = static_cast<DecodeKernel>(kernel);
-  problem.alignment = win ? common_alignment({k_codes.untyped_data(), v_codes.untyped_data(), k_norms.untyped_data(),
-                                              v_norms.untyped_data(), k_window.untyped_data(), v_window.untyped_data()})
-                          : common_alignment({k_codes.untyped_data(), v_codes.untyped_data(), k_norms.untyped_data(),
-                                              v_norms.untyped_data()});
+  const void* pools[] = {k_codes.untyped_data(), v_codes.untyped_data(), k_norms.untyped_data(),
+                         v_norms.untyped_data(), k_window.untyped_data(), v_window.untyped_data()};
+  problem.alignment = common_alignment(pools, win ? 6 : 4);  // the windows count only where there is one
   const DecodePlan plan = plan_decode(problem, cuda_decode_caps());
   const int gt = plan.head_tile;
   const int64_t ntiles = (G + gt - 1) / gt;

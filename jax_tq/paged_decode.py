@@ -205,7 +205,7 @@ def plan(platform: str, *, num_seqs: int, num_heads: int, num_kv_heads: int, hea
       (products round to float16), ``folds_window``, ``head_tile``, ``ring``, ``halves``, ``items``
       (the float16 kernel's variant). None where the module is not loaded.
     """
-    module = ffi_loader.module(platform) if ffi_loader.kernels_available(platform) else None
+    module = ffi_loader.module(platform)
     if module is None:
         return None
     return _plan_cached(module, int(num_seqs), int(num_heads), int(num_kv_heads), int(head_dim), int(max_pages),

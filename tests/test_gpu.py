@@ -580,8 +580,7 @@ def test_paged_decode_fused_rotation(rng, page_size, group, num_splits, qdtype, 
         bad[3, 0] = True
     fn = jax.jit(lambda *a: tq.paged_decode(*a, num_splits=num_splits, precision=precision))
     fused = "tensor<2x128xi32>" in fn.lower(q, cache, tables, lens).as_text()
-    from jax_tq.paged_decode import _allows_f16_products
-    assert fused == _plan(q, cache, tables, num_splits, _allows_f16_products(precision, q.dtype), True)["fused_rotation"]
+    assert fused == tq.plan_decode(q, cache, tables, num_splits=num_splits, precision=precision)["fused_rotation"]
     _poison_device(q.size * 4 * 8 * 70)
     got = np.asarray(fn(q, cache, tables, lens).astype(jnp.float32), np.float64)
     assert np.all(np.isnan(got[bad])) and np.all(np.isfinite(got[~bad])) and np.all(got[0] == 0.0)
@@ -640,7 +639,7 @@ def test_paged_decode_many_item_rows(rng, num_seqs, items, num_splits, rotation,
         for h in range(8):
             rows = slice(h * group, (h + 1) * group)
             assert rel_err(got[s, rows], want[s, rows]) < 2e-2, (s, h)
-    planned = _plan(q, cache, tables, num_splits, True, rotation == "hadamard")
+    planned = tq.plan_decode(q, cache, tables, num_splits=num_splits)
     if module.device_info().get("sm_count") == 132 and _default_kernel():
         assert planned["kernel"] == "tensor-core-f16" and planned["items"] == items, planned
     if tracing and planned["items"] == items:  # the KV heads of each CTA on one SM, the next CTA's on another
@@ -655,16 +654,6 @@ def test_paged_decode_many_item_rows(rng, num_seqs, items, num_splits, rotation,
 
 def _default_kernel() -> bool:
     return os.environ.get("JAX_TQ_DECODE_KERNEL", "") in ("", "tensor-core-f16")
-
-
-def _plan(q, cache, tables, num_splits, f16_products, rotation):
-    """The CUDA module's decode plan for this call (rotation: Hadamard codecs)."""
-    from jax_tq import _ffi
-    from jax_tq.paged_decode import requested_kernel
-    return _ffi.cuda_module().plan_decode(
-        q.shape[0], q.shape[1], cache.num_kv_heads, q.shape[2], tables.shape[1], cache.page_size, cache.k_codec.bits,
-        cache.v_codec.bits, f16_products, bool(cache.window), rotation, num_splits=num_splits or 0,
-        kernel=requested_kernel())
 
 
 @pytest.mark.parametrize("hkv,page_size,num_splits,rotation", [
@@ -787,7 +776,7 @@ def test_paged_decode_phase_trace(rng, num_splits):
     assert np.all(np.diff(stamps[:ctas].astype(np.int64), axis=-1) >= 0), "stamps in time order"
     assert np.all(sms[:ctas] == sms[:ctas, :1, :1]), "one SM per CTA"
     assert np.all(raw[ctas:] == 0), "nothing past the grid"
-    if _plan(q, cache, tables, num_splits, True, True)["items"] == 2:
+    if tq.plan_decode(q, cache, tables, num_splits=num_splits)["items"] == 2:
         # Two work items per CTA: the KV heads 2b and 2b + 1 of a (sequence, split) on one SM.
         cols = q.shape[0] * num_splits
         for x in range(cols):

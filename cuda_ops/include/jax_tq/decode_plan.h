@@ -97,11 +97,12 @@ inline int decode_head_tile(int64_t group, int64_t head_dim) {
 // (a K lane: head_dim * bits / 32 bytes, a V lane: / 64): 3-bit codes are read as 4-byte words.
 inline int code_alignment(int bits, int64_t lane_bytes) { return bits == 3 ? 4 : static_cast<int>(lane_bytes); }
 
-inline bool widths_2_to_4(int k_bits, int v_bits) { return k_bits >= 2 && k_bits <= 4 && v_bits >= 2 && v_bits <= 4; }
+inline int64_t gqa_group(const DecodeProblem& p) { return p.num_heads / p.num_kv_heads; }
 
-// head_dim 64 / 128, K and V of 2, 3 or 4 bits, pools aligned to the per-lane loads.
+// head_dim 64 / 128, K and V of any packed width, pools aligned to the per-lane loads.
 inline bool tensor_core_fits(const DecodeProblem& p) {
-  if ((p.head_dim != 64 && p.head_dim != 128) || !widths_2_to_4(p.k_bits, p.v_bits)) return false;
+  if ((p.head_dim != 64 && p.head_dim != 128) || !is_supported_bits(p.k_bits) || !is_supported_bits(p.v_bits))
+    return false;
   return p.alignment % code_alignment(p.k_bits, p.head_dim * p.k_bits / 32) == 0 &&
          p.alignment % code_alignment(p.v_bits, p.head_dim * p.v_bits / 64) == 0;
 }
@@ -112,7 +113,8 @@ inline bool ring_pools(const DecodeProblem& p) { return p.page_size % 16 == 0 &&
 // (K4V4) and 256 as warp pairs.
 inline bool wide_fits(const DecodeProblem& p, const DeviceCaps& caps, int tile) {
   const int64_t d = p.head_dim;
-  if ((d != 80 && d != 96 && d != 192 && d != 256) || !widths_2_to_4(p.k_bits, p.v_bits) || !ring_pools(p))
+  if ((d != 80 && d != 96 && d != 192 && d != 256) || !is_supported_bits(p.k_bits) ||
+      !is_supported_bits(p.v_bits) || !ring_pools(p))
     return false;
   if (d == 192 && (p.k_bits != 4 || p.v_bits != 4)) return false;
   const int halves = d >= 192 ? 2 : 1;
@@ -155,31 +157,28 @@ inline int64_t whole_wave_splits(int64_t units, int64_t slots, int64_t max_split
 // waves of their resident CTAs; the CUDA-core kernel: one wave of 2 CTAs per SM for head tiles of 4
 // or 8 query heads, 4 else.
 inline int64_t auto_splits(const DecodeProblem& p, const DeviceCaps& caps, const DecodePlan& plan) {
-  const int64_t page = p.page_size > 0 ? p.page_size : 1;
-  const int64_t min_pages = kMinTokensPerSplit / page > 4 ? kMinTokensPerSplit / page : 4;
+  const int64_t min_pages = kMinTokensPerSplit / p.page_size > 4 ? kMinTokensPerSplit / p.page_size : 4;
   const int64_t by_length = p.max_pages / min_pages > 1 ? p.max_pages / min_pages : 1;
-  const int64_t group = p.num_heads / (p.num_kv_heads > 0 ? p.num_kv_heads : 1);
-  const int64_t tiles = (group + plan.head_tile - 1) / plan.head_tile;
+  const int64_t group = gqa_group(p);
   if (plan.kernel == DecodeKernel::kCudaCore) {
     const int64_t wanted = (plan.head_tile >= 4 ? 2 : 4) * caps.sm_count;
-    const int64_t units = p.num_seqs * p.num_kv_heads * tiles;
+    const int64_t units = p.num_seqs * p.num_kv_heads * ((group + plan.head_tile - 1) / plan.head_tile);
     const int64_t by_occupancy = units > 0 ? (wanted + units - 1) / units : wanted;
     const int64_t splits = by_occupancy < by_length ? by_occupancy : by_length;
     return splits > 1 ? splits : 1;
   }
   const int64_t per_sm = plan.kernel == DecodeKernel::kTensorCoreF16 ? caps.f16_ctas_per_sm : caps.f32_ctas_per_sm;
-  const int64_t units = p.num_seqs * p.num_kv_heads * ((group + (group <= 4 ? 4 : plan.head_tile) - 1) /
-                                                       (group <= 4 ? 4 : plan.head_tile));
+  const int64_t tile = group <= 4 ? 4 : plan.head_tile;  // the tensor-core kernels pad smaller groups to 4
+  const int64_t units = p.num_seqs * p.num_kv_heads * ((group + tile - 1) / tile);
   return whole_wave_splits(units > 1 ? units : 1, per_sm * caps.sm_count, by_length, plan.folds_window ? 1 : 0);
 }
 
-// Work items per CTA for the float16 kernel at head_dim 128, K4V4, head tiles of 4 (0: one item
+// Work items per CTA for the float16 kernel at head_dim 128, K4V4, head tiles of 4 (1: one item
 // per CTA): of 2, 4 and 8 dividing the rows, the one with the fewest waves of one CTA per SM for
 // the least work per SM (waves * items), ties to more items; else 2 where it divides and fits.
 inline int choose_items(const DecodeProblem& p, const DeviceCaps& caps, const DecodePlan& plan) {
   if (p.head_dim != 128 || p.k_bits != 4 || p.v_bits != 4 || plan.head_tile > 4 || !plan.ring) return 1;
-  const int64_t group = p.num_heads / (p.num_kv_heads > 0 ? p.num_kv_heads : 1);
-  const int64_t rows = p.num_kv_heads * ((group + 3) / 4);
+  const int64_t rows = p.num_kv_heads * ((gqa_group(p) + 3) / 4);
   const int64_t ctas_x = p.num_seqs * (plan.num_splits + (plan.folds_window && plan.num_splits > 1 ? 1 : 0));
   int best = 0;
   int64_t best_cost = 0;
@@ -194,12 +193,11 @@ inline int choose_items(const DecodeProblem& p, const DeviceCaps& caps, const De
   return 1;
 }
 
-// The plan of one call. A requested family runs wherever it can run the call (the tensor-core
+// The plan of one call (a problem decode_problem_error accepts). A requested family runs wherever it can run the call (the tensor-core
 // float32-accurate kernel also serves calls that allow float16 products); the planner's choice elsewhere.
 inline DecodePlan plan_decode(const DecodeProblem& p, const DeviceCaps& caps) {
   DecodePlan plan;
-  const int64_t group = p.num_heads / (p.num_kv_heads > 0 ? p.num_kv_heads : 1);
-  plan.head_tile = decode_head_tile(group, p.head_dim);
+  plan.head_tile = decode_head_tile(gqa_group(p), p.head_dim);
   const int64_t max_splits = p.max_pages > 1 ? p.max_pages : 1;
   if (!caps.cuda) {
     plan.kernel = DecodeKernel::kCpu;
