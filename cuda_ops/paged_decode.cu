@@ -841,7 +841,7 @@ template <int D, int GT, bool RING, int KB = 4, int VB = 4, int HALVES = 1, int 
 ffi::Error launch_tc_f16(cudaStream_t stream, const DecodeParams& p, dim3 grid) {
   constexpr int smem = v3::kSmemBytes + (RING ? v3::v4_ring_bytes<D, KB, VB, HALVES, ITEMS>() : 0);
   grid.y /= ITEMS;
-  return launch_mma<v3::decode_tc_f16_kernel<D, GT, false, RING, KB, VB, HALVES, ITEMS>, smem>(
+  return launch_mma<v3::decode_tc_f16_kernel<D, GT, RING, KB, VB, HALVES, ITEMS>, smem>(
       v3::v4_threads(ITEMS), "tensor-core f16", stream, p, grid);
 }
 
@@ -873,7 +873,7 @@ template <int D, int GT, int KB, int VB, int HALVES = 1, int ITEMS = 1>
 bool ring_fits() {
   constexpr int smem = v3::kSmemBytes + v3::v4_ring_bytes<D, KB, VB, HALVES, ITEMS>();
   constexpr int want = v3::v4_ctas_per_sm(ITEMS);
-  return resident_ctas<v3::decode_tc_f16_kernel<D, GT, false, true, KB, VB, HALVES, ITEMS>>(
+  return resident_ctas<v3::decode_tc_f16_kernel<D, GT, true, KB, VB, HALVES, ITEMS>>(
              v3::v4_threads(ITEMS), smem, want) >= want;
 }
 
@@ -918,7 +918,7 @@ DeviceCaps cuda_decode_caps() {
 #endif
   caps.f32_ctas_per_sm = resident_ctas<v3::decode_tc_f32_kernel<kCapD, 4, true, 4, 4>>(kThreads, v3::kSmemBytes,
                                                                                         v3::kCtasPerSm);
-  caps.f16_ctas_per_sm = resident_ctas<v3::decode_tc_f16_kernel<kCapD, 4, false, false, 4, 4, 1, 1>>(
+  caps.f16_ctas_per_sm = resident_ctas<v3::decode_tc_f16_kernel<kCapD, 4, false, 4, 4, 1, 1>>(
       v3::v4_threads(1), v3::kSmemBytes, v3::v4_ctas_per_sm(1));
   caps.ring_fits = ring_fits_any;
   return caps;

@@ -1298,278 +1298,278 @@ __device__ __forceinline__ void prefetch_window_l2(const DecodeParams& p, int wi
   }
 }
 
-// KB / VB: the K / V code width (2, 3 or 4), or 0 (register variant only): the runtime p.k_bits /
-// p.v_bits.
-// HALVES = 2 (head_dim 256, ring only): warp pairs. Both warps of a pair take the same tiles, each
-// the codes of its half of the coordinates (DW = 128: the head_dim-128 tile loop and stage layout,
-// from rows twice as long); after the K MMAs the two partial dot products are exchanged through
-// shared memory (one 64-thread named barrier per tile), so both warps hold the same scores, running
-// max, sums and weights, and each accumulates its half of the output.
-// Padded rows (head_dim 80 and 96, and 192 as pairs; ring): a warp's DV = 80 or 96 coordinates run
-// in the 128-coordinate tile loop. Where a row is whole 8-byte units (40 / 48 bytes for 4-bit
-// codes, 24 for 2-bit at 96), the ring copies its bytes (8- or 16-byte units) to the start of a
-// stage row of the 128-coordinate layout; the rest keeps whatever bytes it held (codes of finite
-// centroids), which meet q's zero padding in the K MMAs (0 * c = 0) and give output coordinates
-// DV..127 that the merge drops. Other rows (2- / 3-bit at 80, 3-bit at 96: packed_rows) stay at
-// the pool's stride in the stage, and the lanes of the padding coordinates read the next row's
-// codes to the same effect (read_stage).
-// ITEMS = 2 (ring, head tiles of 4, no warp pairs): one CTA of 16 warps serves two work items,
-// the query-head rows blockIdx.y * 2 and + 1 of the grid of one item per CTA: warps 0-7 the first,
-// 8-15 the second, each set as one CTA of ITEMS = 1, with one pair of tables for both (each item's
-// threads build one of them) and 4-stage rings. Two CTAs of one SM share its memory unevenly (the
-// older one's warps are issued first, so the younger one ends ~10 us later at (32, 8192)); the
-// warps of one CTA keep together. Its q rows are staged outside the tables, which are built first
-// (one prologue barrier), and each warp merges and rotates back its head's row in the fused
-// epilogue.
-// ITEMS = 4 or 8: the same with 4 or 2 warps per item (each stages 2 or 4 of the tile's 8 q rows),
-// so that a grid of more items than two per SM runs in one wave of CTAs (one prologue and epilogue
-// per SM instead of one per wave); 3-stage rings at 8 items (their q rows take 32 KB).
-template <int D, int GT, bool SPLIT, bool RING, int KB = 4, int VB = 4, int HALVES = 1, int ITEMS = 1>
-__global__ void __launch_bounds__(v4_threads(ITEMS), v4_ctas_per_sm(ITEMS))
-    decode_tc_f16_kernel(const DecodeParams p) {
+// The compile-time shape of one decode_tc_f16_kernel instantiation (its comment says what each
+// parameter selects).
+template <int D_, int GT_, bool RING_, int KB_, int VB_, int HALVES_, int ITEMS_>
+struct F16Shape {
+  static constexpr int D = D_, GT = GT_, KB = KB_, VB = VB_, HALVES = HALVES_, ITEMS = ITEMS_;
+  static constexpr bool RING = RING_;
   static_assert(ITEMS == 1 || ((ITEMS == 2 || ITEMS == 4 || ITEMS == 8) && RING && HALVES == 1 && GT == 4),
                 "several items: 2, 4 or 8, ring, head tiles of 4");
   static_assert(!RING || (KB != 0 && VB != 0), "the ring's stage layout needs compile-time widths");
   static_assert(GT == 4 || GT == 8, "v4: GT in {4, 8}");
-  static_assert(!SPLIT, "v4: f16 products (its V weights reach the V MMA as one f16x2 register transpose)");
   static_assert(kNH == kW4, "prologue: one head per warp");
-  static_assert(HALVES == 1 || (HALVES == 2 && RING && !SPLIT && (D == 256 || D == 192)),
-                "warp pairs: head_dim 256 or 192, ring, f16");
-  constexpr int DV = D / HALVES;              // coordinates of a warp's share of a tile
-  constexpr int DW = tile_width(D, HALVES);  // the tile loop's coordinates (DV padded)
-  constexpr bool PADDED = DV != DW;
-  static_assert(!PADDED || (RING && !SPLIT && DV % 16 == 0), "padded rows: ring, f16");
-  constexpr bool PACKED = packed_rows(D, HALVES, KB ? KB : 4, VB ? VB : 4);
-  constexpr int DS = stage_width(D, HALVES, KB ? KB : 4, VB ? VB : 4);  // coordinates of a stage row
-  constexpr int IW = v4_item_warps(ITEMS);  // warps per item
-  constexpr int NP = IW / HALVES;  // tile streams: the item's warps, or the warp pairs
-  constexpr int HPW = kNH / IW;    // heads each warp stages in the prologue (rows past GT: zeros)
+  static_assert(HALVES == 1 || (HALVES == 2 && RING && (D == 256 || D == 192)), "warp pairs: head_dim 256 or 192, ring");
+  static constexpr int kb = KB ? KB : 4, vb = VB ? VB : 4;  // the ring's code widths
+  static constexpr int DV = D / HALVES;              // coordinates of a warp's share of a tile
+  static constexpr int DW = tile_width(D, HALVES);  // the tile loop's coordinates (DV padded)
+  static constexpr bool PADDED = DV != DW;
+  static_assert(!PADDED || (RING && DV % 16 == 0), "padded rows: ring");
+  static constexpr bool PACKED = packed_rows(D, HALVES, kb, vb);
+  static constexpr int DS = stage_width(D, HALVES, kb, vb);  // coordinates of a stage row
+  static constexpr int IW = v4_item_warps(ITEMS);  // warps per item
+  static constexpr int NP = IW / HALVES;  // tile streams: the item's warps, or the warp pairs
+  static constexpr int HPW = kNH / IW;    // heads each warp stages in the prologue (rows past GT: zeros)
+  static_assert(HPW * IW == kNH, "the prologue stages every head row of the tile");
   static_assert(NP * kNH * D * 4 <= kSmemBytes, "o_s must fit in the table space");
-  constexpr int kStage = stage_bytes<DS, KB ? KB : 4, VB ? VB : 4>();
-  constexpr int kStages = ring_stages<DS, KB ? KB : 4, VB ? VB : 4, HALVES, ITEMS>();
+  static constexpr int kStage = stage_bytes<DS, kb, vb>();
+  static constexpr int kStages = ring_stages<DS, kb, vb, HALVES, ITEMS>();
   static_assert(ITEMS != 2 || (NP * kNH + GT) * D * 4 <= 2 * kW4 * kStages * kStage,
                 "the second item's o_s and merged rows in the rings");
   static_assert(ITEMS <= 2 || ITEMS * NP * kNH * D * 4 <= kSmemBytes, "the items' o_s in the table space");
-  constexpr int KS = Dims<DW>::kKS;
-  static_assert(!RING || v4_threads(ITEMS) / 32 * kStages * kStage ==
-                             v4_ring_bytes<D, KB ? KB : 4, VB ? VB : 4, HALVES, ITEMS>(),
+  static_assert(!RING || v4_threads(ITEMS) / 32 * kStages * kStage == v4_ring_bytes<D, kb, vb, HALVES, ITEMS>(),
                 "the launch's shared-memory size (v4_ring_bytes) must be the ring's");
-  constexpr int RK = DW * (KB ? KB : 4) / 8, RV = DW * (VB ? VB : 4) / 8;  // ring: code bytes per K / V row
-  constexpr int RKG = DV * (KB ? KB : 4) / 8, RVG = DV * (VB ? VB : 4) / 8;  // ... of them in the pools
-  constexpr int SK = DS * (KB ? KB : 4) / 8, SV = DS * (VB ? VB : 4) / 8;  // ... a stage row's stride
+  static constexpr int KS = Dims<DW>::kKS;
+  static constexpr int RK = DW * kb / 8, RV = DW * vb / 8;    // ring: code bytes per K / V row
+  static constexpr int RKG = DV * kb / 8, RVG = DV * vb / 8;  // ... of them in the pools
+  static constexpr int SK = DS * kb / 8, SV = DS * vb / 8;    // ... a stage row's stride
   // Table key shifts (load_k_keys): the ring's 2- / 3-bit K and 2-bit V codes make their own keys.
-  constexpr bool V2 = RING && VB == 2;
-  constexpr int KSHIFT = RING && (KB == 2 || KB == 3) ? KB : 4, VSHIFT = V2 ? 2 : 4;
-  static_assert(!V2 || !SPLIT, "raw 2-bit V keys: f16 products only");
+  static constexpr bool V2 = RING && VB == 2;
+  static constexpr int KSHIFT = RING && (KB == 2 || KB == 3) ? KB : 4, VSHIFT = V2 ? 2 : 4;
+  // The folded window (format.h "Window"; p.kwin): read by the CTA of split p.window_split, after
+  // its page tiles.
+  static constexpr bool FOLD = HALVES == 1 && !PADDED && (D == 64 || D == 128);
+  static constexpr int QROW = HALVES * DW;  // staged q row: DW coordinates per half, zeros past DV
+  // Several items: q rows staged outside the tables, the first copies issued before the q staging.
+  static constexpr bool kSeveral = ITEMS >= 2;
+  // Two or four items per CTA (128 registers, the loop's limit): the compiler rematerializes
+  // lane-derived addresses from %tid in every tile (~20 instructions); empty asm statements make
+  // them opaque, so they stay in registers (SASS: 1514 -> 1424 instructions per pass of the
+  // two-items loop, 4 tiles). At 8 items (3 stages) it made the loop reload a spilled register.
+  static constexpr bool kPinned = ITEMS == 2 || ITEMS == 4;
+};
 
-  // kSmemBytes: interleaved K / V tables; RING: then ring_bytes() of per-warp rings.
-  // Per item (ITEMS > 1): qexp_s, bad_s, m_s, l_s, q_sep and o_s.
-  extern __shared__ __align__(16) uint8_t smem[];
-  __shared__ float qexp_all[ITEMS][kNH];
-  __shared__ int bad_all[ITEMS][kNH];  // heads whose q_rot row is not all finite (NaN output rows)
-  __shared__ __align__(16) float w_s[v4_threads(ITEMS) / 32][kTT * kNH];  // per-warp scratch of the prologue and the merge
-  __shared__ float m_all[ITEMS][NP][kNH];
-  __shared__ float l_all[ITEMS][NP][kNH];
-  __shared__ __align__(16) float4 x_s[HALVES == 2 ? kW4 * 2 * 32 : 1];  // pairs: [warp][tile parity][lane]
-  __shared__ int4 rot_v_s[32];  // the fused epilogue's Pi_v spec words
-  const int item = ITEMS == 1 ? 0 : static_cast<int>(threadIdx.x) / (32 * IW);
-  float* qexp_s = qexp_all[item];
-  int* bad_s = bad_all[item];
-  auto& m_s = m_all[item];
-  auto& l_s = l_all[item];
-  // (ITEMS = 2: the second item's in the rings; 4 and 8: all in the table space, no room after
-  // them for merge_rotate_and_store's rows, which these items never reach: their fused epilogue
-  // always has rot_v_s, so merge_tile_state takes merge_rotate_per_warp)
-  constexpr int kOsItemBytes = ITEMS == 2 ? kSmemBytes : NP * kNH * D * 4;
-  auto& o_s = *reinterpret_cast<float(*)[NP][kNH * D]>(smem + item * kOsItemBytes);  // after the main loop only
+// K norms of masked tokens (n: the tile's valid count) become NaN, V norms 0.
+template <int DW>
+__device__ __forceinline__ void mask_norms(Tile<DW>& t, int n, int gid, float kn0, float kn1, float vn0, float vn1) {
+  const float kNaN = __int_as_float(0x7fc00000);
+  t.kn0 = gid < n ? kn0 : kNaN;
+  t.kn1 = gid + 8 < n ? kn1 : kNaN;
+  t.vn0 = gid < n ? vn0 : 0.f;
+  t.vn1 = gid + 8 < n ? vn1 : 0.f;
+}
 
-  const int tid = threadIdx.x - item * 32 * IW;  // in the item's threads
-  const int slot = threadIdx.x >> 5;         // the warp's ring and scratch (w_s)
-  const int warp = tid >> 5;
-  const int stream = warp / HALVES;  // this warp's tiles: stream, stream + NP, ...
-  const int half = warp % HALVES;    // pairs: coordinates half * DW ..
-  const int lane = tid & 31;
-  const int gid = lane >> 2;
-  const int t4 = lane & 3;
-  const int ns = p.num_splits;
-  const int gs = p.grid_splits;  // ns, + 1 where a CTA of its own serves the folded window (split ns)
-  const int seq = blockIdx.x / gs;
-  const int split = blockIdx.x - seq * gs;
-  const int row = blockIdx.y * ITEMS + item;  // the item's query-head row (host: gridDim.y * ITEMS rows)
-  const int kvh = row / p.ntiles;
-  const int tile = row - kvh * p.ntiles;
-  const unsigned trace_cta = blockIdx.x + gridDim.x * row;
-
-  // The split's tokens [tok0, tok_end) and tiles ntt, from seq_lens. The ring path sets them only
-  // after its other first reads are issued (below): the first use of the seq_lens value stalls the
-  // warp until it lands, and every read issued after that use would wait behind it.
+// The tiles of one CTA's split of one (sequence, KV head): its tokens [tok0, tok_end) from
+// seq_lens, ntt tiles of kTT tokens, and where a one-page tile's rows are.
+struct SplitTiles {
   int tok0 = 0, tok_end = 0, ntt = 0;
-  auto set_range = [&](int len) {
-    if (split >= ns) return;  // the folded window's own CTA: no page tokens
-    const SplitRange range = split_range(paged_len(p, len), p.max_pages, p.page_size, ns, split);
+  const int32_t* bt_seq = nullptr;  // the sequence's block-table row
+  int kvh = 0;
+  int kvh_rows = 0;        // rows before this KV head's within a page
+  uint32_t page_rows = 0;  // rows per physical page
+
+  // (after the register variant's set_range: computed before it, these values stay live through
+  // the prologue, and its 128 registers spill)
+  __device__ __forceinline__ void locate(const DecodeParams& p, int seq, int kvh_) {
+    bt_seq = p.bt + static_cast<int64_t>(seq) * p.max_pages;
+    kvh = kvh_;
+    kvh_rows = kvh_ * p.page_size;
+    page_rows = static_cast<uint32_t>(p.Hkv * p.page_size);
+  }
+
+  // The range of split `split` of a sequence of `len` tokens; none for the folded window's own CTA
+  // (split >= num_splits).
+  __device__ __forceinline__ void set_range(const DecodeParams& p, int len, int split) {
+    if (split >= p.num_splits) return;
+    const SplitRange range = split_range(paged_len(p, len), p.max_pages, p.page_size, p.num_splits, split);
     tok0 = static_cast<int>(range.tok_begin);
     tok_end = static_cast<int>(range.tok_end);
     const int ntok = tok_end > tok0 && p.P > 0 ? tok_end - tok0 : 0;  // P = 0: nothing to read
     ntt = (ntok + kTT - 1) / kTT;
-  };
-  // The folded window (format.h "Window"; p.kwin, FOLD): read by the CTA of split p.window_split,
-  // after its page tiles (nothing of it stays live through the tile loop: re-read there).
-  constexpr bool FOLD = HALVES == 1 && !PADDED && (D == 64 || D == 128);
-  auto window_cta = [&]() { return FOLD && p.kwin != nullptr && split == p.window_split; };
-  if constexpr (!RING) {
-    set_range(p.sl[seq]);
-    if (window_cta()) prefetch_window_l2<D>(p, ld_early(p.window_ids + seq), kvh, tid, 32 * IW);
   }
-  const int32_t* bt_seq = p.bt + static_cast<int64_t>(seq) * p.max_pages;
 
-  // RING is launched only for pages of a multiple of 16 tokens (use_ring in paged_decode.cu): its
-  // tiles are whole 16-row blocks inside one page, with no per-token path.
-  const bool one_page_tiles = RING || (p.page_size & (kTT - 1)) == 0;
-  // One-page tile ti's block-table entry (-1 past the end) and its first row inside the page
-  // (this KV head's rows, then the tile's offset in its page), found one step before its copies are
-  // issued, from one division.
-  const int kvh_rows = kvh * p.page_size;   // rows before this KV head's within a page
-  const uint32_t page_rows = static_cast<uint32_t>(p.Hkv * p.page_size);  // rows per physical page
-  // (EARLY: the kernel's first reads, see ld_early.)
-  auto tile_page = [&](int ti, auto early) -> TilePage {
+  // One-page tile ti's block-table entry (-1 past the end) and its first row inside the page,
+  // from one division. EARLY: one of the kernel's first reads (ld_early).
+  template <bool EARLY>
+  __device__ __forceinline__ TilePage page(const DecodeParams& p, int ti) const {
     const uint32_t base = static_cast<uint32_t>(tok0 + ti * kTT);
     const uint32_t lp = p.pdiv.div(base);
     int phys = -1;
-    if (ti < ntt) phys = decltype(early)::value ? ld_early(bt_seq + lp) : __ldg(bt_seq + lp);
+    if (ti < ntt) {
+      if constexpr (EARLY) phys = ld_early(bt_seq + lp);
+      else phys = __ldg(bt_seq + lp);
+    }
     return {phys, kvh_rows + static_cast<int>(base - lp * p.page_size)};
-  };
-  constexpr std::true_type kEarly{};
-  constexpr std::false_type kLate{};
-  // First row of one-page tile ti (page 0 for an id outside [0, P)) and its valid token count.
-  // (P < 2^31, so one unsigned compare rejects negative ids too; rows of 64 bits.)
-  auto tile_rows = [&](int ti, TilePage tp, int& n) -> uint64_t {
+  }
+
+  // Split 0 starts at token 0 whatever the sequence's length: its first block-table entries are
+  // read before seq_lens (entries past the table's width as -1; those past the sequence's tiles
+  // are never used).
+  __device__ __forceinline__ TilePage first_page(const DecodeParams& p, int ti) const {
+    const uint32_t base = static_cast<uint32_t>(ti * kTT);
+    const uint32_t lp = p.pdiv.div(base);
+    const int phys = lp < static_cast<uint32_t>(p.max_pages) ? ld_early(bt_seq + lp) : -1;
+    return {phys, kvh_rows + static_cast<int>(base - lp * p.page_size)};
+  }
+
+  // First row of one-page tile ti (page 0 for an id outside [0, P)) and its valid token count n
+  // (may exceed 16). (P < 2^31, so one unsigned compare rejects negative ids too; rows of 64 bits.)
+  __device__ __forceinline__ uint64_t rows(const DecodeParams& p, int ti, TilePage tp, int& n) const {
     const bool page_ok = static_cast<uint32_t>(tp.phys) < static_cast<uint32_t>(p.P);
-    n = page_ok ? tok_end - (tok0 + ti * kTT) : 0;  // may exceed 16
+    n = page_ok ? tok_end - (tok0 + ti * kTT) : 0;
     const uint32_t page = page_ok ? static_cast<uint32_t>(tp.phys) : 0u;
     return static_cast<uint64_t>(page) * page_rows + static_cast<uint32_t>(tp.row_in_page);
-  };
-  // The token of the lane's V code row e: the V MMA's k position 2t4 + {0, 1} (e = 0, 1) or
-  // 2t4 + 8 + {0, 1} (e = 2, 3), where the weights' register transpose puts that token's weight.
-  auto v_token = [&](int e) { return v4_v_token(t4, e); };
-  // Per-lane byte offsets inside a 16-token tile's rows: K bytes (D/8)*t4.. of token gid (token
-  // gid + 8 at + 8 rows); V bytes (D/16)*gid.. of token v_token(0) (v_token(e) at + v_token(e) - v_token(0) rows).
-  const int krow = D * (KB ? KB : p.k_bits) / 8, vrow = D * (VB ? VB : p.v_bits) / 8;  // code bytes per row
-  const int k_lane = gid * krow + (HALVES == 1 ? (krow / 4) * t4 : half * RK + (RK / 4) * t4);
-  const int v_lane = v_token(0) * vrow + (HALVES == 1 ? (vrow / 8) * gid : half * RV + (RV / 8) * gid);
-  const float kNaN = __int_as_float(0x7fc00000);
-  auto mask_norms = [&](Tile<DW>& t, int n, float kn0, float kn1, float vn0, float vn1) {
-    t.kn0 = gid < n ? kn0 : kNaN;
-    t.kn1 = gid + 8 < n ? kn1 : kNaN;
-    t.vn0 = gid < n ? vn0 : 0.f;
-    t.vn1 = gid + 8 < n ? vn1 : 0.f;
-  };
-  // Register path. Called with ntt > 0 only (so P > 0). A tile past the end (ti >= ntt,
-  // tp.phys = -1) reads page 0 with every token masked.
-  auto load = [&](int ti, Tile<DW>& t, TilePage tp) {
-    const int base = tok0 + ti * kTT;
-    if (one_page_tiles) {
+  }
+};
+
+// The register variant's tile loads: every lane reads its codes (as table keys) and norms straight
+// into a Tile. Per-lane byte offsets inside a 16-token tile's rows: K bytes (D/8)*t4.. of token
+// gid (token gid + 8 at + 8 rows); V bytes (D/16)*gid.. of token v4_v_token(t4, 0) (row e at
+// + v4_v_token(t4, e) - v4_v_token(t4, 0) rows).
+template <class S>
+struct RegisterTiles {
+  int krow, vrow;      // code bytes per K / V row
+  int k_lane, v_lane;  // the lane's offsets inside a tile's rows
+  bool one_page;       // the tiles are whole 16-row blocks inside one page (no per-token path)
+
+  __device__ __forceinline__ RegisterTiles(const DecodeParams& p, int gid, int t4, int half)
+      : krow(S::D * (S::KB ? S::KB : p.k_bits) / 8),
+        vrow(S::D * (S::VB ? S::VB : p.v_bits) / 8),
+        k_lane(gid * krow + (S::HALVES == 1 ? (krow / 4) * t4 : half * S::RK + (S::RK / 4) * t4)),
+        v_lane(v4_v_token(t4, 0) * vrow + (S::HALVES == 1 ? (vrow / 8) * gid : half * S::RV + (S::RV / 8) * gid)),
+        one_page(S::RING || (p.page_size & (kTT - 1)) == 0) {}
+
+  // Called with ntt > 0 only (so P > 0). A tile past the end (ti >= ntt, tp.phys = -1) reads page
+  // 0 with every token masked.
+  __device__ __forceinline__ void load(const DecodeParams& p, const SplitTiles& tiles, int ti, Tile<S::DW>& t,
+                                       TilePage tp, int gid, int t4) const {
+    const int base = tiles.tok0 + ti * kTT;
+    if (one_page) {
       int n;
-      const uint64_t row0 = tile_rows(ti, tp, n);
+      const uint64_t row0 = tiles.rows(p, ti, tp, n);
       const uint8_t* kp = p.kc + row0 * krow + k_lane;
       const uint8_t* vp = p.vc + row0 * vrow + v_lane;
-      ldg_codes<KB>(kp, p.k_bits, t.k0);
-      ldg_codes<KB>(kp + 8 * krow, p.k_bits, t.k1);
+      ldg_codes<S::KB>(kp, p.k_bits, t.k0);
+      ldg_codes<S::KB>(kp + 8 * krow, p.k_bits, t.k1);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) ldg_codes<VB>(vp + (v_token(e) - v_token(0)) * vrow, p.v_bits, t.v[e]);
+      for (int e = 0; e < 4; ++e)
+        ldg_codes<S::VB>(vp + (v4_v_token(t4, e) - v4_v_token(t4, 0)) * vrow, p.v_bits, t.v[e]);
       const float* knp = p.kn + row0 + gid;
       const float* vnp = p.vn + row0 + gid;
-      mask_norms(t, n, __ldg(knp), __ldg(knp + 8), __ldg(vnp), __ldg(vnp + 8));
+      mask_norms(t, n, gid, __ldg(knp), __ldg(knp + 8), __ldg(vnp), __ldg(vnp + 8));
       return;
     }
-    t = Tile<DW>{};
-    t.kn0 = t.kn1 = kNaN;
-    if (ti >= ntt) return;
-    const int64_t r0 = token_row(p, bt_seq, base + gid, tok_end, kvh);
-    const int64_t r1 = token_row(p, bt_seq, base + gid + 8, tok_end, kvh);
+    t = Tile<S::DW>{};
+    t.kn0 = t.kn1 = __int_as_float(0x7fc00000);
+    if (ti >= tiles.ntt) return;
+    const int64_t r0 = token_row(p, tiles.bt_seq, base + gid, tiles.tok_end, tiles.kvh);
+    const int64_t r1 = token_row(p, tiles.bt_seq, base + gid + 8, tiles.tok_end, tiles.kvh);
     if (r0 >= 0) {
-      ldg_codes<KB>(p.kc + r0 * krow + (krow / 4) * t4, p.k_bits, t.k0);
+      ldg_codes<S::KB>(p.kc + r0 * krow + (krow / 4) * t4, p.k_bits, t.k0);
       t.kn0 = __ldg(p.kn + r0);
       t.vn0 = __ldg(p.vn + r0);
     }
     if (r1 >= 0) {
-      ldg_codes<KB>(p.kc + r1 * krow + (krow / 4) * t4, p.k_bits, t.k1);
+      ldg_codes<S::KB>(p.kc + r1 * krow + (krow / 4) * t4, p.k_bits, t.k1);
       t.kn1 = __ldg(p.kn + r1);
       t.vn1 = __ldg(p.vn + r1);
     }
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int64_t rv = token_row(p, bt_seq, base + v_token(e), tok_end, kvh);
-      if (rv >= 0) ldg_codes<VB>(p.vc + rv * vrow + (vrow / 8) * gid, p.v_bits, t.v[e]);
+      const int64_t rv = token_row(p, tiles.bt_seq, base + v4_v_token(t4, e), tiles.tok_end, tiles.kvh);
+      if (rv >= 0) ldg_codes<S::VB>(p.vc + rv * vrow + (vrow / 8) * gid, p.v_bits, t.v[e]);
     }
-  };
+  }
+};
 
-  // Ring path: tile ti (< ntt) into stage `st` of this warp's ring; every lane copies units lane,
-  // lane + 32, ... (those that exist) of the K and V code rows, lanes 0-7 one 16-byte quarter of the
-  // norms. Returns the valid count.
-  uint8_t* ring = smem + kSmemBytes + slot * (kStages * kStage);
-  // Copy units of CU bytes: 16, or 8 where a (half) row is not whole 16-byte units (head_dim 80's
-  // 40-byte rows). Loop-invariant per-lane parts of the copies: sources at byte CU * lane of a
-  // tile's rows (unit lane + 32 c at + 32 c CU), destinations at the units' stage offsets
-  // (shared-memory addresses, 32 bits).
-  // (Unpadded stage rows are in pool order, so their units may straddle rows.)
-  constexpr int CU = !PADDED || PACKED || (RKG % 16 == 0 && RVG % 16 == 0) ? 16 : 8;
-  static_assert(!PADDED || PACKED || (RKG % CU == 0 && RVG % CU == 0), "padded rows: whole 8-byte copy units");
-  static_assert(!PACKED || ((kTT * RKG) % 16 == 0 && (kTT * RVG) % 16 == 0),
+// The ring variant's copies: tile ti goes into stage st of the warp's ring by cp.async (every lane
+// copies units lane, lane + 32, ... (those that exist) of the K and V code rows, lanes 0-7 one
+// 16-byte quarter of the norms), and comes out of it as a Tile (read).
+// Copy units of CU bytes: 16, or 8 where a (half) row is not whole 16-byte units (head_dim 80's
+// 40-byte rows). The per-lane parts of the copies are loop-invariant: sources at byte CU * lane of a
+// tile's rows (unit lane + 32 c at + 32 c CU), destinations at the units' stage offsets
+// (shared-memory addresses, 32 bits). (Unpadded stage rows are in pool order, so their units may
+// straddle rows.)
+template <class S>
+struct TileRing {
+  static constexpr int CU = !S::PADDED || S::PACKED || (S::RKG % 16 == 0 && S::RVG % 16 == 0) ? 16 : 8;
+  static_assert(!S::PADDED || S::PACKED || (S::RKG % CU == 0 && S::RVG % CU == 0),
+                "padded rows: whole 8-byte copy units");
+  static_assert(!S::PACKED || ((kTT * S::RKG) % 16 == 0 && (kTT * S::RVG) % 16 == 0),
                 "packed rows: whole 16-byte units per block");
-  constexpr int NUK = kTT * RKG / CU, NUV = kTT * RVG / CU;  // units of a tile's 16 K / V rows (their copied parts)
-  static_assert(NUK <= 96 && NUV <= 96 && (HALVES == 1 || (CU == 16 && NUK <= 64 && NUV <= 64)),
+  static constexpr int NUK = kTT * S::RKG / CU, NUV = kTT * S::RVG / CU;  // units of a tile's 16 K / V rows
+  static_assert(NUK <= 96 && NUV <= 96 && (S::HALVES == 1 || (CU == 16 && NUK <= 64 && NUV <= 64)),
                 "ring: at most three copies per lane (two with warp pairs)");
+  // The lanes' reads are as aligned as the row stride and the in-row offsets allow (packed rows at
+  // head_dim 80: 2- to 8-byte; the blocks start on 16-byte boundaries).
+  static constexpr int ALK = align_of(S::SK) < align_of(S::RK / 4) ? align_of(S::SK) : align_of(S::RK / 4);
+  static constexpr int ALV = align_of(S::SV) < align_of(S::RV / 8) ? align_of(S::SV) : align_of(S::RV / 8);
+
+  uint8_t* ring;  // the warp's stages
+  const uint8_t* k_src;
+  const uint8_t* v_src;
+  int kK32, kV32;  // source of unit lane + 32 minus that of unit lane
+  const float* n_src;
+  uint32_t dst_k0, dst_k1, dst_k2, dst_v0, dst_v1, dst_v2, dst_n;
+
   // Pairs: unit u is 16-byte chunk u % UPR of row u / UPR's half (rows of HALVES * RG bytes); unit
   // lane + 32 lies a constant 32 / UPR rows after unit lane where UPR divides 32 (2- and 4-bit
   // codes), else (3-bit and padded rows: 3 units per half row) at a per-lane distance.
-  auto unit_src = [&](int u, int RG) {
-    return HALVES == 1 ? CU * u : half * RG + (u / (RG / 16)) * (HALVES * RG) + (u % (RG / 16)) * 16;
-  };
-  auto unit32_distance = [&](int RG) {  // source of unit lane + 32 minus that of unit lane
-    if constexpr (HALVES == 1) return 32 * CU;
-    else if (32 % (RG / 16) == 0) return (32 / (RG / 16)) * HALVES * RG;
-    else return unit_src(lane + 32, RG) - unit_src(lane, RG);
-  };
-  const uint8_t* k_src = p.kc + unit_src(lane, RKG);
-  const uint8_t* v_src = p.vc + unit_src(lane, RVG);
-  // Two or four items per CTA (128 registers, the loop's limit): the compiler rematerializes
-  // lane-derived addresses from %tid in every tile (~20 instructions); an empty asm makes these
-  // values opaque, so they stay in registers (SASS: 1514 -> 1424 instructions per pass of the
-  // two-items loop, 4 tiles). At 8 items (3 stages) it made the loop reload a spilled register.
-  if constexpr (ITEMS == 2 || ITEMS == 4) asm("" : "+l"(k_src), "+l"(v_src));
-  const int kK32 = unit32_distance(RKG), kV32 = unit32_distance(RVG);
-  // Stage offset of copied unit u: padded rows leave the end of every stage row uncopied.
-  // Packed rows are copied like unpadded ones (16-byte units in pool order).
-  auto k_stage_unit = [](int u) {
-    return PADDED && !PACKED ? ring_offset<RK>(u / (RKG / CU), CU * (u % (RKG / CU))) : ring_unit_offset<SK>(u);
-  };
-  auto v_stage_unit = [](int u) {
-    return PADDED && !PACKED ? ring_offset<RV>(u / (RVG / CU), CU * (u % (RVG / CU))) : ring_unit_offset<SV>(u);
-  };
-  // Norms: each lane copies one float (lane < 16: the K norm of token t = lane & 15, else its V
-  // norm) to slot 4 (t & 7) + 2 (K / V) + (t >> 3) of the stage's 32, so that lane (gid, t4) reads
-  // its four (K gid, K gid + 8, V gid, V gid + 8) as one float4.
-  const int n_tok = lane & 15;
-  const float* n_src = (lane < 16 ? p.kn : p.vn) + n_tok;
-  const uint32_t ring_s = smem_addr(ring);
-  uint32_t dst_k0 = ring_s + k_stage_unit(lane);
-  uint32_t dst_k1 = ring_s + k_stage_unit(lane + 32);
-  if constexpr (ITEMS == 2 || ITEMS == 4) asm("" : "+r"(dst_k0), "+r"(dst_k1));
-  const uint32_t dst_k2 = ring_s + k_stage_unit(lane + 64);
-  // V units at K's offsets + kTT * SK (two or four items: keeps the loop's registers down)
-  constexpr bool kVLikeK = (ITEMS == 2 || ITEMS == 4) && RK == RV && RKG == RVG && SK == SV;
-  const uint32_t dst_v0 = kVLikeK ? dst_k0 + kTT * SK : ring_s + kTT * SK + v_stage_unit(lane);
-  const uint32_t dst_v1 = kVLikeK ? dst_k1 + kTT * SK : ring_s + kTT * SK + v_stage_unit(lane + 32);
-  const uint32_t dst_v2 = ring_s + kTT * SK + v_stage_unit(lane + 64);
-  uint32_t dst_n = ring_s + kTT * (SK + SV) + 4 * (4 * (n_tok & 7) + 2 * (lane >> 4) + (n_tok >> 3));
-  if constexpr (ITEMS == 2 || ITEMS == 4) asm("" : "+r"(dst_n));
-  auto issue = [&](int ti, int st, TilePage tp) -> int {
+  static __device__ __forceinline__ int unit_src(int u, int RG, int half) {
+    return S::HALVES == 1 ? CU * u : half * RG + (u / (RG / 16)) * (S::HALVES * RG) + (u % (RG / 16)) * 16;
+  }
+  static __device__ __forceinline__ int unit32_distance(int RG, int lane, int half) {
+    if constexpr (S::HALVES == 1) return 32 * CU;
+    else if (32 % (RG / 16) == 0) return (32 / (RG / 16)) * S::HALVES * RG;
+    else return unit_src(lane + 32, RG, half) - unit_src(lane, RG, half);
+  }
+  // Stage offset of copied unit u: padded rows leave the end of every stage row uncopied. Packed
+  // rows are copied like unpadded ones (16-byte units in pool order).
+  static __device__ __forceinline__ int k_stage_unit(int u) {
+    if constexpr (S::PADDED && !S::PACKED) return ring_offset<S::RK>(u / (S::RKG / CU), CU * (u % (S::RKG / CU)));
+    else return ring_unit_offset<S::SK>(u);
+  }
+  static __device__ __forceinline__ int v_stage_unit(int u) {
+    if constexpr (S::PADDED && !S::PACKED) return ring_offset<S::RV>(u / (S::RVG / CU), CU * (u % (S::RVG / CU)));
+    else return ring_unit_offset<S::SV>(u);
+  }
+
+  __device__ __forceinline__ TileRing(const DecodeParams& p, uint8_t* smem, int slot, int lane, int half)
+      : ring(smem + kSmemBytes + slot * (S::kStages * S::kStage)) {
+    k_src = p.kc + unit_src(lane, S::RKG, half);
+    v_src = p.vc + unit_src(lane, S::RVG, half);
+    if constexpr (S::kPinned) asm("" : "+l"(k_src), "+l"(v_src));
+    kK32 = unit32_distance(S::RKG, lane, half);
+    kV32 = unit32_distance(S::RVG, lane, half);
+    // Norms: each lane copies one float (lane < 16: the K norm of token t = lane & 15, else its V
+    // norm) to slot 4 (t & 7) + 2 (K / V) + (t >> 3) of the stage's 32, so that lane (gid, t4)
+    // reads its four (K gid, K gid + 8, V gid, V gid + 8) as one float4.
+    const int n_tok = lane & 15;
+    n_src = (lane < 16 ? p.kn : p.vn) + n_tok;
+    const uint32_t ring_s = smem_addr(ring);
+    dst_k0 = ring_s + k_stage_unit(lane);
+    dst_k1 = ring_s + k_stage_unit(lane + 32);
+    if constexpr (S::kPinned) asm("" : "+r"(dst_k0), "+r"(dst_k1));
+    dst_k2 = ring_s + k_stage_unit(lane + 64);
+    // V units at K's offsets + kTT * SK (two or four items: keeps the loop's registers down)
+    constexpr bool kVLikeK = S::kPinned && S::RK == S::RV && S::RKG == S::RVG && S::SK == S::SV;
+    dst_v0 = kVLikeK ? dst_k0 + kTT * S::SK : ring_s + kTT * S::SK + v_stage_unit(lane);
+    dst_v1 = kVLikeK ? dst_k1 + kTT * S::SK : ring_s + kTT * S::SK + v_stage_unit(lane + 32);
+    dst_v2 = ring_s + kTT * S::SK + v_stage_unit(lane + 64);
+    dst_n = ring_s + kTT * (S::SK + S::SV) + 4 * (4 * (n_tok & 7) + 2 * (lane >> 4) + (n_tok >> 3));
+    if constexpr (S::kPinned) asm("" : "+r"(dst_n));
+  }
+
+  // Copies tile ti (when < ntt) into stage st; one cp.async group per call, empty or not, so that
+  // wait_group counts stay aligned. Returns the tile's valid token count.
+  __device__ __forceinline__ int issue(const DecodeParams& p, const SplitTiles& tiles, int ti, int st, TilePage tp,
+                                       int lane) const {
     int n = 0;
-    if (ti < ntt) {
-      const uint64_t row0 = tile_rows(ti, tp, n);
-      const uint8_t* ks = k_src + row0 * (HALVES * RKG);
-      const uint8_t* vs = v_src + row0 * (HALVES * RVG);
-      const uint32_t so = st * kStage;
+    if (ti < tiles.ntt) {
+      const uint64_t row0 = tiles.rows(p, ti, tp, n);
+      const uint8_t* ks = k_src + row0 * (S::HALVES * S::RKG);
+      const uint8_t* vs = v_src + row0 * (S::HALVES * S::RVG);
+      const uint32_t so = st * S::kStage;
       if (NUK >= 32 || lane < NUK) cp_async_s<CU>(dst_k0 + so, ks);
       if (NUK > 32 && (NUK >= 64 || lane + 32 < NUK)) cp_async_s<CU>(dst_k1 + so, ks + kK32);
       if (NUK > 64 && (NUK >= 96 || lane + 64 < NUK)) cp_async_s<CU>(dst_k2 + so, ks + 2 * kK32);
@@ -1578,134 +1578,52 @@ __global__ void __launch_bounds__(v4_threads(ITEMS), v4_ctas_per_sm(ITEMS))
       if (NUV > 64 && (NUV >= 96 || lane + 64 < NUV)) cp_async_s<CU>(dst_v2 + so, vs + 2 * kV32);
       cp_async_s<4>(dst_n + so, n_src + row0);
     }
-    cp_async_commit();  // one group per call, empty or not: wait_group counts stay aligned
+    cp_async_commit();
     return n;
-  };
-  // A lane's K codes: (DW/4) codes from code (DW/4)*t4 of tokens gid, gid + 8; V: (DW/8) codes from
-  // code (DW/8)*gid of tokens v_token(e). Packed rows are SK / SV < RK / RV bytes apart, so the lanes
-  // of the padding coordinates (K: t4 = 3, V: 16 gid >= DV) read the next row's bytes (or, past the
-  // block's last row, the next block's): codes of finite centroids that meet q's zero padding in the
-  // K MMAs and give output coordinates DV.. that the merge drops, as in padded rows.
-  // The lanes' loads are as aligned as the row stride and the in-row offsets allow (packed rows at
-  // head_dim 80: 2- to 8-byte; the blocks start on 16-byte boundaries).
-  constexpr int ALK = align_of(SK) < align_of(RK / 4) ? align_of(SK) : align_of(RK / 4);
-  constexpr int ALV = align_of(SV) < align_of(RV / 8) ? align_of(SV) : align_of(RV / 8);
-  auto read_stage = [&](int st, int n, Tile<DW>& t) {
-    const uint8_t* src = ring + st * kStage;
-    constexpr int kb = KB ? KB : 4, vb = VB ? VB : 4;
-    load_k_keys<kb, Dims<DW>::kKW, SharedMem, ALK>(src + ring_offset<SK>(gid, (RK / 4) * t4), t.k0);
-    load_k_keys<kb, Dims<DW>::kKW, SharedMem, ALK>(src + ring_offset<SK>(gid + 8, (RK / 4) * t4), t.k1);
+  }
+
+  // Stage st as a lane's Tile: K codes (DW/4) from code (DW/4)*t4 of tokens gid, gid + 8; V: (DW/8)
+  // codes from code (DW/8)*gid of tokens v4_v_token(t4, e). Packed rows are SK / SV < RK / RV bytes
+  // apart, so the lanes of the padding coordinates (K: t4 = 3, V: 16 gid >= DV) read the next row's
+  // bytes (or, past the block's last row, the next block's): codes of finite centroids that meet
+  // q's zero padding in the K MMAs and give output coordinates DV.. that the merge drops, as in
+  // padded rows.
+  __device__ __forceinline__ void read(int st, int n, Tile<S::DW>& t, int gid, int t4) const {
+    const uint8_t* src = ring + st * S::kStage;
+    constexpr int KW = Dims<S::DW>::kKW, VW = Dims<S::DW>::kVW;
+    load_k_keys<S::kb, KW, SharedMem, ALK>(src + ring_offset<S::SK>(gid, (S::RK / 4) * t4), t.k0);
+    load_k_keys<S::kb, KW, SharedMem, ALK>(src + ring_offset<S::SK>(gid + 8, (S::RK / 4) * t4), t.k1);
 #pragma unroll
     for (int e = 0; e < 4; ++e)
-      load_v_codes<vb, Dims<DW>::kVW, SharedMem, ALV>(src + kTT * SK + ring_offset<SV>(v_token(e), (RV / 8) * gid),
-                                                      t.v[e]);
-    const float* norms = reinterpret_cast<const float*>(src + kTT * (SK + SV));
+      load_v_codes<S::vb, VW, SharedMem, ALV>(
+          src + kTT * S::SK + ring_offset<S::SV>(v4_v_token(t4, e), (S::RV / 8) * gid), t.v[e]);
+    const float* norms = reinterpret_cast<const float*>(src + kTT * (S::SK + S::SV));
     const float4 kv = *reinterpret_cast<const float4*>(norms + 4 * gid);
-    mask_norms(t, n, kv.x, kv.y, kv.z, kv.w);
-  };
-
-  // The kernel's small reads come first, all at once: the centroids, q, Pi_k's and Pi_v's spec words
-  // (the fused epilogue's, staged in shared memory) and the first tiles' block-table entries; the
-  // tiles' copies follow the q staging. (Issued after the copies, these reads waited a loaded memory
-  // latency behind them, at the start and again in the fused epilogue.)
-  static_assert(kT4 == 256, "one K and one V table entry per thread");
-  static_assert(HPW * IW == kNH, "the prologue stages every head row of the tile");
-  trace_phase(p, trace_cta, warp, lane, 0);
-  const LutSeed lut_seed = load_lut_seed(p.kcent, p.vcent, p.k_bits, p.v_bits, KSHIFT, VSHIFT);
-  constexpr int QROW = HALVES * DW;  // staged q row: DW coordinates per half, zeros past DV
-  QueryRows<QROW, HPW> qrows = load_query_rows<QROW, GT, HPW, DV, DW>(p, seq, kvh, tile, warp, lane);
-  const bool fused_epilogue = D == kD && p.rot != nullptr && !writes_partials(p);
-  int4 rot_v = {};
-  if (fused_epilogue && slot == 0) rot_v = ld_early(reinterpret_cast<const int4*>(p.rot + kD) + lane);
-  Tile<DW> cur, nxt;
-  TilePage page_next = {-1, 0}, first[kStages];  // first: the pages of the warp's first tiles
-#pragma unroll
-  for (int st = 0; st < kStages; ++st) first[st] = {-1, 0};
-  int n_st[kStages] = {};
-  if constexpr (RING) {
-    if (split == 0) {
-      // Split 0 starts at token 0 whatever the sequence's length: its first block-table entries
-      // are read without waiting for seq_lens (entries past the table's width as -1; those past
-      // the sequence's tiles are never used: issue() checks ti < ntt).
-      auto first_page = [&](int ti) -> TilePage {
-        const uint32_t base = static_cast<uint32_t>(ti * kTT);
-        const uint32_t lp = p.pdiv.div(base);
-        const int phys = lp < static_cast<uint32_t>(p.max_pages) ? ld_early(bt_seq + lp) : -1;
-        return {phys, kvh_rows + static_cast<int>(base - lp * p.page_size)};
-      };
-#pragma unroll
-      for (int st = 0; st < kStages; ++st) first[st] = first_page(stream + st * NP);
-      page_next = first_page(stream + kStages * NP);
-    }
-    // seq_lens is read after the reads above (the centroids, q, Pi_v, split 0's table entries) and
-    // used right away: one wait for all of them.
-    const int win_id = window_cta() ? ld_early(p.window_ids + seq) : -1;
-    set_range(ld_early(p.sl + seq));
-    if (window_cta()) prefetch_window_l2<D>(p, win_id, kvh, tid, 32 * IW);
-    if (split != 0) {
-#pragma unroll
-      for (int st = 0; st < kStages; ++st) first[st] = tile_page(stream + st * NP, kEarly);
-      page_next = tile_page(stream + kStages * NP, kEarly);
-    }
-  } else if (one_page_tiles) {
-    first[0] = tile_page(stream, kEarly);
-    page_next = tile_page(stream + NP, kEarly);
+    mask_norms(t, n, gid, kv.x, kv.y, kv.z, kv.w);
   }
-  __threadfence_block();  // keeps the compiler from sinking the reads above below the q staging
-  trace_phase(p, trace_cta, warp, lane, 1);
+};
 
-  // ---- prologue: q of head `warp` (scaled, per-head power of two) in the table space ----------
-  // One item per CTA: the first tiles' copies are issued after it (the block-table reads above
-  // have landed by then), so that the prologue's own loads are not queued behind them.
-  // Two items: the copies first, then each item's threads build one table, q goes to q_sep, one
-  // barrier.
-  constexpr bool kQSep = ITEMS >= 2;
-  __shared__ __align__(16) float q_sep[kQSep ? ITEMS * kNH * QROW : 1];
-  float* q_s = kQSep ? q_sep + item * kNH * QROW : reinterpret_cast<float*>(smem);
-  auto first_copies = [&]() {
-    if constexpr (RING) {
-#pragma unroll
-      for (int st = 0; st < kStages; ++st) n_st[st] = issue(stream + st * NP, st, first[st]);
-    } else {
-      if (stream < ntt) load(stream, cur, first[0]);
-    }
-  };
-  // Two items: the first copies go right behind the small reads (issued first, so still served
-  // first): -0.5 us at (32, 8192) against issuing them after the q staging.
-  constexpr bool kCopiesFirst = ITEMS >= 2;
-  if constexpr (kCopiesFirst) first_copies();
-  if constexpr (kQSep) build_item_lut<SPLIT>(smem, lut_seed, threadIdx.x >> 8, threadIdx.x & 255);
-  stage_queries<QROW, HPW, DV, DW>(p, qrows, q_s, qexp_s, bad_s, warp, lane, w_s[slot]);
-  if (slot == 0) rot_v_s[lane] = rot_v;
-  if constexpr (!kCopiesFirst) first_copies();
-  trace_phase(p, trace_cta, warp, lane, 2);
-  __syncthreads();
+// A warp's q fragments (K MMA B operands) and the exponents of its heads' q scales.
+template <int KS>
+struct QueryFragments {
   uint32_t qh[KS][2], ql[KS][2];
-  query_fragments<DW>(q_s + half * DW, gid, t4, qh, ql, QROW);
-  const float qx0 = qexp_s[2 * t4], qx1 = qexp_s[2 * t4 + 1];
-  if constexpr (!kQSep) {
-    __syncthreads();
-    build_pair_luts<SPLIT>(smem, lut_seed);
-    __syncthreads();
-  }
-  PairLut<SPLIT> ilut(smem, lane);
-  if constexpr (ITEMS == 2 || ITEMS == 4) asm("" : "+r"(ilut.k_lane), "+r"(ilut.v_lane));
-  trace_phase(p, trace_cta, warp, lane, 3);
+  float qx0, qx1;
+};
 
+// The online softmax of a warp's two heads per lane (rows 2t4, 2t4 + 1 of the head tile) and its
+// output accumulators (V MMA C fragments).
+template <int KS>
+struct SoftmaxState {
   // The running max starts finite (-FLT_MAX), so no exp2 argument is -inf - (-inf): no "any valid
   // token yet" selects. A row with no valid token keeps l = 0 (its output is 0, its lse -inf).
   float m[2] = {-FLT_MAX, -FLT_MAX};
   float l[2] = {0.f, 0.f};
-  float o[KS][4];
-#pragma unroll
-  for (int mt = 0; mt < KS; ++mt)
-#pragma unroll
-    for (int c = 0; c < 4; ++c) o[mt][c] = 0.f;
+  float o[KS][4] = {};
 
-  // Online softmax of one tile's scores s (log2 units, tile_scores' layout) with V norms vn0, vn1 of
-  // tokens gid, gid + 8: rescales o and l where the running max moves, and gives the V weights
-  // p * v_norm as P^T's B fragments ph0 (tokens 2t4, 2t4 + 1), ph1 (2t4 + 8, 2t4 + 9).
-  auto weigh = [&](float (&s)[4], float vn0, float vn1, uint32_t& ph0, uint32_t& ph1) {
+  // One tile's scores s (log2 units, tile_scores' layout) with V norms vn0, vn1 of tokens gid,
+  // gid + 8: rescales o and l where the running max moves, and gives the V weights p * v_norm as
+  // P^T's B fragments ph0 (tokens 2t4, 2t4 + 1), ph1 (2t4 + 8, 2t4 + 9).
+  __device__ __forceinline__ void weigh(float (&s)[4], float vn0, float vn1, uint32_t& ph0, uint32_t& ph1) {
     const float lv0 = fast_log2(fabsf(vn0)), lv1 = fast_log2(fabsf(vn1));
     // Lazy rescaling: the running max m moves only when a tile's max exceeds it by more than
     // kLazyMax (log2 units), so weights up to 2^kLazyMax (f16: fine) and the rescale is rare. Each
@@ -1754,34 +1672,232 @@ __global__ void __launch_bounds__(v4_threads(ITEMS), v4_ctas_per_sm(ITEMS))
     // gid of tokens 2t4, 2t4 + 1 and 2t4 + 8, 2t4 + 9: P^T's B fragments, no shared memory.
     ph0 = transpose8x8_b16(half2_satfinite(wa[0], wa[1]));
     ph1 = transpose8x8_b16(half2_satfinite(wb[0], wb[1]));
-  };
-  // Scores, online softmax and V accumulation of one tile held in registers.
-  // Pairs: xb = the parity of the warp's tile count (the exchange slots alternate, so one barrier per
-  // tile suffices).
-  auto consume = [&](const Tile<DW>& cur, int xb) {
+  }
+};
+
+// Scores, online softmax and V accumulation of one tile held in registers. Warp pairs: each warp
+// has half of the dot products; they are exchanged through x_s (slot parity xb alternates, so one
+// 64-thread barrier per tile suffices).
+template <class S>
+__device__ __forceinline__ void consume_tile(const Tile<S::DW>& cur, int xb, const QueryFragments<S::KS>& q,
+                                             const PairLut<false>& ilut, SoftmaxState<S::KS>& sm, float4* x_s,
+                                             int warp, int stream, int lane) {
+  float s[4];
+  if constexpr (S::HALVES == 2) {
+    tile_dots<S::DW, false>(cur, q.qh, q.ql, ilut, s);
+    x_s[(2 * warp + xb) * 32 + lane] = make_float4(s[0], s[1], s[2], s[3]);
+    asm volatile("bar.sync %0, 64;" ::"r"(1 + stream) : "memory");  // the pair's two warps
+    const float4 other = x_s[(2 * (warp ^ 1) + xb) * 32 + lane];
+    s[0] += other.x;  // a + b in one warp, b + a in the other: the same float
+    s[1] += other.y;
+    s[2] += other.z;
+    s[3] += other.w;
+    scale_scores<S::DW>(cur, q.qx0, q.qx1, s);
+  } else {
+    tile_scores<S::DW, false>(cur, q.qh, q.ql, q.qx0, q.qx1, ilut, s);
+  }
+  // The weight is p * v_norm with the norm as stored (a NaN norm gives a NaN output row, as in the
+  // reference and v1; masked tokens have norm 0); the max covers log2 |v_norm| (flushed to -inf
+  // below 2^-126), so |weight| <= 2^kLazyMax.
+  uint32_t ph0, ph1;
+  sm.weigh(s, cur.vn0, cur.vn1, ph0, ph1);
+  tile_accumulate_v_b<S::DW, false, S::V2>(cur.v, ph0, 0u, ph1, 0u, ilut, sm.o);
+}
+
+// The folded window's tiles after the page tiles (in L2 by then: prefetched at the start),
+// continuing their round robin: window tile wt on stream (ntt + wt) % NP, the streams with fewer
+// page tiles.
+template <class S>
+__device__ __forceinline__ void fold_window_tiles(const DecodeParams& p, int seq, int kvh, int ntt, int stream,
+                                                  int gid, int t4, const QueryFragments<S::KS>& q,
+                                                  SoftmaxState<S::KS>& sm) {
+  const WindowSpan ws = window_span(p, ld_early(p.window_ids + seq), kvh, ld_early(p.sl + seq));
+#pragma unroll 1
+  for (int wt = (stream - ntt % S::NP + S::NP) % S::NP; wt * kTT < ws.n; wt += S::NP) {
     float s[4];
-    if constexpr (HALVES == 2) {
-      tile_dots<DW, SPLIT>(cur, qh, ql, ilut, s);
-      x_s[(2 * warp + xb) * 32 + lane] = make_float4(s[0], s[1], s[2], s[3]);
-      asm volatile("bar.sync %0, 64;" ::"r"(1 + stream) : "memory");  // the pair's two warps
-      const float4 other = x_s[(2 * (warp ^ 1) + xb) * 32 + lane];
-      s[0] += other.x;  // a + b in one warp, b + a in the other: the same float
-      s[1] += other.y;
-      s[2] += other.z;
-      s[3] += other.w;
-      scale_scores<DW>(cur, qx0, qx1, s);
-    } else {
-      tile_scores<DW, SPLIT>(cur, qh, ql, qx0, qx1, ilut, s);
-    }
-
-    // The weight is p * v_norm with the norm as stored (a NaN norm gives a NaN output row, as in
-    // the reference and v1; masked tokens have norm 0); the max covers log2 |v_norm| (flushed to
-    // -inf below 2^-126), so |weight| <= 2^kLazyMax.
+    float kn0, kn1;
+    window_scores<S::DW>(p, ws, wt * kTT, gid, t4, q.qh, s, kn0, kn1);
+    s[0] *= q.qx0 * kn0;
+    s[1] *= q.qx1 * kn0;
+    s[2] *= q.qx0 * kn1;
+    s[3] *= q.qx1 * kn1;
+#pragma unroll
+    for (int c = 0; c < 4; ++c)
+      if (!(s[c] > -INFINITY)) s[c] = -INFINITY;  // no such token (NaN), or a NaN product
     uint32_t ph0, ph1;
-    weigh(s, cur.vn0, cur.vn1, ph0, ph1);
-    tile_accumulate_v_b<DW, false, V2>(cur.v, ph0, 0u, ph1, 0u, ilut, o);
-  };
+    sm.weigh(s, kn0 == kn0 ? kWindowNorm : 0.f, kn1 == kn1 ? kWindowNorm : 0.f, ph0, ph1);
+    window_accumulate_v<S::DW>(p, ws, wt * kTT, gid, t4, ph0, ph1, sm.o);
+  }
+}
 
+// KB / VB: the K / V code width (2, 3 or 4), or 0 (register variant only): the runtime p.k_bits /
+// p.v_bits.
+// HALVES = 2 (head_dim 256, ring only): warp pairs. Both warps of a pair take the same tiles, each
+// the codes of its half of the coordinates (DW = 128: the head_dim-128 tile loop and stage layout,
+// from rows twice as long); after the K MMAs the two partial dot products are exchanged through
+// shared memory (one 64-thread named barrier per tile), so both warps hold the same scores, running
+// max, sums and weights, and each accumulates its half of the output.
+// Padded rows (head_dim 80 and 96, and 192 as pairs; ring): a warp's DV = 80 or 96 coordinates run
+// in the 128-coordinate tile loop. Where a row is whole 8-byte units (40 / 48 bytes for 4-bit
+// codes, 24 for 2-bit at 96), the ring copies its bytes (8- or 16-byte units) to the start of a
+// stage row of the 128-coordinate layout; the rest keeps whatever bytes it held (codes of finite
+// centroids), which meet q's zero padding in the K MMAs (0 * c = 0) and give output coordinates
+// DV..127 that the merge drops. Other rows (2- / 3-bit at 80, 3-bit at 96: packed_rows) stay at
+// the pool's stride in the stage, and the lanes of the padding coordinates read the next row's
+// codes to the same effect (TileRing::read).
+// ITEMS = 2 (ring, head tiles of 4, no warp pairs): one CTA of 16 warps serves two work items,
+// the query-head rows blockIdx.y * 2 and + 1 of the grid of one item per CTA: warps 0-7 the first,
+// 8-15 the second, each set as one CTA of ITEMS = 1, with one pair of tables for both (each item's
+// threads build one of them) and 4-stage rings. Two CTAs of one SM share its memory unevenly (the
+// older one's warps are issued first, so the younger one ends ~10 us later at (32, 8192)); the
+// warps of one CTA keep together. Its q rows are staged outside the tables, which are built first
+// (one prologue barrier), and each warp merges and rotates back its head's row in the fused
+// epilogue.
+// ITEMS = 4 or 8: the same with 4 or 2 warps per item (each stages 2 or 4 of the tile's 8 q rows),
+// so that a grid of more items than two per SM runs in one wave of CTAs (one prologue and epilogue
+// per SM instead of one per wave); 3-stage rings at 8 items (their q rows take 32 KB).
+// Phases: the first reads (centroids, q, Pi_v, the first tiles' block-table entries), the prologue
+// (q staged and scaled, the pair tables built, the first tiles' copies), the tile loop (ring or
+// registers, consume_tile), the folded window (fold_window_tiles), the merge (merge_tile_state).
+template <int D, int GT, bool RING, int KB = 4, int VB = 4, int HALVES = 1, int ITEMS = 1>
+__global__ void __launch_bounds__(v4_threads(ITEMS), v4_ctas_per_sm(ITEMS))
+    decode_tc_f16_kernel(const DecodeParams p) {
+  using S = F16Shape<D, GT, RING, KB, VB, HALVES, ITEMS>;
+  constexpr int NP = S::NP, kStages = S::kStages;
+
+  // kSmemBytes: interleaved K / V tables; RING: then ring_bytes() of per-warp rings.
+  // Per item (ITEMS > 1): qexp_s, bad_s, m_s, l_s, q_sep and o_s.
+  extern __shared__ __align__(16) uint8_t smem[];
+  __shared__ float qexp_all[ITEMS][kNH];
+  __shared__ int bad_all[ITEMS][kNH];  // heads whose q_rot row is not all finite (NaN output rows)
+  __shared__ __align__(16) float w_s[v4_threads(ITEMS) / 32][kTT * kNH];  // per-warp scratch of the prologue and the merge
+  __shared__ float m_all[ITEMS][NP][kNH];
+  __shared__ float l_all[ITEMS][NP][kNH];
+  __shared__ __align__(16) float4 x_s[HALVES == 2 ? kW4 * 2 * 32 : 1];  // pairs: [warp][tile parity][lane]
+  __shared__ int4 rot_v_s[32];  // the fused epilogue's Pi_v spec words
+  __shared__ __align__(16) float q_sep[S::kSeveral ? ITEMS * kNH * S::QROW : 1];
+  const int item = ITEMS == 1 ? 0 : static_cast<int>(threadIdx.x) / (32 * S::IW);
+  float* qexp_s = qexp_all[item];
+  int* bad_s = bad_all[item];
+  auto& m_s = m_all[item];
+  auto& l_s = l_all[item];
+  // (ITEMS = 2: the second item's in the rings; 4 and 8: all in the table space, no room after
+  // them for merge_rotate_and_store's rows, which these items never reach: their fused epilogue
+  // always has rot_v_s, so merge_tile_state takes merge_rotate_per_warp)
+  constexpr int kOsItemBytes = ITEMS == 2 ? kSmemBytes : NP * kNH * D * 4;
+  auto& o_s = *reinterpret_cast<float(*)[NP][kNH * D]>(smem + item * kOsItemBytes);  // after the main loop only
+  // q rows: in the table space (one item), or outside the tables (several)
+  float* q_s = S::kSeveral ? q_sep + item * kNH * S::QROW : reinterpret_cast<float*>(smem);
+
+  const int tid = threadIdx.x - item * 32 * S::IW;  // in the item's threads
+  const int slot = threadIdx.x >> 5;                // the warp's ring and scratch (w_s)
+  const int warp = tid >> 5;
+  const int stream = warp / HALVES;  // this warp's tiles: stream, stream + NP, ...
+  const int half = warp % HALVES;    // pairs: coordinates half * DW ..
+  const int lane = tid & 31;
+  const int gid = lane >> 2;
+  const int t4 = lane & 3;
+  const int gs = p.grid_splits;  // num_splits, + 1 where a CTA of its own serves the folded window
+  const int seq = blockIdx.x / gs;
+  const int split = blockIdx.x - seq * gs;
+  const int row = blockIdx.y * ITEMS + item;  // the item's query-head row (host: gridDim.y * ITEMS rows)
+  const int kvh = row / p.ntiles;
+  const int tile = row - kvh * p.ntiles;
+  const unsigned trace_cta = blockIdx.x + gridDim.x * row;
+
+  // The split's tokens and tiles, from seq_lens. The ring path sets them only after its other first
+  // reads are issued (below): the first use of the seq_lens value stalls the warp until it lands,
+  // and every read issued after that use would wait behind it.
+  SplitTiles tiles;
+  // (a call, not a value: nothing of it stays live through the tile loop)
+  auto window_cta = [&]() { return S::FOLD && p.kwin != nullptr && split == p.window_split; };
+  if constexpr (!RING) {
+    tiles.set_range(p, p.sl[seq], split);
+    if (window_cta()) prefetch_window_l2<D>(p, ld_early(p.window_ids + seq), kvh, tid, 32 * S::IW);
+  }
+  tiles.locate(p, seq, kvh);
+  // RING is launched only for pages of a multiple of 16 tokens (use_ring in paged_decode.cu): its
+  // tiles are whole 16-row blocks inside one page, with no per-token path.
+  const RegisterTiles<S> registers(p, gid, t4, half);
+  const TileRing<S> ring(p, smem, slot, lane, half);
+
+  // ---- the first reads, all at once: the centroids, q, Pi_k's and Pi_v's spec words (the fused
+  // epilogue's, staged in shared memory) and the first tiles' block-table entries; the tiles'
+  // copies follow the q staging. (Issued after the copies, these reads waited a loaded memory
+  // latency behind them, at the start and again in the fused epilogue.)
+  static_assert(kT4 == 256, "one K and one V table entry per thread");
+  trace_phase(p, trace_cta, warp, lane, 0);
+  const LutSeed lut_seed = load_lut_seed(p.kcent, p.vcent, p.k_bits, p.v_bits, S::KSHIFT, S::VSHIFT);
+  QueryRows<S::QROW, S::HPW> qrows =
+      load_query_rows<S::QROW, GT, S::HPW, S::DV, S::DW>(p, seq, kvh, tile, warp, lane);
+  const bool fused_epilogue = D == kD && p.rot != nullptr && !writes_partials(p);
+  int4 rot_v = {};
+  if (fused_epilogue && slot == 0) rot_v = ld_early(reinterpret_cast<const int4*>(p.rot + kD) + lane);
+  Tile<S::DW> cur, nxt;
+  TilePage page_next = {-1, 0}, first[kStages];  // first: the pages of the warp's first tiles
+#pragma unroll
+  for (int st = 0; st < kStages; ++st) first[st] = {-1, 0};
+  int n_st[kStages] = {};
+  if constexpr (RING) {
+    if (split == 0) {
+#pragma unroll
+      for (int st = 0; st < kStages; ++st) first[st] = tiles.first_page(p, stream + st * NP);
+      page_next = tiles.first_page(p, stream + kStages * NP);
+    }
+    // seq_lens is read after the reads above (the centroids, q, Pi_v, split 0's table entries) and
+    // used right away: one wait for all of them.
+    const int win_id = window_cta() ? ld_early(p.window_ids + seq) : -1;
+    tiles.set_range(p, ld_early(p.sl + seq), split);
+    if (window_cta()) prefetch_window_l2<D>(p, win_id, kvh, tid, 32 * S::IW);
+    if (split != 0) {
+#pragma unroll
+      for (int st = 0; st < kStages; ++st) first[st] = tiles.page<true>(p, stream + st * NP);
+      page_next = tiles.page<true>(p, stream + kStages * NP);
+    }
+  } else if (registers.one_page) {
+    first[0] = tiles.page<true>(p, stream);
+    page_next = tiles.page<true>(p, stream + NP);
+  }
+  __threadfence_block();  // keeps the compiler from sinking the reads above below the q staging
+  trace_phase(p, trace_cta, warp, lane, 1);
+
+  // ---- prologue: q of head `warp` (scaled, per-head power of two), the tables, the first copies.
+  // One item per CTA: q in the table space, the first tiles' copies issued after it (the
+  // block-table reads above have landed by then), so that the prologue's own loads are not queued
+  // behind them. Several items: the copies first (right behind the small reads, so still served
+  // first: -0.5 us at (32, 8192) against after the q staging), then each item's threads build one
+  // table, q goes to q_sep, one barrier.
+  auto first_copies = [&]() {
+    if constexpr (RING) {
+#pragma unroll
+      for (int st = 0; st < kStages; ++st) n_st[st] = ring.issue(p, tiles, stream + st * NP, st, first[st], lane);
+    } else {
+      if (stream < tiles.ntt) registers.load(p, tiles, stream, cur, first[0], gid, t4);
+    }
+  };
+  if constexpr (S::kSeveral) first_copies();
+  if constexpr (S::kSeveral) build_item_lut<false>(smem, lut_seed, threadIdx.x >> 8, threadIdx.x & 255);
+  stage_queries<S::QROW, S::HPW, S::DV, S::DW>(p, qrows, q_s, qexp_s, bad_s, warp, lane, w_s[slot]);
+  if (slot == 0) rot_v_s[lane] = rot_v;
+  if constexpr (!S::kSeveral) first_copies();
+  trace_phase(p, trace_cta, warp, lane, 2);
+  __syncthreads();
+  QueryFragments<S::KS> q;
+  query_fragments<S::DW>(q_s + half * S::DW, gid, t4, q.qh, q.ql, S::QROW);
+  q.qx0 = qexp_s[2 * t4];
+  q.qx1 = qexp_s[2 * t4 + 1];
+  if constexpr (!S::kSeveral) {
+    __syncthreads();
+    build_pair_luts<false>(smem, lut_seed);
+    __syncthreads();
+  }
+  PairLut<false> ilut(smem, lane);
+  if constexpr (S::kPinned) asm("" : "+r"(ilut.k_lane), "+r"(ilut.v_lane));
+  trace_phase(p, trace_cta, warp, lane, 3);
+
+  // ---- the tile loop ----
+  SoftmaxState<S::KS> sm;
+  auto consume = [&](const Tile<S::DW>& t, int xb) { consume_tile<S>(t, xb, q, ilut, sm, x_s, warp, stream, lane); };
   if constexpr (RING) {
     // Step of tile ti from stage ST: wait for its group (the newer ones may stay in flight), copy
     // it to registers, refill the stage with tile ti + kStages * NP, then the math.
@@ -1789,10 +1905,10 @@ __global__ void __launch_bounds__(v4_threads(ITEMS), v4_ctas_per_sm(ITEMS))
       constexpr int ST = decltype(st_tag)::value;
       cp_async_wait<kStages - 1>();
       __syncwarp();  // every lane's copies of this stage are visible to the whole warp
-      read_stage(ST, n_st[ST], cur);
+      ring.read(ST, n_st[ST], cur, gid, t4);
       __syncwarp();  // every lane has read the stage before it is overwritten
-      n_st[ST] = issue(ti + kStages * NP, ST, page_next);
-      page_next = tile_page(ti + (kStages + 1) * NP, kLate);
+      n_st[ST] = ring.issue(p, tiles, ti + kStages * NP, ST, page_next, lane);
+      page_next = tiles.page<false>(p, ti + (kStages + 1) * NP);
       consume(cur, (ti / NP) & 1);  // ti = stream + k * NP with stream < NP: k
     };
     // One pass over the ring from stage ST (tile ti), stopping after the last tile.
@@ -1800,55 +1916,34 @@ __global__ void __launch_bounds__(v4_threads(ITEMS), v4_ctas_per_sm(ITEMS))
       constexpr int ST = decltype(st_tag)::value;
       ring_step(ti, st_tag);
       if constexpr (ST + 1 < kStages) {
-        if (ti + NP < ntt) self(ti + NP, std::integral_constant<int, ST + 1>{}, self);
+        if (ti + NP < tiles.ntt) self(ti + NP, std::integral_constant<int, ST + 1>{}, self);
       }
     };
 #pragma unroll 1
-    for (int ti = stream; ti < ntt; ti += kStages * NP) ring_pass(ti, std::integral_constant<int, 0>{}, ring_pass);
+    for (int ti = stream; ti < tiles.ntt; ti += kStages * NP) ring_pass(ti, std::integral_constant<int, 0>{}, ring_pass);
     cp_async_wait<0>();
   } else {
     // Prefetch tile ti + NP into `next`, then consume `cur`; called on alternating register sets
     // (no tile copy between iterations).
-    auto step = [&](int ti, const Tile<DW>& cur, Tile<DW>& next) {
-      load(ti + NP, next, page_next);
-      if (one_page_tiles) page_next = tile_page(ti + 2 * NP, kLate);
+    auto step = [&](int ti, const Tile<S::DW>& cur, Tile<S::DW>& next) {
+      registers.load(p, tiles, ti + NP, next, page_next, gid, t4);
+      if (registers.one_page) page_next = tiles.page<false>(p, ti + 2 * NP);
       consume(cur, 0);
     };
 #pragma unroll 1
-    for (int ti = stream; ti < ntt; ti += 2 * NP) {
+    for (int ti = stream; ti < tiles.ntt; ti += 2 * NP) {
       step(ti, cur, nxt);
-      if (ti + NP >= ntt) break;
+      if (ti + NP >= tiles.ntt) break;
       step(ti + NP, nxt, cur);
     }
   }
-
-  if constexpr (FOLD) {
-    // The window's tiles after the page tiles (in L2 by then: prefetched at the start), continuing
-    // their round robin: window tile wt on stream (ntt + wt) % NP, the streams with fewer page tiles.
-    if (window_cta()) {
-      const WindowSpan ws = window_span(p, ld_early(p.window_ids + seq), kvh, ld_early(p.sl + seq));
-#pragma unroll 1
-      for (int wt = (stream - ntt % NP + NP) % NP; wt * kTT < ws.n; wt += NP) {
-        float s[4];
-        float kn0, kn1;
-        window_scores<DW>(p, ws, wt * kTT, gid, t4, qh, s, kn0, kn1);
-        s[0] *= qx0 * kn0;
-        s[1] *= qx1 * kn0;
-        s[2] *= qx0 * kn1;
-        s[3] *= qx1 * kn1;
-#pragma unroll
-        for (int c = 0; c < 4; ++c)
-          if (!(s[c] > -INFINITY)) s[c] = -INFINITY;  // no such token (NaN), or a NaN product
-        uint32_t ph0, ph1;
-        weigh(s, kn0 == kn0 ? kWindowNorm : 0.f, kn1 == kn1 ? kWindowNorm : 0.f, ph0, ph1);
-        window_accumulate_v<DW>(p, ws, wt * kTT, gid, t4, ph0, ph1, o);
-      }
-    }
+  if constexpr (S::FOLD) {
+    if (window_cta()) fold_window_tiles<S>(p, seq, kvh, tiles.ntt, stream, gid, t4, q, sm);
   }
   trace_phase(p, trace_cta, warp, lane, 4);
-  merge_tile_state<D, GT, NP, DW, HALVES, (ITEMS >= 2)>(p, o, m, l, o_s, m_s, l_s, bad_s, stream, gid, t4, seq, split,
-                                                      kvh, tile, w_s[slot], half, fused_epilogue ? rot_v_s : nullptr,
-                                                      trace_cta);
+  merge_tile_state<D, GT, NP, S::DW, HALVES, (ITEMS >= 2)>(p, sm.o, sm.m, sm.l, o_s, m_s, l_s, bad_s, stream, gid, t4,
+                                                         seq, split, kvh, tile, w_s[slot], half,
+                                                         fused_epilogue ? rot_v_s : nullptr, trace_cta);
   trace_phase(p, trace_cta, warp, lane, 9);
 }
 
