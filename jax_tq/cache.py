@@ -1,5 +1,6 @@
 """Paged TurboQuant KV cache: page pools for K and V, an optional window of recent tokens kept
-exactly, named presets, and the compress-and-write into them."""
+exactly, named presets, and the compress-and-write into them; or the same pages uncompressed
+(``preset="none"``), served by jnp code."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,9 +9,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_tq import reference
 from jax_tq.checks import check_slot_mapping, check_window_slots
 from jax_tq.codec import TurboQuant
-from jax_tq.compress import check_packed_codec, write_cache_pools
+from jax_tq.compress import (FLOAT_DTYPES, check_float_input, check_packed_codec, check_slot_mapping_shape,
+                             write_cache_pools)
 from jax_tq.format import (MAX_WINDOW, cache_codes_shape, cache_norms_shape, check_bits, check_index_dtype,
                            window_shape)
 
@@ -63,6 +66,14 @@ class CachePreset:
 PRESETS = {name: CachePreset(name, bits, bits) for name, bits in (("k4v4", 4), ("k3v3", 3), ("k2v2", 2))}
 
 
+#: The preset name of the uncompressed page layout (:meth:`PagedKVCache.create`).
+UNCOMPRESSED = "none"
+
+
+def _is_uncompressed(preset) -> bool:
+    return isinstance(preset, str) and preset.strip().lower() == UNCOMPRESSED
+
+
 def get_preset(preset) -> CachePreset:
     """The :class:`CachePreset` named ``preset`` (case-insensitive), or ``preset`` itself if it is one.
 
@@ -83,9 +94,9 @@ def get_preset(preset) -> CachePreset:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PagedKVCache:
-    """A paged, TurboQuant-compressed KV cache for one attention layer (a JAX pytree).
+    """A paged KV cache for one attention layer (a JAX pytree): TurboQuant-compressed, or uncompressed.
 
-    Fields (layout in docs/FORMAT.md):
+    Compressed fields (layout in docs/FORMAT.md; None in an uncompressed cache):
       k_codes: uint8 [num_pages, num_kv_heads, page_size, head_dim * k_bits / 8]
       k_norms: float32 [num_pages, num_kv_heads, page_size] (the per-vector scale)
       v_codes: uint8 [num_pages, num_kv_heads, page_size, head_dim * v_bits / 8]
@@ -96,22 +107,32 @@ class PagedKVCache:
         in a ring per window id (docs/FORMAT.md "Window"). The attention ops read a sequence's last
         min(seq_len, window) tokens from here and the others from the pages; :func:`write_cache`
         fills both.
+
+    Uncompressed fields (``create(preset="none")``; None in a compressed cache):
+      k_pages, v_pages: float32 / bfloat16 / float16 [num_pages, num_kv_heads, page_size, head_dim],
+        the K and V rows themselves. :func:`write_cache`, :func:`jax_tq.paged_decode` and
+        :func:`jax_tq.paged_prefill` serve this layout with jnp code compiled by XLA on every
+        platform (no jax_tq kernel; :mod:`jax_tq.reference`'s ``*_pages`` functions): a quality
+        reference and a baseline through the same API as the compressed caches.
     """
 
-    k_codes: jax.Array
-    k_norms: jax.Array
-    v_codes: jax.Array
-    v_norms: jax.Array
-    k_codec: TurboQuant
-    v_codec: TurboQuant
+    k_codes: jax.Array | None = None
+    k_norms: jax.Array | None = None
+    v_codes: jax.Array | None = None
+    v_norms: jax.Array | None = None
+    k_codec: TurboQuant | None = None
+    v_codec: TurboQuant | None = None
     k_window: jax.Array | None = None
     v_window: jax.Array | None = None
+    k_pages: jax.Array | None = None
+    v_pages: jax.Array | None = None
 
     @classmethod
     def create(cls, *, num_pages: int, page_size: int, num_kv_heads: int, k_codec: TurboQuant | None = None,
                v_codec: TurboQuant | None = None, preset=None, head_dim: int | None = None, seed: int = 0,
-               window: int | None = None, num_windows: int = 0):
-        """An empty cache (all codes 0, all norms 0: every slot decodes to the zero vector).
+               window: int | None = None, num_windows: int = 0, dtype=None):
+        """An empty cache (all codes 0, all norms 0: every slot decodes to the zero vector; or, with
+        ``preset="none"``, zero pages).
 
         Args:
           num_pages: pages in each pool (>= 1).
@@ -119,16 +140,20 @@ class PagedKVCache:
           num_kv_heads: KV heads (>= 1).
           k_codec, v_codec: codecs with the same head_dim and bits in {2, 3, 4}; or
           preset: a preset name (``"k4v4"``, ``"k3v3"``, ``"k2v2"``, :data:`PRESETS`) or
-            :class:`CachePreset`, with ``head_dim`` and ``seed`` (K seeded ``seed``, V ``seed + 1``).
+            :class:`CachePreset`, with ``head_dim`` and ``seed`` (K seeded ``seed``, V ``seed + 1``);
+            or ``"none"`` with ``head_dim`` (any >= 1) and ``dtype``: the uncompressed layout.
           window: recent tokens kept exactly per sequence, 0 to 256 (default: the preset's, else 0).
           num_windows: sequences that can hold a window at once (window ids 0 .. num_windows - 1);
             needed (>= 1) when the window is not 0.
+          dtype: the uncompressed pages' dtype, float32 (default), bfloat16 or float16; only with
+            ``preset="none"``.
 
         Returns:
           A :class:`PagedKVCache` with pools k_codes / v_codes uint8
           [num_pages, num_kv_heads, page_size, head_dim * bits / 8], k_norms / v_norms float32
           [num_pages, num_kv_heads, page_size] and, with a window, k_window / v_window bfloat16
-          [num_windows, num_kv_heads, window, head_dim] (zeros) (layout: docs/FORMAT.md).
+          [num_windows, num_kv_heads, window, head_dim] (zeros) (layout: docs/FORMAT.md); with
+          ``preset="none"``, k_pages / v_pages of ``dtype`` [num_pages, num_kv_heads, page_size, head_dim].
 
         Raises:
           TypeError: a size that is not a Python int; a codec that is not a TurboQuant; a preset
@@ -136,8 +161,15 @@ class PagedKVCache:
           ValueError: non-positive sizes, page_size > 256, codecs with different head_dim or
             unsupported bits; both or neither of codecs and preset; a preset without head_dim; an
             unknown preset; a window outside [0, 256] or one without num_windows >= 1; num_windows
-            without a window; head_dim or seed with codecs (they carry their own).
+            without a window; head_dim or seed with codecs (they carry their own); dtype without
+            ``preset="none"``, or a window, a seed or a dtype other than float32 / bfloat16 / float16
+            with it.
         """
+        _check_sizes(num_pages=num_pages, page_size=page_size, num_kv_heads=num_kv_heads)
+        if _is_uncompressed(preset):
+            return cls._uncompressed(num_pages, page_size, num_kv_heads, head_dim, seed, window, num_windows, dtype)
+        if dtype is not None:
+            raise ValueError("PagedKVCache.create: dtype goes with preset='none' (compressed pools have fixed dtypes)")
         if preset is not None:
             if k_codec is not None or v_codec is not None:
                 raise ValueError("PagedKVCache.create: pass either k_codec / v_codec or preset, not both")
@@ -161,13 +193,6 @@ class PagedKVCache:
                              f"sequence that can be live at once), got {num_windows}")
         if not window and num_windows:
             raise ValueError(f"PagedKVCache.create: num_windows={num_windows} given without a window (window=0)")
-        for name, value in (("num_pages", num_pages), ("page_size", page_size), ("num_kv_heads", num_kv_heads)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-                raise TypeError(f"PagedKVCache.create: {name} must be an int, got {type(value).__name__} {value!r}")
-            if int(value) < 1:
-                raise ValueError(f"PagedKVCache.create: {name} must be >= 1, got {value}")
-        if page_size > MAX_PAGE_SIZE:
-            raise ValueError(f"PagedKVCache.create: page_size must be <= {MAX_PAGE_SIZE}, got {page_size}")
         for name, codec in (("k_codec", k_codec), ("v_codec", v_codec)):
             if not isinstance(codec, TurboQuant):
                 raise TypeError(f"PagedKVCache.create: {name} must be a jax_tq.TurboQuant, got {type(codec).__name__}")
@@ -193,25 +218,48 @@ class PagedKVCache:
             v_window=windows[1],
         )
 
+    @classmethod
+    def _uncompressed(cls, num_pages, page_size, num_kv_heads, head_dim, seed, window, num_windows, dtype):
+        """create(preset="none", ...): zero pages of ``dtype`` (float32 by default)."""
+        if isinstance(head_dim, bool) or not isinstance(head_dim, (int, np.integer)) or head_dim < 1:
+            raise ValueError(f"PagedKVCache.create: preset='none' needs head_dim, an int >= 1, got {head_dim!r}")
+        if seed != 0 or window or num_windows:
+            raise ValueError("PagedKVCache.create: preset='none' takes no seed, window or num_windows (nothing "
+                             "is compressed: every token is exact)")
+        dtype = jnp.dtype(jnp.float32 if dtype is None else dtype)
+        if dtype not in [jnp.dtype(d) for d in FLOAT_DTYPES]:
+            raise ValueError(f"PagedKVCache.create: dtype must be float32, bfloat16 or float16, got {dtype}")
+        shape = (num_pages, num_kv_heads, page_size, head_dim)
+        return cls(k_pages=jnp.zeros(shape, dtype), v_pages=jnp.zeros(shape, dtype))
+
+    @property
+    def compressed(self) -> bool:
+        """False for the uncompressed layout (``create(preset="none")``: k_pages / v_pages)."""
+        return self.k_pages is None
+
+    def _slots_shape(self) -> tuple:
+        """(num_pages, num_kv_heads, page_size): the last three axes of the norms, or the pages' axes -4 to -2."""
+        return tuple(self.k_norms.shape[-3:]) if self.compressed else tuple(self.k_pages.shape[-4:-1])
+
     @property
     def num_pages(self) -> int:
-        """Pages in each pool (axis -3 of the norms)."""
-        return self.k_norms.shape[-3]
+        """Pages in each pool."""
+        return self._slots_shape()[0]
 
     @property
     def num_kv_heads(self) -> int:
-        """KV heads stored per page (axis -2 of the norms)."""
-        return self.k_norms.shape[-2]
+        """KV heads stored per page."""
+        return self._slots_shape()[1]
 
     @property
     def page_size(self) -> int:
-        """Tokens per page (axis -1 of the norms)."""
-        return self.k_norms.shape[-1]
+        """Tokens per page."""
+        return self._slots_shape()[2]
 
     @property
     def head_dim(self) -> int:
-        """Vector length of K and V before compression (the codecs' head_dim)."""
-        return self.k_codec.head_dim
+        """Vector length of K and V (before compression: the codecs' head_dim)."""
+        return self.k_codec.head_dim if self.compressed else int(self.k_pages.shape[-1])
 
     @property
     def window(self) -> int:
@@ -235,7 +283,10 @@ class PagedKVCache:
 
     def bytes_per_token(self) -> int:
         """Bytes one token occupies across all KV heads, K and V: the packed codes of K and V plus
-        their two float32 norms, per KV head (e.g. 136 = 64 + 64 + 4 + 4 at head_dim 128, K4V4)."""
+        their two float32 norms, per KV head (e.g. 136 = 64 + 64 + 4 + 4 at head_dim 128, K4V4);
+        uncompressed, 2 * head_dim elements of the pages' dtype per KV head (512 in bfloat16 at 128)."""
+        if not self.compressed:
+            return 2 * self.head_dim * jnp.dtype(self.k_pages.dtype).itemsize * self.num_kv_heads
         per_head = self.k_codec.packed_bytes + self.v_codec.packed_bytes + 8
         return per_head * self.num_kv_heads
 
@@ -245,9 +296,22 @@ class PagedKVCache:
         def pool(name):
             x = getattr(self, name)
             return f"{name}={getattr(x, 'dtype', '?')}{list(getattr(x, 'shape', ()))}"
+        if not self.compressed:
+            return f"PagedKVCache({pool('k_pages')}, {pool('v_pages')}, uncompressed)"
         names = ("k_codes", "k_norms", "v_codes", "v_norms") + (("k_window", "v_window") if self.window else ())
         pools = ", ".join(pool(n) for n in names)
         return f"PagedKVCache({pools}, k_codec={self.k_codec!r}, v_codec={self.v_codec!r})"
+
+
+def _check_sizes(**sizes) -> None:
+    """TypeError unless each size is an int, ValueError unless >= 1 (and a page_size <= 256)."""
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"PagedKVCache.create: {name} must be an int, got {type(value).__name__} {value!r}")
+        if int(value) < 1:
+            raise ValueError(f"PagedKVCache.create: {name} must be >= 1, got {value}")
+    if sizes["page_size"] > MAX_PAGE_SIZE:
+        raise ValueError(f"PagedKVCache.create: page_size must be <= {MAX_PAGE_SIZE}, got {sizes['page_size']}")
 
 
 #: Largest page_size (tokens per page) the kernels serve.
@@ -260,9 +324,13 @@ def check_cache(cache, op: str) -> None:
     """Raise TypeError unless ``cache`` is a :class:`PagedKVCache` with TurboQuant codecs and pools
     of the storage dtypes (uint8 codes, float32 norms); ValueError if a codec's bits have no packed
     format, the codecs' head_dims differ, a pool has no page, KV head or slot per page, or pages of
-    more than 256 slots (what :meth:`PagedKVCache.create` refuses, for caches built otherwise)."""
+    more than 256 slots (what :meth:`PagedKVCache.create` refuses, for caches built otherwise).
+    An uncompressed cache: :func:`_check_pages`."""
     if not isinstance(cache, PagedKVCache):
         raise TypeError(f"jax_tq.{op}: cache must be a jax_tq.PagedKVCache, got {type(cache).__name__}")
+    if not cache.compressed:
+        _check_pages(cache, op)
+        return
     check_packed_codec(cache.k_codec, op, "cache.k_codec")
     check_packed_codec(cache.v_codec, op, "cache.v_codec")
     for name, dtype in _POOL_DTYPES.items():
@@ -295,12 +363,32 @@ def check_cache(cache, op: str) -> None:
                              f"{MAX_PAGE_SIZE}")
 
 
+def _check_pages(cache, op: str) -> None:
+    """An uncompressed cache: TypeError unless k_pages and v_pages are float32 / bfloat16 / float16
+    (the same), ValueError unless both are [num_pages, num_kv_heads, page_size <= 256, head_dim] of
+    the same shape with every axis >= 1 and no compressed pool, codec or window is set."""
+    for name in ("k_codes", "k_norms", "v_codes", "v_norms", "k_codec", "v_codec", "k_window", "v_window"):
+        if getattr(cache, name) is not None:
+            raise ValueError(f"jax_tq.{op}: an uncompressed cache (k_pages) must have no {name}")
+    k_pages, v_pages = cache.k_pages, cache.v_pages
+    for name, pages in (("k_pages", k_pages), ("v_pages", v_pages)):
+        check_float_input(pages, f"cache.{name}", op)
+    if k_pages.dtype != v_pages.dtype:
+        raise TypeError(f"jax_tq.{op}: cache.k_pages is {k_pages.dtype} but cache.v_pages is {v_pages.dtype}")
+    shape = tuple(k_pages.shape)
+    if len(shape) != 4 or min(shape) < 1 or shape[2] > MAX_PAGE_SIZE or tuple(v_pages.shape) != shape:
+        raise ValueError(f"jax_tq.{op}: cache.k_pages {shape} and cache.v_pages {tuple(v_pages.shape)} must both "
+                         f"be [num_pages, num_kv_heads, page_size <= {MAX_PAGE_SIZE}, head_dim], each >= 1")
+
+
 def write_cache(cache: PagedKVCache, k, v, slot_mapping, window_slots=None) -> PagedKVCache:
     """Compress K and V of new tokens and write them into the cache's pages (fused: one kernel call for both),
     and, for a cache with a window, their exact rows into the window.
 
     Args:
-      cache: the :class:`PagedKVCache` to update.
+      cache: the :class:`PagedKVCache` to update. An uncompressed one (``preset="none"``) gets the
+        rows themselves, rounded to its pages' dtype (jnp scatter, no kernel:
+        :func:`jax_tq.reference.write_pages`).
       k, v: [num_tokens, num_kv_heads, head_dim] float32/bfloat16/float16.
       slot_mapping: int32 [num_tokens]; token i goes to page slot_mapping[i] // page_size at offset
         slot_mapping[i] % page_size. Negative slots (padding) and slots >= num_pages * page_size are
@@ -343,6 +431,8 @@ def write_cache(cache: PagedKVCache, k, v, slot_mapping, window_slots=None) -> P
     slot_mapping = jnp.asarray(slot_mapping)
     check_slot_mapping(slot_mapping, num_slots=cache.num_slots)
     window_slots = _window_slots(cache, window_slots, k.shape[0])
+    if not cache.compressed:
+        return _write_pages(cache, k, v, slot_mapping)
     if window_slots is not None:  # a padding token (negative slot) is written nowhere
         window_slots = jnp.where(slot_mapping < 0, -1, window_slots)
     windows = (cache.k_window, cache.v_window) if cache.window else None
@@ -351,6 +441,20 @@ def write_cache(cache: PagedKVCache, k, v, slot_mapping, window_slots=None) -> P
     k_codes, k_norms, v_codes, v_norms = outs[:4]
     new = dataclasses.replace(cache, k_codes=k_codes, k_norms=k_norms, v_codes=v_codes, v_norms=v_norms)
     return dataclasses.replace(new, k_window=outs[4], v_window=outs[5]) if cache.window else new
+
+
+def _write_pages(cache, k, v, slot_mapping) -> PagedKVCache:
+    """write_cache into an uncompressed cache, after the shared checks (TypeError / ValueError naming
+    k, v or slot_mapping when their dtypes or shapes do not fit the pages)."""
+    want = (k.shape[0], cache.num_kv_heads, cache.head_dim)
+    for name, x in (("k", k), ("v", v)):
+        check_float_input(x, name, "write_cache")
+        if tuple(x.shape) != want:
+            raise ValueError(f"jax_tq.write_cache: {name} has shape {tuple(x.shape)}, expected [num_tokens, "
+                             f"num_kv_heads, head_dim] = {want} for the cache's pages")
+    check_slot_mapping_shape(slot_mapping, k.shape[0])
+    k_pages, v_pages = reference.write_pages(cache.k_pages, cache.v_pages, k, v, slot_mapping)
+    return dataclasses.replace(cache, k_pages=k_pages, v_pages=v_pages)
 
 
 def _window_slots(cache, window_slots, num_tokens: int):

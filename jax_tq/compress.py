@@ -369,9 +369,15 @@ def _check_write_args(x, codes, norms, codec, slot_mapping, name="k/v") -> None:
             f"jax_tq.{op}: cache {name} norms {norms.dtype}{tuple(norms.shape)} do not match codes "
             f"{tuple(codes.shape)}: expected float32{tuple(codes.shape[:3])}"
         )
+    check_slot_mapping_shape(slot_mapping, num_tokens)
+
+
+def check_slot_mapping_shape(slot_mapping, num_tokens: int) -> None:
+    """TypeError unless ``slot_mapping`` is int32, ValueError unless of shape [num_tokens]."""
     if slot_mapping.dtype != jnp.int32 or slot_mapping.shape != (num_tokens,):
         raise (TypeError if slot_mapping.dtype != jnp.int32 else ValueError)(
-            f"jax_tq.{op}: slot_mapping must be int32 [{num_tokens}], got {slot_mapping.dtype}{tuple(slot_mapping.shape)}"
+            f"jax_tq.write_cache: slot_mapping must be int32 [{num_tokens}], got "
+            f"{slot_mapping.dtype}{tuple(slot_mapping.shape)}"
         )
 
 

@@ -39,7 +39,9 @@ def paged_decode(q, cache, block_tables, seq_lens, *, window_ids=None, scale=Non
       q: [num_seqs, num_heads, head_dim] float32/bfloat16/float16 queries (one token per sequence).
         num_heads must be a multiple of ``cache.num_kv_heads`` (GQA); query head h reads KV head
         h // (num_heads // num_kv_heads).
-      cache: :class:`jax_tq.PagedKVCache`.
+      cache: :class:`jax_tq.PagedKVCache`. An uncompressed one (``preset="none"``) is served by
+        jnp code compiled by XLA (:func:`jax_tq.reference.paged_decode_pages`, no jax_tq kernel,
+        on every backend): num_splits and precision are checked but have no effect.
       block_tables: int32 [num_seqs, max_pages]; logical page j of sequence i is physical page
         block_tables[i, j]. Only the first ceil(seq_lens[i] / page_size) entries are read; an entry
         outside [0, num_pages) is skipped (see docs/FORMAT.md; use checked mode to catch it).
@@ -103,8 +105,11 @@ def paged_decode(q, cache, block_tables, seq_lens, *, window_ids=None, scale=Non
         num_splits = min(num_splits, max(1, block_tables.shape[1]))
     check_decode_indices(block_tables, seq_lens, num_pages=cache.num_pages, page_size=cache.page_size)
     windows = window_operands(cache, window_ids, seq_lens, "paged_decode")
+    scale = 1.0 / math.sqrt(cache.head_dim) if scale is None else scale
+    if not cache.compressed:
+        out = reference.paged_decode_pages(q, cache.k_pages, cache.v_pages, block_tables, seq_lens, scale)
+        return out.astype(q.dtype)
     k_codec, v_codec = cache.k_codec, cache.v_codec
-    scale = 1.0 / math.sqrt(k_codec.head_dim) if scale is None else scale
     backend = get_backend()
     pools = (cache.k_codes, cache.k_norms, cache.v_codes, cache.v_norms, k_codec.centroids, v_codec.centroids,
              block_tables, seq_lens, *windows)
@@ -225,8 +230,8 @@ def plan_decode(q, cache, block_tables, *, num_splits=None, precision=None, plat
         where jax_tq's CUDA kernels are loaded, else ``"cpu"``).
 
     Returns:
-      :func:`plan`'s dict, or None where the jnp reference runs: the ``xla`` backend (unless
-      ``platform`` is given), or the platform's kernels not loaded.
+      :func:`plan`'s dict, or None where jnp code runs: the ``xla`` backend (unless ``platform`` is
+      given), the platform's kernels not loaded, or an uncompressed cache.
 
     Raises:
       TypeError / ValueError: what :func:`paged_decode` raises for these arguments (shapes, dtypes,
@@ -245,7 +250,7 @@ def plan_decode(q, cache, block_tables, *, num_splits=None, precision=None, plat
         num_splits = min(num_splits, max(1, block_tables.shape[1]))
     f16_products = _allows_f16_products(precision, q.dtype)
     platform = platform or _trace_platform(get_backend())
-    if platform is None:
+    if platform is None or not cache.compressed:
         return None
     return _plan_call(platform, q, cache, block_tables, f16_products, int(num_splits or 0), kernel)
 
@@ -406,19 +411,10 @@ def _check_decode_args(q, cache, block_tables, seq_lens, num_splits, op="jax_tq.
     num_seqs, num_heads, head_dim = q.shape
     if rows != "num_seqs":
         num_seqs = jnp.shape(block_tables)[0] if jnp.ndim(block_tables) == 2 else "num_seqs"
-    for name, codec in (("k_codec", cache.k_codec), ("v_codec", cache.v_codec)):
-        if codec.head_dim != head_dim:
-            raise ValueError(f"{op}: q has head_dim {head_dim} but the cache's {name} has head_dim {codec.head_dim}")
-    for name, codec in (("k", cache.k_codec), ("v", cache.v_codec)):
-        codes, norms = getattr(cache, f"{name}_codes"), getattr(cache, f"{name}_norms")
-        expected = (cache.num_pages, cache.num_kv_heads, cache.page_size, codec.packed_bytes)
-        if codes.dtype != jnp.uint8 or tuple(codes.shape) != expected:
-            raise ValueError(
-                f"{op}: cache {name}_codes is {codes.dtype}{tuple(codes.shape)}, expected uint8{expected} for the "
-                f"cache's {name}_codec (head_dim {codec.head_dim}, bits {codec.bits})"
-            )
-        if norms.dtype != jnp.float32 or tuple(norms.shape) != expected[:3]:
-            raise ValueError(f"{op}: cache {name}_norms is {norms.dtype}{tuple(norms.shape)}, expected float32{expected[:3]}")
+    if cache.compressed:
+        _check_code_pools(cache, head_dim, op)
+    elif cache.head_dim != head_dim:
+        raise ValueError(f"{op}: q has head_dim {head_dim} but the cache's pages have head_dim {cache.head_dim}")
     if num_heads % cache.num_kv_heads != 0:
         raise ValueError(
             f"{op}: num_heads {num_heads} is not a multiple of the cache's num_kv_heads {cache.num_kv_heads} (GQA)"
@@ -437,6 +433,23 @@ def _check_decode_args(q, cache, block_tables, seq_lens, num_splits, op="jax_tq.
     if num_splits is not None and int(num_splits) < 1:
         raise ValueError(f"{op}: num_splits must be >= 1 (or None for automatic), got {num_splits}")
     return block_tables, seq_lens
+
+
+def _check_code_pools(cache, head_dim: int, op: str) -> None:
+    """ValueError unless the codecs have q's head_dim and the code / norm pools their shapes."""
+    for name, codec in (("k_codec", cache.k_codec), ("v_codec", cache.v_codec)):
+        if codec.head_dim != head_dim:
+            raise ValueError(f"{op}: q has head_dim {head_dim} but the cache's {name} has head_dim {codec.head_dim}")
+    for name, codec in (("k", cache.k_codec), ("v", cache.v_codec)):
+        codes, norms = getattr(cache, f"{name}_codes"), getattr(cache, f"{name}_norms")
+        expected = (cache.num_pages, cache.num_kv_heads, cache.page_size, codec.packed_bytes)
+        if codes.dtype != jnp.uint8 or tuple(codes.shape) != expected:
+            raise ValueError(
+                f"{op}: cache {name}_codes is {codes.dtype}{tuple(codes.shape)}, expected uint8{expected} for the "
+                f"cache's {name}_codec (head_dim {codec.head_dim}, bits {codec.bits})"
+            )
+        if norms.dtype != jnp.float32 or tuple(norms.shape) != expected[:3]:
+            raise ValueError(f"{op}: cache {name}_norms is {norms.dtype}{tuple(norms.shape)}, expected float32{expected[:3]}")
 
 
 # ----------------------------------------------------------------------------- primitive

@@ -39,7 +39,9 @@ def paged_prefill(q, cache, block_tables, seq_lens, query_start_loc, *, window_i
         sequence concatenated: sequence s owns rows [query_start_loc[s], query_start_loc[s + 1]).
         num_heads must be a multiple of ``cache.num_kv_heads`` (GQA).
       cache: :class:`jax_tq.PagedKVCache` holding every token of each sequence, the new ones
-        included (write them first with :func:`jax_tq.write_cache`).
+        included (write them first with :func:`jax_tq.write_cache`). An uncompressed one
+        (``preset="none"``) is served by jnp code compiled by XLA
+        (:func:`jax_tq.reference.paged_prefill_pages`, no jax_tq kernel, on every backend).
       block_tables: int32 [num_seqs, max_pages], as for :func:`jax_tq.paged_decode`.
       seq_lens: int32 [num_seqs], each sequence's tokens in the cache (new ones included), clamped
         to [0, max_pages * page_size].
@@ -81,8 +83,12 @@ def paged_prefill(q, cache, block_tables, seq_lens, query_start_loc, *, window_i
                          op="paged_prefill")
     check_query_start_loc(query_start_loc, seq_lens, num_rows=q.shape[0])
     windows = window_operands(cache, window_ids, seq_lens, "paged_prefill")
+    scale = 1.0 / math.sqrt(cache.head_dim) if scale is None else scale
+    if not cache.compressed:
+        out = reference.paged_prefill_pages(q, cache.k_pages, cache.v_pages, block_tables, seq_lens, query_start_loc,
+                                            scale)
+        return out.astype(q.dtype)
     k_codec, v_codec = cache.k_codec, cache.v_codec
-    scale = 1.0 / math.sqrt(k_codec.head_dim) if scale is None else scale
     q_rot = jnp.einsum("thd,ed->the", q.astype(jnp.float32), k_codec.rotation, precision=_HIGHEST)
     operands = (q_rot, cache.k_codes, cache.k_norms, cache.v_codes, cache.v_norms, k_codec.centroids,
                 v_codec.centroids, block_tables, seq_lens, *windows, query_start_loc)

@@ -23,7 +23,8 @@ from jax_tq import format as tq_format
 __all__ = [
     "compress", "decompress", "write_cache_pool", "dequantize_rotated", "paged_decode_rotated",
     "paged_decode", "attention_dense", "quantize_rotated", "qjl_compress", "qjl_scores_rotated",
-    "qjl_estimate", "paged_prefill_rotated", "prefill_row_lens",
+    "qjl_estimate", "paged_prefill_rotated", "prefill_row_lens", "write_pages", "paged_decode_pages",
+    "paged_prefill_pages",
 ]
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -346,14 +347,18 @@ def _written(slot_mapping, num_slots: int):
 @jax.jit
 def _scatter_slots(codes, norms, new_codes, new_norms, slot_mapping):
     """Write token rows into their slots, dropping slots outside [0, P*page_size)."""
-    num_pages, _, page_size = norms.shape
+    return _scatter_rows(codes, new_codes, slot_mapping), _scatter_rows(norms, new_norms, slot_mapping)
+
+
+def _scatter_rows(pool, rows, slot_mapping):
+    """``pool`` [P, Hkv, page_size, ...] with ``rows`` [T, Hkv, ...] (cast to the pool's dtype)
+    written at their slots; slots outside [0, P*page_size) are dropped."""
+    num_pages, _, page_size = pool.shape[:3]
     slots = slot_mapping.astype(jnp.int32)
     valid = _written(slots, num_pages * page_size)
     pages = jnp.where(valid, slots // page_size, num_pages)  # out of range -> dropped
     offsets = jnp.where(valid, slots % page_size, 0)
-    codes = codes.at[pages, :, offsets].set(new_codes, mode="drop")
-    norms = norms.at[pages, :, offsets].set(new_norms.astype(norms.dtype), mode="drop")
-    return codes, norms
+    return pool.at[pages, :, offsets].set(rows.astype(pool.dtype), mode="drop")
 
 
 def _check_pools(codes_name: str, norms_name: str, codes, norms, bits: int) -> None:
@@ -376,7 +381,11 @@ def _check_pools(codes_name: str, norms_name: str, codes, norms, bits: int) -> N
 # ---------------------------------------------------------------------------------------------
 def _gather_sequence_tokens(codes, norms, centroids, bits, safe_pages):
     """Dequantized rotated tokens per sequence: [S, Hkv, max_pages*page_size, d]."""
-    gathered = _dequantize_rotated_impl(codes[safe_pages], norms[safe_pages], centroids, bits=bits)
+    return _sequence_tokens(_dequantize_rotated_impl(codes[safe_pages], norms[safe_pages], centroids, bits=bits))
+
+
+def _sequence_tokens(gathered):
+    """[S, max_pages, Hkv, page_size, d] pages of each sequence -> its tokens [S, Hkv, max_pages*page_size, d]."""
     num_seqs, max_pages, num_kv_heads, page_size, head_dim = gathered.shape
     tokens = jnp.transpose(gathered, (0, 2, 1, 3, 4))
     return tokens.reshape(num_seqs, num_kv_heads, max_pages * page_size, head_dim)
@@ -507,17 +516,24 @@ def _attend_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids, v_ce
         keys = jnp.concatenate([keys.astype(compute_dtype), win_keys.astype(compute_dtype)], axis=2)
         values = jnp.concatenate([values.astype(compute_dtype), win_values.astype(compute_dtype)], axis=2)
         valid = jnp.concatenate([valid, win_valid], axis=1)
-    valid = valid[:, None, None, :]
     queries = q_rot.astype(compute_dtype).reshape(num_seqs, num_kv_heads, group, head_dim)
-    # Slots outside the sequences may hold anything (NaN norms included): masked before any
-    # product, so that 0 * NaN leaks into neither the output nor its gradient.
-    token_ok = valid[:, :, 0, :, None]
-    keys = jnp.where(token_ok, keys.astype(compute_dtype), 0)
-    values = jnp.where(token_ok, values.astype(compute_dtype), 0)
-    scores = jnp.einsum("skgd,sktd->skgt", queries, keys, precision=_HIGHEST)
-    weights = _masked_softmax_weights(scores, valid, jnp.asarray(scale, compute_dtype))
-    out = jnp.einsum("skgt,sktd->skgd", weights, values, precision=_HIGHEST)
+    out = _attend_tokens(queries, keys, values, valid[:, None, None, :], valid[:, None, :, None], scale)
     return out.reshape(num_seqs, num_heads, head_dim)
+
+
+def _attend_tokens(queries, keys, values, valid, token_ok, scale):
+    """Masked softmax attention: queries [B, Hkv, ..., d] over keys / values [B, Hkv, L, d] ->
+    [B, Hkv, ..., d] in promote(inputs, float32); ``valid`` (broadcast to the scores
+    [B, Hkv, ..., L]) says which tokens each query sees (none: a zero row), ``token_ok`` (broadcast
+    to the keys) which tokens any query sees."""
+    dtype = _compute_dtype(queries.dtype, keys.dtype, values.dtype)
+    # Slots outside the sequences may hold anything (NaN included): masked before any product, so
+    # that 0 * NaN leaks into neither the output nor its gradient.
+    keys = jnp.where(token_ok, keys.astype(dtype), 0)
+    values = jnp.where(token_ok, values.astype(dtype), 0)
+    scores = jnp.einsum("bk...d,bkld->bk...l", queries.astype(dtype), keys, precision=_HIGHEST)
+    weights = _masked_softmax_weights(scores, valid, jnp.asarray(scale, dtype))
+    return jnp.einsum("bk...l,bkld->bk...d", weights, values, precision=_HIGHEST)
 
 
 def prefill_row_lens(query_start_loc, seq_lens, num_rows: int, max_tokens: int):
@@ -716,6 +732,90 @@ def _attention_dense_impl(q, k, v, seq_lens, scale):
     weights = _masked_softmax_weights(scores, valid, jnp.asarray(scale, compute_dtype))
     out = jnp.einsum("skgt,stkd->skgd", weights, v.astype(compute_dtype), precision=_HIGHEST)
     return out.reshape(num_seqs, num_heads, head_dim)
+
+
+# ---------------------------------------------------------------------------------------------
+# uncompressed pages: not a reference of a kernel but the implementation of that layout
+# ---------------------------------------------------------------------------------------------
+@jax.jit
+def write_pages(k_pages, v_pages, k, v, slot_mapping):
+    """Write new tokens' K and V rows into uncompressed page pools (``jax_tq.write_cache`` of a
+    cache made with ``preset="none"``).
+
+    Args:
+      k_pages, v_pages: float [P, Hkv, page_size, d] pools (any float dtype, kept).
+      k, v: float [T, Hkv, d], rounded to the pools' dtype.
+      slot_mapping: int32 [T]; token t goes to page slot // page_size, offset slot % page_size.
+        Slots < 0 or >= P * page_size are skipped. Duplicates: one writer wins (unspecified).
+    Returns:
+      (k_pages, v_pages): updated copies. Differentiable in k, v and the pools' other slots.
+    """
+    return _scatter_rows(k_pages, k, slot_mapping), _scatter_rows(v_pages, v, slot_mapping)
+
+
+def _sequence_pages(k_pages, v_pages, block_tables, seq_lens):
+    """Each sequence's keys and values [S, Hkv, max_pages*page_size, d] and bool [S, max_pages*page_size]
+    of its tokens (< its clamped length, on a page id in [0, P))."""
+    num_pages, _, page_size, _ = k_pages.shape
+    page_ok = (block_tables >= 0) & (block_tables < num_pages)
+    safe_pages = jnp.where(page_ok, block_tables, 0)
+    valid = _valid_token_mask(block_tables, seq_lens, num_pages, page_size)
+    return _sequence_tokens(k_pages[safe_pages]), _sequence_tokens(v_pages[safe_pages]), valid
+
+
+@jax.jit
+def paged_decode_pages(q, k_pages, v_pages, block_tables, seq_lens, scale):
+    """One query row per sequence over uncompressed pages (``jax_tq.paged_decode`` of a cache made
+    with ``preset="none"``).
+
+    Args:
+      q: float [S, H, d] (not scaled); query head h uses KV head h // (H / Hkv).
+      k_pages, v_pages: float [P, Hkv, page_size, d].
+      block_tables: int32 [S, max_pages]; ids outside [0, P) are skipped.
+      seq_lens: int32 [S], clamped to [0, max_pages*page_size].
+      scale: softmax scale.
+    Returns:
+      [S, H, d] in promote(q, pages, float32): softmax_t(scale * <q, k_t>) . v over each
+      sequence's tokens; rows with no token are 0. Memory: one copy of each sequence's pages.
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    keys, values, valid = _sequence_pages(k_pages, v_pages, block_tables, seq_lens)
+    queries = q.reshape(num_seqs, k_pages.shape[1], -1, head_dim)
+    out = _attend_tokens(queries, keys, values, valid[:, None, None, :], valid[:, None, :, None], scale)
+    return out.reshape(num_seqs, num_heads, head_dim)
+
+
+@jax.jit
+def paged_prefill_pages(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, scale):
+    """Causal attention of several sequences' new query rows over uncompressed pages
+    (``jax_tq.paged_prefill`` of a cache made with ``preset="none"``).
+
+    Args:
+      q: float [T, H, d] (not scaled); sequence s owns rows [query_start_loc[s], query_start_loc[s + 1]).
+      k_pages, v_pages: float [P, Hkv, page_size, d], every token of each sequence written.
+      block_tables: int32 [S, max_pages].  seq_lens: int32 [S], new tokens included.
+      query_start_loc: int32 [S + 1].  scale: softmax scale.
+    Returns:
+      [T, H, d] in promote(q, pages, float32): row i attends to its sequence's tokens up to its
+      position (:func:`prefill_row_lens`); rows of no sequence, or before their sequence's start,
+      are 0. Every row is scored against every sequence's tokens (then masked): memory and time
+      O(T x H x S x max_pages x page_size), the cost of causal attention for one sequence.
+    """
+    num_rows, num_heads, head_dim = q.shape
+    num_kv_heads = k_pages.shape[1]
+    keys, values, valid = _sequence_pages(k_pages, v_pages, block_tables, seq_lens)
+    num_seqs, length = valid.shape
+    seq, lens, _ = prefill_row_lens(query_start_loc, seq_lens, num_rows, length)
+    sees = ((seq[:, None] == jnp.arange(num_seqs)[None, :])[:, :, None]
+            & (jnp.arange(length)[None, None, :] < lens[:, None, None]) & valid[None])      # [T, S, L]
+
+    def flat(tokens):  # [S, Hkv, L, d] -> [1, Hkv, S*L, d]: one key sequence for all rows
+        return jnp.swapaxes(tokens, 0, 1).reshape(1, num_kv_heads, num_seqs * length, head_dim)
+
+    queries = jnp.swapaxes(q.reshape(num_rows, num_kv_heads, -1, head_dim), 0, 1)[None]  # [1, Hkv, T, G, d]
+    token_ok = valid.reshape(1, 1, -1, 1)
+    out = _attend_tokens(queries, flat(keys), flat(values), sees.reshape(1, 1, num_rows, 1, -1), token_ok, scale)
+    return jnp.swapaxes(out[0], 0, 1).reshape(num_rows, num_heads, head_dim)
 
 
 # ---------------------------------------------------------------------------------------------
