@@ -24,11 +24,8 @@ from jax_tq.models.llama import (  # noqa: E402
     forward_compressed,
     forward_logits,
     init_caches,
-    init_dense_caches,
     make_decode_loop,
     make_decode_step,
-    make_dense_decode_loop,
-    make_dense_decode_step,
 )
 
 try:
@@ -175,6 +172,8 @@ def test_check_decode_matches_eval_reports_both_comparisons(tiny, rotation):
 
 def test_check_decode_matches_eval_fails_on_a_decode_step_that_writes_the_wrong_slot(tiny, monkeypatch):
     """A decode step whose cache write lands one slot off (its attention unchanged) must fail the check."""
+    import dataclasses
+
     import jax
     from flax import nnx
 
@@ -182,9 +181,9 @@ def test_check_decode_matches_eval_fails_on_a_decode_step_that_writes_the_wrong_
 
     def off_by_one(graphdef, state, caches, token, position, block_tables, seq_lens):
         model = nnx.merge(graphdef, state)
-        slots = llama.slot_mapping_for(block_tables, position + 1, llama._page_size(caches[0]))
-        slots = jnp.where(seq_lens > 0, slots, -1)
-        return model.apply_compressed(token, position, caches, slots, block_tables, seq_lens)
+        written = llama.decode_rows(caches[0], block_tables, position + 1, seq_lens)
+        rows = dataclasses.replace(llama.decode_rows(caches[0], block_tables, position, seq_lens), slots=written.slots)
+        return model(token, position, caches, rows)
 
     monkeypatch.setattr(llama, "_decode_pure", jax.jit(off_by_one, static_argnums=(0,)))
     ids = np.random.default_rng(6).integers(0, TINY.vocab_size, 9).astype(np.int32)
@@ -226,28 +225,32 @@ def test_positions_beyond_the_block_table_are_refused_or_not_written(tiny):
 
 
 @pytest.mark.parametrize("dtype,atol", [(jnp.float32, 2e-4), (jnp.bfloat16, 5e-2)])
-def test_dense_decode_steps_match_causal_forward(tiny, dtype, atol):
-    """Uncompressed dense-cache decode (batch of 2 different sequences) == full causal forward."""
+def test_uncompressed_decode_steps_match_causal_forward(tiny, dtype, atol):
+    """Decode steps through uncompressed paged caches (batch of 2 different sequences, pages
+    interleaved in one pool) == full causal forward, and == the chunk path through the same caches."""
     rng = np.random.default_rng(7)
     ids = rng.integers(0, TINY.vocab_size, (2, 13)).astype(np.int32)
-    max_len = 16
-    caches = init_dense_caches(TINY, 2, max_len, dtype)
-    assert caches[0][0].shape == (2, TINY.num_kv_heads, max_len, TINY.head_dim)
-    assert caches[0][0].dtype == dtype
-    step = make_dense_decode_step(tiny)
+    tables = np.array([[0, 2, 4, 6], [1, 3, 5, 7]], np.int32)
+    caches = init_caches(TINY, None, None, num_pages=8, page_size=4, dtype=dtype)
+    assert caches[0].k_pages.shape == (8, TINY.num_kv_heads, 4, TINY.head_dim) and caches[0].k_pages.dtype == dtype
+    step = make_decode_step(tiny)
     dec = []
     for t in range(ids.shape[1]):
-        logits, caches = step(caches, ids[:, t], np.array([t, t]))
+        logits, caches = step(caches, ids[:, t], np.array([t, t]), tables, np.array([t + 1, t + 1]))
         dec.append(np.asarray(logits))
     dec = np.stack(dec, axis=1)  # [2, T, vocab]
     for b in range(2):
         want = np.asarray(forward_logits(tiny, ids[b]))
         np.testing.assert_allclose(dec[b], want, atol=atol, rtol=atol)
         assert (dec[b].argmax(-1) == want.argmax(-1)).mean() >= 0.9
-    # The cache holds exactly the 13 written positions; the rest stay zero.
-    k = np.asarray(caches[1][0].astype(jnp.float32))
-    assert np.abs(k[:, :, :13]).sum(axis=(1, 3)).all()
-    assert not np.any(k[:, :, 13:])
+        chunk, _ = forward_compressed(tiny, ids[b], init_caches(TINY, None, None, 4, page_size=4, dtype=dtype),
+                                      np.arange(4, dtype=np.int32))
+        np.testing.assert_allclose(dec[b], np.asarray(chunk), atol=atol, rtol=atol)
+    # The cache holds exactly the 13 written positions of each sequence; the rest stay zero.
+    k = np.asarray(caches[1].k_pages.astype(jnp.float32))
+    tokens = k[tables].transpose(0, 2, 1, 3, 4).reshape(2, TINY.num_kv_heads, 16, TINY.head_dim)
+    assert np.abs(tokens[:, :, :13]).sum(axis=(1, 3)).all()
+    assert not np.any(tokens[:, :, 13:])
 
 
 def _fill_paged(tiny, caches, prompts, tables):
@@ -259,15 +262,16 @@ def _fill_paged(tiny, caches, prompts, tables):
     return caches, np.asarray(logits).argmax(-1).astype(np.int32)
 
 
-def test_decode_loop_equals_greedy_decode_steps(tiny):
+@pytest.mark.parametrize("bits", [(4, 3), (None, None)])
+def test_decode_loop_equals_greedy_decode_steps(tiny, bits):
     """make_decode_loop's tokens and caches == the same greedy steps one call at a time: two
     sequences with different prompts (pages interleaved in one pool) and an inactive third row,
-    which writes nothing and stays inactive."""
+    which writes nothing and stays inactive; compressed and uncompressed caches."""
     rng = np.random.default_rng(11)
     prompts = rng.integers(0, TINY.vocab_size, (3, 5)).astype(np.int32)
     ps, n_steps = 4, 7
     tables = np.array([[0, 2, 4], [1, 3, 5], [6, 7, 8]], np.int32)
-    seeded = init_caches(TINY, 4, 3, num_pages=9, page_size=ps, seed=4)
+    seeded = init_caches(TINY, *bits, num_pages=9, page_size=ps, seed=4)
     seeded, first = _fill_paged(tiny, seeded, prompts, tables)
     lens = np.array([6, 6, 0], np.int32)  # row 2 inactive from here on
     pos = np.array([5, 5, 5], np.int32)
@@ -287,33 +291,12 @@ def test_decode_loop_equals_greedy_decode_steps(tiny):
     assert got.shape == (3, n_steps) and got.dtype == jnp.int32
     np.testing.assert_array_equal(np.asarray(got)[:2], want[:2])
     for a, b, s in zip(loop_caches, step_caches, seeded):
-        for name in ("k_codes", "v_codes", "k_norms", "v_norms"):
-            np.testing.assert_array_equal(np.asarray(getattr(a, name)), np.asarray(getattr(b, name)))
+        for x, y, z in zip(*(jax.tree_util.tree_leaves(c) for c in (a, b, s))):  # codes and norms, or pages
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
             # the inactive row's pages (6, 7, 8) keep what the prompt wrote
-            np.testing.assert_array_equal(np.asarray(getattr(a, name))[6:], np.asarray(getattr(s, name))[6:])
+            np.testing.assert_array_equal(np.asarray(x)[6:], np.asarray(z)[6:])
     with pytest.raises(ValueError, match="num_steps must be >= 1"):
         make_decode_loop(tiny)(loop_caches, first, pos, tables, lens, 0)
-
-
-def test_dense_decode_loop_equals_greedy_dense_steps(tiny):
-    rng = np.random.default_rng(12)
-    prompts = rng.integers(0, TINY.vocab_size, (2, 4)).astype(np.int32)
-    caches = init_dense_caches(TINY, 2, 12, jnp.float32)
-    step = make_dense_decode_step(tiny)
-    for t in range(prompts.shape[1]):
-        logits, caches = step(caches, prompts[:, t], np.array([t, t]))
-    first = np.asarray(logits).argmax(-1).astype(np.int32)
-    copy = jax.tree_util.tree_map(jnp.copy, caches)
-    tok, want = first, []
-    for t in range(4, 10):
-        logits, caches = step(caches, tok, np.array([t, t]))
-        tok = np.asarray(logits).argmax(-1).astype(np.int32)
-        want.append(tok)
-    got, loop_caches = make_dense_decode_loop(tiny)(copy, first, np.array([4, 4]), 6)
-    np.testing.assert_array_equal(np.asarray(got), np.stack(want, axis=1))
-    np.testing.assert_array_equal(np.asarray(loop_caches[1][1]), np.asarray(caches[1][1]))
-    with pytest.raises(ValueError, match="num_steps must be >= 1"):
-        make_dense_decode_loop(tiny)(loop_caches, first, np.array([4, 4]), 0)
 
 
 def test_decode_loops_refuse_bad_input_before_touching_the_caches(tiny):
@@ -348,32 +331,10 @@ def test_decode_loops_refuse_bad_input_before_touching_the_caches(tiny):
     mixed = [paged[0], init_caches(TINY, 4, 4, num_pages=4, page_size=2, seed=0)[1]]
     with pytest.raises(ValueError, match="same page_size"):
         loop(mixed, tok, pos, tables, lens, 1)
-    dense = init_dense_caches(TINY, 2, 6, jnp.float32)
+    not_caches = [(jnp.zeros((2, 6)), jnp.zeros((2, 6)))] * TINY.num_layers
     with pytest.raises(TypeError, match="must be a jax_tq.PagedKVCache"):
-        loop(dense, tok, pos, tables, lens, 1)
+        loop(not_caches, tok, pos, tables, lens, 1)
     np.asarray(paged[0].k_codes)  # not donated by the refused calls
-
-    dloop, dstep = make_dense_decode_loop(tiny), make_dense_decode_step(tiny)
-    bad_dense = [
-        (ValueError, "do not fit the caches' max_len 6", dict(position=np.array([4, 4]), num_steps=3)),
-        (ValueError, "do not fit the caches' max_len 6", dict(position=np.array([-1, 0]))),
-        (TypeError, "token ids must be integers", dict(token=np.array([5.6, 7.6]))),
-        (ValueError, "token and position must be", dict(token=np.array([1, 2, 3]))),
-        (ValueError, r"must be \[B=3", dict(token=np.array([1, 2, 3]), position=np.array([0, 0, 0]))),
-        (TypeError, "must be a \\(k, v\\) pair", dict(caches=paged)),
-        (TypeError, "must be a floating array",
-         dict(caches=[(k.astype(jnp.int8), v) for k, v in init_dense_caches(TINY, 2, 6, jnp.float32)])),
-        (TypeError, "num_steps must be a Python int", dict(num_steps="3")),
-    ]
-    for err, msg, kw in bad_dense:
-        args = dict(caches=dense, token=tok, position=np.array([0, 0]), num_steps=2) | kw
-        with pytest.raises(err, match=msg):
-            dloop(**args)
-    with pytest.raises(ValueError, match="do not fit the caches' max_len 6"):
-        dstep(dense, tok, np.array([6, 0]))
-    np.asarray(dense[0][0])  # not donated
-    out, dense = dloop(dense, tok, np.array([0, 4]), 2)  # row 1 writes rows 4 and 5: the last ones
-    assert out.shape == (2, 2)
     with pytest.raises(TypeError, match="batch must be an int"):
         ev.greedy_generate(tiny, [3, 14], 2, None, batch=2.5)
 
@@ -531,7 +492,7 @@ def test_loader_config_and_shapes(reader):
 @needs_gguf
 def test_smollm2_end_to_end():
     """Real weights: greedy next token after 'The capital of France is' is ' Paris', through the
-    uncompressed path, the K4V4 compressed decode path and the dense bf16 decode path."""
+    uncompressed path, the K4V4 compressed decode path and the uncompressed bf16 decode path."""
     from jax_tq.models import load_smollm2
 
     model, tok, cfg = load_smollm2(SMOLLM2_PATH)
@@ -545,7 +506,7 @@ def test_smollm2_end_to_end():
     assert logits[-1].argmax() == paris
     g = ev.greedy_generate(model, ids, 2, (4, 4))
     assert g["ids"][0] == paris
-    g = ev.greedy_generate(model, ids, 2, None)  # uncompressed dense bf16 cache
+    g = ev.greedy_generate(model, ids, 2, None)  # uncompressed bf16 paged cache
     assert g["ids"][0] == paris
     # Perplexity of the first 256 WikiText-2 tokens: ~29 with the right RoPE layout, ~360 if the
     # llama.cpp Q/K permutation is not undone (the 'Paris' check alone does not catch that).
@@ -580,7 +541,7 @@ def test_model_entry_points_refuse_inputs_they_got_silently_wrong(tiny):
     with pytest.raises(ValueError, match="same num_pages"):
         step(uneven, np.array([3, 4]), np.array([0, 0]), tabs, np.array([1, 1]))
     with pytest.raises(TypeError, match="must be a jax_tq.PagedKVCache"):
-        forward_compressed(tiny, ids, init_dense_caches(TINY, 1, 8), table)
+        forward_compressed(tiny, ids, [(jnp.zeros(8), jnp.zeros(8))] * TINY.num_layers, table)
     caches = init_caches(TINY, 4, 4, num_pages=4, page_size=4)
     with pytest.raises(TypeError, match="block_table must be integers"):
         forward_compressed(tiny, ids, caches, table + 0.9)
@@ -597,15 +558,9 @@ def test_model_entry_points_refuse_inputs_they_got_silently_wrong(tiny):
         with pytest.raises(ValueError, match="position must fit int32"):
             step(paged, np.array([3, 4]), pos, tabs, np.array([1, 1]))
     _, paged = step(paged, np.array([3, 4]), np.array([-1, 0]), tabs, np.array([0, 1]))  # inactive: any position
-
-    dense, dstep = init_dense_caches(TINY, 2, 8, jnp.float32), make_dense_decode_step(tiny)
-    with pytest.raises(ValueError, match="token ids must lie in"):
-        dstep(dense, np.array([TINY.vocab_size, 5]), np.array([0, 0]))
     with pytest.raises(ValueError, match="position must fit int32"):
-        dstep(dense, np.array([3, 4]), np.array([2**32 + 3, 0], np.int64))
-    with pytest.raises(ValueError, match="position must fit int32"):
-        make_dense_decode_loop(tiny)(dense, np.array([3, 4]), np.array([2**32 + 1, 0], np.int64), 2)
-    np.asarray(dense[0][0])  # not donated by the refused calls
+        make_decode_loop(tiny)(paged, np.array([3, 4]), np.array([2**32 + 1, 0], np.int64), tabs, np.array([1, 1]), 2)
+    np.asarray(paged[0].k_codes)  # not donated by the refused calls
 
     for bad in (np.zeros((2, 3), np.int32), np.zeros(0, np.int32), np.int32(3)):
         with pytest.raises(ValueError, match=r"token_ids must be \[T\]"):

@@ -33,11 +33,8 @@ from jax_tq.models.llama import (
     forward_compressed,
     forward_logits,
     init_caches,
-    init_dense_caches,
     make_decode_loop,
     make_decode_step,
-    make_dense_decode_loop,
-    make_dense_decode_step,
 )
 from jax_tq.models.evaluate import (
     CacheConfig,
@@ -70,7 +67,6 @@ __all__ = [
     "forward_logits",
     "greedy_generate",
     "init_caches",
-    "init_dense_caches",
     "kv_bytes_per_token",
     "load_config",
     "load_gguf",
@@ -78,8 +74,6 @@ __all__ = [
     "load_smollm2",
     "make_decode_loop",
     "make_decode_step",
-    "make_dense_decode_loop",
-    "make_dense_decode_step",
     "parse_cache_config",
     "read_gguf",
     "token_log_likelihoods",

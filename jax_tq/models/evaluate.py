@@ -10,8 +10,8 @@
   "Pointer Sentinel Mixture Models" (CC BY-SA 3.0).
 * :func:`kv_bytes_per_token`, :func:`compression_ratio_vs_bf16` - KV memory accounting.
 * :func:`check_decode_matches_eval` - the jitted decode step reproduces the evaluation path.
-* :func:`greedy_generate` - batched greedy decoding with timings, through the compressed paged
-  cache or an uncompressed dense bf16 cache (the decode-speed baseline).
+* :func:`greedy_generate` - batched greedy decoding with timings, through a compressed paged cache
+  or an uncompressed bf16 one (the decode-speed baseline), with the same decode step and loop.
 """
 
 from __future__ import annotations
@@ -29,20 +29,10 @@ import numpy as np
 from jax_tq.cache import MAX_PAGE_SIZE, PRESETS, CachePreset, get_preset
 from jax_tq.format import MAX_WINDOW, PACKED_BITS, SCALE_KINDS, check_bits
 
+from .checks import check_token_ids, token_vector
 from .config import LlamaConfig
-from .llama import (
-    Llama,
-    _token_vector,
-    check_token_ids,
-    forward_compressed,
-    forward_logits,
-    init_caches,
-    init_dense_caches,
-    make_decode_loop,
-    make_decode_step,
-    make_dense_decode_loop,
-    make_dense_decode_step,
-)
+from .llama import Llama, forward_compressed, forward_logits, make_decode_loop, make_decode_step
+from .paging import init_caches
 
 __all__ = [
     "CacheConfig",
@@ -189,8 +179,8 @@ def compressed_logits(model: Llama, token_ids, cache_config: CacheConfig) -> jax
     """Logits ``[T, vocab]`` of ``token_ids [T]`` through a fresh compressed paged cache.
 
     The sequence gets ``ceil(T / page_size)`` pages laid out in REVERSED physical order (to
-    exercise the block table); all positions are evaluated in one batched
-    :func:`jax_tq.paged_decode` call per layer.
+    exercise the block table); all positions are evaluated in one :func:`jax_tq.models.forward_compressed`
+    call (one :func:`jax_tq.paged_prefill` per layer).
 
     Args:
       model: :class:`jax_tq.models.Llama`.
@@ -464,7 +454,7 @@ def check_decode_matches_eval(model: Llama, token_ids, cache_config=(4, 4),
 
 def _check_decode_matches_eval(model, token_ids, cache_config, atol):
     cfg = parse_cache_config(cache_config) or CacheConfig()
-    ids = np.asarray(_token_vector(token_ids, model.config.vocab_size, "check_decode_matches_eval"))
+    ids = np.asarray(token_vector(token_ids, model.config.vocab_size, "check_decode_matches_eval"))
     n = ids.shape[0]
     ps = cfg.page_size
     n_pages = -(-n // ps)
@@ -559,7 +549,7 @@ def _greedy_next(logits):
 
 def greedy_generate(model: Llama, prompt_ids: Sequence[int], max_new_tokens: int = 32,
                     cache_config=(4, 4), eos_token_id: int | None = None, batch: int = 1,
-                    dense_dtype=jnp.bfloat16) -> dict:
+                    uncompressed_dtype=jnp.bfloat16) -> dict:
     """Greedy decoding of ``batch`` copies of one prompt with a jitted decode step.
 
     Args:
@@ -569,17 +559,15 @@ def greedy_generate(model: Llama, prompt_ids: Sequence[int], max_new_tokens: int
       cache_config: see below.
       eos_token_id: if given, ``ids`` is cut after its first occurrence.
       batch: number of identical sequences decoded together (>= 1).
-      dense_dtype: dtype of the uncompressed baseline cache.
+      uncompressed_dtype: dtype of the uncompressed baseline cache's pages.
 
-    ``cache_config``: a compressed paged cache spec (see :func:`parse_cache_config`; sequence
-    ``b`` owns its own pages), or None / ``"none"`` for the uncompressed baseline, a dense
-    ``[batch, Hkv, max_len, d]`` cache in ``dense_dtype`` (see
-    :func:`jax_tq.models.llama.make_dense_decode_step`).
+    ``cache_config``: a compressed paged cache spec (see :func:`parse_cache_config`), or None /
+    ``"none"`` for the uncompressed baseline, paged too (``preset="none"``, pages of
+    ``uncompressed_dtype``, 16 tokens each); sequence ``b`` owns its own pages.
 
     The prompt is fed through the decode step, one token at a time (one dispatch per token); the
     first new token comes from the prompt's last step, the other ``max_new_tokens - 1`` from one
-    call of :func:`jax_tq.models.llama.make_decode_loop` (or its dense twin): all decode steps in
-    one dispatch, the next token chosen on the device, compiled before it is timed. ``ids`` is cut
+    call of :func:`jax_tq.models.llama.make_decode_loop`: all decode steps in one dispatch, the next token chosen on the device, compiled before it is timed. ``ids`` is cut
     after the first ``eos_token_id``.
 
     Returns:
@@ -613,26 +601,19 @@ def greedy_generate(model: Llama, prompt_ids: Sequence[int], max_new_tokens: int
         raise ValueError(f"need batch >= 1 and max_new_tokens >= 1, got {batch}, {max_new_tokens}")
     total = len(prompt) + max_new_tokens
     positions = [jnp.full((batch,), p, jnp.int32) for p in range(total + 1)]
+    n_pages = -(-total // (cfg or CacheConfig()).page_size)
     if cfg is None:
-        caches = init_dense_caches(model.config, batch, total, dense_dtype)
-        dense_step, dense_loop = make_dense_decode_step(model), make_dense_decode_loop(model)
-
-        def step(caches, tok, pos):
-            return dense_step(caches, tok, positions[pos])
-
-        def loop(caches, tok, pos, n):
-            return dense_loop(caches, tok, positions[pos], n)
+        caches = init_caches(model.config, None, None, batch * n_pages, dtype=uncompressed_dtype)
     else:
-        n_pages = -(-total // cfg.page_size)
         caches = config_caches(model.config, cfg, batch * n_pages, num_windows=batch)
-        tables = jnp.arange(batch * n_pages, dtype=jnp.int32).reshape(batch, n_pages)
-        paged_step, paged_loop = make_decode_step(model), make_decode_loop(model)
+    tables = jnp.arange(batch * n_pages, dtype=jnp.int32).reshape(batch, n_pages)
+    paged_step, paged_loop = make_decode_step(model), make_decode_loop(model)
 
-        def step(caches, tok, pos):
-            return paged_step(caches, tok, positions[pos], tables, positions[pos + 1])
+    def step(caches, tok, pos):
+        return paged_step(caches, tok, positions[pos], tables, positions[pos + 1])
 
-        def loop(caches, tok, pos, n):
-            return paged_loop(caches, tok, positions[pos], tables, positions[pos + 1], n)
+    def loop(caches, tok, pos, n):
+        return paged_loop(caches, tok, positions[pos], tables, positions[pos + 1], n)
 
     def prompt_tok(t):
         return jnp.full((batch,), t, jnp.int32)
