@@ -1,9 +1,10 @@
-"""Where one decode step of SmolLM2-135M spends its GPU time: dense bf16 cache against the
-TurboQuant paged cache, per kernel name (JAX profiler, CUPTI kernel events).
+"""Where one decode step of SmolLM2-135M spends its GPU time: an uncompressed bf16 paged cache
+(``preset="none"``: jnp code compiled by XLA) against the TurboQuant paged cache, per kernel name
+(JAX profiler, CUPTI kernel events).
 
 For each cache and context length: the wall time per step with one dispatch per step (steps
-dispatched back to back), the same with all steps in one dispatch (``make_decode_loop`` /
-``make_dense_decode_loop``, as examples/smollm2_wikitext.py times them), the GPU span of one step
+dispatched back to back), the same with all steps in one dispatch (``make_decode_loop``, as
+examples/smollm2_wikitext.py times it), the GPU span of one step
 (first kernel start to last kernel end), the summed kernel time, the kernel count, and the kernels
 that take the most time. A step whose time per dispatch exceeds its GPU span is bound by the
 dispatch (the jitted step takes ~270 parameter arrays and the caches as arguments), not by the GPU.
@@ -31,9 +32,10 @@ LOOP_STEPS = 16
 
 def paged_step_fn(model, cfg, batch, context, k_bits, v_bits, page_size=16):
     """(step(), loop(n)) at `context` cached tokens per sequence (the empty cache's zero codes are
-    fine for timing: the kernels' work does not depend on the values)."""
+    fine for timing: the kernels' work does not depend on the values); k_bits = v_bits = None:
+    uncompressed bfloat16 pages."""
     n_pages = -(-(context + LOOP_STEPS) // page_size)
-    caches = llama.init_caches(cfg, k_bits, v_bits, batch * n_pages, page_size, 0, "haar")
+    caches = llama.init_caches(cfg, k_bits, v_bits, batch * n_pages, page_size, 0, "haar", dtype=jnp.bfloat16)
     tables = jnp.arange(batch * n_pages, dtype=jnp.int32).reshape(batch, n_pages)
     step = llama.make_decode_step(model)
     tok = jnp.zeros((batch,), jnp.int32)
@@ -48,25 +50,6 @@ def paged_step_fn(model, cfg, batch, context, k_bits, v_bits, page_size=16):
 
     def run_loop(n):
         tokens, state["caches"] = loop(state["caches"], tok, pos, tables, lens, n)
-        return tokens
-
-    return run, run_loop
-
-
-def dense_step_fn(model, cfg, batch, context):
-    caches = llama.init_dense_caches(cfg, batch, context + LOOP_STEPS, jnp.bfloat16)
-    step = llama.make_dense_decode_step(model)
-    tok = jnp.zeros((batch,), jnp.int32)
-    pos = jnp.full((batch,), context, jnp.int32)
-    state = {"caches": caches}
-    loop = llama.make_dense_decode_loop(model)
-
-    def run():
-        logits, state["caches"] = step(state["caches"], tok, pos)
-        return logits
-
-    def run_loop(n):
-        tokens, state["caches"] = loop(state["caches"], tok, pos, n)
         return tokens
 
     return run, run_loop
@@ -130,7 +113,8 @@ def main():
     print("| step | ms/step, one dispatch per step | ms/step, one loop | GPU span ms | kernel ms | kernels |")
     print("|---|---:|---:|---:|---:|---:|")
     for context in (int(c) for c in args.contexts.split(",")):
-        profile(f"dense bf16, context {context}", dense_step_fn(model, cfg, args.batch, context), args.top)
+        profile(f"uncompressed bf16 paged, context {context}",
+                paged_step_fn(model, cfg, args.batch, context, None, None), args.top)
         profile(f"K{kb}V{vb} paged, context {context}",
                 paged_step_fn(model, cfg, args.batch, context, kb, vb), args.top)
 

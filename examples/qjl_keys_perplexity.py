@@ -3,8 +3,8 @@
 TurboQuant_mse or as TurboQuant_prod (mse at one bit fewer + the QJL bit) at the same total bits,
 values as 4-bit TurboQuant_mse in both.
 
-Each layer's causal attention runs on reconstructed K / V: ``decompress`` for mse, ``qjl_decompress``
-for prod (whose inner products with every query are exactly ``qjl_scores``' unbiased estimates).
+Each layer's causal attention (``forward_logits``: an uncompressed float32 paged cache) runs on
+reconstructed K / V: ``decompress`` for mse, ``qjl_decompress`` for prod (whose inner products with every query are exactly ``qjl_scores``' unbiased estimates).
 TURBOQUANT.md: "Practitioners report that QJL on keys can hurt generation quality (variance) and
 several ports turn it off; offer both modes and measure, do not assume." This measures.
 
@@ -38,7 +38,7 @@ from jax_tq.models import llama  # noqa: E402
 from jax_tq.models.evaluate import chunk_token_ids  # noqa: E402
 from jax_tq.models.gguf_loader import load_smollm2  # noqa: E402
 
-_causal_attention = llama.causal_attention
+_qkv = llama.Attention.qkv
 
 
 def mse_keys(bits, head_dim):
@@ -52,15 +52,16 @@ def prod_keys(bits, head_dim):
 
 
 def perplexity(model, chunks, key_fn, value_fn):
-    """exp(mean NLL) of every next token of every chunk, with llama's causal attention reading
+    """exp(mean NLL) of every next token of every chunk, each layer caching and attending to
     key_fn(k) and value_fn(v) (None: the exact K / V)."""
-    def attention(q, k, v, scale=None):
+    def qkv(self, x, positions):
+        q, k, v = _qkv(self, x, positions)
         k = k if key_fn is None else key_fn(k.astype(jnp.float32)).astype(k.dtype)
         v = v if value_fn is None else value_fn(v.astype(jnp.float32)).astype(v.dtype)
-        return _causal_attention(q, k, v, scale)
+        return q, k, v
 
-    llama.causal_attention = attention
-    jax.clear_caches()  # forward_logits' jit keeps the attention it traced
+    llama.Attention.qkv = qkv
+    jax.clear_caches()  # forward_logits' jit keeps the projection it traced
     try:
         nll = []
         for chunk in chunks:
@@ -69,7 +70,7 @@ def perplexity(model, chunks, key_fn, value_fn):
             logp = jax.nn.log_softmax(logits[:-1].astype(jnp.float32), axis=-1)
             nll.append(-np.asarray(jnp.take_along_axis(logp, ids[1:, None], axis=-1))[:, 0])
     finally:
-        llama.causal_attention = _causal_attention
+        llama.Attention.qkv = _qkv
     return float(math.exp(np.mean(np.concatenate(nll))))
 
 

@@ -17,8 +17,8 @@ Needs ``flax``, ``gguf``, ``tokenizers``, ``tqdm`` and the weights: ``--gguf PAT
 
 Decode speed: the same prompt, replicated ``--decode-batch`` times, is fed through a jitted
 one-token step and then decoded greedily for ``--max-new-tokens`` tokens in one jitted loop of that
-step (``make_decode_loop``: one dispatch for all steps), (1) with an uncompressed dense bf16 K/V
-cache (masked attention over the valid prefix) and (2) with the TurboQuant paged cache
+step (``make_decode_loop``: one dispatch for all steps), (1) with an uncompressed bf16 paged K/V
+cache (``preset="none"``: jnp code compiled by XLA) and (2) with the TurboQuant paged cache
 (``--gen-bits``). tokens/s = batch * decode steps / decode time, compilation and prefill excluded.
 
 Protocol (see :mod:`jax_tq.models.evaluate`): the raw text (WikiText-2 test split, or the tiny
@@ -377,7 +377,7 @@ def main(argv=None) -> int:
         base_tps = gens[0][1]["tokens_per_s"]
         for c, g in gens:
             kb, vb = (None, None) if c is None else (c.k_bits, c.v_bits)
-            name = "uncompressed bf16 (dense)" if c is None else f"jax_tq {c.name} (paged)"
+            name = "uncompressed bf16 (paged)" if c is None else f"jax_tq {c.name} (paged)"
             steps = g["decode_steps"]
             print(f"| {name} | {ev.kv_bytes_per_token(cfg, kb, vb):,.0f} | {g['compile_s']:.2f} "
                   f"| {steps} | {g['decode_s']:.2f} | {1e3 * g['decode_s'] / steps:.1f} "

@@ -1,4 +1,6 @@
-"""Pure-jnp reference of every jax_tq op: the test oracle and the "xla" backend.
+"""Pure-jnp reference of every jax_tq op: the test oracle and the "xla" backend; and the
+implementation of the uncompressed page layout (``write_pages``, ``paged_decode_pages``,
+``paged_prefill_pages``: jnp code compiled by XLA on every platform, no kernel).
 
 Imports no kernels / FFI. Signatures mirror the FFI targets of docs/DESIGN.md (with optional
 leading batch axes where noted). Algorithm: TurboQuant_mse (Zandieh et al., "TurboQuant",

@@ -29,7 +29,7 @@ class LlamaConfig:
       qk_norm: per-head RMSNorm of q and k before RoPE (Qwen3; ``blk.N.attn_q_norm.weight``).
       rope_freq_factors: None, or ``head_dim // 2`` divisors of the RoPE inverse frequencies
         (llama.cpp's ``rope_freqs.weight``, Llama 3.1's scaling, times a linear
-        ``rope.scaling.factor``); see :func:`jax_tq.models.llama.rope_cos_sin`.
+        ``rope.scaling.factor``); see :func:`jax_tq.models.layers.rope_cos_sin`.
       add_bos_token: the tokenizer metadata says a BOS token starts each text
         (``tokenizer.ggml.add_bos_token``, else llama.cpp's default for ``tokenizer.ggml.pre``:
         True for Llama 3). Informational: jax_tq never adds BOS itself.

@@ -9,19 +9,14 @@ factors), Qwen2 / Qwen2.5 (q/k/v biases) and Qwen3 (per-head RMSNorm of q and k)
 :class:`LlamaConfig`.
 
 One forward path: each layer projects q, k, v, applies RoPE, writes k and v into its
-:class:`jax_tq.PagedKVCache` with :func:`jax_tq.write_cache`, and attends with
-:func:`jax_tq.paged_prefill` (the rows of a chunk of one sequence) or :func:`jax_tq.paged_decode`
-(one new token per sequence). A "cache" is a list with one PagedKVCache per layer
-(:func:`init_caches`): compressed (TurboQuant codecs, optionally a window of exact recent tokens)
-or uncompressed (``preset="none"``: float32 / bfloat16 pages). Entry points, jit-compiled through
-``nnx.split`` / ``nnx.merge``:
-
-* :func:`forward_logits` - a chunk through a temporary uncompressed float32 cache (the reference).
-* :func:`forward_compressed` - a chunk of one sequence through the given caches (donated).
-* :func:`decode_step` / :func:`make_decode_step` - one new token per sequence (caches donated).
-* :func:`make_decode_loop` - ``num_steps`` greedy decode steps in one jitted ``lax.scan`` (one
-  dispatch: a jitted step takes ~270 parameter arrays and the caches as arguments, whose dispatch
-  costs milliseconds of host time, more than the GPU's work for a small model).
+:class:`jax_tq.PagedKVCache` (:func:`jax_tq.write_cache`) and attends with :func:`jax_tq.paged_prefill`
+(a chunk of one sequence) or :func:`jax_tq.paged_decode` (one new token per sequence). The caches,
+one per layer (:func:`init_caches`), are compressed or uncompressed (``preset="none"``). Entry
+points, jit-compiled through ``nnx.split`` / ``nnx.merge``: :func:`forward_logits` (a chunk
+through a temporary uncompressed float32 cache: the reference), :func:`forward_compressed` (a chunk
+through given caches), :func:`decode_step` / :func:`make_decode_step` (one token per sequence) and
+:func:`make_decode_loop` (greedy steps in one ``lax.scan``: one dispatch, where a step's ~270
+parameter arrays cost milliseconds of host time per dispatch).
 """
 
 from __future__ import annotations
@@ -38,6 +33,7 @@ import jax_tq as tq
 
 from . import checks
 from .config import LlamaConfig
+from .layers import MLP, RMSNorm, apply_rope, dense_param, rope_cos_sin
 from .paging import CacheRows, chunk_rows, decode_rows, init_caches, row_windows, slot_mapping_for
 
 __all__ = [
@@ -45,87 +41,6 @@ __all__ = [
     "init_caches", "slot_mapping_for", "chunk_rows", "decode_rows", "forward_logits", "forward_compressed",
     "decode_step", "make_decode_step", "make_decode_loop",
 ]
-
-class RMSNorm(nnx.Module):
-    """Root-mean-square layer norm: ``x / sqrt(mean(x^2) + eps) * weight`` (computed in float32).
-
-    RMSNorm: Zhang & Sennrich 2019, "Root Mean Square Layer Normalization".
-
-    Args:
-      dim: feature size; ``weight`` is ``[dim]``, initialised to ones.
-      eps: epsilon added to the mean square.
-      dtype: dtype of ``weight``.
-    """
-
-    def __init__(self, dim: int, eps: float = 1e-5, dtype=jnp.float32):
-        self.weight = nnx.Param(jnp.ones((dim,), dtype))
-        self.eps = eps
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """Normalise over the last axis.
-
-        Args:
-          x: float ``[..., dim]``.
-        Returns:
-          ``[..., dim]`` in ``x.dtype``.
-        """
-        xf = x.astype(jnp.float32)
-        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return (y * self.weight[...].astype(jnp.float32)).astype(x.dtype)
-
-
-def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float,
-                 freq_factors: Sequence[float] | None = None):
-    """RoPE tables for the ``rotate_half`` (NeoX / HF) layout (Su et al. 2021).
-
-    Args:
-      positions: int ``[...]`` absolute token positions.
-      head_dim: even rotary dimension.
-      theta: base frequency.
-      freq_factors: optional ``head_dim // 2`` positive divisors of the inverse frequencies
-        (llama.cpp's ``rope_freqs.weight``: ggml's ``rope_yarn(theta / freq_factors[i0 / 2])``;
-        Llama 3.1's scaling, ``convert_hf_to_gguf.py`` ``LlamaModel.generate_extra_tensors``;
-        linear scaling by ``s`` (position interpolation) is every factor equal to ``s``).
-    Returns:
-      ``(cos, sin)`` float32 ``[..., head_dim]`` where entries ``i`` and ``i + head_dim/2`` share
-      the frequency ``theta ** (-2i / head_dim) / freq_factors[i]`` (radians per position).
-    Raises:
-      ValueError: ``freq_factors`` is not of length ``head_dim // 2``.
-    """
-    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
-    if freq_factors is not None:
-        if len(freq_factors) != head_dim // 2:
-            raise ValueError(f"rope freq_factors must have head_dim // 2 = {head_dim // 2} entries, got "
-                             f"{len(freq_factors)}")
-        inv_freq = inv_freq / np.asarray(freq_factors, np.float64)
-    inv_freq = jnp.asarray(inv_freq, jnp.float32)
-    freqs = positions.astype(jnp.float32)[..., None] * inv_freq
-    emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb), jnp.sin(emb)
-
-
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate ``x [T, heads, d]`` with tables ``cos, sin [T, d]``: ``x*cos + rotate_half(x)*sin``.
-
-    RoPE (Su et al. 2021, "RoFormer") in the NeoX / HF ``rotate_half`` layout: coordinate ``i``
-    pairs with ``i + d/2``. Computed in float32.
-
-    Args:
-      x: float ``[T, heads, d]`` (``d`` even).
-      cos, sin: float32 ``[T, d]`` from :func:`rope_cos_sin`.
-    Returns:
-      ``[T, heads, d]`` in ``x.dtype``.
-    """
-    xf = x.astype(jnp.float32)
-    half = x.shape[-1] // 2
-    rot = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
-    return (xf * cos[:, None, :] + rot * sin[:, None, :]).astype(x.dtype)
-
-
-def _dense(rngs: nnx.Rngs, n_in: int, n_out: int, dtype) -> nnx.Param:
-    w = jax.random.normal(rngs.params(), (n_in, n_out), jnp.float32) / np.sqrt(n_in)
-    return nnx.Param(w.astype(dtype))
-
 
 class Attention(nnx.Module):
     """Grouped-query self-attention with RoPE, optional q/k/v biases and optional QK norm.
@@ -153,25 +68,19 @@ class Attention(nnx.Module):
         self.rope_theta = c.rope_theta
         self.rope_freq_factors = c.rope_freq_factors
         q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        self.wq = _dense(rngs, c.hidden_size, q_dim, dtype)
-        self.wk = _dense(rngs, c.hidden_size, kv_dim, dtype)
-        self.wv = _dense(rngs, c.hidden_size, kv_dim, dtype)
-        self.wo = _dense(rngs, q_dim, c.hidden_size, dtype)
+        self.wq = dense_param(rngs, c.hidden_size, q_dim, dtype)
+        self.wk = dense_param(rngs, c.hidden_size, kv_dim, dtype)
+        self.wv = dense_param(rngs, c.hidden_size, kv_dim, dtype)
+        self.wo = dense_param(rngs, q_dim, c.hidden_size, dtype)
         bias = (lambda n: nnx.Param(jnp.zeros((n,), dtype))) if c.attention_bias else (lambda n: None)
         self.bq, self.bk, self.bv = bias(q_dim), bias(kv_dim), bias(kv_dim)
         norm = (lambda: RMSNorm(c.head_dim, c.rms_norm_eps, dtype)) if c.qk_norm else (lambda: None)
         self.q_norm, self.k_norm = norm(), norm()
 
     def qkv(self, x: jax.Array, positions: jax.Array):
-        """Project (plus bias), normalise q and k per head (QK norm), rotate q and k (RoPE).
-
-        Args:
-          x: float ``[T, hidden]``.
-          positions: int32 ``[T]`` RoPE positions.
-        Returns:
-          ``q [T, H, d]``, ``k [T, Hkv, d]`` (both after RoPE), ``v [T, Hkv, d]``, in the
-          dtype of ``x @ W``.
-        """
+        """Project float ``x [T, hidden]`` (plus bias), normalise q and k per head (QK norm),
+        rotate them (RoPE at int32 ``positions [T]``): ``q [T, H, d]``, ``k [T, Hkv, d]``,
+        ``v [T, Hkv, d]`` in the dtype of ``x @ W``."""
         T = x.shape[0]
 
         def project(w, b, n_heads, norm=None):
@@ -188,28 +97,14 @@ class Attention(nnx.Module):
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def out(self, attn: jax.Array) -> jax.Array:
-        """Output projection.
-
-        Args:
-          attn: float ``[T, H, d]`` attention output (cast to the ``wo`` dtype).
-        Returns:
-          ``[T, hidden]`` in the ``wo`` dtype.
-        """
+        """Output projection of ``attn [T, H, d]`` (cast to the ``wo`` dtype): ``[T, hidden]``."""
         return attn.reshape(attn.shape[0], -1).astype(self.wo.dtype) @ self.wo[...]
 
     def __call__(self, x: jax.Array, positions: jax.Array, cache, rows: CacheRows):
-        """Write this call's K / V into ``cache`` and attend to it.
-
-        Args:
-          x: float ``[T, hidden]``; positions: int32 ``[T]`` RoPE positions.
-          cache: this layer's :class:`jax_tq.PagedKVCache`.
-          rows: the :class:`CacheRows` of this call (where K / V go, what each row attends to).
-        Returns:
-          ``(y [T, hidden], the cache with this call's K / V)``.
-        Raises:
-          TypeError / ValueError: from :func:`jax_tq.write_cache`, :func:`jax_tq.paged_prefill`,
-            :func:`jax_tq.paged_decode`.
-        """
+        """Write this call's K / V into ``cache`` (this layer's :class:`jax_tq.PagedKVCache`) and
+        attend to it, as ``rows`` (:class:`CacheRows`) say; ``x`` float ``[T, hidden]``, ``positions``
+        int32 ``[T]`` (RoPE). Returns ``(y [T, hidden], the cache with this call's K / V)``; raises
+        what :func:`jax_tq.write_cache` / :func:`jax_tq.paged_prefill` / :func:`jax_tq.paged_decode` raise."""
         q, k, v = self.qkv(x, positions)
         written = tq.write_cache(cache, k, v, rows.slots, rows.window_slots)
         seen = written if rows.view_start is None else row_windows(written, cache, k, v, rows.view_start,
@@ -220,31 +115,6 @@ class Attention(nnx.Module):
             out = tq.paged_prefill(q, seen, rows.block_tables, rows.seq_lens, rows.query_start_loc,
                                    window_ids=rows.window_ids)
         return self.out(out), written
-
-
-class MLP(nnx.Module):
-    """SwiGLU feed-forward: ``(silu(x @ w_gate) * (x @ w_up)) @ w_down`` (Shazeer 2020).
-
-    Args:
-      config: :class:`LlamaConfig` (``hidden_size``, ``intermediate_size``).
-      dtype: weight dtype.
-      rngs: ``nnx.Rngs`` for the random weight initialisation.
-    """
-
-    def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
-        self.w_gate = _dense(rngs, config.hidden_size, config.intermediate_size, dtype)
-        self.w_up = _dense(rngs, config.hidden_size, config.intermediate_size, dtype)
-        self.w_down = _dense(rngs, config.intermediate_size, config.hidden_size, dtype)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """Apply the feed-forward.
-
-        Args:
-          x: float ``[..., hidden]``.
-        Returns:
-          ``[..., hidden]``.
-        """
-        return (jax.nn.silu(x @ self.w_gate[...]) * (x @ self.w_up[...])) @ self.w_down[...]
 
 
 class Block(nnx.Module):
@@ -293,7 +163,7 @@ class Llama(nnx.Module):
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = _dense(rngs, config.hidden_size, config.vocab_size, dtype)
+            self.lm_head = dense_param(rngs, config.hidden_size, config.vocab_size, dtype)
 
     @classmethod
     def from_params(cls, config: LlamaConfig, params: dict, dtype=jnp.float32) -> "Llama":
@@ -340,24 +210,15 @@ class Llama(nnx.Module):
         return model
 
     def logits(self, h: jax.Array) -> jax.Array:
-        """Final norm + lm head (the tied ``embed.T`` when ``lm_head`` is None).
-
-        Args:
-          h: float ``[..., hidden]`` hidden states.
-        Returns:
-          float32 logits ``[..., vocab]``.
-        """
+        """Final norm + lm head (the tied ``embed.T`` when ``lm_head`` is None) of hidden states
+        ``h [..., hidden]``: float32 logits ``[..., vocab]``."""
         h = self.final_norm(h)
         w = self.embed[...].T if self.lm_head is None else self.lm_head[...]
         return (h @ w).astype(jnp.float32)
 
     def __call__(self, token_ids, positions, caches, rows: CacheRows):
         """Forward of ``token_ids`` (int32 ``[T]``, RoPE ``positions`` int32 ``[T]``) through the
-        per-layer ``caches`` (call inside ``jit``).
-
-        Returns:
-          ``(logits float32 [T, vocab], new caches list)``.
-        """
+        per-layer ``caches`` (call inside ``jit``): ``(logits float32 [T, vocab], new caches list)``."""
         x = self.embed[...][token_ids]
         new = []
         for blk, cache in zip(self.layers, caches, strict=True):
@@ -386,8 +247,7 @@ def forward_logits(model: Llama, token_ids, start_pos: int = 0) -> jax.Array:
     :func:`forward_compressed`.
 
     Args:
-      model: :class:`Llama`.
-      token_ids: int ``[T]`` token ids (no batch axis).
+      model: :class:`Llama`; token_ids: int ``[T]`` token ids (no batch axis).
       start_pos: RoPE position of the first token (the chunk attends to itself only).
     Returns:
       float32 logits ``[T, vocab]``; row ``t`` predicts token ``t + 1``.
@@ -421,8 +281,7 @@ def forward_compressed(model: Llama, token_ids, caches: Sequence, block_table, s
     ``[T, num_kv_heads, window, head_dim]`` per layer).
 
     Args:
-      model: :class:`Llama`.
-      token_ids: int ``[T]``.
+      model: :class:`Llama`; token_ids: int ``[T]``.
       caches: list of per-layer :class:`jax_tq.PagedKVCache`, compressed or not (donated).
       block_table: int ``[max_pages]`` physical pages of this sequence; must cover ``start_pos + T`` tokens.
       start_pos: position of ``token_ids[0]`` (tokens before it must already be cached).
@@ -461,8 +320,7 @@ def decode_step(model: Llama, caches: Sequence, token, position, block_tables, s
     """One decoding step for a batch of sequences (jit-compiled; caches donated).
 
     Args:
-      model: :class:`Llama`.
-      caches: list of per-layer :class:`jax_tq.PagedKVCache`, compressed or not (donated).
+      model: :class:`Llama`; caches: list of per-layer :class:`jax_tq.PagedKVCache` (donated).
       token: int ``[S]`` the new token of each sequence.
       position: int ``[S]`` its position (number of tokens already cached for the sequence).
       block_tables: int ``[S, max_pages]``.
