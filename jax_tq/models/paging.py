@@ -1,7 +1,8 @@
 """How a model's forward addresses jax_tq's paged KV caches: the per-layer caches
 (:func:`init_caches`), the slots of new tokens (:func:`slot_mapping_for`) and what each query row
 attends to (:class:`CacheRows`, made by :func:`chunk_rows` for a chunk of one sequence and by
-:func:`decode_rows` for one new token per sequence). Nothing here is Llama-specific."""
+:func:`decode_rows` for one new token per sequence). Only init_caches reads the model config (layer
+count, KV heads, head_dim); the rest serves any decoder."""
 from __future__ import annotations
 
 import dataclasses
