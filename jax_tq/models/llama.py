@@ -234,11 +234,15 @@ _CHUNK_PAGE_SIZE = 16
 @functools.partial(jax.jit, static_argnums=(0, 3))
 def _logits_pure(graphdef, state, token_ids, start_pos):
     model = nnx.merge(graphdef, state)
-    num_tokens = token_ids.shape[0]
-    num_pages = -(-num_tokens // _CHUNK_PAGE_SIZE)
+    num_pages = -(-token_ids.shape[0] // _CHUNK_PAGE_SIZE)
     caches = init_caches(model.config, None, None, num_pages, _CHUNK_PAGE_SIZE)
-    rows = chunk_rows(caches[0], jnp.arange(num_pages, dtype=jnp.int32), 0, num_tokens)
-    return model(token_ids, start_pos + jnp.arange(num_tokens, dtype=jnp.int32), caches, rows)[0]
+    return _chunk(model, token_ids, caches, jnp.arange(num_pages, dtype=jnp.int32), 0, start_pos)[0]
+
+
+def _chunk(model, token_ids, caches, block_table, cache_start, rope_start, window_id=0):
+    """The chunk's tokens at cache positions from ``cache_start``, RoPE positions from ``rope_start``."""
+    rows = chunk_rows(caches[0], block_table, cache_start, token_ids.shape[0], window_id)
+    return model(token_ids, rope_start + jnp.arange(token_ids.shape[0], dtype=jnp.int32), caches, rows)
 
 
 def forward_logits(model: Llama, token_ids, start_pos: int = 0) -> jax.Array:
@@ -263,9 +267,7 @@ def forward_logits(model: Llama, token_ids, start_pos: int = 0) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnums=(0, 5), donate_argnums=(3,))
 def _chunk_pure(graphdef, state, token_ids, caches, block_table, start_pos, window_id):
-    model = nnx.merge(graphdef, state)
-    rows = chunk_rows(caches[0], block_table, start_pos, token_ids.shape[0], window_id)
-    return model(token_ids, start_pos + jnp.arange(token_ids.shape[0], dtype=jnp.int32), caches, rows)
+    return _chunk(nnx.merge(graphdef, state), token_ids, caches, block_table, start_pos, start_pos, window_id)
 
 
 def forward_compressed(model: Llama, token_ids, caches: Sequence, block_table, start_pos: int = 0,
