@@ -2,7 +2,8 @@
 
 A jax_tq primitive has: an impl that jit-compiles its own bind, an abstract eval, a lowering per
 platform (the FFI kernel, or the reference through ``mlir.lower_fun`` when the backend is "auto"
-and no kernel exists for that platform), and a batching rule defined next to it.
+and no kernel exists for that platform or :func:`jax_tq.backend.auto_uses_reference` prefers it),
+and a batching rule defined next to it.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import jax
 import numpy as np
 
 from jax_tq import _compat, _ffi
-from jax_tq.backend import BackendUnavailableError
+from jax_tq.backend import BackendUnavailableError, auto_uses_reference
 from jax_tq.format import INDEX_MAX
 
 _PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
@@ -72,7 +73,8 @@ def _lower(platform, target, reference_impl, ffi_rule, may_be_empty, results_may
         )
     inputs = [a for i, a in enumerate(ctx.avals_in) if i not in may_be_empty]
     results = [a for i, a in enumerate(ctx.avals_out) if i not in results_may_be_empty]
-    if not use_kernel or has_zero_size(inputs) or has_zero_size(results):
+    faster_reference = backend == "auto" and auto_uses_reference(platform, target, ctx.avals_in, params)
+    if not use_kernel or faster_reference or has_zero_size(inputs) or has_zero_size(results):
         fallback = functools.partial(reference_impl, **params)
         return _compat.mlir.lower_fun(fallback, multiple_results=True)(ctx, *operands)
     return ffi_rule(ctx, *operands, **params)

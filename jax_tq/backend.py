@@ -1,8 +1,11 @@
 """Backend selection: which implementation serves an op.
 
 Backends:
-  ``"auto"`` (default): the compiled FFI kernel for the platform the op is lowered for; where there
-      is none (e.g. a GPU build without CUDA kernels, or TPU), the pure-jnp reference.
+  ``"auto"`` (default): the faster of the compiled FFI kernel and the pure-jnp reference for the
+      platform the op is lowered for (:func:`auto_uses_reference`: on the GPU the kernels; on the
+      CPU the C++ handlers of the attention ops and of fitted-scale writes of >= 1024 rows, XLA's
+      code of the rest); the reference where there is no kernel (e.g. a GPU build without CUDA
+      kernels, or TPU).
   ``"ffi"``: the compiled FFI kernel only; lowering for a platform without one raises
       :class:`BackendUnavailableError`.
   ``"xla"``: the pure-jnp reference (:mod:`jax_tq.reference`), compiled by XLA.
@@ -16,10 +19,39 @@ import contextvars
 import os
 import warnings
 
+import numpy as np
+
 BACKENDS = ("auto", "ffi", "xla")
 ENV_VAR = "JAX_TQ_BACKEND"
 
 _override: contextvars.ContextVar[str | None] = contextvars.ContextVar("jax_tq_backend", default=None)
+
+
+#: Backend "auto" on the CPU: the ops whose jnp reference, compiled by XLA, beats the C++ handler
+#: (2 cores, head_dim 64 / 128; docs/performance.md "CPU"): the handlers rotate in float64 one row at
+#: a time, XLA in float32 as a matrix product. compress / write_cache with a fitted scale (its
+#: candidate search is cheaper in C++) keep the handler from CPU_FIT_ROWS rows.
+_CPU_REFERENCE_OPS = ("jax_tq_compress", "jax_tq_decompress", "jax_tq_write_cache", "jax_tq_qjl_compress",
+                      "jax_tq_qjl_scores")
+#: Rows (tokens x KV heads) from which a fitted-scale compress / write_cache runs the CPU handler:
+#: 128 tokens x 8 heads at head_dim 128, K4V4: 16.9 ms against XLA's 20.4 (64 tokens: 9.2 vs 4.1).
+CPU_FIT_ROWS = 1024
+
+
+def auto_uses_reference(platform: str, target: str, avals_in, params: dict) -> bool:
+    """Whether backend "auto" lowers FFI target ``target`` on ``platform`` to its jnp reference
+    although a kernel exists, because XLA's code of the reference is faster there.
+
+    Args:
+      platform: "cpu", "cuda", ...; target: the FFI target name ("jax_tq_compress", ...).
+      avals_in: the call's operand avals (operand 0: the rows, [rows, ...] or [tokens, heads, ...]).
+      params: the primitive's params (``fit_scale``, or ``k_fit_scale`` / ``v_fit_scale``).
+    """
+    if platform != "cpu" or target not in _CPU_REFERENCE_OPS:
+        return False
+    fitted = params.get("fit_scale") or params.get("k_fit_scale") or params.get("v_fit_scale")
+    rows = int(np.prod(avals_in[0].shape[:-1])) if avals_in else 0
+    return not (fitted and rows >= CPU_FIT_ROWS)
 
 
 class BackendUnavailableError(RuntimeError):
