@@ -1,9 +1,9 @@
-"""Machinery shared by the primitive modules (compress.py, paged_decode.py).
+"""Machinery shared by the primitive modules (compress.py, paged_decode.py, paged_prefill.py, qjl.py).
 
 A jax_tq primitive has: an impl that jit-compiles its own bind, an abstract eval, a lowering per
 platform (the FFI kernel, or the reference through ``mlir.lower_fun`` when the backend is "auto"
 and no kernel exists for that platform or :func:`jax_tq.backend.auto_uses_reference` prefers it),
-and a batching rule defined next to it.
+and a batching rule; each op module gives them in one :func:`define_op` call per op.
 """
 from __future__ import annotations
 
@@ -23,6 +23,25 @@ _PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 @functools.lru_cache(maxsize=None)
 def _jitted_bind(prim, params: tuple):
     return jax.jit(functools.partial(prim.bind, **dict(params)))
+
+
+def define_op(prim, *, abstract: Callable, reference: Callable, ffi: Callable, batch: Callable,
+              may_be_empty: Sequence[int] = (), results_may_be_empty: Sequence[int] = ()) -> None:
+    """Everything JAX needs of a jax_tq primitive (its results a tuple), given in one place per op.
+
+    Args:
+      prim: the primitive, named as its FFI target ("jax_tq_<op>").
+      abstract: the abstract eval, ``(*avals, **params) -> tuple of avals``.
+      reference: the pure-jnp version, ``(*operands, **params without backend) -> tuple``.
+      ffi: the FFI lowering, ``(ctx, *operands, **params without backend) -> results``.
+      batch: the batching rule (vmap), ``(args, dims, **params) -> (outputs, out_dims)``.
+      may_be_empty, results_may_be_empty: see :func:`register_lowerings`.
+    """
+    prim.multiple_results = True
+    prim.def_abstract_eval(abstract)
+    define_impl(prim)
+    register_lowerings(prim, reference, ffi, may_be_empty, results_may_be_empty)
+    _compat.batching.primitive_batchers[prim] = batch
 
 
 def define_impl(prim) -> None:

@@ -23,11 +23,8 @@ from jax_tq.format import check_bits, packed_bytes
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 compress_p = _compat.Primitive("jax_tq_compress")
-compress_p.multiple_results = True
 decompress_p = _compat.Primitive("jax_tq_decompress")
-decompress_p.multiple_results = True
 write_cache_p = _compat.Primitive("jax_tq_write_cache")  # compress and write of K and V in one call
-write_cache_p.multiple_results = True
 
 
 # ----------------------------------------------------------------------------- validation
@@ -402,13 +399,6 @@ def _write_cache_abstract(k, v, k_codes, k_norms, v_codes, v_norms, k_rot, k_cen
                  for a in (k_codes, k_norms, v_codes, v_norms, k_window, v_window))
 
 
-compress_p.def_abstract_eval(_compress_abstract)
-decompress_p.def_abstract_eval(_decompress_abstract)
-write_cache_p.def_abstract_eval(_write_cache_abstract)
-for _prim in (compress_p, decompress_p, write_cache_p):
-    pu.define_impl(_prim)
-
-
 # ----------------------------------------------------------------------------- lowering
 
 def _compress_reference(x, rotation, centroids, *, bits, fit_scale):
@@ -464,10 +454,6 @@ def _write_cache_ffi(ctx, *operands, k_bits, v_bits, k_fit_scale, v_fit_scale):
                 v_fit_scale=np.int32(v_fit_scale))
 
 
-pu.register_lowerings(compress_p, _compress_reference, _compress_ffi)
-pu.register_lowerings(decompress_p, _decompress_reference, _decompress_ffi)
-pu.register_lowerings(write_cache_p, _write_cache_reference, _write_cache_ffi, may_be_empty=(11, 12, 14),
-                      results_may_be_empty=(4, 5))  # no window; no rotation spec
 
 
 # ----------------------------------------------------------------------------- batching
@@ -505,6 +491,12 @@ def _write_cache_batch(args, dims, **params):
     return list(outs), [0] * 6
 
 
-_compat.batching.primitive_batchers[compress_p] = _compress_batch
-_compat.batching.primitive_batchers[decompress_p] = _decompress_batch
-_compat.batching.primitive_batchers[write_cache_p] = _write_cache_batch
+# ----------------------------------------------------------------------------- the ops
+
+pu.define_op(compress_p, abstract=_compress_abstract, reference=_compress_reference, ffi=_compress_ffi,
+             batch=_compress_batch)
+pu.define_op(decompress_p, abstract=_decompress_abstract, reference=_decompress_reference, ffi=_decompress_ffi,
+             batch=_decompress_batch)
+pu.define_op(write_cache_p, abstract=_write_cache_abstract, reference=_write_cache_reference, ffi=_write_cache_ffi,
+             batch=_write_cache_batch, may_be_empty=(11, 12, 14),  # no window; no rotation spec
+             results_may_be_empty=(4, 5))

@@ -26,7 +26,6 @@ from jax_tq.checks import check_decode_indices, check_window_ids, reject_checkif
 from jax_tq.compress import empty_window
 
 paged_decode_p = _compat.Primitive("jax_tq_paged_decode")
-paged_decode_p.multiple_results = True
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 _LOG2E = 1.4426950408889634  # the kernels take scores in log2 units: scale * log2(e) in float32
@@ -486,12 +485,6 @@ def _ffi(ctx, *operands, k_bits, v_bits, scale, num_splits, f16_products, kernel
     return results[:1]
 
 
-paged_decode_p.def_abstract_eval(_abstract)
-pu.define_impl(paged_decode_p)
-# rotation [2, 0]: q is q_rot; windows [0, Hkv, 0, d]: none
-pu.register_lowerings(paged_decode_p, _reference, _ffi, may_be_empty=(9, 10, 12))
-
-
 def fold_batched_pools(pools, pool_dims, ids, ids_dim, size: int, pool_size):
     """vmap of an attention primitive's pools (the four page pools, or the two windows): batched
     pools are folded into one pool, each element's ids (block tables, window ids) offset into its
@@ -522,4 +515,6 @@ def _batch(args, dims, **params):
     return [out.reshape((size, num_seqs) + out.shape[1:])], [0]
 
 
-_compat.batching.primitive_batchers[paged_decode_p] = _batch
+# rotation [2, 0]: q is q_rot; windows [0, Hkv, 0, d]: none
+pu.define_op(paged_decode_p, abstract=_abstract, reference=_reference, ffi=_ffi, batch=_batch,
+             may_be_empty=(9, 10, 12))

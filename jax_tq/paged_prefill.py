@@ -26,7 +26,6 @@ from jax_tq.paged_decode import _check_decode_args, _static_scale, fold_batched_
 __all__ = ["paged_prefill"]
 
 paged_prefill_p = _compat.Primitive("jax_tq_paged_prefill")
-paged_prefill_p.multiple_results = True
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -175,11 +174,6 @@ def _ffi(ctx, *operands, k_bits, v_bits, scale):
                                                          v_bits=np.int32(v_bits), scale=np.float32(scale))
 
 
-paged_prefill_p.def_abstract_eval(_abstract)
-pu.define_impl(paged_prefill_p)
-pu.register_lowerings(paged_prefill_p, _reference, _ffi, may_be_empty=(7, 8, 9, 10, 11, 12))  # no sequences / window
-
-
 def _batch(args, dims, **params):
     """Fold vmapped axes into the token and sequence axes: element b's rows follow element b - 1's
     and its sequences are followed by one empty sequence (no tokens) that owns its rows after its last
@@ -208,4 +202,5 @@ def _batch(args, dims, **params):
     return [out.reshape((size, num_tokens) + out.shape[1:])], [0]
 
 
-_compat.batching.primitive_batchers[paged_prefill_p] = _batch
+pu.define_op(paged_prefill_p, abstract=_abstract, reference=_reference, ffi=_ffi, batch=_batch,
+             may_be_empty=(7, 8, 9, 10, 11, 12))  # no sequences / window

@@ -26,9 +26,7 @@ from jax_tq.format import unpack_signs
 __all__ = ["QJLCodes", "qjl_compress", "qjl_decompress", "qjl_scores"]
 
 qjl_compress_p = _compat.Primitive("jax_tq_qjl_compress")
-qjl_compress_p.multiple_results = True
 qjl_scores_p = _compat.Primitive("jax_tq_qjl_scores")
-qjl_scores_p.multiple_results = True
 
 
 class QJLCodes(NamedTuple):
@@ -257,12 +255,6 @@ def _qjl_scores_abstract(q_rot, q_sketch, codes, norms, signs, gamma, centroids,
     return (_compat.output_aval((b, num_queries, norms.shape[1]), jnp.float32, *inputs),)
 
 
-qjl_compress_p.def_abstract_eval(_qjl_compress_abstract)
-qjl_scores_p.def_abstract_eval(_qjl_scores_abstract)
-for _prim in (qjl_compress_p, qjl_scores_p):
-    pu.define_impl(_prim)
-
-
 # ----------------------------------------------------------------------------- lowering
 
 def _qjl_compress_reference(x, rotation, centroids, sketch, *, bits):
@@ -280,10 +272,6 @@ def _qjl_compress_ffi(ctx, *operands, bits):
 def _qjl_scores_ffi(ctx, *operands, bits, qjl_scale):
     return _compat.ffi_lowering("jax_tq_qjl_scores")(ctx, *operands, bits=np.int32(bits),
                                                      qjl_scale=np.float32(qjl_scale))
-
-
-pu.register_lowerings(qjl_compress_p, _qjl_compress_reference, _qjl_compress_ffi)
-pu.register_lowerings(qjl_scores_p, _qjl_scores_reference, _qjl_scores_ffi)
 
 
 # ----------------------------------------------------------------------------- batching
@@ -310,5 +298,9 @@ def _qjl_scores_batch(args, dims, **params):
     return [scores.reshape((size, moved[0].shape[1]) + scores.shape[1:])], [0]
 
 
-_compat.batching.primitive_batchers[qjl_compress_p] = _qjl_compress_batch
-_compat.batching.primitive_batchers[qjl_scores_p] = _qjl_scores_batch
+# ----------------------------------------------------------------------------- the ops
+
+pu.define_op(qjl_compress_p, abstract=_qjl_compress_abstract, reference=_qjl_compress_reference,
+             ffi=_qjl_compress_ffi, batch=_qjl_compress_batch)
+pu.define_op(qjl_scores_p, abstract=_qjl_scores_abstract, reference=_qjl_scores_reference, ffi=_qjl_scores_ffi,
+             batch=_qjl_scores_batch)
