@@ -177,15 +177,111 @@ __device__ __forceinline__ void v_phase(const uint8_t* vcs, const int* vals, con
 }
 
 // ---------------------------------------------------------------------------------------------
+// The CUDA-core split kernel's phases.
+// ---------------------------------------------------------------------------------------------
+// The tile's q rows (pre-scaled, log2 units) in q_s's K-phase layout, bad_s (1: the head's q_rot row
+// is not all finite, a NaN output row), and the output accumulator o_s zeroed.
+template <int D, int GT>
+__device__ __forceinline__ void stage_query_tile(const DecodeParams& p, int seq, int kvh, int tile, float* q_s,
+                                                 float* o_s, int* bad_s, int tid) {
+  using Geo = KGeom<D>;
+  if (tid < GT) bad_s[tid] = 0;
+  __syncthreads();
+  for (int idx = tid; idx < GT * D; idx += kThreads) {
+    const int g = idx / D;
+    const int dd = idx - g * D;
+    const int hl = tile * GT + g;
+    float v = 0.f;
+    if (hl < p.G) {
+      const int h = kvh * p.G + hl;
+      const float x = p.q[(static_cast<int64_t>(seq) * p.H + h) * D + dd];
+      if (!isfinite(x)) bad_s[g] = 1;
+      v = x * p.qscale;
+    }
+    q_s[(g * Geo::LPT + dd / Geo::DL) * Geo::QROW + (dd % Geo::DL)] = v;
+    o_s[idx] = 0.f;
+  }
+}
+
+// Online softmax of one chunk's scores s_s [kChunk][GT], one warp per head (state m_r, l_r
+// replicated in its lanes): the V weights p * v_norm to w_s, each head's rescale factor to alpha_s.
+template <int GT, int GPW>
+__device__ __forceinline__ void softmax_update(const float* s_s, const float* vns, float (&m_r)[GPW],
+                                               float (&l_r)[GPW], float* w_s, float* alpha_s, int warp, int lane) {
+#pragma unroll
+  for (int gi = 0; gi < GPW; ++gi) {
+    const int g = warp + gi * kWarps;
+    if (g < GT) {
+      const float s0 = s_s[lane * GT + g];
+      const float s1 = s_s[(lane + 32) * GT + g];
+      const float cmax = warp_max(fmaxf(s0, s1));
+      const float m_new = fmaxf(m_r[gi], cmax);
+      float alpha, p0, p1;
+      if (m_new == -INFINITY) {
+        alpha = 1.f;
+        p0 = 0.f;
+        p1 = 0.f;
+      } else {
+        alpha = fast_exp2(m_r[gi] - m_new);  // m_r = -inf -> 0
+        p0 = fast_exp2(s0 - m_new);          // s = -inf -> 0
+        p1 = fast_exp2(s1 - m_new);
+      }
+      const float psum = warp_sum(p0 + p1);
+      l_r[gi] = l_r[gi] * alpha + psum;
+      m_r[gi] = m_new;
+      w_s[lane * GT + g] = p0 > 0.f ? p0 * vns[lane] : 0.f;
+      w_s[(lane + 32) * GT + g] = p1 > 0.f ? p1 * vns[lane + 32] : 0.f;
+      if (lane == 0) alpha_s[g] = alpha;
+    }
+  }
+}
+
+// The V accumulators (8 coordinates of segment lane % SPT per lane) summed over token slots and
+// warps into o_s.
+template <int D, int GT>
+__device__ __forceinline__ void reduce_v_accumulators(float (&acc_v)[GT][8], float* o_s, int warp, int lane) {
+  using Geo = KGeom<D>;
+  constexpr int SPT = Geo::SPT, TPWV = Geo::TPWV, VPASS = Geo::VPASS;
+  const int vseg = lane % SPT;
+  const int vslot = lane / SPT;
+  const bool vactive = vslot < TPWV;
+  if constexpr (Geo::kPow2Spt) {
+    // Lanes with the same segment differ only in the bits above log2(SPT).
+#pragma unroll
+    for (int off = SPT; off < 32; off <<= 1)
+#pragma unroll
+      for (int g = 0; g < GT; ++g)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc_v[g][e] += __shfl_xor_sync(0xffffffffu, acc_v[g][e], off);
+    for (int r = 0; r < kWarps; ++r) {
+      __syncthreads();
+      if (warp == r && vslot == 0) {
+#pragma unroll
+        for (int g = 0; g < GT; ++g)
+#pragma unroll
+          for (int e = 0; e < 8; ++e) o_s[g * D + vseg * 8 + e] += acc_v[g][e];
+      }
+    }
+  } else {
+    for (int r = 0; r < VPASS; ++r) {
+      __syncthreads();
+      if (vactive && warp * TPWV + vslot == r) {
+#pragma unroll
+        for (int g = 0; g < GT; ++g)
+#pragma unroll
+          for (int e = 0; e < 8; ++e) o_s[g * D + vseg * 8 + e] += acc_v[g][e];
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // The CUDA-core split kernel.
 // ---------------------------------------------------------------------------------------------
 template <int D, int GT>
 __global__ void __launch_bounds__(kThreads)
     decode_cuda_core_kernel(const DecodeParams p) {
   using L = Layout<D, GT>;
-  using Geo = KGeom<D>;
-  constexpr int LPT = Geo::LPT, DL = Geo::DL, QROW = Geo::QROW;
-  constexpr int SPT = Geo::SPT, TPWV = Geo::TPWV, VPASS = Geo::VPASS;
   constexpr int GPW = (GT + kWarps - 1) / kWarps;  // heads per warp in the softmax phase
   static_assert(kChunk == 64, "softmax phase assumes two tokens per lane");
 
@@ -224,22 +320,7 @@ __global__ void __launch_bounds__(kThreads)
 
   // ---- prologue: q (pre-scaled, log2 units), centroids, zero the output accumulator ----------
   __shared__ int bad_s[GT];  // 1: the head's q_rot row is not all finite (a NaN output row)
-  if (tid < GT) bad_s[tid] = 0;
-  __syncthreads();
-  for (int idx = tid; idx < GT * D; idx += kThreads) {
-    const int g = idx / D;
-    const int dd = idx - g * D;
-    const int hl = tile * GT + g;
-    float v = 0.f;
-    if (hl < p.G) {
-      const int h = kvh * p.G + hl;
-      const float x = p.q[(static_cast<int64_t>(seq) * p.H + h) * D + dd];
-      if (!isfinite(x)) bad_s[g] = 1;
-      v = x * p.qscale;
-    }
-    q_s[(g * LPT + dd / DL) * QROW + (dd % DL)] = v;
-    o_s[idx] = 0.f;
-  }
+  stage_query_tile<D, GT>(p, seq, kvh, tile, q_s, o_s, bad_s, tid);
   if (tid < 16) {
     kcent_s[tid] = tid < (1 << kb) ? p.kcent[tid] : 0.f;
     vcent_s[tid] = tid < (1 << vb) ? p.vcent[tid] : 0.f;
@@ -304,33 +385,7 @@ __global__ void __launch_bounds__(kThreads)
     }
     __syncthreads();
 
-    // ---- softmax update: one warp per head ----------------------------------------------------
-#pragma unroll
-    for (int gi = 0; gi < GPW; ++gi) {
-      const int g = warp + gi * kWarps;
-      if (g < GT) {
-        const float s0 = s_s[lane * GT + g];
-        const float s1 = s_s[(lane + 32) * GT + g];
-        const float cmax = warp_max(fmaxf(s0, s1));
-        const float m_new = fmaxf(m_r[gi], cmax);
-        float alpha, p0, p1;
-        if (m_new == -INFINITY) {
-          alpha = 1.f;
-          p0 = 0.f;
-          p1 = 0.f;
-        } else {
-          alpha = fast_exp2(m_r[gi] - m_new);  // m_r = -inf -> 0
-          p0 = fast_exp2(s0 - m_new);          // s = -inf -> 0
-          p1 = fast_exp2(s1 - m_new);
-        }
-        const float psum = warp_sum(p0 + p1);
-        l_r[gi] = l_r[gi] * alpha + psum;
-        m_r[gi] = m_new;
-        w_s[lane * GT + g] = p0 > 0.f ? p0 * vns[lane] : 0.f;
-        w_s[(lane + 32) * GT + g] = p1 > 0.f ? p1 * vns[lane + 32] : 0.f;
-        if (lane == 0) alpha_s[g] = alpha;
-      }
-    }
+    softmax_update<GT, GPW>(s_s, vns, m_r, l_r, w_s, alpha_s, warp, lane);
     __syncthreads();
 
     // ---- V phase --------------------------------------------------------------------------------
@@ -350,38 +405,7 @@ __global__ void __launch_bounds__(kThreads)
   }
   cp_async_wait<0>();
 
-  // ---- reduce V accumulators over token slots and warps --------------------------------------
-  const int vseg = lane % SPT;
-  const int vslot = lane / SPT;
-  const bool vactive = vslot < TPWV;
-  if constexpr (Geo::kPow2Spt) {
-    // Lanes with the same segment differ only in the bits above log2(SPT).
-#pragma unroll
-    for (int off = SPT; off < 32; off <<= 1)
-#pragma unroll
-      for (int g = 0; g < GT; ++g)
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc_v[g][e] += __shfl_xor_sync(0xffffffffu, acc_v[g][e], off);
-    for (int r = 0; r < kWarps; ++r) {
-      __syncthreads();
-      if (warp == r && vslot == 0) {
-#pragma unroll
-        for (int g = 0; g < GT; ++g)
-#pragma unroll
-          for (int e = 0; e < 8; ++e) o_s[g * D + vseg * 8 + e] += acc_v[g][e];
-      }
-    }
-  } else {
-    for (int r = 0; r < VPASS; ++r) {
-      __syncthreads();
-      if (vactive && warp * TPWV + vslot == r) {
-#pragma unroll
-        for (int g = 0; g < GT; ++g)
-#pragma unroll
-          for (int e = 0; e < 8; ++e) o_s[g * D + vseg * 8 + e] += acc_v[g][e];
-      }
-    }
-  }
+  reduce_v_accumulators<D, GT>(acc_v, o_s, warp, lane);
   // Softmax state to smem.
 #pragma unroll
   for (int gi = 0; gi < GPW; ++gi) {
@@ -548,6 +572,23 @@ template <int D>
 constexpr int win_heads() { return 4; }
 
 
+// Head g's window state over the NW warps' (m, l): its max mw and sum lw (>= 1 where mw is finite:
+// the warp holding the max has a term 2^0).
+template <int NW, int HC>
+__device__ __forceinline__ void merge_window_state(const float (&m_s)[NW][HC], const float (&l_s)[NW][HC], int g,
+                                                   float& mw_out, float& lw_out) {
+  float mw = -INFINITY;
+#pragma unroll
+  for (int w = 0; w < NW; ++w) mw = fmaxf(mw, m_s[w][g]);
+  float lw = 0.f;
+  if (mw > -INFINITY) {
+#pragma unroll
+    for (int w = 0; w < NW; ++w) lw = fmaf(l_s[w][g], fast_exp2(m_s[w][g] - mw), lw);  // m = -inf -> 0
+  }
+  mw_out = mw;
+  lw_out = lw;
+}
+
 template <int D>
 __global__ void __launch_bounds__(kCombineThreads)
     paged_decode_window_partial_kernel(const WindowPartialParams p) {
@@ -713,18 +754,11 @@ __global__ void __launch_bounds__(kCombineThreads)
   // ---- 3. per head: the window's state over the warps, its lse ----------------------------------
   if (warp < gn && lane == 0) {
     const int g = warp;
-    float mw = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < NW; ++w) mw = fmaxf(mw, m_s[w][g]);
-    float lw = 0.f;
-    if (mw > -INFINITY) {
-#pragma unroll
-      for (int w = 0; w < NW; ++w) lw = fmaf(l_s[w][g], fast_exp2(m_s[w][g] - mw), lw);  // m = -inf -> 0
-    }
+    float mw, lw;
+    merge_window_state<NW, HC>(m_s, l_s, g, mw, lw);
     mw_s[g] = mw;
-    lw_s[g] = lw;  // >= 1 where mw is finite: the warp holding the max has a term 2^0
-    p.plse[(row0 + g) * p.pstride + p.ns] =
-        bad_s[g] ? INFINITY : mw > -INFINITY ? (mw + log2f(lw)) * kLn2 : -INFINITY;
+    lw_s[g] = lw;
+    p.plse[(row0 + g) * p.pstride + p.ns] = bad_s[g] ? INFINITY : mw > -INFINITY ? (mw + log2f(lw)) * kLn2 : -INFINITY;
   }
   __syncthreads();
 
