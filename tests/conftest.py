@@ -12,6 +12,8 @@ import pytest
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
+    config.addinivalue_line("markers", "backend(name): runs under jax_tq.use_backend(name); a test's own mark wins "
+                                       "over its module's, and backend(None) keeps the default")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -35,6 +37,18 @@ def rng(request):
     """A fresh generator per test; the seed is printed on failure via the test id + entropy."""
     seed = np.random.SeedSequence(entropy=_SEED.entropy, spawn_key=(zlib.crc32(request.node.nodeid.encode()),))
     return np.random.default_rng(seed)
+
+
+@pytest.fixture(autouse=True)
+def marked_backend(request):
+    """The backend a test's nearest ``backend`` mark names, for the whole test."""
+    mark = request.node.get_closest_marker("backend")
+    if mark is None or mark.args[0] is None:
+        yield
+        return
+    import jax_tq as tq
+    with tq.use_backend(mark.args[0]):
+        yield
 
 
 def poison_device_memory(nbytes: int) -> None:
