@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import jax_tq as tq
-from oracle import decode_f64, random_cache, rel_err
+from oracle import decode_f64, random_cache, random_window_cache, rel_err
 
 
 def _cache(rng):
@@ -130,3 +130,20 @@ def test_grad_inside_the_check_works_and_outside_it_says_why(rng):
     assert rel_err(grad, want) < 1e-5
     with pytest.raises(TypeError, match=r"jax.grad of a checked paged_decode is not supported.*checked\(jax.grad\(f\)\)"):
         jax.jit(jax.grad(lambda q: tq.checked(tq.paged_decode)(q, cache, tables, lens)[1].sum()))(q)
+
+
+def test_checked_mode_names_bad_window_ids_and_slots(rng):
+    cache = random_window_cache(rng)
+    q = jnp.zeros((2, 2, 64))
+    tables = jnp.zeros((2, 3), jnp.int32)
+    lens = jnp.asarray([0, 4], jnp.int32)
+    err, _ = jax.jit(tq.checked(tq.paged_decode))(q, cache, tables, lens, window_ids=jnp.asarray([7, 3], jnp.int32))
+    with pytest.raises(Exception, match=r"window_ids\[1\] = 3 is outside \[0, 3\) but sequence 1 has tokens"):
+        err.throw()
+    err, _ = jax.jit(tq.checked(tq.paged_decode))(q, cache, tables, lens, window_ids=jnp.asarray([7, 2], jnp.int32))
+    err.throw()  # sequence 0 is empty: its id is never read
+    k = jnp.zeros((2, 2, 64))
+    err, _ = jax.jit(tq.checked(tq.write_cache))(cache, k, k, jnp.asarray([0, 1], jnp.int32),
+                                                 jnp.asarray([-1, 15], jnp.int32))
+    with pytest.raises(Exception, match=r"window_slots\[1\] = 15 is outside the window"):
+        err.throw()

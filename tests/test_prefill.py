@@ -1,6 +1,6 @@
 """paged_prefill (causal attention of new query rows over the compressed paged cache) through the
 FFI kernels (CPU here, CUDA where marked) against the float64 oracle: each row is a one-query decode
-of its sequence cut at its own position."""
+of its sequence cut at its own position; with a window, attention over pages + window rows."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,11 +12,13 @@ import pytest
 
 import jax_tq as tq
 from jax_tq.paged_prefill import paged_prefill_p
-from conftest import kernel_backend
-from oracle import decode_f64, primitive_count, random_cache, random_tables, rel_err
+from conftest import kernel_backend, poison_device_memory
+from oracle import (attend_f64, decode_f64, primitive_count, random_cache, random_tables, random_window_cache, rel_err,
+                    sequence_tokens)
 
 
 TARGETS = ("jax_tq_paged_prefill",)
+BACKENDS = ("ffi", "xla")
 
 
 @pytest.fixture(autouse=True)
@@ -204,6 +206,29 @@ def test_checked_prefill_reports_bad_query_start_loc(rng, starts, lens, match):
         err.throw()
 
 
+# ----------------------------------------------------------------------------- the window
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_prefill_reads_pages_and_window_as_they_stand(rng, backend):
+    """Rows of two sequences (chunked prefill: 7 of 23 tokens new, and 4 of 4): row i attends to the
+    tokens up to its position, the sequence's last `window` from its window."""
+    cache = random_window_cache(rng, num_kv_heads=1)
+    tables = np.stack([rng.permutation(24)[:4] for _ in range(2)]).astype(np.int32)
+    seq_lens = np.asarray([23, 4], np.int32)
+    starts = np.asarray([0, 7, 11], np.int32)
+    window_ids = np.asarray([1, 0], np.int32)
+    q = rng.normal(size=(11, 4, 64)).astype(np.float32)
+    with tq.use_backend(backend):
+        out = np.asarray(tq.paged_prefill(q, cache, tables, seq_lens, starts, window_ids=window_ids))
+    for s in range(2):
+        keys, values, valid = sequence_tokens(cache, tables[s], seq_lens[s], window_ids[s])
+        rows = range(starts[s], starts[s + 1])
+        for i, row in enumerate(rows):
+            n = seq_lens[s] - len(rows) + i + 1
+            want = attend_f64(q[row], keys[:n], values[:n], valid[:n], 1 / 8)
+            assert rel_err(out[row], want) < 2e-5
+
+
 # ----------------------------------------------------------------------------- CUDA (marked gpu: skipped
 # without one, conftest.py); the autouse fixture selects the "ffi" backend, so these run the CUDA kernel
 
@@ -245,3 +270,23 @@ def test_gpu_prefill_long_prompt_vmap_and_grad(rng):
     with tq.use_backend("xla"):
         want = jax.grad(lambda q: jnp.sum(tq.paged_prefill(q, cache, tables, lens, starts)[-4:]))(q)
     assert rel_err(dq, want) < 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim,group", [(128, 4), (64, 3)])
+def test_gpu_prefill_with_a_window_matches_the_float64_oracle(request, rng, head_dim, group):
+    cache = random_window_cache(rng, head_dim=head_dim, num_kv_heads=2, page_size=16, num_pages=32, window=64, num_windows=3)
+    tables = np.stack([rng.permutation(32)[:8] for _ in range(3)]).astype(np.int32)
+    seq_lens = np.asarray([100, 40, 128], np.int32)   # chunked: 30 of 100 new; 40 of 40; 10 of 128
+    starts = np.asarray([0, 30, 70, 80], np.int32)
+    ids = np.asarray([2, 0, 1], np.int32)
+    q = rng.normal(size=(80, 2 * group, head_dim)).astype(np.float32)
+    poison_device_memory(1 << 26)
+    with kernel_backend(request, ["jax_tq_paged_prefill"]):
+        out = np.asarray(jax.jit(tq.paged_prefill)(q, cache, tables, seq_lens, starts, window_ids=ids))
+    for s in range(3):
+        keys, values, valid = sequence_tokens(cache, tables[s], seq_lens[s], ids[s])
+        rows = range(starts[s], starts[s + 1])
+        for i, row in enumerate(rows):
+            n = seq_lens[s] - len(rows) + i + 1
+            assert rel_err(out[row], attend_f64(q[row], keys[:n], values[:n], valid[:n], 1 / np.sqrt(head_dim))) < 2e-5
