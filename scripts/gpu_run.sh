@@ -42,7 +42,7 @@ if has build; then
 fi
 if has phases; then  # a build with the phase trace (JAX_TQ_TRACE_PHASES=ON), its test and report; then the plain build again
   if JAX_TQ_TRACE_PHASES=ON cuda_install >"$OUT/build_trace.log" 2>&1; then
-    JAX_TQ_TRACE_PHASES=ON timeout 100 python3 -m pytest -q -m gpu tests/test_gpu.py -k "phase_trace or many_item" 2>&1 | tail -n 3
+    JAX_TQ_TRACE_PHASES=ON timeout 100 python3 -m pytest -q -m gpu tests/test_decode.py -k "phase_trace or many_item" 2>&1 | tail -n 3
     PYTHONPATH=benchmarks:${PYTHONPATH:-} timeout 100 python3 benchmarks/phase_trace.py ${PHASE_SHAPES:-32x8192} 2>&1 \
       | grep -E "^==|kernel span|loop end \(|^  end|later|earlier|^  [a-z].*p50"
   else
@@ -69,27 +69,30 @@ fi
 if has kernels; then  # each kernel family (JAX_TQ_DECODE_KERNEL) wherever it runs: the decode GPU tests, then timing
   for k in ${KERNELS:-cuda-core tensor-core-f32 tensor-core-f16}; do
     echo "== $k"
-    JAX_TQ_DECODE_KERNEL=$k timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -x -m gpu tests/test_gpu.py -k decode 2>&1 \
+    JAX_TQ_DECODE_KERNEL=$k timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -x -m gpu tests/test_decode.py -k paged_decode 2>&1 \
       | tee "$OUT/kernel_tests_$k.log" | tail -n 3
     JAX_TQ_DECODE_KERNEL=$k timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/bench_decode.py --only-tq --device-time \
       --shapes ${KERNEL_SHAPES:-32x8192,1x32768} 2>&1 | tee "$OUT/kernel_bench_$k.txt" | grep "^|" | grep -v -- "---" | cut -d'|' -f2-6
   done
   echo "kernels: $(( $(date +%s) - t0 )) s"
 fi
-if has tests; then
-  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_device_time.py 2>&1 \
+if has tests; then  # the CUDA cases of compress, write_cache and decode (not the window's), the device-time helper's
+  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -m gpu tests/test_compress.py tests/test_cache.py tests/test_decode.py tests/test_device_time.py -k "not window" 2>&1 \
     | tee "$OUT/gpu_tests.log" | tail -n 25
   # The same decode cases on the other kernel families (the planner routes most of them to the float16 one).
   for k in ${TEST_KERNELS:-cuda-core tensor-core-f32}; do
-    JAX_TQ_DECODE_KERNEL=$k timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -m gpu tests/test_gpu.py -k decode 2>&1 \
+    JAX_TQ_DECODE_KERNEL=$k timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -m gpu tests/test_decode.py -k paged_decode 2>&1 \
       | tee "$OUT/gpu_tests_$k.log" | tail -n 5
   done
-  # The op tests run on the default device: on this machine they test the CUDA kernels against float64.
-  timeout ${OP_TEST_TIMEOUT:-300} python3 -m pytest -q tests/test_ops.py tests/test_edge_cases.py tests/test_transforms.py tests/test_checks.py tests/test_sharding.py tests/test_qjl.py tests/test_paged_prefill.py 2>&1 | tee "$OUT/op_tests.log" | tail -n 15
+  # The op tests run on the default device: on this machine they test the CUDA kernels against float64
+  # (-k: not the window's cases, which ftests runs; the gpu-marked ones of QJL and prefill only, the
+  # others ran above; a marker's name matches -k as a test's name does).
+  timeout ${OP_TEST_TIMEOUT:-300} python3 -m pytest -q tests/test_compress.py tests/test_cache.py tests/test_decode.py tests/test_api.py tests/test_backend.py \
+    tests/test_checks.py tests/test_sharding.py tests/test_qjl.py tests/test_prefill.py -k "not window and (test_qjl or test_prefill or not gpu)" 2>&1 | tee "$OUT/op_tests.log" | tail -n 15
   echo "tests: $(( $(date +%s) - t0 )) s"
 fi
 if has ftests; then  # the fitted scale and the window on the CUDA kernels (against float64 / the CPU)
-  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -m gpu tests/test_fit_scale.py tests/test_window.py 2>&1 \
+  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -m gpu tests/test_fit_scale.py tests/test_cache.py tests/test_decode.py tests/test_prefill.py -k "fit_scale or window" 2>&1 \
     | tee "$OUT/format_gpu_tests.log" | tail -n 12
   echo "ftests: $(( $(date +%s) - t0 )) s"
 fi
@@ -98,7 +101,7 @@ if has fbench; then  # decode and write time of the presets against the plain co
   echo "fbench: $(( $(date +%s) - t0 )) s"
 fi
 if has regress; then  # the decode GPU tests on the default kernels (a change of the format's paths must not move them)
-  timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -x -m gpu tests/test_gpu.py -k decode 2>&1 | tee "$OUT/gpu_decode_tests.log" | tail -n 6
+  timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -x -m gpu tests/test_decode.py -k paged_decode 2>&1 | tee "$OUT/gpu_decode_tests.log" | tail -n 6
   echo "regress: $(( $(date +%s) - t0 )) s"
 fi
 if has qjl; then  # TurboQuant_prod: the QJL GPU tests (CUDA kernels against float64), then its benchmark
@@ -108,16 +111,17 @@ if has qjl; then  # TurboQuant_prod: the QJL GPU tests (CUDA kernels against flo
   echo "qjl: $(( $(date +%s) - t0 )) s"
 fi
 if has prefill; then  # paged prefill: its tests (CUDA kernel against float64), then its benchmark
-  timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q tests/test_paged_prefill.py 2>&1 | tee "$OUT/prefill_tests.log" | tail -n 8
+  timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q tests/test_prefill.py -k "not window" 2>&1 | tee "$OUT/prefill_tests.log" | tail -n 8
   PYTHONPATH=benchmarks:${PYTHONPATH:-} timeout ${BENCH_TIMEOUT:-200} python3 benchmarks/bench_prefill.py 2>&1 \
     | tee "$OUT/bench_prefill.txt" | tail -n 8
   echo "prefill: $(( $(date +%s) - t0 )) s"
 fi
 if has dtests; then  # the decode GPU tests on the planner's kernels and the device-time helper's, then on the other families
-  timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_device_time.py -k "decode or device_time or plan or float16" 2>&1 \
+  timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -m gpu tests/test_compress.py tests/test_cache.py tests/test_decode.py tests/test_device_time.py \
+    -k "(paged_decode or device_time or float16) and not window" 2>&1 \
     | tee "$OUT/gpu_decode_tests.log" | tail -n 8
   for k in ${DTEST_KERNELS:-tensor-core-f32 cuda-core}; do
-    JAX_TQ_DECODE_KERNEL=$k timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -x -m gpu tests/test_gpu.py -k decode 2>&1 \
+    JAX_TQ_DECODE_KERNEL=$k timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -x -m gpu tests/test_decode.py -k paged_decode 2>&1 \
       | tee "$OUT/gpu_decode_tests_$k.log" | tail -n 5
   done
   echo "dtests: $(( $(date +%s) - t0 )) s"
