@@ -14,6 +14,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
     config.addinivalue_line("markers", "backend(name): runs under jax_tq.use_backend(name); a test's own mark wins "
                                        "over its module's, and backend(None) keeps the default")
+    config.addinivalue_line("markers", "slow: among the slowest on 2 CPU cores; -m \"not slow\" leaves them out (docs/BUILD.md)")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -37,6 +38,14 @@ def rng(request):
     """A fresh generator per test; the seed is printed on failure via the test id + entropy."""
     seed = np.random.SeedSequence(entropy=_SEED.entropy, spawn_key=(zlib.crc32(request.node.nodeid.encode()),))
     return np.random.default_rng(seed)
+
+
+def slow_unless(cases, quick):
+    """``cases`` for pytest.mark.parametrize with those for which ``quick(*case)`` is false marked slow
+    (a tuple case stands for several arguments)."""
+    def args(case):
+        return case if isinstance(case, tuple) else (case,)
+    return [case if quick(*args(case)) else pytest.param(*args(case), marks=pytest.mark.slow) for case in cases]
 
 
 @pytest.fixture(autouse=True)

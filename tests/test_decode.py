@@ -18,7 +18,7 @@ from jax_tq import _compat
 from jax_tq.format import unpack_codes
 from jax_tq.paged_decode import paged_decode_p
 
-from conftest import kernel_backend, poison_device_memory
+from conftest import kernel_backend, poison_device_memory, slow_unless
 from oracle import (attend_f64, compress_f64, decode_args, decode_f64, decode_setup, decompress_f64, on_cpu,
                     primitive_count, random_cache, random_tables, random_window_cache, rel_err, sequence_tokens,
                     small_cache)
@@ -40,7 +40,7 @@ DECODE_CASES = [
 
 
 @pytest.mark.parametrize("case", DECODE_CASES, ids=[str(i) for i in range(len(DECODE_CASES))])
-@pytest.mark.parametrize("q_dtype", (jnp.float32, jnp.bfloat16))
+@pytest.mark.parametrize("q_dtype", slow_unless((jnp.float32, jnp.bfloat16), lambda dtype: dtype == jnp.float32))
 def test_paged_decode_matches_f64(rng, case, q_dtype):
     head_dim, k_bits, v_bits, page_size, num_kv_heads, group, seq_lens, num_splits = case
     num_pages = 3 + sum(-(-n // page_size) for n in seq_lens)
@@ -113,6 +113,7 @@ def test_paged_decode_fused_hadamard_rotation(rng, k_bits, v_bits, group, num_sp
     assert rel_err(got[~bad], dense[~bad]) < tol
 
 
+@pytest.mark.slow
 def test_paged_decode_fused_rotation_grad_vmap_and_reference_lowering(rng):
     """The fused rotation under grad (q and the norms, against the xla backend), vmap (against the
     unbatched call) and the reference lowering of a zero-size block table (NaN rows, zeros)."""
@@ -411,7 +412,8 @@ def test_page_sizes_no_token_skipped(rng, page_size):
 HD_BITS = [(hd, 2 + b, 2 + (b + i) % 3) for i, hd in enumerate((64, 80, 96, 128, 192, 256)) for b in range(3)]
 
 
-@pytest.mark.parametrize("head_dim,k_bits,v_bits", HD_BITS, ids=[f"d{d}-k{k}-v{v}" for d, k, v in HD_BITS])
+@pytest.mark.parametrize("head_dim,k_bits,v_bits", slow_unless(HD_BITS, lambda head_dim, *_: head_dim == 128),
+                         ids=[f"d{d}-k{k}-v{v}" for d, k, v in HD_BITS])
 def test_head_dim_and_bits_write_then_decode(rng, head_dim, k_bits, v_bits):
     page_size, num_kv_heads, num_pages = 16, 2, 6
     k_codec = tq.TurboQuant(head_dim=head_dim, bits=k_bits, seed=3)
@@ -943,6 +945,7 @@ def test_decode_steps_through_a_window_match_a_dense_float64_attention(rng):
     assert cache.window == 64 and t + 1 <= cache.window
 
 
+@pytest.mark.slow
 @pytest.mark.backend(None)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_vmap_over_caches_with_windows(rng, backend):

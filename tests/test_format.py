@@ -188,6 +188,7 @@ def _all_three_byte_groups(chunk: int, num_chunks: int):
     return group_bytes, group_codes
 
 
+@pytest.mark.slow
 def test_three_bit_exhaustive():
     """All 2**24 states of a 3-byte group, both directions (16 groups per 128-dim row)."""
     num_chunks = 4

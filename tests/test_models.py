@@ -123,6 +123,7 @@ def test_uncompressed_forward_matches_numpy_reference(tiny):
     np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bits,window", [((4, 4), 0), ((2, 3), 0), ((2, 2), 5)])
 def test_compressed_eval_matches_decode_steps(tiny, bits, window):
     """Batched evaluation path == token-by-token jitted decode steps, at every position (with a
@@ -155,6 +156,7 @@ def test_compressed_eval_matches_decode_steps(tiny, bits, window):
     np.testing.assert_allclose(dec[:, 1], np.asarray(other_logits), atol=2e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rotation", ["haar", "hadamard"])
 def test_check_decode_matches_eval_reports_both_comparisons(tiny, rotation):
     """The teacher-forced comparison (the check) agrees to float32 rounding; the free-running one is
@@ -339,6 +341,7 @@ def test_decode_loops_refuse_bad_input_before_touching_the_caches(tiny):
         ev.greedy_generate(tiny, [3, 14], 2, None, batch=2.5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cache", [None, (4, 4)])
 def test_greedy_generate_batched(tiny, cache):
     prompt = [3, 14, 15, 92, 65]
@@ -489,6 +492,7 @@ def test_loader_config_and_shapes(reader):
     assert cfg.tie_word_embeddings and cfg.bos_token_id == 1 and cfg.eos_token_id == 2
 
 
+@pytest.mark.slow
 @needs_gguf
 def test_smollm2_end_to_end():
     """Real weights: greedy next token after 'The capital of France is' is ' Paris', through the

@@ -40,6 +40,7 @@ def test_nnx_multihead_attention_with_turboquant_kv(rng):
     assert 1e-4 < err < 0.2, f"4-bit K/V should perturb the output a little, got rel err {err}"
 
 
+@pytest.mark.slow
 def test_nnx_grad_flows_straight_through_the_compressed_kv(rng):
     codec = tq.TurboQuant(head_dim=64, bits=4, seed=1)
     kwargs = dict(num_heads=4, in_features=256, qkv_features=256, decode=False)

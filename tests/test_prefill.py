@@ -12,7 +12,7 @@ import pytest
 
 import jax_tq as tq
 from jax_tq.paged_prefill import paged_prefill_p
-from conftest import kernel_backend, poison_device_memory
+from conftest import kernel_backend, poison_device_memory, slow_unless
 from oracle import (attend_f64, decode_f64, primitive_count, random_cache, random_tables, random_window_cache, rel_err,
                     sequence_tokens)
 
@@ -55,9 +55,9 @@ def _case(rng, *, head_dim=64, k_bits=4, v_bits=3, page_size=8, num_kv_heads=2, 
     return q, cache, tables, jnp.asarray(seq_lens, jnp.int32), jnp.asarray(starts, jnp.int32)
 
 
-@pytest.mark.parametrize("head_dim,k_bits,v_bits,page_size,group,dtype", [
+@pytest.mark.parametrize("head_dim,k_bits,v_bits,page_size,group,dtype", slow_unless([
     (64, 4, 3, 8, 3, jnp.float32), (80, 2, 4, 16, 1, jnp.bfloat16), (128, 4, 4, 16, 4, jnp.float16),
-    (96, 3, 2, 32, 2, jnp.float32), (256, 4, 2, 8, 8, jnp.bfloat16)])
+    (96, 3, 2, 32, 2, jnp.float32), (256, 4, 2, 8, 8, jnp.bfloat16)], lambda head_dim, *_: head_dim == 64))
 def test_prefill_matches_float64_oracle(rng, head_dim, k_bits, v_bits, page_size, group, dtype):
     """Chunked (4 new rows of 10 tokens), whole (33 of 33), more rows than tokens (3 of 2: one row
     before the start), no rows, and rows of no sequence before and after."""
@@ -116,6 +116,7 @@ def test_nan_query_row_gives_a_nan_row_only(rng):
     assert np.all(np.isnan(out[5, 1])) and np.isfinite(np.delete(out.reshape(-1, 64), 5 * 6 + 1, axis=0)).all()
 
 
+@pytest.mark.slow
 def test_nan_query_rows_of_no_sequence_stay_zero_on_every_path(rng):
     q, cache, tables, lens, starts = _case(rng, lead_rows=1, tail_rows=2)
     q = q.at[0, 2].set(jnp.nan).at[-1, 0].set(jnp.inf).at[3, 0].set(jnp.nan)  # rows 0 and -1 owned by none
@@ -141,6 +142,7 @@ def test_checked_prefill_without_sequences_and_grad_outside_the_check(rng):
         jax.grad(lambda q: tq.checked(lambda q: tq.paged_prefill(q, cache, tables, lens, starts).sum())(q)[1])(q)
 
 
+@pytest.mark.slow
 def test_vmap_folds_into_one_kernel_call(rng):
     q, cache, tables, lens, starts = _case(rng, seq_lens=(10, 33, 5), q_lens=(4, 30, 2), tail_rows=2)
     qs = jnp.stack([q, -q, 2 * q])
@@ -157,6 +159,7 @@ def test_vmap_folds_into_one_kernel_call(rng):
     assert rel_err(got[1], prefill_f64(qs[1], cache, tables, lens, starts)) < 1e-5
 
 
+@pytest.mark.slow
 def test_gradient_matches_the_reference_and_finite_differences(rng):
     q, cache, tables, lens, starts = _case(rng, seq_lens=(9, 12), q_lens=(3, 12))
     w = jnp.asarray(rng.normal(size=q.shape), jnp.float32)

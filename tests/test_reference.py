@@ -333,6 +333,7 @@ def test_paged_decode_ignores_garbage_past_seq_len_and_unread_pages():
     np.testing.assert_array_equal(np.asarray(reference.paged_decode_rotated(*args)), baseline)
 
 
+@pytest.mark.slow
 def test_paged_decode_full_pipeline_matches_dense_attention():
     """write_cache_pool K/V into pages, paged_decode (rotate in/out) == dense attention on the
     decompressed K/V."""
