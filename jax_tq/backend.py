@@ -29,12 +29,16 @@ _override: contextvars.ContextVar[str | None] = contextvars.ContextVar("jax_tq_b
 
 #: Backend "auto" on the CPU: the ops whose jnp reference, compiled by XLA, beats the C++ handler
 #: (2 cores, head_dim 64 / 128; docs/performance.md "CPU"): the handlers rotate in float64 one row at
-#: a time, XLA in float32 as a matrix product. compress / write_cache with a fitted scale (its
-#: candidate search is cheaper in C++) keep the handler from CPU_FIT_ROWS rows.
+#: a time, XLA in float32 as a matrix product. Fitted-scale compress / write_cache keep the handler
+#: from CPU_FIT_ROWS rows (a prefill): clearly faster at 2 and 3 bits (k2v2, 1024 tokens x 8 heads,
+#: d64: 28.8 ms against 53.0), a near tie at 4 bits (d64 faster, d128 slower by up to ~1.3x), and
+#: the path the README's quality table was measured through (the two round the fitted scale's ties
+#: differently: k4v4 over one 512-token chunk of SmolLM2 gives 16.848 through the handler, 16.898
+#: through XLA's code).
 _CPU_REFERENCE_OPS = ("jax_tq_compress", "jax_tq_decompress", "jax_tq_write_cache", "jax_tq_qjl_compress",
                       "jax_tq_qjl_scores")
 #: Rows (tokens x KV heads) from which a fitted-scale compress / write_cache runs the CPU handler:
-#: 128 tokens x 8 heads at head_dim 128, K4V4: 16.9 ms against XLA's 20.4 (64 tokens: 9.2 vs 4.1).
+#: 128 tokens x 8 heads, k3v3, d128: 13.9 ms against XLA's 18.4 (64 tokens: 14.5 vs 6.2).
 CPU_FIT_ROWS = 1024
 
 
@@ -49,7 +53,7 @@ def auto_uses_reference(platform: str, target: str, avals_in, params: dict) -> b
     """
     if platform != "cpu" or target not in _CPU_REFERENCE_OPS:
         return False
-    fitted = params.get("fit_scale") or params.get("k_fit_scale") or params.get("v_fit_scale")
+    fitted = any(params.get(prefix + "fit_scale") for prefix in ("", "k_", "v_"))
     rows = int(np.prod(avals_in[0].shape[:-1])) if avals_in else 0
     return not (fitted and rows >= CPU_FIT_ROWS)
 

@@ -168,7 +168,7 @@ def test_fitted_writes_switch_to_the_handler_at_cpu_fit_rows(rng):
     tokens = backend.CPU_FIT_ROWS // cache.num_kv_heads
     assert _write(cache, tokens - 1, rng) == set()
     assert _write(cache, tokens, rng) == {"jax_tq_write_cache"}
-    fitted = tq.TurboQuant(128, 4, 0, scale="fit")
+    fitted = tq.TurboQuant(128, 2, 0, scale="fit")
     x = jnp.asarray(rng.normal(size=(backend.CPU_FIT_ROWS, 128)), jnp.float32)
     assert _custom_calls(lambda x: tq.compress(x, fitted), x) == {"jax_tq_compress"}
 

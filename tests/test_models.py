@@ -528,6 +528,25 @@ def test_from_params_names_a_layer_count_mismatch():
         Llama.from_params(TINY, {"embed": np.zeros((97, 96)), "final_norm": np.ones(96), "layers": [{}]})
 
 
+def test_entry_points_refuse_more_sequences_or_a_window_id_than_the_caches_have_windows(tiny):
+    """Found by a review: 2 sequences over caches of 1 window decoded without an error, and row 1
+    (window id 1) read no window (logits off by ~24); a chunk with window_id 5 wrote no window."""
+    caches = init_caches(TINY, 4, 4, num_pages=8, page_size=4, window=4, num_windows=1, scale="fit",
+                         rotation="hadamard")
+    tabs, two = np.array([[0, 1], [2, 3]], np.int32), np.array([3, 4])
+    with pytest.raises(ValueError, match="2 sequences but the caches hold 1 windows"):
+        make_decode_step(tiny)(caches, two, np.array([0, 0]), tabs, np.array([1, 1]))
+    with pytest.raises(ValueError, match="2 sequences but the caches hold 1 windows"):
+        make_decode_loop(tiny)(caches, two, np.array([0, 0]), tabs, np.array([1, 1]), 2)
+    with pytest.raises(ValueError, match="window_id=5 is outside"):
+        forward_compressed(tiny, np.arange(5, 9, dtype=np.int32), caches, tabs[0], window_id=5)
+    logits, _ = make_decode_step(tiny)(caches, two[:1], np.array([0]), tabs[:1], np.array([1]))
+    assert np.isfinite(np.asarray(logits)).all()  # one sequence, one window: served
+    plain = init_caches(TINY, 4, 4, num_pages=8, page_size=4)  # no window: any number of sequences
+    logits, _ = make_decode_step(tiny)(plain, two, np.array([0, 0]), tabs, np.array([1, 1]))
+    assert np.isfinite(np.asarray(logits)).all()
+
+
 def test_model_entry_points_refuse_inputs_they_got_silently_wrong(tiny):
     """Found by a new-user trial: each call below ran without an error and gave wrong logits (mixed
     page sizes or page counts across layers), used a wrapped or clamped value (int64 positions,

@@ -105,8 +105,9 @@ def decode_args(caches, num_layers: int, vocab_size: int, token, position, block
                 token_values: bool = True):
     """The checked ``(page_size, token, position, block_tables, seq_lens)`` of a decode step or loop,
     the last four int32: TypeError / ValueError as :func:`check_caches`, :func:`check_token_ids`
-    (values only with ``token_values``) and :func:`int32`, and ValueError naming the first of token,
-    position, seq_lens ([S >= 1]) and block_tables ([S, max_pages >= 1]) whose shape is wrong."""
+    (values only with ``token_values``) and :func:`int32`, ValueError naming the first of token,
+    position, seq_lens ([S >= 1]) and block_tables ([S, max_pages >= 1]) whose shape is wrong, and
+    ValueError when caches with a window hold fewer than S window ids."""
     check_token_ids(token, vocab_size, where, values=token_values)
     page_size = check_caches(caches, num_layers, where)
     token, position = int32(token, "token", where), int32(position, "position", where)
@@ -122,7 +123,22 @@ def decode_args(caches, num_layers: int, vocab_size: int, token, position, block
     if block_tables.ndim != 2 or block_tables.shape[0] != num_seqs or block_tables.shape[1] < 1:
         raise ValueError(f"{where}: block_tables must be [S={num_seqs}, max_pages >= 1], got shape "
                          f"{block_tables.shape}")
+    windows = min((c.num_windows for c in caches if c.window), default=num_seqs)
+    if windows < num_seqs:  # sequence s decodes through window id s: the rest would read no window
+        raise ValueError(f"{where}: {num_seqs} sequences but the caches hold {windows} windows (sequence s uses "
+                         f"window id s); create them with num_windows >= {num_seqs} (init_caches(..., num_windows=))")
     return page_size, token, position, block_tables, seq_lens
+
+
+def check_window_id(window_id, caches, where: str) -> None:
+    """ValueError when a concrete ``window_id`` is outside [0, num_windows) of caches with a window
+    (the chunk's last tokens would be written to no window, and later decode steps read none)."""
+    windows = min((c.num_windows for c in caches if c.window), default=None)
+    if windows is None or isinstance(window_id, jax.core.Tracer):
+        return
+    wid = int(np.asarray(window_id))
+    if not 0 <= wid < windows:
+        raise ValueError(f"{where}: window_id={wid} is outside the caches' window ids 0..{windows - 1}")
 
 
 def check_active_positions(position, seq_lens, where: str, num_steps: int = 1, capacity: int | None = None) -> None:

@@ -295,7 +295,8 @@ def forward_compressed(model: Llama, token_ids, caches: Sequence, block_table, s
         a cache that is not a :class:`jax_tq.PagedKVCache`.
       ValueError: ``len(caches) != num_layers``; layers of different page sizes or page counts;
         ``token_ids`` not ``[T >= 1]`` or outside ``[0, vocab_size)``; ``block_table`` not 1-D;
-        ``start_pos < 0`` or ``start_pos + T`` beyond the table's ``max_pages * page_size`` tokens.
+        ``start_pos < 0`` or ``start_pos + T`` beyond the table's ``max_pages * page_size`` tokens;
+        a concrete ``window_id`` outside the caches' window ids.
       TypeError / ValueError: from the jax_tq ops.
     """
     where = "forward_compressed"
@@ -305,6 +306,7 @@ def forward_compressed(model: Llama, token_ids, caches: Sequence, block_table, s
     start_pos = checks.static_int(start_pos, "start_pos", where, 0)
     checks.check_chunk(block_table, start_pos, token_ids.shape[0], page_size, where)
     window_id = checks.int32(window_id, "window_id", where)
+    checks.check_window_id(window_id, caches, where)
     graphdef, state = nnx.split(model)
     return _chunk_pure(graphdef, state, token_ids, list(caches), block_table, start_pos, window_id)
 
