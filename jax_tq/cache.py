@@ -371,6 +371,9 @@ def _check_pages(cache, op: str) -> None:
         if getattr(cache, name) is not None:
             raise ValueError(f"jax_tq.{op}: an uncompressed cache (k_pages) must have no {name}")
     k_pages, v_pages = cache.k_pages, cache.v_pages
+    if v_pages is None:
+        raise TypeError(f"jax_tq.{op}: an uncompressed cache needs both k_pages and v_pages (v_pages is None); "
+                        "make it with PagedKVCache.create(..., preset='none')")
     for name, pages in (("k_pages", k_pages), ("v_pages", v_pages)):
         check_float_input(pages, f"cache.{name}", op)
     if k_pages.dtype != v_pages.dtype:

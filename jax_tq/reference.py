@@ -778,13 +778,15 @@ def paged_decode_pages(q, k_pages, v_pages, block_tables, seq_lens, scale):
       scale: softmax scale.
     Returns:
       [S, H, d] in promote(q, pages, float32): softmax_t(scale * <q, k_t>) . v over each
-      sequence's tokens; rows with no token are 0. Memory: one copy of each sequence's pages.
+      sequence's tokens; rows with no token are 0, rows whose q is not all finite NaN (as the
+      compressed caches' decode). Memory: one copy of each sequence's pages.
     """
     num_seqs, num_heads, head_dim = q.shape
     keys, values, valid = _sequence_pages(k_pages, v_pages, block_tables, seq_lens)
     queries = q.reshape(num_seqs, k_pages.shape[1], -1, head_dim)
     out = _attend_tokens(queries, keys, values, valid[:, None, None, :], valid[:, None, :, None], scale)
-    return out.reshape(num_seqs, num_heads, head_dim)
+    out = out.reshape(num_seqs, num_heads, head_dim)
+    return jnp.where(jnp.all(jnp.isfinite(q), axis=-1, keepdims=True), out, jnp.nan).astype(out.dtype)
 
 
 @jax.jit

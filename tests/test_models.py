@@ -545,6 +545,11 @@ def test_entry_points_refuse_more_sequences_or_a_window_id_than_the_caches_have_
     plain = init_caches(TINY, 4, 4, num_pages=8, page_size=4)  # no window: any number of sequences
     logits, _ = make_decode_step(tiny)(plain, two, np.array([0, 0]), tabs, np.array([1, 1]))
     assert np.isfinite(np.asarray(logits)).all()
+    mixed = caches[:1] + init_caches(TINY, None, None, num_pages=8, page_size=4)[1:]
+    with pytest.raises(ValueError, match="one kind"):
+        forward_compressed(tiny, np.arange(5, 9, dtype=np.int32), mixed, tabs[0])
+    with pytest.raises(ValueError, match="both be None"):
+        init_caches(TINY, 4, None, num_pages=8, page_size=4)
 
 
 def test_model_entry_points_refuse_inputs_they_got_silently_wrong(tiny):

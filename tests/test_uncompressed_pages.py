@@ -145,6 +145,24 @@ def test_uncompressed_layout_refuses_what_does_not_fit():
     with pytest.raises(TypeError, match="cache.v_pages is float32"):
         tq.paged_decode(jnp.zeros((1, 2, 8)), tq.PagedKVCache(k_pages=cache.k_pages.astype(jnp.bfloat16),
                                                                v_pages=cache.v_pages), tables, lens)
+    with pytest.raises(TypeError, match="needs both k_pages and v_pages"):
+        tq.paged_decode(jnp.zeros((1, 2, 8)), tq.PagedKVCache(k_pages=cache.k_pages), tables, lens)
+
+
+def test_a_non_finite_query_row_gives_nan_as_in_compressed_caches(rng):
+    """Found by a review: a NaN query over an empty sequence gave 0 here and NaN from a compressed
+    cache; rows with tokens and a finite q are unaffected."""
+    cache = tq.PagedKVCache.create(num_pages=4, page_size=4, num_kv_heads=2, preset="none", head_dim=8)
+    k = jnp.asarray(rng.normal(size=(6, 2, 8)), jnp.float32)
+    cache = tq.write_cache(cache, k, k, jnp.arange(6, dtype=jnp.int32))
+    q = jnp.asarray(rng.normal(size=(3, 4, 8)), jnp.float32).at[0, 1, 3].set(jnp.nan).at[2, 0, 0].set(jnp.inf)
+    tables = jnp.asarray([[0, 1], [0, 1], [2, 3]], jnp.int32)
+    out = np.asarray(tq.paged_decode(q, cache, tables, jnp.asarray([0, 6, 0], jnp.int32)))
+    bad = np.zeros((3, 4), bool)
+    bad[0, 1] = bad[2, 0] = True
+    assert np.isnan(out[bad]).all()
+    assert (out[0, [0, 2, 3]] == 0).all() and (out[2, 1:] == 0).all()  # no token: 0
+    assert np.isfinite(out[1]).all() and np.abs(out[1]).max() > 0
 
 
 def test_checked_mode_names_a_bad_block_table_entry():

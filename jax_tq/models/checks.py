@@ -83,6 +83,11 @@ def check_caches(caches: Sequence, num_layers: int, where: str) -> int:
         if not isinstance(c, PagedKVCache):
             raise TypeError(f"{where}: caches[{i}] must be a jax_tq.PagedKVCache (see init_caches), got "
                             f"{type(c).__name__}")
+    kinds = sorted({"compressed" if c.compressed else "uncompressed" for c in caches})
+    windows = sorted({c.window for c in caches})
+    if len(kinds) > 1 or len(windows) > 1:
+        raise ValueError(f"{where}: every layer's cache must be of one kind (got {' and '.join(kinds)} caches, "
+                         f"windows {windows}): one set of slots and window slots serves all layers")
     for what in ("page_size", "num_pages"):
         sizes = sorted({int(getattr(c, what)) for c in caches})
         if len(sizes) > 1:

@@ -42,11 +42,15 @@ def init_caches(config: LlamaConfig, k_bits: int | None, v_bits: int | None, num
     Returns:
       list of ``num_layers`` caches.
     Raises:
+      ValueError: one of ``k_bits`` / ``v_bits`` None and not the other.
       TypeError / ValueError: from :class:`jax_tq.TurboQuant` / :meth:`jax_tq.PagedKVCache.create`
         (unsupported ``head_dim``, bits, ``rotation`` or ``scale``, bad sizes, a bad window).
     """
     sizes = dict(num_pages=num_pages, page_size=page_size, num_kv_heads=config.num_kv_heads)
-    if k_bits is None and v_bits is None:
+    if (k_bits is None) != (v_bits is None):
+        raise ValueError(f"init_caches: k_bits and v_bits must both be None (uncompressed) or both bits, got "
+                         f"{k_bits!r} and {v_bits!r}")
+    if k_bits is None:
         cache = tq.PagedKVCache.create(**sizes, preset="none", head_dim=config.head_dim, dtype=dtype)
     else:
         cache = tq.PagedKVCache.create(**sizes, k_codec=tq.TurboQuant(config.head_dim, k_bits, seed, rotation, scale),
