@@ -552,6 +552,23 @@ def test_entry_points_refuse_more_sequences_or_a_window_id_than_the_caches_have_
         init_caches(TINY, 4, None, num_pages=8, page_size=4)
 
 
+
+def test_entry_points_refuse_pages_outside_the_pool_and_seq_lens_past_the_position(tiny):
+    """Found by a review: a block table naming page 99 of a 4-page pool, and seq_lens other than
+    position + 1, ran silently (tokens neither written nor read; attention over unwritten slots)."""
+    caches = init_caches(TINY, 4, 4, num_pages=4, page_size=4)
+    with pytest.raises(ValueError, match="entry 99 .* not a page of the caches' pool"):
+        forward_compressed(tiny, np.arange(5, 11, dtype=np.int32), caches, np.array([0, 99], np.int32))
+    tabs, two = np.array([[0, 1], [2, 3]], np.int32), np.array([3, 4])
+    with pytest.raises(ValueError, match=r"seq_lens\[1\]=5 but position\[1\]=0"):
+        make_decode_step(tiny)(caches, two, np.array([0, 0]), tabs, np.array([1, 5]))
+    with pytest.raises(ValueError, match="entry -1"):
+        make_decode_loop(tiny)(caches, two, np.array([3, 0]), np.array([[0, -1], [2, 3]], np.int32),
+                               np.array([4, 1]), 2)
+    _, caches = make_decode_step(tiny)(caches, two, np.array([3, 0]), np.array([[0, -1], [2, 3]], np.int32),
+                                       np.array([4, 1]))  # -1 past the rows' positions: padding, fine
+
+
 def test_model_entry_points_refuse_inputs_they_got_silently_wrong(tiny):
     """Found by a new-user trial: each call below ran without an error and gave wrong logits (mixed
     page sizes or page counts across layers), used a wrapped or clamped value (int64 positions,

@@ -165,3 +165,31 @@ def check_active_positions(position, seq_lens, where: str, num_steps: int = 1, c
         raise ValueError(f"{where}: active rows' positions {pos[active].min()}..{pos[active].max()} with "
                          f"{num_steps} step(s) do not fit the block tables' {capacity} tokens (max_pages x "
                          f"page_size); give the rows more pages or take fewer steps")
+
+
+def check_host_rows(caches, position, block_tables, seq_lens, where: str, num_steps: int = 1) -> None:
+    """For host (numpy / Python) values only: ValueError when an active row's (seq_lens > 0)
+    seq_lens is not position + 1 (the row would attend to slots never written, or miss its own
+    token), or a block-table entry covering its positions 0 .. position + num_steps - 1 is not a
+    page of the pool (its tokens would be neither written nor read)."""
+    if not all(is_host_value(x) for x in (position, block_tables, seq_lens)):
+        return
+    pos, lens, tables = np.asarray(position), np.asarray(seq_lens), np.asarray(block_tables)
+    active = lens > 0
+    if (lens[active] != pos[active] + 1).any():
+        b = int(np.flatnonzero(active & (lens != pos + 1))[0])
+        raise ValueError(f"{where}: seq_lens[{b}]={lens[b]} but position[{b}]={pos[b]}: an active row's seq_lens "
+                         f"is its position + 1 (the tokens it attends to, its own included)")
+    check_pages_in_pool(tables[active], pos[active] + num_steps, int(caches[0].page_size),
+                        int(caches[0].num_pages), where)
+
+
+def check_pages_in_pool(tables, ends, page_size: int, num_pages: int, where: str) -> None:
+    """ValueError when an entry of ``tables`` [R, max_pages] covering positions 0 .. ends[r] - 1 of
+    its row is outside [0, num_pages) (host values)."""
+    for r, (row, end) in enumerate(zip(np.asarray(tables), np.asarray(ends))):
+        used = row[:min(len(row), -(-int(end) // page_size))]
+        bad = used[(used < 0) | (used >= num_pages)]
+        if bad.size:
+            raise ValueError(f"{where}: block table entry {int(bad[0])} (covering a position of the row) is not a "
+                             f"page of the caches' pool [0, {num_pages})")

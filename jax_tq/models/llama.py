@@ -302,9 +302,13 @@ def forward_compressed(model: Llama, token_ids, caches: Sequence, block_table, s
     where = "forward_compressed"
     page_size = checks.check_caches(caches, model.config.num_layers, where)
     token_ids = checks.token_vector(token_ids, model.config.vocab_size, where)
+    host_table = checks.is_host_value(block_table)
     block_table = checks.int32(block_table, "block_table", where)
     start_pos = checks.static_int(start_pos, "start_pos", where, 0)
     checks.check_chunk(block_table, start_pos, token_ids.shape[0], page_size, where)
+    if host_table:
+        checks.check_pages_in_pool(np.asarray(block_table)[None], [start_pos + token_ids.shape[0]], page_size,
+                                   int(caches[0].num_pages), where)
     window_id = checks.int32(window_id, "window_id", where)
     checks.check_window_id(window_id, caches, where)
     graphdef, state = nnx.split(model)
@@ -359,6 +363,7 @@ def make_decode_step(model: Llama):
         _, *args = checks.decode_args(caches, cfg.num_layers, cfg.vocab_size, token, position, block_tables, seq_lens,
                                       where, token_values=checks.is_host_value(token))
         checks.check_active_positions(position, seq_lens, where)
+        checks.check_host_rows(caches, position, block_tables, seq_lens, where)
         return _decode_pure(graphdef, state, list(caches), *args)
 
     return step
@@ -404,6 +409,7 @@ def make_decode_loop(model: Llama):
         page_size, *args = checks.decode_args(caches, cfg.num_layers, cfg.vocab_size, token, position, block_tables,
                                               seq_lens, where)
         checks.check_active_positions(position, seq_lens, where, steps, args[2].shape[1] * page_size)
+        checks.check_host_rows(caches, position, block_tables, seq_lens, where, steps)
         return _decode_loop_pure(graphdef, state, list(caches), *args, steps)
 
     return loop
