@@ -241,7 +241,7 @@ def plan_decode(q, cache, block_tables, *, num_splits=None, precision=None, plat
     kernel = requested_kernel()
     if platform not in (None, "cpu", "cuda"):
         raise ValueError(f"jax_tq.plan_decode: platform must be 'cpu', 'cuda' or None, got {platform!r}")
-    q = q if isinstance(q, jax.ShapeDtypeStruct) else jnp.asarray(q)
+    q = _as_array(q)
     num_splits = _static_num_splits(num_splits)
     lens = jax.ShapeDtypeStruct((q.shape[0],) if q.ndim == 3 else (0,), jnp.int32)
     block_tables, _ = _check_decode_args(q, cache, block_tables, lens, num_splits, op="jax_tq.plan_decode")

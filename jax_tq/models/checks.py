@@ -187,9 +187,9 @@ def check_host_rows(caches, position, block_tables, seq_lens, where: str, num_st
 def check_pages_in_pool(tables, ends, page_size: int, num_pages: int, where: str) -> None:
     """ValueError when an entry of ``tables`` [R, max_pages] covering positions 0 .. ends[r] - 1 of
     its row is outside [0, num_pages) (host values)."""
-    for r, (row, end) in enumerate(zip(np.asarray(tables), np.asarray(ends))):
-        used = row[:min(len(row), -(-int(end) // page_size))]
-        bad = used[(used < 0) | (used >= num_pages)]
-        if bad.size:
-            raise ValueError(f"{where}: block table entry {int(bad[0])} (covering a position of the row) is not a "
-                             f"page of the caches' pool [0, {num_pages})")
+    tables = np.asarray(tables).reshape(-1, np.shape(tables)[-1])
+    covering = np.arange(tables.shape[1])[None, :] * page_size < np.asarray(ends).reshape(-1, 1)
+    bad = tables[covering & ((tables < 0) | (tables >= num_pages))]
+    if bad.size:
+        raise ValueError(f"{where}: block table entry {int(bad[0])} (covering a position of the row) is not a "
+                         f"page of the caches' pool [0, {num_pages})")
