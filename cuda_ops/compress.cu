@@ -831,6 +831,66 @@ __device__ __forceinline__ void compress_mma_chunk(float (&acc)[NT][4], const ui
   }
 }
 
+// ---- tq_compress_mma_kernel's epilogue phases (a 16-row tile: lane (g, t) holds rows g and g + 8,
+// columns nt * 8 + 2t, + 1 of each n8 tile nt) ----
+
+// write_cache's window rows w0, w1 (-1: none): bf16(||x|| * y) of this CTA's columns.
+template <int D, int NT>
+__device__ __forceinline__ void store_window_rows(uint16_t* win, int64_t w0, int64_t w1, const float (&acc)[NT][4],
+                                                  float n0, float inv0, float n1, float inv1, int col0, int t) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const int col = col0 + nt * 8 + 2 * t;
+    if (w0 >= 0)
+      *reinterpret_cast<uint32_t*>(win + w0 * D + col) =
+          bf2_bits(__floats2bfloat162_rn(n0 * (acc[nt][0] * inv0), n0 * (acc[nt][1] * inv0)));
+    if (w1 >= 0)
+      *reinterpret_cast<uint32_t*>(win + w1 * D + col) =
+          bf2_bits(__floats2bfloat162_rn(n1 * (acc[nt][2] * inv1), n1 * (acc[nt][3] * inv1)));
+  }
+}
+
+// The tile's codes (one byte each) into the warp's staging rows cw [16][CST].
+template <int NT, int CST>
+__device__ __forceinline__ void bucketize_tile(const float (&acc)[NT][4], float inv0, float inv1, const float* bnd_s,
+                                               float b7, uint8_t* cw, int g, int t) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const uint32_t c0 = bucketize16(acc[nt][0] * inv0, bnd_s, b7);
+    const uint32_t c1 = bucketize16(acc[nt][1] * inv0, bnd_s, b7);
+    const uint32_t c2 = bucketize16(acc[nt][2] * inv1, bnd_s, b7);
+    const uint32_t c3 = bucketize16(acc[nt][3] * inv1, bnd_s, b7);
+    *reinterpret_cast<uint16_t*>(cw + g * CST + nt * 8 + 2 * t) = static_cast<uint16_t>(c0 | (c1 << 8));
+    *reinterpret_cast<uint16_t*>(cw + (g + 8) * CST + nt * 8 + 2 * t) = static_cast<uint16_t>(c2 | (c3 << 8));
+  }
+}
+
+// Pack (format.h) and write staged codes (one byte each, rows of CST bytes): ROWS rows from input
+// row n0, NG groups of 8 codes each, into groups group0.. of each row's destination (dest_row; rows
+// past N or with no destination skipped); work item e = first, first + stride, ...
+template <int D, int ROWS, int NG, int CST>
+__device__ __forceinline__ void pack_and_store(const GemmParams& p, const uint8_t* codes_s, int64_t n0, int group0,
+                                               int bits, int first, int stride) {
+  const int pb = D * bits / 8;
+  for (int e = first; e < ROWS * NG; e += stride) {
+    const int r = e / NG;
+    const int q = e - r * NG;
+    const int64_t n = n0 + r;
+    if (n >= p.N) continue;
+    const int64_t row = dest_row(p, n);
+    if (row < 0) continue;
+    const uint2 cv = *reinterpret_cast<const uint2*>(codes_s + r * CST + 8 * q);
+    uint32_t w = 0;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      w |= ((cv.x >> (8 * k)) & 0xFFu) << (bits * k);
+      w |= ((cv.y >> (8 * k)) & 0xFFu) << (bits * (k + 4));
+    }
+    uint8_t* dst = p.codes + row * pb + (group0 + q) * bits;  // bits bytes per group
+    store_group(dst, w, bits);
+  }
+}
+
 // Register caps: bf16 x: 128 (2 CTAs of 8 warps per SM); f32 / f16 x (hi + lo fragments) may
 // take up to ~160 on the large tile rather than spill (1-2 CTAs per SM).
 // WIN: write_cache with a recent-token window (p.win): the epilogue also writes the window rows
@@ -917,7 +977,6 @@ __global__ void __launch_bounds__(WARPS * 32,
   __syncthreads();
   const float b7 = bnd_s[7];
 
-  const int pb = D * bits / 8;
   // This thread's Bt rows (n = g of every n8 tile) at its k offset.
   const uint16_t* bhi0 = bt_hi + g * SBE + 8 * t;
   const uint16_t* blo0 = bt_lo + g * SBE + 8 * t;
@@ -989,54 +1048,14 @@ __global__ void __launch_bounds__(WARPS * 32,
     const float inv0 = n0 > 0.f ? 1.0f / n0 : 0.f;
     const float inv1 = n1 > 0.f ? 1.0f / n1 : 0.f;
 
-    // ---- write_cache's window rows: bf16(||x|| * y) of this CTA's columns ----
     if constexpr (WIN) {
       const int64_t w0 = v0 ? window_row(p, r0) : -1;
       const int64_t w1 = v1 ? window_row(p, r1) : -1;
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        const int col = col0 + nt * 8 + 2 * t;
-        if (w0 >= 0)
-          *reinterpret_cast<uint32_t*>(p.win + w0 * D + col) =
-              bf2_bits(__floats2bfloat162_rn(n0 * (acc[nt][0] * inv0), n0 * (acc[nt][1] * inv0)));
-        if (w1 >= 0)
-          *reinterpret_cast<uint32_t*>(p.win + w1 * D + col) =
-              bf2_bits(__floats2bfloat162_rn(n1 * (acc[nt][2] * inv1), n1 * (acc[nt][3] * inv1)));
-      }
+      store_window_rows<D, NT>(p.win, w0, w1, acc, n0, inv0, n1, inv1, col0, t);
     }
-
-    // ---- bucketize into the warp's staging rows ----
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      const uint32_t c0 = bucketize16(acc[nt][0] * inv0, bnd_s, b7);
-      const uint32_t c1 = bucketize16(acc[nt][1] * inv0, bnd_s, b7);
-      const uint32_t c2 = bucketize16(acc[nt][2] * inv1, bnd_s, b7);
-      const uint32_t c3 = bucketize16(acc[nt][3] * inv1, bnd_s, b7);
-      *reinterpret_cast<uint16_t*>(cw + g * CST + nt * 8 + 2 * t) =
-          static_cast<uint16_t>(c0 | (c1 << 8));
-      *reinterpret_cast<uint16_t*>(cw + (g + 8) * CST + nt * 8 + 2 * t) =
-          static_cast<uint16_t>(c2 | (c3 << 8));
-    }
+    bucketize_tile<NT, CST>(acc, inv0, inv1, bnd_s, b7, cw, g, t);
     __syncwarp();
-
-    // ---- pack (format.h) and write: 16 rows x NG groups of 8 codes ----
-    for (int e = lane; e < 16 * G::NG; e += 32) {
-      const int r = e / G::NG;
-      const int q = e - r * G::NG;
-      const int64_t n = tile * 16 + r;
-      if (n >= p.N) continue;
-      const int64_t row = dest_row(p, n);
-      if (row < 0) continue;
-      const uint2 cv = *reinterpret_cast<const uint2*>(cw + r * CST + 8 * q);
-      uint32_t w = 0;
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        w |= ((cv.x >> (8 * k)) & 0xFFu) << (bits * k);
-        w |= ((cv.y >> (8 * k)) & 0xFFu) << (bits * (k + 4));
-      }
-      uint8_t* dst = p.codes + row * pb + (col0 / 8 + q) * bits;  // bits bytes per group
-      store_group(dst, w, bits);
-    }
+    pack_and_store<D, 16, G::NG, CST>(p, cw, tile * 16, col0 / 8, bits, lane, 32);
     if (blockIdx.y == 0 && t == 0) {
       if (v0) {
         const int64_t row = dest_row(p, r0);
@@ -1084,6 +1103,59 @@ struct FitGeom {
   static constexpr int bt_bytes = D * SB;
   static_assert(NT * 8 * WARPS == D, "n8 tiles split over the warps");
 };
+
+// The fitted scale's candidate search of one row (docs/FORMAT.md "Fitted scale"): the candidate
+// table entry k maximizing gain = dot^2 / sq over the row's coordinates (a lane holds CPT of them;
+// TPR lanes per row), with its dot and sq; the first k keeps a tie, NaN never wins.
+template <int CPT, int TPR>
+__device__ __forceinline__ int best_fit_candidate(const float (&y)[CPT], const float* fit_tab, const float* cent_s,
+                                                  float& best_dot, float& best_sq) {
+  // The candidates in passes of KB (independent sums and butterflies: ILP for the latency-bound
+  // small batches; the last pass skips the k past the last candidate, a block-uniform branch).
+  // The argmax runs in k order.
+  constexpr int KB = CPT <= 5 ? 9 : 6;
+  float best_gain = -1.f;
+  best_dot = 0.f;
+  best_sq = 1.f;
+  int best_k = 0;
+#pragma unroll 1
+  for (int k0 = 0; k0 < kFitCandidates; k0 += KB) {
+    float dot[KB], sq[KB];
+#pragma unroll
+    for (int b = 0; b < KB; ++b) {
+      dot[b] = 0.f;
+      sq[b] = 0.f;
+      if (k0 + b >= kFitCandidates) continue;
+      const float* tb = fit_tab + 16 * (k0 + b);
+      const float b3 = tb[3], b7 = tb[7], b11 = tb[11];
+#pragma unroll
+      for (int j = 0; j < CPT; ++j) {
+        const float c = cent_s[bucketize_fit(y[j], tb, b3, b7, b11)];
+        dot[b] = fmaf(y[j], c, dot[b]);
+        sq[b] = fmaf(c, c, sq[b]);
+      }
+    }
+#pragma unroll
+    for (int o = 1; o < TPR; o <<= 1) {
+#pragma unroll
+      for (int b = 0; b < KB; ++b) {
+        dot[b] += __shfl_xor_sync(0xFFFFFFFFu, dot[b], o);
+        sq[b] += __shfl_xor_sync(0xFFFFFFFFu, sq[b], o);
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < KB; ++b) {
+      const float gain = dot[b] * dot[b] / sq[b];
+      if (k0 + b < kFitCandidates && gain > best_gain) {  // strictly: the first k keeps a tie
+        best_gain = gain;                                  // (NaN never wins)
+        best_dot = dot[b];
+        best_sq = sq[b];
+        best_k = k0 + b;
+      }
+    }
+  }
+  return best_k;
+}
 
 template <int D, int RF>
 struct FitLayout {
@@ -1184,7 +1256,6 @@ __global__ void __launch_bounds__(FitGeom<D>::kThr)
   }
   __syncthreads();
 
-  const int pb = D * bits / 8;
   // This warp's Bt rows (n = g of each of its n8 tiles) at the thread's k offset.
   const uint16_t* bhi0 = bt_hi + (warp * NC + g) * SBE + 8 * t;
   const uint16_t* blo0 = bt_lo + (warp * NC + g) * SBE + 8 * t;
@@ -1256,48 +1327,8 @@ __global__ void __launch_bounds__(FitGeom<D>::kThr)
           for (int j = 0; j < CPT; ++j) dst[l + TPR * j] = __float2bfloat16_rn(nrm * y[j]);
         }
       }
-      // The candidates in passes of KB (independent sums and butterflies: ILP for the latency-bound
-      // small batches; the last pass skips the k past the last candidate, a block-uniform branch).
-      // The argmax runs in k order.
-      constexpr int KB = CPT <= 5 ? 9 : 6;
-      float best_gain = -1.f, best_dot = 0.f, best_sq = 1.f;
-      int best_k = 0;
-#pragma unroll 1
-      for (int k0 = 0; k0 < kFitCandidates; k0 += KB) {
-        float dot[KB], sq[KB];
-#pragma unroll
-        for (int b = 0; b < KB; ++b) {
-          dot[b] = 0.f;
-          sq[b] = 0.f;
-          if (k0 + b >= kFitCandidates) continue;
-          const float* tb = fit_tab + 16 * (k0 + b);
-          const float b3 = tb[3], b7 = tb[7], b11 = tb[11];
-#pragma unroll
-          for (int j = 0; j < CPT; ++j) {
-            const float c = cent_s[bucketize_fit(y[j], tb, b3, b7, b11)];
-            dot[b] = fmaf(y[j], c, dot[b]);
-            sq[b] = fmaf(c, c, sq[b]);
-          }
-        }
-#pragma unroll
-        for (int o = 1; o < TPR; o <<= 1) {
-#pragma unroll
-          for (int b = 0; b < KB; ++b) {
-            dot[b] += __shfl_xor_sync(0xFFFFFFFFu, dot[b], o);
-            sq[b] += __shfl_xor_sync(0xFFFFFFFFu, sq[b], o);
-          }
-        }
-#pragma unroll
-        for (int b = 0; b < KB; ++b) {
-          const float gain = dot[b] * dot[b] / sq[b];
-          if (k0 + b < kFitCandidates && gain > best_gain) {  // strictly: the first k keeps a tie
-            best_gain = gain;                                  // (NaN never wins)
-            best_dot = dot[b];
-            best_sq = sq[b];
-            best_k = k0 + b;
-          }
-        }
-      }
+      float best_dot, best_sq;
+      const int best_k = best_fit_candidate<CPT, TPR>(y, fit_tab, cent_s, best_dot, best_sq);
       const float* tb = fit_tab + 16 * best_k;
       const float b3 = tb[3], b7 = tb[7], b11 = tb[11];
 #pragma unroll
@@ -1310,24 +1341,7 @@ __global__ void __launch_bounds__(FitGeom<D>::kThr)
     }
     __syncthreads();
 
-    // ---- pack (format.h) and write: RF rows x GROUPS groups of 8 codes ----
-    for (int e = tid; e < RF * GROUPS; e += kThr) {
-      const int r = e / GROUPS;
-      const int grp = e - r * GROUPS;
-      const int64_t n = tile * 16 + part * RF + r;
-      if (n >= p.N) continue;
-      const int64_t row = dest_row(p, n);
-      if (row < 0) continue;
-      const uint2 cv = *reinterpret_cast<const uint2*>(codes_s + r * CST + 8 * grp);
-      uint32_t w = 0;
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        w |= ((cv.x >> (8 * k)) & 0xFFu) << (bits * k);
-        w |= ((cv.y >> (8 * k)) & 0xFFu) << (bits * (k + 4));
-      }
-      uint8_t* dst = p.codes + row * pb + grp * bits;  // bits bytes per group
-      store_group(dst, w, bits);
-    }
+    pack_and_store<D, RF, GROUPS, CST>(p, codes_s, tile * 16 + part * RF, 0, bits, tid, kThr);
     __syncthreads();  // y_s, nrm_s and codes_s are rewritten by the next unit
   }
 }
