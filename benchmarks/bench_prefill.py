@@ -1,11 +1,19 @@
-"""Paged prefill benchmark: causal attention of whole prompts over the compressed cache (K4V4,
-head_dim 128, 32 query / 8 KV heads, page_size 16), against the same attention as one-query decodes
-per row (``paged_decode`` with per-row tables: what jax_tq.models' evaluation path runs) and against
-bf16 causal attention on uncompressed K / V (``jax.nn.dot_product_attention``, XLA and cuDNN).
+"""Prefill benchmark (32 query / 8 KV heads, head_dim 128, page_size 16, K4V4 Hadamard, bf16 queries):
 
-Timing: one jitted program of ``inner`` calls on distinct queries, median GPU span per call
+* ``paged_prefill``: causal attention of a chunk of new rows over the compressed pages (every token,
+  the chunk's own included, read compressed: chunked prefill, prefix reuse, speculative verification);
+* ``decode rows``: the same rows as one-query ``paged_decode`` calls (per-row block tables);
+* ``cuDNN + write``: a fresh prompt as a serving engine runs it (``jax_tq.prompt_attention``'s
+  composition): bf16 causal flash attention over the prompt's own K / V
+  (``jax.nn.dot_product_attention``, cuDNN) plus one ``write_cache`` of its K / V into the pages;
+* ``cuDNN``: that attention alone (the reference), and XLA's bf16 attention.
+
+Shapes: (num_seqs, new rows, cached tokens before them). Each implementation's FLOP rate is the
+causal attention's 4 * d * heads * (visible tokens summed over rows) per second; for a chunk after
+cached tokens the cuDNN column times the whole (cached + new) causal prompt, whose rate is the
+reference. Timing: one jitted program of ``inner`` calls on distinct queries, median GPU span per call
 (profiler kernel events, benchmarks/device_time.py); host clock without kernel events (CPU).
-Usage: python benchmarks/bench_prefill.py [--quick]
+Usage: python benchmarks/bench_prefill.py [--quick] [--no-decode-rows]
 """
 from __future__ import annotations
 
@@ -20,71 +28,113 @@ import jax_tq as tq
 import device_time
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
-SHAPES = ((1, 2048), (1, 8192), (8, 1024))  # (num_seqs, prompt_len)
+SHAPES = ((1, 2048, 0), (1, 8192, 0), (8, 1024, 0), (1, 2048, 6144))  # (num_seqs, new rows, cached)
 
 
-def compressed_setup(num_seqs, prompt_len, key):
-    """A K4V4 cache holding every prompt (sequence s on pages [s * pages, (s + 1) * pages))."""
-    pages = -(-prompt_len // PAGE)
+def codecs():
+    return (tq.TurboQuant(HEAD_DIM, 4, rotation="hadamard"), tq.TurboQuant(HEAD_DIM, 4, seed=1, rotation="hadamard"))
+
+
+def compressed_setup(num_seqs, seq_len, key):
+    """A K4V4 cache holding every sequence's seq_len tokens (sequence s on pages [s * pages, (s + 1) * pages))."""
+    pages = -(-seq_len // PAGE)
+    k_codec, v_codec = codecs()
     cache = tq.PagedKVCache.create(num_pages=num_seqs * pages, page_size=PAGE, num_kv_heads=KV_HEADS,
-                                   k_codec=tq.TurboQuant(HEAD_DIM, 4, rotation="hadamard"),
-                                   v_codec=tq.TurboQuant(HEAD_DIM, 4, seed=1, rotation="hadamard"))
-    tokens = num_seqs * prompt_len
+                                   k_codec=k_codec, v_codec=v_codec)
+    tokens = num_seqs * seq_len
     k = jax.random.normal(key, (tokens, KV_HEADS, HEAD_DIM), jnp.bfloat16)
     v = jax.random.normal(jax.random.fold_in(key, 1), (tokens, KV_HEADS, HEAD_DIM), jnp.bfloat16)
-    seq = np.repeat(np.arange(num_seqs), prompt_len)
-    pos = np.tile(np.arange(prompt_len), num_seqs)
-    slots = jnp.asarray(seq * pages * PAGE + pos, jnp.int32)
+    slots = slot_mapping(num_seqs, seq_len, pages)
     cache = jax.jit(tq.write_cache)(cache, k, v, slots)
     tables = jnp.asarray(np.arange(num_seqs * pages).reshape(num_seqs, pages), jnp.int32)
     return cache, tables, k, v
 
 
-def bench(num_seqs, prompt_len, inner, reps):
+def slot_mapping(num_seqs, seq_len, pages):
+    seq = np.repeat(np.arange(num_seqs), seq_len)
+    pos = np.tile(np.arange(seq_len), num_seqs)
+    return jnp.asarray(seq * pages * PAGE + pos, jnp.int32)
+
+
+def causal_flops(num_seqs, new, cached):
+    """4 d H x the (row, visible token) pairs of causal attention: rows at positions cached .. cached + new - 1."""
+    pairs = new * cached + new * (new + 1) / 2
+    return 4.0 * HEAD_DIM * HEADS * num_seqs * pairs
+
+
+def timed(fn, args, inner, reps):
+    f = jax.jit(fn)
+    return device_time.seconds_per_call(lambda: jax.block_until_ready(f(*args)), inner, reps)
+
+
+def bench(num_seqs, new, cached, inner, reps, decode_rows=True):
     key = jax.random.PRNGKey(0)
-    cache, tables, k, v = compressed_setup(num_seqs, prompt_len, key)
-    tokens = num_seqs * prompt_len
+    seq_len = cached + new
+    cache, tables, k, v = compressed_setup(num_seqs, seq_len, key)
+    tokens = num_seqs * new
     qs = [jax.random.normal(jax.random.fold_in(key, 10 + i), (tokens, HEADS, HEAD_DIM), jnp.bfloat16)
           for i in range(inner)]
-    lens = jnp.full((num_seqs,), prompt_len, jnp.int32)
-    starts = jnp.asarray(np.arange(num_seqs + 1) * prompt_len, jnp.int32)
-    row_tables = jnp.repeat(tables, prompt_len, axis=0)
-    row_lens = jnp.asarray(np.tile(np.arange(1, prompt_len + 1), num_seqs), jnp.int32)
-    times = {}
-    prefill = jax.jit(lambda qs: [tq.paged_prefill(q, cache, tables, lens, starts) for q in qs])
-    times["prefill"] = device_time.seconds_per_call(lambda: jax.block_until_ready(prefill(qs)), inner, reps)
-    per_row = jax.jit(lambda qs: [tq.paged_decode(q, cache, row_tables, row_lens) for q in qs])
-    times["decode rows"] = device_time.seconds_per_call(lambda: jax.block_until_ready(per_row(qs)), inner, reps)
-    kd = k.reshape(num_seqs, prompt_len, KV_HEADS, HEAD_DIM)
-    vd = v.reshape(num_seqs, prompt_len, KV_HEADS, HEAD_DIM)
+    lens = jnp.full((num_seqs,), seq_len, jnp.int32)
+    starts = jnp.asarray(np.arange(num_seqs + 1) * new, jnp.int32)
+    times = {"prefill": timed(lambda qs: [tq.paged_prefill(q, cache, tables, lens, starts) for q in qs], (qs,),
+                              inner, reps)}
+    if decode_rows:
+        row_tables = jnp.repeat(tables, new, axis=0)
+        row_lens = jnp.asarray(np.tile(np.arange(cached + 1, seq_len + 1), num_seqs), jnp.int32)
+        times["decode rows"] = timed(lambda qs: [tq.paged_decode(q, cache, row_tables, row_lens) for q in qs], (qs,),
+                                     inner, reps)
+    # The reference: bf16 causal attention over the whole (cached + new) prompt.
+    full_qs = [jax.random.normal(jax.random.fold_in(key, 100 + i), (num_seqs, seq_len, HEADS, HEAD_DIM), jnp.bfloat16)
+               for i in range(inner)]
+    kd = k.reshape(num_seqs, seq_len, KV_HEADS, HEAD_DIM)
+    vd = v.reshape(num_seqs, seq_len, KV_HEADS, HEAD_DIM)
     for impl in ("xla", "cudnn"):
         def dense(qs, impl=impl):
-            return [jax.nn.dot_product_attention(q.reshape(num_seqs, prompt_len, HEADS, HEAD_DIM), kd, vd,
-                                                 is_causal=True, implementation=impl) for q in qs]
+            return [jax.nn.dot_product_attention(q, kd, vd, is_causal=True, implementation=impl) for q in qs]
         try:
-            f = jax.jit(dense)
-            times[impl] = device_time.seconds_per_call(lambda: jax.block_until_ready(f(qs)), inner, reps)
+            times[impl] = timed(dense, (full_qs,), inner, reps)
         except Exception as err:  # cuDNN absent (CPU) or refusing the shape
             print(f"  {impl}: unavailable ({type(err).__name__})")
             times[impl] = float("nan")
+    if cached == 0:  # a fresh prompt: cuDNN over its own K / V plus the fused compress-and-write
+        slots = slot_mapping(num_seqs, seq_len, -(-seq_len // PAGE))
+
+        def fresh(cache, qs):
+            outs = []
+            for q in qs:
+                outs.append(jax.nn.dot_product_attention(q, kd, vd, is_causal=True, implementation="cudnn"))
+                cache = tq.write_cache(cache, k, v, slots)
+            return outs, cache
+        try:
+            times["cudnn + write"] = timed(fresh, (cache, full_qs), inner, reps)
+        except Exception as err:
+            print(f"  cudnn + write: unavailable ({type(err).__name__})")
+            times["cudnn + write"] = float("nan")
     return times
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="one small shape (a CPU smoke run)")
+    ap.add_argument("--no-decode-rows", action="store_true", help="skip the per-row paged_decode column")
     args = ap.parse_args()
     dev = jax.devices()[0]
     print(f"device: {dev.device_kind} ({dev.platform}), jax {jax.__version__}")
-    shapes = ((2, 64),) if args.quick else SHAPES
+    shapes = ((2, 64, 0), (1, 32, 64)) if args.quick else SHAPES
     inner, reps = (2, 3) if args.quick else (4, 10)
-    print(f"\n| (num_seqs, prompt_len), {HEADS}/{KV_HEADS} heads, d {HEAD_DIM} | jax_tq paged_prefill K4V4 (us) | "
-          "paged_decode per row (us) | XLA bf16 causal (us) | cuDNN bf16 causal (us) |")
-    print("|---|---:|---:|---:|---:|")
+    print(f"\n{HEADS}/{KV_HEADS} heads, d {HEAD_DIM}, K4V4 Hadamard, bf16 queries; time (us) and TFLOP/s of causal "
+          "attention; ratio = jax_tq paged_prefill's TFLOP/s over cuDNN's")
+    print("| (num_seqs, new rows, cached) | paged_prefill | TFLOP/s | ratio | decode rows | cuDNN + write "
+          "| / cuDNN | XLA bf16 | cuDNN bf16 (new + cached) | cuDNN TFLOP/s |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for shape in shapes:
-        t = bench(*shape, inner, reps)
-        print(f"| {shape} | {t['prefill'] * 1e6:.1f} | {t['decode rows'] * 1e6:.1f} | {t['xla'] * 1e6:.1f} | "
-              f"{t['cudnn'] * 1e6:.1f} |", flush=True)
+        t = bench(*shape, inner, reps, decode_rows=not args.no_decode_rows)
+        ours = causal_flops(*shape) / t["prefill"] / 1e12
+        ref = causal_flops(shape[0], shape[1] + shape[2], 0) / t["cudnn"] / 1e12
+        write = t.get("cudnn + write", float("nan"))
+        print(f"| {shape} | {t['prefill'] * 1e6:.1f} | {ours:.1f} | {ours / ref:.2f} | "
+              f"{t.get('decode rows', float('nan')) * 1e6:.1f} | {write * 1e6:.1f} | {write / t['cudnn']:.3f} | "
+              f"{t['xla'] * 1e6:.1f} | {t['cudnn'] * 1e6:.1f} | {ref:.1f} |", flush=True)
 
 
 if __name__ == "__main__":

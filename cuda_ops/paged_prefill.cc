@@ -34,7 +34,7 @@ ffi::Error PagedPrefillImpl(ffi::Buffer<ffi::F32> q_rot, ffi::Buffer<ffi::U8> k_
                             ffi::Buffer<ffi::BF16> v_window, ffi::Buffer<ffi::S32> window_ids,
                             ffi::Buffer<ffi::S32> query_start_loc,
                             ffi::Result<ffi::Buffer<ffi::F32>> out_rot, int32_t k_bits, int32_t v_bits,
-                            float scale) {
+                            float scale, bool /*f16_products: float64 here*/) {
   static constexpr ffi_checks::Op op{"jax_tq_paged_prefill", ffi_checks::kCpuTag};
   ffi_checks::PrefillDims dims;
   JTQ_RETURN_IF_ERROR(ffi_checks::validate_paged_prefill(op, q_rot, k_codes, k_norms, v_codes, v_norms,

@@ -1,7 +1,9 @@
 // CUDA XLA FFI handler for jax_tq_paged_prefill (docs/DESIGN.md): causal attention of each
-// sequence's new query rows over its compressed paged cache.
+// sequence's new query rows over its compressed paged cache. Two kernels, chosen here and nowhere
+// else: the tensor-core one (prefill_tensor_core.cuh) for head_dim 64 and 128, this file's
+// CUDA-core kernel for the other head_dims.
 //
-// v1, CUDA cores. A CTA of 4 warps takes a tile of consecutive query rows (tokens) of the flattened
+// CUDA-core kernel: a CTA of 4 warps takes a tile of consecutive query rows (tokens) of the flattened
 // token axis and up to 16 query heads of one KV head's GQA group: at most 16 (row, head) pairs, 4 per
 // warp, each held by the warp's lanes (coordinate lane + 32 k). K and V tokens pass through shared
 // memory 16 at a time, decoded once (centroid x norm, float32) for all of the CTA's pairs. A tile
@@ -12,12 +14,18 @@
 // [paged_tokens, n).
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
+#include "jax_tq/cuda_launch.h"
 #include "jax_tq/cuda_warp.h"
+#include "jax_tq/dispatch.h"
 #include "jax_tq/ffi_checks.h"
 #include "jax_tq/format.h"
+#include "jax_tq/prefill_device.cuh"
+#include "jax_tq/prefill_tensor_core.cuh"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -32,38 +40,6 @@ constexpr int kPairs = 16;                     // (query row, head) pairs per CT
 constexpr int kPairsPerWarp = kPairs / kWarps;
 constexpr int kSlots = kMaxHeadDim / 32;       // coordinates per lane
 constexpr int kTokens = 16;                    // K / V tokens per shared-memory tile
-
-struct PrefillParams {
-  const float* q;
-  const uint8_t *k_codes, *v_codes;
-  const float *k_norms, *v_norms, *k_centroids, *v_centroids;
-  const int32_t *block_tables, *seq_lens, *query_start_loc;
-  const uint16_t *k_window, *v_window;  // bf16 [num_windows, Hkv, W, d] (W = 0: no window)
-  const int32_t* window_ids;            // [S]
-  int64_t num_windows, W;
-  float* out;
-  int64_t T, H, S, max_pages, P, Hkv, page;
-  int d, k_bits, v_bits, kpb, vpb;
-  int heads_per_cta, rows_per_cta, head_chunks;
-  float scale;
-};
-
-// The sequence whose rows contain `row` (query_start_loc non-decreasing), or -1 for a row of none.
-__device__ int64_t sequence_of(const PrefillParams& p, int64_t row) {
-  int64_t lo = 0, hi = p.S - 1, found = -1;
-  while (lo <= hi) {  // the last s with query_start_loc[s] <= row
-    const int64_t mid = (lo + hi) / 2;
-    if (p.query_start_loc[mid] <= row) {
-      found = mid;
-      lo = mid + 1;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  if (found < 0) return -1;
-  const PrefillRows rows = prefill_rows(p.query_start_loc, p.seq_lens, found, p.T, p.max_pages * p.page);
-  return row >= rows.begin && row < rows.end ? found : -1;
-}
 
 struct Tile {
   float k[kTokens][kMaxHeadDim];
@@ -225,6 +201,46 @@ __global__ void __launch_bounds__(kThreads) paged_prefill_kernel(PrefillParams p
 
 ffi_checks::Op cuda_op() { return ffi_checks::Op{"jax_tq_paged_prefill", ffi_checks::kCudaTag}; }
 
+ffi::Error launch_error(const char* what, cudaError_t e) {
+  return cuda_op().internal(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+template <int D, int KB, int VB>
+ffi::Error launch_tensor_core(cudaStream_t stream, const PrefillParams& p, dim3 grid) {
+  auto kernel = prefill_tc::prefill_tc_kernel<D, KB, VB>;
+  constexpr int smem = sizeof(prefill_tc::Smem<D>);
+  static std::atomic<uint64_t> smem_set{0};
+  if (cudaError_t e = allow_dynamic_smem(smem_set, kernel, smem); e != cudaSuccess)
+    return launch_error("tensor-core prefill shared memory attribute", e);
+  kernel<<<grid, prefill_tc::kThreads, smem, stream>>>(p);
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return launch_error("tensor-core prefill launch", e);
+  return ffi::Error::Success();
+}
+
+// The tensor-core kernel (head_dim 64 / 128): kRows / heads_per_cta tokens x heads_per_cta heads
+// per CTA.
+ffi::Error run_tensor_core(cudaStream_t stream, PrefillParams p, int64_t group) {
+  p.heads_per_cta = int(group < prefill_tc::kRows ? group : prefill_tc::kRows);
+  p.head_chunks = int((group + p.heads_per_cta - 1) / p.heads_per_cta);
+  p.rows_per_cta = prefill_tc::kRows / p.heads_per_cta;
+  const int64_t tiles = (p.T + p.rows_per_cta - 1) / p.rows_per_cta, heads = p.Hkv * p.head_chunks;
+  if (tiles > 2147483647 || heads > 65535)
+    return cuda_op().invalid("too many query rows or heads: T " + std::to_string(p.T) + ", KV heads x head chunks " +
+                             std::to_string(heads));
+  const dim3 grid{unsigned(tiles), unsigned(heads)};
+  auto none = [] { return cuda_op().internal("tensor-core prefill: no kernel for these bits"); };
+  auto by_bits = [&](auto d) {
+    return with_value(PackedBits{}, p.k_bits, [&](auto kb) {
+      return with_value(PackedBits{}, p.v_bits, [&](auto vb) {
+        return launch_tensor_core<decltype(d)::value, decltype(kb)::value, decltype(vb)::value>(stream, p, grid);
+      }, none);
+    }, none);
+  };
+  return p.d == 128 ? by_bits(std::integral_constant<int, 128>{}) : by_bits(std::integral_constant<int, 64>{});
+}
+
+bool tensor_core_serves(int head_dim) { return head_dim == 64 || head_dim == 128; }
+
 }  // namespace
 
 ffi::Error PagedPrefillCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot, ffi::Buffer<ffi::U8> k_codes,
@@ -235,7 +251,7 @@ ffi::Error PagedPrefillCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot
                                 ffi::Buffer<ffi::BF16> v_window, ffi::Buffer<ffi::S32> window_ids,
                                 ffi::Buffer<ffi::S32> query_start_loc,
                                 ffi::Result<ffi::Buffer<ffi::F32>> out_rot, int32_t k_bits, int32_t v_bits,
-                                float scale) {
+                                float scale, bool f16_products) {
   ffi_checks::PrefillDims dims;
   JTQ_RETURN_IF_ERROR(ffi_checks::validate_paged_prefill(cuda_op(), q_rot, k_codes, k_norms, v_codes, v_norms,
                                                          k_centroids, v_centroids, block_tables, seq_lens,
@@ -273,6 +289,7 @@ ffi::Error PagedPrefillCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot
   p.head_chunks = int((group + p.heads_per_cta - 1) / p.heads_per_cta);
   p.rows_per_cta = kPairs / p.heads_per_cta;
   p.scale = scale;
+  if (f16_products && tensor_core_serves(p.d)) return run_tensor_core(stream, p, group);
   const int64_t tiles = (dims.T + p.rows_per_cta - 1) / p.rows_per_cta;
   const int64_t heads = dims.pools.Hkv * p.head_chunks;
   if (tiles > 2147483647 || heads > 65535)

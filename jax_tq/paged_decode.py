@@ -99,7 +99,7 @@ def paged_decode(q, cache, block_tables, seq_lens, *, window_ids=None, scale=Non
     q = jnp.asarray(q)
     scale, num_splits = _static_scale(scale), _static_num_splits(num_splits)
     block_tables, seq_lens = _check_decode_args(q, cache, block_tables, seq_lens, num_splits)
-    f16_products = _allows_f16_products(precision, q.dtype)
+    f16_products = allows_f16_products(precision, q.dtype)
     if num_splits is not None:
         num_splits = min(num_splits, max(1, block_tables.shape[1]))
     check_decode_indices(block_tables, seq_lens, num_pages=cache.num_pages, page_size=cache.page_size)
@@ -247,7 +247,7 @@ def plan_decode(q, cache, block_tables, *, num_splits=None, precision=None, plat
     block_tables, _ = _check_decode_args(q, cache, block_tables, lens, num_splits, op="jax_tq.plan_decode")
     if num_splits is not None:
         num_splits = min(num_splits, max(1, block_tables.shape[1]))
-    f16_products = _allows_f16_products(precision, q.dtype)
+    f16_products = allows_f16_products(precision, q.dtype)
     platform = platform or _trace_platform(get_backend())
     if platform is None or not cache.compressed:
         return None
@@ -339,17 +339,17 @@ def _rotation_precision(kernel_rounds_to_f16: bool) -> jax.lax.Precision:
     return jax.lax.Precision.HIGH if kernel_rounds_to_f16 and not forced_highest else jax.lax.Precision.HIGHEST
 
 
-def _allows_f16_products(precision, q_dtype) -> bool:
+def allows_f16_products(precision, q_dtype, op: str = "jax_tq.paged_decode") -> bool:
     """Whether ``precision`` (see paged_decode) lets the kernel use float16 products."""
     if precision is None:
         return jnp.dtype(q_dtype) != jnp.dtype(jnp.float32)
     if not isinstance(precision, (str, jax.lax.Precision)):
-        raise ValueError(f"jax_tq.paged_decode: precision must be a jax.lax.Precision or one of "
+        raise ValueError(f"{op}: precision must be a jax.lax.Precision or one of "
                          f"'default', 'high', 'highest' (or another jax.lax.Precision name), got {type(precision).__name__} {precision!r}")
     try:
         precision = jax.lax.Precision(precision.lower() if isinstance(precision, str) else precision)
     except (ValueError, KeyError, TypeError) as err:
-        raise ValueError(f"jax_tq.paged_decode: precision must be a jax.lax.Precision or one of "
+        raise ValueError(f"{op}: precision must be a jax.lax.Precision or one of "
                          f"'default', 'high', 'highest' (or another jax.lax.Precision name), got {precision!r}") from err
     return precision != jax.lax.Precision.HIGHEST
 

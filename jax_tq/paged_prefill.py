@@ -21,7 +21,8 @@ from jax_tq import _primitive_utils as pu
 from jax_tq.backend import get_backend
 from jax_tq.cache import check_cache
 from jax_tq.checks import check_decode_indices, check_query_start_loc, reject_checkify_residuals
-from jax_tq.paged_decode import _check_decode_args, _static_scale, fold_batched_pools, window_operands
+from jax_tq.paged_decode import (_check_decode_args, _static_scale, allows_f16_products, fold_batched_pools,
+                                 window_operands)
 
 __all__ = ["paged_prefill"]
 
@@ -30,7 +31,7 @@ paged_prefill_p = _compat.Primitive("jax_tq_paged_prefill")
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def paged_prefill(q, cache, block_tables, seq_lens, query_start_loc, *, window_ids=None, scale=None):
+def paged_prefill(q, cache, block_tables, seq_lens, query_start_loc, *, window_ids=None, scale=None, precision=None):
     """Causal attention of new query rows (a prompt, or a chunk of one) over a compressed paged cache.
 
     Args:
@@ -53,6 +54,12 @@ def paged_prefill(q, cache, block_tables, seq_lens, query_start_loc, *, window_i
         tokens from its window, the others from the pages (a row earlier than the window's first
         token sees only compressed tokens).
       scale: softmax scale, a finite Python number (static); default 1 / sqrt(head_dim).
+      precision: as for :func:`jax_tq.paged_decode`: ``HIGHEST`` keeps the products float32-accurate;
+        ``DEFAULT`` / ``HIGH`` let the CUDA kernel round q (scaled by a power of two), the softmax
+        weights and the centroids to float16 in tensor-core products with float32 accumulation
+        (head_dim 64 and 128; a relative error of ~2^-11 per term, below a bfloat16 query's own
+        rounding). Default: ``HIGHEST`` for float32 queries, ``DEFAULT`` for bfloat16 / float16 ones.
+        No effect on the CPU (float64) or the reference.
 
     Returns:
       [num_tokens, num_heads, head_dim] of q's dtype. Rows that no sequence owns are 0 whatever
@@ -75,6 +82,7 @@ def paged_prefill(q, cache, block_tables, seq_lens, query_start_loc, *, window_i
     check_cache(cache, "paged_prefill")
     q = jnp.asarray(q)
     scale = _static_scale(scale, "jax_tq.paged_prefill")
+    f16_products = allows_f16_products(precision, q.dtype, "jax_tq.paged_prefill")
     block_tables, seq_lens = _check_decode_args(q, cache, block_tables, seq_lens, None, op="jax_tq.paged_prefill",
                                                 rows="num_tokens")
     query_start_loc = _check_query_start_loc(query_start_loc, seq_lens.shape[0])
@@ -95,7 +103,7 @@ def paged_prefill(q, cache, block_tables, seq_lens, query_start_loc, *, window_i
     if backend == "xla":
         out_rot = _reference(*operands, k_bits=k_codec.bits, v_bits=v_codec.bits, scale=scale)[0]
     else:
-        out_rot = _prefill(*operands, k_codec.bits, v_codec.bits, scale, backend)
+        out_rot = _prefill(*operands, k_codec.bits, v_codec.bits, scale, f16_products, backend)
     out = jnp.einsum("the,ed->thd", out_rot, v_codec.rotation, precision=_HIGHEST)
     return out.astype(q.dtype)
 
@@ -117,7 +125,7 @@ def _owned_rows(q_rot, k_codes, tables, lens, starts):
 
 
 def _reference(q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, k_window, v_window,
-               window_ids, starts, *, k_bits, v_bits, scale):
+               window_ids, starts, *, k_bits, v_bits, scale, f16_products=False):
     """The primitive's semantics in jnp: an owned row whose q_rot is not all finite gives a NaN row
     (and enters the reference as zeros, so that no NaN reaches its neighbours' gradients)."""
     finite = jnp.all(jnp.isfinite(q_rot), axis=-1, keepdims=True)
@@ -131,14 +139,14 @@ def _reference(q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables
 _NUM_OPERANDS = 13  # q_rot, the four pools, two centroids, block_tables, seq_lens, two windows, ids, query_start_loc
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=tuple(range(_NUM_OPERANDS, _NUM_OPERANDS + 4)))
+@functools.partial(jax.custom_vjp, nondiff_argnums=tuple(range(_NUM_OPERANDS, _NUM_OPERANDS + 5)))
 def _prefill(q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, k_window, v_window, window_ids,
-             starts, k_bits, v_bits, scale, backend):
+             starts, k_bits, v_bits, scale, f16_products, backend):
     """The kernel call, differentiable in q_rot, k_norms and v_norms (the codes are integers, the
     window rows bfloat16 copies)."""
     (out,) = paged_prefill_p.bind(q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, k_window,
                                   v_window, window_ids, starts, k_bits=k_bits, v_bits=v_bits, scale=scale,
-                                  backend=backend)
+                                  f16_products=f16_products, backend=backend)
     return out
 
 
@@ -146,7 +154,7 @@ def _prefill_fwd(*args):
     return _prefill(*args), args[:_NUM_OPERANDS]
 
 
-def _prefill_bwd(k_bits, v_bits, scale, backend, operands, cotangent):
+def _prefill_bwd(k_bits, v_bits, scale, f16_products, backend, operands, cotangent):
     """Backward pass through the reference (the same gradient on every backend)."""
     q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, k_window, v_window, ids, starts = operands
     reject_checkify_residuals("paged_prefill", k_codes=(k_codes, jnp.uint8), v_codes=(v_codes, jnp.uint8),
@@ -169,9 +177,10 @@ def _abstract(q_rot, *operands, **params):
     return (_compat.output_aval(q_rot.shape, jnp.float32, q_rot, *operands),)
 
 
-def _ffi(ctx, *operands, k_bits, v_bits, scale):
+def _ffi(ctx, *operands, k_bits, v_bits, scale, f16_products):
     return _compat.ffi_lowering("jax_tq_paged_prefill")(ctx, *operands, k_bits=np.int32(k_bits),
-                                                         v_bits=np.int32(v_bits), scale=np.float32(scale))
+                                                         v_bits=np.int32(v_bits), scale=np.float32(scale),
+                                                         f16_products=np.bool_(f16_products))
 
 
 def _batch(args, dims, **params):

@@ -293,3 +293,73 @@ def test_gpu_prefill_with_a_window_matches_the_float64_oracle(request, rng, head
         for i, row in enumerate(rows):
             n = seq_lens[s] - len(rows) + i + 1
             assert rel_err(out[row], attend_f64(q[row], keys[:n], values[:n], valid[:n], 1 / np.sqrt(head_dim))) < 2e-5
+
+
+# The tensor-core kernel (head_dim 64 / 128, float16 products: bf16 / f16 queries, or float32 ones with
+# precision "default"): its error is the float16 rounding of q, the weights and the centroids (~2^-11
+# per term), norm-wise ~1e-3 against the float64 oracle; bf16 outputs add their own ~2e-3.
+TC_CASES = [  # head_dim, k_bits, v_bits, page_size, group, num_kv_heads
+    (128, 4, 4, 16, 4, 2), (128, 3, 3, 16, 1, 2), (128, 2, 2, 8, 8, 1), (128, 4, 2, 32, 3, 2),
+    (64, 4, 4, 16, 4, 2), (64, 3, 4, 16, 6, 1), (64, 2, 3, 64, 16, 1), (64, 4, 4, 16, 128, 1)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim,k_bits,v_bits,page_size,group,num_kv_heads", TC_CASES)
+def test_gpu_tensor_core_prefill_matches_oracle(rng, head_dim, k_bits, v_bits, page_size, group, num_kv_heads):
+    """Chunked prefill after cached tokens (130 new of 300: tiles that straddle the causal diagonal),
+    whole prompts, a row before its sequence's start, sequences sharing CTA tiles, rows of no sequence
+    (lead / tail: 0), one NaN query row (NaN), groups from 1 to 128 (two head chunks per KV head)."""
+    q, cache, tables, lens, starts = _case(rng, head_dim=head_dim, k_bits=k_bits, v_bits=v_bits, page_size=page_size,
+                                           group=group, num_kv_heads=num_kv_heads, seq_lens=(300, 77, 2, 0, 129, 1),
+                                           q_lens=(130, 77, 3, 0, 1, 1), lead_rows=3, tail_rows=5, num_pages=80)
+    q = q.at[3 + 50, 0, 7].set(jnp.nan)
+    poison_device_memory(q.size * 4 * 4)
+    got = np.asarray(jax.jit(lambda *a: tq.paged_prefill(*a, precision="default"))(q, cache, tables, lens, starts))
+    want = prefill_f64(q, cache, tables, lens, starts)
+    nan_row = np.zeros(q.shape[:2], bool)
+    nan_row[3 + 50, 0] = True
+    assert np.all(np.isnan(got[nan_row])) and not np.any(np.isnan(got[~nan_row]))
+    keep = ~nan_row[..., None] & np.ones(got.shape, bool)
+    assert rel_err(np.where(keep, got, 0), np.where(keep, want, 0)) < 2e-3
+    zero_rows = np.r_[0:3, 3 + 130 + 77, q.shape[0] - 5:q.shape[0]]  # lead, the row before its start, tail
+    assert np.all(got[zero_rows] == 0)
+    bf16 = jax.jit(tq.paged_prefill)(q.astype(jnp.bfloat16), cache, tables, lens, starts)
+    want16 = prefill_f64(q.astype(jnp.bfloat16).astype(jnp.float32), cache, tables, lens, starts)
+    assert rel_err(np.where(keep, np.asarray(bf16, np.float32), 0), np.where(keep, want16, 0)) < 5e-3
+
+
+@pytest.mark.gpu
+def test_gpu_tensor_core_prefill_long_chunk_huge_and_tiny_queries(rng):
+    """A 1024-row chunk after 1024 cached tokens (pages in random order), rows scaled by 1e-6 .. 1e4
+    (the per-row power-of-two scaling keeps them inside float16), against the float64 oracle."""
+    q, cache, tables, lens, starts = _case(rng, head_dim=128, page_size=16, group=4, num_kv_heads=2,
+                                           seq_lens=(2048,), q_lens=(1024,), num_pages=160)
+    scales = jnp.asarray(10.0 ** rng.uniform(-6, 4, size=(q.shape[0], q.shape[1], 1)), jnp.float32)
+    q = q * scales
+    got = jax.jit(lambda *a: tq.paged_prefill(*a, precision="default"))(q, cache, tables, lens, starts)
+    want = prefill_f64(q, cache, tables, lens, starts)
+    per_row = [rel_err(np.asarray(got)[i], want[i]) for i in range(0, q.shape[0], 97)]
+    assert max(per_row) < 3e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim,group", [(128, 4), (64, 3)])
+def test_gpu_tensor_core_prefill_with_a_window(request, rng, head_dim, group):
+    cache = random_window_cache(rng, head_dim=head_dim, num_kv_heads=2, page_size=16, num_pages=32, window=64,
+                                num_windows=3)
+    tables = np.stack([rng.permutation(32)[:8] for _ in range(3)]).astype(np.int32)
+    seq_lens = np.asarray([100, 40, 128], np.int32)
+    starts = np.asarray([0, 30, 70, 80], np.int32)
+    ids = np.asarray([2, -1, 1], np.int32)  # sequence 1: no window (its last tokens are not there)
+    q = rng.normal(size=(80, 2 * group, head_dim)).astype(np.float32)
+    poison_device_memory(1 << 26)
+    with kernel_backend(request, ["jax_tq_paged_prefill"]):
+        out = np.asarray(jax.jit(lambda *a, **k: tq.paged_prefill(*a, **k, precision="default"))(
+            q, cache, tables, seq_lens, starts, window_ids=ids))
+    for s in range(3):
+        keys, values, valid = sequence_tokens(cache, tables[s], seq_lens[s], ids[s])
+        rows = range(starts[s], starts[s + 1])
+        for i, row in enumerate(rows):
+            n = seq_lens[s] - len(rows) + i + 1
+            want = attend_f64(q[row], keys[:n], values[:n], valid[:n], 1 / np.sqrt(head_dim))
+            assert rel_err(out[row], want) < 3e-3 if valid[:n].any() else np.all(out[row] == 0)

@@ -92,8 +92,10 @@
 
 #include <cstdint>
 
+#include "jax_tq/code_loads.cuh"
 #include "jax_tq/decode_device.cuh"
 #include "jax_tq/format.h"
+#include "jax_tq/mma.cuh"
 
 namespace jax_tq {
 namespace cuda {
@@ -121,32 +123,12 @@ constexpr int kWRow = 10;   // padded row (floats) of the per-warp P tile: confl
 constexpr int kCtasPerSm = 3;                 // residency the launch bounds and shared memory allow
 constexpr int kSmemBytes = 256 * 256;  // interleaved K / V tables (o_s and the q staging alias them)
 
-__device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                         uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ uint32_t h2_bits(__half2 h) {
-  return *reinterpret_cast<const uint32_t*>(&h);
-}
-
 // (x0, x1) -> hi = f16x2(x0, x1) (x0 in the lower half), lo = f16x2 of the rounding residuals.
 __device__ __forceinline__ void split2(float x0, float x1, uint32_t& hi, uint32_t& lo) {
   const __half2 h = __floats2half2_rn(x0, x1);
   const float2 hf = __half22float2(h);
   hi = h2_bits(h);
   lo = h2_bits(__floats2half2_rn(x0 - hf.x, x1 - hf.y));
-}
-
-// f16x2(x0, x1), x0 in the lower half, rounded to nearest; out-of-range values saturate to +-65504
-// (NaN stays NaN), so a weight never becomes an f16 infinity.
-__device__ __forceinline__ uint32_t half2_satfinite(float x0, float x1) {
-  uint32_t h;
-  asm("cvt.rn.satfinite.f16x2.f32 %0, %1, %2;" : "=r"(h) : "f"(x1), "f"(x0));
-  return h;
 }
 
 // The 8 x 8 b16 matrix whose row lane / 4 holds this lane's x (elements 2 (lane % 4), +1), transposed in
@@ -245,112 +227,6 @@ template <bool SPLIT>
 __device__ __forceinline__ void build_item_lut(uint8_t* smem, const LutSeed& seed, int item, int tid) {
   if (item == 0) store_lut_entry<SPLIT>(smem, 0, tid, seed.k_lo, seed.k_hi);
   else store_lut_entry<SPLIT>(smem, 1, tid, seed.v_lo, seed.v_hi);
-}
-
-// ---- code loads of any width: a lane's 8N consecutive codes as N nibble words ------------------
-// (8 codes each, code i in bits 4i..4i+3), so that everything after the load is the 4-bit code.
-// 4-bit rows hold them as they are; 2- and 3-bit rows (docs/FORMAT.md) are spread to nibbles here.
-
-struct GlobalMem {  // the read-only data path
-  template <class T>
-  static __device__ __forceinline__ T at(const uint8_t* p) { return __ldg(reinterpret_cast<const T*>(p)); }
-};
-struct SharedMem {
-  template <class T>
-  static __device__ __forceinline__ T at(const uint8_t* p) { return *reinterpret_cast<const T*>(p); }
-};
-
-// Largest power of two, at most 16, that divides x: the alignment of the loads at offsets that are
-// multiples of x from a 16-byte aligned base.
-constexpr int align_of(int x) { return x % 16 == 0 ? 16 : x % 8 == 0 ? 8 : x % 4 == 0 ? 4 : x % 2 == 0 ? 2 : 1; }
-
-// N consecutive 32-bit words at src, AL-byte aligned (AL >= 4): one vector load where AL allows,
-// else 8- or 4-byte loads.
-template <int N, class Mem, int AL = 16>
-__device__ __forceinline__ void load_words(const uint8_t* src, uint32_t (&w)[N]) {
-  static_assert(N == 1 || N == 2 || N == 4, "1, 2 or 4 words");
-  static_assert(AL >= 4, "words: 4-byte aligned");
-  if constexpr (N == 4 && AL >= 16) {
-    const uint4 v = Mem::template at<uint4>(src);
-    w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
-  } else if constexpr (N >= 2 && AL >= 8) {
-#pragma unroll
-    for (int i = 0; i < N; i += 2) {
-      const uint2 v = Mem::template at<uint2>(src + 4 * i);
-      w[i] = v.x, w[i + 1] = v.y;
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < N; ++i) w[i] = Mem::template at<uint32_t>(src + 4 * i);
-  }
-}
-
-// The N 3-bit groups (8 codes each, code i in bits 3i..3i+2; bits above 24 are not cleared) of a
-// lane's 8N codes at src: N = 4, 12 bytes on an AL-byte boundary (AL >= 4: 3 words; AL = 2: the 4
-// words around them, shifted by 16 bits where src is not 4-byte aligned); N = 2, 6 bytes on a 2-byte
-// boundary (a word and a half); N = 1, 3 bytes.
-template <int N, class Mem, int AL = 16>
-__device__ __forceinline__ void load_groups3(const uint8_t* src, uint32_t (&g)[N]) {
-  if constexpr (N == 4 && AL < 4) {
-    static_assert(AL == 2, "3-bit chunks of 12 bytes: 2-byte aligned");
-    const uint32_t shift = (reinterpret_cast<uintptr_t>(src) & 2u) * 8u;  // 0 or 16
-    const uint8_t* base = src - shift / 8;
-    const uint32_t w0 = Mem::template at<uint32_t>(base), w1 = Mem::template at<uint32_t>(base + 4),
-                   w2 = Mem::template at<uint32_t>(base + 8), w3 = Mem::template at<uint32_t>(base + 12);
-    const uint32_t a = __funnelshift_r(w0, w1, shift), b = __funnelshift_r(w1, w2, shift),
-                   c = __funnelshift_r(w2, w3, shift);
-    g[0] = a;
-    g[1] = __funnelshift_r(a, b, 24);
-    g[2] = __funnelshift_r(b, c, 16);
-    g[3] = c >> 8;
-  } else if constexpr (N == 4) {
-    const uint32_t a = Mem::template at<uint32_t>(src), b = Mem::template at<uint32_t>(src + 4),
-                   c = Mem::template at<uint32_t>(src + 8);
-    g[0] = a;
-    g[1] = __funnelshift_r(a, b, 24);
-    g[2] = __funnelshift_r(b, c, 16);
-    g[3] = c >> 8;
-  } else if constexpr (N == 2) {
-    const bool odd = (reinterpret_cast<uintptr_t>(src) & 2u) != 0;  // src + 2 is 4-byte aligned
-    const uint32_t word = Mem::template at<uint32_t>(src + (odd ? 2 : 0));
-    const uint32_t half = Mem::template at<unsigned short>(src + (odd ? 0 : 4));
-    const uint32_t lo = odd ? (half | (word << 16)) : word;  // bits 0..31 of the 48
-    const uint32_t hi = odd ? (word >> 16) : half;           // bits 32..47
-    g[0] = lo;
-    g[1] = __funnelshift_r(lo, hi, 24);
-  } else {
-    const uint32_t b0 = Mem::template at<uint8_t>(src), b1 = Mem::template at<uint8_t>(src + 1),
-                   b2 = Mem::template at<uint8_t>(src + 2);
-    g[0] = b0 | (b1 << 8) | (b2 << 16);
-  }
-}
-
-// src: the first byte of a lane's 8N codes of width BITS, AL-byte aligned (AL: at most the chunk's
-// own alignment; a 3-bit chunk of N = 4 needs 2, of N <= 2 may start on any 2-byte (N = 2) or byte
-// (N = 1) boundary; other chunks need 4).
-template <int BITS, int N, class Mem, int AL = 16>
-__device__ __forceinline__ void load_nibbles(const uint8_t* src, uint32_t (&w)[N]) {
-  static_assert(N == 1 || N == 2 || N == 4, "1, 2 or 4 groups of 8 codes");
-  static_assert(BITS == 2 || BITS == 3 || BITS == 4, "2, 3 or 4 bits");
-  if constexpr (BITS == 4) {
-    load_words<N, Mem, AL>(src, w);
-  } else if constexpr (BITS == 2) {
-    if constexpr (N >= 2) {
-      uint32_t raw[N / 2];
-      load_words<N / 2, Mem, AL>(src, raw);
-#pragma unroll
-      for (int i = 0; i < N / 2; ++i) {
-        w[2 * i] = nibbles_from_2bit(raw[i] & 0xFFFFu);
-        w[2 * i + 1] = nibbles_from_2bit(raw[i] >> 16);
-      }
-    } else {
-      w[0] = nibbles_from_2bit(Mem::template at<unsigned short>(src));
-    }
-  } else {
-    load_groups3<N, Mem, AL>(src, w);
-#pragma unroll
-    for (int i = 0; i < N; ++i) w[i] = nibbles_from_3bit(w[i]);
-  }
 }
 
 // ---- pair keys: the v4 ring's K codes (and 2-bit V codes) without the spread to nibbles --------

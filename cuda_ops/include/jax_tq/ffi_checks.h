@@ -584,7 +584,8 @@ auto BindPagedPrefill(B b) {
       .template Ret<ffi::Buffer<ffi::F32>>()        // out_rot [T, H, d]
       .template Attr<int32_t>("k_bits")
       .template Attr<int32_t>("v_bits")
-      .template Attr<float>("scale");
+      .template Attr<float>("scale")
+      .template Attr<bool>("f16_products");         // float16 tensor-core products allowed (CUDA)
 }
 
 }  // namespace ffi_checks

@@ -1,0 +1,57 @@
+// Device code shared by the paged-prefill kernels (paged_prefill.cu's CUDA-core kernel,
+// prefill_tensor_core.cuh): the kernel parameters and the owner of a query row.
+#ifndef JAX_TQ_PREFILL_DEVICE_CUH_
+#define JAX_TQ_PREFILL_DEVICE_CUH_
+
+#include <cstdint>
+
+#include "jax_tq/format.h"
+
+namespace jax_tq {
+namespace cuda {
+namespace {
+
+struct PrefillParams {
+  const float* q;
+  const uint8_t *k_codes, *v_codes;
+  const float *k_norms, *v_norms, *k_centroids, *v_centroids;
+  const int32_t *block_tables, *seq_lens, *query_start_loc;
+  const uint16_t *k_window, *v_window;  // bf16 [num_windows, Hkv, W, d] (W = 0: no window)
+  const int32_t* window_ids;            // [S]
+  int64_t num_windows, W;
+  float* out;
+  int64_t T, H, S, max_pages, P, Hkv, page;
+  int d, k_bits, v_bits, kpb, vpb;
+  int heads_per_cta, rows_per_cta, head_chunks;
+  float scale;
+};
+
+// The sequence whose rows contain `row` (query_start_loc non-decreasing), or -1 for a row of none.
+__device__ int64_t sequence_of(const PrefillParams& p, int64_t row) {
+  int64_t lo = 0, hi = p.S - 1, found = -1;
+  while (lo <= hi) {  // the last s with query_start_loc[s] <= row
+    const int64_t mid = (lo + hi) / 2;
+    if (p.query_start_loc[mid] <= row) {
+      found = mid;
+      lo = mid + 1;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  if (found < 0) return -1;
+  const PrefillRows rows = prefill_rows(p.query_start_loc, p.seq_lens, found, p.T, p.max_pages * p.page);
+  return row >= rows.begin && row < rows.end ? found : -1;
+}
+
+// The window id of sequence s, or -1 where it has none (W = 0) or its id is outside [0, num_windows).
+__device__ __forceinline__ int64_t window_of(const PrefillParams& p, int64_t s) {
+  if (p.W == 0) return -1;
+  const int64_t id = p.window_ids[s];
+  return id >= 0 && id < p.num_windows ? id : -1;
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace jax_tq
+
+#endif  // JAX_TQ_PREFILL_DEVICE_CUH_
