@@ -18,8 +18,8 @@ has() { [[ " $stages " == *" $1 "* ]]; }
 # -DJTQ_DEV_ONLY_D=128, which builds head_dim 128 only) is removed first: on a warm machine it
 # once made a later full build a head_dim-128 one, and 89 decode GPU tests failed with "head_dim
 # 64 not compiled in".
-# The kernels not yet run on a GPU (QJL, prefill) are built only for the stages that test them.
-unverified=${JAX_TQ_CUDA_UNVERIFIED:-OFF}; if has qjl || has prefill; then unverified=ON; fi
+# The kernel not yet run through its tests on a GPU (QJL scores) is built only for the stage that tests it.
+unverified=${JAX_TQ_CUDA_UNVERIFIED:-OFF}; if has qjl; then unverified=ON; fi
 cuda_install() {
   local stamp="build/.cudaflags" want="flags:${CUDAFLAGS:-} unverified:$unverified trace:${JAX_TQ_TRACE_PHASES:-OFF}"
   if [[ -d build && "$(cat "$stamp" 2>/dev/null)" != "$want" ]]; then rm -rf build; fi

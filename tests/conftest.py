@@ -81,7 +81,7 @@ def poison_device_memory(nbytes: int) -> None:
 
 def kernels_built(platform: str, targets) -> bool:
     """Whether this install's module for ``platform`` has kernels for every FFI target in ``targets``
-    (the CUDA module built without JAX_TQ_CUDA_UNVERIFIED lacks the QJL and prefill ones)."""
+    (the CUDA module built without JAX_TQ_CUDA_UNVERIFIED lacks the QJL scores one)."""
     from jax_tq import _ffi
     return _ffi.kernels_available(platform) and all(_ffi.has_target(platform, t) for t in targets)
 
