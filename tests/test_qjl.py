@@ -130,9 +130,12 @@ def test_compress_matches_float64_oracle(rng, head_dim, bits, dtype):
     assert got.codes.shape == (3, 23, codec.packed_bytes) and got.signs.shape == (3, 23, head_dim // 8)
     assert got.norms.shape == got.gamma.shape == (3, 23)
     assert_compress_matches_oracle(got, x, codec)
-    codes, norms = tq.compress(x, codec.mse)  # the mse half is exactly TurboQuant_mse's
+    codes, norms = tq.compress(x, codec.mse)  # the mse half is TurboQuant_mse's
     np.testing.assert_array_equal(np.asarray(got.codes), np.asarray(codes))
-    np.testing.assert_array_equal(np.asarray(got.norms), np.asarray(norms))
+    if jax.default_backend() == "cpu":  # one code path: the same float32 sums
+        np.testing.assert_array_equal(np.asarray(got.norms), np.asarray(norms))
+    else:  # on the GPU the compress kernel and XLA's code of qjl_compress sum in different orders
+        np.testing.assert_allclose(np.asarray(got.norms), np.asarray(norms), rtol=4e-7)
 
 
 def test_compress_zero_vector_and_backends_agree(rng):
