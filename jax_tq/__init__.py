@@ -9,7 +9,8 @@ Public API::
     cache = tq.PagedKVCache.create(num_pages=..., page_size=16, num_kv_heads=..., k_codec=..., v_codec=...)
     cache = tq.PagedKVCache.create(num_pages=..., page_size=16, num_kv_heads=..., preset="k4v4",
                                    head_dim=128, num_windows=num_seqs)   # fitted scales + 64-token window
-    cache = tq.write_cache(cache, k, v, slot_mapping)                    # window caches: + window_slots
+    slots = tq.slot_mapping(block_tables, positions, page_size, seq_ids)  # -1 where the table has no slot
+    cache = tq.write_cache(cache, k, v, slots)                           # window caches: + window_slots
     out = tq.paged_decode(q, cache, block_tables, seq_lens)
     out = tq.paged_prefill(q_new, cache, block_tables, seq_lens, query_start_loc)  # causal, new tokens
 
@@ -22,7 +23,7 @@ from jax_tq._ffi import kernels_available
 from jax_tq._ffi import unavailable_reason as kernels_unavailable_reason
 from jax_tq.backend import BackendUnavailableError, get_backend, use_backend
 from jax_tq.checks import checked
-from jax_tq.cache import PRESETS, CachePreset, PagedKVCache, get_preset, write_cache
+from jax_tq.cache import PRESETS, CachePreset, PagedKVCache, get_preset, slot_mapping, write_cache
 from jax_tq.codec import TurboQuant, TurboQuantProd
 from jax_tq.compress import compress, decompress, window_rows
 from jax_tq.format import window_slot_mapping
@@ -54,6 +55,7 @@ __all__ = [
     "qjl_compress",
     "qjl_decompress",
     "qjl_scores",
+    "slot_mapping",
     "use_backend",
     "window_rows",
     "window_slot_mapping",
