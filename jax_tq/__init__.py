@@ -13,6 +13,8 @@ Public API::
     cache = tq.write_cache(cache, k, v, slots)                           # window caches: + window_slots
     out = tq.paged_decode(q, cache, block_tables, seq_lens)
     out = tq.paged_prefill(q_new, cache, block_tables, seq_lens, query_start_loc)  # causal, new tokens
+    out, cache = tq.ragged_paged_attention(q, k, v, cache, kv_lens, block_tables, cu_q_lens)  # write + attend
+    out, cache = tq.prompt_attention(q, k, v, cache, block_tables, prompt_lens)   # exact over the prompt
 
     prod = tq.TurboQuantProd(head_dim=128, bits=4)   # 3-bit mse codes + 1 QJL bit
     keys = tq.qjl_compress(k, prod)
@@ -30,6 +32,7 @@ from jax_tq.format import window_slot_mapping
 from jax_tq.paged_decode import paged_decode, plan_decode
 from jax_tq.paged_prefill import paged_prefill
 from jax_tq.qjl import QJLCodes, qjl_compress, qjl_decompress, qjl_scores
+from jax_tq.ragged import prompt_attention, ragged_paged_attention
 from jax_tq import nn  # noqa: E402  (flax is imported only when nn needs it)
 
 __version__ = "0.2.0"
@@ -52,9 +55,11 @@ __all__ = [
     "paged_decode",
     "paged_prefill",
     "plan_decode",
+    "prompt_attention",
     "qjl_compress",
     "qjl_decompress",
     "qjl_scores",
+    "ragged_paged_attention",
     "slot_mapping",
     "use_backend",
     "window_rows",
