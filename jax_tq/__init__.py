@@ -9,9 +9,12 @@ Public API::
     cache = tq.PagedKVCache.create(num_pages=..., page_size=16, num_kv_heads=..., k_codec=..., v_codec=...)
     cache = tq.PagedKVCache.create(num_pages=..., page_size=16, num_kv_heads=..., preset="k4v4",
                                    head_dim=128, num_windows=num_seqs)   # fitted scales + 64-token window
-    cache = tq.write_cache(cache, k, v, slot_mapping)                    # window caches: + window_slots
+    slots = tq.slot_mapping(block_tables, positions, page_size, seq_ids)  # -1 where the table has no slot
+    cache = tq.write_cache(cache, k, v, slots)                           # window caches: + window_slots
     out = tq.paged_decode(q, cache, block_tables, seq_lens)
     out = tq.paged_prefill(q_new, cache, block_tables, seq_lens, query_start_loc)  # causal, new tokens
+    out, cache = tq.ragged_paged_attention(q, k, v, cache, kv_lens, block_tables, cu_q_lens)  # write + attend
+    out, cache = tq.prompt_attention(q, k, v, cache, block_tables, prompt_lens)   # exact over the prompt
 
     prod = tq.TurboQuantProd(head_dim=128, bits=4)   # 3-bit mse codes + 1 QJL bit
     keys = tq.qjl_compress(k, prod)
@@ -22,13 +25,14 @@ from jax_tq._ffi import kernels_available
 from jax_tq._ffi import unavailable_reason as kernels_unavailable_reason
 from jax_tq.backend import BackendUnavailableError, get_backend, use_backend
 from jax_tq.checks import checked
-from jax_tq.cache import PRESETS, CachePreset, PagedKVCache, get_preset, write_cache
+from jax_tq.cache import PRESETS, CachePreset, PagedKVCache, get_preset, slot_mapping, write_cache
 from jax_tq.codec import TurboQuant, TurboQuantProd
 from jax_tq.compress import compress, decompress, window_rows
 from jax_tq.format import window_slot_mapping
 from jax_tq.paged_decode import paged_decode, plan_decode
 from jax_tq.paged_prefill import paged_prefill
 from jax_tq.qjl import QJLCodes, qjl_compress, qjl_decompress, qjl_scores
+from jax_tq.ragged import prompt_attention, ragged_paged_attention
 from jax_tq import nn  # noqa: E402  (flax is imported only when nn needs it)
 
 __version__ = "0.2.0"
@@ -51,9 +55,12 @@ __all__ = [
     "paged_decode",
     "paged_prefill",
     "plan_decode",
+    "prompt_attention",
     "qjl_compress",
     "qjl_decompress",
     "qjl_scores",
+    "ragged_paged_attention",
+    "slot_mapping",
     "use_backend",
     "window_rows",
     "window_slot_mapping",

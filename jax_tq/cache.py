@@ -14,8 +14,8 @@ from jax_tq.checks import check_slot_mapping, check_window_slots
 from jax_tq.codec import TurboQuant
 from jax_tq.compress import (FLOAT_DTYPES, check_float_input, check_packed_codec, check_slot_mapping_shape,
                              write_cache_pools)
-from jax_tq.format import (MAX_WINDOW, cache_codes_shape, cache_norms_shape, check_bits, check_index_dtype,
-                           window_shape)
+from jax_tq.format import (INDEX_MAX, MAX_WINDOW, cache_codes_shape, cache_norms_shape, check_bits,
+                           check_index_dtype, window_shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -478,3 +478,80 @@ def _window_slots(cache, window_slots, num_tokens: int):
         raise error(f"{spec}, got {window_slots.dtype}{tuple(window_slots.shape)}")
     check_window_slots(window_slots, num_entries=cache.num_windows * cache.window)
     return window_slots
+
+
+def slot_mapping(block_tables, positions, page_size: int, seq_ids=None):
+    """Cache slots of tokens from their positions and their sequences' block tables: the
+    ``slot_mapping`` of :func:`write_cache`.
+
+    Token i of sequence s = ``seq_ids[i]`` at position p = ``positions[i]`` goes to slot
+    ``block_tables[s, p // page_size] * page_size + p % page_size`` (page p // page_size of the
+    sequence, offset p % page_size: docs/FORMAT.md), or to -1 (padding: :func:`write_cache` skips
+    it) where it has no slot of its own: p outside [0, max_pages * page_size) (the table does not
+    cover it; indexing would clamp p onto the last page and overwrite a valid token), s outside
+    [0, num_seqs), a negative table entry, or one whose slot would pass int32. An entry at or past
+    the pool gives a slot past it, which :func:`write_cache` skips too.
+
+    Args:
+      block_tables: int32 [num_seqs, max_pages] (logical page j of sequence s is physical page
+        block_tables[s, j]), or [max_pages]: one table for every token.
+      positions: int32 [num_tokens], each token's position within its sequence.
+      page_size: tokens per page (``cache.page_size``), a Python int >= 1.
+      seq_ids: int32 [num_tokens], each token's row of ``block_tables``; None: token i uses row i
+        (num_tokens == num_seqs: one new token per sequence) or the one table of a [max_pages]
+        ``block_tables``.
+
+    Returns:
+      int32 [num_tokens].
+
+    Raises:
+      TypeError: an index array not int32 (NumPy int64 would wrap), page_size not an int.
+      ValueError: block_tables not of rank 1 or 2, positions or seq_ids not [num_tokens],
+        num_tokens != num_seqs without seq_ids, page_size < 1.
+
+    Source: vLLM's slot_mapping (PagedAttention, Kwon et al., arXiv 2309.06180), the page layout
+    of docs/FORMAT.md.
+    """
+    op = "jax_tq.slot_mapping"
+    if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)):
+        raise TypeError(f"{op}: page_size must be a Python int (cache.page_size), got {type(page_size).__name__}")
+    if page_size < 1:
+        raise ValueError(f"{op}: page_size must be >= 1, got {page_size}")
+    page_size = int(page_size)
+    check_index_dtype(block_tables, f"{op}: block_tables must be int32 [num_seqs, max_pages] or [max_pages]")
+    check_index_dtype(positions, f"{op}: positions must be int32 [num_tokens]")
+    block_tables, positions = jnp.asarray(block_tables), jnp.asarray(positions)
+    for name, x, ranks in (("block_tables", block_tables, (1, 2)), ("positions", positions, (1,))):
+        if x.dtype != jnp.int32:
+            raise TypeError(f"{op}: {name} must be int32, got {x.dtype}{tuple(x.shape)}")
+        if x.ndim not in ranks:
+            raise ValueError(f"{op}: {name} must be of rank {' or '.join(map(str, ranks))}, got shape "
+                             f"{tuple(x.shape)}")
+    num_tokens, max_pages = positions.shape[0], block_tables.shape[-1]
+    if seq_ids is not None:
+        spec = f"{op}: seq_ids must be int32 [num_tokens={num_tokens}]"
+        check_index_dtype(seq_ids, spec)
+        seq_ids = jnp.asarray(seq_ids)
+        if seq_ids.dtype != jnp.int32 or seq_ids.shape != (num_tokens,):
+            error = TypeError if seq_ids.dtype != jnp.int32 else ValueError
+            raise error(f"{spec}, got {seq_ids.dtype}{tuple(seq_ids.shape)}")
+    elif block_tables.ndim == 2 and block_tables.shape[0] != num_tokens:
+        raise ValueError(f"{op}: positions has {num_tokens} tokens but block_tables {block_tables.shape[0]} "
+                         "sequences; pass seq_ids (each token's sequence) or one position per sequence")
+    page = positions // page_size
+    offset = positions % page_size
+    covered = (positions >= 0) & (page < max_pages)
+    page = jnp.clip(page, 0, max(max_pages - 1, 0))
+    if max_pages == 0:
+        return jnp.full((num_tokens,), -1, jnp.int32)
+    if block_tables.ndim == 1:
+        entry = block_tables[page]
+    elif seq_ids is None:
+        entry = jnp.take_along_axis(block_tables, page[:, None], axis=1)[:, 0]
+    else:
+        num_seqs = block_tables.shape[0]
+        covered &= (seq_ids >= 0) & (seq_ids < num_seqs)
+        entry = block_tables[jnp.clip(seq_ids, 0, max(num_seqs - 1, 0)), page] if num_seqs else jnp.zeros_like(page)
+    # entry * page_size + offset stays within int32 (no wrap onto a valid slot)
+    covered &= (entry >= 0) & (entry <= (INDEX_MAX - offset) // page_size)
+    return jnp.where(covered, entry * page_size + offset, -1).astype(jnp.int32)

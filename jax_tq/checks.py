@@ -29,12 +29,19 @@ def checks_enabled() -> bool:
 
 
 @contextlib.contextmanager
-def _checking():
-    token = _enabled.set(True)
+def _checking(enabled: bool = True):
+    token = _enabled.set(enabled)
     try:
         yield
     finally:
         _enabled.reset(token)
+
+
+def unchecked():
+    """A context in which ops traced insert no run-time checks, even inside :func:`checked`: for a
+    function that checks its own arguments (naming them) and then calls ops on values it derived
+    from them, whose checks would name those derived values (or refuse what it made legal)."""
+    return _checking(False)
 
 
 def checked(fn):
@@ -76,9 +83,11 @@ def checked(fn):
     return wrapper
 
 
-def check_decode_indices(block_tables, seq_lens, *, num_pages: int, page_size: int, op: str = "paged_decode") -> None:
+def check_decode_indices(block_tables, seq_lens, *, num_pages: int, page_size: int, op: str = "paged_decode",
+                         lens_name: str = "seq_lens") -> None:
     """Insert checks: 0 <= seq_lens <= max_pages * page_size, and every block-table entry a sequence
-    uses lies in [0, num_pages); messages name ``jax_tq.{op}``. No-op outside checked mode."""
+    uses lies in [0, num_pages); messages name ``jax_tq.{op}`` and call seq_lens ``lens_name``.
+    No-op outside checked mode."""
     if not checks_enabled():
         return
     capacity = block_tables.shape[1] * page_size
@@ -90,7 +99,7 @@ def check_decode_indices(block_tables, seq_lens, *, num_pages: int, page_size: i
     checkify.check(
         ~jnp.any(bad_len),
         # The static bounds are part of the text (they may exceed int32).
-        f"jax_tq.{op}: seq_lens[{{i}}] = {{n}} is outside [0, {capacity}] (max_pages * page_size)",
+        f"jax_tq.{op}: {lens_name}[{{i}}] = {{n}} is outside [0, {capacity}] (max_pages * page_size)",
         i=first, n=seq_lens[first],
     )
     if block_tables.size == 0:  # no page entries: every positive length was reported above
@@ -121,31 +130,38 @@ def reject_checkify_residuals(op: str, **wanted) -> None:
                 f"jax_tq.checked(jax.grad(f))")
 
 
-def check_query_start_loc(query_start_loc, seq_lens, *, num_rows: int) -> None:
-    """Insert checks: query_start_loc starts at 0, never decreases and ends at num_rows, and no
-    sequence has more new rows than tokens (seq_lens[s] >= its rows). No-op outside checked mode."""
+def check_query_start_loc(query_start_loc, seq_lens, *, num_rows: int, op: str = "paged_prefill",
+                          starts_name: str = "query_start_loc", lens_name: str = "seq_lens",
+                          padding: bool = False,
+                          hint: str = "write the new tokens into the cache first; seq_lens counts them") -> None:
+    """Insert checks: query_start_loc starts at 0, never decreases and ends at num_rows (with
+    ``padding``: at most num_rows, the rows after it being padding), and no sequence has more new
+    rows than tokens (seq_lens[s] >= its rows); messages name ``jax_tq.{op}``, ``starts_name`` and
+    ``lens_name``, the last one ending in ``hint``. No-op outside checked mode."""
     if not checks_enabled():
         return
-    checkify.check(query_start_loc[0] == 0, "jax_tq.paged_prefill: query_start_loc[0] = {a} must be 0",
-                   a=query_start_loc[0])
-    checkify.check(query_start_loc[-1] == num_rows,
-                   f"jax_tq.paged_prefill: query_start_loc[-1] = {{b}} must be num_tokens = {num_rows}",
-                   b=query_start_loc[-1])
+    name = f"jax_tq.{op}: {starts_name}"
+    checkify.check(query_start_loc[0] == 0, f"{name}[0] = {{a}} must be 0", a=query_start_loc[0])
+    if padding:
+        checkify.check(query_start_loc[-1] <= num_rows,
+                       f"{name}[-1] = {{b}} must be <= num_tokens = {num_rows}", b=query_start_loc[-1])
+    else:
+        checkify.check(query_start_loc[-1] == num_rows, f"{name}[-1] = {{b}} must be num_tokens = {num_rows}",
+                       b=query_start_loc[-1])
     if seq_lens.size == 0:
         return
     steps = jnp.diff(query_start_loc)
     s = jnp.argmin(steps)
     checkify.check(
         steps[s] >= 0,
-        "jax_tq.paged_prefill: query_start_loc decreases from {a} to {b} at sequence {s}",
+        f"{name} decreases from {{a}} to {{b}} at sequence {{s}}",
         a=query_start_loc[s], b=query_start_loc[s + 1], s=s,
     )
     short = steps > seq_lens
     s = jnp.argmax(short)
     checkify.check(
         ~jnp.any(short),
-        "jax_tq.paged_prefill: sequence {s} has {q} new query rows but seq_lens[{s}] = {n} tokens (write the new "
-        "tokens into the cache first; seq_lens counts them)",
+        f"jax_tq.{op}: sequence {{s}} has {{q}} new query rows but {lens_name}[{{s}}] = {{n}} tokens ({hint})",
         s=s, q=steps[s], n=seq_lens[s],
     )
 
@@ -191,3 +207,14 @@ def check_window_ids(window_ids, seq_lens, *, num_windows: int, op: str = "paged
         f"jax_tq.{op}: window_ids[{{i}}] = {{w}} is outside [0, {num_windows}) but sequence {{i}} has tokens",
         i=first, w=window_ids[first],
     )
+
+
+def check_at_most(values, bound: int, *, op: str, name: str, bound_name: str) -> None:
+    """Insert a check that every element of ``values`` is <= ``bound`` (static); the message names
+    ``jax_tq.{op}``, the first offending ``name[i]`` and ``bound_name``. No-op outside checked mode."""
+    if not checks_enabled() or values.size == 0:
+        return
+    bad = values > bound
+    first = jnp.argmax(bad)
+    checkify.check(~jnp.any(bad), f"jax_tq.{op}: {name}[{{i}}] = {{n}} is past {bound_name} = {bound}",
+                   i=first, n=values[first])

@@ -445,6 +445,35 @@ def test_write_cache_fills_pages_and_window(rng, backend):
 
 
 @pytest.mark.backend(None)
+def test_slot_mapping_values_and_the_rows_it_refuses(rng):
+    """write_cache's slots from block tables and positions: -1 wherever a token has no slot of its own."""
+    tables = rng.integers(-2, 50, size=(5, 7)).astype(np.int32)
+    positions = rng.integers(-3, 7 * 6 + 3, size=200).astype(np.int32)
+    seq_ids = rng.integers(-1, 6, size=200).astype(np.int32)
+    want = [tables[s, p // 6] * 6 + p % 6 if 0 <= s < 5 and 0 <= p < 42 and tables[s, p // 6] >= 0 else -1
+            for s, p in zip(seq_ids, positions)]
+    np.testing.assert_array_equal(np.asarray(tq.slot_mapping(tables, positions, 6, seq_ids)), want)
+    tables = jnp.asarray([[3, 1], [0, -2], [2**29, 5]], jnp.int32)
+    positions = jnp.asarray([0, 5, 7, 8, -1, 4, 5, 3, 2, 0], jnp.int32)
+    seq_ids = jnp.asarray([0, 0, 0, 0, 0, 1, 1, 2, 3, -1], jnp.int32)
+    got = tq.slot_mapping(tables, positions, 4, seq_ids)
+    # position 8 is past the 2-page table, -1 negative, entry -2 negative, 2**29 * 4 + 3 past int32,
+    # sequences 3 and -1 do not exist
+    np.testing.assert_array_equal(np.asarray(got), [12, 5, 7, -1, -1, -1, -1, -1, -1, -1])
+    assert got.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(tq.slot_mapping(tables[0], positions[:4], 4)), [12, 5, 7, -1])
+    np.testing.assert_array_equal(np.asarray(jax.jit(tq.slot_mapping, static_argnums=2)(
+        tables, jnp.asarray([6, 1, 4], jnp.int32), 4)), [6, 1, 20])   # row s: sequence s
+    with pytest.raises(TypeError, match=r"slot_mapping: positions must be int32 \[num_tokens\], got int64"):
+        tq.slot_mapping(tables, np.zeros(3, np.int64), 4)
+    with pytest.raises(ValueError, match="positions has 2 tokens but block_tables 3 sequences; pass seq_ids"):
+        tq.slot_mapping(tables, jnp.zeros(2, jnp.int32), 4)
+    with pytest.raises(ValueError, match=r"seq_ids must be int32 \[num_tokens=2\]"):
+        tq.slot_mapping(tables, jnp.zeros(2, jnp.int32), 4, jnp.zeros(3, jnp.int32))
+    with pytest.raises(TypeError, match="page_size must be a Python int"):
+        tq.slot_mapping(tables, jnp.zeros(3, jnp.int32), 4.0)
+
+
 def test_window_slot_mapping_keeps_each_sequence_s_last_tokens():
     ids = np.asarray([0, 0, 0, 0, 2, 2, -1], np.int32)
     positions = np.asarray([0, 1, 2, 3, 7, 8, 0], np.int32)

@@ -60,28 +60,20 @@ def init_caches(config: LlamaConfig, k_bits: int | None, v_bits: int | None, num
 
 
 def slot_mapping_for(block_tables: jax.Array, positions: jax.Array, page_size: int) -> jax.Array:
-    """Cache slots of ``positions`` for sequences with ``block_tables``.
+    """Cache slots of ``positions`` for sequences with ``block_tables``: :func:`jax_tq.slot_mapping`
+    with one position per table row (positions cast to int32).
 
     Args:
       block_tables: int32 ``[S, max_pages]`` (or ``[max_pages]`` broadcast to every position).
-      positions: int32 ``[S]`` token positions within each sequence.
+      positions: integer ``[S]`` token positions within each sequence.
       page_size: tokens per cache page.
     Returns:
       int32 ``[S]``: ``block_tables[s, pos // page_size] * page_size + pos % page_size``, or -1
       (padding: :func:`jax_tq.write_cache` skips it) for a position outside
       ``[0, max_pages * page_size)``, which the table does not cover (indexing would clamp it onto
-      the last page and overwrite a valid token).
+      the last page and overwrite a valid token), or a negative table entry.
     """
-    positions = positions.astype(jnp.int32)
-    max_pages = block_tables.shape[-1]
-    page = positions // page_size
-    covered = (positions >= 0) & (page < max_pages)
-    page = jnp.clip(page, 0, max(max_pages - 1, 0))
-    if block_tables.ndim == 1:
-        phys = block_tables[page]
-    else:
-        phys = jnp.take_along_axis(block_tables, page[:, None], axis=1)[:, 0]
-    return jnp.where(covered, phys * page_size + positions % page_size, -1).astype(jnp.int32)
+    return tq.slot_mapping(block_tables, jnp.asarray(positions).astype(jnp.int32), page_size)
 
 
 @jax.tree_util.register_dataclass

@@ -1,0 +1,312 @@
+"""Serving entry points composed of the public ops (no primitive of their own): one mixed step of
+decode and (chunked) prefill rows in the ragged layout of vLLM / tpu-inference
+(:func:`ragged_paged_attention`), and fresh prompts attending exactly over their own K / V while
+they are written into the cache (:func:`prompt_attention`).
+
+Both write the new K / V with :func:`jax_tq.write_cache` (slots from :func:`jax_tq.slot_mapping`)
+and return ``(out, cache)``; jit them with the cache donated so that the write is in place::
+
+    step = jax.jit(tq.ragged_paged_attention, donate_argnums=3)
+    out, cache = step(q, k, v, cache, kv_lens, block_tables, cu_q_lens)
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jax_tq import format as tq_format
+from jax_tq.cache import PagedKVCache, check_cache, slot_mapping, write_cache
+from jax_tq.checks import check_at_most, check_decode_indices, check_query_start_loc, check_window_ids, unchecked
+from jax_tq.compress import check_float_input
+from jax_tq.paged_decode import _static_scale, paged_decode
+from jax_tq.paged_prefill import paged_prefill
+
+__all__ = ["prompt_attention", "ragged_paged_attention"]
+
+
+def ragged_paged_attention(q, k, v, cache: PagedKVCache, kv_lens, block_tables, cu_q_lens, *, scale=None,
+                           window_ids=None):
+    """One serving step over a paged cache: write each sequence's new tokens, then attend causally.
+
+    The ragged layout of vLLM's and tpu-inference's ``ragged_paged_attention``: this step's new
+    tokens of every sequence concatenated, decode rows (one new token) and prefill rows (a prompt,
+    or a chunk of one after cached tokens) in any mix, padding rows at the end.
+
+    Sequence s owns rows ``cu_q_lens[s]:cu_q_lens[s + 1]`` (q_len_s rows); they are its tokens at
+    positions ``kv_lens[s] - q_len_s .. kv_lens[s] - 1``. The call writes their K / V into the
+    cache (:func:`jax_tq.write_cache` at the slots :func:`jax_tq.slot_mapping` gives those positions
+    through ``block_tables``; with a window, also into window ``window_ids[s]``), then row i of the
+    sequence attends to the sequence's tokens ``0 .. its own position`` as the cache holds them
+    after the write: every token read back compressed (and, with a window, the sequence's last
+    ``window`` tokens exactly), the row's own token included.
+
+    Sequences with q_len 1 (decode) are attended by :func:`jax_tq.paged_decode`, at the speed of a
+    decode step; those with q_len >= 2 (prefill, chunked prefill) by :func:`jax_tq.paged_prefill`,
+    last row included. Both ops run at every call (their shapes are static: a sequence the other op
+    serves is passed with length 0 and its rows are dropped), so a step also pays paged_prefill's
+    fixed cost (the rotation of every row's query and one kernel call) when no sequence prefills:
+    call :func:`jax_tq.paged_decode` yourself for a batch known to be decode only.
+
+    Args:
+      q: [num_tokens, num_heads, head_dim] float32 / bfloat16 / float16, the new tokens' queries
+        (after RoPE); num_heads a multiple of ``cache.num_kv_heads`` (GQA: query head h reads KV
+        head h // (num_heads // num_kv_heads)).
+      k, v: [num_tokens, num_kv_heads, head_dim] float32 / bfloat16 / float16 (any of them, each its
+        own), the new tokens' keys (after RoPE) and values.
+      cache: :class:`jax_tq.PagedKVCache` (compressed, with or without a window, or uncompressed:
+        ``preset="none"``). Donate it (``donate_argnums=3``) for an in-place update.
+      kv_lens: int32 [num_seqs], each sequence's tokens after this step (cached + new).
+      block_tables: int32 [num_seqs, max_pages], logical page j of sequence s is physical page
+        block_tables[s, j] (as :func:`jax_tq.paged_decode`).
+      cu_q_lens: int32 [num_seqs + 1], non-decreasing from 0 to at most num_tokens (vLLM's
+        query_start_loc); rows from ``cu_q_lens[-1]`` on are padding.
+      scale: softmax scale, a finite Python number (static); default 1 / sqrt(head_dim).
+      window_ids: int32 [num_seqs], each sequence's window id, for a cache with a window (default
+        ``arange(num_seqs)``); must be None for a cache without one.
+
+    Returns:
+      ``(out, cache)``: out [num_tokens, num_heads, head_dim] of q's dtype, and the cache after the
+      write. Rows that write nothing output 0, whatever their query holds: padding rows (no
+      sequence owns them; also rows before ``cu_q_lens[0]``), rows at a negative position
+      (q_len_s > kv_lens[s]: its first q_len_s - kv_lens[s] rows), and every row of a sequence
+      whose kv_lens lies outside [0, max_pages * page_size] (the table cannot hold it: nothing of
+      it is written). Where
+      cu_q_lens decreases its values are raised to their running maximum (the sequence gets no
+      rows), values outside [0, num_tokens] are clamped. A block-table entry outside the pool is
+      neither written nor read (as in the ops). Sequences whose tables share a page must not write
+      the same slot (which token stays is unspecified, as in write_cache). Any other row whose
+      query is not finite is NaN. ``jax_tq.checked`` reports kv_lens outside [0, capacity], a used block-table
+      entry outside the pool, cu_q_lens not rising from 0 to at most num_tokens, q_len_s >
+      kv_lens[s], and a window id outside [0, num_windows) of a sequence with tokens (naming these
+      arguments); the ops' own checks are left out, since their arguments are derived ones.
+
+    Raises:
+      TypeError: q, k or v not float32 / bfloat16 / float16; kv_lens, block_tables, cu_q_lens or
+        window_ids not int32; cache not a PagedKVCache; scale not a concrete Python number.
+      ValueError: wrong ranks or shapes (naming the argument), head_dim or num_kv_heads of k / v
+        other than the cache's, num_heads not a multiple of num_kv_heads, a bad scale, window_ids
+        given for a cache without a window.
+
+    Example::
+
+        step = jax.jit(tq.ragged_paged_attention, donate_argnums=3)
+        # sequence 0 decodes its 41st token, sequence 1 prefills 7 tokens after 16 cached ones
+        out, cache = step(q, k, v, cache, jnp.asarray([41, 23], jnp.int32), block_tables,
+                          jnp.asarray([0, 1, 8], jnp.int32))
+
+    Source: the ragged paged attention interface of vLLM (``query_start_loc``, ``seq_lens``,
+    ``slot_mapping``) and tpu-inference's ``ragged_paged_attention`` (``cu_q_lens``, ``kv_lens``,
+    ``page_indices``); PagedAttention (Kwon et al., arXiv 2309.06180); over TurboQuant caches
+    (arXiv 2504.19874) through :func:`jax_tq.write_cache`, :func:`jax_tq.paged_decode` and
+    :func:`jax_tq.paged_prefill`.
+    """
+    op = "ragged_paged_attention"
+    check_cache(cache, op)
+    q, k, v = _check_new_tokens(q, k, v, cache, op, "num_tokens")
+    num_tokens = q.shape[0]
+    kv_lens = _index_array(kv_lens, "kv_lens", "[num_seqs]", op, ndim=1)
+    num_seqs = kv_lens.shape[0]
+    block_tables = _index_array(block_tables, "block_tables", f"[num_seqs={num_seqs}, max_pages]", op, ndim=2,
+                                leading=num_seqs)
+    cu_q_lens = _index_array(cu_q_lens, "cu_q_lens", f"[num_seqs + 1 = {num_seqs + 1}]", op, shape=(num_seqs + 1,))
+    scale = _static_scale(scale, f"jax_tq.{op}")
+    window_ids = _window_ids(cache, window_ids, num_seqs, op)
+    check_decode_indices(block_tables, kv_lens, num_pages=cache.num_pages, page_size=cache.page_size, op=op,
+                         lens_name="kv_lens")
+    check_query_start_loc(cu_q_lens, kv_lens, num_rows=num_tokens, op=op, starts_name="cu_q_lens",
+                          lens_name="kv_lens", padding=True, hint="kv_lens counts the new tokens too")
+    if window_ids is not None:
+        check_window_ids(window_ids, kv_lens, num_windows=cache.num_windows, op=op)
+
+    if num_seqs == 0 or num_tokens == 0:  # nothing to write or attend to
+        return jnp.zeros_like(q), cache
+
+    capacity = block_tables.shape[1] * cache.page_size
+    starts = jax.lax.cummax(jnp.clip(cu_q_lens, 0, num_tokens))  # monotone: paged_prefill's rows own the same rows
+    q_lens = starts[1:] - starts[:-1]
+    served = (kv_lens >= 0) & (kv_lens <= capacity)
+    lens = jnp.where(served, kv_lens, 0)
+    rows = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq = jnp.searchsorted(starts[1:], rows, side="right").astype(jnp.int32)  # the first s whose rows end after t
+    owned = (seq < num_seqs) & (rows >= starts[0])
+    seq = jnp.minimum(seq, num_seqs - 1)
+    positions = lens[seq] - q_lens[seq] + rows - starts[seq]
+    # Rows of no sequence or at a negative position (every row of a sequence not served: lens 0) write
+    # nothing and output 0.
+    live = owned & (positions >= 0)
+    slots = slot_mapping(block_tables, jnp.where(live, positions, -1), cache.page_size, seq)
+    window_slots = None
+    if cache.window:  # (write_cache skips the window entry of a token whose slot is -1)
+        window_slots = tq_format.window_slot_mapping(window_ids[seq], positions, lens[seq], cache.window)
+    decoding = q_lens == 1
+    q_decode = jnp.where(decoding[:, None, None], q[jnp.maximum(starts[1:] - 1, 0)], 0)
+    with unchecked():  # the arguments are checked above; the ops' checks would name (or refuse) derived ones
+        cache = write_cache(cache, k, v, slots, window_slots)
+        out_prefill = paged_prefill(q, cache, block_tables, jnp.where(q_lens >= 2, lens, 0), starts,
+                                    window_ids=window_ids, scale=scale)
+        out_decode = paged_decode(q_decode, cache, block_tables, jnp.where(decoding, lens, 0),
+                                  window_ids=window_ids, scale=scale)
+    out = jnp.where(decoding[seq][:, None, None], out_decode[seq], out_prefill)
+    return jnp.where(live[:, None, None], out, 0).astype(q.dtype), cache
+
+
+def prompt_attention(q, k, v, cache: PagedKVCache, block_tables, prompt_lens, *, scale=None, window_ids=None,
+                     implementation=None):
+    """Causal attention of fresh prompts over their own K / V, exactly, and the K / V written into the cache.
+
+    For a serving engine's first step of new requests (time to first token): each prompt's rows
+    attend over the prompt's own K / V as given (uncompressed, causal), through
+    :func:`jax.nn.dot_product_attention`, while one :func:`jax_tq.write_cache` call stores the K / V
+    in the cache's pages at positions ``0 .. prompt_lens[b] - 1`` for the decode steps that follow.
+    Unlike :func:`jax_tq.paged_prefill` and :func:`ragged_paged_attention`, which read every token
+    back from the (compressed) cache, this path's attention is exact: the prompt's own tokens are
+    not read back compressed. No token may be cached before a prompt (use
+    :func:`ragged_paged_attention` for a chunk after cached tokens).
+
+    Args:
+      q: [batch, seq_len, num_heads, head_dim] float32 / bfloat16 / float16, the prompts' queries
+        (after RoPE), padded to seq_len; num_heads a multiple of ``cache.num_kv_heads`` (GQA).
+      k, v: [batch, seq_len, num_kv_heads, head_dim] of q's dtype, the prompts' keys (after RoPE)
+        and values.
+      cache: :class:`jax_tq.PagedKVCache` (compressed, with or without a window, or uncompressed).
+        Donate it (``donate_argnums=3``) for an in-place update.
+      block_tables: int32 [batch, max_pages], the prompts' pages (as :func:`jax_tq.paged_decode`).
+      prompt_lens: int32 [batch]: tokens 0 .. prompt_lens[b] - 1 of prompt b are real, the rest
+        padding. Values are clamped to [0, seq_len].
+      scale: softmax scale, a finite Python number (static); default 1 / sqrt(head_dim).
+      window_ids: int32 [batch], each prompt's window id for a cache with a window (default
+        ``arange(batch)``); must be None for a cache without one.
+      implementation: :func:`jax.nn.dot_product_attention`'s ``implementation``: None (JAX's
+        choice; in JAX 0.10 that is always its XLA code), ``"xla"``, or ``"cudnn"`` (cuDNN's flash
+        attention on an NVIDIA GPU, bfloat16 / float16 only; it raises where cuDNN cannot run the
+        shapes). XLA's code of float16 prompts runs in float32 on the CPU (XLA:CPU has no float16
+        products with float32 results).
+
+    Returns:
+      ``(out, cache)``: out [batch, seq_len, num_heads, head_dim] of q's dtype (rows past
+      prompt_lens are 0), and the cache after the write. A token whose position the block table
+      does not cover (at or past max_pages * page_size) is not written (its row still attends over
+      the prompt exactly); a block-table entry outside the pool is not written either.
+      ``jax_tq.checked`` reports prompt_lens outside [0, min(seq_len, max_pages * page_size)], a
+      used block-table entry outside the pool and a window id outside [0, num_windows) of a
+      prompt with tokens.
+
+    Raises:
+      TypeError: q not float32 / bfloat16 / float16, k or v not of q's dtype; block_tables,
+        prompt_lens or window_ids not int32; cache not a PagedKVCache; scale not a concrete number.
+      ValueError: wrong ranks or shapes (naming the argument), head_dim or num_kv_heads of k / v
+        other than the cache's, num_heads not a multiple of num_kv_heads, a bad scale or
+        implementation, window_ids given for a cache without a window.
+
+    Source: scaled dot-product attention (Vaswani et al., arXiv 1706.03762) through
+    :func:`jax.nn.dot_product_attention` (cuDNN's flash attention, Dao, arXiv 2307.08691, where
+    chosen); the cache write of :func:`jax_tq.write_cache` (TurboQuant, arXiv 2504.19874).
+    """
+    op = "prompt_attention"
+    check_cache(cache, op)
+    q, k, v = (jnp.asarray(x) for x in (q, k, v))
+    check_float_input(q, "q", op)
+    if q.ndim != 4:
+        raise ValueError(f"jax_tq.{op}: q must be [batch, seq_len, num_heads, head_dim], got shape {tuple(q.shape)}")
+    batch, seq_len = q.shape[:2]
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype:
+            raise TypeError(f"jax_tq.{op}: {name} must have q's dtype {q.dtype}, got {x.dtype}")
+        want = (batch, seq_len, cache.num_kv_heads, cache.head_dim)
+        if tuple(x.shape) != want:
+            raise ValueError(f"jax_tq.{op}: {name} must be [batch, seq_len, num_kv_heads, head_dim] = {want}, got "
+                             f"shape {tuple(x.shape)}")
+    _check_heads(q.shape[2], q.shape[3], cache, op)
+    block_tables = _index_array(block_tables, "block_tables", f"[batch={batch}, max_pages]", op, ndim=2,
+                                leading=batch)
+    prompt_lens = _index_array(prompt_lens, "prompt_lens", f"[batch={batch}]", op, shape=(batch,))
+    scale = _static_scale(scale, f"jax_tq.{op}")
+    if implementation not in (None, "xla", "cudnn"):
+        raise ValueError(f"jax_tq.{op}: implementation must be None, 'xla' or 'cudnn', got {implementation!r}")
+    window_ids = _window_ids(cache, window_ids, batch, op)
+    check_decode_indices(block_tables, jnp.minimum(prompt_lens, seq_len), num_pages=cache.num_pages,
+                         page_size=cache.page_size, op=op, lens_name="prompt_lens")
+    check_at_most(prompt_lens, seq_len, op=op, name="prompt_lens", bound_name="seq_len")
+    if window_ids is not None:
+        check_window_ids(window_ids, prompt_lens, num_windows=cache.num_windows, op=op)
+    if batch == 0 or seq_len == 0:
+        return jnp.zeros_like(q), cache
+
+    lens = jnp.clip(prompt_lens, 0, seq_len)
+    scale = 1.0 / math.sqrt(cache.head_dim) if scale is None else scale
+    real = jnp.arange(seq_len, dtype=jnp.int32)[None, :] < lens[:, None]  # [batch, seq_len]
+    keep = real[:, :, None, None]
+
+    def attend(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, query_seq_lengths=lens,
+                                            key_value_seq_lengths=lens, implementation=implementation)
+
+    def attend_f32(q, k, v):  # XLA:CPU refuses the float16 products (F16_F16_F32) jax.nn asks for
+        return attend(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32)).astype(q.dtype)
+
+    k, v = jnp.where(keep, k, 0), jnp.where(keep, v, 0)  # a NaN in padding would reach real rows: 0 * NaN in p @ V
+    if q.dtype == jnp.float16 and implementation != "cudnn":
+        out = jax.lax.platform_dependent(q, k, v, cpu=attend_f32, default=attend)
+    else:
+        out = attend(q, k, v)
+    out = jnp.where(keep, out, 0).astype(q.dtype)
+
+    positions = jnp.tile(jnp.arange(seq_len, dtype=jnp.int32), batch)
+    seq = jnp.repeat(jnp.arange(batch, dtype=jnp.int32), seq_len)
+    slots = slot_mapping(block_tables, jnp.where(real.reshape(-1), positions, -1), cache.page_size, seq)
+    window_slots = None
+    if cache.window:
+        window_slots = tq_format.window_slot_mapping(window_ids[seq], positions, lens[seq], cache.window)
+    flat = (batch * seq_len, cache.num_kv_heads, cache.head_dim)
+    with unchecked():
+        cache = write_cache(cache, k.reshape(flat), v.reshape(flat), slots, window_slots)
+    return out, cache
+
+
+def _check_new_tokens(q, k, v, cache, op: str, rows: str):
+    """q, k, v as arrays; TypeError / ValueError naming the one whose dtype or shape is wrong."""
+    q, k, v = (jnp.asarray(x) for x in (q, k, v))
+    check_float_input(q, "q", op)
+    if q.ndim != 3:
+        raise ValueError(f"jax_tq.{op}: q must be [{rows}, num_heads, head_dim], got shape {tuple(q.shape)}")
+    want = (q.shape[0], cache.num_kv_heads, cache.head_dim)
+    for name, x in (("k", k), ("v", v)):
+        check_float_input(x, name, op)
+        if tuple(x.shape) != want:
+            raise ValueError(f"jax_tq.{op}: {name} must be [{rows}, num_kv_heads, head_dim] = {want} (q's rows, the "
+                             f"cache's heads and head_dim), got shape {tuple(x.shape)}")
+    _check_heads(q.shape[1], q.shape[2], cache, op)
+    return q, k, v
+
+
+def _check_heads(num_heads: int, head_dim: int, cache, op: str) -> None:
+    if head_dim != cache.head_dim:
+        raise ValueError(f"jax_tq.{op}: q has head_dim {head_dim} but the cache has head_dim {cache.head_dim}")
+    if num_heads % cache.num_kv_heads:
+        raise ValueError(f"jax_tq.{op}: num_heads {num_heads} is not a multiple of the cache's num_kv_heads "
+                         f"{cache.num_kv_heads} (GQA)")
+
+
+def _index_array(x, name: str, spec: str, op: str, *, ndim=None, leading=None, shape=None):
+    """x as an int32 array; TypeError (dtype) / ValueError (rank or shape) naming it and its spec."""
+    what = f"jax_tq.{op}: {name} must be int32 {spec}"
+    tq_format.check_index_dtype(x, what)
+    x = jnp.asarray(x)
+    wrong_shape = ((ndim is not None and x.ndim != ndim) or (shape is not None and tuple(x.shape) != shape)
+                   or (leading is not None and x.ndim >= 1 and x.shape[0] != leading))
+    if x.dtype != jnp.int32 or wrong_shape:
+        raise (TypeError if x.dtype != jnp.int32 else ValueError)(f"{what}, got {x.dtype}{tuple(x.shape)}")
+    return x
+
+
+def _window_ids(cache, window_ids, num_seqs: int, op: str):
+    """int32 [num_seqs] window ids (default arange) for a cache with a window; None without one."""
+    if not cache.window:
+        if window_ids is not None:
+            raise ValueError(f"jax_tq.{op}: window_ids given but the cache has no window")
+        return None
+    if window_ids is None:
+        return jnp.arange(num_seqs, dtype=jnp.int32)
+    return _index_array(window_ids, "window_ids", f"[num_seqs={num_seqs}]", op, shape=(num_seqs,))
