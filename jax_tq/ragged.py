@@ -27,7 +27,7 @@ __all__ = ["prompt_attention", "ragged_paged_attention"]
 
 
 def ragged_paged_attention(q, k, v, cache: PagedKVCache, kv_lens, block_tables, cu_q_lens, *, scale=None,
-                           window_ids=None):
+                           window_ids=None, precision=None):
     """One serving step over a paged cache: write each sequence's new tokens, then attend causally.
 
     The ragged layout of vLLM's and tpu-inference's ``ragged_paged_attention``: this step's new
@@ -65,6 +65,9 @@ def ragged_paged_attention(q, k, v, cache: PagedKVCache, kv_lens, block_tables, 
       scale: softmax scale, a finite Python number (static); default 1 / sqrt(head_dim).
       window_ids: int32 [num_seqs], each sequence's window id, for a cache with a window (default
         ``arange(num_seqs)``); must be None for a cache without one.
+      precision: the products' precision, as for :func:`jax_tq.paged_decode` and
+        :func:`jax_tq.paged_prefill` (default: float16 tensor-core products for bfloat16 / float16
+        queries on the GPU, float32-accurate ones for float32 queries).
 
     Returns:
       ``(out, cache)``: out [num_tokens, num_heads, head_dim] of q's dtype, and the cache after the
@@ -145,9 +148,9 @@ def ragged_paged_attention(q, k, v, cache: PagedKVCache, kv_lens, block_tables, 
     with unchecked():  # the arguments are checked above; the ops' checks would name (or refuse) derived ones
         cache = write_cache(cache, k, v, slots, window_slots)
         out_prefill = paged_prefill(q, cache, block_tables, jnp.where(q_lens >= 2, lens, 0), starts,
-                                    window_ids=window_ids, scale=scale)
+                                    window_ids=window_ids, scale=scale, precision=precision)
         out_decode = paged_decode(q_decode, cache, block_tables, jnp.where(decoding, lens, 0),
-                                  window_ids=window_ids, scale=scale)
+                                  window_ids=window_ids, scale=scale, precision=precision)
     out = jnp.where(decoding[seq][:, None, None], out_decode[seq], out_prefill)
     return jnp.where(live[:, None, None], out, 0).astype(q.dtype), cache
 
@@ -178,10 +181,10 @@ def prompt_attention(q, k, v, cache: PagedKVCache, block_tables, prompt_lens, *,
       scale: softmax scale, a finite Python number (static); default 1 / sqrt(head_dim).
       window_ids: int32 [batch], each prompt's window id for a cache with a window (default
         ``arange(batch)``); must be None for a cache without one.
-      implementation: :func:`jax.nn.dot_product_attention`'s ``implementation``: None (JAX's
-        choice; in JAX 0.10 that is always its XLA code), ``"xla"``, or ``"cudnn"`` (cuDNN's flash
-        attention on an NVIDIA GPU, bfloat16 / float16 only; it raises where cuDNN cannot run the
-        shapes). XLA's code of float16 prompts runs in float32 on the CPU (XLA:CPU has no float16
+      implementation: :func:`jax.nn.dot_product_attention`'s ``implementation``: None (default:
+        cuDNN's flash attention for bfloat16 / float16 prompts on an NVIDIA GPU where cuDNN takes
+        the shapes, else XLA's code; JAX's own default never picks cuDNN), ``"xla"``, or
+        ``"cudnn"`` (it raises where cuDNN cannot run the shapes). XLA's code of float16 prompts runs in float32 on the CPU (XLA:CPU has no float16
         products with float32 results).
 
     Returns:
@@ -239,15 +242,25 @@ def prompt_attention(q, k, v, cache: PagedKVCache, block_tables, prompt_lens, *,
     real = jnp.arange(seq_len, dtype=jnp.int32)[None, :] < lens[:, None]  # [batch, seq_len]
     keep = real[:, :, None, None]
 
-    def attend(q, k, v):
+    def attend(q, k, v, impl=implementation):
         return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, query_seq_lengths=lens,
-                                            key_value_seq_lengths=lens, implementation=implementation)
+                                            key_value_seq_lengths=lens, implementation=impl)
 
     def attend_f32(q, k, v):  # XLA:CPU refuses the float16 products (F16_F16_F32) jax.nn asks for
         return attend(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32)).astype(q.dtype)
 
+    def attend_cuda(q, k, v):  # cuDNN's flash attention where it takes the shapes, else XLA's code
+        try:
+            return attend(q, k, v, "cudnn")
+        except Exception:  # refused at trace time (head_dim, dtype, cuDNN version): XLA's code serves
+            return attend(q, k, v, "xla")
+
     k, v = jnp.where(keep, k, 0), jnp.where(keep, v, 0)  # a NaN in padding would reach real rows: 0 * NaN in p @ V
-    if q.dtype == jnp.float16 and implementation != "cudnn":
+    half = q.dtype in (jnp.bfloat16, jnp.float16)
+    if implementation is None and half:  # only the branch of the platform lowered is lowered
+        out = jax.lax.platform_dependent(q, k, v, cpu=attend_f32 if q.dtype == jnp.float16 else attend,
+                                         cuda=attend_cuda, default=attend)
+    elif q.dtype == jnp.float16 and implementation != "cudnn":
         out = jax.lax.platform_dependent(q, k, v, cpu=attend_f32, default=attend)
     else:
         out = attend(q, k, v)
