@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on the GPU machine: build jax_tq with CUDA, run the GPU tests, the benchmarks,
 # and optionally the main job; print short tables. Usage: bash scripts/gpu_run.sh [build tests bench model]
-# stages: build ab kernels phases ncu trace tests dtests ftests fbench regress qjl prefill bits hd rot bench graphs profile breakdown mstep model (default: build tests bench). Logs go to $OUT (the device tool brings them back).
+# stages: build ab kernels phases ncu trace tests dtests ftests fbench regress qjl prefill ttft bits hd rot bench graphs profile breakdown mstep model (default: build tests bench). Logs go to $OUT (the device tool brings them back).
 # One device call may run 600 s at most: "build tests" (~9 min on the H200) and "bench" (~4 min) fit
 # in two back-to-back calls; the build stays while the machine is warm (30 s after a call).
 set -uo pipefail
@@ -200,6 +200,11 @@ first = next((i for i, r in enumerate(rows) if "paged_decode" in r[name]), 0)
 for r in rows[max(0, first - 3):]:
     print(f"{float(r[val].replace(',', '')) * scale.get(r[unit], float('nan')):9.1f} us  {r[name][:90]}")
 PY
+fi
+if has ttft; then  # the main job's time to first token (SmolLM2-135M shapes, random bf16 weights): TTFT_ARGS
+  PYTHONPATH=benchmarks:${PYTHONPATH:-} timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench_ttft.py ${TTFT_ARGS:-} 2>&1 \
+    | tee "$OUT/bench_ttft.txt" | grep -E "^\||^device"
+  echo "ttft: $(( $(date +%s) - t0 )) s"
 fi
 if has mstep; then  # one SmolLM2 decode step's time, dense bf16 vs paged K4V4 (needs $JAX_TQ_GGUF; MSTEP_ARGS)
   PYTHONPATH=benchmarks:${PYTHONPATH:-} timeout ${MODEL_TIMEOUT:-400} python3 benchmarks/profile_model_step.py \

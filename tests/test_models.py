@@ -26,6 +26,7 @@ from jax_tq.models.llama import (  # noqa: E402
     init_caches,
     make_decode_loop,
     make_decode_step,
+    make_prefill,
 )
 
 try:
@@ -357,6 +358,39 @@ def test_greedy_generate_batched(tiny, cache):
         np.testing.assert_array_equal(g1["all_ids"][0], want)
     with pytest.raises(ValueError):
         ev.greedy_generate(tiny, prompt, 4, cache, batch=0)
+
+
+@pytest.mark.parametrize("bits,window", [((4, 3), 0), ((4, 4), 4), ((None, None), 0)])
+def test_prefill_of_fresh_prompts_is_the_exact_forward_and_fills_the_caches(tiny, bits, window):
+    """make_prefill over prompts of different lengths (padded, pages interleaved, poisoned padding
+    ids): each prompt's last-token logits == the float64 numpy forward of that prompt alone (exact
+    attention over its own K / V); layer 0's cache == the decode steps' writes of the same tokens
+    (the K / V of layer 0 do not depend on the attention); decoding continues from there."""
+    rng = np.random.default_rng(5)
+    lens = np.array([7, 3, 9], np.int32)
+    prompts = rng.integers(0, TINY.vocab_size, (3, 9)).astype(np.int32)
+    prompts[1, 3:] = TINY.vocab_size - 1  # padding: never attended to, never written
+    tables = np.array([[0, 3, 6], [1, 4, 7], [2, 5, 8]], np.int32)
+    fresh = init_caches(TINY, *bits, num_pages=9, page_size=4, seed=2, window=window, num_windows=3)
+    logits, caches = make_prefill(tiny)([jax.tree_util.tree_map(jnp.copy, c) for c in fresh], prompts, lens, tables)
+    for b in range(3):
+        want = _np_forward(tiny, prompts[b, :lens[b]])[-1]
+        np.testing.assert_allclose(np.asarray(logits)[b], want, rtol=2e-4, atol=2e-4)
+    step = make_decode_step(tiny)
+    stepped = [jax.tree_util.tree_map(jnp.copy, c) for c in fresh]
+    for t in range(9):
+        pos = np.full(3, t, np.int32)
+        active = t < lens
+        _, stepped = step(stepped, prompts[:, t], pos, tables, np.where(active, pos + 1, 0).astype(np.int32))
+    for x, y in zip(*(jax.tree_util.tree_leaves(c[0]) for c in (caches, stepped))):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    nxt = np.asarray(logits).argmax(-1).astype(np.int32)
+    got, _ = make_decode_loop(tiny)(caches, nxt, lens, tables, lens + 1, 2)
+    assert got.shape == (3, 2)
+    with pytest.raises(ValueError, match="prompt_lens must be in"):
+        make_prefill(tiny)(fresh, prompts, np.array([7, 0, 9], np.int32), tables)
+    with pytest.raises(ValueError, match="does not fit its block table"):
+        make_prefill(tiny)(fresh, np.zeros((3, 13), np.int32), np.array([13, 1, 1], np.int32), tables)
 
 
 def test_compressed_chunked_prefill_and_closeness(tiny):

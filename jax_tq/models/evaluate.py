@@ -31,7 +31,7 @@ from jax_tq.format import MAX_WINDOW, PACKED_BITS, SCALE_KINDS, check_bits
 
 from .checks import check_token_ids, token_vector
 from .config import LlamaConfig
-from .llama import Llama, forward_compressed, forward_logits, make_decode_loop, make_decode_step
+from .llama import Llama, forward_compressed, forward_logits, make_decode_loop, make_decode_step, make_prefill
 from .paging import init_caches
 
 __all__ = [
@@ -565,16 +565,18 @@ def greedy_generate(model: Llama, prompt_ids: Sequence[int], max_new_tokens: int
     ``"none"`` for the uncompressed baseline, paged too (``preset="none"``, pages of
     ``uncompressed_dtype``, 16 tokens each); sequence ``b`` owns its own pages.
 
-    The prompt is fed through the decode step, one token at a time (one dispatch per token); the
-    first new token comes from the prompt's last step, the other ``max_new_tokens - 1`` from one
-    call of :func:`jax_tq.models.llama.make_decode_loop`: all decode steps in one dispatch, the next token chosen on the device, compiled before it is timed. ``ids`` is cut
-    after the first ``eos_token_id``.
+    The prompts go through one forward (:func:`jax_tq.models.llama.make_prefill`: exact attention
+    over the prompt's own K / V, which it writes into the caches), compiled before it is timed; the
+    first new token comes from it, the other ``max_new_tokens - 1`` from one call of
+    :func:`jax_tq.models.llama.make_decode_loop`: all decode steps in one dispatch, the next token
+    chosen on the device, compiled before it is timed. ``ids`` is cut after the first ``eos_token_id``.
 
     Returns:
       dict: ``ids`` (sequence 0's generated ids, prompt excluded, cut after EOS), ``all_ids``
       (int32 ``[batch, max_new_tokens]``, uncut), ``rows_agree`` (all sequences generated the
-      same ids), ``compile_s`` (first step, incl. compilation), ``prefill_s`` (remaining prompt
-      steps), ``loop_compile_s`` (compiling the decode loop and running it once on a copy of the
+      same ids), ``compile_s`` (compiling the prefill and running it once on a copy of the caches),
+      ``prefill_s`` (the prefill's call until the first new token is ready: time to first token),
+      ``loop_compile_s`` (compiling the decode loop and running it once on a copy of the
       caches, which holds a second copy of them in memory meanwhile),
       ``decode_steps`` (``max_new_tokens - 1``: the first new token comes from the prefill),
       ``decode_s`` (the decode loop's call, until its tokens are ready) and ``tokens_per_s``
@@ -607,24 +609,19 @@ def greedy_generate(model: Llama, prompt_ids: Sequence[int], max_new_tokens: int
     else:
         caches = config_caches(model.config, cfg, batch * n_pages, num_windows=batch)
     tables = jnp.arange(batch * n_pages, dtype=jnp.int32).reshape(batch, n_pages)
-    paged_step, paged_loop = make_decode_step(model), make_decode_loop(model)
-
-    def step(caches, tok, pos):
-        return paged_step(caches, tok, positions[pos], tables, positions[pos + 1])
+    prefill, paged_loop = make_prefill(model), make_decode_loop(model)
 
     def loop(caches, tok, pos, n):
         return paged_loop(caches, tok, positions[pos], tables, positions[pos + 1], n)
 
-    def prompt_tok(t):
-        return jnp.full((batch,), t, jnp.int32)
-
+    prompts = np.tile(np.asarray(prompt, np.int32), (batch, 1))
+    prompt_lens = np.full((batch,), len(prompt), np.int32)
     t0 = time.perf_counter()
-    logits, caches = step(caches, prompt_tok(prompt[0]), 0)
-    _greedy_next(logits).block_until_ready()
+    spare = jax.tree_util.tree_map(jnp.copy, caches)  # donated to the compiling call
+    _greedy_next(prefill(spare, prompts, prompt_lens, tables)[0]).block_until_ready()
     compile_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    for pos in range(1, len(prompt)):
-        logits, caches = step(caches, prompt_tok(prompt[pos]), pos)
+    logits, caches = prefill(caches, prompts, prompt_lens, tables)
     nxt = _greedy_next(logits)
     nxt.block_until_ready()
     prefill_s = time.perf_counter() - t0

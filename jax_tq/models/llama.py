@@ -34,12 +34,12 @@ import jax_tq as tq
 from . import checks
 from .config import LlamaConfig
 from .layers import MLP, RMSNorm, apply_rope, dense_param, rope_cos_sin
-from .paging import CacheRows, chunk_rows, decode_rows, init_caches, row_windows, slot_mapping_for
+from .paging import CacheRows, chunk_rows, decode_rows, init_caches, prompt_rows, row_windows, slot_mapping_for
 
 __all__ = [
     "LlamaConfig", "RMSNorm", "Attention", "MLP", "Block", "Llama", "CacheRows", "rope_cos_sin", "apply_rope",
     "init_caches", "slot_mapping_for", "chunk_rows", "decode_rows", "forward_logits", "forward_compressed",
-    "decode_step", "make_decode_step", "make_decode_loop",
+    "decode_step", "make_decode_step", "make_decode_loop", "make_prefill", "prompt_rows",
 ]
 
 class Attention(nnx.Module):
@@ -106,6 +106,8 @@ class Attention(nnx.Module):
         int32 ``[T]`` (RoPE). Returns ``(y [T, hidden], the cache with this call's K / V)``; raises
         what :func:`jax_tq.write_cache` / :func:`jax_tq.paged_prefill` / :func:`jax_tq.paged_decode` raise."""
         q, k, v = self.qkv(x, positions)
+        if rows.prompt_len is not None:
+            return self._prompts(q, k, v, cache, rows)
         written = tq.write_cache(cache, k, v, rows.slots, rows.window_slots)
         seen = written if rows.view_start is None else row_windows(written, cache, k, v, rows.view_start,
                                                                    rows.view_window_id)
@@ -115,6 +117,17 @@ class Attention(nnx.Module):
             out = tq.paged_prefill(q, seen, rows.block_tables, rows.seq_lens, rows.query_start_loc,
                                    window_ids=rows.window_ids)
         return self.out(out), written
+
+    def _prompts(self, q, k, v, cache, rows: CacheRows):
+        """Fresh prompts: exact causal attention over their own K / V, written into the cache."""
+        num_prompts, length = rows.seq_lens.shape[0], rows.prompt_len
+
+        def padded(x):
+            return x.reshape((num_prompts, length) + x.shape[1:])
+
+        out, written = tq.prompt_attention(padded(q), padded(k).astype(q.dtype), padded(v).astype(q.dtype), cache,
+                                           rows.block_tables, rows.seq_lens, window_ids=rows.window_ids)
+        return self.out(out.reshape(q.shape)), written
 
 
 class Block(nnx.Module):
@@ -216,14 +229,21 @@ class Llama(nnx.Module):
         w = self.embed[...].T if self.lm_head is None else self.lm_head[...]
         return (h @ w).astype(jnp.float32)
 
-    def __call__(self, token_ids, positions, caches, rows: CacheRows):
-        """Forward of ``token_ids`` (int32 ``[T]``, RoPE ``positions`` int32 ``[T]``) through the
-        per-layer ``caches`` (call inside ``jit``): ``(logits float32 [T, vocab], new caches list)``."""
+    def hidden(self, token_ids, positions, caches, rows: CacheRows):
+        """The last block's hidden states ``[T, hidden]`` of ``token_ids`` (int32 ``[T]``, RoPE
+        ``positions`` int32 ``[T]``) through the per-layer ``caches`` (call inside ``jit``), and the
+        new caches list."""
         x = self.embed[...][token_ids]
         new = []
         for blk, cache in zip(self.layers, caches, strict=True):
             x, cache = blk(x, positions, cache, rows)
             new.append(cache)
+        return x, new
+
+    def __call__(self, token_ids, positions, caches, rows: CacheRows):
+        """Forward of ``token_ids`` (int32 ``[T]``, RoPE ``positions`` int32 ``[T]``) through the
+        per-layer ``caches`` (call inside ``jit``): ``(logits float32 [T, vocab], new caches list)``."""
+        x, new = self.hidden(token_ids, positions, caches, rows)
         return self.logits(x), new
 
 
@@ -313,6 +333,66 @@ def forward_compressed(model: Llama, token_ids, caches: Sequence, block_table, s
     checks.check_window_id(window_id, caches, where)
     graphdef, state = nnx.split(model)
     return _chunk_pure(graphdef, state, token_ids, list(caches), block_table, start_pos, window_id)
+
+
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(3,))
+def _prefill_pure(graphdef, state, prompt_ids, caches, block_tables, prompt_lens):
+    model = nnx.merge(graphdef, state)
+    num_prompts, length = prompt_ids.shape
+    rows = prompt_rows(caches[0], block_tables, prompt_lens, length)
+    positions = jnp.tile(jnp.arange(length, dtype=jnp.int32), num_prompts)
+    h, caches = model.hidden(prompt_ids.reshape(-1), positions, caches, rows)
+    last = jnp.arange(num_prompts) * length + jnp.clip(prompt_lens - 1, 0, length - 1)
+    return model.logits(h[last]), caches
+
+
+def make_prefill(model: Llama):
+    """Return ``prefill(caches, prompt_ids, prompt_lens, block_tables) -> (logits, caches)``: fresh
+    prompts of a batch in one forward (time to first token), compiled once per shape, caches donated.
+
+    Each layer's attention is :func:`jax_tq.prompt_attention`: exact causal attention over the
+    prompt's own K / V (cuDNN's flash attention for bfloat16 / float16 models on the GPU) while the
+    K / V go into the caches' pages (and windows, prompt ``b`` using window id ``b``) for the decode
+    steps that follow. :func:`forward_compressed` instead reads every token back from the caches
+    (what the quality tables measure). Later in-place changes to ``model`` are not seen.
+
+    The returned function takes the per-layer caches (donated), int ``prompt_ids [S, L]`` (padded
+    to L), int ``prompt_lens [S]`` in ``[1, L]`` and int ``block_tables [S, max_pages]`` covering
+    each prompt; it returns float32 ``logits [S, vocab]`` of each prompt's last token and the
+    caches. It raises TypeError for non-integer ids, lengths or tables, or a cache that is not a
+    :class:`jax_tq.PagedKVCache`; ValueError for shapes other than these, ids outside
+    ``[0, vocab_size)``, and (host values) a length outside ``[1, L]``, a prompt longer than its
+    table's ``max_pages * page_size`` tokens, or a table entry covering it outside the pool.
+    """
+    graphdef, state = nnx.split(model)
+    cfg = model.config
+
+    def prefill(caches, prompt_ids, prompt_lens, block_tables):
+        where = "prefill"
+        page_size = checks.check_caches(caches, cfg.num_layers, where)
+        checks.check_token_ids(prompt_ids, cfg.vocab_size, where)
+        host_lens, host_tables = checks.is_host_value(prompt_lens), checks.is_host_value(block_tables)
+        prompt_ids = jnp.asarray(prompt_ids, jnp.int32)
+        prompt_lens = checks.int32(prompt_lens, "prompt_lens", where)
+        block_tables = checks.int32(block_tables, "block_tables", where)
+        if prompt_ids.ndim != 2 or 0 in prompt_ids.shape:
+            raise ValueError(f"{where}: prompt_ids must be [num_prompts >= 1, L >= 1], got {prompt_ids.shape}")
+        num_prompts, length = prompt_ids.shape
+        if prompt_lens.shape != (num_prompts,) or block_tables.ndim != 2 or block_tables.shape[0] != num_prompts:
+            raise ValueError(f"{where}: prompt_lens must be [{num_prompts}] and block_tables [{num_prompts}, max_pages], "
+                             f"got {prompt_lens.shape} and {block_tables.shape}")
+        if host_lens:
+            lens = np.asarray(prompt_lens)
+            if lens.min() < 1 or lens.max() > length:
+                raise ValueError(f"{where}: prompt_lens must be in [1, {length}], got {lens.min()}..{lens.max()}")
+            if lens.max() > block_tables.shape[1] * page_size:
+                raise ValueError(f"{where}: a prompt of {lens.max()} tokens does not fit its block table "
+                                 f"({block_tables.shape[1]} pages of {page_size})")
+            if host_tables:
+                checks.check_pages_in_pool(np.asarray(block_tables), lens, page_size, int(caches[0].num_pages), where)
+        return _prefill_pure(graphdef, state, prompt_ids, list(caches), block_tables, prompt_lens)
+
+    return prefill
 
 
 def _decode(model, caches, token, position, block_tables, seq_lens):

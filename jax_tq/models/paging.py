@@ -1,7 +1,7 @@
 """How a model's forward addresses jax_tq's paged KV caches: the per-layer caches
 (:func:`init_caches`), the slots of new tokens (:func:`slot_mapping_for`) and what each query row
-attends to (:class:`CacheRows`, made by :func:`chunk_rows` for a chunk of one sequence and by
-:func:`decode_rows` for one new token per sequence). Only init_caches reads the model config (layer
+attends to (:class:`CacheRows`, made by :func:`chunk_rows` for a chunk of one sequence, by
+:func:`decode_rows` for one new token per sequence and by :func:`prompt_rows` for fresh prompts). Only init_caches reads the model config (layer
 count, KV heads, head_dim); the rest serves any decoder."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from jax_tq.format import window_slot_mapping
 
 from .config import LlamaConfig
 
-__all__ = ["CacheRows", "chunk_rows", "decode_rows", "init_caches", "row_windows", "slot_mapping_for"]
+__all__ = ["CacheRows", "chunk_rows", "decode_rows", "init_caches", "prompt_rows", "row_windows", "slot_mapping_for"]
 
 
 def init_caches(config: LlamaConfig, k_bits: int | None, v_bits: int | None, num_pages: int, page_size: int = 16,
@@ -93,6 +93,10 @@ class CacheRows:
         position of row 0 (static) and the sequence's window id: each row is then a sequence of its
         own over :func:`row_windows`'s view, reading its own last ``window`` tokens exactly, as
         decoding would; else None.
+      prompt_len: for fresh prompts (:func:`prompt_rows`), the padded length L of each prompt
+        (static): the T = S x L rows are prompt ``t // L``'s token ``t % L``, ``seq_lens`` the
+        prompts' lengths, and attention is :func:`jax_tq.prompt_attention` (exact over the
+        prompt's own K / V, which it writes); else None.
     """
 
     slots: jax.Array
@@ -103,6 +107,7 @@ class CacheRows:
     window_ids: jax.Array | None = None
     view_window_id: jax.Array | None = None
     view_start: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+    prompt_len: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
 
 def chunk_rows(cache, block_table, start: int, num_tokens: int, window_id=0) -> CacheRows:
@@ -131,6 +136,15 @@ def decode_rows(cache, block_tables, position, seq_lens) -> CacheRows:
     ids = jnp.arange(position.shape[0], dtype=jnp.int32)
     return CacheRows(slots, block_tables, seq_lens, window_slots=window_slot_mapping(ids, position, seq_lens,
                                                                                      cache.window), window_ids=ids)
+
+
+def prompt_rows(cache, block_tables, prompt_lens, prompt_len: int) -> CacheRows:
+    """The :class:`CacheRows` of fresh prompts padded to ``prompt_len`` tokens: int32
+    ``block_tables [S, max_pages]`` and ``prompt_lens [S]``; prompt ``s`` uses window id ``s``
+    (caches with a window)."""
+    ids = jnp.arange(prompt_lens.shape[0], dtype=jnp.int32) if cache.window else None
+    unused = jnp.full((prompt_lens.shape[0] * prompt_len,), -1, jnp.int32)  # prompt_attention writes
+    return CacheRows(unused, block_tables, prompt_lens, window_ids=ids, prompt_len=prompt_len)
 
 
 def row_windows(cache, before, k, v, start: int, window_id):
