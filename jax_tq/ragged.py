@@ -243,8 +243,11 @@ def prompt_attention(q, k, v, cache: PagedKVCache, block_tables, prompt_lens, *,
     keep = real[:, :, None, None]
 
     def attend(q, k, v, impl=implementation):
-        return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, query_seq_lengths=lens,
-                                            key_value_seq_lengths=lens, implementation=impl)
+        # float32 prompts stay float32-accurate (XLA's GPU default would run the products in TF32)
+        exact = q.dtype == jnp.float32 and jax.config.jax_default_matmul_precision is None
+        with jax.default_matmul_precision("highest" if exact else jax.config.jax_default_matmul_precision):
+            return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, query_seq_lengths=lens,
+                                                key_value_seq_lengths=lens, implementation=impl)
 
     def attend_f32(q, k, v):  # XLA:CPU refuses the float16 products (F16_F16_F32) jax.nn asks for
         return attend(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32)).astype(q.dtype)
