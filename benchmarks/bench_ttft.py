@@ -6,8 +6,9 @@ caches), with a bf16 paged cache (``none``), the ``k4v4`` preset and the plain K
 one prompt, the same prompt through ``forward_compressed`` (every layer's attention read back from
 the compressed pages by ``paged_prefill``).
 
-Timing: GPU span per call (profiler kernel events, benchmarks/device_time.py), the caches passed
-from call to call (donated); host clock without kernel events (CPU).
+Timing: benchmarks/device_time.py's seconds_per_call, the caches passed from call to call (donated):
+the GPU span per call where the profiler's kernel events split into repetitions, else the host
+clock (median; dispatch included), which is what the H200 runs of this program gave.
 Usage: python benchmarks/bench_ttft.py [--shapes 1x2048,8x1024] [--configs none,k4v4,4:4]
 """
 from __future__ import annotations
