@@ -193,3 +193,33 @@ def check_pages_in_pool(tables, ends, page_size: int, num_pages: int, where: str
     if bad.size:
         raise ValueError(f"{where}: block table entry {int(bad[0])} (covering a position of the row) is not a "
                          f"page of the caches' pool [0, {num_pages})")
+
+
+def prompt_args(caches, num_layers: int, vocab_size: int, prompt_ids, prompt_lens, block_tables, where: str):
+    """``(prompt_ids, prompt_lens, block_tables)`` as int32 arrays for fresh prompts
+    (:func:`jax_tq.models.llama.make_prefill`), or the errors it documents: TypeError for
+    non-integers or a cache that is not a PagedKVCache; ValueError for shapes other than
+    ``[S >= 1, L >= 1]`` / ``[S]`` / ``[S, max_pages]``, ids outside ``[0, vocab_size)`` and (host
+    values) lengths outside ``[1, L]``, a prompt longer than its table, a covering entry outside the pool."""
+    page_size = check_caches(caches, num_layers, where)
+    check_token_ids(prompt_ids, vocab_size, where)
+    host_lens, host_tables = is_host_value(prompt_lens), is_host_value(block_tables)
+    prompt_ids = jnp.asarray(prompt_ids, jnp.int32)
+    prompt_lens = int32(prompt_lens, "prompt_lens", where)
+    block_tables = int32(block_tables, "block_tables", where)
+    if prompt_ids.ndim != 2 or 0 in prompt_ids.shape:
+        raise ValueError(f"{where}: prompt_ids must be [num_prompts >= 1, L >= 1], got {prompt_ids.shape}")
+    num_prompts, length = prompt_ids.shape
+    if prompt_lens.shape != (num_prompts,) or block_tables.ndim != 2 or block_tables.shape[0] != num_prompts:
+        raise ValueError(f"{where}: prompt_lens must be [{num_prompts}] and block_tables [{num_prompts}, max_pages], "
+                         f"got {prompt_lens.shape} and {block_tables.shape}")
+    if host_lens:
+        lens = np.asarray(prompt_lens)
+        if lens.min() < 1 or lens.max() > length:
+            raise ValueError(f"{where}: prompt_lens must be in [1, {length}], got {lens.min()}..{lens.max()}")
+        if lens.max() > block_tables.shape[1] * page_size:
+            raise ValueError(f"{where}: a prompt of {lens.max()} tokens does not fit its block table "
+                             f"({block_tables.shape[1]} pages of {page_size})")
+        if host_tables:
+            check_pages_in_pool(np.asarray(block_tables), lens, page_size, int(caches[0].num_pages), where)
+    return prompt_ids, prompt_lens, block_tables

@@ -368,29 +368,9 @@ def make_prefill(model: Llama):
     cfg = model.config
 
     def prefill(caches, prompt_ids, prompt_lens, block_tables):
-        where = "prefill"
-        page_size = checks.check_caches(caches, cfg.num_layers, where)
-        checks.check_token_ids(prompt_ids, cfg.vocab_size, where)
-        host_lens, host_tables = checks.is_host_value(prompt_lens), checks.is_host_value(block_tables)
-        prompt_ids = jnp.asarray(prompt_ids, jnp.int32)
-        prompt_lens = checks.int32(prompt_lens, "prompt_lens", where)
-        block_tables = checks.int32(block_tables, "block_tables", where)
-        if prompt_ids.ndim != 2 or 0 in prompt_ids.shape:
-            raise ValueError(f"{where}: prompt_ids must be [num_prompts >= 1, L >= 1], got {prompt_ids.shape}")
-        num_prompts, length = prompt_ids.shape
-        if prompt_lens.shape != (num_prompts,) or block_tables.ndim != 2 or block_tables.shape[0] != num_prompts:
-            raise ValueError(f"{where}: prompt_lens must be [{num_prompts}] and block_tables [{num_prompts}, max_pages], "
-                             f"got {prompt_lens.shape} and {block_tables.shape}")
-        if host_lens:
-            lens = np.asarray(prompt_lens)
-            if lens.min() < 1 or lens.max() > length:
-                raise ValueError(f"{where}: prompt_lens must be in [1, {length}], got {lens.min()}..{lens.max()}")
-            if lens.max() > block_tables.shape[1] * page_size:
-                raise ValueError(f"{where}: a prompt of {lens.max()} tokens does not fit its block table "
-                                 f"({block_tables.shape[1]} pages of {page_size})")
-            if host_tables:
-                checks.check_pages_in_pool(np.asarray(block_tables), lens, page_size, int(caches[0].num_pages), where)
-        return _prefill_pure(graphdef, state, prompt_ids, list(caches), block_tables, prompt_lens)
+        ids, lens, tables = checks.prompt_args(caches, cfg.num_layers, cfg.vocab_size, prompt_ids, prompt_lens,
+                                               block_tables, "prefill")
+        return _prefill_pure(graphdef, state, ids, list(caches), tables, lens)
 
     return prefill
 
