@@ -15,6 +15,9 @@ Public API::
     out = tq.paged_prefill(q_new, cache, block_tables, seq_lens, query_start_loc)  # causal, new tokens
     out, cache = tq.ragged_paged_attention(q, k, v, cache, kv_lens, block_tables, cu_q_lens)  # write + attend
     out, cache = tq.prompt_attention(q, k, v, cache, block_tables, prompt_lens)   # exact over the prompt
+    alloc = tq.PageAllocator(num_pages, page_size, max_pages_per_seq)   # host-side pages per sequence
+    alloc.allocate(seq_id, num_tokens); alloc.extend(seq_id, new_total); alloc.free(seq_id)
+    block_tables = alloc.block_tables(seq_ids)      # int32, -1 (never written or read) past a sequence's pages
 
     prod = tq.TurboQuantProd(head_dim=128, bits=4)   # 3-bit mse codes + 1 QJL bit
     keys = tq.qjl_compress(k, prod)
@@ -22,6 +25,7 @@ Public API::
     k_hat = tq.qjl_decompress(keys, prod)            # <q, k_hat> == scores
 """
 from jax_tq._ffi import kernels_available
+from jax_tq.allocator import OutOfPagesError, PageAllocator
 from jax_tq._ffi import unavailable_reason as kernels_unavailable_reason
 from jax_tq.backend import BackendUnavailableError, get_backend, use_backend
 from jax_tq.checks import checked
@@ -39,6 +43,8 @@ __version__ = "0.2.0"
 
 __all__ = [
     "BackendUnavailableError",
+    "OutOfPagesError",
+    "PageAllocator",
     "CachePreset",
     "PRESETS",
     "PagedKVCache",

@@ -35,6 +35,9 @@ from jax_tq.models.llama import (
     init_caches,
     make_decode_loop,
     make_decode_step,
+    make_prefill,
+    make_sampling_loop,
+    sample_tokens,
 )
 from jax_tq.models.evaluate import (
     CacheConfig,
@@ -50,10 +53,12 @@ from jax_tq.models.evaluate import (
     wikitext_perplexity,
     window_bytes_per_sequence,
 )
+from jax_tq.models.generate import batch_log_likelihoods, generate
 
 __all__ = [
     "CacheConfig",
     "Llama",
+    "batch_log_likelihoods",
     "LlamaConfig",
     "build_tokenizer",
     "check_decode_matches_eval",
@@ -65,6 +70,7 @@ __all__ = [
     "default_smollm2_path",
     "forward_compressed",
     "forward_logits",
+    "generate",
     "greedy_generate",
     "init_caches",
     "kv_bytes_per_token",
@@ -74,8 +80,11 @@ __all__ = [
     "load_smollm2",
     "make_decode_loop",
     "make_decode_step",
+    "make_prefill",
+    "make_sampling_loop",
     "parse_cache_config",
     "read_gguf",
+    "sample_tokens",
     "token_log_likelihoods",
     "wikitext_perplexity",
     "window_bytes_per_sequence",
