@@ -36,9 +36,8 @@ from jax_tq.models.llama import (
     make_decode_loop,
     make_decode_step,
     make_prefill,
-    make_sampling_loop,
-    sample_tokens,
 )
+from jax_tq.models.sampling import make_sampling_loop, sample_tokens
 from jax_tq.models.evaluate import (
     CacheConfig,
     check_decode_matches_eval,

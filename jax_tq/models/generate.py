@@ -17,7 +17,8 @@ import jax_tq as tq
 
 from .checks import check_token_ids, static_int
 from .evaluate import CacheConfig, config_caches, parse_cache_config, token_log_likelihoods
-from .llama import Llama, _check_sampling, make_prefill, make_sampling_loop, sample_tokens, stop_token_array
+from .llama import Llama, make_prefill
+from .sampling import _check_sampling, make_sampling_loop, sample_tokens, stop_token_array
 from .paging import CacheRows, init_caches
 
 __all__ = ["batch_log_likelihoods", "generate"]
