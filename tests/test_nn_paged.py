@@ -215,3 +215,18 @@ def test_full_rows_give_nan_without_the_check(rng):
     m(jnp.asarray(rng.normal(size=(2, 3, 32)), jnp.float32), decode=False, lengths=jnp.asarray([3, 1], jnp.int32))
     out = np.asarray(nnx.jit(lambda mod, t: mod(t, decode=True))(m, jnp.ones((2, 1, 32), jnp.float32)))
     assert np.all(np.isnan(out[0])) and np.all(np.isfinite(out[1]))
+
+
+def test_example_converts_a_decoder_with_identical_uncompressed_tokens():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "nnx_decoder_to_paged.py"
+    spec = importlib.util.spec_from_file_location("nnx_decoder_to_paged", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    res = example.main(["--layers", "1", "--vocab", "32", "--prompt-len", "6", "--new-tokens", "3",
+                        "--presets", "none,k4v4"])
+    assert res["plain"].shape == (2, 3) and np.all((0 <= res["plain"]) & (res["plain"] < 32))
+    np.testing.assert_array_equal(res["none"], res["plain"])
+    assert res["k4v4"].shape == (2, 3) and 0.0 <= res["k4v4_agreement"] <= 1.0
