@@ -74,9 +74,11 @@ class PagedAttention(nnx.Module):
       page_size: tokens per cache page (1 to 256).
       seed: the codecs' seed (K ``seed``, V ``seed + 1``).
       cache_dtype: the pages' dtype with ``preset="none"`` (float32, bfloat16, float16).
-      check_capacity: decoding a token into a full row raises (a host callback under ``jit``;
-        eagerly a ValueError before anything runs). False skips the callback; such a row's output
-        is then NaN and nothing is written.
+      check_capacity: decoding a token into a full row raises: eagerly a ValueError before
+        anything runs; under ``jit`` a host callback (``jax.debug.callback``, one per call: a
+        device-to-host copy of the lengths) fails the run, and with the module donated its cache
+        buffers are gone (call :meth:`init_cache` again). False skips the callback (no host
+        round trip); such a row's output is then NaN and nothing is written.
       rngs: ``nnx.Rngs`` for the parameter initialisers.
 
     Attributes (after :meth:`init_cache`; ``nnx.Cache`` variables, donated with the module):
