@@ -5,6 +5,8 @@ decode-step attention over a paged compressed cache.
   ``linen.MultiHeadDotProductAttention``): keys and values pass through the TurboQuant codec (the
   compress and decompress kernels) before the module's dot-product attention, so a model sees
   exactly the K/V a compressed cache would give it (prefill / evaluation).
+* :class:`PagedAttention` (:mod:`jax_tq.nn_paged`): an ``nnx.MultiHeadAttention`` replacement whose
+  decode state is a :class:`PagedKVCache` (prefill and decode through the library's ops).
 * :func:`paged_attention` is the decode-step attention of a layer holding a :class:`PagedKVCache`:
   write the new tokens' K/V (fused compress + scatter), then split-K paged decode.
 """
@@ -170,3 +172,11 @@ def paged_attention(q, k, v, cache: PagedKVCache, slot_mapping, block_tables, se
     out = paged_decode(q, cache, block_tables, seq_lens, window_ids=window_ids, scale=scale, num_splits=num_splits,
                        precision=precision)
     return out, cache
+
+
+def __getattr__(name):
+    """``PagedAttention`` (:mod:`jax_tq.nn_paged`), imported on first use: flax is imported only then."""
+    if name == "PagedAttention":
+        from jax_tq.nn_paged import PagedAttention
+        return PagedAttention
+    raise AttributeError(f"module 'jax_tq.nn' has no attribute {name!r}")

@@ -1,0 +1,333 @@
+"""``PagedAttention``: a flax.nnx self-attention module whose decode state is a :class:`jax_tq.PagedKVCache`.
+
+A drop-in for ``nnx.MultiHeadAttention`` in a decoder (self-attention, causal): the same
+constructor essentials and the same parameter tree (``query``, ``key``, ``value``, ``out``
+``nnx.LinearGeneral``, optional ``query_ln`` / ``key_ln``), so a trained ``MultiHeadAttention``'s
+parameters load into it with ``nnx.update(paged, nnx.state(mha, nnx.Param))``. Its cache, made by
+:meth:`PagedAttention.init_cache`, is one :class:`jax_tq.PagedKVCache` (TurboQuant codes, or
+uncompressed pages with ``preset="none"``) with contiguous pages per batch row, and each row's
+length. ``decode=False`` on a cache = prefill (:func:`jax_tq.prompt_attention`: exact causal
+attention over the prompt's own K / V and one cache write); ``decode=True`` = one new token per row
+(:func:`jax_tq.write_cache` + :func:`jax_tq.paged_decode`). Imported from :mod:`jax_tq.nn`.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jax_tq.cache import PagedKVCache, slot_mapping, write_cache
+from jax_tq.format import SUPPORTED_HEAD_DIMS, window_slot_mapping
+from jax_tq.paged_decode import paged_decode
+from jax_tq.ragged import prompt_attention
+
+__all__ = ["PagedAttention"]
+
+_PRESETS = ("k4v4", "k3v3", "k2v2", "none")
+
+
+def _is_concrete(x) -> bool:
+    return not isinstance(x, jax.core.Tracer)
+
+
+class PagedAttention(nnx.Module):
+    """Causal multi-head (GQA) self-attention whose autoregressive cache is a :class:`jax_tq.PagedKVCache`.
+
+    Replaces ``nnx.MultiHeadAttention`` in a decoder: construct it with the same sizes, call
+    :meth:`init_cache` before generating, then call it with ``decode=False`` on the prompts
+    (prefill: fills the cache and sets each row's length) and with ``decode=True`` on one token per
+    row (appends it and attends over the row's cached tokens). Its parameters have
+    ``nnx.MultiHeadAttention``'s names and shapes (``query.kernel [in_features, num_heads,
+    head_dim]``, ``key.kernel`` / ``value.kernel [in_features, num_kv_heads, head_dim]``,
+    ``out.kernel [num_heads, head_dim, out_features]``, biases likewise). Attention is always
+    causal self-attention (no ``inputs_k`` / ``inputs_v``, no ``mask``: padded prompts pass
+    ``lengths``), no dropout.
+
+    Positions: with ``rope=None`` the module adds no position information (as
+    ``nnx.MultiHeadAttention``: a decoder with absolute position embeddings adds them to its
+    inputs). With ``rope=fn``, ``fn(x, positions)`` rotates q ``[batch, L, num_heads, head_dim]``
+    and k ``[batch, L, num_kv_heads, head_dim]`` after the projections (and QK norm) with int32
+    ``positions [batch, L]``: ``0 .. L - 1`` in prefill and each row's cached length in decode, so
+    the caller never tracks positions for it.
+
+    Args:
+      num_heads: query heads H.
+      in_features: input features (last axis of ``inputs_q``).
+      qkv_features: H * head_dim (default ``in_features``); must be a multiple of ``num_heads``.
+      out_features: output features (default ``in_features``).
+      num_kv_heads: K / V heads (default ``num_heads``); a divisor of ``num_heads`` (GQA).
+      dtype: computation dtype of the projections (default: promoted from inputs and params);
+        q / k / v reach the cache ops in it (float32, bfloat16 or float16).
+      param_dtype: parameter dtype (default float32).
+      use_bias: biases on the four projections (as ``nnx.MultiHeadAttention``).
+      normalize_qk: LayerNorm of q and k per head (as ``nnx.MultiHeadAttention``).
+      kernel_init, bias_init, out_kernel_init, out_bias_init, precision: as ``nnx.MultiHeadAttention``.
+      decode: default mode when ``__call__`` gets none.
+      rope: None or ``fn(x, positions) -> x`` (see Positions).
+      preset: the cache: ``"k4v4"``, ``"k3v3"``, ``"k2v2"`` (TurboQuant codes, fitted scales and a
+        64-token exact window per row: :data:`jax_tq.PRESETS`; head_dim 64, 80, 96, 128, 192 or
+        256) or ``"none"`` (uncompressed pages of ``cache_dtype``, any head_dim).
+      page_size: tokens per cache page (1 to 256).
+      seed: the codecs' seed (K ``seed``, V ``seed + 1``).
+      cache_dtype: the pages' dtype with ``preset="none"`` (float32, bfloat16, float16).
+      check_capacity: decoding a token into a full row raises: eagerly a ValueError before
+        anything runs; under ``jit`` a host callback (``jax.debug.callback``, one per call: a
+        device-to-host copy of the lengths) fails the run, and with the module donated its cache
+        buffers are gone (call :meth:`init_cache` again). False skips the callback (no host
+        round trip); such a row's output is then NaN and nothing is written.
+      rngs: ``nnx.Rngs`` for the parameter initialisers.
+
+    Attributes (after :meth:`init_cache`; ``nnx.Cache`` variables, donated with the module):
+      cache: ``nnx.Cache`` holding the :class:`jax_tq.PagedKVCache`, ``batch * pages_per_row``
+        pages, row b owning pages ``[b * pages_per_row, (b + 1) * pages_per_row)``.
+      block_tables: ``nnx.Cache`` int32 ``[batch, pages_per_row]``.
+      lengths: ``nnx.Cache`` int32 ``[batch]``, tokens cached per row.
+      max_length: tokens a row may hold (Python int).
+
+    Raises:
+      ValueError: ``num_heads`` not a multiple of ``num_kv_heads``, ``qkv_features`` not a multiple of
+        ``num_heads``, an unknown ``preset``, a compressed preset with an unsupported head_dim, a bad
+        ``page_size``, a non-positive size.
+      TypeError: ``rope`` not callable.
+    """
+
+    def __init__(self, num_heads: int, in_features: int, qkv_features: int | None = None,
+                 out_features: int | None = None, num_kv_heads: int | None = None, *, dtype=None,
+                 param_dtype=jnp.float32, use_bias: bool = True, normalize_qk: bool = False,
+                 kernel_init=nnx.initializers.lecun_normal(), bias_init=nnx.initializers.zeros_init(),
+                 out_kernel_init=None, out_bias_init=None, precision=None, decode: bool | None = None,
+                 rope: Callable | None = None, preset: str = "k4v4", page_size: int = 16, seed: int = 0,
+                 cache_dtype=jnp.float32, check_capacity: bool = True, rngs: nnx.Rngs):
+        where = "jax_tq.nn.PagedAttention"
+        self.num_heads = _positive(num_heads, "num_heads", where)
+        self.in_features = _positive(in_features, "in_features", where)
+        self.qkv_features = _positive(in_features if qkv_features is None else qkv_features, "qkv_features", where)
+        self.out_features = _positive(in_features if out_features is None else out_features, "out_features", where)
+        self.num_kv_heads = _positive(num_heads if num_kv_heads is None else num_kv_heads, "num_kv_heads", where)
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"{where}: num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                             f"({self.num_kv_heads})")
+        if self.qkv_features % self.num_heads:
+            raise ValueError(f"{where}: qkv_features ({self.qkv_features}) must be a multiple of num_heads "
+                             f"({self.num_heads})")
+        if preset not in _PRESETS:
+            raise ValueError(f"{where}: preset must be one of {_PRESETS}, got {preset!r}")
+        if not isinstance(page_size, int) or not 1 <= page_size <= 256:
+            raise ValueError(f"{where}: page_size must be an int in [1, 256], got {page_size!r}")
+        if rope is not None and not callable(rope):
+            raise TypeError(f"{where}: rope must be None or a callable fn(x, positions), got {type(rope).__name__}")
+        self.head_dim = self.qkv_features // self.num_heads
+        if preset != "none" and self.head_dim not in SUPPORTED_HEAD_DIMS:
+            raise ValueError(f"{where}: preset {preset!r} needs head_dim = qkv_features / num_heads in "
+                             f"{SUPPORTED_HEAD_DIMS}, got {self.qkv_features} / {self.num_heads} = {self.head_dim} "
+                             f"(preset='none' takes any head_dim)")
+        self.dtype, self.param_dtype, self.precision = dtype, param_dtype, precision
+        self.use_bias, self.normalize_qk, self.decode = use_bias, normalize_qk, decode
+        self.rope, self.preset, self.page_size, self.seed = rope, preset, page_size, seed
+        self.cache_dtype, self.check_capacity = cache_dtype, check_capacity
+
+        def linear(n_in, n_out, axis=-1, k_init=kernel_init, b_init=bias_init):
+            return nnx.LinearGeneral(n_in, n_out, axis=axis, dtype=dtype, param_dtype=param_dtype,
+                                     kernel_init=k_init, bias_init=b_init, use_bias=use_bias, precision=precision,
+                                     rngs=rngs)
+
+        self.query = linear(self.in_features, (self.num_heads, self.head_dim))
+        self.key = linear(self.in_features, (self.num_kv_heads, self.head_dim))
+        self.value = linear(self.in_features, (self.num_kv_heads, self.head_dim))
+        if normalize_qk:
+            ln = lambda: nnx.LayerNorm(self.head_dim, use_bias=False, dtype=dtype, param_dtype=param_dtype,  # noqa: E731
+                                       rngs=rngs)
+            self.query_ln, self.key_ln = ln(), ln()
+        else:
+            self.query_ln, self.key_ln = nnx.data(None), nnx.data(None)
+        self.out = linear((self.num_heads, self.head_dim), self.out_features, axis=(-2, -1),
+                          k_init=out_kernel_init or kernel_init, b_init=out_bias_init or bias_init)
+        self.cache = nnx.data(None)
+        self.block_tables = nnx.data(None)
+        self.lengths = nnx.data(None)
+        self.max_length = None
+
+    def init_cache(self, batch_size, max_length: int | None = None) -> None:
+        """Create an empty cache for ``batch_size`` rows of up to ``max_length`` tokens each.
+
+        ``init_cache(batch_size, max_length)``, or ``init_cache((batch_size, max_length, features))``
+        as ``nnx.MultiHeadAttention.init_cache(input_shape)`` is called. Each row gets
+        ``ceil(max_length / page_size)`` pages of its own; presets with a window get one window per
+        row. Memory: ``PagedKVCache.nbytes``-style pools of ``batch * pages_per_row * page_size``
+        tokens per K and V, plus the windows (64 bf16 tokens per row and KV head for the presets).
+        Calling it again discards the old cache.
+
+        Raises:
+          ValueError: a size that is not a positive int, or a shape tuple that is not
+            ``(batch_size, max_length, features)``.
+          TypeError / ValueError: from :meth:`jax_tq.PagedKVCache.create` (e.g. a head_dim the
+            compressed presets do not support).
+        """
+        where = "jax_tq.nn.PagedAttention.init_cache"
+        if isinstance(batch_size, (tuple, list)):
+            if max_length is not None or len(batch_size) != 3:
+                raise ValueError(f"{where}: give (batch_size, max_length) or an input shape (batch_size, max_length, "
+                                 f"features), got {batch_size!r} and max_length={max_length!r}")
+            batch_size, max_length = batch_size[0], batch_size[1]
+        batch = _positive(batch_size, "batch_size", where)
+        max_length = _positive(max_length, "max_length", where)
+        pages = -(-max_length // self.page_size)
+        sizes = dict(num_pages=batch * pages, page_size=self.page_size, num_kv_heads=self.num_kv_heads,
+                     head_dim=self.head_dim)
+        if self.preset == "none":
+            cache = PagedKVCache.create(**sizes, preset="none", dtype=self.cache_dtype)
+        else:
+            cache = PagedKVCache.create(**sizes, preset=self.preset, seed=self.seed, num_windows=batch)
+        self.cache = nnx.Cache(cache)
+        self.block_tables = nnx.Cache(jnp.arange(batch * pages, dtype=jnp.int32).reshape(batch, pages))
+        self.lengths = nnx.Cache(jnp.zeros((batch,), jnp.int32))
+        self.max_length = max_length
+
+    def __call__(self, inputs_q: jax.Array, *, decode: bool | None = None, lengths=None) -> jax.Array:
+        """Causal self-attention of ``inputs_q``; with a cache, prefill (``decode=False``) or one decode step.
+
+        * ``decode=False`` without a cache: causal attention over ``inputs_q`` itself (training,
+          scoring), rows past ``lengths`` 0 before the output projection.
+        * ``decode=False`` with a cache (:meth:`init_cache`): prefill. Every row starts a new
+          sequence: its prompt ``inputs_q[b, :lengths[b]]`` attends causally over its own K / V,
+          exactly (:func:`jax_tq.prompt_attention`), the K / V are written to the row's pages and
+          ``self.lengths[b] = lengths[b]``; whatever the row held before is forgotten.
+        * ``decode=True``: ``inputs_q [batch, 1, features]``, one new token per row at position
+          ``self.lengths[b]``: written (:func:`jax_tq.write_cache`), attended with the row's
+          cached tokens (:func:`jax_tq.paged_decode`), and ``self.lengths += 1``.
+
+        Under ``nnx.jit(..., donate_argnums=...)`` with the module (or a model holding it)
+        donated, the cache is updated in place.
+
+        Args:
+          inputs_q: float ``[batch, L, in_features]`` (L = 1 in decode); batch must be the cache's.
+          decode: the mode (default: the constructor's ``decode``).
+          lengths: prefill only: int ``[batch]`` real tokens per row (the rest padding, right-padded),
+            default L for every row; values must lie in ``[0, L]`` (checked when concrete).
+
+        Returns:
+          ``[batch, L, out_features]`` in the output projection's dtype. In prefill, rows at or past
+          ``lengths[b]`` are the output projection of 0 (its bias).
+
+        Raises:
+          ValueError: ``inputs_q`` not ``[batch, L, in_features]``; decode with no cache
+            (call ``init_cache`` first), with ``L != 1`` or another batch; prefill longer than
+            ``max_length``; ``lengths`` of the wrong shape or (concrete) outside ``[0, L]``; a decode
+            step into a row holding ``max_length`` tokens (eagerly; under ``jit`` the run fails with
+            the same message from a host callback unless ``check_capacity=False``).
+          TypeError: ``lengths`` not integer, ``decode`` not given anywhere.
+        """
+        where = "jax_tq.nn.PagedAttention"
+        decode = self.decode if decode is None else decode
+        if decode is None:
+            raise TypeError(f"{where}: pass decode=True or False (to __call__ or the constructor)")
+        x = jnp.asarray(inputs_q)
+        if x.ndim != 3 or x.shape[-1] != self.in_features:
+            raise ValueError(f"{where}: inputs_q must be [batch, length, in_features={self.in_features}], got shape "
+                             f"{tuple(x.shape)}")
+        batch, length = x.shape[:2]
+        if decode:
+            if self.cache is None:
+                raise ValueError(f"{where}: decode=True needs a cache: call init_cache(batch_size, max_length) first")
+            if lengths is not None:
+                raise ValueError(f"{where}: lengths is for prefill (decode=False); a decode step adds one token per row")
+            if length != 1 or batch != self.lengths.shape[0]:
+                raise ValueError(f"{where}: decode takes one token per cached row, inputs_q [batch="
+                                 f"{self.lengths.shape[0]}, 1, {self.in_features}], got shape {tuple(x.shape)}")
+            return self._decode(x)
+        lens = self._prompt_lengths(lengths, batch, length, where)
+        if self.cache is not None:
+            if batch != self.lengths.shape[0]:
+                raise ValueError(f"{where}: the cache holds {self.lengths.shape[0]} rows, inputs_q has batch {batch}")
+            if length > self.max_length:
+                raise ValueError(f"{where}: a prompt of {length} tokens does not fit the cache's max_length "
+                                 f"{self.max_length} (init_cache(batch_size, max_length))")
+        positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+        q, k, v = self._qkv(x, positions)
+        if self.cache is None:
+            return self.out(_causal_attention(q, k, v, lens))
+        attn, cache = prompt_attention(q, k, v, self.cache.get_value(), self.block_tables[...], lens,
+                                       window_ids=self._window_ids(batch))
+        self.cache.set_value(cache)
+        self.lengths[...] = lens
+        return self.out(attn)
+
+    def _decode(self, x):
+        lens = self.lengths[...]
+        if self.check_capacity and _is_concrete(lens) and np.any(np.asarray(lens) >= self.max_length):
+            raise ValueError(_full_message(np.asarray(lens), self.max_length))
+        q, k, v = self._qkv(x, lens[:, None])
+        full = lens >= self.max_length
+        if self.check_capacity and not _is_concrete(lens):
+            jax.debug.callback(_raise_if_full, lens, self.max_length)
+        cache = self.cache.get_value()
+        positions = jnp.where(full, -1, lens)
+        slots = slot_mapping(self.block_tables[...], positions, self.page_size)
+        new_lens = jnp.where(full, lens, lens + 1)
+        window_ids = self._window_ids(lens.shape[0])
+        window_slots = None
+        if cache.window:
+            window_slots = jnp.where(full, -1, window_slot_mapping(window_ids, lens, new_lens, cache.window))
+        cache = write_cache(cache, k[:, 0], v[:, 0], slots, window_slots)
+        out = paged_decode(q[:, 0], cache, self.block_tables[...], new_lens, window_ids=window_ids)
+        out = jnp.where(full[:, None, None], jnp.nan, out)
+        self.cache.set_value(cache)
+        self.lengths[...] = lens + 1
+        return self.out(out[:, None])
+
+    def _qkv(self, x, positions):
+        q, k, v = self.query(x), self.key(x), self.value(x)
+        if self.normalize_qk:
+            q, k = self.query_ln(q), self.key_ln(k)
+        if self.rope is not None:
+            q, k = self.rope(q, positions), self.rope(k, positions)
+        dtype = jnp.result_type(q, k, v)
+        return q.astype(dtype), k.astype(dtype), v.astype(dtype)
+
+    def _window_ids(self, batch):
+        return None if self.preset == "none" else jnp.arange(batch, dtype=jnp.int32)
+
+    @staticmethod
+    def _prompt_lengths(lengths, batch, length, where):
+        if lengths is None:
+            return jnp.full((batch,), length, jnp.int32)
+        arr = jnp.asarray(lengths)
+        if not jnp.issubdtype(arr.dtype, jnp.integer):
+            raise TypeError(f"{where}: lengths must be integer [batch={batch}], got {arr.dtype}")
+        if arr.shape != (batch,):
+            raise ValueError(f"{where}: lengths must be [batch={batch}], got shape {tuple(arr.shape)}")
+        if _is_concrete(lengths) and (np.any(np.asarray(arr) < 0) or np.any(np.asarray(arr) > length)):
+            raise ValueError(f"{where}: lengths must lie in [0, L={length}], got {np.asarray(arr).tolist()}")
+        return arr.astype(jnp.int32)
+
+
+def _causal_attention(q, k, v, lens):
+    """Exact causal (GQA) attention of [B, L, H, d] rows over their own K / V; rows past lens are 0."""
+    exact = q.dtype == jnp.float32 and jax.config.jax_default_matmul_precision is None
+    with jax.default_matmul_precision("highest" if exact else jax.config.jax_default_matmul_precision):
+        out = jax.nn.dot_product_attention(q, k, v, is_causal=True, query_seq_lengths=lens,
+                                           key_value_seq_lengths=lens, scale=1.0 / math.sqrt(q.shape[-1]))
+    real = jnp.arange(q.shape[1])[None, :] < lens[:, None]
+    return jnp.where(real[:, :, None, None], out, 0).astype(q.dtype)
+
+
+def _full_message(lens, max_length):
+    rows = np.flatnonzero(lens >= max_length).tolist()
+    return (f"jax_tq.nn.PagedAttention: decode step into full rows {rows}: the cache holds max_length={max_length} "
+            f"tokens per row (init_cache(batch_size, max_length) with a larger max_length)")
+
+
+def _raise_if_full(lens, max_length):
+    lens = np.asarray(lens)
+    if np.any(lens >= max_length):
+        raise ValueError(_full_message(lens, max_length))
+
+
+def _positive(x, name, where):
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)) or x < 1:
+        raise ValueError(f"{where}: {name} must be a positive int, got {x!r}")
+    return int(x)
