@@ -178,25 +178,12 @@ __device__ void attend_piece(const PrefillParams& p, Tile& tile, int64_t s, int6
 
 __global__ void __launch_bounds__(kThreads) paged_prefill_kernel(PrefillParams p) {
   __shared__ Tile tile;
-  const int64_t g = blockIdx.y / p.head_chunks;
-  const int64_t chunk = blockIdx.y % p.head_chunks;
-  const int64_t group = p.H / p.Hkv;
-  const int64_t h0 = g * group + chunk * p.heads_per_cta;
-  const int hc = int(group - chunk * p.heads_per_cta < p.heads_per_cta ? group - chunk * p.heads_per_cta
-                                                                        : p.heads_per_cta);
+  const CtaHeads heads = cta_heads(p);
   const int64_t tile_begin = int64_t(blockIdx.x) * p.rows_per_cta;
   const int64_t tile_end = tile_begin + p.rows_per_cta < p.T ? tile_begin + p.rows_per_cta : p.T;
-  for (int64_t row = tile_begin; row < tile_end;) {
-    const int64_t s = sequence_of(p, row);
-    if (s < 0) {  // a row of no sequence: zeroed by the memset
-      ++row;
-      continue;
-    }
-    const PrefillRows rows = prefill_rows(p.query_start_loc, p.seq_lens, s, p.T, p.max_pages * p.page);
-    const int64_t piece_end = rows.end < tile_end ? rows.end : tile_end;
-    attend_piece(p, tile, s, row, piece_end, g, h0, hc);
-    row = piece_end;
-  }
+  for_each_piece(p, tile_begin, tile_end, [&](int64_t s, const PrefillRows&, int64_t a, int64_t b) {
+    attend_piece(p, tile, s, a, b, heads.g, heads.h0, heads.hc);
+  });
 }
 
 ffi_checks::Op cuda_op() { return ffi_checks::Op{"jax_tq_paged_prefill", ffi_checks::kCudaTag}; }

@@ -50,6 +50,36 @@ __device__ __forceinline__ int64_t window_of(const PrefillParams& p, int64_t s) 
   return id >= 0 && id < p.num_windows ? id : -1;
 }
 
+// The query heads of this CTA: heads [h0, h0 + hc) of KV head g's group (blockIdx.y: KV head x
+// head chunk).
+struct CtaHeads {
+  int64_t g, h0;
+  int hc;
+};
+
+__device__ __forceinline__ CtaHeads cta_heads(const PrefillParams& p) {
+  const int64_t g = blockIdx.y / p.head_chunks, chunk = blockIdx.y % p.head_chunks, group = p.H / p.Hkv;
+  const int64_t left = group - chunk * p.heads_per_cta;
+  return CtaHeads{g, g * group + chunk * p.heads_per_cta, int(left < p.heads_per_cta ? left : p.heads_per_cta)};
+}
+
+// piece(s, rows, a, b) for each sequence piece [a, b) of the flattened rows [begin, end) (rows of
+// no sequence are skipped: the memset zeroed them), in order.
+template <class F>
+__device__ __forceinline__ void for_each_piece(const PrefillParams& p, int64_t begin, int64_t end, F&& piece) {
+  for (int64_t row = begin; row < end;) {
+    const int64_t s = sequence_of(p, row);
+    if (s < 0) {
+      ++row;
+      continue;
+    }
+    const PrefillRows rows = prefill_rows(p.query_start_loc, p.seq_lens, s, p.T, p.max_pages * p.page);
+    const int64_t b = rows.end < end ? rows.end : end;
+    piece(s, rows, row, b);
+    row = b;
+  }
+}
+
 }  // namespace
 }  // namespace cuda
 }  // namespace jax_tq

@@ -383,31 +383,19 @@ __global__ void __launch_bounds__(kThreads) prefill_tc_kernel(PrefillParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   Smem<D>& sm = *reinterpret_cast<Smem<D>*>(smem_raw);
   build_luts(sm.lut, p.k_centroids, KB, p.v_centroids, VB);
-  const int64_t g = blockIdx.y / p.head_chunks, chunk = blockIdx.y % p.head_chunks, group = p.H / p.Hkv;
-  const int64_t h0 = g * group + chunk * p.heads_per_cta;
-  const int hc = int(group - chunk * p.heads_per_cta < p.heads_per_cta ? group - chunk * p.heads_per_cta
-                                                                        : p.heads_per_cta);
+  const CtaHeads heads = cta_heads(p);
   const int64_t tile_begin = int64_t(gridDim.x - 1 - blockIdx.x) * p.rows_per_cta;
   const int64_t tile_end = tile_begin + p.rows_per_cta < p.T ? tile_begin + p.rows_per_cta : p.T;
-  for (int64_t row = tile_begin; row < tile_end;) {
-    const int64_t s = sequence_of(p, row);
-    if (s < 0) {  // a row of no sequence: zeroed by the memset
-      ++row;
-      continue;
-    }
+  for_each_piece(p, tile_begin, tile_end, [&](int64_t s, const PrefillRows& rows, int64_t a, int64_t b) {
     Piece pc;
-    pc.s = s, pc.g = g, pc.h0 = h0, pc.hc = hc;
-    pc.rows = prefill_rows(p.query_start_loc, p.seq_lens, s, p.T, p.max_pages * p.page);
-    pc.a = row;
-    pc.b = pc.rows.end < tile_end ? pc.rows.end : tile_end;
-    pc.paged = paged_tokens(pc.rows.seq_len, p.max_pages * p.page, p.W);
+    pc.s = s, pc.g = heads.g, pc.h0 = heads.h0, pc.hc = heads.hc, pc.rows = rows, pc.a = a, pc.b = b;
+    pc.paged = paged_tokens(rows.seq_len, p.max_pages * p.page, p.W);
     pc.window = window_of(p, s);
-    pc.limit = pc.rows.causal_len(pc.b - 1);
-    pc.first = pc.rows.causal_len(pc.a);
-    __syncthreads();  // the tables are built (first piece)
+    pc.limit = rows.causal_len(b - 1);
+    pc.first = rows.causal_len(a);
+    __syncthreads();  // the tables are built (first piece); the previous piece is done
     attend_piece<D, KB, VB>(p, pc, sm);
-    row = pc.b;
-  }
+  });
 }
 
 }  // namespace prefill_tc
