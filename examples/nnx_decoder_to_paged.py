@@ -92,18 +92,23 @@ def _prefill(model, tokens, positions):
     return model(tokens, positions, decode=False)
 
 
+def _greedy_decode(model: Decoder, logits, length: int, new_tokens: int) -> np.ndarray:
+    """The greedy tokens [batch, new_tokens] from the prompt's last logits, one decode call per token."""
+    out = []
+    for t in range(length, length + new_tokens):
+        out.append(jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32))
+        if t < length + new_tokens - 1:
+            logits = _step(model, out[-1][:, None], jnp.full((logits.shape[0], 1), t, jnp.int32))
+    return np.asarray(jnp.stack(out, axis=1))
+
+
 def generate_plain(model: Decoder, prompt: np.ndarray, new_tokens: int) -> np.ndarray:
     """Greedy tokens [batch, new_tokens]: nnx.MultiHeadAttention's cache takes one token per call."""
     batch, length = prompt.shape
     model.init_cache(batch, length + new_tokens)
     for t in range(length):  # the prompt, token by token
         logits = _step(model, jnp.asarray(prompt[:, t:t + 1]), jnp.full((batch, 1), t, jnp.int32))
-    out = []
-    for t in range(length, length + new_tokens):
-        out.append(jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32))
-        if t < length + new_tokens - 1:
-            logits = _step(model, out[-1][:, None], jnp.full((batch, 1), t, jnp.int32))
-    return np.asarray(jnp.stack(out, axis=1))
+    return _greedy_decode(model, logits, length, new_tokens)
 
 
 def generate_paged(model: Decoder, prompt: np.ndarray, new_tokens: int) -> np.ndarray:
@@ -112,12 +117,7 @@ def generate_paged(model: Decoder, prompt: np.ndarray, new_tokens: int) -> np.nd
     model.init_cache(batch, length + new_tokens)
     positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
     logits = _prefill(model, jnp.asarray(prompt), positions)  # CHANGED: the whole prompt at once
-    out = []
-    for t in range(length, length + new_tokens):
-        out.append(jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32))
-        if t < length + new_tokens - 1:
-            logits = _step(model, out[-1][:, None], jnp.full((batch, 1), t, jnp.int32))
-    return np.asarray(jnp.stack(out, axis=1))
+    return _greedy_decode(model, logits, length, new_tokens)
 
 
 def main(argv=None) -> dict:
