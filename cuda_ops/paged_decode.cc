@@ -10,6 +10,10 @@
 // Recent-token window (format.h): the splits cut the tokens [0, paged_tokens) of the pages; the
 // window's positions [paged_tokens, L) (bf16 rows of the rotated K / V) join the last split's
 // online softmax, so that the combine merges them as it merges pages.
+//
+// Variants (ffi_checks.h, jax_tq/variants.py): a sliding window skips the positions < L - window;
+// a soft cap maps each logit l to cap * tanh(l / cap); the head's sink joins the combine's
+// denominator (exp(sink - m), no value row).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -71,13 +75,14 @@ ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q_rot, ffi::Buffer<ffi::U8> k_c
                            ffi::Buffer<ffi::F32> v_centroids, ffi::Buffer<ffi::S32> block_tables,
                            ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::BF16> k_window,
                            ffi::Buffer<ffi::BF16> v_window, ffi::Buffer<ffi::S32> window_ids,
-                           ffi::Buffer<ffi::S32> rotation,
+                           ffi::Buffer<ffi::S32> rotation, ffi::Buffer<ffi::F32> sinks,
                            ffi::Result<ffi::Buffer<ffi::F32>> out_rot,
                            ffi::Result<ffi::Buffer<ffi::F32>> partial_out,
                            ffi::Result<ffi::Buffer<ffi::F32>> partial_lse, int32_t k_bits,
                            int32_t v_bits, int32_t num_splits, float scale,
                            int32_t /*f16_products: the CPU kernel always computes in float64*/,
-                           int32_t /*kernel: a CUDA kernel family, nothing to choose here*/) {
+                           int32_t /*kernel: a CUDA kernel family, nothing to choose here*/,
+                           int32_t sliding_window, float soft_cap) {
   // ---- validation --------------------------------------------------------
   static constexpr ffi_checks::Op op{"jax_tq_paged_decode", ffi_checks::kCpuTag};
   ffi_checks::DecodeDims dims;
@@ -85,6 +90,8 @@ ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q_rot, ffi::Buffer<ffi::U8> k_c
       op, q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids, block_tables,
       seq_lens, k_window, v_window, window_ids, rotation, *out_rot, *partial_out, *partial_lse,
       k_bits, v_bits, num_splits, &dims));
+  ffi_checks::Variants variants;
+  JTQ_RETURN_IF_ERROR(ffi_checks::validate_variants(op, sinks, dims.H, sliding_window, soft_cap, &variants));
   const int64_t S = dims.S, H = dims.H, d = dims.d;
   const int64_t P = dims.P, Hkv = dims.Hkv, page = dims.page;
   const int64_t kpb = dims.kpb, vpb = dims.vpb, max_pages = dims.max_pages, ns = dims.ns;
@@ -112,6 +119,9 @@ ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q_rot, ffi::Buffer<ffi::U8> k_c
 
   const int64_t G = (Hkv > 0) ? H / Hkv : 0;  // query heads per kv head
   const double dscale = double(scale);
+  const double cap = variants.soft_cap;
+  auto logit = [cap](double l) { return cap > 0.0 ? cap * std::tanh(l / cap) : l; };
+  const float* sink = variants.sinks ? sinks.typed_data() : nullptr;
 
   // Per-group workspace: running max / sum / unnormalised output per query head.
   std::vector<double> m(G), l(G), o(G * d);
@@ -133,6 +143,8 @@ ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q_rot, ffi::Buffer<ffi::U8> k_c
     const int64_t paged = paged_tokens(sl[s], capacity, W);
     const int64_t wid = W > 0 ? int64_t(wids[s]) : -1;
     const bool window_ok = wid >= 0 && wid < num_windows;
+    // The query sits at position len - 1: a sliding window shows it positions [lo, len) only.
+    const int64_t lo = variants.sliding_window > 0 ? std::max<int64_t>(0, len - variants.sliding_window) : 0;
 
     for (int64_t g = 0; g < Hkv; ++g) {
       const int64_t h0 = g * G;
@@ -157,7 +169,7 @@ ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q_rot, ffi::Buffer<ffi::U8> k_c
           const int64_t phys = bts[j];
           if (phys < 0 || phys >= P) continue;  // invalid entry: contributes nothing
           const int64_t ntok = std::min(page, seq_len - j * page);
-          for (int64_t t = 0; t < ntok; ++t) {
+          for (int64_t t = std::max<int64_t>(0, lo - j * page); t < ntok; ++t) {
             // Decode K and V rows once for the whole group.
             const int64_t nidx = norms_offset(phys, g, t, Hkv, page);
             unpack_row(kc + codes_offset(phys, g, t, Hkv, page, kpb), int(d), k_bits, codes);
@@ -169,19 +181,19 @@ ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q_rot, ffi::Buffer<ffi::U8> k_c
 
             group_dots(qg.data(), krow, G, d, dots.data());
             for (int64_t hh = 0; hh < G; ++hh)
-              online_softmax_add(kscale * dots[hh], vrow, d, m[hh], l[hh], &o[hh * d]);
+              online_softmax_add(logit(kscale * dots[hh]), vrow, d, m[hh], l[hh], &o[hh * d]);
           }
         }
 
         // The window's tokens follow the last split's pages (rows of the rotated K / V, bf16).
         if (sp == ns - 1 && window_ok) {
-          for (int64_t p = paged; p < len; ++p) {
+          for (int64_t p = std::max(paged, lo); p < len; ++p) {
             const int64_t base = ((wid * Hkv + g) * W + window_entry(p, W)) * d;
             for (int64_t i = 0; i < d; ++i) krow[i] = double(bf16_to_f32(kw[base + i]));
             for (int64_t i = 0; i < d; ++i) vrow[i] = double(bf16_to_f32(vw[base + i]));
             group_dots(qg.data(), krow, G, d, dots.data());
             for (int64_t hh = 0; hh < G; ++hh)
-              online_softmax_add(dscale * dots[hh], vrow, d, m[hh], l[hh], &o[hh * d]);
+              online_softmax_add(logit(dscale * dots[hh]), vrow, d, m[hh], l[hh], &o[hh * d]);
           }
         }
 
@@ -219,15 +231,17 @@ ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q_rot, ffi::Buffer<ffi::U8> k_c
           for (int64_t i = 0; i < d; ++i) oh[i] = 0.0f;
           continue;
         }
+        // The sink (a logit without a value row) joins the denominator; both shifted by the larger.
+        const double top = sink != nullptr ? std::max(gmax, double(sink[h])) : gmax;
         double acc[kMaxHeadDim] = {0.0};
-        double wsum = 0.0;
+        double wsum = sink != nullptr ? std::exp(double(sink[h]) - top) : 0.0;
         for (int64_t sp = 0; sp < ns; ++sp) {
           if (!(lse[sp] > kNegInf)) continue;
-          const double w = std::exp(lse[sp] - gmax);
+          const double w = std::exp(lse[sp] - top);
           wsum += w;
           for (int64_t i = 0; i < d; ++i) acc[i] += w * double(po[sp * d + i]);
         }
-        const double inv = 1.0 / wsum;  // wsum >= 1 (the max split has w = 1)
+        const double inv = 1.0 / wsum;  // wsum >= 1 (the larger of the max split and the sink has w = 1)
         for (int64_t i = 0; i < d; ++i) acc[i] *= inv;
         if (rot_v != nullptr) rotate_row(rot_v, d, true, acc);
         for (int64_t i = 0; i < d; ++i) oh[i] = float(acc[i]);

@@ -1089,17 +1089,21 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot,
                                ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens,
                                ffi::Buffer<ffi::BF16> k_window, ffi::Buffer<ffi::BF16> v_window,
                                ffi::Buffer<ffi::S32> window_ids, ffi::Buffer<ffi::S32> rotation,
-                               ffi::Result<ffi::Buffer<ffi::F32>> out_rot,
+                               ffi::Buffer<ffi::F32> sinks, ffi::Result<ffi::Buffer<ffi::F32>> out_rot,
                                ffi::Result<ffi::Buffer<ffi::F32>> partial_out,
                                ffi::Result<ffi::Buffer<ffi::F32>> partial_lse, int32_t k_bits,
                                int32_t v_bits, int32_t num_splits, float scale,
-                               int32_t f16_products, int32_t kernel) {
+                               int32_t f16_products, int32_t kernel, int32_t sliding_window,
+                               float soft_cap) {
   // ---- validation (shared with the CPU handler) ----------------------------------------------
   ffi_checks::DecodeDims dims;
   JTQ_RETURN_IF_ERROR(ffi_checks::validate_paged_decode(
       kOp, q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids, block_tables,
       seq_lens, k_window, v_window, window_ids, rotation, *out_rot, *partial_out, *partial_lse, k_bits, v_bits,
       num_splits, &dims));
+  ffi_checks::Variants variants;
+  JTQ_RETURN_IF_ERROR(ffi_checks::validate_variants(kOp, sinks, dims.H, sliding_window, soft_cap, &variants));
+  JTQ_RETURN_IF_ERROR(ffi_checks::reject_variants(kOp, variants));
   const int64_t S = dims.S, H = dims.H, d = dims.d;
   const int64_t P = dims.P, Hkv = dims.Hkv, page = dims.page;
   const int64_t kpb = dims.kpb, vpb = dims.vpb, max_pages = dims.max_pages, ns = dims.ns;

@@ -7,6 +7,10 @@
 // Softmax accumulation in double with running-max subtraction (cpu_attention.h). With a
 // recent-token window (format.h) the sequence's tokens [paged_tokens, seq_len) come from the
 // window ring (bf16 rows of the rotated K / V) instead of the pages.
+//
+// Variants (ffi_checks.h, jax_tq/variants.py): with a sliding window w, token t serves the rows at
+// positions t .. t + w - 1 only; a soft cap maps each logit l to cap * tanh(l / cap); the head's
+// sink joins each row's denominator (exp(sink - m), no value row).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -32,15 +36,22 @@ ffi::Error PagedPrefillImpl(ffi::Buffer<ffi::F32> q_rot, ffi::Buffer<ffi::U8> k_
                             ffi::Buffer<ffi::F32> v_centroids, ffi::Buffer<ffi::S32> block_tables,
                             ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::BF16> k_window,
                             ffi::Buffer<ffi::BF16> v_window, ffi::Buffer<ffi::S32> window_ids,
-                            ffi::Buffer<ffi::S32> query_start_loc,
+                            ffi::Buffer<ffi::S32> query_start_loc, ffi::Buffer<ffi::F32> sinks,
                             ffi::Result<ffi::Buffer<ffi::F32>> out_rot, int32_t k_bits, int32_t v_bits,
-                            float scale, bool /*f16_products: float64 here*/) {
+                            float scale, bool /*f16_products: float64 here*/, int32_t sliding_window,
+                            float soft_cap) {
   static constexpr ffi_checks::Op op{"jax_tq_paged_prefill", ffi_checks::kCpuTag};
   ffi_checks::PrefillDims dims;
   JTQ_RETURN_IF_ERROR(ffi_checks::validate_paged_prefill(op, q_rot, k_codes, k_norms, v_codes, v_norms,
                                                          k_centroids, v_centroids, block_tables, seq_lens,
                                                          k_window, v_window, window_ids, query_start_loc,
                                                          *out_rot, k_bits, v_bits, &dims));
+  ffi_checks::Variants variants;
+  JTQ_RETURN_IF_ERROR(ffi_checks::validate_variants(op, sinks, dims.H, sliding_window, soft_cap, &variants));
+  const double cap = variants.soft_cap;
+  auto logit = [cap](double l) { return cap > 0.0 ? cap * std::tanh(l / cap) : l; };
+  const float* sink = variants.sinks ? sinks.typed_data() : nullptr;
+  const int64_t sw = variants.sliding_window;
   const int64_t T = dims.T, H = dims.H, d = dims.d, max_pages = dims.max_pages;
   const int64_t P = dims.pools.P, Hkv = dims.pools.Hkv, page = dims.pools.page;
   const int64_t G = H / Hkv;
@@ -86,8 +97,12 @@ ffi::Error PagedPrefillImpl(ffi::Buffer<ffi::F32> q_rot, ffi::Buffer<ffi::U8> k_
         row_ok[r] = ok;
       }
       int64_t first_row = 0;  // the first query row that sees token t (rows see more tokens as i grows)
+      int64_t end_row = q_len;  // past the last row that sees it (a sliding window: causal_len <= t + sw)
+      if (sw > 0) end_row = 0;
       for (int64_t t = 0; t < rows.seq_len; ++t) {
         while (first_row < q_len && rows.causal_len(rows.begin + first_row) <= t) ++first_row;
+        while (sw > 0 && end_row < q_len && rows.causal_len(rows.begin + end_row) <= t + sw) ++end_row;
+        if (first_row >= end_row) continue;  // no row sees token t
         double kscale;
         if (t < paged) {
           const int64_t phys = table[t / page];
@@ -108,17 +123,22 @@ ffi::Error PagedPrefillImpl(ffi::Buffer<ffi::F32> q_rot, ffi::Buffer<ffi::U8> k_
           for (int64_t i = 0; i < d; ++i) vrow[i] = double(bf16_to_f32(vw[base + i]));
           kscale = double(scale);
         }
-        for (int64_t i = first_row; i < q_len; ++i) {
+        for (int64_t i = first_row; i < end_row; ++i) {
           group_dots(&qg[i * G * d], krow, G, d, dots.data());
           for (int64_t hh = 0; hh < G; ++hh) {
             const int64_t r = i * G + hh;
-            online_softmax_add(kscale * dots[hh], vrow, d, m[r], l[r], &o[r * d]);
+            online_softmax_add(logit(kscale * dots[hh]), vrow, d, m[r], l[r], &o[r * d]);
           }
         }
       }
       for (int64_t r = 0; r < R; ++r) {
         float* dst = out + ((rows.begin + r / G) * H + g * G + r % G) * d;
-        const double inv = l[r] > 0.0 ? 1.0 / l[r] : 0.0;
+        double inv = l[r] > 0.0 ? 1.0 / l[r] : 0.0;
+        if (sink != nullptr && l[r] > 0.0) {  // o / (l + exp(sink - m)), shifted by the larger of m and sink
+          const double sk = double(sink[g * G + r % G]);
+          const double lift = std::exp(m[r] - sk);  // <= 1 where the sink is the larger
+          inv = sk > m[r] ? lift / (l[r] * lift + 1.0) : 1.0 / (l[r] + std::exp(sk - m[r]));
+        }
         for (int64_t i = 0; i < d; ++i)
           dst[i] = row_ok[r] ? float(o[r * d + i] * inv) : std::numeric_limits<float>::quiet_NaN();
       }

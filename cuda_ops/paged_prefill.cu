@@ -236,14 +236,17 @@ ffi::Error PagedPrefillCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot
                                 ffi::Buffer<ffi::F32> v_centroids, ffi::Buffer<ffi::S32> block_tables,
                                 ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::BF16> k_window,
                                 ffi::Buffer<ffi::BF16> v_window, ffi::Buffer<ffi::S32> window_ids,
-                                ffi::Buffer<ffi::S32> query_start_loc,
+                                ffi::Buffer<ffi::S32> query_start_loc, ffi::Buffer<ffi::F32> sinks,
                                 ffi::Result<ffi::Buffer<ffi::F32>> out_rot, int32_t k_bits, int32_t v_bits,
-                                float scale, bool f16_products) {
+                                float scale, bool f16_products, int32_t sliding_window, float soft_cap) {
   ffi_checks::PrefillDims dims;
   JTQ_RETURN_IF_ERROR(ffi_checks::validate_paged_prefill(cuda_op(), q_rot, k_codes, k_norms, v_codes, v_norms,
                                                          k_centroids, v_centroids, block_tables, seq_lens,
                                                          k_window, v_window, window_ids, query_start_loc,
                                                          *out_rot, k_bits, v_bits, &dims));
+  ffi_checks::Variants variants;
+  JTQ_RETURN_IF_ERROR(ffi_checks::validate_variants(cuda_op(), sinks, dims.H, sliding_window, soft_cap, &variants));
+  JTQ_RETURN_IF_ERROR(ffi_checks::reject_variants(cuda_op(), variants));
   const int64_t bytes = dims.T * dims.H * dims.d * int64_t(sizeof(float));
   if (bytes == 0) return ffi::Error::Success();
   if (cudaError_t e = cudaMemsetAsync(out_rot->typed_data(), 0, size_t(bytes), stream); e != cudaSuccess)

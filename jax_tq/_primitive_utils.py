@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from jax_tq import _compat, _ffi
-from jax_tq.backend import BackendUnavailableError, auto_uses_reference
+from jax_tq.backend import BackendUnavailableError, auto_uses_reference, kernel_lacks
 from jax_tq.format import INDEX_MAX
 
 _PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
@@ -90,6 +90,12 @@ def _lower(platform, target, reference_impl, ffi_rule, may_be_empty, results_may
         raise BackendUnavailableError(
             f"jax_tq backend 'ffi' was chosen but cannot serve {platform!r}: {reason}. Use backend 'auto' or 'xla'."
         )
+    lacks = use_kernel and backend == "ffi" and kernel_lacks(platform, target, ctx.avals_in, params)
+    if lacks:
+        raise BackendUnavailableError(
+            f"jax_tq backend 'ffi' was chosen but cannot serve this {target} call on {platform!r}: {lacks}. Use "
+            "backend 'auto' (it runs XLA's code of the reference there) or 'xla'."
+        )
     inputs = [a for i, a in enumerate(ctx.avals_in) if i not in may_be_empty]
     results = [a for i, a in enumerate(ctx.avals_out) if i not in results_may_be_empty]
     faster_reference = backend == "auto" and auto_uses_reference(platform, target, ctx.avals_in, params)
@@ -122,6 +128,15 @@ def require_unbatched(names: Sequence[str], dims: Sequence[Any], op: str) -> Non
                 f"jax_tq.{op}: vmap over the codec's {name} is not supported; close over one codec "
                 "(the same rotation and centroids for the whole batch)."
             )
+
+
+def require_unbatched_sinks(dim, op: str) -> None:
+    """Raise a clear error if the attention sinks (one logit per query head) are vmapped."""
+    if dim is not _compat.NOT_MAPPED:
+        raise NotImplementedError(
+            f"jax_tq.{op}: vmap over sinks is not supported: they are one logit per query head, shared by the "
+            "batch; close over one sinks array (or fold the batch into the sequences yourself)."
+        )
 
 
 def rows_batch(prim, n_row_operands: int, codec_names: Sequence[str], args, dims, **params):

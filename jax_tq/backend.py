@@ -2,9 +2,10 @@
 
 Backends:
   ``"auto"`` (default): the faster of the compiled FFI kernel and the pure-jnp reference for the
-      platform the op is lowered for (:func:`auto_uses_reference`: on the GPU the kernels; on the
-      CPU the C++ handlers of the attention ops and of fitted-scale writes of >= 1024 rows, XLA's
-      code of the rest); the reference where there is no kernel (e.g. a GPU build without CUDA
+      platform the op is lowered for (:func:`auto_uses_reference`: on the GPU the kernels, except
+      for the attention variants they do not implement yet, :func:`kernel_lacks`; on the CPU the
+      C++ handlers of the attention ops and of fitted-scale writes of >= 1024 rows, XLA's code of
+      the rest); the reference where there is no kernel (e.g. a GPU build without CUDA
       kernels, or TPU).
   ``"ffi"``: the compiled FFI kernel only; lowering for a platform without one raises
       :class:`BackendUnavailableError`.
@@ -51,11 +52,38 @@ def auto_uses_reference(platform: str, target: str, avals_in, params: dict) -> b
       avals_in: the call's operand avals (operand 0: the rows, [rows, ...] or [tokens, heads, ...]).
       params: the primitive's params (``fit_scale``, or ``k_fit_scale`` / ``v_fit_scale``).
     """
+    if kernel_lacks(platform, target, avals_in, params):
+        return True
     if platform != "cpu" or target not in _CPU_REFERENCE_OPS:
         return False
     fitted = any(params.get(prefix + "fit_scale") for prefix in ("", "k_", "v_"))
     rows = int(np.prod(avals_in[0].shape[:-1])) if avals_in else 0
     return not (fitted and rows >= CPU_FIT_ROWS)
+
+
+#: The attention targets, whose last operand is the per-head sinks (float32 [num_heads], or [0]: none).
+ATTENTION_TARGETS = ("jax_tq_paged_decode", "jax_tq_paged_prefill")
+
+
+def kernel_lacks(platform: str, target: str, avals_in, params: dict) -> str | None:
+    """What the kernel of ``target`` on ``platform`` does not implement in this call, or None.
+
+    The CUDA attention kernels do not implement the attention variants yet (``sliding_window``,
+    ``soft_cap``, ``sinks``: :mod:`jax_tq.variants`); the CPU handlers do. Backend "auto" lowers
+    such a call to the reference (XLA's code); backend "ffi" raises
+    :class:`BackendUnavailableError` with this reason.
+
+    Args:
+      platform, target, avals_in, params: as :func:`auto_uses_reference`.
+    """
+    if platform == "cpu" or target not in ATTENTION_TARGETS:
+        return None
+    used = [name for name in ("sliding_window", "soft_cap") if params.get(name)]
+    if avals_in and int(np.prod(avals_in[-1].shape)) > 0:
+        used.append("sinks")
+    if not used:
+        return None
+    return f"the {platform.upper()} kernels do not implement {', '.join(used)} yet"
 
 
 class BackendUnavailableError(RuntimeError):

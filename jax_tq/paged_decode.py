@@ -24,6 +24,7 @@ from jax_tq.backend import get_backend
 from jax_tq.cache import check_cache
 from jax_tq.checks import check_decode_indices, check_window_ids, reject_checkify_residuals
 from jax_tq.compress import empty_window
+from jax_tq.variants import check_variants, as_keywords
 
 paged_decode_p = _compat.Primitive("jax_tq_paged_decode")
 
@@ -31,7 +32,7 @@ _FLOAT32_MAX = float(np.finfo(np.float32).max)
 _LOG2E = 1.4426950408889634  # the kernels take scores in log2 units: scale * log2(e) in float32
 
 def paged_decode(q, cache, block_tables, seq_lens, *, window_ids=None, scale=None, num_splits=None,
-                 precision=None):
+                 precision=None, sliding_window=None, soft_cap=None, sinks=None):
     """Decode attention of one query token per sequence over a compressed paged KV cache.
 
     Args:
@@ -65,6 +66,16 @@ def paged_decode(q, cache, block_tables, seq_lens, *, window_ids=None, scale=Non
         inside ``jax.default_matmul_precision("highest")`` (or ``"float32"``).
         Default: ``HIGHEST`` for float32 queries, ``DEFAULT`` for bfloat16/float16 queries. The
         CPU kernel and the reference always compute in float64/float32.
+      sliding_window: None, or an int >= 1 (static): the query (at position seq_lens[i] - 1) sees
+        only the last sliding_window tokens, itself included: positions > seq_lens[i] - 1 -
+        sliding_window (vLLM's / Mistral's convention; :mod:`jax_tq.variants`).
+      soft_cap: None, or a finite number > 0 (static): each logit l = scale * <q, k> becomes
+        soft_cap * tanh(l / soft_cap) before the softmax (Gemma 2's logit soft-capping).
+      sinks: None, or float32 [num_heads] (other float dtypes are cast): a per-head logit that joins
+        the softmax denominator only (gpt-oss's attention sinks), neither scaled nor capped:
+        out = sum_t exp(l_t - m) v_t / (exp(sinks[h] - m) + sum_t exp(l_t - m)). Differentiable.
+        The CUDA kernels do not implement the three variants yet: on the GPU a call that sets any
+        of them runs XLA's code of the reference under backend "auto", and raises under "ffi".
 
     Rotations: with Hadamard codecs (``rotation="hadamard"``) of head_dim 128 the kernel itself
     computes q_rot = Pi_k q and out = Pi_v^T o_rot (two fast Walsh-Hadamard transforms per row:
@@ -78,27 +89,33 @@ def paged_decode(q, cache, block_tables, seq_lens, *, window_ids=None, scale=Non
     Returns:
       [num_seqs, num_heads, head_dim] array of q's dtype. A query row holding a NaN or inf gives a
       NaN output row, and so does a finite one whose rotation overflows float32 (|q| near
-      float32's max). Differentiable in q and in the cache's norms (``jax.grad``/``vjp``, reverse
+      float32's max). Differentiable in q, in the cache's norms and in sinks (``jax.grad``/``vjp``, reverse
       mode only: a custom VJP whose backward pass runs the jnp reference). The codes are integers
       and get no gradient (:func:`jax_tq.compress` passes gradients through the norms only).
 
     Raises:
       TypeError: q not float32/bfloat16/float16; block_tables or seq_lens not int32; cache not a
         PagedKVCache, or a pool not of its storage dtype (uint8 codes, float32 norms); scale or
-        num_splits not a concrete Python number of the right kind.
+        num_splits not a concrete Python number of the right kind; sliding_window not an int,
+        soft_cap not a concrete number, sinks not of a float dtype.
       ValueError: wrong ranks or shapes, head_dim differs from the cache's codecs, num_heads not a
         multiple of num_kv_heads, num_splits < 1, a non-finite or float32-overflowing scale, an
-        unknown precision; ``JAX_TQ_DECODE_KERNEL`` set to something other than a kernel family.
+        unknown precision; ``JAX_TQ_DECODE_KERNEL`` set to something other than a kernel family;
+        sliding_window < 1, soft_cap <= 0 or not finite, sinks not [num_heads].
+      BackendUnavailableError: backend "ffi" on a GPU with a variant set (when the call is lowered).
 
     Source: TurboQuant (arXiv 2504.19874), Algorithm 1: scores <Pi_k q, c[idx]> * ||k|| against the
     stored codes, the output rotated back once by Pi_v^T; split-K with a log-sum-exp combine
     (Flash-Decoding); the fast Walsh-Hadamard transform for Pi = H D2 P H D1 (docs/FORMAT.md).
+    Variants: sliding windows (Mistral 7B, arXiv 2310.06825), logit soft-capping (Gemma 2, arXiv
+    2408.00118), attention sinks (Xiao et al., arXiv 2309.17453; gpt-oss's learned per-head sinks).
     """
     check_cache(cache, "paged_decode")
     kernel = requested_kernel()  # a misspelt kernel choice raises on every backend and query dtype
     q = jnp.asarray(q)
     scale, num_splits = _static_scale(scale), _static_num_splits(num_splits)
     block_tables, seq_lens = _check_decode_args(q, cache, block_tables, seq_lens, num_splits)
+    sliding_window, soft_cap, sinks = check_variants(sliding_window, soft_cap, sinks, q.shape[1], "paged_decode")
     f16_products = allows_f16_products(precision, q.dtype)
     if num_splits is not None:
         num_splits = min(num_splits, max(1, block_tables.shape[1]))
@@ -106,7 +123,8 @@ def paged_decode(q, cache, block_tables, seq_lens, *, window_ids=None, scale=Non
     windows = window_operands(cache, window_ids, seq_lens, "paged_decode")
     scale = 1.0 / math.sqrt(cache.head_dim) if scale is None else scale
     if not cache.compressed:
-        out = reference.paged_decode_pages(q, cache.k_pages, cache.v_pages, block_tables, seq_lens, scale)
+        out = reference.paged_decode_pages(q, cache.k_pages, cache.v_pages, block_tables, seq_lens, scale,
+                                           **as_keywords(sliding_window, soft_cap, sinks))
         return out.astype(q.dtype)
     k_codec, v_codec = cache.k_codec, cache.v_codec
     backend = get_backend()
@@ -114,10 +132,11 @@ def paged_decode(q, cache, block_tables, seq_lens, *, window_ids=None, scale=Non
              block_tables, seq_lens, *windows)
     platform = _trace_platform(backend)
     chosen = platform and _plan_call(platform, q, cache, block_tables, f16_products, 0, kernel)
-    static = (k_codec.bits, v_codec.bits, scale, int(num_splits or 0), f16_products, kernel, backend)
+    static = (k_codec.bits, v_codec.bits, scale, int(num_splits or 0), f16_products, kernel, backend, sliding_window,
+              soft_cap)
     if chosen and chosen["fused_rotation"]:  # the kernel rotates q and the output itself
         rotation = jnp.asarray(np.stack([k_codec.hadamard_spec, v_codec.hadamard_spec]))
-        return _decode(q.astype(jnp.float32), *pools, rotation, *static).astype(q.dtype)
+        return _decode(q.astype(jnp.float32), *pools, rotation, sinks, *static).astype(q.dtype)
     rotation_precision = _rotation_precision(bool(chosen and platform == "cuda" and chosen["f16_rounding"]))
     q_rot = jnp.einsum("shd,ed->she", q.astype(jnp.float32), k_codec.rotation, precision=rotation_precision)
     operands = (q_rot, *pools)
@@ -125,23 +144,26 @@ def paged_decode(q, cache, block_tables, seq_lens, *, window_ids=None, scale=Non
     # NaN), and so does a finite one whose rotation overflows float32: such a q_rot row gives a NaN
     # output row (the kernels write it themselves: no mask, no extra XLA reduction around them).
     if backend == "xla":
-        out_rot = _reference_rotated(*operands, k_codec.bits, v_codec.bits, scale)
+        out_rot = _reference_rotated(*operands, k_codec.bits, v_codec.bits, scale, sinks=sinks,
+                                     sliding_window=sliding_window, soft_cap=soft_cap)
     else:
-        out_rot = _decode(*operands, _NO_ROTATION, *static)
+        out_rot = _decode(*operands, _NO_ROTATION, sinks, *static)
     out = jnp.einsum("she,ed->shd", out_rot, v_codec.rotation, precision=rotation_precision)
     return out.astype(q.dtype)
 
 
 def _reference_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, k_window, v_window,
-                       window_ids, k_bits, v_bits, scale):
-    """reference.paged_decode_rotated with the kernels' NaN rows where q_rot is not all finite.
+                       window_ids, k_bits, v_bits, scale, *, sinks, sliding_window=0, soft_cap=0.0):
+    """reference.paged_decode_rotated with the kernels' NaN rows where q_rot is not all finite
+    (sinks float32 [H] or [0]; sliding_window 0 and soft_cap 0.0: none).
     Such a row enters the reference as zeros, so that neither its output nor its gradient (zero
     for q, none into the cache norms) carries its NaN into the rows and norms it shares a KV head
     with (a NaN query that the loss masks out leaves every other gradient finite)."""
     finite = jnp.all(jnp.isfinite(q_rot), axis=-1, keepdims=True)
     out_rot = reference.paged_decode_rotated(jnp.where(finite, q_rot, 0), k_codes, k_norms, v_codes, v_norms, k_cent,
                                              v_cent, tables, lens, k_bits, v_bits, scale,
-                                             window=(k_window, v_window, window_ids))
+                                             window=(k_window, v_window, window_ids),
+                                             **as_keywords(sliding_window, soft_cap, sinks))
     return jnp.where(finite, out_rot, jnp.nan)
 
 
@@ -287,15 +309,16 @@ def _rotation_from_spec(words):
     return jnp.matmul(hadamard, mixed, precision=jax.lax.Precision.HIGHEST)
 
 
-def _reference_any(q, *operands_and_rotation, k_bits, v_bits, scale):
+def _reference_any(q, *operands_rotation_sinks, k_bits, v_bits, scale, sliding_window=0, soft_cap=0.0):
     """The primitive's semantics in jnp: :func:`_reference_rotated` on q (rotation [2, 0]), or with
     the fused rotation ([2, d]) between q = Pi_k^T q_rot and out = Pi_v^T out_rot (float32)."""
-    *operands, rotation = operands_and_rotation
+    *operands, rotation, sinks = operands_rotation_sinks
+    variants = dict(sinks=sinks, sliding_window=sliding_window, soft_cap=soft_cap)
     if rotation.shape[1] == 0:
-        return _reference_rotated(q, *operands, k_bits, v_bits, scale)
+        return _reference_rotated(q, *operands, k_bits, v_bits, scale, **variants)
     highest = jax.lax.Precision.HIGHEST
     q_rot = jnp.einsum("shd,ed->she", q, _rotation_from_spec(rotation[0]), precision=highest)
-    out_rot = _reference_rotated(q_rot, *operands, k_bits, v_bits, scale)
+    out_rot = _reference_rotated(q_rot, *operands, k_bits, v_bits, scale, **variants)
     return jnp.einsum("she,ed->shd", out_rot, _rotation_from_spec(rotation[1]), precision=highest)
 
 
@@ -354,19 +377,21 @@ def allows_f16_products(precision, q_dtype, op: str = "jax_tq.paged_decode") -> 
     return precision != jax.lax.Precision.HIGHEST
 
 
-_NUM_OPERANDS = 13  # q, the four pools, two centroids, block_tables, seq_lens, two windows, window_ids, rotation
+_NUM_OPERANDS = 14  # q, the four pools, two centroids, block_tables, seq_lens, two windows, window_ids, rotation, sinks
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=tuple(range(_NUM_OPERANDS, _NUM_OPERANDS + 7)))
+@functools.partial(jax.custom_vjp, nondiff_argnums=tuple(range(_NUM_OPERANDS, _NUM_OPERANDS + 9)))
 def _decode(q, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, k_window, v_window, window_ids,
-            rotation, k_bits, v_bits, scale, num_splits, f16_products, kernel, backend):
-    """The kernel call, differentiable in q, k_norms and v_norms (the codes are integers, the window
-    rows bfloat16 copies). With rotation [2, 0], q is q_rot and the result out_rot; with [2, d] (the
-    fused rotation) both are unrotated. A row whose q_rot is not all finite gives a NaN output row."""
+            rotation, sinks, k_bits, v_bits, scale, num_splits, f16_products, kernel, backend, sliding_window,
+            soft_cap):
+    """The kernel call, differentiable in q, k_norms, v_norms and sinks (the codes are integers, the
+    window rows bfloat16 copies). With rotation [2, 0], q is q_rot and the result out_rot; with [2, d]
+    (the fused rotation) both are unrotated. A row whose q_rot is not all finite gives a NaN output
+    row. sinks float32 [H] or [0] (none); sliding_window 0 and soft_cap 0.0: none."""
     (out,) = paged_decode_p.bind(
         q, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, k_window, v_window, window_ids,
-        rotation, k_bits=k_bits, v_bits=v_bits, scale=scale, num_splits=num_splits, f16_products=f16_products,
-        kernel=kernel, backend=backend,
+        rotation, sinks, k_bits=k_bits, v_bits=v_bits, scale=scale, num_splits=num_splits, f16_products=f16_products,
+        kernel=kernel, backend=backend, sliding_window=sliding_window, soft_cap=soft_cap,
     )
     return out
 
@@ -376,20 +401,23 @@ def _decode_fwd(*args):
     return _decode(*operands, *static), operands
 
 
-def _decode_bwd(k_bits, v_bits, scale, num_splits, f16_products, kernel, backend, operands, cotangent):
+def _decode_bwd(k_bits, v_bits, scale, num_splits, f16_products, kernel, backend, sliding_window, soft_cap, operands,
+                cotangent):
     """Backward pass through the reference (recomputes the softmax; memory O(num_seqs x tokens))."""
-    q, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, k_window, v_window, ids, rotation = operands
+    (q, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, k_window, v_window, ids, rotation,
+     sinks) = operands
     reject_checkify_residuals("paged_decode", k_codes=(k_codes, jnp.uint8), v_codes=(v_codes, jnp.uint8),
                               block_tables=(tables, jnp.int32), seq_lens=(lens, jnp.int32),
                               window_ids=(ids, jnp.int32), rotation=(rotation, jnp.int32))
 
-    def attend(q, kn, vn):  # the xla backend's function: the same gradient on both backends
+    def attend(q, kn, vn, sinks):  # the xla backend's function: the same gradient on both backends
         return _reference_any(q, k_codes, kn, v_codes, vn, k_cent, v_cent, tables, lens, k_window, v_window, ids,
-                              rotation, k_bits=k_bits, v_bits=v_bits, scale=scale)
+                              rotation, sinks, k_bits=k_bits, v_bits=v_bits, scale=scale,
+                              sliding_window=sliding_window, soft_cap=soft_cap)
 
-    _, vjp = jax.vjp(attend, q, k_norms, v_norms)
-    dq, dk_norms, dv_norms = vjp(cotangent)
-    return (dq, None, dk_norms, None, dv_norms) + (None,) * (_NUM_OPERANDS - 5)
+    _, vjp = jax.vjp(attend, q, k_norms, v_norms, sinks)
+    dq, dk_norms, dv_norms, dsinks = vjp(cotangent)
+    return (dq, None, dk_norms, None, dv_norms) + (None,) * (_NUM_OPERANDS - 6) + (dsinks,)
 
 
 _decode.defvjp(_decode_fwd, _decode_bwd)
@@ -457,11 +485,12 @@ def _abstract(q, *operands, **params):
     return (_compat.output_aval(q.shape, jnp.float32, q, *operands),)
 
 
-def _reference(*operands, k_bits, v_bits, scale, num_splits, f16_products, kernel):
-    return (_reference_any(*operands, k_bits=k_bits, v_bits=v_bits, scale=scale),)
+def _reference(*operands, k_bits, v_bits, scale, num_splits, f16_products, kernel, sliding_window, soft_cap):
+    return (_reference_any(*operands, k_bits=k_bits, v_bits=v_bits, scale=scale, sliding_window=sliding_window,
+                           soft_cap=soft_cap),)
 
 
-def _ffi(ctx, *operands, k_bits, v_bits, scale, num_splits, f16_products, kernel):
+def _ffi(ctx, *operands, k_bits, v_bits, scale, num_splits, f16_products, kernel, sliding_window, soft_cap):
     q_aval = ctx.avals_in[0]
     num_seqs, num_heads, head_dim = q_aval.shape
     window = not pu.has_zero_size(ctx.avals_in[9:10])
@@ -481,6 +510,7 @@ def _ffi(ctx, *operands, k_bits, v_bits, scale, num_splits, f16_products, kernel
     results = _compat.ffi_lowering("jax_tq_paged_decode")(
         ctx, *operands, k_bits=np.int32(k_bits), v_bits=np.int32(v_bits), num_splits=np.int32(num_splits),
         scale=np.float32(scale), f16_products=np.int32(f16_products), kernel=np.int32(kernel),
+        sliding_window=np.int32(sliding_window), soft_cap=np.float32(soft_cap),
     )
     return results[:1]
 
@@ -500,8 +530,9 @@ def fold_batched_pools(pools, pool_dims, ids, ids_dim, size: int, pool_size):
 def _batch(args, dims, **params):
     """Fold vmapped axes into the kernel's sequence axis; a batched cache is folded into one page pool
     (each batch element's block table is offset into its own slice of the pool) and one window pool."""
-    q, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, k_window, v_window, ids, rotation = args
+    q, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, k_window, v_window, ids, rotation, sinks = args
     pu.require_unbatched(("k centroids", "v centroids", "rotation"), dims[5:7] + dims[12:13], "paged_decode")
+    pu.require_unbatched_sinks(dims[13], "paged_decode")
     size = pu.batch_size(args, dims)
     pools, tables = fold_batched_pools(args[1:5], dims[1:5], tables, dims[7], size, lambda p: p.shape[1])
     windows, ids = fold_batched_pools(args[9:11], dims[9:11], ids, dims[11], size, lambda w: w.shape[1])
@@ -510,11 +541,11 @@ def _batch(args, dims, **params):
     num_seqs = q.shape[1]
     (out,) = paged_decode_p.bind(
         q.reshape((-1,) + q.shape[2:]), *pools, k_cent, v_cent,
-        tables.reshape((-1, tables.shape[-1])), lens.reshape(-1), *windows, ids.reshape(-1), rotation, **params,
+        tables.reshape((-1, tables.shape[-1])), lens.reshape(-1), *windows, ids.reshape(-1), rotation, sinks, **params,
     )
     return [out.reshape((size, num_seqs) + out.shape[1:])], [0]
 
 
-# rotation [2, 0]: q is q_rot; windows [0, Hkv, 0, d]: none
+# rotation [2, 0]: q is q_rot; windows [0, Hkv, 0, d]: none; sinks [0]: none
 pu.define_op(paged_decode_p, abstract=_abstract, reference=_reference, ffi=_ffi, batch=_batch,
-             may_be_empty=(9, 10, 12))
+             may_be_empty=(9, 10, 12, 13))

@@ -23,6 +23,7 @@ from jax_tq.cache import check_cache
 from jax_tq.checks import check_decode_indices, check_query_start_loc, reject_checkify_residuals
 from jax_tq.paged_decode import (_check_decode_args, _static_scale, allows_f16_products, fold_batched_pools,
                                  window_operands)
+from jax_tq.variants import check_variants, as_keywords
 
 __all__ = ["paged_prefill"]
 
@@ -31,7 +32,8 @@ paged_prefill_p = _compat.Primitive("jax_tq_paged_prefill")
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def paged_prefill(q, cache, block_tables, seq_lens, query_start_loc, *, window_ids=None, scale=None, precision=None):
+def paged_prefill(q, cache, block_tables, seq_lens, query_start_loc, *, window_ids=None, scale=None, precision=None,
+                  sliding_window=None, soft_cap=None, sinks=None):
     """Causal attention of new query rows (a prompt, or a chunk of one) over a compressed paged cache.
 
     Args:
@@ -60,13 +62,22 @@ def paged_prefill(q, cache, block_tables, seq_lens, query_start_loc, *, window_i
         (head_dim 64 and 128; a relative error of ~2^-11 per term, below a bfloat16 query's own
         rounding). Default: ``HIGHEST`` for float32 queries, ``DEFAULT`` for bfloat16 / float16 ones.
         No effect on the CPU (float64) or the reference.
+      sliding_window: None, or an int >= 1 (static): the row at position p sees only positions
+        p - sliding_window + 1 .. p (the last sliding_window tokens, itself included; vLLM's /
+        Mistral's convention; :mod:`jax_tq.variants`).
+      soft_cap: None, or a finite number > 0 (static): logits l = scale * <q, k> become
+        soft_cap * tanh(l / soft_cap) before masking and softmax (Gemma 2).
+      sinks: None, or float32 [num_heads]: a per-head logit joining the softmax denominator only
+        (gpt-oss's attention sinks; as :func:`jax_tq.paged_decode`). Differentiable.
+        The CUDA kernel does not implement the three variants yet: on the GPU a call that sets any
+        of them runs XLA's code of the reference under backend "auto", and raises under "ffi".
 
     Returns:
       [num_tokens, num_heads, head_dim] of q's dtype. Rows that no sequence owns are 0 whatever
       their query holds; rows placed before their sequence's start (q_len_s > seq_lens[s]) are 0;
       an owned row whose query holds a NaN or inf is NaN. Out-of-range values of query_start_loc are clamped to [0, num_tokens];
       if it decreases, which sequence a row belongs to is unspecified (``jax_tq.checked`` reports it).
-      Differentiable in q and the cache's norms (reverse mode: a custom VJP through the reference,
+      Differentiable in q, the cache's norms and sinks (reverse mode: a custom VJP through the reference,
       16 rows at a time with rematerialisation, :func:`jax_tq.reference.paged_prefill_rotated`; the
       ``xla`` backend's forward pass is that reference too).
 
@@ -74,10 +85,14 @@ def paged_prefill(q, cache, block_tables, seq_lens, query_start_loc, *, window_i
       TypeError: q not float32/bfloat16/float16; an index array not int32; cache not a PagedKVCache.
       ValueError: wrong ranks or shapes, head_dim differs from the cache's codecs, num_heads not a
         multiple of num_kv_heads, query_start_loc not [num_seqs + 1], a bad scale.
+      TypeError / ValueError: a bad sliding_window (not an int >= 1), soft_cap (not a finite
+        number > 0) or sinks (not float [num_heads]), naming it.
+      BackendUnavailableError: backend "ffi" on a GPU with a variant set (when the call is lowered).
 
     Source: TurboQuant (arXiv 2504.19874), Algorithm 1 applied to attention (scores
     <Pi_k q, c[idx]> * ||k||, output rotated back by Pi_v^T once); causal prefill over a paged cache
-    as in vLLM / FlashInfer.
+    as in vLLM / FlashInfer. Variants: sliding windows (Mistral 7B, arXiv 2310.06825), logit
+    soft-capping (Gemma 2, arXiv 2408.00118), attention sinks (arXiv 2309.17453; gpt-oss).
     """
     check_cache(cache, "paged_prefill")
     q = jnp.asarray(q)
@@ -86,6 +101,7 @@ def paged_prefill(q, cache, block_tables, seq_lens, query_start_loc, *, window_i
     block_tables, seq_lens = _check_decode_args(q, cache, block_tables, seq_lens, None, op="jax_tq.paged_prefill",
                                                 rows="num_tokens")
     query_start_loc = _check_query_start_loc(query_start_loc, seq_lens.shape[0])
+    sliding_window, soft_cap, sinks = check_variants(sliding_window, soft_cap, sinks, q.shape[1], "paged_prefill")
     check_decode_indices(block_tables, seq_lens, num_pages=cache.num_pages, page_size=cache.page_size,
                          op="paged_prefill")
     check_query_start_loc(query_start_loc, seq_lens, num_rows=q.shape[0])
@@ -93,17 +109,19 @@ def paged_prefill(q, cache, block_tables, seq_lens, query_start_loc, *, window_i
     scale = 1.0 / math.sqrt(cache.head_dim) if scale is None else scale
     if not cache.compressed:
         out = reference.paged_prefill_pages(q, cache.k_pages, cache.v_pages, block_tables, seq_lens, query_start_loc,
-                                            scale)
+                                            scale, **as_keywords(sliding_window, soft_cap, sinks))
         return out.astype(q.dtype)
     k_codec, v_codec = cache.k_codec, cache.v_codec
     q_rot = jnp.einsum("thd,ed->the", q.astype(jnp.float32), k_codec.rotation, precision=_HIGHEST)
     operands = (q_rot, cache.k_codes, cache.k_norms, cache.v_codes, cache.v_norms, k_codec.centroids,
-                v_codec.centroids, block_tables, seq_lens, *windows, query_start_loc)
+                v_codec.centroids, block_tables, seq_lens, *windows, query_start_loc, sinks)
     backend = get_backend()
+    variants = dict(sliding_window=sliding_window, soft_cap=soft_cap)
     if backend == "xla":
-        out_rot = _reference(*operands, k_bits=k_codec.bits, v_bits=v_codec.bits, scale=scale)[0]
+        out_rot = _reference(*operands, k_bits=k_codec.bits, v_bits=v_codec.bits, scale=scale, **variants)[0]
     else:
-        out_rot = _prefill(*operands, k_codec.bits, v_codec.bits, scale, f16_products, backend)
+        out_rot = _prefill(*operands, k_codec.bits, v_codec.bits, scale, f16_products, backend, sliding_window,
+                           soft_cap)
     out = jnp.einsum("the,ed->thd", out_rot, v_codec.rotation, precision=_HIGHEST)
     return out.astype(q.dtype)
 
@@ -125,28 +143,32 @@ def _owned_rows(q_rot, k_codes, tables, lens, starts):
 
 
 def _reference(q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, k_window, v_window,
-               window_ids, starts, *, k_bits, v_bits, scale, f16_products=False):
+               window_ids, starts, sinks, *, k_bits, v_bits, scale, f16_products=False, sliding_window=0, soft_cap=0.0):
     """The primitive's semantics in jnp: an owned row whose q_rot is not all finite gives a NaN row
-    (and enters the reference as zeros, so that no NaN reaches its neighbours' gradients)."""
+    (and enters the reference as zeros, so that no NaN reaches its neighbours' gradients). sinks
+    float32 [H] or [0] (none); sliding_window 0 and soft_cap 0.0: none."""
     finite = jnp.all(jnp.isfinite(q_rot), axis=-1, keepdims=True)
     out_rot = reference.paged_prefill_rotated(jnp.where(finite, q_rot, 0), k_codes, k_norms, v_codes, v_norms,
                                               k_cent, v_cent, tables, lens, starts, k_bits, v_bits, scale,
-                                              window=(k_window, v_window, window_ids))
+                                              window=(k_window, v_window, window_ids),
+                                              **as_keywords(sliding_window, soft_cap, sinks))
     nan_rows = ~finite & _owned_rows(q_rot, k_codes, tables, lens, starts)
     return (jnp.where(nan_rows, jnp.nan, out_rot).astype(jnp.float32),)
 
 
-_NUM_OPERANDS = 13  # q_rot, the four pools, two centroids, block_tables, seq_lens, two windows, ids, query_start_loc
+_NUM_OPERANDS = 14  # q_rot, the four pools, two centroids, block_tables, seq_lens, two windows, ids, query_start_loc,
+#                    sinks
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=tuple(range(_NUM_OPERANDS, _NUM_OPERANDS + 5)))
+@functools.partial(jax.custom_vjp, nondiff_argnums=tuple(range(_NUM_OPERANDS, _NUM_OPERANDS + 7)))
 def _prefill(q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, k_window, v_window, window_ids,
-             starts, k_bits, v_bits, scale, f16_products, backend):
-    """The kernel call, differentiable in q_rot, k_norms and v_norms (the codes are integers, the
-    window rows bfloat16 copies)."""
+             starts, sinks, k_bits, v_bits, scale, f16_products, backend, sliding_window, soft_cap):
+    """The kernel call, differentiable in q_rot, k_norms, v_norms and sinks (the codes are integers,
+    the window rows bfloat16 copies)."""
     (out,) = paged_prefill_p.bind(q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, k_window,
-                                  v_window, window_ids, starts, k_bits=k_bits, v_bits=v_bits, scale=scale,
-                                  f16_products=f16_products, backend=backend)
+                                  v_window, window_ids, starts, sinks, k_bits=k_bits, v_bits=v_bits, scale=scale,
+                                  f16_products=f16_products, backend=backend, sliding_window=sliding_window,
+                                  soft_cap=soft_cap)
     return out
 
 
@@ -154,20 +176,22 @@ def _prefill_fwd(*args):
     return _prefill(*args), args[:_NUM_OPERANDS]
 
 
-def _prefill_bwd(k_bits, v_bits, scale, f16_products, backend, operands, cotangent):
+def _prefill_bwd(k_bits, v_bits, scale, f16_products, backend, sliding_window, soft_cap, operands, cotangent):
     """Backward pass through the reference (the same gradient on every backend)."""
-    q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, k_window, v_window, ids, starts = operands
+    (q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, k_window, v_window, ids, starts,
+     sinks) = operands
     reject_checkify_residuals("paged_prefill", k_codes=(k_codes, jnp.uint8), v_codes=(v_codes, jnp.uint8),
                               block_tables=(tables, jnp.int32), seq_lens=(lens, jnp.int32),
                               window_ids=(ids, jnp.int32), query_start_loc=(starts, jnp.int32))
 
-    def attend(q_rot, k_norms, v_norms):
+    def attend(q_rot, k_norms, v_norms, sinks):
         return _reference(q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, k_window,
-                          v_window, ids, starts, k_bits=k_bits, v_bits=v_bits, scale=scale)[0]
+                          v_window, ids, starts, sinks, k_bits=k_bits, v_bits=v_bits, scale=scale,
+                          sliding_window=sliding_window, soft_cap=soft_cap)[0]
 
-    _, vjp = jax.vjp(attend, q_rot, k_norms, v_norms)
-    dq, dk_norms, dv_norms = vjp(cotangent)
-    return (dq, None, dk_norms, None, dv_norms) + (None,) * (_NUM_OPERANDS - 5)
+    _, vjp = jax.vjp(attend, q_rot, k_norms, v_norms, sinks)
+    dq, dk_norms, dv_norms, dsinks = vjp(cotangent)
+    return (dq, None, dk_norms, None, dv_norms) + (None,) * (_NUM_OPERANDS - 6) + (dsinks,)
 
 
 _prefill.defvjp(_prefill_fwd, _prefill_bwd)
@@ -177,10 +201,12 @@ def _abstract(q_rot, *operands, **params):
     return (_compat.output_aval(q_rot.shape, jnp.float32, q_rot, *operands),)
 
 
-def _ffi(ctx, *operands, k_bits, v_bits, scale, f16_products):
+def _ffi(ctx, *operands, k_bits, v_bits, scale, f16_products, sliding_window, soft_cap):
     return _compat.ffi_lowering("jax_tq_paged_prefill")(ctx, *operands, k_bits=np.int32(k_bits),
                                                          v_bits=np.int32(v_bits), scale=np.float32(scale),
-                                                         f16_products=np.bool_(f16_products))
+                                                         f16_products=np.bool_(f16_products),
+                                                         sliding_window=np.int32(sliding_window),
+                                                         soft_cap=np.float32(soft_cap))
 
 
 def _batch(args, dims, **params):
@@ -188,8 +214,9 @@ def _batch(args, dims, **params):
     and its sequences are followed by one empty sequence (no tokens) that owns its rows after its last
     boundary, so that no row changes owner (rows of no sequence stay 0). A batched cache is folded into
     one page pool, each element's block tables offset into its own slice."""
-    q, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, k_window, v_window, ids, starts = args
+    q, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, k_window, v_window, ids, starts, sinks = args
     pu.require_unbatched(("k centroids", "v centroids"), dims[5:7], "paged_prefill")
+    pu.require_unbatched_sinks(dims[13], "paged_prefill")
     size = pu.batch_size(args, dims)
     pools, tables = fold_batched_pools(args[1:5], dims[1:5], tables, dims[7], size, lambda p: p.shape[1])
     windows, ids = fold_batched_pools(args[9:11], dims[9:11], ids, dims[11], size, lambda w: w.shape[1])
@@ -207,9 +234,9 @@ def _batch(args, dims, **params):
     folded_ids = jnp.concatenate([ids, jnp.full((size, 1), -1, jnp.int32)], axis=1)
     (out,) = paged_prefill_p.bind(q.reshape((-1,) + q.shape[2:]), *pools, k_cent, v_cent,
                                   folded_tables.reshape(-1, max_pages), folded_lens.reshape(-1), *windows,
-                                  folded_ids.reshape(-1), folded_starts, **params)
+                                  folded_ids.reshape(-1), folded_starts, sinks, **params)
     return [out.reshape((size, num_tokens) + out.shape[1:])], [0]
 
 
 pu.define_op(paged_prefill_p, abstract=_abstract, reference=_reference, ffi=_ffi, batch=_batch,
-             may_be_empty=(7, 8, 9, 10, 11, 12))  # no sequences / window
+             may_be_empty=(7, 8, 9, 10, 11, 12, 13))  # no sequences / window / sinks

@@ -22,12 +22,13 @@ from jax_tq.checks import check_at_most, check_decode_indices, check_query_start
 from jax_tq.compress import check_float_input
 from jax_tq.paged_decode import _static_scale, paged_decode
 from jax_tq.paged_prefill import paged_prefill
+from jax_tq.variants import check_variants, as_keywords
 
 __all__ = ["prompt_attention", "ragged_paged_attention"]
 
 
 def ragged_paged_attention(q, k, v, cache: PagedKVCache, kv_lens, block_tables, cu_q_lens, *, scale=None,
-                           window_ids=None, precision=None):
+                           window_ids=None, precision=None, sliding_window=None, soft_cap=None, sinks=None):
     """One serving step over a paged cache: write each sequence's new tokens, then attend causally.
 
     The ragged layout of vLLM's and tpu-inference's ``ragged_paged_attention``: this step's new
@@ -68,6 +69,14 @@ def ragged_paged_attention(q, k, v, cache: PagedKVCache, kv_lens, block_tables, 
       precision: the products' precision, as for :func:`jax_tq.paged_decode` and
         :func:`jax_tq.paged_prefill` (default: float16 tensor-core products for bfloat16 / float16
         queries on the GPU, float32-accurate ones for float32 queries).
+      sliding_window: None, or an int >= 1 (static): the row at position p sees positions
+        p - sliding_window + 1 .. p only (vLLM's / Mistral's / tpu-inference's convention).
+      soft_cap: None, or a finite number > 0 (static): logits l become soft_cap * tanh(l / soft_cap)
+        (Gemma 2; tpu-inference's ``soft_cap``).
+      sinks: None, or float32 [num_heads]: per-head logits joining the softmax denominator only
+        (gpt-oss's attention sinks). The three as :func:`jax_tq.paged_decode` (:mod:`jax_tq.variants`);
+        on the GPU a call that sets any of them runs XLA's code of the reference (the CUDA kernels do
+        not implement them yet).
 
     Returns:
       ``(out, cache)``: out [num_tokens, num_heads, head_dim] of q's dtype, and the cache after the
@@ -91,6 +100,7 @@ def ragged_paged_attention(q, k, v, cache: PagedKVCache, kv_lens, block_tables, 
       ValueError: wrong ranks or shapes (naming the argument), head_dim or num_kv_heads of k / v
         other than the cache's, num_heads not a multiple of num_kv_heads, a bad scale, window_ids
         given for a cache without a window.
+      TypeError / ValueError: a bad sliding_window, soft_cap or sinks, naming it.
 
     Example::
 
@@ -115,6 +125,8 @@ def ragged_paged_attention(q, k, v, cache: PagedKVCache, kv_lens, block_tables, 
                                 leading=num_seqs)
     cu_q_lens = _index_array(cu_q_lens, "cu_q_lens", f"[num_seqs + 1 = {num_seqs + 1}]", op, shape=(num_seqs + 1,))
     scale = _static_scale(scale, f"jax_tq.{op}")
+    sliding_window, soft_cap, sinks = check_variants(sliding_window, soft_cap, sinks, q.shape[1], op)
+    variants = as_keywords(sliding_window, soft_cap, sinks)  # checked: the ops take them as they are
     window_ids = _window_ids(cache, window_ids, num_seqs, op)
     check_decode_indices(block_tables, kv_lens, num_pages=cache.num_pages, page_size=cache.page_size, op=op,
                          lens_name="kv_lens")
@@ -148,9 +160,9 @@ def ragged_paged_attention(q, k, v, cache: PagedKVCache, kv_lens, block_tables, 
     with unchecked():  # the arguments are checked above; the ops' checks would name (or refuse) derived ones
         cache = write_cache(cache, k, v, slots, window_slots)
         out_prefill = paged_prefill(q, cache, block_tables, jnp.where(q_lens >= 2, lens, 0), starts,
-                                    window_ids=window_ids, scale=scale, precision=precision)
+                                    window_ids=window_ids, scale=scale, precision=precision, **variants)
         out_decode = paged_decode(q_decode, cache, block_tables, jnp.where(decoding, lens, 0),
-                                  window_ids=window_ids, scale=scale, precision=precision)
+                                  window_ids=window_ids, scale=scale, precision=precision, **variants)
     out = jnp.where(decoding[seq][:, None, None], out_decode[seq], out_prefill)
     return jnp.where(live[:, None, None], out, 0).astype(q.dtype), cache
 

@@ -403,27 +403,43 @@ def _valid_token_mask(block_tables, seq_lens, num_pages, page_size):
     return (positions[None, :] < lengths[:, None]) & token_page_ok
 
 
-def _masked_softmax_weights(scores, valid, scale):
-    """softmax_t(scale * scores_t) over the last axis restricted to ``valid``; all-invalid rows
-    give 0.
+def _masked_softmax_weights(scores, valid, scale, soft_cap=None, sinks=None):
+    """softmax_t(logit_t) over the last axis restricted to ``valid``, logit_t = scale * scores_t
+    (soft-capped to soft_cap * tanh(logit_t / soft_cap) where soft_cap is given); all-invalid rows
+    give 0. ``sinks`` (broadcastable to scores[..., :1]): a per-row extra logit that joins the
+    denominator only (attention sinks): weight_t = exp(logit_t) / (exp(sink) + sum_u exp(logit_u)).
 
     The scale multiplies the difference to the row's max, not the scores: XLA fuses the product
     into each consumer separately and may round it differently there, so at |logits| ~1e9 and
     above a row's own max could shift to +-2**8 or more (exp overflows, or every weight underflows
     and the row comes out 0). ``|scale| * (s - max s)`` is exactly 0 at the max and
-    <= 0 elsewhere however it is fused; a negative scale flips the scores' sign first (exact)."""
+    <= 0 elsewhere however it is fused; a negative scale flips the scores' sign first (exact).
+    Soft-capped logits are bounded by soft_cap, so they are shifted by their own max."""
     scores = scores * jnp.where(scale < 0, -1.0, 1.0).astype(scores.dtype)
+    magnitude = jnp.abs(scale).astype(scores.dtype)
+    if soft_cap is not None:
+        cap = jnp.asarray(soft_cap, scores.dtype)
+        scores = cap * jnp.tanh(magnitude * scores / cap)
+        magnitude = jnp.ones((), scores.dtype)
     row_max = jnp.max(jnp.where(valid, scores, -jnp.inf), axis=-1, keepdims=True, initial=-jnp.inf)
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-    shifted = jnp.abs(scale).astype(scores.dtype) * (scores - row_max)
+    shifted = magnitude * (scores - row_max)
     shifted = jnp.minimum(jnp.where(valid, shifted, 0.0), 0.0)
-    weights = jnp.where(valid, jnp.exp(shifted), 0.0)
-    total = jnp.sum(weights, axis=-1, keepdims=True)
-    return weights / jnp.where(total > 0, total, 1.0)
+    if sinks is None:
+        weights = jnp.where(valid, jnp.exp(shifted), 0.0)
+        total = jnp.sum(weights, axis=-1, keepdims=True)
+        return weights / jnp.where(total > 0, total, 1.0)
+    # The sink's logit against the row's largest logit; both shifted by the larger of the two.
+    sink_shift = sinks.astype(scores.dtype) - magnitude * row_max
+    lift = jnp.maximum(sink_shift, 0.0)
+    weights = jnp.where(valid, jnp.exp(shifted - lift), 0.0)
+    total = jnp.sum(weights, axis=-1, keepdims=True) + jnp.exp(sink_shift - lift)
+    return weights / total
 
 
 def paged_decode_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids,
-                         block_tables, seq_lens, k_bits: int, v_bits: int, scale: float, window=None):
+                         block_tables, seq_lens, k_bits: int, v_bits: int, scale: float, window=None, *,
+                         sliding_window=None, soft_cap=None, sinks=None):
     """Single-query attention over a TurboQuant paged cache, in the rotated domain
     (FFI target ``jax_tq_paged_decode``, without the split-K workspace).
 
@@ -440,6 +456,9 @@ def paged_decode_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids,
         rotated rows and int32 [S]; sequence s then reads its last min(L, W) tokens (L its clamped
         length) from entries p % W of window window_ids[s] (none if that id is outside
         [0, num_windows)) and the others from the pages (docs/FORMAT.md "Window").
+      sliding_window, soft_cap, sinks: the attention variants (:mod:`jax_tq.variants`): the query
+        at position L - 1 sees only positions >= L - sliding_window; logits scale * s_t become
+        soft_cap * tanh(scale * s_t / soft_cap); sinks float [H] joins each head's denominator.
     Returns:
       out_rot [S, H, d] in promote(q_rot.dtype, float32): sum_t p_t v_t over the valid tokens, with
       v_t = v_norm_t c_v[vcode_t] (pages) or the window's V row, and p = softmax_t(scale * s_t),
@@ -463,7 +482,16 @@ def paged_decode_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids,
     paged = tq_format.paged_tokens(seq_lens.astype(jnp.int32), capacity, length)
     ends = jnp.clip(seq_lens.astype(jnp.int32), 0, min(capacity, tq_format.INDEX_MAX))
     return _attend_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids,
-                           block_tables, paged, window, paged, ends, scale, k_bits=k_bits, v_bits=v_bits)
+                           block_tables, paged, window, paged, ends, scale, ends, _sinks_or_none(sinks),
+                           k_bits=k_bits, v_bits=v_bits, sliding_window=sliding_window, soft_cap=soft_cap)
+
+
+def _sinks_or_none(sinks):
+    """None for no sinks (None or an empty array), else the array."""
+    if sinks is None:
+        return None
+    sinks = jnp.asarray(sinks)
+    return None if sinks.size == 0 else sinks
 
 
 def _check_window(window, num_kv_heads: int, head_dim: int, num_seqs: int):
@@ -496,14 +524,16 @@ def _window_tokens(window, lo, hi):
     entries = jnp.arange(length, dtype=jnp.int32)[None, :]
     offset = jnp.mod(entries - lo[:, None], length)          # position lo + offset sits in this entry
     mask = id_ok[:, None] & (offset < (hi - lo)[:, None])
-    return k_window[safe], v_window[safe], mask
+    return k_window[safe], v_window[safe], mask, lo[:, None] + offset
 
 
-@_jit("k_bits", "v_bits")
+@_jit("k_bits", "v_bits", "sliding_window", "soft_cap")
 def _attend_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids, block_tables,
-                    paged_len, window, win_lo, win_hi, scale, k_bits, v_bits):
+                    paged_len, window, win_lo, win_hi, scale, row_len, sinks, k_bits, v_bits, sliding_window=None,
+                    soft_cap=None):
     """One query row per table row: the pages' tokens [0, paged_len) and the window's positions
-    [win_lo, win_hi) (window None: none), one softmax."""
+    [win_lo, win_hi) (window None: none), one softmax. The row sits at position row_len - 1: with a
+    sliding window it sees positions >= row_len - sliding_window only. sinks: float [H] or None."""
     num_seqs, num_heads, head_dim = q_rot.shape
     num_pages, num_kv_heads, page_size, _ = k_codes.shape
     group = num_heads // num_kv_heads
@@ -513,28 +543,36 @@ def _attend_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids, v_ce
     keys = _gather_sequence_tokens(k_codes, k_norms, k_centroids, k_bits, safe_pages)
     values = _gather_sequence_tokens(v_codes, v_norms, v_centroids, v_bits, safe_pages)
     valid = _valid_token_mask(block_tables, paged_len, num_pages, page_size)
+    positions = jnp.broadcast_to(jnp.arange(valid.shape[1], dtype=jnp.int32)[None, :], valid.shape)
     if window is not None:
-        win_keys, win_values, win_valid = _window_tokens(window, win_lo, win_hi)
+        win_keys, win_values, win_valid, win_positions = _window_tokens(window, win_lo, win_hi)
         keys = jnp.concatenate([keys.astype(compute_dtype), win_keys.astype(compute_dtype)], axis=2)
         values = jnp.concatenate([values.astype(compute_dtype), win_values.astype(compute_dtype)], axis=2)
         valid = jnp.concatenate([valid, win_valid], axis=1)
+        positions = jnp.concatenate([positions, win_positions], axis=1)
+    token_ok = valid
+    if sliding_window is not None:
+        valid = valid & (positions >= (row_len.astype(jnp.int32) - sliding_window)[:, None])
     queries = q_rot.astype(compute_dtype).reshape(num_seqs, num_kv_heads, group, head_dim)
-    out = _attend_tokens(queries, keys, values, valid[:, None, None, :], valid[:, None, :, None], scale)
+    head_sinks = None if sinks is None else sinks.reshape(1, num_kv_heads, group, 1)
+    out = _attend_tokens(queries, keys, values, valid[:, None, None, :], token_ok[:, None, :, None], scale,
+                         soft_cap, head_sinks)
     return out.reshape(num_seqs, num_heads, head_dim)
 
 
-def _attend_tokens(queries, keys, values, valid, token_ok, scale):
+def _attend_tokens(queries, keys, values, valid, token_ok, scale, soft_cap=None, sinks=None):
     """Masked softmax attention: queries [B, Hkv, ..., d] over keys / values [B, Hkv, L, d] ->
     [B, Hkv, ..., d] in promote(inputs, float32); ``valid`` (broadcast to the scores
     [B, Hkv, ..., L]) says which tokens each query sees (none: a zero row), ``token_ok`` (broadcast
-    to the keys) which tokens any query sees."""
+    to the keys) which tokens any query sees; soft_cap and sinks (broadcast to the scores'
+    [B, Hkv, ..., 1]) as :func:`_masked_softmax_weights`."""
     dtype = _compute_dtype(queries.dtype, keys.dtype, values.dtype)
     # Slots outside the sequences may hold anything (NaN included): masked before any product, so
     # that 0 * NaN leaks into neither the output nor its gradient.
     keys = jnp.where(token_ok, keys.astype(dtype), 0)
     values = jnp.where(token_ok, values.astype(dtype), 0)
     scores = jnp.einsum("bk...d,bkld->bk...l", queries.astype(dtype), keys, precision=_HIGHEST)
-    weights = _masked_softmax_weights(scores, valid, jnp.asarray(scale, dtype))
+    weights = _masked_softmax_weights(scores, valid, jnp.asarray(scale, dtype), soft_cap, sinks)
     return jnp.einsum("bk...l,bkld->bk...d", weights, values, precision=_HIGHEST)
 
 
@@ -576,7 +614,7 @@ PREFILL_ROW_CHUNK = 16
 
 def paged_prefill_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids,
                           block_tables, seq_lens, query_start_loc, k_bits: int, v_bits: int, scale: float,
-                          window=None):
+                          window=None, *, sliding_window=None, soft_cap=None, sinks=None):
     """Causal attention of several sequences' new query rows over a TurboQuant paged cache, in the
     rotated domain (FFI target ``jax_tq_paged_prefill``).
 
@@ -595,6 +633,8 @@ def paged_prefill_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids
         cache, the new ones included.  query_start_loc: int32 [S + 1].
       k_bits, v_bits: 2, 3 or 4.  scale: softmax scale.
       window: None or (k_window, v_window, window_ids [S]), as :func:`paged_decode_rotated`.
+      sliding_window, soft_cap, sinks: as :func:`paged_decode_rotated`; row i at position p sees
+        positions [max(0, p + 1 - sliding_window), p].
     Returns:
       out_rot [T, H, d]; rows of no sequence, and rows before their sequence's start, are 0.
     Raises:
@@ -616,6 +656,7 @@ def paged_prefill_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids
     seq, lens, _ = prefill_row_lens(query_start_loc, seq_lens, num_rows, capacity)
     length = 0 if window is None else window[0].shape[2]
     seq_paged = tq_format.paged_tokens(seq_lens.astype(jnp.int32), capacity, length)
+    sinks = _sinks_or_none(sinks)
 
     def rows(chunk):  # one chunk of rows as one-query attentions; rematerialised in the backward pass
         q_chunk, seq_chunk, lens_chunk = chunk
@@ -623,7 +664,8 @@ def paged_prefill_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids
         rows_window = None if window is None else (window[0], window[1], window[2][seq_chunk])
         return _attend_rotated(jnp.asarray(q_chunk), k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids,
                                block_tables[seq_chunk], paged, rows_window, seq_paged[seq_chunk],
-                               jnp.maximum(lens_chunk, seq_paged[seq_chunk]), scale, k_bits=k_bits, v_bits=v_bits)
+                               jnp.maximum(lens_chunk, seq_paged[seq_chunk]), scale, lens_chunk, sinks,
+                               k_bits=k_bits, v_bits=v_bits, sliding_window=sliding_window, soft_cap=soft_cap)
 
     if num_rows <= PREFILL_ROW_CHUNK:
         return rows((q_rot, seq, lens))
@@ -765,8 +807,9 @@ def _sequence_pages(k_pages, v_pages, block_tables, seq_lens):
     return _sequence_tokens(k_pages[safe_pages]), _sequence_tokens(v_pages[safe_pages]), valid
 
 
-@jax.jit
-def paged_decode_pages(q, k_pages, v_pages, block_tables, seq_lens, scale):
+@_jit("sliding_window", "soft_cap")
+def paged_decode_pages(q, k_pages, v_pages, block_tables, seq_lens, scale, *, sliding_window=None, soft_cap=None,
+                       sinks=None):
     """One query row per sequence over uncompressed pages (``jax_tq.paged_decode`` of a cache made
     with ``preset="none"``).
 
@@ -776,6 +819,7 @@ def paged_decode_pages(q, k_pages, v_pages, block_tables, seq_lens, scale):
       block_tables: int32 [S, max_pages]; ids outside [0, P) are skipped.
       seq_lens: int32 [S], clamped to [0, max_pages*page_size].
       scale: softmax scale.
+      sliding_window, soft_cap, sinks: as :func:`paged_decode_rotated` (sinks float [H] or None).
     Returns:
       [S, H, d] in promote(q, pages, float32): softmax_t(scale * <q, k_t>) . v over each
       sequence's tokens; rows with no token are 0, rows whose q is not all finite NaN (as the
@@ -783,14 +827,23 @@ def paged_decode_pages(q, k_pages, v_pages, block_tables, seq_lens, scale):
     """
     num_seqs, num_heads, head_dim = q.shape
     keys, values, valid = _sequence_pages(k_pages, v_pages, block_tables, seq_lens)
-    queries = q.reshape(num_seqs, k_pages.shape[1], -1, head_dim)
-    out = _attend_tokens(queries, keys, values, valid[:, None, None, :], valid[:, None, :, None], scale)
+    num_kv_heads = k_pages.shape[1]
+    queries = q.reshape(num_seqs, num_kv_heads, -1, head_dim)
+    sees = valid
+    if sliding_window is not None:
+        ends = jnp.clip(seq_lens.astype(jnp.int32), 0, valid.shape[1])
+        sees = valid & (jnp.arange(valid.shape[1])[None, :] >= (ends - sliding_window)[:, None])
+    sinks = _sinks_or_none(sinks)
+    head_sinks = None if sinks is None else sinks.reshape(1, num_kv_heads, -1, 1)
+    out = _attend_tokens(queries, keys, values, sees[:, None, None, :], valid[:, None, :, None], scale, soft_cap,
+                         head_sinks)
     out = out.reshape(num_seqs, num_heads, head_dim)
     return jnp.where(jnp.all(jnp.isfinite(q), axis=-1, keepdims=True), out, jnp.nan).astype(out.dtype)
 
 
-@jax.jit
-def paged_prefill_pages(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, scale):
+@_jit("sliding_window", "soft_cap")
+def paged_prefill_pages(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, scale, *, sliding_window=None,
+                        soft_cap=None, sinks=None):
     """Causal attention of several sequences' new query rows over uncompressed pages
     (``jax_tq.paged_prefill`` of a cache made with ``preset="none"``).
 
@@ -799,6 +852,7 @@ def paged_prefill_pages(q, k_pages, v_pages, block_tables, seq_lens, query_start
       k_pages, v_pages: float [P, Hkv, page_size, d], every token of each sequence written.
       block_tables: int32 [S, max_pages].  seq_lens: int32 [S], new tokens included.
       query_start_loc: int32 [S + 1].  scale: softmax scale.
+      sliding_window, soft_cap, sinks: as :func:`paged_prefill_rotated` (sinks float [H] or None).
     Returns:
       [T, H, d] in promote(q, pages, float32): row i attends to its sequence's tokens up to its
       position (:func:`prefill_row_lens`); rows of no sequence, or before their sequence's start,
@@ -812,13 +866,18 @@ def paged_prefill_pages(q, k_pages, v_pages, block_tables, seq_lens, query_start
     seq, lens, _ = prefill_row_lens(query_start_loc, seq_lens, num_rows, length)
     sees = ((seq[:, None] == jnp.arange(num_seqs)[None, :])[:, :, None]
             & (jnp.arange(length)[None, None, :] < lens[:, None, None]) & valid[None])      # [T, S, L]
+    if sliding_window is not None:
+        sees = sees & (jnp.arange(length)[None, None, :] >= (lens - sliding_window)[:, None, None])
+    sinks = _sinks_or_none(sinks)
+    head_sinks = None if sinks is None else sinks.reshape(1, num_kv_heads, 1, -1, 1)
 
     def flat(tokens):  # [S, Hkv, L, d] -> [1, Hkv, S*L, d]: one key sequence for all rows
         return jnp.swapaxes(tokens, 0, 1).reshape(1, num_kv_heads, num_seqs * length, head_dim)
 
     queries = jnp.swapaxes(q.reshape(num_rows, num_kv_heads, -1, head_dim), 0, 1)[None]  # [1, Hkv, T, G, d]
     token_ok = valid.reshape(1, 1, -1, 1)
-    out = _attend_tokens(queries, flat(keys), flat(values), sees.reshape(1, 1, num_rows, 1, -1), token_ok, scale)
+    out = _attend_tokens(queries, flat(keys), flat(values), sees.reshape(1, 1, num_rows, 1, -1), token_ok, scale,
+                         soft_cap, head_sinks)
     return jnp.swapaxes(out[0], 0, 1).reshape(num_rows, num_heads, head_dim)
 
 

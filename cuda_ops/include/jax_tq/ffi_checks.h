@@ -13,6 +13,7 @@
 #ifndef JAX_TQ_FFI_CHECKS_H_
 #define JAX_TQ_FFI_CHECKS_H_
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>
@@ -462,6 +463,42 @@ inline ffi::Error validate_paged_prefill(
 }
 
 // ---------------------------------------------------------------------------
+// The attention variants of jax_tq_paged_decode / jax_tq_paged_prefill (jax_tq/variants.py):
+//   sinks [H] (a per-head logit in the softmax denominator only) or [0] (none); sliding_window >= 1
+//   (the query at position p sees positions > p - sliding_window) or 0 (none); soft_cap > 0 (logits
+//   l become soft_cap * tanh(l / soft_cap)) or 0 (none).
+// ---------------------------------------------------------------------------
+struct Variants {
+  bool sinks;              // sinks is [H]
+  int64_t sliding_window;  // 0: none
+  double soft_cap;         // 0: none
+  bool any() const { return sinks || sliding_window > 0 || soft_cap > 0.0; }
+};
+
+inline ffi::Error validate_variants(const Op& op, const ffi::Buffer<ffi::F32>& sinks, int64_t H,
+                                    int32_t sliding_window, float soft_cap, Variants* out) {
+  const auto sd = sinks.dimensions();
+  JTQ_RETURN_IF_ERROR(check_rank(op, sd, 1, "sinks must be rank 1 [num_heads] or [0]"));
+  if (sd[0] != 0 && sd[0] != H)
+    return op.invalid("sinks must be [" + std::to_string(H) + "] (num_heads) or [0] (none), got " + dims_str(sd));
+  if (sliding_window < 0)
+    return op.invalid("sliding_window must be >= 1 (or 0: none), got " + std::to_string(sliding_window));
+  if (!(soft_cap >= 0.0f) || !std::isfinite(soft_cap))
+    return op.invalid("soft_cap must be finite and > 0 (or 0: none), got " + std::to_string(soft_cap));
+  *out = Variants{sd[0] != 0, sliding_window, double(soft_cap)};
+  return ffi::Error::Success();
+}
+
+// The CUDA kernels do not implement the variants yet: jax_tq's Python lowering sends such calls to
+// the reference (backend.kernel_lacks); a call that reaches a CUDA handler anyway is refused.
+inline ffi::Error reject_variants(const Op& op, const Variants& variants) {
+  if (!variants.any()) return ffi::Error::Success();
+  return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                    op.prefix() + "sliding_window, soft_cap and sinks are not implemented by the CUDA kernels yet "
+                                  "(backend 'auto' runs the reference for such calls)");
+}
+
+// ---------------------------------------------------------------------------
 // Operand / result / attribute binding of each FFI target (docs/DESIGN.md), for
 // XLA_FFI_DEFINE_HANDLER_SYMBOL. `b` is ffi::Ffi::Bind() on CPU and
 // ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>() on CUDA.
@@ -539,6 +576,7 @@ template <typename B>
 auto BindPagedDecode(B b) {
   return BindAttentionOperands(std::move(b))
       .template Arg<ffi::Buffer<ffi::S32>>()        // rotation [2, 0] or [2, d] (fused)
+      .template Arg<ffi::Buffer<ffi::F32>>()        // sinks [H] or [0] (none)
       .template Ret<ffi::Buffer<ffi::F32>>()        // out_rot [S, H, d]
       .template Ret<ffi::Buffer<ffi::F32>>()        // partial_out [S, H, ns, d]
       .template Ret<ffi::Buffer<ffi::F32>>()        // partial_lse [S, H, ns]
@@ -547,7 +585,9 @@ auto BindPagedDecode(B b) {
       .template Attr<int32_t>("num_splits")
       .template Attr<float>("scale")
       .template Attr<int32_t>("f16_products")   // 1: q, p and centroids may enter products as f16
-      .template Attr<int32_t>("kernel");        // a requested kernel family (decode_plan.h), 0: the planner's
+      .template Attr<int32_t>("kernel")         // a requested kernel family (decode_plan.h), 0: the planner's
+      .template Attr<int32_t>("sliding_window")  // 0: none
+      .template Attr<float>("soft_cap");         // 0: none
 }
 
 template <typename B>
@@ -581,11 +621,14 @@ template <typename B>
 auto BindPagedPrefill(B b) {
   return BindAttentionOperands(std::move(b))
       .template Arg<ffi::Buffer<ffi::S32>>()        // query_start_loc [S + 1]
+      .template Arg<ffi::Buffer<ffi::F32>>()        // sinks [H] or [0] (none)
       .template Ret<ffi::Buffer<ffi::F32>>()        // out_rot [T, H, d]
       .template Attr<int32_t>("k_bits")
       .template Attr<int32_t>("v_bits")
       .template Attr<float>("scale")
-      .template Attr<bool>("f16_products");         // float16 tensor-core products allowed (CUDA)
+      .template Attr<bool>("f16_products")          // float16 tensor-core products allowed (CUDA)
+      .template Attr<int32_t>("sliding_window")     // 0: none
+      .template Attr<float>("soft_cap");            // 0: none
 }
 
 }  // namespace ffi_checks

@@ -1,0 +1,404 @@
+"""The attention variants (sliding_window, soft_cap, sinks: jax_tq/variants.py) of paged_decode,
+paged_prefill and ragged_paged_attention against a float64 oracle in numpy: every token of the cache
+decoded with the reference decompression (or read from the uncompressed pages, or from the recent-token
+window), then an explicit masked / capped / sinked softmax. Backends "ffi" (the CPU handlers) and
+"xla" (the reference) on fresh random inputs; GQA everywhere; a compressed cache, one with a window,
+an uncompressed one. Also: gradients in sinks, vmap, the GPU policy (the CUDA kernels do not
+implement the variants: backend "auto" lowers to the reference there, "ffi" refuses), argument errors."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_tq as tq
+from jax_tq import _ffi, backend
+from oracle import random_cache, random_tables, random_window_cache, rel_err, sequence_tokens, to_f64
+
+HEADS, KV_HEADS, HEAD_DIM, PAGE, PAGES, MAX_PAGES = 8, 2, 64, 8, 24, 5
+WINDOW_IDS = np.asarray([2, 0, 1, 1], np.int32)  # a window cache's ids (3 windows)
+#: Relative error against the float64 oracle: float32 inputs, float64 (CPU handler) or float32 (XLA) sums.
+TOLERANCE = 3e-5
+VARIANTS = {
+    "sliding_window": dict(sliding_window=6),
+    "soft_cap": dict(soft_cap=0.75),
+    "sinks": dict(sinks=True),
+    "all": dict(sliding_window=3, soft_cap=1.5, sinks=True),
+    "window_one": dict(sliding_window=1),  # the query's own token only
+}
+KINDS = ("compressed", "window", "none")
+
+
+# ----------------------------------------------------------------------------- oracle
+
+def make_cache(rng, kind):
+    if kind == "compressed":
+        return random_cache(rng, num_pages=PAGES, page_size=PAGE, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, k_bits=4,
+                            v_bits=3, seed=int(rng.integers(100)))
+    if kind == "window":
+        return random_window_cache(rng, head_dim=HEAD_DIM, num_kv_heads=KV_HEADS, page_size=PAGE, num_pages=PAGES,
+                                   window=5, num_windows=3)
+    cache = tq.PagedKVCache.create(num_pages=PAGES, page_size=PAGE, num_kv_heads=KV_HEADS, preset="none",
+                                   head_dim=HEAD_DIM)
+    pages = [jnp.asarray(rng.normal(size=cache.k_pages.shape), cache.k_pages.dtype) for _ in range(2)]
+    return dataclasses.replace(cache, k_pages=pages[0], v_pages=pages[1])
+
+
+def tokens_f64(cache, table, length, window_id):
+    """float64 K, V [L, Hkv, d] of one sequence as the cache holds them, and valid [L]."""
+    if cache.compressed:
+        return sequence_tokens(cache, np.asarray(table), length, window_id)
+    table = np.asarray(table)
+    pages = table[np.arange(length) // PAGE]
+    ok = (pages >= 0) & (pages < cache.num_pages)
+    safe = np.where(ok, pages, 0)
+    offsets = np.arange(length) % PAGE
+    keys = to_f64(cache.k_pages)[safe, :, offsets]
+    values = to_f64(cache.v_pages)[safe, :, offsets]
+    return keys, values, ok
+
+
+def attend_row_f64(q, keys, values, valid, position, scale, sliding_window=None, soft_cap=None, sinks=None):
+    """One query row [H, d] at ``position`` over a sequence's tokens [L, Hkv, d] (valid [L]): it sees
+    positions (position - sliding_window, position]; logits soft_cap * tanh(scale * s / soft_cap);
+    the head's sink in the denominator. float64."""
+    q = to_f64(q)
+    heads, d = q.shape
+    group = heads // KV_HEADS
+    positions = np.arange(keys.shape[0])
+    sees = valid & (positions <= position)
+    if sliding_window is not None:
+        sees &= positions > position - sliding_window
+    out = np.zeros((heads, d))
+    if position < 0 or not sees.any():
+        return out
+    for h in range(heads):
+        logits = keys[sees, h // group] @ q[h] * scale
+        if soft_cap is not None:
+            logits = soft_cap * np.tanh(logits / soft_cap)
+        top = logits.max() if sinks is None else max(logits.max(), float(sinks[h]))
+        weights = np.exp(logits - top)
+        denominator = weights.sum() + (0.0 if sinks is None else np.exp(float(sinks[h]) - top))
+        out[h] = weights @ values[sees, h // group] / denominator
+    return out
+
+
+def variant_kwargs(rng, variant):
+    """The op's keyword arguments of a VARIANTS entry (sinks: fresh random float32 [HEADS])."""
+    kwargs = dict(VARIANTS[variant])
+    if kwargs.pop("sinks", False):
+        kwargs["sinks"] = jnp.asarray(rng.normal(size=HEADS) * 2 + 1, jnp.float32)
+    return kwargs
+
+
+def rows_f64(cache, tables, lens, ids, q, row_seq, row_pos, scale, **kwargs):
+    """The oracle of every query row r: sequence row_seq[r] (-1: none, a zero row) at row_pos[r]."""
+    out = np.zeros(q.shape)
+    tokens = {}
+    for r, (s, p) in enumerate(zip(row_seq, row_pos)):
+        if s < 0:
+            continue
+        if s not in tokens:
+            tokens[s] = tokens_f64(cache, tables[s], int(lens[s]), int(ids[s]))
+        out[r] = attend_row_f64(q[r], *tokens[s], int(p), scale, **kwargs)
+    return out
+
+
+def window_ids_of(cache, num_seqs):
+    return jnp.asarray(WINDOW_IDS[:num_seqs]) if cache.window else None
+
+
+def backends_agree(call, want, plain_want):
+    """call() under "ffi" (the CPU handler) and "xla" matches want; the variant changed the oracle."""
+    assert rel_err(plain_want, want) > 1e-2, "the variant does not change this case: the test could not fail"
+    outs = {}
+    for name in ("ffi", "xla"):
+        with tq.use_backend(name):
+            outs[name] = np.asarray(call())
+        assert rel_err(outs[name], want) < TOLERANCE, name
+    assert rel_err(outs["ffi"], outs["xla"]) < TOLERANCE
+
+
+# ----------------------------------------------------------------------------- decode, prefill, ragged
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_decode_variants_match_float64_oracle(rng, kind, variant):
+    cache = make_cache(rng, kind)
+    lens = np.asarray([29, 5, 0, 17], np.int32)
+    tables = random_tables(rng, lens, PAGE, PAGES, max_pages=MAX_PAGES)
+    ids = window_ids_of(cache, 4)
+    q = jnp.asarray(rng.normal(size=(4, HEADS, HEAD_DIM)) * 3, jnp.float32)
+    kwargs = variant_kwargs(rng, variant)
+    scale = 1 / 8
+    oracle_ids = WINDOW_IDS if cache.window else np.zeros(4, np.int32)
+    f64 = dict(kwargs, sinks=None if "sinks" not in kwargs else np.asarray(kwargs["sinks"]))
+    want = rows_f64(cache, np.asarray(tables), lens, oracle_ids, to_f64(q), range(4), lens - 1, scale, **f64)
+    plain = rows_f64(cache, np.asarray(tables), lens, oracle_ids, to_f64(q), range(4), lens - 1, scale)
+    sinks = kwargs.pop("sinks", None)
+
+    def call():
+        fn = jax.jit(lambda q, sinks: tq.paged_decode(q, cache, tables, jnp.asarray(lens), window_ids=ids,
+                                                      num_splits=2, sinks=sinks, **kwargs))
+        return fn(q, sinks)
+
+    backends_agree(call, want, plain)
+
+
+def test_decode_variants_with_the_fused_hadamard_rotation(rng):
+    """Hadamard codecs of head_dim 128: the CPU handler rotates q and the output itself (plan_decode)."""
+    cache = random_cache(rng, num_pages=PAGES, page_size=PAGE, num_kv_heads=KV_HEADS, head_dim=128, k_bits=3,
+                         v_bits=4, seed=3, rotation="hadamard")
+    lens = np.asarray([29, 17], np.int32)
+    tables = random_tables(rng, lens, PAGE, PAGES, max_pages=MAX_PAGES)
+    q = jnp.asarray(rng.normal(size=(2, HEADS, 128)) * 3, jnp.float32)
+    with tq.use_backend("ffi"):
+        assert tq.plan_decode(q, cache, tables)["fused_rotation"]
+    kwargs = variant_kwargs(rng, "all")
+    f64 = dict(kwargs, sinks=np.asarray(kwargs["sinks"]))
+    scale = 128 ** -0.5
+    want = rows_f64(cache, np.asarray(tables), lens, np.zeros(2, np.int32), to_f64(q), range(2), lens - 1, scale,
+                    **f64)
+    plain = rows_f64(cache, np.asarray(tables), lens, np.zeros(2, np.int32), to_f64(q), range(2), lens - 1, scale)
+    backends_agree(lambda: tq.paged_decode(q, cache, tables, jnp.asarray(lens), **kwargs), want, plain)
+
+
+def prefill_layout():
+    """Three sequences: a chunk of 6 rows after 23 cached tokens, a whole prompt of 11, one decode-like
+    row after 16; then 2 padding rows. (lens, query_start_loc, row_seq, row_pos)."""
+    lens = np.asarray([29, 11, 17], np.int32)
+    starts = np.asarray([0, 6, 17, 18], np.int32)
+    row_seq = np.asarray([0] * 6 + [1] * 11 + [2] + [-1, -1])
+    row_pos = np.asarray([23 + i for i in range(6)] + list(range(11)) + [16, 0, 0])
+    return lens, starts, row_seq, row_pos
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_prefill_variants_match_float64_oracle(rng, kind, variant):
+    cache = make_cache(rng, kind)
+    lens, starts, row_seq, row_pos = prefill_layout()
+    tables = random_tables(rng, lens, PAGE, PAGES, max_pages=MAX_PAGES)
+    ids = window_ids_of(cache, 3)
+    q = jnp.asarray(rng.normal(size=(len(row_seq), HEADS, HEAD_DIM)) * 3, jnp.float32)
+    kwargs = variant_kwargs(rng, variant)
+    oracle_ids = WINDOW_IDS if cache.window else np.zeros(4, np.int32)
+    f64 = dict(kwargs, sinks=None if "sinks" not in kwargs else np.asarray(kwargs["sinks"]))
+    scale = 0.2
+    want = rows_f64(cache, np.asarray(tables), lens, oracle_ids, to_f64(q), row_seq, row_pos, scale, **f64)
+    plain = rows_f64(cache, np.asarray(tables), lens, oracle_ids, to_f64(q), row_seq, row_pos, scale)
+    sinks = kwargs.pop("sinks", None)
+
+    def call():
+        fn = jax.jit(lambda q, sinks: tq.paged_prefill(q, cache, tables, jnp.asarray(lens), jnp.asarray(starts),
+                                                       window_ids=ids, scale=scale, sinks=sinks, **kwargs))
+        return fn(q, sinks)
+
+    backends_agree(call, want, plain)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("variant", ["sliding_window", "soft_cap", "sinks", "all"])
+def test_ragged_variants_match_float64_oracle(rng, kind, variant):
+    """A mixed step: a decode row (the 23rd token), a whole prompt of 9, a chunk of 3 after 11 cached
+    tokens, 2 padding rows; the oracle reads the cache the step returns."""
+    cache = make_cache(rng, kind)
+    kv_lens = np.asarray([23, 9, 14], np.int32)
+    cu_q_lens = np.asarray([0, 1, 10, 13], np.int32)
+    row_seq = np.asarray([0] + [1] * 9 + [2] * 3 + [-1, -1])
+    row_pos = np.asarray([22] + list(range(9)) + [11, 12, 13, 0, 0])
+    tables = random_tables(rng, kv_lens, PAGE, PAGES, max_pages=MAX_PAGES)
+    ids = window_ids_of(cache, 3)
+    oracle_ids = WINDOW_IDS if cache.window else np.zeros(4, np.int32)
+    num_tokens = len(row_seq)
+    q = jnp.asarray(rng.normal(size=(num_tokens, HEADS, HEAD_DIM)) * 3, jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(num_tokens, KV_HEADS, HEAD_DIM)), jnp.float32) for _ in range(2))
+    kwargs = variant_kwargs(rng, variant)
+    f64 = dict(kwargs, sinks=None if "sinks" not in kwargs else np.asarray(kwargs["sinks"]))
+    sinks = kwargs.pop("sinks", None)
+    scale = 1 / 8
+    step = jax.jit(lambda q, k, v, cache, sinks: tq.ragged_paged_attention(
+        q, k, v, cache, jnp.asarray(kv_lens), tables, jnp.asarray(cu_q_lens), window_ids=ids, sinks=sinks, **kwargs))
+    outs = {}
+    for name in ("ffi", "xla"):
+        with tq.use_backend(name):
+            out, written = step(q, k, v, cache, sinks)
+        args = (written, np.asarray(tables), kv_lens, oracle_ids, to_f64(q), row_seq, row_pos, scale)
+        want = rows_f64(*args, **f64)
+        assert rel_err(rows_f64(*args), want) > 1e-2, "the variant does not change this case"
+        assert rel_err(out, want) < TOLERANCE, name
+        assert not np.any(np.asarray(out)[-2:]), "padding rows are 0"
+        outs[name] = np.asarray(out)
+    assert rel_err(outs["ffi"], outs["xla"]) < 1e-3  # their caches may round a fitted scale's tie apart
+
+
+# ----------------------------------------------------------------------------- gradients, vmap
+
+@pytest.mark.parametrize("op", ["decode", "prefill"])
+def test_gradient_in_sinks_matches_float64_finite_differences(rng, op):
+    cache = make_cache(rng, "window")
+    lens, starts, row_seq, row_pos = prefill_layout()
+    if op == "decode":
+        row_seq, row_pos = np.arange(3), lens - 1
+    tables = random_tables(rng, lens, PAGE, PAGES, max_pages=MAX_PAGES)
+    q = jnp.asarray(rng.normal(size=(len(row_seq), HEADS, HEAD_DIM)) * 3, jnp.float32)
+    sinks = rng.normal(size=HEADS) + 1
+    weights = rng.normal(size=q.shape)
+    ids = jnp.asarray(WINDOW_IDS[:3])
+
+    def loss(sinks):
+        if op == "decode":
+            out = tq.paged_decode(q, cache, tables, jnp.asarray(lens), window_ids=ids, sinks=sinks, soft_cap=2.0)
+        else:
+            out = tq.paged_prefill(q, cache, tables, jnp.asarray(lens), jnp.asarray(starts), window_ids=ids,
+                                   sinks=sinks, soft_cap=2.0)
+        return jnp.sum(out * weights)
+
+    def loss_f64(sinks):
+        out = rows_f64(cache, np.asarray(tables), lens, WINDOW_IDS, to_f64(q), row_seq, row_pos, 1 / 8,
+                       soft_cap=float(np.float32(2.0)), sinks=sinks)
+        return float(np.sum(out * weights))
+
+    eps = 1e-5
+    want = np.asarray([(loss_f64(sinks + eps * e) - loss_f64(sinks - eps * e)) / (2 * eps) for e in np.eye(HEADS)])
+    assert np.linalg.norm(want) > 1e-2
+    for name in ("ffi", "xla"):
+        with tq.use_backend(name):
+            got = jax.jit(jax.grad(loss))(jnp.asarray(sinks, jnp.float32))
+        assert rel_err(got, want) < 1e-4, name
+
+
+def test_vmap_passes_the_variants_through_and_refuses_batched_sinks(rng):
+    cache = make_cache(rng, "compressed")
+    lens = jnp.asarray([29, 17], jnp.int32)
+    tables = random_tables(rng, np.asarray(lens), PAGE, PAGES, max_pages=MAX_PAGES)
+    q = jnp.asarray(rng.normal(size=(3, 2, HEADS, HEAD_DIM)) * 3, jnp.float32)
+    sinks = jnp.asarray(rng.normal(size=HEADS), jnp.float32)
+    kwargs = dict(sliding_window=4, soft_cap=1.0)
+
+    def decode(q, sinks):
+        return tq.paged_decode(q, cache, tables, lens, sinks=sinks, **kwargs)
+
+    with tq.use_backend("ffi"):
+        got = jax.jit(jax.vmap(decode, in_axes=(0, None)))(q, sinks)
+        want = np.stack([np.asarray(decode(q[b], sinks)) for b in range(3)])
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-7)
+        plain = np.stack([np.asarray(tq.paged_decode(q[b], cache, tables, lens)) for b in range(3)])
+        assert rel_err(want, plain) > 1e-2
+        with pytest.raises(NotImplementedError, match="sinks"):
+            jax.vmap(decode)(q, jnp.stack([sinks] * 3))
+
+        starts = jnp.asarray([0, 1, 2], jnp.int32)
+
+        def prefill(q, sinks):
+            return tq.paged_prefill(q, cache, tables, lens, starts, sinks=sinks, **kwargs)
+
+        got = jax.jit(jax.vmap(prefill, in_axes=(0, None)))(q, sinks)
+        want = np.stack([np.asarray(prefill(q[b], sinks)) for b in range(3)])
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-7)
+        with pytest.raises(NotImplementedError, match="sinks"):
+            jax.vmap(prefill)(q, jnp.stack([sinks] * 3))
+
+
+@pytest.mark.parametrize("name", ["ffi", "xla"])
+def test_a_sliding_window_covering_every_token_changes_nothing(rng, name):
+    cache = make_cache(rng, "window")
+    lens, starts, _, _ = prefill_layout()
+    tables = random_tables(rng, lens, PAGE, PAGES, max_pages=MAX_PAGES)
+    ids = jnp.asarray(WINDOW_IDS[:3])
+    q = jnp.asarray(rng.normal(size=(20, HEADS, HEAD_DIM)) * 3, jnp.float32)
+    with tq.use_backend(name):
+        for window in (MAX_PAGES * PAGE, 2**40):
+            np.testing.assert_allclose(
+                np.asarray(tq.paged_decode(q[:3], cache, tables, jnp.asarray(lens), window_ids=ids,
+                                           sliding_window=window)),
+                np.asarray(tq.paged_decode(q[:3], cache, tables, jnp.asarray(lens), window_ids=ids)),
+                rtol=1e-6, atol=1e-7)
+            np.testing.assert_allclose(
+                np.asarray(tq.paged_prefill(q, cache, tables, jnp.asarray(lens), jnp.asarray(starts), window_ids=ids,
+                                            sliding_window=window)),
+                np.asarray(tq.paged_prefill(q, cache, tables, jnp.asarray(lens), jnp.asarray(starts), window_ids=ids)),
+                rtol=1e-6, atol=1e-7)
+
+
+# ----------------------------------------------------------------------------- the GPU policy
+
+def test_cuda_kernels_lack_the_variants_auto_runs_the_reference_and_ffi_refuses(rng, monkeypatch):
+    """Lowered for CUDA (as if its kernels were loaded): without a variant the kernel's custom call;
+    with one, backend "auto" emits XLA's code of the reference and "ffi" raises naming the variant."""
+    assert backend.kernel_lacks("cpu", "jax_tq_paged_decode", [], {"soft_cap": 1.0}) is None
+    assert backend.kernel_lacks("cuda", "jax_tq_paged_decode", [], {"sliding_window": 0, "soft_cap": 0.0}) is None
+    monkeypatch.setattr(_ffi, "kernels_available", lambda platform: True)
+    monkeypatch.setattr(_ffi, "has_target", lambda platform, target: True)
+    cache = make_cache(rng, "compressed")
+    lens = jnp.asarray([29, 17], jnp.int32)
+    tables = random_tables(rng, np.asarray(lens), PAGE, PAGES, max_pages=MAX_PAGES)
+    q = jnp.asarray(rng.normal(size=(2, HEADS, HEAD_DIM)), jnp.float32)
+    starts = jnp.asarray([0, 1, 2], jnp.int32)
+    sinks = jnp.zeros((HEADS,), jnp.float32)
+    ops = {
+        "jax_tq_paged_decode": lambda **kw: (lambda q: tq.paged_decode(q, cache, tables, lens, num_splits=2, **kw)),
+        "jax_tq_paged_prefill": lambda **kw: (lambda q: tq.paged_prefill(q, cache, tables, lens, starts, **kw)),
+    }
+
+    def lowered(fn, name):
+        with tq.use_backend(name):
+            return jax.jit(fn).trace(q).lower(lowering_platforms=("cuda",)).as_text()
+
+    for target, op in ops.items():
+        assert target in lowered(op(), "auto")
+        for kwargs, names in ((dict(sliding_window=4), "sliding_window"), (dict(soft_cap=2.0), "soft_cap"),
+                              (dict(sinks=sinks), "sinks")):
+            assert target not in lowered(op(**kwargs), "auto")
+            with pytest.raises(tq.BackendUnavailableError, match=f"CUDA kernels do not implement {names}"):
+                lowered(op(**kwargs), "ffi")
+
+
+# ----------------------------------------------------------------------------- argument errors
+
+BAD = [
+    (dict(sliding_window=0), ValueError, "sliding_window must be >= 1"),
+    (dict(sliding_window=-3), ValueError, "sliding_window must be >= 1"),
+    (dict(sliding_window=2.5), TypeError, "sliding_window"),
+    (dict(sliding_window=True), TypeError, "sliding_window"),
+    (dict(soft_cap=0.0), ValueError, "soft_cap must be finite and > 0"),
+    (dict(soft_cap=-1.0), ValueError, "soft_cap must be finite and > 0"),
+    (dict(soft_cap=float("inf")), ValueError, "soft_cap"),
+    (dict(soft_cap=float("nan")), ValueError, "soft_cap"),
+    (dict(soft_cap=1e39), ValueError, "soft_cap"),
+    (dict(soft_cap="1"), TypeError, "soft_cap"),
+    (dict(sinks=np.zeros(HEADS + 1, np.float32)), ValueError, r"sinks must be float32 \[num_heads=8\]"),
+    (dict(sinks=np.zeros((1, HEADS), np.float32)), ValueError, "sinks"),
+    (dict(sinks=np.zeros(HEADS, np.int32)), TypeError, "sinks"),
+]
+
+
+@pytest.mark.parametrize("op", ["paged_decode", "paged_prefill", "ragged_paged_attention"])
+@pytest.mark.parametrize("kwargs,error,message", BAD)
+def test_bad_variants_raise_naming_the_argument(op, kwargs, error, message):
+    cache = make_cache(np.random.default_rng(0), "compressed")
+    q = jnp.zeros((2, HEADS, HEAD_DIM), jnp.float32)
+    lens, tables = jnp.asarray([3, 5], jnp.int32), jnp.zeros((2, 2), jnp.int32)
+    starts = jnp.asarray([0, 1, 2], jnp.int32)
+    calls = {
+        "paged_decode": lambda: tq.paged_decode(q, cache, tables, lens, **kwargs),
+        "paged_prefill": lambda: tq.paged_prefill(q, cache, tables, lens, starts, **kwargs),
+        "ragged_paged_attention": lambda: tq.ragged_paged_attention(
+            q, q[:, :KV_HEADS], q[:, :KV_HEADS], cache, lens, tables, starts, **kwargs),
+    }
+    with pytest.raises(error, match=f"jax_tq.{op}: {message}" if message.startswith(("sliding", "soft", "sinks"))
+                       else message):
+        calls[op]()
+
+
+def test_a_traced_sliding_window_or_soft_cap_is_refused():
+    cache = make_cache(np.random.default_rng(0), "compressed")
+    q = jnp.zeros((2, HEADS, HEAD_DIM), jnp.float32)
+    lens, tables = jnp.asarray([3, 5], jnp.int32), jnp.zeros((2, 2), jnp.int32)
+    with pytest.raises(TypeError, match="soft_cap must be a concrete"):
+        jax.jit(lambda c: tq.paged_decode(q, cache, tables, lens, soft_cap=c))(2.0)
+    with pytest.raises(TypeError, match="sliding_window must be a concrete"):
+        jax.jit(lambda w: tq.paged_decode(q, cache, tables, lens, sliding_window=w))(3)
