@@ -20,6 +20,7 @@ from jax_tq import partitioning
 SCRIPT = textwrap.dedent('''
     import os
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    import re
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     import jax_tq as tq
@@ -28,12 +29,17 @@ SCRIPT = textwrap.dedent('''
     S, HKV, G, D, PAGE, NP = 4, 4, 2, 64, 8, 16
     mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
     put = lambda x, *spec: jax.device_put(x, NamedSharding(mesh, P(*spec)))  # noqa: E731
-    COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter")
+    COLLECTIVE = re.compile(r"\\b(all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)(-start)?\\(")
+
+    def collectives(jitted, *args):
+        """The result types of the collectives in the compiled HLO (e.g. "u8[16,4,8,32]")."""
+        hlo = jitted.lower(*args).compile().as_text()
+        return [line.split("=", 1)[1].split(COLLECTIVE.search(line).group(0))[0].strip()
+                for line in hlo.splitlines() if COLLECTIVE.search(line)]
 
     def no_collectives(jitted, *args):
-        hlo = jitted.lower(*args).compile().as_text()
-        found = [line for line in hlo.splitlines() if any(c in line for c in COLLECTIVES)]
-        assert not found, "\\n".join(found[:5])
+        found = collectives(jitted, *args)
+        assert not found, found
 
     def assert_same_shardings(tree, shardings):  # P(None, "model") is P(None, "model", None, None)
         leaves = jax.tree_util.tree_leaves(tree)
@@ -85,6 +91,8 @@ SCRIPT = textwrap.dedent('''
     # q's heads split over "data" and its sequences over "model" (a layout that does not fit the
     # cache's): q is resharded (it is small), the cache stays where it is, the result is the same.
     args = (put(q, "model", "data"), got, put(tables, "model"), put(lens, "model"))
+    moved = collectives(decode, *args)
+    assert moved and not [t for t in moved if "u8[" in t or f"[{NP}," in t], moved  # q / tables only, no pool
     out = decode(*args)
     assert_equal_trees(out, tq.paged_decode(q, want, tables, lens), rtol=1e-6, atol=1e-6)
 
@@ -157,8 +165,9 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
-def test_plain_jit_runs_each_op_on_its_shard():
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+@pytest.mark.parametrize("partitioner", ["shardy", "gspmd"])
+def test_plain_jit_runs_each_op_on_its_shard(partitioner):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_USE_SHARDY_PARTITIONER=str(partitioner == "shardy").lower())
     run = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=600, env=env)
     assert run.returncode == 0 and "PARTITIONING OK" in run.stdout, run.stdout[-2000:] + run.stderr[-4000:]
 
