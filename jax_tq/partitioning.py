@@ -148,39 +148,37 @@ def _infer(layout, params, mesh, arg_shapes, result_shape):
 
 
 def _sharding_rule(layout, params, mesh, value_types, result_types):
-    """The Shardy rule: einsum-like factors, one per role (query heads the compound ``(kv group)``),
-    every never-split dim its own need-replication factor."""
+    """The Shardy rule (an SdyShardingRule, built from public classes): one factor per role (query
+    heads the compound ``(k g)``: KV head major, its group minor), every never-split dim its own
+    need-replication factor, and so the group factor ``g`` and the roles in ``layout.whole``."""
+    from jax.experimental.custom_partitioning import ArrayMapping, CompoundFactor, SdyShardingRule
+
     shapes = [tuple(_compat.ir.RankedTensorType(t).shape) for t in value_types]
     kv = _dims_with(layout.operands, shapes, "kv")
     heads = _dims_with(layout.operands, shapes, "head")
     group = heads[0] // kv[0] if heads and kv and kv[0] else 1
     names = {"kv": "k", "seq": "s", "tok": "n", "page": "p", "window": "w"}
-    fresh = iter(f"x{i}" for i in range(10_000))
-    replicate = [names[r] for r in layout.whole if r in names]
+    order = []  # factors in the order they first appear (Shardy wants the special ones so sorted)
+    replicate = {names[r] for r in layout.whole if r in names} | ({"g"} if heads else set())
 
-    def factors(roles):
-        out = []
+    def mapping(roles):
+        dims = []
         for r in roles:
             if r == "head":
-                out.append("(k g)")
-            elif r is None:
-                name = next(fresh)
-                replicate.append(name)
-                out.append(name)
+                factors = ("k", "g")
+                dims.append(CompoundFactor(*factors))
             else:
-                out.append(names[r])
-        return " ".join(out)
+                factors = (names[r],) if r is not None else (f"x{len(order)}",)
+                replicate.update(factors if r is None else ())
+                dims.append(factors[0])
+            order.extend(f for f in factors if f not in order)
+        return ArrayMapping(*dims)
 
-    lhs = ", ".join(factors(roles) for roles in layout.operands)
-    rhs = ", ".join(factors(roles) for roles in layout.results)
+    operands = tuple(mapping(roles) for roles in layout.operands)
+    results = tuple(mapping(roles) for roles in layout.results)
+    special = tuple(f for f in order if f in replicate)
     sizes = {"g": group} if heads else {}
-    if heads:
-        replicate.append("g")
-    rule = f"{lhs} -> {rhs}"
-    order = list(dict.fromkeys(rule.replace("(", " ").replace(")", " ").replace(",", " ").replace("->", " ").split()))
-    # Shardy wants the special factors in the order the factors first appear
-    replicate = sorted((f for f in set(replicate) if f in order), key=order.index)
-    return rule, dict(sizes, need_replication_factors=tuple(replicate))
+    return SdyShardingRule(operands, results, need_replication_factors=special, **sizes)
 
 
 def lowering(prim, twin, layout: Layout) -> Callable:
