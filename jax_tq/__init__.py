@@ -18,6 +18,7 @@ Public API::
     alloc = tq.PageAllocator(num_pages, page_size, max_pages_per_seq)   # host-side pages per sequence
     alloc.allocate(seq_id, num_tokens); alloc.extend(seq_id, new_total); alloc.free(seq_id)
     block_tables = alloc.block_tables(seq_ids)      # int32, -1 (never written or read) past a sequence's pages
+    cache = tq.shard_cache(cache, mesh)             # KV heads over "model": jit runs each op per device slice
 
     prod = tq.TurboQuantProd(head_dim=128, bits=4)   # 3-bit mse codes + 1 QJL bit
     keys = tq.qjl_compress(k, prod)
@@ -37,6 +38,7 @@ from jax_tq.paged_decode import paged_decode, plan_decode
 from jax_tq.paged_prefill import paged_prefill
 from jax_tq.qjl import QJLCodes, qjl_compress, qjl_decompress, qjl_scores
 from jax_tq.ragged import prompt_attention, ragged_paged_attention
+from jax_tq.sharding import cache_partition_specs, shard_cache
 from jax_tq import nn  # noqa: E402  (flax is imported only when nn needs it)
 
 __version__ = "0.2.0"
@@ -51,6 +53,7 @@ __all__ = [
     "QJLCodes",
     "TurboQuant",
     "TurboQuantProd",
+    "cache_partition_specs",
     "checked",
     "compress",
     "decompress",
@@ -66,6 +69,7 @@ __all__ = [
     "qjl_decompress",
     "qjl_scores",
     "ragged_paged_attention",
+    "shard_cache",
     "slot_mapping",
     "use_backend",
     "window_rows",

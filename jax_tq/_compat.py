@@ -8,6 +8,7 @@ import jax
 import numpy as np
 from jax.extend.core import Primitive  # noqa: F401  (re-exported)
 from jax.interpreters import batching, mlir  # noqa: F401  (re-exported)
+from jax.interpreters.mlir import ir  # noqa: F401  (re-exported: MLIR types in Shardy rules)
 
 try:  # public through 0.10; moved later
     from jax.core import ShapedArray
@@ -109,3 +110,21 @@ def enable_x64():
     from jax.experimental import enable_x64 as _enable_x64  # pragma: no cover - older JAX
 
     return _enable_x64()
+
+
+def require_devices_at_lowering(prim) -> None:
+    """Lower programs holding ``prim`` with their device assignment known, as custom_partitioning
+    needs (JAX adds its own custom_partitioning primitive to the same registry; ``prim`` lowers
+    through custom_partitioning only inside its lowering rule, where JAX would not see it)."""
+    registry = devices_at_lowering_registry()
+    if registry is not None:
+        registry.add(prim)
+
+
+def devices_at_lowering_registry():
+    """JAX's set of primitives lowered with their device assignment, or None where it has none."""
+    try:
+        from jax._src import dispatch
+    except ImportError:  # pragma: no cover - other JAX
+        return None
+    return getattr(dispatch, "prim_requires_devices_during_lowering", None)

@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from jax_tq import _compat, _ffi
+from jax_tq import _compat, _ffi, partitioning
 from jax_tq.backend import BackendUnavailableError, auto_uses_reference, kernel_lacks
 from jax_tq.format import INDEX_MAX
 
@@ -26,7 +26,8 @@ def _jitted_bind(prim, params: tuple):
 
 
 def define_op(prim, *, abstract: Callable, reference: Callable, ffi: Callable, batch: Callable,
-              may_be_empty: Sequence[int] = (), results_may_be_empty: Sequence[int] = ()) -> None:
+              may_be_empty: Sequence[int] = (), results_may_be_empty: Sequence[int] = (),
+              layout: partitioning.Layout | None = None) -> None:
     """Everything JAX needs of a jax_tq primitive (its results a tuple), given in one place per op.
 
     Args:
@@ -36,11 +37,23 @@ def define_op(prim, *, abstract: Callable, reference: Callable, ffi: Callable, b
       ffi: the FFI lowering, ``(ctx, *operands, **params without backend) -> results``.
       batch: the batching rule (vmap), ``(args, dims, **params) -> (outputs, out_dims)``.
       may_be_empty, results_may_be_empty: see :func:`register_lowerings`.
+      layout: the dim roles of the op's operands and results (:class:`jax_tq.partitioning.Layout`):
+        with one (and :func:`jax_tq.partitioning.enabled`), ``prim`` lowers through
+        custom_partitioning to a per-shard twin primitive that carries the lowerings, so that a
+        jitted call with sharded inputs runs on each device's slice.
     """
     prim.multiple_results = True
     prim.def_abstract_eval(abstract)
     define_impl(prim)
-    register_lowerings(prim, reference, ffi, may_be_empty, results_may_be_empty)
+    if layout is None or not partitioning.enabled():
+        register_lowerings(prim, reference, ffi, may_be_empty, results_may_be_empty)
+    else:
+        _compat.require_devices_at_lowering(prim)
+        twin = partitioning.twin_primitive(prim)
+        twin.def_abstract_eval(abstract)
+        register_lowerings(twin, reference, ffi, may_be_empty, results_may_be_empty, target=prim.name)
+        for platform in _PLATFORMS:
+            _compat.mlir.register_lowering(prim, partitioning.lowering(prim, twin, layout), platform=platform)
     _compat.batching.primitive_batchers[prim] = batch
 
 
@@ -64,6 +77,7 @@ def register_lowerings(
     ffi_rule: Callable[..., Any],
     may_be_empty: Sequence[int] = (),
     results_may_be_empty: Sequence[int] = (),
+    target: str | None = None,
 ) -> None:
     """Register a lowering for every platform.
 
@@ -71,11 +85,12 @@ def register_lowerings(
     **params)`` is the pure-jnp version used for empty arrays and, under backend "auto", on platforms
     without kernels. Both receive the primitive's params without ``backend``. ``may_be_empty``: the
     operand indices whose zero size is a mode of the kernel (e.g. no rotation, no window), not an
-    empty input; ``results_may_be_empty`` likewise for results.
+    empty input; ``results_may_be_empty`` likewise for results. ``target``: the FFI target
+    (default ``prim.name``).
     """
     for platform in _PLATFORMS:
         _compat.mlir.register_lowering(
-            prim, functools.partial(_lower, platform, prim.name, reference_impl, ffi_rule, tuple(may_be_empty),
+            prim, functools.partial(_lower, platform, target or prim.name, reference_impl, ffi_rule, tuple(may_be_empty),
                                     tuple(results_may_be_empty)),
             platform=platform,
         )

@@ -16,6 +16,7 @@ import numpy as np
 
 from jax_tq import _compat, reference
 from jax_tq import _primitive_utils as pu
+from jax_tq.partitioning import Layout
 from jax_tq.backend import get_backend
 from jax_tq.codec import TurboQuant
 from jax_tq.format import check_bits, packed_bytes
@@ -493,10 +494,22 @@ def _write_cache_batch(args, dims, **params):
 
 # ----------------------------------------------------------------------------- the ops
 
+# Dim roles for partitioning (jax_tq/partitioning.py): rows are split over any mesh axes; a write
+# splits KV heads, and its new tokens only together with the pages (each shard owning its pages).
+_CODEC = ((None, None), (None,))  # rotation [d, d], centroids [2^bits]
+_POOLS = (("page", "kv", None, None), ("page", "kv", None))  # codes, norms
+_WINDOW = ("window", "kv", None, None)
+_COMPRESS_LAYOUT = Layout(operands=(("seq", None),) + _CODEC, results=(("seq", None), ("seq",)))
+_DECOMPRESS_LAYOUT = Layout(operands=(("seq", None), ("seq",)) + _CODEC, results=(("seq", None),))
+_WRITE_LAYOUT = Layout(
+    operands=(("seq", "kv", None),) * 2 + _POOLS * 2 + _CODEC * 2
+    + (("seq",), _WINDOW, _WINDOW, ("seq",), (None, None)),
+    results=_POOLS * 2 + (_WINDOW, _WINDOW), seq_needs_pages=True)
+
 pu.define_op(compress_p, abstract=_compress_abstract, reference=_compress_reference, ffi=_compress_ffi,
-             batch=_compress_batch)
+             batch=_compress_batch, layout=_COMPRESS_LAYOUT)
 pu.define_op(decompress_p, abstract=_decompress_abstract, reference=_decompress_reference, ffi=_decompress_ffi,
-             batch=_decompress_batch)
+             batch=_decompress_batch, layout=_DECOMPRESS_LAYOUT)
 pu.define_op(write_cache_p, abstract=_write_cache_abstract, reference=_write_cache_reference, ffi=_write_cache_ffi,
              batch=_write_cache_batch, may_be_empty=(11, 12, 14),  # no window; no rotation spec
-             results_may_be_empty=(4, 5))
+             results_may_be_empty=(4, 5), layout=_WRITE_LAYOUT)

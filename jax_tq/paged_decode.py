@@ -20,6 +20,7 @@ from jax_tq import _compat, reference
 from jax_tq import format as tq_format, rotation as tq_rotation
 from jax_tq import _ffi as ffi_loader
 from jax_tq import _primitive_utils as pu
+from jax_tq.partitioning import Layout
 from jax_tq.backend import get_backend
 from jax_tq.cache import check_cache
 from jax_tq.checks import check_decode_indices, check_window_ids, reject_checkify_residuals
@@ -547,5 +548,11 @@ def _batch(args, dims, **params):
 
 
 # rotation [2, 0]: q is q_rot; windows [0, Hkv, 0, d]: none; sinks [0]: none
+#: Dim roles for partitioning (jax_tq/partitioning.py): sequences, KV heads with their query heads,
+#: and pages / windows (split only with the sequences).
+POOLS = (("page", "kv", None, None), ("page", "kv", None)) * 2
+WINDOWS = (("window", "kv", None, None),) * 2
+_LAYOUT = Layout(operands=(("seq", "head", None),) + POOLS + ((None,), (None,), ("seq", None), ("seq",)) + WINDOWS
+                 + (("seq",), (None, None), ("head",)), results=(("seq", "head", None),))
 pu.define_op(paged_decode_p, abstract=_abstract, reference=_reference, ffi=_ffi, batch=_batch,
-             may_be_empty=(9, 10, 12, 13))
+             may_be_empty=(9, 10, 12, 13), layout=_LAYOUT)

@@ -21,8 +21,9 @@ from jax_tq import _primitive_utils as pu
 from jax_tq.backend import get_backend
 from jax_tq.cache import check_cache
 from jax_tq.checks import check_decode_indices, check_query_start_loc, reject_checkify_residuals
-from jax_tq.paged_decode import (_check_decode_args, _static_scale, allows_f16_products, fold_batched_pools,
-                                 window_operands)
+from jax_tq.paged_decode import (POOLS, WINDOWS, _check_decode_args, _static_scale, allows_f16_products,
+                                 fold_batched_pools, window_operands)
+from jax_tq.partitioning import Layout
 from jax_tq.variants import check_variants, as_keywords
 
 __all__ = ["paged_prefill"]
@@ -238,5 +239,9 @@ def _batch(args, dims, **params):
     return [out.reshape((size, num_tokens) + out.shape[1:])], [0]
 
 
+# Dim roles for partitioning (jax_tq/partitioning.py): KV heads only; the token rows and sequences
+# stay whole (query_start_loc addresses all rows).
+_LAYOUT = Layout(operands=(("tok", "head", None),) + POOLS + ((None,), (None,), ("seq", None), ("seq",)) + WINDOWS
+                 + (("seq",), (None,), ("head",)), results=(("tok", "head", None),), whole=frozenset({"seq", "tok"}))
 pu.define_op(paged_prefill_p, abstract=_abstract, reference=_reference, ffi=_ffi, batch=_batch,
-             may_be_empty=(7, 8, 9, 10, 11, 12, 13))  # no sequences / window / sinks
+             may_be_empty=(7, 8, 9, 10, 11, 12, 13), layout=_LAYOUT)  # no sequences / window / sinks
