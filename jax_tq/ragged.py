@@ -121,9 +121,10 @@ def ragged_paged_attention(q, k, v, cache: PagedKVCache, kv_lens, block_tables, 
     num_tokens = q.shape[0]
     kv_lens = _index_array(kv_lens, "kv_lens", "[num_seqs]", op, ndim=1)
     num_seqs = kv_lens.shape[0]
-    block_tables = _index_array(block_tables, "block_tables", f"[num_seqs={num_seqs}, max_pages]", op, ndim=2,
-                                leading=num_seqs)
-    cu_q_lens = _index_array(cu_q_lens, "cu_q_lens", f"[num_seqs + 1 = {num_seqs + 1}]", op, shape=(num_seqs + 1,))
+    block_tables = _index_array(block_tables, "block_tables", f"[num_seqs={num_seqs} (kv_lens' length), max_pages]",
+                                op, ndim=2, leading=num_seqs)
+    cu_q_lens = _index_array(cu_q_lens, "cu_q_lens", f"[num_seqs + 1 = {num_seqs + 1}] (kv_lens' length + 1)", op,
+                             shape=(num_seqs + 1,))
     scale = _static_scale(scale, f"jax_tq.{op}")
     sliding_window, soft_cap, sinks = check_variants(sliding_window, soft_cap, sinks, q.shape[1], op)
     variants = as_keywords(sliding_window, soft_cap, sinks)  # checked: the ops take them as they are
@@ -336,5 +337,9 @@ def _window_ids(cache, window_ids, num_seqs: int, op: str):
             raise ValueError(f"jax_tq.{op}: window_ids given but the cache has no window")
         return None
     if window_ids is None:
+        if num_seqs > cache.num_windows:  # the default ids would run past the windows: those rows 0
+            raise ValueError(f"jax_tq.{op}: {num_seqs} sequences but the cache has {cache.num_windows} window ids; "
+                             "pass window_ids (each sequence's window id) or create the cache with num_windows >= "
+                             "the number of sequences")
         return jnp.arange(num_seqs, dtype=jnp.int32)
     return _index_array(window_ids, "window_ids", f"[num_seqs={num_seqs}]", op, shape=(num_seqs,))

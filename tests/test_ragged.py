@@ -336,9 +336,9 @@ def test_bad_arguments_raise_naming_them(rng):
         ((q, k, v, cache, kv_lens.astype(np.int64), tables, cu_q_lens), TypeError,
          r"ragged_paged_attention: kv_lens must be int32 \[num_seqs\], got int64\(2,\)"),
         ((q, k, v, cache, kv_lens, tables, cu_q_lens[:-1]), ValueError,
-         r"cu_q_lens must be int32 \[num_seqs \+ 1 = 3\], got int32\(2,\)"),
+         r"cu_q_lens must be int32 \[num_seqs \+ 1 = 3\] \(kv_lens. length \+ 1\), got int32\(2,\)"),
         ((q, k, v, cache, kv_lens, tables[:1], cu_q_lens), ValueError,
-         r"block_tables must be int32 \[num_seqs=2, max_pages\], got int32\(1, 2\)"),
+         r"block_tables must be int32 \[num_seqs=2 \(kv_lens. length\), max_pages\], got int32\(1, 2\)"),
         ((q[:, :3], k, v, cache, kv_lens, tables, cu_q_lens), ValueError,
          "num_heads 3 is not a multiple of the cache's num_kv_heads 2"),
         ((q, k[:, :1], v, cache, kv_lens, tables, cu_q_lens), ValueError,
@@ -464,3 +464,22 @@ def test_prompt_attention_bad_arguments(rng):
         f(q, k, v, cache, tables[0], lens)
     with pytest.raises(ValueError, match="implementation must be None, 'xla' or 'cudnn'"):
         f(q, k, v, cache, tables, lens, implementation="flash")
+
+
+def test_more_sequences_than_windows_need_window_ids_and_lengths_are_named():
+    """The default window ids (arange) would run past the cache's windows: a trace-time error, not
+    silent zero rows; a kv_lens / block_tables length mismatch names kv_lens as the source of num_seqs."""
+    cache = tq.PagedKVCache.create(num_pages=8, page_size=16, num_kv_heads=2, preset="k4v4", head_dim=64, num_windows=2)
+    q = jnp.zeros((3, 4, 64), jnp.float32)
+    kv = jnp.zeros((3, 2, 64), jnp.float32)
+    tables = jnp.arange(6, dtype=jnp.int32).reshape(3, 2)
+    lens = jnp.ones((3,), jnp.int32)
+    starts = jnp.arange(4, dtype=jnp.int32)
+    with pytest.raises(ValueError, match="3 sequences but the cache has 2 window ids"):
+        tq.ragged_paged_attention(q, kv, kv, cache, lens, tables, starts)
+    out, _ = tq.ragged_paged_attention(q, kv, kv, cache, lens, tables, starts, window_ids=jnp.asarray([0, 1, 1], jnp.int32))
+    assert out.shape == q.shape
+    with pytest.raises(ValueError, match="3 sequences but the cache has 2 window ids"):
+        tq.prompt_attention(q[:, None], kv[:, None], kv[:, None], cache, tables, lens)
+    with pytest.raises(ValueError, match="kv_lens' length"):
+        tq.ragged_paged_attention(q, kv, kv, cache, lens[:2], tables, starts)
