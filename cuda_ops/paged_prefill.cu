@@ -195,7 +195,7 @@ ffi::Error launch_error(const char* what, cudaError_t e) {
 template <int D, int KB, int VB>
 ffi::Error launch_tensor_core(cudaStream_t stream, const PrefillParams& p, dim3 grid) {
   auto kernel = prefill_tc::prefill_tc_kernel<D, KB, VB>;
-  constexpr int smem = sizeof(prefill_tc::Smem<D>);
+  constexpr int smem = sizeof(prefill_tc::Smem<D>) + prefill_tc::kSmemAlign;
   static std::atomic<uint64_t> smem_set{0};
   if (cudaError_t e = allow_dynamic_smem(smem_set, kernel, smem); e != cudaSuccess)
     return launch_error("tensor-core prefill shared memory attribute", e);

@@ -23,7 +23,7 @@ unverified=${JAX_TQ_CUDA_UNVERIFIED:-OFF}; if has qjl; then unverified=ON; fi
 cuda_install() {
   local stamp="build/.cudaflags" want="flags:${CUDAFLAGS:-} unverified:$unverified trace:${JAX_TQ_TRACE_PHASES:-OFF}"
   if [[ -d build && "$(cat "$stamp" 2>/dev/null)" != "$want" ]]; then rm -rf build; fi
-  JAX_TQ_CUDA=ON JAX_TQ_CUDA_UNVERIFIED=$unverified JAX_TQ_CUDA_ARCHS=${JAX_TQ_CUDA_ARCHS:-90} \
+  JAX_TQ_CUDA=ON JAX_TQ_CUDA_UNVERIFIED=$unverified JAX_TQ_CUDA_ARCHS=${JAX_TQ_CUDA_ARCHS:-90a} \
     python3 -m pip install --no-build-isolation --no-deps -e . \
     && mkdir -p build && printf '%s' "$want" >"$stamp"
 }

@@ -1,18 +1,21 @@
 // Tensor-core paged prefill (jax_tq_paged_prefill, head_dim 64 or 128): flash attention of many
 // query rows over compressed pages, the K / V of each 64-token tile decoded ONCE into shared memory
-// (f16 centroids, swizzled) and read by every query row and head of the CTA through ldmatrix.
+// (f16 centroids, 128-byte swizzle: wgmma.cuh) and read by every query row and head of the CTA:
+// by Hopper's wgmma in sm_90a code (the tensor cores read K / V from shared memory once per
+// warpgroup), by ldmatrix + mma.sync elsewhere (each warp reads the whole tile).
 //
 // A CTA of 4 warps takes 64 (query token, head) rows of one sequence and one KV head's GQA group:
 // kRows / Gc consecutive tokens x Gc heads (Gc = min(group, kRows)), row r = token r / Gc, head
 // r % Gc; warp w holds rows 16w .. 16w + 15 as an m16n8k16 A operand (FlashAttention-2's layout,
-// arXiv 2307.08691). Per 64-token tile:
+// arXiv 2307.08691; the same registers are a wgmma A operand of the CTA's one warpgroup, as in
+// FlashAttention-3, arXiv 2407.08608). Per 64-token tile:
 //   1. every thread decodes its chunks of 32 K and 32 V codes (prefetched into registers during the
 //      previous tile's MMAs) through a pair table (byte -> f16x2 of two centroids) into the tile;
 //      the norms stay out of the tile: S is scaled per token by the K norm, P by the V norm;
-//   2. S = Q K^T (ldmatrix of K rows), scaled, causal mask on the tiles that reach a row's position;
+//   2. S = Q K^T, scaled, causal mask on the tiles that reach a row's position;
 //   3. online softmax in base 2 (the query pre-scaled by a power of two so that |q| < 1 in f16, the
 //      power, scale and log2(e) applied to the f32 scores);
-//   4. O += (P * v_norm) V (P from S's accumulators in registers, ldmatrix.trans of V rows).
+//   4. O += (P * v_norm) V (P from S's accumulators in registers; V read MN-major).
 // Tokens from the recent-token window (format.h) enter the tile as their bf16 rows (norm included),
 // invalid block-table entries and tokens past the piece's longest row as zero rows of bias -inf.
 // A CTA tile of flattened tokens that spans sequences runs one piece (sequence) after another.
@@ -28,6 +31,7 @@
 #include "jax_tq/format.h"
 #include "jax_tq/mma.cuh"
 #include "jax_tq/prefill_device.cuh"
+#include "jax_tq/wgmma.cuh"
 
 namespace jax_tq {
 namespace cuda {
@@ -43,7 +47,7 @@ constexpr float kLog2e = 1.4426950408889634f;
 
 template <int D>
 struct Smem {
-  __half k[kTile * D];  // row t: token t's D centroids, 16-byte chunks swizzled (chunk_offset)
+  __half k[kTile * D];  // row t: token t's D centroids, in wgmma.cuh's swizzled layout (chunk_offset)
   __half v[kTile * D];
   uint32_t lut[2][256][kLutCopies];  // [K / V][byte e] = f16x2 (c[e & 15], c[e >> 4])
   float k_scale[kTile];              // K norm (1 for a window row, 0 for none)
@@ -51,12 +55,17 @@ struct Smem {
   float bias[kTile];                 // 0, or -inf for a token that is not there
 };
 
-// Offset (in halves) of 16-byte chunk `chunk` of tile row `t`: chunk ^ (t & 7), so that the 8 rows
-// an ldmatrix reads at one logical chunk sit in 8 distinct bank groups.
+// Offset (in halves) of 16-byte chunk `chunk` of tile row `t`: wgmma.cuh's 128-byte swizzle (blocks
+// of 64 columns; chunk ^ (t & 7) within a block), which also puts the 8 rows an ldmatrix reads at
+// one logical chunk in 8 distinct bank groups.
 template <int D>
 __device__ __forceinline__ int chunk_offset(int t, int chunk) {
-  return t * D + ((chunk ^ (t & 7)) << 3);
+  return (chunk >> 3) * (kTile * 64) + t * 64 + (((chunk & 7) ^ (t & 7)) << 3);
 }
+
+// Bytes from a 1024-byte boundary to the start of the swizzled tiles (the dynamic shared memory
+// is allocated with kSmemAlign extra bytes).
+constexpr int kSmemAlign = 1024;
 
 __device__ __forceinline__ float ex2(float x) {  // exp2, ex2.approx (exp2(-inf) = 0)
   float y;
@@ -182,6 +191,9 @@ __device__ __forceinline__ void store_tile(const PrefillParams& p, const Piece& 
     sm.v_scale[threadIdx.x] = pend.v_norm;
     sm.bias[threadIdx.x] = pend.bias;
   }
+#if JTQ_WGMMA
+  fence_async_shared();
+#endif
 }
 
 // The warp's query rows as A fragments (k-step ks: dims 16 ks ..), each row scaled by a power of
@@ -258,7 +270,18 @@ struct Accumulators {
 template <int D>
 __device__ __forceinline__ void tile_scores(const QueryRows<D>& qr, const Smem<D>& sm, int64_t t0, bool masked,
                                             float (&s)[kTile / 8][4]) {
-  const int lane = threadIdx.x & 31, t4 = lane & 3, m = lane >> 3, r = lane & 7;
+  const int lane = threadIdx.x & 31, t4 = lane & 3;
+#if JTQ_WGMMA
+  const uint32_t k_tile = smem_u32(sm.k);
+  wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ++ks)  // K-major: dims 16 ks .. at byte 32 (ks % 4) of block ks / 4
+    wgmma_m64n64k16<0>(s, qr.a[ks], sw128_desc(k_tile + (ks >> 2) * (kTile * 128) + (ks & 3) * 32, 16, 1024), ks > 0);
+  wgmma_commit();
+  wgmma_wait_all();
+  fence_operands(s);
+#else
+  const int m = lane >> 3, r = lane & 7;
 #pragma unroll
   for (int j = 0; j < kTile / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
 #pragma unroll
@@ -271,7 +294,7 @@ __device__ __forceinline__ void tile_scores(const QueryRows<D>& qr, const Smem<D
       mma16816(s[2 * jp + 1], qr.a[ks], b[2], b[3]);
     }
   }
-#pragma unroll
+#endif
   for (int j = 0; j < kTile / 8; ++j) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
@@ -313,23 +336,44 @@ __device__ __forceinline__ void softmax_update(float (&s)[kTile / 8][4], Accumul
 // O += (P * v_norm) V over the tile.
 template <int D>
 __device__ __forceinline__ void accumulate_v(const float (&p)[kTile / 8][4], const Smem<D>& sm, Accumulators<D>& acc) {
-  const int lane = threadIdx.x & 31, t4 = lane & 3, m = lane >> 3, r = lane & 7;
+  const int lane = threadIdx.x & 31, t4 = lane & 3;
+  uint32_t a[kTile / 16][4];  // P * v_norm as A fragments: tokens 16 kk ..
 #pragma unroll
   for (int kk = 0; kk < kTile / 16; ++kk) {
     const int lo = 16 * kk + 2 * t4, hi = lo + 8;
     const float vl0 = sm.v_scale[lo], vl1 = sm.v_scale[lo + 1], vh0 = sm.v_scale[hi], vh1 = sm.v_scale[hi + 1];
-    const uint32_t a[4] = {half2_satfinite(p[2 * kk][0] * vl0, p[2 * kk][1] * vl1),
-                           half2_satfinite(p[2 * kk][2] * vl0, p[2 * kk][3] * vl1),
-                           half2_satfinite(p[2 * kk + 1][0] * vh0, p[2 * kk + 1][1] * vh1),
-                           half2_satfinite(p[2 * kk + 1][2] * vh0, p[2 * kk + 1][3] * vh1)};
+    a[kk][0] = half2_satfinite(p[2 * kk][0] * vl0, p[2 * kk][1] * vl1);
+    a[kk][1] = half2_satfinite(p[2 * kk][2] * vl0, p[2 * kk][3] * vl1);
+    a[kk][2] = half2_satfinite(p[2 * kk + 1][0] * vh0, p[2 * kk + 1][1] * vh1);
+    a[kk][3] = half2_satfinite(p[2 * kk + 1][2] * vh0, p[2 * kk + 1][3] * vh1);
+  }
+#if JTQ_WGMMA
+  // MN-major V: 16 token rows (two 8-row atoms, 1024 bytes apart) x one 64-dim block per wgmma.
+  const uint32_t v_tile = smem_u32(sm.v);
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < kTile / 16; ++kk)
+#pragma unroll
+    for (int blk = 0; blk < D / 64; ++blk)
+      wgmma_m64n64k16<1>(*reinterpret_cast<float(*)[8][4]>(&acc.o[8 * blk]), a[kk],
+                         sw128_desc(v_tile + blk * (kTile * 128) + kk * (16 * 128), 1024, 1024), 1);
+  wgmma_commit();
+  wgmma_wait_all();
+#pragma unroll
+  for (int blk = 0; blk < D / 64; ++blk) fence_operands(*reinterpret_cast<float(*)[8][4]>(&acc.o[8 * blk]));
+#else
+  const int m = lane >> 3, r = lane & 7;
+#pragma unroll
+  for (int kk = 0; kk < kTile / 16; ++kk) {
 #pragma unroll
     for (int np = 0; np < D / 16; ++np) {
       uint32_t b[4];
       ldmatrix_x4_trans(b, smem_u32(sm.v + chunk_offset<D>(16 * kk + 8 * (m & 1) + r, 2 * np + (m >> 1))));
-      mma16816(acc.o[2 * np], a, b[0], b[1]);
-      mma16816(acc.o[2 * np + 1], a, b[2], b[3]);
+      mma16816(acc.o[2 * np], a[kk], b[0], b[1]);
+      mma16816(acc.o[2 * np + 1], a[kk], b[2], b[3]);
     }
   }
+#endif
 }
 
 template <int D>
@@ -381,7 +425,8 @@ __device__ void attend_piece(const PrefillParams& p, const Piece& pc, Smem<D>& s
 template <int D, int KB, int VB>
 __global__ void __launch_bounds__(kThreads) prefill_tc_kernel(PrefillParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  Smem<D>& sm = *reinterpret_cast<Smem<D>*>(smem_raw);
+  const uint32_t misaligned = smem_u32(smem_raw) & (kSmemAlign - 1);
+  Smem<D>& sm = *reinterpret_cast<Smem<D>*>(smem_raw + (misaligned ? kSmemAlign - misaligned : 0));
   build_luts(sm.lut, p.k_centroids, KB, p.v_centroids, VB);
   const CtaHeads heads = cta_heads(p);
   const int64_t tile_begin = int64_t(gridDim.x - 1 - blockIdx.x) * p.rows_per_cta;
