@@ -292,13 +292,16 @@ class PagedKVCache:
 
     def __repr__(self) -> str:
         """Shapes and codecs only (the pools can hold millions of elements); abstract (traced)
-        pools show their shape too."""
+        pools show their shape too, leaves that are not arrays (a ``jax.tree.map`` of the cache)
+        their own repr."""
         def pool(name):
             x = getattr(self, name)
-            return f"{name}={getattr(x, 'dtype', '?')}{list(getattr(x, 'shape', ()))}"
+            if hasattr(x, "shape") and hasattr(x, "dtype"):
+                return f"{name}={x.dtype}{list(x.shape)}"
+            return f"{name}={x!r}"
         if not self.compressed:
             return f"PagedKVCache({pool('k_pages')}, {pool('v_pages')}, uncompressed)"
-        names = ("k_codes", "k_norms", "v_codes", "v_norms") + (("k_window", "v_window") if self.window else ())
+        names = ("k_codes", "k_norms", "v_codes", "v_norms") + (("k_window", "v_window") if self.k_window is not None else ())
         pools = ", ".join(pool(n) for n in names)
         return f"PagedKVCache({pools}, k_codec={self.k_codec!r}, v_codec={self.v_codec!r})"
 

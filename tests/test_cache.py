@@ -405,6 +405,19 @@ def test_cache_repr_shows_shapes_and_codecs_not_pool_contents():
     assert cache.bytes_per_token() == 2 * (64 + 48 + 4 + 4)
 
 
+def test_cache_repr_of_a_tree_mapped_cache_shows_its_leaves():
+    """jax.tree.map(lambda x: x.shape, cache) leaves tuples in the pools: repr shows them (it raised
+    IndexError through the window property)."""
+    cache = tq.PagedKVCache.create(num_pages=4, page_size=16, num_kv_heads=2, head_dim=64, preset="k4v4",
+                                   num_windows=3)
+    shapes = jax.tree.map(lambda x: x.shape, cache)
+    text = repr(shapes)
+    assert "k_codes=(4, 2, 16, 32)" in text and "v_window=(3, 2, 64, 64)" in text
+    dtypes = jax.tree.map(lambda x: str(x.dtype), tq.PagedKVCache.create(num_pages=2, page_size=8, num_kv_heads=1,
+                                                                        head_dim=64, preset="none"))
+    assert "k_pages='float32'" in repr(dtypes) or "k_pages='bfloat16'" in repr(dtypes)
+
+
 # -------------------------------------------------------------------------------------------- window
 # The window's cases pick their backend themselves (a backend parameter, kernel_backend).
 
