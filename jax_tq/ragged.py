@@ -22,6 +22,7 @@ from jax_tq.checks import check_at_most, check_decode_indices, check_query_start
 from jax_tq.compress import check_float_input
 from jax_tq.paged_decode import _static_scale, paged_decode
 from jax_tq.paged_prefill import paged_prefill
+from jax_tq.reference import _attend_tokens
 from jax_tq.variants import check_variants, as_keywords
 
 __all__ = ["prompt_attention", "ragged_paged_attention"]
@@ -169,7 +170,7 @@ def ragged_paged_attention(q, k, v, cache: PagedKVCache, kv_lens, block_tables, 
 
 
 def prompt_attention(q, k, v, cache: PagedKVCache, block_tables, prompt_lens, *, scale=None, window_ids=None,
-                     implementation=None):
+                     implementation=None, sliding_window=None, soft_cap=None, sinks=None):
     """Causal attention of fresh prompts over their own K / V, exactly, and the K / V written into the cache.
 
     For a serving engine's first step of new requests (time to first token): each prompt's rows
@@ -199,6 +200,14 @@ def prompt_attention(q, k, v, cache: PagedKVCache, block_tables, prompt_lens, *,
         the shapes, else XLA's code; JAX's own default never picks cuDNN), ``"xla"``, or
         ``"cudnn"`` (it raises where cuDNN cannot run the shapes). XLA's code of float16 prompts runs in float32 on the CPU (XLA:CPU has no float16
         products with float32 results).
+      sliding_window: None, or an int >= 1 (static): row p sees positions p - sliding_window + 1 .. p
+        (Mistral's window; :func:`jax.nn.dot_product_attention`'s ``local_window_size``, so cuDNN
+        still serves it).
+      soft_cap: None, or a number > 0 (static): logits l become soft_cap * tanh(l / soft_cap) (Gemma 2).
+      sinks: None, or float [num_heads]: a per-head logit in the softmax denominator only (gpt-oss).
+        With soft_cap or sinks the attention is exact float32 (XLA's code of
+        :func:`jax_tq.reference`'s masked softmax, 256 query rows at a time: scores of
+        batch x num_heads x 256 x seq_len floats), whatever ``implementation`` says.
 
     Returns:
       ``(out, cache)``: out [batch, seq_len, num_heads, head_dim] of q's dtype (rows past
@@ -211,10 +220,12 @@ def prompt_attention(q, k, v, cache: PagedKVCache, block_tables, prompt_lens, *,
 
     Raises:
       TypeError: q not float32 / bfloat16 / float16, k or v not of q's dtype; block_tables,
-        prompt_lens or window_ids not int32; cache not a PagedKVCache; scale not a concrete number.
+        prompt_lens or window_ids not int32; cache not a PagedKVCache; scale not a concrete number;
+        sliding_window, soft_cap or sinks of a wrong type (:func:`jax_tq.variants.check_variants`).
       ValueError: wrong ranks or shapes (naming the argument), head_dim or num_kv_heads of k / v
         other than the cache's, num_heads not a multiple of num_kv_heads, a bad scale or
-        implementation, window_ids given for a cache without a window.
+        implementation, window_ids given for a cache without a window; sliding_window < 1,
+        soft_cap <= 0, sinks not [num_heads].
 
     Source: scaled dot-product attention (Vaswani et al., arXiv 1706.03762) through
     :func:`jax.nn.dot_product_attention` (cuDNN's flash attention, Dao, arXiv 2307.08691, where
@@ -242,6 +253,7 @@ def prompt_attention(q, k, v, cache: PagedKVCache, block_tables, prompt_lens, *,
     if implementation not in (None, "xla", "cudnn"):
         raise ValueError(f"jax_tq.{op}: implementation must be None, 'xla' or 'cudnn', got {implementation!r}")
     window_ids = _window_ids(cache, window_ids, batch, op)
+    sliding_window, soft_cap, sinks = check_variants(sliding_window, soft_cap, sinks, q.shape[2], op)
     check_decode_indices(block_tables, jnp.minimum(prompt_lens, seq_len), num_pages=cache.num_pages,
                          page_size=cache.page_size, op=op, lens_name="prompt_lens")
     check_at_most(prompt_lens, seq_len, op=op, name="prompt_lens", bound_name="seq_len")
@@ -260,7 +272,8 @@ def prompt_attention(q, k, v, cache: PagedKVCache, block_tables, prompt_lens, *,
         exact = q.dtype == jnp.float32 and jax.config.jax_default_matmul_precision is None
         with jax.default_matmul_precision("highest" if exact else jax.config.jax_default_matmul_precision):
             return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, query_seq_lengths=lens,
-                                                key_value_seq_lengths=lens, implementation=impl)
+                                                key_value_seq_lengths=lens, implementation=impl,
+                                                local_window_size=(sliding_window - 1, 0) if sliding_window else None)
 
     def attend_f32(q, k, v):  # XLA:CPU refuses the float16 products (F16_F16_F32) jax.nn asks for
         return attend(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32)).astype(q.dtype)
@@ -273,7 +286,9 @@ def prompt_attention(q, k, v, cache: PagedKVCache, block_tables, prompt_lens, *,
 
     k, v = jnp.where(keep, k, 0), jnp.where(keep, v, 0)  # a NaN in padding would reach real rows: 0 * NaN in p @ V
     half = q.dtype in (jnp.bfloat16, jnp.float16)
-    if implementation is None and half:  # only the branch of the platform lowered is lowered
+    if soft_cap or sinks.shape[0]:
+        out = _exact_attention(q, k, v, lens, scale, sliding_window, soft_cap, sinks)
+    elif implementation is None and half:  # only the branch of the platform lowered is lowered
         out = jax.lax.platform_dependent(q, k, v, cpu=attend_f32 if q.dtype == jnp.float16 else attend,
                                          cuda=attend_cuda, default=attend)
     elif q.dtype == jnp.float16 and implementation != "cudnn":
@@ -292,6 +307,41 @@ def prompt_attention(q, k, v, cache: PagedKVCache, block_tables, prompt_lens, *,
     with unchecked():
         cache = write_cache(cache, k.reshape(flat), v.reshape(flat), slots, window_slots)
     return out, cache
+
+
+#: Query rows per step of _exact_attention (its scores: batch x num_heads x this x seq_len float32).
+_EXACT_ROWS = 256
+
+
+def _exact_attention(q, k, v, lens, scale: float, sliding_window: int, soft_cap: float, sinks):
+    """Causal attention of q [B, L, H, d] over k / v [B, L, Hkv, d] (rows and keys past lens [B]
+    masked) in float32 with the variants (sliding_window / soft_cap 0: none; sinks float32 [H] or
+    [0]), _EXACT_ROWS query rows at a time; [B, L, H, d] float32."""
+    batch, seq_len, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[2]
+    group = num_heads // num_kv_heads
+    rows = min(_EXACT_ROWS, seq_len)
+    steps = -(-seq_len // rows)
+    q = jnp.pad(q, ((0, 0), (0, steps * rows - seq_len), (0, 0), (0, 0)))
+    keys, values = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, Hkv, L, d]
+    positions = jnp.arange(seq_len, dtype=jnp.int32)
+    key_ok = positions[None, :] < lens[:, None]  # [B, L]
+    head_sinks = sinks.reshape(1, num_kv_heads, group, 1, 1) if sinks.shape[0] else None
+
+    def step(start):
+        chunk = jax.lax.dynamic_slice_in_dim(q, start, rows, axis=1)
+        queries = chunk.reshape(batch, rows, num_kv_heads, group, head_dim).transpose(0, 2, 3, 1, 4)
+        row_pos = start + jnp.arange(rows, dtype=jnp.int32)
+        seen = positions[None, :] <= row_pos[:, None]  # [rows, L]
+        if sliding_window:
+            seen = seen & (positions[None, :] > row_pos[:, None] - sliding_window)
+        valid = seen[None, None, None] & key_ok[:, None, None, None, :]
+        out = _attend_tokens(queries, keys, values, valid, key_ok[:, None, :, None], scale, soft_cap or None,
+                             head_sinks)  # [B, Hkv, G, rows, d]
+        return out.transpose(0, 3, 1, 2, 4).reshape(batch, rows, num_heads, head_dim)
+
+    outs = jax.lax.map(step, jnp.arange(steps, dtype=jnp.int32) * rows)  # [steps, B, rows, H, d]
+    return jnp.swapaxes(outs, 0, 1).reshape(batch, steps * rows, num_heads, head_dim)[:, :seq_len]
 
 
 def _check_new_tokens(q, k, v, cache, op: str, rows: str):

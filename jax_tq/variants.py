@@ -1,6 +1,6 @@
 """The attention variants of the attention ops (:func:`jax_tq.paged_decode`,
-:func:`jax_tq.paged_prefill`, :func:`jax_tq.ragged_paged_attention`): their trace-time checks and
-their names in the FFI targets.
+:func:`jax_tq.paged_prefill`, :func:`jax_tq.ragged_paged_attention`, :func:`jax_tq.prompt_attention`):
+their trace-time checks and their names in the FFI targets.
 
 Semantics (the same on every backend; the reference is :mod:`jax_tq.reference`):
   ``sliding_window`` w: the query at position p sees the keys at positions p - w + 1 .. p (the

@@ -7,6 +7,7 @@ returned cache must equal write_cache's bit for bit)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -106,9 +107,9 @@ def ragged_f64(q, cache, kv_lens, tables, cu_q_lens, window_ids=None, scale=None
     return out
 
 
-def prompt_f64(q, k, v, prompt_lens, scale=None):
-    """Exact causal attention of each prompt over its own K / V in float64 (GQA); rows past
-    prompt_lens are 0."""
+def prompt_f64(q, k, v, prompt_lens, scale=None, sliding_window=None, soft_cap=None, sinks=None):
+    """Exact causal attention of each prompt over its own K / V in float64 (GQA), with the variants
+    of jax_tq.variants; rows past prompt_lens are 0."""
     q, k, v = to_f64(q), to_f64(k), to_f64(v)
     batch, seq_len, heads, d = q.shape
     group = heads // k.shape[2]
@@ -117,10 +118,15 @@ def prompt_f64(q, k, v, prompt_lens, scale=None):
     for b in range(batch):
         n = int(np.clip(prompt_lens[b], 0, seq_len))
         for t in range(n):
+            lo = 0 if sliding_window is None else max(0, t - sliding_window + 1)
             for h in range(heads):
-                s = k[b, :t + 1, h // group] @ q[b, t, h] * scale
-                p = np.exp(s - s.max())
-                out[b, t, h] = (p / p.sum()) @ v[b, :t + 1, h // group]
+                s = k[b, lo:t + 1, h // group] @ q[b, t, h] * scale
+                if soft_cap is not None:
+                    s = soft_cap * np.tanh(s / soft_cap)
+                top = s.max() if sinks is None else max(s.max(), float(sinks[h]))
+                p = np.exp(s - top)
+                total = p.sum() + (0.0 if sinks is None else np.exp(float(sinks[h]) - top))
+                out[b, t, h] = (p / total) @ v[b, lo:t + 1, h // group]
     return out
 
 
@@ -414,6 +420,46 @@ def test_prompt_attention_is_exact_and_writes_the_prompts(rng, kind, head_dim, g
     cache = make_cache(rng, kind, head_dim=head_dim, window=8)
     check_prompts(rng, cache, (13, 1, 0, 16), 16, group=group, dtype=dtype,
                   window_ids=[2, 0, 1, 5] if kind == "window" else None)
+
+
+@pytest.mark.parametrize("variant,dtype", [
+    ("window", jnp.float32), ("window", jnp.bfloat16), ("soft_cap", jnp.float32), ("sinks", jnp.float32),
+    ("all", jnp.bfloat16)])
+def test_prompt_attention_variants_against_float64(rng, monkeypatch, variant, dtype):
+    """sliding_window (through jax.nn's local_window_size), soft_cap and sinks (the exact float32
+    path, 5 query rows a step here so that steps and a partial last one are exercised) against the
+    float64 oracle; padding rows 0; the write is the same as without variants."""
+    monkeypatch.setattr(tq.ragged, "_EXACT_ROWS", 5)
+    cache = make_cache(rng, "haar")
+    q, k, v, tables, lens = prompt_case(rng, cache, (13, 1, 0, 16), 16, group=2, dtype=dtype)
+    heads = q.shape[2]
+    options = dict(sliding_window=4 if variant in ("window", "all") else None,
+                   soft_cap=1.5 if variant in ("soft_cap", "all") else None,
+                   sinks=rng.normal(size=heads).astype(np.float32) * 2 if variant in ("sinks", "all") else None)
+    poison_device_memory(q.size * 4 * 4)
+    f = jax.jit(functools.partial(tq.prompt_attention, **{n: x for n, x in options.items() if n != "sinks"}))
+    out, new = f(q, k, v, cache, tables, lens, sinks=options["sinks"])
+    want = prompt_f64(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), lens, **options)
+    got = np.asarray(out, np.float32)
+    assert rel_err(got, want) < (1e-5 if dtype == jnp.float32 else 2e-2)
+    assert np.all(got[np.arange(16)[None, :] >= lens[:, None]] == 0)
+    plain = prompt_f64(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), lens)
+    assert rel_err(plain, want) > 0.05  # the variant changes the answer
+    _, plain_cache = tq.prompt_attention(q, k, v, cache, tables, lens)
+    want_leaves = leaves(plain_cache)
+    for name, got_leaf in leaves(new).items():
+        np.testing.assert_array_equal(got_leaf, want_leaves[name])
+
+
+def test_prompt_attention_variants_bad_arguments(rng):
+    cache = make_cache(rng, "haar")
+    q, k, v, tables, lens = prompt_case(rng, cache, (5, 3), 6)
+    with pytest.raises(ValueError, match="prompt_attention: sliding_window must be >= 1"):
+        tq.prompt_attention(q, k, v, cache, tables, lens, sliding_window=0)
+    with pytest.raises(ValueError, match="prompt_attention: soft_cap must be finite and > 0"):
+        tq.prompt_attention(q, k, v, cache, tables, lens, soft_cap=-1.0)
+    with pytest.raises(ValueError, match=r"prompt_attention: sinks must be float32 \[num_heads=4\]"):
+        tq.prompt_attention(q, k, v, cache, tables, lens, sinks=np.zeros(3, np.float32))
 
 
 def test_prompt_attention_is_not_the_compressed_prefill(rng):
