@@ -444,11 +444,14 @@ def test_head_dim_and_bits_write_then_decode(rng, head_dim, k_bits, v_bits):
     want = decode_f64(np.asarray(q, np.float64), cache, tables, jnp.asarray(lens, jnp.int32))
     assert rel_err(got, want) < 1e-5
     # End to end against attention on the uncompressed K/V: only the quantization error remains.
-    q_mild = q * 0.25  # a softer softmax, so the K quantization error does not dominate
+    # A soft softmax (q * 0.1), so that a K quantization error rarely flips a peaked row: over 300
+    # seeds (d 64 and 128) the error's max was 0.48 / 0.27 / 0.14 at 2 / 3 / 4 bits (means 0.39 /
+    # 0.21 / 0.11; with q * 0.25 its tail reached the old 3-bit bound of 0.5 in CI). A zero output is 1.
+    q_mild = q * 0.1
     got_mild = _decode(q_mild, cache, jnp.asarray(tables), jnp.asarray(lens, jnp.int32), num_splits=2)
     dense = _dense_f64(np.asarray(q_mild, np.float64), k, v, lens)
     err = rel_err(got_mild, dense)
-    assert err < {2: 0.9, 3: 0.5, 4: 0.3}[min(k_bits, v_bits)], "decode is far from attention on the uncompressed K/V"
+    assert err < {2: 0.65, 3: 0.35, 4: 0.2}[min(k_bits, v_bits)], "decode is far from attention on the uncompressed K/V"
 
 
 def _dense_f64(q, k, v, lens):
