@@ -23,7 +23,8 @@ from flax import nnx
 from jax_tq.cache import PagedKVCache, slot_mapping, write_cache
 from jax_tq.format import SUPPORTED_HEAD_DIMS, window_slot_mapping
 from jax_tq.paged_decode import paged_decode
-from jax_tq.ragged import prompt_attention
+from jax_tq.ragged import _exact_attention, prompt_attention
+from jax_tq.variants import check_variants
 
 __all__ = ["PagedAttention"]
 
@@ -79,6 +80,11 @@ class PagedAttention(nnx.Module):
         device-to-host copy of the lengths) fails the run, and with the module donated its cache
         buffers are gone (call :meth:`init_cache` again). False skips the callback (no host
         round trip); such a row's output is then NaN and nothing is written.
+      sliding_window, soft_cap: the attention variants of :mod:`jax_tq.variants` (static; row p
+        sees positions p - sliding_window + 1 .. p; logits capped to soft_cap * tanh(l / soft_cap)),
+        in every mode.
+      sinks: True adds a parameter ``sinks`` float ``[num_heads]`` (zeros), a per-head logit in the
+        softmax denominator only (gpt-oss's attention sinks), in every mode.
       rngs: ``nnx.Rngs`` for the parameter initialisers.
 
     Attributes (after :meth:`init_cache`; ``nnx.Cache`` variables, donated with the module):
@@ -91,8 +97,8 @@ class PagedAttention(nnx.Module):
     Raises:
       ValueError: ``num_heads`` not a multiple of ``num_kv_heads``, ``qkv_features`` not a multiple of
         ``num_heads``, an unknown ``preset``, a compressed preset with an unsupported head_dim, a bad
-        ``page_size``, a non-positive size.
-      TypeError: ``rope`` not callable.
+        ``page_size``, a non-positive size, ``sliding_window < 1``, ``soft_cap <= 0``.
+      TypeError: ``rope`` not callable; ``sliding_window`` / ``soft_cap`` not numbers.
     """
 
     def __init__(self, num_heads: int, in_features: int, qkv_features: int | None = None,
@@ -101,7 +107,8 @@ class PagedAttention(nnx.Module):
                  kernel_init=nnx.initializers.lecun_normal(), bias_init=nnx.initializers.zeros_init(),
                  out_kernel_init=None, out_bias_init=None, precision=None, decode: bool | None = None,
                  rope: Callable | None = None, preset: str = "k4v4", page_size: int = 16, seed: int = 0,
-                 cache_dtype=jnp.float32, check_capacity: bool = True, rngs: nnx.Rngs):
+                 cache_dtype=jnp.float32, check_capacity: bool = True, sliding_window: int | None = None,
+                 soft_cap: float | None = None, sinks: bool = False, rngs: nnx.Rngs):
         where = "jax_tq.nn.PagedAttention"
         self.num_heads = _positive(num_heads, "num_heads", where)
         self.in_features = _positive(in_features, "in_features", where)
@@ -129,6 +136,10 @@ class PagedAttention(nnx.Module):
         self.use_bias, self.normalize_qk, self.decode = use_bias, normalize_qk, decode
         self.rope, self.preset, self.page_size, self.seed = rope, preset, page_size, seed
         self.cache_dtype, self.check_capacity = cache_dtype, check_capacity
+        self.sliding_window, self.soft_cap, _ = check_variants(sliding_window, soft_cap, None, self.num_heads,
+                                                               "nn.PagedAttention")
+        # gpt-oss's learned sinks: one logit per query head, initialised to 0 (exp(0) = one more token's worth)
+        self.sinks = nnx.Param(jnp.zeros((self.num_heads,), param_dtype)) if sinks else nnx.data(None)
 
         def linear(n_in, n_out, axis=-1, k_init=kernel_init, b_init=bias_init):
             return nnx.LinearGeneral(n_in, n_out, axis=axis, dtype=dtype, param_dtype=param_dtype,
@@ -249,9 +260,9 @@ class PagedAttention(nnx.Module):
         positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
         q, k, v = self._qkv(x, positions)
         if self.cache is None:
-            return self.out(_causal_attention(q, k, v, lens))
+            return self.out(_causal_attention(q, k, v, lens, self._variants()))
         attn, cache = prompt_attention(q, k, v, self.cache.get_value(), self.block_tables[...], lens,
-                                       window_ids=self._window_ids(batch))
+                                       window_ids=self._window_ids(batch), **self._variants())
         self.cache.set_value(cache)
         self.lengths[...] = lens
         return self.out(attn)
@@ -273,7 +284,7 @@ class PagedAttention(nnx.Module):
         if cache.window:
             window_slots = jnp.where(full, -1, window_slot_mapping(window_ids, lens, new_lens, cache.window))
         cache = write_cache(cache, k[:, 0], v[:, 0], slots, window_slots)
-        out = paged_decode(q[:, 0], cache, self.block_tables[...], new_lens, window_ids=window_ids)
+        out = paged_decode(q[:, 0], cache, self.block_tables[...], new_lens, window_ids=window_ids, **self._variants())
         out = jnp.where(full[:, None, None], jnp.nan, out)
         self.cache.set_value(cache)
         self.lengths[...] = lens + 1
@@ -287,6 +298,10 @@ class PagedAttention(nnx.Module):
             q, k = self.rope(q, positions), self.rope(k, positions)
         dtype = jnp.result_type(q, k, v)
         return q.astype(dtype), k.astype(dtype), v.astype(dtype)
+
+    def _variants(self) -> dict:
+        return dict(sliding_window=self.sliding_window or None, soft_cap=self.soft_cap or None,
+                    sinks=None if self.sinks is None else self.sinks[...])
 
     def _window_ids(self, batch):
         return None if self.preset == "none" else jnp.arange(batch, dtype=jnp.int32)
@@ -305,12 +320,20 @@ class PagedAttention(nnx.Module):
         return arr.astype(jnp.int32)
 
 
-def _causal_attention(q, k, v, lens):
-    """Exact causal (GQA) attention of [B, L, H, d] rows over their own K / V; rows past lens are 0."""
-    exact = q.dtype == jnp.float32 and jax.config.jax_default_matmul_precision is None
-    with jax.default_matmul_precision("highest" if exact else jax.config.jax_default_matmul_precision):
-        out = jax.nn.dot_product_attention(q, k, v, is_causal=True, query_seq_lengths=lens,
-                                           key_value_seq_lengths=lens, scale=1.0 / math.sqrt(q.shape[-1]))
+def _causal_attention(q, k, v, lens, variants):
+    """Exact causal (GQA) attention of [B, L, H, d] rows over their own K / V with the variants
+    (keywords of jax_tq.prompt_attention); rows past lens are 0."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    window, soft_cap, sinks = check_variants(variants["sliding_window"], variants["soft_cap"], variants["sinks"],
+                                             q.shape[2], "nn.PagedAttention")
+    if soft_cap or sinks.shape[0]:
+        out = _exact_attention(q, k, v, lens, scale, window, soft_cap, sinks)
+    else:
+        exact = q.dtype == jnp.float32 and jax.config.jax_default_matmul_precision is None
+        with jax.default_matmul_precision("highest" if exact else jax.config.jax_default_matmul_precision):
+            out = jax.nn.dot_product_attention(q, k, v, is_causal=True, query_seq_lengths=lens,
+                                               key_value_seq_lengths=lens, scale=scale,
+                                               local_window_size=(window - 1, 0) if window else None)
     real = jnp.arange(q.shape[1])[None, :] < lens[:, None]
     return jnp.where(real[:, :, None, None], out, 0).astype(q.dtype)
 

@@ -43,7 +43,8 @@ def params64(module):
 
 
 def attention_oracle(module, tokens, rope=None):
-    """float64 causal GQA attention of one sequence tokens [T, F] through the module's weights: [T, out]."""
+    """float64 causal GQA attention of one sequence tokens [T, F] through the module's weights, with
+    its sliding_window / soft_cap / sinks: [T, out]."""
     p = params64(module)
     x = np.asarray(tokens, np.float64)
     q = np.einsum("tf,fhd->thd", x, p["query"]) + p["query_b"]
@@ -55,9 +56,16 @@ def attention_oracle(module, tokens, rope=None):
     group = q.shape[1] // k.shape[1]
     k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
     s = np.einsum("thd,shd->hts", q, k) / np.sqrt(q.shape[-1])
-    s = np.where(np.tril(np.ones((x.shape[0], x.shape[0]), bool))[None], s, -np.inf)
-    w = np.exp(s - s.max(-1, keepdims=True))
-    w /= w.sum(-1, keepdims=True)
+    if module.soft_cap:
+        s = module.soft_cap * np.tanh(s / module.soft_cap)
+    seen = np.tril(np.ones((x.shape[0], x.shape[0]), bool))
+    if module.sliding_window:
+        seen &= ~np.tril(seen, -module.sliding_window)
+    s = np.where(seen[None], s, -np.inf)
+    sinks = None if module.sinks is None else np.asarray(module.sinks[...], np.float64)[:, None, None]
+    top = s.max(-1, keepdims=True) if sinks is None else np.maximum(s.max(-1, keepdims=True), sinks)
+    w = np.exp(s - top)
+    w /= w.sum(-1, keepdims=True) + (0.0 if sinks is None else np.exp(sinks - top))
     attn = np.einsum("hts,shd->thd", w, v)
     return np.einsum("thd,hdo->to", attn, p["out"]) + p["out_b"]
 
@@ -109,6 +117,42 @@ def test_uncompressed_prefill_and_decode_equal_float64_attention(rng, rope):
         for i in range(steps_n):
             np.testing.assert_allclose(outs[1 + i][b, 0], want[b][n + i], rtol=2e-5, atol=2e-5)
     np.testing.assert_array_equal(np.asarray(m.lengths[...]), lens + steps_n)
+
+
+@pytest.mark.parametrize("variant", ["window", "soft_cap", "sinks", "all"])
+def test_variants_in_prefill_decode_and_without_cache_equal_float64(rng, variant):
+    """sliding_window, soft_cap and learned sinks reach prompt_attention, paged_decode and the
+    cache-less path: uncompressed cache against the float64 oracle, and they change the answer."""
+    options = dict(sliding_window=3 if variant in ("window", "all") else None,
+                   soft_cap=1.5 if variant in ("soft_cap", "all") else None, sinks=variant in ("sinks", "all"))
+    batch, length, steps_n = 2, 6, 3
+    m = make(rng, **options)
+    if m.sinks is not None:
+        m.sinks[...] = jnp.asarray(rng.normal(size=m.sinks.shape) * 2, jnp.float32)
+    prompt = rng.normal(size=(batch, length, 64)).astype(np.float32)
+    steps = rng.normal(size=(batch, steps_n, 64)).astype(np.float32)
+    lens = np.asarray([6, 4], np.int32)
+    plain = np.asarray(m(jnp.asarray(prompt), decode=False, lengths=jnp.asarray(lens)))  # no cache yet
+    m.init_cache(batch, length + steps_n)
+    outs = run(m, jnp.asarray(prompt), jnp.asarray(lens), jnp.asarray(steps))
+    want = oracle_rows(m, prompt, lens, steps)
+    for b, n in enumerate(lens):
+        np.testing.assert_allclose(plain[b, :n], want[b][:n], rtol=2e-5, atol=2e-5)
+        np.testing.assert_allclose(outs[0][b, :n], want[b][:n], rtol=2e-5, atol=2e-5)
+        for i in range(steps_n):
+            np.testing.assert_allclose(outs[1 + i][b, 0], want[b][n + i], rtol=2e-5, atol=2e-5)
+    base = make(rng)
+    for name in ("query", "key", "value", "out"):  # m's weights without its variants
+        nnx.update(getattr(base, name), nnx.state(getattr(m, name)))
+    base_out = np.asarray(base(jnp.asarray(prompt), decode=False, lengths=jnp.asarray(lens)))
+    assert np.abs(base_out[0, 3:] - plain[0, 3:]).max() > 1e-3
+
+
+def test_variant_arguments_are_checked(rng):
+    with pytest.raises(ValueError, match="nn.PagedAttention: sliding_window must be >= 1"):
+        make(rng, sliding_window=0)
+    with pytest.raises(TypeError, match="nn.PagedAttention: soft_cap must be a positive Python number"):
+        make(rng, soft_cap="big")
 
 
 def test_without_cache_is_causal_attention_and_matches_multihead_attention(rng):
