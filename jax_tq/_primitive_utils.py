@@ -11,6 +11,7 @@ import functools
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jax_tq import _compat, _ffi, partitioning
@@ -23,6 +24,31 @@ _PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 @functools.lru_cache(maxsize=None)
 def _jitted_bind(prim, params: tuple):
     return jax.jit(functools.partial(prim.bind, **dict(params)))
+
+
+def bind(prim, *operands, **params):
+    """``prim.bind(*operands, **params)``, with the zero-size operands (a mode of the kernels: no
+    rotation spec, no window, no sinks) made inside a ``jax.jit`` around the bind instead of passed
+    in. An eager ``shard_map`` compiles each primitive it meets with its operands as they are, and
+    XLA's compiler of jax 0.11 (Shardy, CPU) crashed on such a program given a zero-size array;
+    the jit makes the whole bind one program that creates them itself. Under an outer jit the
+    inner one is inlined."""
+    empty = tuple((i, tuple(x.shape), jnp.dtype(x.dtype)) for i, x in enumerate(operands) if 0 in tuple(x.shape))
+    if not empty:
+        return prim.bind(*operands, **params)
+    kept = [x for i, x in enumerate(operands) if i not in {e[0] for e in empty}]
+    return _bind_making_empty(prim, tuple(sorted(params.items())), empty)(*kept)
+
+
+@functools.lru_cache(maxsize=None)
+def _bind_making_empty(prim, params: tuple, empty: tuple):
+    def call(*kept):
+        operands = list(kept)
+        for i, shape, dtype in empty:  # ascending indices: each lands where it was
+            operands.insert(i, jnp.zeros(shape, dtype))
+        return prim.bind(*operands, **dict(params))
+
+    return jax.jit(call)
 
 
 def define_op(prim, *, abstract: Callable, reference: Callable, ffi: Callable, batch: Callable,

@@ -278,8 +278,8 @@ def _write_cache_kernel(k, v, k_codes, k_norms, v_codes, v_norms, slot_mapping, 
     """The fused K+V write; its JVP carries the pools' norm tangents, with the written slots'
     replaced by the new tokens' scale tangents (the codes are integers, the window rows bfloat16
     copies that get no tangent)."""
-    return tuple(write_cache_p.bind(
-        k, v, k_codes, k_norms, v_codes, v_norms, k_codec.rotation, k_codec.centroids, v_codec.rotation,
+    return tuple(pu.bind(
+        write_cache_p, k, v, k_codes, k_norms, v_codes, v_norms, k_codec.rotation, k_codec.centroids, v_codec.rotation,
         v_codec.centroids, slot_mapping, k_window, v_window, window_slots, rotation_spec(k_codec, v_codec),
         k_bits=k_codec.bits, v_bits=v_codec.bits, k_fit_scale=k_codec.fit_scale, v_fit_scale=v_codec.fit_scale,
         backend=backend))

@@ -148,7 +148,7 @@ def paged_decode(q, cache, block_tables, seq_lens, *, window_ids=None, scale=Non
         out_rot = _reference_rotated(*operands, k_codec.bits, v_codec.bits, scale, sinks=sinks,
                                      sliding_window=sliding_window, soft_cap=soft_cap)
     else:
-        out_rot = _decode(*operands, _NO_ROTATION, sinks, *static)
+        out_rot = _decode(*operands, _no_rotation(), sinks, *static)
     out = jnp.einsum("she,ed->shd", out_rot, v_codec.rotation, precision=rotation_precision)
     return out.astype(q.dtype)
 
@@ -194,8 +194,11 @@ def window_operands(cache, window_ids, seq_lens, op: str):
     return jax.lax.stop_gradient(cache.k_window), jax.lax.stop_gradient(cache.v_window), window_ids
 
 
-#: The primitive's rotation operand when q is already rotated (q_rot) and the output stays rotated.
-_NO_ROTATION = np.zeros((2, 0), np.int32)
+def _no_rotation():
+    """The primitive's rotation operand when q is already rotated (q_rot) and the output stays
+    rotated: int32 [2, 0], made while tracing (a zero-size NumPy constant captured by a shard_map
+    crashed XLA's compiler under Shardy on jax 0.11)."""
+    return jnp.zeros((2, 0), jnp.int32)
 
 #: The run-time override of the CUDA kernel family, for tests and A/B timing: one of DECODE_KERNELS
 #: (that family wherever it can run the call; the planner's choice elsewhere), unset or empty: the planner's.
@@ -389,8 +392,8 @@ def _decode(q, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens,
     window rows bfloat16 copies). With rotation [2, 0], q is q_rot and the result out_rot; with [2, d]
     (the fused rotation) both are unrotated. A row whose q_rot is not all finite gives a NaN output
     row. sinks float32 [H] or [0] (none); sliding_window 0 and soft_cap 0.0: none."""
-    (out,) = paged_decode_p.bind(
-        q, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, k_window, v_window, window_ids,
+    (out,) = pu.bind(
+        paged_decode_p, q, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, k_window, v_window, window_ids,
         rotation, sinks, k_bits=k_bits, v_bits=v_bits, scale=scale, num_splits=num_splits, f16_products=f16_products,
         kernel=kernel, backend=backend, sliding_window=sliding_window, soft_cap=soft_cap,
     )

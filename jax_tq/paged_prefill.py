@@ -166,7 +166,7 @@ def _prefill(q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, 
              starts, sinks, k_bits, v_bits, scale, f16_products, backend, sliding_window, soft_cap):
     """The kernel call, differentiable in q_rot, k_norms, v_norms and sinks (the codes are integers,
     the window rows bfloat16 copies)."""
-    (out,) = paged_prefill_p.bind(q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, k_window,
+    (out,) = pu.bind(paged_prefill_p, q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, k_window,
                                   v_window, window_ids, starts, sinks, k_bits=k_bits, v_bits=v_bits, scale=scale,
                                   f16_products=f16_products, backend=backend, sliding_window=sliding_window,
                                   soft_cap=soft_cap)

@@ -44,7 +44,7 @@ Roles = tuple  # tuple[Optional[str], ...]: one role per dim
 #: need their devices at lowering, Shardy's sharding rules) this module was run against. Under any
 #: other version the primitives lower whole, as before this module: XLA gathers sharded operands,
 #: results unchanged (:func:`enabled`).
-VERIFIED_JAX = ((0, 10),)
+VERIFIED_JAX = ((0, 10), (0, 11))
 
 
 def enabled() -> bool:
@@ -238,17 +238,21 @@ def _rule_static(layout, params, mesh, value_types, result_types):
     return _sharding_rule(layout, params, mesh, value_types, result_types)
 
 
-def _single_device(ctx) -> bool:
-    """Whether the program being lowered runs on one device (or its devices are not yet known:
-    custom_partitioning needs them), so that the twin is lowered as it is."""
+def _lowered_whole(ctx) -> bool:
+    """Whether the twin is lowered as it is: the program runs on one device (or its devices are
+    not yet known: custom_partitioning needs them), or inside a shard_map where every mesh axis is
+    manual (each device already holds its shard: nothing to partition)."""
     context = ctx.module_context.axis_context
-    if not hasattr(context, "device_assignment"):  # shard_map (SPMDAxisContext) and other contexts
+    manual, mesh = getattr(context, "manual_axes", None), getattr(context, "mesh", None)
+    if manual is not None and mesh is not None:  # shard_map (SPMDAxisContext)
+        return set(mesh.axis_names) <= set(manual)
+    if not hasattr(context, "device_assignment"):  # other contexts
         return False
     return context.device_assignment is None or len(context.device_assignment) <= 1
 
 
 def _lower_partitioned(twin, layout, ctx, *operands, **params):
-    if _single_device(ctx):
+    if _lowered_whole(ctx):
         return _compat.mlir.lower_fun(lambda *ops: twin.bind(*ops, **params), multiple_results=True)(ctx, *operands)
     wrapped = _partitioned_call(twin, layout)
     static = tuple(sorted(params.items()))
