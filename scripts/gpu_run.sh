@@ -55,13 +55,19 @@ if has ab; then  # A/B in one call, on one machine: each source tree of AB_TREES
   # commit's tree with: mkdir -p ab/base && git archive <rev> | tar -x -C ab/base (untracked, so it
   # travels; delete it afterwards). The working tree's install is restored at the end.
   # CUDAFLAGS=-DJTQ_DEV_ONLY_D=128 builds head_dim 128's kernels only (~60 s per tree instead of ~150).
+  # AB_PREFILL=1 times bench_prefill.py instead of bench_decode.py (test a tree with the prefill stage).
   for tree in ${AB_TREES:-. ab/base .}; do
     echo "== A/B: $tree"
     if ! (cd "$tree" && cuda_install >"$OUT/build_ab.log" 2>&1); then
       tail -n 40 "$OUT/build_ab.log"; echo "A/B BUILD FAILED: $tree"; continue
     fi
-    (cd "$tree" && timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/bench_decode.py --only-tq --device-time --rotations hadamard \
-      --shapes ${AB_SHAPES:-32x8192} 2>&1 | grep "^|" | grep -v -- "---" | cut -d'|' -f2-3,5)
+    if [ "${AB_PREFILL:-0}" = 1 ]; then
+      (cd "$tree" && PYTHONPATH=benchmarks:${PYTHONPATH:-} timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/bench_prefill.py \
+        --no-decode-rows 2>&1 | grep "^| (" | cut -d'|' -f2-5)
+    else
+      (cd "$tree" && timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/bench_decode.py --only-tq --device-time --rotations hadamard \
+        --shapes ${AB_SHAPES:-32x8192} 2>&1 | grep "^|" | grep -v -- "---" | cut -d'|' -f2-3,5)
+    fi
   done
   cuda_install >"$OUT/build_ab.log" 2>&1
   echo "ab: $(( $(date +%s) - t0 )) s"
