@@ -301,7 +301,8 @@ class PagedKVCache:
             return f"{name}={x!r}"
         if not self.compressed:
             return f"PagedKVCache({pool('k_pages')}, {pool('v_pages')}, uncompressed)"
-        names = ("k_codes", "k_norms", "v_codes", "v_norms") + (("k_window", "v_window") if self.k_window is not None else ())
+        windows = ("k_window", "v_window") if self.k_window is not None else ()
+        names = ("k_codes", "k_norms", "v_codes", "v_norms") + windows
         pools = ", ".join(pool(n) for n in names)
         return f"PagedKVCache({pools}, k_codec={self.k_codec!r}, v_codec={self.v_codec!r})"
 

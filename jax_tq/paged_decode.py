@@ -200,6 +200,7 @@ def _no_rotation():
     crashed XLA's compiler under Shardy on jax 0.11)."""
     return jnp.zeros((2, 0), jnp.int32)
 
+
 #: The run-time override of the CUDA kernel family, for tests and A/B timing: one of DECODE_KERNELS
 #: (that family wherever it can run the call; the planner's choice elsewhere), unset or empty: the planner's.
 KERNEL_ENV = "JAX_TQ_DECODE_KERNEL"
@@ -393,8 +394,8 @@ def _decode(q, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens,
     (the fused rotation) both are unrotated. A row whose q_rot is not all finite gives a NaN output
     row. sinks float32 [H] or [0] (none); sliding_window 0 and soft_cap 0.0: none."""
     (out,) = pu.bind(
-        paged_decode_p, q, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, k_window, v_window, window_ids,
-        rotation, sinks, k_bits=k_bits, v_bits=v_bits, scale=scale, num_splits=num_splits, f16_products=f16_products,
+        paged_decode_p, q, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, k_window, v_window,
+        window_ids, rotation, sinks, k_bits=k_bits, v_bits=v_bits, scale=scale, num_splits=num_splits, f16_products=f16_products,
         kernel=kernel, backend=backend, sliding_window=sliding_window, soft_cap=soft_cap,
     )
     return out
