@@ -484,7 +484,7 @@ def test_prompt_past_its_block_table_and_checked_mode(rng):
     err, _ = step(q, k, v, cache, tables, lens)
     with pytest.raises(Exception, match=r"prompt_attention: prompt_lens\[0\] = 12 is outside \[0, 8\]"):
         err.throw()
-    q, k, v, tables, lens = prompt_case(rng, cache, (12, 5), 12)
+    q, k, v, tables, lens = prompt_case(rng, cache, (12, 12), 12)  # both rows' pages valid up to 16 positions
     err, _ = step(q, k, v, cache, tables, np.asarray([12, 13], np.int32))
     with pytest.raises(Exception, match=r"prompt_lens\[1\] = 13 is past seq_len = 12"):
         err.throw()
