@@ -223,8 +223,9 @@ def quality_table(ev, model, cfg, tok, args, configs, texts, chunkings, progress
         lengths = sorted({length for _, length in chunkings} | {8192})
         for j, c in enumerate(first):
             kb, vb = (None, None) if c is None else (c.k_bits, c.v_bits)
-            per_token = ev.kv_bytes_per_token(cfg, kb, vb)
-            window = 0 if c is None else ev.window_bytes_per_sequence(cfg, c.window)
+            exact = () if c is None else c.exact_layers
+            per_token = ev.kv_bytes_per_token(cfg, kb, vb, exact)
+            window = 0 if c is None else ev.window_bytes_per_sequence(cfg, c.window, exact)
             name = "uncompressed (bf16 bytes)" if c is None else c.name
             cells = [name, f"{per_token:,.0f}", f"{window / 1024:,.0f}"]
             cells += [f"{per_token + window / length:,.0f}" for length in lengths]
@@ -379,7 +380,8 @@ def main(argv=None) -> int:
             kb, vb = (None, None) if c is None else (c.k_bits, c.v_bits)
             name = "uncompressed bf16 (paged)" if c is None else f"jax_tq {c.name} (paged)"
             steps = g["decode_steps"]
-            print(f"| {name} | {ev.kv_bytes_per_token(cfg, kb, vb):,.0f} | {g['compile_s']:.2f} "
+            exact = () if c is None else c.exact_layers
+            print(f"| {name} | {ev.kv_bytes_per_token(cfg, kb, vb, exact):,.0f} | {g['compile_s']:.2f} "
                   f"| {steps} | {g['decode_s']:.2f} | {1e3 * g['decode_s'] / steps:.1f} "
                   f"| {g['tokens_per_s']:.1f} | {g['tokens_per_s'] / base_tps:.2f}x |")
         print(f"\ntokens/s = batch ({B}) x decode steps / decode time (compilation and the "

@@ -5,6 +5,7 @@ Tests that need the real SmolLM2 GGUF are skipped when neither ``$JAX_TQ_GGUF`` 
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
@@ -143,6 +144,57 @@ def test_compressed_eval_matches_decode_steps(tiny, bits, window):
     caches = init_caches(TINY, *bits, num_pages=n_pages, page_size=ps, seed=3, **fmt)
     other_logits, _ = forward_compressed(tiny, other, caches, table)
     np.testing.assert_allclose(dec[:, 1], np.asarray(other_logits), atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("exact", [(0,), (-1,)], ids=["first", "last"])
+def test_exact_layers_keep_uncompressed_pages_among_compressed_ones(tiny, exact):
+    """init_caches(exact_layers=): the kept layer's cache is uncompressed pages holding its exact
+    K / V, the other layer's the compressed write of what reached it; decode steps and the chunk
+    path agree over the mix (the compressed layer with a window, the exact one without); keeping
+    every layer is the uncompressed model."""
+    import jax_tq as tq
+    from jax_tq.format import unpack_codes
+
+    ids = np.random.default_rng(5).integers(0, TINY.vocab_size, 13).astype(np.int32)
+    ps, n_pages = 4, 4
+    table = np.array([2, 0, 3, 1], np.int32)
+    fmt = dict(window=3, num_windows=2, scale="fit", rotation="hadamard", seed=3)
+    kept = exact[0] % TINY.num_layers
+    mixed = init_caches(TINY, 3, 3, num_pages=n_pages, page_size=ps, exact_layers=exact, **fmt)
+    assert [not c.compressed for c in mixed] == [i == kept for i in range(TINY.num_layers)]
+    assert [c.window for c in mixed] == [0 if i == kept else 3 for i in range(TINY.num_layers)]
+    logits, mixed = forward_compressed(tiny, ids, mixed, table)
+    exact_logits, plain = forward_compressed(tiny, ids, init_caches(TINY, None, None, n_pages, ps), table)
+    slots = (table[np.arange(13) // ps] * ps + np.arange(13) % ps).astype(np.int32)
+    np.testing.assert_array_equal(np.asarray(mixed[kept].k_pages)[table], np.asarray(plain[kept].k_pages)[table]) \
+        if kept == 0 else None  # layer 0 sees the same input on both runs
+    if kept == 0:  # layer 1's K / V came from an exact layer 0: the compressed write of the exact run's
+        def tokens(pages):  # [num_pages, Hkv, page, d] -> the written tokens [13, Hkv, d]
+            return jnp.asarray(np.asarray(pages).transpose(0, 2, 1, 3).reshape(-1, TINY.num_kv_heads,
+                                                                              TINY.head_dim)[slots])
+        k, v = tokens(plain[1].k_pages), tokens(plain[1].v_pages)
+        empty = init_caches(TINY, 3, 3, num_pages=n_pages, page_size=ps, **fmt)[1]
+        want = tq.write_cache(empty, k, v, jnp.asarray(slots),
+                              tq.window_slot_mapping(np.zeros(13, np.int32), np.arange(13), np.full(13, 13), 3))
+        # (layer 0 ran over one-row sequences on one path, one 13-row sequence on the other: its
+        # float32 sums differ in the last bits, so a code on a centroid boundary may flip)
+        got_codes = unpack_codes(np.asarray(mixed[1].k_codes)[table], 3, TINY.head_dim)
+        want_codes = unpack_codes(np.asarray(want.k_codes)[table], 3, TINY.head_dim)
+        assert np.mean(got_codes == want_codes) > 0.99 and np.abs(got_codes.astype(int) - want_codes).max() <= 1
+        np.testing.assert_allclose(np.asarray(mixed[1].v_norms)[table], np.asarray(want.v_norms)[table], rtol=1e-4)
+    assert not np.allclose(np.asarray(logits), np.asarray(exact_logits), atol=1e-3)  # layer 1 is compressed
+    # Decode steps over the mix (two sequences, window ids 0 and 1) == the chunk path, every position.
+    caches = init_caches(TINY, 3, 3, num_pages=2 * n_pages, page_size=ps, exact_layers=exact, **fmt)
+    step = make_decode_step(tiny)
+    tables = np.stack([table, table + n_pages])
+    for t in range(13):
+        dec, caches = step(caches, np.array([ids[t], ids[t]]), np.array([t, t]), tables, np.array([t + 1, t + 1]))
+        np.testing.assert_allclose(np.asarray(dec)[0], np.asarray(logits)[t], atol=2e-4, rtol=1e-4)
+    every = init_caches(TINY, 3, 3, num_pages=n_pages, page_size=ps, exact_layers=(0, 1), **fmt)
+    np.testing.assert_allclose(np.asarray(forward_compressed(tiny, ids, every, table)[0]), np.asarray(exact_logits),
+                               atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match=r"exact_layers entries must be ints in \[-2, 2\), got 2"):
+        init_caches(TINY, 3, 3, num_pages=4, exact_layers=(2,))
 
 
 @pytest.mark.slow
@@ -416,12 +468,22 @@ def test_token_log_likelihoods_and_bytes(tiny):
     assert ev.kv_bytes_per_token(smol, 4, 4) == 30 * 3 * (32 + 4 + 32 + 4) == 6480
     assert ev.kv_bytes_per_token(smol, 4, 2) == 30 * 3 * (32 + 4 + 16 + 4)
     assert ev.kv_bytes_per_token(smol, 3, 3) == 30 * 3 * (24 + 4 + 24 + 4)
+    assert ev.kv_bytes_per_token(smol, 2, 2, (0, -1, 29)) == 28 * 3 * (16 + 4 + 16 + 4) + 2 * 3 * 64 * 2 * 2
+    assert ev.window_bytes_per_sequence(smol, 64, (0, -1)) == 28 * 3 * 64 * 64 * 2 * 2
     assert ev.compression_ratio_vs_bf16(smol, 2, 2) == pytest.approx(23040 / (90 * 40))
     with pytest.raises(ValueError, match=r"k_bits must be one of \(2, 3, 4\)"):
         ev.kv_bytes_per_token(smol, 5, 4)  # no packed format: was computed as if it had one
     assert ev.parse_cache_config("none") is None
     assert ev.parse_cache_config("4:2") == ev.CacheConfig(4, 2)
     assert ev.parse_cache_config("K3V2") == ev.CacheConfig(3, 2)
+    exact = ev.parse_cache_config("k2v2@0:-1")
+    assert exact == dataclasses.replace(ev.CacheConfig.from_preset("k2v2"), exact_layers=(0, -1))
+    assert exact.name == "k2v2@0:-1" and ev.parse_cache_config("3:2@4").name == "K3V2@4"
+    for bad, match in (("k2v2@a", "cannot parse the exact layers"), ("none@0", "of an uncompressed cache")):
+        with pytest.raises(ValueError, match=match):
+            ev.parse_cache_config(bad)
+    with pytest.raises(ValueError, match="exact_layers must be a tuple of layer indices"):
+        ev.CacheConfig(4, 4, exact_layers=[0])
 
 
 def test_evaluation_arguments_are_checked(tiny):
@@ -567,9 +629,9 @@ def test_entry_points_refuse_more_sequences_or_a_window_id_than_the_caches_have_
     plain = init_caches(TINY, 4, 4, num_pages=8, page_size=4)  # no window: any number of sequences
     logits, _ = make_decode_step(tiny)(plain, two, np.array([0, 0]), tabs, np.array([1, 1]))
     assert np.isfinite(np.asarray(logits)).all()
-    mixed = caches[:1] + init_caches(TINY, None, None, num_pages=8, page_size=4)[1:]
-    with pytest.raises(ValueError, match="one kind"):
-        forward_compressed(tiny, np.arange(5, 9, dtype=np.int32), mixed, tabs[0])
+    other_window = caches[:1] + init_caches(TINY, 4, 4, num_pages=8, page_size=4, window=8)[1:]
+    with pytest.raises(ValueError, match="layers with a window must share its size"):
+        forward_compressed(tiny, np.arange(5, 9, dtype=np.int32), other_window, tabs[0])
     with pytest.raises(ValueError, match="both be None"):
         init_caches(TINY, 4, None, num_pages=8, page_size=4)
 

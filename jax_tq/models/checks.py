@@ -76,18 +76,18 @@ def check_caches(caches: Sequence, num_layers: int, where: str) -> int:
     """The caches' common page_size; ValueError unless one per layer, TypeError for an entry that is
     not a :class:`jax_tq.PagedKVCache`, ValueError when the layers' page sizes or page counts differ
     (one block table and one set of slots serve all layers: a smaller pool would silently drop the
-    pages beyond it)."""
+    pages beyond it) or their windows do (one set of window slots serves the layers that have
+    one). Compressed and uncompressed layers may mix (init_caches' ``exact_layers``)."""
     if len(caches) != num_layers:
         raise ValueError(f"{where}: expected {num_layers} caches, got {len(caches)}")
     for i, c in enumerate(caches):
         if not isinstance(c, PagedKVCache):
             raise TypeError(f"{where}: caches[{i}] must be a jax_tq.PagedKVCache (see init_caches), got "
                             f"{type(c).__name__}")
-    kinds = sorted({"compressed" if c.compressed else "uncompressed" for c in caches})
-    windows = sorted({c.window for c in caches})
-    if len(kinds) > 1 or len(windows) > 1:
-        raise ValueError(f"{where}: every layer's cache must be of one kind (got {' and '.join(kinds)} caches, "
-                         f"windows {windows}): one set of slots and window slots serves all layers")
+    windows = sorted({(c.window, c.num_windows) for c in caches if c.window})
+    if len(windows) > 1:
+        raise ValueError(f"{where}: the layers with a window must share its size and count (got (window, "
+                         f"num_windows) {windows}): one set of window slots serves them all")
     for what in ("page_size", "num_pages"):
         sizes = sorted({int(getattr(c, what)) for c in caches})
         if len(sizes) > 1:

@@ -61,10 +61,13 @@ class CacheConfig:
       rotation: codec rotation, ``"haar"`` or ``"hadamard"`` (:class:`jax_tq.TurboQuant`).
       scale: the codecs' per-vector scale, ``"norm"`` (TurboQuant_mse) or ``"fit"``.
       window: recent tokens of each sequence kept exactly (0: none; at most 256).
+      exact_layers: layers whose caches stay uncompressed (float32 pages; negative indices count
+        from the end): :func:`jax_tq.models.init_caches`'s ``exact_layers``.
 
     Raises:
       ValueError: bits not 2, 3 or 4, page_size not an int in [1, 256], seed not an int >= 0, an
-        unknown rotation or scale, or a window outside [0, 256] (at construction).
+        unknown rotation or scale, a window outside [0, 256], or exact_layers not a tuple of ints
+        (at construction).
     """
 
     k_bits: int = 4
@@ -74,6 +77,7 @@ class CacheConfig:
     rotation: str = "haar"
     scale: str = "norm"
     window: int = 0
+    exact_layers: tuple = ()
 
     @classmethod
     def from_preset(cls, preset, page_size: int = 16, seed: int = 0) -> "CacheConfig":
@@ -94,14 +98,15 @@ class CacheConfig:
     def name(self) -> str:
         """The preset's name where the settings are a preset's (``"k4v4"``), else ``"K4V2"``-style,
         with ``fit`` / ``W64`` / ``hadamard`` where they differ from the plain codec."""
+        exact = "@" + ":".join(str(i) for i in self.exact_layers) if self.exact_layers else ""
         for name, p in PRESETS.items():
             if (p.k_bits, p.v_bits, p.scale, p.window, p.rotation) == (
                     self.k_bits, self.v_bits, self.scale, self.window, self.rotation):
-                return name
+                return name + exact
         extra = [self.scale] if self.scale != "norm" else []
         extra += [f"W{self.window}"] if self.window else []
         extra += [self.rotation] if self.rotation != "haar" else []
-        return f"K{self.k_bits}V{self.v_bits}" + (f" ({', '.join(extra)})" if extra else "")
+        return f"K{self.k_bits}V{self.v_bits}{exact}" + (f" ({', '.join(extra)})" if extra else "")
 
     def __post_init__(self):
         for name in ("k_bits", "v_bits"):
@@ -117,6 +122,9 @@ class CacheConfig:
             raise ValueError(f"CacheConfig: scale must be one of {SCALE_KINDS}, got {self.scale!r}")
         if not _is_int(self.window) or not 0 <= self.window <= MAX_WINDOW:
             raise ValueError(f"CacheConfig: window must be an int in [0, {MAX_WINDOW}], got {self.window!r}")
+        if not isinstance(self.exact_layers, tuple) or not all(_is_int(i) for i in self.exact_layers):
+            raise ValueError(f"CacheConfig: exact_layers must be a tuple of layer indices (ints), got "
+                             f"{self.exact_layers!r}")
 
 
 def _is_int(value) -> bool:
@@ -138,6 +146,8 @@ def parse_cache_config(spec) -> CacheConfig | None:
     """Normalise a cache spec: None / "none" -> None (uncompressed); a preset name (``"k4v4"``,
     ``"k3v3"``, ``"k2v2"``: :data:`jax_tq.PRESETS`) -> that preset; ``(k, v)`` or "k:v" or a
     :class:`CacheConfig` -> :class:`CacheConfig` (the plain TurboQuant codec for tuples / strings).
+    A string may end in ``@i:j:...``: those layers' caches stay uncompressed (``"k2v2@0:-1"``:
+    the first and last layers; :class:`CacheConfig`'s ``exact_layers``).
 
     Args:
       spec: None, a :class:`CacheConfig` or :class:`jax_tq.CachePreset`, a 2-tuple / list
@@ -156,6 +166,16 @@ def parse_cache_config(spec) -> CacheConfig | None:
         return CacheConfig.from_preset(spec)
     if isinstance(spec, str):
         s = spec.strip().lower()
+        if "@" in s:
+            base, layers = s.split("@", 1)
+            cfg = parse_cache_config(base)
+            try:
+                exact = tuple(int(i) for i in layers.split(":"))
+            except ValueError:
+                raise ValueError(f"cannot parse the exact layers of cache spec {spec!r}; use e.g. 'k2v2@0:-1'") from None
+            if cfg is None:
+                raise ValueError(f"cache spec {spec!r}: exact layers of an uncompressed cache")
+            return dataclasses.replace(cfg, exact_layers=exact)
         if s in ("none", "fp32", "uncompressed", ""):
             return None
         if s in PRESETS:
@@ -209,7 +229,7 @@ def config_caches(config: LlamaConfig, cache_config: CacheConfig, num_pages: int
     """
     c = cache_config
     return init_caches(config, c.k_bits, c.v_bits, num_pages, c.page_size, c.seed, c.rotation, scale=c.scale,
-                       window=c.window, num_windows=num_windows)
+                       window=c.window, num_windows=num_windows, exact_layers=c.exact_layers)
 
 
 def token_log_likelihoods(model: Llama, token_ids, cache_config=None) -> np.ndarray:
@@ -343,40 +363,46 @@ def wikitext_perplexity(model: Llama, tokenizer, text: str, num_chunks: int = 4,
     return float(math.exp(-np.mean(np.concatenate(lls))))
 
 
-def kv_bytes_per_token(config: LlamaConfig, k_bits: int | None, v_bits: int | None) -> float:
+def kv_bytes_per_token(config: LlamaConfig, k_bits: int | None, v_bits: int | None,
+                       exact_layers: Sequence[int] = ()) -> float:
     """KV-cache bytes per token over all layers and KV heads.
 
     Compressed (TurboQuant): ``head_dim * bits / 8`` bytes of packed codes plus a 4-byte float32
-    norm per head vector, for K and for V. Uncompressed (``k_bits is None``): bfloat16, 2 bytes per
-    element for K and V.
+    norm per head vector, for K and for V. Uncompressed (``k_bits is None``, and the layers of
+    ``exact_layers``): bfloat16, 2 bytes per element for K and V.
 
     Args:
       config: model config (``num_layers``, ``num_kv_heads``, ``head_dim``).
       k_bits, v_bits: bits per coordinate, or None (either None: uncompressed bfloat16).
+      exact_layers: layers kept uncompressed (:class:`CacheConfig`; negative indices from the end).
     Returns:
       bytes per token (float).
     Raises:
       TypeError / ValueError: a bit width other than an int 2, 3, 4 or None (no packed format).
     """
     d, h, L = config.head_dim, config.num_kv_heads, config.num_layers
+    exact = len({int(i) % L for i in exact_layers})
     if k_bits is None or v_bits is None:
         return float(L * h * 2 * d * 2)
     for name, bits in (("k_bits", k_bits), ("v_bits", v_bits)):
         check_bits(bits, name=name)
-    return float(L * h * (d * k_bits / 8 + 4 + d * v_bits / 8 + 4))
+    return float((L - exact) * h * (d * k_bits / 8 + 4 + d * v_bits / 8 + 4) + exact * h * 2 * d * 2)
 
 
-def window_bytes_per_sequence(config: LlamaConfig, window: int) -> int:
-    """Bytes of a recent-token window per sequence, all layers: ``window`` tokens of bfloat16 K and V
-    rows per KV head (a fixed cost, whatever the sequence's length).
+def window_bytes_per_sequence(config: LlamaConfig, window: int, exact_layers: Sequence[int] = ()) -> int:
+    """Bytes of a recent-token window per sequence, all layers but ``exact_layers`` (uncompressed,
+    no window): ``window`` tokens of bfloat16 K and V rows per KV head (a fixed cost, whatever the
+    sequence's length).
 
     Args:
       config: model config (``num_layers``, ``num_kv_heads``, ``head_dim``).
       window: tokens kept exactly (0: none).
+      exact_layers: layers kept uncompressed (negative indices from the end).
     Returns:
       bytes (int).
     """
-    return int(config.num_layers * config.num_kv_heads * window * config.head_dim * 2 * 2)
+    layers = config.num_layers - len({int(i) % config.num_layers for i in exact_layers})
+    return int(layers * config.num_kv_heads * window * config.head_dim * 2 * 2)
 
 
 def compression_ratio_vs_bf16(config: LlamaConfig, k_bits: int | None, v_bits: int | None) -> float:

@@ -22,6 +22,8 @@ with :func:`sample_tokens`, a PRNG key and per-row stop tokens).
 
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 from typing import Sequence
 
@@ -35,7 +37,8 @@ import jax_tq as tq
 from . import checks
 from .config import LlamaConfig
 from .layers import MLP, RMSNorm, apply_rope, dense_param, rope_cos_sin
-from .paging import CacheRows, chunk_rows, decode_rows, init_caches, prompt_rows, row_windows, slot_mapping_for
+from .paging import (CacheRows, chunk_rows, decode_rows, init_caches, prompt_rows, row_windows, rows_cache,
+                     slot_mapping_for)
 
 __all__ = [
     "LlamaConfig", "RMSNorm", "Attention", "MLP", "Block", "Llama", "CacheRows", "rope_cos_sin", "apply_rope",
@@ -107,6 +110,8 @@ class Attention(nnx.Module):
         int32 ``[T]`` (RoPE). Returns ``(y [T, hidden], the cache with this call's K / V)``; raises
         what :func:`jax_tq.write_cache` / :func:`jax_tq.paged_prefill` / :func:`jax_tq.paged_decode` raise."""
         q, k, v = self.qkv(x, positions)
+        if not cache.window:  # a layer without a window among layers with one (init_caches' exact_layers)
+            rows = dataclasses.replace(rows, window_slots=None, window_ids=None, view_start=None, view_window_id=None)
         if rows.prompt_len is not None:
             return self._prompts(q, k, v, cache, rows)
         written = tq.write_cache(cache, k, v, rows.slots, rows.window_slots)
@@ -262,7 +267,7 @@ def _logits_pure(graphdef, state, token_ids, start_pos):
 
 def _chunk(model, token_ids, caches, block_table, cache_start, rope_start, window_id=0):
     """The chunk's tokens at cache positions from ``cache_start``, RoPE positions from ``rope_start``."""
-    rows = chunk_rows(caches[0], block_table, cache_start, token_ids.shape[0], window_id)
+    rows = chunk_rows(rows_cache(caches), block_table, cache_start, token_ids.shape[0], window_id)
     return model(token_ids, rope_start + jnp.arange(token_ids.shape[0], dtype=jnp.int32), caches, rows)
 
 
@@ -340,7 +345,7 @@ def forward_compressed(model: Llama, token_ids, caches: Sequence, block_table, s
 def _prefill_pure(graphdef, state, prompt_ids, caches, block_tables, prompt_lens):
     model = nnx.merge(graphdef, state)
     num_prompts, length = prompt_ids.shape
-    rows = prompt_rows(caches[0], block_tables, prompt_lens, length)
+    rows = prompt_rows(rows_cache(caches), block_tables, prompt_lens, length)
     positions = jnp.tile(jnp.arange(length, dtype=jnp.int32), num_prompts)
     h, caches = model.hidden(prompt_ids.reshape(-1), positions, caches, rows)
     last = jnp.arange(num_prompts) * length + jnp.clip(prompt_lens - 1, 0, length - 1)
@@ -377,7 +382,7 @@ def make_prefill(model: Llama):
 
 
 def _decode(model, caches, token, position, block_tables, seq_lens):
-    return model(token, position, caches, decode_rows(caches[0], block_tables, position, seq_lens))
+    return model(token, position, caches, decode_rows(rows_cache(caches), block_tables, position, seq_lens))
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))

@@ -6,22 +6,26 @@ count, KV heads, head_dim); the rest serves any decoder."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import jax_tq as tq
 from jax_tq.format import window_slot_mapping
 
 from .config import LlamaConfig
 
-__all__ = ["CacheRows", "chunk_rows", "decode_rows", "init_caches", "prompt_rows", "row_windows", "slot_mapping_for"]
+__all__ = ["CacheRows", "chunk_rows", "decode_rows", "init_caches", "prompt_rows", "row_windows", "rows_cache",
+           "slot_mapping_for"]
 
 
 def init_caches(config: LlamaConfig, k_bits: int | None, v_bits: int | None, num_pages: int, page_size: int = 16,
                 seed: int = 0, rotation: str = "haar", *, scale: str = "norm", window: int = 0, num_windows: int = 1,
-                dtype=jnp.float32):
-    """One empty :class:`jax_tq.PagedKVCache` per layer, all with the same codecs.
+                dtype=jnp.float32, exact_layers: Sequence[int] = ()):
+    """One empty :class:`jax_tq.PagedKVCache` per layer, all with the same codecs, but for the
+    layers in ``exact_layers``, which keep uncompressed pages of ``dtype``.
 
     Compressed: the K codec uses ``seed`` and the V codec ``seed + 1``, both with ``rotation`` and
     ``scale`` (a preset ``p = jax_tq.get_preset("k4v4")``: ``init_caches(config, p.k_bits,
@@ -39,10 +43,15 @@ def init_caches(config: LlamaConfig, k_bits: int | None, v_bits: int | None, num
       window: recent tokens kept exactly per sequence (0: none); num_windows: window ids (one per
         sequence decoded at once; row ``b`` of a decode step uses id ``b``).
       dtype: the uncompressed pages' dtype (float32, bfloat16 or float16).
+      exact_layers: layer indices (negative ones count from the end, e.g. ``(0, -1)``) whose caches
+        are uncompressed pages of ``dtype`` among compressed ones: the layers a model's quality
+        depends on most (KIVI and KVQuant keep some layers or tokens in full precision). They
+        take no window; every model entry point accepts such a mix.
     Returns:
       list of ``num_layers`` caches.
     Raises:
-      ValueError: one of ``k_bits`` / ``v_bits`` None and not the other.
+      ValueError: one of ``k_bits`` / ``v_bits`` None and not the other; an ``exact_layers`` entry
+        outside ``[-num_layers, num_layers)`` or not an int.
       TypeError / ValueError: from :class:`jax_tq.TurboQuant` / :meth:`jax_tq.PagedKVCache.create`
         (unsupported ``head_dim``, bits, ``rotation`` or ``scale``, bad sizes, a bad window).
     """
@@ -50,13 +59,33 @@ def init_caches(config: LlamaConfig, k_bits: int | None, v_bits: int | None, num
     if (k_bits is None) != (v_bits is None):
         raise ValueError(f"init_caches: k_bits and v_bits must both be None (uncompressed) or both bits, got "
                          f"{k_bits!r} and {v_bits!r}")
+    exact = _layer_indices(exact_layers, config.num_layers)
+    plain = tq.PagedKVCache.create(**sizes, preset="none", head_dim=config.head_dim, dtype=dtype)
     if k_bits is None:
-        cache = tq.PagedKVCache.create(**sizes, preset="none", head_dim=config.head_dim, dtype=dtype)
+        cache = plain
     else:
         cache = tq.PagedKVCache.create(**sizes, k_codec=tq.TurboQuant(config.head_dim, k_bits, seed, rotation, scale),
                                        v_codec=tq.TurboQuant(config.head_dim, v_bits, seed + 1, rotation, scale),
                                        window=window, num_windows=num_windows if window else 0)
-    return [jax.tree_util.tree_map(jnp.copy, cache) for _ in range(config.num_layers)]
+    return [jax.tree_util.tree_map(jnp.copy, plain if i in exact else cache) for i in range(config.num_layers)]
+
+
+def _layer_indices(layers: Sequence[int], num_layers: int) -> set:
+    """``layers`` as indices in [0, num_layers); ValueError for one outside [-num_layers, num_layers)."""
+    out = set()
+    for i in layers:
+        if isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)) or not -num_layers <= i < num_layers:
+            raise ValueError(f"init_caches: exact_layers entries must be ints in [-{num_layers}, {num_layers}), got "
+                             f"{i!r}")
+        out.add(int(i) % num_layers)
+    return out
+
+
+def rows_cache(caches: Sequence):
+    """The layer cache whose settings make the :class:`CacheRows` of a forward: the first with a
+    window (window slots, one-row views), else the first; layers without a window ignore the
+    window parts of the rows."""
+    return next((c for c in caches if c.window), caches[0])
 
 
 def slot_mapping_for(block_tables: jax.Array, positions: jax.Array, page_size: int) -> jax.Array:
