@@ -400,8 +400,9 @@ def test_greedy_generate_batched(tiny, cache):
         ev.greedy_generate(tiny, prompt, 4, cache, batch=0)
 
 
-@pytest.mark.parametrize("bits,window", [((4, 3), 0), ((4, 4), 4), ((None, None), 0)])
-def test_prefill_of_fresh_prompts_is_the_exact_forward_and_fills_the_caches(tiny, bits, window):
+@pytest.mark.parametrize("bits,window,exact", [((4, 3), 0, ()), ((4, 4), 4, ()), ((None, None), 0, ()),
+                                               ((4, 4), 4, (1,))])
+def test_prefill_of_fresh_prompts_is_the_exact_forward_and_fills_the_caches(tiny, bits, window, exact):
     """make_prefill over prompts of different lengths (padded, pages interleaved, poisoned padding
     ids): each prompt's last-token logits == the float64 numpy forward of that prompt alone (exact
     attention over its own K / V); layer 0's cache == the decode steps' writes of the same tokens
@@ -411,7 +412,8 @@ def test_prefill_of_fresh_prompts_is_the_exact_forward_and_fills_the_caches(tiny
     prompts = rng.integers(0, TINY.vocab_size, (3, 9)).astype(np.int32)
     prompts[1, 3:] = TINY.vocab_size - 1  # padding: never attended to, never written
     tables = np.array([[0, 3, 6], [1, 4, 7], [2, 5, 8]], np.int32)
-    fresh = init_caches(TINY, *bits, num_pages=9, page_size=4, seed=2, window=window, num_windows=3)
+    fresh = init_caches(TINY, *bits, num_pages=9, page_size=4, seed=2, window=window, num_windows=3,
+                        exact_layers=exact)  # exact (1,): layer 1 uncompressed, layer 0 compressed with a window
     logits, caches = make_prefill(tiny)([jax.tree_util.tree_map(jnp.copy, c) for c in fresh], prompts, lens, tables)
     for b in range(3):
         want = _np_forward(tiny, prompts[b, :lens[b]])[-1]
