@@ -98,7 +98,7 @@ class PagedAttention(nnx.Module):
       ValueError: ``num_heads`` not a multiple of ``num_kv_heads``, ``qkv_features`` not a multiple of
         ``num_heads``, an unknown ``preset``, a compressed preset with an unsupported head_dim, a bad
         ``page_size``, a non-positive size, ``sliding_window < 1``, ``soft_cap <= 0``.
-      TypeError: ``rope`` not callable; ``sliding_window`` / ``soft_cap`` not numbers.
+      TypeError: ``rope`` not callable; ``sliding_window`` / ``soft_cap`` not numbers; ``sinks`` not a bool.
     """
 
     def __init__(self, num_heads: int, in_features: int, qkv_features: int | None = None,
@@ -138,6 +138,9 @@ class PagedAttention(nnx.Module):
         self.cache_dtype, self.check_capacity = cache_dtype, check_capacity
         self.sliding_window, self.soft_cap, _ = check_variants(sliding_window, soft_cap, None, self.num_heads,
                                                                "nn.PagedAttention")
+        if not isinstance(sinks, (bool, np.bool_)):
+            raise TypeError(f"{where}: sinks must be a bool (True adds a learned [num_heads] sinks parameter; the "
+                            f"functional ops take the array), got {type(sinks).__name__}")
         # gpt-oss's learned sinks: one logit per query head, initialised to 0 (exp(0) = one more token's worth)
         self.sinks = nnx.Param(jnp.zeros((self.num_heads,), param_dtype)) if sinks else nnx.data(None)
 
@@ -264,7 +267,7 @@ class PagedAttention(nnx.Module):
         attn, cache = prompt_attention(q, k, v, self.cache.get_value(), self.block_tables[...], lens,
                                        window_ids=self._window_ids(batch), **self._variants())
         self.cache.set_value(cache)
-        self.lengths[...] = lens
+        self.lengths[...] = jnp.clip(lens, 0, length)  # as prompt_attention read them (traced lengths are unchecked)
         return self.out(attn)
 
     def _decode(self, x):

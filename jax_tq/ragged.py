@@ -284,7 +284,9 @@ def prompt_attention(q, k, v, cache: PagedKVCache, block_tables, prompt_lens, *,
         except Exception:  # refused at trace time (head_dim, dtype, cuDNN version): XLA's code serves
             return attend(q, k, v, "xla")
 
-    k, v = jnp.where(keep, k, 0), jnp.where(keep, v, 0)  # a NaN in padding would reach real rows: 0 * NaN in p @ V
+    # Padding rows are 0 whatever they hold: a NaN in padding K / V would reach real rows (0 * NaN in
+    # p @ V), a NaN in a padding query their gradients (the masked rows' cotangents are 0, times NaN).
+    q, k, v = jnp.where(keep, q, 0), jnp.where(keep, k, 0), jnp.where(keep, v, 0)
     half = q.dtype in (jnp.bfloat16, jnp.float16)
     if soft_cap or sinks.shape[0]:
         out = _exact_attention(q, k, v, lens, scale, sliding_window, soft_cap, sinks)

@@ -48,10 +48,12 @@ def test_greedy_batch_of_different_prompts_equals_each_prompt_alone(tiny, cache,
         assert got["ids"][b] == list(got["all_ids"][b])
         alone = greedy_generate(tiny, prompt, new, cache, batch=1)
         np.testing.assert_array_equal(got["all_ids"][b], alone["all_ids"][0])
-        if cache is None:  # == argmax of the full causal forward over prompt + generated ids
-            seq = np.array(prompt + got["ids"][b], np.int32)
-            want = np.asarray(forward_logits(tiny, seq)).argmax(-1)[len(prompt) - 1:-1]
-            np.testing.assert_array_equal(got["all_ids"][b], want)
+        if cache is None:  # the argmax of the full causal forward over prompt + generated ids, up to float32
+            seq = np.array(prompt + got["ids"][b], np.int32)  # near-ties (CI once saw one flip at step 4)
+            logits = np.asarray(forward_logits(tiny, seq))[len(prompt) - 1:-1]
+            chosen = logits[np.arange(new), got["all_ids"][b]]
+            np.testing.assert_allclose(chosen, logits.max(-1), rtol=0, atol=1e-4)
+            assert np.mean(got["all_ids"][b] == logits.argmax(-1)) >= 0.8
 
 
 def test_stop_tokens_cut_each_sequence_after_its_first_stop(tiny, rng):

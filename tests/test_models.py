@@ -195,6 +195,10 @@ def test_exact_layers_keep_uncompressed_pages_among_compressed_ones(tiny, exact)
                                atol=1e-6, rtol=1e-6)
     with pytest.raises(ValueError, match=r"exact_layers entries must be ints in \[-2, 2\), got 2"):
         init_caches(TINY, 3, 3, num_pages=4, exact_layers=(2,))
+    for bad in (0, None, "01"):
+        with pytest.raises(TypeError, match="exact_layers must be a sequence of layer indices"):
+            init_caches(TINY, 3, 3, num_pages=4, exact_layers=bad)
+    assert not init_caches(TINY, 3, 3, num_pages=4, exact_layers=jnp.asarray([1]))[1].compressed
 
 
 @pytest.mark.slow
@@ -481,7 +485,8 @@ def test_token_log_likelihoods_and_bytes(tiny):
     exact = ev.parse_cache_config("k2v2@0:-1")
     assert exact == dataclasses.replace(ev.CacheConfig.from_preset("k2v2"), exact_layers=(0, -1))
     assert exact.name == "k2v2@0:-1" and ev.parse_cache_config("3:2@4").name == "K3V2@4"
-    for bad, match in (("k2v2@a", "cannot parse the exact layers"), ("none@0", "of an uncompressed cache")):
+    for bad, match in (("k2v2@a", "cannot parse the exact layers"), ("k2v2@\u0661", "cannot parse the exact layers"),
+                       ("none@0", "of an uncompressed cache")):
         with pytest.raises(ValueError, match=match):
             ev.parse_cache_config(bad)
     with pytest.raises(ValueError, match="exact_layers must be a tuple of layer indices"):

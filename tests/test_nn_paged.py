@@ -153,6 +153,19 @@ def test_variant_arguments_are_checked(rng):
         make(rng, sliding_window=0)
     with pytest.raises(TypeError, match="nn.PagedAttention: soft_cap must be a positive Python number"):
         make(rng, soft_cap="big")
+    for bad in (jnp.zeros(4), 0.5, "yes"):  # the functional ops take an array; the module learns its own
+        with pytest.raises(TypeError, match="sinks must be a bool"):
+            make(rng, sinks=bad)
+
+
+def test_traced_prefill_lengths_past_the_prompt_are_stored_clamped(rng):
+    """lengths > L under jit (unchecked there) used to be stored as given: the next decode step
+    then attended over slots the prefill never wrote."""
+    m = make(rng)
+    m.init_cache(1, 16)
+    prefill = nnx.jit(lambda m, x, n: m(x, decode=False, lengths=n))
+    prefill(m, jnp.asarray(rng.normal(size=(1, 5, 64)), jnp.float32), jnp.asarray([9], jnp.int32))
+    np.testing.assert_array_equal(np.asarray(m.lengths[...]), [5])
 
 
 def test_without_cache_is_causal_attention_and_matches_multihead_attention(rng):

@@ -451,6 +451,25 @@ def test_prompt_attention_variants_against_float64(rng, monkeypatch, variant, dt
         np.testing.assert_array_equal(got_leaf, want_leaves[name])
 
 
+@pytest.mark.parametrize("variant", ["plain", "soft_cap", "sinks"])
+def test_prompt_attention_nan_padding_queries_leave_gradients_finite(rng, variant):
+    """A NaN query in a padding row (its output is 0) gave NaN gradients for the real tokens' K / V
+    and the sinks (a review found it): padding rows are zeroed before any product."""
+    cache = make_cache(rng, "haar")
+    q, k, v, tables, lens = prompt_case(rng, cache, (3,), 6)  # rows 3 .. 5 of q, k, v are NaN
+    sinks = jnp.asarray(rng.normal(size=q.shape[2]), jnp.float32) if variant == "sinks" else None
+    soft_cap = 2.0 if variant == "soft_cap" else None
+
+    def loss(q, k, v, sinks):
+        out, _ = tq.prompt_attention(q, k, v, cache, tables, lens, soft_cap=soft_cap, sinks=sinks)
+        return jnp.sum(jnp.sin(out))
+
+    grads = jax.grad(loss, argnums=(0, 1, 2, 3) if sinks is not None else (0, 1, 2))(q, k, v, sinks)
+    for g in grads:
+        assert np.isfinite(np.asarray(g)).all()
+    assert np.all(np.asarray(grads[0])[0, 3:] == 0) and np.abs(np.asarray(grads[1])[0, :3]).max() > 0
+
+
 def test_prompt_attention_variants_bad_arguments(rng):
     cache = make_cache(rng, "haar")
     q, k, v, tables, lens = prompt_case(rng, cache, (5, 3), 6)

@@ -169,10 +169,10 @@ def parse_cache_config(spec) -> CacheConfig | None:
         if "@" in s:
             base, layers = s.split("@", 1)
             cfg = parse_cache_config(base)
-            try:
-                exact = tuple(int(i) for i in layers.split(":"))
-            except ValueError:
-                raise ValueError(f"cannot parse the exact layers of cache spec {spec!r}; use e.g. 'k2v2@0:-1'") from None
+            parts = layers.split(":")
+            if not all(re.fullmatch(r"-?[0-9]+", part.strip(), re.ASCII) for part in parts):
+                raise ValueError(f"cannot parse the exact layers of cache spec {spec!r}; use e.g. 'k2v2@0:-1'")
+            exact = tuple(int(part) for part in parts)
             if cfg is None:
                 raise ValueError(f"cache spec {spec!r}: exact layers of an uncompressed cache")
             return dataclasses.replace(cfg, exact_layers=exact)

@@ -71,9 +71,13 @@ def init_caches(config: LlamaConfig, k_bits: int | None, v_bits: int | None, num
 
 
 def _layer_indices(layers: Sequence[int], num_layers: int) -> set:
-    """``layers`` as indices in [0, num_layers); ValueError for one outside [-num_layers, num_layers)."""
+    """``layers`` (a sequence or array of ints) as indices in [0, num_layers); TypeError for a
+    scalar or None, ValueError for an entry outside [-num_layers, num_layers) or not an int."""
+    if layers is None or np.ndim(layers) != 1:
+        raise TypeError(f"init_caches: exact_layers must be a sequence of layer indices, e.g. (0, -1), got "
+                        f"{type(layers).__name__} {layers!r}")
     out = set()
-    for i in layers:
+    for i in np.asarray(layers).tolist() if hasattr(layers, "shape") else layers:
         if isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)) or not -num_layers <= i < num_layers:
             raise ValueError(f"init_caches: exact_layers entries must be ints in [-{num_layers}, {num_layers}), got "
                              f"{i!r}")
