@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on the GPU machine: build jax_tq with CUDA, run the GPU tests, the benchmarks,
 # and optionally the main job; print short tables. Usage: bash scripts/gpu_run.sh [build tests bench model]
-# stages: build ab kernels phases ncu trace tests dtests ftests fbench regress qjl prefill ttft bits hd rot bench graphs profile breakdown mstep model (default: build tests bench). Logs go to $OUT (the device tool brings them back).
+# stages: build ab kernels phases ncu trace tests dtests ftests fbench regress qjl prefill ttft cmdbuf bits hd rot bench graphs profile breakdown mstep model (default: build tests bench). Logs go to $OUT (the device tool brings them back).
 # One device call may run 600 s at most: "build tests" (~9 min on the H200) and "bench" (~4 min) fit
 # in two back-to-back calls; the build stays while the machine is warm (30 s after a call).
 set -uo pipefail
@@ -211,6 +211,15 @@ if has ttft; then  # the main job's time to first token (SmolLM2-135M shapes, ra
   PYTHONPATH=benchmarks:${PYTHONPATH:-} timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench_ttft.py ${TTFT_ARGS:-} 2>&1 \
     | tee "$OUT/bench_ttft.txt" | grep -E "^\||^device"
   echo "ttft: $(( $(date +%s) - t0 )) s"
+fi
+if has cmdbuf; then  # the over-pages crash (issue 31): one 8192-token prompt, windowed k4v4, CMDBUF_LAYERS layers,
+  # under each XLA command-buffer set of CMDBUF_SETS ("default" = XLA's; names joined by +, "none" = off)
+  for set in ${CMDBUF_SETS:-default FUSION+CUBLAS+CUBLASLT+CUDNN+DYNAMIC_SLICE_FUSION FUSION+CUBLAS+CUBLASLT+CUSTOM_CALL+CUDNN}; do
+    flags=""; [ "$set" != default ] && flags="--xla_gpu_enable_command_buffer=$( [ "$set" = none ] || echo "${set//+/,}")"
+    echo "== command buffers: $set"
+    (cd benchmarks && XLA_FLAGS="${XLA_FLAGS:-} $flags" timeout ${BENCH_TIMEOUT:-150} python3 -c "import bench_ttft as b, jax.numpy as jnp; from flax import nnx; m = b.Llama(b.LlamaConfig(num_layers=${CMDBUF_LAYERS:-8}), dtype=jnp.bfloat16, rngs=nnx.Rngs(0)); print('ok', b.chunk_over_pages(m, 'k4v4', 8192, 1))" 2>&1 | grep -E "^ok|Error" | cut -c1-200 | head -2)
+  done
+  echo "cmdbuf: $(( $(date +%s) - t0 )) s"
 fi
 if has mstep; then  # one SmolLM2 decode step's time, dense bf16 vs paged K4V4 (needs $JAX_TQ_GGUF; MSTEP_ARGS)
   PYTHONPATH=benchmarks:${PYTHONPATH:-} timeout ${MODEL_TIMEOUT:-400} python3 benchmarks/profile_model_step.py \
