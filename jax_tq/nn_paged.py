@@ -23,7 +23,7 @@ from flax import nnx
 from jax_tq.cache import PagedKVCache, slot_mapping, write_cache
 from jax_tq.format import SUPPORTED_HEAD_DIMS, window_slot_mapping
 from jax_tq.paged_decode import paged_decode
-from jax_tq.ragged import _exact_attention, prompt_attention
+from jax_tq.ragged import causal_self_attention, prompt_attention
 from jax_tq.variants import check_variants
 
 __all__ = ["PagedAttention"]
@@ -263,7 +263,8 @@ class PagedAttention(nnx.Module):
         positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
         q, k, v = self._qkv(x, positions)
         if self.cache is None:
-            return self.out(_causal_attention(q, k, v, lens, self._variants()))
+            variants = check_variants(**self._variants(), num_heads=self.num_heads, op="nn.PagedAttention")
+            return self.out(causal_self_attention(q, k, v, lens, 1.0 / math.sqrt(self.head_dim), None, *variants))
         attn, cache = prompt_attention(q, k, v, self.cache.get_value(), self.block_tables[...], lens,
                                        window_ids=self._window_ids(batch), **self._variants())
         self.cache.set_value(cache)
@@ -321,24 +322,6 @@ class PagedAttention(nnx.Module):
         if _is_concrete(lengths) and (np.any(np.asarray(arr) < 0) or np.any(np.asarray(arr) > length)):
             raise ValueError(f"{where}: lengths must lie in [0, L={length}], got {np.asarray(arr).tolist()}")
         return arr.astype(jnp.int32)
-
-
-def _causal_attention(q, k, v, lens, variants):
-    """Exact causal (GQA) attention of [B, L, H, d] rows over their own K / V with the variants
-    (keywords of jax_tq.prompt_attention); rows past lens are 0."""
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    window, soft_cap, sinks = check_variants(variants["sliding_window"], variants["soft_cap"], variants["sinks"],
-                                             q.shape[2], "nn.PagedAttention")
-    if soft_cap or sinks.shape[0]:
-        out = _exact_attention(q, k, v, lens, scale, window, soft_cap, sinks)
-    else:
-        exact = q.dtype == jnp.float32 and jax.config.jax_default_matmul_precision is None
-        with jax.default_matmul_precision("highest" if exact else jax.config.jax_default_matmul_precision):
-            out = jax.nn.dot_product_attention(q, k, v, is_causal=True, query_seq_lengths=lens,
-                                               key_value_seq_lengths=lens, scale=scale,
-                                               local_window_size=(window - 1, 0) if window else None)
-    real = jnp.arange(q.shape[1])[None, :] < lens[:, None]
-    return jnp.where(real[:, :, None, None], out, 0).astype(q.dtype)
 
 
 def _full_message(lens, max_length):

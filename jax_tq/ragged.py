@@ -264,8 +264,31 @@ def prompt_attention(q, k, v, cache: PagedKVCache, block_tables, prompt_lens, *,
 
     lens = jnp.clip(prompt_lens, 0, seq_len)
     scale = 1.0 / math.sqrt(cache.head_dim) if scale is None else scale
+    out = causal_self_attention(q, k, v, lens, scale, implementation, sliding_window, soft_cap, sinks)
     real = jnp.arange(seq_len, dtype=jnp.int32)[None, :] < lens[:, None]  # [batch, seq_len]
-    keep = real[:, :, None, None]
+    k, v = jnp.where(real[:, :, None, None], k, 0), jnp.where(real[:, :, None, None], v, 0)
+
+    positions = jnp.tile(jnp.arange(seq_len, dtype=jnp.int32), batch)
+    seq = jnp.repeat(jnp.arange(batch, dtype=jnp.int32), seq_len)
+    slots = slot_mapping(block_tables, jnp.where(real.reshape(-1), positions, -1), cache.page_size, seq)
+    window_slots = None
+    if cache.window:
+        window_slots = tq_format.window_slot_mapping(window_ids[seq], positions, lens[seq], cache.window)
+    flat = (batch * seq_len, cache.num_kv_heads, cache.head_dim)
+    with unchecked():
+        cache = write_cache(cache, k.reshape(flat), v.reshape(flat), slots, window_slots)
+    return out, cache
+
+
+def causal_self_attention(q, k, v, lens, scale: float, implementation, sliding_window: int, soft_cap: float,
+                          sinks):
+    """Exact causal (GQA) attention of padded prompts q [B, L, H, d] over their own k / v [B, L, Hkv, d]
+    (rows and keys at or past lens int32 [B] are padding): :func:`jax.nn.dot_product_attention`
+    (cuDNN for bfloat16 / float16 on CUDA when ``implementation`` is None), or with soft_cap /
+    sinks :func:`_exact_attention`. Variants as :func:`jax_tq.variants.check_variants` returns
+    them. Returns [B, L, H, d] of q's dtype, padding rows 0."""
+    seq_len = q.shape[1]
+    keep = (jnp.arange(seq_len, dtype=jnp.int32)[None, :] < lens[:, None])[:, :, None, None]
 
     def attend(q, k, v, impl=implementation):
         # float32 prompts stay float32-accurate (XLA's GPU default would run the products in TF32)
@@ -297,18 +320,7 @@ def prompt_attention(q, k, v, cache: PagedKVCache, block_tables, prompt_lens, *,
         out = jax.lax.platform_dependent(q, k, v, cpu=attend_f32, default=attend)
     else:
         out = attend(q, k, v)
-    out = jnp.where(keep, out, 0).astype(q.dtype)
-
-    positions = jnp.tile(jnp.arange(seq_len, dtype=jnp.int32), batch)
-    seq = jnp.repeat(jnp.arange(batch, dtype=jnp.int32), seq_len)
-    slots = slot_mapping(block_tables, jnp.where(real.reshape(-1), positions, -1), cache.page_size, seq)
-    window_slots = None
-    if cache.window:
-        window_slots = tq_format.window_slot_mapping(window_ids[seq], positions, lens[seq], cache.window)
-    flat = (batch * seq_len, cache.num_kv_heads, cache.head_dim)
-    with unchecked():
-        cache = write_cache(cache, k.reshape(flat), v.reshape(flat), slots, window_slots)
-    return out, cache
+    return jnp.where(keep, out, 0).astype(q.dtype)
 
 
 #: Query rows per step of _exact_attention (its scores: batch x num_heads x this x seq_len float32).
