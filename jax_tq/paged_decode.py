@@ -148,7 +148,7 @@ def paged_decode(q, cache, block_tables, seq_lens, *, window_ids=None, scale=Non
         out_rot = _reference_rotated(*operands, k_codec.bits, v_codec.bits, scale, sinks=sinks,
                                      sliding_window=sliding_window, soft_cap=soft_cap)
     else:
-        out_rot = _decode(*operands, _no_rotation(), sinks, *static)
+        out_rot = _decode(*operands, _NO_ROTATION, sinks, *static)
     out = jnp.einsum("she,ed->shd", out_rot, v_codec.rotation, precision=rotation_precision)
     return out.astype(q.dtype)
 
@@ -194,12 +194,8 @@ def window_operands(cache, window_ids, seq_lens, op: str):
     return jax.lax.stop_gradient(cache.k_window), jax.lax.stop_gradient(cache.v_window), window_ids
 
 
-def _no_rotation():
-    """The primitive's rotation operand when q is already rotated (q_rot) and the output stays
-    rotated: int32 [2, 0], made while tracing (a zero-size NumPy constant captured by a shard_map
-    crashed XLA's compiler under Shardy on jax 0.11)."""
-    return jnp.zeros((2, 0), jnp.int32)
-
+#: The primitive's rotation operand when q is already rotated (q_rot) and the output stays rotated.
+_NO_ROTATION = np.zeros((2, 0), np.int32)
 
 #: The run-time override of the CUDA kernel family, for tests and A/B timing: one of DECODE_KERNELS
 #: (that family wherever it can run the call; the planner's choice elsewhere), unset or empty: the planner's.

@@ -238,21 +238,17 @@ def _rule_static(layout, params, mesh, value_types, result_types):
     return _sharding_rule(layout, params, mesh, value_types, result_types)
 
 
-def _lowered_whole(ctx) -> bool:
-    """Whether the twin is lowered as it is: the program runs on one device (or its devices are
-    not yet known: custom_partitioning needs them), or inside a shard_map where every mesh axis is
-    manual (each device already holds its shard: nothing to partition)."""
+def _single_device(ctx) -> bool:
+    """Whether the program being lowered runs on one device (or its devices are not yet known:
+    custom_partitioning needs them), so that the twin is lowered as it is."""
     context = ctx.module_context.axis_context
-    manual, mesh = getattr(context, "manual_axes", None), getattr(context, "mesh", None)
-    if manual is not None and mesh is not None:  # shard_map (SPMDAxisContext)
-        return set(mesh.axis_names) <= set(manual)
-    if not hasattr(context, "device_assignment"):  # other contexts
+    if not hasattr(context, "device_assignment"):  # shard_map (SPMDAxisContext) and other contexts
         return False
     return context.device_assignment is None or len(context.device_assignment) <= 1
 
 
 def _lower_partitioned(twin, layout, ctx, *operands, **params):
-    if _lowered_whole(ctx):
+    if _single_device(ctx):
         return _compat.mlir.lower_fun(lambda *ops: twin.bind(*ops, **params), multiple_results=True)(ctx, *operands)
     wrapped = _partitioned_call(twin, layout)
     static = tuple(sorted(params.items()))
