@@ -36,7 +36,8 @@ def bind(prim, *operands, **params):
     empty = tuple((i, tuple(x.shape), jnp.dtype(x.dtype)) for i, x in enumerate(operands) if 0 in tuple(x.shape))
     if not empty:
         return prim.bind(*operands, **params)
-    kept = [x for i, x in enumerate(operands) if i not in {e[0] for e in empty}]
+    empty_at = {i for i, _, _ in empty}
+    kept = [x for i, x in enumerate(operands) if i not in empty_at]
     return _bind_making_empty(prim, tuple(sorted(params.items())), empty)(*kept)
 
 
