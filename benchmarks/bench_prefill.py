@@ -117,10 +117,14 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="one small shape (a CPU smoke run)")
     ap.add_argument("--no-decode-rows", action="store_true", help="skip the per-row paged_decode column")
+    ap.add_argument("--shapes", default=None,
+                    help="comma-separated num_seqs x new x cached, e.g. 1x128x8064,1x512x7680 (default: the issue's)")
     args = ap.parse_args()
     dev = jax.devices()[0]
     print(f"device: {dev.device_kind} ({dev.platform}), jax {jax.__version__}")
     shapes = ((2, 64, 0), (1, 32, 64)) if args.quick else SHAPES
+    if args.shapes:
+        shapes = tuple(tuple(int(n) for n in s.split("x")) for s in args.shapes.split(","))
     inner, reps = (2, 3) if args.quick else (4, 10)
     print(f"\n{HEADS}/{KV_HEADS} heads, d {HEAD_DIM}, K4V4 Hadamard, bf16 queries; time (us) and TFLOP/s of causal "
           "attention; ratio = jax_tq paged_prefill's TFLOP/s over cuDNN's")

@@ -2121,7 +2121,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTqDecompressCuda, jax_tq::cuda::DecompressCudaI
                                   ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
+// Not command-buffer compatible: captured into XLA's CUDA graphs together with fusions and cuDNN
+// (XLA's default command-buffer set), a 8-layer model's 8192-token prompt written through it failed
+// with CUDA_ERROR_LAUNCH_FAILED (H200, jax 0.11.2); with CUSTOM_CALL alone, or without it, it ran.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTqWriteCacheCuda, jax_tq::cuda::WriteCacheCudaImpl,
                               jax_tq::ffi_checks::BindWriteCache(
-                                  ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
-                              {ffi::Traits::kCmdBufferCompatible});
+                                  ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));

@@ -128,3 +128,38 @@ def devices_at_lowering_registry():
     except ImportError:  # pragma: no cover - other JAX
         return None
     return getattr(dispatch, "prim_requires_devices_during_lowering", None)
+
+
+def _cudnn_module():
+    """JAX's cuDNN fused-attention module (``jax._src.cudnn.fused_attention_stablehlo``), or None."""
+    try:
+        from jax._src.cudnn import fused_attention_stablehlo
+    except ImportError:  # pragma: no cover - other JAX
+        return None
+    if not hasattr(fused_attention_stablehlo, "dot_product_attention"):  # pragma: no cover
+        return None
+    return fused_attention_stablehlo
+
+
+def has_cudnn_attention() -> bool:
+    """Whether :func:`cudnn_attention_with_lse` can be traced: JAX has its cuDNN attention module
+    and a GPU backend (tracing it checks the cuDNN version of the GPU's runtime)."""
+    return _cudnn_module() is not None and _first_gpu() is not None
+
+
+def cudnn_attention_with_lse(q, k, v, q_lens, kv_lens, *, scale: float, causal: bool):
+    """cuDNN flash attention with its float32 softmax statistics (``jax.nn.dot_product_attention``
+    with ``return_residual`` rounds them to the inputs' dtype, too coarse to merge two attentions).
+
+    Args:
+      q: [B, T, N, H] bfloat16 / float16.  k, v: [B, S, K, H] (N a multiple of K).
+      q_lens, kv_lens: int32 [B], the valid rows / keys of each batch element (a padding mask).
+      scale: the logits' factor (static).  causal: top-left causal mask (query i sees keys <= i).
+    Returns:
+      (out [B, T, N, H] of q's dtype, lse float32 [B, T, N]: log sum exp of the scaled logits).
+    """
+    cudnn = _cudnn_module()
+    mask = cudnn.MaskType.PADDING_CAUSAL if causal else cudnn.MaskType.PADDING
+    out, stats = cudnn.dot_product_attention(q, k, v, q_seqlen=q_lens, kv_seqlen=kv_lens, scale=float(scale),
+                                             mask_type=mask, qkv_layout="BTNH", return_residual=True)
+    return out, jax.numpy.transpose(stats, (0, 2, 1))

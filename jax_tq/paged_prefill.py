@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_tq import _compat, reference
+from jax_tq import _compat, paged_prefill_dense, reference
 from jax_tq import format as tq_format
 from jax_tq import _primitive_utils as pu
 from jax_tq.backend import get_backend
@@ -121,10 +121,28 @@ def paged_prefill(q, cache, block_tables, seq_lens, query_start_loc, *, window_i
     if backend == "xla":
         out_rot = _reference(*operands, k_bits=k_codec.bits, v_bits=v_codec.bits, scale=scale, **variants)[0]
     else:
+        dense = _dense_planned(q, cache, block_tables.shape[0], f16_products, backend,
+                               bool(sliding_window or soft_cap or sinks.size))
         out_rot = _prefill(*operands, k_codec.bits, v_codec.bits, scale, f16_products, backend, sliding_window,
-                           soft_cap)
+                           soft_cap, dense)
     out = jnp.einsum("the,ed->thd", out_rot, v_codec.rotation, precision=_HIGHEST)
     return out.astype(q.dtype)
+
+
+#: Query rows from which a one-sequence prefill on CUDA runs as cuDNN flash attention over its
+#: decoded tokens (:mod:`jax_tq.paged_prefill_dense`) rather than the fused kernel, which decodes each
+#: K / V tile once per 16 query tokens: (1, 2048 after 6144 cached) ran in 1.76 ms on the kernel.
+DENSE_MIN_ROWS = 128
+
+
+def _dense_planned(q, cache, num_seqs: int, f16_products: bool, backend: str, variant: bool) -> bool:
+    """Whether the prefill runs as attention over the decoded span (on CUDA; the kernel elsewhere):
+    backend "auto", bfloat16 queries with float16-class products allowed (the span is bfloat16), one
+    sequence (its queries are laid out per sequence, T rows each), at least DENSE_MIN_ROWS rows,
+    head_dim 64 / 128, no attention variant, and JAX's cuDNN attention available."""
+    return (backend == "auto" and f16_products and jnp.dtype(q.dtype) == jnp.dtype(jnp.bfloat16) and num_seqs == 1
+            and q.shape[0] >= DENSE_MIN_ROWS and cache.head_dim in (64, 128) and not variant
+            and _compat.has_cudnn_attention())
 
 
 def _check_query_start_loc(query_start_loc, num_seqs: int):
@@ -161,23 +179,33 @@ _NUM_OPERANDS = 14  # q_rot, the four pools, two centroids, block_tables, seq_le
 #                    sinks
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=tuple(range(_NUM_OPERANDS, _NUM_OPERANDS + 7)))
+@functools.partial(jax.custom_vjp, nondiff_argnums=tuple(range(_NUM_OPERANDS, _NUM_OPERANDS + 8)))
 def _prefill(q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, k_window, v_window, window_ids,
-             starts, sinks, k_bits, v_bits, scale, f16_products, backend, sliding_window, soft_cap):
-    """The kernel call, differentiable in q_rot, k_norms, v_norms and sinks (the codes are integers,
-    the window rows bfloat16 copies)."""
-    (out,) = pu.bind(paged_prefill_p, q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, k_window,
-                                  v_window, window_ids, starts, sinks, k_bits=k_bits, v_bits=v_bits, scale=scale,
-                                  f16_products=f16_products, backend=backend, sliding_window=sliding_window,
-                                  soft_cap=soft_cap)
-    return out
+             starts, sinks, k_bits, v_bits, scale, f16_products, backend, sliding_window, soft_cap, dense):
+    """The kernel call (with ``dense``, on CUDA: attention over the decoded span), differentiable in
+    q_rot, k_norms, v_norms and sinks (the codes are integers, the window rows bfloat16 copies)."""
+    operands = (q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, k_window, v_window, window_ids,
+                starts)
+
+    def kernel(*operands):
+        (out,) = pu.bind(paged_prefill_p, *operands, sinks, k_bits=k_bits, v_bits=v_bits, scale=scale,
+                         f16_products=f16_products, backend=backend, sliding_window=sliding_window, soft_cap=soft_cap)
+        return out
+
+    if not dense:
+        return kernel(*operands)
+
+    def over_span(*operands):
+        return paged_prefill_dense.dense_prefill_rotated(*operands, k_bits=k_bits, v_bits=v_bits, scale=scale)
+
+    return jax.lax.platform_dependent(*operands, cuda=over_span, default=kernel)
 
 
 def _prefill_fwd(*args):
     return _prefill(*args), args[:_NUM_OPERANDS]
 
 
-def _prefill_bwd(k_bits, v_bits, scale, f16_products, backend, sliding_window, soft_cap, operands, cotangent):
+def _prefill_bwd(k_bits, v_bits, scale, f16_products, backend, sliding_window, soft_cap, dense, operands, cotangent):
     """Backward pass through the reference (the same gradient on every backend)."""
     (q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, k_window, v_window, ids, starts,
      sinks) = operands

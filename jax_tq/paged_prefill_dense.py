@@ -1,0 +1,170 @@
+"""Paged prefill of one sequence's many query rows as flash attention over its decoded tokens.
+
+The compressed tokens a chunk attends to are decoded once (norm * centroid, in K's / V's rotated
+space, the window's bfloat16 rows on its last tokens) into a bfloat16 [S, max_tokens, Hkv, d] span;
+tensor-core flash attention (cuDNN on the GPU) then serves every query row and head from it. A
+chunk after cached tokens is two attentions merged by their log-sum-exp (FlashAttention's split-KV
+merge, arXiv 2307.08691 section 3.1.1): the rows over the cached prefix (no mask) and over the
+chunk's own tokens (causal, square, so the diagonal's alignment does not matter).
+
+Key slots the kernel would skip (a block-table entry outside the pool, a window id of none) enter
+as zero keys and values: each adds exactly exp(0) = 1 to its rows' softmax sum and nothing to their
+numerator, and that 1 is subtracted again from the statistics.
+
+:func:`jax_tq.paged_prefill` chooses this path (one place: ``paged_prefill._dense_planned``); the
+functions here take the primitive's operands.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jax_tq import _compat, reference
+from jax_tq import format as tq_format
+
+__all__ = ["span_tokens", "dense_prefill_rotated", "exact_attend", "cudnn_attend"]
+
+
+def span_tokens(codes, norms, centroids, bits: int, block_tables, seq_lens, window_rows, window_ids, dtype):
+    """Each sequence's tokens in position order, decoded in the rotated space.
+
+    Args:
+      codes: uint8 [num_pages, Hkv, page_size, d * bits / 8]; norms float32 [num_pages, Hkv, page_size];
+        centroids float32 [2**bits]; bits 2, 3 or 4.
+      block_tables: int32 [S, max_pages].  seq_lens: int32 [S] (clamped to [0, max_pages * page_size]).
+      window_rows: bfloat16 [num_windows, Hkv, W, d] (num_windows * W == 0: no window), position p of a
+        sequence in entry p % W of its ring; window_ids int32 [S].
+      dtype: the result's dtype.
+    Returns:
+      (tokens [S, max_pages * page_size, Hkv, d] of ``dtype``, zero where not valid;
+       valid bool [S, max_pages * page_size]: a position < seq_len whose page id is in the pool, or
+       whose window id is one).
+    """
+    num_pages, num_kv_heads, page_size, _ = codes.shape
+    num_seqs, max_pages = block_tables.shape
+    capacity = max_pages * page_size
+    page_ok = (block_tables >= 0) & (block_tables < num_pages)
+    safe = jnp.where(page_ok, block_tables, 0)
+    decoded = reference._dequantize_rotated_impl(codes[safe], norms[safe], centroids, bits=bits)
+    head_dim = decoded.shape[-1]
+    tokens = jnp.transpose(decoded, (0, 1, 3, 2, 4)).reshape(num_seqs, capacity, num_kv_heads, head_dim)
+    valid = jnp.repeat(page_ok, page_size, axis=1)
+    positions = jnp.arange(capacity, dtype=jnp.int32)[None, :]
+    lengths = jnp.clip(seq_lens, 0, min(capacity, tq_format.INDEX_MAX))
+    num_windows, _, length, _ = window_rows.shape
+    if num_windows * length:
+        from_window = (positions >= tq_format.paged_tokens(seq_lens, capacity, length)[:, None]) & (
+            positions < lengths[:, None])
+        id_ok = (window_ids >= 0) & (window_ids < num_windows)
+        ring = window_rows[jnp.where(id_ok, window_ids, 0)]                       # [S, Hkv, W, d]
+        rows = jnp.transpose(jnp.take(ring, positions[0] % length, axis=2), (0, 2, 1, 3))
+        tokens = jnp.where(from_window[..., None, None], rows.astype(tokens.dtype), tokens)
+        valid = jnp.where(from_window, id_ok[:, None], valid)
+    valid = valid & (positions < lengths[:, None])
+    return jnp.where(valid[..., None, None], tokens, 0).astype(dtype), valid
+
+
+def exact_attend(q, k, v, q_lens, kv_lens, *, scale: float, causal: bool):
+    """Attention with its log-sum-exp, the contract of :func:`jax_tq._compat.cudnn_attention_with_lse`
+    (q [B, T, N, H], k / v [B, S, K, H], q_lens / kv_lens int32 [B]) computed by XLA in
+    promote(q.dtype, float32): the CPU tests' stand-in for cuDNN. A row that sees no key gets lse -inf
+    (its output is unspecified)."""
+    batch, rows, num_heads, head_dim = q.shape
+    keys, num_kv_heads = k.shape[1], k.shape[2]
+    group = num_heads // num_kv_heads
+    dtype = jnp.promote_types(q.dtype, jnp.float32)
+    qg = q.astype(dtype).reshape(batch, rows, num_kv_heads, group, head_dim)
+    scores = jnp.einsum("btkgh,bskh->bkgts", qg, k.astype(dtype), precision=jax.lax.Precision.HIGHEST) * scale
+    t = jnp.arange(rows)[:, None]
+    s = jnp.arange(keys)[None, :]
+    mask = (t < q_lens[:, None, None]) & (s < kv_lens[:, None, None])
+    if causal:
+        mask = mask & (s <= t)[None]
+    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+    peak = jnp.max(scores, axis=-1, keepdims=True)
+    peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
+    weights = jnp.exp(scores - peak)
+    total = jnp.sum(weights, axis=-1, keepdims=True)
+    out = jnp.einsum("bkgts,bskh->btkgh", weights / jnp.maximum(total, 1e-30), v.astype(dtype),
+                     precision=jax.lax.Precision.HIGHEST)
+    lse = (peak + jnp.log(total))[..., 0]                                            # [B, K, G, T]
+    return (out.reshape(batch, rows, num_heads, head_dim),
+            jnp.transpose(lse, (0, 3, 1, 2)).reshape(batch, rows, num_heads))
+
+
+def cudnn_attend(q, k, v, q_lens, kv_lens, *, scale: float, causal: bool):
+    """cuDNN flash attention with float32 statistics (:func:`jax_tq._compat.cudnn_attention_with_lse`)."""
+    return _compat.cudnn_attention_with_lse(q, k, v, q_lens, kv_lens, scale=scale, causal=causal)
+
+
+def dense_prefill_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids, block_tables,
+                          seq_lens, k_window, v_window, window_ids, query_start_loc, *, k_bits: int, v_bits: int,
+                          scale: float, attend=cudnn_attend, dtype=jnp.bfloat16):
+    """The paged prefill primitive's forward semantics (``paged_prefill._reference``) by attention
+    over the decoded span: out_rot float32 [T, H, d].
+
+    Args:
+      q_rot ... query_start_loc: the primitive's operands (sinks aside; no attention variant).
+      k_bits, v_bits, scale: its parameters.
+      attend: ``(q, k, v, q_lens, kv_lens, *, scale, causal) -> (out, lse)`` as
+        :func:`jax_tq._compat.cudnn_attention_with_lse`; :func:`exact_attend` on the CPU.
+      dtype: the dtype of the queries and decoded tokens handed to ``attend``.
+    Memory: the span (2 x S x max_pages x page_size x Hkv x d of ``dtype``) and the queries laid out
+    per sequence (S x T x H x d): the caller keeps S small (one sequence).
+    """
+    num_rows = q_rot.shape[0]
+    num_seqs, max_pages = block_tables.shape
+    capacity = max_pages * k_codes.shape[2]
+    keys, valid = span_tokens(k_codes, k_norms, k_centroids, k_bits, block_tables, seq_lens, k_window, window_ids,
+                              dtype)
+    values, _ = span_tokens(v_codes, v_norms, v_centroids, v_bits, block_tables, seq_lens, v_window, window_ids,
+                            dtype)
+    begin = jnp.clip(query_start_loc[:-1], 0, num_rows)
+    end = jnp.clip(query_start_loc[1:], begin, num_rows)
+    lengths = jnp.clip(seq_lens, 0, min(capacity, tq_format.INDEX_MAX))
+    q_lens = end - begin
+    before = jnp.maximum(q_lens - lengths, 0)   # rows placed before the sequence's first token: 0
+    seen = q_lens - before                       # rows that see tokens: positions prefix .. length - 1
+    prefix = lengths - seen
+    rows = jnp.arange(num_rows, dtype=jnp.int32)[None, :]
+    laid = jnp.clip(begin[:, None] + before[:, None] + rows, 0, num_rows - 1)         # [S, T]
+    queries = jnp.where((rows < seen[:, None])[..., None, None], q_rot[laid], 0).astype(dtype)
+    own = jnp.clip(prefix[:, None] + rows, 0, capacity - 1)                          # the chunk's own tokens
+    own_keys = jnp.take_along_axis(keys, own[:, :, None, None], axis=1)
+    own_values = jnp.take_along_axis(values, own[:, :, None, None], axis=1)
+    out_prefix, lse_prefix = attend(queries, keys, values, seen, prefix, scale=scale, causal=False)
+    out_own, lse_own = attend(queries, own_keys, own_values, seen, seen, scale=scale, causal=True)
+    # Zero slots each add 1 to the softmax sums: the prefix's to all rows, the chunk's causally.
+    missing = ~valid & (jnp.arange(capacity)[None, :] < lengths[:, None])
+    skipped_prefix = jnp.sum(missing & (jnp.arange(capacity)[None, :] < prefix[:, None]), axis=1)
+    own_missing = jnp.take_along_axis(missing, own, axis=1) & (rows < seen[:, None])
+    skipped_own = jnp.cumsum(own_missing.astype(jnp.int32), axis=1)
+    merged = _merge(out_prefix, lse_prefix, prefix > 0, skipped_prefix[:, None], out_own, lse_own, skipped_own)
+    seq, _, owned = reference.prefill_row_lens(query_start_loc, seq_lens, num_rows, capacity)
+    index = jnp.arange(num_rows, dtype=jnp.int32) - begin[seq] - before[seq]
+    inside = owned & (index >= 0) & (index < seen[seq])
+    out_rot = jnp.where(inside[:, None, None], merged[seq, jnp.clip(index, 0, num_rows - 1)], 0.0)
+    finite = jnp.all(jnp.isfinite(q_rot), axis=-1)
+    return jnp.where((~finite & owned[:, None])[..., None], jnp.nan, out_rot)
+
+
+def _merge(out_a, lse_a, has_a, skipped_a, out_b, lse_b, skipped_b):
+    """Softmax-weighted merge of two attentions over disjoint key sets ([S, T, H, d] outputs, [S, T, H]
+    log-sum-exps; has_a [S]: part a has keys), each sum less its ``skipped`` zero slots ([S, 1] / [S, T]),
+    in promote(lse dtype, float32)."""
+    dtype = jnp.promote_types(lse_b.dtype, jnp.float32)
+    lse_a, lse_b = lse_a.astype(dtype), lse_b.astype(dtype)
+    lse_a = jnp.where(has_a[:, None, None], lse_a, -jnp.inf)
+    top = jnp.maximum(lse_a, lse_b)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    weight_a = jnp.exp(lse_a - top)
+    weight_b = jnp.exp(lse_b - top)
+
+    def less_skipped(weight, skipped):
+        skipped = skipped[..., None].astype(dtype)
+        return weight - jnp.where(skipped > 0, skipped * jnp.exp(-top), 0.0)
+
+    total = less_skipped(weight_a, skipped_a) + less_skipped(weight_b, skipped_b)
+    numerator = (jnp.where(has_a[:, None, None, None], out_a.astype(dtype) * weight_a[..., None], 0.0)
+                 + out_b.astype(dtype) * weight_b[..., None])
+    return jnp.where(total[..., None] > 0, numerator / jnp.where(total > 0, total, 1.0)[..., None], 0.0)

@@ -1,0 +1,145 @@
+"""paged_prefill as attention over the decoded span (jax_tq.paged_prefill_dense): the merge of the
+prefix and the chunk's own causal attention, rows before a sequence's start, skipped slots (invalid
+page ids, a window id of none), windows and NaN rows, against the float64 oracle; with XLA's exact
+attention standing in for cuDNN on the CPU, and through jax_tq.paged_prefill (cuDNN) where marked gpu."""
+from __future__ import annotations
+
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_tq as tq
+from jax_tq import _compat, paged_prefill_dense
+from jax_tq.paged_decode import window_operands
+from oracle import random_cache, random_tables, random_window_cache, rel_err, to_f64
+
+prefill_module = importlib.import_module("jax_tq.paged_prefill")  # the module (jax_tq.paged_prefill is the function)
+
+
+def _operands(cache, q, tables, lens, starts, window_ids=None):
+    """The primitive's operands (q rotated by K's Pi), in float64."""
+    k, v = cache.k_codec, cache.v_codec
+    windows = window_operands(cache, None if window_ids is None else jnp.asarray(window_ids, jnp.int32),
+                              jnp.asarray(lens, jnp.int32),
+                              "paged_prefill")
+    q_rot = to_f64(q) @ to_f64(k.rotation).T
+    return (jnp.asarray(q_rot), cache.k_codes, jnp.asarray(to_f64(cache.k_norms)), cache.v_codes,
+            jnp.asarray(to_f64(cache.v_norms)), jnp.asarray(to_f64(k.centroids)), jnp.asarray(to_f64(v.centroids)),
+            jnp.asarray(tables), jnp.asarray(lens, jnp.int32), *windows, jnp.asarray(starts, jnp.int32))
+
+
+def _both(cache, operands):
+    """(dense path in float64 with the exact attention, the primitive's reference in float64, rounded to
+    float32 at its end: the two agree to ~1e-7)."""
+    scale = 1 / np.sqrt(cache.head_dim)
+    bits = dict(k_bits=cache.k_codec.bits, v_bits=cache.v_codec.bits, scale=scale)
+    got = paged_prefill_dense.dense_prefill_rotated(*operands, **bits, attend=paged_prefill_dense.exact_attend,
+                                                    dtype=jnp.float64)
+    want = prefill_module._reference(*operands, jnp.zeros((0,), jnp.float64), **bits)[0]
+    return np.asarray(got), np.asarray(to_f64(want))
+
+
+@pytest.mark.parametrize("seq_lens,q_lens,lead,tail", [
+    ((300,), (130,), 0, 0),           # a chunk after 170 cached tokens
+    ((64,), (64,), 2, 3),             # a whole prompt, rows of no sequence around it
+    ((40,), (55,), 0, 0),             # 15 rows placed before the sequence's start
+    ((300, 77, 5, 0, 129), (45, 77, 7, 0, 1), 3, 5),   # several sequences, one empty, one decode row
+])
+def test_dense_path_equals_the_float64_reference(rng, seq_lens, q_lens, lead, tail):
+    with _compat.enable_x64():
+        cache = random_cache(rng, num_pages=80, page_size=16, num_kv_heads=2, head_dim=64, k_bits=4, v_bits=3,
+                             seed=int(rng.integers(1 << 16)))
+        tables = random_tables(rng, seq_lens, 16, 80)
+        starts = lead + np.concatenate([[0], np.cumsum(q_lens)])
+        q = rng.normal(size=(int(starts[-1]) + tail, 6, 64))
+        got, want = _both(cache, _operands(cache, q, tables, seq_lens, starts))
+    assert rel_err(got, want) < 2e-7
+    assert np.all(got[:lead] == 0) and np.all(got[got.shape[0] - tail:] == 0)
+
+
+def test_dense_path_skips_invalid_pages_and_missing_windows_and_keeps_nan_rows(rng):
+    """A page id outside the pool inside the prefix and inside the chunk (skipped by the kernel: the
+    zero slots' share is taken out of the sums), a window with id -1 for one sequence, a NaN query."""
+    with _compat.enable_x64():
+        cache = random_window_cache(rng, head_dim=64, num_kv_heads=2, page_size=16, num_pages=32, window=24,
+                                    num_windows=3)
+        cache = jax.tree.map(lambda a: a.astype(jnp.float64) if a.dtype == jnp.float32 else a, cache)
+        tables = np.stack([rng.permutation(32)[:8] for _ in range(3)]).astype(np.int32)
+        tables[0, 1] = 99     # prefix tokens 16..31 of sequence 0
+        tables[2, 6] = -7     # chunk tokens 96..111 of sequence 2
+        seq_lens = np.asarray([100, 40, 128], np.int32)
+        starts = np.asarray([0, 30, 70, 110], np.int32)
+        q = rng.normal(size=(110, 4, 64))
+        q[75, 1, 3] = np.nan
+        got, want = _both(cache, _operands(cache, q, tables, seq_lens, starts, window_ids=[2, -1, 1]))
+    nan = np.isnan(got)
+    assert np.array_equal(nan, np.isnan(want)) and nan[75, 1].all() and nan.sum() == 64
+    assert rel_err(np.where(nan, 0, got), np.where(nan, 0, want)) < 2e-7
+
+
+def test_dense_path_in_float32_is_close_to_the_float64_reference(rng):
+    cache = random_cache(rng, num_pages=64, page_size=16, num_kv_heads=2, head_dim=128, k_bits=4, v_bits=4,
+                         seed=int(rng.integers(1 << 16)))
+    tables = random_tables(rng, (700,), 16, 64)
+    q = rng.normal(size=(200, 8, 128))
+    operands = _operands(cache, q, tables, (700,), (0, 200))
+    got = paged_prefill_dense.dense_prefill_rotated(
+        *(o.astype(jnp.float32) if o.dtype == jnp.float64 else o for o in operands), k_bits=4, v_bits=4,
+        scale=1 / np.sqrt(128), attend=paged_prefill_dense.exact_attend, dtype=jnp.float32)
+    with _compat.enable_x64():
+        _, want = _both(cache, _operands(cache, q, tables, (700,), (0, 200)))
+    assert got.dtype == jnp.float32 and rel_err(got, want) < 1e-5
+
+
+def test_dense_path_is_planned_for_one_long_bf16_sequence_only(monkeypatch):
+    """The one place that chooses it: backend auto, bf16 queries with default precision, one sequence,
+    DENSE_MIN_ROWS rows or more, head_dim 64 / 128, no variant, cuDNN attention present."""
+    monkeypatch.setattr(_compat, "has_cudnn_attention", lambda: True)
+    cache = tq.PagedKVCache.create(num_pages=8, page_size=16, num_kv_heads=2, k_codec=tq.TurboQuant(head_dim=128),
+                                   v_codec=tq.TurboQuant(head_dim=128, seed=1))
+    rows = prefill_module.DENSE_MIN_ROWS
+    q = jnp.zeros((rows, 4, 128), jnp.bfloat16)
+    plan = prefill_module._dense_planned
+    assert plan(q, cache, 1, True, "auto", False)
+    assert not plan(q, cache, 2, True, "auto", False)
+    assert not plan(q[:rows - 1], cache, 1, True, "auto", False)
+    assert not plan(q, cache, 1, False, "auto", False)
+    assert not plan(q, cache, 1, True, "ffi", False)
+    assert not plan(q.astype(jnp.float16), cache, 1, True, "auto", False)
+    assert not plan(q, cache, 1, True, "auto", True)
+    monkeypatch.setattr(_compat, "has_cudnn_attention", lambda: False)
+    assert not plan(q, cache, 1, True, "auto", False)
+
+
+# ----------------------------------------------------------------------------- CUDA: cuDNN over the span
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seq_len,q_len,lead,tail,bad_page", [
+    (2048, 2048, 0, 0, None), (3000, 1000, 0, 0, None), (500, 700, 4, 9, None), (1000, 300, 0, 0, 5),
+    (1000, 300, 0, 0, 60)])
+def test_gpu_dense_prefill_matches_the_float64_oracle(rng, seq_len, q_len, lead, tail, bad_page):
+    """jax_tq.paged_prefill with bf16 queries on one sequence (the planned dense path): a whole prompt,
+    a chunk after cached tokens, rows before the start, a page id outside the pool in the prefix
+    (page 5) or in the chunk (page 60)."""
+    from test_prefill import prefill_f64
+    cache = random_cache(rng, num_pages=200, page_size=16, num_kv_heads=2, head_dim=128, k_bits=4, v_bits=4,
+                         seed=int(rng.integers(1 << 16)))
+    tables = np.array(random_tables(rng, (seq_len,), 16, 200))
+    if bad_page is not None:
+        tables[0, bad_page] = 1000
+    starts = np.asarray([lead, lead + q_len], np.int32)
+    q = jnp.asarray(rng.normal(size=(lead + q_len + tail, 8, 128)), jnp.bfloat16)
+    q = q.at[lead + q_len // 2, 3, 0].set(jnp.nan)
+    call = jax.jit(tq.paged_prefill)
+    args = (q, cache, jnp.asarray(tables), jnp.asarray([seq_len], jnp.int32), jnp.asarray(starts))
+    hlo = call.lower(*args).as_text()
+    assert "cudnn" in hlo and "jax_tq_paged_prefill" not in hlo   # the dense path, not the kernel
+    got = np.asarray(call(*args), np.float32)
+    want = prefill_f64(q.astype(jnp.float32), cache, tables, [seq_len], starts)
+    nan = np.isnan(got)
+    assert nan[lead + q_len // 2, 3].all() and nan.sum() == 128
+    assert rel_err(np.where(nan, 0, got), np.where(nan, 0, want)) < 1e-2
+    assert np.all(got[:lead] == 0) and np.all(got[got.shape[0] - tail:] == 0)
