@@ -99,19 +99,23 @@ def cudnn_attend(q, k, v, q_lens, kv_lens, *, scale: float, causal: bool):
 
 def dense_prefill_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids, block_tables,
                           seq_lens, k_window, v_window, window_ids, query_start_loc, *, k_bits: int, v_bits: int,
-                          scale: float, attend=cudnn_attend, dtype=jnp.bfloat16):
+                          scale: float, rows_per_seq: int | None = None, attend=None, dtype=jnp.bfloat16):
     """The paged prefill primitive's forward semantics (``paged_prefill._reference``) by attention
     over the decoded span: out_rot float32 [T, H, d].
 
     Args:
       q_rot ... query_start_loc: the primitive's operands (sinks aside; no attention variant).
       k_bits, v_bits, scale: its parameters.
+      rows_per_seq: the query rows laid out per sequence (static; default num_tokens): every sequence
+        must own at most that many rows (the caller checks; more are dropped).
       attend: ``(q, k, v, q_lens, kv_lens, *, scale, causal) -> (out, lse)`` as
-        :func:`jax_tq._compat.cudnn_attention_with_lse`; :func:`exact_attend` on the CPU.
+        :func:`jax_tq._compat.cudnn_attention_with_lse` (default: :func:`cudnn_attend`);
+        :func:`exact_attend` on the CPU.
       dtype: the dtype of the queries and decoded tokens handed to ``attend``.
     Memory: the span (2 x S x max_pages x page_size x Hkv x d of ``dtype``) and the queries laid out
-    per sequence (S x T x H x d): the caller keeps S small (one sequence).
+    per sequence (S x rows_per_seq x H x d).
     """
+    attend = cudnn_attend if attend is None else attend
     num_rows = q_rot.shape[0]
     num_seqs, max_pages = block_tables.shape
     capacity = max_pages * k_codes.shape[2]
@@ -126,8 +130,9 @@ def dense_prefill_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids
     before = jnp.maximum(q_lens - lengths, 0)   # rows placed before the sequence's first token: 0
     seen = q_lens - before                       # rows that see tokens: positions prefix .. length - 1
     prefix = lengths - seen
-    rows = jnp.arange(num_rows, dtype=jnp.int32)[None, :]
-    laid = jnp.clip(begin[:, None] + before[:, None] + rows, 0, num_rows - 1)         # [S, T]
+    rows_per_seq = num_rows if rows_per_seq is None else rows_per_seq
+    rows = jnp.arange(rows_per_seq, dtype=jnp.int32)[None, :]
+    laid = jnp.clip(begin[:, None] + before[:, None] + rows, 0, num_rows - 1)         # [S, rows_per_seq]
     queries = jnp.where((rows < seen[:, None])[..., None, None], q_rot[laid], 0).astype(dtype)
     own = jnp.clip(prefix[:, None] + rows, 0, capacity - 1)                          # the chunk's own tokens
     own_keys = jnp.take_along_axis(keys, own[:, :, None, None], axis=1)
@@ -143,7 +148,7 @@ def dense_prefill_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids
     seq, _, owned = reference.prefill_row_lens(query_start_loc, seq_lens, num_rows, capacity)
     index = jnp.arange(num_rows, dtype=jnp.int32) - begin[seq] - before[seq]
     inside = owned & (index >= 0) & (index < seen[seq])
-    out_rot = jnp.where(inside[:, None, None], merged[seq, jnp.clip(index, 0, num_rows - 1)], 0.0)
+    out_rot = jnp.where(inside[:, None, None], merged[seq, jnp.clip(index, 0, rows_per_seq - 1)], 0.0)
     finite = jnp.all(jnp.isfinite(q_rot), axis=-1)
     return jnp.where((~finite & owned[:, None])[..., None], jnp.nan, out_rot)
 

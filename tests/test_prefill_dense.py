@@ -31,31 +31,32 @@ def _operands(cache, q, tables, lens, starts, window_ids=None):
             jnp.asarray(tables), jnp.asarray(lens, jnp.int32), *windows, jnp.asarray(starts, jnp.int32))
 
 
-def _both(cache, operands):
+def _both(cache, operands, rows_per_seq=None):
     """(dense path in float64 with the exact attention, the primitive's reference in float64, rounded to
     float32 at its end: the two agree to ~1e-7)."""
     scale = 1 / np.sqrt(cache.head_dim)
     bits = dict(k_bits=cache.k_codec.bits, v_bits=cache.v_codec.bits, scale=scale)
     got = paged_prefill_dense.dense_prefill_rotated(*operands, **bits, attend=paged_prefill_dense.exact_attend,
-                                                    dtype=jnp.float64)
+                                                    dtype=jnp.float64, rows_per_seq=rows_per_seq)
     want = prefill_module._reference(*operands, jnp.zeros((0,), jnp.float64), **bits)[0]
     return np.asarray(got), np.asarray(to_f64(want))
 
 
-@pytest.mark.parametrize("seq_lens,q_lens,lead,tail", [
-    ((300,), (130,), 0, 0),           # a chunk after 170 cached tokens
-    ((64,), (64,), 2, 3),             # a whole prompt, rows of no sequence around it
-    ((40,), (55,), 0, 0),             # 15 rows placed before the sequence's start
-    ((300, 77, 5, 0, 129), (45, 77, 7, 0, 1), 3, 5),   # several sequences, one empty, one decode row
+@pytest.mark.parametrize("seq_lens,q_lens,lead,tail,rows_per_seq", [
+    ((300,), (130,), 0, 0, None),           # a chunk after 170 cached tokens
+    ((64,), (64,), 2, 3, None),             # a whole prompt, rows of no sequence around it
+    ((40,), (55,), 0, 0, None),             # 15 rows placed before the sequence's start
+    ((300, 77, 5, 0, 129), (45, 77, 7, 0, 1), 3, 5, None),   # several sequences, one empty, one decode row
+    ((300, 77, 90), (45, 77, 60), 1, 2, 77),                 # rows laid out 77 per sequence (the most any owns)
 ])
-def test_dense_path_equals_the_float64_reference(rng, seq_lens, q_lens, lead, tail):
+def test_dense_path_equals_the_float64_reference(rng, seq_lens, q_lens, lead, tail, rows_per_seq):
     with _compat.enable_x64():
         cache = random_cache(rng, num_pages=80, page_size=16, num_kv_heads=2, head_dim=64, k_bits=4, v_bits=3,
                              seed=int(rng.integers(1 << 16)))
         tables = random_tables(rng, seq_lens, 16, 80)
         starts = lead + np.concatenate([[0], np.cumsum(q_lens)])
         q = rng.normal(size=(int(starts[-1]) + tail, 6, 64))
-        got, want = _both(cache, _operands(cache, q, tables, seq_lens, starts))
+        got, want = _both(cache, _operands(cache, q, tables, seq_lens, starts), rows_per_seq)
     assert rel_err(got, want) < 2e-7
     assert np.all(got[:lead] == 0) and np.all(got[got.shape[0] - tail:] == 0)
 
@@ -94,24 +95,59 @@ def test_dense_path_in_float32_is_close_to_the_float64_reference(rng):
     assert got.dtype == jnp.float32 and rel_err(got, want) < 1e-5
 
 
-def test_dense_path_is_planned_for_one_long_bf16_sequence_only(monkeypatch):
-    """The one place that chooses it: backend auto, bf16 queries with default precision, one sequence,
-    DENSE_MIN_ROWS rows or more, head_dim 64 / 128, no variant, cuDNN attention present."""
+def test_dense_path_is_planned_for_long_bf16_chunks_only(monkeypatch):
+    """The one place that chooses it: backend auto, bf16 queries with default precision, DENSE_MIN_ROWS
+    rows or more per sequence, a span within DENSE_MAX_SPAN_BYTES, head_dim 64 / 128, no variant,
+    cuDNN attention present."""
     monkeypatch.setattr(_compat, "has_cudnn_attention", lambda: True)
     cache = tq.PagedKVCache.create(num_pages=8, page_size=16, num_kv_heads=2, k_codec=tq.TurboQuant(head_dim=128),
                                    v_codec=tq.TurboQuant(head_dim=128, seed=1))
     rows = prefill_module.DENSE_MIN_ROWS
-    q = jnp.zeros((rows, 4, 128), jnp.bfloat16)
+    q = jnp.zeros((2 * rows, 4, 128), jnp.bfloat16)
     plan = prefill_module._dense_planned
-    assert plan(q, cache, 1, True, "auto", False)
-    assert not plan(q, cache, 2, True, "auto", False)
-    assert not plan(q[:rows - 1], cache, 1, True, "auto", False)
-    assert not plan(q, cache, 1, False, "auto", False)
-    assert not plan(q, cache, 1, True, "ffi", False)
-    assert not plan(q.astype(jnp.float16), cache, 1, True, "auto", False)
-    assert not plan(q, cache, 1, True, "auto", True)
+    assert plan(q, cache, 1, 64, True, "auto", False) and plan(q, cache, 2, 64, True, "auto", False)
+    assert not plan(q, cache, 3, 64, True, "auto", False)
+    assert not plan(q[:rows - 1], cache, 1, 64, True, "auto", False)
+    too_many_pages = prefill_module.DENSE_MAX_SPAN_BYTES // (2 * 16 * 2 * 128 * 2) + 1
+    assert plan(q, cache, 1, too_many_pages - 1, True, "auto", False)
+    assert not plan(q, cache, 1, too_many_pages, True, "auto", False)
+    assert not plan(q, cache, 1, 64, False, "auto", False)
+    assert not plan(q, cache, 1, 64, True, "ffi", False)
+    assert not plan(q.astype(jnp.float16), cache, 1, 64, True, "auto", False)
+    assert not plan(q, cache, 1, 64, True, "auto", True)
     monkeypatch.setattr(_compat, "has_cudnn_attention", lambda: False)
-    assert not plan(q, cache, 1, True, "auto", False)
+    assert not plan(q, cache, 1, 64, True, "auto", False)
+
+
+@pytest.mark.parametrize("q_lens,dense", [((187, 187, 186), True), ((300, 100, 160), False)])
+def test_paged_prefill_takes_the_dense_path_when_every_chunk_fits_its_rows(monkeypatch, rng, q_lens, dense):
+    """Through jax_tq.paged_prefill with the CUDA branch taken on the CPU (XLA's exact attention in
+    cuDNN's place): 3 sequences of 560 rows lay out 187 rows each; a chunk of 300 rows runs the
+    kernel instead (the run-time choice), and both match the float64 oracle."""
+    from test_prefill import prefill_f64
+    monkeypatch.setattr(_compat, "has_cudnn_attention", lambda: True)
+    monkeypatch.setattr(paged_prefill_dense, "cudnn_attend", paged_prefill_dense.exact_attend)
+    monkeypatch.setattr(jax.lax, "platform_dependent", lambda *args, cuda, default: cuda(*args))
+    used = []
+    real = paged_prefill_dense.dense_prefill_rotated
+    monkeypatch.setattr(paged_prefill_dense, "dense_prefill_rotated",
+                        lambda *a, **k: used.append(k["rows_per_seq"]) or real(*a, **k))
+    seq_lens = (400, 200, 300)
+    cache = random_cache(rng, num_pages=80, page_size=16, num_kv_heads=2, head_dim=64, k_bits=4, v_bits=4,
+                         seed=int(rng.integers(1 << 16)))
+    tables = random_tables(rng, seq_lens, 16, 80)
+    starts = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    q = jnp.asarray(rng.normal(size=(560, 4, 64)), jnp.bfloat16)
+    lens = jnp.asarray(seq_lens, jnp.int32)
+    with tq.use_backend("auto"):
+        got = np.asarray(tq.paged_prefill(q, cache, tables, lens, starts), np.float32)
+    with tq.use_backend("ffi"):
+        kernel = np.asarray(tq.paged_prefill(q, cache, tables, lens, starts), np.float32)
+    want = prefill_f64(q.astype(jnp.float32), cache, tables, lens, starts)
+    assert used == [187]
+    assert rel_err(got, want) < 1e-2
+    # The kernel's result exactly where the chunk does not fit; the bfloat16 span's rounding where it does.
+    assert (rel_err(got, kernel) > 1e-4) if dense else np.array_equal(got, kernel)
 
 
 # ----------------------------------------------------------------------------- CUDA: cuDNN over the span
@@ -143,3 +179,24 @@ def test_gpu_dense_prefill_matches_the_float64_oracle(rng, seq_len, q_len, lead,
     assert nan[lead + q_len // 2, 3].all() and nan.sum() == 128
     assert rel_err(np.where(nan, 0, got), np.where(nan, 0, want)) < 1e-2
     assert np.all(got[:lead] == 0) and np.all(got[got.shape[0] - tail:] == 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_lens,dense", [((512, 512, 512, 512), True), ((900, 300, 512, 336), False)])
+def test_gpu_dense_prefill_of_several_sequences(request, rng, q_lens, dense):
+    """Four sequences (chunks after 0 .. 1500 cached tokens) through jax_tq.paged_prefill: 512 rows
+    each run over the decoded spans (cuDNN), a 900-row chunk makes the call run the kernel (equal to
+    backend "ffi"); both against the float64 oracle."""
+    from test_prefill import prefill_f64
+    seq_lens = np.asarray(q_lens) + np.asarray([0, 1500, 300, 64])
+    cache = random_cache(rng, num_pages=400, page_size=16, num_kv_heads=2, head_dim=128, k_bits=4, v_bits=4,
+                         seed=int(rng.integers(1 << 16)))
+    tables = random_tables(rng, seq_lens, 16, 400)
+    starts = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    q = jnp.asarray(rng.normal(size=(int(starts[-1]), 8, 128)), jnp.bfloat16)
+    args = (q, cache, tables, jnp.asarray(seq_lens, jnp.int32), starts)
+    got = np.asarray(jax.jit(tq.paged_prefill)(*args), np.float32)
+    with tq.use_backend("ffi"):
+        kernel = np.asarray(jax.jit(lambda *a: tq.paged_prefill(*a))(*args), np.float32)
+    assert rel_err(got, prefill_f64(q.astype(jnp.float32), cache, tables, seq_lens, starts)) < 1e-2
+    assert (rel_err(got, kernel) > 1e-4) if dense else np.array_equal(got, kernel)
