@@ -64,10 +64,11 @@ def paged_prefill(q, cache, block_tables, seq_lens, query_start_loc, *, window_i
         rounding). Default: ``HIGHEST`` for float32 queries, ``DEFAULT`` for bfloat16 / float16 ones.
         No effect on the CPU (float64) or the reference. On CUDA, bfloat16 queries under ``DEFAULT`` /
         ``HIGH`` with at least DENSE_MIN_ROWS (128) rows per sequence, head_dim 64 / 128 and no variant
-        run as cuDNN flash attention over the sequences' tokens decoded once into bfloat16 (K, V and q
-        rounded to bfloat16, ~2^-9 per term, as attention over a bfloat16 cache; transient memory
-        2 x num_seqs x max_pages x page_size x num_kv_heads x head_dim x 2 bytes, at most 1 GiB),
-        when every sequence owns at most ceil(num_tokens / num_seqs) rows; else the kernel.
+        run as cuDNN flash attention over the sequences' tokens decoded once into bfloat16 (K, V, q
+        and the rotations' operands rounded to bfloat16, ~2^-9 per term, as attention over a
+        bfloat16 cache; transient memory 2 x num_seqs x max_pages x page_size x num_kv_heads x
+        head_dim x 2 bytes, at most 1 GiB), when every sequence owns at most ceil(num_tokens /
+        num_seqs) rows; else the kernel (with the queries rotated the same way).
       sliding_window: None, or an int >= 1 (static): the row at position p sees only positions
         p - sliding_window + 1 .. p (the last sliding_window tokens, itself included; vLLM's /
         Mistral's convention; :mod:`jax_tq.variants`).
@@ -118,20 +119,28 @@ def paged_prefill(q, cache, block_tables, seq_lens, query_start_loc, *, window_i
                                             scale, **as_keywords(sliding_window, soft_cap, sinks))
         return out.astype(q.dtype)
     k_codec, v_codec = cache.k_codec, cache.v_codec
-    q_rot = jnp.einsum("thd,ed->the", q.astype(jnp.float32), k_codec.rotation, precision=_HIGHEST)
+    backend = get_backend()
+    dense = backend != "xla" and _dense_planned(q, cache, *block_tables.shape, f16_products, backend,
+                                                bool(sliding_window or soft_cap or sinks.size))
+    q_rot = _rotate(q, k_codec.rotation.T, dense)
     operands = (q_rot, cache.k_codes, cache.k_norms, cache.v_codes, cache.v_norms, k_codec.centroids,
                 v_codec.centroids, block_tables, seq_lens, *windows, query_start_loc, sinks)
-    backend = get_backend()
     variants = dict(sliding_window=sliding_window, soft_cap=soft_cap)
     if backend == "xla":
         out_rot = _reference(*operands, k_bits=k_codec.bits, v_bits=v_codec.bits, scale=scale, **variants)[0]
     else:
-        dense = _dense_planned(q, cache, *block_tables.shape, f16_products, backend,
-                               bool(sliding_window or soft_cap or sinks.size))
         out_rot = _prefill(*operands, k_codec.bits, v_codec.bits, scale, f16_products, backend, sliding_window,
                            soft_cap, dense)
-    out = jnp.einsum("the,ed->thd", out_rot, v_codec.rotation, precision=_HIGHEST)
-    return out.astype(q.dtype)
+    return _rotate(out_rot, v_codec.rotation, dense).astype(q.dtype)
+
+
+def _rotate(x, matrix, bf16: bool):
+    """float32 x [T, H, d] @ matrix [d, d]: float32-accurate, or (``bf16``: the dense path, whose
+    operands are bfloat16 anyway) bfloat16 operands with float32 accumulation."""
+    if bf16:
+        return jnp.einsum("thd,de->the", x.astype(jnp.bfloat16), matrix.astype(jnp.bfloat16),
+                          preferred_element_type=jnp.float32)
+    return jnp.einsum("thd,de->the", x.astype(jnp.float32), matrix, precision=_HIGHEST)
 
 
 #: Query rows per sequence (num_tokens / num_seqs) from which a prefill on CUDA runs as cuDNN flash

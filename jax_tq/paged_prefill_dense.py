@@ -137,7 +137,14 @@ def dense_prefill_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids
     own = jnp.clip(prefix[:, None] + rows, 0, capacity - 1)                          # the chunk's own tokens
     own_keys = jnp.take_along_axis(keys, own[:, :, None, None], axis=1)
     own_values = jnp.take_along_axis(values, own[:, :, None, None], axis=1)
-    out_prefix, lse_prefix = attend(queries, keys, values, seen, prefix, scale=scale, causal=False)
+    def prefix_attention(operands):
+        return attend(*operands, scale=scale, causal=False)
+
+    def no_prefix(operands):  # no sequence has cached tokens (a fresh prompt): part a is empty
+        return tuple(jnp.zeros(a.shape, a.dtype) for a in jax.eval_shape(prefix_attention, operands))
+
+    out_prefix, lse_prefix = jax.lax.cond(jnp.any(prefix > 0), prefix_attention, no_prefix,
+                                          (queries, keys, values, seen, prefix))
     out_own, lse_own = attend(queries, own_keys, own_values, seen, seen, scale=scale, causal=True)
     # Zero slots each add 1 to the softmax sums: the prefix's to all rows, the chunk's causally.
     missing = ~valid & (jnp.arange(capacity)[None, :] < lengths[:, None])

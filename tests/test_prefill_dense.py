@@ -141,13 +141,20 @@ def test_paged_prefill_takes_the_dense_path_when_every_chunk_fits_its_rows(monke
     lens = jnp.asarray(seq_lens, jnp.int32)
     with tq.use_backend("auto"):
         got = np.asarray(tq.paged_prefill(q, cache, tables, lens, starts), np.float32)
-    with tq.use_backend("ffi"):
-        kernel = np.asarray(tq.paged_prefill(q, cache, tables, lens, starts), np.float32)
     want = prefill_f64(q.astype(jnp.float32), cache, tables, lens, starts)
     assert used == [187]
     assert rel_err(got, want) < 1e-2
-    # The kernel's result exactly where the chunk does not fit; the bfloat16 span's rounding where it does.
-    assert (rel_err(got, kernel) > 1e-4) if dense else np.array_equal(got, kernel)
+    # Which branch ran: each candidate computed alone from the same (bf16-rotated) queries.
+    k, v = cache.k_codec, cache.v_codec
+    ops = (prefill_module._rotate(q, k.rotation.T, True), cache.k_codes, cache.k_norms, cache.v_codes, cache.v_norms,
+           k.centroids, v.centroids, tables, lens, *window_operands(cache, None, lens, "paged_prefill"), starts)
+    scale = 1 / np.sqrt(64)
+    over_span = real(*ops, k_bits=4, v_bits=4, scale=scale, rows_per_seq=187, attend=paged_prefill_dense.exact_attend)
+    kernel = prefill_module._prefill(*ops, jnp.zeros((0,), jnp.float32), 4, 4, scale, True, "auto", 0, 0.0, False)
+    candidates = [np.asarray(prefill_module._rotate(o, v.rotation, True).astype(jnp.bfloat16), np.float32)
+                  for o in (over_span, kernel)]
+    chosen, other = candidates if dense else candidates[::-1]
+    assert rel_err(got, chosen) < 1e-6 and rel_err(got, other) > 1e-4
 
 
 # ----------------------------------------------------------------------------- CUDA: cuDNN over the span
