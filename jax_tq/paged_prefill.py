@@ -63,8 +63,8 @@ def paged_prefill(q, cache, block_tables, seq_lens, query_start_loc, *, window_i
         (head_dim 64 and 128; a relative error of ~2^-11 per term, below a bfloat16 query's own
         rounding). Default: ``HIGHEST`` for float32 queries, ``DEFAULT`` for bfloat16 / float16 ones.
         No effect on the CPU (float64) or the reference. On CUDA, bfloat16 queries under ``DEFAULT`` /
-        ``HIGH`` with at least DENSE_MIN_ROWS (128) rows per sequence, head_dim 64 / 128 and no variant
-        run as cuDNN flash attention over the sequences' tokens decoded once into bfloat16 (K, V, q
+        ``HIGH`` with at least DENSE_MIN_ROWS (128) rows per sequence, head_dim 64 / 128 and neither
+        sliding_window nor soft_cap run as cuDNN flash attention over the sequences' tokens decoded once into bfloat16 (K, V, q
         and the rotations' operands rounded to bfloat16, ~2^-9 per term, as attention over a
         bfloat16 cache; transient memory 2 x num_seqs x max_pages x page_size x num_kv_heads x
         head_dim x 2 bytes, at most 1 GiB), when every sequence owns at most ceil(num_tokens /
@@ -77,7 +77,8 @@ def paged_prefill(q, cache, block_tables, seq_lens, query_start_loc, *, window_i
       sinks: None, or float32 [num_heads]: a per-head logit joining the softmax denominator only
         (gpt-oss's attention sinks; as :func:`jax_tq.paged_decode`). Differentiable.
         The CUDA kernel does not implement the three variants yet: on the GPU a call that sets any
-        of them runs XLA's code of the reference under backend "auto", and raises under "ffi".
+        of them runs XLA's code of the reference under backend "auto" (sinks alone: the cuDNN path
+        above where it is chosen, the sinks one more term of its merge), and raises under "ffi".
 
     Returns:
       [num_tokens, num_heads, head_dim] of q's dtype. Rows that no sequence owns are 0 whatever
@@ -121,7 +122,7 @@ def paged_prefill(q, cache, block_tables, seq_lens, query_start_loc, *, window_i
     k_codec, v_codec = cache.k_codec, cache.v_codec
     backend = get_backend()
     dense = backend != "xla" and _dense_planned(q, cache, *block_tables.shape, f16_products, backend,
-                                                bool(sliding_window or soft_cap or sinks.size))
+                                                bool(sliding_window or soft_cap))
     q_rot = _rotate(q, k_codec.rotation.T, dense)
     operands = (q_rot, cache.k_codes, cache.k_norms, cache.v_codes, cache.v_norms, k_codec.centroids,
                 v_codec.centroids, block_tables, seq_lens, *windows, query_start_loc, sinks)
@@ -158,8 +159,8 @@ def _dense_planned(q, cache, num_seqs: int, max_pages: int, f16_products: bool, 
     backend "auto", bfloat16 queries with float16-class products allowed (the span is bfloat16),
     num_tokens / num_seqs >= DENSE_MIN_ROWS (the queries are laid out per sequence, ceil(num_tokens /
     num_seqs) rows each; a call whose longest chunk has more runs the kernel, chosen at run time), a
-    span within DENSE_MAX_SPAN_BYTES, head_dim 64 / 128, no attention variant, and JAX's cuDNN
-    attention available."""
+    span within DENSE_MAX_SPAN_BYTES, head_dim 64 / 128, no sliding window or soft cap (``variant``;
+    sinks are served), and JAX's cuDNN attention available."""
     span_bytes = 2 * num_seqs * max_pages * cache.page_size * cache.num_kv_heads * cache.head_dim * 2
     return (backend == "auto" and f16_products and jnp.dtype(q.dtype) == jnp.dtype(jnp.bfloat16) and num_seqs >= 1
             and q.shape[0] >= DENSE_MIN_ROWS * num_seqs and span_bytes <= DENSE_MAX_SPAN_BYTES
@@ -220,7 +221,8 @@ def _prefill(q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, 
 
     def over_span(*operands):
         return paged_prefill_dense.dense_prefill_rotated(*operands, k_bits=k_bits, v_bits=v_bits, scale=scale,
-                                                         rows_per_seq=rows_per_seq)
+                                                         rows_per_seq=rows_per_seq,
+                                                         sinks=sinks if sinks.size else None)
 
     def over_span_if_rows_fit(*operands):  # the kernel for a batch whose longest chunk has more rows
         if num_seqs == 1:

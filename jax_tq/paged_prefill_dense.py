@@ -99,15 +99,17 @@ def cudnn_attend(q, k, v, q_lens, kv_lens, *, scale: float, causal: bool):
 
 def dense_prefill_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids, block_tables,
                           seq_lens, k_window, v_window, window_ids, query_start_loc, *, k_bits: int, v_bits: int,
-                          scale: float, rows_per_seq: int | None = None, attend=None, dtype=jnp.bfloat16):
+                          scale: float, rows_per_seq: int | None = None, sinks=None, attend=None, dtype=jnp.bfloat16):
     """The paged prefill primitive's forward semantics (``paged_prefill._reference``) by attention
     over the decoded span: out_rot float32 [T, H, d].
 
     Args:
-      q_rot ... query_start_loc: the primitive's operands (sinks aside; no attention variant).
+      q_rot ... query_start_loc: the primitive's operands (sinks below; no sliding window or soft cap).
       k_bits, v_bits, scale: its parameters.
       rows_per_seq: the query rows laid out per sequence (static; default num_tokens): every sequence
         must own at most that many rows (the caller checks; more are dropped).
+      sinks: None, or float [H]: a per-head logit joining every row's softmax denominator only
+        (attention sinks, as the reference's ``sinks``): one more term of the merge.
       attend: ``(q, k, v, q_lens, kv_lens, *, scale, causal) -> (out, lse)`` as
         :func:`jax_tq._compat.cudnn_attention_with_lse` (default: :func:`cudnn_attend`);
         :func:`exact_attend` on the CPU.
@@ -151,7 +153,8 @@ def dense_prefill_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids
     skipped_prefix = jnp.sum(missing & (jnp.arange(capacity)[None, :] < prefix[:, None]), axis=1)
     own_missing = jnp.take_along_axis(missing, own, axis=1) & (rows < seen[:, None])
     skipped_own = jnp.cumsum(own_missing.astype(jnp.int32), axis=1)
-    merged = _merge(out_prefix, lse_prefix, prefix > 0, skipped_prefix[:, None], out_own, lse_own, skipped_own)
+    merged = _merge(out_prefix, lse_prefix, prefix > 0, skipped_prefix[:, None], out_own, lse_own, skipped_own,
+                    sinks)
     seq, _, owned = reference.prefill_row_lens(query_start_loc, seq_lens, num_rows, capacity)
     index = jnp.arange(num_rows, dtype=jnp.int32) - begin[seq] - before[seq]
     inside = owned & (index >= 0) & (index < seen[seq])
@@ -160,14 +163,17 @@ def dense_prefill_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids
     return jnp.where((~finite & owned[:, None])[..., None], jnp.nan, out_rot)
 
 
-def _merge(out_a, lse_a, has_a, skipped_a, out_b, lse_b, skipped_b):
+def _merge(out_a, lse_a, has_a, skipped_a, out_b, lse_b, skipped_b, sinks=None):
     """Softmax-weighted merge of two attentions over disjoint key sets ([S, T, H, d] outputs, [S, T, H]
     log-sum-exps; has_a [S]: part a has keys), each sum less its ``skipped`` zero slots ([S, 1] / [S, T]),
-    in promote(lse dtype, float32)."""
+    plus exp(sinks [H]) in the denominator where given, in promote(lse dtype, float32)."""
     dtype = jnp.promote_types(lse_b.dtype, jnp.float32)
     lse_a, lse_b = lse_a.astype(dtype), lse_b.astype(dtype)
     lse_a = jnp.where(has_a[:, None, None], lse_a, -jnp.inf)
     top = jnp.maximum(lse_a, lse_b)
+    if sinks is not None:
+        sinks = sinks.astype(dtype)[None, None, :]
+        top = jnp.maximum(top, sinks)
     top = jnp.where(jnp.isfinite(top), top, 0.0)
     weight_a = jnp.exp(lse_a - top)
     weight_b = jnp.exp(lse_b - top)
@@ -177,6 +183,8 @@ def _merge(out_a, lse_a, has_a, skipped_a, out_b, lse_b, skipped_b):
         return weight - jnp.where(skipped > 0, skipped * jnp.exp(-top), 0.0)
 
     total = less_skipped(weight_a, skipped_a) + less_skipped(weight_b, skipped_b)
+    if sinks is not None:
+        total = total + jnp.exp(sinks - top)
     numerator = (jnp.where(has_a[:, None, None, None], out_a.astype(dtype) * weight_a[..., None], 0.0)
                  + out_b.astype(dtype) * weight_b[..., None])
     return jnp.where(total[..., None] > 0, numerator / jnp.where(total > 0, total, 1.0)[..., None], 0.0)

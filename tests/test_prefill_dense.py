@@ -31,14 +31,15 @@ def _operands(cache, q, tables, lens, starts, window_ids=None):
             jnp.asarray(tables), jnp.asarray(lens, jnp.int32), *windows, jnp.asarray(starts, jnp.int32))
 
 
-def _both(cache, operands, rows_per_seq=None):
+def _both(cache, operands, rows_per_seq=None, sinks=None):
     """(dense path in float64 with the exact attention, the primitive's reference in float64, rounded to
     float32 at its end: the two agree to ~1e-7)."""
     scale = 1 / np.sqrt(cache.head_dim)
     bits = dict(k_bits=cache.k_codec.bits, v_bits=cache.v_codec.bits, scale=scale)
     got = paged_prefill_dense.dense_prefill_rotated(*operands, **bits, attend=paged_prefill_dense.exact_attend,
-                                                    dtype=jnp.float64, rows_per_seq=rows_per_seq)
-    want = prefill_module._reference(*operands, jnp.zeros((0,), jnp.float64), **bits)[0]
+                                                    dtype=jnp.float64, rows_per_seq=rows_per_seq, sinks=sinks)
+    sink_operand = jnp.zeros((0,), jnp.float64) if sinks is None else sinks
+    want = prefill_module._reference(*operands, sink_operand, **bits)[0]
     return np.asarray(got), np.asarray(to_f64(want))
 
 
@@ -79,6 +80,22 @@ def test_dense_path_skips_invalid_pages_and_missing_windows_and_keeps_nan_rows(r
     nan = np.isnan(got)
     assert np.array_equal(nan, np.isnan(want)) and nan[75, 1].all() and nan.sum() == 64
     assert rel_err(np.where(nan, 0, got), np.where(nan, 0, want)) < 2e-7
+
+
+def test_dense_path_with_sinks_equals_the_float64_reference(rng):
+    """Per-head sink logits (one far above every score, one far below) join each row's denominator;
+    with skipped slots (an invalid page) and rows placed before their sequence's start."""
+    with _compat.enable_x64():
+        cache = random_cache(rng, num_pages=80, page_size=16, num_kv_heads=2, head_dim=64, k_bits=4, v_bits=3,
+                             seed=int(rng.integers(1 << 16)))
+        tables = np.array(random_tables(rng, (300, 40), 16, 80))
+        tables[0, 3] = 500
+        starts = np.asarray([0, 130, 185])
+        q = rng.normal(size=(185, 6, 64))
+        sinks = jnp.asarray([0.5, -2.0, 40.0, -40.0, 3.0, 0.0], jnp.float64)
+        got, want = _both(cache, _operands(cache, q, tables, (300, 40), starts), sinks=sinks)
+    assert rel_err(got, want) < 2e-7
+    assert np.abs(got[:, 2]).max() < 1e-12 < np.abs(got[:, 3]).max()   # the sink of 40 takes every row's weight
 
 
 def test_dense_path_in_float32_is_close_to_the_float64_reference(rng):
@@ -207,3 +224,24 @@ def test_gpu_dense_prefill_of_several_sequences(request, rng, q_lens, dense):
         kernel = np.asarray(jax.jit(lambda *a: tq.paged_prefill(*a))(*args), np.float32)
     assert rel_err(got, prefill_f64(q.astype(jnp.float32), cache, tables, seq_lens, starts)) < 1e-2
     assert (rel_err(got, kernel) > 1e-4) if dense else np.array_equal(got, kernel)
+
+
+@pytest.mark.gpu
+def test_gpu_dense_prefill_with_sinks_matches_the_float64_reference(rng):
+    """Sinks on the cuDNN path (one more term of the merge): 1000 rows after 500 cached tokens."""
+    cache = random_cache(rng, num_pages=120, page_size=16, num_kv_heads=2, head_dim=128, k_bits=4, v_bits=4,
+                         seed=int(rng.integers(1 << 16)))
+    tables = random_tables(rng, (1500,), 16, 120)
+    starts = np.asarray([0, 1000], np.int32)
+    q = jnp.asarray(rng.normal(size=(1000, 8, 128)), jnp.bfloat16)
+    sinks = jnp.asarray(rng.normal(size=(8,)) * 3, jnp.float32)
+    args = (q, cache, tables, jnp.asarray([1500], jnp.int32), jnp.asarray(starts))
+    call = jax.jit(lambda *a: tq.paged_prefill(*a, sinks=sinks))
+    assert "cudnn" in call.lower(*args).as_text()
+    got = np.asarray(call(*args), np.float32)
+    with _compat.enable_x64():
+        operands = _operands(cache, np.asarray(q, np.float64), tables, (1500,), starts)
+        out_rot = prefill_module._reference(*operands, jnp.asarray(sinks, jnp.float64), k_bits=4, v_bits=4,
+                                            scale=1 / np.sqrt(128))[0]
+        want = np.asarray(out_rot, np.float64) @ to_f64(cache.v_codec.rotation)
+    assert rel_err(got, want) < 1e-2
