@@ -62,13 +62,12 @@ def paged_prefill(q, cache, block_tables, seq_lens, query_start_loc, *, window_i
         weights and the centroids to float16 in tensor-core products with float32 accumulation
         (head_dim 64 and 128; a relative error of ~2^-11 per term, below a bfloat16 query's own
         rounding). Default: ``HIGHEST`` for float32 queries, ``DEFAULT`` for bfloat16 / float16 ones.
-        No effect on the CPU (float64) or the reference. On CUDA, bfloat16 queries under ``DEFAULT`` /
-        ``HIGH`` with at least DENSE_MIN_ROWS (128) rows per sequence, head_dim 64 / 128 and neither
-        sliding_window nor soft_cap run as cuDNN flash attention over the sequences' tokens decoded once into bfloat16 (K, V, q
-        and the rotations' operands rounded to bfloat16, ~2^-9 per term, as attention over a
-        bfloat16 cache; transient memory 2 x num_seqs x max_pages x page_size x num_kv_heads x
-        head_dim x 2 bytes, at most 1 GiB), when every sequence owns at most ceil(num_tokens /
-        num_seqs) rows; else the kernel (with the queries rotated the same way).
+        No effect on the CPU (float64) or the reference. On CUDA, one sequence (num_seqs == 1) of
+        bfloat16 queries under ``DEFAULT`` / ``HIGH`` with at least DENSE_MIN_ROWS (128) rows,
+        head_dim 64 / 128 and neither sliding_window nor soft_cap runs as cuDNN flash attention over
+        its tokens decoded once into bfloat16 (K, V, q and the rotations' operands rounded to
+        bfloat16, ~2^-9 per term, as attention over a bfloat16 cache; transient memory
+        2 x max_pages x page_size x num_kv_heads x head_dim x 2 bytes, at most 1 GiB).
       sliding_window: None, or an int >= 1 (static): the row at position p sees only positions
         p - sliding_window + 1 .. p (the last sliding_window tokens, itself included; vLLM's /
         Mistral's convention; :mod:`jax_tq.variants`).
@@ -144,26 +143,25 @@ def _rotate(x, matrix, bf16: bool):
     return jnp.einsum("thd,de->the", x.astype(jnp.float32), matrix, precision=_HIGHEST)
 
 
-#: Query rows per sequence (num_tokens / num_seqs) from which a prefill on CUDA runs as cuDNN flash
-#: attention over the decoded tokens (:mod:`jax_tq.paged_prefill_dense`) rather than the fused kernel,
-#: which decodes each K / V tile once per 16 query tokens (H200, 32 / 8 heads, d128, K4V4: 128 rows
-#: after 8064 cached tokens 168 us against the kernel's 371; 2048 after 6144: 629 against 1763).
+#: Query rows from which a one-sequence prefill on CUDA runs as cuDNN flash attention over its decoded
+#: tokens (:mod:`jax_tq.paged_prefill_dense`) rather than the fused kernel, which decodes each K / V
+#: tile once per 16 query tokens (H200, 32 / 8 heads, d128, K4V4: 128 rows after 8064 cached tokens
+#: 168 us against the kernel's 371; 2048 after 6144: 629 against 1763).
 DENSE_MIN_ROWS = 128
-#: The most bytes of decoded bfloat16 K and V (2 x num_seqs x max_pages x page_size x Hkv x d x 2)
-#: the dense path may hold; past it, the kernel (which keeps memory O(rows)).
+#: The most bytes of decoded bfloat16 K and V (2 x max_pages x page_size x Hkv x d x 2) the dense
+#: path may hold; past it, the kernel (which keeps memory O(rows)).
 DENSE_MAX_SPAN_BYTES = 1 << 30
 
 
 def _dense_planned(q, cache, num_seqs: int, max_pages: int, f16_products: bool, backend: str, variant: bool) -> bool:
     """Whether the prefill runs as attention over the decoded span (on CUDA; the kernel elsewhere):
-    backend "auto", bfloat16 queries with float16-class products allowed (the span is bfloat16),
-    num_tokens / num_seqs >= DENSE_MIN_ROWS (the queries are laid out per sequence, ceil(num_tokens /
-    num_seqs) rows each; a call whose longest chunk has more runs the kernel, chosen at run time), a
-    span within DENSE_MAX_SPAN_BYTES, head_dim 64 / 128, no sliding window or soft cap (``variant``;
-    sinks are served), and JAX's cuDNN attention available."""
-    span_bytes = 2 * num_seqs * max_pages * cache.page_size * cache.num_kv_heads * cache.head_dim * 2
-    return (backend == "auto" and f16_products and jnp.dtype(q.dtype) == jnp.dtype(jnp.bfloat16) and num_seqs >= 1
-            and q.shape[0] >= DENSE_MIN_ROWS * num_seqs and span_bytes <= DENSE_MAX_SPAN_BYTES
+    backend "auto", bfloat16 queries with float16-class products allowed (the span is bfloat16), one
+    sequence (several would need their queries laid out per sequence, at a size known only at run
+    time), at least DENSE_MIN_ROWS rows, a span of 1 .. DENSE_MAX_SPAN_BYTES, head_dim 64 / 128, no
+    sliding window or soft cap (``variant``; sinks are served), and JAX's cuDNN attention available."""
+    span_bytes = 2 * max_pages * cache.page_size * cache.num_kv_heads * cache.head_dim * 2
+    return (backend == "auto" and f16_products and jnp.dtype(q.dtype) == jnp.dtype(jnp.bfloat16) and num_seqs == 1
+            and q.shape[0] >= DENSE_MIN_ROWS and 0 < span_bytes <= DENSE_MAX_SPAN_BYTES
             and cache.head_dim in (64, 128) and not variant and _compat.has_cudnn_attention())
 
 
@@ -216,22 +214,12 @@ def _prefill(q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, 
 
     if not dense:
         return kernel(*operands)
-    num_rows, num_seqs = q_rot.shape[0], tables.shape[0]
-    rows_per_seq = -(-num_rows // num_seqs)
 
     def over_span(*operands):
         return paged_prefill_dense.dense_prefill_rotated(*operands, k_bits=k_bits, v_bits=v_bits, scale=scale,
-                                                         rows_per_seq=rows_per_seq,
                                                          sinks=sinks if sinks.size else None)
 
-    def over_span_if_rows_fit(*operands):  # the kernel for a batch whose longest chunk has more rows
-        if num_seqs == 1:
-            return over_span(*operands)
-        begin = jnp.clip(starts[:-1], 0, num_rows)
-        longest = jnp.max(jnp.clip(starts[1:], begin, num_rows) - begin)
-        return jax.lax.cond(longest <= rows_per_seq, over_span, kernel, *operands)
-
-    return jax.lax.platform_dependent(*operands, cuda=over_span_if_rows_fit, default=kernel)
+    return jax.lax.platform_dependent(*operands, cuda=over_span, default=kernel)
 
 
 def _prefill_fwd(*args):

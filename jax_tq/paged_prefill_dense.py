@@ -36,9 +36,10 @@ def span_tokens(codes, norms, centroids, bits: int, block_tables, seq_lens, wind
         sequence in entry p % W of its ring; window_ids int32 [S].
       dtype: the result's dtype.
     Returns:
-      (tokens [S, max_pages * page_size, Hkv, d] of ``dtype``, zero where not valid;
+      (tokens [S, max_pages * page_size, Hkv, d] of ``dtype``, zero where not valid or not finite;
        valid bool [S, max_pages * page_size]: a position < seq_len whose page id is in the pool, or
-       whose window id is one).
+       whose window id is one;
+       finite bool [S, max_pages * page_size, Hkv]: its norm (a window row: every entry) is finite).
     """
     num_pages, num_kv_heads, page_size, _ = codes.shape
     num_seqs, max_pages = block_tables.shape
@@ -49,6 +50,7 @@ def span_tokens(codes, norms, centroids, bits: int, block_tables, seq_lens, wind
     head_dim = decoded.shape[-1]
     tokens = jnp.transpose(decoded, (0, 1, 3, 2, 4)).reshape(num_seqs, capacity, num_kv_heads, head_dim)
     valid = jnp.repeat(page_ok, page_size, axis=1)
+    finite = jnp.isfinite(jnp.transpose(norms[safe], (0, 1, 3, 2)).reshape(num_seqs, capacity, num_kv_heads))
     positions = jnp.arange(capacity, dtype=jnp.int32)[None, :]
     lengths = jnp.clip(seq_lens, 0, min(capacity, tq_format.INDEX_MAX))
     num_windows, _, length, _ = window_rows.shape
@@ -60,8 +62,10 @@ def span_tokens(codes, norms, centroids, bits: int, block_tables, seq_lens, wind
         rows = jnp.transpose(jnp.take(ring, positions[0] % length, axis=2), (0, 2, 1, 3))
         tokens = jnp.where(from_window[..., None, None], rows.astype(tokens.dtype), tokens)
         valid = jnp.where(from_window, id_ok[:, None], valid)
+        finite = jnp.where(from_window[..., None], jnp.all(jnp.isfinite(rows), axis=-1), finite)
     valid = valid & (positions < lengths[:, None])
-    return jnp.where(valid[..., None, None], tokens, 0).astype(dtype), valid
+    keep = valid[..., None] & finite
+    return jnp.where(keep[..., None], tokens, 0).astype(dtype), valid, finite
 
 
 def exact_attend(q, k, v, q_lens, kv_lens, *, scale: float, causal: bool):
@@ -121,10 +125,12 @@ def dense_prefill_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids
     num_rows = q_rot.shape[0]
     num_seqs, max_pages = block_tables.shape
     capacity = max_pages * k_codes.shape[2]
-    keys, valid = span_tokens(k_codes, k_norms, k_centroids, k_bits, block_tables, seq_lens, k_window, window_ids,
-                              dtype)
-    values, _ = span_tokens(v_codes, v_norms, v_centroids, v_bits, block_tables, seq_lens, v_window, window_ids,
-                            dtype)
+    keys, valid, k_finite = span_tokens(k_codes, k_norms, k_centroids, k_bits, block_tables, seq_lens, k_window,
+                                        window_ids, dtype)
+    values, _, v_finite = span_tokens(v_codes, v_norms, v_centroids, v_bits, block_tables, seq_lens, v_window,
+                                      window_ids, dtype)
+    group = q_rot.shape[1] // keys.shape[2]
+    values = jnp.where(k_finite[..., None], values, 0)   # a skipped key's value adds nothing either
     begin = jnp.clip(query_start_loc[:-1], 0, num_rows)
     end = jnp.clip(query_start_loc[1:], begin, num_rows)
     lengths = jnp.clip(seq_lens, 0, min(capacity, tq_format.INDEX_MAX))
@@ -148,13 +154,27 @@ def dense_prefill_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids
     out_prefix, lse_prefix = jax.lax.cond(jnp.any(prefix > 0), prefix_attention, no_prefix,
                                           (queries, keys, values, seen, prefix))
     out_own, lse_own = attend(queries, own_keys, own_values, seen, seen, scale=scale, causal=True)
-    # Zero slots each add 1 to the softmax sums: the prefix's to all rows, the chunk's causally.
-    missing = ~valid & (jnp.arange(capacity)[None, :] < lengths[:, None])
-    skipped_prefix = jnp.sum(missing & (jnp.arange(capacity)[None, :] < prefix[:, None]), axis=1)
-    own_missing = jnp.take_along_axis(missing, own, axis=1) & (rows < seen[:, None])
-    skipped_own = jnp.cumsum(own_missing.astype(jnp.int32), axis=1)
-    merged = _merge(out_prefix, lse_prefix, prefix > 0, skipped_prefix[:, None], out_own, lse_own, skipped_own,
-                    sinks)
+    # Per KV head. Zero keys (slots the kernel skips: an invalid page or window id, a non-finite K
+    # norm) each add 1 to the softmax sums: the prefix's to all rows, the chunk's causally. A
+    # non-finite V norm makes NaN the rows that see its token (zeroed in the span, so that no 0 x NaN
+    # reaches the others).
+    before_len = jnp.arange(capacity)[None, :] < lengths[:, None]
+    in_prefix = (jnp.arange(capacity)[None, :] < prefix[:, None])[..., None]
+    missing = (before_len[..., None] & ~(valid[..., None] & k_finite)).astype(jnp.int32)   # [S, cap, Hkv]
+    poisoned = (valid[..., None] & ~v_finite).astype(jnp.int32)
+    own_rows = (rows < seen[:, None])[..., None]
+
+    def prefix_and_own(flags):  # [S, 1, Hkv] over the prefix, [S, R, Hkv] causal over the chunk
+        own_flags = jnp.take_along_axis(flags, own[:, :, None], axis=1) * own_rows
+        return jnp.sum(flags * in_prefix, axis=1, keepdims=True), jnp.cumsum(own_flags, axis=1)
+
+    def per_head(x):
+        return jnp.repeat(x, group, axis=-1)
+
+    skipped_prefix, skipped_own = (per_head(x) for x in prefix_and_own(missing))
+    nan_prefix, nan_own = (per_head(x) for x in prefix_and_own(poisoned))
+    merged = _merge(out_prefix, lse_prefix, prefix > 0, skipped_prefix, out_own, lse_own, skipped_own, sinks)
+    merged = jnp.where(((nan_prefix > 0) | (nan_own > 0))[..., None], jnp.nan, merged)
     seq, _, owned = reference.prefill_row_lens(query_start_loc, seq_lens, num_rows, capacity)
     index = jnp.arange(num_rows, dtype=jnp.int32) - begin[seq] - before[seq]
     inside = owned & (index >= 0) & (index < seen[seq])
@@ -165,7 +185,7 @@ def dense_prefill_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids
 
 def _merge(out_a, lse_a, has_a, skipped_a, out_b, lse_b, skipped_b, sinks=None):
     """Softmax-weighted merge of two attentions over disjoint key sets ([S, T, H, d] outputs, [S, T, H]
-    log-sum-exps; has_a [S]: part a has keys), each sum less its ``skipped`` zero slots ([S, 1] / [S, T]),
+    log-sum-exps; has_a [S]: part a has keys), each sum less its ``skipped`` zero slots ([S, 1, H] / [S, T, H]),
     plus exp(sinks [H]) in the denominator where given, in promote(lse dtype, float32)."""
     dtype = jnp.promote_types(lse_b.dtype, jnp.float32)
     lse_a, lse_b = lse_a.astype(dtype), lse_b.astype(dtype)
@@ -179,7 +199,7 @@ def _merge(out_a, lse_a, has_a, skipped_a, out_b, lse_b, skipped_b, sinks=None):
     weight_b = jnp.exp(lse_b - top)
 
     def less_skipped(weight, skipped):
-        skipped = skipped[..., None].astype(dtype)
+        skipped = skipped.astype(dtype)
         return weight - jnp.where(skipped > 0, skipped * jnp.exp(-top), 0.0)
 
     total = less_skipped(weight_a, skipped_a) + less_skipped(weight_b, skipped_b)
