@@ -143,8 +143,15 @@ def _cudnn_module():
 
 def has_cudnn_attention() -> bool:
     """Whether :func:`cudnn_attention_with_lse` can be traced: JAX has its cuDNN attention module
-    and a GPU backend (tracing it checks the cuDNN version of the GPU's runtime)."""
-    return _cudnn_module() is not None and _first_gpu() is not None
+    and a CUDA backend (tracing it checks the cuDNN version of the CUDA runtime; a ROCm GPU has none)."""
+    cudnn = _cudnn_module()
+    try:
+        if cudnn is None or not jax.devices("cuda"):
+            return False
+        cudnn.check_cudnn_version()
+    except (RuntimeError, AttributeError):
+        return False
+    return True
 
 
 def cudnn_attention_with_lse(q, k, v, q_lens, kv_lens, *, scale: float, causal: bool):

@@ -7,9 +7,11 @@ chunk after cached tokens is two attentions merged by their log-sum-exp (FlashAt
 merge, arXiv 2307.08691 section 3.1.1): the rows over the cached prefix (no mask) and over the
 chunk's own tokens (causal, square, so the diagonal's alignment does not matter).
 
-Key slots the kernel would skip (a block-table entry outside the pool, a window id of none) enter
-as zero keys and values: each adds exactly exp(0) = 1 to its rows' softmax sum and nothing to their
-numerator, and that 1 is subtracted again from the statistics.
+Key slots the kernel would skip (a block-table entry outside the pool, a window id of none, a
+non-finite K norm) enter as zero keys and values: each adds exactly exp(0) = 1 to its rows' softmax
+sum and nothing to their numerator, and that 1 is subtracted again from the statistics. Where a row
+sees such a slot and every logit it sees is far below 0 (below ~-15: the 1 dominates the float32
+sum), the subtraction cancels and the row loses precision; the kernel has no such limit.
 
 :func:`jax_tq.paged_prefill` chooses this path (one place: ``paged_prefill._dense_planned``); the
 functions here take the primitive's operands.
