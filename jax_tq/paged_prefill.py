@@ -66,8 +66,11 @@ def paged_prefill(q, cache, block_tables, seq_lens, query_start_loc, *, window_i
         bfloat16 queries under ``DEFAULT`` / ``HIGH`` with at least DENSE_MIN_ROWS (128) rows,
         head_dim 64 / 128 and neither sliding_window nor soft_cap runs as cuDNN flash attention over
         its tokens decoded once into bfloat16 (K, V, q and the rotations' operands rounded to
-        bfloat16, ~2^-9 per term, as attention over a bfloat16 cache; transient memory
-        2 x max_pages x page_size x num_kv_heads x head_dim x 2 bytes, at most 1 GiB).
+        bfloat16, ~2^-9 per term, as attention over a bfloat16 cache; transient memory: the span,
+        2 x max_pages x page_size x num_kv_heads x head_dim x 2 bytes, at most 1 GiB, and ~4 float32
+        copies of the output). There, a block-table entry outside the pool or a window id of none
+        inside a sequence's length (``jax_tq.checked`` reports both) loses precision where every
+        logit its rows see is far below 0, instead of being skipped exactly.
       sliding_window: None, or an int >= 1 (static): the row at position p sees only positions
         p - sliding_window + 1 .. p (the last sliding_window tokens, itself included; vLLM's /
         Mistral's convention; :mod:`jax_tq.variants`).

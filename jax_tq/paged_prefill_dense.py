@@ -107,7 +107,7 @@ def dense_prefill_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids
                           seq_lens, k_window, v_window, window_ids, query_start_loc, *, k_bits: int, v_bits: int,
                           scale: float, rows_per_seq: int | None = None, sinks=None, attend=None, dtype=jnp.bfloat16):
     """The paged prefill primitive's forward semantics (``paged_prefill._reference``) by attention
-    over the decoded span: out_rot float32 [T, H, d].
+    over the decoded span: out_rot [T, H, d], float32 (float64 for float64 operands).
 
     Args:
       q_rot ... query_start_loc: the primitive's operands (sinks below; no sliding window or soft cap).
@@ -120,8 +120,9 @@ def dense_prefill_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids
         :func:`jax_tq._compat.cudnn_attention_with_lse` (default: :func:`cudnn_attend`);
         :func:`exact_attend` on the CPU.
       dtype: the dtype of the queries and decoded tokens handed to ``attend``.
-    Memory: the span (2 x S x max_pages x page_size x Hkv x d of ``dtype``) and the queries laid out
-    per sequence (S x rows_per_seq x H x d).
+    Memory: the span (2 x S x max_pages x page_size x Hkv x d of ``dtype``), the queries laid out
+    per sequence and the chunk's own K / V (S x rows_per_seq x (H + 2 Hkv) x d of ``dtype``), two
+    attention outputs and the float32 merge (~4 x S x rows_per_seq x H x d x 4 bytes).
     """
     attend = cudnn_attend if attend is None else attend
     num_rows = q_rot.shape[0]
@@ -141,6 +142,7 @@ def dense_prefill_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids
     seen = q_lens - before                       # rows that see tokens: positions prefix .. length - 1
     prefix = lengths - seen
     rows_per_seq = num_rows if rows_per_seq is None else rows_per_seq
+    seen = jnp.minimum(seen, rows_per_seq)       # rows past the layout are dropped (the caller's contract)
     rows = jnp.arange(rows_per_seq, dtype=jnp.int32)[None, :]
     laid = jnp.clip(begin[:, None] + before[:, None] + rows, 0, num_rows - 1)         # [S, rows_per_seq]
     queries = jnp.where((rows < seen[:, None])[..., None, None], q_rot[laid], 0).astype(dtype)
