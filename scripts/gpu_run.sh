@@ -116,9 +116,9 @@ if has qjl; then  # TurboQuant_prod: the QJL GPU tests (CUDA kernels against flo
     | tee "$OUT/bench_qjl.txt" | tail -n 12
   echo "qjl: $(( $(date +%s) - t0 )) s"
 fi
-if has prefill; then  # paged prefill and the serving calls: their tests (CUDA kernels against float64, 8 processes), then the benchmark
+if has prefill; then  # paged prefill (kernel and cuDNN over the decoded span) and the serving calls: their tests (against float64, 8 processes), then the benchmark
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -n 8 -p no:cacheprovider \
-    tests/test_prefill.py tests/test_ragged.py 2>&1 | tee "$OUT/prefill_tests.log" | tail -n 8
+    tests/test_prefill.py tests/test_prefill_dense.py tests/test_ragged.py 2>&1 | tee "$OUT/prefill_tests.log" | tail -n 8
   PYTHONPATH=benchmarks:${PYTHONPATH:-} timeout ${BENCH_TIMEOUT:-200} python3 benchmarks/bench_prefill.py 2>&1 \
     | tee "$OUT/bench_prefill.txt" | tail -n 8
   echo "prefill: $(( $(date +%s) - t0 )) s"
