@@ -2107,10 +2107,9 @@ ffi::Error WriteCacheCudaImpl(cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuf
 }  // namespace cuda
 }  // namespace jax_tq
 
-// Command-buffer compatible (as the decode handler): each handler only enqueues work on the given
-// stream, and what it enqueues depends on shapes, attributes and buffer addresses only, so XLA may
-// capture it into a CUDA graph with the surrounding ops (one decode step's writes then cost no
-// separate launch gaps).
+// Compress and decompress are command-buffer compatible (as the decode handler): each only enqueues
+// work on the given stream, and what it enqueues depends on shapes, attributes and buffer addresses
+// only, so XLA may capture it into a CUDA graph with the surrounding ops. The cache write is not (below).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTqCompressCuda, jax_tq::cuda::CompressCudaImpl,
                               jax_tq::ffi_checks::BindCompress(
                                   ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),

@@ -4,6 +4,8 @@ Nothing else in jax_tq imports from ``jax._src`` or relies on a version-specific
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 from jax.extend.core import Primitive  # noqa: F401  (re-exported)
@@ -141,9 +143,11 @@ def _cudnn_module():
     return fused_attention_stablehlo
 
 
+@functools.cache
 def has_cudnn_attention() -> bool:
     """Whether :func:`cudnn_attention_with_lse` can be traced: JAX has its cuDNN attention module
-    and a CUDA backend (tracing it checks the cuDNN version of the CUDA runtime; a ROCm GPU has none)."""
+    and a CUDA backend (tracing it checks the cuDNN version of the CUDA runtime; a ROCm GPU has none).
+    Asked once per process (it lists devices)."""
     cudnn = _cudnn_module()
     try:
         if cudnn is None or not jax.devices("cuda"):

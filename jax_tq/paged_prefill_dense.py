@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax_tq import _compat, reference
 from jax_tq import format as tq_format
 
-__all__ = ["span_tokens", "dense_prefill_rotated", "exact_attend", "cudnn_attend"]
+__all__ = ["span_tokens", "dense_prefill_rotated"]
 
 
 def span_tokens(codes, norms, centroids, bits: int, block_tables, seq_lens, window_rows, window_ids, dtype):
@@ -70,39 +70,6 @@ def span_tokens(codes, norms, centroids, bits: int, block_tables, seq_lens, wind
     return jnp.where(keep[..., None], tokens, 0).astype(dtype), valid, finite
 
 
-def exact_attend(q, k, v, q_lens, kv_lens, *, scale: float, causal: bool):
-    """Attention with its log-sum-exp, the contract of :func:`jax_tq._compat.cudnn_attention_with_lse`
-    (q [B, T, N, H], k / v [B, S, K, H], q_lens / kv_lens int32 [B]) computed by XLA in
-    promote(q.dtype, float32): the CPU tests' stand-in for cuDNN. A row that sees no key gets lse -inf
-    (its output is unspecified)."""
-    batch, rows, num_heads, head_dim = q.shape
-    keys, num_kv_heads = k.shape[1], k.shape[2]
-    group = num_heads // num_kv_heads
-    dtype = jnp.promote_types(q.dtype, jnp.float32)
-    qg = q.astype(dtype).reshape(batch, rows, num_kv_heads, group, head_dim)
-    scores = jnp.einsum("btkgh,bskh->bkgts", qg, k.astype(dtype), precision=jax.lax.Precision.HIGHEST) * scale
-    t = jnp.arange(rows)[:, None]
-    s = jnp.arange(keys)[None, :]
-    mask = (t < q_lens[:, None, None]) & (s < kv_lens[:, None, None])
-    if causal:
-        mask = mask & (s <= t)[None]
-    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
-    peak = jnp.max(scores, axis=-1, keepdims=True)
-    peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
-    weights = jnp.exp(scores - peak)
-    total = jnp.sum(weights, axis=-1, keepdims=True)
-    out = jnp.einsum("bkgts,bskh->btkgh", weights / jnp.maximum(total, 1e-30), v.astype(dtype),
-                     precision=jax.lax.Precision.HIGHEST)
-    lse = (peak + jnp.log(total))[..., 0]                                            # [B, K, G, T]
-    return (out.reshape(batch, rows, num_heads, head_dim),
-            jnp.transpose(lse, (0, 3, 1, 2)).reshape(batch, rows, num_heads))
-
-
-def cudnn_attend(q, k, v, q_lens, kv_lens, *, scale: float, causal: bool):
-    """cuDNN flash attention with float32 statistics (:func:`jax_tq._compat.cudnn_attention_with_lse`)."""
-    return _compat.cudnn_attention_with_lse(q, k, v, q_lens, kv_lens, scale=scale, causal=causal)
-
-
 def dense_prefill_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids, block_tables,
                           seq_lens, k_window, v_window, window_ids, query_start_loc, *, k_bits: int, v_bits: int,
                           scale: float, rows_per_seq: int | None = None, sinks=None, attend=None, dtype=jnp.bfloat16):
@@ -117,14 +84,14 @@ def dense_prefill_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids
       sinks: None, or float [H]: a per-head logit joining every row's softmax denominator only
         (attention sinks, as the reference's ``sinks``): one more term of the merge.
       attend: ``(q, k, v, q_lens, kv_lens, *, scale, causal) -> (out, lse)`` as
-        :func:`jax_tq._compat.cudnn_attention_with_lse` (default: :func:`cudnn_attend`);
-        :func:`exact_attend` on the CPU.
+        :func:`jax_tq._compat.cudnn_attention_with_lse` (the default); the CPU tests pass XLA's
+        exact attention (``tests/oracle.py``).
       dtype: the dtype of the queries and decoded tokens handed to ``attend``.
     Memory: the span (2 x S x max_pages x page_size x Hkv x d of ``dtype``), the queries laid out
     per sequence and the chunk's own K / V (S x rows_per_seq x (H + 2 Hkv) x d of ``dtype``), two
     attention outputs and the float32 merge (~4 x S x rows_per_seq x H x d x 4 bytes).
     """
-    attend = cudnn_attend if attend is None else attend
+    attend = _compat.cudnn_attention_with_lse if attend is None else attend
     num_rows = q_rot.shape[0]
     num_seqs, max_pages = block_tables.shape
     capacity = max_pages * k_codes.shape[2]

@@ -203,3 +203,31 @@ def attend_f64(q, keys, values, valid, scale):
         p = np.exp(s - s.max())
         out[h] = (p / p.sum()) @ values[valid, h // group]
     return out
+
+
+def exact_attend(q, k, v, q_lens, kv_lens, *, scale: float, causal: bool):
+    """Attention with its log-sum-exp, the contract of ``jax_tq._compat.cudnn_attention_with_lse``
+    (q [B, T, N, H], k / v [B, S, K, H], q_lens / kv_lens int32 [B]) computed by XLA in
+    promote(q.dtype, float32): the CPU tests' stand-in for cuDNN in ``jax_tq.paged_prefill_dense``. A
+    row that sees no key gets lse -inf (its output is unspecified)."""
+    batch, rows, num_heads, head_dim = q.shape
+    keys, num_kv_heads = k.shape[1], k.shape[2]
+    group = num_heads // num_kv_heads
+    dtype = jnp.promote_types(q.dtype, jnp.float32)
+    qg = q.astype(dtype).reshape(batch, rows, num_kv_heads, group, head_dim)
+    scores = jnp.einsum("btkgh,bskh->bkgts", qg, k.astype(dtype), precision=jax.lax.Precision.HIGHEST) * scale
+    t = jnp.arange(rows)[:, None]
+    s = jnp.arange(keys)[None, :]
+    mask = (t < q_lens[:, None, None]) & (s < kv_lens[:, None, None])
+    if causal:
+        mask = mask & (s <= t)[None]
+    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+    peak = jnp.max(scores, axis=-1, keepdims=True)
+    peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
+    weights = jnp.exp(scores - peak)
+    total = jnp.sum(weights, axis=-1, keepdims=True)
+    out = jnp.einsum("bkgts,bskh->btkgh", weights / jnp.maximum(total, 1e-30), v.astype(dtype),
+                     precision=jax.lax.Precision.HIGHEST)
+    lse = (peak + jnp.log(total))[..., 0]                                            # [B, K, G, T]
+    return (out.reshape(batch, rows, num_heads, head_dim),
+            jnp.transpose(lse, (0, 3, 1, 2)).reshape(batch, rows, num_heads))

@@ -15,7 +15,7 @@ import pytest
 import jax_tq as tq
 from jax_tq import _compat, paged_prefill_dense
 from jax_tq.paged_decode import window_operands
-from oracle import random_cache, random_tables, random_window_cache, rel_err, to_f64
+from oracle import exact_attend, random_cache, random_tables, random_window_cache, rel_err, to_f64
 
 prefill_module = importlib.import_module("jax_tq.paged_prefill")  # the module (jax_tq.paged_prefill is the function)
 
@@ -37,7 +37,7 @@ def _both(cache, operands, rows_per_seq=None, sinks=None):
     float32 at its end: the two agree to ~1e-7)."""
     scale = 1 / np.sqrt(cache.head_dim)
     bits = dict(k_bits=cache.k_codec.bits, v_bits=cache.v_codec.bits, scale=scale)
-    got = paged_prefill_dense.dense_prefill_rotated(*operands, **bits, attend=paged_prefill_dense.exact_attend,
+    got = paged_prefill_dense.dense_prefill_rotated(*operands, **bits, attend=exact_attend,
                                                     dtype=jnp.float64, rows_per_seq=rows_per_seq, sinks=sinks)
     sink_operand = jnp.zeros((0,), jnp.float64) if sinks is None else sinks
     want = prefill_module._reference(*operands, sink_operand, **bits)[0]
@@ -107,7 +107,7 @@ def test_dense_path_in_float32_is_close_to_the_float64_reference(rng):
     operands = _operands(cache, q, tables, (700,), (0, 200))
     got = paged_prefill_dense.dense_prefill_rotated(
         *(o.astype(jnp.float32) if o.dtype == jnp.float64 else o for o in operands), k_bits=4, v_bits=4,
-        scale=1 / np.sqrt(128), attend=paged_prefill_dense.exact_attend, dtype=jnp.float32)
+        scale=1 / np.sqrt(128), attend=exact_attend, dtype=jnp.float32)
     with _compat.enable_x64():
         _, want = _both(cache, _operands(cache, q, tables, (700,), (0, 200)))
     assert got.dtype == jnp.float32 and rel_err(got, want) < 1e-5
@@ -145,7 +145,7 @@ def test_paged_prefill_takes_the_dense_path_for_one_sequence(monkeypatch, rng, q
     kernel; both match the float64 oracle."""
     from test_prefill import prefill_f64
     monkeypatch.setattr(_compat, "has_cudnn_attention", lambda: True)
-    monkeypatch.setattr(paged_prefill_dense, "cudnn_attend", paged_prefill_dense.exact_attend)
+    monkeypatch.setattr(_compat, "cudnn_attention_with_lse", exact_attend)
     monkeypatch.setattr(jax.lax, "platform_dependent", lambda *args, cuda, default: cuda(*args))
     seq_lens = (400, 300)[:len(q_lens)]
     cache = random_cache(rng, num_pages=80, page_size=16, num_kv_heads=2, head_dim=64, k_bits=4, v_bits=4,
@@ -183,7 +183,7 @@ def test_dense_path_treats_non_finite_norms_as_the_kernel_does(rng):
             kernel = np.asarray(prefill_module._prefill(*ops, jnp.zeros((0,), jnp.float32), 4, 4, 0.125, False, "ffi",
                                                         0, 0.0, False))
         dense = np.asarray(paged_prefill_dense.dense_prefill_rotated(*ops, k_bits=4, v_bits=4, scale=0.125,
-                                                                     attend=paged_prefill_dense.exact_attend,
+                                                                     attend=exact_attend,
                                                                      dtype=jnp.float32))
         nan = np.isnan(kernel)
         assert np.array_equal(np.isnan(dense), nan) and (nan.any() == (name == "v_norms"))
