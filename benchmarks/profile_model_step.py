@@ -9,8 +9,9 @@ examples/smollm2_wikitext.py times it), the GPU span of one step
 that take the most time. A step whose time per dispatch exceeds its GPU span is bound by the
 dispatch (the jitted step takes ~270 parameter arrays and the caches as arguments), not by the GPU.
 
-Usage (GPU machine; needs the GGUF weights and the `examples` extra):
-    python benchmarks/profile_model_step.py --gguf /tmp/smollm2.gguf --batch 64 --contexts 37,1024
+Usage (GPU machine; with ``--gguf`` the real weights, else SmolLM2-135M's shapes with random
+weights: the step's time does not depend on their values, and the GGUF does not travel):
+    python benchmarks/profile_model_step.py [--gguf /tmp/smollm2.gguf] --batch 64 --contexts 37,1024
 """
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ import jax
 import jax.numpy as jnp
 
 import device_time
-from jax_tq.models import llama, load_smollm2
+from flax import nnx
+
+from jax_tq.models import LlamaConfig, llama, load_smollm2
 
 
 #: Steps of one timed decode loop (the caches have room for them after the context).
@@ -108,7 +111,11 @@ def main():
     ap.add_argument("--top", type=int, default=8)
     args = ap.parse_args()
     kb, vb = (int(x) for x in args.bits.split(":"))
-    model, _, cfg = load_smollm2(args.gguf, dtype=jnp.dtype(args.dtype))
+    if args.gguf is None:
+        cfg = LlamaConfig()
+        model = llama.Llama(cfg, dtype=jnp.dtype(args.dtype), rngs=nnx.Rngs(0))
+    else:
+        model, _, cfg = load_smollm2(args.gguf, dtype=jnp.dtype(args.dtype))
     print(f"jax {jax.__version__}, {jax.devices()}, batch {args.batch}, {args.dtype} model\n")
     print("| step | ms/step, one dispatch per step | ms/step, one loop | GPU span ms | kernel ms | kernels |")
     print("|---|---:|---:|---:|---:|---:|")

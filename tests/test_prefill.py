@@ -331,15 +331,22 @@ def test_gpu_tensor_core_prefill_matches_oracle(rng, head_dim, k_bits, v_bits, p
 @pytest.mark.gpu
 def test_gpu_tensor_core_prefill_long_chunk_huge_and_tiny_queries(rng):
     """A 1024-row chunk after 1024 cached tokens (pages in random order), rows scaled by 1e-6 .. 1e4
-    (the per-row power-of-two scaling keeps them inside float16), against the float64 oracle."""
+    (the per-row power-of-two scaling keeps them inside float16), against the float64 oracle: each
+    sampled row within 3e-3, or within the largest error that rounding the sampled rows' q to
+    bfloat16 alone makes (the documented contract: the float16 products err less than a bfloat16
+    query's own rounding; rows scaled by ~10-1e4 have peaked softmaxes that amplify any logit's
+    rounding). A row overflowing or flushing to zero in float16 errs by ~1."""
     q, cache, tables, lens, starts = _case(rng, head_dim=128, page_size=16, group=4, num_kv_heads=2,
                                            seq_lens=(2048,), q_lens=(1024,), num_pages=160)
     scales = jnp.asarray(10.0 ** rng.uniform(-6, 4, size=(q.shape[0], q.shape[1], 1)), jnp.float32)
     q = q * scales
     got = jax.jit(lambda *a: tq.paged_prefill(*a, precision="default"))(q, cache, tables, lens, starts)
     want = prefill_f64(q, cache, tables, lens, starts)
-    per_row = [rel_err(np.asarray(got)[i], want[i]) for i in range(0, q.shape[0], 97)]
-    assert max(per_row) < 3e-3
+    want_bf16 = prefill_f64(q.astype(jnp.bfloat16).astype(jnp.float32), cache, tables, lens, starts)
+    rows = range(0, q.shape[0], 97)
+    per_row = [rel_err(np.asarray(got)[i], want[i]) for i in rows]
+    bf16_rounding = [rel_err(want_bf16[i], want[i]) for i in rows]
+    assert max(per_row) < max(3e-3, max(bf16_rounding)), (per_row, bf16_rounding)
 
 
 @pytest.mark.gpu
