@@ -1,11 +1,13 @@
-"""Paged prefill of one sequence's many query rows as flash attention over its decoded tokens.
+"""Paged prefill of many query rows as flash attention over the sequences' decoded tokens.
 
 The compressed tokens a chunk attends to are decoded once (norm * centroid, in K's / V's rotated
 space, the window's bfloat16 rows on its last tokens) into a bfloat16 [S, max_tokens, Hkv, d] span;
-tensor-core flash attention (cuDNN on the GPU) then serves every query row and head from it. A
-chunk after cached tokens is two attentions merged by their log-sum-exp (FlashAttention's split-KV
-merge, arXiv 2307.08691 section 3.1.1): the rows over the cached prefix (no mask) and over the
-chunk's own tokens (causal, square, so the diagonal's alignment does not matter).
+tensor-core flash attention (cuDNN on the GPU) then serves every query row and head from it, the
+rows that see tokens packed sequence after sequence (several sequences: segments of cuDNN's packed
+layout). A chunk after cached tokens is two attentions merged by their log-sum-exp
+(FlashAttention's split-KV merge, arXiv 2307.08691 section 3.1.1): the rows over the cached prefix
+(no mask) and over the chunk's own tokens (causal, square, so the diagonal's alignment does not
+matter).
 
 Key slots the kernel would skip (a block-table entry outside the pool, a window id of none, a
 non-finite K norm) enter as zero keys and values: each adds exactly exp(0) = 1 to its rows' softmax
@@ -17,6 +19,8 @@ sum), the subtraction cancels and the row loses precision; the kernel has no suc
 functions here take the primitive's operands.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -72,24 +76,26 @@ def span_tokens(codes, norms, centroids, bits: int, block_tables, seq_lens, wind
 
 def dense_prefill_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids, block_tables,
                           seq_lens, k_window, v_window, window_ids, query_start_loc, *, k_bits: int, v_bits: int,
-                          scale: float, rows_per_seq: int | None = None, sinks=None, attend=None, dtype=jnp.bfloat16):
+                          scale: float, sinks=None, attend=None, dtype=jnp.bfloat16):
     """The paged prefill primitive's forward semantics (``paged_prefill._reference``) by attention
     over the decoded span: out_rot [T, H, d], float32 (float64 for float64 operands).
+
+    The rows that see tokens are packed, sequence after sequence, into one [1, T, H, d] batch; with
+    several sequences each is a segment of cuDNN's packed layout (``q_offsets`` / ``kv_offsets``).
 
     Args:
       q_rot ... query_start_loc: the primitive's operands (sinks below; no sliding window or soft cap).
       k_bits, v_bits, scale: its parameters.
-      rows_per_seq: the query rows laid out per sequence (static; default num_tokens): every sequence
-        must own at most that many rows (the caller checks; more are dropped).
       sinks: None, or float [H]: a per-head logit joining every row's softmax denominator only
         (attention sinks, as the reference's ``sinks``): one more term of the merge.
-      attend: ``(q, k, v, q_lens, kv_lens, *, scale, causal) -> (out, lse)`` as
-        :func:`jax_tq._compat.cudnn_attention_with_lse` (the default); the CPU tests pass XLA's
-        exact attention (``tests/oracle.py``).
+      attend: ``(q, k, v, q_lens, kv_lens, *, scale, causal, q_offsets=None, kv_offsets=None) ->
+        (out, lse)`` as :func:`jax_tq._compat.cudnn_attention_with_lse` (the default); the CPU tests
+        pass XLA's exact attention (``tests/oracle.py``).
       dtype: the dtype of the queries and decoded tokens handed to ``attend``.
-    Memory: the span (2 x S x max_pages x page_size x Hkv x d of ``dtype``), the queries laid out
-    per sequence and the chunk's own K / V (S x rows_per_seq x (H + 2 Hkv) x d of ``dtype``), two
-    attention outputs and the float32 merge (~4 x S x rows_per_seq x H x d x 4 bytes).
+    Memory: the span (2 x S x max_pages x page_size x Hkv x d of ``dtype``), the packed queries and
+    the chunk's own K / V (T x (H + 2 Hkv) x d of ``dtype``), two attention outputs and the float32
+    merge (~4 x T x H x d x 4 bytes). Rows of ranges that overlap (a decreasing query_start_loc,
+    which ``jax_tq.checked`` reports) past T packed rows come out NaN.
     """
     attend = _compat.cudnn_attention_with_lse if attend is None else attend
     num_rows = q_rot.shape[0]
@@ -101,69 +107,140 @@ def dense_prefill_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids
                                       window_ids, dtype)
     group = q_rot.shape[1] // keys.shape[2]
     values = jnp.where(k_finite[..., None], values, 0)   # a skipped key's value adds nothing either
-    begin = jnp.clip(query_start_loc[:-1], 0, num_rows)
-    end = jnp.clip(query_start_loc[1:], begin, num_rows)
-    lengths = jnp.clip(seq_lens, 0, min(capacity, tq_format.INDEX_MAX))
-    q_lens = end - begin
-    before = jnp.maximum(q_lens - lengths, 0)   # rows placed before the sequence's first token: 0
-    seen = q_lens - before                       # rows that see tokens: positions prefix .. length - 1
-    prefix = lengths - seen
-    rows_per_seq = num_rows if rows_per_seq is None else rows_per_seq
-    seen = jnp.minimum(seen, rows_per_seq)       # rows past the layout are dropped (the caller's contract)
-    rows = jnp.arange(rows_per_seq, dtype=jnp.int32)[None, :]
-    laid = jnp.clip(begin[:, None] + before[:, None] + rows, 0, num_rows - 1)         # [S, rows_per_seq]
-    queries = jnp.where((rows < seen[:, None])[..., None, None], q_rot[laid], 0).astype(dtype)
-    own = jnp.clip(prefix[:, None] + rows, 0, capacity - 1)                          # the chunk's own tokens
-    own_keys = jnp.take_along_axis(keys, own[:, :, None, None], axis=1)
-    own_values = jnp.take_along_axis(values, own[:, :, None, None], axis=1)
+    seg = _segments(query_start_loc, seq_lens, num_rows, capacity)
+    packed = _packed_rows(seg, num_rows)
+    queries = jnp.where(packed.inside[:, None, None], q_rot[packed.source], 0).astype(dtype)
+    own_keys = keys[packed.seq, packed.own]                       # [T, Hkv, d]: each packed row's own token
+    own_values = values[packed.seq, packed.own]
+    own_call = _attend_call(attend, scale, num_seqs, seg.offsets, seg.seen, seg.offsets, seg.seen, seg.seen > 0)
+    out_own, lse_own = own_call(queries, own_keys, own_values, causal=True)
+    prefix_call = _attend_call(attend, scale, num_seqs, seg.offsets, seg.seen,
+                               jnp.arange(num_seqs, dtype=jnp.int32) * capacity, seg.prefix,
+                               (seg.seen > 0) & (seg.prefix > 0))
+    flat_keys = keys.reshape(num_seqs * capacity, *keys.shape[2:])
+    flat_values = values.reshape(flat_keys.shape)
+
     def prefix_attention(operands):
-        return attend(*operands, scale=scale, causal=False)
+        return prefix_call(*operands, causal=False)
 
     def no_prefix(operands):  # no sequence has cached tokens (a fresh prompt): part a is empty
         return tuple(jnp.zeros(a.shape, a.dtype) for a in jax.eval_shape(prefix_attention, operands))
 
-    out_prefix, lse_prefix = jax.lax.cond(jnp.any(prefix > 0), prefix_attention, no_prefix,
-                                          (queries, keys, values, seen, prefix))
-    out_own, lse_own = attend(queries, own_keys, own_values, seen, seen, scale=scale, causal=True)
+    out_prefix, lse_prefix = jax.lax.cond(jnp.any((seg.prefix > 0) & (seg.seen > 0)), prefix_attention, no_prefix,
+                                          (queries, flat_keys, flat_values))
     # Per KV head. Zero keys (slots the kernel skips: an invalid page or window id, a non-finite K
-    # norm) each add 1 to the softmax sums: the prefix's to all rows, the chunk's causally. A
+    # norm) each add 1 to the softmax sums: the prefix's to all its rows, the chunk's causally. A
     # non-finite V norm makes NaN the rows that see its token (zeroed in the span, so that no 0 x NaN
     # reaches the others).
-    before_len = jnp.arange(capacity)[None, :] < lengths[:, None]
-    in_prefix = (jnp.arange(capacity)[None, :] < prefix[:, None])[..., None]
+    before_len = jnp.arange(capacity)[None, :] < seg.lengths[:, None]
     missing = (before_len[..., None] & ~(valid[..., None] & k_finite)).astype(jnp.int32)   # [S, cap, Hkv]
     poisoned = (valid[..., None] & ~v_finite).astype(jnp.int32)
-    own_rows = (rows < seen[:, None])[..., None]
-
-    def prefix_and_own(flags):  # [S, 1, Hkv] over the prefix, [S, R, Hkv] causal over the chunk
-        own_flags = jnp.take_along_axis(flags, own[:, :, None], axis=1) * own_rows
-        return jnp.sum(flags * in_prefix, axis=1, keepdims=True), jnp.cumsum(own_flags, axis=1)
-
-    def per_head(x):
-        return jnp.repeat(x, group, axis=-1)
-
-    skipped_prefix, skipped_own = (per_head(x) for x in prefix_and_own(missing))
-    nan_prefix, nan_own = (per_head(x) for x in prefix_and_own(poisoned))
-    merged = _merge(out_prefix, lse_prefix, prefix > 0, skipped_prefix, out_own, lse_own, skipped_own, sinks)
+    skipped_prefix, skipped_own = (_per_head(x, group) for x in _prefix_and_own(missing, seg, packed))
+    nan_prefix, nan_own = (_per_head(x, group) for x in _prefix_and_own(poisoned, seg, packed))
+    has_prefix = packed.inside & (seg.prefix[packed.seq] > 0)
+    merged = _merge(out_prefix, lse_prefix, has_prefix, skipped_prefix, out_own, lse_own, skipped_own, sinks)
     merged = jnp.where(((nan_prefix > 0) | (nan_own > 0))[..., None], jnp.nan, merged)
-    seq, _, owned = reference.prefill_row_lens(query_start_loc, seq_lens, num_rows, capacity)
-    index = jnp.arange(num_rows, dtype=jnp.int32) - begin[seq] - before[seq]
-    inside = owned & (index >= 0) & (index < seen[seq])
-    out_rot = jnp.where(inside[:, None, None], merged[seq, jnp.clip(index, 0, rows_per_seq - 1)], 0.0)
+    row_seq, _, owned = reference.prefill_row_lens(query_start_loc, seq_lens, num_rows, capacity)
+    index = jnp.arange(num_rows, dtype=jnp.int32) - seg.begin[row_seq] - seg.before[row_seq]
+    inside = owned & (index >= 0) & (index < seg.seen[row_seq])
+    slot = seg.offsets[row_seq] + index
+    out_rot = jnp.where(inside[:, None, None], merged[jnp.clip(slot, 0, num_rows - 1)], 0.0)
+    out_rot = jnp.where((inside & (slot >= num_rows))[:, None, None], jnp.nan, out_rot)
     finite = jnp.all(jnp.isfinite(q_rot), axis=-1)
     return jnp.where((~finite & owned[:, None])[..., None], jnp.nan, out_rot)
 
 
+class _Segments(NamedTuple):
+    """Per sequence (int32 [S]): its first row, its rows placed before its first token (they get 0),
+    the rows that see tokens, its tokens before the chunk, its clamped length, and its first row in
+    the packed layout."""
+    begin: jax.Array
+    before: jax.Array
+    seen: jax.Array
+    prefix: jax.Array
+    lengths: jax.Array
+    offsets: jax.Array
+
+
+def _segments(query_start_loc, seq_lens, num_rows: int, capacity: int) -> _Segments:
+    begin = jnp.clip(query_start_loc[:-1], 0, num_rows)
+    end = jnp.clip(query_start_loc[1:], begin, num_rows)
+    lengths = jnp.clip(seq_lens, 0, min(capacity, tq_format.INDEX_MAX))
+    q_lens = end - begin
+    before = jnp.maximum(q_lens - lengths, 0)
+    seen = q_lens - before                   # rows at positions prefix .. length - 1
+    offsets = jnp.cumsum(seen) - seen
+    return _Segments(begin, before, seen, lengths - seen, lengths, offsets.astype(jnp.int32))
+
+
+class _Packed(NamedTuple):
+    """Per packed row (int32 / bool [T]): its sequence, whether it holds a row, the query row it holds,
+    its index among its sequence's rows, and its own token's position."""
+    seq: jax.Array
+    inside: jax.Array
+    source: jax.Array
+    index: jax.Array
+    own: jax.Array
+
+
+def _packed_rows(seg: _Segments, num_rows: int) -> _Packed:
+    slots = jnp.arange(num_rows, dtype=jnp.int32)
+    ends = seg.offsets + seg.seen
+    seq = jnp.clip(jnp.searchsorted(ends, slots, side="right"), 0, ends.shape[0] - 1).astype(jnp.int32)
+    index = slots - seg.offsets[seq]
+    inside = (index >= 0) & (index < seg.seen[seq])
+    source = jnp.clip(seg.begin[seq] + seg.before[seq] + index, 0, num_rows - 1)
+    capacity_last = jnp.maximum(seg.lengths[seq] - 1, 0)
+    own = jnp.clip(seg.prefix[seq] + index, 0, capacity_last)
+    return _Packed(seq, inside, source, index, own)
+
+
+def _attend_call(attend, scale, num_seqs, q_offsets, q_lens, kv_offsets, kv_lens, active):
+    """``attend`` over the packed rows (q [T, H, d], k / v [N, Hkv, d], as batch element 0): one
+    sequence with padding lengths; several as segments of cuDNN's packed layout (inactive ones -1,
+    which JAX's cuDNN call drops). Returns (out [T, H, d], lse [T, H])."""
+    def call(q, k, v, *, causal):
+        lens = jnp.where(active, q_lens, 0), jnp.where(active, kv_lens, 0)     # [1]: batch element 0's
+        packing = {}
+        if num_seqs > 1:
+            def pick(x):
+                return jnp.where(active, x, -1).astype(jnp.int32)[None]          # [1, S]
+            end = jnp.full((1, 1), -1, jnp.int32)
+            lens = pick(q_lens), pick(kv_lens)
+            packing = dict(q_offsets=jnp.concatenate([pick(q_offsets), end], axis=1),
+                           kv_offsets=jnp.concatenate([pick(kv_offsets), end], axis=1))
+        out, lse = attend(q[None], k[None], v[None], *lens, scale=scale, causal=causal, **packing)
+        return out[0], lse[0]
+    return call
+
+
+def _prefix_and_own(flags, seg: _Segments, packed: _Packed):
+    """Counts of flagged slots ([S, cap, Hkv] int32) each packed row sees: over its sequence's
+    prefix ([T, Hkv]) and causally over its chunk ([T, Hkv])."""
+    capacity = flags.shape[1]
+    in_prefix = (jnp.arange(capacity)[None, :] < seg.prefix[:, None])[..., None]
+    prefix = jnp.sum(flags * in_prefix, axis=1)[packed.seq]
+    own = flags[packed.seq, packed.own] * packed.inside[:, None]
+    running = jnp.cumsum(own, axis=0)
+    first = jnp.clip(seg.offsets[packed.seq], 0, own.shape[0] - 1)
+    before_segment = running[first] - own[first]
+    return prefix * packed.inside[:, None], jnp.where(packed.inside[:, None], running - before_segment, 0)
+
+
+def _per_head(x, group: int):
+    return jnp.repeat(x, group, axis=-1)
+
+
 def _merge(out_a, lse_a, has_a, skipped_a, out_b, lse_b, skipped_b, sinks=None):
-    """Softmax-weighted merge of two attentions over disjoint key sets ([S, T, H, d] outputs, [S, T, H]
-    log-sum-exps; has_a [S]: part a has keys), each sum less its ``skipped`` zero slots ([S, 1, H] / [S, T, H]),
-    plus exp(sinks [H]) in the denominator where given, in promote(lse dtype, float32)."""
+    """Softmax-weighted merge of two attentions over disjoint key sets ([T, H, d] outputs, [T, H]
+    log-sum-exps; has_a [T]: part a has keys for the row), each sum less its ``skipped`` zero slots
+    ([T, H]), plus exp(sinks [H]) in the denominator where given, in promote(lse dtype, float32)."""
     dtype = jnp.promote_types(lse_b.dtype, jnp.float32)
     lse_a, lse_b = lse_a.astype(dtype), lse_b.astype(dtype)
-    lse_a = jnp.where(has_a[:, None, None], lse_a, -jnp.inf)
+    lse_a = jnp.where(has_a[:, None], lse_a, -jnp.inf)
     top = jnp.maximum(lse_a, lse_b)
     if sinks is not None:
-        sinks = sinks.astype(dtype)[None, None, :]
+        sinks = sinks.astype(dtype)[None, :]
         top = jnp.maximum(top, sinks)
     top = jnp.where(jnp.isfinite(top), top, 0.0)
     weight_a = jnp.exp(lse_a - top)
@@ -176,6 +253,6 @@ def _merge(out_a, lse_a, has_a, skipped_a, out_b, lse_b, skipped_b, sinks=None):
     total = less_skipped(weight_a, skipped_a) + less_skipped(weight_b, skipped_b)
     if sinks is not None:
         total = total + jnp.exp(sinks - top)
-    numerator = (jnp.where(has_a[:, None, None, None], out_a.astype(dtype) * weight_a[..., None], 0.0)
+    numerator = (jnp.where(has_a[:, None, None], out_a.astype(dtype) * weight_a[..., None], 0.0)
                  + out_b.astype(dtype) * weight_b[..., None])
     return jnp.where(total[..., None] > 0, numerator / jnp.where(total > 0, total, 1.0)[..., None], 0.0)

@@ -205,22 +205,33 @@ def attend_f64(q, keys, values, valid, scale):
     return out
 
 
-def exact_attend(q, k, v, q_lens, kv_lens, *, scale: float, causal: bool):
+def exact_attend(q, k, v, q_lens, kv_lens, *, scale: float, causal: bool, q_offsets=None, kv_offsets=None):
     """Attention with its log-sum-exp, the contract of ``jax_tq._compat.cudnn_attention_with_lse``
-    (q [B, T, N, H], k / v [B, S, K, H], q_lens / kv_lens int32 [B]) computed by XLA in
-    promote(q.dtype, float32): the CPU tests' stand-in for cuDNN in ``jax_tq.paged_prefill_dense``. A
-    row that sees no key gets lse -inf (its output is unspecified)."""
+    (q [B, T, N, H], k / v [B, S, K, H], q_lens / kv_lens int32 [B]; packed: q_offsets / kv_offsets
+    int32 [B, M + 1] segment starts and q_lens / kv_lens [B, M], -1 where a segment is absent) computed
+    by XLA in promote(q.dtype, float32): the CPU tests' stand-in for cuDNN in
+    ``jax_tq.paged_prefill_dense``. Segment m's rows see its keys (causal: key j <= row i, both
+    counted from the segment's start). A row that sees no key gets lse -inf (its output is
+    unspecified)."""
     batch, rows, num_heads, head_dim = q.shape
     keys, num_kv_heads = k.shape[1], k.shape[2]
     group = num_heads // num_kv_heads
     dtype = jnp.promote_types(q.dtype, jnp.float32)
     qg = q.astype(dtype).reshape(batch, rows, num_kv_heads, group, head_dim)
     scores = jnp.einsum("btkgh,bskh->bkgts", qg, k.astype(dtype), precision=jax.lax.Precision.HIGHEST) * scale
-    t = jnp.arange(rows)[:, None]
-    s = jnp.arange(keys)[None, :]
-    mask = (t < q_lens[:, None, None]) & (s < kv_lens[:, None, None])
+    if q_offsets is None:
+        q_offsets, kv_offsets = jnp.zeros((batch, 2), jnp.int32), jnp.zeros((batch, 2), jnp.int32)
+        q_lens, kv_lens = q_lens[:, None], kv_lens[:, None]
+    t = jnp.arange(rows)[None, :, None]                  # [1, T, 1] against segments [B, 1, M]
+    s = jnp.arange(keys)[None, :, None]
+    present = (q_offsets[:, :-1] >= 0) & (q_lens >= 0)
+    row_in = present[:, None, :] & (t >= q_offsets[:, None, :-1]) & (t < (q_offsets[:, :-1] + q_lens)[:, None, :])
+    key_in = present[:, None, :] & (s >= kv_offsets[:, None, :-1]) & (s < (kv_offsets[:, :-1] + kv_lens)[:, None, :])
+    mask = jnp.einsum("btm,bsm->bts", row_in.astype(jnp.int32), key_in.astype(jnp.int32)) > 0
     if causal:
-        mask = mask & (s <= t)[None]
+        row_pos = jnp.sum(jnp.where(row_in, t - q_offsets[:, None, :-1], 0), axis=-1)        # [B, T]
+        key_pos = jnp.sum(jnp.where(key_in, s - kv_offsets[:, None, :-1], 0), axis=-1)      # [B, S]
+        mask = mask & (key_pos[:, None, :] <= row_pos[:, :, None])
     scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
     peak = jnp.max(scores, axis=-1, keepdims=True)
     peak = jnp.where(jnp.isfinite(peak), peak, 0.0)

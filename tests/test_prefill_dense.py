@@ -32,33 +32,34 @@ def _operands(cache, q, tables, lens, starts, window_ids=None):
             jnp.asarray(tables), jnp.asarray(lens, jnp.int32), *windows, jnp.asarray(starts, jnp.int32))
 
 
-def _both(cache, operands, rows_per_seq=None, sinks=None):
+def _both(cache, operands, sinks=None):
     """(dense path in float64 with the exact attention, the primitive's reference in float64, rounded to
     float32 at its end: the two agree to ~1e-7)."""
     scale = 1 / np.sqrt(cache.head_dim)
     bits = dict(k_bits=cache.k_codec.bits, v_bits=cache.v_codec.bits, scale=scale)
     got = paged_prefill_dense.dense_prefill_rotated(*operands, **bits, attend=exact_attend,
-                                                    dtype=jnp.float64, rows_per_seq=rows_per_seq, sinks=sinks)
+                                                    dtype=jnp.float64, sinks=sinks)
     sink_operand = jnp.zeros((0,), jnp.float64) if sinks is None else sinks
     want = prefill_module._reference(*operands, sink_operand, **bits)[0]
     return np.asarray(got), np.asarray(to_f64(want))
 
 
-@pytest.mark.parametrize("seq_lens,q_lens,lead,tail,rows_per_seq", [
-    ((300,), (130,), 0, 0, None),           # a chunk after 170 cached tokens
-    ((64,), (64,), 2, 3, None),             # a whole prompt, rows of no sequence around it
-    ((40,), (55,), 0, 0, None),             # 15 rows placed before the sequence's start
-    ((300, 77, 5, 0, 129), (45, 77, 7, 0, 1), 3, 5, None),   # several sequences, one empty, one decode row
-    ((300, 77, 90), (45, 77, 60), 1, 2, 77),                 # rows laid out 77 per sequence (the most any owns)
+@pytest.mark.parametrize("seq_lens,q_lens,lead,tail", [
+    ((300,), (130,), 0, 0),                 # a chunk after 170 cached tokens
+    ((64,), (64,), 2, 3),                   # a whole prompt, rows of no sequence around it
+    ((40,), (55,), 0, 0),                   # 15 rows placed before the sequence's start
+    ((300, 77, 5, 0, 129), (45, 77, 7, 0, 1), 3, 5),   # several sequences (packed), one empty, one decode row
+    ((90, 77, 300), (60, 77, 45), 1, 2),               # fresh prompts beside a chunk after cached tokens
+    ((10, 50), (30, 50), 0, 0),                        # 20 rows of sequence 0 before its start
 ])
-def test_dense_path_equals_the_float64_reference(rng, seq_lens, q_lens, lead, tail, rows_per_seq):
+def test_dense_path_equals_the_float64_reference(rng, seq_lens, q_lens, lead, tail):
     with _compat.enable_x64():
         cache = random_cache(rng, num_pages=80, page_size=16, num_kv_heads=2, head_dim=64, k_bits=4, v_bits=3,
                              seed=int(rng.integers(1 << 16)))
         tables = random_tables(rng, seq_lens, 16, 80)
         starts = lead + np.concatenate([[0], np.cumsum(q_lens)])
         q = rng.normal(size=(int(starts[-1]) + tail, 6, 64))
-        got, want = _both(cache, _operands(cache, q, tables, seq_lens, starts), rows_per_seq)
+        got, want = _both(cache, _operands(cache, q, tables, seq_lens, starts))
     assert rel_err(got, want) < 2e-7
     assert np.all(got[:lead] == 0) and np.all(got[got.shape[0] - tail:] == 0)
 
@@ -113,41 +114,45 @@ def test_dense_path_in_float32_is_close_to_the_float64_reference(rng):
     assert got.dtype == jnp.float32 and rel_err(got, want) < 1e-5
 
 
-def test_dense_path_is_planned_for_one_long_bf16_sequence_only(monkeypatch):
-    """The one place that chooses it: backend auto, bf16 queries with default precision, one sequence,
-    DENSE_MIN_ROWS rows or more, a span of 1 .. DENSE_MAX_SPAN_BYTES, head_dim 64 / 128, no sliding
-    window or soft cap, cuDNN attention present."""
-    monkeypatch.setattr(_compat, "has_cudnn_attention", lambda: True)
+def test_dense_path_is_planned_for_long_bf16_sequences_only(monkeypatch):
+    """The one place that chooses it: backend auto, bf16 queries with default precision, DENSE_MIN_ROWS
+    rows per sequence or more, a span of 1 .. DENSE_MAX_SPAN_BYTES, head_dim 64 / 128, no sliding
+    window or soft cap, cuDNN attention present (packed segments for several sequences)."""
+    monkeypatch.setattr(_compat, "has_cudnn_attention", lambda packed=False: True)
     cache = tq.PagedKVCache.create(num_pages=8, page_size=16, num_kv_heads=2, k_codec=tq.TurboQuant(head_dim=128),
                                    v_codec=tq.TurboQuant(head_dim=128, seed=1))
     rows = prefill_module.DENSE_MIN_ROWS
     q = jnp.zeros((2 * rows, 4, 128), jnp.bfloat16)
     plan = prefill_module._dense_planned
     assert plan(q, cache, 1, 64, True, "auto", False) and plan(q[:rows], cache, 1, 64, True, "auto", False)
-    assert not plan(q, cache, 2, 64, True, "auto", False)
+    assert plan(q, cache, 2, 64, True, "auto", False) and not plan(q[:-1], cache, 2, 64, True, "auto", False)
     assert not plan(q[:rows - 1], cache, 1, 64, True, "auto", False)
     too_many_pages = prefill_module.DENSE_MAX_SPAN_BYTES // (2 * 16 * 2 * 128 * 2) + 1
     assert plan(q, cache, 1, too_many_pages - 1, True, "auto", False)
     assert not plan(q, cache, 1, too_many_pages, True, "auto", False)
+    assert not plan(q, cache, 2, too_many_pages // 2 + 1, True, "auto", False)   # the span counts every sequence
+    monkeypatch.setattr(_compat, "has_cudnn_attention", lambda packed=False: not packed)   # no packed layout
+    assert plan(q, cache, 1, 64, True, "auto", False) and not plan(q, cache, 2, 64, True, "auto", False)
+    monkeypatch.setattr(_compat, "has_cudnn_attention", lambda packed=False: True)
     assert not plan(q, cache, 1, 0, True, "auto", False)
     assert not plan(q, cache, 1, 64, False, "auto", False)
     assert not plan(q, cache, 1, 64, True, "ffi", False)
     assert not plan(q.astype(jnp.float16), cache, 1, 64, True, "auto", False)
     assert not plan(q, cache, 1, 64, True, "auto", True)
-    monkeypatch.setattr(_compat, "has_cudnn_attention", lambda: False)
+    monkeypatch.setattr(_compat, "has_cudnn_attention", lambda packed=False: False)
     assert not plan(q, cache, 1, 64, True, "auto", False)
 
 
-@pytest.mark.parametrize("q_lens,dense", [((300,), True), ((200, 100), False)])
-def test_paged_prefill_takes_the_dense_path_for_one_sequence(monkeypatch, rng, q_lens, dense):
+@pytest.mark.parametrize("q_lens,dense", [((300,), True), ((200, 100), True), ((150, 100, 50), False)])
+def test_paged_prefill_takes_the_dense_path_for_long_sequences(monkeypatch, rng, q_lens, dense):
     """Through jax_tq.paged_prefill with the CUDA branch taken on the CPU (XLA's exact attention in
-    cuDNN's place): one sequence of 300 rows runs over the decoded span, two sequences run the
-    kernel; both match the float64 oracle."""
+    cuDNN's place): 300 rows of one or two sequences run over the decoded span, of three sequences
+    (100 per sequence, under DENSE_MIN_ROWS) the kernel; all match the float64 oracle."""
     from test_prefill import prefill_f64
-    monkeypatch.setattr(_compat, "has_cudnn_attention", lambda: True)
+    monkeypatch.setattr(_compat, "has_cudnn_attention", lambda packed=False: True)
     monkeypatch.setattr(_compat, "cudnn_attention_with_lse", exact_attend)
     monkeypatch.setattr(jax.lax, "platform_dependent", lambda *args, cuda, default: cuda(*args))
-    seq_lens = (400, 300)[:len(q_lens)]
+    seq_lens = (400, 300, 60)[:len(q_lens)]
     cache = random_cache(rng, num_pages=80, page_size=16, num_kv_heads=2, head_dim=64, k_bits=4, v_bits=4,
                          seed=int(rng.integers(1 << 16)))
     tables = random_tables(rng, seq_lens, 16, 80)
@@ -159,8 +164,27 @@ def test_paged_prefill_takes_the_dense_path_for_one_sequence(monkeypatch, rng, q
     assert rel_err(got, prefill_f64(q.astype(jnp.float32), cache, tables, lens, starts)) < 1e-2
     with tq.use_backend("ffi"):
         kernel = np.asarray(tq.paged_prefill(q, cache, tables, lens, starts), np.float32)
-    # The kernel's result exactly for two sequences; the bfloat16 span and rotations' rounding for one.
+    # The kernel's result exactly where it runs; the bfloat16 span's and rotations' rounding where not.
     assert (rel_err(got, kernel) > 1e-4) if dense else np.array_equal(got, kernel)
+
+
+def test_dense_path_under_vmap_with_batched_query_start_loc(monkeypatch, rng):
+    """vmap over the queries and query_start_loc of two sequences (the dense path's cond on cached
+    tokens becomes a select; no kernel call is traced under it): each result is its own call's."""
+    monkeypatch.setattr(_compat, "has_cudnn_attention", lambda packed=False: True)
+    monkeypatch.setattr(_compat, "cudnn_attention_with_lse", exact_attend)
+    monkeypatch.setattr(jax.lax, "platform_dependent", lambda *args, cuda, default: cuda(*args))
+    cache = random_cache(rng, num_pages=64, page_size=16, num_kv_heads=2, head_dim=64, k_bits=4, v_bits=4,
+                         seed=int(rng.integers(1 << 16)))
+    lens = jnp.asarray([300, 280], jnp.int32)
+    tables = random_tables(rng, (300, 280), 16, 64)
+    q = jnp.asarray(rng.normal(size=(2, 280, 4, 64)), jnp.bfloat16)
+    starts = jnp.asarray([[0, 150, 280], [0, 0, 280]], jnp.int32)   # two chunks; one fresh prompt
+    with tq.use_backend("auto"):
+        call = jax.jit(lambda q, s: tq.paged_prefill(q, cache, tables, lens, s))
+        both = np.asarray(jax.vmap(call)(q, starts), np.float32)
+        for i in range(2):
+            assert rel_err(both[i], np.asarray(call(q[i], starts[i]), np.float32)) < 1e-6
 
 
 def test_dense_path_treats_non_finite_norms_as_the_kernel_does(rng):
@@ -240,3 +264,28 @@ def test_gpu_dense_prefill_with_sinks_matches_the_float64_reference(rng):
                                             scale=1 / np.sqrt(128))[0]
         want = np.asarray(out_rot, np.float64) @ to_f64(cache.v_codec.rotation)
     assert rel_err(got, want) < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_dense_prefill_of_several_sequences_matches_the_float64_oracle(rng):
+    """Several sequences as segments of cuDNN's packed layout: a fresh prompt, a chunk after cached
+    tokens with a page id outside the pool in its prefix, an idle sequence, rows before a sequence's
+    start; then two query sets with their own query_start_loc under vmap."""
+    from test_prefill import prefill_f64
+    seq_lens = np.asarray([700, 1500, 0, 300], np.int32)
+    cache = random_cache(rng, num_pages=200, page_size=16, num_kv_heads=2, head_dim=128, k_bits=4, v_bits=4,
+                         seed=int(rng.integers(1 << 16)))
+    tables = np.array(random_tables(rng, seq_lens, 16, 200))
+    tables[1, 10] = 1000
+    starts = np.concatenate([[0], np.cumsum([700, 400, 0, 420])]).astype(np.int32)
+    other = np.concatenate([[0], np.cumsum([500, 400, 0, 620])]).astype(np.int32)
+    q = jnp.asarray(rng.normal(size=(2, int(starts[-1]), 8, 128)), jnp.bfloat16)
+    args = (cache, jnp.asarray(tables), jnp.asarray(seq_lens))
+    call = jax.jit(lambda q, starts: tq.paged_prefill(q, *args, starts))
+    hlo = call.lower(q[0], jnp.asarray(starts)).as_text()
+    assert "cudnn" in hlo and "jax_tq_paged_prefill" not in hlo   # the dense path, not the kernel
+    got = np.asarray(call(q[0], jnp.asarray(starts)), np.float32)
+    assert rel_err(got, prefill_f64(q[0].astype(jnp.float32), cache, tables, seq_lens, starts)) < 1e-2
+    both = np.asarray(jax.jit(jax.vmap(call))(q, jnp.asarray(np.stack([starts, other]))), np.float32)
+    for i, s in enumerate((starts, other)):
+        assert rel_err(both[i], prefill_f64(q[i].astype(jnp.float32), cache, tables, seq_lens, s)) < 1e-2
