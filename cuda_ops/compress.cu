@@ -16,7 +16,8 @@
 // compress runs on tensor cores (tq_compress_mma_kernel, "v2" below), and so does the fitted scale
 // at d <= 128 (tq_fit_mma_kernel: the same MMAs, whole rows per CTA, then the 17-candidate fit),
 // except for write_cache's Hadamard codecs of head_dim 64 / 128 given their spec words
-// (tq_fit_hadamard_kernel: one warp per vector, the fast transform, no matrix).)
+// (tq_hadamard_kernel: one warp per vector, the fast transform, no matrix; the plain codec's
+// write of Hadamard codecs too).)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -1614,19 +1615,75 @@ __device__ __forceinline__ void warp_best_fit(float dot, float sq, int& k, float
   }
 }
 
-template <int D>
-__global__ void __launch_bounds__(kHadWarps * 32) tq_fit_hadamard_kernel(const GemmParams p0, const GemmParams p1) {
+// Lane l's C coordinates C l .. C l + C - 1 of row n as floats: one 4- / 8- / 16-byte load where
+// x is 16-byte aligned (p.vec_io), else element by element.
+template <int C>
+__device__ __forceinline__ void load_lane(const GemmParams& p, int64_t n, int lane, float (&x)[C]) {
+  constexpr int D = 32 * C;
+  const int64_t i = n * D + C * lane;
+  if (p.vec_io && p.dtype == static_cast<int>(FType::kF32)) {
+    const float* src = static_cast<const float*>(p.x) + i;
+    if constexpr (C == 4) {
+      const float4 a = *reinterpret_cast<const float4*>(src);
+      x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w;
+    } else {
+      const float2 a = *reinterpret_cast<const float2*>(src);
+      x[0] = a.x; x[1] = a.y;
+    }
+    return;
+  }
+  if (p.vec_io && p.dtype == static_cast<int>(FType::kBF16)) {
+    const uint16_t* src = static_cast<const uint16_t*>(p.x) + i;
+    uint32_t w[C / 2];
+    if constexpr (C == 4) {
+      const uint2 a = *reinterpret_cast<const uint2*>(src);
+      w[0] = a.x; w[1] = a.y;
+    } else {
+      w[0] = *reinterpret_cast<const uint32_t*>(src);
+    }
+#pragma unroll
+    for (int k = 0; k < C / 2; ++k) {
+      x[2 * k] = __uint_as_float(w[k] << 16);
+      x[2 * k + 1] = __uint_as_float(w[k] & 0xFFFF0000u);
+    }
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < C; ++j) x[j] = load_elem(p.x, p.dtype, i + j);
+}
+
+// dest_row for the Hadamard kernels: 32-bit divisions (their launch requires N < 2^31; slots are int32).
+__device__ __forceinline__ int64_t dest_row32(const GemmParams& p, int64_t n) {
+  if (p.slots == nullptr) return n;
+  const uint32_t t = static_cast<uint32_t>(n) / static_cast<uint32_t>(p.Hkv);
+  const uint32_t h = static_cast<uint32_t>(n) - t * static_cast<uint32_t>(p.Hkv);
+  const int32_t s = p.slots[t];
+  if (s < 0 || s >= p.total_slots) return -1;
+  const uint32_t page = static_cast<uint32_t>(s) / static_cast<uint32_t>(p.page_size);
+  const uint32_t off = static_cast<uint32_t>(s) - page * static_cast<uint32_t>(p.page_size);
+  return (static_cast<int64_t>(page) * p.Hkv + h) * p.page_size + off;  // row index into [P, Hkv, page]
+}
+
+// FIT: the fitted scale (above); otherwise the plain codec: codes of y against the centroids'
+// midpoints (format.h centroid_boundary), norm slot ||x||, as tq_compress_mma_kernel.
+template <int D, bool FIT>
+__global__ void __launch_bounds__(kHadWarps * 32, FIT ? 8 : 10) tq_hadamard_kernel(const GemmParams p0, const GemmParams p1) {
   const GemmParams p = blockIdx.z == 0 ? p0 : p1;
   constexpr int C = D / 32;  // coordinates per lane
   constexpr int LPG = 8 / C;  // lanes per 8-code group
-  __shared__ __align__(16) float fit_tab[kFitCandidates * 16];
+  constexpr int kTables = FIT ? kFitCandidates : 1;
+  __shared__ __align__(16) float fit_tab[kTables * 16];
   __shared__ float cent_s[16];
   __shared__ float buf_s[kHadWarps][D];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int bits = p.bits;
   const int ncent = 1 << bits;
   if (tid < 16) cent_s[tid] = tid < ncent ? p.cent[tid] : 0.f;
-  fill_fit_table(fit_tab, p.cent, ncent, tid, kHadWarps * 32);
+  if constexpr (FIT) {
+    fill_fit_table(fit_tab, p.cent, ncent, tid, kHadWarps * 32);
+  } else if (tid < 16) {
+    fit_tab[tid] = tid < ncent - 1 ? centroid_boundary(p.cent, tid) : INFINITY;
+  }
   uint32_t w[C];
 #pragma unroll
   for (int j = 0; j < C; ++j) w[j] = static_cast<uint32_t>(__ldg(p.rot_spec + C * lane + j));
@@ -1635,8 +1692,7 @@ __global__ void __launch_bounds__(kHadWarps * 32) tq_fit_hadamard_kernel(const G
   for (int64_t n = static_cast<int64_t>(blockIdx.x) * kHadWarps + warp; n < p.N;
        n += static_cast<int64_t>(gridDim.x) * kHadWarps) {
     float x[C];
-#pragma unroll
-    for (int j = 0; j < C; ++j) x[j] = load_elem(p.x, p.dtype, n * D + C * lane + j);
+    load_lane<C>(p, n, lane, x);
     float ss = 0.f;
 #pragma unroll
     for (int j = 0; j < C; ++j) ss = fmaf(x[j], x[j], ss);
@@ -1660,24 +1716,27 @@ __global__ void __launch_bounds__(kHadWarps * 32) tq_fit_hadamard_kernel(const G
         for (int j = 0; j < C; ++j) dst[j] = __float2bfloat16_rn(nrm * y[j]);
       }
     }
-    float dot[kFitCandidates], sq[kFitCandidates];
-#pragma unroll
-    for (int k = 0; k < kFitCandidates; ++k) {
-      const float* tb = fit_tab + 16 * k;
-      const float b3 = tb[3], b7 = tb[7], b11 = tb[11];
-      dot[k] = 0.f;
-      sq[k] = 0.f;
-#pragma unroll
-      for (int j = 0; j < C; ++j) {
-        const float c = cent_s[bucketize_fit(y[j], tb, b3, b7, b11)];
-        dot[k] = fmaf(y[j], c, dot[k]);
-        sq[k] = fmaf(c, c, sq[k]);
-      }
-    }
-    float pair_dot, pair_sq, ratio;
     int best_k = 0;
-    reduce_scatter_pairs<kFitCandidates, 16>(dot, sq, lane, pair_dot, pair_sq, best_k);
-    warp_best_fit(pair_dot, pair_sq, best_k, ratio);
+    float ratio = 1.f;
+    if constexpr (FIT) {
+      float dot[kFitCandidates], sq[kFitCandidates];
+#pragma unroll
+      for (int k = 0; k < kFitCandidates; ++k) {
+        const float* tb = fit_tab + 16 * k;
+        const float b3 = tb[3], b7 = tb[7], b11 = tb[11];
+        dot[k] = 0.f;
+        sq[k] = 0.f;
+#pragma unroll
+        for (int j = 0; j < C; ++j) {
+          const float c = cent_s[bucketize_fit(y[j], tb, b3, b7, b11)];
+          dot[k] = fmaf(y[j], c, dot[k]);
+          sq[k] = fmaf(c, c, sq[k]);
+        }
+      }
+      float pair_dot, pair_sq;
+      reduce_scatter_pairs<kFitCandidates, 16>(dot, sq, lane, pair_dot, pair_sq, best_k);
+      warp_best_fit(pair_dot, pair_sq, best_k, ratio);
+    }
     const float* tb = fit_tab + 16 * best_k;
     const float b3 = tb[3], b7 = tb[7], b11 = tb[11];
     uint32_t group = 0;  // this lane's codes at their places in its 8-code group word
@@ -1686,13 +1745,13 @@ __global__ void __launch_bounds__(kHadWarps * 32) tq_fit_hadamard_kernel(const G
       group |= bucketize_fit(y[j], tb, b3, b7, b11) << (bits * (C * (lane % LPG) + j));
 #pragma unroll
     for (int o = 1; o < LPG; o <<= 1) group |= __shfl_xor_sync(0xffffffffu, group, o);
-    const int64_t row = dest_row(p, n);
+    const int64_t row = dest_row32(p, n);
     if (row >= 0) {
       if (lane % LPG == 0) {
         uint8_t* dst = p.codes + row * pb + (lane / LPG) * bits;  // bits bytes per group
         store_group(dst, group, bits);
       }
-      if (lane == 0) p.norms[row] = nrm * ratio;  // 0 for a zero vector
+      if (lane == 0) p.norms[row] = FIT ? nrm * ratio : nrm;  // 0 for a zero vector
     }
   }
 }
@@ -1763,27 +1822,37 @@ ffi::Error launch_fit_mma_x(const char* op, cudaStream_t stream, int d, const Ge
   }, [&] { return unsupported_head_dim(op, d); });
 }
 
-template <int D>
-ffi::Error launch_fit_hadamard_d(const char* op, cudaStream_t stream, const GemmParams& p, const GemmParams* p1) {
+// Hadamard codecs of head_dim 64 / 128 (p.rot_spec, and p1's): one warp per vector, persistent.
+template <int D, bool FIT>
+ffi::Error launch_hadamard_d(const char* op, cudaStream_t stream, const GemmParams& p, const GemmParams* p1) {
   const int64_t ctas = std::min<int64_t>((p.N + kHadWarps - 1) / kHadWarps, 16 * static_cast<int64_t>(sm_count()));
   const unsigned nz = p1 != nullptr ? 2u : 1u;
-  tq_fit_hadamard_kernel<D><<<dim3(static_cast<unsigned>(ctas), 1, nz), kHadWarps * 32, 0, stream>>>(p, p1 ? *p1 : p);
+  tq_hadamard_kernel<D, FIT><<<dim3(static_cast<unsigned>(ctas), 1, nz), kHadWarps * 32, 0, stream>>>(p, p1 ? *p1 : p);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return cuda_error(op, "kernel launch", e);
   return ffi::Error::Success();
 }
 
+// Whether the Hadamard warp kernel serves p (and p1): both carry their spec words, head_dim 64 /
+// 128, fewer than 2^31 vectors (its 32-bit slot arithmetic).
+bool hadamard_kernel_serves(int d, const GemmParams& p, const GemmParams* p1) {
+  return p.rot_spec != nullptr && (p1 == nullptr || p1->rot_spec != nullptr) && (d == 64 || d == 128) &&
+         p.N < (int64_t(1) << 31);
+}
+
+template <bool FIT>
+ffi::Error launch_hadamard(const char* op, cudaStream_t stream, int d, const GemmParams& p, const GemmParams* p1) {
+  return d == 64 ? launch_hadamard_d<64, FIT>(op, stream, p, p1) : launch_hadamard_d<128, FIT>(op, stream, p, p1);
+}
+
 // The fitted-scale compress: Hadamard codecs of head_dim 64 / 128 with their spec words (p.rot_spec,
-// and p1's) one warp per vector (tq_fit_hadamard_kernel); else tensor cores for d <= 128
+// and p1's) one warp per vector (tq_hadamard_kernel); else tensor cores for d <= 128
 // (tq_fit_mma_kernel), the v1 fp32 kernel (tq_fit_kernel) for d 192 / 256.
 ffi::Error launch_fit(const char* op, cudaStream_t stream, int d, const GemmParams& p,
                       const GemmParams* p1 = nullptr) {
   if (p.N == 0) return ffi::Error::Success();
   if (p.N > (int64_t(1) << 40)) return invalid(op, "too many vectors");
-  if (p.rot_spec != nullptr && (p1 == nullptr || p1->rot_spec != nullptr)) {
-    if (d == 64) return launch_fit_hadamard_d<64>(op, stream, p, p1);
-    if (d == 128) return launch_fit_hadamard_d<128>(op, stream, p, p1);
-  }
+  if (hadamard_kernel_serves(d, p, p1)) return launch_hadamard<true>(op, stream, d, p, p1);
   if (d <= 128) {
     switch (p.dtype) {
       case static_cast<int>(FType::kBF16):
@@ -2049,6 +2118,8 @@ ffi::Error prepare_window(const char* op, cudaStream_t stream, const ffi_checks:
 ffi::Error launch_write(const char* op, cudaStream_t stream, int d, bool fit, const GemmParams& p,
                         const GemmParams* p1 = nullptr) {
   if (fit) return launch_fit(op, stream, d, p, p1);
+  if (p.N == 0) return ffi::Error::Success();
+  if (hadamard_kernel_serves(d, p, p1)) return launch_hadamard<false>(op, stream, d, p, p1);
   return p.win != nullptr ? launch_compress<true>(op, stream, d, p, p1) : launch_compress(op, stream, d, p, p1);
 }
 

@@ -138,8 +138,10 @@ def dense_prefill_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids
     skipped_prefix, skipped_own = (_per_head(x, group) for x in _prefix_and_own(missing, seg, packed))
     nan_prefix, nan_own = (_per_head(x, group) for x in _prefix_and_own(poisoned, seg, packed))
     has_prefix = packed.inside & (seg.prefix[packed.seq] > 0)
+    # Rounded to ``dtype`` here: the output rotation rounds its operand to it anyway (half the traffic
+    # of the row gather below in bfloat16; the float32 result is the primitive's contract).
     merged = _merge(out_prefix, lse_prefix, has_prefix, skipped_prefix, out_own, lse_own, skipped_own, sinks)
-    merged = jnp.where(((nan_prefix > 0) | (nan_own > 0))[..., None], jnp.nan, merged)
+    merged = jnp.where(((nan_prefix > 0) | (nan_own > 0))[..., None], jnp.nan, merged).astype(dtype)
     row_seq, _, owned = reference.prefill_row_lens(query_start_loc, seq_lens, num_rows, capacity)
     index = jnp.arange(num_rows, dtype=jnp.int32) - seg.begin[row_seq] - seg.before[row_seq]
     inside = owned & (index >= 0) & (index < seg.seen[row_seq])
@@ -147,7 +149,8 @@ def dense_prefill_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids
     out_rot = jnp.where(inside[:, None, None], merged[jnp.clip(slot, 0, num_rows - 1)], 0.0)
     out_rot = jnp.where((inside & (slot >= num_rows))[:, None, None], jnp.nan, out_rot)
     finite = jnp.all(jnp.isfinite(q_rot), axis=-1)
-    return jnp.where((~finite & owned[:, None])[..., None], jnp.nan, out_rot)
+    out_rot = jnp.where((~finite & owned[:, None])[..., None], jnp.nan, out_rot)
+    return out_rot.astype(jnp.promote_types(q_rot.dtype, jnp.float32))
 
 
 class _Segments(NamedTuple):

@@ -604,19 +604,23 @@ def test_window_arguments_are_checked_at_trace_time(rng):
 # Marked gpu (skipped without one, conftest.py): the kernels on the GPU against float64 and the CPU's.
 
 
-WRITE_CASES = [(128, 4, 4, 16, 8), (64, 2, 3, 8, 2), (80, 3, 3, 48, 1), (96, 4, 2, 256, 4),
-               (192, 3, 4, 16, 3), (256, 2, 2, 8, 2)]
+WRITE_CASES = [(128, 4, 4, 16, 8, "haar"), (64, 2, 3, 8, 2, "haar"), (80, 3, 3, 48, 1, "haar"),
+               (96, 4, 2, 256, 4, "haar"), (192, 3, 4, 16, 3, "haar"), (256, 2, 2, 8, 2, "haar"),
+               (128, 4, 4, 16, 8, "hadamard"), (64, 2, 3, 8, 2, "hadamard"), (128, 3, 2, 16, 3, "hadamard")]
 
 
-# K and V of one dtype run in ONE launch (grid.z = 2); of different dtypes in two.
+# K and V of one dtype run in ONE launch (grid.z = 2); of different dtypes in two. Hadamard codecs of
+# head_dim 64 / 128 are written by the fast transform (one warp per vector): their codes may differ
+# from compress's (a dense product) at boundary ties, so they are checked against float64 alone.
 @pytest.mark.gpu
 @pytest.mark.parametrize("donate,k_dtype,v_dtype", [(False, jnp.bfloat16, jnp.float16), (True, jnp.bfloat16, jnp.bfloat16),
                                                     (False, jnp.float32, jnp.float32), (True, jnp.float16, jnp.float32)])
-@pytest.mark.parametrize("head_dim,k_bits,v_bits,page_size,hkv", WRITE_CASES)
-def test_write_cache_poisoned_pools(rng, head_dim, k_bits, v_bits, page_size, hkv, donate, k_dtype, v_dtype):
+@pytest.mark.parametrize("head_dim,k_bits,v_bits,page_size,hkv,rotation", WRITE_CASES)
+def test_write_cache_poisoned_pools(rng, head_dim, k_bits, v_bits, page_size, hkv, rotation, donate, k_dtype,
+                                    v_dtype):
     num_pages = 7
-    k_codec = tq.TurboQuant(head_dim=head_dim, bits=k_bits, seed=int(rng.integers(1000)))
-    v_codec = tq.TurboQuant(head_dim=head_dim, bits=v_bits, seed=int(rng.integers(1000)))
+    k_codec = tq.TurboQuant(head_dim=head_dim, bits=k_bits, seed=int(rng.integers(1000)), rotation=rotation)
+    v_codec = tq.TurboQuant(head_dim=head_dim, bits=v_bits, seed=int(rng.integers(1000)), rotation=rotation)
     cache = tq.PagedKVCache.create(num_pages=num_pages, page_size=page_size, num_kv_heads=hkv,
                                    k_codec=k_codec, v_codec=v_codec)
     poison = dict(
@@ -648,29 +652,36 @@ def test_write_cache_poisoned_pools(rng, head_dim, k_bits, v_bits, page_size, hk
     for name, codes_new, norms_new, bits in (("k", kc, kn, k_bits), ("v", vc, vn, v_bits)):
         got_codes = np.asarray(getattr(out, f"{name}_codes"))
         got_norms = np.asarray(getattr(out, f"{name}_norms"))
+        x = np.asarray((k if name == "k" else v).astype(jnp.float32), np.float64)
+        codec = k_codec if name == "k" else v_codec
+        want_codes, want_norms = compress_f64(x.reshape(-1, head_dim), codec)
         for i, s in enumerate(slots):
             if not 0 <= s < total:
                 continue
             p, o = divmod(int(s), page_size)
-            np.testing.assert_array_equal(got_codes[p, :, o], np.asarray(codes_new[i]))
-            np.testing.assert_array_equal(got_norms[p, :, o], np.asarray(norms_new[i]))
+            if rotation == "haar":
+                np.testing.assert_array_equal(got_codes[p, :, o], np.asarray(codes_new[i]))
+                np.testing.assert_array_equal(got_norms[p, :, o], np.asarray(norms_new[i]))
+            else:
+                codes_agree(got_codes[p, :, o], want_codes.reshape(t, hkv, -1)[i], bits, head_dim, x[i], codec)
+                np.testing.assert_allclose(got_norms[p, :, o], want_norms.reshape(t, hkv)[i], rtol=2e-6)
         # everything else untouched
         assert np.all(got_codes.transpose(0, 2, 1, 3)[~written] == 0xAB)
         assert np.all(np.isnan(got_norms.transpose(0, 2, 1)[~written]))
         # and the written values agree with the float64 reference
-        x = np.asarray((k if name == "k" else v).astype(jnp.float32), np.float64)
-        codec = k_codec if name == "k" else v_codec
-        want_codes, want_norms = compress_f64(x.reshape(-1, head_dim), codec)
         codes_agree(np.asarray(codes_new).reshape(-1, codec.packed_bytes), want_codes, bits, head_dim, x, codec)
         np.testing.assert_allclose(np.asarray(norms_new).reshape(-1), want_norms, rtol=2e-6)
 
 
 @pytest.mark.gpu
-def test_write_cache_prefill_size_one_launch(rng):
-    """A prefill-size write (24k vectors per pool: the large-tile kernel, K and V in one launch)
-    writes exactly what compress gives, at every slot, and nothing else."""
+@pytest.mark.parametrize("rotation", ("haar", "hadamard"))
+def test_write_cache_prefill_size_one_launch(rng, rotation):
+    """A prefill-size write (24k vectors per pool: the large-tile kernel, or the Hadamard warp kernel;
+    K and V in one launch) writes what compress gives (Hadamard: the float64 oracle's codes up to
+    boundary ties), at every slot, and nothing else."""
     hkv, d, page_size, num_pages, t = 8, 128, 16, 256, 3000
-    k_codec, v_codec = tq.TurboQuant(head_dim=d, bits=4, seed=3), tq.TurboQuant(head_dim=d, bits=3, seed=4)
+    k_codec = tq.TurboQuant(head_dim=d, bits=4, seed=3, rotation=rotation)
+    v_codec = tq.TurboQuant(head_dim=d, bits=3, seed=4, rotation=rotation)
     cache = tq.PagedKVCache.create(num_pages=num_pages, page_size=page_size, num_kv_heads=hkv,
                                    k_codec=k_codec, v_codec=v_codec)
     cache = dataclasses.replace(cache, k_norms=jnp.full(cache.k_norms.shape, jnp.nan, jnp.float32),
@@ -681,9 +692,17 @@ def test_write_cache_prefill_size_one_launch(rng):
     out = jax.jit(tq.write_cache, donate_argnums=0)(cache, k, v, jnp.asarray(slots))
     p, o = slots // page_size, slots % page_size
     for name, x, codec in (("k", k, k_codec), ("v", v, v_codec)):
-        codes, norms = jax.jit(tq.compress)(x, codec)
-        np.testing.assert_array_equal(np.asarray(getattr(out, f"{name}_codes"))[p, :, o], np.asarray(codes))
-        np.testing.assert_array_equal(np.asarray(getattr(out, f"{name}_norms"))[p, :, o], np.asarray(norms))
+        got_codes = np.asarray(getattr(out, f"{name}_codes"))[p, :, o]
+        got_norms = np.asarray(getattr(out, f"{name}_norms"))[p, :, o]
+        if rotation == "haar":
+            codes, norms = jax.jit(tq.compress)(x, codec)
+            np.testing.assert_array_equal(got_codes, np.asarray(codes))
+            np.testing.assert_array_equal(got_norms, np.asarray(norms))
+        else:
+            x64 = np.asarray(x.astype(jnp.float32), np.float64).reshape(-1, d)
+            want_codes, want_norms = compress_f64(x64, codec)
+            codes_agree(got_codes.reshape(-1, codec.packed_bytes), want_codes, codec.bits, d, x64, codec)
+            np.testing.assert_allclose(got_norms.reshape(-1), want_norms, rtol=2e-6)
         assert int(np.isnan(np.asarray(getattr(out, f"{name}_norms"))).sum()) == (num_pages * page_size - t) * hkv
 
 

@@ -29,11 +29,11 @@ __device__ __forceinline__ void warp_fwht(float (&x)[D / 32], int lane) {
   }
 #pragma unroll
   for (int m = 1; m < 32; m <<= 1) {
-    const bool upper = (lane & m) != 0;
+    const float sign = (lane & m) != 0 ? -1.f : 1.f;  // upper lane: y - x, lower: x + y (one FFMA, exact)
 #pragma unroll
     for (int j = 0; j < C; ++j) {
       const float y = __shfl_xor_sync(0xffffffffu, x[j], m);
-      x[j] = upper ? y - x[j] : x[j] + y;
+      x[j] = fmaf(x[j], sign, y);
     }
   }
 }
