@@ -110,15 +110,20 @@ def dense_prefill_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids
     seg = _segments(query_start_loc, seq_lens, num_rows, capacity)
     packed = _packed_rows(seg, num_rows)
     queries = jnp.where(packed.inside[:, None, None], q_rot[packed.source], 0).astype(dtype)
-    own_keys = keys[packed.seq, packed.own]                       # [T, Hkv, d]: each packed row's own token
-    own_values = values[packed.seq, packed.own]
-    own_call = _attend_call(attend, scale, num_seqs, seg.offsets, seg.seen, seg.offsets, seg.seen, seg.seen > 0)
+    # Key segments start at multiples of the GQA group (the packed layout's contract, _compat).
+    align = group if num_seqs > 1 else 1
+    own_offsets, own_seq, own_token = _own_key_layout(seg, num_rows + num_seqs * (align - 1), align)
+    own_keys = keys[own_seq, own_token]                           # [T', Hkv, d]: the chunks' own tokens
+    own_values = values[own_seq, own_token]
+    own_call = _attend_call(attend, scale, num_seqs, seg.offsets, seg.seen, own_offsets, seg.seen, seg.seen > 0)
     out_own, lse_own = own_call(queries, own_keys, own_values, causal=True)
+    stride = -(-capacity // align) * align
     prefix_call = _attend_call(attend, scale, num_seqs, seg.offsets, seg.seen,
-                               jnp.arange(num_seqs, dtype=jnp.int32) * capacity, seg.prefix,
+                               jnp.arange(num_seqs, dtype=jnp.int32) * stride, seg.prefix,
                                (seg.seen > 0) & (seg.prefix > 0))
-    flat_keys = keys.reshape(num_seqs * capacity, *keys.shape[2:])
-    flat_values = values.reshape(flat_keys.shape)
+    padding = ((0, 0), (0, stride - capacity), (0, 0), (0, 0))
+    flat_keys = jnp.pad(keys, padding).reshape(num_seqs * stride, *keys.shape[2:])
+    flat_values = jnp.pad(values, padding).reshape(flat_keys.shape)
 
     def prefix_attention(operands):
         return prefix_call(*operands, causal=False)
@@ -196,6 +201,18 @@ def _packed_rows(seg: _Segments, num_rows: int) -> _Packed:
     capacity_last = jnp.maximum(seg.lengths[seq] - 1, 0)
     own = jnp.clip(seg.prefix[seq] + index, 0, capacity_last)
     return _Packed(seq, inside, source, index, own)
+
+
+def _own_key_layout(seg: _Segments, length: int, align: int):
+    """The chunks' own keys laid out sequence after sequence, each starting at a multiple of
+    ``align``: (offsets int32 [S], and per key slot [length] its sequence and token position)."""
+    rounded = -(-seg.seen // align) * align
+    offsets = (jnp.cumsum(rounded) - rounded).astype(jnp.int32)
+    slots = jnp.arange(length, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(offsets + rounded, slots, side="right"), 0, offsets.shape[0] - 1)
+    index = jnp.clip(slots - offsets[seq], 0, jnp.maximum(seg.seen[seq] - 1, 0))
+    token = jnp.clip(seg.prefix[seq] + index, 0, jnp.maximum(seg.lengths[seq] - 1, 0))
+    return offsets, seq.astype(jnp.int32), token
 
 
 def _attend_call(attend, scale, num_seqs, q_offsets, q_lens, kv_offsets, kv_lens, active):

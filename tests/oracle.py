@@ -212,14 +212,16 @@ def exact_attend(q, k, v, q_lens, kv_lens, *, scale: float, causal: bool, q_offs
     by XLA in promote(q.dtype, float32): the CPU tests' stand-in for cuDNN in
     ``jax_tq.paged_prefill_dense``. Segment m's rows see its keys (causal: key j <= row i, both
     counted from the segment's start). A row that sees no key gets lse -inf (its output is
-    unspecified)."""
+    unspecified); the rows of a segment whose kv offset is not a multiple of N / K (the contract)
+    are NaN."""
     batch, rows, num_heads, head_dim = q.shape
     keys, num_kv_heads = k.shape[1], k.shape[2]
     group = num_heads // num_kv_heads
     dtype = jnp.promote_types(q.dtype, jnp.float32)
     qg = q.astype(dtype).reshape(batch, rows, num_kv_heads, group, head_dim)
     scores = jnp.einsum("btkgh,bskh->bkgts", qg, k.astype(dtype), precision=jax.lax.Precision.HIGHEST) * scale
-    if q_offsets is None:
+    packed = q_offsets is not None
+    if not packed:
         q_offsets, kv_offsets = jnp.zeros((batch, 2), jnp.int32), jnp.zeros((batch, 2), jnp.int32)
         q_lens, kv_lens = q_lens[:, None], kv_lens[:, None]
     t = jnp.arange(rows)[None, :, None]                  # [1, T, 1] against segments [B, 1, M]
@@ -240,5 +242,11 @@ def exact_attend(q, k, v, q_lens, kv_lens, *, scale: float, causal: bool, q_offs
     out = jnp.einsum("bkgts,bskh->btkgh", weights / jnp.maximum(total, 1e-30), v.astype(dtype),
                      precision=jax.lax.Precision.HIGHEST)
     lse = (peak + jnp.log(total))[..., 0]                                            # [B, K, G, T]
-    return (out.reshape(batch, rows, num_heads, head_dim),
-            jnp.transpose(lse, (0, 3, 1, 2)).reshape(batch, rows, num_heads))
+    out = out.reshape(batch, rows, num_heads, head_dim)
+    lse = jnp.transpose(lse, (0, 3, 1, 2)).reshape(batch, rows, num_heads)
+    if packed:  # the contract's kv offsets are multiples of N / K: a segment breaking it gives NaN rows
+        misaligned = present & (kv_offsets[:, :-1] % group != 0)                      # [B, M]
+        bad = jnp.any(row_in & misaligned[:, None, :], axis=-1)                        # [B, T]
+        out = jnp.where(bad[..., None, None], jnp.nan, out)
+        lse = jnp.where(bad[..., None], jnp.nan, lse)
+    return out, lse
