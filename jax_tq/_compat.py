@@ -144,61 +144,33 @@ def _cudnn_module():
 
 
 @functools.cache
-def has_cudnn_attention(packed: bool = False) -> bool:
+def has_cudnn_attention() -> bool:
     """Whether :func:`cudnn_attention_with_lse` can be traced: JAX has its cuDNN attention module
-    and a CUDA backend (tracing it checks the cuDNN version of the CUDA runtime; a ROCm GPU has none);
-    ``packed``: with segment offsets too, which JAX's cuDNN call serves from compute capability 9.0
-    (Hopper). Asked once per process and argument (it lists devices)."""
+    and a CUDA backend (tracing it checks the cuDNN version of the CUDA runtime; a ROCm GPU has none).
+    Asked once per process (it lists devices)."""
     cudnn = _cudnn_module()
     try:
         if cudnn is None or not jax.devices("cuda"):
             return False
         cudnn.check_cudnn_version()
-        if packed and not cudnn.check_compute_capability("9.0"):
-            return False
     except (RuntimeError, AttributeError):
         return False
     return True
 
 
-def cudnn_attention_with_lse(q, k, v, q_lens, kv_lens, *, scale: float, causal: bool, q_offsets=None,
-                             kv_offsets=None):
+def cudnn_attention_with_lse(q, k, v, q_lens, kv_lens, *, scale: float, causal: bool):
     """cuDNN flash attention with its float32 softmax statistics (``jax.nn.dot_product_attention``
     with ``return_residual`` rounds them to the inputs' dtype, too coarse to merge two attentions).
 
     Args:
       q: [B, T, N, H] bfloat16 / float16.  k, v: [B, S, K, H] (N a multiple of K).
-      q_lens, kv_lens: int32 [B], the valid rows / keys of each batch element (a padding mask); with
-        offsets, int32 [1, M]: each segment's rows / keys (-1: no segment).
-      scale: the logits' factor (static).  causal: top-left causal mask (query i sees keys <= i,
-        counted from the segment's start).
-      q_offsets, kv_offsets: None, or int32 [1, M + 1] (B = 1): the first row / key of each of up
-        to M disjoint segments (cuDNN's packed layout; -1: none; the last entry -1), segment m's rows
-        seeing segment m's keys only (``has_cudnn_attention(packed=True)``). Each kv offset must be a
-        multiple of N / K: JAX's call scales both offsets by the query's N x H elements per token.
+      q_lens, kv_lens: int32 [B], the valid rows / keys of each batch element (a padding mask).
+      scale: the logits' factor (static).  causal: top-left causal mask (query i sees keys <= i).
     Returns:
-      (out [B, T, N, H] of q's dtype, lse float32 [B, T, N]: log sum exp of the scaled logits; rows
-      in no segment unspecified).
+      (out [B, T, N, H] of q's dtype, lse float32 [B, T, N]: log sum exp of the scaled logits).
     """
     cudnn = _cudnn_module()
-    jnp = jax.numpy
     mask = cudnn.MaskType.PADDING_CAUSAL if causal else cudnn.MaskType.PADDING
-    if q_offsets is not None:
-        group = q.shape[2] // k.shape[2]
-        kv_offsets = jnp.where(kv_offsets >= 0, kv_offsets // group, -1)
-    out, stats = cudnn.dot_product_attention(q, k, v, q_seqlen=q_lens, kv_seqlen=kv_lens, q_offsets=q_offsets,
-                                             kv_offsets=kv_offsets, scale=float(scale), mask_type=mask,
-                                             qkv_layout="BTNH", return_residual=True)
-    if q_offsets is None:
-        return out, jnp.transpose(stats, (0, 2, 1))
-    # Packed: stats [M, N, T], segment m's row i at [m, :, i], the segments numbered in order of
-    # those present (JAX drops the -1 entries).
-    starts, lens = q_offsets[0, :-1], q_lens[0]
-    present = (starts >= 0) & (lens >= 0)
-    rank = jnp.cumsum(present) - 1
-    rows = jnp.arange(q.shape[1])[:, None]
-    inside = present[None, :] & (rows >= starts[None, :]) & (rows < (starts + lens)[None, :])   # [T, M]
-    segment = jnp.argmax(inside, axis=1)
-    index = jnp.clip(rows[:, 0] - starts[segment], 0, q.shape[1] - 1)
-    lse = stats[jnp.clip(rank[segment], 0, stats.shape[0] - 1), :, index]                     # [T, N]
-    return out, jnp.where(jnp.any(inside, axis=1)[:, None], lse, 0.0)[None]
+    out, stats = cudnn.dot_product_attention(q, k, v, q_seqlen=q_lens, kv_seqlen=kv_lens, scale=float(scale),
+                                             mask_type=mask, qkv_layout="BTNH", return_residual=True)
+    return out, jax.numpy.transpose(stats, (0, 2, 1))

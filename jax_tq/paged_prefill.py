@@ -62,14 +62,13 @@ def paged_prefill(q, cache, block_tables, seq_lens, query_start_loc, *, window_i
         weights and the centroids to float16 in tensor-core products with float32 accumulation
         (head_dim 64 and 128; a relative error of ~2^-11 per term, below a bfloat16 query's own
         rounding). Default: ``HIGHEST`` for float32 queries, ``DEFAULT`` for bfloat16 / float16 ones.
-        No effect on the CPU (float64) or the reference. On CUDA, bfloat16 queries under ``DEFAULT``
-        / ``HIGH`` with at least DENSE_MIN_ROWS (128) rows per sequence (num_tokens >= 128 x
-        num_seqs), head_dim 64 / 128 and neither sliding_window nor soft_cap run as cuDNN flash
-        attention over the sequences' tokens decoded once into bfloat16 (K, V, q and the rotations'
-        operands rounded to bfloat16, ~2^-9 per term, as attention over a bfloat16 cache; several
-        sequences as segments of cuDNN's packed layout, Hopper or later; transient memory: the span,
-        2 x num_seqs x max_pages x page_size x num_kv_heads x head_dim x 2 bytes, at most 1 GiB, and
-        ~4 float32 copies of the output). There, a block-table entry outside the pool or a window id of none
+        No effect on the CPU (float64) or the reference. On CUDA, one sequence (num_seqs == 1) of
+        bfloat16 queries under ``DEFAULT`` / ``HIGH`` with at least DENSE_MIN_ROWS (128) rows,
+        head_dim 64 / 128 and neither sliding_window nor soft_cap runs as cuDNN flash attention over
+        its tokens decoded once into bfloat16 (K, V, q and the rotations' operands rounded to
+        bfloat16, ~2^-9 per term, as attention over a bfloat16 cache; transient memory: the span,
+        2 x max_pages x page_size x num_kv_heads x head_dim x 2 bytes, at most 1 GiB, and ~4 float32
+        copies of the output). There, a block-table entry outside the pool or a window id of none
         inside a sequence's length (``jax_tq.checked`` reports both) loses precision where every
         logit its rows see is far below 0, instead of being skipped exactly.
       sliding_window: None, or an int >= 1 (static): the row at position p sees only positions
@@ -152,22 +151,21 @@ def _rotate(x, matrix, bf16: bool):
 #: tile once per 16 query tokens (H200, 32 / 8 heads, d128, K4V4: 128 rows after 8064 cached tokens
 #: 168 us against the kernel's 371; 2048 after 6144: 629 against 1763).
 DENSE_MIN_ROWS = 128
-#: The most bytes of decoded bfloat16 K and V (2 x num_seqs x max_pages x page_size x Hkv x d x 2) the dense
+#: The most bytes of decoded bfloat16 K and V (2 x max_pages x page_size x Hkv x d x 2) the dense
 #: path may hold; past it, the kernel (which keeps memory O(rows)).
 DENSE_MAX_SPAN_BYTES = 1 << 30
 
 
 def _dense_planned(q, cache, num_seqs: int, max_pages: int, f16_products: bool, backend: str, variant: bool) -> bool:
     """Whether the prefill runs as attention over the decoded span (on CUDA; the kernel elsewhere):
-    backend "auto", bfloat16 queries with float16-class products allowed (the span is bfloat16), at
-    least DENSE_MIN_ROWS rows per sequence on average (the span decodes every sequence's tokens, so
-    decode-like rows stay on the kernel), a span of 1 .. DENSE_MAX_SPAN_BYTES, head_dim 64 / 128, no
-    sliding window or soft cap (``variant``; sinks are served), and JAX's cuDNN attention available
-    (several sequences: its packed layout, Hopper or later)."""
-    span_bytes = 2 * num_seqs * max_pages * cache.page_size * cache.num_kv_heads * cache.head_dim * 2
-    return (backend == "auto" and f16_products and jnp.dtype(q.dtype) == jnp.dtype(jnp.bfloat16) and num_seqs >= 1
-            and q.shape[0] >= DENSE_MIN_ROWS * num_seqs and 0 < span_bytes <= DENSE_MAX_SPAN_BYTES
-            and cache.head_dim in (64, 128) and not variant and _compat.has_cudnn_attention(packed=num_seqs > 1))
+    backend "auto", bfloat16 queries with float16-class products allowed (the span is bfloat16), one
+    sequence (several would need their queries laid out per sequence, at a size known only at run
+    time), at least DENSE_MIN_ROWS rows, a span of 1 .. DENSE_MAX_SPAN_BYTES, head_dim 64 / 128, no
+    sliding window or soft cap (``variant``; sinks are served), and JAX's cuDNN attention available."""
+    span_bytes = 2 * max_pages * cache.page_size * cache.num_kv_heads * cache.head_dim * 2
+    return (backend == "auto" and f16_products and jnp.dtype(q.dtype) == jnp.dtype(jnp.bfloat16) and num_seqs == 1
+            and q.shape[0] >= DENSE_MIN_ROWS and 0 < span_bytes <= DENSE_MAX_SPAN_BYTES
+            and cache.head_dim in (64, 128) and not variant and _compat.has_cudnn_attention())
 
 
 def _check_query_start_loc(query_start_loc, num_seqs: int):

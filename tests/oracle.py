@@ -205,35 +205,22 @@ def attend_f64(q, keys, values, valid, scale):
     return out
 
 
-def exact_attend(q, k, v, q_lens, kv_lens, *, scale: float, causal: bool, q_offsets=None, kv_offsets=None):
+def exact_attend(q, k, v, q_lens, kv_lens, *, scale: float, causal: bool):
     """Attention with its log-sum-exp, the contract of ``jax_tq._compat.cudnn_attention_with_lse``
-    (q [B, T, N, H], k / v [B, S, K, H], q_lens / kv_lens int32 [B]; packed: q_offsets / kv_offsets
-    int32 [B, M + 1] segment starts and q_lens / kv_lens [B, M], -1 where a segment is absent) computed
-    by XLA in promote(q.dtype, float32): the CPU tests' stand-in for cuDNN in
-    ``jax_tq.paged_prefill_dense``. Segment m's rows see its keys (causal: key j <= row i, both
-    counted from the segment's start). A row that sees no key gets lse -inf (its output is
-    unspecified); the rows of a segment whose kv offset is not a multiple of N / K (the contract)
-    are NaN."""
+    (q [B, T, N, H], k / v [B, S, K, H], q_lens / kv_lens int32 [B]) computed by XLA in
+    promote(q.dtype, float32): the CPU tests' stand-in for cuDNN in ``jax_tq.paged_prefill_dense``. A
+    row that sees no key gets lse -inf (its output is unspecified)."""
     batch, rows, num_heads, head_dim = q.shape
     keys, num_kv_heads = k.shape[1], k.shape[2]
     group = num_heads // num_kv_heads
     dtype = jnp.promote_types(q.dtype, jnp.float32)
     qg = q.astype(dtype).reshape(batch, rows, num_kv_heads, group, head_dim)
     scores = jnp.einsum("btkgh,bskh->bkgts", qg, k.astype(dtype), precision=jax.lax.Precision.HIGHEST) * scale
-    packed = q_offsets is not None
-    if not packed:
-        q_offsets, kv_offsets = jnp.zeros((batch, 2), jnp.int32), jnp.zeros((batch, 2), jnp.int32)
-        q_lens, kv_lens = q_lens[:, None], kv_lens[:, None]
-    t = jnp.arange(rows)[None, :, None]                  # [1, T, 1] against segments [B, 1, M]
-    s = jnp.arange(keys)[None, :, None]
-    present = (q_offsets[:, :-1] >= 0) & (q_lens >= 0)
-    row_in = present[:, None, :] & (t >= q_offsets[:, None, :-1]) & (t < (q_offsets[:, :-1] + q_lens)[:, None, :])
-    key_in = present[:, None, :] & (s >= kv_offsets[:, None, :-1]) & (s < (kv_offsets[:, :-1] + kv_lens)[:, None, :])
-    mask = jnp.einsum("btm,bsm->bts", row_in.astype(jnp.int32), key_in.astype(jnp.int32)) > 0
+    t = jnp.arange(rows)[:, None]
+    s = jnp.arange(keys)[None, :]
+    mask = (t < q_lens[:, None, None]) & (s < kv_lens[:, None, None])
     if causal:
-        row_pos = jnp.sum(jnp.where(row_in, t - q_offsets[:, None, :-1], 0), axis=-1)        # [B, T]
-        key_pos = jnp.sum(jnp.where(key_in, s - kv_offsets[:, None, :-1], 0), axis=-1)      # [B, S]
-        mask = mask & (key_pos[:, None, :] <= row_pos[:, :, None])
+        mask = mask & (s <= t)[None]
     scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
     peak = jnp.max(scores, axis=-1, keepdims=True)
     peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
@@ -242,11 +229,5 @@ def exact_attend(q, k, v, q_lens, kv_lens, *, scale: float, causal: bool, q_offs
     out = jnp.einsum("bkgts,bskh->btkgh", weights / jnp.maximum(total, 1e-30), v.astype(dtype),
                      precision=jax.lax.Precision.HIGHEST)
     lse = (peak + jnp.log(total))[..., 0]                                            # [B, K, G, T]
-    out = out.reshape(batch, rows, num_heads, head_dim)
-    lse = jnp.transpose(lse, (0, 3, 1, 2)).reshape(batch, rows, num_heads)
-    if packed:  # the contract's kv offsets are multiples of N / K: a segment breaking it gives NaN rows
-        misaligned = present & (kv_offsets[:, :-1] % group != 0)                      # [B, M]
-        bad = jnp.any(row_in & misaligned[:, None, :], axis=-1)                        # [B, T]
-        out = jnp.where(bad[..., None, None], jnp.nan, out)
-        lse = jnp.where(bad[..., None], jnp.nan, lse)
-    return out, lse
+    return (out.reshape(batch, rows, num_heads, head_dim),
+            jnp.transpose(lse, (0, 3, 1, 2)).reshape(batch, rows, num_heads))

@@ -44,58 +44,64 @@ def _both(cache, operands, sinks=None):
     return np.asarray(got), np.asarray(to_f64(want))
 
 
-@pytest.mark.parametrize("seq_lens,q_lens,lead,tail", [
-    ((300,), (130,), 0, 0),                 # a chunk after 170 cached tokens
-    ((64,), (64,), 2, 3),                   # a whole prompt, rows of no sequence around it
-    ((40,), (55,), 0, 0),                   # 15 rows placed before the sequence's start
-    ((300, 77, 5, 0, 129), (45, 77, 7, 0, 1), 3, 5),   # several sequences (packed), one empty, one decode row
-    ((90, 77, 300), (60, 77, 45), 1, 2),               # fresh prompts beside a chunk after cached tokens
-    ((10, 50), (30, 50), 0, 0),                        # 20 rows of sequence 0 before its start
+@pytest.mark.parametrize("seq_len,q_len,lead,tail", [
+    (300, 130, 0, 0),       # a chunk after 170 cached tokens
+    (64, 64, 2, 3),         # a whole prompt, rows of no sequence around it
+    (40, 55, 0, 0),         # 15 rows placed before the sequence's start
+    (129, 1, 4, 0),         # one row (a decode row) after 128 cached tokens
+    (0, 0, 3, 2),           # an idle sequence: every row 0
 ])
-def test_dense_path_equals_the_float64_reference(rng, seq_lens, q_lens, lead, tail):
+def test_dense_path_equals_the_float64_reference(rng, seq_len, q_len, lead, tail):
     with _compat.enable_x64():
         cache = random_cache(rng, num_pages=80, page_size=16, num_kv_heads=2, head_dim=64, k_bits=4, v_bits=3,
                              seed=int(rng.integers(1 << 16)))
-        tables = random_tables(rng, seq_lens, 16, 80)
-        starts = lead + np.concatenate([[0], np.cumsum(q_lens)])
-        q = rng.normal(size=(int(starts[-1]) + tail, 6, 64))
-        got, want = _both(cache, _operands(cache, q, tables, seq_lens, starts))
-    assert rel_err(got, want) < 2e-7
+        tables = random_tables(rng, (seq_len,), 16, 80)
+        starts = np.asarray([lead, lead + q_len])
+        q = rng.normal(size=(lead + q_len + tail, 6, 64))
+        got, want = _both(cache, _operands(cache, q, tables, (seq_len,), starts))
+    assert rel_err(got, want) < 2e-7 if q_len else np.all(got == 0)
     assert np.all(got[:lead] == 0) and np.all(got[got.shape[0] - tail:] == 0)
 
 
-def test_dense_path_skips_invalid_pages_and_missing_windows_and_keeps_nan_rows(rng):
-    """A page id outside the pool inside the prefix and inside the chunk (skipped by the kernel: the
-    zero slots' share is taken out of the sums), a window with id -1 for one sequence, a NaN query."""
+def test_dense_path_refuses_several_sequences(rng):
+    cache = random_cache(rng, num_pages=8, page_size=16, num_kv_heads=2, head_dim=64, k_bits=4, v_bits=4)
+    operands = _operands(cache, rng.normal(size=(8, 4, 64)), random_tables(rng, (20, 20), 16, 8), (20, 20), (0, 4, 8))
+    with pytest.raises(ValueError, match="one sequence"):
+        paged_prefill_dense.dense_prefill_rotated(*operands, k_bits=4, v_bits=4, scale=0.125, attend=exact_attend)
+
+
+@pytest.mark.parametrize("bad_page,window_id", [(1, 2), (6, 1), (None, -1)])
+def test_dense_path_skips_invalid_pages_and_missing_windows_and_keeps_nan_rows(rng, bad_page, window_id):
+    """A page id outside the pool inside the prefix (page 1) or inside the chunk (page 6; skipped by
+    the kernel: the zero slots' share is taken out of the sums), a window id of -1, a NaN query."""
     with _compat.enable_x64():
         cache = random_window_cache(rng, head_dim=64, num_kv_heads=2, page_size=16, num_pages=32, window=24,
                                     num_windows=3)
         cache = jax.tree.map(lambda a: a.astype(jnp.float64) if a.dtype == jnp.float32 else a, cache)
-        tables = np.stack([rng.permutation(32)[:8] for _ in range(3)]).astype(np.int32)
-        tables[0, 1] = 99     # prefix tokens 16..31 of sequence 0
-        tables[2, 6] = -7     # chunk tokens 96..111 of sequence 2
-        seq_lens = np.asarray([100, 40, 128], np.int32)
-        starts = np.asarray([0, 30, 70, 110], np.int32)
-        q = rng.normal(size=(110, 4, 64))
-        q[75, 1, 3] = np.nan
-        got, want = _both(cache, _operands(cache, q, tables, seq_lens, starts, window_ids=[2, -1, 1]))
+        tables = rng.permutation(32)[None, :8].astype(np.int32)
+        if bad_page is not None:
+            tables[0, bad_page] = 99 if bad_page == 1 else -7
+        starts = np.asarray([0, 60], np.int32)
+        q = rng.normal(size=(60, 4, 64))
+        q[35, 1, 3] = np.nan
+        got, want = _both(cache, _operands(cache, q, tables, (128,), starts, window_ids=[window_id]))
     nan = np.isnan(got)
-    assert np.array_equal(nan, np.isnan(want)) and nan[75, 1].all() and nan.sum() == 64
+    assert np.array_equal(nan, np.isnan(want)) and nan[35, 1].all() and nan.sum() == 64
     assert rel_err(np.where(nan, 0, got), np.where(nan, 0, want)) < 2e-7
 
 
 def test_dense_path_with_sinks_equals_the_float64_reference(rng):
     """Per-head sink logits (one far above every score, one far below) join each row's denominator;
-    with skipped slots (an invalid page) and rows placed before their sequence's start."""
+    with skipped slots (an invalid page) and rows placed before the sequence's start."""
     with _compat.enable_x64():
         cache = random_cache(rng, num_pages=80, page_size=16, num_kv_heads=2, head_dim=64, k_bits=4, v_bits=3,
                              seed=int(rng.integers(1 << 16)))
-        tables = np.array(random_tables(rng, (300, 40), 16, 80))
+        tables = np.array(random_tables(rng, (100,), 16, 80))
         tables[0, 3] = 500
-        starts = np.asarray([0, 130, 185])
-        q = rng.normal(size=(185, 6, 64))
+        starts = np.asarray([0, 130])
+        q = rng.normal(size=(130, 6, 64))
         sinks = jnp.asarray([0.5, -2.0, 40.0, -40.0, 3.0, 0.0], jnp.float64)
-        got, want = _both(cache, _operands(cache, q, tables, (300, 40), starts), sinks=sinks)
+        got, want = _both(cache, _operands(cache, q, tables, (100,), starts), sinks=sinks)
     assert rel_err(got, want) < 2e-7
     assert np.abs(got[:, 2]).max() < 1e-12 < np.abs(got[:, 3]).max()   # the sink of 40 takes every row's weight
 
@@ -114,45 +120,41 @@ def test_dense_path_in_float32_is_close_to_the_float64_reference(rng):
     assert got.dtype == jnp.float32 and rel_err(got, want) < 1e-5
 
 
-def test_dense_path_is_planned_for_long_bf16_sequences_only(monkeypatch):
-    """The one place that chooses it: backend auto, bf16 queries with default precision, DENSE_MIN_ROWS
-    rows per sequence or more, a span of 1 .. DENSE_MAX_SPAN_BYTES, head_dim 64 / 128, no sliding
-    window or soft cap, cuDNN attention present (packed segments for several sequences)."""
-    monkeypatch.setattr(_compat, "has_cudnn_attention", lambda packed=False: True)
+def test_dense_path_is_planned_for_one_long_bf16_sequence_only(monkeypatch):
+    """The one place that chooses it: backend auto, bf16 queries with default precision, one sequence,
+    DENSE_MIN_ROWS rows or more, a span of 1 .. DENSE_MAX_SPAN_BYTES, head_dim 64 / 128, no sliding
+    window or soft cap, cuDNN attention present."""
+    monkeypatch.setattr(_compat, "has_cudnn_attention", lambda: True)
     cache = tq.PagedKVCache.create(num_pages=8, page_size=16, num_kv_heads=2, k_codec=tq.TurboQuant(head_dim=128),
                                    v_codec=tq.TurboQuant(head_dim=128, seed=1))
     rows = prefill_module.DENSE_MIN_ROWS
     q = jnp.zeros((2 * rows, 4, 128), jnp.bfloat16)
     plan = prefill_module._dense_planned
     assert plan(q, cache, 1, 64, True, "auto", False) and plan(q[:rows], cache, 1, 64, True, "auto", False)
-    assert plan(q, cache, 2, 64, True, "auto", False) and not plan(q[:-1], cache, 2, 64, True, "auto", False)
+    assert not plan(q, cache, 2, 64, True, "auto", False)
     assert not plan(q[:rows - 1], cache, 1, 64, True, "auto", False)
     too_many_pages = prefill_module.DENSE_MAX_SPAN_BYTES // (2 * 16 * 2 * 128 * 2) + 1
     assert plan(q, cache, 1, too_many_pages - 1, True, "auto", False)
     assert not plan(q, cache, 1, too_many_pages, True, "auto", False)
-    assert not plan(q, cache, 2, too_many_pages // 2 + 1, True, "auto", False)   # the span counts every sequence
-    monkeypatch.setattr(_compat, "has_cudnn_attention", lambda packed=False: not packed)   # no packed layout
-    assert plan(q, cache, 1, 64, True, "auto", False) and not plan(q, cache, 2, 64, True, "auto", False)
-    monkeypatch.setattr(_compat, "has_cudnn_attention", lambda packed=False: True)
     assert not plan(q, cache, 1, 0, True, "auto", False)
     assert not plan(q, cache, 1, 64, False, "auto", False)
     assert not plan(q, cache, 1, 64, True, "ffi", False)
     assert not plan(q.astype(jnp.float16), cache, 1, 64, True, "auto", False)
     assert not plan(q, cache, 1, 64, True, "auto", True)
-    monkeypatch.setattr(_compat, "has_cudnn_attention", lambda packed=False: False)
+    monkeypatch.setattr(_compat, "has_cudnn_attention", lambda: False)
     assert not plan(q, cache, 1, 64, True, "auto", False)
 
 
-@pytest.mark.parametrize("q_lens,dense", [((300,), True), ((200, 100), True), ((150, 100, 50), False)])
-def test_paged_prefill_takes_the_dense_path_for_long_sequences(monkeypatch, rng, q_lens, dense):
+@pytest.mark.parametrize("q_lens,dense", [((300,), True), ((200, 100), False)])
+def test_paged_prefill_takes_the_dense_path_for_one_sequence(monkeypatch, rng, q_lens, dense):
     """Through jax_tq.paged_prefill with the CUDA branch taken on the CPU (XLA's exact attention in
-    cuDNN's place): 300 rows of one or two sequences run over the decoded span, of three sequences
-    (100 per sequence, under DENSE_MIN_ROWS) the kernel; all match the float64 oracle."""
+    cuDNN's place): one sequence of 300 rows runs over the decoded span, two sequences run the
+    kernel; both match the float64 oracle."""
     from test_prefill import prefill_f64
-    monkeypatch.setattr(_compat, "has_cudnn_attention", lambda packed=False: True)
+    monkeypatch.setattr(_compat, "has_cudnn_attention", lambda: True)
     monkeypatch.setattr(_compat, "cudnn_attention_with_lse", exact_attend)
     monkeypatch.setattr(jax.lax, "platform_dependent", lambda *args, cuda, default: cuda(*args))
-    seq_lens = (400, 300, 60)[:len(q_lens)]
+    seq_lens = (400, 300)[:len(q_lens)]
     cache = random_cache(rng, num_pages=80, page_size=16, num_kv_heads=2, head_dim=64, k_bits=4, v_bits=4,
                          seed=int(rng.integers(1 << 16)))
     tables = random_tables(rng, seq_lens, 16, 80)
@@ -164,22 +166,22 @@ def test_paged_prefill_takes_the_dense_path_for_long_sequences(monkeypatch, rng,
     assert rel_err(got, prefill_f64(q.astype(jnp.float32), cache, tables, lens, starts)) < 1e-2
     with tq.use_backend("ffi"):
         kernel = np.asarray(tq.paged_prefill(q, cache, tables, lens, starts), np.float32)
-    # The kernel's result exactly where it runs; the bfloat16 span's and rotations' rounding where not.
+    # The kernel's result exactly for two sequences; the bfloat16 span and rotations' rounding for one.
     assert (rel_err(got, kernel) > 1e-4) if dense else np.array_equal(got, kernel)
 
 
 def test_dense_path_under_vmap_with_batched_query_start_loc(monkeypatch, rng):
-    """vmap over the queries and query_start_loc of two sequences (the dense path's cond on cached
+    """vmap over the queries and query_start_loc of one sequence (the dense path's cond on cached
     tokens becomes a select; no kernel call is traced under it): each result is its own call's."""
-    monkeypatch.setattr(_compat, "has_cudnn_attention", lambda packed=False: True)
+    monkeypatch.setattr(_compat, "has_cudnn_attention", lambda: True)
     monkeypatch.setattr(_compat, "cudnn_attention_with_lse", exact_attend)
     monkeypatch.setattr(jax.lax, "platform_dependent", lambda *args, cuda, default: cuda(*args))
     cache = random_cache(rng, num_pages=64, page_size=16, num_kv_heads=2, head_dim=64, k_bits=4, v_bits=4,
                          seed=int(rng.integers(1 << 16)))
-    lens = jnp.asarray([300, 280], jnp.int32)
-    tables = random_tables(rng, (300, 280), 16, 64)
-    q = jnp.asarray(rng.normal(size=(2, 280, 4, 64)), jnp.bfloat16)
-    starts = jnp.asarray([[0, 150, 280], [0, 0, 280]], jnp.int32)   # two chunks; one fresh prompt
+    lens = jnp.asarray([300], jnp.int32)
+    tables = random_tables(rng, (300,), 16, 64)
+    q = jnp.asarray(rng.normal(size=(2, 300, 4, 64)), jnp.bfloat16)
+    starts = jnp.asarray([[0, 150], [0, 300]], jnp.int32)   # a chunk after 150 cached tokens; a whole prompt
     with tq.use_backend("auto"):
         call = jax.jit(lambda q, s: tq.paged_prefill(q, cache, tables, lens, s))
         both = np.asarray(jax.vmap(call)(q, starts), np.float32)
@@ -264,28 +266,3 @@ def test_gpu_dense_prefill_with_sinks_matches_the_float64_reference(rng):
                                             scale=1 / np.sqrt(128))[0]
         want = np.asarray(out_rot, np.float64) @ to_f64(cache.v_codec.rotation)
     assert rel_err(got, want) < 1e-2
-
-
-@pytest.mark.gpu
-def test_gpu_dense_prefill_of_several_sequences_matches_the_float64_oracle(rng):
-    """Several sequences as segments of cuDNN's packed layout: a fresh prompt, a chunk after cached
-    tokens with a page id outside the pool in its prefix, an idle sequence, rows before a sequence's
-    start; then two query sets with their own query_start_loc under vmap."""
-    from test_prefill import prefill_f64
-    seq_lens = np.asarray([700, 1500, 0, 300], np.int32)
-    cache = random_cache(rng, num_pages=200, page_size=16, num_kv_heads=2, head_dim=128, k_bits=4, v_bits=4,
-                         seed=int(rng.integers(1 << 16)))
-    tables = np.array(random_tables(rng, seq_lens, 16, 200))
-    tables[1, 10] = 1000
-    starts = np.concatenate([[0], np.cumsum([700, 400, 0, 420])]).astype(np.int32)
-    other = np.concatenate([[0], np.cumsum([500, 400, 0, 620])]).astype(np.int32)
-    q = jnp.asarray(rng.normal(size=(2, int(starts[-1]), 8, 128)), jnp.bfloat16)
-    args = (cache, jnp.asarray(tables), jnp.asarray(seq_lens))
-    call = jax.jit(lambda q, starts: tq.paged_prefill(q, *args, starts))
-    hlo = call.lower(q[0], jnp.asarray(starts)).as_text()
-    assert "cudnn" in hlo and "jax_tq_paged_prefill" not in hlo   # the dense path, not the kernel
-    got = np.asarray(call(q[0], jnp.asarray(starts)), np.float32)
-    assert rel_err(got, prefill_f64(q[0].astype(jnp.float32), cache, tables, seq_lens, starts)) < 1e-2
-    both = np.asarray(jax.jit(jax.vmap(call))(q, jnp.asarray(np.stack([starts, other]))), np.float32)
-    for i, s in enumerate((starts, other)):
-        assert rel_err(both[i], prefill_f64(q[i].astype(jnp.float32), cache, tables, seq_lens, s)) < 1e-2
