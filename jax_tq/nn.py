@@ -175,8 +175,9 @@ def paged_attention(q, k, v, cache: PagedKVCache, slot_mapping, block_tables, se
 
 
 def __getattr__(name):
-    """``PagedAttention`` (:mod:`jax_tq.nn_paged`), imported on first use: flax is imported only then."""
-    if name == "PagedAttention":
-        from jax_tq.nn_paged import PagedAttention
-        return PagedAttention
+    """``PagedAttention`` and ``linen_paged_attention`` (:mod:`jax_tq.nn_paged`), imported on first
+    use: flax is imported only then."""
+    if name in ("PagedAttention", "linen_paged_attention"):
+        from jax_tq import nn_paged
+        return getattr(nn_paged, name)
     raise AttributeError(f"module 'jax_tq.nn' has no attribute {name!r}")

@@ -26,7 +26,7 @@ from jax_tq.paged_decode import paged_decode
 from jax_tq.ragged import causal_self_attention, prompt_attention
 from jax_tq.variants import check_variants
 
-__all__ = ["PagedAttention"]
+__all__ = ["PagedAttention", "linen_paged_attention"]
 
 _PRESETS = ("k4v4", "k3v3", "k2v2", "none")
 
@@ -322,6 +322,50 @@ class PagedAttention(nnx.Module):
         if _is_concrete(lengths) and (np.any(np.asarray(arr) < 0) or np.any(np.asarray(arr) > length)):
             raise ValueError(f"{where}: lengths must lie in [0, L={length}], got {np.asarray(arr).tolist()}")
         return arr.astype(jnp.int32)
+
+
+class _PagedAttentionWithCache(PagedAttention):
+    """PagedAttention that creates its cache when constructed (a linen module rebuilds its nnx
+    module at every ``apply``; the cache's shapes must then exist before the variables are loaded)."""
+
+    def __init__(self, *args, batch_size: int, max_length: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.init_cache(batch_size, max_length)
+
+
+def linen_paged_attention(num_heads: int, in_features: int, *, batch_size: int, max_length: int, **kwargs):
+    """:class:`PagedAttention` as a ``flax.linen`` module, its cache in the ``"cache"`` collection
+    (as linen's ``MultiHeadDotProductAttention`` keeps its decode cache), through
+    ``flax.nnx.bridge.ToLinen``.
+
+    Usage::
+
+        attn = jax_tq.nn.linen_paged_attention(8, 512, num_kv_heads=2, batch_size=4, max_length=2048)
+        variables = attn.init(key, prompt, decode=False)          # params and a cache
+        out, mutated = attn.apply(variables, prompt, decode=False, lengths=lens, mutable=["cache"])
+        variables = {**variables, **mutated}
+        step = jax.jit(lambda params, cache, x: attn.apply({"params": params, "cache": cache}, x,
+                                                           decode=True, mutable=["cache"]), donate_argnums=1)
+        out, mutated = step(variables["params"], variables["cache"], token)   # the cache updated in place
+
+    Args:
+      num_heads, in_features, kwargs: as :class:`PagedAttention` (``rngs`` comes from linen's
+        ``init`` / ``apply`` rngs).
+      batch_size, max_length: the cache's rows and tokens per row (:meth:`PagedAttention.init_cache`),
+        fixed for the module.
+    Returns:
+      A ``flax.nnx.bridge.ToLinen`` module whose ``__call__`` takes ``PagedAttention.__call__``'s
+      arguments (``inputs_q``, ``decode=``, ``lengths=``). Variables: ``"params"`` (the projections,
+      named as :class:`PagedAttention`'s) and ``"cache"`` (``cache``: the
+      :class:`jax_tq.PagedKVCache`; ``block_tables``; ``lengths``); ``init`` runs the call it is
+      given, so its cache holds that call's tokens.
+    Raises:
+      As :class:`PagedAttention` and :meth:`PagedAttention.init_cache`, when the module is first
+      initialised.
+    """
+    from flax.nnx import bridge
+    return bridge.ToLinen(_PagedAttentionWithCache, args=(num_heads, in_features),
+                          kwargs=dict(kwargs, batch_size=batch_size, max_length=max_length))
 
 
 def _full_message(lens, max_length):

@@ -287,3 +287,40 @@ def test_example_converts_a_decoder_with_identical_uncompressed_tokens():
     assert res["plain"].shape == (2, 3) and np.all((0 <= res["plain"]) & (res["plain"] < 32))
     np.testing.assert_array_equal(res["none"], res["plain"])
     assert res["k4v4"].shape == (2, 3) and 0.0 <= res["k4v4_agreement"] <= 1.0
+
+
+def test_linen_wrapper_prefills_and_decodes_as_float64_attention(rng):
+    """jax_tq.nn.linen_paged_attention: linen init / apply with the cache in the "cache" collection
+    (prefill of padded prompts, then decode steps jitted with the cache donated) against the
+    float64 oracle through the module's own parameters."""
+    import types
+
+    from jax_tq.nn import linen_paged_attention
+    batch, length, steps_n, features = 2, 6, 3, 64
+    attn = linen_paged_attention(4, features, qkv_features=64, num_kv_heads=2, preset="none", page_size=4,
+                                 batch_size=batch, max_length=length + steps_n)
+    prompt = jnp.asarray(rng.normal(size=(batch, length, features)), jnp.float32)
+    steps = jnp.asarray(rng.normal(size=(batch, steps_n, features)), jnp.float32)
+    lens = jnp.asarray([6, 4], jnp.int32)
+    variables = attn.init(jax.random.key(int(rng.integers(1 << 30))), prompt, decode=False)
+    params = jax.tree.map(lambda a: jnp.asarray(rng.normal(size=a.shape) * 0.3, a.dtype) if a.ndim == 1 else a,
+                          variables["params"])   # non-zero biases, so the oracle sees them
+    variables = {**variables, "params": params}
+    out, mutated = attn.apply(variables, prompt, decode=False, lengths=lens, mutable=["cache"])
+    variables = {**variables, **mutated}
+    step = jax.jit(lambda params, cache, x: attn.apply({"params": params, "cache": cache}, x, decode=True,
+                                                       mutable=["cache"]), donate_argnums=1)
+    outs = [np.asarray(out)]
+    for i in range(steps_n):
+        y, mutated = step(params, variables["cache"], steps[:, i:i + 1])
+        variables = {"params": params, **mutated}
+        outs.append(np.asarray(y))
+    lin = {name: types.SimpleNamespace(kernel=np.asarray(params[name]["kernel"]), bias=np.asarray(params[name]["bias"]))
+           for name in ("query", "key", "value", "out")}
+    module = types.SimpleNamespace(**lin, soft_cap=None, sliding_window=None, sinks=None)
+    for b, n in enumerate(np.asarray(lens)):
+        want = attention_oracle(module, np.concatenate([np.asarray(prompt)[b, :n], np.asarray(steps)[b]]))
+        np.testing.assert_allclose(outs[0][b, :n], want[:n], rtol=2e-5, atol=2e-5)
+        for i in range(steps_n):
+            np.testing.assert_allclose(outs[1 + i][b, 0], want[n + i], rtol=2e-5, atol=2e-5)
+    np.testing.assert_array_equal(np.asarray(variables["cache"]["lengths"]), np.asarray(lens) + steps_n)
