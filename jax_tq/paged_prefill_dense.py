@@ -126,11 +126,12 @@ def dense_prefill_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids
     out_own, lse_own = attend(queries[None], keys[:, own], values[:, own], seen, seen, scale=scale, causal=True)
     # Per KV head. Zero keys (slots the kernel skips: an invalid page or window id, a non-finite K
     # norm) each add 1 to the softmax sums: the prefix's to all rows, the chunk's causally. A
-    # non-finite V norm makes NaN the rows that see its token (zeroed in the span, so that no 0 x NaN
-    # reaches the others).
+    # non-finite V norm (of a key not skipped) makes NaN the rows that see its token, all of their
+    # coordinates (the kernel's: those the infinity reaches), zeroed in the span so that no 0 x NaN
+    # reaches the others.
     before_len = jnp.arange(capacity) < rows.length
     missing = (before_len[:, None] & ~(valid[0][:, None] & k_finite[0])).astype(jnp.int32)   # [cap, Hkv]
-    poisoned = (valid[0][:, None] & ~v_finite[0]).astype(jnp.int32)
+    poisoned = (valid[0][:, None] & k_finite[0] & ~v_finite[0]).astype(jnp.int32)   # a skipped key poisons nothing
     skipped_prefix, skipped_own = (_per_head(x, group) for x in _prefix_and_own(missing, rows.prefix, own, sees))
     nan_prefix, nan_own = (_per_head(x, group) for x in _prefix_and_own(poisoned, rows.prefix, own, sees))
     # Rounded to ``dtype`` here: the output rotation rounds its operand to it anyway (half the traffic

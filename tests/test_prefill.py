@@ -332,10 +332,10 @@ def test_gpu_tensor_core_prefill_matches_oracle(rng, head_dim, k_bits, v_bits, p
 def test_gpu_tensor_core_prefill_long_chunk_huge_and_tiny_queries(rng):
     """A 1024-row chunk after 1024 cached tokens (pages in random order), rows scaled by 1e-6 .. 1e4
     (the per-row power-of-two scaling keeps them inside float16), against the float64 oracle: each
-    sampled row within 3e-3, or within the largest error that rounding the sampled rows' q to
-    bfloat16 alone makes (the documented contract: the float16 products err less than a bfloat16
-    query's own rounding; rows scaled by ~10-1e4 have peaked softmaxes that amplify any logit's
-    rounding). A row overflowing or flushing to zero in float16 errs by ~1."""
+    sampled row within 3e-3, or within 1.5x the error that rounding that row's q to bfloat16 alone
+    makes (the documented contract: the float16 products err less than a bfloat16 query's own
+    rounding; rows scaled by ~10-1e4 have peaked softmaxes that amplify any logit's rounding). A row
+    overflowing or flushing to zero in float16 errs by ~1."""
     q, cache, tables, lens, starts = _case(rng, head_dim=128, page_size=16, group=4, num_kv_heads=2,
                                            seq_lens=(2048,), q_lens=(1024,), num_pages=160)
     scales = jnp.asarray(10.0 ** rng.uniform(-6, 4, size=(q.shape[0], q.shape[1], 1)), jnp.float32)
@@ -346,7 +346,7 @@ def test_gpu_tensor_core_prefill_long_chunk_huge_and_tiny_queries(rng):
     rows = range(0, q.shape[0], 97)
     per_row = [rel_err(np.asarray(got)[i], want[i]) for i in rows]
     bf16_rounding = [rel_err(want_bf16[i], want[i]) for i in rows]
-    assert max(per_row) < max(3e-3, max(bf16_rounding)), (per_row, bf16_rounding)
+    assert all(e < max(3e-3, 1.5 * b) for e, b in zip(per_row, bf16_rounding)), (per_row, bf16_rounding)
 
 
 @pytest.mark.gpu

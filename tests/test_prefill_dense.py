@@ -182,27 +182,33 @@ def test_dense_path_under_vmap_with_batched_query_start_loc(monkeypatch, rng):
     tables = random_tables(rng, (300,), 16, 64)
     q = jnp.asarray(rng.normal(size=(2, 300, 4, 64)), jnp.bfloat16)
     starts = jnp.asarray([[0, 150], [0, 300]], jnp.int32)   # a chunk after 150 cached tokens; a whole prompt
+    from test_prefill import prefill_f64
     with tq.use_backend("auto"):
         call = jax.jit(lambda q, s: tq.paged_prefill(q, cache, tables, lens, s))
+        assert "jax_tq_paged_prefill" not in call.lower(q[0], starts[0]).as_text()   # the dense path
         both = np.asarray(jax.vmap(call)(q, starts), np.float32)
         for i in range(2):
             assert rel_err(both[i], np.asarray(call(q[i], starts[i]), np.float32)) < 1e-6
+            assert rel_err(both[i], prefill_f64(q[i].astype(jnp.float32), cache, tables, lens, starts[i])) < 1e-2
 
 
 def test_dense_path_treats_non_finite_norms_as_the_kernel_does(rng):
-    """A NaN K norm is a skipped token (weight 0) and a NaN V norm makes NaN the rows of its KV head
-    that see it (docs/USAGE.md), as the CPU kernel does: in the prefix (every row sees it) and in the
-    chunk (rows at or after it)."""
+    """A NaN K norm is a skipped token (weight 0, its V norm too: a NaN token's) and a NaN V norm makes
+    NaN the rows of its KV head that see it (docs/USAGE.md), as the CPU kernel does: in the prefix
+    (every row sees it) and in the chunk (rows at or after it)."""
     cache = random_cache(rng, num_pages=16, page_size=16, num_kv_heads=2, head_dim=64, k_bits=4, v_bits=4,
                          seed=int(rng.integers(1 << 16)))
     tables = jnp.arange(8, dtype=jnp.int32)[None, :]
     q_rot = jnp.asarray(rng.normal(size=(40, 4, 64)), jnp.float32)
     lens, starts = jnp.asarray([100], jnp.int32), jnp.asarray([0, 40], jnp.int32)
-    for name, page, slot, head in (("k_norms", 1, 4, 0), ("k_norms", 5, 10, 1), ("v_norms", 5, 10, 1),
-                                   ("v_norms", 0, 3, 0)):
-        norms = np.array(getattr(cache, name))
-        norms[page, head, slot] = np.nan
-        bad = dataclasses.replace(cache, **{name: jnp.asarray(norms)})
+    for names, page, slot, head in ((("k_norms",), 1, 4, 0), (("k_norms",), 5, 10, 1), (("v_norms",), 5, 10, 1),
+                                    (("v_norms",), 0, 3, 0), (("k_norms", "v_norms"), 2, 7, 1)):
+        changed = {}
+        for name in names:   # both: what write_cache stores for a NaN token (a skipped key, no NaN)
+            norms = np.array(getattr(cache, name))
+            norms[page, head, slot] = np.nan
+            changed[name] = jnp.asarray(norms)
+        bad = dataclasses.replace(cache, **changed)
         ops = (q_rot, bad.k_codes, bad.k_norms, bad.v_codes, bad.v_norms, bad.k_codec.centroids,
                bad.v_codec.centroids, tables, lens, *window_operands(bad, None, lens, "paged_prefill"), starts)
         with tq.use_backend("ffi"):
@@ -212,7 +218,7 @@ def test_dense_path_treats_non_finite_norms_as_the_kernel_does(rng):
                                                                      attend=exact_attend,
                                                                      dtype=jnp.float32))
         nan = np.isnan(kernel)
-        assert np.array_equal(np.isnan(dense), nan) and (nan.any() == (name == "v_norms"))
+        assert np.array_equal(np.isnan(dense), nan) and (nan.any() == (names == ("v_norms",)))
         assert rel_err(np.where(nan, 0, dense), np.where(nan, 0, kernel)) < 1e-5
 
 
