@@ -145,32 +145,77 @@ def _cudnn_module():
 
 @functools.cache
 def has_cudnn_attention() -> bool:
-    """Whether :func:`cudnn_attention_with_lse` can be traced: JAX has its cuDNN attention module
-    and a CUDA backend (tracing it checks the cuDNN version of the CUDA runtime; a ROCm GPU has none).
-    Asked once per process (it lists devices)."""
+    """Whether :func:`cudnn_attention_with_lse` can be traced: JAX has its cuDNN attention module, a
+    CUDA backend (tracing it checks the cuDNN version of the CUDA runtime; a ROCm GPU has none) of
+    compute capability 9.0 or later (JAX's cuDNN call serves the packed layout from Hopper on). Asked
+    once per process (it lists devices)."""
     cudnn = _cudnn_module()
     try:
         if cudnn is None or not jax.devices("cuda"):
             return False
         cudnn.check_cudnn_version()
+        return bool(cudnn.check_compute_capability("9.0"))
     except (RuntimeError, AttributeError):
         return False
-    return True
 
 
-def cudnn_attention_with_lse(q, k, v, q_lens, kv_lens, *, scale: float, causal: bool):
-    """cuDNN flash attention with its float32 softmax statistics (``jax.nn.dot_product_attention``
-    with ``return_residual`` rounds them to the inputs' dtype, too coarse to merge two attentions).
+@functools.cache
+def packed_kv_offsets_follow_key_heads() -> bool:
+    """Whether JAX's cuDNN call turns packed kv offsets (tokens) into elements with the key's heads
+    (jax-ml/jax#39521, after jax 0.11.0); before it, with the query's, wrong for GQA. Asked of JAX's
+    own conversion on a 2-query-head / 1-key-head shape; False where that cannot be asked."""
+    cudnn = _cudnn_module()
+    jnp = jax.numpy
+    try:
+        with jax.default_device(jax.devices("cpu")[0]):
+            offsets, lens = jnp.asarray([[0, 1, -1]], jnp.int32), jnp.asarray([[1, 1]], jnp.int32)
+            kv_offsets = cudnn._fix_seqlen_offsets(lens, lens, offsets, offsets, jnp.zeros((1, 2, 2, 1)),
+                                                   jnp.zeros((1, 2, 1, 1)))[3]
+        return int(kv_offsets[0, 1]) == 1
+    except Exception:  # pragma: no cover - another JAX: the repeat below is right under either rule
+        return False
+
+
+def packed_keys(q, k, v):
+    """k, v as cuDNN's packed call through JAX reads them correctly: unchanged where JAX scales kv
+    offsets by the key's heads, else each KV head repeated for its query heads (MHA, where both rules
+    agree)."""
+    group = q.shape[2] // k.shape[2]
+    if group == 1 or packed_kv_offsets_follow_key_heads():
+        return k, v
+    return jax.numpy.repeat(k, group, axis=2), jax.numpy.repeat(v, group, axis=2)
+
+
+def cudnn_attention_with_lse(q, k, v, q_lens, kv_lens, *, scale: float, causal: bool, q_offsets, kv_offsets):
+    """cuDNN flash attention of disjoint segments (cuDNN's packed layout) with its float32 softmax
+    statistics (``jax.nn.dot_product_attention`` with ``return_residual`` rounds them to the inputs'
+    dtype, too coarse to merge two attentions).
 
     Args:
-      q: [B, T, N, H] bfloat16 / float16.  k, v: [B, S, K, H] (N a multiple of K).
-      q_lens, kv_lens: int32 [B], the valid rows / keys of each batch element (a padding mask).
-      scale: the logits' factor (static).  causal: top-left causal mask (query i sees keys <= i).
+      q: [1, T, N, H] bfloat16 / float16.  k, v: [1, S, K, H] (N a multiple of K).
+      q_lens, kv_lens: int32 [1, M] (M >= 2): each segment's rows / keys (-1: no segment).
+      scale: the logits' factor (static).  causal: top-left causal mask (row i of a segment sees its
+        keys j <= i, both counted from the segment's start).
+      q_offsets, kv_offsets: int32 [1, M + 1]: the first row / key of each segment (-1: none; the
+        last entry -1). Segment m's rows see segment m's keys only.
     Returns:
-      (out [B, T, N, H] of q's dtype, lse float32 [B, T, N]: log sum exp of the scaled logits).
+      (out [1, T, N, H] of q's dtype, lse float32 [1, T, N]: log sum exp of the scaled logits), rows
+      in no segment unspecified.
     """
     cudnn = _cudnn_module()
+    jnp = jax.numpy
     mask = cudnn.MaskType.PADDING_CAUSAL if causal else cudnn.MaskType.PADDING
-    out, stats = cudnn.dot_product_attention(q, k, v, q_seqlen=q_lens, kv_seqlen=kv_lens, scale=float(scale),
-                                             mask_type=mask, qkv_layout="BTNH", return_residual=True)
-    return out, jax.numpy.transpose(stats, (0, 2, 1))
+    k, v = packed_keys(q, k, v)
+    out, stats = cudnn.dot_product_attention(q, k, v, q_seqlen=q_lens, kv_seqlen=kv_lens, q_offsets=q_offsets,
+                                             kv_offsets=kv_offsets, scale=float(scale), mask_type=mask,
+                                             qkv_layout="BTNH", return_residual=True)
+    # stats [M, N, T]: row i of the r-th segment present (JAX drops the -1 entries) at [r, :, i].
+    starts, lens = q_offsets[0, :-1], q_lens[0]
+    present = (starts >= 0) & (lens >= 0)
+    rank = jnp.cumsum(present) - 1
+    rows = jnp.arange(q.shape[1])[:, None]
+    inside = present[None, :] & (rows >= starts[None, :]) & (rows < (starts + lens)[None, :])   # [T, M]
+    segment = jnp.argmax(inside, axis=1)
+    index = jnp.clip(rows[:, 0] - starts[segment], 0, q.shape[1] - 1)
+    lse = stats[jnp.clip(rank[segment], 0, stats.shape[0] - 1), :, index]                     # [T, N]
+    return out, jnp.where(jnp.any(inside, axis=1)[:, None], lse, 0.0)[None]

@@ -62,15 +62,16 @@ def paged_prefill(q, cache, block_tables, seq_lens, query_start_loc, *, window_i
         weights and the centroids to float16 in tensor-core products with float32 accumulation
         (head_dim 64 and 128; a relative error of ~2^-11 per term, below a bfloat16 query's own
         rounding). Default: ``HIGHEST`` for float32 queries, ``DEFAULT`` for bfloat16 / float16 ones.
-        No effect on the CPU (float64) or the reference. On CUDA, one sequence (num_seqs == 1) of
-        bfloat16 queries under ``DEFAULT`` / ``HIGH`` with at least DENSE_MIN_ROWS (128) rows,
-        head_dim 64 / 128 and neither sliding_window nor soft_cap runs as cuDNN flash attention over
-        its tokens decoded once into bfloat16 (K, V, q and the rotations' operands rounded to
-        bfloat16, ~2^-9 per term, as attention over a bfloat16 cache; transient memory: the span,
-        2 x max_pages x page_size x num_kv_heads x head_dim x 2 bytes, at most 1 GiB, and ~4 float32
-        copies of the output). There, a block-table entry outside the pool or a window id of none
-        inside a sequence's length (``jax_tq.checked`` reports both) loses precision where every
-        logit its rows see is far below 0, instead of being skipped exactly.
+        No effect on the CPU (float64) or the reference. On CUDA (Hopper or later), bfloat16 queries
+        under ``DEFAULT`` / ``HIGH`` with at least DENSE_MIN_ROWS (128) rows per sequence
+        (num_tokens >= 128 x num_seqs), head_dim 64 / 128 and neither sliding_window nor soft_cap
+        run as cuDNN flash attention over the sequences' tokens decoded once into bfloat16 (each
+        sequence a segment of cuDNN's packed layout; K, V, q, the rotations' operands and results
+        rounded to bfloat16, ~2^-9 per term, as attention over a bfloat16 cache; transient memory:
+        the span, 2 x num_seqs x max_pages x page_size x num_kv_heads x head_dim x 2 bytes, at most
+        1 GiB, and ~4 bfloat16 copies of the output). There, a block-table entry outside the pool or
+        a window id of none inside a sequence's length (``jax_tq.checked`` reports both) loses
+        precision where every logit its rows see is far below 0, instead of being skipped exactly.
       sliding_window: None, or an int >= 1 (static): the row at position p sees only positions
         p - sliding_window + 1 .. p (the last sliding_window tokens, itself included; vLLM's /
         Mistral's convention; :mod:`jax_tq.variants`).
@@ -138,33 +139,33 @@ def paged_prefill(q, cache, block_tables, seq_lens, query_start_loc, *, window_i
 
 
 def _rotate(x, matrix, bf16: bool):
-    """float32 x [T, H, d] @ matrix [d, d]: float32-accurate, or (``bf16``: the dense path, whose
-    operands are bfloat16 anyway) bfloat16 operands with float32 accumulation."""
+    """x [T, H, d] @ matrix [d, d]: float32-accurate in float32, or (``bf16``: the dense path, whose
+    operands are bfloat16 anyway) bfloat16 in and out with float32 accumulation."""
     if bf16:
-        return jnp.einsum("thd,de->the", x.astype(jnp.bfloat16), matrix.astype(jnp.bfloat16),
-                          preferred_element_type=jnp.float32)
+        return jnp.einsum("thd,de->the", x.astype(jnp.bfloat16), matrix.astype(jnp.bfloat16))
     return jnp.einsum("thd,de->the", x.astype(jnp.float32), matrix, precision=_HIGHEST)
 
 
-#: Query rows from which a one-sequence prefill on CUDA runs as cuDNN flash attention over its decoded
+#: Query rows per sequence from which a prefill on CUDA runs as cuDNN flash attention over the decoded
 #: tokens (:mod:`jax_tq.paged_prefill_dense`) rather than the fused kernel, which decodes each K / V
 #: tile once per 16 query tokens (H200, 32 / 8 heads, d128, K4V4: 128 rows after 8064 cached tokens
 #: 168 us against the kernel's 371; 2048 after 6144: 629 against 1763).
 DENSE_MIN_ROWS = 128
-#: The most bytes of decoded bfloat16 K and V (2 x max_pages x page_size x Hkv x d x 2) the dense
-#: path may hold; past it, the kernel (which keeps memory O(rows)).
+#: The most bytes of decoded bfloat16 K and V (2 x num_seqs x max_pages x page_size x Hkv x d x 2) the
+#: dense path may hold; past it, the kernel (which keeps memory O(rows)).
 DENSE_MAX_SPAN_BYTES = 1 << 30
 
 
 def _dense_planned(q, cache, num_seqs: int, max_pages: int, f16_products: bool, backend: str, variant: bool) -> bool:
     """Whether the prefill runs as attention over the decoded span (on CUDA; the kernel elsewhere):
-    backend "auto", bfloat16 queries with float16-class products allowed (the span is bfloat16), one
-    sequence (several would need their queries laid out per sequence, at a size known only at run
-    time), at least DENSE_MIN_ROWS rows, a span of 1 .. DENSE_MAX_SPAN_BYTES, head_dim 64 / 128, no
-    sliding window or soft cap (``variant``; sinks are served), and JAX's cuDNN attention available."""
-    span_bytes = 2 * max_pages * cache.page_size * cache.num_kv_heads * cache.head_dim * 2
-    return (backend == "auto" and f16_products and jnp.dtype(q.dtype) == jnp.dtype(jnp.bfloat16) and num_seqs == 1
-            and q.shape[0] >= DENSE_MIN_ROWS and 0 < span_bytes <= DENSE_MAX_SPAN_BYTES
+    backend "auto", bfloat16 queries with float16-class products allowed (the span is bfloat16), at
+    least DENSE_MIN_ROWS rows per sequence on average (the span decodes every sequence's tokens, so
+    decode-like rows stay on the kernel), a span of 1 .. DENSE_MAX_SPAN_BYTES, head_dim 64 / 128, no
+    sliding window or soft cap (``variant``; sinks are served), and JAX's cuDNN attention with its
+    packed layout (Hopper or later)."""
+    span_bytes = 2 * num_seqs * max_pages * cache.page_size * cache.num_kv_heads * cache.head_dim * 2
+    return (backend == "auto" and f16_products and jnp.dtype(q.dtype) == jnp.dtype(jnp.bfloat16) and num_seqs >= 1
+            and q.shape[0] >= DENSE_MIN_ROWS * num_seqs and 0 < span_bytes <= DENSE_MAX_SPAN_BYTES
             and cache.head_dim in (64, 128) and not variant and _compat.has_cudnn_attention())
 
 
@@ -222,7 +223,10 @@ def _prefill(q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, 
         return paged_prefill_dense.dense_prefill_rotated(*operands, k_bits=k_bits, v_bits=v_bits, scale=scale,
                                                          sinks=sinks if sinks.size else None)
 
-    return jax.lax.platform_dependent(*operands, cuda=over_span, default=kernel)
+    def kernel_bf16(*operands):  # the output rotation's bfloat16 operand either way
+        return kernel(*operands).astype(jnp.bfloat16)
+
+    return jax.lax.platform_dependent(*operands, cuda=over_span, default=kernel_bf16)
 
 
 def _prefill_fwd(*args):
@@ -243,7 +247,7 @@ def _prefill_bwd(k_bits, v_bits, scale, f16_products, backend, sliding_window, s
                           sliding_window=sliding_window, soft_cap=soft_cap)[0]
 
     _, vjp = jax.vjp(attend, q_rot, k_norms, v_norms, sinks)
-    dq, dk_norms, dv_norms, dsinks = vjp(cotangent)
+    dq, dk_norms, dv_norms, dsinks = vjp(cotangent.astype(jnp.float32))   # bfloat16 from the dense path
     return (dq, None, dk_norms, None, dv_norms) + (None,) * (_NUM_OPERANDS - 6) + (dsinks,)
 
 

@@ -1,12 +1,12 @@
-"""Paged prefill of one sequence's many query rows as flash attention over its decoded tokens.
+"""Paged prefill of many query rows as flash attention over the sequences' decoded tokens.
 
-The compressed tokens a chunk attends to are decoded once (norm * centroid, in K's / V's rotated
-space, the window's bfloat16 rows on its last tokens) into a bfloat16 [1, max_tokens, Hkv, d] span;
-tensor-core flash attention (cuDNN on the GPU) then serves every query row and head from it. A
-chunk after cached tokens is two attentions merged by their log-sum-exp
-(FlashAttention's split-KV merge, arXiv 2307.08691 section 3.1.1): the rows over the cached prefix
-(no mask) and over the chunk's own tokens (causal, square, so the diagonal's alignment does not
-matter).
+The compressed tokens the rows attend to are decoded once (norm * centroid, in K's / V's rotated
+space, the window's bfloat16 rows on its last tokens) into a bfloat16 [S, max_tokens, Hkv, d] span;
+tensor-core flash attention (cuDNN on the GPU) then serves every query row and head from it, each
+sequence a segment of cuDNN's packed layout over the rows where they already sit (no row moves). A
+chunk after cached tokens is two attentions merged by their log-sum-exp (FlashAttention's split-KV
+merge, arXiv 2307.08691 section 3.1.1): the rows over the cached prefix (no mask) and over the
+chunk's own tokens (causal, square, so the diagonal's alignment does not matter).
 
 Key slots the kernel would skip (a block-table entry outside the pool, a window id of none, a
 non-finite K norm) enter as zero keys and values: each adds exactly exp(0) = 1 to its rows' softmax
@@ -19,6 +19,7 @@ functions here take the primitive's operands.
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -76,129 +77,197 @@ def span_tokens(codes, norms, centroids, bits: int, block_tables, seq_lens, wind
 def dense_prefill_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids, block_tables,
                           seq_lens, k_window, v_window, window_ids, query_start_loc, *, k_bits: int, v_bits: int,
                           scale: float, sinks=None, attend=None, dtype=jnp.bfloat16):
-    """The paged prefill primitive's forward semantics (``paged_prefill._reference``) for one
-    sequence by attention over its decoded span: out_rot [T, H, d], float32 (float64 for float64
-    operands).
+    """The paged prefill primitive's forward semantics (``paged_prefill._reference``) by attention
+    over the decoded span: out_rot [T, H, d] of ``dtype``.
 
     Args:
-      q_rot ... query_start_loc: the primitive's operands (sinks below; no sliding window or soft
-        cap), with one sequence (block_tables [1, max_pages]).
+      q_rot ... query_start_loc: the primitive's operands (sinks below; no sliding window or soft cap).
       k_bits, v_bits, scale: its parameters.
       sinks: None, or float [H]: a per-head logit joining every row's softmax denominator only
         (attention sinks, as the reference's ``sinks``): one more term of the merge.
-      attend: ``(q, k, v, q_lens, kv_lens, *, scale, causal) -> (out, lse)`` as
-        :func:`jax_tq._compat.cudnn_attention_with_lse` (the default); the CPU tests pass XLA's
-        exact attention (``tests/oracle.py``).
-      dtype: the dtype of the queries and decoded tokens handed to ``attend``.
-    Memory: the span (2 x max_pages x page_size x Hkv x d of ``dtype``), the rows that see tokens
-    and their own K / V (T x (H + 2 Hkv) x d of ``dtype``), two attention outputs and the float32
-    merge (~4 x T x H x d x 4 bytes).
-    Raises:
-      ValueError: several sequences (cuDNN's packed layout, which would serve them in one call, gave
-        wrong rows past the first segment with GQA on the H200, jax 0.11.2).
+      attend: ``(q, k, v, q_lens, kv_lens, *, scale, causal, q_offsets, kv_offsets) -> (out, lse)``
+        over segments, as :func:`jax_tq._compat.cudnn_attention_with_lse` (the default); the CPU
+        tests pass XLA's exact attention (``tests/oracle.py``).
+      dtype: the dtype of the queries and decoded tokens handed to ``attend``, and of the result.
+    Memory: the span (2 x S x max_pages x page_size x Hkv x d of ``dtype``), each row's own K / V
+    (2 x T x Hkv x d), two attention outputs (T x H x d of ``dtype`` each). A decreasing
+    query_start_loc (``jax_tq.checked`` reports it) is read as its running maximum.
     """
-    if block_tables.shape[0] != 1:
-        raise ValueError(f"dense_prefill_rotated: one sequence, got block_tables {block_tables.shape}")
     attend = _compat.cudnn_attention_with_lse if attend is None else attend
     num_rows = q_rot.shape[0]
-    capacity = block_tables.shape[1] * k_codes.shape[2]
+    num_seqs, max_pages = block_tables.shape
+    capacity = max_pages * k_codes.shape[2]
     keys, valid, k_finite = span_tokens(k_codes, k_norms, k_centroids, k_bits, block_tables, seq_lens, k_window,
                                         window_ids, dtype)
     values, _, v_finite = span_tokens(v_codes, v_norms, v_centroids, v_bits, block_tables, seq_lens, v_window,
                                       window_ids, dtype)
     group = q_rot.shape[1] // keys.shape[2]
     values = jnp.where(k_finite[..., None], values, 0)   # a skipped key's value adds nothing either
-    rows = _rows(query_start_loc, seq_lens, num_rows, capacity)
-    index = jnp.arange(num_rows, dtype=jnp.int32)        # row i of those that see tokens, position prefix + i
-    sees = index < rows.seen
-    queries = jnp.where(sees[:, None, None], q_rot[jnp.clip(rows.first + index, 0, num_rows - 1)], 0).astype(dtype)
-    own = jnp.clip(rows.prefix + index, 0, jnp.maximum(rows.length - 1, 0))
-    seen, prefix = rows.seen[None], rows.prefix[None]
-
-    def prefix_attention(operands):
-        return attend(*operands, seen, prefix, scale=scale, causal=False)
-
-    def no_prefix(operands):  # a fresh prompt: part a is empty
-        return tuple(jnp.zeros(a.shape, a.dtype) for a in jax.eval_shape(prefix_attention, operands))
-
-    out_prefix, lse_prefix = jax.lax.cond(rows.prefix > 0, prefix_attention, no_prefix,
-                                          (queries[None], keys, values))
-    out_own, lse_own = attend(queries[None], keys[:, own], values[:, own], seen, seen, scale=scale, causal=True)
+    seg = _segments(query_start_loc, seq_lens, num_rows, capacity)
+    row = _row_places(seg, num_rows)
+    queries = q_rot.astype(dtype)
+    active = seg.seen > 0
+    own_call = _packed_call(attend, scale, seg.first, seg.seen, seg.first, seg.seen, active)
+    out_own, lse_own = own_call(queries, keys[row.seq, row.own], values[row.seq, row.own], causal=True)
+    prefix_call = _packed_call(attend, scale, seg.first, seg.seen, jnp.arange(num_seqs, dtype=jnp.int32) * capacity,
+                               seg.prefix, active & (seg.prefix > 0))
     # Per KV head. Zero keys (slots the kernel skips: an invalid page or window id, a non-finite K
-    # norm) each add 1 to the softmax sums: the prefix's to all rows, the chunk's causally. A
+    # norm) each add 1 to the softmax sums: the prefix's to all its rows, the chunk's causally. A
     # non-finite V norm (of a key not skipped) makes NaN the rows that see its token, all of their
     # coordinates (the kernel's: those the infinity reaches), zeroed in the span so that no 0 x NaN
     # reaches the others.
-    before_len = jnp.arange(capacity) < rows.length
-    missing = (before_len[:, None] & ~(valid[0][:, None] & k_finite[0])).astype(jnp.int32)   # [cap, Hkv]
-    poisoned = (valid[0][:, None] & k_finite[0] & ~v_finite[0]).astype(jnp.int32)   # a skipped key poisons nothing
-    skipped_prefix, skipped_own = (_per_head(x, group) for x in _prefix_and_own(missing, rows.prefix, own, sees))
-    nan_prefix, nan_own = (_per_head(x, group) for x in _prefix_and_own(poisoned, rows.prefix, own, sees))
-    # Rounded to ``dtype`` here: the output rotation rounds its operand to it anyway (half the traffic
-    # of the row gather below in bfloat16; the float32 result is the primitive's contract).
-    merged = _merge(out_prefix[0], lse_prefix[0], rows.prefix > 0, skipped_prefix, out_own[0], lse_own[0],
-                    skipped_own, sinks)
-    merged = jnp.where(((nan_prefix > 0) | (nan_own > 0))[..., None], jnp.nan, merged).astype(dtype)
-    _, _, owned = reference.prefill_row_lens(query_start_loc, seq_lens, num_rows, capacity)
-    at = index - rows.first
-    inside = owned & (at >= 0) & (at < rows.seen)
-    out_rot = jnp.where(inside[:, None, None], merged[jnp.clip(at, 0, num_rows - 1)], 0.0)
-    finite = jnp.all(jnp.isfinite(q_rot), axis=-1)
-    out_rot = jnp.where((~finite & owned[:, None])[..., None], jnp.nan, out_rot)
-    return out_rot.astype(jnp.promote_types(q_rot.dtype, jnp.float32))
+    before_len = jnp.arange(capacity)[None, :] < seg.lengths[:, None]
+    missing = (before_len[..., None] & ~(valid[..., None] & k_finite)).astype(jnp.int32)   # [S, cap, Hkv]
+    poisoned = (valid[..., None] & k_finite & ~v_finite).astype(jnp.int32)   # a skipped key poisons nothing
+    skipped_prefix, skipped_own = (_per_head(x, group) for x in _prefix_and_own(missing, seg, row))
+    nan_prefix, nan_own = (_per_head(x, group) for x in _prefix_and_own(poisoned, seg, row))
+    owned = reference.prefill_row_lens(query_start_loc, seq_lens, num_rows, capacity)[2]
+    nan_rows = ~jnp.all(jnp.isfinite(q_rot), axis=-1) & owned[:, None]                         # [T, H]
+
+    def result(part_a):   # merged, rows that see no token 0, rows of a non-finite query NaN
+        merged = _merge(part_a, out_own, lse_own, skipped_own, sinks)
+        merged = jnp.where(((nan_prefix > 0) | (nan_own > 0))[..., None], jnp.nan, merged)
+        out_rot = jnp.where(row.inside[:, None, None], merged, 0.0)
+        return jnp.where(nan_rows[..., None], jnp.nan, out_rot).astype(dtype)
+
+    def with_prefix(operands):
+        out_prefix, lse_prefix = prefix_call(*operands, causal=False)
+        return result((out_prefix, lse_prefix, row.inside & (seg.prefix[row.seq] > 0), skipped_prefix))
+
+    def fresh(operands):  # no sequence has cached tokens: no prefix attention, nothing to merge it with
+        return result(None)
+
+    flat = (num_seqs * capacity,) + keys.shape[2:]
+    return jax.lax.cond(jnp.any(active & (seg.prefix > 0)), with_prefix, fresh,
+                        (queries, keys.reshape(flat), values.reshape(flat)))
 
 
-class _Rows(NamedTuple):
-    """The sequence's (int32 scalars): its first row that sees tokens (rows placed before its first
-    token get 0), how many rows see tokens, its tokens before the chunk, its clamped length."""
+class _Segments(NamedTuple):
+    """Per sequence (int32 [S]): its first row that sees tokens (rows placed before its first token
+    get 0), how many rows see tokens, its tokens before the chunk, its clamped length."""
     first: jax.Array
     seen: jax.Array
     prefix: jax.Array
-    length: jax.Array
+    lengths: jax.Array
 
 
-def _rows(query_start_loc, seq_lens, num_rows: int, capacity: int) -> _Rows:
-    begin = jnp.clip(query_start_loc[0], 0, num_rows)
-    end = jnp.clip(query_start_loc[1], begin, num_rows)
-    length = jnp.clip(seq_lens[0], 0, min(capacity, tq_format.INDEX_MAX))
-    before = jnp.maximum(end - begin - length, 0)
+def _segments(query_start_loc, seq_lens, num_rows: int, capacity: int) -> _Segments:
+    begin = jax.lax.cummax(jnp.clip(query_start_loc[:-1], 0, num_rows))
+    end = jnp.clip(query_start_loc[1:], begin, num_rows)
+    lengths = jnp.clip(seq_lens, 0, min(capacity, tq_format.INDEX_MAX))
+    before = jnp.maximum(end - begin - lengths, 0)
     seen = end - begin - before              # rows at positions prefix .. length - 1
-    return _Rows(begin + before, seen, length - seen, length)
+    return _Segments(begin + before, seen, lengths - seen, lengths)
 
 
-def _prefix_and_own(flags, prefix, own, sees):
-    """Counts of flagged slots ([cap, Hkv] int32) each row sees: over the prefix ([Hkv], every row)
-    and causally over the chunk ([T, Hkv])."""
-    in_prefix = (jnp.arange(flags.shape[0]) < prefix)[:, None]
-    return jnp.sum(flags * in_prefix, axis=0, keepdims=True), jnp.cumsum(flags[own] * sees[:, None], axis=0)
+class _RowPlaces(NamedTuple):
+    """Per query row (int32 / bool [T]): its sequence, whether it sees tokens, and its own token's
+    position (clamped into the span where it sees none)."""
+    seq: jax.Array
+    inside: jax.Array
+    own: jax.Array
+
+
+def _row_places(seg: _Segments, num_rows: int) -> _RowPlaces:
+    rows = jnp.arange(num_rows, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(seg.first + seg.seen, rows, side="right"), 0, seg.first.shape[0] - 1)
+    index = rows - seg.first[seq]
+    inside = (index >= 0) & (index < seg.seen[seq])
+    own = jnp.clip(seg.prefix[seq] + index, 0, jnp.maximum(seg.lengths[seq] - 1, 0))
+    return _RowPlaces(seq.astype(jnp.int32), inside, own)
+
+
+def _packed_call(attend, scale, q_offsets, q_lens, kv_offsets, kv_lens, active):
+    """``attend`` over the rows (q [T, H, d], k / v [N, Hkv, d], as batch element 0), sequence s the
+    segment of rows q_offsets[s] .. + q_lens[s] and keys kv_offsets[s] .. + kv_lens[s] where
+    ``active`` (the others -1, which JAX's cuDNN call drops; at least two segments, as JAX reads one
+    as no packing). Returns (out [T, H, d], lse [T, H])."""
+    pad = max(2 - q_offsets.shape[0], 0)
+
+    def pick(x, end):
+        return jnp.pad(jnp.where(active, x, -1).astype(jnp.int32), (0, pad + end), constant_values=-1)[None]
+
+    def call(q, k, v, *, causal):
+        attention = _batched_by_packing(functools.partial(attend, scale=scale, causal=causal))
+        out, lse = attention(q[None], k[None], v[None], pick(q_lens, 0), pick(kv_lens, 0), pick(q_offsets, 1),
+                             pick(kv_offsets, 1))
+        return out[0], lse[0]
+    return call
+
+
+def _batched_by_packing(attend):
+    """``attend`` of one batch element of segments (q [1, T, ...], k / v [1, S, ...], lens [1, M],
+    offsets [1, M + 1]) whose vmap packs every mapped element into one call: element b's rows after
+    b x T, its keys after b x S, its segments after b x M (JAX's cuDNN call has no batching rule for
+    segments)."""
+    @jax.custom_batching.custom_vmap
+    def attention(q, k, v, q_lens, kv_lens, q_offsets, kv_offsets):
+        return attend(q, k, v, q_lens, kv_lens, q_offsets=q_offsets, kv_offsets=kv_offsets)
+
+    @attention.def_vmap
+    def fold(size, batched, *args):
+        q, k, v, q_lens, kv_lens, q_offsets, kv_offsets = (
+            x if b else jnp.broadcast_to(x, (size,) + x.shape) for x, b in zip(args, batched))
+        rows, keys = q.shape[2], k.shape[2]
+
+        def shifted(offsets, stride):   # [size, 1, M + 1] -> [1, size x M + 1]
+            starts = offsets[:, 0, :-1]
+            starts = jnp.where(starts >= 0, starts + (jnp.arange(size, dtype=jnp.int32) * stride)[:, None], -1)
+            return jnp.concatenate([starts.reshape(1, -1), jnp.full((1, 1), -1, jnp.int32)], axis=1)
+
+        def packed(x, length):
+            return x.reshape((1, size * length) + x.shape[3:])
+
+        out, lse = attention(packed(q, rows), packed(k, keys), packed(v, keys), q_lens.reshape(1, -1),
+                             kv_lens.reshape(1, -1), shifted(q_offsets, rows), shifted(kv_offsets, keys))
+        return (out.reshape((size, 1, rows) + out.shape[2:]), lse.reshape((size, 1, rows) + lse.shape[2:])), (True, True)
+    return attention
+
+
+def _prefix_and_own(flags, seg: _Segments, row: _RowPlaces):
+    """Counts of flagged slots ([S, cap, Hkv] int32) each row sees: over its sequence's prefix
+    ([T, Hkv]) and causally over its chunk ([T, Hkv])."""
+    in_prefix = (jnp.arange(flags.shape[1])[None, :] < seg.prefix[:, None])[..., None]
+    prefix = jnp.sum(flags * in_prefix, axis=1)[row.seq]
+    own = flags[row.seq, row.own] * row.inside[:, None]
+    running = jnp.cumsum(own, axis=0)
+    first = jnp.clip(seg.first[row.seq], 0, own.shape[0] - 1)
+    before_segment = running[first] - own[first]
+    return prefix * row.inside[:, None], jnp.where(row.inside[:, None], running - before_segment, 0)
 
 
 def _per_head(x, group: int):
     return jnp.repeat(x, group, axis=-1)
 
 
-def _merge(out_a, lse_a, has_a, skipped_a, out_b, lse_b, skipped_b, sinks=None):
-    """Softmax-weighted merge of two attentions over disjoint key sets ([T, H, d] outputs, [T, H]
-    log-sum-exps; has_a: part a has keys), each sum less its ``skipped`` zero slots ([1, H] /
-    [T, H]), plus exp(sinks [H]) in the denominator where given, in promote(lse dtype, float32)."""
+def _merge(part_a, out_b, lse_b, skipped_b, sinks=None):
+    """Softmax-weighted merge of two attentions over disjoint key sets: part_a (None: no keys) is
+    (out [T, H, d], lse [T, H], has [T]: whether part a has keys for the row, skipped [T, H]), part b
+    its out and lse; each sum less its ``skipped`` zero slots, plus exp(sinks [H]) in the
+    denominator where given, in promote(lse dtype, float32)."""
     dtype = jnp.promote_types(lse_b.dtype, jnp.float32)
-    lse_a, lse_b = lse_a.astype(dtype), lse_b.astype(dtype)
-    lse_a = jnp.where(has_a, lse_a, -jnp.inf)
-    top = jnp.maximum(lse_a, lse_b)
+    lse_b = lse_b.astype(dtype)
+    top = lse_b
+    if part_a is not None:
+        out_a, lse_a, has_a, skipped_a = part_a
+        lse_a = jnp.where(has_a[:, None], lse_a.astype(dtype), -jnp.inf)
+        top = jnp.maximum(top, lse_a)
     if sinks is not None:
         sinks = sinks.astype(dtype)[None, :]
         top = jnp.maximum(top, sinks)
     top = jnp.where(jnp.isfinite(top), top, 0.0)
-    weight_a = jnp.exp(lse_a - top)
-    weight_b = jnp.exp(lse_b - top)
 
     def less_skipped(weight, skipped):
         skipped = skipped.astype(dtype)
         return weight - jnp.where(skipped > 0, skipped * jnp.exp(-top), 0.0)
 
-    total = less_skipped(weight_a, skipped_a) + less_skipped(weight_b, skipped_b)
+    weight_b = jnp.exp(lse_b - top)
+    total = less_skipped(weight_b, skipped_b)
+    numerator = out_b.astype(dtype) * weight_b[..., None]
+    if part_a is not None:
+        weight_a = jnp.exp(lse_a - top)
+        total = total + less_skipped(weight_a, skipped_a)
+        numerator = numerator + jnp.where(has_a[:, None, None], out_a.astype(dtype) * weight_a[..., None], 0.0)
     if sinks is not None:
         total = total + jnp.exp(sinks - top)
-    numerator = (jnp.where(has_a, out_a.astype(dtype) * weight_a[..., None], 0.0)
-                 + out_b.astype(dtype) * weight_b[..., None])
     return jnp.where(total[..., None] > 0, numerator / jnp.where(total > 0, total, 1.0)[..., None], 0.0)

@@ -205,22 +205,31 @@ def attend_f64(q, keys, values, valid, scale):
     return out
 
 
-def exact_attend(q, k, v, q_lens, kv_lens, *, scale: float, causal: bool):
-    """Attention with its log-sum-exp, the contract of ``jax_tq._compat.cudnn_attention_with_lse``
-    (q [B, T, N, H], k / v [B, S, K, H], q_lens / kv_lens int32 [B]) computed by XLA in
-    promote(q.dtype, float32): the CPU tests' stand-in for cuDNN in ``jax_tq.paged_prefill_dense``. A
-    row that sees no key gets lse -inf (its output is unspecified)."""
+def exact_attend(q, k, v, q_lens, kv_lens, *, scale: float, causal: bool, q_offsets, kv_offsets):
+    """Attention of segments with its log-sum-exp, the contract of
+    ``jax_tq._compat.cudnn_attention_with_lse`` (q [B, T, N, H], k / v [B, S, K, H]; q_offsets /
+    kv_offsets int32 [B, M + 1] segment starts and q_lens / kv_lens [B, M], -1 where a segment is
+    absent) computed by XLA in promote(q.dtype, float32): the CPU tests' stand-in for cuDNN in
+    ``jax_tq.paged_prefill_dense``. Segment m's rows see its keys (causal: key j <= row i, both
+    counted from the segment's start). A row that sees no key gets lse -inf (its output is
+    unspecified); rows in no segment get NaN (cuDNN leaves them unspecified)."""
+    assert q_offsets.shape[1] >= 3, "JAX reads one segment as no packing"
     batch, rows, num_heads, head_dim = q.shape
     keys, num_kv_heads = k.shape[1], k.shape[2]
     group = num_heads // num_kv_heads
     dtype = jnp.promote_types(q.dtype, jnp.float32)
     qg = q.astype(dtype).reshape(batch, rows, num_kv_heads, group, head_dim)
     scores = jnp.einsum("btkgh,bskh->bkgts", qg, k.astype(dtype), precision=jax.lax.Precision.HIGHEST) * scale
-    t = jnp.arange(rows)[:, None]
-    s = jnp.arange(keys)[None, :]
-    mask = (t < q_lens[:, None, None]) & (s < kv_lens[:, None, None])
+    t = jnp.arange(rows)[None, :, None]                  # [1, T, 1] against segments [B, 1, M]
+    s = jnp.arange(keys)[None, :, None]
+    present = (q_offsets[:, :-1] >= 0) & (q_lens >= 0)
+    row_in = present[:, None, :] & (t >= q_offsets[:, None, :-1]) & (t < (q_offsets[:, :-1] + q_lens)[:, None, :])
+    key_in = present[:, None, :] & (s >= kv_offsets[:, None, :-1]) & (s < (kv_offsets[:, :-1] + kv_lens)[:, None, :])
+    mask = jnp.einsum("btm,bsm->bts", row_in.astype(jnp.int32), key_in.astype(jnp.int32)) > 0
     if causal:
-        mask = mask & (s <= t)[None]
+        row_pos = jnp.sum(jnp.where(row_in, t - q_offsets[:, None, :-1], 0), axis=-1)        # [B, T]
+        key_pos = jnp.sum(jnp.where(key_in, s - kv_offsets[:, None, :-1], 0), axis=-1)      # [B, S]
+        mask = mask & (key_pos[:, None, :] <= row_pos[:, :, None])
     scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
     peak = jnp.max(scores, axis=-1, keepdims=True)
     peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
@@ -229,5 +238,7 @@ def exact_attend(q, k, v, q_lens, kv_lens, *, scale: float, causal: bool):
     out = jnp.einsum("bkgts,bskh->btkgh", weights / jnp.maximum(total, 1e-30), v.astype(dtype),
                      precision=jax.lax.Precision.HIGHEST)
     lse = (peak + jnp.log(total))[..., 0]                                            # [B, K, G, T]
-    return (out.reshape(batch, rows, num_heads, head_dim),
-            jnp.transpose(lse, (0, 3, 1, 2)).reshape(batch, rows, num_heads))
+    in_none = ~jnp.any(row_in, axis=-1)                                              # [B, T]
+    out = jnp.where(in_none[..., None, None], jnp.nan, out.reshape(batch, rows, num_heads, head_dim))
+    lse = jnp.transpose(lse, (0, 3, 1, 2)).reshape(batch, rows, num_heads)
+    return out.astype(q.dtype), jnp.where(in_none[..., None], jnp.nan, lse)

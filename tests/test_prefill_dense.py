@@ -44,30 +44,43 @@ def _both(cache, operands, sinks=None):
     return np.asarray(got), np.asarray(to_f64(want))
 
 
-@pytest.mark.parametrize("seq_len,q_len,lead,tail", [
-    (300, 130, 0, 0),       # a chunk after 170 cached tokens
-    (64, 64, 2, 3),         # a whole prompt, rows of no sequence around it
-    (40, 55, 0, 0),         # 15 rows placed before the sequence's start
-    (129, 1, 4, 0),         # one row (a decode row) after 128 cached tokens
-    (0, 0, 3, 2),           # an idle sequence: every row 0
+@pytest.mark.parametrize("seq_lens,q_lens,lead,tail", [
+    ((300,), (130,), 0, 0),                 # a chunk after 170 cached tokens
+    ((64,), (64,), 2, 3),                   # a whole prompt, rows of no sequence around it
+    ((40,), (55,), 0, 0),                   # 15 rows placed before the sequence's start
+    ((129,), (1,), 4, 0),                   # one row (a decode row) after 128 cached tokens
+    ((0,), (0,), 3, 2),                     # an idle sequence: every row 0
+    ((300, 77, 5, 0, 129), (45, 77, 7, 0, 1), 3, 5),   # several sequences, one empty, one decode row
+    ((90, 77, 300), (60, 77, 45), 1, 2),               # fresh prompts beside a chunk after cached tokens
+    ((10, 50), (30, 50), 0, 0),                        # 20 rows of sequence 0 before its start
 ])
-def test_dense_path_equals_the_float64_reference(rng, seq_len, q_len, lead, tail):
+def test_dense_path_equals_the_float64_reference(rng, seq_lens, q_lens, lead, tail):
     with _compat.enable_x64():
         cache = random_cache(rng, num_pages=80, page_size=16, num_kv_heads=2, head_dim=64, k_bits=4, v_bits=3,
                              seed=int(rng.integers(1 << 16)))
-        tables = random_tables(rng, (seq_len,), 16, 80)
-        starts = np.asarray([lead, lead + q_len])
-        q = rng.normal(size=(lead + q_len + tail, 6, 64))
-        got, want = _both(cache, _operands(cache, q, tables, (seq_len,), starts))
-    assert rel_err(got, want) < 2e-7 if q_len else np.all(got == 0)
+        tables = random_tables(rng, seq_lens, 16, 80)
+        starts = lead + np.concatenate([[0], np.cumsum(q_lens)])
+        q = rng.normal(size=(int(starts[-1]) + tail, 6, 64))
+        got, want = _both(cache, _operands(cache, q, tables, seq_lens, starts))
+    assert rel_err(got, want) < 2e-7 if sum(q_lens) else np.all(got == 0)
     assert np.all(got[:lead] == 0) and np.all(got[got.shape[0] - tail:] == 0)
 
 
-def test_dense_path_refuses_several_sequences(rng):
-    cache = random_cache(rng, num_pages=8, page_size=16, num_kv_heads=2, head_dim=64, k_bits=4, v_bits=4)
-    operands = _operands(cache, rng.normal(size=(8, 4, 64)), random_tables(rng, (20, 20), 16, 8), (20, 20), (0, 4, 8))
-    with pytest.raises(ValueError, match="one sequence"):
-        paged_prefill_dense.dense_prefill_rotated(*operands, k_bits=4, v_bits=4, scale=0.125, attend=exact_attend)
+def test_dense_path_reads_a_decreasing_query_start_loc_as_its_running_maximum(rng):
+    """An invalid query_start_loc (``jax_tq.checked`` reports it) gives finite rows of some sequence,
+    those of no sequence 0: sequence 1's range [40, 25) is empty, sequence 2 owns 40 .. 59."""
+    with _compat.enable_x64():
+        cache = random_cache(rng, num_pages=40, page_size=16, num_kv_heads=2, head_dim=64, k_bits=4, v_bits=4,
+                             seed=int(rng.integers(1 << 16)))
+        tables = random_tables(rng, (100, 100, 100), 16, 40)
+        q = rng.normal(size=(64, 4, 64))
+        operands = _operands(cache, q, tables, (100, 100, 100), (0, 40, 25, 60))
+        got = np.asarray(paged_prefill_dense.dense_prefill_rotated(*operands, k_bits=4, v_bits=4, scale=0.125,
+                                                                   attend=exact_attend, dtype=jnp.float64))
+        fixed = _operands(cache, q, tables, (100, 100, 100), (0, 40, 40, 60))
+        want = np.asarray(prefill_module._reference(*fixed, jnp.zeros((0,), jnp.float64), k_bits=4, v_bits=4,
+                                                    scale=0.125)[0])
+    assert np.all(np.isfinite(got)) and np.all(got[60:] == 0) and rel_err(got, want) < 2e-7
 
 
 @pytest.mark.parametrize("bad_page,window_id", [(1, 2), (6, 1), (None, -1)])
@@ -92,16 +105,17 @@ def test_dense_path_skips_invalid_pages_and_missing_windows_and_keeps_nan_rows(r
 
 def test_dense_path_with_sinks_equals_the_float64_reference(rng):
     """Per-head sink logits (one far above every score, one far below) join each row's denominator;
-    with skipped slots (an invalid page) and rows placed before the sequence's start."""
+    with skipped slots (an invalid page), rows placed before a sequence's start, a chunk after cached
+    tokens and a fresh prompt."""
     with _compat.enable_x64():
         cache = random_cache(rng, num_pages=80, page_size=16, num_kv_heads=2, head_dim=64, k_bits=4, v_bits=3,
                              seed=int(rng.integers(1 << 16)))
-        tables = np.array(random_tables(rng, (100,), 16, 80))
+        tables = np.array(random_tables(rng, (100, 300, 40), 16, 80))
         tables[0, 3] = 500
-        starts = np.asarray([0, 130])
-        q = rng.normal(size=(130, 6, 64))
+        starts = np.asarray([0, 130, 150, 185])
+        q = rng.normal(size=(185, 6, 64))
         sinks = jnp.asarray([0.5, -2.0, 40.0, -40.0, 3.0, 0.0], jnp.float64)
-        got, want = _both(cache, _operands(cache, q, tables, (100,), starts), sinks=sinks)
+        got, want = _both(cache, _operands(cache, q, tables, (100, 300, 40), starts), sinks=sinks)
     assert rel_err(got, want) < 2e-7
     assert np.abs(got[:, 2]).max() < 1e-12 < np.abs(got[:, 3]).max()   # the sink of 40 takes every row's weight
 
@@ -120,10 +134,26 @@ def test_dense_path_in_float32_is_close_to_the_float64_reference(rng):
     assert got.dtype == jnp.float32 and rel_err(got, want) < 1e-5
 
 
-def test_dense_path_is_planned_for_one_long_bf16_sequence_only(monkeypatch):
-    """The one place that chooses it: backend auto, bf16 queries with default precision, one sequence,
-    DENSE_MIN_ROWS rows or more, a span of 1 .. DENSE_MAX_SPAN_BYTES, head_dim 64 / 128, no sliding
-    window or soft cap, cuDNN attention present."""
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 2), (4, 4), (6, 1)])
+def test_packed_keys_are_read_at_their_segments_offsets(num_heads, num_kv_heads):
+    """What JAX's cuDNN call hands cuDNN for the keys _compat passes: each segment's element offset is
+    its token offset x the keys' own heads x head_dim (JAX before jax-ml/jax#39521 scaled it by the
+    query's heads: then the keys are repeated per query head)."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+    q = jnp.zeros((1, 40, num_heads, 16), jnp.bfloat16)
+    k = jnp.zeros((1, 40, num_kv_heads, 16), jnp.bfloat16)
+    keys, values = _compat.packed_keys(q, k, k)
+    assert keys.shape == values.shape and keys.shape[2] in (num_kv_heads, num_heads)
+    offsets = jnp.asarray([[0, 7, 30, -1]], jnp.int32)
+    lens = jnp.asarray([[7, 20, 10]], jnp.int32)
+    kv = cudnn._fix_seqlen_offsets(lens, lens, offsets, offsets, q, keys)[3]
+    np.testing.assert_array_equal(np.asarray(kv)[0, :3], np.asarray([0, 7, 30]) * keys.shape[2] * 16)
+
+
+def test_dense_path_is_planned_for_long_bf16_sequences_only(monkeypatch):
+    """The one place that chooses it: backend auto, bf16 queries with default precision, DENSE_MIN_ROWS
+    rows per sequence or more, a span of 1 .. DENSE_MAX_SPAN_BYTES (every sequence's), head_dim 64 /
+    128, no sliding window or soft cap, cuDNN's packed attention present."""
     monkeypatch.setattr(_compat, "has_cudnn_attention", lambda: True)
     cache = tq.PagedKVCache.create(num_pages=8, page_size=16, num_kv_heads=2, k_codec=tq.TurboQuant(head_dim=128),
                                    v_codec=tq.TurboQuant(head_dim=128, seed=1))
@@ -131,11 +161,12 @@ def test_dense_path_is_planned_for_one_long_bf16_sequence_only(monkeypatch):
     q = jnp.zeros((2 * rows, 4, 128), jnp.bfloat16)
     plan = prefill_module._dense_planned
     assert plan(q, cache, 1, 64, True, "auto", False) and plan(q[:rows], cache, 1, 64, True, "auto", False)
-    assert not plan(q, cache, 2, 64, True, "auto", False)
+    assert plan(q, cache, 2, 64, True, "auto", False) and not plan(q[:-1], cache, 2, 64, True, "auto", False)
     assert not plan(q[:rows - 1], cache, 1, 64, True, "auto", False)
     too_many_pages = prefill_module.DENSE_MAX_SPAN_BYTES // (2 * 16 * 2 * 128 * 2) + 1
     assert plan(q, cache, 1, too_many_pages - 1, True, "auto", False)
     assert not plan(q, cache, 1, too_many_pages, True, "auto", False)
+    assert not plan(q, cache, 2, too_many_pages // 2 + 1, True, "auto", False)   # the span counts every sequence
     assert not plan(q, cache, 1, 0, True, "auto", False)
     assert not plan(q, cache, 1, 64, False, "auto", False)
     assert not plan(q, cache, 1, 64, True, "ffi", False)
@@ -145,16 +176,16 @@ def test_dense_path_is_planned_for_one_long_bf16_sequence_only(monkeypatch):
     assert not plan(q, cache, 1, 64, True, "auto", False)
 
 
-@pytest.mark.parametrize("q_lens,dense", [((300,), True), ((200, 100), False)])
-def test_paged_prefill_takes_the_dense_path_for_one_sequence(monkeypatch, rng, q_lens, dense):
+@pytest.mark.parametrize("q_lens,dense", [((300,), True), ((200, 100), True), ((150, 100, 50), False)])
+def test_paged_prefill_takes_the_dense_path_for_long_sequences(monkeypatch, rng, q_lens, dense):
     """Through jax_tq.paged_prefill with the CUDA branch taken on the CPU (XLA's exact attention in
-    cuDNN's place): one sequence of 300 rows runs over the decoded span, two sequences run the
-    kernel; both match the float64 oracle."""
+    cuDNN's place): 300 rows of one or two sequences run over the decoded span, of three sequences
+    (100 per sequence, under DENSE_MIN_ROWS) the kernel; all match the float64 oracle."""
     from test_prefill import prefill_f64
     monkeypatch.setattr(_compat, "has_cudnn_attention", lambda: True)
     monkeypatch.setattr(_compat, "cudnn_attention_with_lse", exact_attend)
     monkeypatch.setattr(jax.lax, "platform_dependent", lambda *args, cuda, default: cuda(*args))
-    seq_lens = (400, 300)[:len(q_lens)]
+    seq_lens = (400, 300, 60)[:len(q_lens)]
     cache = random_cache(rng, num_pages=80, page_size=16, num_kv_heads=2, head_dim=64, k_bits=4, v_bits=4,
                          seed=int(rng.integers(1 << 16)))
     tables = random_tables(rng, seq_lens, 16, 80)
@@ -166,29 +197,31 @@ def test_paged_prefill_takes_the_dense_path_for_one_sequence(monkeypatch, rng, q
     assert rel_err(got, prefill_f64(q.astype(jnp.float32), cache, tables, lens, starts)) < 1e-2
     with tq.use_backend("ffi"):
         kernel = np.asarray(tq.paged_prefill(q, cache, tables, lens, starts), np.float32)
-    # The kernel's result exactly for two sequences; the bfloat16 span and rotations' rounding for one.
+    # The kernel's result exactly where it runs; the bfloat16 span's and rotations' rounding where not.
     assert (rel_err(got, kernel) > 1e-4) if dense else np.array_equal(got, kernel)
 
 
 def test_dense_path_under_vmap_with_batched_query_start_loc(monkeypatch, rng):
-    """vmap over the queries and query_start_loc of one sequence (the dense path's cond on cached
-    tokens becomes a select; no kernel call is traced under it): each result is its own call's."""
+    """vmap over the queries and query_start_loc of two sequences (the elements' segments packed into
+    one attention call, the cond on cached tokens a select; no kernel call is traced under it): each
+    result is its own call's and the float64 oracle's."""
     monkeypatch.setattr(_compat, "has_cudnn_attention", lambda: True)
     monkeypatch.setattr(_compat, "cudnn_attention_with_lse", exact_attend)
     monkeypatch.setattr(jax.lax, "platform_dependent", lambda *args, cuda, default: cuda(*args))
     cache = random_cache(rng, num_pages=64, page_size=16, num_kv_heads=2, head_dim=64, k_bits=4, v_bits=4,
                          seed=int(rng.integers(1 << 16)))
-    lens = jnp.asarray([300], jnp.int32)
-    tables = random_tables(rng, (300,), 16, 64)
-    q = jnp.asarray(rng.normal(size=(2, 300, 4, 64)), jnp.bfloat16)
-    starts = jnp.asarray([[0, 150], [0, 300]], jnp.int32)   # a chunk after 150 cached tokens; a whole prompt
+    lens = jnp.asarray([300, 280], jnp.int32)
+    tables = random_tables(rng, (300, 280), 16, 64)
+    q = jnp.asarray(rng.normal(size=(2, 280, 4, 64)), jnp.bfloat16)
+    starts = jnp.asarray([[0, 150, 280], [0, 0, 280]], jnp.int32)   # two chunks; one fresh prompt
     from test_prefill import prefill_f64
     with tq.use_backend("auto"):
         call = jax.jit(lambda q, s: tq.paged_prefill(q, cache, tables, lens, s))
         assert "jax_tq_paged_prefill" not in call.lower(q[0], starts[0]).as_text()   # the dense path
         both = np.asarray(jax.vmap(call)(q, starts), np.float32)
         for i in range(2):
-            assert rel_err(both[i], np.asarray(call(q[i], starts[i]), np.float32)) < 1e-6
+            # bfloat16 rotations: XLA may round a batched and an unbatched product differently
+            assert rel_err(both[i], np.asarray(call(q[i], starts[i]), np.float32)) < 1e-3
             assert rel_err(both[i], prefill_f64(q[i].astype(jnp.float32), cache, tables, lens, starts[i])) < 1e-2
 
 
@@ -272,3 +305,30 @@ def test_gpu_dense_prefill_with_sinks_matches_the_float64_reference(rng):
                                             scale=1 / np.sqrt(128))[0]
         want = np.asarray(out_rot, np.float64) @ to_f64(cache.v_codec.rotation)
     assert rel_err(got, want) < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_dense_prefill_of_several_sequences_matches_the_float64_oracle(rng):
+    """Several sequences as segments of cuDNN's packed layout (GQA 4): a fresh prompt, a chunk after
+    cached tokens with a page id outside the pool in its prefix, an idle sequence, rows before a
+    sequence's start, rows of no sequence; then two query sets with their own query_start_loc
+    under vmap."""
+    from test_prefill import prefill_f64
+    seq_lens = np.asarray([700, 1500, 0, 300], np.int32)
+    cache = random_cache(rng, num_pages=200, page_size=16, num_kv_heads=2, head_dim=128, k_bits=4, v_bits=4,
+                         seed=int(rng.integers(1 << 16)))
+    tables = np.array(random_tables(rng, seq_lens, 16, 200))
+    tables[1, 10] = 1000
+    starts = 3 + np.concatenate([[0], np.cumsum([701, 400, 0, 420])]).astype(np.int32)
+    other = np.concatenate([[0], np.cumsum([500, 401, 0, 623])]).astype(np.int32)
+    q = jnp.asarray(rng.normal(size=(2, int(starts[-1]) + 5, 8, 128)), jnp.bfloat16)
+    args = (cache, jnp.asarray(tables), jnp.asarray(seq_lens))
+    call = jax.jit(lambda q, starts: tq.paged_prefill(q, *args, starts))
+    hlo = call.lower(q[0], jnp.asarray(starts)).as_text()
+    assert "cudnn" in hlo and "jax_tq_paged_prefill" not in hlo   # the dense path, not the kernel
+    got = np.asarray(call(q[0], jnp.asarray(starts)), np.float32)
+    assert rel_err(got, prefill_f64(q[0].astype(jnp.float32), cache, tables, seq_lens, starts)) < 1e-2
+    assert np.all(got[:4] == 0) and np.all(got[-5:] == 0)   # before the start, of no sequence
+    both = np.asarray(jax.jit(jax.vmap(call))(q, jnp.asarray(np.stack([starts, other]))), np.float32)
+    for i, s in enumerate((starts, other)):
+        assert rel_err(both[i], prefill_f64(q[i].astype(jnp.float32), cache, tables, seq_lens, s)) < 1e-2
