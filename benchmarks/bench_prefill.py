@@ -13,7 +13,8 @@ causal attention's 4 * d * heads * (visible tokens summed over rows) per second;
 cached tokens the cuDNN column times the whole (cached + new) causal prompt, whose rate is the
 reference. Timing: one jitted program of ``inner`` calls on distinct queries, median GPU span per call
 (profiler kernel events, benchmarks/device_time.py); host clock without kernel events (CPU).
-Usage: python benchmarks/bench_prefill.py [--quick] [--no-decode-rows]
+``--breakdown`` lists each program's longest kernels (median duration per call) after its row.
+Usage: python benchmarks/bench_prefill.py [--quick] [--no-decode-rows] [--breakdown] [--shapes ...]
 """
 from __future__ import annotations
 
@@ -62,12 +63,29 @@ def causal_flops(num_seqs, new, cached):
     return 4.0 * HEAD_DIM * HEADS * num_seqs * pairs
 
 
-def timed(fn, args, inner, reps):
+BREAKDOWN = {}   # program name -> {kernel name: seconds per call}, filled with --breakdown
+
+
+def timed(fn, args, inner, reps, name=None):
     f = jax.jit(fn)
+    if name is not None:
+        jax.block_until_ready(f(*args))   # compiled (and autotuned) before the trace
+        BREAKDOWN[name] = device_time.kernel_seconds_by_name(lambda: jax.block_until_ready(f(*args)), inner)
     return device_time.seconds_per_call(lambda: jax.block_until_ready(f(*args)), inner, reps)
 
 
-def bench(num_seqs, new, cached, inner, reps, decode_rows=True):
+def print_breakdown(top=8):
+    for name, kernels in BREAKDOWN.items():
+        if not kernels:
+            continue
+        total = sum(kernels.values())
+        print(f"  {name}: kernels {total * 1e6:.1f} us per call; longest:")
+        for kernel, seconds in sorted(kernels.items(), key=lambda kv: -kv[1])[:top]:
+            print(f"    {seconds * 1e6:8.1f} us  {kernel[:110]}")
+    BREAKDOWN.clear()
+
+
+def bench(num_seqs, new, cached, inner, reps, decode_rows=True, breakdown=False):
     key = jax.random.PRNGKey(0)
     seq_len = cached + new
     cache, tables, k, v = compressed_setup(num_seqs, seq_len, key)
@@ -77,7 +95,7 @@ def bench(num_seqs, new, cached, inner, reps, decode_rows=True):
     lens = jnp.full((num_seqs,), seq_len, jnp.int32)
     starts = jnp.asarray(np.arange(num_seqs + 1) * new, jnp.int32)
     times = {"prefill": timed(lambda qs: [tq.paged_prefill(q, cache, tables, lens, starts) for q in qs], (qs,),
-                              inner, reps)}
+                              inner, reps, "paged_prefill" if breakdown else None)}
     if decode_rows:
         row_tables = jnp.repeat(tables, new, axis=0)
         row_lens = jnp.asarray(np.tile(np.arange(cached + 1, seq_len + 1), num_seqs), jnp.int32)
@@ -106,7 +124,7 @@ def bench(num_seqs, new, cached, inner, reps, decode_rows=True):
                 cache = tq.write_cache(cache, k, v, slots)
             return outs, cache
         try:
-            times["cudnn + write"] = timed(fresh, (cache, full_qs), inner, reps)
+            times["cudnn + write"] = timed(fresh, (cache, full_qs), inner, reps, "cudnn + write" if breakdown else None)
         except Exception as err:
             print(f"  cudnn + write: unavailable ({type(err).__name__})")
             times["cudnn + write"] = float("nan")
@@ -117,6 +135,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="one small shape (a CPU smoke run)")
     ap.add_argument("--no-decode-rows", action="store_true", help="skip the per-row paged_decode column")
+    ap.add_argument("--breakdown", action="store_true", help="each program's longest kernels after its row")
     ap.add_argument("--shapes", default=None,
                     help="comma-separated num_seqs x new x cached, e.g. 1x128x8064,1x512x7680 (default: the issue's)")
     args = ap.parse_args()
@@ -132,13 +151,14 @@ def main():
           "| / cuDNN | XLA bf16 | cuDNN bf16 (new + cached) | cuDNN TFLOP/s |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for shape in shapes:
-        t = bench(*shape, inner, reps, decode_rows=not args.no_decode_rows)
+        t = bench(*shape, inner, reps, decode_rows=not args.no_decode_rows, breakdown=args.breakdown)
         ours = causal_flops(*shape) / t["prefill"] / 1e12
         ref = causal_flops(shape[0], shape[1] + shape[2], 0) / t["cudnn"] / 1e12
         write = t.get("cudnn + write", float("nan"))
         print(f"| {shape} | {t['prefill'] * 1e6:.1f} | {ours:.1f} | {ours / ref:.2f} | "
               f"{t.get('decode rows', float('nan')) * 1e6:.1f} | {write * 1e6:.1f} | {write / t['cudnn']:.3f} | "
               f"{t['xla'] * 1e6:.1f} | {t['cudnn'] * 1e6:.1f} | {ref:.1f} |", flush=True)
+        print_breakdown()
 
 
 if __name__ == "__main__":

@@ -116,11 +116,11 @@ if has qjl; then  # TurboQuant_prod: the QJL GPU tests (CUDA kernels against flo
     | tee "$OUT/bench_qjl.txt" | tail -n 12
   echo "qjl: $(( $(date +%s) - t0 )) s"
 fi
-if has prefill; then  # paged prefill (kernel and cuDNN over the decoded span) and the serving calls: their tests (against float64, 8 processes), then the benchmark
+if has prefill; then  # paged prefill (kernel and cuDNN over the decoded span) and the serving calls: their tests (against float64, 8 processes), then the benchmark (PREFILL_ARGS, e.g. --breakdown; PREFILL_TAIL lines shown)
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -n 8 -p no:cacheprovider \
     tests/test_prefill.py tests/test_prefill_dense.py tests/test_ragged.py 2>&1 | tee "$OUT/prefill_tests.log" | tail -n 8
-  PYTHONPATH=benchmarks:${PYTHONPATH:-} timeout ${BENCH_TIMEOUT:-200} python3 benchmarks/bench_prefill.py 2>&1 \
-    | tee "$OUT/bench_prefill.txt" | tail -n 8
+  PYTHONPATH=benchmarks:${PYTHONPATH:-} timeout ${BENCH_TIMEOUT:-200} python3 benchmarks/bench_prefill.py ${PREFILL_ARGS:-} 2>&1 \
+    | tee "$OUT/bench_prefill.txt" | tail -n ${PREFILL_TAIL:-8}
   echo "prefill: $(( $(date +%s) - t0 )) s"
 fi
 if has dtests; then  # the decode GPU tests on the planner's kernels and the device-time helper's, then on the other families
