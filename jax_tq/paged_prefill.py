@@ -65,11 +65,11 @@ def paged_prefill(q, cache, block_tables, seq_lens, query_start_loc, *, window_i
         No effect on the CPU (float64) or the reference. On CUDA (Hopper or later), bfloat16 queries
         under ``DEFAULT`` / ``HIGH`` with at least DENSE_MIN_ROWS (128) rows per sequence
         (num_tokens >= 128 x num_seqs), head_dim 64 / 128 and neither sliding_window nor soft_cap
-        run as cuDNN flash attention over the sequences' tokens decoded once into bfloat16 (each
-        sequence a segment of cuDNN's packed layout; K, V, q, the rotations' operands and results
-        rounded to bfloat16, ~2^-9 per term, as attention over a bfloat16 cache; transient memory:
-        the span, 2 x num_seqs x max_pages x page_size x num_kv_heads x head_dim x 2 bytes, at most
-        1 GiB, and ~4 bfloat16 copies of the output). There, a block-table entry outside the pool or
+        run as cuDNN flash attention over the sequences' tokens decoded once into bfloat16 and
+        rotated back to the model's space (each sequence a segment of cuDNN's packed layout; K, V
+        and q rounded to bfloat16, ~2^-9 per term, as attention over a bfloat16 cache; transient
+        memory: the span and its rotation, 2 x 2 x num_seqs x max_pages x page_size x num_kv_heads x
+        head_dim x 2 bytes, the span at most 1 GiB, and ~4 bfloat16 copies of the output). There, a block-table entry outside the pool or
         a window id of none inside a sequence's length (``jax_tq.checked`` reports both) loses
         precision where every logit its rows see is far below 0, instead of being skipped exactly.
       sliding_window: None, or an int >= 1 (static): the row at position p sees only positions
@@ -126,20 +126,23 @@ def paged_prefill(q, cache, block_tables, seq_lens, query_start_loc, *, window_i
     backend = get_backend()
     dense = backend != "xla" and _dense_planned(q, cache, *block_tables.shape, f16_products, backend,
                                                 bool(sliding_window or soft_cap))
-    q_rot = _rotate(q, k_codec.rotation.T, dense)
-    operands = (q_rot, cache.k_codes, cache.k_norms, cache.v_codes, cache.v_norms, k_codec.centroids,
-                v_codec.centroids, block_tables, seq_lens, *windows, query_start_loc, sinks)
+    pools = (cache.k_codes, cache.k_norms, cache.v_codes, cache.v_norms, k_codec.centroids, v_codec.centroids,
+             block_tables, seq_lens, *windows, query_start_loc, sinks)
+    if dense:
+        return _prefill_dense(q, k_codec.rotation, v_codec.rotation, *pools, k_codec.bits, v_codec.bits, scale,
+                              f16_products, backend).astype(q.dtype)
+    q_rot = _rotate(q, k_codec.rotation.T)
     variants = dict(sliding_window=sliding_window, soft_cap=soft_cap)
     if backend == "xla":
-        out_rot = _reference(*operands, k_bits=k_codec.bits, v_bits=v_codec.bits, scale=scale, **variants)[0]
+        out_rot = _reference(q_rot, *pools, k_bits=k_codec.bits, v_bits=v_codec.bits, scale=scale, **variants)[0]
     else:
-        out_rot = _prefill(*operands, k_codec.bits, v_codec.bits, scale, f16_products, backend, sliding_window,
-                           soft_cap, dense)
-    return _rotate(out_rot, v_codec.rotation, dense).astype(q.dtype)
+        out_rot = _prefill(q_rot, *pools, k_codec.bits, v_codec.bits, scale, f16_products, backend, sliding_window,
+                           soft_cap)
+    return _rotate(out_rot, v_codec.rotation).astype(q.dtype)
 
 
-def _rotate(x, matrix, bf16: bool):
-    """x [T, H, d] @ matrix [d, d]: float32-accurate in float32, or (``bf16``: the dense path, whose
+def _rotate(x, matrix, bf16: bool = False):
+    """x [T, H, d] @ matrix [d, d]: float32-accurate in float32, or (``bf16``: the dense plan, whose
     operands are bfloat16 anyway) bfloat16 in and out with float32 accumulation."""
     if bf16:
         return jnp.einsum("thd,de->the", x.astype(jnp.bfloat16), matrix.astype(jnp.bfloat16))
@@ -203,40 +206,84 @@ _NUM_OPERANDS = 14  # q_rot, the four pools, two centroids, block_tables, seq_le
 #                    sinks
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=tuple(range(_NUM_OPERANDS, _NUM_OPERANDS + 8)))
+def _bind(operands, sinks, k_bits, v_bits, scale, f16_products, backend, sliding_window=0, soft_cap=0.0):
+    (out,) = pu.bind(paged_prefill_p, *operands, sinks, k_bits=k_bits, v_bits=v_bits, scale=scale,
+                     f16_products=f16_products, backend=backend, sliding_window=sliding_window, soft_cap=soft_cap)
+    return out
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=tuple(range(_NUM_OPERANDS, _NUM_OPERANDS + 7)))
 def _prefill(q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, k_window, v_window, window_ids,
-             starts, sinks, k_bits, v_bits, scale, f16_products, backend, sliding_window, soft_cap, dense):
-    """The kernel call (with ``dense``, on CUDA: attention over the decoded span), differentiable in
-    q_rot, k_norms, v_norms and sinks (the codes are integers, the window rows bfloat16 copies)."""
+             starts, sinks, k_bits, v_bits, scale, f16_products, backend, sliding_window, soft_cap):
+    """The kernel call, differentiable in q_rot, k_norms, v_norms and sinks (the codes are integers,
+    the window rows bfloat16 copies)."""
     operands = (q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, k_window, v_window, window_ids,
                 starts)
-
-    def kernel(*operands):
-        (out,) = pu.bind(paged_prefill_p, *operands, sinks, k_bits=k_bits, v_bits=v_bits, scale=scale,
-                         f16_products=f16_products, backend=backend, sliding_window=sliding_window, soft_cap=soft_cap)
-        return out
-
-    if not dense:
-        return kernel(*operands)
-
-    def over_span(*operands):
-        return paged_prefill_dense.dense_prefill_rotated(*operands, k_bits=k_bits, v_bits=v_bits, scale=scale,
-                                                         sinks=sinks if sinks.size else None)
-
-    def kernel_bf16(*operands):  # the output rotation's bfloat16 operand either way
-        return kernel(*operands).astype(jnp.bfloat16)
-
-    return jax.lax.platform_dependent(*operands, cuda=over_span, default=kernel_bf16)
+    return _bind(operands, sinks, k_bits, v_bits, scale, f16_products, backend, sliding_window, soft_cap)
 
 
 def _prefill_fwd(*args):
     return _prefill(*args), args[:_NUM_OPERANDS]
 
 
-def _prefill_bwd(k_bits, v_bits, scale, f16_products, backend, sliding_window, soft_cap, dense, operands, cotangent):
+def _prefill_bwd(k_bits, v_bits, scale, f16_products, backend, sliding_window, soft_cap, operands, cotangent):
     """Backward pass through the reference (the same gradient on every backend)."""
-    (q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, k_window, v_window, ids, starts,
-     sinks) = operands
+    _, vjp = jax.vjp(_reference_of(operands, k_bits, v_bits, scale, sliding_window, soft_cap), *_differentiable(operands))
+    return _cotangents(vjp(cotangent.astype(jnp.float32)))
+
+
+_prefill.defvjp(_prefill_fwd, _prefill_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=tuple(range(_NUM_OPERANDS + 2, _NUM_OPERANDS + 7)))
+def _prefill_dense(q, k_rotation, v_rotation, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens,
+                   k_window, v_window, window_ids, starts, sinks, k_bits, v_bits, scale, f16_products, backend):
+    """The dense plan: on CUDA attention over the decoded span in the model's space (no query rotated),
+    elsewhere the kernel between bfloat16 rotations; bfloat16 [T, H, d] either way, differentiable in
+    q, k_norms, v_norms and sinks (through the reference)."""
+    operands = (k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, k_window, v_window, window_ids, starts)
+
+    def kernel(q, k_rotation, v_rotation, *operands):
+        q_rot = _rotate(q, k_rotation.T, True).astype(jnp.float32)   # the kernel's q_rot operand is float32
+        out_rot = _bind((q_rot, *operands), sinks, k_bits, v_bits, scale, f16_products, backend)
+        return _rotate(out_rot, v_rotation, True)
+
+    def over_span(q, k_rotation, v_rotation, *operands):
+        return paged_prefill_dense.dense_prefill(q, *operands, k_bits=k_bits, v_bits=v_bits, scale=scale,
+                                                 k_rotation=k_rotation, v_rotation=v_rotation,
+                                                 sinks=sinks if sinks.size else None)
+
+    return jax.lax.platform_dependent(q, k_rotation, v_rotation, *operands, cuda=over_span, default=kernel)
+
+
+def _prefill_dense_fwd(*args):
+    return _prefill_dense(*args), args[:_NUM_OPERANDS + 2]
+
+
+def _prefill_dense_bwd(k_bits, v_bits, scale, f16_products, backend, residuals, cotangent):
+    """Backward pass through the reference between float32 rotations (the kernel path's gradient)."""
+    q, k_rotation, v_rotation, *operands = residuals
+    reference_of = _reference_of((q, *operands), k_bits, v_bits, scale, 0, 0.0)
+
+    def attend(q, *differentiable):
+        return _rotate(reference_of(_rotate(q, k_rotation.T), *differentiable), v_rotation)
+
+    _, vjp = jax.vjp(attend, q, *_differentiable((q, *operands))[1:])
+    dq, *rest = vjp(cotangent.astype(jnp.float32))
+    return (dq.astype(q.dtype), None, None) + _cotangents((None, *rest))[1:]
+
+
+_prefill_dense.defvjp(_prefill_dense_fwd, _prefill_dense_bwd)
+
+
+def _differentiable(operands):
+    """(q_rot, k_norms, v_norms, sinks) of the primitive's operands."""
+    return operands[0], operands[2], operands[4], operands[13]
+
+
+def _reference_of(operands, k_bits, v_bits, scale, sliding_window, soft_cap):
+    """The reference as a function of the differentiable operands (q_rot, k_norms, v_norms, sinks)."""
+    (_, k_codes, _, v_codes, _, k_cent, v_cent, tables, lens, k_window, v_window, ids, starts, _) = operands
     reject_checkify_residuals("paged_prefill", k_codes=(k_codes, jnp.uint8), v_codes=(v_codes, jnp.uint8),
                               block_tables=(tables, jnp.int32), seq_lens=(lens, jnp.int32),
                               window_ids=(ids, jnp.int32), query_start_loc=(starts, jnp.int32))
@@ -245,13 +292,13 @@ def _prefill_bwd(k_bits, v_bits, scale, f16_products, backend, sliding_window, s
         return _reference(q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, k_window,
                           v_window, ids, starts, sinks, k_bits=k_bits, v_bits=v_bits, scale=scale,
                           sliding_window=sliding_window, soft_cap=soft_cap)[0]
+    return attend
 
-    _, vjp = jax.vjp(attend, q_rot, k_norms, v_norms, sinks)
-    dq, dk_norms, dv_norms, dsinks = vjp(cotangent.astype(jnp.float32))   # bfloat16 from the dense path
+
+def _cotangents(grads):
+    """The primitive's operands' cotangents from those of (q_rot, k_norms, v_norms, sinks)."""
+    dq, dk_norms, dv_norms, dsinks = grads
     return (dq, None, dk_norms, None, dv_norms) + (None,) * (_NUM_OPERANDS - 6) + (dsinks,)
-
-
-_prefill.defvjp(_prefill_fwd, _prefill_bwd)
 
 
 def _abstract(q_rot, *operands, **params):

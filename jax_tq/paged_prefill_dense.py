@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax_tq import _compat, reference
 from jax_tq import format as tq_format
 
-__all__ = ["span_tokens", "dense_prefill_rotated"]
+__all__ = ["span_tokens", "dense_prefill"]
 
 
 def span_tokens(codes, norms, centroids, bits: int, block_tables, seq_lens, window_rows, window_ids, dtype):
@@ -74,43 +74,54 @@ def span_tokens(codes, norms, centroids, bits: int, block_tables, seq_lens, wind
     return jnp.where(keep[..., None], tokens, 0).astype(dtype), valid, finite
 
 
-def dense_prefill_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids, block_tables,
-                          seq_lens, k_window, v_window, window_ids, query_start_loc, *, k_bits: int, v_bits: int,
-                          scale: float, sinks=None, attend=None, dtype=jnp.bfloat16):
+def dense_prefill(q, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids, block_tables, seq_lens, k_window,
+                  v_window, window_ids, query_start_loc, *, k_bits: int, v_bits: int, scale: float, k_rotation=None,
+                  v_rotation=None, sinks=None, attend=None, dtype=jnp.bfloat16):
     """The paged prefill primitive's forward semantics (``paged_prefill._reference``) by attention
-    over the decoded span: out_rot [T, H, d] of ``dtype``.
+    over the decoded span: out [T, H, d] of ``dtype``.
 
     Args:
-      q_rot ... query_start_loc: the primitive's operands (sinks below; no sliding window or soft cap).
+      q ... query_start_loc: the primitive's operands (sinks below; no sliding window or soft cap),
+        q [T, H, d] in the space of ``k_rotation``.
       k_bits, v_bits, scale: its parameters.
+      k_rotation, v_rotation: None, or float [d, d]: the codecs' rotations Pi. With them q and the
+        result are in the model's space (the decoded K / V rotated back, k = k_rot @ Pi_k, instead
+        of every query row rotated in and out: num_kv_heads x tokens rows instead of num_heads x
+        rows); None: q is K's rotated space and the result V's (the primitive's q_rot / out_rot).
       sinks: None, or float [H]: a per-head logit joining every row's softmax denominator only
         (attention sinks, as the reference's ``sinks``): one more term of the merge.
       attend: ``(q, k, v, q_lens, kv_lens, *, scale, causal, q_offsets, kv_offsets) -> (out, lse)``
         over segments, as :func:`jax_tq._compat.cudnn_attention_with_lse` (the default); the CPU
         tests pass XLA's exact attention (``tests/oracle.py``).
       dtype: the dtype of the queries and decoded tokens handed to ``attend``, and of the result.
-    Memory: the span (2 x S x max_pages x page_size x Hkv x d of ``dtype``), each row's own K / V
-    (2 x T x Hkv x d), two attention outputs (T x H x d of ``dtype`` each). A decreasing
-    query_start_loc (``jax_tq.checked`` reports it) is read as its running maximum.
+    Memory: the span (2 x S x max_pages x page_size x Hkv x d of ``dtype``, and its rotation), each
+    row's own K / V (2 x T x Hkv x d), two attention outputs (T x H x d of ``dtype`` each). A
+    decreasing query_start_loc (``jax_tq.checked`` reports it) is read as its running maximum.
     """
     attend = _compat.cudnn_attention_with_lse if attend is None else attend
-    num_rows = q_rot.shape[0]
+    num_rows = q.shape[0]
     num_seqs, max_pages = block_tables.shape
     capacity = max_pages * k_codes.shape[2]
     keys, valid, k_finite = span_tokens(k_codes, k_norms, k_centroids, k_bits, block_tables, seq_lens, k_window,
                                         window_ids, dtype)
     values, _, v_finite = span_tokens(v_codes, v_norms, v_centroids, v_bits, block_tables, seq_lens, v_window,
                                       window_ids, dtype)
-    group = q_rot.shape[1] // keys.shape[2]
     values = jnp.where(k_finite[..., None], values, 0)   # a skipped key's value adds nothing either
+    keys, values = _rotated_back(keys, k_rotation), _rotated_back(values, v_rotation)
+    group = q.shape[1] // keys.shape[2]
     seg = _segments(query_start_loc, seq_lens, num_rows, capacity)
     row = _row_places(seg, num_rows)
-    queries = q_rot.astype(dtype)
+    queries = q.astype(dtype)
     active = seg.seen > 0
     own_call = _packed_call(attend, scale, seg.first, seg.seen, seg.first, seg.seen, active)
     out_own, lse_own = own_call(queries, keys[row.seq, row.own], values[row.seq, row.own], causal=True)
+    # The cached prefixes: unmasked, every sequence's tokens before its chunk. Run whether or not any
+    # sequence has one (a lax.cond would read its predicate on the host, one round trip per call).
+    has_prefix = active & (seg.prefix > 0)
     prefix_call = _packed_call(attend, scale, seg.first, seg.seen, jnp.arange(num_seqs, dtype=jnp.int32) * capacity,
-                               seg.prefix, active & (seg.prefix > 0))
+                               seg.prefix, has_prefix)
+    flat = (num_seqs * capacity,) + keys.shape[2:]
+    out_prefix, lse_prefix = prefix_call(queries, keys.reshape(flat), values.reshape(flat), causal=False)
     # Per KV head. Zero keys (slots the kernel skips: an invalid page or window id, a non-finite K
     # norm) each add 1 to the softmax sums: the prefix's to all its rows, the chunk's causally. A
     # non-finite V norm (of a key not skipped) makes NaN the rows that see its token, all of their
@@ -121,25 +132,21 @@ def dense_prefill_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids
     poisoned = (valid[..., None] & k_finite & ~v_finite).astype(jnp.int32)   # a skipped key poisons nothing
     skipped_prefix, skipped_own = (_per_head(x, group) for x in _prefix_and_own(missing, seg, row))
     nan_prefix, nan_own = (_per_head(x, group) for x in _prefix_and_own(poisoned, seg, row))
+    part_a = (out_prefix, lse_prefix, row.inside & has_prefix[row.seq], skipped_prefix)
+    merged = _merge(part_a, out_own, lse_own, skipped_own, sinks)
+    merged = jnp.where(((nan_prefix > 0) | (nan_own > 0))[..., None], jnp.nan, merged)
+    out = jnp.where(row.inside[:, None, None], merged, 0.0)
     owned = reference.prefill_row_lens(query_start_loc, seq_lens, num_rows, capacity)[2]
-    nan_rows = ~jnp.all(jnp.isfinite(q_rot), axis=-1) & owned[:, None]                         # [T, H]
+    nan_rows = ~jnp.all(jnp.isfinite(q), axis=-1) & owned[:, None]                             # [T, H]
+    return jnp.where(nan_rows[..., None], jnp.nan, out).astype(dtype)
 
-    def result(part_a):   # merged, rows that see no token 0, rows of a non-finite query NaN
-        merged = _merge(part_a, out_own, lse_own, skipped_own, sinks)
-        merged = jnp.where(((nan_prefix > 0) | (nan_own > 0))[..., None], jnp.nan, merged)
-        out_rot = jnp.where(row.inside[:, None, None], merged, 0.0)
-        return jnp.where(nan_rows[..., None], jnp.nan, out_rot).astype(dtype)
 
-    def with_prefix(operands):
-        out_prefix, lse_prefix = prefix_call(*operands, causal=False)
-        return result((out_prefix, lse_prefix, row.inside & (seg.prefix[row.seq] > 0), skipped_prefix))
-
-    def fresh(operands):  # no sequence has cached tokens: no prefix attention, nothing to merge it with
-        return result(None)
-
-    flat = (num_seqs * capacity,) + keys.shape[2:]
-    return jax.lax.cond(jnp.any(active & (seg.prefix > 0)), with_prefix, fresh,
-                        (queries, keys.reshape(flat), values.reshape(flat)))
+def _rotated_back(tokens, rotation):
+    """Decoded tokens [S, L, Hkv, d] in a codec's rotated space back to the model's (x = x_rot @ Pi), in
+    their dtype (bfloat16: float32 accumulation); unchanged for rotation None."""
+    if rotation is None:
+        return tokens
+    return jnp.einsum("sthd,de->sthe", tokens, rotation.astype(tokens.dtype), precision=jax.lax.Precision.HIGHEST)
 
 
 class _Segments(NamedTuple):
@@ -180,17 +187,20 @@ def _row_places(seg: _Segments, num_rows: int) -> _RowPlaces:
 def _packed_call(attend, scale, q_offsets, q_lens, kv_offsets, kv_lens, active):
     """``attend`` over the rows (q [T, H, d], k / v [N, Hkv, d], as batch element 0), sequence s the
     segment of rows q_offsets[s] .. + q_lens[s] and keys kv_offsets[s] .. + kv_lens[s] where
-    ``active`` (the others -1, which JAX's cuDNN call drops; at least two segments, as JAX reads one
-    as no packing). Returns (out [T, H, d], lse [T, H])."""
-    pad = max(2 - q_offsets.shape[0], 0)
+    ``active`` (the others -1, which JAX's cuDNN call drops). One more segment, row 0 over key 0, is
+    present when no sequence is, so that cuDNN always has one (its row is no active segment's: the
+    caller ignores it); it also makes at least two entries, as JAX reads one as no packing. Returns
+    (out [T, H, d], lse [T, H])."""
+    spare = ~jnp.any(active)
 
-    def pick(x, end):
-        return jnp.pad(jnp.where(active, x, -1).astype(jnp.int32), (0, pad + end), constant_values=-1)[None]
+    def pick(x, spare_value, end):
+        x = jnp.concatenate([jnp.where(active, x, -1), jnp.where(spare, spare_value, -1)[None]]).astype(jnp.int32)
+        return jnp.pad(x, (0, end), constant_values=-1)[None]
 
     def call(q, k, v, *, causal):
         attention = _batched_by_packing(functools.partial(attend, scale=scale, causal=causal))
-        out, lse = attention(q[None], k[None], v[None], pick(q_lens, 0), pick(kv_lens, 0), pick(q_offsets, 1),
-                             pick(kv_offsets, 1))
+        out, lse = attention(q[None], k[None], v[None], pick(q_lens, 1, 0), pick(kv_lens, 1, 0), pick(q_offsets, 0, 1),
+                             pick(kv_offsets, 0, 1))
         return out[0], lse[0]
     return call
 

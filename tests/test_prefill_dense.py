@@ -37,8 +37,7 @@ def _both(cache, operands, sinks=None):
     float32 at its end: the two agree to ~1e-7)."""
     scale = 1 / np.sqrt(cache.head_dim)
     bits = dict(k_bits=cache.k_codec.bits, v_bits=cache.v_codec.bits, scale=scale)
-    got = paged_prefill_dense.dense_prefill_rotated(*operands, **bits, attend=exact_attend,
-                                                    dtype=jnp.float64, sinks=sinks)
+    got = paged_prefill_dense.dense_prefill(*operands, **bits, attend=exact_attend, dtype=jnp.float64, sinks=sinks)
     sink_operand = jnp.zeros((0,), jnp.float64) if sinks is None else sinks
     want = prefill_module._reference(*operands, sink_operand, **bits)[0]
     return np.asarray(got), np.asarray(to_f64(want))
@@ -75,8 +74,8 @@ def test_dense_path_reads_a_decreasing_query_start_loc_as_its_running_maximum(rn
         tables = random_tables(rng, (100, 100, 100), 16, 40)
         q = rng.normal(size=(64, 4, 64))
         operands = _operands(cache, q, tables, (100, 100, 100), (0, 40, 25, 60))
-        got = np.asarray(paged_prefill_dense.dense_prefill_rotated(*operands, k_bits=4, v_bits=4, scale=0.125,
-                                                                   attend=exact_attend, dtype=jnp.float64))
+        got = np.asarray(paged_prefill_dense.dense_prefill(*operands, k_bits=4, v_bits=4, scale=0.125,
+                                                           attend=exact_attend, dtype=jnp.float64))
         fixed = _operands(cache, q, tables, (100, 100, 100), (0, 40, 40, 60))
         want = np.asarray(prefill_module._reference(*fixed, jnp.zeros((0,), jnp.float64), k_bits=4, v_bits=4,
                                                     scale=0.125)[0])
@@ -120,13 +119,31 @@ def test_dense_path_with_sinks_equals_the_float64_reference(rng):
     assert np.abs(got[:, 2]).max() < 1e-12 < np.abs(got[:, 3]).max()   # the sink of 40 takes every row's weight
 
 
+def test_dense_path_in_the_models_space_equals_the_reference_between_rotations(rng):
+    """With the codecs' rotations the decoded K / V are rotated back and q is used as it is: the result
+    is the reference's out_rot @ Pi_v (two chunks after cached tokens and a fresh prompt, GQA 3)."""
+    with _compat.enable_x64():
+        cache = random_cache(rng, num_pages=80, page_size=16, num_kv_heads=2, head_dim=64, k_bits=3, v_bits=4,
+                             seed=int(rng.integers(1 << 16)))
+        tables = random_tables(rng, (300, 90, 200), 16, 80)
+        starts = np.asarray([0, 100, 190, 290])
+        q = rng.normal(size=(290, 6, 64))
+        operands = _operands(cache, q, tables, (300, 90, 200), starts)
+        k_rotation, v_rotation = to_f64(cache.k_codec.rotation), to_f64(cache.v_codec.rotation)
+        got = paged_prefill_dense.dense_prefill(jnp.asarray(q), *operands[1:], k_bits=3, v_bits=4, scale=0.125,
+                                                k_rotation=jnp.asarray(k_rotation), v_rotation=jnp.asarray(v_rotation),
+                                                attend=exact_attend, dtype=jnp.float64)
+        out_rot = prefill_module._reference(*operands, jnp.zeros((0,), jnp.float64), k_bits=3, v_bits=4, scale=0.125)[0]
+    assert rel_err(np.asarray(got), to_f64(out_rot) @ v_rotation) < 2e-7
+
+
 def test_dense_path_in_float32_is_close_to_the_float64_reference(rng):
     cache = random_cache(rng, num_pages=64, page_size=16, num_kv_heads=2, head_dim=128, k_bits=4, v_bits=4,
                          seed=int(rng.integers(1 << 16)))
     tables = random_tables(rng, (700,), 16, 64)
     q = rng.normal(size=(200, 8, 128))
     operands = _operands(cache, q, tables, (700,), (0, 200))
-    got = paged_prefill_dense.dense_prefill_rotated(
+    got = paged_prefill_dense.dense_prefill(
         *(o.astype(jnp.float32) if o.dtype == jnp.float64 else o for o in operands), k_bits=4, v_bits=4,
         scale=1 / np.sqrt(128), attend=exact_attend, dtype=jnp.float32)
     with _compat.enable_x64():
@@ -199,6 +216,40 @@ def test_paged_prefill_takes_the_dense_path_for_long_sequences(monkeypatch, rng,
         kernel = np.asarray(tq.paged_prefill(q, cache, tables, lens, starts), np.float32)
     # The kernel's result exactly where it runs; the bfloat16 span's and rotations' rounding where not.
     assert (rel_err(got, kernel) > 1e-4) if dense else np.array_equal(got, kernel)
+    monkeypatch.undo()   # the dense plan lowered for the CPU: its default branch, the kernel between bf16 rotations
+    monkeypatch.setattr(_compat, "has_cudnn_attention", lambda: True)
+    with tq.use_backend("auto"):
+        elsewhere = np.asarray(tq.paged_prefill(q, cache, tables, lens, starts), np.float32)
+    assert (rel_err(elsewhere, kernel) < 1e-2) if dense else np.array_equal(elsewhere, kernel)
+
+
+def test_dense_path_gradient_is_the_references(monkeypatch, rng):
+    """jax.grad through the dense plan (q, K norms, V norms, sinks) is the reference's, as on every
+    other path (XLA's backend: the reference's own gradient, in float32)."""
+    monkeypatch.setattr(_compat, "has_cudnn_attention", lambda: True)
+    monkeypatch.setattr(_compat, "cudnn_attention_with_lse", exact_attend)
+    monkeypatch.setattr(jax.lax, "platform_dependent", lambda *args, cuda, default: cuda(*args))
+    cache = random_cache(rng, num_pages=40, page_size=16, num_kv_heads=2, head_dim=64, k_bits=4, v_bits=4,
+                         seed=int(rng.integers(1 << 16)))
+    tables, lens = random_tables(rng, (300, 180), 16, 40), jnp.asarray([300, 180], jnp.int32)
+    starts = jnp.asarray([0, 150, 330], jnp.int32)
+    q = jnp.asarray(rng.normal(size=(330, 4, 64)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
+    sinks = jnp.asarray(rng.normal(size=(4,)), jnp.float32)
+
+    def loss(q, k_norms, v_norms, sinks):
+        c = dataclasses.replace(cache, k_norms=k_norms, v_norms=v_norms)
+        return jnp.sum(w * tq.paged_prefill(q, c, tables, lens, starts, sinks=sinks).astype(jnp.float32))
+
+    args = (q, cache.k_norms, cache.v_norms, sinks)
+    with tq.use_backend("auto"):
+        assert "jax_tq_paged_prefill" not in jax.jit(loss).lower(*args).as_text()   # the dense plan
+        got = jax.grad(loss, argnums=(0, 1, 2, 3))(*args)
+    with tq.use_backend("xla"):
+        want = jax.grad(loss, argnums=(0, 1, 2, 3))(*args)
+    assert got[0].dtype == jnp.bfloat16
+    for g, r in zip(got, want):
+        assert rel_err(np.asarray(g, np.float32), np.asarray(r, np.float32)) < 1e-6
 
 
 def test_dense_path_under_vmap_with_batched_query_start_loc(monkeypatch, rng):
@@ -246,10 +297,9 @@ def test_dense_path_treats_non_finite_norms_as_the_kernel_does(rng):
                bad.v_codec.centroids, tables, lens, *window_operands(bad, None, lens, "paged_prefill"), starts)
         with tq.use_backend("ffi"):
             kernel = np.asarray(prefill_module._prefill(*ops, jnp.zeros((0,), jnp.float32), 4, 4, 0.125, False, "ffi",
-                                                        0, 0.0, False))
-        dense = np.asarray(paged_prefill_dense.dense_prefill_rotated(*ops, k_bits=4, v_bits=4, scale=0.125,
-                                                                     attend=exact_attend,
-                                                                     dtype=jnp.float32))
+                                                        0, 0.0))
+        dense = np.asarray(paged_prefill_dense.dense_prefill(*ops, k_bits=4, v_bits=4, scale=0.125,
+                                                             attend=exact_attend, dtype=jnp.float32))
         nan = np.isnan(kernel)
         assert np.array_equal(np.isnan(dense), nan) and (nan.any() == (names == ("v_norms",)))
         assert rel_err(np.where(nan, 0, dense), np.where(nan, 0, kernel)) < 1e-5
