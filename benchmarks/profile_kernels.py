@@ -1,4 +1,5 @@
-"""A few launches of each jax_tq CUDA kernel, for `ncu` (Nsight Compute) to profile.
+"""A few launches of each jax_tq CUDA kernel, for `ncu` (Nsight Compute) to profile: decode, a
+decode step's write, a prefill's write of Hadamard codecs (8192 tokens), a compress.
 
 Usage: ncu --clock-control none -k regex:"tq_|paged_decode" --section SpeedOfLight \
            --section LaunchStats --section Occupancy python3 benchmarks/profile_kernels.py
@@ -47,6 +48,13 @@ def main():
     for _ in range(2):
         cache = write(cache, k, k, slots)
     jax.block_until_ready(cache)
+    # A prefill's write of Hadamard codecs (tq_hadamard_kernel): 8192 tokens x HKV heads, K and V.
+    prompt = tq.PagedKVCache.create(num_pages=8192 // PAGE, page_size=PAGE, num_kv_heads=HKV,
+                                    k_codec=tq.TurboQuant(D, 4, 0, "hadamard"), v_codec=tq.TurboQuant(D, 4, 1, "hadamard"))
+    k = jax.random.normal(key, (8192, HKV, D), jnp.bfloat16)
+    for _ in range(2):
+        prompt = write(prompt, k, k, jnp.arange(8192, dtype=jnp.int32))
+    jax.block_until_ready(prompt)
     x = jax.random.normal(key, (1 << 20, D), jnp.bfloat16)
     jax.block_until_ready(jax.jit(tq.compress, static_argnums=1)(x, tq.TurboQuant(D, 4, 0)))
     print("profile_kernels: done")
