@@ -163,25 +163,33 @@ def has_cudnn_attention() -> bool:
 def packed_kv_offsets_follow_key_heads() -> bool:
     """Whether JAX's cuDNN call turns packed kv offsets (tokens) into elements with the key's heads
     (jax-ml/jax#39521, after jax 0.11.0); before it, with the query's, wrong for GQA. Asked of JAX's
-    own conversion on a 2-query-head / 1-key-head shape; False where that cannot be asked."""
+    own conversion on a 2-query-head / 1-key-head shape, evaluated at once even inside a trace.
+    Raises (uncached) where JAX has no such conversion."""
     cudnn = _cudnn_module()
     jnp = jax.numpy
-    try:
-        with jax.default_device(jax.devices("cpu")[0]):
-            offsets, lens = jnp.asarray([[0, 1, -1]], jnp.int32), jnp.asarray([[1, 1]], jnp.int32)
-            kv_offsets = cudnn._fix_seqlen_offsets(lens, lens, offsets, offsets, jnp.zeros((1, 2, 2, 1)),
-                                                   jnp.zeros((1, 2, 1, 1)))[3]
+    with jax.ensure_compile_time_eval(), jax.default_device(jax.devices("cpu")[0]):
+        offsets, lens = jnp.asarray([[0, 1, -1]], jnp.int32), jnp.asarray([[1, 1]], jnp.int32)
+        kv_offsets = cudnn._fix_seqlen_offsets(lens, lens, offsets, offsets, jnp.zeros((1, 2, 2, 1)),
+                                               jnp.zeros((1, 2, 1, 1)))[3]
         return int(kv_offsets[0, 1]) == 1
-    except Exception:  # pragma: no cover - another JAX: the repeat below is right under either rule
-        return False
+
+
+def packed_kv_heads(num_heads: int, num_kv_heads: int) -> int:
+    """The KV heads cuDNN's packed call is handed (:func:`packed_keys`): num_kv_heads where JAX scales
+    kv offsets by the key's heads, else num_heads (each KV head repeated: MHA, where both rules agree,
+    and the rule of a JAX that cannot be asked)."""
+    try:
+        follows = num_heads == num_kv_heads or packed_kv_offsets_follow_key_heads()
+    except Exception:  # pragma: no cover - another JAX
+        follows = False
+    return num_kv_heads if follows else num_heads
 
 
 def packed_keys(q, k, v):
-    """k, v as cuDNN's packed call through JAX reads them correctly: unchanged where JAX scales kv
-    offsets by the key's heads, else each KV head repeated for its query heads (MHA, where both rules
-    agree)."""
-    group = q.shape[2] // k.shape[2]
-    if group == 1 or packed_kv_offsets_follow_key_heads():
+    """k, v as cuDNN's packed call through JAX reads them correctly ([B, S, K, H] -> [B, S,
+    packed_kv_heads(N, K), H])."""
+    group = packed_kv_heads(q.shape[2], k.shape[2]) // k.shape[2]
+    if group == 1:
         return k, v
     return jax.numpy.repeat(k, group, axis=2), jax.numpy.repeat(v, group, axis=2)
 

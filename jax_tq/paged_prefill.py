@@ -71,7 +71,9 @@ def paged_prefill(q, cache, block_tables, seq_lens, query_start_loc, *, window_i
         memory: the span and its rotation, 2 x 2 x num_seqs x max_pages x page_size x num_kv_heads x
         head_dim x 2 bytes, the span at most 1 GiB, and ~4 bfloat16 copies of the output). There, a block-table entry outside the pool or
         a window id of none inside a sequence's length (``jax_tq.checked`` reports both) loses
-        precision where every logit its rows see is far below 0, instead of being skipped exactly.
+        precision where every logit its rows see is far below 0, instead of being skipped exactly,
+        and a non-finite V norm or window entry makes NaN every coordinate of the rows that see it
+        (the kernel: the coordinates it reaches).
       sliding_window: None, or an int >= 1 (static): the row at position p sees only positions
         p - sliding_window + 1 .. p (the last sliding_window tokens, itself included; vLLM's /
         Mistral's convention; :mod:`jax_tq.variants`).
@@ -154,7 +156,8 @@ def _rotate(x, matrix, bf16: bool = False):
 #: tile once per 16 query tokens (H200, 32 / 8 heads, d128, K4V4: 128 rows after 8064 cached tokens
 #: 168 us against the kernel's 371; 2048 after 6144: 629 against 1763).
 DENSE_MIN_ROWS = 128
-#: The most bytes of decoded bfloat16 K and V (2 x num_seqs x max_pages x page_size x Hkv x d x 2) the
+#: The most bytes of decoded bfloat16 K and V as cuDNN reads them (2 x num_seqs x max_pages x page_size x
+#: KV heads x d x 2, the KV heads repeated per query head under a JAX whose packed call needs it) the
 #: dense path may hold; past it, the kernel (which keeps memory O(rows)).
 DENSE_MAX_SPAN_BYTES = 1 << 30
 
@@ -163,13 +166,19 @@ def _dense_planned(q, cache, num_seqs: int, max_pages: int, f16_products: bool, 
     """Whether the prefill runs as attention over the decoded span (on CUDA; the kernel elsewhere):
     backend "auto", bfloat16 queries with float16-class products allowed (the span is bfloat16), at
     least DENSE_MIN_ROWS rows per sequence on average (the span decodes every sequence's tokens, so
-    decode-like rows stay on the kernel), a span of 1 .. DENSE_MAX_SPAN_BYTES, head_dim 64 / 128, no
-    sliding window or soft cap (``variant``; sinks are served), and JAX's cuDNN attention with its
-    packed layout (Hopper or later)."""
-    span_bytes = 2 * num_seqs * max_pages * cache.page_size * cache.num_kv_heads * cache.head_dim * 2
-    return (backend == "auto" and f16_products and jnp.dtype(q.dtype) == jnp.dtype(jnp.bfloat16) and num_seqs >= 1
-            and q.shape[0] >= DENSE_MIN_ROWS * num_seqs and 0 < span_bytes <= DENSE_MAX_SPAN_BYTES
-            and cache.head_dim in (64, 128) and not variant and _compat.has_cudnn_attention())
+    decode-like rows stay on the kernel), a span of 1 .. DENSE_MAX_SPAN_BYTES, a packing that fits
+    (int32 element offsets, cuDNN's statistics: ``paged_prefill_dense.packing_fits``), head_dim 64 /
+    128, no sliding window or soft cap (``variant``; sinks are served), and JAX's cuDNN attention with
+    its packed layout (Hopper or later)."""
+    if not (backend == "auto" and f16_products and jnp.dtype(q.dtype) == jnp.dtype(jnp.bfloat16) and num_seqs >= 1
+            and q.shape[0] >= DENSE_MIN_ROWS * num_seqs and cache.head_dim in (64, 128) and not variant
+            and _compat.has_cudnn_attention()):
+        return False
+    tokens = num_seqs * max_pages * cache.page_size
+    handed = _compat.packed_kv_heads(q.shape[1], cache.num_kv_heads)   # KV heads as cuDNN reads them
+    span_bytes = 2 * tokens * handed * cache.head_dim * 2
+    return 0 < span_bytes <= DENSE_MAX_SPAN_BYTES and paged_prefill_dense.packing_fits(
+        q.shape[0], q.shape[1], tokens, cache.num_kv_heads, cache.head_dim, num_seqs + 1)
 
 
 def _check_query_start_loc(query_start_loc, num_seqs: int):

@@ -219,6 +219,9 @@ def _batched_by_packing(attend):
         q, k, v, q_lens, kv_lens, q_offsets, kv_offsets = (
             x if b else jnp.broadcast_to(x, (size,) + x.shape) for x, b in zip(args, batched))
         rows, keys = q.shape[2], k.shape[2]
+        if not packing_fits(size * rows, q.shape[3], size * keys, k.shape[3], q.shape[4], size * q_lens.shape[2]):
+            out, lse = jax.lax.map(lambda a: attention(*a), (q, k, v, q_lens, kv_lens, q_offsets, kv_offsets))
+            return (out, lse), (True, True)
 
         def shifted(offsets, stride):   # [size, 1, M + 1] -> [1, size x M + 1]
             starts = offsets[:, 0, :-1]
@@ -232,6 +235,19 @@ def _batched_by_packing(attend):
                              kv_lens.reshape(1, -1), shifted(q_offsets, rows), shifted(kv_offsets, keys))
         return (out.reshape((size, 1, rows) + out.shape[2:]), lse.reshape((size, 1, rows) + lse.shape[2:])), (True, True)
     return attention
+
+
+#: The most bytes of cuDNN's softmax statistics (segments x heads x rows float32) one packed call holds.
+MAX_STATS_BYTES = 1 << 30
+
+
+def packing_fits(rows: int, num_heads: int, keys: int, num_kv_heads: int, head_dim: int, segments: int) -> bool:
+    """Whether one packed call of ``rows`` query rows and ``keys`` keys in ``segments`` segments keeps
+    JAX's int32 element offsets in range (the keys as handed to cuDNN: :func:`_compat.packed_kv_heads`)
+    and cuDNN's statistics ([segments, num_heads, rows] float32) within MAX_STATS_BYTES."""
+    kv_heads = _compat.packed_kv_heads(num_heads, num_kv_heads)
+    return (rows * num_heads * head_dim < 2**31 and keys * kv_heads * head_dim < 2**31
+            and segments * num_heads * rows * 4 <= MAX_STATS_BYTES)
 
 
 def _prefix_and_own(flags, seg: _Segments, row: _RowPlaces):

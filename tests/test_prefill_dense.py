@@ -167,6 +167,34 @@ def test_packed_keys_are_read_at_their_segments_offsets(num_heads, num_kv_heads)
     np.testing.assert_array_equal(np.asarray(kv)[0, :3], np.asarray([0, 7, 30]) * keys.shape[2] * 16)
 
 
+def test_the_offset_rule_is_asked_the_same_inside_a_trace():
+    """First asked while jit traces the dense path (as it is in use), the answer is JAX's eager one."""
+    _compat.packed_kv_offsets_follow_key_heads.cache_clear()
+    inside = jax.jit(lambda x: x + _compat.packed_kv_offsets_follow_key_heads())(0)
+    _compat.packed_kv_offsets_follow_key_heads.cache_clear()
+    with jax.ensure_compile_time_eval():
+        outside = _compat.packed_kv_offsets_follow_key_heads()
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+    offsets = np.asarray([[0, 3, -1]], np.int32)
+    lens = np.asarray([[3, 3]], np.int32)
+    scaled = cudnn._fix_seqlen_offsets(lens, lens, offsets, offsets, jnp.zeros((1, 6, 4, 2)), jnp.zeros((1, 6, 1, 2)))[3]
+    assert bool(inside) == outside == (int(np.asarray(scaled)[0, 1]) == 3 * 1 * 2)
+
+
+def test_packing_fits_int32_element_offsets_and_the_statistics():
+    """JAX hands cuDNN int32 element offsets (token x heads x head_dim): a packing past 2^31 elements of
+    q or of the keys as handed (KV heads repeated where JAX needs it) does not fit; nor do statistics
+    past MAX_STATS_BYTES."""
+    fits = paged_prefill_dense.packing_fits
+    handed = _compat.packed_kv_heads(32, 1)
+    assert fits(1024, 32, (2**31 - 1) // (handed * 128), 1, 128, 9)
+    assert not fits(1024, 32, 2**31 // (handed * 128), 1, 128, 9)
+    assert fits(2**31 // (32 * 128) - 1, 32, 16, 8, 128, 1) and not fits(2**31 // (32 * 128), 32, 16, 8, 128, 1)
+    limit = paged_prefill_dense.MAX_STATS_BYTES
+    assert fits(1024, 32, 4096, 8, 128, limit // (32 * 1024 * 4))
+    assert not fits(1024, 32, 4096, 8, 128, limit // (32 * 1024 * 4) + 1)
+
+
 def test_dense_path_is_planned_for_long_bf16_sequences_only(monkeypatch):
     """The one place that chooses it: backend auto, bf16 queries with default precision, DENSE_MIN_ROWS
     rows per sequence or more, a span of 1 .. DENSE_MAX_SPAN_BYTES (every sequence's), head_dim 64 /
@@ -180,10 +208,15 @@ def test_dense_path_is_planned_for_long_bf16_sequences_only(monkeypatch):
     assert plan(q, cache, 1, 64, True, "auto", False) and plan(q[:rows], cache, 1, 64, True, "auto", False)
     assert plan(q, cache, 2, 64, True, "auto", False) and not plan(q[:-1], cache, 2, 64, True, "auto", False)
     assert not plan(q[:rows - 1], cache, 1, 64, True, "auto", False)
-    too_many_pages = prefill_module.DENSE_MAX_SPAN_BYTES // (2 * 16 * 2 * 128 * 2) + 1
+    handed = _compat.packed_kv_heads(4, 2)   # 2, or 4 where JAX's packed call needs the KV heads repeated
+    too_many_pages = prefill_module.DENSE_MAX_SPAN_BYTES // (2 * 16 * handed * 128 * 2) + 1
     assert plan(q, cache, 1, too_many_pages - 1, True, "auto", False)
     assert not plan(q, cache, 1, too_many_pages, True, "auto", False)
     assert not plan(q, cache, 2, too_many_pages // 2 + 1, True, "auto", False)   # the span counts every sequence
+    monkeypatch.setattr(paged_prefill_dense, "MAX_STATS_BYTES", 3 * 4 * 2 * rows * 4 - 1)   # [3, 4, 2 rows] f32
+    assert plan(q, cache, 1, 64, True, "auto", False) and not plan(q, cache, 2, 64, True, "auto", False)
+    monkeypatch.undo()
+    monkeypatch.setattr(_compat, "has_cudnn_attention", lambda: True)
     assert not plan(q, cache, 1, 0, True, "auto", False)
     assert not plan(q, cache, 1, 64, False, "auto", False)
     assert not plan(q, cache, 1, 64, True, "ffi", False)
@@ -252,11 +285,17 @@ def test_dense_path_gradient_is_the_references(monkeypatch, rng):
         assert rel_err(np.asarray(g, np.float32), np.asarray(r, np.float32)) < 1e-6
 
 
-def test_dense_path_under_vmap_with_batched_query_start_loc(monkeypatch, rng):
+@pytest.mark.parametrize("packed", [True, False])
+def test_dense_path_under_vmap_with_batched_query_start_loc(monkeypatch, rng, packed):
     """vmap over the queries and query_start_loc of two sequences (the elements' segments packed into
-    one attention call, the cond on cached tokens a select; no kernel call is traced under it): each
-    result is its own call's and the float64 oracle's."""
+    one attention call; not packed: a map over the elements, where the packing would not fit): each
+    result is its own call's and the float64 oracle's; no kernel call is traced."""
     monkeypatch.setattr(_compat, "has_cudnn_attention", lambda: True)
+    if not packed:   # the statistics of one element's calls fit, of two packed ones not
+        monkeypatch.setattr(paged_prefill_dense, "MAX_STATS_BYTES", 3 * 4 * 280 * 4)
+    mapped = []
+    lax_map = jax.lax.map
+    monkeypatch.setattr(jax.lax, "map", lambda *a, **k: mapped.append(1) or lax_map(*a, **k))
     monkeypatch.setattr(_compat, "cudnn_attention_with_lse", exact_attend)
     monkeypatch.setattr(jax.lax, "platform_dependent", lambda *args, cuda, default: cuda(*args))
     cache = random_cache(rng, num_pages=64, page_size=16, num_kv_heads=2, head_dim=64, k_bits=4, v_bits=4,
@@ -270,6 +309,7 @@ def test_dense_path_under_vmap_with_batched_query_start_loc(monkeypatch, rng):
         call = jax.jit(lambda q, s: tq.paged_prefill(q, cache, tables, lens, s))
         assert "jax_tq_paged_prefill" not in call.lower(q[0], starts[0]).as_text()   # the dense path
         both = np.asarray(jax.vmap(call)(q, starts), np.float32)
+        assert bool(mapped) != packed
         for i in range(2):
             # bfloat16 rotations: XLA may round a batched and an unbatched product differently
             assert rel_err(both[i], np.asarray(call(q[i], starts[i]), np.float32)) < 1e-3
