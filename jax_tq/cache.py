@@ -436,6 +436,7 @@ def write_cache(cache: PagedKVCache, k, v, slot_mapping, window_slots=None) -> P
         raise ValueError(f"jax_tq.write_cache: k has {k.shape[0]} tokens but v has {v.shape[0]}")
     check_index_dtype(slot_mapping, f"jax_tq.write_cache: slot_mapping must be int32 [{k.shape[0]}]")
     slot_mapping = jnp.asarray(slot_mapping)
+    check_slot_mapping_shape(slot_mapping, k.shape[0])
     check_slot_mapping(slot_mapping, num_slots=cache.num_slots)
     window_slots = _window_slots(cache, window_slots, k.shape[0])
     if not cache.compressed:

@@ -360,6 +360,12 @@ def test_refuses_bad_write_and_codec_op_arguments_at_trace_time():
         trace(cache, k, k, slots[:, None])
     with pytest.raises(ValueError, match=r"slot_mapping must be int32 \[3\], got int32\(4,\)"):
         trace(cache, k, k, jnp.zeros((4,), jnp.int32))
+    windowed = tq.PagedKVCache.create(num_pages=3, page_size=8, num_kv_heads=2, preset="k4v4", head_dim=64,
+                                      num_windows=1)
+    for bad in (jnp.zeros((5,), jnp.int32), slots[:, None]):   # checked before the window's slots use it
+        with pytest.raises(ValueError, match=r"slot_mapping must be int32 \[3\], got int32"):
+            jax.eval_shape(lambda c, s: tq.write_cache(c, k, k, s, window_slots=jnp.zeros((3,), jnp.int32)),
+                           windowed, bad)
     with _compat.enable_x64():
         with pytest.raises(TypeError, match=r"write_cache: k must be float32, bfloat16 or float16, got float64"):
             trace(cache, k.astype(jnp.float64), k, slots)
