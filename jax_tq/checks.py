@@ -142,6 +142,14 @@ def check_query_start_loc(query_start_loc, seq_lens, *, num_rows: int, op: str =
         return
     name = f"jax_tq.{op}: {starts_name}"
     checkify.check(query_start_loc[0] == 0, f"{name}[0] = {{a}} must be 0", a=query_start_loc[0])
+    if seq_lens.size:   # reported before the end, which a decrease may also break
+        steps = jnp.diff(query_start_loc)
+        s = jnp.argmin(steps)
+        checkify.check(
+            steps[s] >= 0,
+            f"{name} decreases from {{a}} to {{b}} at sequence {{s}}",
+            a=query_start_loc[s], b=query_start_loc[s + 1], s=s,
+        )
     if padding:
         checkify.check(query_start_loc[-1] <= num_rows,
                        f"{name}[-1] = {{b}} must be <= num_tokens = {num_rows}", b=query_start_loc[-1])
@@ -150,13 +158,6 @@ def check_query_start_loc(query_start_loc, seq_lens, *, num_rows: int, op: str =
                        b=query_start_loc[-1])
     if seq_lens.size == 0:
         return
-    steps = jnp.diff(query_start_loc)
-    s = jnp.argmin(steps)
-    checkify.check(
-        steps[s] >= 0,
-        f"{name} decreases from {{a}} to {{b}} at sequence {{s}}",
-        a=query_start_loc[s], b=query_start_loc[s + 1], s=s,
-    )
     short = steps > seq_lens
     s = jnp.argmax(short)
     checkify.check(

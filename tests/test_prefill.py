@@ -197,8 +197,9 @@ def test_bad_inputs_raise_clear_errors(rng):
 
 @pytest.mark.parametrize("starts,lens,match", [
     ([0, 4, 3, 39, 39], [10, 33, 5, 0], "query_start_loc decreases from 4 to 3 at sequence 1"),
+    ([0, 4, 37, 39, 20], [10, 33, 5, 0], "query_start_loc decreases from 39 to 20 at sequence 3"),   # not its end
     ([1, 4, 37, 39, 39], [10, 33, 5, 0], r"query_start_loc\[0\] = 1 must be 0"),
-    ([0, 4, 37, 39, 38], [10, 33, 5, 0], r"query_start_loc\[-1\] = 38 must be num_tokens = 39"),
+    ([0, 4, 37, 38, 38], [10, 33, 5, 0], r"query_start_loc\[-1\] = 38 must be num_tokens = 39"),
     ([0, 4, 37, 39, 39], [10, 32, 5, 0], r"sequence 1 has 33 new query rows but seq_lens\[1\] = 32"),
 ])
 def test_checked_prefill_reports_bad_query_start_loc(rng, starts, lens, match):
