@@ -13,7 +13,7 @@ causal attention's 4 * d * heads * (visible tokens summed over rows) per second;
 cached tokens the cuDNN column times the whole (cached + new) causal prompt, whose rate is the
 reference. Timing: one jitted program of ``inner`` calls on distinct queries, median GPU span per call
 (profiler kernel events, benchmarks/device_time.py); host clock without kernel events (CPU).
-``--breakdown`` lists each program's longest kernels (median duration per call) after its row.
+``--breakdown`` lists each program's longest kernels (summed duration per call, mean of 5 traced runs) after its row.
 Usage: python benchmarks/bench_prefill.py [--quick] [--no-decode-rows] [--breakdown] [--shapes ...]
 """
 from __future__ import annotations

@@ -67,20 +67,29 @@ def span_us(run):
     return max(e["ts"] + e["dur"] for e in run) - min(e["ts"] for e in run)
 
 
-def traced_runs(run, repeats=5):
-    """Kernel events of ``repeats`` calls of ``run()`` (which must block until its results are
-    ready), one list per repetition; None (with the reason printed) when the trace cannot be taken,
-    has no GPU kernel events, or its repetitions cannot be told apart."""
+def _traced_kernels(run, repeats):
+    """(GPU kernel events, process names) of ``repeats`` calls of ``run()``, or None (the reason
+    printed) when the trace cannot be taken."""
     try:
         with tempfile.TemporaryDirectory() as trace_dir:
             with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
                 for _ in range(repeats):
                     run()
                     time.sleep(0.005)  # an idle gap that separates the repetitions on the timeline
-            kernels, processes = gpu_kernel_events(trace_dir)
+            return gpu_kernel_events(trace_dir)
     except Exception as err:  # noqa: BLE001 - a failed trace must not lose the host timings
         print(f"  device time unavailable: {type(err).__name__}: {str(err)[:200]}")
         return None
+
+
+def traced_runs(run, repeats=5):
+    """Kernel events of ``repeats`` calls of ``run()`` (which must block until its results are
+    ready), one list per repetition; None (with the reason printed) when the trace cannot be taken,
+    has no GPU kernel events, or its repetitions cannot be told apart."""
+    traced = _traced_kernels(run, repeats)
+    if traced is None:
+        return None
+    kernels, processes = traced
     if not kernels:
         if any("GPU" in name for name in processes):
             print(f"  device time unavailable: no kernel events on GPU stream lines ({processes})")
@@ -105,17 +114,10 @@ def kernel_seconds_by_name(run, calls_per_run, repeats=5):
     """{kernel name: its summed duration per call, in seconds, over ``repeats`` traced ``run()``s}
     (a mean: the repetitions need not be told apart, so programs with host round trips inside, e.g.
     a conditional, are measured too); None without GPU kernel events."""
-    try:
-        with tempfile.TemporaryDirectory() as trace_dir:
-            with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-                for _ in range(repeats):
-                    run()
-            kernels, _ = gpu_kernel_events(trace_dir)
-    except Exception as err:  # noqa: BLE001 - a failed trace must not lose the host timings
-        print(f"  kernel times unavailable: {type(err).__name__}: {str(err)[:200]}")
+    traced = _traced_kernels(run, repeats)
+    if traced is None or not traced[0]:
         return None
-    if not kernels:
-        return None
+    kernels = traced[0]
     totals = {}
     for e in kernels:
         name = str(e.get("name", ""))

@@ -69,11 +69,11 @@ def paged_prefill(q, cache, block_tables, seq_lens, query_start_loc, *, window_i
         rotated back to the model's space (each sequence a segment of cuDNN's packed layout; K, V
         and q rounded to bfloat16, ~2^-9 per term, as attention over a bfloat16 cache; transient
         memory: the span and its rotation, 2 x 2 x num_seqs x max_pages x page_size x num_kv_heads x
-        head_dim x 2 bytes, the span at most 1 GiB, and ~4 bfloat16 copies of the output). There, a block-table entry outside the pool or
-        a window id of none inside a sequence's length (``jax_tq.checked`` reports both) loses
-        precision where every logit its rows see is far below 0, instead of being skipped exactly,
-        and a non-finite V norm or window entry makes NaN every coordinate of the rows that see it
-        (the kernel: the coordinates it reaches).
+        head_dim x 2 bytes, the span at most 1 GiB, and ~4 bfloat16 copies of the output). There, a
+        block-table entry outside the pool or a window id of none inside a sequence's length
+        (``jax_tq.checked`` reports both) loses precision where every logit its rows see is far
+        below 0, instead of being skipped exactly, and a non-finite V norm or window entry makes NaN
+        every coordinate of the rows that see it (the kernel: the coordinates it reaches).
       sliding_window: None, or an int >= 1 (static): the row at position p sees only positions
         p - sliding_window + 1 .. p (the last sliding_window tokens, itself included; vLLM's /
         Mistral's convention; :mod:`jax_tq.variants`).
