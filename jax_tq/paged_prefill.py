@@ -237,7 +237,8 @@ def _prefill_fwd(*args):
 
 def _prefill_bwd(k_bits, v_bits, scale, f16_products, backend, sliding_window, soft_cap, operands, cotangent):
     """Backward pass through the reference (the same gradient on every backend)."""
-    _, vjp = jax.vjp(_reference_of(operands, k_bits, v_bits, scale, sliding_window, soft_cap), *_differentiable(operands))
+    attend = _reference_of(operands, k_bits, v_bits, scale, sliding_window, soft_cap)
+    _, vjp = jax.vjp(attend, *_differentiable(operands))
     return _cotangents(vjp(cotangent.astype(jnp.float32)))
 
 
@@ -250,7 +251,8 @@ def _prefill_dense(q, k_rotation, v_rotation, k_codes, k_norms, v_codes, v_norms
     """The dense plan: on CUDA attention over the decoded span in the model's space (no query rotated),
     elsewhere the kernel between bfloat16 rotations; bfloat16 [T, H, d] either way, differentiable in
     q, k_norms, v_norms and sinks (through the reference)."""
-    operands = (k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, k_window, v_window, window_ids, starts)
+    operands = (k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, k_window, v_window, window_ids,
+                starts)
 
     def kernel(q, k_rotation, v_rotation, *operands):
         q_rot = _rotate(q, k_rotation.T, True).astype(jnp.float32)   # the kernel's q_rot operand is float32

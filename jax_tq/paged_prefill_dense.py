@@ -233,7 +233,8 @@ def _batched_by_packing(attend):
 
         out, lse = attention(packed(q, rows), packed(k, keys), packed(v, keys), q_lens.reshape(1, -1),
                              kv_lens.reshape(1, -1), shifted(q_offsets, rows), shifted(kv_offsets, keys))
-        return (out.reshape((size, 1, rows) + out.shape[2:]), lse.reshape((size, 1, rows) + lse.shape[2:])), (True, True)
+        unpacked = (out.reshape((size, 1, rows) + out.shape[2:]), lse.reshape((size, 1, rows) + lse.shape[2:]))
+        return unpacked, (True, True)
     return attention
 
 
