@@ -15,6 +15,8 @@ Public API::
     out = tq.paged_prefill(q_new, cache, block_tables, seq_lens, query_start_loc)  # causal, new tokens
     out, cache = tq.ragged_paged_attention(q, k, v, cache, kv_lens, block_tables, cu_q_lens)  # write + attend
     out, cache = tq.prompt_attention(q, k, v, cache, block_tables, prompt_lens)   # exact over the prompt
+    rows = tq.decode_rows(cache, block_tables, positions, seq_lens)   # or prompt_rows / chunk_rows / CacheRows(...)
+    out, cache = tq.attend_rows(q, k, v, cache, rows)   # a decoder layer's write + attention, as rows say
     alloc = tq.PageAllocator(num_pages, page_size, max_pages_per_seq)   # host-side pages per sequence
     alloc.allocate(seq_id, num_tokens); alloc.extend(seq_id, new_total); alloc.free(seq_id)
     block_tables = alloc.block_tables(seq_ids)      # int32, -1 (never written or read) past a sequence's pages
@@ -38,6 +40,7 @@ from jax_tq.paged_decode import paged_decode, plan_decode
 from jax_tq.paged_prefill import paged_prefill
 from jax_tq.qjl import QJLCodes, qjl_compress, qjl_decompress, qjl_scores
 from jax_tq.ragged import prompt_attention, ragged_paged_attention
+from jax_tq.cache_rows import CacheRows, attend_rows, chunk_rows, decode_rows, prompt_rows
 from jax_tq.sharding import cache_partition_specs, shard_cache
 from jax_tq import nn  # noqa: E402  (flax is imported only when nn needs it)
 
@@ -45,6 +48,7 @@ __version__ = "0.2.0"
 
 __all__ = [
     "BackendUnavailableError",
+    "CacheRows",
     "OutOfPagesError",
     "PageAllocator",
     "CachePreset",
@@ -53,9 +57,12 @@ __all__ = [
     "QJLCodes",
     "TurboQuant",
     "TurboQuantProd",
+    "attend_rows",
     "cache_partition_specs",
     "checked",
+    "chunk_rows",
     "compress",
+    "decode_rows",
     "decompress",
     "get_backend",
     "get_preset",
@@ -65,6 +72,7 @@ __all__ = [
     "paged_prefill",
     "plan_decode",
     "prompt_attention",
+    "prompt_rows",
     "qjl_compress",
     "qjl_decompress",
     "qjl_scores",

@@ -8,7 +8,10 @@ parameters load into it with ``nnx.update(paged, nnx.state(mha, nnx.Param))``. I
 uncompressed pages with ``preset="none"``) with contiguous pages per batch row, and each row's
 length. ``decode=False`` on a cache = prefill (:func:`jax_tq.prompt_attention`: exact causal
 attention over the prompt's own K / V and one cache write); ``decode=True`` = one new token per row
-(:func:`jax_tq.write_cache` + :func:`jax_tq.paged_decode`). Imported from :mod:`jax_tq.nn`.
+(:func:`jax_tq.write_cache` + :func:`jax_tq.paged_decode`). An engine that holds the caches itself
+(pages shared by sequences through a :class:`jax_tq.PageAllocator`, chunked prefill, ragged
+batches) calls :meth:`PagedAttention.attend` with a cache and :class:`jax_tq.CacheRows` instead;
+:mod:`jax_tq.models` runs its decoders that way. Imported from :mod:`jax_tq.nn`.
 """
 from __future__ import annotations
 
@@ -20,10 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jax_tq.cache import PagedKVCache, slot_mapping, write_cache
+from jax_tq.cache import PagedKVCache, slot_mapping
+from jax_tq.cache_rows import CacheRows, attend_rows, prompt_rows
 from jax_tq.format import SUPPORTED_HEAD_DIMS, window_slot_mapping
-from jax_tq.paged_decode import paged_decode
-from jax_tq.ragged import causal_self_attention, prompt_attention
+from jax_tq.ragged import causal_self_attention
 from jax_tq.variants import check_variants
 
 __all__ = ["PagedAttention", "linen_paged_attention"]
@@ -50,10 +53,15 @@ class PagedAttention(nnx.Module):
 
     Positions: with ``rope=None`` the module adds no position information (as
     ``nnx.MultiHeadAttention``: a decoder with absolute position embeddings adds them to its
-    inputs). With ``rope=fn``, ``fn(x, positions)`` rotates q ``[batch, L, num_heads, head_dim]``
-    and k ``[batch, L, num_kv_heads, head_dim]`` after the projections (and QK norm) with int32
-    ``positions [batch, L]``: ``0 .. L - 1`` in prefill and each row's cached length in decode, so
-    the caller never tracks positions for it.
+    inputs). With ``rope=fn``, ``fn(x, positions)`` rotates q ``[..., num_heads, head_dim]`` and k
+    ``[..., num_kv_heads, head_dim]`` after the projections (and QK norm) with int32 ``positions``
+    of x's leading shape: ``[batch, L]`` in the module's own modes (``0 .. L - 1`` in prefill, each
+    row's cached length in decode, so the caller never tracks positions for it), ``[T]`` in
+    :meth:`attend` (the caller's).
+
+    Two ways to hold the cache: the module's own (:meth:`init_cache`, then ``__call__``: one row
+    per sequence, contiguous pages per row), or the caller's (:meth:`attend`: any
+    :class:`jax_tq.PagedKVCache`, block tables and ragged rows, the cache passed in and returned).
 
     Args:
       num_heads: query heads H.
@@ -65,7 +73,11 @@ class PagedAttention(nnx.Module):
         q / k / v reach the cache ops in it (float32, bfloat16 or float16).
       param_dtype: parameter dtype (default float32).
       use_bias: biases on the four projections (as ``nnx.MultiHeadAttention``).
-      normalize_qk: LayerNorm of q and k per head (as ``nnx.MultiHeadAttention``).
+      out_bias: a bias on the output projection (default ``use_bias``; Qwen2 has q / k / v biases only).
+      normalize_qk: normalisation of q and k per head before RoPE: False; True or ``"layer"``
+        (LayerNorm without bias, as ``nnx.MultiHeadAttention``); ``"rms"`` (``nnx.RMSNorm``: Qwen3's
+        and Gemma 3's QK norm).
+      qk_norm_epsilon: the QK norm's epsilon (default 1e-6).
       kernel_init, bias_init, out_kernel_init, out_bias_init, precision: as ``nnx.MultiHeadAttention``.
       decode: default mode when ``__call__`` gets none.
       rope: None or ``fn(x, positions) -> x`` (see Positions).
@@ -97,15 +109,17 @@ class PagedAttention(nnx.Module):
     Raises:
       ValueError: ``num_heads`` not a multiple of ``num_kv_heads``, ``qkv_features`` not a multiple of
         ``num_heads``, an unknown ``preset``, a compressed preset with an unsupported head_dim, a bad
-        ``page_size``, a non-positive size, ``sliding_window < 1``, ``soft_cap <= 0``.
+        ``page_size``, a non-positive size, ``sliding_window < 1``, ``soft_cap <= 0``, a
+        ``normalize_qk`` other than False, True, ``"layer"`` or ``"rms"``.
       TypeError: ``rope`` not callable; ``sliding_window`` / ``soft_cap`` not numbers; ``sinks`` not a bool.
     """
 
     def __init__(self, num_heads: int, in_features: int, qkv_features: int | None = None,
                  out_features: int | None = None, num_kv_heads: int | None = None, *, dtype=None,
-                 param_dtype=jnp.float32, use_bias: bool = True, normalize_qk: bool = False,
+                 param_dtype=jnp.float32, use_bias: bool = True, normalize_qk: bool | str = False,
                  kernel_init=nnx.initializers.lecun_normal(), bias_init=nnx.initializers.zeros_init(),
                  out_kernel_init=None, out_bias_init=None, precision=None, decode: bool | None = None,
+                 out_bias: bool | None = None, qk_norm_epsilon: float = 1e-6,
                  rope: Callable | None = None, preset: str = "k4v4", page_size: int = 16, seed: int = 0,
                  cache_dtype=jnp.float32, check_capacity: bool = True, sliding_window: int | None = None,
                  soft_cap: float | None = None, sinks: bool = False, rngs: nnx.Rngs):
@@ -132,8 +146,10 @@ class PagedAttention(nnx.Module):
             raise ValueError(f"{where}: preset {preset!r} needs head_dim = qkv_features / num_heads in "
                              f"{SUPPORTED_HEAD_DIMS}, got {self.qkv_features} / {self.num_heads} = {self.head_dim} "
                              f"(preset='none' takes any head_dim)")
+        if normalize_qk not in (False, True, "layer", "rms"):
+            raise ValueError(f"{where}: normalize_qk must be False, True, 'layer' or 'rms', got {normalize_qk!r}")
         self.dtype, self.param_dtype, self.precision = dtype, param_dtype, precision
-        self.use_bias, self.normalize_qk, self.decode = use_bias, normalize_qk, decode
+        self.use_bias, self.normalize_qk, self.decode = use_bias, bool(normalize_qk), decode
         self.rope, self.preset, self.page_size, self.seed = rope, preset, page_size, seed
         self.cache_dtype, self.check_capacity = cache_dtype, check_capacity
         self.sliding_window, self.soft_cap, _ = check_variants(sliding_window, soft_cap, None, self.num_heads,
@@ -144,22 +160,22 @@ class PagedAttention(nnx.Module):
         # gpt-oss's learned sinks: one logit per query head, initialised to 0 (exp(0) = one more token's worth)
         self.sinks = nnx.Param(jnp.zeros((self.num_heads,), param_dtype)) if sinks else nnx.data(None)
 
-        def linear(n_in, n_out, axis=-1, k_init=kernel_init, b_init=bias_init):
+        def linear(n_in, n_out, axis=-1, k_init=kernel_init, b_init=bias_init, bias=use_bias):
             return nnx.LinearGeneral(n_in, n_out, axis=axis, dtype=dtype, param_dtype=param_dtype,
-                                     kernel_init=k_init, bias_init=b_init, use_bias=use_bias, precision=precision,
+                                     kernel_init=k_init, bias_init=b_init, use_bias=bias, precision=precision,
                                      rngs=rngs)
 
         self.query = linear(self.in_features, (self.num_heads, self.head_dim))
         self.key = linear(self.in_features, (self.num_kv_heads, self.head_dim))
         self.value = linear(self.in_features, (self.num_kv_heads, self.head_dim))
         if normalize_qk:
-            ln = lambda: nnx.LayerNorm(self.head_dim, use_bias=False, dtype=dtype, param_dtype=param_dtype,  # noqa: E731
-                                       rngs=rngs)
-            self.query_ln, self.key_ln = ln(), ln()
+            self.query_ln, self.key_ln = (_qk_norm(normalize_qk, self.head_dim, qk_norm_epsilon, dtype, param_dtype,
+                                                   rngs) for _ in range(2))
         else:
             self.query_ln, self.key_ln = nnx.data(None), nnx.data(None)
         self.out = linear((self.num_heads, self.head_dim), self.out_features, axis=(-2, -1),
-                          k_init=out_kernel_init or kernel_init, b_init=out_bias_init or bias_init)
+                          k_init=out_kernel_init or kernel_init, b_init=out_bias_init or bias_init,
+                          bias=use_bias if out_bias is None else out_bias)
         self.cache = nnx.data(None)
         self.block_tables = nnx.data(None)
         self.lengths = nnx.data(None)
@@ -265,11 +281,46 @@ class PagedAttention(nnx.Module):
         if self.cache is None:
             variants = check_variants(**self._variants(), num_heads=self.num_heads, op="nn.PagedAttention")
             return self.out(causal_self_attention(q, k, v, lens, 1.0 / math.sqrt(self.head_dim), None, *variants))
-        attn, cache = prompt_attention(q, k, v, self.cache.get_value(), self.block_tables[...], lens,
-                                       window_ids=self._window_ids(batch), **self._variants())
+        cache = self.cache.get_value()
+        flat = lambda a: a.reshape((batch * length,) + a.shape[2:])  # noqa: E731
+        attn, cache = attend_rows(flat(q), flat(k), flat(v), cache, prompt_rows(cache, self.block_tables[...], lens,
+                                                                                  length), **self._variants())
         self.cache.set_value(cache)
         self.lengths[...] = jnp.clip(lens, 0, length)  # as prompt_attention read them (traced lengths are unchecked)
-        return self.out(attn)
+        return self.out(attn.reshape(q.shape))
+
+    def attend(self, inputs: jax.Array, positions: jax.Array, cache: PagedKVCache, rows: CacheRows):
+        """This layer over a cache the caller holds: project ``inputs``, rotate q and k at ``positions``,
+        write the new K / V into ``cache`` and attend as ``rows`` say (:func:`jax_tq.attend_rows`:
+        prompts, a chunk after cached tokens, decode rows or a ragged batch), project the output.
+
+        The module's own cache (:meth:`init_cache`) is neither read nor changed; ``preset``,
+        ``page_size``, ``seed``, ``cache_dtype`` and ``check_capacity`` do not apply. Several layers
+        share one :class:`jax_tq.CacheRows` per forward (:mod:`jax_tq.models` runs its decoders
+        so, with a cache per layer).
+
+        Args:
+          inputs: float ``[T, in_features]``, the forward's T token rows.
+          positions: int32 ``[T]`` each row's position (given to ``rope``).
+          cache: a :class:`jax_tq.PagedKVCache` of this layer's ``num_kv_heads`` and head_dim.
+          rows: :class:`jax_tq.CacheRows` for T rows (:func:`jax_tq.prompt_rows`,
+            :func:`jax_tq.chunk_rows`, :func:`jax_tq.decode_rows`, or filled by the caller).
+        Returns:
+          ``(out [T, out_features], the cache with the new tokens)``.
+        Raises:
+          ValueError: ``inputs`` not ``[T, in_features]``, ``positions`` not ``[T]``.
+          TypeError / ValueError: what :func:`jax_tq.attend_rows` raises.
+        """
+        where = "jax_tq.nn.PagedAttention.attend"
+        x = jnp.asarray(inputs)
+        if x.ndim != 2 or x.shape[-1] != self.in_features:
+            raise ValueError(f"{where}: inputs must be [T, in_features={self.in_features}], got shape "
+                             f"{tuple(x.shape)}")
+        if jnp.shape(positions) != x.shape[:1]:
+            raise ValueError(f"{where}: positions must be [T={x.shape[0]}], got shape {tuple(jnp.shape(positions))}")
+        q, k, v = self._qkv(x, positions)
+        out, cache = attend_rows(q, k, v, cache, rows, **self._variants())
+        return self.out(out), cache
 
     def _decode(self, x):
         lens = self.lengths[...]
@@ -280,15 +331,14 @@ class PagedAttention(nnx.Module):
         if self.check_capacity and not _is_concrete(lens):
             jax.debug.callback(_raise_if_full, lens, self.max_length)
         cache = self.cache.get_value()
-        positions = jnp.where(full, -1, lens)
-        slots = slot_mapping(self.block_tables[...], positions, self.page_size)
+        slots = slot_mapping(self.block_tables[...], jnp.where(full, -1, lens), self.page_size)
         new_lens = jnp.where(full, lens, lens + 1)
-        window_ids = self._window_ids(lens.shape[0])
-        window_slots = None
+        window_ids = window_slots = None
         if cache.window:
+            window_ids = jnp.arange(lens.shape[0], dtype=jnp.int32)
             window_slots = jnp.where(full, -1, window_slot_mapping(window_ids, lens, new_lens, cache.window))
-        cache = write_cache(cache, k[:, 0], v[:, 0], slots, window_slots)
-        out = paged_decode(q[:, 0], cache, self.block_tables[...], new_lens, window_ids=window_ids, **self._variants())
+        rows = CacheRows(slots, self.block_tables[...], new_lens, window_slots=window_slots, window_ids=window_ids)
+        out, cache = attend_rows(q[:, 0], k[:, 0], v[:, 0], cache, rows, **self._variants())
         out = jnp.where(full[:, None, None], jnp.nan, out)
         self.cache.set_value(cache)
         self.lengths[...] = lens + 1
@@ -306,9 +356,6 @@ class PagedAttention(nnx.Module):
     def _variants(self) -> dict:
         return dict(sliding_window=self.sliding_window or None, soft_cap=self.soft_cap or None,
                     sinks=None if self.sinks is None else self.sinks[...])
-
-    def _window_ids(self, batch):
-        return None if self.preset == "none" else jnp.arange(batch, dtype=jnp.int32)
 
     @staticmethod
     def _prompt_lengths(lengths, batch, length, where):
@@ -366,6 +413,12 @@ def linen_paged_attention(num_heads: int, in_features: int, *, batch_size: int, 
     from flax.nnx import bridge
     return bridge.ToLinen(_PagedAttentionWithCache, args=(num_heads, in_features),
                           kwargs=dict(kwargs, batch_size=batch_size, max_length=max_length))
+
+
+def _qk_norm(kind, head_dim, epsilon, dtype, param_dtype, rngs):
+    if kind == "rms":
+        return nnx.RMSNorm(head_dim, epsilon=epsilon, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    return nnx.LayerNorm(head_dim, epsilon=epsilon, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
 
 def _full_message(lens, max_length):

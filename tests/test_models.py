@@ -54,8 +54,11 @@ def _np_params(model):
     g = lambda v: np.asarray(v[...], np.float64)  # noqa: E731
     layers = []
     for b in model.layers:
-        layers.append(dict(an=g(b.attn_norm.weight), fn=g(b.ffn_norm.weight), wq=g(b.attn.wq),
-                           wk=g(b.attn.wk), wv=g(b.attn.wv), wo=g(b.attn.wo),
+        flat = lambda w: g(w).reshape(w.shape[0], -1)  # noqa: E731  [hidden, heads, d] -> [hidden, heads * d]
+        a = b.attn
+        layers.append(dict(an=g(b.attn_norm.weight), fn=g(b.ffn_norm.weight), wq=flat(a.query.kernel),
+                           wk=flat(a.key.kernel), wv=flat(a.value.kernel),
+                           wo=g(a.out.kernel).reshape(-1, a.out.kernel.shape[-1]),
                            wg=g(b.mlp.w_gate), wu=g(b.mlp.w_up), wd=g(b.mlp.w_down)))
     head = g(model.embed).T if model.lm_head is None else g(model.lm_head)
     return g(model.embed), layers, g(model.final_norm.weight), head
@@ -592,8 +595,8 @@ def test_smollm2_end_to_end():
 
     model, tok, cfg = load_smollm2(SMOLLM2_PATH)
     assert model.embed.shape == (49152, 576) and model.lm_head is None
-    assert model.layers[0].attn.wq.shape == (576, 576)
-    assert model.layers[0].attn.wk.shape == (576, 192)
+    assert model.layers[0].attn.query.kernel.shape == (576, 9, 64)
+    assert model.layers[0].attn.key.kernel.shape == (576, 3, 64)
     assert model.layers[0].mlp.w_down.shape == (1536, 576)
     ids = tok.encode("The capital of France is").ids
     logits = np.asarray(forward_logits(model, ids))

@@ -324,3 +324,69 @@ def test_linen_wrapper_prefills_and_decodes_as_float64_attention(rng):
         for i in range(steps_n):
             np.testing.assert_allclose(outs[1 + i][b, 0], want[n + i], rtol=2e-5, atol=2e-5)
     np.testing.assert_array_equal(np.asarray(variables["cache"]["lengths"]), np.asarray(lens) + steps_n)
+
+
+def test_attend_over_the_callers_shared_pool_equals_float64_attention(rng):
+    """PagedAttention.attend with the caller's cache: two sequences on scattered pages of one
+    float32 pool, through prompt rows (padded prompts), a chunk of sequence 0 after its prompt and
+    a decode step of both, with RoPE at the given positions and a soft cap, against float64."""
+    m = make(rng, rope=rope_jnp, soft_cap=4.0)
+    feats, page = 64, 4
+    cache = tq.PagedKVCache.create(num_pages=7, page_size=page, num_kv_heads=2, preset="none", head_dim=16)
+    cache = jax.tree.map(lambda a: jnp.full_like(a, jnp.nan), cache)  # poisoned: only written slots are read
+    tables = jnp.asarray([[5, 1, 3], [0, 6, 2]], jnp.int32)
+    seqs = [rng.normal(size=(9, feats)).astype(np.float32), rng.normal(size=(4, feats)).astype(np.float32)]
+    want = [attention_oracle(m, s, rope_np) for s in seqs]
+
+    prompts = np.zeros((2, 5, feats), np.float32)
+    prompts[0], prompts[1, :3] = seqs[0][:5], seqs[1][:3]
+    rows = tq.prompt_rows(cache, tables, jnp.asarray([5, 3], jnp.int32), 5)
+    out, cache = m.attend(jnp.asarray(prompts.reshape(10, feats)), jnp.tile(jnp.arange(5, dtype=jnp.int32), 2),
+                          cache, rows)
+    np.testing.assert_allclose(np.asarray(out)[:5], want[0][:5], rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(out)[5:8], want[1][:3], rtol=2e-5, atol=2e-5)
+
+    chunk = nnx.jit(lambda mod, x, pos, c, r: mod.attend(x, pos, c, r))
+    out, cache = chunk(m, jnp.asarray(seqs[0][5:8]), jnp.arange(5, 8, dtype=jnp.int32), cache,
+                       tq.chunk_rows(cache, tables[0], 5, 3))
+    np.testing.assert_allclose(np.asarray(out), want[0][5:8], rtol=2e-5, atol=2e-5)
+
+    position = jnp.asarray([8, 3], jnp.int32)
+    rows = tq.decode_rows(cache, tables, position, position + 1)
+    out, cache = m.attend(jnp.asarray(np.stack([seqs[0][8], seqs[1][3]])), position, cache, rows)
+    np.testing.assert_allclose(np.asarray(out), np.stack([want[0][8], want[1][3]]), rtol=2e-5, atol=2e-5)
+
+
+def test_attend_with_decode_rows_equals_the_modules_own_cache(rng):
+    """The two ways to hold a k4v4 cache give the same decode step: the module's own cache, and
+    attend over a copy of it with decode_rows (the same ops: equal to float32 rounding)."""
+    m = make(rng, "k4v4", heads=4, kv_heads=2, features=64, head_dim=64, page_size=16)
+    m.init_cache(2, 80)
+    m(jnp.asarray(rng.normal(size=(2, 70, 64)), jnp.float32), decode=False, lengths=jnp.asarray([70, 66], jnp.int32))
+    cache, tables = jax.tree.map(jnp.copy, m.cache.get_value()), m.block_tables[...]
+    token = jnp.asarray(rng.normal(size=(2, 1, 64)), jnp.float32)
+    own = np.asarray(m(token, decode=True))[:, 0]
+    position = jnp.asarray([70, 66], jnp.int32)
+    out, cache = m.attend(token[:, 0], position, cache, tq.decode_rows(cache, tables, position, position + 1))
+    np.testing.assert_allclose(np.asarray(out), own, rtol=1e-6, atol=1e-6)
+    for name in ("k_codes", "k_norms", "v_codes", "k_window", "v_window"):
+        np.testing.assert_array_equal(np.asarray(getattr(cache, name)), np.asarray(getattr(m.cache.get_value(), name)))
+
+
+def test_attend_and_qk_norm_errors(rng):
+    m = make(rng, heads=2, kv_heads=1, features=32, head_dim=8)
+    cache = tq.PagedKVCache.create(num_pages=2, page_size=4, num_kv_heads=1, preset="none", head_dim=8)
+    tables = jnp.asarray([[0, 1]], jnp.int32)
+    rows = tq.chunk_rows(cache, tables[0], 0, 3)
+    with pytest.raises(ValueError, match=r"inputs must be \[T, in_features=32\]"):
+        m.attend(jnp.zeros((3, 31)), jnp.arange(3), cache, rows)
+    with pytest.raises(ValueError, match=r"positions must be \[T=3\]"):
+        m.attend(jnp.zeros((3, 32)), jnp.arange(4), cache, rows)
+    with pytest.raises(ValueError, match=r"len\(rows.slots\) = 3 rows, got 2"):
+        m.attend(jnp.zeros((2, 32)), jnp.arange(2), cache, rows)
+    with pytest.raises(ValueError, match="normalize_qk"):
+        PagedAttention(2, 32, normalize_qk="batch", preset="none", rngs=nnx.Rngs(0))
+    rms = PagedAttention(2, 32, normalize_qk="rms", qk_norm_epsilon=1e-5, out_bias=False, preset="none",
+                         rngs=nnx.Rngs(0))
+    assert isinstance(rms.query_ln, nnx.RMSNorm) and rms.query_ln.epsilon == 1e-5
+    assert rms.out.bias is None and rms.query.bias is not None

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +13,7 @@ from flax import nnx
 
 from .config import LlamaConfig
 
-__all__ = ["MLP", "RMSNorm", "apply_rope", "dense_param", "rope_cos_sin"]
+__all__ = ["MLP", "RMSNorm", "Rope", "apply_rope", "dense_param", "rope_cos_sin"]
 
 
 class RMSNorm(nnx.Module):
@@ -67,21 +69,41 @@ def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float,
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate ``x [T, heads, d]`` with tables ``cos, sin [T, d]``: ``x*cos + rotate_half(x)*sin``.
+    """Rotate ``x [..., heads, d]`` with tables ``cos, sin [..., d]``: ``x*cos + rotate_half(x)*sin``.
 
     RoPE (Su et al. 2021, "RoFormer") in the NeoX / HF ``rotate_half`` layout: coordinate ``i``
     pairs with ``i + d/2``. Computed in float32.
 
     Args:
-      x: float ``[T, heads, d]`` (``d`` even).
-      cos, sin: float32 ``[T, d]`` from :func:`rope_cos_sin`.
+      x: float ``[..., heads, d]`` (``d`` even), e.g. ``[T, heads, d]``.
+      cos, sin: float32 ``[..., d]`` from :func:`rope_cos_sin` (x's leading shape).
     Returns:
-      ``[T, heads, d]`` in ``x.dtype``.
+      ``[..., heads, d]`` in ``x.dtype``.
     """
     xf = x.astype(jnp.float32)
     half = x.shape[-1] // 2
     rot = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
-    return (xf * cos[:, None, :] + rot * sin[:, None, :]).astype(x.dtype)
+    return (xf * cos[..., None, :] + rot * sin[..., None, :]).astype(x.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rope:
+    """RoPE as :class:`jax_tq.nn.PagedAttention`'s ``rope``: ``Rope(...)(x, positions)`` rotates
+    ``x [..., heads, head_dim]`` at int ``positions`` of x's leading shape (:func:`rope_cos_sin`,
+    :func:`apply_rope`). A frozen dataclass, so equal settings compare equal (a jit cache key).
+
+    Attributes:
+      head_dim: even rotary dimension; theta: base frequency;
+      freq_factors: None or a tuple of ``head_dim // 2`` divisors of the inverse frequencies.
+    """
+
+    head_dim: int
+    theta: float
+    freq_factors: tuple | None = None
+
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        cos, sin = rope_cos_sin(positions, self.head_dim, self.theta, self.freq_factors)
+        return apply_rope(x, cos, sin)
 
 
 def dense_param(rngs: nnx.Rngs, n_in: int, n_out: int, dtype) -> nnx.Param:

@@ -8,9 +8,12 @@ The same module covers the Llama family as llama.cpp reads it from GGUF: Llama 3
 factors), Qwen2 / Qwen2.5 (q/k/v biases) and Qwen3 (per-head RMSNorm of q and k), see
 :class:`LlamaConfig`.
 
-One forward path: each layer projects q, k, v, applies RoPE, writes k and v into its
-:class:`jax_tq.PagedKVCache` (:func:`jax_tq.write_cache`) and attends with :func:`jax_tq.paged_prefill`
-(a chunk of one sequence) or :func:`jax_tq.paged_decode` (one new token per sequence). The caches,
+One forward path: each layer's attention is a :class:`jax_tq.nn.PagedAttention`
+(:func:`llama_attention`) run through its ``attend`` with the layer's :class:`jax_tq.PagedKVCache`
+and the forward's :class:`jax_tq.CacheRows`: it projects q, k, v, applies RoPE, writes k and v into
+the cache and attends with :func:`jax_tq.prompt_attention` (fresh prompts),
+:func:`jax_tq.paged_prefill` (a chunk of one sequence, a ragged batch) or :func:`jax_tq.paged_decode`
+(one new token per sequence). The caches,
 one per layer (:func:`init_caches`), are compressed or uncompressed (``preset="none"``). Entry
 points, jit-compiled through ``nnx.split`` / ``nnx.merge``: :func:`forward_logits` (a chunk
 through a temporary uncompressed float32 cache: the reference), :func:`forward_compressed` (a chunk
@@ -21,8 +24,6 @@ with :func:`sample_tokens`, a PRNG key and per-row stop tokens).
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import functools
 from typing import Sequence
@@ -36,104 +37,45 @@ import jax_tq as tq
 
 from . import checks
 from .config import LlamaConfig
-from .layers import MLP, RMSNorm, apply_rope, dense_param, rope_cos_sin
-from .paging import (CacheRows, chunk_rows, decode_rows, init_caches, prompt_rows, row_windows, rows_cache,
-                     slot_mapping_for)
+from jax_tq.nn_paged import PagedAttention
+
+from .layers import MLP, RMSNorm, Rope, apply_rope, dense_param, rope_cos_sin
+from .paging import CacheRows, chunk_rows, decode_rows, init_caches, prompt_rows, rows_cache, slot_mapping_for
 
 __all__ = [
-    "LlamaConfig", "RMSNorm", "Attention", "MLP", "Block", "Llama", "CacheRows", "rope_cos_sin", "apply_rope",
+    "LlamaConfig", "RMSNorm", "Rope", "llama_attention", "MLP", "Block", "Llama", "CacheRows", "rope_cos_sin",
+    "apply_rope",
     "init_caches", "slot_mapping_for", "chunk_rows", "decode_rows", "forward_logits", "forward_compressed",
     "decode_step", "make_decode_step", "make_decode_loop", "make_prefill", "prompt_rows",
 ]
 
-class Attention(nnx.Module):
-    """Grouped-query self-attention with RoPE, optional q/k/v biases and optional QK norm.
+def llama_attention(config: LlamaConfig, *, dtype=jnp.float32, rngs: nnx.Rngs) -> PagedAttention:
+    """A Llama-family layer's attention: a :class:`jax_tq.nn.PagedAttention` (run through its
+    :meth:`~jax_tq.nn.PagedAttention.attend`, the caches passed per forward) with RoPE, optional
+    q / k / v biases and optional QK norm.
 
-    GQA: Ainslie et al. 2023; RoPE: Su et al. 2021. Weights (``y = x @ W``): ``wq [hidden, H*d]``,
-    ``wk, wv [hidden, Hkv*d]``, ``wo [H*d, hidden]``. Query head ``h`` uses KV head
-    ``h // (H // Hkv)`` (same grouping as :func:`jax_tq.paged_decode`). With
-    ``config.attention_bias`` (Qwen2 / Qwen2.5): biases ``bq [H*d]``, ``bk, bv [Hkv*d]`` (none on
-    ``wo``), else None. With ``config.qk_norm`` (Qwen3, HF ``modeling_qwen3.py``): ``q_norm``,
-    ``k_norm``, :class:`RMSNorm` over each head's ``d`` features of q and k before RoPE, else None.
+    GQA: Ainslie et al. 2023; RoPE: Su et al. 2021 (:class:`Rope`). Parameters (``y = x @ W``):
+    ``query.kernel [hidden, H, d]``, ``key.kernel`` / ``value.kernel [hidden, Hkv, d]``,
+    ``out.kernel [H, d, hidden]``; query head ``h`` uses KV head ``h // (H // Hkv)`` (as
+    :func:`jax_tq.paged_decode`). With ``config.attention_bias`` (Qwen2 / Qwen2.5): biases on
+    query / key / value (none on out). With ``config.qk_norm`` (Qwen3, HF ``modeling_qwen3.py``):
+    ``query_ln`` / ``key_ln``, RMSNorm over each head's ``d`` features of q and k before RoPE.
 
     Args:
       config: :class:`LlamaConfig` (``hidden_size``, ``num_heads`` = H, ``num_kv_heads`` = Hkv,
         ``head_dim`` = d, ``rope_theta``, ``rope_freq_factors``, ``attention_bias``, ``qk_norm``,
         ``rms_norm_eps``).
-      dtype: weight dtype.
+      dtype: parameter dtype (the projections compute in it).
       rngs: ``nnx.Rngs`` for the random (``N(0, 1/n_in)``) weight initialisation (biases 0, norms 1).
     """
-
-    def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
-        c = config
-        self.num_heads = c.num_heads
-        self.num_kv_heads = c.num_kv_heads
-        self.head_dim = c.head_dim
-        self.rope_theta = c.rope_theta
-        self.rope_freq_factors = c.rope_freq_factors
-        q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        self.wq = dense_param(rngs, c.hidden_size, q_dim, dtype)
-        self.wk = dense_param(rngs, c.hidden_size, kv_dim, dtype)
-        self.wv = dense_param(rngs, c.hidden_size, kv_dim, dtype)
-        self.wo = dense_param(rngs, q_dim, c.hidden_size, dtype)
-        bias = (lambda n: nnx.Param(jnp.zeros((n,), dtype))) if c.attention_bias else (lambda n: None)
-        self.bq, self.bk, self.bv = bias(q_dim), bias(kv_dim), bias(kv_dim)
-        norm = (lambda: RMSNorm(c.head_dim, c.rms_norm_eps, dtype)) if c.qk_norm else (lambda: None)
-        self.q_norm, self.k_norm = norm(), norm()
-
-    def qkv(self, x: jax.Array, positions: jax.Array):
-        """Project float ``x [T, hidden]`` (plus bias), normalise q and k per head (QK norm),
-        rotate them (RoPE at int32 ``positions [T]``): ``q [T, H, d]``, ``k [T, Hkv, d]``,
-        ``v [T, Hkv, d]`` in the dtype of ``x @ W``."""
-        T = x.shape[0]
-
-        def project(w, b, n_heads, norm=None):
-            y = x @ w[...]
-            if b is not None:
-                y = y + b[...]
-            y = y.reshape(T, n_heads, self.head_dim)
-            return y if norm is None else norm(y)
-
-        q = project(self.wq, self.bq, self.num_heads, self.q_norm)
-        k = project(self.wk, self.bk, self.num_kv_heads, self.k_norm)
-        v = project(self.wv, self.bv, self.num_kv_heads)
-        cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta, self.rope_freq_factors)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
-
-    def out(self, attn: jax.Array) -> jax.Array:
-        """Output projection of ``attn [T, H, d]`` (cast to the ``wo`` dtype): ``[T, hidden]``."""
-        return attn.reshape(attn.shape[0], -1).astype(self.wo.dtype) @ self.wo[...]
-
-    def __call__(self, x: jax.Array, positions: jax.Array, cache, rows: CacheRows):
-        """Write this call's K / V into ``cache`` (this layer's :class:`jax_tq.PagedKVCache`) and
-        attend to it, as ``rows`` (:class:`CacheRows`) say; ``x`` float ``[T, hidden]``, ``positions``
-        int32 ``[T]`` (RoPE). Returns ``(y [T, hidden], the cache with this call's K / V)``; raises
-        what :func:`jax_tq.write_cache` / :func:`jax_tq.paged_prefill` / :func:`jax_tq.paged_decode` raise."""
-        q, k, v = self.qkv(x, positions)
-        if not cache.window:  # a layer without a window among layers with one (init_caches' exact_layers)
-            rows = dataclasses.replace(rows, window_slots=None, window_ids=None, view_start=None, view_window_id=None)
-        if rows.prompt_len is not None:
-            return self._prompts(q, k, v, cache, rows)
-        written = tq.write_cache(cache, k, v, rows.slots, rows.window_slots)
-        seen = written if rows.view_start is None else row_windows(written, cache, k, v, rows.view_start,
-                                                                   rows.view_window_id)
-        if rows.query_start_loc is None:
-            out = tq.paged_decode(q, seen, rows.block_tables, rows.seq_lens, window_ids=rows.window_ids)
-        else:
-            out = tq.paged_prefill(q, seen, rows.block_tables, rows.seq_lens, rows.query_start_loc,
-                                   window_ids=rows.window_ids)
-        return self.out(out), written
-
-    def _prompts(self, q, k, v, cache, rows: CacheRows):
-        """Fresh prompts: exact causal attention over their own K / V, written into the cache."""
-        num_prompts, length = rows.seq_lens.shape[0], rows.prompt_len
-
-        def padded(x):
-            return x.reshape((num_prompts, length) + x.shape[1:])
-
-        out, written = tq.prompt_attention(padded(q), padded(k).astype(q.dtype), padded(v).astype(q.dtype), cache,
-                                           rows.block_tables, rows.seq_lens, window_ids=rows.window_ids)
-        return self.out(out.reshape(q.shape)), written
+    c = config
+    factors = None if c.rope_freq_factors is None else tuple(float(f) for f in c.rope_freq_factors)
+    # preset "none": the module never builds a cache of its own (attend gets the layer's cache)
+    return PagedAttention(c.num_heads, c.hidden_size, c.num_heads * c.head_dim, c.hidden_size, c.num_kv_heads,
+                          param_dtype=dtype, use_bias=c.attention_bias, out_bias=False,
+                          normalize_qk="rms" if c.qk_norm else False, qk_norm_epsilon=c.rms_norm_eps,
+                          kernel_init=jax.nn.initializers.variance_scaling(1.0, "fan_in", "normal"),
+                          rope=Rope(c.head_dim, c.rope_theta, factors), preset="none", rngs=rngs)
 
 
 class Block(nnx.Module):
@@ -147,13 +89,15 @@ class Block(nnx.Module):
 
     def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.attn = Attention(config, dtype=dtype, rngs=rngs)
+        self.attn = llama_attention(config, dtype=dtype, rngs=rngs)
         self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = MLP(config, dtype=dtype, rngs=rngs)
 
     def __call__(self, x, positions, cache, rows: CacheRows):
-        """``(x [T, hidden], new cache)``; arguments as :meth:`Attention.__call__`."""
-        h, cache = self.attn(self.attn_norm(x), positions, cache, rows)
+        """``(x [T, hidden], new cache)`` of float ``x [T, hidden]`` at int32 ``positions [T]`` (RoPE)
+        through this layer's :class:`jax_tq.PagedKVCache` ``cache`` as ``rows`` say
+        (:meth:`jax_tq.nn.PagedAttention.attend`)."""
+        h, cache = self.attn.attend(self.attn_norm(x), positions, cache, rows)
         x = x + h
         return x + self.mlp(self.ffn_norm(x)), cache
 
@@ -218,12 +162,7 @@ class Llama(nnx.Module):
         for blk, p in zip(model.layers, params["layers"], strict=True):
             blk.attn_norm.weight = nnx.Param(put(blk.attn_norm.weight, p["attn_norm"]))
             blk.ffn_norm.weight = nnx.Param(put(blk.ffn_norm.weight, p["ffn_norm"]))
-            for name in ("wq", "wk", "wv", "wo", "bq", "bk", "bv"):
-                if getattr(blk.attn, name) is not None:
-                    setattr(blk.attn, name, nnx.Param(put(getattr(blk.attn, name), p[name])))
-            for name in ("q_norm", "k_norm"):
-                if getattr(blk.attn, name) is not None:
-                    getattr(blk.attn, name).weight = nnx.Param(put(getattr(blk.attn, name).weight, p[name]))
+            _put_attention(blk.attn, p, put)
             for name in ("w_gate", "w_up", "w_down"):
                 setattr(blk.mlp, name, nnx.Param(put(getattr(blk.mlp, name), p[name])))
         return model
@@ -251,6 +190,21 @@ class Llama(nnx.Module):
         per-layer ``caches`` (call inside ``jit``): ``(logits float32 [T, vocab], new caches list)``."""
         x, new = self.hidden(token_ids, positions, caches, rows)
         return self.logits(x), new
+
+
+def _put_attention(attn: PagedAttention, p: dict, put) -> None:
+    """Load a layer's ``load_params`` attention weights (``wq [hidden, H*d]``, ...) into ``attn``'s
+    projections (``query.kernel [hidden, H, d]``, ...)."""
+    heads = {"query": attn.num_heads, "key": attn.num_kv_heads, "value": attn.num_kv_heads}
+    for proj, (w, b) in dict(query=("wq", "bq"), key=("wk", "bk"), value=("wv", "bv")).items():
+        layer = getattr(attn, proj)
+        layer.kernel = nnx.Param(put(layer.kernel, np.reshape(p[w], (np.shape(p[w])[0], heads[proj], -1))))
+        if layer.bias is not None:
+            layer.bias = nnx.Param(put(layer.bias, np.reshape(p[b], (heads[proj], -1))))
+    attn.out.kernel = nnx.Param(put(attn.out.kernel, np.reshape(p["wo"], (attn.num_heads, -1, np.shape(p["wo"])[1]))))
+    for norm, name in ((attn.query_ln, "q_norm"), (attn.key_ln, "k_norm")):
+        if norm is not None:
+            norm.scale = nnx.Param(put(norm.scale, p[name]))
 
 
 #: Page size of forward_logits' temporary cache.

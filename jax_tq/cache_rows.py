@@ -1,0 +1,230 @@
+"""What a decoder layer's forward does with its paged cache, said once for every layer: where the
+new tokens' K / V go and what each query row attends to (:class:`CacheRows`), and the call that
+writes and attends as they say (:func:`attend_rows`).
+
+A model builds one :class:`CacheRows` per forward (the same for all its layers) with
+:func:`prompt_rows` (fresh prompts: exact attention over each prompt's own K / V),
+:func:`chunk_rows` (a chunk of one sequence after its cached tokens: chunked prefill, scoring) or
+:func:`decode_rows` (one new token per sequence), or builds one itself for a ragged batch (rows of
+several sequences, :func:`jax_tq.paged_prefill`'s ``query_start_loc``). :class:`jax_tq.nn.PagedAttention`'s
+``attend`` and the models of :mod:`jax_tq.models` run every layer through :func:`attend_rows`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from jax_tq.cache import PagedKVCache, slot_mapping, write_cache
+from jax_tq.format import window_slot_mapping
+from jax_tq.paged_decode import paged_decode
+from jax_tq.paged_prefill import paged_prefill
+from jax_tq.ragged import prompt_attention
+
+__all__ = ["CacheRows", "attend_rows", "chunk_rows", "decode_rows", "prompt_rows", "row_windows", "rows_cache"]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class CacheRows:
+    """Where a forward's T new tokens go in a layer's cache and what each query row attends to (the
+    same for every layer of a model); :func:`prompt_rows`, :func:`chunk_rows` and :func:`decode_rows`
+    make it, or a caller fills it for a ragged batch.
+
+    Attributes:
+      slots: int32 ``[T]`` cache slots of the new tokens (:func:`jax_tq.slot_mapping`; -1: not written).
+      block_tables: int32 ``[S, max_pages]``; seq_lens: int32 ``[S]`` (new tokens included).
+      query_start_loc: int32 ``[S + 1]``: the rows of each sequence (:func:`jax_tq.paged_prefill`),
+        or None: row ``s`` is sequence ``s``'s one new token (:func:`jax_tq.paged_decode`).
+      window_slots, window_ids: int32 ``[T]`` window ring entries of the new tokens and ``[S]`` the
+        sequences' window ids, for caches with a window (else None; caches without one ignore them).
+      view_start, view_window_id: for a chunk of one sequence through caches with a window, the
+        position of row 0 (static) and the sequence's window id: each row is then a sequence of its
+        own over :func:`row_windows`'s view, reading its own last ``window`` tokens exactly, as
+        decoding would; else None.
+      prompt_len: for fresh prompts (:func:`prompt_rows`), the padded length L of each prompt
+        (static): the T = S x L rows are prompt ``t // L``'s token ``t % L``, ``seq_lens`` the
+        prompts' lengths, and attention is :func:`jax_tq.prompt_attention` (exact over the
+        prompt's own K / V, which it writes); else None.
+    """
+
+    slots: jax.Array
+    block_tables: jax.Array
+    seq_lens: jax.Array
+    query_start_loc: jax.Array | None = None
+    window_slots: jax.Array | None = None
+    window_ids: jax.Array | None = None
+    view_window_id: jax.Array | None = None
+    view_start: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+    prompt_len: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+
+
+def attend_rows(q, k, v, cache: PagedKVCache, rows: CacheRows, *, sliding_window=None, soft_cap=None, sinks=None):
+    """Write a layer's new K / V into its cache and attend to it, as ``rows`` say.
+
+    Fresh prompts (``rows.prompt_len``): :func:`jax_tq.prompt_attention` (exact causal attention over
+    each prompt's own K / V, which it writes). Otherwise :func:`jax_tq.write_cache` of the T tokens at
+    ``rows.slots`` (and ``rows.window_slots``), then :func:`jax_tq.paged_decode` (one row per
+    sequence) or :func:`jax_tq.paged_prefill` (``rows.query_start_loc``) over the written cache; with
+    ``rows.view_start`` each row reads its own window view (:func:`row_windows`). The window parts of
+    ``rows`` are ignored for a cache without a window (a model's uncompressed layers).
+
+    Args:
+      q: float ``[T, num_heads, head_dim]`` (float32, bfloat16 or float16).
+      k, v: float ``[T, num_kv_heads, head_dim]``, the new tokens' keys and values.
+      cache: the layer's :class:`jax_tq.PagedKVCache` (compressed or uncompressed pages).
+      rows: :class:`CacheRows` of this forward.
+      sliding_window, soft_cap, sinks: the attention variants (:mod:`jax_tq.variants`), passed to the op.
+    Returns:
+      ``(out [T, num_heads, head_dim] in q's dtype, the cache with the new tokens)``.
+    Raises:
+      ValueError: q, k, v not 3-D, k and v of different shapes, or T differing between q, k and
+        ``rows.slots`` (prompts: ``T != S * prompt_len``).
+      TypeError / ValueError: what :func:`jax_tq.write_cache`, :func:`jax_tq.prompt_attention`,
+        :func:`jax_tq.paged_decode` and :func:`jax_tq.paged_prefill` raise.
+    """
+    _check_rows(q, k, v, rows)
+    if not cache.window:
+        rows = dataclasses.replace(rows, window_slots=None, window_ids=None, view_start=None, view_window_id=None)
+    variants = dict(sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks)
+    if rows.prompt_len is not None:
+        shape = (rows.seq_lens.shape[0], rows.prompt_len)
+        out, written = prompt_attention(q.reshape(shape + q.shape[1:]), k.reshape(shape + k.shape[1:]).astype(q.dtype),
+                                        v.reshape(shape + v.shape[1:]).astype(q.dtype), cache, rows.block_tables,
+                                        rows.seq_lens, window_ids=rows.window_ids, **variants)
+        return out.reshape(q.shape), written
+    written = write_cache(cache, k, v, rows.slots, rows.window_slots)
+    seen = written if rows.view_start is None else row_windows(written, cache, k, v, rows.view_start,
+                                                               rows.view_window_id)
+    if rows.query_start_loc is None:
+        out = paged_decode(q, seen, rows.block_tables, rows.seq_lens, window_ids=rows.window_ids, **variants)
+    else:
+        out = paged_prefill(q, seen, rows.block_tables, rows.seq_lens, rows.query_start_loc,
+                            window_ids=rows.window_ids, **variants)
+    return out, written
+
+
+def _check_rows(q, k, v, rows: CacheRows) -> None:
+    where = "attend_rows"
+    if q.ndim != 3 or k.ndim != 3 or k.shape != v.shape:
+        raise ValueError(f"{where}: q must be [T, num_heads, head_dim] and k, v [T, num_kv_heads, head_dim], got "
+                         f"shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if rows.prompt_len is not None:
+        expected, what = rows.seq_lens.shape[0] * rows.prompt_len, "len(rows.seq_lens) * rows.prompt_len"
+    else:
+        expected, what = rows.slots.shape[0], "len(rows.slots)"
+    if q.shape[0] != expected or k.shape[0] != expected:
+        raise ValueError(f"{where}: q and k must have {what} = {expected} rows, got {q.shape[0]} and {k.shape[0]}")
+
+
+def rows_cache(caches: Sequence[PagedKVCache]) -> PagedKVCache:
+    """The layer cache whose settings make a model's :class:`CacheRows`: the first with a window
+    (window slots, one-row views), else the first; :func:`attend_rows` ignores the window parts of
+    the rows for layers without one."""
+    return next((c for c in caches if c.window), caches[0])
+
+
+def chunk_rows(cache: PagedKVCache, block_table, start: int, num_tokens: int, window_id=0) -> CacheRows:
+    """The :class:`CacheRows` of positions ``start .. start + num_tokens - 1`` of one sequence.
+
+    Args:
+      cache: a layer's cache (its page size and window).
+      block_table: int32 ``[max_pages]``, the sequence's pages.
+      start: static int, the position of the chunk's first token (tokens before it are cached).
+      num_tokens: static int >= 1.
+      window_id: int32 scalar, the sequence's window id (caches with a window).
+    Returns:
+      rows for :func:`jax_tq.paged_prefill`: one sequence, or (with a window) one sequence per row over
+      its own window view (``view_start``). Positions past the table's capacity get slot -1.
+    """
+    positions = start + jnp.arange(num_tokens, dtype=jnp.int32)
+    slots = slot_mapping(block_table, positions, cache.page_size)
+    if not cache.window:
+        return CacheRows(slots, block_table[None], jnp.asarray([start + num_tokens], jnp.int32),
+                         jnp.asarray([0, num_tokens], jnp.int32))
+    ids = jnp.full((num_tokens,), window_id, jnp.int32)
+    ends = jnp.full((num_tokens,), start + num_tokens, jnp.int32)
+    rows = jnp.arange(num_tokens, dtype=jnp.int32)
+    return CacheRows(slots, jnp.broadcast_to(block_table, (num_tokens, block_table.shape[0])), positions + 1,
+                     jnp.arange(num_tokens + 1, dtype=jnp.int32),
+                     window_slot_mapping(ids, positions, ends, cache.window), rows, jnp.asarray(window_id, jnp.int32),
+                     start)
+
+
+def decode_rows(cache: PagedKVCache, block_tables, position, seq_lens) -> CacheRows:
+    """The :class:`CacheRows` of one new token per sequence.
+
+    Args:
+      cache: a layer's cache (its page size and window).
+      block_tables: int32 ``[S, max_pages]``.
+      position: int32 ``[S]``, each new token's position.
+      seq_lens: int32 ``[S]``, tokens after the step (normally ``position + 1``); 0: an idle row,
+        nothing written.
+    Returns:
+      rows for :func:`jax_tq.paged_decode`; row ``s`` uses window id ``s`` (caches with a window).
+    """
+    slots = jnp.where(seq_lens > 0, slot_mapping(block_tables, position.astype(jnp.int32), cache.page_size), -1)
+    if not cache.window:
+        return CacheRows(slots, block_tables, seq_lens)
+    ids = jnp.arange(position.shape[0], dtype=jnp.int32)
+    return CacheRows(slots, block_tables, seq_lens, window_slots=window_slot_mapping(ids, position, seq_lens,
+                                                                                     cache.window), window_ids=ids)
+
+
+def prompt_rows(cache: PagedKVCache, block_tables, prompt_lens, prompt_len: int) -> CacheRows:
+    """The :class:`CacheRows` of fresh prompts, each padded to ``prompt_len`` tokens.
+
+    Args:
+      cache: a layer's cache (its window).
+      block_tables: int32 ``[S, max_pages]`` covering each prompt.
+      prompt_lens: int32 ``[S]`` in ``[0, prompt_len]``.
+      prompt_len: static int, the padded length L (the forward's T = S x L rows).
+    Returns:
+      rows for :func:`jax_tq.prompt_attention`; prompt ``s`` uses window id ``s`` (caches with a window).
+    """
+    ids = jnp.arange(prompt_lens.shape[0], dtype=jnp.int32) if cache.window else None
+    unused = jnp.full((prompt_lens.shape[0] * prompt_len,), -1, jnp.int32)  # prompt_attention writes
+    return CacheRows(unused, block_tables, prompt_lens, window_ids=ids, prompt_len=prompt_len)
+
+
+def row_windows(cache: PagedKVCache, before: PagedKVCache, k, v, start: int, window_id) -> PagedKVCache:
+    """A view of ``cache`` whose window id ``t`` holds what row ``t`` of one sequence's positions
+    ``start .. start + T - 1`` reads exactly: the rotated rows of positions ``(p - window, p]``
+    (p = start + t), for this call's tokens as :func:`jax_tq.write_cache` writes them (the same
+    kernel, into a scratch window of T entries) and for earlier ones from the window ``window_id``
+    of ``before`` (the cache as it was before this call's write).
+
+    Args:
+      cache: :class:`jax_tq.PagedKVCache` with a window, after the write of k, v (its pages are kept).
+      before: the same cache before that write.
+      k, v: float ``[T, num_kv_heads, head_dim]`` this call's keys and values.
+      start: static position of k[0].  window_id: int32 scalar, the sequence's window id.
+    Returns:
+      the cache with k_window / v_window of ``[T, num_kv_heads, window, head_dim]`` (memory O(T x window)).
+    """
+    W = cache.window
+    T = k.shape[0]
+    # A scratch cache of T page slots (page size 1) and T window entries: write_cache writes a
+    # token's window row only with its page slot (a token without one is padding).
+    def pool(codes):
+        return jnp.zeros((T, cache.num_kv_heads, 1, codes.shape[-1]), jnp.uint8)
+
+    norms = jnp.zeros((T, cache.num_kv_heads, 1), jnp.float32)
+    window = jnp.zeros((1, cache.num_kv_heads, T, cache.head_dim), jnp.bfloat16)
+    scratch = dataclasses.replace(before, k_codes=pool(before.k_codes), k_norms=norms, v_codes=pool(before.v_codes),
+                                  v_norms=norms, k_window=window, v_window=window)
+    slots = jnp.arange(T, dtype=jnp.int32)
+    written = write_cache(scratch, k, v, slots, slots)
+    # Rows of positions start - W .. start + T - 1: the ring's (entries p % W) then this call's.
+    earlier = (start - W + jnp.arange(W)) % W
+    seq_k = jnp.concatenate([before.k_window[window_id][:, earlier], written.k_window[0]], axis=1)
+    seq_v = jnp.concatenate([before.v_window[window_id][:, earlier], written.v_window[0]], axis=1)
+    t = jnp.arange(T)[:, None]
+    entries = jnp.arange(W)[None, :]
+    # Row t's entry e holds position p - ((p - e) mod W), p = start + t: index W + t - that offset.
+    index = W + t - jnp.mod(start + t - entries, W)
+    rows_k = jnp.swapaxes(seq_k[:, index], 0, 1)  # [Hkv, T, W, d] -> [T, Hkv, W, d]
+    rows_v = jnp.swapaxes(seq_v[:, index], 0, 1)
+    return dataclasses.replace(cache, k_window=rows_k, v_window=rows_v)
