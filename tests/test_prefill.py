@@ -29,7 +29,8 @@ def ffi_backend(request):
 
 def prefill_f64(q, cache, tables, seq_lens, query_start_loc):
     """float64 oracle: rows of sequence s (valid, non-decreasing query_start_loc) decode with the
-    sequence's table and their causal length; every other row is 0."""
+    sequence's table and their causal length (a head whose query is not all finite: NaN, also in
+    rows placed before the sequence's start, which see no token); every other row is 0."""
     q = np.asarray(q, np.float64)
     tables, seq_lens, starts = (np.asarray(a) for a in (tables, seq_lens, query_start_loc))
     want = np.zeros(q.shape)
@@ -39,7 +40,8 @@ def prefill_f64(q, cache, tables, seq_lens, query_start_loc):
             continue
         lens = np.clip(int(seq_lens[s]) - (end - begin) + np.arange(end - begin) + 1, 0, int(seq_lens[s]))
         row_tables = jnp.asarray(np.repeat(tables[s:s + 1], end - begin, axis=0))
-        want[begin:end] = decode_f64(q[begin:end], cache, row_tables, jnp.asarray(lens.astype(np.int32)))
+        rows = decode_f64(q[begin:end], cache, row_tables, jnp.asarray(lens.astype(np.int32)))
+        want[begin:end] = np.where(np.isfinite(q[begin:end]).all(-1, keepdims=True), rows, np.nan)
     return want
 
 
@@ -114,6 +116,17 @@ def test_nan_query_row_gives_a_nan_row_only(rng):
     q = q.at[5, 1].set(jnp.nan)
     out = np.asarray(tq.paged_prefill(q, cache, tables, lens, starts))
     assert np.all(np.isnan(out[5, 1])) and np.isfinite(np.delete(out.reshape(-1, 64), 5 * 6 + 1, axis=0)).all()
+
+
+def test_nan_query_in_a_row_before_its_sequences_start_is_nan_as_the_oracle_says(rng):
+    """A row placed before its sequence's start (3 rows of a 2-token sequence) sees no token: 0 for a
+    finite query, NaN for a head whose query is not finite (an owned row), in the library and the oracle."""
+    q, cache, tables, lens, starts = _case(rng, seq_lens=(10, 2, 7), q_lens=(4, 3, 7))
+    q = q.at[4, 1].set(jnp.nan).at[5, 0, 3].set(jnp.inf)  # row 4: before sequence 1's start; row 5: its first token
+    got = np.asarray(tq.paged_prefill(q, cache, tables, lens, starts))
+    want = prefill_f64(q, cache, tables, lens, starts)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)  # NaN where want is NaN, and only there
+    assert np.isnan(got[4, 1]).all() and np.all(got[4, [0, 2, 3, 4, 5]] == 0) and np.isnan(got[5, 0]).all()
 
 
 @pytest.mark.slow
