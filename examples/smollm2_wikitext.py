@@ -98,6 +98,10 @@ def parse_args(argv=None):
                    help="model parameter/activation dtype; auto = float32 on CPU, bfloat16 on GPU")
     p.add_argument("--decode-batch", type=int, default=1,
                    help="sequences decoded at once in the decode-speed comparison")
+    p.add_argument("--data-devices", type=int, default=1,
+                   help="also decode with the --decode-batch sequences split over this many devices (a 'data' "
+                        "mesh axis: pages and windows per device), reporting its speed and whether its tokens "
+                        "are the one-device run's")
     p.add_argument("--page-size", type=int, default=16, help="tokens per cache page")
     p.add_argument("--rotation", default=None, choices=("haar", "hadamard"),
                    help="codec rotation of every cache (unset: the presets' hadamard, haar for 'K:V' caches)")
@@ -142,6 +146,9 @@ def _cache_configs(ev, args):
         raise ValueError(f"--texts must name some of {', '.join(TEXTS)}, got {args.texts!r}")
     if args.decode_batch < 1:
         raise ValueError("--decode-batch must be >= 1")
+    if args.data_devices < 1 or args.decode_batch % args.data_devices:
+        raise ValueError(f"--data-devices must be >= 1 and divide --decode-batch ({args.decode_batch}), got "
+                         f"{args.data_devices}")
     if args.max_new_tokens < 0 or args.max_new_tokens == 1:
         raise ValueError(f"--max-new-tokens must be 0 (skip) or >= 2 (the first new token comes from the prefill), "
                          f"got {args.max_new_tokens}")
@@ -364,11 +371,15 @@ def main(argv=None) -> int:
     prompt_ids = tok.encode(prompt).ids
     if args.max_new_tokens:
         B, n_new = args.decode_batch, args.max_new_tokens
-        gens = []
+        gens, split = [], {}
         for c in (None, gen_cfg):
             g = ev.greedy_generate(model, prompt_ids, n_new, c, eos_token_id=cfg.eos_token_id,
                                    batch=B)
             gens.append((c, g))
+            if args.data_devices > 1:
+                mesh = jax.sharding.Mesh(np.array(jax.devices()[:args.data_devices]), ("data",))
+                split[c] = ev.greedy_generate(model, prompt_ids, n_new, c, eos_token_id=cfg.eos_token_id,
+                                              batch=B, mesh=mesh)
         print(f"\n## Greedy decode speed (batch {B}, prompt {len(prompt_ids)} tokens, {n_new} new "
               f"tokens per sequence, all decode steps in one jitted loop, {dtype_name} model)\n")
         print(f"prompt: {prompt!r}\n")
@@ -381,9 +392,11 @@ def main(argv=None) -> int:
             name = "uncompressed bf16 (paged)" if c is None else f"jax_tq {c.name} (paged)"
             steps = g["decode_steps"]
             exact = () if c is None else c.exact_layers
-            print(f"| {name} | {ev.kv_bytes_per_token(cfg, kb, vb, exact):,.0f} | {g['compile_s']:.2f} "
-                  f"| {steps} | {g['decode_s']:.2f} | {1e3 * g['decode_s'] / steps:.1f} "
-                  f"| {g['tokens_per_s']:.1f} | {g['tokens_per_s'] / base_tps:.2f}x |")
+            rows = [(name, g)] + ([(f"{name}, {args.data_devices} devices", split[c])] if c in split else [])
+            for label, r in rows:
+                print(f"| {label} | {ev.kv_bytes_per_token(cfg, kb, vb, exact):,.0f} | {r['compile_s']:.2f} "
+                      f"| {steps} | {r['decode_s']:.2f} | {1e3 * r['decode_s'] / steps:.1f} "
+                      f"| {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / base_tps:.2f}x |")
         print(f"\ntokens/s = batch ({B}) x decode steps / decode time (compilation and the "
               f"{len(prompt_ids)}-token prefill excluded; the first new token comes from the "
               f"prefill).\n")
@@ -394,6 +407,10 @@ def main(argv=None) -> int:
             print(f"output {name:>5}: {tok.decode(g['ids'], skip_special_tokens=False)!r}"
                   + ("" if g["rows_agree"] else "  (WARNING: batch rows differ)"))
         print(f"the two caches agree on the first {agree}/{n_new} generated tokens")
+        for c, g in split.items():
+            same = np.array_equal(g["all_ids"], dict(gens)[c]["all_ids"])
+            print(f"{'bf16' if c is None else c.name} split over {args.data_devices} devices: "
+                  f"{'the same tokens as on one device' if same else 'TOKENS DIFFER from one device'}")
 
     # (b) quality table ------------------------------------------------------------------------
     bar = None

@@ -153,7 +153,7 @@ def chunk_rows(cache: PagedKVCache, block_table, start: int, num_tokens: int, wi
                      start)
 
 
-def decode_rows(cache: PagedKVCache, block_tables, position, seq_lens) -> CacheRows:
+def decode_rows(cache: PagedKVCache, block_tables, position, seq_lens, window_ids=None) -> CacheRows:
     """The :class:`CacheRows` of one new token per sequence.
 
     Args:
@@ -162,18 +162,21 @@ def decode_rows(cache: PagedKVCache, block_tables, position, seq_lens) -> CacheR
       position: int32 ``[S]``, each new token's position.
       seq_lens: int32 ``[S]``, tokens after the step (normally ``position + 1``); 0: an idle row,
         nothing written.
+      window_ids: int32 ``[S]`` the sequences' window ids (caches with a window); default
+        ``arange(S)``. Windows split over a mesh's data axis take shard-local ids
+        (``cache_partition_specs(page_axis=...)``).
     Returns:
-      rows for :func:`jax_tq.paged_decode`; row ``s`` uses window id ``s`` (caches with a window).
+      rows for :func:`jax_tq.paged_decode`.
     """
     slots = jnp.where(seq_lens > 0, slot_mapping(block_tables, position.astype(jnp.int32), cache.page_size), -1)
     if not cache.window:
         return CacheRows(slots, block_tables, seq_lens)
-    ids = jnp.arange(position.shape[0], dtype=jnp.int32)
+    ids = _window_ids(window_ids, position.shape[0])
     return CacheRows(slots, block_tables, seq_lens, window_slots=window_slot_mapping(ids, position, seq_lens,
                                                                                      cache.window), window_ids=ids)
 
 
-def prompt_rows(cache: PagedKVCache, block_tables, prompt_lens, prompt_len: int) -> CacheRows:
+def prompt_rows(cache: PagedKVCache, block_tables, prompt_lens, prompt_len: int, window_ids=None) -> CacheRows:
     """The :class:`CacheRows` of fresh prompts, each padded to ``prompt_len`` tokens.
 
     Args:
@@ -181,12 +184,22 @@ def prompt_rows(cache: PagedKVCache, block_tables, prompt_lens, prompt_len: int)
       block_tables: int32 ``[S, max_pages]`` covering each prompt.
       prompt_lens: int32 ``[S]`` in ``[0, prompt_len]``.
       prompt_len: static int, the padded length L (the forward's T = S x L rows).
+      window_ids: as :func:`decode_rows`'s (default ``arange(S)``).
     Returns:
-      rows for :func:`jax_tq.prompt_attention`; prompt ``s`` uses window id ``s`` (caches with a window).
+      rows for :func:`jax_tq.prompt_attention`.
     """
-    ids = jnp.arange(prompt_lens.shape[0], dtype=jnp.int32) if cache.window else None
+    ids = _window_ids(window_ids, prompt_lens.shape[0]) if cache.window else None
     unused = jnp.full((prompt_lens.shape[0] * prompt_len,), -1, jnp.int32)  # prompt_attention writes
     return CacheRows(unused, block_tables, prompt_lens, window_ids=ids, prompt_len=prompt_len)
+
+
+def _window_ids(window_ids, num_seqs: int):
+    if window_ids is None:
+        return jnp.arange(num_seqs, dtype=jnp.int32)
+    ids = jnp.asarray(window_ids)
+    if ids.shape != (num_seqs,) or not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise ValueError(f"window_ids must be integer [num_seqs={num_seqs}], got {ids.dtype} {tuple(ids.shape)}")
+    return ids.astype(jnp.int32)
 
 
 def row_windows(cache: PagedKVCache, before: PagedKVCache, k, v, start: int, window_id) -> PagedKVCache:

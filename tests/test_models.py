@@ -229,7 +229,7 @@ def test_check_decode_matches_eval_fails_on_a_decode_step_that_writes_the_wrong_
 
     from jax_tq.models import llama
 
-    def off_by_one(graphdef, state, caches, token, position, block_tables, seq_lens):
+    def off_by_one(graphdef, state, caches, token, position, block_tables, seq_lens, window_ids):
         model = nnx.merge(graphdef, state)
         written = llama.decode_rows(caches[0], block_tables, position + 1, seq_lens)
         rows = dataclasses.replace(llama.decode_rows(caches[0], block_tables, position, seq_lens), slots=written.slots)

@@ -146,6 +146,23 @@ def check_window_id(window_id, caches, where: str) -> None:
         raise ValueError(f"{where}: window_id={wid} is outside the caches' window ids 0..{windows - 1}")
 
 
+def window_ids(ids, num_seqs: int, caches, where: str):
+    """None, or ``ids`` as int32 ``[num_seqs]``: each sequence's window id in the caches with a
+    window (shard-local ids where the windows are split over a mesh axis). TypeError for non-integers;
+    ValueError for another shape or a concrete id outside [0, num_windows)."""
+    if ids is None:
+        return None
+    host = is_host_value(ids)
+    ids = int32(ids, "window_ids", where)
+    if ids.shape != (num_seqs,):
+        raise ValueError(f"{where}: window_ids must be [S={num_seqs}], got shape {tuple(ids.shape)}")
+    windows = min((c.num_windows for c in caches if c.window), default=None)
+    if host and windows is not None and ids.size and not (0 <= int(ids.min()) and int(ids.max()) < windows):
+        raise ValueError(f"{where}: window_ids must lie in the caches' window ids 0..{windows - 1}, got "
+                         f"{np.asarray(ids).tolist()}")
+    return ids
+
+
 def check_active_positions(position, seq_lens, where: str, num_steps: int = 1, capacity: int | None = None) -> None:
     """ValueError when an active row (seq_lens > 0) is at a negative position (nothing would be
     written, and the row would attend to an unwritten slot) or, given ``capacity`` (max_pages x

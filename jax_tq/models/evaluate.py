@@ -573,9 +573,33 @@ def _greedy_next(logits):
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 
+def _split_sequences(mesh, config: LlamaConfig, caches, tables, positions, prompts, prompt_lens):
+    """greedy_generate's arguments with the sequences split over ``mesh``'s "data" axis: caches with
+    their pages and windows split (KV heads over "model" where it divides them), shard-local block
+    tables and window ids, the per-sequence arrays placed P("data")."""
+    import jax_tq as tq
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    if "data" not in mesh.shape:
+        raise ValueError(f"greedy_generate: mesh needs a 'data' axis to split the sequences over, got axes "
+                         f"{tuple(mesh.shape)}")
+    data, batch = mesh.shape["data"], tables.shape[0]
+    if batch % data:
+        raise ValueError(f"greedy_generate: batch ({batch}) must be a multiple of the mesh's data axis ({data})")
+    model_axis = mesh.shape.get("model", 1)
+    heads = "model" if model_axis > 1 and config.num_kv_heads % model_axis == 0 else None
+    caches = [tq.shard_cache(c, mesh, kv_head_axis=heads, page_axis="data") for c in caches]
+    per_shard = batch // data  # sequences per shard; sequence b owns pages [b * n, (b + 1) * n)
+    by_seq = NamedSharding(mesh, PartitionSpec("data"))
+    put = lambda x: jax.device_put(x, by_seq)  # noqa: E731
+    local_tables = tables % (per_shard * tables.shape[1])
+    window_ids = jnp.arange(batch, dtype=jnp.int32) % per_shard
+    return (caches, put(local_tables), put(window_ids), [put(p) for p in positions], put(prompts), put(prompt_lens))
+
+
 def greedy_generate(model: Llama, prompt_ids: Sequence[int], max_new_tokens: int = 32,
                     cache_config=(4, 4), eos_token_id: int | None = None, batch: int = 1,
-                    uncompressed_dtype=jnp.bfloat16) -> dict:
+                    uncompressed_dtype=jnp.bfloat16, mesh=None) -> dict:
     """Greedy decoding of ``batch`` copies of one prompt with a jitted decode step.
 
     Args:
@@ -586,6 +610,13 @@ def greedy_generate(model: Llama, prompt_ids: Sequence[int], max_new_tokens: int
       eos_token_id: if given, ``ids`` is cut after its first occurrence.
       batch: number of identical sequences decoded together (>= 1).
       uncompressed_dtype: dtype of the uncompressed baseline cache's pages.
+      mesh: None, or a ``jax.sharding.Mesh`` with a ``"data"`` axis (and optionally ``"model"``): the
+        sequences are split over ``"data"`` (``batch`` a multiple of its size), each device holding
+        its sequences' pages and windows (:func:`jax_tq.cache_partition_specs` with
+        ``page_axis="data"``; block tables and window ids shard-local), and the KV heads over
+        ``"model"`` where that axis divides them. Under the plain ``jax.jit`` of the prefill and
+        the decode loop every op then runs on each device's slice (no gather of the caches), and
+        the tokens are the unsharded run's.
 
     ``cache_config``: a compressed paged cache spec (see :func:`parse_cache_config`), or None /
     ``"none"`` for the uncompressed baseline, paged too (``preset="none"``, pages of
@@ -610,7 +641,8 @@ def greedy_generate(model: Llama, prompt_ids: Sequence[int], max_new_tokens: int
     Raises:
       TypeError: ``batch`` or ``max_new_tokens`` not an int.
       ValueError: empty or not 1-D prompt, token ids outside ``[0, vocab_size)``, ``batch < 1``,
-        ``max_new_tokens < 1`` or an unparseable ``cache_config``.
+        ``max_new_tokens < 1``, an unparseable ``cache_config``, a ``mesh`` without a ``"data"``
+        axis or one whose size does not divide ``batch``.
       TypeError / ValueError: propagated from :func:`jax_tq.models.init_caches` (e.g. bits not
         in 2..4).
     """
@@ -635,19 +667,23 @@ def greedy_generate(model: Llama, prompt_ids: Sequence[int], max_new_tokens: int
     else:
         caches = config_caches(model.config, cfg, batch * n_pages, num_windows=batch)
     tables = jnp.arange(batch * n_pages, dtype=jnp.int32).reshape(batch, n_pages)
+    prompts = jnp.asarray(np.tile(np.asarray(prompt, np.int32), (batch, 1)))
+    prompt_lens = jnp.full((batch,), len(prompt), jnp.int32)
+    window_ids = None
+    if mesh is not None:
+        caches, tables, window_ids, positions, prompts, prompt_lens = _split_sequences(
+            mesh, model.config, caches, tables, positions, prompts, prompt_lens)
     prefill, paged_loop = make_prefill(model), make_decode_loop(model)
 
     def loop(caches, tok, pos, n):
-        return paged_loop(caches, tok, positions[pos], tables, positions[pos + 1], n)
+        return paged_loop(caches, tok, positions[pos], tables, positions[pos + 1], n, window_ids=window_ids)
 
-    prompts = np.tile(np.asarray(prompt, np.int32), (batch, 1))
-    prompt_lens = np.full((batch,), len(prompt), np.int32)
     t0 = time.perf_counter()
     spare = jax.tree_util.tree_map(jnp.copy, caches)  # donated to the compiling call
-    _greedy_next(prefill(spare, prompts, prompt_lens, tables)[0]).block_until_ready()
+    _greedy_next(prefill(spare, prompts, prompt_lens, tables, window_ids=window_ids)[0]).block_until_ready()
     compile_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    logits, caches = prefill(caches, prompts, prompt_lens, tables)
+    logits, caches = prefill(caches, prompts, prompt_lens, tables, window_ids=window_ids)
     nxt = _greedy_next(logits)
     nxt.block_until_ready()
     prefill_s = time.perf_counter() - t0

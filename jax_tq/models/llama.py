@@ -296,10 +296,10 @@ def forward_compressed(model: Llama, token_ids, caches: Sequence, block_table, s
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(3,))
-def _prefill_pure(graphdef, state, prompt_ids, caches, block_tables, prompt_lens):
+def _prefill_pure(graphdef, state, prompt_ids, caches, block_tables, prompt_lens, window_ids):
     model = nnx.merge(graphdef, state)
     num_prompts, length = prompt_ids.shape
-    rows = prompt_rows(rows_cache(caches), block_tables, prompt_lens, length)
+    rows = prompt_rows(rows_cache(caches), block_tables, prompt_lens, length, window_ids)
     positions = jnp.tile(jnp.arange(length, dtype=jnp.int32), num_prompts)
     h, caches = model.hidden(prompt_ids.reshape(-1), positions, caches, rows)
     last = jnp.arange(num_prompts) * length + jnp.clip(prompt_lens - 1, 0, length - 1)
@@ -312,13 +312,13 @@ def make_prefill(model: Llama):
 
     Each layer's attention is :func:`jax_tq.prompt_attention`: exact causal attention over the
     prompt's own K / V (cuDNN's flash attention for bfloat16 / float16 models on the GPU) while the
-    K / V go into the caches' pages (and windows, prompt ``b`` using window id ``b``) for the decode
-    steps that follow. :func:`forward_compressed` instead reads every token back from the caches
+    K / V go into the caches' pages (and windows, prompt ``b`` using window id ``window_ids[b]``,
+    default ``b``) for the decode steps that follow. :func:`forward_compressed` instead reads every token back from the caches
     (what the quality tables measure). Later in-place changes to ``model`` are not seen.
 
     The returned function takes the per-layer caches (donated), int ``prompt_ids [S, L]`` (padded
-    to L), int ``prompt_lens [S]`` in ``[1, L]`` and int ``block_tables [S, max_pages]`` covering
-    each prompt; it returns float32 ``logits [S, vocab]`` of each prompt's last token and the
+    to L), int ``prompt_lens [S]`` in ``[1, L]``, int ``block_tables [S, max_pages]`` covering
+    each prompt and, keyword-only, ``window_ids`` (None or int ``[S]``: :func:`decode_step`'s); it returns float32 ``logits [S, vocab]`` of each prompt's last token and the
     caches. It raises TypeError for non-integer ids, lengths or tables, or a cache that is not a
     :class:`jax_tq.PagedKVCache`; ValueError for shapes other than these, ids outside
     ``[0, vocab_size)``, and (host values) a length outside ``[1, L]``, a prompt longer than its
@@ -327,24 +327,26 @@ def make_prefill(model: Llama):
     graphdef, state = nnx.split(model)
     cfg = model.config
 
-    def prefill(caches, prompt_ids, prompt_lens, block_tables):
+    def prefill(caches, prompt_ids, prompt_lens, block_tables, *, window_ids=None):
         ids, lens, tables = checks.prompt_args(caches, cfg.num_layers, cfg.vocab_size, prompt_ids, prompt_lens,
                                                block_tables, "prefill")
-        return _prefill_pure(graphdef, state, ids, list(caches), tables, lens)
+        wids = checks.window_ids(window_ids, ids.shape[0], caches, "prefill")
+        return _prefill_pure(graphdef, state, ids, list(caches), tables, lens, wids)
 
     return prefill
 
 
-def _decode(model, caches, token, position, block_tables, seq_lens):
-    return model(token, position, caches, decode_rows(rows_cache(caches), block_tables, position, seq_lens))
+def _decode(model, caches, token, position, block_tables, seq_lens, window_ids=None):
+    rows = decode_rows(rows_cache(caches), block_tables, position, seq_lens, window_ids)
+    return model(token, position, caches, rows)
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
-def _decode_pure(graphdef, state, caches, token, position, block_tables, seq_lens):
-    return _decode(nnx.merge(graphdef, state), caches, token, position, block_tables, seq_lens)
+def _decode_pure(graphdef, state, caches, token, position, block_tables, seq_lens, window_ids):
+    return _decode(nnx.merge(graphdef, state), caches, token, position, block_tables, seq_lens, window_ids)
 
 
-def decode_step(model: Llama, caches: Sequence, token, position, block_tables, seq_lens):
+def decode_step(model: Llama, caches: Sequence, token, position, block_tables, seq_lens, *, window_ids=None):
     """One decoding step for a batch of sequences (jit-compiled; caches donated).
 
     Args:
@@ -355,6 +357,10 @@ def decode_step(model: Llama, caches: Sequence, token, position, block_tables, s
       seq_lens: int ``[S]`` sequence length INCLUDING the new token (normally ``position + 1``);
         0 marks an inactive row (nothing written, zero attention output). A position at or beyond
         ``max_pages * page_size`` is not written; the attention then sees the cached tokens only.
+      window_ids: None (row ``s`` uses window id ``s``) or int ``[S]``, each row's window id in caches
+        with a window: shard-local ids where the caches' pages and windows are split over a mesh's
+        data axis (``jax_tq.cache_partition_specs(page_axis="data")``; see
+        :func:`jax_tq.models.greedy_generate`'s ``mesh``).
     Returns:
       ``(logits float32 [S, vocab], new_caches)``.
     Raises:
@@ -368,34 +374,35 @@ def decode_step(model: Llama, caches: Sequence, token, position, block_tables, s
         negative position writes nothing).
       TypeError / ValueError: from the jax_tq ops.
     """
-    return make_decode_step(model)(caches, token, position, block_tables, seq_lens)
+    return make_decode_step(model)(caches, token, position, block_tables, seq_lens, window_ids=window_ids)
 
 
 def make_decode_step(model: Llama):
-    """Return ``step(caches, token, position, block_tables, seq_lens) -> (logits, caches)``:
+    """Return ``step(caches, token, position, block_tables, seq_lens, *, window_ids=None) -> (logits, caches)``:
     :func:`decode_step` with the model split once (lower Python overhead per token). Later
     in-place changes to ``model`` are not seen by ``step``."""
     graphdef, state = nnx.split(model)
     cfg = model.config
 
-    def step(caches, token, position, block_tables, seq_lens):
+    def step(caches, token, position, block_tables, seq_lens, *, window_ids=None):
         where = "decode_step"
         _, *args = checks.decode_args(caches, cfg.num_layers, cfg.vocab_size, token, position, block_tables, seq_lens,
                                       where, token_values=checks.is_host_value(token))
         checks.check_active_positions(position, seq_lens, where)
         checks.check_host_rows(caches, position, block_tables, seq_lens, where)
-        return _decode_pure(graphdef, state, list(caches), *args)
+        wids = checks.window_ids(window_ids, args[0].shape[0], caches, where)
+        return _decode_pure(graphdef, state, list(caches), *args, wids)
 
     return step
 
 
 @functools.partial(jax.jit, static_argnums=(0, 7), donate_argnums=(2,))
-def _decode_loop_pure(graphdef, state, caches, token, position, block_tables, seq_lens, num_steps):
+def _decode_loop_pure(graphdef, state, caches, token, position, block_tables, seq_lens, num_steps, window_ids):
     model = nnx.merge(graphdef, state)
 
     def body(carry, _):
         caches, token, position, seq_lens = carry
-        logits, caches = _decode(model, caches, token, position, block_tables, seq_lens)
+        logits, caches = _decode(model, caches, token, position, block_tables, seq_lens, window_ids)
         nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         step = (seq_lens > 0).astype(jnp.int32)
         return (caches, nxt, position + step, seq_lens + step), nxt
@@ -405,7 +412,8 @@ def _decode_loop_pure(graphdef, state, caches, token, position, block_tables, se
 
 
 def make_decode_loop(model: Llama):
-    """Return ``loop(caches, token, position, block_tables, seq_lens, num_steps) -> (tokens, caches)``:
+    """Return ``loop(caches, token, position, block_tables, seq_lens, num_steps, *, window_ids=None) -> (tokens,
+    caches)``:
     ``num_steps`` greedy decoding steps in one jitted call (compiled once per ``num_steps``).
 
     Step ``i`` is :func:`decode_step` with the previous step's argmax token (the given ``token``
@@ -423,13 +431,14 @@ def make_decode_loop(model: Llama):
     graphdef, state = nnx.split(model)
     cfg = model.config
 
-    def loop(caches, token, position, block_tables, seq_lens, num_steps: int):
+    def loop(caches, token, position, block_tables, seq_lens, num_steps: int, *, window_ids=None):
         where = "decode loop"
         steps = checks.static_int(num_steps, "num_steps", where, 1)
         page_size, *args = checks.decode_args(caches, cfg.num_layers, cfg.vocab_size, token, position, block_tables,
                                               seq_lens, where)
         checks.check_active_positions(position, seq_lens, where, steps, args[2].shape[1] * page_size)
         checks.check_host_rows(caches, position, block_tables, seq_lens, where, steps)
-        return _decode_loop_pure(graphdef, state, list(caches), *args, steps)
+        wids = checks.window_ids(window_ids, args[0].shape[0], caches, where)
+        return _decode_loop_pure(graphdef, state, list(caches), *args, steps, wids)
 
     return loop

@@ -83,7 +83,7 @@ def sample_tokens(logits, key, temperature: float = 0.0, top_k: int | None = Non
 
 @functools.partial(jax.jit, static_argnums=(0, 7, 9, 10), donate_argnums=(2,))
 def _sampling_loop_pure(graphdef, state, caches, token, position, block_tables, seq_lens, num_steps, key,
-                        temperature, top_k, stop_tokens):
+                        temperature, top_k, stop_tokens, window_ids):
     model = nnx.merge(graphdef, state)
     tokens = jnp.full((token.shape[0], num_steps), -1, jnp.int32)
 
@@ -93,7 +93,7 @@ def _sampling_loop_pure(graphdef, state, caches, token, position, block_tables, 
 
     def body(carry):
         i, caches, token, position, seq_lens, key, tokens = carry
-        logits, caches = _decode(model, caches, token, position, block_tables, seq_lens)
+        logits, caches = _decode(model, caches, token, position, block_tables, seq_lens, window_ids)
         key, sub = jax.random.split(key)
         active = seq_lens > 0
         nxt = jnp.where(active, _sample(logits, sub, temperature, top_k), -1)
@@ -110,7 +110,7 @@ def _sampling_loop_pure(graphdef, state, caches, token, position, block_tables, 
 
 def make_sampling_loop(model: Llama):
     """Return ``loop(caches, token, position, block_tables, seq_lens, num_steps, key, *, temperature=0.0,
-    top_k=None, stop_tokens=()) -> (tokens, caches)``: up to ``num_steps`` decoding steps in one
+    top_k=None, stop_tokens=(), window_ids=None) -> (tokens, caches)``: up to ``num_steps`` decoding steps in one
     jitted call (a ``lax.while_loop``), each row's next token from :func:`sample_tokens`, rows
     stopping on their own.
 
@@ -135,7 +135,7 @@ def make_sampling_loop(model: Llama):
     cfg = model.config
 
     def loop(caches, token, position, block_tables, seq_lens, num_steps: int, key, *, temperature=0.0, top_k=None,
-             stop_tokens=()):
+             stop_tokens=(), window_ids=None):
         where = "sampling loop"
         steps = checks.static_int(num_steps, "num_steps", where, 1)
         temperature, top_k = _check_sampling(temperature, top_k, cfg.vocab_size, where)
@@ -144,7 +144,8 @@ def make_sampling_loop(model: Llama):
                                               seq_lens, where)
         checks.check_active_positions(position, seq_lens, where, steps, args[2].shape[1] * page_size)
         checks.check_host_rows(caches, position, block_tables, seq_lens, where, steps)
+        wids = checks.window_ids(window_ids, args[0].shape[0], caches, where)
         return _sampling_loop_pure(graphdef, state, list(caches), *args, steps, key, temperature, top_k,
-                                   jnp.asarray(stop, jnp.int32))
+                                   jnp.asarray(stop, jnp.int32), wids)
 
     return loop
