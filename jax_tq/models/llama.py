@@ -307,22 +307,26 @@ def _prefill_pure(graphdef, state, prompt_ids, caches, block_tables, prompt_lens
 
 
 def make_prefill(model: Llama):
-    """Return ``prefill(caches, prompt_ids, prompt_lens, block_tables) -> (logits, caches)``: fresh
-    prompts of a batch in one forward (time to first token), compiled once per shape, caches donated.
+    """Return ``prefill(caches, prompt_ids, prompt_lens, block_tables, *, window_ids=None) -> (logits,
+    caches)``: fresh prompts of a batch in one forward (time to first token), compiled once per
+    shape, caches donated.
 
     Each layer's attention is :func:`jax_tq.prompt_attention`: exact causal attention over the
     prompt's own K / V (cuDNN's flash attention for bfloat16 / float16 models on the GPU) while the
     K / V go into the caches' pages (and windows, prompt ``b`` using window id ``window_ids[b]``,
-    default ``b``) for the decode steps that follow. :func:`forward_compressed` instead reads every token back from the caches
-    (what the quality tables measure). Later in-place changes to ``model`` are not seen.
+    default ``b``) for the decode steps that follow. :func:`forward_compressed` instead reads every
+    token back from the caches (what the quality tables measure). Later in-place changes to
+    ``model`` are not seen.
 
     The returned function takes the per-layer caches (donated), int ``prompt_ids [S, L]`` (padded
     to L), int ``prompt_lens [S]`` in ``[1, L]``, int ``block_tables [S, max_pages]`` covering
-    each prompt and, keyword-only, ``window_ids`` (None or int ``[S]``: :func:`decode_step`'s); it returns float32 ``logits [S, vocab]`` of each prompt's last token and the
-    caches. It raises TypeError for non-integer ids, lengths or tables, or a cache that is not a
+    each prompt and ``window_ids`` (None or int ``[S]``: :func:`decode_step`'s); it returns float32
+    ``logits [S, vocab]`` of each prompt's last token and the caches. It raises TypeError for
+    non-integer ids, lengths, tables or window ids, or a cache that is not a
     :class:`jax_tq.PagedKVCache`; ValueError for shapes other than these, ids outside
     ``[0, vocab_size)``, and (host values) a length outside ``[1, L]``, a prompt longer than its
-    table's ``max_pages * page_size`` tokens, or a table entry covering it outside the pool.
+    table's ``max_pages * page_size`` tokens, a table entry covering it outside the pool, or a
+    window id outside the caches' window ids.
     """
     graphdef, state = nnx.split(model)
     cfg = model.config
