@@ -171,7 +171,7 @@ def decode_rows(cache: PagedKVCache, block_tables, position, seq_lens, window_id
     slots = jnp.where(seq_lens > 0, slot_mapping(block_tables, position.astype(jnp.int32), cache.page_size), -1)
     if not cache.window:
         return CacheRows(slots, block_tables, seq_lens)
-    ids = _window_ids(window_ids, position.shape[0])
+    ids = _window_ids(window_ids, position.shape[0], "decode_rows")
     return CacheRows(slots, block_tables, seq_lens, window_slots=window_slot_mapping(ids, position, seq_lens,
                                                                                      cache.window), window_ids=ids)
 
@@ -188,17 +188,18 @@ def prompt_rows(cache: PagedKVCache, block_tables, prompt_lens, prompt_len: int,
     Returns:
       rows for :func:`jax_tq.prompt_attention`.
     """
-    ids = _window_ids(window_ids, prompt_lens.shape[0]) if cache.window else None
+    ids = _window_ids(window_ids, prompt_lens.shape[0], "prompt_rows") if cache.window else None
     unused = jnp.full((prompt_lens.shape[0] * prompt_len,), -1, jnp.int32)  # prompt_attention writes
     return CacheRows(unused, block_tables, prompt_lens, window_ids=ids, prompt_len=prompt_len)
 
 
-def _window_ids(window_ids, num_seqs: int):
+def _window_ids(window_ids, num_seqs: int, where: str):
     if window_ids is None:
         return jnp.arange(num_seqs, dtype=jnp.int32)
     ids = jnp.asarray(window_ids)
     if ids.shape != (num_seqs,) or not jnp.issubdtype(ids.dtype, jnp.integer):
-        raise ValueError(f"window_ids must be integer [num_seqs={num_seqs}], got {ids.dtype} {tuple(ids.shape)}")
+        raise ValueError(f"{where}: window_ids must be integer [num_seqs={num_seqs}], got {ids.dtype} "
+                         f"{tuple(ids.shape)}")
     return ids.astype(jnp.int32)
 
 

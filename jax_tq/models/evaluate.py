@@ -667,8 +667,8 @@ def greedy_generate(model: Llama, prompt_ids: Sequence[int], max_new_tokens: int
     else:
         caches = config_caches(model.config, cfg, batch * n_pages, num_windows=batch)
     tables = jnp.arange(batch * n_pages, dtype=jnp.int32).reshape(batch, n_pages)
-    prompts = jnp.asarray(np.tile(np.asarray(prompt, np.int32), (batch, 1)))
-    prompt_lens = jnp.full((batch,), len(prompt), jnp.int32)
+    prompts = np.tile(np.asarray(prompt, np.int32), (batch, 1))
+    prompt_lens = np.full((batch,), len(prompt), np.int32)
     window_ids = None
     if mesh is not None:
         caches, tables, window_ids, positions, prompts, prompt_lens = _split_sequences(
