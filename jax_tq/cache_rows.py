@@ -16,6 +16,7 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_tq.cache import PagedKVCache, slot_mapping, write_cache
 from jax_tq.format import window_slot_mapping
@@ -48,6 +49,8 @@ class CacheRows:
         (static): the T = S x L rows are prompt ``t // L``'s token ``t % L``, ``seq_lens`` the
         prompts' lengths, and attention is :func:`jax_tq.prompt_attention` (exact over the
         prompt's own K / V, which it writes); else None.
+      page_size: the page size the slots were computed for (static; the builders set it,
+        :func:`attend_rows` refuses a cache of another), or None: not recorded.
     """
 
     slots: jax.Array
@@ -59,6 +62,7 @@ class CacheRows:
     view_window_id: jax.Array | None = None
     view_start: int | None = dataclasses.field(default=None, metadata=dict(static=True))
     prompt_len: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+    page_size: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
 
 def attend_rows(q, k, v, cache: PagedKVCache, rows: CacheRows, *, sliding_window=None, soft_cap=None, sinks=None):
@@ -71,6 +75,11 @@ def attend_rows(q, k, v, cache: PagedKVCache, rows: CacheRows, *, sliding_window
     ``rows.view_start`` each row reads its own window view (:func:`row_windows`). The window parts of
     ``rows`` are ignored for a cache without a window (a model's uncompressed layers).
 
+    Gradients flow to q always, and to k / v where the attention reads them as given: fresh prompts
+    (``prompt_attention`` attends over the k / v passed in) and uncompressed pages. Compressed pages
+    hold integer codes (a gradient reaches k / v through their norms only) and the window's bfloat16
+    rows get none (:func:`jax_tq.write_cache`): train through prompt rows or an uncompressed cache.
+
     Args:
       q: float ``[T, num_heads, head_dim]`` (float32, bfloat16 or float16).
       k, v: float ``[T, num_kv_heads, head_dim]``, the new tokens' keys and values.
@@ -80,12 +89,13 @@ def attend_rows(q, k, v, cache: PagedKVCache, rows: CacheRows, *, sliding_window
     Returns:
       ``(out [T, num_heads, head_dim] in q's dtype, the cache with the new tokens)``.
     Raises:
-      ValueError: q, k, v not 3-D, k and v of different shapes, or T differing between q, k and
-        ``rows.slots`` (prompts: ``T != S * prompt_len``).
+      TypeError: ``cache`` not a :class:`jax_tq.PagedKVCache` or ``rows`` not a :class:`CacheRows`.
+      ValueError: q, k, v not 3-D, k and v of different shapes, T differing between q, k and
+        ``rows.slots`` (prompts: ``T != S * prompt_len``), or rows built for another page size.
       TypeError / ValueError: what :func:`jax_tq.write_cache`, :func:`jax_tq.prompt_attention`,
         :func:`jax_tq.paged_decode` and :func:`jax_tq.paged_prefill` raise.
     """
-    _check_rows(q, k, v, rows)
+    _check_rows(q, k, v, cache, rows)
     if not cache.window:
         rows = dataclasses.replace(rows, window_slots=None, window_ids=None, view_start=None, view_window_id=None)
     variants = dict(sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks)
@@ -106,8 +116,15 @@ def attend_rows(q, k, v, cache: PagedKVCache, rows: CacheRows, *, sliding_window
     return out, written
 
 
-def _check_rows(q, k, v, rows: CacheRows) -> None:
+def _check_rows(q, k, v, cache, rows: CacheRows) -> None:
     where = "attend_rows"
+    if not isinstance(cache, PagedKVCache):
+        raise TypeError(f"{where}: cache must be a jax_tq.PagedKVCache, got {type(cache).__name__}")
+    if not isinstance(rows, CacheRows):
+        raise TypeError(f"{where}: rows must be a jax_tq.CacheRows (prompt_rows / chunk_rows / decode_rows), got "
+                        f"{type(rows).__name__}")
+    if rows.page_size is not None and rows.page_size != cache.page_size:
+        raise ValueError(f"{where}: rows were built for page_size {rows.page_size}, the cache's is {cache.page_size}")
     if q.ndim != 3 or k.ndim != 3 or k.shape != v.shape:
         raise ValueError(f"{where}: q must be [T, num_heads, head_dim] and k, v [T, num_kv_heads, head_dim], got "
                          f"shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
@@ -137,20 +154,37 @@ def chunk_rows(cache: PagedKVCache, block_table, start: int, num_tokens: int, wi
       window_id: int32 scalar, the sequence's window id (caches with a window).
     Returns:
       rows for :func:`jax_tq.paged_prefill`: one sequence, or (with a window) one sequence per row over
-      its own window view (``view_start``). Positions past the table's capacity get slot -1.
+      its own window view (``view_start``).
+    Raises:
+      TypeError: ``start`` or ``num_tokens`` not a Python int (they fix shapes and positions).
+      ValueError: ``start < 0``, ``num_tokens < 1``, ``block_table`` not 1-D, or the chunk running past
+        the table's ``max_pages * page_size`` tokens (its rows' positions would shift).
     """
+    where = "chunk_rows"
+    for name, value, least in (("start", start, 0), ("num_tokens", num_tokens, 1)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"{where}: {name} must be a Python int, got {type(value).__name__}")
+        if value < least:
+            raise ValueError(f"{where}: {name} must be >= {least}, got {value}")
+    if jnp.ndim(block_table) != 1:
+        raise ValueError(f"{where}: block_table must be [max_pages], got shape {tuple(jnp.shape(block_table))}")
+    capacity = jnp.shape(block_table)[0] * cache.page_size
+    if start + num_tokens > capacity:
+        raise ValueError(f"{where}: positions {start}..{start + num_tokens - 1} run past the block table's "
+                         f"{capacity} tokens (max_pages * page_size)")
+    start, num_tokens = int(start), int(num_tokens)
     positions = start + jnp.arange(num_tokens, dtype=jnp.int32)
     slots = slot_mapping(block_table, positions, cache.page_size)
     if not cache.window:
         return CacheRows(slots, block_table[None], jnp.asarray([start + num_tokens], jnp.int32),
-                         jnp.asarray([0, num_tokens], jnp.int32))
+                         jnp.asarray([0, num_tokens], jnp.int32), page_size=cache.page_size)
     ids = jnp.full((num_tokens,), window_id, jnp.int32)
     ends = jnp.full((num_tokens,), start + num_tokens, jnp.int32)
     rows = jnp.arange(num_tokens, dtype=jnp.int32)
     return CacheRows(slots, jnp.broadcast_to(block_table, (num_tokens, block_table.shape[0])), positions + 1,
                      jnp.arange(num_tokens + 1, dtype=jnp.int32),
                      window_slot_mapping(ids, positions, ends, cache.window), rows, jnp.asarray(window_id, jnp.int32),
-                     start)
+                     start, page_size=cache.page_size)
 
 
 def decode_rows(cache: PagedKVCache, block_tables, position, seq_lens, window_ids=None) -> CacheRows:
@@ -163,17 +197,22 @@ def decode_rows(cache: PagedKVCache, block_tables, position, seq_lens, window_id
       seq_lens: int32 ``[S]``, tokens after the step (normally ``position + 1``); 0: an idle row,
         nothing written.
       window_ids: int32 ``[S]`` the sequences' window ids (caches with a window); default
-        ``arange(S)``. Windows split over a mesh's data axis take shard-local ids
-        (``cache_partition_specs(page_axis=...)``).
+        ``arange(S)``, row s's id s: an engine whose rows are not its sequences' fixed window slots
+        (a subset, a new order, a sequence admitted later) passes each sequence's own id. Windows
+        split over a mesh's data axis take shard-local ids (``cache_partition_specs(page_axis=...)``).
     Returns:
-      rows for :func:`jax_tq.paged_decode`.
+      rows for :func:`jax_tq.paged_decode`. A position the block table does not cover (past its
+      pages, or an entry of -1: a page not yet allocated) is neither written nor read.
+    Raises:
+      ValueError: window_ids not integer ``[S]``.
     """
     slots = jnp.where(seq_lens > 0, slot_mapping(block_tables, position.astype(jnp.int32), cache.page_size), -1)
     if not cache.window:
-        return CacheRows(slots, block_tables, seq_lens)
+        return CacheRows(slots, block_tables, seq_lens, page_size=cache.page_size)
     ids = _window_ids(window_ids, position.shape[0], "decode_rows")
     return CacheRows(slots, block_tables, seq_lens, window_slots=window_slot_mapping(ids, position, seq_lens,
-                                                                                     cache.window), window_ids=ids)
+                                                                                     cache.window), window_ids=ids,
+                     page_size=cache.page_size)
 
 
 def prompt_rows(cache: PagedKVCache, block_tables, prompt_lens, prompt_len: int, window_ids=None) -> CacheRows:
@@ -187,10 +226,23 @@ def prompt_rows(cache: PagedKVCache, block_tables, prompt_lens, prompt_len: int,
       window_ids: as :func:`decode_rows`'s (default ``arange(S)``).
     Returns:
       rows for :func:`jax_tq.prompt_attention`.
+    Raises:
+      TypeError: ``prompt_len`` not a Python int.
+      ValueError: ``prompt_len < 1``; concrete ``prompt_lens`` outside ``[0, prompt_len]``; window_ids
+        not integer ``[S]``.
     """
+    if isinstance(prompt_len, bool) or not isinstance(prompt_len, (int, np.integer)):
+        raise TypeError(f"prompt_rows: prompt_len must be a Python int, got {type(prompt_len).__name__}")
+    if prompt_len < 1:
+        raise ValueError(f"prompt_rows: prompt_len must be >= 1, got {prompt_len}")
+    if not isinstance(prompt_lens, jax.core.Tracer):
+        lens = np.asarray(prompt_lens)
+        if lens.size and (lens.min() < 0 or lens.max() > prompt_len):
+            raise ValueError(f"prompt_rows: prompt_lens must lie in [0, prompt_len={prompt_len}], got {lens.tolist()}")
     ids = _window_ids(window_ids, prompt_lens.shape[0], "prompt_rows") if cache.window else None
     unused = jnp.full((prompt_lens.shape[0] * prompt_len,), -1, jnp.int32)  # prompt_attention writes
-    return CacheRows(unused, block_tables, prompt_lens, window_ids=ids, prompt_len=prompt_len)
+    return CacheRows(unused, block_tables, prompt_lens, window_ids=ids, prompt_len=int(prompt_len),
+                     page_size=cache.page_size)
 
 
 def _window_ids(window_ids, num_seqs: int, where: str):

@@ -108,8 +108,7 @@ class PagedAttention(nnx.Module):
 
     Raises:
       ValueError: ``num_heads`` not a multiple of ``num_kv_heads``, ``qkv_features`` not a multiple of
-        ``num_heads``, an unknown ``preset``, a compressed preset with an unsupported head_dim, a bad
-        ``page_size``, a non-positive size, ``sliding_window < 1``, ``soft_cap <= 0``, a
+        ``num_heads``, an unknown ``preset``, a bad ``page_size``, a non-positive size, ``sliding_window < 1``, ``soft_cap <= 0``, a
         ``normalize_qk`` other than False, True, ``"layer"`` or ``"rms"``.
       TypeError: ``rope`` not callable; ``sliding_window`` / ``soft_cap`` not numbers; ``sinks`` not a bool.
     """
@@ -142,10 +141,6 @@ class PagedAttention(nnx.Module):
         if rope is not None and not callable(rope):
             raise TypeError(f"{where}: rope must be None or a callable fn(x, positions), got {type(rope).__name__}")
         self.head_dim = self.qkv_features // self.num_heads
-        if preset != "none" and self.head_dim not in SUPPORTED_HEAD_DIMS:
-            raise ValueError(f"{where}: preset {preset!r} needs head_dim = qkv_features / num_heads in "
-                             f"{SUPPORTED_HEAD_DIMS}, got {self.qkv_features} / {self.num_heads} = {self.head_dim} "
-                             f"(preset='none' takes any head_dim)")
         if normalize_qk not in (False, True, "layer", "rms"):
             raise ValueError(f"{where}: normalize_qk must be False, True, 'layer' or 'rms', got {normalize_qk!r}")
         self.dtype, self.param_dtype, self.precision = dtype, param_dtype, precision
@@ -198,6 +193,10 @@ class PagedAttention(nnx.Module):
             compressed presets do not support).
         """
         where = "jax_tq.nn.PagedAttention.init_cache"
+        if self.preset != "none" and self.head_dim not in SUPPORTED_HEAD_DIMS:
+            raise ValueError(f"{where}: preset {self.preset!r} needs head_dim = qkv_features / num_heads in "
+                             f"{SUPPORTED_HEAD_DIMS}, got {self.qkv_features} / {self.num_heads} = {self.head_dim} "
+                             f"(preset='none' takes any head_dim)")
         if isinstance(batch_size, (tuple, list)):
             if max_length is not None or len(batch_size) != 3:
                 raise ValueError(f"{where}: give (batch_size, max_length) or an input shape (batch_size, max_length, "
@@ -307,18 +306,26 @@ class PagedAttention(nnx.Module):
             :func:`jax_tq.chunk_rows`, :func:`jax_tq.decode_rows`, or filled by the caller).
         Returns:
           ``(out [T, out_features], the cache with the new tokens)``.
+        Gradients: as :func:`jax_tq.attend_rows` says (to k / v only through fresh prompts and
+        uncompressed pages).
+
         Raises:
           ValueError: ``inputs`` not ``[T, in_features]``, ``positions`` not ``[T]``.
-          TypeError / ValueError: what :func:`jax_tq.attend_rows` raises.
+          TypeError: ``positions`` not integers.
+          TypeError / ValueError: what :func:`jax_tq.attend_rows` raises (a ``cache`` or ``rows`` of the
+            wrong type, rows for another page size).
         """
         where = "jax_tq.nn.PagedAttention.attend"
         x = jnp.asarray(inputs)
         if x.ndim != 2 or x.shape[-1] != self.in_features:
             raise ValueError(f"{where}: inputs must be [T, in_features={self.in_features}], got shape "
                              f"{tuple(x.shape)}")
-        if jnp.shape(positions) != x.shape[:1]:
-            raise ValueError(f"{where}: positions must be [T={x.shape[0]}], got shape {tuple(jnp.shape(positions))}")
-        q, k, v = self._qkv(x, positions)
+        positions = jnp.asarray(positions)
+        if not jnp.issubdtype(positions.dtype, jnp.integer):
+            raise TypeError(f"{where}: positions must be integers, got {positions.dtype}")
+        if positions.shape != x.shape[:1]:
+            raise ValueError(f"{where}: positions must be [T={x.shape[0]}], got shape {tuple(positions.shape)}")
+        q, k, v = self._qkv(x, positions.astype(jnp.int32))
         out, cache = attend_rows(q, k, v, cache, rows, **self._variants())
         return self.out(out), cache
 

@@ -258,8 +258,8 @@ def test_errors(rng):
         m(tok, decode=True)
     with pytest.raises(Exception, match=r"full rows \[0\]"):  # under jit: the host callback's error
         jax.block_until_ready(nnx.jit(lambda mod, t: mod(t, decode=True))(m, tok))
-    with pytest.raises(ValueError, match="head_dim"):
-        PagedAttention(2, 32, 32, preset="k4v4", rngs=nnx.Rngs(0))  # head_dim 16: no packed format
+    with pytest.raises(ValueError, match="head_dim"):  # head_dim 16: no packed format (attend alone needs none)
+        PagedAttention(2, 32, 32, preset="k4v4", rngs=nnx.Rngs(0)).init_cache(2, 8)
     with pytest.raises(ValueError, match="num_kv_heads"):
         PagedAttention(4, 32, num_kv_heads=3, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="preset"):
@@ -384,6 +384,23 @@ def test_attend_and_qk_norm_errors(rng):
         m.attend(jnp.zeros((3, 32)), jnp.arange(4), cache, rows)
     with pytest.raises(ValueError, match=r"len\(rows.slots\) = 3 rows, got 2"):
         m.attend(jnp.zeros((2, 32)), jnp.arange(2), cache, rows)
+    with pytest.raises(TypeError, match="positions must be integers"):
+        m.attend(jnp.zeros((3, 32)), jnp.arange(3.0), cache, rows)
+    with pytest.raises(TypeError, match="rows must be a jax_tq.CacheRows"):
+        m.attend(jnp.zeros((3, 32)), jnp.arange(3), cache, None)
+    with pytest.raises(TypeError, match="cache must be a jax_tq.PagedKVCache"):
+        m.attend(jnp.zeros((3, 32)), jnp.arange(3), None, rows)
+    other = tq.PagedKVCache.create(num_pages=2, page_size=8, num_kv_heads=1, preset="none", head_dim=8)
+    with pytest.raises(ValueError, match="built for page_size 4, the cache's is 8"):
+        m.attend(jnp.zeros((3, 32)), jnp.arange(3), other, rows)
+    with pytest.raises(ValueError, match=r"positions 6..8 run past the block table's 8 tokens"):
+        tq.chunk_rows(cache, tables[0], 6, 3)  # rows 6, 7 would see a clamped length: shifted positions
+    with pytest.raises(ValueError, match="num_tokens must be >= 1"):
+        tq.chunk_rows(cache, tables[0], 0, 0)
+    with pytest.raises(TypeError, match="start must be a Python int"):
+        jax.jit(lambda s: tq.chunk_rows(cache, tables[0], s, 2))(1)
+    with pytest.raises(ValueError, match=r"prompt_lens must lie in \[0, prompt_len=3\]"):
+        tq.prompt_rows(cache, tables, jnp.asarray([4], jnp.int32), 3)
     with pytest.raises(ValueError, match="normalize_qk"):
         PagedAttention(2, 32, normalize_qk="batch", preset="none", rngs=nnx.Rngs(0))
     rms = PagedAttention(2, 32, normalize_qk="rms", qk_norm_epsilon=1e-5, out_bias=False, preset="none",
