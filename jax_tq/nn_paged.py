@@ -108,8 +108,9 @@ class PagedAttention(nnx.Module):
 
     Raises:
       ValueError: ``num_heads`` not a multiple of ``num_kv_heads``, ``qkv_features`` not a multiple of
-        ``num_heads``, an unknown ``preset``, a bad ``page_size``, a non-positive size, ``sliding_window < 1``, ``soft_cap <= 0``, a
-        ``normalize_qk`` other than False, True, ``"layer"`` or ``"rms"``.
+        ``num_heads``, an unknown ``preset``, a bad ``page_size``, a non-positive size,
+        ``sliding_window < 1``, ``soft_cap <= 0``, a ``normalize_qk`` other than False, True,
+        ``"layer"`` or ``"rms"``. (A compressed preset's head_dim is checked by :meth:`init_cache`.)
       TypeError: ``rope`` not callable; ``sliding_window`` / ``soft_cap`` not numbers; ``sinks`` not a bool.
     """
 
