@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on the GPU machine: build jax_tq with CUDA, run the GPU tests, the benchmarks,
 # and optionally the main job; print short tables. Usage: bash scripts/gpu_run.sh [build tests bench model]
-# stages: build ab kernels phases ncu trace tests dtests ftests fbench regress qjl prefill ttft cmdbuf bits hd rot bench graphs profile breakdown mstep model (default: build tests bench). Logs go to $OUT (the device tool brings them back).
+# stages: build ab kernels phases ncu trace tests dtests ftests fbench regress qjl prefill ttft sharded cmdbuf bits hd rot bench graphs profile breakdown mstep model (default: build tests bench). Logs go to $OUT (the device tool brings them back).
 # One device call may run 600 s at most: "build tests" (~9 min on the H200) and "bench" (~4 min) fit
 # in two back-to-back calls; the build stays while the machine is warm (30 s after a call).
 set -uo pipefail
@@ -211,6 +211,15 @@ if has ttft; then  # the main job's time to first token (SmolLM2-135M shapes, ra
   PYTHONPATH=benchmarks:${PYTHONPATH:-} timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench_ttft.py ${TTFT_ARGS:-} 2>&1 \
     | tee "$OUT/bench_ttft.txt" | grep -E "^\||^device"
   echo "ttft: $(( $(date +%s) - t0 )) s"
+fi
+if has sharded; then  # issue 34 (an nvidia-h200-x2 machine): the decode step with KV heads over the GPUs vs one GPU,
+  # then the main job's greedy decode with its sequences split over them (SHARDED_ARGS, SHARDED_MODEL_ARGS)
+  timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench_sharded.py --devices "$(python3 -c 'import jax; print(len(jax.devices()))')" \
+    ${SHARDED_ARGS:-} 2>&1 | tee "$OUT/bench_sharded.txt" | grep -E "^\||largest|collectives"
+  timeout ${BENCH_TIMEOUT:-300} python3 examples/smollm2_wikitext.py --chunks 1x64 --configs k4v4 --check-tokens 0 \
+    --decode-batch 64 --max-new-tokens 64 --data-devices 2 ${SHARDED_MODEL_ARGS:-} 2>&1 | tee "$OUT/model_sharded.txt" \
+    | grep -E "^\| (uncompressed|jax_tq)|split over"
+  echo "sharded: $(( $(date +%s) - t0 )) s"
 fi
 if has cmdbuf; then  # the over-pages crash (issue 31): one 8192-token prompt, windowed k4v4, CMDBUF_LAYERS layers,
   # under each XLA command-buffer set of CMDBUF_SETS ("default" = XLA's; names joined by +, "none" = off)
