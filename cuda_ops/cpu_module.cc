@@ -54,6 +54,7 @@ PYBIND11_MODULE(_cpu_ops, m) {
   });
   m.def("ffi_api_version", &jax_tq::FfiApiVersion,
         "(major, minor) of the XLA FFI API in the headers this module was compiled against.");
+  m.attr("variant_targets") = py::make_tuple("jax_tq_paged_decode", "jax_tq_paged_prefill");  // every attention op
   jax_tq::DefPlanDecode(
       m,
       [](const jax_tq::DecodeProblem& problem, py::object device) {

@@ -312,7 +312,8 @@ __global__ void __launch_bounds__(kThreads)
 
   // ---- token range of this split ------------------------------------------------------------
   const SplitRange range = split_range(paged_len(p, p.sl[seq]), p.max_pages, p.page_size, ns, split);
-  const int tok0 = static_cast<int>(range.tok_begin);
+  const int lo = visible_from(p, p.sl[seq]);  // a sliding window: the tokens before lo are never read
+  const int tok0 = static_cast<int>(range.tok_begin) > lo ? static_cast<int>(range.tok_begin) : lo;
   const int tok_end = static_cast<int>(range.tok_end);
   const int ntok = tok_end > tok0 ? tok_end - tok0 : 0;
   const int nchunks = (ntok + kChunk - 1) / kChunk;
@@ -384,6 +385,10 @@ __global__ void __launch_bounds__(kThreads)
       k_phase<D, GT, 2>(kcs, kns, vals, q_s, kcent_s, s_s, warp, lane);
     }
     __syncthreads();
+    if (p.soft_cap_log2 > 0.f) {  // CTA-uniform
+      for (int i = tid; i < kChunk * GT; i += kThreads) s_s[i] = soft_capped(s_s[i], p.soft_cap_log2);
+      __syncthreads();
+    }
 
     softmax_update<GT, GPW>(s_s, vns, m_r, l_r, w_s, alpha_s, warp, lane);
     __syncthreads();
@@ -455,7 +460,8 @@ __device__ __forceinline__ float block_reduce(float v, float* red, bool is_max) 
 
 __global__ void __launch_bounds__(kCombineThreads, 1)
     paged_decode_combine_kernel(const float* __restrict__ pout, const float* __restrict__ plse,
-                                float* __restrict__ out, int ns, int D, const int32_t* rot_v) {
+                                float* __restrict__ out, int ns, int D, const int32_t* rot_v,
+                                const float* __restrict__ sinks, int H) {
   __shared__ float w_s[kCombineMaxSplits];
   __shared__ float red[kCombineGroups];
   __shared__ __align__(16) float acc_s[kCombineGroups][kCombineMaxD];
@@ -466,6 +472,8 @@ __global__ void __launch_bounds__(kCombineThreads, 1)
   float gmax = -INFINITY;
   for (int s = threadIdx.x; s < ns; s += kCombineThreads) gmax = fmaxf(gmax, lse[s]);
   gmax = block_reduce(gmax, red, true);
+  // A sink (natural log units, as lse): one more term of the denominator only, exp(sink - max).
+  const float sink = sinks != nullptr ? sinks[sh % H] : -INFINITY;
   if (gmax == -INFINITY) {
     for (int d = threadIdx.x; d < D; d += kCombineThreads) o[d] = 0.f;
     return;
@@ -478,7 +486,8 @@ __global__ void __launch_bounds__(kCombineThreads, 1)
     if (s < staged) w_s[s] = w;
     wpart += w;
   }
-  const float wsum = block_reduce(wpart, red, false);  // >= 1: the max split has weight 1
+  float wsum = block_reduce(wpart, red, false);  // >= 1: the max split has weight 1
+  if (sink > -INFINITY) wsum += expf(sink - gmax);  // a NaN gmax (a non-finite q row) stays NaN
   const int group = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int c = lane; c < D / 4; c += 32) {
     float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -562,6 +571,8 @@ struct WindowPartialParams {
   int hc;                // query heads per CTA, 1 <= hc <= win_heads<D>()
   int chunks;            // CTAs per (sequence, KV head): ceil(G / hc)
   float qscale;          // scale * log2(e)
+  int sliding_window;    // DecodeParams': positions before L - sliding_window are not read (0: none)
+  float soft_cap_log2;   // DecodeParams': the logit soft cap in log2 units (0: none)
 };
 
 // Query heads per window-partial CTA at most (its per-warp window outputs o_s: 16 KB at head_dim
@@ -617,11 +628,12 @@ __global__ void __launch_bounds__(kCombineThreads)
   const int64_t row0 = static_cast<int64_t>(seq) * p.H + kvh * p.G + g0;  // (seq, first head) row of q
   const bool fused = D == v3::kD && p.rot != nullptr;
 
-  // The window's tokens: positions [P0, L).
+  // The window's tokens: positions [P0, L), P0 raised to L - sliding_window where that is later.
   const int seq_len = p.sl[seq];
   const int wid = p.ids[seq];
   const int64_t L = clamp_len(seq_len, p.capacity);
-  const int64_t P0 = paged_tokens(seq_len, p.capacity, p.window);
+  int64_t P0 = paged_tokens(seq_len, p.capacity, p.window);
+  if (p.sliding_window > 0 && L - p.sliding_window > P0) P0 = L - p.sliding_window;  // the visible ones only
   const int nw = wid >= 0 && wid < p.num_windows ? static_cast<int>(L - P0) : 0;
   const int64_t win_rows = (static_cast<int64_t>(wid) * p.Hkv + kvh) * p.window;  // entry 0 of (wid, kvh)
 
@@ -709,6 +721,7 @@ __global__ void __launch_bounds__(kCombineThreads)
           a = fmaf(qv[i].y, bf16_hi(kr[tt][i]), a);
         }
         a = warp_sum(a);
+        if (p.soft_cap_log2 > 0.f) a = soft_capped(a, p.soft_cap_log2);
         if (base + NW * tt >= nw || !(a > -INFINITY)) a = -INFINITY;  // no such token, or NaN: no weight
         s[tt] = a;
         bm = fmaxf(bm, a);
@@ -1103,7 +1116,9 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot,
       num_splits, &dims));
   ffi_checks::Variants variants;
   JTQ_RETURN_IF_ERROR(ffi_checks::validate_variants(kOp, sinks, dims.H, sliding_window, soft_cap, &variants));
+#ifndef JTQ_CUDA_UNVERIFIED  // the variants' kernel paths have not run on a GPU yet: built only with JAX_TQ_CUDA_UNVERIFIED
   JTQ_RETURN_IF_ERROR(ffi_checks::reject_variants(kOp, variants));
+#endif
   const int64_t S = dims.S, H = dims.H, d = dims.d;
   const int64_t P = dims.P, Hkv = dims.Hkv, page = dims.page;
   const int64_t kpb = dims.kpb, vpb = dims.vpb, max_pages = dims.max_pages, ns = dims.ns;
@@ -1134,6 +1149,7 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot,
   problem.hadamard = dims.fused;
   problem.num_splits = ns;
   problem.kernel = static_cast<DecodeKernel>(kernel);
+  problem.variants = variants.any();
   const void* pools[] = {k_codes.untyped_data(), v_codes.untyped_data(), k_norms.untyped_data(),
                          v_norms.untyped_data(), k_window.untyped_data(), v_window.untyped_data()};
   problem.alignment = common_alignment(pools, win ? 6 : 4);  // the windows count only where there is one
@@ -1184,6 +1200,11 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot,
 #endif
   p.window = win ? static_cast<int>(dims.win.window) : 0;
   p.pstride = static_cast<int>(pstride);
+  p.sliding_window = static_cast<int>(variants.sliding_window);
+  p.soft_cap_log2 = static_cast<float>(variants.soft_cap * kLog2e);
+  p.sinks = variants.sinks ? sinks.typed_data() : nullptr;
+  if (variants.any() && plan.kernel != DecodeKernel::kCudaCore)
+    return invalid("the attention variants run on the CUDA-core kernel only (the planner's choice for them)");
   if (P == 0) {  // nothing can be read: every row is 0 (all page ids are out of range)
     p.P = 0;
   }
@@ -1206,7 +1227,7 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot,
   // Checked before any launch. XLA's buffers are aligned, and head_dim is validated above.
   // The combine merges the pstride partials of each (sequence, head): the splits' and, with a
   // window, the window's (also with one split); W = 0 and one split: no combine.
-  const bool combine = ns > 1 || (win && !fold);
+  const bool combine = ns > 1 || (win && !fold) || p.sinks != nullptr;  // writes_partials(p)
   if (combine && reinterpret_cast<uintptr_t>(p.pout) % 16 != 0)
     return invalid("partial_out workspace is not 16-byte aligned");
   if (combine && d > kCombineMaxD) return invalid("head_dim above the combine kernel's 256");
@@ -1243,6 +1264,8 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot,
     wp.num_windows = static_cast<int>(dims.win.num_windows < (int64_t(1) << 31) - 1 ? dims.win.num_windows
                                                                                    : (int64_t(1) << 31) - 1);
     wp.qscale = p.qscale;
+    wp.sliding_window = p.sliding_window;
+    wp.soft_cap_log2 = p.soft_cap_log2;
   }
   // The window's partials first (independent of the split kernel), then the splits', then the combine.
   if (win && !fold) {
@@ -1253,7 +1276,8 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot,
   if (combine) {
     // ns = pstride: the combine's partial count and stride (the window's partial is the last).
     paged_decode_combine_kernel<<<static_cast<unsigned>(S * H), kCombineThreads, 0, stream>>>(
-        p.pout, p.plse, p.out, static_cast<int>(pstride), static_cast<int>(d), p.rot ? p.rot + d : nullptr);
+        p.pout, p.plse, p.out, static_cast<int>(pstride), static_cast<int>(d), p.rot ? p.rot + d : nullptr, p.sinks,
+        p.H);
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return cuda_error("combine kernel launch", e);
   }

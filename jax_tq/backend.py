@@ -68,9 +68,11 @@ ATTENTION_TARGETS = ("jax_tq_paged_decode", "jax_tq_paged_prefill")
 def kernel_lacks(platform: str, target: str, avals_in, params: dict) -> str | None:
     """What the kernel of ``target`` on ``platform`` does not implement in this call, or None.
 
-    The CUDA attention kernels do not implement the attention variants yet (``sliding_window``,
-    ``soft_cap``, ``sinks``: :mod:`jax_tq.variants`); the CPU handlers do. Backend "auto" lowers
-    such a call to the reference (XLA's code); backend "ffi" raises
+    The attention variants (``sliding_window``, ``soft_cap``, ``sinks``: :mod:`jax_tq.variants`)
+    are served where the platform's kernel module lists the target in its ``variant_targets``: the
+    CPU handlers always; on CUDA ``paged_decode``'s CUDA-core path in builds with
+    ``JAX_TQ_CUDA_UNVERIFIED=ON`` only (not yet run on a GPU), and no prefill kernel yet. Backend
+    "auto" lowers another such call to the reference (XLA's code); backend "ffi" raises
     :class:`BackendUnavailableError` with this reason.
 
     Args:
@@ -82,6 +84,9 @@ def kernel_lacks(platform: str, target: str, avals_in, params: dict) -> str | No
     if avals_in and int(np.prod(avals_in[-1].shape)) > 0:
         used.append("sinks")
     if not used:
+        return None
+    from jax_tq import _ffi  # the loader imports no backend: no cycle
+    if target in getattr(_ffi.module(platform), "variant_targets", ()):
         return None
     return f"the {platform.upper()} kernels do not implement {', '.join(used)} yet"
 

@@ -75,8 +75,9 @@ def paged_decode(q, cache, block_tables, seq_lens, *, window_ids=None, scale=Non
       sinks: None, or float32 [num_heads] (other float dtypes are cast): a per-head logit that joins
         the softmax denominator only (gpt-oss's attention sinks), neither scaled nor capped:
         out = sum_t exp(l_t - m) v_t / (exp(sinks[h] - m) + sum_t exp(l_t - m)). Differentiable.
-        The CUDA kernels do not implement the three variants yet: on the GPU a call that sets any
-        of them runs XLA's code of the reference under backend "auto", and raises under "ffi".
+        On the GPU a call that sets any of them runs XLA's code of the reference under backend
+        "auto" and raises under "ffi", except in builds with ``JAX_TQ_CUDA_UNVERIFIED=ON``, where the
+        CUDA-core kernel serves them (not yet run on a GPU; :func:`jax_tq.backend.kernel_lacks`).
 
     Rotations: with Hadamard codecs (``rotation="hadamard"``) of head_dim 128 the kernel itself
     computes q_rot = Pi_k q and out = Pi_v^T o_rot (two fast Walsh-Hadamard transforms per row:
@@ -132,7 +133,8 @@ def paged_decode(q, cache, block_tables, seq_lens, *, window_ids=None, scale=Non
     pools = (cache.k_codes, cache.k_norms, cache.v_codes, cache.v_norms, k_codec.centroids, v_codec.centroids,
              block_tables, seq_lens, *windows)
     platform = _trace_platform(backend)
-    chosen = platform and _plan_call(platform, q, cache, block_tables, f16_products, 0, kernel)
+    variants = bool(sliding_window or soft_cap or sinks.shape[0])
+    chosen = platform and _plan_call(platform, q, cache, block_tables, f16_products, 0, kernel, variants)
     static = (k_codec.bits, v_codec.bits, scale, int(num_splits or 0), f16_products, kernel, backend, sliding_window,
               soft_cap)
     if chosen and chosen["fused_rotation"]:  # the kernel rotates q and the output itself
@@ -220,7 +222,7 @@ def requested_kernel() -> int:
 
 def plan(platform: str, *, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, max_pages: int,
          page_size: int, k_bits: int, v_bits: int, f16_products: bool = True, window: bool = False,
-         hadamard: bool = False, num_splits: int = 0, kernel: int = 0) -> dict:
+         hadamard: bool = False, num_splits: int = 0, kernel: int = 0, variants: bool = False) -> dict:
     """The decode plan of the kernel module for ``platform`` ("cpu" or "cuda"): the C++ planner
     (``cuda_ops/include/jax_tq/decode_plan.h``) that the CUDA handler runs at each launch.
 
@@ -230,24 +232,26 @@ def plan(platform: str, *, num_seqs: int, num_heads: int, num_kv_heads: int, hea
       GPU's waves: 1 on the CPU), ``fused_rotation`` (the kernel rotates q and the output itself:
       Hadamard codecs of head_dim 128, on the CPU kernel and the tensor-core ones), ``f16_rounding``
       (products round to float16), ``folds_window``, ``head_tile``, ``ring``, ``halves``, ``items``
-      (the float16 kernel's variant). None where the module is not loaded.
+      (the float16 kernel's variant). None where the module is not loaded. ``variants``: the call
+      sets sliding_window, soft_cap or sinks (on CUDA the CUDA-core kernel serves them).
     """
     module = ffi_loader.module(platform)
     if module is None:
         return None
     return _plan_cached(module, int(num_seqs), int(num_heads), int(num_kv_heads), int(head_dim), int(max_pages),
                         int(page_size), int(k_bits), int(v_bits), bool(f16_products), bool(window), bool(hadamard),
-                        int(num_splits), int(kernel))
+                        int(num_splits), int(kernel), bool(variants))
 
 
-def plan_decode(q, cache, block_tables, *, num_splits=None, precision=None, platform=None) -> dict | None:
+def plan_decode(q, cache, block_tables, *, num_splits=None, precision=None, platform=None, sliding_window=None,
+                soft_cap=None, sinks=None) -> dict | None:
     """What :func:`paged_decode` runs for these arguments: the kernel, its split count and whether
     it applies the rotations itself, as the C++ planner decides (:func:`plan`).
 
     Args:
-      q, cache, block_tables, num_splits, precision: as for :func:`paged_decode` (only shapes,
-        dtypes and the cache's codecs are read: ``jax.ShapeDtypeStruct`` works for q and
-        block_tables).
+      q, cache, block_tables, num_splits, precision, sliding_window, soft_cap, sinks: as for
+        :func:`paged_decode` (only shapes, dtypes, the variants' presence and the cache's codecs are
+        read: ``jax.ShapeDtypeStruct`` works for q and block_tables).
       platform: ``"cpu"`` or ``"cuda"``; default: where :func:`paged_decode` would plan (``"cuda"``
         where jax_tq's CUDA kernels are loaded, else ``"cpu"``).
 
@@ -271,19 +275,21 @@ def plan_decode(q, cache, block_tables, *, num_splits=None, precision=None, plat
     if num_splits is not None:
         num_splits = min(num_splits, max(1, block_tables.shape[1]))
     f16_products = allows_f16_products(precision, q.dtype)
+    sliding_window, soft_cap, sinks = check_variants(sliding_window, soft_cap, sinks, q.shape[1], "jax_tq.plan_decode")
     platform = platform or _trace_platform(get_backend())
     if platform is None or not cache.compressed:
         return None
-    return _plan_call(platform, q, cache, block_tables, f16_products, int(num_splits or 0), kernel)
+    return _plan_call(platform, q, cache, block_tables, f16_products, int(num_splits or 0), kernel,
+                      bool(sliding_window or soft_cap or sinks.shape[0]))
 
 
-def _plan_call(platform, q, cache, block_tables, f16_products, num_splits, kernel):
+def _plan_call(platform, q, cache, block_tables, f16_products, num_splits, kernel, variants=False):
     k_codec, v_codec = cache.k_codec, cache.v_codec
     hadamard = k_codec.hadamard_spec is not None and v_codec.hadamard_spec is not None
     return plan(platform, num_seqs=q.shape[0], num_heads=q.shape[1], num_kv_heads=cache.num_kv_heads,
                 head_dim=k_codec.head_dim, max_pages=block_tables.shape[1], page_size=cache.page_size,
                 k_bits=k_codec.bits, v_bits=v_codec.bits, f16_products=f16_products, window=bool(cache.window),
-                hadamard=hadamard, num_splits=num_splits, kernel=kernel)
+                hadamard=hadamard, num_splits=num_splits, kernel=kernel, variants=variants)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -501,7 +507,8 @@ def _ffi(ctx, *operands, k_bits, v_bits, scale, num_splits, f16_products, kernel
         num_splits = plan(platform, num_seqs=num_seqs, num_heads=num_heads, num_kv_heads=num_kv_heads,
                           head_dim=head_dim, max_pages=ctx.avals_in[7].shape[1], page_size=page_size, k_bits=k_bits,
                           v_bits=v_bits, f16_products=bool(f16_products), window=window,
-                          hadamard=ctx.avals_in[12].shape[1] > 0, kernel=kernel)["num_splits"]
+                          hadamard=ctx.avals_in[12].shape[1] > 0, kernel=kernel,
+                          variants=bool(sliding_window or soft_cap or ctx.avals_in[13].shape[0]))["num_splits"]
     partials = num_splits + (1 if window else 0)  # + the window's
     workspace = (
         _compat.ShapedArray((num_seqs, num_heads, partials, head_dim), jnp.float32),

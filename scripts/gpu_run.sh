@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on the GPU machine: build jax_tq with CUDA, run the GPU tests, the benchmarks,
 # and optionally the main job; print short tables. Usage: bash scripts/gpu_run.sh [build tests bench model]
-# stages: build ab kernels phases ncu trace tests dtests ftests fbench regress qjl prefill ttft sharded cmdbuf bits hd rot bench graphs profile breakdown mstep model (default: build tests bench). Logs go to $OUT (the device tool brings them back).
+# stages: build ab kernels phases ncu trace tests dtests ftests fbench regress qjl variants prefill ttft sharded cmdbuf bits hd rot bench graphs profile breakdown mstep model (default: build tests bench). Logs go to $OUT (the device tool brings them back).
 # One device call may run 600 s at most: "build tests" (~9 min on the H200) and "bench" (~4 min) fit
 # in two back-to-back calls; the build stays while the machine is warm (30 s after a call).
 set -uo pipefail
@@ -19,7 +19,7 @@ has() { [[ " $stages " == *" $1 "* ]]; }
 # once made a later full build a head_dim-128 one, and 89 decode GPU tests failed with "head_dim
 # 64 not compiled in".
 # The kernel not yet run through its tests on a GPU (QJL scores) is built only for the stage that tests it.
-unverified=${JAX_TQ_CUDA_UNVERIFIED:-OFF}; if has qjl; then unverified=ON; fi
+unverified=${JAX_TQ_CUDA_UNVERIFIED:-OFF}; if has qjl || has variants; then unverified=ON; fi
 cuda_install() {
   local stamp="build/.cudaflags" want="flags:${CUDAFLAGS:-} unverified:$unverified trace:${JAX_TQ_TRACE_PHASES:-OFF}"
   if [[ -d build && "$(cat "$stamp" 2>/dev/null)" != "$want" ]]; then rm -rf build; fi
@@ -211,6 +211,12 @@ if has ttft; then  # the main job's time to first token (SmolLM2-135M shapes, ra
   PYTHONPATH=benchmarks:${PYTHONPATH:-} timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench_ttft.py ${TTFT_ARGS:-} 2>&1 \
     | tee "$OUT/bench_ttft.txt" | grep -E "^\||^device"
   echo "ttft: $(( $(date +%s) - t0 )) s"
+fi
+if has variants; then  # issue 32: paged_decode's sliding_window / soft_cap / sinks on the CUDA-core path (an
+  # unverified build) against float64 ("ffi": the CUDA kernel; "xla": the reference)
+  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q tests/test_masks.py -k "decode_variants" 2>&1 \
+    | tee "$OUT/variant_tests.log" | tail -n 12
+  echo "variants: $(( $(date +%s) - t0 )) s"
 fi
 if has sharded; then  # issue 34 (an nvidia-h200-x2 machine): the decode step with KV heads over the GPUs vs one GPU,
   # then the main job's greedy decode with its sequences split over them (SHARDED_ARGS, SHARDED_MODEL_ARGS)

@@ -19,10 +19,10 @@ pytestmark = pytest.mark.skipif(not _ffi.kernels_available("cpu"), reason="jax_t
 
 
 def plan(num_seqs, num_kv_heads, max_pages, *, group=4, head_dim=128, page_size=16, k_bits=4, v_bits=4,
-         f16_products=True, window=False, hadamard=False, num_splits=0, kernel=0, device=H200):
+         f16_products=True, window=False, hadamard=False, num_splits=0, kernel=0, variants=False, device=H200):
     return _ffi.module("cpu").plan_decode(num_seqs, num_kv_heads * group, num_kv_heads, head_dim, max_pages,
                                           page_size, k_bits, v_bits, f16_products, window, hadamard,
-                                          num_splits=num_splits, kernel=kernel, device=device)
+                                          num_splits=num_splits, kernel=kernel, variants=variants, device=device)
 
 
 def splits(*args, **kw):
@@ -78,6 +78,19 @@ def test_fused_rotation_where_a_tensor_core_kernel_runs_at_head_dim_128():
     assert not plan(8, 8, 64, hadamard=True, head_dim=64)["fused_rotation"]
     assert not plan(8, 8, 64, hadamard=True, kernel=1)["fused_rotation"]  # the CUDA-core kernel: XLA GEMMs
     assert not plan(8, 8, 64)["fused_rotation"]
+
+
+def test_the_attention_variants_run_on_the_cuda_core_kernel():
+    """sliding_window / soft_cap / sinks: the CUDA-core kernel on a GPU whatever was requested (the
+    tensor-core kernels do not serve them), so no fused rotation and no folded window; the CPU
+    kernel serves them as it is."""
+    for requested in (0, 2, 3):
+        got = plan(32, 8, 512, hadamard=True, window=True, kernel=requested, variants=True)
+        assert got["kernel"] == "cuda-core" and not got["fused_rotation"] and not got["folds_window"], got
+        assert got["num_splits"] == splits(32, 8, 512, hadamard=True, window=True, kernel=1)
+    assert plan(32, 8, 512, hadamard=True, variants=False)["kernel"] == "tensor-core-f16"
+    got = plan(32, 8, 512, device=None, hadamard=True, variants=True)
+    assert got["kernel"] == "cpu" and got["fused_rotation"]
 
 
 def test_a_requested_family_runs_wherever_it_can():

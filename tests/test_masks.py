@@ -139,10 +139,11 @@ def test_decode_variants_match_float64_oracle(rng, kind, variant):
     want = rows_f64(cache, np.asarray(tables), lens, oracle_ids, to_f64(q), range(4), lens - 1, scale, **f64)
     plain = rows_f64(cache, np.asarray(tables), lens, oracle_ids, to_f64(q), range(4), lens - 1, scale)
     sinks = kwargs.pop("sinks", None)
+    num_splits = 1 if variant in ("sinks", "window_one") else 2  # one split: the sinks' only combine on CUDA
 
     def call():
         fn = jax.jit(lambda q, sinks: tq.paged_decode(q, cache, tables, jnp.asarray(lens), window_ids=ids,
-                                                      num_splits=2, sinks=sinks, **kwargs))
+                                                      num_splits=num_splits, sinks=sinks, **kwargs))
         return fn(q, sinks)
 
     backends_agree(call, want, plain)
@@ -325,6 +326,20 @@ def test_a_sliding_window_covering_every_token_changes_nothing(rng, name):
 
 
 # ----------------------------------------------------------------------------- the GPU policy
+
+def test_a_kernel_module_that_lists_a_target_serves_its_variants(monkeypatch):
+    """kernel_lacks reads the module's variant_targets: a CUDA build with JAX_TQ_CUDA_UNVERIFIED lists
+    paged_decode (its CUDA-core path), so only paged_prefill's calls with a variant go to the reference."""
+    import types
+
+    served = types.SimpleNamespace(variant_targets=("jax_tq_paged_decode",))
+    monkeypatch.setattr(_ffi, "module", lambda platform: served if platform == "cuda" else None)
+    params = {"sliding_window": 8, "soft_cap": 0.0}
+    assert backend.kernel_lacks("cuda", "jax_tq_paged_decode", [], params) is None
+    assert "sliding_window" in backend.kernel_lacks("cuda", "jax_tq_paged_prefill", [], params)
+    monkeypatch.setattr(_ffi, "module", lambda platform: None)
+    assert "sliding_window" in backend.kernel_lacks("cuda", "jax_tq_paged_decode", [], params)
+
 
 def test_cuda_kernels_lack_the_variants_auto_runs_the_reference_and_ffi_refuses(rng, monkeypatch):
     """Lowered for CUDA (as if its kernels were loaded): without a variant the kernel's custom call;

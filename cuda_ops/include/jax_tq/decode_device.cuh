@@ -274,7 +274,26 @@ struct DecodeParams {
   const int32_t* window_ids;  // [S]
   int num_windows, window_split;
   int grid_splits;      // CTAs per sequence along grid.x: num_splits, + 1 for a folded window's own CTA
+  // The attention variants (ffi_checks.h Variants; the CUDA-core kernel and the window-partial and
+  // combine kernels only): the query at position L - 1 sees positions >= L - sliding_window (0: all),
+  // logits s (log2 units) become c tanh(s / c) with c = soft_cap * log2(e) (0: none), and sinks [H]
+  // (nullptr: none) join each head's softmax denominator in the combine (so the split kernels then
+  // always write partials).
+  int sliding_window;
+  float soft_cap_log2;
+  const float* sinks;
 };
+
+// The first position a sequence's query sees: max(0, L - sliding_window), L its clamped length.
+__device__ __forceinline__ int visible_from(const DecodeParams& p, int seq_len) {
+  if (p.sliding_window <= 0) return 0;
+  const int capacity = p.max_pages * p.page_size;
+  const int len = seq_len < 0 ? 0 : (seq_len > capacity ? capacity : seq_len);
+  return len > p.sliding_window ? len - p.sliding_window : 0;
+}
+
+// The logit soft cap in log2 units (c > 0): c tanh(s / c); -inf (a masked token) and NaN stay.
+__device__ __forceinline__ float soft_capped(float s, float c) { return s > -INFINITY ? c * tanhf(s / c) : s; }
 
 // The length whose tokens the split kernels stream from the pages: format.h's paged_tokens
 // (max(clamp(seq_len, 0, capacity) - W, 0): the last W tokens come from the window) in 32 bits (the
@@ -290,7 +309,7 @@ __device__ __forceinline__ int paged_len(const DecodeParams& p, int seq_len) {
 // the output: several splits, or a window not folded into the split kernel (its partial is merged
 // with the splits' by the combine).
 __host__ __device__ __forceinline__ bool writes_partials(const DecodeParams& p) {
-  return p.num_splits > 1 || (p.window > 0 && p.kwin == nullptr);
+  return p.num_splits > 1 || (p.window > 0 && p.kwin == nullptr) || p.sinks != nullptr;
 }
 
 // A diagnostic, in builds with JAX_TQ_TRACE_PHASES=ON (CMake; the macro JTQ_TRACE_PHASES): the

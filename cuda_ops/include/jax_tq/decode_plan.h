@@ -38,6 +38,7 @@ struct DecodeProblem {
   int64_t num_splits = 0;    // the caller's split count, or 0: the planner's
   int alignment = 16;        // bytes every pool is aligned to (XLA's buffers: 16 or more)
   DecodeKernel kernel = DecodeKernel::kAuto;  // a requested family, used wherever it can run the call
+  bool variants = false;     // a sliding window, logit soft cap or sinks: on CUDA only the CUDA-core kernel serves them
 };
 
 // Why a problem cannot be planned (a kernel would refuse it), or "" when it can.
@@ -205,7 +206,9 @@ inline DecodePlan plan_decode(const DecodeProblem& p, const DeviceCaps& caps) {
     plan.num_splits = p.num_splits > 0 ? (p.num_splits < max_splits ? p.num_splits : max_splits) : 1;
     return plan;
   }
-  if (p.kernel != DecodeKernel::kAuto && family_fits(p.kernel, p, caps, plan.head_tile)) {
+  if (p.variants) {
+    plan.kernel = DecodeKernel::kCudaCore;
+  } else if (p.kernel != DecodeKernel::kAuto && family_fits(p.kernel, p, caps, plan.head_tile)) {
     plan.kernel = p.kernel;
   } else if (family_fits(DecodeKernel::kTensorCoreF16, p, caps, plan.head_tile)) {
     plan.kernel = DecodeKernel::kTensorCoreF16;

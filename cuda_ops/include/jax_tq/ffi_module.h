@@ -48,7 +48,7 @@ void DefPlanDecode(pybind11::module_& m, Planner planner, const char* doc) {
       "plan_decode",
       [planner](int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t max_pages,
              int64_t page_size, int k_bits, int v_bits, bool f16_products, bool window, bool hadamard,
-             int64_t num_splits, int kernel, py::object device) {
+             int64_t num_splits, int kernel, bool variants, py::object device) {
         if (kernel < 0 || kernel > static_cast<int>(DecodeKernel::kTensorCoreF16))
           throw py::value_error("plan_decode: kernel must be 0 (auto), 1, 2 or 3");
         DecodeProblem p;
@@ -56,6 +56,7 @@ void DefPlanDecode(pybind11::module_& m, Planner planner, const char* doc) {
         p.max_pages = max_pages, p.page_size = page_size, p.k_bits = k_bits, p.v_bits = v_bits;
         p.f16_products = f16_products, p.window = window, p.hadamard = hadamard, p.num_splits = num_splits;
         p.kernel = static_cast<DecodeKernel>(kernel);
+        p.variants = variants;
         if (const std::string error = decode_problem_error(p); !error.empty()) throw py::value_error("plan_decode: " + error);
         const DecodePlan plan = planner(p, device);
         py::dict d;
@@ -72,7 +73,8 @@ void DefPlanDecode(pybind11::module_& m, Planner planner, const char* doc) {
       },
       py::arg("num_seqs"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("max_pages"),
       py::arg("page_size"), py::arg("k_bits"), py::arg("v_bits"), py::arg("f16_products"), py::arg("window"),
-      py::arg("hadamard"), py::arg("num_splits") = 0, py::arg("kernel") = 0, py::arg("device") = py::none(), doc);
+      py::arg("hadamard"), py::arg("num_splits") = 0, py::arg("kernel") = 0, py::arg("variants") = false,
+      py::arg("device") = py::none(), doc);
 }
 
 }  // namespace jax_tq
