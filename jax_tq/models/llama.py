@@ -13,8 +13,8 @@ One forward path: each layer's attention is a :class:`jax_tq.nn.PagedAttention`
 and the forward's :class:`jax_tq.CacheRows`: it projects q, k, v, applies RoPE, writes k and v into
 the cache and attends with :func:`jax_tq.prompt_attention` (fresh prompts),
 :func:`jax_tq.paged_prefill` (a chunk of one sequence, a ragged batch) or :func:`jax_tq.paged_decode`
-(one new token per sequence). The caches,
-one per layer (:func:`init_caches`), are compressed or uncompressed (``preset="none"``). Entry
+(one new token per sequence). The caches, one per layer (:func:`init_caches`), are compressed or
+uncompressed (``preset="none"``). Entry
 points, jit-compiled through ``nnx.split`` / ``nnx.merge``: :func:`forward_logits` (a chunk
 through a temporary uncompressed float32 cache: the reference), :func:`forward_compressed` (a chunk
 through given caches), :func:`decode_step` / :func:`make_decode_step` (one token per sequence) and
@@ -33,12 +33,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-import jax_tq as tq
+from jax_tq.nn_paged import PagedAttention
 
 from . import checks
 from .config import LlamaConfig
-from jax_tq.nn_paged import PagedAttention
-
 from .layers import MLP, RMSNorm, Rope, apply_rope, dense_param, rope_cos_sin
 from .paging import CacheRows, chunk_rows, decode_rows, init_caches, prompt_rows, rows_cache, slot_mapping_for
 
@@ -66,7 +64,8 @@ def llama_attention(config: LlamaConfig, *, dtype=jnp.float32, rngs: nnx.Rngs) -
         ``head_dim`` = d, ``rope_theta``, ``rope_freq_factors``, ``attention_bias``, ``qk_norm``,
         ``rms_norm_eps``).
       dtype: parameter dtype (the projections compute in it).
-      rngs: ``nnx.Rngs`` for the random (``N(0, 1/n_in)``) weight initialisation (biases 0, norms 1).
+      rngs: ``nnx.Rngs`` for the random weight initialisation (truncated normal of variance
+        ``1 / n_in``; biases 0, norms 1).
     """
     c = config
     factors = None if c.rope_freq_factors is None else tuple(float(f) for f in c.rope_freq_factors)
