@@ -472,8 +472,10 @@ __global__ void __launch_bounds__(kCombineThreads, 1)
   float gmax = -INFINITY;
   for (int s = threadIdx.x; s < ns; s += kCombineThreads) gmax = fmaxf(gmax, lse[s]);
   gmax = block_reduce(gmax, red, true);
-  // A sink (natural log units, as lse): one more term of the denominator only, exp(sink - max).
+  // A sink (natural log units, as lse): one more term of the denominator only. The weights are taken
+  // against top = max(lse max, sink), as the CPU handler does: a NaN or +inf sink gives a NaN row.
   const float sink = sinks != nullptr ? sinks[sh % H] : -INFINITY;
+  const float top = sink != sink ? sink : fmaxf(gmax, sink);
   if (gmax == -INFINITY) {
     for (int d = threadIdx.x; d < D; d += kCombineThreads) o[d] = 0.f;
     return;
@@ -482,12 +484,12 @@ __global__ void __launch_bounds__(kCombineThreads, 1)
   float wpart = 0.f;
   for (int s = threadIdx.x; s < ns; s += kCombineThreads) {
     const float ls = lse[s];
-    const float w = ls == -INFINITY ? 0.f : expf(ls - gmax);
+    const float w = ls == -INFINITY ? 0.f : expf(ls - top);
     if (s < staged) w_s[s] = w;
     wpart += w;
   }
-  float wsum = block_reduce(wpart, red, false);  // >= 1: the max split has weight 1
-  if (sink > -INFINITY) wsum += expf(sink - gmax);  // a NaN gmax (a non-finite q row) stays NaN
+  float wsum = block_reduce(wpart, red, false);  // > 0 (or NaN): the max term has weight 1
+  if (sinks != nullptr) wsum += expf(sink - top);  // exp(-inf) = 0; NaN stays NaN
   const int group = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int c = lane; c < D / 4; c += 32) {
     float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -498,7 +500,7 @@ __global__ void __launch_bounds__(kCombineThreads, 1)
         w = w_s[s];
       } else {
         const float ls = lse[s];
-        w = ls == -INFINITY ? 0.f : expf(ls - gmax);
+        w = ls == -INFINITY ? 0.f : expf(ls - top);
       }
       const float4 v = *reinterpret_cast<const float4*>(po + static_cast<int64_t>(s) * D + 4 * c);
       if (w != 0.f) {  // an empty split's partial output is never written: skip it
@@ -1201,7 +1203,9 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot,
   p.window = win ? static_cast<int>(dims.win.window) : 0;
   p.pstride = static_cast<int>(pstride);
   p.sliding_window = static_cast<int>(variants.sliding_window);
-  p.soft_cap_log2 = static_cast<float>(variants.soft_cap * kLog2e);
+  // A cap beyond float's range changes no float logit: none (its float c would be inf, c tanh(s / c) NaN).
+  const double cap_log2 = variants.soft_cap * kLog2e;
+  p.soft_cap_log2 = cap_log2 < double(FLT_MAX) ? static_cast<float>(cap_log2) : 0.f;
   p.sinks = variants.sinks ? sinks.typed_data() : nullptr;
   if (variants.any() && plan.kernel != DecodeKernel::kCudaCore)
     return invalid("the attention variants run on the CUDA-core kernel only (the planner's choice for them)");

@@ -348,6 +348,8 @@ def test_cuda_kernels_lack_the_variants_auto_runs_the_reference_and_ffi_refuses(
     assert backend.kernel_lacks("cuda", "jax_tq_paged_decode", [], {"sliding_window": 0, "soft_cap": 0.0}) is None
     monkeypatch.setattr(_ffi, "kernels_available", lambda platform: True)
     monkeypatch.setattr(_ffi, "has_target", lambda platform, target: True)
+    module = _ffi.module  # a CUDA module that serves no variant (an unverified build's lists paged_decode)
+    monkeypatch.setattr(_ffi, "module", lambda platform: None if platform == "cuda" else module(platform))
     cache = make_cache(rng, "compressed")
     lens = jnp.asarray([29, 17], jnp.int32)
     tables = random_tables(rng, np.asarray(lens), PAGE, PAGES, max_pages=MAX_PAGES)
