@@ -297,7 +297,8 @@ class PagedAttention(nnx.Module):
         The module's own cache (:meth:`init_cache`) is neither read nor changed; ``preset``,
         ``page_size``, ``seed``, ``cache_dtype`` and ``check_capacity`` do not apply. Several layers
         share one :class:`jax_tq.CacheRows` per forward (:mod:`jax_tq.models` runs its decoders
-        so, with a cache per layer).
+        so, with a cache per layer). Gradients: as :func:`jax_tq.attend_rows` says (to k / v only
+        through fresh prompts and uncompressed pages).
 
         Args:
           inputs: float ``[T, in_features]``, the forward's T token rows.
@@ -307,9 +308,6 @@ class PagedAttention(nnx.Module):
             :func:`jax_tq.chunk_rows`, :func:`jax_tq.decode_rows`, or filled by the caller).
         Returns:
           ``(out [T, out_features], the cache with the new tokens)``.
-        Gradients: as :func:`jax_tq.attend_rows` says (to k / v only through fresh prompts and
-        uncompressed pages).
-
         Raises:
           ValueError: ``inputs`` not ``[T, in_features]``, ``positions`` not ``[T]``.
           TypeError: ``positions`` not integers.
@@ -345,7 +343,8 @@ class PagedAttention(nnx.Module):
         if cache.window:
             window_ids = jnp.arange(lens.shape[0], dtype=jnp.int32)
             window_slots = jnp.where(full, -1, window_slot_mapping(window_ids, lens, new_lens, cache.window))
-        rows = CacheRows(slots, self.block_tables[...], new_lens, window_slots=window_slots, window_ids=window_ids)
+        rows = CacheRows(slots, self.block_tables[...], new_lens, window_slots=window_slots, window_ids=window_ids,
+                         page_size=cache.page_size)
         out, cache = attend_rows(q[:, 0], k[:, 0], v[:, 0], cache, rows, **self._variants())
         out = jnp.where(full[:, None, None], jnp.nan, out)
         self.cache.set_value(cache)
