@@ -311,10 +311,14 @@ __global__ void __launch_bounds__(kThreads)
   const int kb = p.k_bits, vb = p.v_bits;
 
   // ---- token range of this split ------------------------------------------------------------
-  const SplitRange range = split_range(paged_len(p, p.sl[seq]), p.max_pages, p.page_size, ns, split);
-  const int lo = visible_from(p, p.sl[seq]);  // a sliding window: the tokens before lo are never read
-  const int tok0 = static_cast<int>(range.tok_begin) > lo ? static_cast<int>(range.tok_begin) : lo;
-  const int tok_end = static_cast<int>(range.tok_end);
+  // A sliding window: the splits share the pages from lo's on (lo = the first visible token; those
+  // before it are never read), so that every split has a part of the window.
+  const int lo = visible_from(p, p.sl[seq]);
+  const int lo_page = static_cast<int>(p.pdiv.div(static_cast<uint32_t>(lo)));
+  const int base = lo_page * p.page_size;
+  const SplitRange range = split_range(paged_len(p, p.sl[seq]) - base, p.max_pages - lo_page, p.page_size, ns, split);
+  const int tok0 = base + static_cast<int>(range.tok_begin) > lo ? base + static_cast<int>(range.tok_begin) : lo;
+  const int tok_end = base + static_cast<int>(range.tok_end);
   const int ntok = tok_end > tok0 ? tok_end - tok0 : 0;
   const int nchunks = (ntok + kChunk - 1) / kChunk;
   const int32_t* bt_seq = p.bt + static_cast<int64_t>(seq) * p.max_pages;
@@ -1118,7 +1122,8 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot,
       num_splits, &dims));
   ffi_checks::Variants variants;
   JTQ_RETURN_IF_ERROR(ffi_checks::validate_variants(kOp, sinks, dims.H, sliding_window, soft_cap, &variants));
-#ifndef JTQ_CUDA_UNVERIFIED  // the variants' kernel paths have not run on a GPU yet: built only with JAX_TQ_CUDA_UNVERIFIED
+// The variants' kernel paths have not run on a GPU yet: served only in JAX_TQ_CUDA_UNVERIFIED builds.
+#ifndef JTQ_CUDA_UNVERIFIED
   JTQ_RETURN_IF_ERROR(ffi_checks::reject_variants(kOp, variants));
 #endif
   const int64_t S = dims.S, H = dims.H, d = dims.d;
