@@ -268,17 +268,15 @@ def _per_head(x, group: int):
 
 
 def _merge(part_a, out_b, lse_b, skipped_b, sinks=None):
-    """Softmax-weighted merge of two attentions over disjoint key sets: part_a (None: no keys) is
-    (out [T, H, d], lse [T, H], has [T]: whether part a has keys for the row, skipped [T, H]), part b
-    its out and lse; each sum less its ``skipped`` zero slots, plus exp(sinks [H]) in the
-    denominator where given, in promote(lse dtype, float32)."""
+    """Softmax-weighted merge of two attentions over disjoint key sets: part_a is (out [T, H, d],
+    lse [T, H], has [T]: whether part a has keys for the row, skipped [T, H]), part b its out and
+    lse; each sum less its ``skipped`` zero slots, plus exp(sinks [H]) in the denominator where
+    given, in promote(lse dtype, float32)."""
     dtype = jnp.promote_types(lse_b.dtype, jnp.float32)
+    out_a, lse_a, has_a, skipped_a = part_a
+    lse_a = jnp.where(has_a[:, None], lse_a.astype(dtype), -jnp.inf)
     lse_b = lse_b.astype(dtype)
-    top = lse_b
-    if part_a is not None:
-        out_a, lse_a, has_a, skipped_a = part_a
-        lse_a = jnp.where(has_a[:, None], lse_a.astype(dtype), -jnp.inf)
-        top = jnp.maximum(top, lse_a)
+    top = jnp.maximum(lse_a, lse_b)
     if sinks is not None:
         sinks = sinks.astype(dtype)[None, :]
         top = jnp.maximum(top, sinks)
@@ -288,13 +286,10 @@ def _merge(part_a, out_b, lse_b, skipped_b, sinks=None):
         skipped = skipped.astype(dtype)
         return weight - jnp.where(skipped > 0, skipped * jnp.exp(-top), 0.0)
 
-    weight_b = jnp.exp(lse_b - top)
-    total = less_skipped(weight_b, skipped_b)
-    numerator = out_b.astype(dtype) * weight_b[..., None]
-    if part_a is not None:
-        weight_a = jnp.exp(lse_a - top)
-        total = total + less_skipped(weight_a, skipped_a)
-        numerator = numerator + jnp.where(has_a[:, None, None], out_a.astype(dtype) * weight_a[..., None], 0.0)
+    weight_a, weight_b = jnp.exp(lse_a - top), jnp.exp(lse_b - top)
+    total = less_skipped(weight_a, skipped_a) + less_skipped(weight_b, skipped_b)
     if sinks is not None:
         total = total + jnp.exp(sinks - top)
+    numerator = (jnp.where(has_a[:, None, None], out_a.astype(dtype) * weight_a[..., None], 0.0)
+                 + out_b.astype(dtype) * weight_b[..., None])
     return jnp.where(total[..., None] > 0, numerator / jnp.where(total > 0, total, 1.0)[..., None], 0.0)
