@@ -1689,16 +1689,10 @@ __global__ void __launch_bounds__(kHadWarps * 32, FIT ? 8 : 10) tq_hadamard_kern
   for (int j = 0; j < C; ++j) w[j] = static_cast<uint32_t>(__ldg(p.rot_spec + C * lane + j));
   __syncthreads();
   const int pb = D * bits / 8;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * kHadWarps;
-  int64_t n = static_cast<int64_t>(blockIdx.x) * kHadWarps + warp;
-  float next[C];  // the warp's next row, loaded while this one is processed (the loop is latency-bound)
-  if (n < p.N) load_lane<C>(p, n, lane, next);
-  for (; n < p.N; n += stride) {
+  for (int64_t n = static_cast<int64_t>(blockIdx.x) * kHadWarps + warp; n < p.N;
+       n += static_cast<int64_t>(gridDim.x) * kHadWarps) {
     float x[C];
-#pragma unroll
-    for (int j = 0; j < C; ++j) x[j] = next[j];
-    const int64_t row = dest_row32(p, n);
-    if (n + stride < p.N) load_lane<C>(p, n + stride, lane, next);
+    load_lane<C>(p, n, lane, x);
     float ss = 0.f;
 #pragma unroll
     for (int j = 0; j < C; ++j) ss = fmaf(x[j], x[j], ss);
@@ -1751,6 +1745,7 @@ __global__ void __launch_bounds__(kHadWarps * 32, FIT ? 8 : 10) tq_hadamard_kern
       group |= bucketize_fit(y[j], tb, b3, b7, b11) << (bits * (C * (lane % LPG) + j));
 #pragma unroll
     for (int o = 1; o < LPG; o <<= 1) group |= __shfl_xor_sync(0xffffffffu, group, o);
+    const int64_t row = dest_row32(p, n);
     if (row >= 0) {
       if (lane % LPG == 0) {
         uint8_t* dst = p.codes + row * pb + (lane / LPG) * bits;  // bits bytes per group
@@ -1830,11 +1825,8 @@ ffi::Error launch_fit_mma_x(const char* op, cudaStream_t stream, int d, const Ge
 // Hadamard codecs of head_dim 64 / 128 (p.rot_spec, and p1's): one warp per vector, persistent.
 template <int D, bool FIT>
 ffi::Error launch_hadamard_d(const char* op, cudaStream_t stream, const GemmParams& p, const GemmParams* p1) {
-  static const KernelCfg cfg = occupancy_cfg(tq_hadamard_kernel<D, FIT>, kHadWarps * 32, 0);
-  if (cfg.err != cudaSuccess) return cuda_error(op, "kernel setup", cfg.err);
+  const int64_t ctas = std::min<int64_t>((p.N + kHadWarps - 1) / kHadWarps, 16 * static_cast<int64_t>(sm_count()));
   const unsigned nz = p1 != nullptr ? 2u : 1u;
-  const int64_t resident = std::max<int64_t>(1, static_cast<int64_t>(cfg.blocks_per_sm) * sm_count() / nz);
-  const int64_t ctas = std::min<int64_t>((p.N + kHadWarps - 1) / kHadWarps, resident);  // one wave, grid-stride
   tq_hadamard_kernel<D, FIT><<<dim3(static_cast<unsigned>(ctas), 1, nz), kHadWarps * 32, 0, stream>>>(p, p1 ? *p1 : p);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return cuda_error(op, "kernel launch", e);
