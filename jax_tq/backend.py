@@ -22,6 +22,8 @@ import warnings
 
 import numpy as np
 
+from jax_tq import _ffi
+
 BACKENDS = ("auto", "ffi", "xla")
 ENV_VAR = "JAX_TQ_BACKEND"
 
@@ -85,7 +87,6 @@ def kernel_lacks(platform: str, target: str, avals_in, params: dict) -> str | No
         used.append("sinks")
     if not used:
         return None
-    from jax_tq import _ffi  # the loader imports no backend: no cycle
     if target in getattr(_ffi.module(platform), "variant_targets", ()):
         return None
     return f"the {platform.upper()} kernels do not implement {', '.join(used)} yet"
