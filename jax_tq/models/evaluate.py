@@ -25,9 +25,11 @@ from typing import Callable, Iterable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_tq.cache import MAX_PAGE_SIZE, PRESETS, CachePreset, get_preset
 from jax_tq.format import MAX_WINDOW, PACKED_BITS, SCALE_KINDS, check_bits
+from jax_tq.sharding import shard_cache
 
 from .checks import check_token_ids, token_vector
 from .config import LlamaConfig
@@ -577,9 +579,6 @@ def _split_sequences(mesh, config: LlamaConfig, caches, tables, positions, promp
     """greedy_generate's arguments with the sequences split over ``mesh``'s "data" axis: caches with
     their pages and windows split (KV heads over "model" where it divides them), shard-local block
     tables and window ids, the per-sequence arrays placed P("data")."""
-    import jax_tq as tq
-    from jax.sharding import NamedSharding, PartitionSpec
-
     if "data" not in mesh.shape:
         raise ValueError(f"greedy_generate: mesh needs a 'data' axis to split the sequences over, got axes "
                          f"{tuple(mesh.shape)}")
@@ -588,7 +587,7 @@ def _split_sequences(mesh, config: LlamaConfig, caches, tables, positions, promp
         raise ValueError(f"greedy_generate: batch ({batch}) must be a multiple of the mesh's data axis ({data})")
     model_axis = mesh.shape.get("model", 1)
     heads = "model" if model_axis > 1 and config.num_kv_heads % model_axis == 0 else None
-    caches = [tq.shard_cache(c, mesh, kv_head_axis=heads, page_axis="data") for c in caches]
+    caches = [shard_cache(c, mesh, kv_head_axis=heads, page_axis="data") for c in caches]
     per_shard = batch // data  # sequences per shard; sequence b owns pages [b * n, (b + 1) * n)
     by_seq = NamedSharding(mesh, PartitionSpec("data"))
     put = lambda x: jax.device_put(x, by_seq)  # noqa: E731
