@@ -1209,8 +1209,7 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot,
   p.pstride = static_cast<int>(pstride);
   p.sliding_window = static_cast<int>(variants.sliding_window);
   // A cap beyond float's range changes no float logit: none (its float c would be inf, c tanh(s / c) NaN).
-  const double cap_log2 = variants.soft_cap * kLog2e;
-  p.soft_cap_log2 = cap_log2 < double(FLT_MAX) ? static_cast<float>(cap_log2) : 0.f;
+  p.soft_cap_log2 = variants.soft_cap_log2();
   p.sinks = variants.sinks ? sinks.typed_data() : nullptr;
   if (variants.any() && plan.kernel != DecodeKernel::kCudaCore)
     return invalid("the attention variants run on the CUDA-core kernel only (the planner's choice for them)");

@@ -12,6 +12,10 @@
 // [paged_tokens, L) come from its window ring (bf16 rows of the rotated vectors, entry t % W) instead
 // of the pages: a row of causal length n reads pages [0, min(n, paged_tokens)) and window positions
 // [paged_tokens, n).
+//
+// Both kernels serve the attention variants (sliding window: a row's tile loop starts at the tile of
+// the piece's first visible token; soft cap; sinks in the final normalisation), so far only in
+// JAX_TQ_CUDA_UNVERIFIED builds: they have not run on a GPU.
 #include <cuda_runtime.h>
 
 #include <atomic>
@@ -19,6 +23,7 @@
 #include <string>
 #include <type_traits>
 
+#include "jax_tq/attention_variants.cuh"
 #include "jax_tq/cuda_launch.h"
 #include "jax_tq/cuda_warp.h"
 #include "jax_tq/dispatch.h"
@@ -126,7 +131,7 @@ __device__ void attend_piece(const PrefillParams& p, Tile& tile, int64_t s, int6
   // `wid` (-1: none). W = 0: paged is the sequence's clamped length >= limit, every token paged.
   const int64_t paged = paged_tokens(p.seq_lens[s], p.max_pages * p.page, p.W);
   const int64_t page_limit = limit < paged ? limit : paged;
-  for (int64_t t0 = 0; t0 < limit; t0 += kTokens) {
+  for (int64_t t0 = first_seen_tile(p, rows.causal_len(a), kTokens); t0 < limit; t0 += kTokens) {
     __syncthreads();  // the previous tile (or piece) has been read
     load_tile(p, tile, s, g, t0, page_limit);
     if (p.W > 0 && t0 + kTokens > paged) {  // the tile reaches the window's positions
@@ -137,12 +142,13 @@ __device__ void attend_piece(const PrefillParams& p, Tile& tile, int64_t s, int6
 #pragma unroll
     for (int w = 0; w < kPairsPerWarp; ++w) {
       for (int j = 0; j < kTokens; ++j) {
-        if (t0 + j >= len[w] || !tile.valid[j]) continue;  // warp-uniform
+        if (t0 + j >= len[w] || !inside_window(p, t0 + j, len[w]) || !tile.valid[j]) continue;  // warp-uniform
         float dot = 0.f;
 #pragma unroll
         for (int k = 0; k < kSlots; ++k)  // coordinates past d are not in the tile (stale shared memory)
           if (lane + 32 * k < p.d) dot = fmaf(q[w][k], tile.k[j][lane + 32 * k], dot);
-        const float score = warp_sum(dot) * tile.k_scale[j];
+        float score = warp_sum(dot) * tile.k_scale[j];
+        if (p.soft_cap > 0.f) score = soft_capped(score, p.soft_cap);
         if (!(score > -INFINITY)) continue;
         float weight;
         if (score > m[w]) {
@@ -167,7 +173,8 @@ __device__ void attend_piece(const PrefillParams& p, Tile& tile, int64_t s, int6
     const int pair = warp + kWarps * w;
     if (pair >= pairs) continue;
     const int64_t row = a + pair / hc, head = h0 + pair % hc;
-    const float inv = l[w] > 0.f ? 1.f / l[w] : 0.f;
+    float inv = l[w] > 0.f ? 1.f / l[w] : 0.f;
+    if (p.sinks != nullptr && l[w] > 0.f) inv = inverse_with_sink(l[w], m[w], p.sinks[head], false);
 #pragma unroll
     for (int k = 0; k < kSlots; ++k) {
       const int c = lane + 32 * k;
@@ -228,6 +235,13 @@ ffi::Error run_tensor_core(cudaStream_t stream, PrefillParams p, int64_t group) 
 
 bool tensor_core_serves(int head_dim) { return head_dim == 64 || head_dim == 128; }
 
+void set_variants(const ffi_checks::Variants& variants, const ffi::Buffer<ffi::F32>& sinks, PrefillParams& p) {
+  p.sliding_window = static_cast<int>(variants.sliding_window);
+  p.soft_cap = variants.soft_cap_natural();
+  p.soft_cap_log2 = variants.soft_cap_log2();
+  p.sinks = variants.sinks ? sinks.typed_data() : nullptr;
+}
+
 }  // namespace
 
 ffi::Error PagedPrefillCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot, ffi::Buffer<ffi::U8> k_codes,
@@ -246,7 +260,10 @@ ffi::Error PagedPrefillCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot
                                                          *out_rot, k_bits, v_bits, &dims));
   ffi_checks::Variants variants;
   JTQ_RETURN_IF_ERROR(ffi_checks::validate_variants(cuda_op(), sinks, dims.H, sliding_window, soft_cap, &variants));
+// The variants' kernel paths have not run on a GPU yet: served only in JAX_TQ_CUDA_UNVERIFIED builds.
+#ifndef JTQ_CUDA_UNVERIFIED
   JTQ_RETURN_IF_ERROR(ffi_checks::reject_variants(cuda_op(), variants));
+#endif
   const int64_t bytes = dims.T * dims.H * dims.d * int64_t(sizeof(float));
   if (bytes == 0) return ffi::Error::Success();
   if (cudaError_t e = cudaMemsetAsync(out_rot->typed_data(), 0, size_t(bytes), stream); e != cudaSuccess)
@@ -279,6 +296,7 @@ ffi::Error PagedPrefillCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot
   p.head_chunks = int((group + p.heads_per_cta - 1) / p.heads_per_cta);
   p.rows_per_cta = kPairs / p.heads_per_cta;
   p.scale = scale;
+  set_variants(variants, sinks, p);
   if (f16_products && tensor_core_serves(p.d)) return run_tensor_core(stream, p, group);
   const int64_t tiles = (dims.T + p.rows_per_cta - 1) / p.rows_per_cta;
   const int64_t heads = dims.pools.Hkv * p.head_chunks;

@@ -212,9 +212,9 @@ if has ttft; then  # the main job's time to first token (SmolLM2-135M shapes, ra
     | tee "$OUT/bench_ttft.txt" | grep -E "^\||^device"
   echo "ttft: $(( $(date +%s) - t0 )) s"
 fi
-if has variants; then  # issue 32: paged_decode's sliding_window / soft_cap / sinks on the CUDA-core path (an
-  # unverified build) against float64 ("ffi": the CUDA kernel; "xla": the reference)
-  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q tests/test_masks.py -k "decode_variants" 2>&1 \
+if has variants; then  # issue 32: sliding_window / soft_cap / sinks in paged_decode's CUDA-core path and both
+  # paged_prefill kernels (an unverified build) against float64 ("ffi": the CUDA kernels; "xla": the reference)
+  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q tests/test_masks.py -k "variants" 2>&1 \
     | tee "$OUT/variant_tests.log" | tail -n 12
   echo "variants: $(( $(date +%s) - t0 )) s"
 fi

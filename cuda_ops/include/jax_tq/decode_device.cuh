@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "jax_tq/attention_variants.cuh"
 #include "jax_tq/format.h"
 
 namespace jax_tq {
@@ -291,9 +292,6 @@ __device__ __forceinline__ int visible_from(const DecodeParams& p, int seq_len) 
   const int len = seq_len < 0 ? 0 : (seq_len > capacity ? capacity : seq_len);
   return len > p.sliding_window ? len - p.sliding_window : 0;
 }
-
-// The logit soft cap in log2 units (c > 0): c tanh(s / c); -inf (a masked token) and NaN stay.
-__device__ __forceinline__ float soft_capped(float s, float c) { return s > -INFINITY ? c * tanhf(s / c) : s; }
 
 // The length whose tokens the split kernels stream from the pages: format.h's paged_tokens
 // (max(clamp(seq_len, 0, capacity) - W, 0): the last W tokens come from the window) in 32 bits (the

@@ -13,6 +13,7 @@
 #ifndef JAX_TQ_FFI_CHECKS_H_
 #define JAX_TQ_FFI_CHECKS_H_
 
+#include <cfloat>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -473,6 +474,13 @@ struct Variants {
   int64_t sliding_window;  // 0: none
   double soft_cap;         // 0: none
   bool any() const { return sinks || sliding_window > 0 || soft_cap > 0.0; }
+  // The soft cap for kernels working in log2 units (c log2 e), and in natural units, as floats: 0
+  // for none, or where c log2 e overflows float (such a cap changes only logits beyond ~1e38).
+  float soft_cap_log2() const {
+    const double c = soft_cap * 1.4426950408889634;
+    return c < double(FLT_MAX) ? static_cast<float>(c) : 0.f;
+  }
+  float soft_cap_natural() const { return soft_cap_log2() > 0.f ? static_cast<float>(soft_cap) : 0.f; }
 };
 
 inline ffi::Error validate_variants(const Op& op, const ffi::Buffer<ffi::F32>& sinks, int64_t H,

@@ -1,5 +1,5 @@
 // Device code shared by the paged-prefill kernels (paged_prefill.cu's CUDA-core kernel,
-// prefill_tensor_core.cuh): the kernel parameters and the owner of a query row.
+// prefill_tensor_core.cuh): the kernel parameters, the owner of a query row, the tokens a row sees.
 #ifndef JAX_TQ_PREFILL_DEVICE_CUH_
 #define JAX_TQ_PREFILL_DEVICE_CUH_
 
@@ -24,7 +24,26 @@ struct PrefillParams {
   int d, k_bits, v_bits, kpb, vpb;
   int heads_per_cta, rows_per_cta, head_chunks;
   float scale;
+  // The attention variants (ffi_checks.h Variants): a row of causal length n sees tokens
+  // [n - sliding_window, n) (0: all of [0, n)); logits l become soft_cap tanh(l / soft_cap) (0: none;
+  // soft_cap_log2 is the same cap in log2 units, for base-2 logits); sinks [H] (nullptr: none) join
+  // each row's softmax denominator.
+  int sliding_window;
+  float soft_cap, soft_cap_log2;
+  const float* sinks;
 };
+
+// The first token of the tile (tiles of `tile` tokens from 0) that holds the first token any row of
+// a piece sees, its shortest row's causal length being `shortest`: 0 without a sliding window.
+__device__ __forceinline__ int64_t first_seen_tile(const PrefillParams& p, int64_t shortest, int tile) {
+  const int64_t from = p.sliding_window > 0 ? shortest - p.sliding_window : 0;
+  return from > 0 ? from / tile * tile : 0;
+}
+
+// Whether a row of causal length n sees token t (t < n assumed: the causal mask is the caller's).
+__device__ __forceinline__ bool inside_window(const PrefillParams& p, int64_t t, int64_t n) {
+  return p.sliding_window <= 0 || t >= n - p.sliding_window;
+}
 
 // The sequence whose rows contain `row` (query_start_loc non-decreasing), or -1 for a row of none.
 __device__ int64_t sequence_of(const PrefillParams& p, int64_t row) {

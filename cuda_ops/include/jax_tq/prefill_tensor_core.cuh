@@ -12,12 +12,15 @@
 //   1. every thread decodes its chunks of 32 K and 32 V codes (prefetched into registers during the
 //      previous tile's MMAs) through a pair table (byte -> f16x2 of two centroids) into the tile;
 //      the norms stay out of the tile: S is scaled per token by the K norm, P by the V norm;
-//   2. S = Q K^T, scaled, causal mask on the tiles that reach a row's position;
+//   2. S = Q K^T, scaled (and soft-capped), the causal mask on the tiles that reach a row's position
+//      and the sliding window's on those before a row's first visible token (tiles before every
+//      row's first are skipped);
 //   3. online softmax in base 2 (the query pre-scaled by a power of two so that |q| < 1 in f16, the
 //      power, scale and log2(e) applied to the f32 scores);
 //   4. O += (P * v_norm) V (P from S's accumulators in registers; V read MN-major).
 // Tokens from the recent-token window (format.h) enter the tile as their bf16 rows (norm included),
 // invalid block-table entries and tokens past the piece's longest row as zero rows of bias -inf.
+// Sinks join each row's denominator when it is stored.
 // A CTA tile of flattened tokens that spans sequences runs one piece (sequence) after another.
 #ifndef JAX_TQ_PREFILL_TENSOR_CORE_CUH_
 #define JAX_TQ_PREFILL_TENSOR_CORE_CUH_
@@ -27,6 +30,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "jax_tq/attention_variants.cuh"
 #include "jax_tq/code_loads.cuh"
 #include "jax_tq/format.h"
 #include "jax_tq/mma.cuh"
@@ -266,10 +270,11 @@ struct Accumulators {
   float m[2], l[2];
 };
 
-// S = Q K^T of the tile, in base-2 logits with the mask applied: s[j] holds tokens 8 j + 2 t4, +1.
+// S = Q K^T of the tile, in base-2 logits, soft-capped, with the mask (causal and the sliding
+// window, on tiles `masked`) applied: s[j] holds tokens 8 j + 2 t4, +1.
 template <int D>
-__device__ __forceinline__ void tile_scores(const QueryRows<D>& qr, const Smem<D>& sm, int64_t t0, bool masked,
-                                            float (&s)[kTile / 8][4]) {
+__device__ __forceinline__ void tile_scores(const PrefillParams& p, const QueryRows<D>& qr, const Smem<D>& sm,
+                                            int64_t t0, bool masked, float (&s)[kTile / 8][4]) {
   const int lane = threadIdx.x & 31, t4 = lane & 3;
 #if JTQ_WGMMA
   const uint32_t k_tile = smem_u32(sm.k);
@@ -299,8 +304,10 @@ __device__ __forceinline__ void tile_scores(const QueryRows<D>& qr, const Smem<D
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int tok = 8 * j + 2 * t4 + (e & 1), h = e >> 1;
-      float x = fmaf(s[j][e] * qr.factor[h], sm.k_scale[tok], sm.bias[tok]);
-      if (masked && t0 + tok >= qr.visible[h]) x = -INFINITY;
+      float x = p.soft_cap_log2 > 0.f
+                    ? soft_capped(s[j][e] * qr.factor[h] * sm.k_scale[tok], p.soft_cap_log2) + sm.bias[tok]
+                    : fmaf(s[j][e] * qr.factor[h], sm.k_scale[tok], sm.bias[tok]);
+      if (masked && (t0 + tok >= qr.visible[h] || !inside_window(p, t0 + tok, qr.visible[h]))) x = -INFINITY;
       s[j][e] = x;
     }
   }
@@ -385,7 +392,8 @@ __device__ __forceinline__ void store_rows(const PrefillParams& p, const QueryRo
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
     if (!qr.real[h]) continue;
-    const float inv = l > 0.f ? 1.f / l : 0.f;
+    float inv = l > 0.f ? 1.f / l : 0.f;
+    if (p.sinks != nullptr && l > 0.f) inv = inverse_with_sink(l, acc.m[h], p.sinks[qr.head[h]] * kLog2e, true);
     float* dst = p.out + (qr.token[h] * p.H + qr.head[h]) * D;
 #pragma unroll
     for (int n = 0; n < D / 8; ++n) {
@@ -406,14 +414,16 @@ __device__ void attend_piece(const PrefillParams& p, const Piece& pc, Smem<D>& s
   acc.m[0] = acc.m[1] = -INFINITY;
   acc.l[0] = acc.l[1] = 0.f;
   Pending<D> pend;
-  if (pc.limit > 0) prefetch<D, KB, VB>(p, pc, 0, pend);
-  for (int64_t t0 = 0; t0 < pc.limit; t0 += kTile) {
+  const int64_t begin = first_seen_tile(p, pc.first, kTile);
+  const int64_t unmasked_from = p.sliding_window > 0 ? pc.limit - p.sliding_window : 0;  // no row's window starts after
+  if (begin < pc.limit) prefetch<D, KB, VB>(p, pc, begin, pend);
+  for (int64_t t0 = begin; t0 < pc.limit; t0 += kTile) {
     __syncthreads();  // the previous tile (or piece) has been read
     store_tile<D>(p, pc, t0, pend, sm);
     __syncthreads();
     if (t0 + kTile < pc.limit) prefetch<D, KB, VB>(p, pc, t0 + kTile, pend);
     float s[kTile / 8][4];
-    tile_scores<D>(qr, sm, t0, t0 + kTile > pc.first, s);
+    tile_scores<D>(p, qr, sm, t0, t0 + kTile > pc.first || t0 < unmasked_from, s);
     softmax_update<D>(s, acc);
     accumulate_v<D>(s, sm, acc);
   }
