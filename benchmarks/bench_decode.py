@@ -18,7 +18,10 @@ others) + q + output.
 
 Usage: python benchmarks/bench_decode.py [--quick] [--device-time] [--splits auto,1,2,4,8] [--shapes 32x8192,...]
        [--rotations haar,hadamard] [--heads 32:8] [--head-dim 128] [--bits 4:4] [--page-order random]
-(--heads / --head-dim / --bits / --page-order: other configurations than the issue's, for exploration.)
+       [--variants none,soft_cap=50,sliding_window=4096,sinks,soft_cap=50+sliding_window=4096+sinks]
+(--heads / --head-dim / --bits / --page-order: other configurations than the issue's, for exploration;
+--variants: jax_tq with the attention variants too, each a '+'-joined set, auto splits; a sliding window's
+bytes are its pages' only.)
 Prints a markdown table at the end.
 """
 from __future__ import annotations
@@ -50,6 +53,34 @@ CHAIN_ROW = "benchmark chain alone (add + sum, no op)"
 CHAIN_KERNEL = re.compile(r"fusion|reduce|wrapped|convert|copy|memset", re.IGNORECASE)  # XLA's kernels
 ROTATIONS = ("haar", "hadamard")  # --rotations: the codecs' rotation kinds to time
 PAGE_ORDER = "random"  # --page-order: jax_tq block tables a random permutation of the pool, or sequential
+VARIANTS = ("none",)  # --variants: the attention variant sets timed for jax_tq
+
+
+def parse_variant(spec: str) -> dict:
+    """paged_decode keyword arguments of a --variants entry: 'none', or '+'-joined 'soft_cap=C',
+    'sliding_window=W', 'sinks' (every head's sink logit 1.0)."""
+    kwargs = {}
+    for part in filter(None, spec.split("+")):
+        name, _, value = part.partition("=")
+        if name == "none":
+            continue
+        if name == "sinks":
+            kwargs["sinks"] = np.ones((NUM_HEADS,), np.float32)
+        elif name == "soft_cap":
+            kwargs["soft_cap"] = float(value)
+        elif name == "sliding_window":
+            kwargs["sliding_window"] = int(value)
+        else:
+            raise SystemExit(f"--variants: unknown variant {part!r} (soft_cap=C, sliding_window=W, sinks, none)")
+    return kwargs
+
+
+def window_tokens(seq_len, sliding_window):
+    """Tokens of the pages a query at position seq_len - 1 reads: those from its window's first page on."""
+    if not sliding_window or sliding_window >= seq_len:
+        return seq_len
+    first_page = (seq_len - sliding_window) // PAGE_SIZE
+    return min(seq_len, -(-seq_len // PAGE_SIZE) * PAGE_SIZE) - first_page * PAGE_SIZE
 
 
 def time_calls(fn, arg_sets, inner=None, outer=15, warmup=2):
@@ -222,6 +253,13 @@ def bench_shape(num_seqs, seq_len, splits_list, copy_bw, quick, only_tq=False):
             ns = None if splits == "auto" else int(splits)
             fn = lambda q, c, t, l, ns=ns: tq.paged_decode(q, c, t, l, num_splits=ns)
             rows.append((f"jax_tq K{K_BITS}V{V_BITS} {rotation} (splits={splits})", *time_calls(fn, sets, outer=outer), one))
+        for spec in VARIANTS:
+            kwargs = parse_variant(spec)
+            if not kwargs:
+                continue
+            fn = lambda q, c, t, l, kw=kwargs: tq.paged_decode(q, c, t, l, **kw)
+            read = tq_bytes(num_seqs, window_tokens(seq_len, kwargs.get("sliding_window")), 1)
+            rows.append((f"jax_tq K{K_BITS}V{V_BITS} {rotation} {spec}", *time_calls(fn, sets, outer=outer), read))
         # the kernels of one call (device time per kernel name; the split kernel row: the decode's
         # own split (+ combine) kernels, without the rotation GEMMs, XLA's fusions and the chain's ops)
         if DEVICE_TIME:
@@ -281,14 +319,20 @@ def main():
     ap.add_argument("--heads", default="32:8", help="num_heads:num_kv_heads (default 32:8)")
     ap.add_argument("--head-dim", type=int, default=128, help="head_dim (default 128)")
     ap.add_argument("--bits", default="4:4", help="jax_tq K:V bits (default 4:4)")
+    ap.add_argument("--variants", default="none",
+                    help="comma list of attention variant sets also timed for jax_tq: none, or '+'-joined "
+                         "soft_cap=C, sliding_window=W, sinks (e.g. soft_cap=50,sliding_window=4096+sinks)")
     args = ap.parse_args()
-    global DEVICE_TIME, ROTATIONS, PAGE_ORDER, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, K_BITS, V_BITS
+    global DEVICE_TIME, ROTATIONS, PAGE_ORDER, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, K_BITS, V_BITS, VARIANTS
     NUM_HEADS, NUM_KV_HEADS = (int(v) for v in args.heads.split(":"))
     HEAD_DIM = args.head_dim
     K_BITS, V_BITS = (int(v) for v in args.bits.split(":"))
     PAGE_ORDER = args.page_order
     DEVICE_TIME = args.device_time
     ROTATIONS = tuple(args.rotations.split(","))
+    VARIANTS = tuple(args.variants.split(","))
+    for spec in VARIANTS:
+        parse_variant(spec)  # a bad entry fails before any timing
     shapes = SHAPES if args.shapes is None else tuple(tuple(int(v) for v in s.split("x")) for s in args.shapes.split(","))
     splits_list = args.splits.split(",")
     dev = jax.devices()[0]

@@ -8,13 +8,17 @@
 //   tensor-core float16 (v3::decode_tc_f16_kernel): 8 warps per CTA, tiles in registers or (where
 //     it fits) in a per-warp cp.async ring, several work items per CTA at head_dim 128 K4V4; also
 //     head_dim 80 / 96 (padded rows), 192 / 256 (warp pairs) on its ring.
+// The attention variants (JAX_TQ_CUDA_UNVERIFIED builds only: not yet run on a GPU): a sliding window
+// or soft cap runs the float16 kernel's MASKS instantiations (ring, head_dim 64 / 128, K and V of one
+// width) or the CUDA-core kernel, as the planner says; sinks make the split kernels write partials
+// (a folded window then has a CTA of its own even at one split) and the combine adds them.
 // The CUDA-core kernel's structure:
 // Two launches on the stream, or one (one split, no window or a folded one), or three (a window the
 // split kernel does not fold: the window-partial kernel first). A recent-token window (W > 0) is
 // folded into the tensor-core v4 kernel's tile loop wherever v4 runs (head_dim 64 / 128, f16
 // products): its tokens are tiles of bf16 rows in the same online softmax, read by split 0's CTA with
-// one split (whose output is final: no combine) or by a CTA of their own (split num_splits, writing
-// the last partial) with several. Elsewhere:
+// one split and no sinks (whose output is final: no combine) or by a CTA of their own (split
+// num_splits, writing the last partial) otherwise. Elsewhere:
 //   0. window-partial kernel, one CTA per (sequence, KV head, chunk of query heads):
 //      the window's tokens as one more partial, in slot num_splits of each head's partials.
 //   1. split kernel, grid (num_splits * num_seqs, num_kv_heads * group_tiles), 128 threads.
@@ -890,11 +894,11 @@ ffi::Error launch_tc_f32(cudaStream_t stream, const DecodeParams& p, dim3 grid) 
 // The float16 tensor-core kernel. RING: its tiles through a per-warp cp.async ring; HALVES = 2: warp
 // pairs; ITEMS = 2, 4 or 8: that many work items (query-head rows blockIdx.y * ITEMS + i) per CTA of
 // 16 warps (ITEMS divides grid.y, the rows).
-template <int D, int GT, bool RING, int KB = 4, int VB = 4, int HALVES = 1, int ITEMS = 1>
+template <int D, int GT, bool RING, int KB = 4, int VB = 4, int HALVES = 1, int ITEMS = 1, bool MASKS = false>
 ffi::Error launch_tc_f16(cudaStream_t stream, const DecodeParams& p, dim3 grid) {
   constexpr int smem = v3::kSmemBytes + (RING ? v3::v4_ring_bytes<D, KB, VB, HALVES, ITEMS>() : 0);
   grid.y /= ITEMS;
-  return launch_mma<v3::decode_tc_f16_kernel<D, GT, RING, KB, VB, HALVES, ITEMS>, smem>(
+  return launch_mma<v3::decode_tc_f16_kernel<D, GT, RING, KB, VB, HALVES, ITEMS, MASKS>, smem>(
       v3::v4_threads(ITEMS), "tensor-core f16", stream, p, grid);
 }
 
@@ -997,9 +1001,30 @@ ffi::Error launch_tc_f32_plan(const DecodePlan& plan, cudaStream_t stream, const
   return four ? launch_tc_f32<D, 4>(stream, p, grid) : launch_tc_f32<D, 8>(stream, p, grid);
 }
 
+// A sliding window or soft cap: the MASKS kernels, on the ring with K and V of one width B (the
+// planner's choice for them: decode_plan.h masks_fit).
+template <int D, int B>
+ffi::Error launch_tc_f16_masks(const DecodePlan& plan, cudaStream_t stream, const DecodeParams& p, dim3 grid) {
+  if (!plan.ring) return invalid("tensor-core f16 kernel: a sliding window or soft cap needs its ring");
+  if constexpr (D == 128 && B == 4) {
+    switch (plan.items) {
+      case 2: return launch_tc_f16<D, 4, true, B, B, 1, 2, true>(stream, p, grid);
+      case 4: return launch_tc_f16<D, 4, true, B, B, 1, 4, true>(stream, p, grid);
+      case 8: return launch_tc_f16<D, 4, true, B, B, 1, 8, true>(stream, p, grid);
+      default: break;
+    }
+  }
+  return plan.head_tile <= 4 ? launch_tc_f16<D, 4, true, B, B, 1, 1, true>(stream, p, grid)
+                             : launch_tc_f16<D, 8, true, B, B, 1, 1, true>(stream, p, grid);
+}
+
 // head_dim 64 / 128: several items per CTA, else the ring, else tiles in registers.
 template <int D, int KB, int VB>
 ffi::Error launch_tc_f16_unpadded(const DecodePlan& plan, cudaStream_t stream, const DecodeParams& p, dim3 grid) {
+  if (p.sliding_window > 0 || p.soft_cap_log2 > 0.f) {
+    if constexpr (KB == VB) return launch_tc_f16_masks<D, KB>(plan, stream, p, grid);
+    else return invalid("tensor-core f16 kernel: a sliding window or soft cap needs K and V of one width");
+  }
   const bool four = plan.head_tile <= 4;
   if constexpr (D == 128 && KB == 4 && VB == 4) {
     switch (plan.items) {
@@ -1210,9 +1235,11 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot,
   p.sliding_window = static_cast<int>(variants.sliding_window);
   // A cap beyond float's range changes no float logit: none (its float c would be inf, c tanh(s / c) NaN).
   p.soft_cap_log2 = variants.soft_cap_log2();
+  p.soft_cap_inv = p.soft_cap_log2 > 0.f ? 1.f / p.soft_cap_log2 : 0.f;
   p.sinks = variants.sinks ? sinks.typed_data() : nullptr;
-  if (variants.any() && plan.kernel != DecodeKernel::kCudaCore)
-    return invalid("the attention variants run on the CUDA-core kernel only (the planner's choice for them)");
+  if (variants.any() && plan.kernel != DecodeKernel::kCudaCore && plan.kernel != DecodeKernel::kTensorCoreF16)
+    return invalid("the attention variants run on the CUDA-core and float16 tensor-core kernels only (the "
+                   "planner's choice for them)");
   if (P == 0) {  // nothing can be read: every row is 0 (all page ids are out of range)
     p.P = 0;
   }
@@ -1224,13 +1251,16 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot,
   p.window_ids = window_ids.typed_data();
   p.num_windows = static_cast<int>(dims.win.num_windows < (int64_t(1) << 31) - 1 ? dims.win.num_windows
                                                                                 : (int64_t(1) << 31) - 1);
-  p.window_split = ns > 1 ? static_cast<int>(ns) : 0;
+  // A folded window has a CTA of its own (split ns, partial slot ns) wherever the splits write
+  // partials; at one split without sinks it joins split 0's CTA, whose output is final.
+  const bool window_cta = ns > 1 || p.sinks != nullptr;
+  p.window_split = window_cta ? static_cast<int>(ns) : 0;
   const bool fold = win && plan.folds_window;
   if (fold) {
     p.kwin = static_cast<const uint16_t*>(k_window.untyped_data());
     p.vwin = static_cast<const uint16_t*>(v_window.untyped_data());
   }
-  p.grid_splits = static_cast<int>(ns) + (fold && ns > 1 ? 1 : 0);
+  p.grid_splits = static_cast<int>(ns) + (fold && window_cta ? 1 : 0);
   if (S * p.grid_splits >= (int64_t(1) << 31)) return invalid("num_seqs * num_splits too large");
   // Checked before any launch. XLA's buffers are aligned, and head_dim is validated above.
   // The combine merges the pstride partials of each (sequence, head): the splits' and, with a

@@ -77,7 +77,9 @@ def paged_decode(q, cache, block_tables, seq_lens, *, window_ids=None, scale=Non
         out = sum_t exp(l_t - m) v_t / (exp(sinks[h] - m) + sum_t exp(l_t - m)). Differentiable.
         On the GPU a call that sets any of them runs XLA's code of the reference under backend
         "auto" and raises under "ffi", except in builds with ``JAX_TQ_CUDA_UNVERIFIED=ON``, where the
-        CUDA-core kernel serves them (not yet run on a GPU; :func:`jax_tq.backend.kernel_lacks`).
+        float16 tensor-core kernel (head_dim 64 / 128, K and V of one width, pages of a multiple of
+        16 tokens) or the CUDA-core kernel serves them (not yet run on a GPU;
+        :func:`jax_tq.backend.kernel_lacks`).
 
     Rotations: with Hadamard codecs (``rotation="hadamard"``) of head_dim 128 the kernel itself
     computes q_rot = Pi_k q and out = Pi_v^T o_rot (two fast Walsh-Hadamard transforms per row:

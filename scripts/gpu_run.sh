@@ -212,10 +212,14 @@ if has ttft; then  # the main job's time to first token (SmolLM2-135M shapes, ra
     | tee "$OUT/bench_ttft.txt" | grep -E "^\||^device"
   echo "ttft: $(( $(date +%s) - t0 )) s"
 fi
-if has variants; then  # issue 32: sliding_window / soft_cap / sinks in paged_decode's CUDA-core path and both
-  # paged_prefill kernels (an unverified build) against float64 ("ffi": the CUDA kernels; "xla": the reference)
+if has variants; then  # issue 32: sliding_window / soft_cap / sinks in paged_decode's float16 ring and CUDA-core
+  # kernels and both paged_prefill kernels (an unverified build) against float64 ("ffi": the CUDA kernels; "xla":
+  # the reference); then item 5's decode times at (32, 8192) K4V4 with each variant (VARIANT_ARGS)
   timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q tests/test_masks.py -k "variants" 2>&1 \
     | tee "$OUT/variant_tests.log" | tail -n 12
+  timeout ${BENCH_TIMEOUT:-200} python3 benchmarks/bench_decode.py --only-tq --device-time --rotations hadamard \
+    --shapes 32x8192 --variants none,soft_cap=50,sliding_window=4096,sinks,soft_cap=50+sliding_window=4096+sinks \
+    ${VARIANT_ARGS:-} 2>&1 | tee "$OUT/bench_variants.txt" | grep -E "^\||^device"
   echo "variants: $(( $(date +%s) - t0 )) s"
 fi
 if has sharded; then  # issue 34 (an nvidia-h200-x2 machine): the decode step with KV heads over the GPUs vs one GPU,

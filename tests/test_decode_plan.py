@@ -80,15 +80,25 @@ def test_fused_rotation_where_a_tensor_core_kernel_runs_at_head_dim_128():
     assert not plan(8, 8, 64)["fused_rotation"]
 
 
-def test_the_attention_variants_run_on_the_cuda_core_kernel():
-    """sliding_window / soft_cap / sinks: the CUDA-core kernel on a GPU whatever was requested (the
-    tensor-core kernels do not serve them), so no fused rotation and no folded window; the CPU
-    kernel serves them as it is."""
-    for requested in (0, 2, 3):
-        got = plan(32, 8, 512, hadamard=True, window=True, kernel=requested, variants=True)
-        assert got["kernel"] == "cuda-core" and not got["fused_rotation"] and not got["folds_window"], got
-        assert got["num_splits"] == splits(32, 8, 512, hadamard=True, window=True, kernel=1)
-    assert plan(32, 8, 512, hadamard=True, variants=False)["kernel"] == "tensor-core-f16"
+def test_the_attention_variants_run_on_the_float16_ring_or_the_cuda_core_kernel():
+    """sliding_window / soft_cap / sinks on a GPU: the float16 kernel's ring at head_dim 64 / 128 with K
+    and V of one width (decode_plan.h masks_fit), as it would run without them (same splits, items,
+    fused rotation, folded window), whatever tensor-core family was requested; everywhere else the
+    CUDA-core kernel (never the float32-accurate one); the CPU kernel serves them as it is."""
+    for head_dim in (64, 128):
+        for bits in (2, 3, 4):
+            shape = dict(head_dim=head_dim, k_bits=bits, v_bits=bits, hadamard=head_dim == 128, window=True)
+            plain = plan(32, 8, 512, **shape)
+            assert plain["kernel"] == "tensor-core-f16" and plain["ring"], plain
+            for requested in (0, 2, 3):
+                assert plan(32, 8, 512, kernel=requested, variants=True, **shape) == plain
+    assert plan(32, 8, 512, variants=True)["items"] > 1  # (32, 8192): the measured plan, items included
+    cuda_core = [dict(k_bits=4, v_bits=3), dict(head_dim=96), dict(head_dim=256), dict(page_size=8),
+                 dict(f16_products=False), dict(device=A100), dict(kernel=1)]
+    for shape in cuda_core:
+        got = plan(32, 8, 512, variants=True, hadamard=True, window=True, **shape)
+        assert got["kernel"] == "cuda-core" and not got["fused_rotation"] and not got["folds_window"], (shape, got)
+    assert plan(32, 8, 512, hadamard=True, variants=False, f16_products=False)["kernel"] == "tensor-core-f32"
     got = plan(32, 8, 512, device=None, hadamard=True, variants=True)
     assert got["kernel"] == "cpu" and got["fused_rotation"]
 

@@ -211,6 +211,55 @@ LONG_VARIANTS = {
 }
 
 
+def long_cache(rng, kind, head_dim, page, pages):
+    """A k4v4 cache of random codes, or a k3v3 one with a 24-token window (K and V of one width: on a
+    GPU the float16 kernel's ring serves decode variants there)."""
+    if kind == "compressed":
+        return random_cache(rng, num_pages=pages, page_size=page, num_kv_heads=KV_HEADS, head_dim=head_dim, k_bits=4,
+                            v_bits=4, seed=int(rng.integers(100)))
+    return random_window_cache(rng, head_dim=head_dim, num_kv_heads=KV_HEADS, page_size=page, num_pages=pages,
+                               window=24, num_windows=3, k_bits=3, v_bits=3)
+
+
+def long_variant_kwargs(rng, variant):
+    kwargs = dict(LONG_VARIANTS[variant])
+    if kwargs.pop("sinks", False):
+        kwargs["sinks"] = jnp.asarray(rng.normal(size=HEADS) * 2 + 8, jnp.float32)
+    return kwargs
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("kind", ["compressed", "window"])
+@pytest.mark.parametrize("variant", list(LONG_VARIANTS))
+def test_decode_variants_over_several_pages(rng, num_splits, dtype, kind, variant):
+    """Sequences of up to 13 pages of 16 tokens at head_dim 128 (on a GPU: the float16 kernel's ring
+    with bfloat16 queries, the CUDA-core kernel with float32 ones): windows of 70 / 100 start inside a
+    page, the splits share the window's pages only; sinks at one split with a folded window. With a
+    window cache (whose bf16 rows outweigh the pages' tokens) the sliding window is 20, inside it."""
+    d, page, pages = 128, 16, 40
+    cache = long_cache(rng, kind, d, page, pages)
+    lens = np.asarray([200, 37, 0, 129], np.int32)
+    tables = random_tables(rng, lens, page, pages, max_pages=16)
+    q = jnp.asarray(rng.normal(size=(4, HEADS, d)) * 3, dtype)
+    kwargs = long_variant_kwargs(rng, variant)
+    if kind == "window" and variant == "sliding_window":
+        kwargs["sliding_window"] = 20
+    f64 = dict(kwargs, sinks=None if "sinks" not in kwargs else np.asarray(kwargs["sinks"]))
+    oracle_ids = WINDOW_IDS if cache.window else np.zeros(4, np.int32)
+    scale = d ** -0.5
+    args = (cache, np.asarray(tables), lens, oracle_ids, to_f64(q), range(4), lens - 1, scale)
+    want, plain = rows_f64(*args, **f64), rows_f64(*args)
+    sinks = kwargs.pop("sinks", None)
+
+    def call():
+        fn = jax.jit(lambda q, sinks: tq.paged_decode(q, cache, tables, jnp.asarray(lens), window_ids=window_ids_of(
+            cache, 4), scale=scale, num_splits=num_splits, sinks=sinks, **kwargs))
+        return fn(q, sinks)
+
+    backends_agree(call, want, plain, TOLERANCE if dtype == jnp.float32 else 1e-2)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("kind", ["compressed", "window"])
 @pytest.mark.parametrize("variant", list(LONG_VARIANTS))
@@ -219,20 +268,13 @@ def test_prefill_variants_over_several_tiles(rng, dtype, kind, variant):
     queries, its CUDA-core one with float32): a chunk of 40 rows after 160 cached tokens, a prompt of
     130. A window of 70 skips whole tiles before the chunk's first visible token and masks inside others."""
     d, page, pages = 128, 16, 32
-    if kind == "compressed":
-        cache = random_cache(rng, num_pages=pages, page_size=page, num_kv_heads=KV_HEADS, head_dim=d, k_bits=4,
-                             v_bits=3, seed=int(rng.integers(100)))
-    else:
-        cache = random_window_cache(rng, head_dim=d, num_kv_heads=KV_HEADS, page_size=page, num_pages=pages,
-                                    window=24, num_windows=3)
+    cache = long_cache(rng, kind, d, page, pages)
     lens, starts = np.asarray([200, 130], np.int32), np.asarray([0, 40, 170], np.int32)
     row_seq = np.asarray([0] * 40 + [1] * 130)
     row_pos = np.asarray(list(range(160, 200)) + list(range(130)))
     tables = random_tables(rng, lens, page, pages, max_pages=16)
     q = jnp.asarray(rng.normal(size=(len(row_seq), HEADS, d)) * 3, dtype)
-    kwargs = dict(LONG_VARIANTS[variant])
-    if kwargs.pop("sinks", False):
-        kwargs["sinks"] = jnp.asarray(rng.normal(size=HEADS) * 2 + 8, jnp.float32)
+    kwargs = long_variant_kwargs(rng, variant)
     f64 = dict(kwargs, sinks=None if "sinks" not in kwargs else np.asarray(kwargs["sinks"]))
     oracle_ids = WINDOW_IDS[:2] if cache.window else np.zeros(2, np.int32)
     scale = d ** -0.5

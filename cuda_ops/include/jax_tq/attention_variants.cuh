@@ -12,6 +12,16 @@ namespace cuda {
 // share (natural or log2); -inf (a masked token) and NaN stay.
 __device__ __forceinline__ float soft_capped(float s, float c) { return s > -INFINITY ? c * tanhf(s / c) : s; }
 
+// c tanh(s / c) for kernels whose products are float16 already (the tensor-core decode kernel), in
+// three instructions: tanh.approx (relative error <= 2^-10.99: like rounding the capped logit to
+// float16, below a bfloat16 query's own rounding, 2^-9), inv_c = 1 / c. NaN stays NaN (the caller's
+// mask); -inf gives -c, +inf c.
+__device__ __forceinline__ float soft_capped_fast(float s, float c, float inv_c) {
+  float t;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(s * inv_c));
+  return c * t;
+}
+
 // 1 / (l + e^(sink - m)) for a row whose softmax weights sum to l > 0 relative to its largest
 // logit m (attention sinks, gpt-oss: the sink is a logit with no value row), shifted by the larger
 // of m and sink so that neither term overflows; e is 2 for logits in log2 units (base2), else e.

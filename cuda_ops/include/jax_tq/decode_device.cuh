@@ -268,20 +268,21 @@ struct DecodeParams {
                         // (slot num_splits, kwin nullptr: the split kernels always write partials).
   int pstride;          // partials per (sequence, head) in pout / plse: num_splits, + 1 with a window
   // The folded window (v4 only; kwin == nullptr: not folded): its CTA is split window_split, 0 with
-  // one split (pages and window in one CTA, whose output is final), else num_splits (a CTA of its own,
-  // grid_splits = num_splits + 1, writing partial slot num_splits).
+  // one split and no sinks (pages and window in one CTA, whose output is final), else num_splits (a
+  // CTA of its own, grid_splits = num_splits + 1, writing partial slot num_splits).
   const uint16_t* kwin;  // [num_windows, Hkv, W, D] bf16
   const uint16_t* vwin;  // [num_windows, Hkv, W, D] bf16
   const int32_t* window_ids;  // [S]
   int num_windows, window_split;
   int grid_splits;      // CTAs per sequence along grid.x: num_splits, + 1 for a folded window's own CTA
-  // The attention variants (ffi_checks.h Variants; the CUDA-core kernel and the window-partial and
-  // combine kernels only): the query at position L - 1 sees positions >= L - sliding_window (0: all),
-  // logits s (log2 units) become c tanh(s / c) with c = soft_cap * log2(e) (0: none), and sinks [H]
-  // (nullptr: none) join each head's softmax denominator in the combine (so the split kernels then
-  // always write partials).
+  // The attention variants (ffi_checks.h Variants; the CUDA-core kernel, the float16 tensor-core
+  // kernel (v4), the window-partial and combine kernels): the query at position L - 1 sees positions
+  // >= L - sliding_window (0: all), logits s (log2 units) become c tanh(s / c) with c = soft_cap *
+  // log2(e) (0: none; soft_cap_inv = 1 / c), and sinks [H] (nullptr:
+  // none) join each head's softmax denominator in the combine (so the split kernels then always
+  // write partials).
   int sliding_window;
-  float soft_cap_log2;
+  float soft_cap_log2, soft_cap_inv;
   const float* sinks;
 };
 

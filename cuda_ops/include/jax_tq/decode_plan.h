@@ -38,7 +38,8 @@ struct DecodeProblem {
   int64_t num_splits = 0;    // the caller's split count, or 0: the planner's
   int alignment = 16;        // bytes every pool is aligned to (XLA's buffers: 16 or more)
   DecodeKernel kernel = DecodeKernel::kAuto;  // a requested family, used wherever it can run the call
-  bool variants = false;     // a sliding window, logit soft cap or sinks: on CUDA only the CUDA-core kernel serves them
+  bool variants = false;     // a sliding window, logit soft cap or sinks: on CUDA the float16 tensor-core
+                             // kernel where masks_fit, else the CUDA-core kernel serves them
 };
 
 // Why a problem cannot be planned (a kernel would refuse it), or "" when it can.
@@ -120,6 +121,13 @@ inline bool wide_fits(const DecodeProblem& p, const DeviceCaps& caps, int tile) 
   if (d == 192 && (p.k_bits != 4 || p.v_bits != 4)) return false;
   const int halves = d >= 192 ? 2 : 1;
   return caps.ring_fits && caps.ring_fits(static_cast<int>(d), tile <= 4 ? 4 : 8, p.k_bits, p.v_bits, halves, 1);
+}
+
+// Where the float16 kernel serves the attention variants (its MASKS variant): float16 products, its
+// ring at head_dim 64 / 128, K and V of one width (the presets').
+inline bool masks_fit(const DecodeProblem& p, const DeviceCaps& caps, int tile) {
+  return p.f16_products && tensor_core_fits(p) && p.k_bits == p.v_bits && ring_pools(p) && caps.ring_fits &&
+         caps.ring_fits(static_cast<int>(p.head_dim), tile <= 4 ? 4 : 8, p.k_bits, p.v_bits, 1, 1);
 }
 
 inline bool family_fits(DecodeKernel k, const DecodeProblem& p, const DeviceCaps& caps, int tile) {
@@ -206,8 +214,9 @@ inline DecodePlan plan_decode(const DecodeProblem& p, const DeviceCaps& caps) {
     plan.num_splits = p.num_splits > 0 ? (p.num_splits < max_splits ? p.num_splits : max_splits) : 1;
     return plan;
   }
-  if (p.variants) {
-    plan.kernel = DecodeKernel::kCudaCore;
+  if (p.variants) {  // the float32-accurate tensor-core kernel does not serve them
+    const bool f16 = p.kernel != DecodeKernel::kCudaCore && masks_fit(p, caps, plan.head_tile);
+    plan.kernel = f16 ? DecodeKernel::kTensorCoreF16 : DecodeKernel::kCudaCore;
   } else if (p.kernel != DecodeKernel::kAuto && family_fits(p.kernel, p, caps, plan.head_tile)) {
     plan.kernel = p.kernel;
   } else if (family_fits(DecodeKernel::kTensorCoreF16, p, caps, plan.head_tile)) {

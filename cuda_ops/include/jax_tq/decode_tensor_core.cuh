@@ -13,6 +13,8 @@
 // the float16 one; the CUDA-core kernel serves every other configuration. v4 (at the end of this file) is
 // v3's tile loop with 8 warps per CTA, for f16 products, with its tiles in registers or (RING, the
 // default where it fits) in a per-warp cp.async ring; v3 keeps f32-accurate (hi / lo) products.
+// v4's MASKS instantiations (ring, head_dim 64 / 128) add the sliding window (split ranges from the
+// first visible token's page, the tokens before it masked with the norms) and the logit soft cap.
 // History and measurements: docs/performance.md.
 //
 // Included by paged_decode.cu (whose handler launches these kernels); the helpers it uses
@@ -471,6 +473,24 @@ __device__ __forceinline__ void scale_scores(const Tile<D>& cur, float qx0, floa
 #pragma unroll
   for (int c = 0; c < 4; ++c)
     if (!(s[c] > -INFINITY)) s[c] = -INFINITY;  // masked token (NaN norm) or NaN: no weight
+}
+
+// scale_scores with the logit soft cap (p.soft_cap_log2 > 0) applied before a masked token's NaN
+// becomes -inf (soft_capped_fast keeps NaN): the MASKS kernels'.
+template <int D>
+__device__ __forceinline__ void scale_capped_scores(const DecodeParams& p, const Tile<D>& cur, float qx0, float qx1,
+                                                    float (&s)[4]) {
+  s[0] *= qx0 * cur.kn0;
+  s[1] *= qx1 * cur.kn0;
+  s[2] *= qx0 * cur.kn1;
+  s[3] *= qx1 * cur.kn1;
+  if (p.soft_cap_log2 > 0.f) {  // CTA-uniform
+#pragma unroll
+    for (int c = 0; c < 4; ++c) s[c] = soft_capped_fast(s[c], p.soft_cap_log2, p.soft_cap_inv);
+  }
+#pragma unroll
+  for (int c = 0; c < 4; ++c)
+    if (!(s[c] > -INFINITY)) s[c] = -INFINITY;
 }
 
 // S^T = Kdec * Q^T for one tile, in log2 units: s[0] (token gid, head 2t4), s[1] (gid, 2t4+1),
@@ -1041,7 +1061,8 @@ constexpr float kLazyMax = 8.f;
 
 // ---- the folded window (format.h "Window"): its tokens as tiles of v4's loop ------------------
 // The window CTA (split p.window_split) of a sequence of clamped length L reads positions [P0, L)
-// (P0 = paged_tokens) from entries (P0 + j) % W of window win_id. Its bf16 rows enter the MMAs as f16
+// (P0 = paged_tokens, raised to the first visible token under a sliding window) from entries
+// (P0 + j) % W of window win_id. Its bf16 rows enter the MMAs as f16
 // of row * 2^-8 (exact for |x| in [2^-6, 1.6e7]; below, f16 subnormals: an absolute error under
 // 2^-17; beyond, inf), and the K and V "norms" of its tokens are 2^8 (kWindowNorm): the same score
 // and weight scaling as a code tile's, so the two kinds of tiles share the online softmax.
@@ -1054,10 +1075,12 @@ struct WindowSpan {
   int n;         // window tokens (0: none, or an id outside [0, num_windows))
 };
 
+template <bool MASKS>
 __device__ __forceinline__ WindowSpan window_span(const DecodeParams& p, int win_id, int kvh, int seq_len) {
   const int capacity = p.max_pages * p.page_size;
   const int len = seq_len < 0 ? 0 : (seq_len > capacity ? capacity : seq_len);
-  const int p0 = len > p.window ? len - p.window : 0;
+  int p0 = len > p.window ? len - p.window : 0;
+  if constexpr (MASKS) p0 = max(p0, visible_from(p, seq_len));
   const bool ok = static_cast<uint32_t>(win_id) < static_cast<uint32_t>(p.num_windows);
   return {ok ? (static_cast<int64_t>(win_id) * p.Hkv + kvh) * p.window : 0, p0, ok ? len - p0 : 0};
 }
@@ -1176,10 +1199,13 @@ __device__ __forceinline__ void prefetch_window_l2(const DecodeParams& p, int wi
 
 // The compile-time shape of one decode_tc_f16_kernel instantiation (its comment says what each
 // parameter selects).
-template <int D_, int GT_, bool RING_, int KB_, int VB_, int HALVES_, int ITEMS_>
+template <int D_, int GT_, bool RING_, int KB_, int VB_, int HALVES_, int ITEMS_, bool MASKS_>
 struct F16Shape {
   static constexpr int D = D_, GT = GT_, KB = KB_, VB = VB_, HALVES = HALVES_, ITEMS = ITEMS_;
   static constexpr bool RING = RING_;
+  // The sliding window and soft cap in the tile loop (the sinks need no kernel code: partials).
+  static constexpr bool MASKS = MASKS_;
+  static_assert(!MASKS || (RING && HALVES == 1 && (D == 64 || D == 128)), "masks: the ring at head_dim 64 / 128");
   static_assert(ITEMS == 1 || ((ITEMS == 2 || ITEMS == 4 || ITEMS == 8) && RING && HALVES == 1 && GT == 4),
                 "several items: 2, 4 or 8, ring, head tiles of 4");
   static_assert(!RING || (KB != 0 && VB != 0), "the ring's stage layout needs compile-time widths");
@@ -1235,10 +1261,26 @@ __device__ __forceinline__ void mask_norms(Tile<DW>& t, int n, int gid, float kn
   t.vn1 = gid + 8 < n ? vn1 : 0.f;
 }
 
+// The same with a sliding window: tokens j outside [skip, n) masked (skip: the tile's tokens before
+// the first visible one).
+template <int DW>
+__device__ __forceinline__ void mask_norms(Tile<DW>& t, int skip, int n, int gid, float kn0, float kn1, float vn0,
+                                           float vn1) {
+  const float kNaN = __int_as_float(0x7fc00000);
+  const bool ok0 = gid < n && gid >= skip, ok1 = gid + 8 < n && gid + 8 >= skip;
+  t.kn0 = ok0 ? kn0 : kNaN;
+  t.kn1 = ok1 ? kn1 : kNaN;
+  t.vn0 = ok0 ? vn0 : 0.f;
+  t.vn1 = ok1 ? vn1 : 0.f;
+}
+
 // The tiles of one CTA's split of one (sequence, KV head): its tokens [tok0, tok_end) from
-// seq_lens, ntt tiles of kTT tokens, and where a one-page tile's rows are.
+// seq_lens, ntt tiles of kTT tokens, and where a one-page tile's rows are. A sliding window (the
+// MASKS kernels): the splits share the pages from the first visible token's on (tok0 stays at a
+// page start), and the `skip` tokens from tok0 before the window are masked.
 struct SplitTiles {
   int tok0 = 0, tok_end = 0, ntt = 0;
+  int skip = 0;  // tokens of the split before the first visible one (<= 0: none)
   const int32_t* bt_seq = nullptr;  // the sequence's block-table row
   int kvh = 0;
   int kvh_rows = 0;        // rows before this KV head's within a page
@@ -1255,11 +1297,17 @@ struct SplitTiles {
 
   // The range of split `split` of a sequence of `len` tokens; none for the folded window's own CTA
   // (split >= num_splits).
+  template <bool MASKS>
   __device__ __forceinline__ void set_range(const DecodeParams& p, int len, int split) {
     if (split >= p.num_splits) return;
-    const SplitRange range = split_range(paged_len(p, len), p.max_pages, p.page_size, p.num_splits, split);
-    tok0 = static_cast<int>(range.tok_begin);
-    tok_end = static_cast<int>(range.tok_end);
+    const int from = MASKS ? visible_from(p, len) : 0;
+    const int from_page = MASKS && from > 0 ? static_cast<int>(p.pdiv.div(static_cast<uint32_t>(from))) : 0;
+    const int base = from_page * p.page_size;
+    const SplitRange range =
+        split_range(paged_len(p, len) - base, p.max_pages - from_page, p.page_size, p.num_splits, split);
+    tok0 = base + static_cast<int>(range.tok_begin);
+    tok_end = base + static_cast<int>(range.tok_end);
+    skip = from - tok0;
     const int ntok = tok_end > tok0 && p.P > 0 ? tok_end - tok0 : 0;  // P = 0: nothing to read
     ntt = (ntok + kTT - 1) / kTT;
   }
@@ -1278,9 +1326,9 @@ struct SplitTiles {
     return {phys, kvh_rows + static_cast<int>(base - lp * p.page_size)};
   }
 
-  // Split 0 starts at token 0 whatever the sequence's length: its first block-table entries are
-  // read before seq_lens (entries past the table's width as -1; those past the sequence's tiles
-  // are never used).
+  // Split 0 starts at token 0 whatever the sequence's length (without a sliding window): its first
+  // block-table entries are read before seq_lens (entries past the table's width as -1; those past
+  // the sequence's tiles are never used).
   __device__ __forceinline__ TilePage first_page(const DecodeParams& p, int ti) const {
     const uint32_t base = static_cast<uint32_t>(ti * kTT);
     const uint32_t lp = p.pdiv.div(base);
@@ -1464,7 +1512,8 @@ struct TileRing {
   // bytes (or, past the block's last row, the next block's): codes of finite centroids that meet
   // q's zero padding in the K MMAs and give output coordinates DV.. that the merge drops, as in
   // padded rows.
-  __device__ __forceinline__ void read(int st, int n, Tile<S::DW>& t, int gid, int t4) const {
+  // skip: the MASKS kernels' tokens before the sliding window (mask_norms).
+  __device__ __forceinline__ void read(int st, int n, Tile<S::DW>& t, int gid, int t4, int skip = 0) const {
     const uint8_t* src = ring + st * S::kStage;
     constexpr int KW = Dims<S::DW>::kKW, VW = Dims<S::DW>::kVW;
     load_k_keys<S::kb, KW, SharedMem, ALK>(src + ring_offset<S::SK>(gid, (S::RK / 4) * t4), t.k0);
@@ -1475,7 +1524,8 @@ struct TileRing {
           src + kTT * S::SK + ring_offset<S::SV>(v4_v_token(t4, e), (S::RV / 8) * gid), t.v[e]);
     const float* norms = reinterpret_cast<const float*>(src + kTT * (S::SK + S::SV));
     const float4 kv = *reinterpret_cast<const float4*>(norms + 4 * gid);
-    mask_norms(t, n, gid, kv.x, kv.y, kv.z, kv.w);
+    if constexpr (S::MASKS) mask_norms(t, skip, n, gid, kv.x, kv.y, kv.z, kv.w);
+    else mask_norms(t, n, gid, kv.x, kv.y, kv.z, kv.w);
   }
 };
 
@@ -1555,7 +1605,8 @@ struct SoftmaxState {
 // has half of the dot products; they are exchanged through x_s (slot parity xb alternates, so one
 // 64-thread barrier per tile suffices).
 template <class S>
-__device__ __forceinline__ void consume_tile(const Tile<S::DW>& cur, int xb, const QueryFragments<S::KS>& q,
+__device__ __forceinline__ void consume_tile(const DecodeParams& p, const Tile<S::DW>& cur, int xb,
+                                             const QueryFragments<S::KS>& q,
                                              const PairLut<false>& ilut, SoftmaxState<S::KS>& sm, float4* x_s,
                                              int warp, int stream, int lane) {
   float s[4];
@@ -1569,6 +1620,9 @@ __device__ __forceinline__ void consume_tile(const Tile<S::DW>& cur, int xb, con
     s[2] += other.z;
     s[3] += other.w;
     scale_scores<S::DW>(cur, q.qx0, q.qx1, s);
+  } else if constexpr (S::MASKS) {
+    tile_dots<S::DW, false>(cur, q.qh, q.ql, ilut, s);
+    scale_capped_scores<S::DW>(p, cur, q.qx0, q.qx1, s);
   } else {
     tile_scores<S::DW, false>(cur, q.qh, q.ql, q.qx0, q.qx1, ilut, s);
   }
@@ -1587,7 +1641,7 @@ template <class S>
 __device__ __forceinline__ void fold_window_tiles(const DecodeParams& p, int seq, int kvh, int ntt, int stream,
                                                   int gid, int t4, const QueryFragments<S::KS>& q,
                                                   SoftmaxState<S::KS>& sm) {
-  const WindowSpan ws = window_span(p, ld_early(p.window_ids + seq), kvh, ld_early(p.sl + seq));
+  const WindowSpan ws = window_span<S::MASKS>(p, ld_early(p.window_ids + seq), kvh, ld_early(p.sl + seq));
 #pragma unroll 1
   for (int wt = (stream - ntt % S::NP + S::NP) % S::NP; wt * kTT < ws.n; wt += S::NP) {
     float s[4];
@@ -1598,8 +1652,10 @@ __device__ __forceinline__ void fold_window_tiles(const DecodeParams& p, int seq
     s[2] *= q.qx0 * kn1;
     s[3] *= q.qx1 * kn1;
 #pragma unroll
-    for (int c = 0; c < 4; ++c)
+    for (int c = 0; c < 4; ++c) {
+      if (S::MASKS && p.soft_cap_log2 > 0.f) s[c] = soft_capped_fast(s[c], p.soft_cap_log2, p.soft_cap_inv);
       if (!(s[c] > -INFINITY)) s[c] = -INFINITY;  // no such token (NaN), or a NaN product
+    }
     uint32_t ph0, ph1;
     sm.weigh(s, kn0 == kn0 ? kWindowNorm : 0.f, kn1 == kn1 ? kWindowNorm : 0.f, ph0, ph1);
     window_accumulate_v<S::DW>(p, ws, wt * kTT, gid, t4, ph0, ph1, sm.o);
@@ -1635,10 +1691,11 @@ __device__ __forceinline__ void fold_window_tiles(const DecodeParams& p, int seq
 // Phases: the first reads (centroids, q, Pi_v, the first tiles' block-table entries), the prologue
 // (q staged and scaled, the pair tables built, the first tiles' copies), the tile loop (ring or
 // registers, consume_tile), the folded window (fold_window_tiles), the merge (merge_tile_state).
-template <int D, int GT, bool RING, int KB = 4, int VB = 4, int HALVES = 1, int ITEMS = 1>
+// MASKS: the sliding window and logit soft cap (DecodeParams; ring, head_dim 64 / 128 only).
+template <int D, int GT, bool RING, int KB = 4, int VB = 4, int HALVES = 1, int ITEMS = 1, bool MASKS = false>
 __global__ void __launch_bounds__(v4_threads(ITEMS), v4_ctas_per_sm(ITEMS))
     decode_tc_f16_kernel(const DecodeParams p) {
-  using S = F16Shape<D, GT, RING, KB, VB, HALVES, ITEMS>;
+  using S = F16Shape<D, GT, RING, KB, VB, HALVES, ITEMS, MASKS>;
   constexpr int NP = S::NP, kStages = S::kStages;
 
   // kSmemBytes: interleaved K / V tables; RING: then ring_bytes() of per-warp rings.
@@ -1688,7 +1745,7 @@ __global__ void __launch_bounds__(v4_threads(ITEMS), v4_ctas_per_sm(ITEMS))
   // (a call, not a value: nothing of it stays live through the tile loop)
   auto window_cta = [&]() { return S::FOLD && p.kwin != nullptr && split == p.window_split; };
   if constexpr (!RING) {
-    tiles.set_range(p, p.sl[seq], split);
+    tiles.set_range<S::MASKS>(p, p.sl[seq], split);
     if (window_cta()) prefetch_window_l2<D>(p, ld_early(p.window_ids + seq), kvh, tid, 32 * S::IW);
   }
   tiles.locate(p, seq, kvh);
@@ -1715,7 +1772,8 @@ __global__ void __launch_bounds__(v4_threads(ITEMS), v4_ctas_per_sm(ITEMS))
   for (int st = 0; st < kStages; ++st) first[st] = {-1, 0};
   int n_st[kStages] = {};
   if constexpr (RING) {
-    if (split == 0) {
+    const bool from_zero = split == 0 && (!S::MASKS || p.sliding_window <= 0);  // its tiles start at token 0
+    if (from_zero) {
 #pragma unroll
       for (int st = 0; st < kStages; ++st) first[st] = tiles.first_page(p, stream + st * NP);
       page_next = tiles.first_page(p, stream + kStages * NP);
@@ -1723,9 +1781,9 @@ __global__ void __launch_bounds__(v4_threads(ITEMS), v4_ctas_per_sm(ITEMS))
     // seq_lens is read after the reads above (the centroids, q, Pi_v, split 0's table entries) and
     // used right away: one wait for all of them.
     const int win_id = window_cta() ? ld_early(p.window_ids + seq) : -1;
-    tiles.set_range(p, ld_early(p.sl + seq), split);
+    tiles.set_range<S::MASKS>(p, ld_early(p.sl + seq), split);
     if (window_cta()) prefetch_window_l2<D>(p, win_id, kvh, tid, 32 * S::IW);
-    if (split != 0) {
+    if (!from_zero) {
 #pragma unroll
       for (int st = 0; st < kStages; ++st) first[st] = tiles.page<true>(p, stream + st * NP);
       page_next = tiles.page<true>(p, stream + kStages * NP);
@@ -1773,7 +1831,9 @@ __global__ void __launch_bounds__(v4_threads(ITEMS), v4_ctas_per_sm(ITEMS))
 
   // ---- the tile loop ----
   SoftmaxState<S::KS> sm;
-  auto consume = [&](const Tile<S::DW>& t, int xb) { consume_tile<S>(t, xb, q, ilut, sm, x_s, warp, stream, lane); };
+  auto consume = [&](const Tile<S::DW>& t, int xb) {
+    consume_tile<S>(p, t, xb, q, ilut, sm, x_s, warp, stream, lane);
+  };
   if constexpr (RING) {
     // Step of tile ti from stage ST: wait for its group (the newer ones may stay in flight), copy
     // it to registers, refill the stage with tile ti + kStages * NP, then the math.
@@ -1781,7 +1841,7 @@ __global__ void __launch_bounds__(v4_threads(ITEMS), v4_ctas_per_sm(ITEMS))
       constexpr int ST = decltype(st_tag)::value;
       cp_async_wait<kStages - 1>();
       __syncwarp();  // every lane's copies of this stage are visible to the whole warp
-      ring.read(ST, n_st[ST], cur, gid, t4);
+      ring.read(ST, n_st[ST], cur, gid, t4, S::MASKS ? tiles.skip - ti * kTT : 0);
       __syncwarp();  // every lane has read the stage before it is overwritten
       n_st[ST] = ring.issue(p, tiles, ti + kStages * NP, ST, page_next, lane);
       page_next = tiles.page<false>(p, ti + (kStages + 1) * NP);
