@@ -162,14 +162,15 @@ ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q_rot, ffi::Buffer<ffi::U8> k_c
         std::fill(m.begin(), m.end(), kNegInf);
         std::fill(l.begin(), l.end(), 0.0);
         std::fill(o.begin(), o.end(), 0.0);
-        const SplitRange range = split_range(paged, max_pages, page, ns, sp);
-        const int64_t seq_len = range.seq_len, p_begin = range.page_begin, p_end = range.page_end;
-
-        for (int64_t j = p_begin; j < p_end; ++j) {
+        // The split's pages, those before the sliding window's first page shared by no split (the
+        // CUDA kernels' ranges): its tokens before lo are skipped.
+        const VisibleSplit range =
+            visible_split_range(sl[s], max_pages, page, W, variants.sliding_window, ns, sp);
+        for (int64_t j = range.tok_begin / page; j * page < range.tok_end; ++j) {
           const int64_t phys = bts[j];
           if (phys < 0 || phys >= P) continue;  // invalid entry: contributes nothing
-          const int64_t ntok = std::min(page, seq_len - j * page);
-          for (int64_t t = std::max<int64_t>(0, lo - j * page); t < ntok; ++t) {
+          const int64_t ntok = std::min(page, range.tok_end - j * page);
+          for (int64_t t = std::max<int64_t>(0, range.first_visible - j * page); t < ntok; ++t) {
             // Decode K and V rows once for the whole group.
             const int64_t nidx = norms_offset(phys, g, t, Hkv, page);
             unpack_row(kc + codes_offset(phys, g, t, Hkv, page, kpb), int(d), k_bits, codes);

@@ -316,7 +316,8 @@ __global__ void __launch_bounds__(kThreads)
 
   // ---- token range of this split ------------------------------------------------------------
   // A sliding window: the splits share the pages from lo's on (lo = the first visible token; those
-  // before it are never read), so that every split has a part of the window.
+  // before it are never read): format.h visible_split_range's ranges, in 32 bits (its 64-bit
+  // arithmetic costs this kernel 8-16 registers).
   const int lo = visible_from(p, p.sl[seq]);
   const int lo_page = static_cast<int>(p.pdiv.div(static_cast<uint32_t>(lo)));
   const int base = lo_page * p.page_size;

@@ -1300,14 +1300,17 @@ struct SplitTiles {
   template <bool MASKS>
   __device__ __forceinline__ void set_range(const DecodeParams& p, int len, int split) {
     if (split >= p.num_splits) return;
-    const int from = MASKS ? visible_from(p, len) : 0;
-    const int from_page = MASKS && from > 0 ? static_cast<int>(p.pdiv.div(static_cast<uint32_t>(from))) : 0;
-    const int base = from_page * p.page_size;
-    const SplitRange range =
-        split_range(paged_len(p, len) - base, p.max_pages - from_page, p.page_size, p.num_splits, split);
-    tok0 = base + static_cast<int>(range.tok_begin);
-    tok_end = base + static_cast<int>(range.tok_end);
-    skip = from - tok0;
+    if constexpr (MASKS) {
+      const VisibleSplit range =
+          visible_split_range(len, p.max_pages, p.page_size, p.window, p.sliding_window, p.num_splits, split);
+      tok0 = static_cast<int>(range.tok_begin);
+      tok_end = static_cast<int>(range.tok_end);
+      skip = static_cast<int>(range.first_visible) - tok0;
+    } else {
+      const SplitRange range = split_range(paged_len(p, len), p.max_pages, p.page_size, p.num_splits, split);
+      tok0 = static_cast<int>(range.tok_begin);
+      tok_end = static_cast<int>(range.tok_end);
+    }
     const int ntok = tok_end > tok0 && p.P > 0 ? tok_end - tok0 : 0;  // P = 0: nothing to read
     ntt = (ntok + kTT - 1) / kTT;
   }

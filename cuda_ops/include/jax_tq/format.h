@@ -293,6 +293,33 @@ JTQ_HD SplitRange split_range(int64_t seq_len, int64_t max_pages, int64_t page_s
   return SplitRange{seq_len, p0, p1, p0 * page_size, t1};
 }
 
+// The paged tokens split `split` of a decode reads (the query at position L - 1, L = seq_len
+// clamped to [0, max_pages * page_size]; the last `window` tokens come from the recent-token
+// window, paged_tokens): with a sliding window it sees positions [first_visible, L),
+// first_visible = max(L - sliding_window, 0), else all (first_visible 0). The splits share the
+// pages from first_visible's page on (split_range of those), so no page before the window is read;
+// [tok_begin, tok_end) starts at a page boundary and the reader skips its tokens before
+// first_visible. Empty when tok_begin >= tok_end.
+struct VisibleSplit {
+  int64_t tok_begin, tok_end, first_visible;
+};
+
+JTQ_HD VisibleSplit visible_split_range(int64_t seq_len, int64_t max_pages, int64_t page_size, int64_t window,
+                                        int64_t sliding_window, int64_t num_splits, int64_t split) {
+  const int64_t capacity = max_pages * page_size;
+  const int64_t len = clamp_len(seq_len, capacity);
+  const int64_t first = sliding_window > 0 && len > sliding_window ? len - sliding_window : 0;
+#ifdef __CUDA_ARCH__  // the CUDA handlers keep capacity < 2^31: a 32-bit division (fewer registers)
+  const int64_t first_page = first > 0 ? int64_t(uint32_t(first) / uint32_t(page_size)) : 0;
+#else
+  const int64_t first_page = first > 0 && page_size > 0 ? first / page_size : 0;
+#endif
+  const int64_t base = first_page * page_size;
+  const SplitRange r = split_range(paged_tokens(seq_len, capacity, window) - base, max_pages - first_page, page_size,
+                                   num_splits, split);
+  return VisibleSplit{base + r.tok_begin, base + r.tok_end, first};
+}
+
 // Paged prefill (docs/DESIGN.md): sequence s owns the query rows [begin, end), query_start_loc
 // clamped to [0, T] with end >= begin; its seq_len is clamped to [0, max_pages * page_size]. Row i
 // sits at position seq_len - (end - begin) + (i - begin) of its sequence and attends causally to
