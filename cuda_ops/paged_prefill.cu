@@ -99,7 +99,9 @@ __device__ void load_window_tile(const PrefillParams& p, Tile& tile, int64_t g, 
   }
 }
 
-// Rows [a, b) of sequence s, heads [h0, h0 + hc) of KV head g's group.
+// Rows [a, b) of sequence s, heads [h0, h0 + hc) of KV head g's group. VARIANTS: a sliding window or
+// soft cap (sinks need no flag: they enter when a row is stored).
+template <bool VARIANTS>
 __device__ void attend_piece(const PrefillParams& p, Tile& tile, int64_t s, int64_t a, int64_t b, int64_t g,
                              int64_t h0, int hc) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -131,7 +133,7 @@ __device__ void attend_piece(const PrefillParams& p, Tile& tile, int64_t s, int6
   // `wid` (-1: none). W = 0: paged is the sequence's clamped length >= limit, every token paged.
   const int64_t paged = paged_tokens(p.seq_lens[s], p.max_pages * p.page, p.W);
   const int64_t page_limit = limit < paged ? limit : paged;
-  for (int64_t t0 = first_seen_tile(p, rows.causal_len(a), kTokens); t0 < limit; t0 += kTokens) {
+  for (int64_t t0 = VARIANTS ? first_seen_tile(p, rows.causal_len(a), kTokens) : 0; t0 < limit; t0 += kTokens) {
     __syncthreads();  // the previous tile (or piece) has been read
     load_tile(p, tile, s, g, t0, page_limit);
     if (p.W > 0 && t0 + kTokens > paged) {  // the tile reaches the window's positions
@@ -142,13 +144,13 @@ __device__ void attend_piece(const PrefillParams& p, Tile& tile, int64_t s, int6
 #pragma unroll
     for (int w = 0; w < kPairsPerWarp; ++w) {
       for (int j = 0; j < kTokens; ++j) {
-        if (t0 + j >= len[w] || !inside_window(p, t0 + j, len[w]) || !tile.valid[j]) continue;  // warp-uniform
+        if (t0 + j >= len[w] || (VARIANTS && !inside_window(p, t0 + j, len[w])) || !tile.valid[j]) continue;
         float dot = 0.f;
 #pragma unroll
         for (int k = 0; k < kSlots; ++k)  // coordinates past d are not in the tile (stale shared memory)
           if (lane + 32 * k < p.d) dot = fmaf(q[w][k], tile.k[j][lane + 32 * k], dot);
-        float score = warp_sum(dot) * tile.k_scale[j];
-        if (p.soft_cap > 0.f) score = soft_capped(score, p.soft_cap);
+        float score = warp_sum(dot) * tile.k_scale[j];  // the tests above are warp-uniform
+        if (VARIANTS && p.soft_cap > 0.f) score = p.soft_cap * tanhf(score / p.soft_cap);
         if (!(score > -INFINITY)) continue;
         float weight;
         if (score > m[w]) {
@@ -183,13 +185,14 @@ __device__ void attend_piece(const PrefillParams& p, Tile& tile, int64_t s, int6
   }
 }
 
+template <bool VARIANTS>
 __global__ void __launch_bounds__(kThreads) paged_prefill_kernel(PrefillParams p) {
   __shared__ Tile tile;
   const CtaHeads heads = cta_heads(p);
   const int64_t tile_begin = int64_t(blockIdx.x) * p.rows_per_cta;
   const int64_t tile_end = tile_begin + p.rows_per_cta < p.T ? tile_begin + p.rows_per_cta : p.T;
   for_each_piece(p, tile_begin, tile_end, [&](int64_t s, const PrefillRows&, int64_t a, int64_t b) {
-    attend_piece(p, tile, s, a, b, heads.g, heads.h0, heads.hc);
+    attend_piece<VARIANTS>(p, tile, s, a, b, heads.g, heads.h0, heads.hc);
   });
 }
 
@@ -199,9 +202,9 @@ ffi::Error launch_error(const char* what, cudaError_t e) {
   return cuda_op().internal(std::string(what) + ": " + cudaGetErrorString(e));
 }
 
-template <int D, int KB, int VB>
+template <int D, int KB, int VB, bool VARIANTS>
 ffi::Error launch_tensor_core(cudaStream_t stream, const PrefillParams& p, dim3 grid) {
-  auto kernel = prefill_tc::prefill_tc_kernel<D, KB, VB>;
+  auto kernel = prefill_tc::prefill_tc_kernel<D, KB, VB, VARIANTS>;
   constexpr int smem = sizeof(prefill_tc::Smem<D>) + prefill_tc::kSmemAlign;
   static std::atomic<uint64_t> smem_set{0};
   if (cudaError_t e = allow_dynamic_smem(smem_set, kernel, smem); e != cudaSuccess)
@@ -226,14 +229,21 @@ ffi::Error run_tensor_core(cudaStream_t stream, PrefillParams p, int64_t group) 
   auto by_bits = [&](auto d) {
     return with_value(PackedBits{}, p.k_bits, [&](auto kb) {
       return with_value(PackedBits{}, p.v_bits, [&](auto vb) {
-        return launch_tensor_core<decltype(d)::value, decltype(kb)::value, decltype(vb)::value>(stream, p, grid);
+        constexpr int D = decltype(d)::value, KB = decltype(kb)::value, VB = decltype(vb)::value;
+        if (!has_masks(p)) return launch_tensor_core<D, KB, VB, false>(stream, p, grid);
+        if constexpr (KB == VB) return launch_tensor_core<D, KB, VB, true>(stream, p, grid);
+        else return cuda_op().internal("tensor-core prefill: a sliding window or soft cap needs K and V of one width");
       }, none);
     }, none);
   };
   return p.d == 128 ? by_bits(std::integral_constant<int, 128>{}) : by_bits(std::integral_constant<int, 64>{});
 }
 
-bool tensor_core_serves(int head_dim) { return head_dim == 64 || head_dim == 128; }
+// head_dim 64 / 128; a sliding window or soft cap only with K and V of one width (the presets: fewer
+// instantiations), else the CUDA-core kernel.
+bool tensor_core_serves(const PrefillParams& p) {
+  return (p.d == 64 || p.d == 128) && (!has_masks(p) || p.k_bits == p.v_bits);
+}
 
 void set_variants(const ffi_checks::Variants& variants, const ffi::Buffer<ffi::F32>& sinks, PrefillParams& p) {
   p.sliding_window = static_cast<int>(variants.sliding_window);
@@ -297,13 +307,15 @@ ffi::Error PagedPrefillCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot
   p.rows_per_cta = kPairs / p.heads_per_cta;
   p.scale = scale;
   set_variants(variants, sinks, p);
-  if (f16_products && tensor_core_serves(p.d)) return run_tensor_core(stream, p, group);
+  if (f16_products && tensor_core_serves(p)) return run_tensor_core(stream, p, group);
   const int64_t tiles = (dims.T + p.rows_per_cta - 1) / p.rows_per_cta;
   const int64_t heads = dims.pools.Hkv * p.head_chunks;
   if (tiles > 2147483647 || heads > 65535)
     return cuda_op().invalid("too many query rows or heads: T " + std::to_string(dims.T) + ", KV heads x head chunks " +
                              std::to_string(heads));
-  paged_prefill_kernel<<<dim3(unsigned(tiles), unsigned(heads)), kThreads, 0, stream>>>(p);
+  const dim3 grid{unsigned(tiles), unsigned(heads)};
+  if (has_masks(p)) paged_prefill_kernel<true><<<grid, kThreads, 0, stream>>>(p);
+  else paged_prefill_kernel<false><<<grid, kThreads, 0, stream>>>(p);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess)
     return cuda_op().internal(std::string("kernel launch: ") + cudaGetErrorString(e));
   return ffi::Error::Success();

@@ -491,8 +491,8 @@ inline ffi::Error validate_variants(const Op& op, const ffi::Buffer<ffi::F32>& s
     return op.invalid("sinks must be [" + std::to_string(H) + "] (num_heads) or [0] (none), got " + dims_str(sd));
   if (sliding_window < 0)
     return op.invalid("sliding_window must be >= 1 (or 0: none), got " + std::to_string(sliding_window));
-  if (!(soft_cap >= 0.0f) || !std::isfinite(soft_cap))
-    return op.invalid("soft_cap must be finite and > 0 (or 0: none), got " + std::to_string(soft_cap));
+  if (!(soft_cap >= 0.0f) || !std::isfinite(soft_cap) || (soft_cap > 0.0f && soft_cap < FLT_MIN))
+    return op.invalid("soft_cap must be finite and a normal float32 > 0 (or 0: none), got " + std::to_string(soft_cap));
   *out = Variants{sd[0] != 0, sliding_window, double(soft_cap)};
   return ffi::Error::Success();
 }

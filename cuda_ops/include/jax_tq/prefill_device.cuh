@@ -40,6 +40,11 @@ __device__ __forceinline__ int64_t first_seen_tile(const PrefillParams& p, int64
   return from > 0 ? from / tile * tile : 0;
 }
 
+// Whether the call has a sliding window or soft cap (the kernels' VARIANTS instantiations).
+__host__ __device__ __forceinline__ bool has_masks(const PrefillParams& p) {
+  return p.sliding_window > 0 || p.soft_cap_log2 > 0.f;
+}
+
 // Whether a row of causal length n sees token t (t < n assumed: the causal mask is the caller's).
 __device__ __forceinline__ bool inside_window(const PrefillParams& p, int64_t t, int64_t n) {
   return p.sliding_window <= 0 || t >= n - p.sliding_window;

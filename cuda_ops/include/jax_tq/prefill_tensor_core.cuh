@@ -270,9 +270,9 @@ struct Accumulators {
   float m[2], l[2];
 };
 
-// S = Q K^T of the tile, in base-2 logits, soft-capped, with the mask (causal and the sliding
-// window, on tiles `masked`) applied: s[j] holds tokens 8 j + 2 t4, +1.
-template <int D>
+// S = Q K^T of the tile, in base-2 logits with the mask (causal, on tiles `masked`) applied: s[j]
+// holds tokens 8 j + 2 t4, +1. VARIANTS: the logits soft-capped, and the sliding window's mask too.
+template <int D, bool VARIANTS>
 __device__ __forceinline__ void tile_scores(const PrefillParams& p, const QueryRows<D>& qr, const Smem<D>& sm,
                                             int64_t t0, bool masked, float (&s)[kTile / 8][4]) {
   const int lane = threadIdx.x & 31, t4 = lane & 3;
@@ -304,10 +304,15 @@ __device__ __forceinline__ void tile_scores(const PrefillParams& p, const QueryR
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int tok = 8 * j + 2 * t4 + (e & 1), h = e >> 1;
-      float x = p.soft_cap_log2 > 0.f
-                    ? soft_capped(s[j][e] * qr.factor[h] * sm.k_scale[tok], p.soft_cap_log2) + sm.bias[tok]
-                    : fmaf(s[j][e] * qr.factor[h], sm.k_scale[tok], sm.bias[tok]);
-      if (masked && (t0 + tok >= qr.visible[h] || !inside_window(p, t0 + tok, qr.visible[h]))) x = -INFINITY;
+      float x;
+      if constexpr (VARIANTS) {  // c tanh(l / c) before the bias (a bias of -inf: no such token)
+        const float l = s[j][e] * qr.factor[h] * sm.k_scale[tok];
+        x = (p.soft_cap_log2 > 0.f ? p.soft_cap_log2 * tanhf(l / p.soft_cap_log2) : l) + sm.bias[tok];
+        if (masked && (t0 + tok >= qr.visible[h] || !inside_window(p, t0 + tok, qr.visible[h]))) x = -INFINITY;
+      } else {
+        x = fmaf(s[j][e] * qr.factor[h], sm.k_scale[tok], sm.bias[tok]);
+        if (masked && t0 + tok >= qr.visible[h]) x = -INFINITY;
+      }
       s[j][e] = x;
     }
   }
@@ -404,7 +409,7 @@ __device__ __forceinline__ void store_rows(const PrefillParams& p, const QueryRo
   }
 }
 
-template <int D, int KB, int VB>
+template <int D, int KB, int VB, bool VARIANTS>
 __device__ void attend_piece(const PrefillParams& p, const Piece& pc, Smem<D>& sm) {
   QueryRows<D> qr;
   load_query<D>(p, pc, qr);
@@ -414,8 +419,9 @@ __device__ void attend_piece(const PrefillParams& p, const Piece& pc, Smem<D>& s
   acc.m[0] = acc.m[1] = -INFINITY;
   acc.l[0] = acc.l[1] = 0.f;
   Pending<D> pend;
-  const int64_t begin = first_seen_tile(p, pc.first, kTile);
-  const int64_t unmasked_from = p.sliding_window > 0 ? pc.limit - p.sliding_window : 0;  // no row's window starts after
+  const int64_t begin = VARIANTS ? first_seen_tile(p, pc.first, kTile) : 0;
+  // The tiles from which no row's window starts later (before: the window's mask)
+  const int64_t unmasked_from = VARIANTS && p.sliding_window > 0 ? pc.limit - p.sliding_window : 0;
   if (begin < pc.limit) prefetch<D, KB, VB>(p, pc, begin, pend);
   for (int64_t t0 = begin; t0 < pc.limit; t0 += kTile) {
     __syncthreads();  // the previous tile (or piece) has been read
@@ -423,7 +429,7 @@ __device__ void attend_piece(const PrefillParams& p, const Piece& pc, Smem<D>& s
     __syncthreads();
     if (t0 + kTile < pc.limit) prefetch<D, KB, VB>(p, pc, t0 + kTile, pend);
     float s[kTile / 8][4];
-    tile_scores<D>(p, qr, sm, t0, t0 + kTile > pc.first || t0 < unmasked_from, s);
+    tile_scores<D, VARIANTS>(p, qr, sm, t0, t0 + kTile > pc.first || t0 < unmasked_from, s);
     softmax_update<D>(s, acc);
     accumulate_v<D>(s, sm, acc);
   }
@@ -431,8 +437,9 @@ __device__ void attend_piece(const PrefillParams& p, const Piece& pc, Smem<D>& s
 }
 
 // Grid: (CTA tiles of rows_per_cta flattened tokens, Hkv * head_chunks); the tiles run in reverse
-// order, so that the last rows (the longest causal spans) start first.
-template <int D, int KB, int VB>
+// order, so that the last rows (the longest causal spans) start first. VARIANTS: a sliding window or
+// soft cap (sinks need no flag: they enter when a row is stored).
+template <int D, int KB, int VB, bool VARIANTS>
 __global__ void __launch_bounds__(kThreads) prefill_tc_kernel(PrefillParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const uint32_t misaligned = smem_u32(smem_raw) & (kSmemAlign - 1);
@@ -449,7 +456,7 @@ __global__ void __launch_bounds__(kThreads) prefill_tc_kernel(PrefillParams p) {
     pc.limit = rows.causal_len(b - 1);
     pc.first = rows.causal_len(a);
     __syncthreads();  // the tables are built (first piece); the previous piece is done
-    attend_piece<D, KB, VB>(p, pc, sm);
+    attend_piece<D, KB, VB, VARIANTS>(p, pc, sm);
   });
 }
 
