@@ -452,15 +452,14 @@ def write_cache(cache: PagedKVCache, k, v, slot_mapping, window_slots=None) -> P
 
 
 def _write_pages(cache, k, v, slot_mapping) -> PagedKVCache:
-    """write_cache into an uncompressed cache, after the shared checks (TypeError / ValueError naming
-    k, v or slot_mapping when their dtypes or shapes do not fit the pages)."""
+    """write_cache into an uncompressed cache, after the shared checks (slot_mapping's included):
+    TypeError / ValueError naming k or v when their dtypes or shapes do not fit the pages."""
     want = (k.shape[0], cache.num_kv_heads, cache.head_dim)
     for name, x in (("k", k), ("v", v)):
         check_float_input(x, name, "write_cache")
         if tuple(x.shape) != want:
             raise ValueError(f"jax_tq.write_cache: {name} has shape {tuple(x.shape)}, expected [num_tokens, "
                              f"num_kv_heads, head_dim] = {want} for the cache's pages")
-    check_slot_mapping_shape(slot_mapping, k.shape[0])
     k_pages, v_pages = reference.write_pages(cache.k_pages, cache.v_pages, k, v, slot_mapping)
     return dataclasses.replace(cache, k_pages=k_pages, v_pages=v_pages)
 
