@@ -44,13 +44,8 @@ PYBIND11_MODULE(_cuda_ops, m) {
   m.def("ffi_api_version", &jax_tq::FfiApiVersion,
         "(major, minor) of the XLA FFI API in the headers this module was compiled against.");
   // The ops whose kernels serve sliding_window / soft_cap / sinks in this build (jax_tq/backend.py
-  // kernel_lacks): paged_decode's CUDA-core path and both paged_prefill kernels, not yet run on a GPU,
-  // only with JAX_TQ_CUDA_UNVERIFIED.
-#ifdef JTQ_CUDA_UNVERIFIED
+  // kernel_lacks): paged_decode's and paged_prefill's kernels.
   m.attr("variant_targets") = py::make_tuple("jax_tq_paged_decode", "jax_tq_paged_prefill");
-#else
-  m.attr("variant_targets") = py::tuple();
-#endif
   m.def(
       "device_info",
       [](int device) {

@@ -8,7 +8,7 @@
 //   tensor-core float16 (v3::decode_tc_f16_kernel): 8 warps per CTA, tiles in registers or (where
 //     it fits) in a per-warp cp.async ring, several work items per CTA at head_dim 128 K4V4; also
 //     head_dim 80 / 96 (padded rows), 192 / 256 (warp pairs) on its ring.
-// The attention variants (JAX_TQ_CUDA_UNVERIFIED builds only: not yet run on a GPU): a sliding window
+// The attention variants: a sliding window
 // or soft cap runs the float16 kernel's MASKS instantiations (ring, head_dim 64 / 128, K and V of one
 // width) or the CUDA-core kernel, as the planner says; sinks make the split kernels write partials
 // (a folded window then has a CTA of its own even at one split) and the combine adds them.
@@ -1148,10 +1148,6 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot,
       num_splits, &dims));
   ffi_checks::Variants variants;
   JTQ_RETURN_IF_ERROR(ffi_checks::validate_variants(kOp, sinks, dims.H, sliding_window, soft_cap, &variants));
-// The variants' kernel paths have not run on a GPU yet: served only in JAX_TQ_CUDA_UNVERIFIED builds.
-#ifndef JTQ_CUDA_UNVERIFIED
-  JTQ_RETURN_IF_ERROR(ffi_checks::reject_variants(kOp, variants));
-#endif
   const int64_t S = dims.S, H = dims.H, d = dims.d;
   const int64_t P = dims.P, Hkv = dims.Hkv, page = dims.page;
   const int64_t kpb = dims.kpb, vpb = dims.vpb, max_pages = dims.max_pages, ns = dims.ns;

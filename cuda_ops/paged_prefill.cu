@@ -14,8 +14,7 @@
 // [paged_tokens, n).
 //
 // Both kernels serve the attention variants (sliding window: a row's tile loop starts at the tile of
-// the piece's first visible token; soft cap; sinks in the final normalisation), so far only in
-// JAX_TQ_CUDA_UNVERIFIED builds: they have not run on a GPU.
+// the piece's first visible token; soft cap; sinks in the final normalisation).
 #include <cuda_runtime.h>
 
 #include <atomic>
@@ -270,10 +269,6 @@ ffi::Error PagedPrefillCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot
                                                          *out_rot, k_bits, v_bits, &dims));
   ffi_checks::Variants variants;
   JTQ_RETURN_IF_ERROR(ffi_checks::validate_variants(cuda_op(), sinks, dims.H, sliding_window, soft_cap, &variants));
-// The variants' kernel paths have not run on a GPU yet: served only in JAX_TQ_CUDA_UNVERIFIED builds.
-#ifndef JTQ_CUDA_UNVERIFIED
-  JTQ_RETURN_IF_ERROR(ffi_checks::reject_variants(cuda_op(), variants));
-#endif
   const int64_t bytes = dims.T * dims.H * dims.d * int64_t(sizeof(float));
   if (bytes == 0) return ffi::Error::Success();
   if (cudaError_t e = cudaMemsetAsync(out_rot->typed_data(), 0, size_t(bytes), stream); e != cudaSuccess)

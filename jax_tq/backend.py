@@ -72,9 +72,8 @@ def kernel_lacks(platform: str, target: str, avals_in, params: dict) -> str | No
 
     The attention variants (``sliding_window``, ``soft_cap``, ``sinks``: :mod:`jax_tq.variants`)
     are served where the platform's kernel module lists the target in its ``variant_targets``: the
-    CPU handlers always; on CUDA the ``paged_decode`` and ``paged_prefill`` kernels in builds with
-    ``JAX_TQ_CUDA_UNVERIFIED=ON`` only (not yet run on a GPU). Backend
-    "auto" lowers another such call to the reference (XLA's code); backend "ffi" raises
+    CPU handlers and the CUDA ``paged_decode`` and ``paged_prefill`` kernels (a module without the
+    list, e.g. an older build, serves none). Backend "auto" lowers another such call to the reference (XLA's code); backend "ffi" raises
     :class:`BackendUnavailableError` with this reason.
 
     Args:

@@ -75,11 +75,9 @@ def paged_decode(q, cache, block_tables, seq_lens, *, window_ids=None, scale=Non
       sinks: None, or float32 [num_heads] (other float dtypes are cast): a per-head logit that joins
         the softmax denominator only (gpt-oss's attention sinks), neither scaled nor capped:
         out = sum_t exp(l_t - m) v_t / (exp(sinks[h] - m) + sum_t exp(l_t - m)). Differentiable.
-        On the GPU a call that sets any of them runs XLA's code of the reference under backend
-        "auto" and raises under "ffi", except in builds with ``JAX_TQ_CUDA_UNVERIFIED=ON``, where the
-        float16 tensor-core kernel (head_dim 64 / 128, K and V of one width, pages of a multiple of
-        16 tokens) or the CUDA-core kernel serves them (not yet run on a GPU;
-        :func:`jax_tq.backend.kernel_lacks`).
+        On the GPU the float16 tensor-core kernel (head_dim 64 / 128, K and V of one width, pages of
+        a multiple of 16 tokens; its soft cap through tanh.approx, an error like rounding the capped
+        logit to float16) or else the CUDA-core kernel serves them.
 
     Rotations: with Hadamard codecs (``rotation="hadamard"``) of head_dim 128 the kernel itself
     computes q_rot = Pi_k q and out = Pi_v^T o_rot (two fast Walsh-Hadamard transforms per row:

@@ -81,10 +81,8 @@ def paged_prefill(q, cache, block_tables, seq_lens, query_start_loc, *, window_i
         soft_cap * tanh(l / soft_cap) before masking and softmax (Gemma 2).
       sinks: None, or float32 [num_heads]: a per-head logit joining the softmax denominator only
         (gpt-oss's attention sinks; as :func:`jax_tq.paged_decode`). Differentiable.
-        On the GPU a call that sets any of them runs XLA's code of the reference under backend
-        "auto" (sinks alone: the cuDNN path above where it is chosen, the sinks one more term of its
-        merge) and raises under "ffi", except in builds with ``JAX_TQ_CUDA_UNVERIFIED=ON``, where
-        the prefill kernels serve them (not yet run on a GPU; :func:`jax_tq.backend.kernel_lacks`).
+        On the GPU the prefill kernels serve them (sinks alone: the cuDNN path above where it is
+        chosen, the sinks one more term of its merge).
 
     Returns:
       [num_tokens, num_heads, head_dim] of q's dtype. Rows that no sequence owns are 0 whatever

@@ -12,9 +12,9 @@ Semantics (the same on every backend; the reference is :mod:`jax_tq.reference`):
       attention sinks): out = sum_j exp(l_j - m) v_j / (exp(sink - m) + sum_j exp(l_j - m)); it is
       neither scaled nor capped, and a row with no visible token still outputs 0.
 
-On the GPU the CUDA kernels serve them only in builds with ``JAX_TQ_CUDA_UNVERIFIED=ON`` (not yet
-run on a GPU); elsewhere backend "auto" runs XLA's code of the reference for a call that sets any of
-them (:func:`jax_tq.backend.kernel_lacks`).
+The CPU handlers and the CUDA kernels serve them; where a platform's kernels do not (e.g. TPU, or a
+GPU build without CUDA kernels) backend "auto" runs XLA's code of the reference for a call that sets
+any of them (:func:`jax_tq.backend.kernel_lacks`).
 """
 from __future__ import annotations
 

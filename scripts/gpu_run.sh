@@ -19,7 +19,7 @@ has() { [[ " $stages " == *" $1 "* ]]; }
 # once made a later full build a head_dim-128 one, and 89 decode GPU tests failed with "head_dim
 # 64 not compiled in".
 # The kernel not yet run through its tests on a GPU (QJL scores) is built only for the stage that tests it.
-unverified=${JAX_TQ_CUDA_UNVERIFIED:-OFF}; if has qjl || has variants; then unverified=ON; fi
+unverified=${JAX_TQ_CUDA_UNVERIFIED:-OFF}; if has qjl; then unverified=ON; fi
 cuda_install() {
   local stamp="build/.cudaflags" want="flags:${CUDAFLAGS:-} unverified:$unverified trace:${JAX_TQ_TRACE_PHASES:-OFF}"
   if [[ -d build && "$(cat "$stamp" 2>/dev/null)" != "$want" ]]; then rm -rf build; fi
@@ -212,9 +212,9 @@ if has ttft; then  # the main job's time to first token (SmolLM2-135M shapes, ra
     | tee "$OUT/bench_ttft.txt" | grep -E "^\||^device"
   echo "ttft: $(( $(date +%s) - t0 )) s"
 fi
-if has variants; then  # issue 32: sliding_window / soft_cap / sinks in paged_decode's float16 ring and CUDA-core
-  # kernels and both paged_prefill kernels (an unverified build) against float64 ("ffi": the CUDA kernels; "xla":
-  # the reference); then item 5's decode times at (32, 8192) K4V4 with each variant (VARIANT_ARGS)
+if has variants; then  # sliding_window / soft_cap / sinks in paged_decode's float16 ring and CUDA-core kernels
+  # and both paged_prefill kernels against float64 ("ffi": the CUDA kernels; "xla": the reference); then the
+  # decode times at (32, 8192) K4V4 with each variant (VARIANT_ARGS)
   timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q tests/test_masks.py -k "variants" 2>&1 \
     | tee "$OUT/variant_tests.log" | tail -n 12
   timeout ${BENCH_TIMEOUT:-200} python3 benchmarks/bench_decode.py --only-tq --device-time --rotations hadamard \

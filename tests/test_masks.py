@@ -2,7 +2,7 @@
 paged_prefill and ragged_paged_attention against a float64 oracle in numpy: every token of the cache
 decoded with the reference decompression (or read from the uncompressed pages, or from the recent-token
 window), then an explicit masked / capped / sinked softmax. Backends "ffi" (the CPU handlers; on a
-GPU with a JAX_TQ_CUDA_UNVERIFIED build, the CUDA kernels) and "xla" (the reference) on fresh random
+GPU the CUDA kernels) and "xla" (the reference) on fresh random
 inputs; GQA everywhere; a compressed cache, one with a window, an uncompressed one. Also: gradients in
 sinks, vmap, the GPU policy (a CUDA module serves the variants of the targets it lists in
 variant_targets; elsewhere backend "auto" lowers to the reference there, "ffi" refuses), argument errors."""

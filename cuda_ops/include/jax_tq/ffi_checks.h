@@ -497,15 +497,6 @@ inline ffi::Error validate_variants(const Op& op, const ffi::Buffer<ffi::F32>& s
   return ffi::Error::Success();
 }
 
-// The CUDA kernels do not implement the variants yet: jax_tq's Python lowering sends such calls to
-// the reference (backend.kernel_lacks); a call that reaches a CUDA handler anyway is refused.
-inline ffi::Error reject_variants(const Op& op, const Variants& variants) {
-  if (!variants.any()) return ffi::Error::Success();
-  return ffi::Error(ffi::ErrorCode::kUnimplemented,
-                    op.prefix() + "sliding_window, soft_cap and sinks are not implemented by the CUDA kernels yet "
-                                  "(backend 'auto' runs the reference for such calls)");
-}
-
 // ---------------------------------------------------------------------------
 // Operand / result / attribute binding of each FFI target (docs/DESIGN.md), for
 // XLA_FFI_DEFINE_HANDLER_SYMBOL. `b` is ffi::Ffi::Bind() on CPU and
