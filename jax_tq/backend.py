@@ -73,8 +73,8 @@ def kernel_lacks(platform: str, target: str, avals_in, params: dict) -> str | No
     The attention variants (``sliding_window``, ``soft_cap``, ``sinks``: :mod:`jax_tq.variants`)
     are served where the platform's kernel module lists the target in its ``variant_targets``: the
     CPU handlers and the CUDA ``paged_decode`` and ``paged_prefill`` kernels (a module without the
-    list, e.g. an older build, serves none). Backend "auto" lowers another such call to the reference (XLA's code); backend "ffi" raises
-    :class:`BackendUnavailableError` with this reason.
+    list, e.g. an older build, serves none). Backend "auto" lowers another such call to the
+    reference (XLA's code); backend "ffi" raises :class:`BackendUnavailableError` with this reason.
 
     Args:
       platform, target, avals_in, params: as :func:`auto_uses_reference`.
