@@ -48,7 +48,7 @@ def main():
     for _ in range(2):
         cache = write(cache, k, k, slots)
     jax.block_until_ready(cache)
-    # A prefill's write of Hadamard codecs (tq_hadamard_kernel): 8192 tokens x HKV heads, K and V.
+    # A prefill's write of Hadamard codecs (tq_hadamard_quad_kernel): 8192 tokens x HKV heads, K and V.
     prompt = tq.PagedKVCache.create(num_pages=8192 // PAGE, page_size=PAGE, num_kv_heads=HKV,
                                     k_codec=tq.TurboQuant(D, 4, 0, "hadamard"), v_codec=tq.TurboQuant(D, 4, 1, "hadamard"))
     k = jax.random.normal(key, (8192, HKV, D), jnp.bfloat16)

@@ -16,8 +16,8 @@
 // compress runs on tensor cores (tq_compress_mma_kernel, "v2" below), and so does the fitted scale
 // at d <= 128 (tq_fit_mma_kernel: the same MMAs, whole rows per CTA, then the 17-candidate fit),
 // except for write_cache's Hadamard codecs of head_dim 64 / 128 given their spec words
-// (tq_hadamard_kernel: one warp per vector, the fast transform, no matrix; the plain codec's
-// write of Hadamard codecs too).)
+// (tq_hadamard_fit_kernel: one warp per vector, the fast transform, no matrix); the plain codec's
+// write of Hadamard codecs runs on tq_hadamard_quad_kernel (a quad of lanes per vector).)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -1664,26 +1664,19 @@ __device__ __forceinline__ int64_t dest_row32(const GemmParams& p, int64_t n) {
   return (static_cast<int64_t>(page) * p.Hkv + h) * p.page_size + off;  // row index into [P, Hkv, page]
 }
 
-// FIT: the fitted scale (above); otherwise the plain codec: codes of y against the centroids'
-// midpoints (format.h centroid_boundary), norm slot ||x||, as tq_compress_mma_kernel.
-template <int D, bool FIT>
-__global__ void __launch_bounds__(kHadWarps * 32, FIT ? 8 : 10) tq_hadamard_kernel(const GemmParams p0, const GemmParams p1) {
+template <int D>
+__global__ void __launch_bounds__(kHadWarps * 32, 8) tq_hadamard_fit_kernel(const GemmParams p0, const GemmParams p1) {
   const GemmParams p = blockIdx.z == 0 ? p0 : p1;
   constexpr int C = D / 32;  // coordinates per lane
   constexpr int LPG = 8 / C;  // lanes per 8-code group
-  constexpr int kTables = FIT ? kFitCandidates : 1;
-  __shared__ __align__(16) float fit_tab[kTables * 16];
+  __shared__ __align__(16) float fit_tab[kFitCandidates * 16];
   __shared__ float cent_s[16];
   __shared__ float buf_s[kHadWarps][D];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int bits = p.bits;
   const int ncent = 1 << bits;
   if (tid < 16) cent_s[tid] = tid < ncent ? p.cent[tid] : 0.f;
-  if constexpr (FIT) {
-    fill_fit_table(fit_tab, p.cent, ncent, tid, kHadWarps * 32);
-  } else if (tid < 16) {
-    fit_tab[tid] = tid < ncent - 1 ? centroid_boundary(p.cent, tid) : INFINITY;
-  }
+  fill_fit_table(fit_tab, p.cent, ncent, tid, kHadWarps * 32);
   uint32_t w[C];
 #pragma unroll
   for (int j = 0; j < C; ++j) w[j] = static_cast<uint32_t>(__ldg(p.rot_spec + C * lane + j));
@@ -1716,27 +1709,24 @@ __global__ void __launch_bounds__(kHadWarps * 32, FIT ? 8 : 10) tq_hadamard_kern
         for (int j = 0; j < C; ++j) dst[j] = __float2bfloat16_rn(nrm * y[j]);
       }
     }
-    int best_k = 0;
-    float ratio = 1.f;
-    if constexpr (FIT) {
-      float dot[kFitCandidates], sq[kFitCandidates];
+    float dot[kFitCandidates], sq[kFitCandidates];
 #pragma unroll
-      for (int k = 0; k < kFitCandidates; ++k) {
-        const float* tb = fit_tab + 16 * k;
-        const float b3 = tb[3], b7 = tb[7], b11 = tb[11];
-        dot[k] = 0.f;
-        sq[k] = 0.f;
+    for (int k = 0; k < kFitCandidates; ++k) {
+      const float* tb = fit_tab + 16 * k;
+      const float b3 = tb[3], b7 = tb[7], b11 = tb[11];
+      dot[k] = 0.f;
+      sq[k] = 0.f;
 #pragma unroll
-        for (int j = 0; j < C; ++j) {
-          const float c = cent_s[bucketize_fit(y[j], tb, b3, b7, b11)];
-          dot[k] = fmaf(y[j], c, dot[k]);
-          sq[k] = fmaf(c, c, sq[k]);
-        }
+      for (int j = 0; j < C; ++j) {
+        const float c = cent_s[bucketize_fit(y[j], tb, b3, b7, b11)];
+        dot[k] = fmaf(y[j], c, dot[k]);
+        sq[k] = fmaf(c, c, sq[k]);
       }
-      float pair_dot, pair_sq;
-      reduce_scatter_pairs<kFitCandidates, 16>(dot, sq, lane, pair_dot, pair_sq, best_k);
-      warp_best_fit(pair_dot, pair_sq, best_k, ratio);
     }
+    int best_k = 0;
+    float pair_dot, pair_sq, ratio;
+    reduce_scatter_pairs<kFitCandidates, 16>(dot, sq, lane, pair_dot, pair_sq, best_k);
+    warp_best_fit(pair_dot, pair_sq, best_k, ratio);
     const float* tb = fit_tab + 16 * best_k;
     const float b3 = tb[3], b7 = tb[7], b11 = tb[11];
     uint32_t group = 0;  // this lane's codes at their places in its 8-code group word
@@ -1751,7 +1741,206 @@ __global__ void __launch_bounds__(kHadWarps * 32, FIT ? 8 : 10) tq_hadamard_kern
         uint8_t* dst = p.codes + row * pb + (lane / LPG) * bits;  // bits bytes per group
         store_group(dst, group, bits);
       }
-      if (lane == 0) p.norms[row] = FIT ? nrm * ratio : nrm;  // 0 for a zero vector
+      if (lane == 0) p.norms[row] = nrm * ratio;  // 0 for a zero vector
+    }
+  }
+}
+
+// =============================================================================================
+// The plain codec's write of Hadamard codecs (head_dim 64 / 128): a quad of lanes per vector
+// (hadamard.cuh QuadLayout), 8 vectors per warp, persistent over groups of 8 rows. Per row: the
+// norm; u = D1 x / ||x||; H u, the permutation P with D2 through the row's shared copy, H again
+// (z = d Pi u: the two 1 / sqrt(d) go into the boundaries, d bnd_i, an exact scaling); codes of z
+// against them, one 8-code group per lane and chunk; norm slot ||x||; the window row
+// bf16(||x|| z / d). Against tq_hadamard_fit_kernel's one warp per vector: 16 warp shuffles per
+// vector instead of 47 (two of the seven butterfly levels cross lanes instead of five), the
+// per-row work (slot, norm, stores) shared by 8 rows per warp instruction, and a code from one
+// table entry (fill_code_lut) instead of a 4-level search.
+// =============================================================================================
+constexpr int kQuadWarps = 4;
+
+__device__ __forceinline__ float flip_sign(float x, uint32_t sign_bit31) {
+  return __uint_as_float(__float_as_uint(x) ^ sign_bit31);
+}
+
+// Elements [i, i + 8) of x (dtype XT) as floats; zeros when !valid. vec: x is 16-byte aligned.
+template <int XT>
+__device__ __forceinline__ void load8_as_float(const void* x, int64_t i, bool valid, bool vec, float (&v)[8]) {
+  XRaw<XT, 8> r;
+  load_raw<XT, 8>(r, x, i, valid, vec);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    if constexpr (XT == static_cast<int>(FType::kF32)) {
+      v[2 * k] = __uint_as_float(r.w[2 * k]);
+      v[2 * k + 1] = __uint_as_float(r.w[2 * k + 1]);
+    } else if constexpr (XT == static_cast<int>(FType::kBF16)) {
+      v[2 * k] = __uint_as_float(r.w[k] << 16);
+      v[2 * k + 1] = __uint_as_float(r.w[k] & 0xFFFF0000u);
+    } else {
+      __half2 h;
+      memcpy(&h, &r.w[k], 4);
+      const float2 f = __half22float2(h);
+      v[2 * k] = f.x;
+      v[2 * k + 1] = f.y;
+    }
+  }
+}
+
+// A code table over a uniform grid of the rotated coordinate y: cell c (c < kLutCells) holds the y
+// that round to c - kLutCells / 2 on the scale kLutScale per unit, y in [-1.07, 1.07] (a unit
+// vector's coordinates) in cells 1 .. kLutCells - 2. Entry c: the number of boundaries below the
+// cell and the one boundary inside it (+inf: none). Where the boundaries lie at least a cell
+// apart (no cell holds two), code = count + (boundary < y): bucketize16's code except where y lies
+// within float rounding of a cell edge and a boundary (a tie).
+constexpr int kLutCells = 256;
+constexpr float kLutScale = 119.0f;
+constexpr float kLutRound = 12582912.0f + kLutCells / 2;  // 1.5 x 2^23: the FFMA rounds to an integer in the low bits
+
+// Fills lut (kLutCells entries) for the boundaries bnd (16, ascending, +inf padded) in units of
+// `unit` per y; returns whether every two boundaries lie at least a cell apart (else the table is
+// not exact and bucketize_fit must serve).
+__device__ __forceinline__ bool fill_code_lut(uint2* lut, const float* bnd, float unit, int tid, int nthreads) {
+  for (int c = tid; c < kLutCells; c += nthreads) {
+    const float lo = unit * ((c - kLutCells / 2 - 0.5f) / kLutScale), hi = unit * ((c - kLutCells / 2 + 0.5f) / kLutScale);
+    uint32_t below = 0;
+    float inside = INFINITY;
+    for (int i = 0; i < 15; ++i) {
+      const float b = bnd[i];
+      if (b < lo) ++below;
+      else if (b < hi && inside == INFINITY) inside = b;
+    }
+    lut[c] = make_uint2(below, __float_as_uint(inside));
+  }
+  bool apart = true;
+  for (int i = 0; i + 1 < 15; ++i) apart &= !(bnd[i + 1] - bnd[i] < unit / kLutScale);
+  return apart;
+}
+
+// The code of z (y in units of `unit`: scale = kLutScale / unit) from the table, added to group at
+// its place (place = 1 << its bit offset). A NaN reads a valid entry (a code, no fault).
+__device__ __forceinline__ void add_lut_code(uint32_t& group, float z, uint32_t place, const uint2* lut, float scale) {
+  const uint2 e = lut[__float_as_uint(fmaf(z, scale, kLutRound)) & (kLutCells - 1)];
+  group += e.x * place;
+  if (__uint_as_float(e.y) < z) group += place;
+}
+
+// Codes of a lane's chunk of 8 (x[8 ch ..]) packed as their 8-code group word (format.h: LSB first).
+template <bool LUT, int C>
+__device__ __forceinline__ uint32_t chunk_group(const float (&x)[C], int ch, int bits, const uint2* lut, float scale,
+                                                const float* bnd, float b3, float b7, float b11) {
+  uint32_t group = 0;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    const float z = x[8 * ch + e];
+    if constexpr (LUT) add_lut_code(group, z, 1u << (bits * e), lut, scale);
+    else group |= bucketize_fit(z, bnd, b3, b7, b11) << (bits * e);
+  }
+  return group;
+}
+
+template <int D, int XT>
+__global__ void __launch_bounds__(kQuadWarps * 32) tq_hadamard_quad_kernel(const GemmParams p0, const GemmParams p1) {
+  const GemmParams p = blockIdx.z == 0 ? p0 : p1;
+  using Q = QuadLayout<D>;
+  constexpr int C = Q::kCoords, CH = Q::kChunks;
+  constexpr int kRow = D + 4;  // a row's copy: the 8 rows' 16-byte pieces fall on distinct banks
+  __shared__ __align__(16) float bnd_s[16];     // d x the centroids' midpoints, +inf padded
+  __shared__ __align__(16) uint32_t perm_s[D];  // D2[i] = -1 at bit 31 | perm[i]
+  __shared__ __align__(16) float rows_s[kQuadWarps * 8][kRow];
+  __shared__ uint2 lut_s[kLutCells];
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane & 3;
+  const int bits = p.bits;
+  if (tid < 16) bnd_s[tid] = tid < (1 << bits) - 1 ? static_cast<float>(D) * centroid_boundary(p.cent, tid) : INFINITY;
+  for (int i = tid; i < D; i += kQuadWarps * 32) {
+    const uint32_t w = static_cast<uint32_t>(__ldg(p.rot_spec + i));
+    perm_s[i] = (rot_neg2(w) ? 0x80000000u : 0u) | static_cast<uint32_t>(rot_perm(w) & (D - 1));
+  }
+  uint32_t neg1 = 0;  // bit 8 ch + e: D1 = -1 at the lane's coordinate (ch, e)
+#pragma unroll
+  for (int ch = 0; ch < CH; ++ch)
+#pragma unroll
+    for (int e = 0; e < 8; ++e)
+      if (rot_neg1(static_cast<uint32_t>(__ldg(p.rot_spec + Q::coord(ch, g, e))))) neg1 |= 1u << (8 * ch + e);
+  __syncthreads();
+  const bool lut = fill_code_lut(lut_s, bnd_s, static_cast<float>(D), tid, kQuadWarps * 32);
+  __syncthreads();
+  const float b3 = bnd_s[3], b7 = bnd_s[7], b11 = bnd_s[11], lut_scale = kLutScale / D;
+  const int pb = D * bits / 8;
+  float* row_s = rows_s[warp * 8 + (lane >> 2)];
+  const int64_t step = static_cast<int64_t>(gridDim.x) * kQuadWarps * 8;
+  for (int64_t n0 = (static_cast<int64_t>(blockIdx.x) * kQuadWarps + warp) * 8; n0 < p.N; n0 += step) {
+    const int64_t n = n0 + (lane >> 2);
+    const bool valid = n < p.N;
+    float x[C];
+#pragma unroll
+    for (int ch = 0; ch < CH; ++ch) {
+      float c8[8];
+      load8_as_float<XT>(p.x, n * D + Q::coord(ch, g, 0), valid, p.vec_io, c8);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) x[8 * ch + e] = c8[e];
+    }
+    float ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < C; ++j) ss = fmaf(x[j], x[j], ss);
+    ss += __shfl_xor_sync(0xffffffffu, ss, 1);  // the same sum in the quad's 4 lanes
+    ss += __shfl_xor_sync(0xffffffffu, ss, 2);
+    float nrm = sqrtf(ss);
+    if (valid && needs_scaled_norm(ss)) {  // the quad takes it together
+      const float scaled = scaled_row_norm<D, 4>(p.x, p.dtype, n, g);
+      if (scaled >= 0.f) nrm = scaled;
+    }
+    const float inv = nrm > 0.f ? 1.0f / nrm : 0.f;
+#pragma unroll
+    for (int j = 0; j < C; ++j) x[j] = flip_sign(x[j], (neg1 << (31 - j)) & 0x80000000u) * inv;
+    quad_fwht<D>(x, lane);
+    __syncwarp();  // the previous rows' reads of row_s are done
+#pragma unroll
+    for (int ch = 0; ch < CH; ++ch) {
+      float4* dst = reinterpret_cast<float4*>(row_s + Q::coord(ch, g, 0));
+      dst[0] = make_float4(x[8 * ch], x[8 * ch + 1], x[8 * ch + 2], x[8 * ch + 3]);
+      dst[1] = make_float4(x[8 * ch + 4], x[8 * ch + 5], x[8 * ch + 6], x[8 * ch + 7]);
+    }
+    __syncwarp();
+#pragma unroll
+    for (int ch = 0; ch < CH; ++ch) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint4 t = *reinterpret_cast<const uint4*>(perm_s + Q::coord(ch, g, 4 * h));
+        const uint32_t tw[4] = {t.x, t.y, t.z, t.w};
+#pragma unroll
+        for (int k = 0; k < 4; ++k) x[8 * ch + 4 * h + k] = flip_sign(row_s[tw[k] & (D - 1)], tw[k] & 0x80000000u);
+      }
+    }
+    quad_fwht<D>(x, lane);
+    const int64_t row = valid ? dest_row32(p, n) : -1;
+    uint32_t groups[CH];
+    if (lut) {
+#pragma unroll
+      for (int ch = 0; ch < CH; ++ch) groups[ch] = chunk_group<true>(x, ch, bits, lut_s, lut_scale, bnd_s, b3, b7, b11);
+    } else {
+#pragma unroll
+      for (int ch = 0; ch < CH; ++ch) groups[ch] = chunk_group<false>(x, ch, bits, lut_s, lut_scale, bnd_s, b3, b7, b11);
+    }
+    if (row >= 0) {
+#pragma unroll
+      for (int ch = 0; ch < CH; ++ch) store_group(p.codes + row * pb + (4 * ch + g) * bits, groups[ch], bits);
+    }
+    if (row >= 0 && g == 0) p.norms[row] = nrm;  // 0 for a zero vector
+    if (p.win != nullptr && valid) {  // write_cache's window row: bf16(||x|| z / d)
+      const int64_t wr = window_row(p, n);
+      if (wr >= 0) {
+        const float s = nrm * (1.0f / D);
+        uint32_t* dst = reinterpret_cast<uint32_t*>(p.win + wr * D);
+#pragma unroll
+        for (int ch = 0; ch < CH; ++ch)
+#pragma unroll
+          for (int e = 0; e < 8; e += 2) {
+            const __nv_bfloat162 pair = __floats2bfloat162_rn(s * x[8 * ch + e], s * x[8 * ch + e + 1]);
+            uint32_t word;
+            memcpy(&word, &pair, 4);
+            dst[Q::coord(ch, g, e) / 2] = word;
+          }
+      }
     }
   }
 }
@@ -1822,12 +2011,13 @@ ffi::Error launch_fit_mma_x(const char* op, cudaStream_t stream, int d, const Ge
   }, [&] { return unsupported_head_dim(op, d); });
 }
 
-// Hadamard codecs of head_dim 64 / 128 (p.rot_spec, and p1's): one warp per vector, persistent.
-template <int D, bool FIT>
-ffi::Error launch_hadamard_d(const char* op, cudaStream_t stream, const GemmParams& p, const GemmParams* p1) {
+// The fitted scale of Hadamard codecs of head_dim 64 / 128 (p.rot_spec, and p1's): one warp per
+// vector, persistent.
+template <int D>
+ffi::Error launch_hadamard_fit_d(const char* op, cudaStream_t stream, const GemmParams& p, const GemmParams* p1) {
   const int64_t ctas = std::min<int64_t>((p.N + kHadWarps - 1) / kHadWarps, 16 * static_cast<int64_t>(sm_count()));
   const unsigned nz = p1 != nullptr ? 2u : 1u;
-  tq_hadamard_kernel<D, FIT><<<dim3(static_cast<unsigned>(ctas), 1, nz), kHadWarps * 32, 0, stream>>>(p, p1 ? *p1 : p);
+  tq_hadamard_fit_kernel<D><<<dim3(static_cast<unsigned>(ctas), 1, nz), kHadWarps * 32, 0, stream>>>(p, p1 ? *p1 : p);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return cuda_error(op, "kernel launch", e);
   return ffi::Error::Success();
@@ -1840,19 +2030,44 @@ bool hadamard_kernel_serves(int d, const GemmParams& p, const GemmParams* p1) {
          p.N < (int64_t(1) << 31);
 }
 
-template <bool FIT>
-ffi::Error launch_hadamard(const char* op, cudaStream_t stream, int d, const GemmParams& p, const GemmParams* p1) {
-  return d == 64 ? launch_hadamard_d<64, FIT>(op, stream, p, p1) : launch_hadamard_d<128, FIT>(op, stream, p, p1);
+// The plain codec's write of Hadamard codecs of head_dim 64 / 128 (tq_hadamard_quad_kernel):
+// 8 rows per warp, a persistent grid of the occupancy's CTAs at most.
+template <int D, int XT>
+ffi::Error launch_hadamard_quad_t(const char* op, cudaStream_t stream, const GemmParams& p, const GemmParams* p1) {
+  auto kernel = tq_hadamard_quad_kernel<D, XT>;
+  static const KernelCfg cfg = occupancy_cfg(kernel, kQuadWarps * 32, 0);
+  if (cfg.err != cudaSuccess) return cuda_error(op, "kernel setup", cfg.err);
+  const unsigned nz = p1 != nullptr ? 2u : 1u;
+  const int64_t rows_per_cta = kQuadWarps * 8;
+  const int64_t cap = std::max<int64_t>(1, static_cast<int64_t>(cfg.blocks_per_sm) * sm_count() / nz);
+  const int64_t ctas = std::min<int64_t>((p.N + rows_per_cta - 1) / rows_per_cta, cap);
+  kernel<<<dim3(static_cast<unsigned>(ctas), 1, nz), kQuadWarps * 32, 0, stream>>>(p, p1 ? *p1 : p);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return cuda_error(op, "kernel launch", e);
+  return ffi::Error::Success();
+}
+
+template <int D>
+ffi::Error launch_hadamard_quad_d(const char* op, cudaStream_t stream, const GemmParams& p, const GemmParams* p1) {
+  switch (p.dtype) {
+    case static_cast<int>(FType::kBF16):
+      return launch_hadamard_quad_t<D, static_cast<int>(FType::kBF16)>(op, stream, p, p1);
+    case static_cast<int>(FType::kF16):
+      return launch_hadamard_quad_t<D, static_cast<int>(FType::kF16)>(op, stream, p, p1);
+    default:
+      return launch_hadamard_quad_t<D, static_cast<int>(FType::kF32)>(op, stream, p, p1);
+  }
 }
 
 // The fitted-scale compress: Hadamard codecs of head_dim 64 / 128 with their spec words (p.rot_spec,
-// and p1's) one warp per vector (tq_hadamard_kernel); else tensor cores for d <= 128
+// and p1's) one warp per vector (tq_hadamard_fit_kernel); else tensor cores for d <= 128
 // (tq_fit_mma_kernel), the v1 fp32 kernel (tq_fit_kernel) for d 192 / 256.
 ffi::Error launch_fit(const char* op, cudaStream_t stream, int d, const GemmParams& p,
                       const GemmParams* p1 = nullptr) {
   if (p.N == 0) return ffi::Error::Success();
   if (p.N > (int64_t(1) << 40)) return invalid(op, "too many vectors");
-  if (hadamard_kernel_serves(d, p, p1)) return launch_hadamard<true>(op, stream, d, p, p1);
+  if (hadamard_kernel_serves(d, p, p1))
+    return d == 64 ? launch_hadamard_fit_d<64>(op, stream, p, p1) : launch_hadamard_fit_d<128>(op, stream, p, p1);
   if (d <= 128) {
     switch (p.dtype) {
       case static_cast<int>(FType::kBF16):
@@ -2119,7 +2334,8 @@ ffi::Error launch_write(const char* op, cudaStream_t stream, int d, bool fit, co
                         const GemmParams* p1 = nullptr) {
   if (fit) return launch_fit(op, stream, d, p, p1);
   if (p.N == 0) return ffi::Error::Success();
-  if (hadamard_kernel_serves(d, p, p1)) return launch_hadamard<false>(op, stream, d, p, p1);
+  if (hadamard_kernel_serves(d, p, p1))
+    return d == 64 ? launch_hadamard_quad_d<64>(op, stream, p, p1) : launch_hadamard_quad_d<128>(op, stream, p, p1);
   return p.win != nullptr ? launch_compress<true>(op, stream, d, p, p1) : launch_compress(op, stream, d, p, p1);
 }
 

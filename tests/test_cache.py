@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import jax_tq as tq
-from jax_tq import _compat
+from jax_tq import _compat, codebook
 from jax_tq.compress import write_cache_p
 
 from conftest import kernel_backend, slow_unless
@@ -710,6 +710,80 @@ def test_write_cache_prefill_size_one_launch(rng, rotation):
             codes_agree(got_codes.reshape(-1, codec.packed_bytes), want_codes, codec.bits, d, x64, codec)
             np.testing.assert_allclose(got_norms.reshape(-1), want_norms, rtol=2e-6)
         assert int(np.isnan(np.asarray(getattr(out, f"{name}_norms"))).sum()) == (num_pages * page_size - t) * hkv
+
+
+def hadamard_write_check(request, rng, head_dim, bits, dtype, special=True):
+    """write_cache of plain Hadamard codecs (the quad-per-vector CUDA kernel) into poisoned pools:
+    603 vectors per pool (groups of 8 per warp, the last one partly empty), zero, one-spike and (for
+    bfloat16 / float32) huge and tiny vectors, a padding and an out-of-pool slot. Every written token
+    has the float64 oracle's codes (ties aside) and norm; every other slot keeps its poison."""
+    hkv, page_size, num_pages, t = 3, 16, 16, 201
+    k_codec = tq.TurboQuant(head_dim, bits[0], int(rng.integers(1000)), "hadamard")
+    v_codec = tq.TurboQuant(head_dim, bits[1], int(rng.integers(1000)), "hadamard")
+    cache = tq.PagedKVCache.create(num_pages=num_pages, page_size=page_size, num_kv_heads=hkv, k_codec=k_codec,
+                                   v_codec=v_codec)
+    cache = dataclasses.replace(
+        cache, k_codes=jnp.full(cache.k_codes.shape, 0xAB, jnp.uint8), v_codes=jnp.full(cache.v_codes.shape, 0xAB, jnp.uint8),
+        k_norms=jnp.full(cache.k_norms.shape, jnp.nan, jnp.float32), v_norms=jnp.full(cache.v_norms.shape, jnp.nan, jnp.float32))
+    x = rng.normal(size=(2, t, hkv, head_dim)) * rng.uniform(0.01, 50, size=(2, t, hkv, 1))
+    if special:
+        x[:, 0] = 0.0
+        x[:, 1] = 0.0
+        x[:, 1, :, 3] = -2.0
+        if dtype != jnp.float16:
+            x[:, 2] *= 1e25   # sum of squares past float32: the scaled norm
+            x[:, 3] *= 1e-25  # below its safe range
+    x = np.asarray(jnp.asarray(x, dtype).astype(jnp.float32), np.float64)
+    total = num_pages * page_size
+    slots = rng.permutation(total)[:t].astype(np.int32)
+    slots[5], slots[6] = -1, total
+    with kernel_backend(request, ["jax_tq_write_cache"]):
+        out = jax.jit(lambda c, k, v, s: tq.write_cache(c, k, v, s))(cache, jnp.asarray(x[0], dtype),
+                                                                    jnp.asarray(x[1], dtype), jnp.asarray(slots))
+    ok = (slots >= 0) & (slots < total)
+    page_of, off = slots[ok] // page_size, slots[ok] % page_size
+    for which, codec, codes_pool, norms_pool in ((0, k_codec, out.k_codes, out.k_norms), (1, v_codec, out.v_codes, out.v_norms)):
+        rows = x[which][ok].reshape(-1, head_dim)
+        want_codes, want_norms = compress_f64(rows, codec)
+        got = np.asarray(codes_pool)[page_of, :, off].reshape(-1, codec.packed_bytes)
+        codes_agree(got, want_codes, codec.bits, head_dim, rows, codec)
+        np.testing.assert_allclose(np.asarray(norms_pool)[page_of, :, off].reshape(-1), want_norms, rtol=2e-6)
+        written = np.zeros((num_pages, page_size), bool)
+        written[page_of, off] = True
+        assert np.all(np.asarray(codes_pool).transpose(0, 2, 1, 3)[~written] == 0xAB)
+        assert np.all(np.isnan(np.asarray(norms_pool).transpose(0, 2, 1)[~written]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", (64, 128))
+@pytest.mark.parametrize("bits", ((4, 3), (2, 4)))
+@pytest.mark.parametrize("dtype", (jnp.bfloat16, jnp.float32, jnp.float16))
+def test_gpu_hadamard_write_matches_the_float64_oracle(request, rng, head_dim, bits, dtype):
+    hadamard_write_check(request, rng, head_dim, bits, dtype)
+
+
+@pytest.mark.gpu
+def test_gpu_hadamard_write_with_close_boundaries(request, rng, monkeypatch):
+    """Centroids two of whose boundaries lie closer than a cell of the kernel's code table (no codec
+    of the library has such; the kernel then searches the boundaries): the same checks."""
+    def close_centroids(codec):
+        c = codebook.lloyd_max_centroids(codec.head_dim, codec.bits).astype(np.float64)
+        mid = len(c) // 2
+        c[mid], c[mid + 1] = c[mid - 1] + 1e-3, c[mid - 1] + 2e-3
+        return jnp.asarray(c, jnp.float32)
+
+    monkeypatch.setattr(tq.TurboQuant, "centroids", property(close_centroids))
+    hadamard_write_check(request, rng, 128, (4, 3), jnp.bfloat16, special=False)
+
+
+def test_code_table_is_exact_for_the_codebooks_of_the_hadamard_write():
+    """The CUDA write of Hadamard codecs (head_dim 64 / 128, 2-4 bits) reads codes from a table of
+    cells 1 / 119 wide (compress.cu kLutScale): exact where no two boundaries are closer than a
+    cell, which holds for every codebook it serves."""
+    for head_dim in (64, 128):
+        for bits in (2, 3, 4):
+            boundaries = np.asarray(tq.TurboQuant(head_dim, bits, 0, "hadamard").boundaries, np.float64)
+            assert np.min(np.diff(boundaries)) > 1.5 / 119, (head_dim, bits)
 
 
 @pytest.mark.gpu

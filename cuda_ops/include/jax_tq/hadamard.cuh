@@ -62,6 +62,38 @@ __device__ __forceinline__ void warp_hadamard_rotate(float (&x)[D / 32], const u
   warp_fwht<D>(x, lane);
 }
 
+// Quad layout: the 4 lanes 4v .. 4v + 3 of a warp hold vector v of 8, lane g = lane & 3 holding
+// coordinates 32 ch + 8 g + e (ch < D / 32, e < 8) at x[8 ch + e]: 8 consecutive coordinates per
+// chunk (one packing group of codes), the 4 lanes' chunk contiguous in memory.
+template <int D>
+struct QuadLayout {
+  static constexpr int kChunks = D / 32;
+  static constexpr int kCoords = D / 4;  // per lane
+  static __device__ __forceinline__ int coord(int ch, int g, int e) { return 32 * ch + 8 * g + e; }
+};
+
+// x <- H x in the quad layout: the index bits of e and ch in registers, the two of g across the quad.
+template <int D>
+__device__ __forceinline__ void quad_fwht(float (&x)[D / 4], int lane) {
+  constexpr int C = D / 4;
+#pragma unroll
+  for (int s = 1; s < C; s <<= 1) {
+#pragma unroll
+    for (int j = 0; j < C; ++j) {
+      if (j & s) continue;
+      const float a = x[j], b = x[j | s];
+      x[j] = a + b;
+      x[j | s] = a - b;
+    }
+  }
+#pragma unroll
+  for (int m = 1; m < 4; m <<= 1) {
+    const float sign = (lane & m) != 0 ? -1.f : 1.f;
+#pragma unroll
+    for (int j = 0; j < C; ++j) x[j] = fmaf(x[j], sign, __shfl_xor_sync(0xffffffffu, x[j], m));
+  }
+}
+
 }  // namespace cuda
 }  // namespace jax_tq
 
