@@ -169,7 +169,7 @@ def ragged_paged_attention(q, k, v, cache: PagedKVCache, kv_lens, block_tables, 
     return jnp.where(live[:, None, None], out, 0).astype(q.dtype), cache
 
 
-def prompt_attention(q, k, v, cache: PagedKVCache, block_tables, prompt_lens, *, scale=None, window_ids=None,
+def prompt_attention(q, k, v, cache: PagedKVCache, block_tables, prompt_lens=None, *, scale=None, window_ids=None,
                      implementation=None, sliding_window=None, soft_cap=None, sinks=None):
     """Causal attention of fresh prompts over their own K / V, exactly, and the K / V written into the cache.
 
@@ -191,7 +191,9 @@ def prompt_attention(q, k, v, cache: PagedKVCache, block_tables, prompt_lens, *,
         Donate it (``donate_argnums=3``) for an in-place update.
       block_tables: int32 [batch, max_pages], the prompts' pages (as :func:`jax_tq.paged_decode`).
       prompt_lens: int32 [batch]: tokens 0 .. prompt_lens[b] - 1 of prompt b are real, the rest
-        padding. Values are clamped to [0, seq_len].
+        padding. Values are clamped to [0, seq_len]. None (default): every prompt fills seq_len;
+        no padding masks are applied (the attention is cuDNN's alone, one pass fewer over q, k, v
+        and the output).
       scale: softmax scale, a finite Python number (static); default 1 / sqrt(head_dim).
       window_ids: int32 [batch], each prompt's window id for a cache with a window (default
         ``arange(batch)``); must be None for a cache without one.
@@ -248,7 +250,11 @@ def prompt_attention(q, k, v, cache: PagedKVCache, block_tables, prompt_lens, *,
     _check_heads(q.shape[2], q.shape[3], cache, op)
     block_tables = _index_array(block_tables, "block_tables", f"[batch={batch}, max_pages]", op, ndim=2,
                                 leading=batch)
-    prompt_lens = _index_array(prompt_lens, "prompt_lens", f"[batch={batch}]", op, shape=(batch,))
+    padded = prompt_lens is not None
+    if padded:
+        prompt_lens = _index_array(prompt_lens, "prompt_lens", f"[batch={batch}]", op, shape=(batch,))
+    else:
+        prompt_lens = jnp.full((batch,), seq_len, jnp.int32)
     scale = _static_scale(scale, f"jax_tq.{op}")
     if implementation not in (None, "xla", "cudnn"):
         raise ValueError(f"jax_tq.{op}: implementation must be None, 'xla' or 'cudnn', got {implementation!r}")
@@ -256,7 +262,8 @@ def prompt_attention(q, k, v, cache: PagedKVCache, block_tables, prompt_lens, *,
     sliding_window, soft_cap, sinks = check_variants(sliding_window, soft_cap, sinks, q.shape[2], op)
     check_decode_indices(block_tables, jnp.minimum(prompt_lens, seq_len), num_pages=cache.num_pages,
                          page_size=cache.page_size, op=op, lens_name="prompt_lens")
-    check_at_most(prompt_lens, seq_len, op=op, name="prompt_lens", bound_name="seq_len")
+    if padded:
+        check_at_most(prompt_lens, seq_len, op=op, name="prompt_lens", bound_name="seq_len")
     if window_ids is not None:
         check_window_ids(window_ids, prompt_lens, num_windows=cache.num_windows, op=op)
     if batch == 0 or seq_len == 0:
@@ -264,10 +271,9 @@ def prompt_attention(q, k, v, cache: PagedKVCache, block_tables, prompt_lens, *,
 
     lens = jnp.clip(prompt_lens, 0, seq_len)
     scale = 1.0 / math.sqrt(cache.head_dim) if scale is None else scale
-    out = causal_self_attention(q, k, v, lens, scale, implementation, sliding_window, soft_cap, sinks)
+    out = causal_self_attention(q, k, v, lens if padded else None, scale, implementation, sliding_window, soft_cap,
+                                sinks)
     real = jnp.arange(seq_len, dtype=jnp.int32)[None, :] < lens[:, None]  # [batch, seq_len]
-    k, v = jnp.where(real[:, :, None, None], k, 0), jnp.where(real[:, :, None, None], v, 0)
-
     positions = jnp.tile(jnp.arange(seq_len, dtype=jnp.int32), batch)
     seq = jnp.repeat(jnp.arange(batch, dtype=jnp.int32), seq_len)
     slots = slot_mapping(block_tables, jnp.where(real.reshape(-1), positions, -1), cache.page_size, seq)
@@ -283,19 +289,24 @@ def prompt_attention(q, k, v, cache: PagedKVCache, block_tables, prompt_lens, *,
 def causal_self_attention(q, k, v, lens, scale: float, implementation, sliding_window: int, soft_cap: float,
                           sinks):
     """Exact causal (GQA) attention of padded prompts q [B, L, H, d] over their own k / v [B, L, Hkv, d]
-    (rows and keys at or past lens int32 [B] are padding): :func:`jax.nn.dot_product_attention`
-    (cuDNN for bfloat16 / float16 on CUDA when ``implementation`` is None), or with soft_cap /
-    sinks :func:`_exact_attention`. Variants as :func:`jax_tq.variants.check_variants` returns
-    them. Returns [B, L, H, d] of q's dtype, padding rows 0."""
-    seq_len = q.shape[1]
+    (rows and keys at or past lens int32 [B] are padding; lens None: none are):
+    :func:`jax.nn.dot_product_attention` (cuDNN for bfloat16 / float16 on CUDA when ``implementation``
+    is None), or with soft_cap / sinks :func:`_exact_attention`. Variants as
+    :func:`jax_tq.variants.check_variants` returns them. Returns [B, L, H, d] of q's dtype, padding
+    rows 0."""
+    batch, seq_len = q.shape[:2]
+    padded = lens is not None
+    if not padded:
+        lens = jnp.full((batch,), seq_len, jnp.int32)
     keep = (jnp.arange(seq_len, dtype=jnp.int32)[None, :] < lens[:, None])[:, :, None, None]
+    seq_lengths = lens if padded else None
 
     def attend(q, k, v, impl=implementation):
         # float32 prompts stay float32-accurate (XLA's GPU default would run the products in TF32)
         exact = q.dtype == jnp.float32 and jax.config.jax_default_matmul_precision is None
         with jax.default_matmul_precision("highest" if exact else jax.config.jax_default_matmul_precision):
-            return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, query_seq_lengths=lens,
-                                                key_value_seq_lengths=lens, implementation=impl,
+            return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, query_seq_lengths=seq_lengths,
+                                                key_value_seq_lengths=seq_lengths, implementation=impl,
                                                 local_window_size=(sliding_window - 1, 0) if sliding_window else None)
 
     def attend_f32(q, k, v):  # XLA:CPU refuses the float16 products (F16_F16_F32) jax.nn asks for
@@ -309,7 +320,8 @@ def causal_self_attention(q, k, v, lens, scale: float, implementation, sliding_w
 
     # Padding rows are 0 whatever they hold: a NaN in padding K / V would reach real rows (0 * NaN in
     # p @ V), a NaN in a padding query their gradients (the masked rows' cotangents are 0, times NaN).
-    q, k, v = jnp.where(keep, q, 0), jnp.where(keep, k, 0), jnp.where(keep, v, 0)
+    if padded:
+        q, k, v = jnp.where(keep, q, 0), jnp.where(keep, k, 0), jnp.where(keep, v, 0)
     half = q.dtype in (jnp.bfloat16, jnp.float16)
     if soft_cap or sinks.shape[0]:
         out = _exact_attention(q, k, v, lens, scale, sliding_window, soft_cap, sinks)
@@ -320,7 +332,7 @@ def causal_self_attention(q, k, v, lens, scale: float, implementation, sliding_w
         out = jax.lax.platform_dependent(q, k, v, cpu=attend_f32, default=attend)
     else:
         out = attend(q, k, v)
-    return jnp.where(keep, out, 0).astype(q.dtype)
+    return (jnp.where(keep, out, 0) if padded else out).astype(q.dtype)
 
 
 #: Query rows per step of _exact_attention (its scores: batch x num_heads x this x seq_len float32).

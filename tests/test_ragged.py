@@ -422,6 +422,30 @@ def test_prompt_attention_is_exact_and_writes_the_prompts(rng, kind, head_dim, g
                   window_ids=[2, 0, 1, 5] if kind == "window" else None)
 
 
+@pytest.mark.parametrize("kind,dtype,variants", [("hadamard", jnp.bfloat16, {}), ("window", jnp.float32, {}),
+                                                 ("haar", jnp.float32, {"soft_cap": 20.0, "sliding_window": 5})])
+def test_prompt_attention_without_prompt_lens_takes_every_prompt_whole(rng, kind, dtype, variants):
+    """prompt_lens None (no padding masks): the output and cache of prompt_lens = seq_len for every
+    prompt, exact against float64, every token written."""
+    cache = make_cache(rng, kind, head_dim=64, window=8)
+    q, k, v, tables, lens = prompt_case(rng, cache, (16, 16, 16), 16, dtype=dtype)
+    f = jax.jit(functools.partial(tq.prompt_attention, **variants))
+    out, new = f(q, k, v, cache, tables)
+    out_lens, new_lens = f(q, k, v, cache, tables, lens)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(out_lens, np.float32), rtol=1e-6, atol=1e-6)
+    for name in ("k_codes", "v_codes", "k_norms", "v_norms", "k_window", "v_window"):
+        if getattr(new, name) is not None:
+            np.testing.assert_array_equal(np.asarray(getattr(new, name)), np.asarray(getattr(new_lens, name)))
+    want = prompt_f64(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), lens, **variants)
+    assert rel_err(np.asarray(out, np.float32), want) < (1e-5 if dtype == jnp.float32 else 2e-2)
+    slots = np.asarray(tables)[:, np.arange(16) // cache.page_size] * cache.page_size + np.arange(16) % cache.page_size
+    window_slots = (np.arange(3)[:, None] * cache.window + np.arange(16) % max(cache.window, 1)
+                    if cache.window else np.full((3, 16), -1))
+    window_slots = np.where(np.arange(16) >= 16 - cache.window, window_slots, -1)
+    assert_cache_is_the_write(new, cache, k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:]),
+                              slots.reshape(-1).astype(np.int32), window_slots.reshape(-1).astype(np.int32))
+
+
 @pytest.mark.parametrize("variant,dtype", [
     ("window", jnp.float32), ("window", jnp.bfloat16), ("soft_cap", jnp.float32), ("sinks", jnp.float32),
     ("all", jnp.bfloat16)])
