@@ -6,6 +6,8 @@
 * ``cuDNN + write``: a fresh prompt as a serving engine runs it (``jax_tq.prompt_attention``'s
   composition): bf16 causal flash attention over the prompt's own K / V
   (``jax.nn.dot_product_attention``, cuDNN) plus one ``write_cache`` of its K / V into the pages;
+* ``prompt_attention``: the same through ``jax_tq.prompt_attention`` (no ``prompt_lens``: no masks), and
+  ``padded``: with ``prompt_lens`` (its padding masks: passes over q, k, v and the output);
 * ``cuDNN``: that attention alone (the reference), and XLA's bf16 attention.
 
 Shapes: (num_seqs, new rows, cached tokens before them). Each implementation's FLOP rate is the
@@ -19,6 +21,7 @@ Usage: python benchmarks/bench_prefill.py [--quick] [--no-decode-rows] [--breakd
 from __future__ import annotations
 
 import argparse
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -123,11 +126,19 @@ def bench(num_seqs, new, cached, inner, reps, decode_rows=True, breakdown=False)
                 outs.append(jax.nn.dot_product_attention(q, kd, vd, is_causal=True, implementation="cudnn"))
                 cache = tq.write_cache(cache, k, v, slots)
             return outs, cache
-        try:
-            times["cudnn + write"] = timed(fresh, (cache, full_qs), inner, reps, "cudnn + write" if breakdown else None)
-        except Exception as err:
-            print(f"  cudnn + write: unavailable ({type(err).__name__})")
-            times["cudnn + write"] = float("nan")
+        def prompt(cache, qs, prompt_lens=None):  # the library's call for it
+            outs = []
+            for q in qs:
+                out, cache = tq.prompt_attention(q, kd, vd, cache, tables, prompt_lens)
+                outs.append(out)
+            return outs, cache
+        padded = functools.partial(prompt, prompt_lens=lens)  # with its padding masks
+        for name, fn in (("cudnn + write", fresh), ("prompt_attention", prompt), ("prompt_attention padded", padded)):
+            try:
+                times[name] = timed(fn, (cache, full_qs), inner, reps, name if breakdown else None)
+            except Exception as err:
+                print(f"  {name}: unavailable ({type(err).__name__})")
+                times[name] = float("nan")
     return times
 
 
@@ -148,15 +159,18 @@ def main():
     print(f"\n{HEADS}/{KV_HEADS} heads, d {HEAD_DIM}, K4V4 Hadamard, bf16 queries; time (us) and TFLOP/s of causal "
           "attention; ratio = jax_tq paged_prefill's TFLOP/s over cuDNN's")
     print("| (num_seqs, new rows, cached) | paged_prefill | TFLOP/s | ratio | decode rows | cuDNN + write "
-          "| / cuDNN | XLA bf16 | cuDNN bf16 (new + cached) | cuDNN TFLOP/s |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| / cuDNN | prompt_attention | / cuDNN | padded | / cuDNN | XLA bf16 | cuDNN bf16 (new + cached) "
+          "| cuDNN TFLOP/s |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for shape in shapes:
         t = bench(*shape, inner, reps, decode_rows=not args.no_decode_rows, breakdown=args.breakdown)
         ours = causal_flops(*shape) / t["prefill"] / 1e12
         ref = causal_flops(shape[0], shape[1] + shape[2], 0) / t["cudnn"] / 1e12
-        write = t.get("cudnn + write", float("nan"))
+        write, prompt, padded = (t.get(n, float("nan")) for n in ("cudnn + write", "prompt_attention",
+                                                                  "prompt_attention padded"))
         print(f"| {shape} | {t['prefill'] * 1e6:.1f} | {ours:.1f} | {ours / ref:.2f} | "
               f"{t.get('decode rows', float('nan')) * 1e6:.1f} | {write * 1e6:.1f} | {write / t['cudnn']:.3f} | "
+              f"{prompt * 1e6:.1f} | {prompt / t['cudnn']:.3f} | {padded * 1e6:.1f} | {padded / t['cudnn']:.3f} | "
               f"{t['xla'] * 1e6:.1f} | {t['cudnn'] * 1e6:.1f} | {ref:.1f} |", flush=True)
         print_breakdown()
 
