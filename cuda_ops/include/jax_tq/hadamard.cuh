@@ -13,10 +13,11 @@
 namespace jax_tq {
 namespace cuda {
 
-// x <- H x (unnormalized Sylvester Hadamard: (H x)_i = sum_k (-1)^popcount(i & k) x_k).
-template <int D>
-__device__ __forceinline__ void warp_fwht(float (&x)[D / 32], int lane) {
-  constexpr int C = D / 32;
+// x <- H x (unnormalized Sylvester Hadamard: (H x)_i = sum_k (-1)^popcount(i & k) x_k) of one vector
+// held by a group of LANES consecutive lanes, C coordinates each: the index bits of a lane's
+// coordinates in registers, the log2(LANES) bits of its place in the group across lanes.
+template <int C, int LANES>
+__device__ __forceinline__ void group_fwht(float (&x)[C], int lane) {
 #pragma unroll
   for (int s = 1; s < C; s <<= 1) {
 #pragma unroll
@@ -28,7 +29,7 @@ __device__ __forceinline__ void warp_fwht(float (&x)[D / 32], int lane) {
     }
   }
 #pragma unroll
-  for (int m = 1; m < 32; m <<= 1) {
+  for (int m = 1; m < LANES; m <<= 1) {
     const float sign = (lane & m) != 0 ? -1.f : 1.f;  // upper lane: y - x, lower: x + y (one FFMA, exact)
 #pragma unroll
     for (int j = 0; j < C; ++j) {
@@ -36,6 +37,12 @@ __device__ __forceinline__ void warp_fwht(float (&x)[D / 32], int lane) {
       x[j] = fmaf(x[j], sign, y);
     }
   }
+}
+
+// H x of a vector of head_dim D held by a warp: lane l holds coordinates (D / 32) l .. + D / 32 - 1.
+template <int D>
+__device__ __forceinline__ void warp_fwht(float (&x)[D / 32], int lane) {
+  group_fwht<D / 32, 32>(x, lane);
 }
 
 // x <- Pi x. w: the spec words of the lane's coordinates; buf: D floats of the warp's own (shared
@@ -72,26 +79,10 @@ struct QuadLayout {
   static __device__ __forceinline__ int coord(int ch, int g, int e) { return 32 * ch + 8 * g + e; }
 };
 
-// x <- H x in the quad layout: the index bits of e and ch in registers, the two of g across the quad.
+// H x in the quad layout: the index bits of e and ch in registers, the two of g across the quad.
 template <int D>
 __device__ __forceinline__ void quad_fwht(float (&x)[D / 4], int lane) {
-  constexpr int C = D / 4;
-#pragma unroll
-  for (int s = 1; s < C; s <<= 1) {
-#pragma unroll
-    for (int j = 0; j < C; ++j) {
-      if (j & s) continue;
-      const float a = x[j], b = x[j | s];
-      x[j] = a + b;
-      x[j | s] = a - b;
-    }
-  }
-#pragma unroll
-  for (int m = 1; m < 4; m <<= 1) {
-    const float sign = (lane & m) != 0 ? -1.f : 1.f;
-#pragma unroll
-    for (int j = 0; j < C; ++j) x[j] = fmaf(x[j], sign, __shfl_xor_sync(0xffffffffu, x[j], m));
-  }
+  group_fwht<D / 4, 4>(x, lane);
 }
 
 }  // namespace cuda
