@@ -236,15 +236,14 @@ __device__ __noinline__ float scaled_row_norm(const void* x, int dtype, int64_t 
   for (int o = 1; o < kLanes; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(mask, mx, o));
   if (!(mx > 0.f && mx <= FLT_MAX)) return -1.f;
   int e;
-  frexpf(mx, &e);
-  const float down = ldexpf(1.f, -e);
+  frexpf(mx, &e);  // e in [-148, 128]: 2^-e and 2^e themselves may not be floats, so scale by ldexpf
   float s = 0.f;
   for (int k = lane_in_row; k < D; k += kLanes) {
-    const float v = load_elem(x, dtype, row * D + k) * down;
+    const float v = ldexpf(load_elem(x, dtype, row * D + k), -e);
     s = fmaf(v, v, s);
   }
   for (int o = 1; o < kLanes; o <<= 1) s += __shfl_xor_sync(mask, s, o);
-  return sqrtf(s) * ldexpf(1.f, e);
+  return ldexpf(sqrtf(s), e);
 }
 
 // The norms of rows r0, r1 (v0 / v1: the rows exist) from a quad's partial sums of squares ss0,
@@ -1787,11 +1786,11 @@ __device__ __forceinline__ void load8_as_float(const void* x, int64_t i, bool va
 }
 
 // A code table over a uniform grid of the rotated coordinate y: cell c (c < kLutCells) holds the y
-// that round to c - kLutCells / 2 on the scale kLutScale per unit, y in [-1.07, 1.07] (a unit
-// vector's coordinates) in cells 1 .. kLutCells - 2. Entry c: the number of boundaries below the
-// cell and the one boundary inside it (+inf: none). Where the boundaries lie at least a cell
-// apart (no cell holds two), code = count + (boundary < y): bucketize16's code except where y lies
-// within float rounding of a cell edge and a boundary (a tie).
+// that round to c - kLutCells / 2 on the scale kLutScale per unit, y in [-1.07, 1.06] (a unit
+// vector's coordinates) in cells 1 .. kLutCells - 2; the last cell is a NaN's. Entry c: the number
+// of boundaries below the cell and the one boundary inside it (+inf: none). Where the boundaries
+// lie at least a cell apart (no cell holds two), code = count + (boundary < y): bucketize16's code
+// except where y lies within float rounding of a cell edge and a boundary (a tie).
 constexpr int kLutCells = 256;
 constexpr float kLutScale = 119.0f;
 constexpr float kLutRound = 12582912.0f + kLutCells / 2;  // 1.5 x 2^23: the FFMA rounds to an integer in the low bits
@@ -1809,7 +1808,8 @@ __device__ __forceinline__ bool fill_code_lut(uint2* lut, const float* bnd, floa
       if (b < lo) ++below;
       else if (b < hi && inside == INFINITY) inside = b;
     }
-    lut[c] = make_uint2(below, __float_as_uint(inside));
+    const bool nan_cell = c == kLutCells - 1;  // a NaN's cell: code 0, as the search gives
+    lut[c] = make_uint2(nan_cell ? 0u : below, __float_as_uint(nan_cell ? INFINITY : inside));
   }
   bool apart = true;
   for (int i = 0; i + 1 < 15; ++i) apart &= !(bnd[i + 1] - bnd[i] < unit / kLutScale);
@@ -1817,7 +1817,8 @@ __device__ __forceinline__ bool fill_code_lut(uint2* lut, const float* bnd, floa
 }
 
 // The code of z (y in units of `unit`: scale = kLutScale / unit) from the table, added to group at
-// its place (place = 1 << its bit offset). A NaN reads a valid entry (a code, no fault).
+// its place (place = 1 << its bit offset). A NaN (the FFMA's canonical 0x7FFFFFFF) reads the last
+// cell, past any unit vector's coordinate, which holds code 0 (bucketize16's for a NaN).
 __device__ __forceinline__ void add_lut_code(uint32_t& group, float z, uint32_t place, const uint2* lut, float scale) {
   const uint2 e = lut[__float_as_uint(fmaf(z, scale, kLutRound)) & (kLutCells - 1)];
   group += e.x * place;

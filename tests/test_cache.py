@@ -714,9 +714,10 @@ def test_write_cache_prefill_size_one_launch(rng, rotation):
 
 def hadamard_write_check(request, rng, head_dim, bits, dtype, special=True):
     """write_cache of plain Hadamard codecs (the quad-per-vector CUDA kernel) into poisoned pools:
-    603 vectors per pool (groups of 8 per warp, the last one partly empty), zero, one-spike and (for
-    bfloat16 / float32) huge and tiny vectors, a padding and an out-of-pool slot. Every written token
-    has the float64 oracle's codes (ties aside) and norm; every other slot keeps its poison."""
+    603 vectors per pool (groups of 8 per warp, the last one partly empty), zero, one-spike, NaN and
+    (for bfloat16 / float32) huge, tiny and 2^127-spike vectors, a padding and an out-of-pool slot.
+    Every written token has the float64 oracle's codes (ties aside) and norm (NaN for the NaN rows);
+    every other slot keeps its poison."""
     hkv, page_size, num_pages, t = 3, 16, 16, 201
     k_codec = tq.TurboQuant(head_dim, bits[0], int(rng.integers(1000)), "hadamard")
     v_codec = tq.TurboQuant(head_dim, bits[1], int(rng.integers(1000)), "hadamard")
@@ -733,6 +734,9 @@ def hadamard_write_check(request, rng, head_dim, bits, dtype, special=True):
         if dtype != jnp.float16:
             x[:, 2] *= 1e25   # sum of squares past float32: the scaled norm
             x[:, 3] *= 1e-25  # below its safe range
+            x[:, 4] = 0.0
+            x[:, 4, :, 5] = 2.0 ** 127  # the scaled norm at the top exponent: 2^127, not inf
+        x[:, 7, :, 9] = np.nan  # norm NaN, codes 0 (every comparison with a NaN is false)
     x = np.asarray(jnp.asarray(x, dtype).astype(jnp.float32), np.float64)
     total = num_pages * page_size
     slots = rng.permutation(total)[:t].astype(np.int32)
@@ -746,8 +750,11 @@ def hadamard_write_check(request, rng, head_dim, bits, dtype, special=True):
         rows = x[which][ok].reshape(-1, head_dim)
         want_codes, want_norms = compress_f64(rows, codec)
         got = np.asarray(codes_pool)[page_of, :, off].reshape(-1, codec.packed_bytes)
-        codes_agree(got, want_codes, codec.bits, head_dim, rows, codec)
-        np.testing.assert_allclose(np.asarray(norms_pool)[page_of, :, off].reshape(-1), want_norms, rtol=2e-6)
+        got_norms = np.asarray(norms_pool)[page_of, :, off].reshape(-1)
+        finite = np.all(np.isfinite(rows), axis=-1)
+        codes_agree(got[finite], want_codes[finite], codec.bits, head_dim, rows[finite], codec)
+        np.testing.assert_allclose(got_norms[finite], want_norms[finite], rtol=2e-6)
+        assert np.all(np.isnan(got_norms[~finite])) and np.all(got[~finite] == 0)
         written = np.zeros((num_pages, page_size), bool)
         written[page_of, off] = True
         assert np.all(np.asarray(codes_pool).transpose(0, 2, 1, 3)[~written] == 0xAB)
