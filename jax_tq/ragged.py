@@ -216,9 +216,9 @@ def prompt_attention(q, k, v, cache: PagedKVCache, block_tables, prompt_lens=Non
       prompt_lens are 0), and the cache after the write. A token whose position the block table
       does not cover (at or past max_pages * page_size) is not written (its row still attends over
       the prompt exactly); a block-table entry outside the pool is not written either.
-      ``jax_tq.checked`` reports prompt_lens outside [0, min(seq_len, max_pages * page_size)], a
-      used block-table entry outside the pool and a window id outside [0, num_windows) of a
-      prompt with tokens.
+      ``jax_tq.checked`` reports prompt_lens (None: seq_len) outside [0, min(seq_len, max_pages *
+      page_size)], a used block-table entry outside the pool and a window id outside
+      [0, num_windows) of a prompt with tokens.
 
     Raises:
       TypeError: q not float32 / bfloat16 / float16, k or v not of q's dtype; block_tables,
@@ -261,7 +261,8 @@ def prompt_attention(q, k, v, cache: PagedKVCache, block_tables, prompt_lens=Non
     window_ids = _window_ids(cache, window_ids, batch, op)
     sliding_window, soft_cap, sinks = check_variants(sliding_window, soft_cap, sinks, q.shape[2], op)
     check_decode_indices(block_tables, jnp.minimum(prompt_lens, seq_len), num_pages=cache.num_pages,
-                         page_size=cache.page_size, op=op, lens_name="prompt_lens")
+                         page_size=cache.page_size, op=op,
+                         lens_name="prompt_lens" if padded else "the length (prompt_lens None: seq_len) of prompt")
     if padded:
         check_at_most(prompt_lens, seq_len, op=op, name="prompt_lens", bound_name="seq_len")
     if window_ids is not None:

@@ -519,13 +519,16 @@ def test_prompt_attention_is_not_the_compressed_prefill(rng):
 
 def test_prompt_past_its_block_table_and_checked_mode(rng):
     """A prompt longer than its table writes only the positions the table covers (attending over
-    all of them); checked mode names prompt_lens."""
+    all of them); checked mode names prompt_lens (or seq_len where prompt_lens is None)."""
     cache = make_cache(rng, "haar")
     check_prompts(rng, cache, (12, 5), 12, max_pages=1)   # 8 positions covered
     q, k, v, tables, lens = prompt_case(rng, cache, (12, 5), 12, max_pages=1)
     step = jax.jit(tq.checked(tq.prompt_attention))
     err, _ = step(q, k, v, cache, tables, lens)
     with pytest.raises(Exception, match=r"prompt_attention: prompt_lens\[0\] = 12 is outside \[0, 8\]"):
+        err.throw()
+    err, _ = step(q, k, v, cache, tables)  # no prompt_lens: every prompt is seq_len = 12 long
+    with pytest.raises(Exception, match=r"the length \(prompt_lens None: seq_len\) of prompt\[0\] = 12 is outside"):
         err.throw()
     q, k, v, tables, lens = prompt_case(rng, cache, (12, 12), 12)  # both rows' pages valid up to 16 positions
     err, _ = step(q, k, v, cache, tables, np.asarray([12, 13], np.int32))
