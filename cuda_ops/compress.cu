@@ -45,6 +45,13 @@ constexpr int kThreads = 256;
 
 enum class FType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
 
+// f(std::integral_constant<int, XT>{}) for the FType XT equal to dtype (any other value: float32).
+template <class F>
+auto with_input_type(int dtype, F&& f) {
+  using Types = IntList<static_cast<int>(FType::kF32), static_cast<int>(FType::kBF16), static_cast<int>(FType::kF16)>;
+  return with_value(Types{}, dtype, f, [&] { return f(std::integral_constant<int, static_cast<int>(FType::kF32)>{}); });
+}
+
 template <int D>
 struct GemmGeom {
   static constexpr int ON = D / 16;                 // outputs per thread
@@ -1800,7 +1807,8 @@ constexpr float kLutRound = 12582912.0f + kLutCells / 2;  // 1.5 x 2^23: the FFM
 // not exact and bucketize_fit must serve).
 __device__ __forceinline__ bool fill_code_lut(uint2* lut, const float* bnd, float unit, int tid, int nthreads) {
   for (int c = tid; c < kLutCells; c += nthreads) {
-    const float lo = unit * ((c - kLutCells / 2 - 0.5f) / kLutScale), hi = unit * ((c - kLutCells / 2 + 0.5f) / kLutScale);
+    const float lo = unit * ((c - kLutCells / 2 - 0.5f) / kLutScale);
+    const float hi = unit * ((c - kLutCells / 2 + 0.5f) / kLutScale);
     uint32_t below = 0;
     float inside = INFINITY;
     for (int i = 0; i < 15; ++i) {
@@ -1920,7 +1928,8 @@ __global__ void __launch_bounds__(kQuadWarps * 32) tq_hadamard_quad_kernel(const
       for (int ch = 0; ch < CH; ++ch) groups[ch] = chunk_group<true>(x, ch, bits, lut_s, lut_scale, bnd_s, b3, b7, b11);
     } else {
 #pragma unroll
-      for (int ch = 0; ch < CH; ++ch) groups[ch] = chunk_group<false>(x, ch, bits, lut_s, lut_scale, bnd_s, b3, b7, b11);
+      for (int ch = 0; ch < CH; ++ch)
+        groups[ch] = chunk_group<false>(x, ch, bits, lut_s, lut_scale, bnd_s, b3, b7, b11);
     }
     if (row >= 0) {
 #pragma unroll
@@ -2050,14 +2059,9 @@ ffi::Error launch_hadamard_quad_t(const char* op, cudaStream_t stream, const Gem
 
 template <int D>
 ffi::Error launch_hadamard_quad_d(const char* op, cudaStream_t stream, const GemmParams& p, const GemmParams* p1) {
-  switch (p.dtype) {
-    case static_cast<int>(FType::kBF16):
-      return launch_hadamard_quad_t<D, static_cast<int>(FType::kBF16)>(op, stream, p, p1);
-    case static_cast<int>(FType::kF16):
-      return launch_hadamard_quad_t<D, static_cast<int>(FType::kF16)>(op, stream, p, p1);
-    default:
-      return launch_hadamard_quad_t<D, static_cast<int>(FType::kF32)>(op, stream, p, p1);
-  }
+  return with_input_type(p.dtype, [&](auto xt) {
+    return launch_hadamard_quad_t<D, decltype(xt)::value>(op, stream, p, p1);
+  });
 }
 
 // The fitted-scale compress: Hadamard codecs of head_dim 64 / 128 with their spec words (p.rot_spec,
@@ -2069,16 +2073,10 @@ ffi::Error launch_fit(const char* op, cudaStream_t stream, int d, const GemmPara
   if (p.N > (int64_t(1) << 40)) return invalid(op, "too many vectors");
   if (hadamard_kernel_serves(d, p, p1))
     return d == 64 ? launch_hadamard_fit_d<64>(op, stream, p, p1) : launch_hadamard_fit_d<128>(op, stream, p, p1);
-  if (d <= 128) {
-    switch (p.dtype) {
-      case static_cast<int>(FType::kBF16):
-        return launch_fit_mma_x<static_cast<int>(FType::kBF16)>(op, stream, d, p, p1);
-      case static_cast<int>(FType::kF16):
-        return launch_fit_mma_x<static_cast<int>(FType::kF16)>(op, stream, d, p, p1);
-      default:
-        return launch_fit_mma_x<static_cast<int>(FType::kF32)>(op, stream, d, p, p1);
-    }
-  }
+  if (d <= 128)
+    return with_input_type(p.dtype, [&](auto xt) {
+      return launch_fit_mma_x<decltype(xt)::value>(op, stream, d, p, p1);
+    });
   // Large batches: 64 vectors per CTA (more reuse of each Pi tile); small ones: 16 per CTA.
   const bool big = (p.N + 63) / 64 >= 2 * static_cast<int64_t>(sm_count());
   return with_value(SupportedHeadDims{}, d, [&](auto dim) {
@@ -2157,14 +2155,9 @@ ffi::Error launch_compress(const char* op, cudaStream_t stream, int d, const Gem
                            const GemmParams* p1 = nullptr) {
   if (p.N == 0) return ffi::Error::Success();
   if (p.N > (int64_t(1) << 40)) return invalid(op, "too many vectors");
-  switch (p.dtype) {
-    case static_cast<int>(FType::kBF16):
-      return launch_mma_x<false, static_cast<int>(FType::kBF16), WIN>(op, stream, d, p, p1);
-    case static_cast<int>(FType::kF16):
-      return launch_mma_x<false, static_cast<int>(FType::kF16), WIN>(op, stream, d, p, p1);
-    default:
-      return launch_mma_x<false, static_cast<int>(FType::kF32), WIN>(op, stream, d, p, p1);
-  }
+  return with_input_type(p.dtype, [&](auto xt) {
+    return launch_mma_x<false, decltype(xt)::value, WIN>(op, stream, d, p, p1);
+  });
 }
 
 bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
