@@ -8,10 +8,10 @@
 //   tensor-core float16 (v3::decode_tc_f16_kernel): 8 warps per CTA, tiles in registers or (where
 //     it fits) in a per-warp cp.async ring, several work items per CTA at head_dim 128 K4V4; also
 //     head_dim 80 / 96 (padded rows), 192 / 256 (warp pairs) on its ring.
-// The attention variants: a sliding window
-// or soft cap runs the float16 kernel's MASKS instantiations (ring, head_dim 64 / 128, K and V of one
-// width) or the CUDA-core kernel, as the planner says; sinks make the split kernels write partials
-// (a folded window then has a CTA of its own even at one split) and the combine adds them.
+// The attention variants: a sliding window or soft cap runs the float16 kernel's MASKS
+// instantiations (ring, head_dim 64 / 128, K and V of one width) or the CUDA-core kernel, as the
+// planner says; sinks make the split kernels write partials (a folded window then has a CTA of its
+// own even at one split) and the combine adds them.
 // The CUDA-core kernel's structure:
 // Two launches on the stream, or one (one split, no window or a folded one), or three (a window the
 // split kernel does not fold: the window-partial kernel first). A recent-token window (W > 0) is

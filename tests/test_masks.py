@@ -2,10 +2,10 @@
 paged_prefill and ragged_paged_attention against a float64 oracle in numpy: every token of the cache
 decoded with the reference decompression (or read from the uncompressed pages, or from the recent-token
 window), then an explicit masked / capped / sinked softmax. Backends "ffi" (the CPU handlers; on a
-GPU the CUDA kernels) and "xla" (the reference) on fresh random
-inputs; GQA everywhere; a compressed cache, one with a window, an uncompressed one. Also: gradients in
-sinks, vmap, the GPU policy (a CUDA module serves the variants of the targets it lists in
-variant_targets; elsewhere backend "auto" lowers to the reference there, "ffi" refuses), argument errors."""
+GPU the CUDA kernels) and "xla" (the reference) on fresh random inputs; GQA everywhere; a compressed
+cache, one with a window, an uncompressed one. Also: gradients in sinks, vmap, the GPU policy (a CUDA
+module serves the variants of the targets it lists in variant_targets; elsewhere backend "auto"
+lowers to the reference there, "ffi" refuses), argument errors."""
 from __future__ import annotations
 
 import dataclasses
