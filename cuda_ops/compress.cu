@@ -1566,25 +1566,31 @@ ffi::Error launch_gemm(const char* op, cudaStream_t stream, int d, const GemmPar
 // applied as H D2 P H D1 (hadamard.cuh) instead of the dense product, the window row bf16(||x|| y),
 // then the fit as tq_fit_mma_kernel's: all kFitCandidates candidates at once (codes_k by
 // bucketize_fit, <y, c> and |c|^2 over the lane's coordinates, a reduce-scatter over the warp
-// leaving one candidate's sums per lane), the first k of the largest dot^2 / sq (warp_best_fit),
+// leaving one candidate's sums per lane), the first k of the largest dot^2 / sq (group_best_fit),
 // its codes packed per 8-code group (format.h: LSB first, the group's lanes OR their shifted codes
 // together) and the norm slot ||x|| * dot / sq. grid.z selects
 // p0 / p1 (K and V). Persistent over rows.
 // =============================================================================================
 constexpr int kHadWarps = 4;
 
-// Reduce-scatter of N (dot, sq) pairs over the warp: at mask M the lanes with bit M set keep pairs
-// H .. N - 1 (H = ceil(N / 2); a missing pair is (0, 0)), the others 0 .. H - 1, each adding its
-// partner's copy of the pairs it keeps. Ends with one whole-warp pair per lane (dot, sq) and its
-// index k (lanes holding a missing pair get (0, 0)): 40 shuffles for 17 pairs instead of a
-// butterfly's 170.
+// Pairs per lane after reduce_scatter_pairs<N, M>: N halved (rounded up) at each mask M .. 1.
+constexpr int scattered_pairs(int n, int m) { return m == 0 ? n : scattered_pairs((n + 1) / 2, m / 2); }
+
+// Reduce-scatter of N (dot, sq) pairs over groups of 2M lanes: at mask M the lanes with bit M set
+// keep pairs H .. N - 1 (H = ceil(N / 2); a missing pair is (0, 0)), the others 0 .. H - 1, each
+// adding its partner's copy of the pairs it keeps. Ends with scattered_pairs(N, M) whole-group
+// pairs per lane (dot, sq), pairs k .. (lanes holding a missing pair get (0, 0)): over a warp
+// (M = 16), 40 shuffles for 17 pairs instead of a butterfly's 170.
 template <int N, int M>
-__device__ __forceinline__ void reduce_scatter_pairs(const float (&d)[N], const float (&s)[N], int lane, float& dot,
-                                                     float& sq, int& k) {
+__device__ __forceinline__ void reduce_scatter_pairs(const float (&d)[N], const float (&s)[N], int lane,
+                                                     float (&dot)[scattered_pairs(N, M)],
+                                                     float (&sq)[scattered_pairs(N, M)], int& k) {
   if constexpr (M == 0) {
-    static_assert(N == 1, "reduce_scatter_pairs: at most 32 pairs");
-    dot = d[0];
-    sq = s[0];
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      dot[i] = d[i];
+      sq[i] = s[i];
+    }
   } else {
     constexpr int H = (N + 1) / 2;
     const bool upper = (lane & M) != 0;
@@ -1601,15 +1607,27 @@ __device__ __forceinline__ void reduce_scatter_pairs(const float (&d)[N], const 
   }
 }
 
-// The first k of the largest dot_k^2 / sq_k over the warp's pairs (a NaN gain, e.g. a missing pair's
-// 0 / 0, never wins): every lane gets k and dot_k / sq_k. (gain, k) is a total order, so the xor
-// butterfly ends with the same winner in every lane.
-__device__ __forceinline__ void warp_best_fit(float dot, float sq, int& k, float& ratio) {
-  float gain = dot * dot / sq;
+// The first k of the largest dot_k^2 / sq_k over a group of LANES lanes holding NF pairs each,
+// k .. k + NF - 1 (a NaN gain, e.g. a missing pair's 0 / 0, never wins): every lane of the group
+// gets k and dot_k / sq_k. (gain, k) is a total order, so the xor butterfly ends with the same
+// winner in every lane.
+template <int LANES, int NF>
+__device__ __forceinline__ void group_best_fit(const float (&dot)[NF], const float (&sq)[NF], int& k, float& ratio) {
+  float gain = dot[0] * dot[0] / sq[0];
   if (!(gain >= 0.f)) gain = -1.f;
-  ratio = dot / sq;
+  ratio = dot[0] / sq[0];
+  const int k0 = k;
 #pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
+  for (int i = 1; i < NF; ++i) {
+    const float gi = dot[i] * dot[i] / sq[i];
+    if (gi > gain) {  // strictly: the first k keeps a tie; a NaN never passes
+      gain = gi;
+      k = k0 + i;
+      ratio = dot[i] / sq[i];
+    }
+  }
+#pragma unroll
+  for (int o = 1; o < LANES; o <<= 1) {
     const float og = __shfl_xor_sync(0xffffffffu, gain, o);
     const int ok = __shfl_xor_sync(0xffffffffu, k, o);
     const float orat = __shfl_xor_sync(0xffffffffu, ratio, o);
@@ -1730,9 +1748,9 @@ __global__ void __launch_bounds__(kHadWarps * 32, 8) tq_hadamard_fit_kernel(cons
       }
     }
     int best_k = 0;
-    float pair_dot, pair_sq, ratio;
+    float pair_dot[1], pair_sq[1], ratio;
     reduce_scatter_pairs<kFitCandidates, 16>(dot, sq, lane, pair_dot, pair_sq, best_k);
-    warp_best_fit(pair_dot, pair_sq, best_k, ratio);
+    group_best_fit<32>(pair_dot, pair_sq, best_k, ratio);
     const float* tb = fit_tab + 16 * best_k;
     const float b3 = tb[3], b7 = tb[7], b11 = tb[11];
     uint32_t group = 0;  // this lane's codes at their places in its 8-code group word
@@ -1847,6 +1865,110 @@ __device__ __forceinline__ uint32_t chunk_group(const float (&x)[C], int ch, int
   return group;
 }
 
+// perm_s[i] = (D2 = -1 at bit 31) | perm[i], filled by the CTA; returns the lane's D1 signs: bit
+// 8 ch + e for its coordinate (ch, e) (quad lane g).
+template <int D>
+__device__ __forceinline__ uint32_t load_quad_rotation(const GemmParams& p, uint32_t* perm_s, int tid, int g) {
+  using Q = QuadLayout<D>;
+  for (int i = tid; i < D; i += kQuadWarps * 32) {
+    const uint32_t w = static_cast<uint32_t>(__ldg(p.rot_spec + i));
+    perm_s[i] = (rot_neg2(w) ? 0x80000000u : 0u) | static_cast<uint32_t>(rot_perm(w) & (D - 1));
+  }
+  uint32_t neg1 = 0;
+#pragma unroll
+  for (int ch = 0; ch < Q::kChunks; ++ch)
+#pragma unroll
+    for (int e = 0; e < 8; ++e)
+      if (rot_neg1(static_cast<uint32_t>(__ldg(p.rot_spec + Q::coord(ch, g, e))))) neg1 |= 1u << (8 * ch + e);
+  return neg1;
+}
+
+// Row n's z = d Pi x / ||x|| in the quad layout (lane g of its quad), returning ||x||: the norm
+// (the scaled re-read where the sum of squares leaves its safe range); u = D1 x / ||x||; H u, the
+// permutation P with D2 through the row's shared copy row_s (D + 4 floats), H again. The two
+// 1 / sqrt(d) of Pi are left out: z is d times the unit rotated vector (an exact scaling). !valid:
+// zeros in, zeros out.
+template <int D, int XT>
+__device__ __forceinline__ float quad_unit_rotated(const GemmParams& p, int64_t n, bool valid, int g, int lane,
+                                                   uint32_t neg1, const uint32_t* perm_s, float* row_s,
+                                                   float (&x)[D / 4]) {
+  using Q = QuadLayout<D>;
+  constexpr int C = Q::kCoords, CH = Q::kChunks;
+#pragma unroll
+  for (int ch = 0; ch < CH; ++ch) {
+    float c8[8];
+    load8_as_float<XT>(p.x, n * D + Q::coord(ch, g, 0), valid, p.vec_io, c8);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) x[8 * ch + e] = c8[e];
+  }
+  float ss = 0.f;
+#pragma unroll
+  for (int j = 0; j < C; ++j) ss = fmaf(x[j], x[j], ss);
+  ss += __shfl_xor_sync(0xffffffffu, ss, 1);  // the same sum in the quad's 4 lanes
+  ss += __shfl_xor_sync(0xffffffffu, ss, 2);
+  float nrm = sqrtf(ss);
+  if (valid && needs_scaled_norm(ss)) {  // the quad takes it together
+    const float scaled = scaled_row_norm<D, 4>(p.x, p.dtype, n, g);
+    if (scaled >= 0.f) nrm = scaled;
+  }
+  const float inv = nrm > 0.f ? 1.0f / nrm : 0.f;
+#pragma unroll
+  for (int j = 0; j < C; ++j) x[j] = flip_sign(x[j], (neg1 << (31 - j)) & 0x80000000u) * inv;
+  quad_fwht<D>(x, lane);
+  __syncwarp();  // the previous rows' reads of row_s are done
+#pragma unroll
+  for (int ch = 0; ch < CH; ++ch) {
+    float4* dst = reinterpret_cast<float4*>(row_s + Q::coord(ch, g, 0));
+    dst[0] = make_float4(x[8 * ch], x[8 * ch + 1], x[8 * ch + 2], x[8 * ch + 3]);
+    dst[1] = make_float4(x[8 * ch + 4], x[8 * ch + 5], x[8 * ch + 6], x[8 * ch + 7]);
+  }
+  __syncwarp();
+#pragma unroll
+  for (int ch = 0; ch < CH; ++ch) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint4 t = *reinterpret_cast<const uint4*>(perm_s + Q::coord(ch, g, 4 * h));
+      const uint32_t tw[4] = {t.x, t.y, t.z, t.w};
+#pragma unroll
+      for (int k = 0; k < 4; ++k) x[8 * ch + 4 * h + k] = flip_sign(row_s[tw[k] & (D - 1)], tw[k] & 0x80000000u);
+    }
+  }
+  quad_fwht<D>(x, lane);
+  return nrm;
+}
+
+// The quad's stores of row n: its code groups (lane g's chunks) at dest row `row` (>= 0), the norm
+// slot, and write_cache's window row bf16(||x|| z / d).
+template <int D>
+__device__ __forceinline__ void store_quad_row(const GemmParams& p, int64_t n, bool valid, int64_t row, int g,
+                                               const uint32_t (&groups)[D / 32], float slot, float nrm,
+                                               const float (&x)[D / 4]) {
+  using Q = QuadLayout<D>;
+  constexpr int CH = Q::kChunks;
+  const int bits = p.bits, pb = D * bits / 8;
+  if (row >= 0) {
+#pragma unroll
+    for (int ch = 0; ch < CH; ++ch) store_group(p.codes + row * pb + (4 * ch + g) * bits, groups[ch], bits);
+  }
+  if (row >= 0 && g == 0) p.norms[row] = slot;
+  if (p.win != nullptr && valid) {
+    const int64_t wr = window_row(p, n);
+    if (wr >= 0) {
+      const float s = nrm * (1.0f / D);
+      uint32_t* dst = reinterpret_cast<uint32_t*>(p.win + wr * D);
+#pragma unroll
+      for (int ch = 0; ch < CH; ++ch)
+#pragma unroll
+        for (int e = 0; e < 8; e += 2) {
+          const __nv_bfloat162 pair = __floats2bfloat162_rn(s * x[8 * ch + e], s * x[8 * ch + e + 1]);
+          uint32_t word;
+          memcpy(&word, &pair, 4);
+          dst[Q::coord(ch, g, e) / 2] = word;
+        }
+    }
+  }
+}
+
 template <int D, int XT>
 __global__ void __launch_bounds__(kQuadWarps * 32) tq_hadamard_quad_kernel(const GemmParams p0, const GemmParams p1) {
   const GemmParams p = blockIdx.z == 0 ? p0 : p1;
@@ -1860,67 +1982,18 @@ __global__ void __launch_bounds__(kQuadWarps * 32) tq_hadamard_quad_kernel(const
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane & 3;
   const int bits = p.bits;
   if (tid < 16) bnd_s[tid] = tid < (1 << bits) - 1 ? static_cast<float>(D) * centroid_boundary(p.cent, tid) : INFINITY;
-  for (int i = tid; i < D; i += kQuadWarps * 32) {
-    const uint32_t w = static_cast<uint32_t>(__ldg(p.rot_spec + i));
-    perm_s[i] = (rot_neg2(w) ? 0x80000000u : 0u) | static_cast<uint32_t>(rot_perm(w) & (D - 1));
-  }
-  uint32_t neg1 = 0;  // bit 8 ch + e: D1 = -1 at the lane's coordinate (ch, e)
-#pragma unroll
-  for (int ch = 0; ch < CH; ++ch)
-#pragma unroll
-    for (int e = 0; e < 8; ++e)
-      if (rot_neg1(static_cast<uint32_t>(__ldg(p.rot_spec + Q::coord(ch, g, e))))) neg1 |= 1u << (8 * ch + e);
+  const uint32_t neg1 = load_quad_rotation<D>(p, perm_s, tid, g);
   __syncthreads();
   const bool lut = fill_code_lut(lut_s, bnd_s, static_cast<float>(D), tid, kQuadWarps * 32);
   __syncthreads();
   const float b3 = bnd_s[3], b7 = bnd_s[7], b11 = bnd_s[11], lut_scale = kLutScale / D;
-  const int pb = D * bits / 8;
   float* row_s = rows_s[warp * 8 + (lane >> 2)];
   const int64_t step = static_cast<int64_t>(gridDim.x) * kQuadWarps * 8;
   for (int64_t n0 = (static_cast<int64_t>(blockIdx.x) * kQuadWarps + warp) * 8; n0 < p.N; n0 += step) {
     const int64_t n = n0 + (lane >> 2);
     const bool valid = n < p.N;
     float x[C];
-#pragma unroll
-    for (int ch = 0; ch < CH; ++ch) {
-      float c8[8];
-      load8_as_float<XT>(p.x, n * D + Q::coord(ch, g, 0), valid, p.vec_io, c8);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) x[8 * ch + e] = c8[e];
-    }
-    float ss = 0.f;
-#pragma unroll
-    for (int j = 0; j < C; ++j) ss = fmaf(x[j], x[j], ss);
-    ss += __shfl_xor_sync(0xffffffffu, ss, 1);  // the same sum in the quad's 4 lanes
-    ss += __shfl_xor_sync(0xffffffffu, ss, 2);
-    float nrm = sqrtf(ss);
-    if (valid && needs_scaled_norm(ss)) {  // the quad takes it together
-      const float scaled = scaled_row_norm<D, 4>(p.x, p.dtype, n, g);
-      if (scaled >= 0.f) nrm = scaled;
-    }
-    const float inv = nrm > 0.f ? 1.0f / nrm : 0.f;
-#pragma unroll
-    for (int j = 0; j < C; ++j) x[j] = flip_sign(x[j], (neg1 << (31 - j)) & 0x80000000u) * inv;
-    quad_fwht<D>(x, lane);
-    __syncwarp();  // the previous rows' reads of row_s are done
-#pragma unroll
-    for (int ch = 0; ch < CH; ++ch) {
-      float4* dst = reinterpret_cast<float4*>(row_s + Q::coord(ch, g, 0));
-      dst[0] = make_float4(x[8 * ch], x[8 * ch + 1], x[8 * ch + 2], x[8 * ch + 3]);
-      dst[1] = make_float4(x[8 * ch + 4], x[8 * ch + 5], x[8 * ch + 6], x[8 * ch + 7]);
-    }
-    __syncwarp();
-#pragma unroll
-    for (int ch = 0; ch < CH; ++ch) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const uint4 t = *reinterpret_cast<const uint4*>(perm_s + Q::coord(ch, g, 4 * h));
-        const uint32_t tw[4] = {t.x, t.y, t.z, t.w};
-#pragma unroll
-        for (int k = 0; k < 4; ++k) x[8 * ch + 4 * h + k] = flip_sign(row_s[tw[k] & (D - 1)], tw[k] & 0x80000000u);
-      }
-    }
-    quad_fwht<D>(x, lane);
+    const float nrm = quad_unit_rotated<D, XT>(p, n, valid, g, lane, neg1, perm_s, row_s, x);
     const int64_t row = valid ? dest_row32(p, n) : -1;
     uint32_t groups[CH];
     if (lut) {
@@ -1931,27 +2004,7 @@ __global__ void __launch_bounds__(kQuadWarps * 32) tq_hadamard_quad_kernel(const
       for (int ch = 0; ch < CH; ++ch)
         groups[ch] = chunk_group<false>(x, ch, bits, lut_s, lut_scale, bnd_s, b3, b7, b11);
     }
-    if (row >= 0) {
-#pragma unroll
-      for (int ch = 0; ch < CH; ++ch) store_group(p.codes + row * pb + (4 * ch + g) * bits, groups[ch], bits);
-    }
-    if (row >= 0 && g == 0) p.norms[row] = nrm;  // 0 for a zero vector
-    if (p.win != nullptr && valid) {  // write_cache's window row: bf16(||x|| z / d)
-      const int64_t wr = window_row(p, n);
-      if (wr >= 0) {
-        const float s = nrm * (1.0f / D);
-        uint32_t* dst = reinterpret_cast<uint32_t*>(p.win + wr * D);
-#pragma unroll
-        for (int ch = 0; ch < CH; ++ch)
-#pragma unroll
-          for (int e = 0; e < 8; e += 2) {
-            const __nv_bfloat162 pair = __floats2bfloat162_rn(s * x[8 * ch + e], s * x[8 * ch + e + 1]);
-            uint32_t word;
-            memcpy(&word, &pair, 4);
-            dst[Q::coord(ch, g, e) / 2] = word;
-          }
-      }
-    }
+    store_quad_row<D>(p, n, valid, row, g, groups, nrm, nrm, x);  // norm slot ||x|| (0 for a zero vector)
   }
 }
 
@@ -2057,10 +2110,10 @@ ffi::Error launch_hadamard_quad_t(const char* op, cudaStream_t stream, const Gem
   return ffi::Error::Success();
 }
 
-template <int D>
-ffi::Error launch_hadamard_quad_d(const char* op, cudaStream_t stream, const GemmParams& p, const GemmParams* p1) {
+ffi::Error launch_hadamard_quad(const char* op, cudaStream_t stream, int d, const GemmParams& p, const GemmParams* p1) {
   return with_input_type(p.dtype, [&](auto xt) {
-    return launch_hadamard_quad_t<D, decltype(xt)::value>(op, stream, p, p1);
+    constexpr int XT = decltype(xt)::value;
+    return d == 64 ? launch_hadamard_quad_t<64, XT>(op, stream, p, p1) : launch_hadamard_quad_t<128, XT>(op, stream, p, p1);
   });
 }
 
@@ -2328,8 +2381,7 @@ ffi::Error launch_write(const char* op, cudaStream_t stream, int d, bool fit, co
                         const GemmParams* p1 = nullptr) {
   if (fit) return launch_fit(op, stream, d, p, p1);
   if (p.N == 0) return ffi::Error::Success();
-  if (hadamard_kernel_serves(d, p, p1))
-    return d == 64 ? launch_hadamard_quad_d<64>(op, stream, p, p1) : launch_hadamard_quad_d<128>(op, stream, p, p1);
+  if (hadamard_kernel_serves(d, p, p1)) return launch_hadamard_quad(op, stream, d, p, p1);
   return p.win != nullptr ? launch_compress<true>(op, stream, d, p, p1) : launch_compress(op, stream, d, p, p1);
 }
 
