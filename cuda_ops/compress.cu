@@ -301,11 +301,13 @@ __device__ __forceinline__ uint32_t bucketize_fit(float y, const float* tb, floa
 }
 
 // fit_tab[16 k + i] = fl32(s_k * b_i) for the kFitCandidates pre-scalings, INFINITY past the last
-// boundary (format.h fit_boundary), filled by the CTA's nthreads threads.
-__device__ __forceinline__ void fill_fit_table(float* fit_tab, const float* cent, int ncent, int tid, int nthreads) {
+// boundary (format.h fit_boundary), times `unit` (a power of two: exact), filled by the CTA's
+// nthreads threads.
+__device__ __forceinline__ void fill_fit_table(float* fit_tab, const float* cent, int ncent, int tid, int nthreads,
+                                               float unit = 1.0f) {
   for (int e = tid; e < kFitCandidates * 16; e += nthreads) {
     const int k = e >> 4, i = e & 15;
-    fit_tab[e] = i < ncent - 1 ? fit_boundary(cent, k, i) : INFINITY;
+    fit_tab[e] = i < ncent - 1 ? unit * fit_boundary(cent, k, i) : INFINITY;
   }
 }
 
@@ -2008,6 +2010,194 @@ __global__ void __launch_bounds__(kQuadWarps * 32) tq_hadamard_quad_kernel(const
   }
 }
 
+#if JTQ_CUDA_UNVERIFIED  // not yet run on a GPU
+// =============================================================================================
+// The fitted scale's write of Hadamard codecs (head_dim 64 / 128) in the quad layout: z as the
+// plain write's (quad_unit_rotated), then the fit (format.h "Fitted scale") against the
+// boundaries d fl32(s_k b_i), walked across the candidates: as s_k grows, the code of z >= 0 can
+// only fall and that of z < 0 only rise, by at most one per step wherever
+// T_{k,i} <= T_{k-1,i+1} and T_{k-1,i} <= T_{k,i+1} (every codebook served: a CPU test; the CTA
+// checks it and otherwise searches every candidate, bucketize_fit). A coordinate's code under
+// candidate 0 comes from the code table (fill_code_lut), each next one from one 8-byte entry of
+// walk_s (the threshold that moves the code one step, and the centroid it moves to) and one
+// comparison, against bucketize_fit's ~16 instructions per candidate. The rotated rows wait in
+// the warp's rows_s, one float per lane and coordinate (conflict-free), so that the coordinate
+// loop need not be unrolled; the quad's 17 (<z, c>, |c|^2) reduce-scatter over its 4 lanes and
+// the first best gain wins (group_best_fit); its codes by bucketize_fit, the norm slot
+// ||x|| <z, c> / (d |c|^2).
+// =============================================================================================
+
+// walk_s[32 k + 2 q + up]: at candidate k, a code q moves to q - 1 (z >= 0, up = 0) where
+// nextup(T_{k,q-1}) > |z| (T_{k,q-1} >= z), to q + 1 (z < 0, up = 1) where -T_{k,q} > |z|
+// (T_{k,q} < z); .y the centroid it moves to. No such boundary: -inf (never moves). fit_tab: the
+// d T_{k,i} of fill_fit_table. Returns, for the whole CTA, whether every step moves a code by one
+// at most (else the walk is not exact).
+__device__ __forceinline__ bool fill_fit_walk(float2* walk_s, const float* fit_tab, const float* cent, int ncent,
+                                              int tid, int nthreads) {
+  const int nb = ncent - 1;
+  for (int e = tid; e < kFitCandidates * 32; e += nthreads) {
+    const int k = e >> 5, q = (e >> 1) & 15;
+    const bool up = (e & 1) != 0;
+    float2 v = make_float2(-INFINITY, 0.f);
+    if (!up && q >= 1 && q <= nb) v = make_float2(nextafterf(fit_tab[16 * k + q - 1], INFINITY), cent[q - 1]);
+    if (up && q < nb) v = make_float2(-fit_tab[16 * k + q], cent[q + 1]);
+    walk_s[e] = v;
+  }
+  bool one_step = true;
+  for (int e = tid; e < kFitCandidates * 16; e += nthreads) {
+    const int k = e >> 4, i = e & 15;
+    if (k == 0 || i + 1 >= nb) continue;
+    const float* now = fit_tab + 16 * k;
+    const float* before = now - 16;
+    one_step &= now[i] <= before[i + 1] && before[i] <= now[i + 1];
+  }
+  return __syncthreads_and(one_step) != 0;
+}
+
+// f(std::integral_constant<int, I>{}) for I = 0, 1, ... in order (a loop whose index is a constant).
+template <int... I, class F>
+__device__ __forceinline__ void for_each_index(std::integer_sequence<int, I...>, F&& f) {
+  (f(std::integral_constant<int, I>{}), ...);
+}
+
+// The float2 at shared address addr + OFF bytes (one LDS.64 with its offset in the instruction).
+template <int OFF>
+__device__ __forceinline__ float2 load_shared_f2(uint32_t addr) {
+  float2 v;
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2 + %3];" : "=f"(v.x), "=f"(v.y) : "r"(addr), "n"(OFF));
+  return v;
+}
+
+// e.x > w: at += step, c = e.y (two predicated instructions; the compiler's select and add are three).
+__device__ __forceinline__ void step_if_greater(float2 e, float w, int step, uint32_t& at, float& c) {
+  asm("{\n\t.reg .pred p;\n\tsetp.gt.f32 p, %2, %3;\n\t@p add.s32 %0, %0, %4;\n\t@p mov.f32 %1, %5;\n\t}"
+      : "+r"(at), "+f"(c)
+      : "f"(e.x), "f"(w), "r"(step), "f"(e.y));
+}
+
+// dot[k] += z c_k, sq[k] += c_k^2 with c_k the centroid of z's code under every candidate k, q0
+// its code under candidate 0 (fill_fit_walk), for NZ coordinates (one loop iteration). A step's
+// entry address hangs on the last step's comparison: ~6 instructions per step behind one shared
+// load's latency (ptxas lays the NZ walks one after the other; the CTA's other warps hide it).
+template <int NZ>
+__device__ __forceinline__ void add_fit_sums_walk(const float (&z)[NZ], const uint32_t (&q0)[NZ], const float* cent_s,
+                                                  const float2* walk_s, float (&dot)[kFitCandidates],
+                                                  float (&sq)[kFitCandidates]) {
+  float c[NZ], w[NZ];
+  uint32_t at[NZ];  // shared address of the entry of candidate 0 that the walk sits at
+  int step[NZ];     // bytes
+#pragma unroll
+  for (int i = 0; i < NZ; ++i) {
+    c[i] = cent_s[q0[i]];
+    dot[0] = fmaf(z[i], c[i], dot[0]);
+    sq[0] = fmaf(c[i], c[i], sq[0]);
+    const bool up = !(z[i] >= 0.f);  // a NaN walks up but never moves (no comparison holds)
+    at[i] = static_cast<uint32_t>(__cvta_generic_to_shared(walk_s + 2 * q0[i] + (up ? 1 : 0)));
+    step[i] = (up ? 2 : -2) * static_cast<int>(sizeof(float2));
+    w[i] = fabsf(z[i]);
+  }
+  for_each_index(std::make_integer_sequence<int, kFitCandidates - 1>{}, [&](auto km1) {
+    constexpr int k = decltype(km1)::value + 1;
+#pragma unroll
+    for (int i = 0; i < NZ; ++i) {
+      const float2 e = load_shared_f2<32 * k * static_cast<int>(sizeof(float2))>(at[i]);
+      step_if_greater(e, w[i], step[i], at[i], c[i]);
+      dot[k] = fmaf(z[i], c[i], dot[k]);
+      sq[k] = fmaf(c[i], c[i], sq[k]);
+    }
+  });
+}
+
+// The same sums by a search of every candidate's boundaries (fit_tab).
+__device__ __forceinline__ void add_fit_sums_search(float z, const float* fit_tab, const float* cent_s,
+                                                    float (&dot)[kFitCandidates], float (&sq)[kFitCandidates]) {
+#pragma unroll
+  for (int k = 0; k < kFitCandidates; ++k) {
+    const float* tb = fit_tab + 16 * k;
+    const float c = cent_s[bucketize_fit(z, tb, tb[3], tb[7], tb[11])];
+    dot[k] = fmaf(z, c, dot[k]);
+    sq[k] = fmaf(c, c, sq[k]);
+  }
+}
+
+// The code of z from the code table (fill_code_lut, exact where it says so).
+__device__ __forceinline__ uint32_t lut_code(float z, const uint2* lut, float scale) {
+  const uint2 e = lut[__float_as_uint(fmaf(z, scale, kLutRound)) & (kLutCells - 1)];
+  return e.x + (__uint_as_float(e.y) < z ? 1u : 0u);
+}
+
+template <int D, int XT>
+__global__ void __launch_bounds__(kQuadWarps * 32, 4) tq_hadamard_quad_fit_kernel(const GemmParams p0,
+                                                                               const GemmParams p1) {
+  const GemmParams p = blockIdx.z == 0 ? p0 : p1;
+  using Q = QuadLayout<D>;
+  constexpr int C = Q::kCoords, CH = Q::kChunks;
+  constexpr int kRow = D + 4;
+  constexpr int kWalks = 4;  // coordinates per iteration of the walk loop
+  static_assert(8 * kRow >= 32 * C && C % kWalks == 0, "a warp's row copies hold its lanes' coordinates");
+  __shared__ __align__(16) float fit_tab[kFitCandidates * 16];  // d fl32(s_k b_i), +inf padded
+  __shared__ __align__(16) float2 walk_s[kFitCandidates * 32];
+  __shared__ float cent_s[16];
+  __shared__ __align__(16) uint32_t perm_s[D];
+  __shared__ __align__(16) float rows_s[kQuadWarps * 8][kRow];
+  __shared__ uint2 lut_s[kLutCells];  // candidate 0's codes
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane & 3;
+  const int bits = p.bits, ncent = 1 << bits;
+  if (tid < 16) cent_s[tid] = tid < ncent ? p.cent[tid] : 0.f;
+  fill_fit_table(fit_tab, p.cent, ncent, tid, kQuadWarps * 32, static_cast<float>(D));
+  const uint32_t neg1 = load_quad_rotation<D>(p, perm_s, tid, g);
+  __syncthreads();
+  const bool lut = fill_code_lut(lut_s, fit_tab, static_cast<float>(D), tid, kQuadWarps * 32);
+  const bool walk = fill_fit_walk(walk_s, fit_tab, cent_s, ncent, tid, kQuadWarps * 32);  // syncs the CTA
+  const float lut_scale = kLutScale / D, b3 = fit_tab[3], b7 = fit_tab[7], b11 = fit_tab[11];
+  float* row_s = rows_s[warp * 8 + (lane >> 2)];
+  float* zs = rows_s[warp * 8] + lane;  // coordinate j of the lane at zs[32 j]
+  const int64_t step = static_cast<int64_t>(gridDim.x) * kQuadWarps * 8;
+  for (int64_t n0 = (static_cast<int64_t>(blockIdx.x) * kQuadWarps + warp) * 8; n0 < p.N; n0 += step) {
+    const int64_t n = n0 + (lane >> 2);
+    const bool valid = n < p.N;
+    float x[C];
+    const float nrm = quad_unit_rotated<D, XT>(p, n, valid, g, lane, neg1, perm_s, row_s, x);
+    __syncwarp();  // the quad's reads of its row copy are done
+#pragma unroll
+    for (int j = 0; j < C; ++j) zs[32 * j] = x[j];
+    float dot[kFitCandidates], sq[kFitCandidates];
+#pragma unroll
+    for (int k = 0; k < kFitCandidates; ++k) dot[k] = sq[k] = 0.f;
+    if (walk) {
+#pragma unroll 1
+      for (int j = 0; j < C; j += kWalks) {
+        float z[kWalks];
+        uint32_t q0[kWalks];
+#pragma unroll
+        for (int i = 0; i < kWalks; ++i) {
+          z[i] = zs[32 * (j + i)];
+          q0[i] = lut ? lut_code(z[i], lut_s, lut_scale) : bucketize_fit(z[i], fit_tab, b3, b7, b11);
+        }
+        add_fit_sums_walk(z, q0, cent_s, walk_s, dot, sq);
+      }
+    } else {
+#pragma unroll 1
+      for (int j = 0; j < C; ++j) add_fit_sums_search(zs[32 * j], fit_tab, cent_s, dot, sq);
+    }
+    __syncwarp();  // x again from zs: not kept in registers across the loop
+#pragma unroll
+    for (int j = 0; j < C; ++j) x[j] = zs[32 * j];
+    int best_k = 0;
+    float pair_dot[scattered_pairs(kFitCandidates, 2)], pair_sq[scattered_pairs(kFitCandidates, 2)], ratio;
+    reduce_scatter_pairs<kFitCandidates, 2>(dot, sq, lane, pair_dot, pair_sq, best_k);
+    group_best_fit<4>(pair_dot, pair_sq, best_k, ratio);
+    const float* tb = fit_tab + 16 * best_k;
+    const float t3 = tb[3], t7 = tb[7], t11 = tb[11];
+    uint32_t groups[CH];
+#pragma unroll
+    for (int ch = 0; ch < CH; ++ch) groups[ch] = chunk_group<false>(x, ch, bits, lut_s, lut_scale, tb, t3, t7, t11);
+    const int64_t row = valid ? dest_row32(p, n) : -1;
+    store_quad_row<D>(p, n, valid, row, g, groups, nrm * (ratio * (1.0f / D)), nrm, x);  // 0 for a zero vector
+  }
+}
+#endif  // JTQ_CUDA_UNVERIFIED
+
 // The fitted-scale compress (tq_fit_kernel); p1: a second problem of p's N, head_dim and x dtype,
 // run by grid.z = 1 of the same launch (nullptr: none).
 template <int D, int VPT>
@@ -2093,11 +2283,17 @@ bool hadamard_kernel_serves(int d, const GemmParams& p, const GemmParams* p1) {
          p.N < (int64_t(1) << 31);
 }
 
-// The plain codec's write of Hadamard codecs of head_dim 64 / 128 (tq_hadamard_quad_kernel):
-// 8 rows per warp, a persistent grid of the occupancy's CTAs at most.
-template <int D, int XT>
+// The write of Hadamard codecs of head_dim 64 / 128 in the quad layout, plain
+// (tq_hadamard_quad_kernel) or fitted (FIT, tq_hadamard_quad_fit_kernel): 8 rows per warp, a
+// persistent grid of the occupancy's CTAs at most.
+template <int D, int XT, bool FIT>
 ffi::Error launch_hadamard_quad_t(const char* op, cudaStream_t stream, const GemmParams& p, const GemmParams* p1) {
-  auto kernel = tq_hadamard_quad_kernel<D, XT>;
+  void (*kernel)(GemmParams, GemmParams) = tq_hadamard_quad_kernel<D, XT>;
+#if JTQ_CUDA_UNVERIFIED
+  if constexpr (FIT) kernel = tq_hadamard_quad_fit_kernel<D, XT>;
+#else
+  static_assert(!FIT, "tq_hadamard_quad_fit_kernel is built with JTQ_CUDA_UNVERIFIED");
+#endif
   static const KernelCfg cfg = occupancy_cfg(kernel, kQuadWarps * 32, 0);
   if (cfg.err != cudaSuccess) return cuda_error(op, "kernel setup", cfg.err);
   const unsigned nz = p1 != nullptr ? 2u : 1u;
@@ -2110,22 +2306,32 @@ ffi::Error launch_hadamard_quad_t(const char* op, cudaStream_t stream, const Gem
   return ffi::Error::Success();
 }
 
+template <bool FIT>
 ffi::Error launch_hadamard_quad(const char* op, cudaStream_t stream, int d, const GemmParams& p, const GemmParams* p1) {
   return with_input_type(p.dtype, [&](auto xt) {
     constexpr int XT = decltype(xt)::value;
-    return d == 64 ? launch_hadamard_quad_t<64, XT>(op, stream, p, p1) : launch_hadamard_quad_t<128, XT>(op, stream, p, p1);
+    return d == 64 ? launch_hadamard_quad_t<64, XT, FIT>(op, stream, p, p1)
+                   : launch_hadamard_quad_t<128, XT, FIT>(op, stream, p, p1);
   });
 }
 
 // The fitted-scale compress: Hadamard codecs of head_dim 64 / 128 with their spec words (p.rot_spec,
-// and p1's) one warp per vector (tq_hadamard_fit_kernel); else tensor cores for d <= 128
-// (tq_fit_mma_kernel), the v1 fp32 kernel (tq_fit_kernel) for d 192 / 256.
+// and p1's) in the quad layout from kQuadFitMinRows rows (JTQ_CUDA_UNVERIFIED builds), one warp per
+// vector below; else tensor cores for d <= 128 (tq_fit_mma_kernel), the v1 fp32 kernel
+// (tq_fit_kernel) for d 192 / 256.
 ffi::Error launch_fit(const char* op, cudaStream_t stream, int d, const GemmParams& p,
                       const GemmParams* p1 = nullptr) {
   if (p.N == 0) return ffi::Error::Success();
   if (p.N > (int64_t(1) << 40)) return invalid(op, "too many vectors");
-  if (hadamard_kernel_serves(d, p, p1))
+  if (hadamard_kernel_serves(d, p, p1)) {
+#if JTQ_CUDA_UNVERIFIED  // tq_hadamard_quad_fit_kernel has not yet run on a GPU
+    // From this many rows the quad kernel (8 rows per warp: fewer instructions per row) rather than
+    // one warp per row (the shorter latency of a few rows).
+    constexpr int64_t kQuadFitMinRows = 4096;
+    if (p.N >= kQuadFitMinRows) return launch_hadamard_quad<true>(op, stream, d, p, p1);
+#endif
     return d == 64 ? launch_hadamard_fit_d<64>(op, stream, p, p1) : launch_hadamard_fit_d<128>(op, stream, p, p1);
+  }
   if (d <= 128)
     return with_input_type(p.dtype, [&](auto xt) {
       return launch_fit_mma_x<decltype(xt)::value>(op, stream, d, p, p1);
@@ -2381,7 +2587,7 @@ ffi::Error launch_write(const char* op, cudaStream_t stream, int d, bool fit, co
                         const GemmParams* p1 = nullptr) {
   if (fit) return launch_fit(op, stream, d, p, p1);
   if (p.N == 0) return ffi::Error::Success();
-  if (hadamard_kernel_serves(d, p, p1)) return launch_hadamard_quad(op, stream, d, p, p1);
+  if (hadamard_kernel_serves(d, p, p1)) return launch_hadamard_quad<false>(op, stream, d, p, p1);
   return p.win != nullptr ? launch_compress<true>(op, stream, d, p, p1) : launch_compress(op, stream, d, p, p1);
 }
 

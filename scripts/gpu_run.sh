@@ -18,8 +18,9 @@ has() { [[ " $stages " == *" $1 "* ]]; }
 # -DJTQ_DEV_ONLY_D=128, which builds head_dim 128 only) is removed first: on a warm machine it
 # once made a later full build a head_dim-128 one, and 89 decode GPU tests failed with "head_dim
 # 64 not compiled in".
-# The kernel not yet run through its tests on a GPU (QJL scores) is built only for the stage that tests it.
-unverified=${JAX_TQ_CUDA_UNVERIFIED:-OFF}; if has qjl; then unverified=ON; fi
+# The kernels not yet run through their tests on a GPU (QJL scores; the fitted write's quad kernel,
+# from 4096 rows) are built only for the stages that test them.
+unverified=${JAX_TQ_CUDA_UNVERIFIED:-OFF}; if has qjl || has ftests; then unverified=ON; fi
 cuda_install() {
   local stamp="build/.cudaflags" want="flags:${CUDAFLAGS:-} unverified:$unverified trace:${JAX_TQ_TRACE_PHASES:-OFF}"
   if [[ -d build && "$(cat "$stamp" 2>/dev/null)" != "$want" ]]; then rm -rf build; fi
@@ -97,7 +98,7 @@ if has tests; then  # the CUDA cases of compress, write_cache and decode (not th
     tests/test_checks.py tests/test_sharding.py tests/test_qjl.py tests/test_prefill.py -k "not window and (test_qjl or test_prefill or not gpu)" 2>&1 | tee "$OUT/op_tests.log" | tail -n 15
   echo "tests: $(( $(date +%s) - t0 )) s"
 fi
-if has ftests; then  # the fitted scale and the window on the CUDA kernels (against float64 / the CPU)
+if has ftests; then  # the fitted scale (with the unverified kernels: its quad write) and the window on the CUDA kernels (against float64 / the CPU)
   timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -m gpu tests/test_fit_scale.py tests/test_cache.py tests/test_decode.py tests/test_prefill.py -k "fit_scale or window" 2>&1 \
     | tee "$OUT/format_gpu_tests.log" | tail -n 12
   echo "ftests: $(( $(date +%s) - t0 )) s"

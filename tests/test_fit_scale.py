@@ -3,6 +3,7 @@ an independent float64 numpy oracle, the FORMAT.md test vectors, its error again
 its gradient, and the cache write that uses it."""
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 import re
 
@@ -168,17 +169,136 @@ def test_write_cache_with_fitted_codecs_stores_compress_s_rows(rng, backend):
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", (64, 128))
 @pytest.mark.parametrize("bits", (2, 3, 4))
-def test_fit_compress_on_the_gpu_matches_the_float64_oracle(request, rng, head_dim, bits):
+@pytest.mark.parametrize("rows", (1000, 4101))
+def test_fit_compress_on_the_gpu_matches_the_float64_oracle(request, rng, head_dim, bits, rows):
+    """One warp per row below 4096 rows, the quad kernel from there: codes a choice float32 rounding
+    allows (97% the float64 oracle's own, their scale within 2e-5)."""
     codec = tq.TurboQuant(head_dim, bits, int(rng.integers(1000)), "hadamard", "fit")
-    x = (rng.normal(size=(1000, head_dim)) * rng.uniform(0.01, 50, size=(1000, 1))).astype(np.float32)
+    x = (rng.normal(size=(rows, head_dim)) * rng.uniform(0.01, 50, size=(rows, 1))).astype(np.float32)
     with kernel_backend(request, ["jax_tq_compress"]):
         codes, scales = jax.jit(tq.compress)(jnp.asarray(x, jnp.bfloat16), codec)
     x = np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32)
     want_codes, _, best_gain, want_scale = fit_oracle(x, codec.rotation, codec.centroids)
     got_codes = unpack_codes(np.asarray(codes), bits, head_dim).astype(np.int64)
     same = np.all(got_codes == want_codes, axis=-1)
+    bad = ~same & ~float32_choices(x, codec.rotation, codec.centroids, got_codes)
+    assert not np.any(bad), np.flatnonzero(bad)
     assert same.mean() > 0.97
     np.testing.assert_allclose(np.asarray(scales)[same], want_scale[same], rtol=2e-5)
+
+
+def many_rows_fit_write_check(request, rng, head_dim, bits, dtype, special=True):
+    """write_cache of fitted Hadamard codecs with 4101 vectors per pool (the CUDA write's quad
+    kernel from 4096: groups of 8 per warp, the last one partly empty) into poisoned pools and
+    window rows: zero, one-spike, NaN and (bfloat16 / float32) huge, tiny and 2^127-spike vectors,
+    a padding and an out-of-pool slot. Every written token's codes are a choice float32 rounding
+    allows (98% the float64 oracle's own, their scale within 2e-5); zero vectors store 0 and the
+    codes of y = 0, NaN vectors NaN and codes 0; the window rows are bf16(Pi x); every other slot
+    and entry keeps its poison."""
+    hkv, page_size, num_pages, t, num_windows, window = 3, 16, 96, 1367, 4, 256
+    k_codec = tq.TurboQuant(head_dim, bits[0], int(rng.integers(1000)), "hadamard", "fit")
+    v_codec = tq.TurboQuant(head_dim, bits[1], int(rng.integers(1000)), "hadamard", "fit")
+    cache = tq.PagedKVCache.create(num_pages=num_pages, page_size=page_size, num_kv_heads=hkv, k_codec=k_codec,
+                                   v_codec=v_codec, window=window, num_windows=num_windows)
+    cache = dataclasses.replace(
+        cache, k_codes=jnp.full(cache.k_codes.shape, 0xAB, jnp.uint8), v_codes=jnp.full(cache.v_codes.shape, 0xAB, jnp.uint8),
+        k_norms=jnp.full(cache.k_norms.shape, jnp.nan, jnp.float32), v_norms=jnp.full(cache.v_norms.shape, jnp.nan, jnp.float32),
+        k_window=jnp.full(cache.k_window.shape, 7.0, jnp.bfloat16), v_window=jnp.full(cache.v_window.shape, 7.0, jnp.bfloat16))
+    x = rng.normal(size=(2, t, hkv, head_dim)) * rng.uniform(0.01, 50, size=(2, t, hkv, 1))
+    if special:
+        x[:, 0] = 0.0
+        x[:, 1] = 0.0
+        x[:, 1, :, 3] = -2.0
+        if dtype != jnp.float16:
+            x[:, 2] *= 1e25   # sum of squares past float32: the scaled norm
+            x[:, 3] *= 1e-25  # below its safe range
+            x[:, 4] = 0.0
+            x[:, 4, :, 5] = 2.0 ** 127
+        x[:, 7, :, 9] = np.nan
+    x = np.asarray(jnp.asarray(x, dtype).astype(jnp.float32), np.float64)
+    total = num_pages * page_size
+    slots = rng.permutation(total)[:t].astype(np.int32)
+    slots[5], slots[6] = -1, total
+    window_slots = np.full(t, -1, np.int32)
+    window_slots[:num_windows * window] = rng.permutation(num_windows * window)[:t]
+    window_slots[5:9] = -1  # (a token without a page slot writes no window row either)
+    with kernel_backend(request, ["jax_tq_write_cache"]):
+        out = jax.jit(tq.write_cache)(cache, jnp.asarray(x[0], dtype), jnp.asarray(x[1], dtype), jnp.asarray(slots),
+                                      jnp.asarray(window_slots))
+    ok = (slots >= 0) & (slots < total)
+    page_of, off = slots[ok] // page_size, slots[ok] % page_size
+    for which, codec in ((0, k_codec), (1, v_codec)):
+        name = "kv"[which]
+        codes_pool, norms_pool = np.asarray(getattr(out, f"{name}_codes")), np.asarray(getattr(out, f"{name}_norms"))
+        rows = x[which][ok].reshape(-1, head_dim)
+        got_codes = unpack_codes(codes_pool[page_of, :, off].reshape(-1, codec.packed_bytes), codec.bits,
+                                 head_dim).astype(np.int64)
+        got_scale = norms_pool[page_of, :, off].reshape(-1)
+        finite = np.all(np.isfinite(rows), axis=-1)
+        assert np.all(np.isnan(got_scale[~finite])) and np.all(got_codes[~finite] == 0)
+        rows, got_codes, got_scale = rows[finite], got_codes[finite], got_scale[finite]
+        want_codes, _, _, want_scale = fit_oracle(rows, codec.rotation, codec.centroids)
+        same = np.all(got_codes == want_codes, axis=-1)
+        bad = ~same & ~float32_choices(rows, codec.rotation, codec.centroids, got_codes)
+        assert not np.any(bad), (name, np.flatnonzero(bad))
+        assert same.mean() > 0.98, (name, same.mean())
+        np.testing.assert_allclose(got_scale[same], want_scale[same], rtol=2e-5, atol=1e-30)
+        zero = ~np.any(rows, axis=-1)
+        assert np.all(got_scale[zero] == 0.0) and np.all(got_codes[zero] == (1 << (codec.bits - 1)) - 1)
+        written = np.zeros((num_pages, page_size), bool)
+        written[page_of, off] = True
+        assert np.all(codes_pool.transpose(0, 2, 1, 3)[~written] == 0xAB)
+        assert np.all(np.isnan(norms_pool.transpose(0, 2, 1)[~written]))
+        window_pool = np.asarray(getattr(out, f"{name}_window"), np.float64)
+        wok = ok & (window_slots >= 0)
+        entries = window_slots[wok]
+        want_rows = x[which][wok] @ np.asarray(codec.rotation, np.float64).T          # [n, hkv, d]
+        got_rows = window_pool[entries // window, :, entries % window]
+        fin = np.all(np.isfinite(want_rows), axis=-1) & (np.abs(want_rows).max(-1) < 1e30)
+        top = np.abs(want_rows).max(-1, keepdims=True)
+        np.testing.assert_allclose((got_rows / np.where(top > 0, top, 1))[fin],
+                                   (want_rows / np.where(top > 0, top, 1))[fin], atol=1e-2)
+        filled = np.zeros((num_windows, window), bool)
+        filled[entries // window, entries % window] = True
+        assert np.all(window_pool.transpose(0, 2, 1, 3)[~filled] == 7.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", (64, 128))
+@pytest.mark.parametrize("bits", ((4, 3), (2, 4)))
+@pytest.mark.parametrize("dtype", (jnp.bfloat16, jnp.float32, jnp.float16))
+def test_gpu_fit_write_of_many_rows_matches_the_float64_oracle(request, rng, head_dim, bits, dtype):
+    many_rows_fit_write_check(request, rng, head_dim, bits, dtype)
+
+
+@pytest.mark.gpu
+def test_gpu_fit_write_of_many_rows_with_close_boundaries(request, rng, monkeypatch):
+    """Centroids two of whose boundaries lie closer than a cell of the kernel's code table and than
+    one step of the pre-scalings (no codec of the library has such; the kernel then searches every
+    candidate's boundaries): the same checks."""
+    def close_centroids(codec):
+        c = codebook.lloyd_max_centroids(codec.head_dim, codec.bits).astype(np.float64)
+        mid = len(c) // 2
+        c[mid], c[mid + 1] = c[mid - 1] + 1e-3, c[mid - 1] + 2e-3
+        return jnp.asarray(c, jnp.float32)
+
+    monkeypatch.setattr(tq.TurboQuant, "centroids", property(close_centroids))
+    many_rows_fit_write_check(request, rng, 128, (4, 3), jnp.bfloat16, special=False)
+
+
+def test_fit_walk_is_exact_for_the_codebooks_of_the_hadamard_write():
+    """The CUDA fitted write of Hadamard codecs (head_dim 64 / 128, 2-4 bits, from 4096 rows) finds
+    each coordinate's code under pre-scaling k from its code under k - 1, one boundary at most
+    away: exact where T_{k,i} <= T_{k-1,i+1} and T_{k-1,i} <= T_{k,i+1} for the scaled boundaries
+    T_{k,i} = fl32(s_k b_i), and its code table of candidate 0 (cells 1 / 119 wide) where no two of
+    T_{0,i} are closer than a cell. Both hold for every codebook it serves."""
+    for head_dim in (64, 128):
+        for bits in (2, 3, 4):
+            c = np.asarray(tq.TurboQuant(head_dim, bits, 0, "hadamard", "fit").centroids, np.float32)
+            b = ((c[1:] + c[:-1]) * np.float32(0.5)).astype(np.float32)
+            t = np.stack([(np.float32(s) * b).astype(np.float32) for s in FIT_GRID]).astype(np.float64)
+            assert np.all(t[1:, :-1] <= t[:-1, 1:]) and np.all(t[:-1, :-1] <= t[1:, 1:]), (head_dim, bits)
+            assert np.min(np.diff(t[0])) > 1.5 / 119, (head_dim, bits)
 
 
 @pytest.mark.gpu
