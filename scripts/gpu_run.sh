@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on the GPU machine: build jax_tq with CUDA, run the GPU tests, the benchmarks,
 # and optionally the main job; print short tables. Usage: bash scripts/gpu_run.sh [build tests bench model]
-# stages: build ab kernels phases ncu trace tests dtests ftests fbench regress qjl variants prefill ttft sharded cmdbuf bits hd rot bench graphs profile breakdown mstep model (default: build tests bench). Logs go to $OUT (the device tool brings them back).
+# stages: build ab kernels phases ncu ncuw trace tests dtests ftests fbench regress qjl variants prefill ttft sharded cmdbuf bits hd rot bench graphs profile breakdown mstep model (default: build tests bench). Logs go to $OUT (the device tool brings them back).
 # One device call may run 600 s at most: "build tests" (~9 min on the H200) and "bench" (~4 min) fit
 # in two back-to-back calls; the build stays while the machine is warm (30 s after a call).
 set -uo pipefail
@@ -186,6 +186,21 @@ if has ncu; then  # decode kernels under Nsight Compute (NCU_KERNELS default "de
     echo "== ncu decode $v"
     grep -E "  [a-z_:<>0-9 ]*decode_|Duration|DRAM Throughput|L1/TEX Cache Thr|Compute \(SM\) Thr|Registers Per|Achieved Occupancy|Issued Warp Per|Executed Ipc A|issue_stalled|wavefronts|conflicts|inst_executed|Bank" "$OUT/ncu_$v.txt" \
       | grep -vE "ratio +0(\.0[0-9])?$" | sed -E 's/smsp__average_warps_issue_stalled_//; s/_per_issue_active.ratio//' | head -n 80
+  done
+fi
+if has ncuw; then  # the prefill write kernels under Nsight Compute, one report per kind of NCUW_KINDS (default: plain k4v4;
+  # with JAX_TQ_CUDA_UNVERIFIED=ON k4v4 runs the fitted quad kernel): stall reasons, issue rate, shared-memory conflicts
+  for kind in ${NCUW_KINDS:-plain k4v4}; do
+    env $ncu_env PYTHONPATH=benchmarks:${PYTHONPATH:-} timeout ${NCU_TIMEOUT:-200} \
+      ncu --clock-control none -k regex:"tq_hadamard" --launch-skip 1 --launch-count 1 \
+      --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats --section SchedulerStats \
+      --section InstructionStats --section MemoryWorkloadAnalysis \
+      --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum,sm__inst_executed.sum \
+      --export "$OUT/ncuw_$kind" --force-overwrite python3 benchmarks/ncu_write.py "$kind" >"$OUT/ncuw_run_$kind.txt" 2>&1
+    ncu -i "$OUT/ncuw_$kind.ncu-rep" --page details >"$OUT/ncuw_$kind.txt" 2>&1
+    echo "== ncu write $kind"
+    grep -E "  [a-z_:<>0-9 ]*tq_hadamard|Duration|DRAM Throughput|Registers Per|Achieved Occupancy|Issued Warp Per|Executed Ipc A|issue_stalled|wavefronts|conflicts|inst_executed" "$OUT/ncuw_$kind.txt" \
+      | grep -vE "ratio +0(\.0[0-9])?$" | sed -E 's/smsp__average_warps_issue_stalled_//; s/_per_issue_active.ratio//' | head -n 50
   done
 fi
 if has trace; then  # the device timeline of one call in the benchmark chain (JAX profiler, CUPTI)
