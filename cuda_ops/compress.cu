@@ -1971,6 +1971,17 @@ __device__ __forceinline__ void store_quad_row(const GemmParams& p, int64_t n, b
   }
 }
 
+// f(n, valid) for the rows n = n0 + lane / 4 (valid: n < p.N) of each group n0 of 8 rows the warp
+// takes: the grid's warps stride over p.N rows (persistent).
+template <class F>
+__device__ __forceinline__ void for_each_quad_row(const GemmParams& p, int warp, int lane, F&& f) {
+  const int64_t step = static_cast<int64_t>(gridDim.x) * kQuadWarps * 8;
+  for (int64_t n0 = (static_cast<int64_t>(blockIdx.x) * kQuadWarps + warp) * 8; n0 < p.N; n0 += step) {
+    const int64_t n = n0 + (lane >> 2);
+    f(n, n < p.N);
+  }
+}
+
 template <int D, int XT>
 __global__ void __launch_bounds__(kQuadWarps * 32) tq_hadamard_quad_kernel(const GemmParams p0, const GemmParams p1) {
   const GemmParams p = blockIdx.z == 0 ? p0 : p1;
@@ -1990,10 +2001,7 @@ __global__ void __launch_bounds__(kQuadWarps * 32) tq_hadamard_quad_kernel(const
   __syncthreads();
   const float b3 = bnd_s[3], b7 = bnd_s[7], b11 = bnd_s[11], lut_scale = kLutScale / D;
   float* row_s = rows_s[warp * 8 + (lane >> 2)];
-  const int64_t step = static_cast<int64_t>(gridDim.x) * kQuadWarps * 8;
-  for (int64_t n0 = (static_cast<int64_t>(blockIdx.x) * kQuadWarps + warp) * 8; n0 < p.N; n0 += step) {
-    const int64_t n = n0 + (lane >> 2);
-    const bool valid = n < p.N;
+  for_each_quad_row(p, warp, lane, [&](int64_t n, bool valid) {
     float x[C];
     const float nrm = quad_unit_rotated<D, XT>(p, n, valid, g, lane, neg1, perm_s, row_s, x);
     const int64_t row = valid ? dest_row32(p, n) : -1;
@@ -2007,7 +2015,7 @@ __global__ void __launch_bounds__(kQuadWarps * 32) tq_hadamard_quad_kernel(const
         groups[ch] = chunk_group<false>(x, ch, bits, lut_s, lut_scale, bnd_s, b3, b7, b11);
     }
     store_quad_row<D>(p, n, valid, row, g, groups, nrm, nrm, x);  // norm slot ||x|| (0 for a zero vector)
-  }
+  });
 }
 
 #if JTQ_CUDA_UNVERIFIED  // not yet run on a GPU
@@ -2152,10 +2160,7 @@ __global__ void __launch_bounds__(kQuadWarps * 32, 4) tq_hadamard_quad_fit_kerne
   const float lut_scale = kLutScale / D, b3 = fit_tab[3], b7 = fit_tab[7], b11 = fit_tab[11];
   float* row_s = rows_s[warp * 8 + (lane >> 2)];
   float* zs = rows_s[warp * 8] + lane;  // coordinate j of the lane at zs[32 j]
-  const int64_t step = static_cast<int64_t>(gridDim.x) * kQuadWarps * 8;
-  for (int64_t n0 = (static_cast<int64_t>(blockIdx.x) * kQuadWarps + warp) * 8; n0 < p.N; n0 += step) {
-    const int64_t n = n0 + (lane >> 2);
-    const bool valid = n < p.N;
+  for_each_quad_row(p, warp, lane, [&](int64_t n, bool valid) {
     float x[C];
     const float nrm = quad_unit_rotated<D, XT>(p, n, valid, g, lane, neg1, perm_s, row_s, x);
     __syncwarp();  // the quad's reads of its row copy are done
@@ -2194,7 +2199,7 @@ __global__ void __launch_bounds__(kQuadWarps * 32, 4) tq_hadamard_quad_fit_kerne
     for (int ch = 0; ch < CH; ++ch) groups[ch] = chunk_group<false>(x, ch, bits, lut_s, lut_scale, tb, t3, t7, t11);
     const int64_t row = valid ? dest_row32(p, n) : -1;
     store_quad_row<D>(p, n, valid, row, g, groups, nrm * (ratio * (1.0f / D)), nrm, x);  // 0 for a zero vector
-  }
+  });
 }
 #endif  // JTQ_CUDA_UNVERIFIED
 

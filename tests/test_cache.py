@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 
 import jax_tq as tq
-from jax_tq import _compat, codebook
+from jax_tq import _compat
 from jax_tq.compress import write_cache_p
 
 from conftest import kernel_backend, slow_unless
-from oracle import (codes_agree, compress_f64, decode_args, decode_setup, jaxpr_count, primitive_count, random_cache,
-                    random_window_cache, rel_err, small_cache)
+from oracle import (close_centroids, codes_agree, compress_f64, decode_args, decode_setup, jaxpr_count, primitive_count,
+                    random_cache, random_window_cache, rel_err, small_cache)
 
 pytestmark = pytest.mark.backend("ffi")
 
@@ -773,12 +773,6 @@ def test_gpu_hadamard_write_matches_the_float64_oracle(request, rng, head_dim, b
 def test_gpu_hadamard_write_with_close_boundaries(request, rng, monkeypatch):
     """Centroids two of whose boundaries lie closer than a cell of the kernel's code table (no codec
     of the library has such; the kernel then searches the boundaries): the same checks."""
-    def close_centroids(codec):
-        c = codebook.lloyd_max_centroids(codec.head_dim, codec.bits).astype(np.float64)
-        mid = len(c) // 2
-        c[mid], c[mid + 1] = c[mid - 1] + 1e-3, c[mid - 1] + 2e-3
-        return jnp.asarray(c, jnp.float32)
-
     monkeypatch.setattr(tq.TurboQuant, "centroids", property(close_centroids))
     hadamard_write_check(request, rng, 128, (4, 3), jnp.bfloat16, special=False)
 

@@ -17,6 +17,7 @@ from jax_tq import codebook, reference
 from jax_tq.compress import compress_p
 from jax_tq.format import FIT_GRID, pack_codes, unpack_codes
 from conftest import kernel_backend, slow_unless
+from oracle import close_centroids
 
 FORMAT_MD = pathlib.Path(__file__).resolve().parents[1] / "docs" / "FORMAT.md"
 BACKENDS = ("ffi", "xla")
@@ -276,12 +277,6 @@ def test_gpu_fit_write_of_many_rows_with_close_boundaries(request, rng, monkeypa
     """Centroids two of whose boundaries lie closer than a cell of the kernel's code table and than
     one step of the pre-scalings (no codec of the library has such; the kernel then searches every
     candidate's boundaries): the same checks."""
-    def close_centroids(codec):
-        c = codebook.lloyd_max_centroids(codec.head_dim, codec.bits).astype(np.float64)
-        mid = len(c) // 2
-        c[mid], c[mid + 1] = c[mid - 1] + 1e-3, c[mid - 1] + 2e-3
-        return jnp.asarray(c, jnp.float32)
-
     monkeypatch.setattr(tq.TurboQuant, "centroids", property(close_centroids))
     many_rows_fit_write_check(request, rng, 128, (4, 3), jnp.bfloat16, special=False)
 
