@@ -4,6 +4,7 @@ its gradient, and the cache write that uses it."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import pathlib
 import re
 
@@ -49,19 +50,38 @@ def fit_oracle(x, rotation, centroids):
     return codes[best, rows], gains[best, rows], gains.max(axis=0), scales[best, rows]
 
 
-def float32_choices(x, rotation, centroids, got_codes, y_tol=1e-6, gain_tol=2e-6):
+def float32_choices(x, rotation, centroids, got_codes, y_tol=1e-6, gain_tol=2e-6, max_near=6):
     """Per row, whether got_codes is a choice a backend computing y and the gains in float32 may
-    make (docs/FORMAT.md "Rounding"): the codes of a pre-scaling k whose float64 gain is within
-    gain_tol of the best, except coordinates whose y lies within y_tol of the boundary between the
-    two codes (a neighbouring code only)."""
+    make (docs/FORMAT.md "Rounding"). A coordinate whose y lies within y_tol of one of pre-scaling
+    k's boundaries may take either neighbouring code under k, which moves k's gain at first order
+    (~1e-5 relative), not only by the rounding of the sums; so each k's gain spans [lo_k, hi_k] over
+    those variants of its codes. got_codes is a choice where it is one of some k's variants and
+    hi_k >= max_k lo_k * (1 - gain_tol). A row with more than max_near such coordinates under one k
+    (a zero row: y = 0 on a boundary 0) is not constrained."""
     y, scaled, codes, gains, _ = fit_candidates(x, rotation, centroids)
-    best = gains.max(axis=0)
-    ok = np.zeros(y.shape[0], bool)
-    for k in range(codes.shape[0]):
-        low = np.minimum(got_codes, codes[k])
-        near = (np.abs(got_codes - codes[k]) == 1) & (np.abs(y - scaled[k][np.minimum(low, scaled.shape[1] - 1)]) <= y_tol)
-        ok |= np.all((got_codes == codes[k]) | near, axis=-1) & (gains[k] >= best * (1 - gain_tol))
-    return ok
+    c64 = np.asarray(centroids, np.float32).astype(np.float64)
+    num_k, n, _ = codes.shape
+    lo, hi = gains.copy(), gains.copy()
+    chosen = np.all(got_codes[None] == codes, axis=-1)  # [K, n]: got_codes are k's own
+    free = np.zeros(n, bool)
+    for k in range(num_k):
+        near = np.abs(y[:, :, None] - scaled[k][None, None, :]) <= y_tol  # [n, d, boundaries]
+        for r in np.flatnonzero(near.any(axis=(1, 2))):
+            coords, bounds = np.nonzero(near[r])
+            if len(coords) > max_near:
+                free[r] = True
+                continue
+            others = np.where(codes[k, r, coords] == bounds + 1, bounds, bounds + 1)
+            variant_gains = []
+            for flip in itertools.product((False, True), repeat=len(coords)):
+                variant = codes[k, r].copy()
+                variant[coords[list(flip)]] = others[list(flip)]
+                c = c64[variant]
+                variant_gains.append((y[r] @ c) ** 2 / (c @ c))
+                chosen[k, r] |= np.array_equal(got_codes[r], variant)
+            lo[k, r], hi[k, r] = min(variant_gains), max(variant_gains)
+    floor = lo.max(axis=0) * (1 - gain_tol)
+    return free | np.any(chosen & (hi >= floor[None]), axis=0)
 
 
 def fit_vectors():
@@ -274,26 +294,46 @@ def test_gpu_fit_write_of_many_rows_matches_the_float64_oracle(request, rng, hea
 
 @pytest.mark.gpu
 def test_gpu_fit_write_of_many_rows_with_close_boundaries(request, rng, monkeypatch):
-    """Centroids two of whose boundaries lie closer than a cell of the kernel's code table and than
-    one step of the pre-scalings (no codec of the library has such; the kernel then searches every
-    candidate's boundaries): the same checks."""
+    """Centroids two of whose boundaries lie closer than a cell of the kernel's code table (no codec
+    of the library has such): K's codes under candidate 0 by search, V's under every candidate
+    (test_close_centroids_take_both_fallbacks_of_the_fitted_quad_write); the same checks."""
     monkeypatch.setattr(tq.TurboQuant, "centroids", property(close_centroids))
     many_rows_fit_write_check(request, rng, 128, (4, 3), jnp.bfloat16, special=False)
 
 
+def walk_conditions(centroids):
+    """The two conditions the CUDA fitted quad write checks on its tables (compress.cu
+    fill_fit_walk, fill_code_lut): whether no step between neighbouring pre-scalings moves a code by
+    more than one (T_{k,i} <= T_{k-1,i+1} and T_{k-1,i} <= T_{k,i+1} for the scaled boundaries
+    T_{k,i} = fl32(s_k b_i)), and whether no two of candidate 0's lie within a cell (1 / 119) of its
+    code table."""
+    c = np.asarray(centroids, np.float32)
+    b = ((c[1:] + c[:-1]) * np.float32(0.5)).astype(np.float32)
+    t = np.stack([(np.float32(s) * b).astype(np.float32) for s in FIT_GRID]).astype(np.float64)
+    one_step = bool(np.all(t[1:, :-1] <= t[:-1, 1:]) and np.all(t[:-1, :-1] <= t[1:, 1:]))
+    return one_step, bool(np.min(np.diff(t[0])) >= 1 / 119)
+
+
 def test_fit_walk_is_exact_for_the_codebooks_of_the_hadamard_write():
     """The CUDA fitted write of Hadamard codecs (head_dim 64 / 128, 2-4 bits, from 4096 rows) finds
-    each coordinate's code under pre-scaling k from its code under k - 1, one boundary at most
-    away: exact where T_{k,i} <= T_{k-1,i+1} and T_{k-1,i} <= T_{k,i+1} for the scaled boundaries
-    T_{k,i} = fl32(s_k b_i), and its code table of candidate 0 (cells 1 / 119 wide) where no two of
-    T_{0,i} are closer than a cell. Both hold for every codebook it serves."""
+    each coordinate's code under pre-scaling k from its code under k - 1 and its code under
+    candidate 0 from a table: exact where walk_conditions hold, which they do for every codebook it
+    serves (with a margin on the table's cells)."""
     for head_dim in (64, 128):
         for bits in (2, 3, 4):
-            c = np.asarray(tq.TurboQuant(head_dim, bits, 0, "hadamard", "fit").centroids, np.float32)
-            b = ((c[1:] + c[:-1]) * np.float32(0.5)).astype(np.float32)
-            t = np.stack([(np.float32(s) * b).astype(np.float32) for s in FIT_GRID]).astype(np.float64)
-            assert np.all(t[1:, :-1] <= t[:-1, 1:]) and np.all(t[:-1, :-1] <= t[1:, 1:]), (head_dim, bits)
-            assert np.min(np.diff(t[0])) > 1.5 / 119, (head_dim, bits)
+            c = tq.TurboQuant(head_dim, bits, 0, "hadamard", "fit").centroids
+            assert walk_conditions(c) == (True, True), (head_dim, bits)
+            b = np.asarray(c, np.float32)
+            assert np.min(np.diff((b[1:] + b[:-1]) / 2)) * FIT_GRID[0] > 1.5 / 119, (head_dim, bits)
+
+
+def test_close_centroids_take_both_fallbacks_of_the_fitted_quad_write():
+    """The close-boundaries GPU test's codebooks (oracle.close_centroids) reach both fallbacks of the
+    kernel: K's (4 bits) still walks but finds candidate 0's codes by search, V's (3 bits) searches
+    every candidate."""
+    k_codec, v_codec = (tq.TurboQuant(128, bits, 0, "hadamard", "fit") for bits in (4, 3))
+    assert walk_conditions(close_centroids(k_codec)) == (True, False)
+    assert walk_conditions(close_centroids(v_codec))[0] is False
 
 
 @pytest.mark.gpu
