@@ -255,7 +255,7 @@ __device__ __noinline__ float scaled_row_norm(const void* x, int dtype, int64_t 
 
 // The norms of rows r0, r1 (v0 / v1: the rows exist) from a quad's partial sums of squares ss0,
 // ss1: a quad butterfly (bitwise identical in its 4 lanes, t = lane & 3), then the scaled re-read
-// where a sum left its safe range (the same in the quad's 4 lanes: they all take it).
+// where a sum left its safe range (the same in the quad's 4 lanes: they all take it); stored_norm.
 template <int D>
 __device__ __forceinline__ float2 quad_row_norms(float ss0, float ss1, bool v0, bool v1, const void* x, int dtype,
                                                  int64_t r0, int64_t r1, int t) {
@@ -272,7 +272,7 @@ __device__ __forceinline__ float2 quad_row_norms(float ss0, float ss1, bool v0, 
     const float scaled = scaled_row_norm<D, 4>(x, dtype, r1, t);
     if (scaled >= 0.f) n1 = scaled;
   }
-  return make_float2(n0, n1);
+  return make_float2(stored_norm(n0), stored_norm(n1));
 }
 
 // Packed group word w (8 codes, format.h) to its bits bytes at dst.
@@ -373,6 +373,7 @@ __device__ __forceinline__ void tq_gemm_body(const GemmParams& p, float* fit_tab
         const float scaled = scaled_row_norm<D, 1>(p.x, p.dtype, n0 + tid, 0);
         if (scaled >= 0.f) norm = scaled;
       }
+      norm = stored_norm(norm);
       nrm[tid] = norm;
       inv[tid] = norm > 0.f ? 1.0f / norm : 0.f;
     }
@@ -1722,6 +1723,7 @@ __global__ void __launch_bounds__(kHadWarps * 32, 8) tq_hadamard_fit_kernel(cons
       const float scaled = scaled_row_norm<D, 32>(p.x, p.dtype, n, lane);
       if (scaled >= 0.f) nrm = scaled;
     }
+    nrm = stored_norm(nrm);
     const float inv = nrm > 0.f ? 1.0f / nrm : 0.f;
     warp_hadamard_rotate<D>(x, w, buf_s[warp], lane);
     float y[C];
@@ -1913,6 +1915,7 @@ __device__ __forceinline__ float quad_unit_rotated(const GemmParams& p, int64_t 
     const float scaled = scaled_row_norm<D, 4>(p.x, p.dtype, n, g);
     if (scaled >= 0.f) nrm = scaled;
   }
+  nrm = stored_norm(nrm);
   const float inv = nrm > 0.f ? 1.0f / nrm : 0.f;
 #pragma unroll
   for (int j = 0; j < C; ++j) x[j] = flip_sign(x[j], (neg1 << (31 - j)) & 0x80000000u) * inv;

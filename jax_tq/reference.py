@@ -137,7 +137,7 @@ def _norm_and_unit(x):
     The scaling is two exact multiplies by 2^-(e/2)-ish factors, never by a subnormal reciprocal
     (x / 1e38 was flushed to 0 on the CPU). A zero vector gives (0, 0) with a gradient of 0 (not
     NaN); a NaN anywhere in x gives a NaN norm (tested explicitly: XLA's CPU max-reduction may
-    drop NaN); a norm beyond the dtype's range is inf."""
+    drop NaN); a norm beyond the dtype's range is inf; a norm below format.MIN_NORM gives (0, 0)."""
     has_nan = jnp.any(jnp.isnan(x), axis=-1)
     largest = jnp.max(jnp.abs(x), axis=-1)
     positive = (largest > 0) & ~has_nan  # False for 0 and NaN
@@ -148,8 +148,9 @@ def _norm_and_unit(x):
     scaled = x * down_a[..., None] * down_b[..., None]
     root = jnp.sqrt(jnp.where(positive, jnp.sum(scaled * scaled, axis=-1), 1.0))
     up = root * jnp.ldexp(one, half) * jnp.ldexp(one, exponent - half)
-    norms = jnp.where(positive, up, jnp.where(has_nan, jnp.nan, 0.0))
-    unit = jnp.where(positive[..., None], scaled / root[..., None], 0.0)
+    kept = positive & (up >= tq_format.MIN_NORM)  # below: stored as the zero vector
+    norms = jnp.where(kept, up, jnp.where(has_nan, jnp.nan, 0.0))
+    unit = jnp.where(kept[..., None], scaled / root[..., None], 0.0)
     return norms.astype(x.dtype), unit.astype(x.dtype)
 
 

@@ -113,6 +113,29 @@ def test_compress_norms_neither_overflow_nor_underflow(value):
     np.testing.assert_array_equal(results["ffi"], results["xla"])
 
 
+@pytest.mark.parametrize("rotation,scale,head_dim", [("haar", "norm", 128), ("hadamard", "norm", 128), ("haar", "fit", 64),
+                                                     ("hadamard", "fit", 64), ("haar", "norm", 256), ("haar", "fit", 256)])
+def test_compress_vector_of_subnormal_entries_is_stored_as_the_zero_vector(rotation, scale, head_dim):
+    """A norm below 2^-126 (docs/FORMAT.md: every entry subnormal) is stored as the zero vector on
+    every backend, not NaN (1 / norm overflows float32); a norm just above it keeps its codes, those
+    of the same direction at unit scale. On the default device: on a GPU the CUDA kernels of each
+    family (tensor-core, Hadamard, fitted, head_dim 256)."""
+    codec = tq.TurboQuant(head_dim, 4, 3, rotation, scale)
+    x = np.zeros((5, head_dim), np.float32)
+    x[1, 5] = 1e-39            # one subnormal entry
+    x[2, :] = -1e-39           # all subnormal, norm 1.13e-38 (head_dim 128; 8e-39 at 64)
+    x[3, 5] = 2e-38            # a normal spike: norm 2e-38 >= 2^-126
+    x[4, 5] = 1.0              # its direction at unit scale
+    for backend in ("ffi", "xla"):
+        with tq.use_backend(backend):
+            codes, norms = jax.jit(tq.compress)(jnp.asarray(x), codec)
+        codes, norms = np.asarray(codes), np.asarray(norms)
+        assert np.all(norms[:3] == 0.0), (backend, norms)
+        assert np.all(codes[1:3] == codes[0]), backend
+        np.testing.assert_array_equal(codes[3], codes[4], err_msg=backend)
+        np.testing.assert_allclose(norms[3], norms[4] * 2e-38, rtol=1e-6, err_msg=backend)
+
+
 @pytest.mark.parametrize("value", [1e38, 3e38])
 def test_compress_norm_beyond_float32_is_inf_in_both_backends(value):
     """||x|| above FLT_MAX is inf on both backends (the reference's x / max|x| used to flush to 0

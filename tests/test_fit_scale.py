@@ -16,7 +16,7 @@ import pytest
 import jax_tq as tq
 from jax_tq import codebook, reference
 from jax_tq.compress import compress_p
-from jax_tq.format import FIT_GRID, pack_codes, unpack_codes
+from jax_tq.format import FIT_GRID, MIN_NORM, pack_codes, unpack_codes
 from conftest import kernel_backend, slow_unless
 from oracle import close_centroids
 
@@ -30,7 +30,8 @@ def fit_candidates(x, rotation, centroids):
     gains <y, c>^2 / |c|^2 [K, n] and stored scales [K, n]."""
     x = np.asarray(x, np.float64)
     norms = np.linalg.norm(x, axis=-1)
-    y = (x / np.where(norms > 0, norms, 1)[:, None]) @ np.asarray(rotation, np.float64).T
+    norms = np.where(norms < MIN_NORM, 0.0, norms)  # stored as the zero vector below it
+    y = (x * np.where(norms > 0, 1 / np.where(norms > 0, norms, 1), 0)[:, None]) @ np.asarray(rotation, np.float64).T
     c32 = np.asarray(centroids, np.float32)
     boundaries = ((c32[1:] + c32[:-1]) * np.float32(0.5)).astype(np.float32)
     scaled = np.stack([(np.float32(s) * boundaries).astype(np.float64) for s in FIT_GRID])
@@ -211,10 +212,10 @@ def test_fit_compress_on_the_gpu_matches_the_float64_oracle(request, rng, head_d
 def many_rows_fit_write_check(request, rng, head_dim, bits, dtype, special=True):
     """write_cache of fitted Hadamard codecs with 4101 vectors per pool (the CUDA write's quad
     kernel from 4096: groups of 8 per warp, the last one partly empty) into poisoned pools and
-    window rows: zero, one-spike, NaN and (bfloat16 / float32) huge, tiny and 2^127-spike vectors,
-    a padding and an out-of-pool slot. Every written token's codes are a choice float32 rounding
-    allows (98% the float64 oracle's own, their scale within 2e-5); zero vectors store 0 and the
-    codes of y = 0, NaN vectors NaN and codes 0; the window rows are bf16(Pi x); every other slot
+    window rows: zero, one-spike, NaN and (bfloat16 / float32) huge, tiny, 2^127-spike and
+    lone-subnormal vectors, a padding and an out-of-pool slot. Every written token's codes are a choice float32 rounding
+    allows (98% the float64 oracle's own, their scale within 2e-5); zero vectors (and norms below
+    2^-126) store 0 and the codes of y = 0, NaN vectors NaN and codes 0; the window rows are bf16(Pi x); every other slot
     and entry keeps its poison."""
     hkv, page_size, num_pages, t, num_windows, window = 3, 16, 96, 1367, 4, 256
     k_codec = tq.TurboQuant(head_dim, bits[0], int(rng.integers(1000)), "hadamard", "fit")
@@ -235,6 +236,8 @@ def many_rows_fit_write_check(request, rng, head_dim, bits, dtype, special=True)
             x[:, 3] *= 1e-25  # below its safe range
             x[:, 4] = 0.0
             x[:, 4, :, 5] = 2.0 ** 127
+            x[:, 9] = 0.0
+            x[:, 9, :, 2] = 1e-39  # a subnormal entry alone: stored as the zero vector
         x[:, 7, :, 9] = np.nan
     x = np.asarray(jnp.asarray(x, dtype).astype(jnp.float32), np.float64)
     total = num_pages * page_size
@@ -264,7 +267,7 @@ def many_rows_fit_write_check(request, rng, head_dim, bits, dtype, special=True)
         assert not np.any(bad), (name, np.flatnonzero(bad))
         assert same.mean() > 0.98, (name, same.mean())
         np.testing.assert_allclose(got_scale[same], want_scale[same], rtol=2e-5, atol=1e-30)
-        zero = ~np.any(rows, axis=-1)
+        zero = np.linalg.norm(rows, axis=-1) < MIN_NORM
         assert np.all(got_scale[zero] == 0.0) and np.all(got_codes[zero] == (1 << (codec.bits - 1)) - 1)
         written = np.zeros((num_pages, page_size), bool)
         written[page_of, off] = True
@@ -274,6 +277,7 @@ def many_rows_fit_write_check(request, rng, head_dim, bits, dtype, special=True)
         wok = ok & (window_slots >= 0)
         entries = window_slots[wok]
         want_rows = x[which][wok] @ np.asarray(codec.rotation, np.float64).T          # [n, hkv, d]
+        want_rows[np.linalg.norm(x[which][wok], axis=-1) < MIN_NORM] = 0.0        # the zero vector
         got_rows = window_pool[entries // window, :, entries % window]
         fin = np.all(np.isfinite(want_rows), axis=-1) & (np.abs(want_rows).max(-1) < 1e30)
         top = np.abs(want_rows).max(-1, keepdims=True)

@@ -201,6 +201,15 @@ JTQ_HD void pack_sign_bits(const float* s, int head_dim, uint8_t* row) {
 }
 
 // ---------------------------------------------------------------------------
+// A norm below the smallest normal float32 (every entry of the vector subnormal) is stored as the
+// zero vector: norm 0, the codes of y = 0 (docs/FORMAT.md; format.py MIN_NORM). Its reciprocal
+// would overflow float32; NaN stays NaN.
+// ---------------------------------------------------------------------------
+constexpr float kMinNorm = 0x1p-126f;
+
+JTQ_HD float stored_norm(float norm) { return norm < kMinNorm ? 0.f : norm; }
+
+// ---------------------------------------------------------------------------
 // Quantizer: code = number of boundaries strictly less than y, where
 // boundary_i = (c_i + c_{i+1}) / 2 (computed in float32), nb = 2**bits - 1.
 // y exactly on a boundary goes to the lower centroid.
