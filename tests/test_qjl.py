@@ -139,16 +139,20 @@ def test_compress_matches_float64_oracle(rng, head_dim, bits, dtype):
 
 
 def test_compress_zero_vector_and_backends_agree(rng):
+    """A zero vector and one of subnormal entries only (docs/FORMAT.md: stored as zero): norm 0,
+    the codes of y = 0, a finite gamma, scores 0, on every backend."""
     codec = tq.TurboQuantProd(128, 4)
-    x = jnp.asarray(rng.normal(size=(6, 128)), jnp.float32).at[2].set(0.0)
+    x = jnp.asarray(rng.normal(size=(6, 128)), jnp.float32).at[2].set(0.0).at[4].set(-1e-39)
     got = tq.qjl_compress(x, codec)
-    assert float(got.norms[2]) == 0.0 and np.all(np.isfinite(np.asarray(got.gamma)))
+    assert np.all(np.asarray(got.norms)[[2, 4]] == 0.0) and np.all(np.isfinite(np.asarray(got.gamma)))
+    np.testing.assert_array_equal(np.asarray(got.codes)[4], np.asarray(got.codes)[2])
     with tq.use_backend("xla"):
         want = tq.qjl_compress(x, codec)
-    assert_compress_matches_oracle(want, x, codec)
+    assert np.all(np.asarray(want.norms)[[2, 4]] == 0.0)
+    assert_compress_matches_oracle(want, x.at[4].set(0.0), codec)
     np.testing.assert_allclose(np.asarray(got.gamma), np.asarray(want.gamma), atol=1e-5)
     q = jnp.asarray(rng.normal(size=(3, 128)), jnp.float32)
-    assert np.all(np.asarray(tq.qjl_scores(q, got, codec))[:, 2] == 0.0)
+    assert np.all(np.asarray(tq.qjl_scores(q, got, codec))[:, [2, 4]] == 0.0)
 
 
 # ----------------------------------------------------------------------------- scores
