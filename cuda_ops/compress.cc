@@ -102,8 +102,7 @@ struct RowCompressor {
   double rotate_unit(const float* x, double* y) const {
     double ss = 0.0;
     for (int i = 0; i < d; ++i) ss += double(x[i]) * double(x[i]);
-    const double raw = std::sqrt(ss);
-    const double norm = raw < double(kMinNorm) ? 0.0 : raw;  // the zero vector below (format.h)
+    const double norm = stored_norm(std::sqrt(ss));
     // The reciprocal in double: 1 / 1e38 is below float's normal range, and XLA's CPU threads
     // flush float subnormals to 0 (every code would be the zero code).
     const double inv = norm > 0.0 ? 1.0 / norm : 0.0;

@@ -1846,13 +1846,17 @@ __device__ __forceinline__ bool fill_code_lut(uint2* lut, const float* bnd, floa
   return apart;
 }
 
-// The code of z (y in units of `unit`: scale = kLutScale / unit) from the table, added to group at
-// its place (place = 1 << its bit offset). A NaN (the FFMA's canonical 0x7FFFFFFF) reads the last
-// cell, past any unit vector's coordinate, which holds code 0 (bucketize16's for a NaN).
-__device__ __forceinline__ void add_lut_code(uint32_t& group, float z, uint32_t place, const uint2* lut, float scale) {
+// The code of z (y in units of `unit`: scale = kLutScale / unit) from the table. A NaN (the
+// FFMA's canonical 0x7FFFFFFF) reads the last cell, past any unit vector's coordinate, which holds
+// code 0 (bucketize16's for a NaN).
+__device__ __forceinline__ uint32_t lut_code(float z, const uint2* lut, float scale) {
   const uint2 e = lut[__float_as_uint(fmaf(z, scale, kLutRound)) & (kLutCells - 1)];
-  group += e.x * place;
-  if (__uint_as_float(e.y) < z) group += place;
+  return e.x + (__uint_as_float(e.y) < z ? 1u : 0u);
+}
+
+// lut_code(z) added to group at its place (place = 1 << its bit offset).
+__device__ __forceinline__ void add_lut_code(uint32_t& group, float z, uint32_t place, const uint2* lut, float scale) {
+  group += lut_code(z, lut, scale) * place;
 }
 
 // Codes of a lane's chunk of 8 (x[8 ch ..]) packed as their 8-code group word (format.h: LSB first).
@@ -2129,12 +2133,6 @@ __device__ __forceinline__ void add_fit_sums_search(float z, const float* fit_ta
     dot[k] = fmaf(z, c, dot[k]);
     sq[k] = fmaf(c, c, sq[k]);
   }
-}
-
-// The code of z from the code table (fill_code_lut, exact where it says so).
-__device__ __forceinline__ uint32_t lut_code(float z, const uint2* lut, float scale) {
-  const uint2 e = lut[__float_as_uint(fmaf(z, scale, kLutRound)) & (kLutCells - 1)];
-  return e.x + (__uint_as_float(e.y) < z ? 1u : 0u);
 }
 
 template <int D, int XT>

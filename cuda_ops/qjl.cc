@@ -40,8 +40,7 @@ QjlRow compress_row(const float* x, int d, int bits, const std::vector<double>& 
                     const float* boundaries, uint8_t* codes_row, uint8_t* signs_row) {
   double ss = 0.0;
   for (int i = 0; i < d; ++i) ss += double(x[i]) * double(x[i]);
-  const double raw = std::sqrt(ss);
-  const double norm = raw < double(kMinNorm) ? 0.0 : raw;  // the zero vector below (format.h)
+  const double norm = stored_norm(std::sqrt(ss));
   const double inv = norm > 0.0 ? 1.0 / norm : 0.0;
   double u[kMaxHeadDim], y[kMaxHeadDim], r[kMaxHeadDim], s[kMaxHeadDim];
   uint8_t codes[kMaxHeadDim];

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_tq as tq
-from jax_tq import _compat, reference
+from jax_tq import _compat, codebook, reference
 from jax_tq.format import paged_tokens, unpack_codes
 
 
@@ -73,7 +73,6 @@ def close_centroids(codec):
     """The codec's Lloyd-Max centroids with two moved next to their lower neighbour (1e-3 apart):
     boundaries closer than any codebook of the library has (monkeypatched in as the codecs'
     centroids, they send the CUDA writes to their search paths)."""
-    from jax_tq import codebook
     c = codebook.lloyd_max_centroids(codec.head_dim, codec.bits).astype(np.float64)
     mid = len(c) // 2
     c[mid], c[mid + 1] = c[mid - 1] + 1e-3, c[mid - 1] + 2e-3

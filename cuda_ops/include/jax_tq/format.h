@@ -208,6 +208,7 @@ JTQ_HD void pack_sign_bits(const float* s, int head_dim, uint8_t* row) {
 constexpr float kMinNorm = 0x1p-126f;
 
 JTQ_HD float stored_norm(float norm) { return norm < kMinNorm ? 0.f : norm; }
+JTQ_HD double stored_norm(double norm) { return norm < double(kMinNorm) ? 0.0 : norm; }
 
 // ---------------------------------------------------------------------------
 // Quantizer: code = number of boundaries strictly less than y, where
