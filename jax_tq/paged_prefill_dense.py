@@ -1,12 +1,14 @@
 """Paged prefill of many query rows as flash attention over the sequences' decoded tokens.
 
-The compressed tokens the rows attend to are decoded once (norm * centroid, in K's / V's rotated
-space, the window's bfloat16 rows on its last tokens) into a bfloat16 [S, max_tokens, Hkv, d] span;
-tensor-core flash attention (cuDNN on the GPU) then serves every query row and head from it, each
-sequence a segment of cuDNN's packed layout over the rows where they already sit (no row moves). A
-chunk after cached tokens is two attentions merged by their log-sum-exp (FlashAttention's split-KV
-merge, arXiv 2307.08691 section 3.1.1): the rows over the cached prefix (no mask) and over the
-chunk's own tokens (causal, square, so the diagonal's alignment does not matter).
+The compressed tokens the rows attend to are decoded once into a bfloat16 [S, max_tokens, Hkv, d]
+span in the model's space: the pages by ``jax_tq.decompress``'s primitive (on the GPU its kernel,
+norm x (c[codes] @ Pi) per token, skipped slots given norm 0), the window's rows rotated back and
+scattered over each sequence's last tokens. Tensor-core flash attention (cuDNN on the GPU) then
+serves every query row and head from it, each sequence a segment of cuDNN's packed layout over the
+rows where they already sit and the keys where they sit in the span (nothing gathered). A chunk
+after cached tokens is two attentions merged by their log-sum-exp (FlashAttention's split-KV merge,
+arXiv 2307.08691 section 3.1.1): the rows over the cached prefix (no mask) and over the chunk's own
+tokens (causal, square, so the diagonal's alignment does not matter).
 
 Key slots the kernel would skip (a block-table entry outside the pool, a window id of none, a
 non-finite K norm) enter as zero keys and values: each adds exactly exp(0) = 1 to its rows' softmax
@@ -26,52 +28,93 @@ import jax
 import jax.numpy as jnp
 
 from jax_tq import _compat, reference
+from jax_tq import _primitive_utils as pu
 from jax_tq import format as tq_format
+from jax_tq.compress import decompress_p
 
 __all__ = ["span_tokens", "dense_prefill"]
 
 
-def span_tokens(codes, norms, centroids, bits: int, block_tables, seq_lens, window_rows, window_ids, dtype):
-    """Each sequence's tokens in position order, decoded in the rotated space.
+def span_tokens(codes, norms, centroids, rotation, bits: int, block_tables, seq_lens, window_rows, window_ids, dtype,
+                zeroed=None):
+    """Each sequence's tokens in position order, decoded by ``jax_tq.decompress``'s primitive (on the GPU
+    its kernel: norm x (c[codes] @ Pi) per token, one pass that writes the span).
 
     Args:
       codes: uint8 [num_pages, Hkv, page_size, d * bits / 8]; norms float32 [num_pages, Hkv, page_size];
-        centroids float32 [2**bits]; bits 2, 3 or 4.
+        centroids float32 [2**bits]; rotation float32 [d, d] (Pi: the tokens come out in the model's
+        space) or None (K's / V's rotated space); bits 2, 3 or 4.
       block_tables: int32 [S, max_pages].  seq_lens: int32 [S] (clamped to [0, max_pages * page_size]).
-      window_rows: bfloat16 [num_windows, Hkv, W, d] (num_windows * W == 0: no window), position p of a
-        sequence in entry p % W of its ring; window_ids int32 [S].
+      window_rows: bfloat16 [num_windows, Hkv, W, d] in the rotated space (num_windows * W == 0: no
+        window), position p of a sequence in entry p % W of its ring; window_ids int32 [S].
       dtype: the result's dtype.
+      zeroed: None or bool [S, max_pages * page_size, Hkv]: slots whose token is zero as well (V's
+        where K's is skipped).
     Returns:
-      (tokens [S, max_pages * page_size, Hkv, d] of ``dtype``, zero where not valid or not finite;
+      (tokens [S, max_pages * page_size, Hkv, d] of ``dtype``, zero where not valid, not finite or
+       ``zeroed``;
        valid bool [S, max_pages * page_size]: a position < seq_len whose page id is in the pool, or
        whose window id is one;
        finite bool [S, max_pages * page_size, Hkv]: its norm (a window row: every entry) is finite).
     """
-    num_pages, num_kv_heads, page_size, _ = codes.shape
+    num_pages, num_kv_heads, page_size, row_bytes = codes.shape
     num_seqs, max_pages = block_tables.shape
     capacity = max_pages * page_size
+    head_dim = row_bytes * 8 // bits
     page_ok = (block_tables >= 0) & (block_tables < num_pages)
     safe = jnp.where(page_ok, block_tables, 0)
-    decoded = reference._dequantize_rotated_impl(codes[safe], norms[safe], centroids, bits=bits)
-    head_dim = decoded.shape[-1]
-    tokens = jnp.transpose(decoded, (0, 1, 3, 2, 4)).reshape(num_seqs, capacity, num_kv_heads, head_dim)
+    slot_norms = jnp.transpose(norms[safe], (0, 1, 3, 2)).reshape(num_seqs, capacity, num_kv_heads)
     valid = jnp.repeat(page_ok, page_size, axis=1)
-    finite = jnp.isfinite(jnp.transpose(norms[safe], (0, 1, 3, 2)).reshape(num_seqs, capacity, num_kv_heads))
-    positions = jnp.arange(capacity, dtype=jnp.int32)[None, :]
+    finite = jnp.isfinite(slot_norms)
     lengths = jnp.clip(seq_lens, 0, min(capacity, tq_format.INDEX_MAX))
-    num_windows, _, length, _ = window_rows.shape
-    if num_windows * length:
-        from_window = (positions >= tq_format.paged_tokens(seq_lens, capacity, length)[:, None]) & (
-            positions < lengths[:, None])
-        id_ok = (window_ids >= 0) & (window_ids < num_windows)
-        ring = window_rows[jnp.where(id_ok, window_ids, 0)]                       # [S, Hkv, W, d]
-        rows = jnp.transpose(jnp.take(ring, positions[0] % length, axis=2), (0, 2, 1, 3))
-        tokens = jnp.where(from_window[..., None, None], rows.astype(tokens.dtype), tokens)
-        valid = jnp.where(from_window, id_ok[:, None], valid)
-        finite = jnp.where(from_window[..., None], jnp.all(jnp.isfinite(rows), axis=-1), finite)
-    valid = valid & (positions < lengths[:, None])
+    window = _window_tokens(window_rows, window_ids, seq_lens, capacity) if window_rows.size else None
+    if window is not None:   # the ring's positions: [paged_tokens, length) of each sequence
+        valid = valid.at[window.seq, window.position].set(window.id_ok, mode="drop")
+        finite = finite.at[window.seq, window.position].set(window.finite, mode="drop")
+    valid = valid & (jnp.arange(capacity)[None, :] < lengths[:, None])
     keep = valid[..., None] & finite
-    return jnp.where(keep[..., None], tokens, 0).astype(dtype), valid, finite
+    if zeroed is not None:
+        keep = keep & ~zeroed
+    matrix = jnp.eye(head_dim, dtype=centroids.dtype) if rotation is None else rotation
+    row_codes = jnp.transpose(codes[safe], (0, 1, 3, 2, 4)).reshape(-1, row_bytes)
+    (tokens,) = pu.bind(decompress_p, row_codes, jnp.where(keep, slot_norms, 0).reshape(-1), matrix, centroids,
+                        bits=bits, dtype=jnp.dtype(dtype), backend="auto")
+    tokens = tokens.reshape(num_seqs, capacity, num_kv_heads, head_dim)
+    if window is not None:
+        rows = window.rows if rotation is None else jnp.einsum(
+            "swhd,de->swhe", window.rows.astype(jnp.float32), rotation.astype(jnp.float32),
+            precision=jax.lax.Precision.HIGHEST)
+        kept = jnp.take_along_axis(keep, jnp.clip(window.position, 0, capacity - 1)[..., None], axis=1)
+        tokens = tokens.at[window.seq, window.position].set(jnp.where(kept[..., None], rows, 0).astype(dtype),
+                                                           mode="drop")
+    return tokens, valid, finite
+
+
+class _WindowTokens(NamedTuple):
+    """The window's tokens of each sequence, W per sequence ([S, W] index pairs into the span; a
+    position past the sequence's end is ``capacity``, which a scatter with mode "drop" skips):
+    their rows [S, W, Hkv, d] (the ring's dtype), whether the window id is one [S, W], whether every
+    entry of a row is finite [S, W, Hkv]."""
+    seq: jax.Array
+    position: jax.Array
+    rows: jax.Array
+    id_ok: jax.Array
+    finite: jax.Array
+
+
+def _window_tokens(window_rows, window_ids, seq_lens, capacity: int) -> _WindowTokens:
+    num_windows, _, length, _ = window_rows.shape
+    num_seqs = seq_lens.shape[0]
+    lengths = jnp.clip(seq_lens, 0, min(capacity, tq_format.INDEX_MAX))
+    position = tq_format.paged_tokens(seq_lens, capacity, length)[:, None] + jnp.arange(length, dtype=jnp.int32)
+    position = jnp.where(position < lengths[:, None], position, capacity)                  # [S, W]
+    id_ok = (window_ids >= 0) & (window_ids < num_windows)
+    ring = window_rows[jnp.where(id_ok, window_ids, 0)]                                     # [S, Hkv, W, d]
+    rows = jnp.take_along_axis(ring, (position % length)[:, None, :, None], axis=2)
+    rows = jnp.transpose(rows, (0, 2, 1, 3))                                                # [S, W, Hkv, d]
+    seq = jnp.broadcast_to(jnp.arange(num_seqs, dtype=jnp.int32)[:, None], position.shape)
+    return _WindowTokens(seq, position, rows, jnp.broadcast_to(id_ok[:, None], position.shape),
+                         jnp.all(jnp.isfinite(rows), axis=-1))
 
 
 def dense_prefill(q, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids, block_tables, seq_lens, k_window,
@@ -94,34 +137,34 @@ def dense_prefill(q, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroid
         over segments, as :func:`jax_tq._compat.cudnn_attention_with_lse` (the default); the CPU
         tests pass XLA's exact attention (``tests/oracle.py``).
       dtype: the dtype of the queries and decoded tokens handed to ``attend``, and of the result.
-    Memory: the span (2 x S x max_pages x page_size x Hkv x d of ``dtype``, and its rotation), each
-    row's own K / V (2 x T x Hkv x d), two attention outputs (T x H x d of ``dtype`` each). A
+    Memory: the span (2 x S x max_pages x page_size x Hkv x d of ``dtype``) and the pages' codes
+    gathered into it, two attention outputs (T x H x d of ``dtype`` each). A
     decreasing query_start_loc (``jax_tq.checked`` reports it) is read as its running maximum.
     """
     attend = _compat.cudnn_attention_with_lse if attend is None else attend
     num_rows = q.shape[0]
     num_seqs, max_pages = block_tables.shape
     capacity = max_pages * k_codes.shape[2]
-    keys, valid, k_finite = span_tokens(k_codes, k_norms, k_centroids, k_bits, block_tables, seq_lens, k_window,
-                                        window_ids, dtype)
-    values, _, v_finite = span_tokens(v_codes, v_norms, v_centroids, v_bits, block_tables, seq_lens, v_window,
-                                      window_ids, dtype)
-    values = jnp.where(k_finite[..., None], values, 0)   # a skipped key's value adds nothing either
-    keys, values = _rotated_back(keys, k_rotation), _rotated_back(values, v_rotation)
+    keys, valid, k_finite = span_tokens(k_codes, k_norms, k_centroids, k_rotation, k_bits, block_tables, seq_lens,
+                                        k_window, window_ids, dtype)
+    values, _, v_finite = span_tokens(v_codes, v_norms, v_centroids, v_rotation, v_bits, block_tables, seq_lens,
+                                      v_window, window_ids, dtype, zeroed=~k_finite)  # a skipped key's value adds nothing
     group = q.shape[1] // keys.shape[2]
     seg = _segments(query_start_loc, seq_lens, num_rows, capacity)
     row = _row_places(seg, num_rows)
     queries = q.astype(dtype)
     active = seg.seen > 0
-    own_call = _packed_call(attend, scale, seg.first, seg.seen, seg.first, seg.seen, active)
-    out_own, lse_own = own_call(queries, keys[row.seq, row.own], values[row.seq, row.own], causal=True)
+    flat = (num_seqs * capacity,) + keys.shape[2:]
+    keys, values = keys.reshape(flat), values.reshape(flat)
+    span_starts = jnp.arange(num_seqs, dtype=jnp.int32) * capacity
+    # Each sequence's chunk: causal over its own tokens, which sit in the span after its prefix.
+    own_call = _packed_call(attend, scale, seg.first, seg.seen, span_starts + seg.prefix, seg.seen, active)
+    out_own, lse_own = own_call(queries, keys, values, causal=True)
     # The cached prefixes: unmasked, every sequence's tokens before its chunk. Run whether or not any
     # sequence has one (a lax.cond would read its predicate on the host, one round trip per call).
     has_prefix = active & (seg.prefix > 0)
-    prefix_call = _packed_call(attend, scale, seg.first, seg.seen, jnp.arange(num_seqs, dtype=jnp.int32) * capacity,
-                               seg.prefix, has_prefix)
-    flat = (num_seqs * capacity,) + keys.shape[2:]
-    out_prefix, lse_prefix = prefix_call(queries, keys.reshape(flat), values.reshape(flat), causal=False)
+    prefix_call = _packed_call(attend, scale, seg.first, seg.seen, span_starts, seg.prefix, has_prefix)
+    out_prefix, lse_prefix = prefix_call(queries, keys, values, causal=False)
     # Per KV head. Zero keys (slots the kernel skips: an invalid page or window id, a non-finite K
     # norm) each add 1 to the softmax sums: the prefix's to all its rows, the chunk's causally. A
     # non-finite V norm (of a key not skipped) makes NaN the rows that see its token, all of their
@@ -139,14 +182,6 @@ def dense_prefill(q, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroid
     owned = reference.prefill_row_lens(query_start_loc, seq_lens, num_rows, capacity)[2]
     nan_rows = ~jnp.all(jnp.isfinite(q), axis=-1) & owned[:, None]                             # [T, H]
     return jnp.where(nan_rows[..., None], jnp.nan, out).astype(dtype)
-
-
-def _rotated_back(tokens, rotation):
-    """Decoded tokens [S, L, Hkv, d] in a codec's rotated space back to the model's (x = x_rot @ Pi), in
-    their dtype (bfloat16: float32 accumulation); unchanged for rotation None."""
-    if rotation is None:
-        return tokens
-    return jnp.einsum("sthd,de->sthe", tokens, rotation.astype(tokens.dtype), precision=jax.lax.Precision.HIGHEST)
 
 
 class _Segments(NamedTuple):

@@ -137,6 +137,62 @@ def test_dense_path_in_the_models_space_equals_the_reference_between_rotations(r
     assert rel_err(np.asarray(got), to_f64(out_rot) @ v_rotation) < 2e-7
 
 
+@pytest.mark.parametrize("window_ids", [(2, 0, 1), (1, -1, 5)])
+def test_dense_path_in_the_models_space_reads_the_window_rows_rotated_back(rng, window_ids):
+    """A cache with a window (the presets' format): each sequence's last W tokens come from its ring,
+    rotated back like the decoded pages; a window id of none (-1) or outside [0, num_windows) skips
+    those tokens. Sequences longer than, equal to and shorter than the window; GQA 2."""
+    with _compat.enable_x64():
+        cache = random_window_cache(rng, head_dim=64, num_kv_heads=2, page_size=16, num_pages=40, window=24,
+                                    num_windows=3, k_bits=4, v_bits=3)
+        cache = jax.tree.map(lambda a: a.astype(jnp.float64) if a.dtype == jnp.float32 else a, cache)
+        lens = (150, 24, 10)
+        tables = random_tables(rng, lens, 16, 40)
+        starts = np.asarray([0, 40, 64, 70])
+        q = rng.normal(size=(70, 4, 64))
+        operands = _operands(cache, q, tables, lens, starts, window_ids=window_ids)
+        k_rotation, v_rotation = to_f64(cache.k_codec.rotation), to_f64(cache.v_codec.rotation)
+        got = paged_prefill_dense.dense_prefill(jnp.asarray(q), *operands[1:], k_bits=4, v_bits=3, scale=0.125,
+                                                k_rotation=jnp.asarray(k_rotation), v_rotation=jnp.asarray(v_rotation),
+                                                attend=exact_attend, dtype=jnp.float64)
+        out_rot = prefill_module._reference(*operands, jnp.zeros((0,), jnp.float64), k_bits=4, v_bits=3, scale=0.125)[0]
+    assert rel_err(np.asarray(got), to_f64(out_rot) @ v_rotation) < 2e-7
+
+
+def test_dense_path_treats_non_finite_window_rows_as_the_kernel_does(rng):
+    """A K window row with a NaN entry is a skipped key (its value too); a V row with an infinite
+    entry makes NaN the rows of its KV head that see it (the CPU kernel's are inf or NaN there; the
+    reference propagates both instead), in the model's space."""
+    cache = random_window_cache(rng, head_dim=64, num_kv_heads=2, page_size=16, num_pages=40, window=24,
+                                num_windows=3, k_bits=4, v_bits=3)
+    k_window = np.array(cache.k_window.astype(jnp.float32))
+    v_window = np.array(cache.v_window.astype(jnp.float32))
+    k_window[0, 1, 7, 5] = np.nan     # window 0 (sequence 1), KV head 1, ring entry 7
+    v_window[2, 0, 3, 9] = np.inf     # window 2 (sequence 0), KV head 0, ring entry 3 (position 147)
+    cache = dataclasses.replace(cache, k_window=jnp.asarray(k_window, jnp.bfloat16),
+                                v_window=jnp.asarray(v_window, jnp.bfloat16))
+    lens = jnp.asarray((150, 24, 10), jnp.int32)
+    tables = jnp.asarray(random_tables(rng, (150, 24, 10), 16, 40))
+    starts = jnp.asarray([0, 40, 64, 70], jnp.int32)
+    q = jnp.asarray(rng.normal(size=(70, 4, 64)), jnp.float32)
+    k_rotation, v_rotation = cache.k_codec.rotation, cache.v_codec.rotation
+    ops = (q @ k_rotation.T, cache.k_codes, cache.k_norms, cache.v_codes, cache.v_norms, cache.k_codec.centroids,
+           cache.v_codec.centroids, tables, lens,
+           *window_operands(cache, jnp.asarray([2, 0, 1], jnp.int32), lens, "paged_prefill"), starts)
+    with tq.use_backend("ffi"):
+        out_rot = np.asarray(prefill_module._prefill(*ops, jnp.zeros((0,), jnp.float32), 4, 3, 0.125, False, "ffi",
+                                                     0, 0.0), np.float64)
+    with np.errstate(invalid="ignore"):   # inf x 0
+        kernel = out_rot @ np.asarray(v_rotation, np.float64)
+    dense = np.asarray(paged_prefill_dense.dense_prefill(q, *ops[1:], k_bits=4, v_bits=3, scale=0.125,
+                                                         k_rotation=k_rotation, v_rotation=v_rotation,
+                                                         attend=exact_attend, dtype=jnp.float32))
+    bad = ~np.isfinite(kernel).all(axis=-1)   # [T, H]: the kernel's rows reached by the infinity (inf or NaN)
+    assert np.array_equal(np.isnan(dense).all(axis=-1), bad) and np.isfinite(dense[~bad]).all()
+    assert np.array_equal(np.nonzero(bad.any(axis=1))[0], [37, 38, 39]) and not bad[:, 2:].any()
+    assert rel_err(dense[~bad], kernel[~bad]) < 1e-5
+
+
 def test_dense_path_in_float32_is_close_to_the_float64_reference(rng):
     cache = random_cache(rng, num_pages=64, page_size=16, num_kv_heads=2, head_dim=128, k_bits=4, v_bits=4,
                          seed=int(rng.integers(1 << 16)))
