@@ -125,11 +125,11 @@ def write_chain(num_tokens):
     return jax.jit(run)
 
 
-def write_rows(bits_list):
+def write_rows(bits_list, token_counts):
     print("\n## Cache write, us per call (K and V; chain of 24)\n")
     print("| tokens written | " + " | ".join(f"K{b}V{b} plain | k{b}v{b} preset" for b in bits_list) + " |")
     print("|" + "---|" * (1 + 2 * len(bits_list)))
-    for num_tokens in (32, 128, 8192):
+    for num_tokens in token_counts:
         cells = [f"{num_tokens} ({'decode step' if num_tokens <= 128 else 'prefill'})"]
         decode_step = num_tokens <= 128
         pages = max(64, 2 * num_tokens // P)  # the chain's one copy of the pools per run: < 0.5 us per call
@@ -165,6 +165,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="32x8192,1x32768", help="decode shapes; empty: the writes only")
     parser.add_argument("--bits", default="4,3,2")
+    parser.add_argument("--tokens", default="32,128,8192", help="tokens per timed write (8 KV heads, K and V)")
     args = parser.parse_args()
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s]
     bits_list = [int(b) for b in args.bits.split(",")]
@@ -173,7 +174,7 @@ def main():
           f"{bandwidth / 1e9:.0f} GB/s")
     if shapes:
         decode_rows(shapes, bits_list, bandwidth)
-    write_rows(bits_list)
+    write_rows(bits_list, [int(t) for t in args.tokens.split(",")])
 
 
 if __name__ == "__main__":
