@@ -119,43 +119,30 @@ def test_dense_path_with_sinks_equals_the_float64_reference(rng):
     assert np.abs(got[:, 2]).max() < 1e-12 < np.abs(got[:, 3]).max()   # the sink of 40 takes every row's weight
 
 
-def test_dense_path_in_the_models_space_equals_the_reference_between_rotations(rng):
+@pytest.mark.parametrize("window_ids", [None, (2, 0, 1), (1, -1, 5)])
+def test_dense_path_in_the_models_space_equals_the_reference_between_rotations(rng, window_ids):
     """With the codecs' rotations the decoded K / V are rotated back and q is used as it is: the result
-    is the reference's out_rot @ Pi_v (two chunks after cached tokens and a fresh prompt, GQA 3)."""
+    is the reference's out_rot @ Pi_v. No window: two chunks after cached tokens and a fresh prompt,
+    GQA 3. A window (the presets' format): each sequence's last W tokens come from its ring, rotated
+    back too; a window id of none (-1) or outside [0, num_windows) skips them; sequences longer than,
+    equal to and shorter than W, GQA 2."""
     with _compat.enable_x64():
-        cache = random_cache(rng, num_pages=80, page_size=16, num_kv_heads=2, head_dim=64, k_bits=3, v_bits=4,
-                             seed=int(rng.integers(1 << 16)))
-        tables = random_tables(rng, (300, 90, 200), 16, 80)
-        starts = np.asarray([0, 100, 190, 290])
-        q = rng.normal(size=(290, 6, 64))
-        operands = _operands(cache, q, tables, (300, 90, 200), starts)
+        if window_ids is None:
+            cache = random_cache(rng, num_pages=80, page_size=16, num_kv_heads=2, head_dim=64, k_bits=3, v_bits=4,
+                                 seed=int(rng.integers(1 << 16)))
+            lens, starts, num_heads = (300, 90, 200), np.asarray([0, 100, 190, 290]), 6
+        else:
+            cache = random_window_cache(rng, head_dim=64, num_kv_heads=2, page_size=16, num_pages=80, window=24,
+                                        num_windows=3, k_bits=3, v_bits=4)
+            lens, starts, num_heads = (150, 24, 10), np.asarray([0, 40, 64, 70]), 4
+        tables = random_tables(rng, lens, 16, 80)
+        q = rng.normal(size=(int(starts[-1]), num_heads, 64))
+        operands = _operands(cache, q, tables, lens, starts, window_ids=window_ids)
         k_rotation, v_rotation = to_f64(cache.k_codec.rotation), to_f64(cache.v_codec.rotation)
         got = paged_prefill_dense.dense_prefill(jnp.asarray(q), *operands[1:], k_bits=3, v_bits=4, scale=0.125,
                                                 k_rotation=jnp.asarray(k_rotation), v_rotation=jnp.asarray(v_rotation),
                                                 attend=exact_attend, dtype=jnp.float64)
         out_rot = prefill_module._reference(*operands, jnp.zeros((0,), jnp.float64), k_bits=3, v_bits=4, scale=0.125)[0]
-    assert rel_err(np.asarray(got), to_f64(out_rot) @ v_rotation) < 2e-7
-
-
-@pytest.mark.parametrize("window_ids", [(2, 0, 1), (1, -1, 5)])
-def test_dense_path_in_the_models_space_reads_the_window_rows_rotated_back(rng, window_ids):
-    """A cache with a window (the presets' format): each sequence's last W tokens come from its ring,
-    rotated back like the decoded pages; a window id of none (-1) or outside [0, num_windows) skips
-    those tokens. Sequences longer than, equal to and shorter than the window; GQA 2."""
-    with _compat.enable_x64():
-        cache = random_window_cache(rng, head_dim=64, num_kv_heads=2, page_size=16, num_pages=40, window=24,
-                                    num_windows=3, k_bits=4, v_bits=3)
-        cache = jax.tree.map(lambda a: a.astype(jnp.float64) if a.dtype == jnp.float32 else a, cache)
-        lens = (150, 24, 10)
-        tables = random_tables(rng, lens, 16, 40)
-        starts = np.asarray([0, 40, 64, 70])
-        q = rng.normal(size=(70, 4, 64))
-        operands = _operands(cache, q, tables, lens, starts, window_ids=window_ids)
-        k_rotation, v_rotation = to_f64(cache.k_codec.rotation), to_f64(cache.v_codec.rotation)
-        got = paged_prefill_dense.dense_prefill(jnp.asarray(q), *operands[1:], k_bits=4, v_bits=3, scale=0.125,
-                                                k_rotation=jnp.asarray(k_rotation), v_rotation=jnp.asarray(v_rotation),
-                                                attend=exact_attend, dtype=jnp.float64)
-        out_rot = prefill_module._reference(*operands, jnp.zeros((0,), jnp.float64), k_bits=4, v_bits=3, scale=0.125)[0]
     assert rel_err(np.asarray(got), to_f64(out_rot) @ v_rotation) < 2e-7
 
 
