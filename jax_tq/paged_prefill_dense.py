@@ -75,15 +75,16 @@ def span_tokens(codes, norms, centroids, rotation, bits: int, block_tables, seq_
     keep = valid[..., None] & finite
     if zeroed is not None:
         keep = keep & ~zeroed
-    matrix = jnp.eye(head_dim, dtype=centroids.dtype) if rotation is None else rotation
+    compute = jnp.promote_types(dtype, jnp.float32)   # the kernel's operands: float32
+    matrix = jnp.eye(head_dim, dtype=compute) if rotation is None else rotation.astype(compute)
     row_codes = jnp.transpose(codes[safe], (0, 1, 3, 2, 4)).reshape(-1, row_bytes)
-    (tokens,) = pu.bind(decompress_p, row_codes, jnp.where(keep, slot_norms, 0).reshape(-1), matrix, centroids,
-                        bits=bits, dtype=jnp.dtype(dtype), backend="auto")
+    row_norms = jnp.where(keep, slot_norms, 0).astype(compute).reshape(-1)
+    (tokens,) = pu.bind(decompress_p, row_codes, row_norms, matrix, centroids.astype(compute), bits=bits,
+                        dtype=jnp.dtype(dtype), backend="auto")
     tokens = tokens.reshape(num_seqs, capacity, num_kv_heads, head_dim)
     if window is not None:
         rows = window.rows if rotation is None else jnp.einsum(
-            "swhd,de->swhe", window.rows.astype(jnp.float32), rotation.astype(jnp.float32),
-            precision=jax.lax.Precision.HIGHEST)
+            "swhd,de->swhe", window.rows.astype(compute), matrix, precision=jax.lax.Precision.HIGHEST)
         kept = jnp.take_along_axis(keep, jnp.clip(window.position, 0, capacity - 1)[..., None], axis=1)
         tokens = tokens.at[window.seq, window.position].set(jnp.where(kept[..., None], rows, 0).astype(dtype),
                                                            mode="drop")
