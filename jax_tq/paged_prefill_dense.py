@@ -67,7 +67,7 @@ def span_tokens(codes, norms, centroids, rotation, bits: int, block_tables, seq_
     valid = jnp.repeat(page_ok, page_size, axis=1)
     finite = jnp.isfinite(slot_norms)
     lengths = jnp.clip(seq_lens, 0, min(capacity, tq_format.INDEX_MAX))
-    window = _window_tokens(window_rows, window_ids, seq_lens, capacity) if window_rows.size else None
+    window = _window_tokens(window_rows, window_ids, seq_lens, lengths, capacity) if window_rows.size else None
     if window is not None:   # the ring's positions: [paged_tokens, length) of each sequence
         valid = valid.at[window.seq, window.position].set(window.id_ok, mode="drop")
         finite = finite.at[window.seq, window.position].set(window.finite, mode="drop")
@@ -103,10 +103,10 @@ class _WindowTokens(NamedTuple):
     finite: jax.Array
 
 
-def _window_tokens(window_rows, window_ids, seq_lens, capacity: int) -> _WindowTokens:
+def _window_tokens(window_rows, window_ids, seq_lens, lengths, capacity: int) -> _WindowTokens:
+    """lengths: seq_lens clamped as span_tokens clamps them."""
     num_windows, _, length, _ = window_rows.shape
     num_seqs = seq_lens.shape[0]
-    lengths = jnp.clip(seq_lens, 0, min(capacity, tq_format.INDEX_MAX))
     position = tq_format.paged_tokens(seq_lens, capacity, length)[:, None] + jnp.arange(length, dtype=jnp.int32)
     position = jnp.where(position < lengths[:, None], position, capacity)                  # [S, W]
     id_ok = (window_ids >= 0) & (window_ids < num_windows)
