@@ -2025,7 +2025,6 @@ __global__ void __launch_bounds__(kQuadWarps * 32) tq_hadamard_quad_kernel(const
   });
 }
 
-#if JTQ_CUDA_UNVERIFIED  // not yet run on a GPU
 // =============================================================================================
 // The fitted scale's write of Hadamard codecs (head_dim 64 / 128) in the quad layout: z as the
 // plain write's (quad_unit_rotated), then the fit (format.h "Fitted scale") against the
@@ -2202,7 +2201,6 @@ __global__ void __launch_bounds__(kQuadWarps * 32, 4) tq_hadamard_quad_fit_kerne
     store_quad_row<D>(p, n, valid, row, g, groups, nrm * (ratio * (1.0f / D)), nrm, x);  // 0 for a zero vector
   });
 }
-#endif  // JTQ_CUDA_UNVERIFIED
 
 // The fitted-scale compress (tq_fit_kernel); p1: a second problem of p's N, head_dim and x dtype,
 // run by grid.z = 1 of the same launch (nullptr: none).
@@ -2295,11 +2293,7 @@ bool hadamard_kernel_serves(int d, const GemmParams& p, const GemmParams* p1) {
 template <int D, int XT, bool FIT>
 ffi::Error launch_hadamard_quad_t(const char* op, cudaStream_t stream, const GemmParams& p, const GemmParams* p1) {
   void (*kernel)(GemmParams, GemmParams) = tq_hadamard_quad_kernel<D, XT>;
-#if JTQ_CUDA_UNVERIFIED
   if constexpr (FIT) kernel = tq_hadamard_quad_fit_kernel<D, XT>;
-#else
-  static_assert(!FIT, "tq_hadamard_quad_fit_kernel is built with JTQ_CUDA_UNVERIFIED");
-#endif
   static const KernelCfg cfg = occupancy_cfg(kernel, kQuadWarps * 32, 0);
   if (cfg.err != cudaSuccess) return cuda_error(op, "kernel setup", cfg.err);
   const unsigned nz = p1 != nullptr ? 2u : 1u;
@@ -2322,7 +2316,7 @@ ffi::Error launch_hadamard_quad(const char* op, cudaStream_t stream, int d, cons
 }
 
 // The fitted-scale compress: Hadamard codecs of head_dim 64 / 128 with their spec words (p.rot_spec,
-// and p1's) in the quad layout from kQuadFitMinRows rows (JTQ_CUDA_UNVERIFIED builds), one warp per
+// and p1's) in the quad layout from kQuadFitMinRows rows, one warp per
 // vector below; else tensor cores for d <= 128 (tq_fit_mma_kernel), the v1 fp32 kernel
 // (tq_fit_kernel) for d 192 / 256.
 ffi::Error launch_fit(const char* op, cudaStream_t stream, int d, const GemmParams& p,
@@ -2330,12 +2324,10 @@ ffi::Error launch_fit(const char* op, cudaStream_t stream, int d, const GemmPara
   if (p.N == 0) return ffi::Error::Success();
   if (p.N > (int64_t(1) << 40)) return invalid(op, "too many vectors");
   if (hadamard_kernel_serves(d, p, p1)) {
-#if JTQ_CUDA_UNVERIFIED  // tq_hadamard_quad_fit_kernel has not yet run on a GPU
     // From this many rows the quad kernel (8 rows per warp: fewer instructions per row) rather than
     // one warp per row (the shorter latency of a few rows).
     constexpr int64_t kQuadFitMinRows = 4096;
     if (p.N >= kQuadFitMinRows) return launch_hadamard_quad<true>(op, stream, d, p, p1);
-#endif
     return d == 64 ? launch_hadamard_fit_d<64>(op, stream, p, p1) : launch_hadamard_fit_d<128>(op, stream, p, p1);
   }
   if (d <= 128)

@@ -18,7 +18,7 @@
 
 namespace py = pybind11;
 
-// The op table's CUDA handlers. Kernels not yet run on a GPU (qjl.cu, paged_prefill.cu) are built
+// The op table's CUDA handlers. Kernels not yet run on a GPU (qjl.cu) are built
 // only with JAX_TQ_CUDA_UNVERIFIED=ON (CI builds them to keep them compiling): a handler this build
 // leaves out is a null weak symbol, and registrations() leaves it out (its op runs the reference).
 #define JTQ_DECLARE_CUDA(name, Stem) \

@@ -18,9 +18,8 @@ has() { [[ " $stages " == *" $1 "* ]]; }
 # -DJTQ_DEV_ONLY_D=128, which builds head_dim 128 only) is removed first: on a warm machine it
 # once made a later full build a head_dim-128 one, and 89 decode GPU tests failed with "head_dim
 # 64 not compiled in".
-# The kernels not yet run through their tests on a GPU (QJL scores; the fitted write's quad kernel,
-# from 4096 rows) are built only for the stages that test them.
-unverified=${JAX_TQ_CUDA_UNVERIFIED:-OFF}; if has qjl || has ftests; then unverified=ON; fi
+# The kernels not yet run through their tests on a GPU (QJL) are built only for the stage that tests them.
+unverified=${JAX_TQ_CUDA_UNVERIFIED:-OFF}; if has qjl; then unverified=ON; fi
 cuda_install() {
   local stamp="build/.cudaflags" want="flags:${CUDAFLAGS:-} unverified:$unverified trace:${JAX_TQ_TRACE_PHASES:-OFF}"
   if [[ -d build && "$(cat "$stamp" 2>/dev/null)" != "$want" ]]; then rm -rf build; fi
@@ -98,7 +97,7 @@ if has tests; then  # the CUDA cases of compress, write_cache and decode (not th
     tests/test_checks.py tests/test_sharding.py tests/test_qjl.py tests/test_prefill.py -k "not window and (test_qjl or test_prefill or not gpu)" 2>&1 | tee "$OUT/op_tests.log" | tail -n 15
   echo "tests: $(( $(date +%s) - t0 )) s"
 fi
-if has ftests; then  # the fitted scale (with the unverified kernels: its quad write) and the window on the CUDA kernels (against float64 / the CPU)
+if has ftests; then  # the fitted scale (its quad write included) and the window on the CUDA kernels (against float64 / the CPU)
   if [[ "$(cat build/.cudaflags 2>/dev/null)" != *"unverified:ON"* ]]; then  # a warm build without them: rebuild
     cuda_install >"$OUT/build_ftests.log" 2>&1 || { tail -n 40 "$OUT/build_ftests.log"; echo "FTESTS BUILD FAILED"; }
   fi
@@ -192,7 +191,7 @@ if has ncu; then  # decode kernels under Nsight Compute (NCU_KERNELS default "de
   done
 fi
 if has ncuw; then  # the prefill write kernels under Nsight Compute, one report per kind of NCUW_KINDS (default: plain k4v4;
-  # with JAX_TQ_CUDA_UNVERIFIED=ON k4v4 runs the fitted quad kernel): stall reasons, issue rate, shared-memory conflicts
+  # k4v4 runs the fitted quad kernel): stall reasons, issue rate, shared-memory conflicts
   for kind in ${NCUW_KINDS:-plain k4v4}; do
     env $ncu_env PYTHONPATH=benchmarks:${PYTHONPATH:-} timeout ${NCU_TIMEOUT:-200} \
       ncu --clock-control none -k regex:"tq_hadamard" --launch-skip 1 --launch-count 1 \
