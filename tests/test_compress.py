@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import jax_tq as tq
-from jax_tq.format import unpack_codes
+from jax_tq.format import MIN_NORM, unpack_codes
 
 from conftest import poison_device_memory, slow_unless
 from oracle import codes_agree, compress_f64, decompress_f64, jaxpr_count, on_cpu, rel_err
@@ -99,7 +99,7 @@ def test_compress_norms_beyond_input_dtype_range(rng, dtype, scale):
     assert rel_err(x_hat, np.asarray(x, np.float64)) < 0.25  # 3-bit quantization error only
 
 
-@pytest.mark.parametrize("value", [1e30, 1e-30, 3e-38])
+@pytest.mark.parametrize("value", [1e30, 1e-18, 6e-21])
 def test_compress_norms_neither_overflow_nor_underflow(value):
     codec = tq.TurboQuant(128, 4)
     x = jnp.full((3, 128), value, jnp.float32).at[1].multiply(-2.0)
@@ -115,25 +115,32 @@ def test_compress_norms_neither_overflow_nor_underflow(value):
 
 @pytest.mark.parametrize("rotation,scale,head_dim", [("haar", "norm", 128), ("hadamard", "norm", 128), ("haar", "fit", 64),
                                                      ("hadamard", "fit", 64), ("haar", "norm", 256), ("haar", "fit", 256)])
-def test_compress_vector_of_subnormal_entries_is_stored_as_the_zero_vector(rotation, scale, head_dim):
-    """A norm below 2^-126 (docs/FORMAT.md: every entry subnormal) is stored as the zero vector on
-    every backend, not NaN (1 / norm overflows float32); a norm just above it keeps its codes, those
-    of the same direction at unit scale. On the default device: on a GPU the CUDA kernels of each
-    family (tensor-core, Hadamard, fitted, head_dim 256)."""
-    codec = tq.TurboQuant(head_dim, 4, 3, rotation, scale)
-    x = np.zeros((5, head_dim), np.float32)
-    x[1, 5] = 1e-39            # one subnormal entry
-    x[2, :] = -1e-39           # all subnormal, norm 1.13e-38 (head_dim 128; 8e-39 at 64)
-    x[3, 5] = 2e-38            # a normal spike: norm 2e-38 >= 2^-126
-    x[4, 5] = 1.0              # its direction at unit scale
+def test_compress_vector_of_norm_below_min_norm_is_stored_as_the_zero_vector(rng, rotation, scale, head_dim):
+    """A norm below MIN_NORM = 2^-64 (docs/FORMAT.md) is stored as the zero vector on every backend,
+    not NaN: subnormal entries, alone or everywhere, and normal ones whose norm is just below it; a
+    norm just above it keeps the codes and the scale of the same direction at unit scale, also for a
+    random direction scaled by 2^-62 (its sums of squares take the scaled path). On the default
+    device: on a GPU the CUDA kernels of each family (tensor-core, Hadamard, fitted, head_dim 256)."""
+    codec = tq.TurboQuant(head_dim, 4, int(rng.integers(1000)), rotation, scale)
+    direction = rng.normal(size=head_dim)
+    x = np.zeros((8, head_dim), np.float32)
+    x[1, 5] = 1e-39                                                        # one subnormal entry
+    x[2, :] = -1e-39                                                       # all subnormal
+    x[3, :] = np.where(np.arange(head_dim) % 3, 0.99, -0.99) * MIN_NORM / np.sqrt(head_dim)  # norm 0.99 MIN_NORM
+    x[4, 5] = 1.01 * MIN_NORM                                              # a spike just above it
+    x[5, 5] = 1.0                                                          # its direction at unit scale
+    x[6] = direction * 2.0**-62
+    x[7] = direction
     for backend in ("ffi", "xla"):
         with tq.use_backend(backend):
             codes, norms = jax.jit(tq.compress)(jnp.asarray(x), codec)
         codes, norms = np.asarray(codes), np.asarray(norms)
-        assert np.all(norms[:3] == 0.0), (backend, norms)
-        assert np.all(codes[1:3] == codes[0]), backend
-        np.testing.assert_array_equal(codes[3], codes[4], err_msg=backend)
-        np.testing.assert_allclose(norms[3], norms[4] * 2e-38, rtol=1e-6, err_msg=backend)
+        assert np.all(norms[:4] == 0.0), (backend, norms)
+        assert np.all(codes[1:4] == codes[0]), backend
+        np.testing.assert_array_equal(codes[4], codes[5], err_msg=backend)
+        np.testing.assert_array_equal(codes[6], codes[7], err_msg=backend)
+        np.testing.assert_allclose(norms[4], norms[5] * np.float32(1.01 * MIN_NORM), rtol=1e-6, err_msg=backend)
+        np.testing.assert_allclose(norms[6], norms[7] * 2.0**-62, rtol=1e-6, err_msg=backend)
 
 
 @pytest.mark.parametrize("value", [1e38, 3e38])

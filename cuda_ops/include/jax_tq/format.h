@@ -201,11 +201,11 @@ JTQ_HD void pack_sign_bits(const float* s, int head_dim, uint8_t* row) {
 }
 
 // ---------------------------------------------------------------------------
-// A norm below the smallest normal float32 (every entry of the vector subnormal) is stored as the
-// zero vector: norm 0, the codes of y = 0 (docs/FORMAT.md; format.py MIN_NORM). Its reciprocal
-// would overflow float32; NaN stays NaN.
+// A norm below 2^-64 is stored as the zero vector: norm 0, the codes of y = 0 (docs/FORMAT.md;
+// format.py MIN_NORM). Below it the kernels' float32 products of x with the rotation (and the
+// low halves of their bfloat16 splits) fall under 2^-126 and lose their precision; NaN stays NaN.
 // ---------------------------------------------------------------------------
-constexpr float kMinNorm = 0x1p-126f;
+constexpr float kMinNorm = 0x1p-64f;
 
 JTQ_HD float stored_norm(float norm) { return norm < kMinNorm ? 0.f : norm; }
 JTQ_HD double stored_norm(double norm) { return norm < double(kMinNorm) ? 0.0 : norm; }
