@@ -119,8 +119,9 @@ def test_compress_vector_of_norm_below_min_norm_is_stored_as_the_zero_vector(rng
     """A norm below MIN_NORM = 2^-64 (docs/FORMAT.md) is stored as the zero vector on every backend,
     not NaN: subnormal entries, alone or everywhere, and normal ones whose norm is just below it; a
     norm just above it keeps the codes and the scale of the same direction at unit scale, also for a
-    random direction scaled by 2^-62 (its sums of squares take the scaled path). On the default
-    device: on a GPU the CUDA kernels of each family (tensor-core, Hadamard, fitted, head_dim 256)."""
+    random direction scaled by 2^-62 (its sums of squares take the scaled path); a fitted scale to
+    2e-5, test_fit_scale.py's tolerance (the CUDA fit's float32 sums: 5e-6 seen at head_dim 64). On
+    the default device: on a GPU the CUDA kernels of each family (tensor-core, Hadamard, fitted, head_dim 256)."""
     codec = tq.TurboQuant(head_dim, 4, int(rng.integers(1000)), rotation, scale)
     direction = rng.normal(size=head_dim)
     x = np.zeros((8, head_dim), np.float32)
@@ -139,8 +140,9 @@ def test_compress_vector_of_norm_below_min_norm_is_stored_as_the_zero_vector(rng
         assert np.all(codes[1:4] == codes[0]), backend
         np.testing.assert_array_equal(codes[4], codes[5], err_msg=backend)
         np.testing.assert_array_equal(codes[6], codes[7], err_msg=backend)
-        np.testing.assert_allclose(norms[4], norms[5] * np.float32(1.01 * MIN_NORM), rtol=1e-6, err_msg=backend)
-        np.testing.assert_allclose(norms[6], norms[7] * 2.0**-62, rtol=1e-6, err_msg=backend)
+        rtol = 2e-5 if scale == "fit" else 1e-6
+        np.testing.assert_allclose(norms[4], norms[5] * np.float32(1.01 * MIN_NORM), rtol=rtol, err_msg=backend)
+        np.testing.assert_allclose(norms[6], norms[7] * 2.0**-62, rtol=rtol, err_msg=backend)
 
 
 @pytest.mark.parametrize("value", [1e38, 3e38])
