@@ -65,7 +65,8 @@ def compress(x, codec):
     Returns:
       (codes, norms): codes uint8 [..., head_dim * bits / 8] packed as in docs/FORMAT.md, norms float32
       [...] (the L2 norm of each vector, in the units of x; for a ``scale="fit"`` codec the fitted
-      least-squares scale, docs/FORMAT.md "Fitted scale"). A zero vector gives norm 0.
+      least-squares scale, docs/FORMAT.md "Fitted scale"). A zero vector, or one whose norm is below
+      ``jax_tq.format.MIN_NORM`` (2^-64), gives norm 0 and the codes of the zero vector.
 
     Raises:
       TypeError: x is not a float32/bfloat16/float16 array; codec is not a TurboQuant.
@@ -74,7 +75,7 @@ def compress(x, codec):
     Source: TurboQuant (arXiv 2504.19874), Algorithm 1 (Quant_mse) with the norm stored apart.
 
     Differentiable in x through the norms only, on every backend: d norm = <x, dx> / norm (0 for a
-    zero vector; for fitted scales d scale = <dx, Pi^T c[codes]> / |c[codes]|^2, the scale being
+    vector stored as zero; for fitted scales d scale = <dx, Pi^T c[codes]> / |c[codes]|^2, the scale being
     linear in x for fixed codes); the codes are integers and get no gradient (rounding to centroids
     has none worth using).
     """
@@ -180,7 +181,8 @@ def _scale_tangent(x, dx, norms, codes, codec):
         return _norm_tangent(x, dx, norms)
     ones = jnp.ones(codes.shape[:-1], jnp.float32)
     direction = reference.decompress(codes, ones, codec.rotation, codec.centroids, codec.bits)
-    return jnp.sum(dx.astype(jnp.float32) * direction, axis=-1) / jnp.sum(direction * direction, axis=-1)
+    tangent = jnp.sum(dx.astype(jnp.float32) * direction, axis=-1) / jnp.sum(direction * direction, axis=-1)
+    return jnp.where(norms == 0, 0.0, tangent)   # stored as zero: 0 on every backend
 
 
 def _float0_zeros(a):

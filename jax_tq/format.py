@@ -42,8 +42,8 @@ CODES_PER_GROUP = 8
 #: beyond it can hold no out-of-range int32 index.
 INDEX_MAX = 2**31 - 1
 #: A norm below 2^-64 (~5.4e-20) is stored as the zero vector, norm 0 and the codes of y = 0, on
-#: every backend (format.h kMinNorm): below it float32 products of the vector's entries with the
-#: rotation leave float32's normal range and lose precision.
+#: every backend (format.h kMinNorm): a margin above the ~2^-100 from which the kernels' float32
+#: products of the vector's entries with the rotation fall below 2^-126 and lose precision.
 MIN_NORM = 2.0**-64
 #: Per-vector scale kinds of a codec: "norm" stores ||x|| (TurboQuant_mse as published), "fit" the
 #: least-squares scale of the best of the FIT_GRID pre-scalings (docs/FORMAT.md "Fitted scale").

@@ -133,7 +133,7 @@ def compress(x, rotation, centroids, bits: int, fit_scale: bool = False):
 
 def _norm_and_unit(x):
     """(||x||_2 over the last axis, x / ||x||), computed on x scaled by a power of two 2^-e with
-    max|x_i| < 2^e, so that the squares neither overflow (|x| ~1e30) nor underflow (|x| ~1e-30).
+    max|x_i| < 2^e, so that the squares neither overflow (|x| ~1e30) nor underflow (|x| ~1e-20).
     The scaling is two exact multiplies by 2^-(e/2)-ish factors, never by a subnormal reciprocal
     (x / 1e38 was flushed to 0 on the CPU). A zero vector gives (0, 0) with a gradient of 0 (not
     NaN); a NaN anywhere in x gives a NaN norm (tested explicitly: XLA's CPU max-reduction may

@@ -715,7 +715,7 @@ def test_write_cache_prefill_size_one_launch(rng, rotation):
 def hadamard_write_check(request, rng, head_dim, bits, dtype, special=True):
     """write_cache of plain Hadamard codecs (the quad-per-vector CUDA kernel) into poisoned pools:
     603 vectors per pool (groups of 8 per warp, the last one partly empty), zero, one-spike, NaN and
-    (for bfloat16 / float32) huge, tiny, 2^127-spike and lone-subnormal (stored as zero) vectors, a
+    (for bfloat16 / float32) huge, tiny, 2^127-spike and below-MIN_NORM (stored as zero) vectors, a
     padding and an out-of-pool slot.
     Every written token has the float64 oracle's codes (ties aside) and norm (NaN for the NaN rows);
     every other slot keeps its poison."""
@@ -734,11 +734,11 @@ def hadamard_write_check(request, rng, head_dim, bits, dtype, special=True):
         x[:, 1, :, 3] = -2.0
         if dtype != jnp.float16:
             x[:, 2] *= 1e25   # sum of squares past float32: the scaled norm
-            x[:, 3] *= 1e-17  # below its safe range
+            x[:, 3] = rng.normal(size=x[:, 3].shape) * 2.0**-66  # squares subnormal: the scaled norm; norm > 2^-64
             x[:, 4] = 0.0
             x[:, 4, :, 5] = 2.0 ** 127  # the scaled norm at the top exponent: 2^127, not inf
             x[:, 9] = 0.0
-            x[:, 9, :, 2] = 1e-39  # a subnormal entry alone: stored as the zero vector (not NaN)
+            x[:, 9, :, 2] = 5e-20  # norm below MIN_NORM = 2^-64: stored as the zero vector (not NaN)
         x[:, 7, :, 9] = np.nan  # norm NaN, codes 0 (every comparison with a NaN is false)
     x = np.asarray(jnp.asarray(x, dtype).astype(jnp.float32), np.float64)
     total = num_pages * page_size

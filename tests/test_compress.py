@@ -117,11 +117,12 @@ def test_compress_norms_neither_overflow_nor_underflow(value):
                                                      ("hadamard", "fit", 64), ("haar", "norm", 256), ("haar", "fit", 256)])
 def test_compress_vector_of_norm_below_min_norm_is_stored_as_the_zero_vector(rng, rotation, scale, head_dim):
     """A norm below MIN_NORM = 2^-64 (docs/FORMAT.md) is stored as the zero vector on every backend,
-    not NaN: subnormal entries, alone or everywhere, and normal ones whose norm is just below it; a
-    norm just above it keeps the codes and the scale of the same direction at unit scale, also for a
-    random direction scaled by 2^-62 (its sums of squares take the scaled path); a fitted scale to
-    2e-5, test_fit_scale.py's tolerance (the CUDA fit's float32 sums: 5e-6 seen at head_dim 64). On
-    the default device: on a GPU the CUDA kernels of each family (tensor-core, Hadamard, fitted, head_dim 256)."""
+    not NaN, with a derivative of 0: subnormal entries, alone or everywhere, and normal ones whose
+    norm is just below it. A norm just above it keeps the codes and the scale of the same direction
+    at unit scale, also for a random direction scaled by 2^-62 (its sums of squares take the scaled
+    path); a fitted scale to 2e-5, test_fit_scale.py's tolerance (the CUDA fit's float32 sums: 5e-6
+    seen at head_dim 64). On the default device: on a GPU the CUDA kernels of each family
+    (tensor-core, Hadamard, fitted, head_dim 256)."""
     codec = tq.TurboQuant(head_dim, 4, int(rng.integers(1000)), rotation, scale)
     direction = rng.normal(size=head_dim)
     x = np.zeros((8, head_dim), np.float32)
@@ -135,8 +136,10 @@ def test_compress_vector_of_norm_below_min_norm_is_stored_as_the_zero_vector(rng
     for backend in ("ffi", "xla"):
         with tq.use_backend(backend):
             codes, norms = jax.jit(tq.compress)(jnp.asarray(x), codec)
+            _, tangent = jax.jvp(lambda a: tq.compress(a, codec)[1], (jnp.asarray(x),), (jnp.ones(x.shape, jnp.float32),))
         codes, norms = np.asarray(codes), np.asarray(norms)
         assert np.all(norms[:4] == 0.0), (backend, norms)
+        assert np.all(np.asarray(tangent)[:4] == 0.0), (backend, tangent)
         assert np.all(codes[1:4] == codes[0]), backend
         np.testing.assert_array_equal(codes[4], codes[5], err_msg=backend)
         np.testing.assert_array_equal(codes[6], codes[7], err_msg=backend)

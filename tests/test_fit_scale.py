@@ -213,7 +213,7 @@ def many_rows_fit_write_check(request, rng, head_dim, bits, dtype, special=True)
     """write_cache of fitted Hadamard codecs with 4101 vectors per pool (the CUDA write's quad
     kernel from 4096: groups of 8 per warp, the last one partly empty) into poisoned pools and
     window rows: zero, one-spike, NaN and (bfloat16 / float32) huge, tiny, 2^127-spike and
-    lone-subnormal vectors, a padding and an out-of-pool slot. Every written token's codes are a choice float32 rounding
+    below-MIN_NORM vectors, a padding and an out-of-pool slot. Every written token's codes are a choice float32 rounding
     allows (98% the float64 oracle's own, their scale within 2e-5); zero vectors (and norms below
     2^-64) store 0 and the codes of y = 0, NaN vectors NaN and codes 0; the window rows are bf16(Pi x); every other slot
     and entry keeps its poison."""
@@ -233,11 +233,11 @@ def many_rows_fit_write_check(request, rng, head_dim, bits, dtype, special=True)
         x[:, 1, :, 3] = -2.0
         if dtype != jnp.float16:
             x[:, 2] *= 1e25   # sum of squares past float32: the scaled norm
-            x[:, 3] *= 1e-17  # below its safe range
+            x[:, 3] = rng.normal(size=x[:, 3].shape) * 2.0**-66  # squares subnormal: the scaled norm; norm > 2^-64
             x[:, 4] = 0.0
             x[:, 4, :, 5] = 2.0 ** 127
             x[:, 9] = 0.0
-            x[:, 9, :, 2] = 1e-39  # a subnormal entry alone: stored as the zero vector
+            x[:, 9, :, 2] = 5e-20  # norm below MIN_NORM = 2^-64: stored as the zero vector
         x[:, 7, :, 9] = np.nan
     x = np.asarray(jnp.asarray(x, dtype).astype(jnp.float32), np.float64)
     total = num_pages * page_size
@@ -359,7 +359,7 @@ def test_gpu_write_cache_of_hadamard_codecs_matches_the_float64_oracle(request, 
     x[:, 1] = 0.0
     x[:, 1, :, 3] = -2.0
     x[:, 2] *= 1e25   # sum of squares past float32: the scaled norm
-    x[:, 3] *= 1e-17  # below its safe range
+    x[:, 3] = rng.normal(size=x[:, 3].shape) * 2.0**-66  # squares subnormal: the scaled norm; norm > 2^-64
     x = np.asarray(jnp.asarray(x, dtype), np.float64)
     slots = rng.permutation(32 * page)[:num_tokens].astype(np.int32)
     slots[5] = -1

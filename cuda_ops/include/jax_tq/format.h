@@ -202,13 +202,15 @@ JTQ_HD void pack_sign_bits(const float* s, int head_dim, uint8_t* row) {
 
 // ---------------------------------------------------------------------------
 // A norm below 2^-64 is stored as the zero vector: norm 0, the codes of y = 0 (docs/FORMAT.md;
-// format.py MIN_NORM). Below it the kernels' float32 products of x with the rotation (and the
-// low halves of their bfloat16 splits) fall under 2^-126 and lose their precision; NaN stays NaN.
+// format.py MIN_NORM). A margin: from a norm of about 2^-100 down, the kernels' float32 products of
+// x with the rotation (and the low halves of their bfloat16 splits) fall under 2^-126 and lose
+// precision. Compared in float32 (the double overload rounds first, as the other backends store
+// float32 norms); NaN stays NaN.
 // ---------------------------------------------------------------------------
 constexpr float kMinNorm = 0x1p-64f;
 
 JTQ_HD float stored_norm(float norm) { return norm < kMinNorm ? 0.f : norm; }
-JTQ_HD double stored_norm(double norm) { return norm < double(kMinNorm) ? 0.0 : norm; }
+JTQ_HD double stored_norm(double norm) { return static_cast<float>(norm) < kMinNorm ? 0.0 : norm; }
 
 // ---------------------------------------------------------------------------
 // Quantizer: code = number of boundaries strictly less than y, where
