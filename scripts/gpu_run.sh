@@ -98,9 +98,6 @@ if has tests; then  # the CUDA cases of compress, write_cache and decode (not th
   echo "tests: $(( $(date +%s) - t0 )) s"
 fi
 if has ftests; then  # the fitted scale (its quad write included) and the window on the CUDA kernels (against float64 / the CPU)
-  if [[ "$(cat build/.cudaflags 2>/dev/null)" != *"unverified:ON"* ]]; then  # a warm build without them: rebuild
-    cuda_install >"$OUT/build_ftests.log" 2>&1 || { tail -n 40 "$OUT/build_ftests.log"; echo "FTESTS BUILD FAILED"; }
-  fi
   timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -m gpu tests/test_fit_scale.py tests/test_cache.py tests/test_decode.py tests/test_prefill.py -k "fit_scale or window" 2>&1 \
     | tee "$OUT/format_gpu_tests.log" | tail -n 12
   echo "ftests: $(( $(date +%s) - t0 )) s"
