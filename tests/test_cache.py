@@ -715,8 +715,8 @@ def test_write_cache_prefill_size_one_launch(rng, rotation):
 def hadamard_write_check(request, rng, head_dim, bits, dtype, special=True):
     """write_cache of plain Hadamard codecs (the quad-per-vector CUDA kernel) into poisoned pools:
     603 vectors per pool (groups of 8 per warp, the last one partly empty), zero, one-spike, NaN and
-    (for bfloat16 / float32) huge, tiny, 2^127-spike and below-MIN_NORM (stored as zero) vectors, a
-    padding and an out-of-pool slot.
+    (for bfloat16 / float32) huge, dense ~2^120, tiny, 2^127-spike and below-MIN_NORM (stored as zero)
+    vectors, a padding and an out-of-pool slot.
     Every written token has the float64 oracle's codes (ties aside) and norm (NaN for the NaN rows);
     every other slot keeps its poison."""
     hkv, page_size, num_pages, t = 3, 16, 16, 201
@@ -737,6 +737,7 @@ def hadamard_write_check(request, rng, head_dim, bits, dtype, special=True):
             x[:, 3] = rng.normal(size=x[:, 3].shape) * 2.0**-66  # squares subnormal: the scaled norm; norm > 2^-64
             x[:, 4] = 0.0
             x[:, 4, :, 5] = 2.0 ** 127  # the scaled norm at the top exponent: 2^127, not inf
+            x[:, 8] = rng.normal(size=x[:, 8].shape) * 2.0**120  # dense and huge: fp32 partial sums of M x overflow
             x[:, 9] = 0.0
             x[:, 9, :, 2] = 5e-20  # norm below MIN_NORM = 2^-64: stored as the zero vector (not NaN)
         x[:, 7, :, 9] = np.nan  # norm NaN, codes 0 (every comparison with a NaN is false)
