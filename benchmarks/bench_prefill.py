@@ -69,12 +69,22 @@ def causal_flops(num_seqs, new, cached):
 BREAKDOWN = {}   # program name -> {kernel name: seconds per call}, filled with --breakdown
 
 
-def timed(fn, args, inner, reps, name=None):
-    f = jax.jit(fn)
+def timed(fn, args, inner, reps, name=None, donate=False):
+    """Device time per call of ``fn(*args)`` (``inner`` calls per run). donate: args[0] is a cache that
+    ``fn`` returns second and that is donated to it (updated in place, as a model's prefill does;
+    without donation every run would copy the pools first)."""
+    f = jax.jit(fn, donate_argnums=(0,) if donate else ())
+    state = list(args)
+
+    def run():
+        out = f(*state)
+        if donate:
+            state[0] = out[1]
+        jax.block_until_ready(out)
     if name is not None:
-        jax.block_until_ready(f(*args))   # compiled (and autotuned) before the trace
-        BREAKDOWN[name] = device_time.kernel_seconds_by_name(lambda: jax.block_until_ready(f(*args)), inner)
-    return device_time.seconds_per_call(lambda: jax.block_until_ready(f(*args)), inner, reps)
+        run()   # compiled (and autotuned) before the trace
+        BREAKDOWN[name] = device_time.kernel_seconds_by_name(run, inner)
+    return device_time.seconds_per_call(run, inner, reps)
 
 
 def print_breakdown(top=8):
@@ -135,7 +145,8 @@ def bench(num_seqs, new, cached, inner, reps, decode_rows=True, breakdown=False)
         padded = functools.partial(prompt, prompt_lens=lens)  # with its padding masks
         for name, fn in (("cudnn + write", fresh), ("prompt_attention", prompt), ("prompt_attention padded", padded)):
             try:
-                times[name] = timed(fn, (cache, full_qs), inner, reps, name if breakdown else None)
+                own = jax.tree.map(jnp.copy, cache)   # donated: each program writes its own copy
+                times[name] = timed(fn, (own, full_qs), inner, reps, name if breakdown else None, donate=True)
             except Exception as err:
                 print(f"  {name}: unavailable ({type(err).__name__})")
                 times[name] = float("nan")
