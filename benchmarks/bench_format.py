@@ -5,10 +5,12 @@ Decode: each implementation as a jitted chain of N dependent calls (q_{i+1} = q_
 over 3 rotating input sets (so L2 does not hold them), host-timed end to end and divided by N: the
 method of the decode targets' harness. The presets' windows hold their sequences' last 64 tokens
 (read every call); bytes per call: pages + window + q + output. Write: one decode step's write of
-`num_seqs` tokens (K and V, pages and window), and a prefill write of 8192 tokens, chained the same way.
+`num_seqs` tokens (K and V, pages and window), and a prefill write of 8192 tokens, chained the same way;
+with --kernel-time, the write's kernels' summed duration per call instead (GPU kernel events: no
+launch gaps, the number that tells two write kernels apart).
 32 / 8 heads, head_dim 128, page_size 16, bf16 queries; Hadamard codecs (the presets' rotation).
 
-Usage: python benchmarks/bench_format.py [--shapes 32x8192,1x32768] [--bits 4,3,2]
+Usage: python benchmarks/bench_format.py [--shapes 32x8192,1x32768] [--bits 4,3,2] [--tokens ...] [--kernel-time]
 Prints markdown tables.
 """
 from __future__ import annotations
@@ -125,8 +127,21 @@ def write_chain(num_tokens):
     return jax.jit(run)
 
 
-def write_rows(bits_list, token_counts):
-    print("\n## Cache write, us per call (K and V; chain of 24)\n")
+def write_kernel_seconds(chain, *args):
+    """Summed duration per call of the chain's jax_tq kernels (device_time's kernel events), or None
+    without them (no GPU)."""
+    import device_time
+
+    jax.block_until_ready(chain(*args))
+    kernels = device_time.kernel_seconds_by_name(lambda: jax.block_until_ready(chain(*args)), N)
+    if not kernels:
+        return None
+    return sum(t for name, t in kernels.items() if "jax_tq" in name)
+
+
+def write_rows(bits_list, token_counts, kernel_time=False):
+    what = "the write kernels' time" if kernel_time else "chain of 24"
+    print(f"\n## Cache write, us per call (K and V; {what})\n")
     print("| tokens written | " + " | ".join(f"K{b}V{b} plain | k{b}v{b} preset" for b in bits_list) + " |")
     print("|" + "---|" * (1 + 2 * len(bits_list)))
     for num_tokens in token_counts:
@@ -156,7 +171,9 @@ def write_rows(bits_list, token_counts):
                     lens = pos + 1 if decode_step else np.full(num_tokens, num_tokens)
                     window = [tq.window_slot_mapping(ids.astype(np.int32), pos.astype(np.int32), lens.astype(np.int32),
                                                      cache.window)] * COPIES
-                t = seconds_per_call(write_chain(num_tokens), cache, ks, vs, slots, window)
+                args = (cache, ks, vs, slots, window)
+                t = write_kernel_seconds(write_chain(num_tokens), *args) if kernel_time else None
+                t = seconds_per_call(write_chain(num_tokens), *args) if t is None else t
                 cells.append(f"{t * 1e6:.1f}")
         print("| " + " | ".join(cells) + " |", flush=True)
 
@@ -166,6 +183,8 @@ def main():
     parser.add_argument("--shapes", default="32x8192,1x32768", help="decode shapes; empty: the writes only")
     parser.add_argument("--bits", default="4,3,2")
     parser.add_argument("--tokens", default="32,128,8192", help="tokens per timed write (8 KV heads, K and V)")
+    parser.add_argument("--kernel-time", action="store_true",
+                        help="writes: the kernels' summed duration per call (GPU) instead of the host-timed chain")
     args = parser.parse_args()
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s]
     bits_list = [int(b) for b in args.bits.split(",")]
@@ -174,7 +193,7 @@ def main():
           f"{bandwidth / 1e9:.0f} GB/s")
     if shapes:
         decode_rows(shapes, bits_list, bandwidth)
-    write_rows(bits_list, [int(t) for t in args.tokens.split(",")])
+    write_rows(bits_list, [int(t) for t in args.tokens.split(",")], args.kernel_time)
 
 
 if __name__ == "__main__":
