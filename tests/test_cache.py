@@ -737,7 +737,7 @@ def hadamard_write_check(request, rng, head_dim, bits, dtype, special=True):
             x[:, 3] = rng.normal(size=x[:, 3].shape) * 2.0**-66  # squares subnormal: the scaled norm; norm > 2^-64
             x[:, 4] = 0.0
             x[:, 4, :, 5] = 2.0 ** 127  # the scaled norm at the top exponent: 2^127, not inf
-            x[:, 8] = rng.normal(size=x[:, 8].shape) * 2.0**120  # dense and huge: fp32 partial sums of M x overflow
+            x[:, 8] = rng.normal(size=x[:, 8].shape) * 2.0**120  # dense and huge: d Pi x before normalising overflows
             x[:, 9] = 0.0
             x[:, 9, :, 2] = 5e-20  # norm below MIN_NORM = 2^-64: stored as the zero vector (not NaN)
         x[:, 7, :, 9] = np.nan  # norm NaN, codes 0 (every comparison with a NaN is false)
