@@ -172,10 +172,13 @@ def dense_prefill(q, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroid
     # coordinates (the kernel's: those the infinity reaches), zeroed in the span so that no 0 x NaN
     # reaches the others.
     before_len = jnp.arange(capacity)[None, :] < seg.lengths[:, None]
-    missing = (before_len[..., None] & ~(valid[..., None] & k_finite)).astype(jnp.int32)   # [S, cap, Hkv]
-    poisoned = (valid[..., None] & k_finite & ~v_finite).astype(jnp.int32)   # a skipped key poisons nothing
-    skipped_prefix, skipped_own = (_per_head(x, group) for x in _prefix_and_own(missing, seg, row))
-    nan_prefix, nan_own = (_per_head(x, group) for x in _prefix_and_own(poisoned, seg, row))
+    missing = before_len[..., None] & ~(valid[..., None] & k_finite)   # [S, cap, Hkv]
+    poisoned = valid[..., None] & k_finite & ~v_finite   # a skipped key poisons nothing
+    # Both counts in one pass ([S, cap, 2 Hkv]: one set of small kernels instead of two).
+    flags = jnp.concatenate([missing, poisoned], axis=-1).astype(jnp.int32)
+    prefix_counts, own_counts = (_per_head(x, group) for x in _prefix_and_own(flags, seg, row))
+    skipped_prefix, nan_prefix = _split_heads(prefix_counts, q.shape[1])
+    skipped_own, nan_own = _split_heads(own_counts, q.shape[1])
     part_a = (out_prefix, lse_prefix, row.inside & has_prefix[row.seq], skipped_prefix)
     merged = _merge(part_a, out_own, lse_own, skipped_own, sinks)
     merged = jnp.where(((nan_prefix > 0) | (nan_own > 0))[..., None], jnp.nan, merged)
@@ -301,6 +304,11 @@ def _prefix_and_own(flags, seg: _Segments, row: _RowPlaces):
 
 def _per_head(x, group: int):
     return jnp.repeat(x, group, axis=-1)
+
+
+def _split_heads(x, num_heads: int):
+    """[..., 2 num_heads] -> the two [..., num_heads] halves."""
+    return x[..., :num_heads], x[..., num_heads:]
 
 
 def _merge(part_a, out_b, lse_b, skipped_b, sinks=None):
