@@ -291,8 +291,8 @@ def packing_fits(rows: int, num_heads: int, keys: int, num_kv_heads: int, head_d
 
 
 def _prefix_and_own(flags, seg: _Segments, row: _RowPlaces):
-    """Counts of flagged slots ([S, cap, Hkv] int32) each row sees: over its sequence's prefix
-    ([T, Hkv]) and causally over its chunk ([T, Hkv])."""
+    """Counts of flagged slots ([S, cap, F] int32, F flags per slot) each row sees: over its
+    sequence's prefix ([T, F]) and causally over its chunk ([T, F])."""
     in_prefix = (jnp.arange(flags.shape[1])[None, :] < seg.prefix[:, None])[..., None]
     prefix = jnp.sum(flags * in_prefix, axis=1)[row.seq]
     own = flags[row.seq, row.own] * row.inside[:, None]
