@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import device_time
 import jax_tq as tq
 
 N, COPIES = 24, 3
@@ -130,8 +131,6 @@ def write_chain(num_tokens):
 def write_kernel_seconds(chain, *args):
     """Summed duration per call of the chain's jax_tq kernels (device_time's kernel events), or None
     without them (no GPU)."""
-    import device_time
-
     jax.block_until_ready(chain(*args))
     kernels = device_time.kernel_seconds_by_name(lambda: jax.block_until_ready(chain(*args)), N)
     if not kernels:
