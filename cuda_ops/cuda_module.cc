@@ -18,13 +18,12 @@
 
 namespace py = pybind11;
 
-// The op table's CUDA handlers. Kernels not yet run on a GPU (qjl.cu) are built
-// only with JAX_TQ_CUDA_UNVERIFIED=ON (CI builds them to keep them compiling): a handler this build
-// leaves out is a null weak symbol, and registrations() leaves it out (its op runs the reference).
-#define JTQ_DECLARE_CUDA(name, Stem) \
-  extern "C" __attribute__((weak)) XLA_FFI_Error* JaxTq##Stem##Cuda(XLA_FFI_CallFrame* call_frame);
+// The op table's CUDA handlers. qjl_compress has none (XLA's code of its reference is faster): its
+// weak symbol is null, and registrations() leaves it out.
+#define JTQ_DECLARE_CUDA(name, Stem) XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxTq##Stem##Cuda);
 JAX_TQ_OPS(JTQ_DECLARE_CUDA)
 #undef JTQ_DECLARE_CUDA
+extern "C" __attribute__((weak)) XLA_FFI_Error* JaxTqQjlCompressCuda(XLA_FFI_CallFrame* call_frame);
 
 namespace jax_tq::cuda {
 DecodePlan PlanDecodeOnDevice(const DecodeProblem& problem);  // paged_decode.cu

@@ -105,10 +105,8 @@ def _registered_targets(platform: str) -> frozenset:
 
 
 def has_target(platform: str, target: str) -> bool:
-    """Whether the loaded module for ``platform`` registers the FFI target ``target``: a CUDA module
-    built without the kernels not yet run on a GPU (``JAX_TQ_CUDA_UNVERIFIED`` off, the default)
-    lacks theirs, the CUDA module has no qjl_compress (XLA's code is faster), and those ops then run the
-    reference on that platform (backend "auto")."""
+    """Whether the loaded module for ``platform`` registers the FFI target ``target``: the CUDA module
+    has no qjl_compress (XLA's code is faster), which then runs the reference on the GPU (backend "auto")."""
     return target in _registered_targets(platform)
 
 
@@ -116,8 +114,7 @@ def missing_target_reason(platform: str, target: str) -> str:
     """Why ``target`` has no kernel on ``platform`` although the module loaded."""
     module_name = _MODULES[platform][0]
     return (f"{module_name} has no {target} (an op without a kernel on this platform, e.g. jax_tq_qjl_compress "
-            "on CUDA, whose XLA code is faster; or a kernel not yet run on a GPU, which JAX_TQ_CUDA_UNVERIFIED=ON "
-            "builds); backend 'auto' runs the op's reference")
+            "on CUDA, whose XLA code is faster); backend 'auto' runs the op's reference")
 
 
 def module(platform: str):

@@ -18,12 +18,10 @@ has() { [[ " $stages " == *" $1 "* ]]; }
 # -DJTQ_DEV_ONLY_D=128, which builds head_dim 128 only) is removed first: on a warm machine it
 # once made a later full build a head_dim-128 one, and 89 decode GPU tests failed with "head_dim
 # 64 not compiled in".
-# The kernels not yet run through their tests on a GPU (QJL) are built only for the stage that tests them.
-unverified=${JAX_TQ_CUDA_UNVERIFIED:-OFF}; if has qjl; then unverified=ON; fi
 cuda_install() {
-  local stamp="build/.cudaflags" want="flags:${CUDAFLAGS:-} unverified:$unverified trace:${JAX_TQ_TRACE_PHASES:-OFF}"
+  local stamp="build/.cudaflags" want="flags:${CUDAFLAGS:-} trace:${JAX_TQ_TRACE_PHASES:-OFF}"
   if [[ -d build && "$(cat "$stamp" 2>/dev/null)" != "$want" ]]; then rm -rf build; fi
-  JAX_TQ_CUDA=ON JAX_TQ_CUDA_UNVERIFIED=$unverified JAX_TQ_CUDA_ARCHS=${JAX_TQ_CUDA_ARCHS:-90a} \
+  JAX_TQ_CUDA=ON JAX_TQ_CUDA_ARCHS=${JAX_TQ_CUDA_ARCHS:-90a} \
     python3 -m pip install --no-build-isolation --no-deps -e . \
     && mkdir -p build && printf '%s' "$want" >"$stamp"
 }
@@ -110,7 +108,7 @@ if has regress; then  # the decode GPU tests on the default kernels (a change of
   timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -x -m gpu tests/test_decode.py -k paged_decode 2>&1 | tee "$OUT/gpu_decode_tests.log" | tail -n 6
   echo "regress: $(( $(date +%s) - t0 )) s"
 fi
-if has qjl; then  # TurboQuant_prod: the QJL GPU tests (CUDA kernels against float64), then its benchmark
+if has qjl; then  # TurboQuant_prod: the QJL tests (the scores kernel against float64), then its benchmark
   timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q tests/test_qjl.py 2>&1 | tee "$OUT/qjl_tests.log" | tail -n 8
   PYTHONPATH=benchmarks:${PYTHONPATH:-} timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/bench_qjl.py 2>&1 \
     | tee "$OUT/bench_qjl.txt" | tail -n 12

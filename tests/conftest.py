@@ -81,18 +81,20 @@ def poison_device_memory(nbytes: int) -> None:
 
 def kernels_built(platform: str, targets) -> bool:
     """Whether this install's module for ``platform`` has kernels for every FFI target in ``targets``
-    (the CUDA module built without JAX_TQ_CUDA_UNVERIFIED lacks the QJL scores one)."""
+    (the CUDA module has no jax_tq_qjl_compress one)."""
     from jax_tq import _ffi
     return _ffi.kernels_available(platform) and all(_ffi.has_target(platform, t) for t in targets)
 
 
 @contextlib.contextmanager
-def kernel_backend(request, targets):
-    """Backend "ffi" where the default device's module has ``targets``' kernels, else "auto" (their
-    reference); a test marked gpu is skipped when the CUDA module lacks them."""
+def kernel_backend(request, targets, gpu_targets=None):
+    """Backend "ffi" where the default device's module has ``targets``' kernels, else "auto" (the
+    kernels it has, the reference of the rest); a test marked gpu is skipped when the CUDA module lacks
+    ``gpu_targets``' kernels (default ``targets``; empty: a test of no kernel)."""
     import jax_tq as tq
     platform = "cuda" if jax.devices()[0].platform == "gpu" else jax.devices()[0].platform
-    if "gpu" in request.keywords and not kernels_built("cuda", targets):
-        pytest.skip("jax_tq._cuda_ops was built without these kernels (JAX_TQ_CUDA_UNVERIFIED=ON builds them)")
+    gpu_targets = targets if gpu_targets is None else gpu_targets
+    if "gpu" in request.keywords and gpu_targets and not kernels_built("cuda", gpu_targets):
+        pytest.skip(f"jax_tq._cuda_ops is not loaded or has no kernel of {', '.join(gpu_targets)}")
     with tq.use_backend("ffi" if kernels_built(platform, targets) else "auto"):
         yield

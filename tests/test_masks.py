@@ -441,7 +441,7 @@ def test_cuda_kernels_lack_the_variants_auto_runs_the_reference_and_ffi_refuses(
     assert backend.kernel_lacks("cuda", "jax_tq_paged_decode", [], {"sliding_window": 0, "soft_cap": 0.0}) is None
     monkeypatch.setattr(_ffi, "kernels_available", lambda platform: True)
     monkeypatch.setattr(_ffi, "has_target", lambda platform, target: True)
-    module = _ffi.module  # a CUDA module that serves no variant (an unverified build's lists paged_decode)
+    module = _ffi.module  # a CUDA module that serves no variant (the built one lists both targets)
     monkeypatch.setattr(_ffi, "module", lambda platform: None if platform == "cuda" else module(platform))
     cache = make_cache(rng, "compressed")
     lens = jnp.asarray([29, 17], jnp.int32)
