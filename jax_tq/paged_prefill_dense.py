@@ -8,7 +8,9 @@ serves every query row and head from it, each sequence a segment of cuDNN's pack
 rows where they already sit and the keys where they sit in the span (nothing gathered). A chunk
 after cached tokens is two attentions merged by their log-sum-exp (FlashAttention's split-KV merge,
 arXiv 2307.08691 section 3.1.1): the rows over the cached prefix (no mask) and over the chunk's own
-tokens (causal, square, so the diagonal's alignment does not matter).
+tokens (causal, square, so the diagonal's alignment does not matter). The merge runs in place over
+the chunk's output (:mod:`jax_tq.merge_attention`): rows with no prefix and nothing to correct are
+not touched, and the queries are read only where the statistics do not show them finite.
 
 Key slots the kernel would skip (a block-table entry outside the pool, a window id of none, a
 non-finite K norm) enter as zero keys and values: each adds exactly exp(0) = 1 to its rows' softmax
@@ -31,6 +33,7 @@ from jax_tq import _compat, reference
 from jax_tq import _primitive_utils as pu
 from jax_tq import format as tq_format
 from jax_tq.compress import decompress_p
+from jax_tq.merge_attention import merge_attention
 
 __all__ = ["span_tokens", "dense_prefill"]
 
@@ -179,13 +182,17 @@ def dense_prefill(q, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroid
     prefix_counts, own_counts = (_per_head(x, group) for x in _prefix_and_own(flags, seg, row))
     skipped_prefix, nan_prefix = _split_heads(prefix_counts, q.shape[1])
     skipped_own, nan_own = _split_heads(own_counts, q.shape[1])
-    part_a = (out_prefix, lse_prefix, row.inside & has_prefix[row.seq], skipped_prefix)
-    merged = _merge(part_a, out_own, lse_own, skipped_own, sinks)
-    merged = jnp.where(((nan_prefix > 0) | (nan_own > 0))[..., None], jnp.nan, merged)
-    out = jnp.where(row.inside[:, None, None], merged, 0.0)
+    part_a = (lse_prefix, row.inside & has_prefix[row.seq], skipped_prefix)
+    weights = _merge_weights(part_a, lse_own, skipped_own, sinks)                               # [T, H, 2]
+    weights = jnp.where(((nan_prefix > 0) | (nan_own > 0))[..., None], jnp.nan, weights)
+    weights = jnp.where(row.inside[:, None, None], weights, 0.0)
+    # An owned row whose query is not all finite is NaN. A row that sees tokens has a non-finite
+    # lse_own then (its scores are NaN or infinite: checked for cuDNN on the GPU), so the query is
+    # read only where lse_own is not finite, and for rows that see none.
     owned = reference.prefill_row_lens(query_start_loc, seq_lens, num_rows, capacity)[2]
-    nan_rows = ~jnp.all(jnp.isfinite(q), axis=-1) & owned[:, None]                             # [T, H]
-    return jnp.where(nan_rows[..., None], jnp.nan, out).astype(dtype)
+    check = owned[:, None] & (~row.inside[:, None] | ~jnp.isfinite(lse_own))                  # [T, H]
+    weights = weights.astype(jnp.promote_types(dtype, jnp.float32))   # float32 but for a float64 oracle
+    return merge_attention(out_own.astype(dtype), out_prefix.astype(dtype), weights, queries, check)
 
 
 class _Segments(NamedTuple):
@@ -311,13 +318,14 @@ def _split_heads(x, num_heads: int):
     return x[..., :num_heads], x[..., num_heads:]
 
 
-def _merge(part_a, out_b, lse_b, skipped_b, sinks=None):
-    """Softmax-weighted merge of two attentions over disjoint key sets: part_a is (out [T, H, d],
-    lse [T, H], has [T]: whether part a has keys for the row, skipped [T, H]), part b its out and
-    lse; each sum less its ``skipped`` zero slots, plus exp(sinks [H]) in the denominator where
-    given, in promote(lse dtype, float32)."""
+def _merge_weights(part_a, lse_b, skipped_b, sinks=None):
+    """[T, H, 2] in promote(lse dtype, float32): the shares of part b's output and part a's in the
+    softmax-weighted merge of two attentions over disjoint key sets (0 where the joint sum is not
+    positive). part_a is
+    (lse [T, H], has [T]: whether part a has keys for the row, skipped [T, H]), part b its lse;
+    each sum less its ``skipped`` zero slots, plus exp(sinks [H]) in the denominator where given."""
     dtype = jnp.promote_types(lse_b.dtype, jnp.float32)
-    out_a, lse_a, has_a, skipped_a = part_a
+    lse_a, has_a, skipped_a = part_a
     lse_a = jnp.where(has_a[:, None], lse_a.astype(dtype), -jnp.inf)
     lse_b = lse_b.astype(dtype)
     top = jnp.maximum(lse_a, lse_b)
@@ -334,6 +342,5 @@ def _merge(part_a, out_b, lse_b, skipped_b, sinks=None):
     total = less_skipped(weight_a, skipped_a) + less_skipped(weight_b, skipped_b)
     if sinks is not None:
         total = total + jnp.exp(sinks - top)
-    numerator = (jnp.where(has_a[:, None, None], out_a.astype(dtype) * weight_a[..., None], 0.0)
-                 + out_b.astype(dtype) * weight_b[..., None])
-    return jnp.where(total[..., None] > 0, numerator / jnp.where(total > 0, total, 1.0)[..., None], 0.0)
+    share = lambda weight: jnp.where(total > 0, weight / jnp.where(total > 0, total, 1.0), 0.0)  # noqa: E731
+    return jnp.stack([share(weight_b), jnp.where(has_a[:, None], share(weight_a), 0.0)], axis=-1)

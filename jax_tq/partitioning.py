@@ -1,7 +1,7 @@
 """How the jax_tq primitives are partitioned under ``jax.jit`` with sharded inputs (GSPMD or Shardy).
 
-Each partitioned primitive P (compress, decompress, write_cache, paged_decode, paged_prefill) lowers
-through ``jax.experimental.custom_partitioning`` wrapped around a per-shard twin primitive
+Each partitioned primitive P (compress, decompress, write_cache, paged_decode, paged_prefill,
+merge_attention) lowers through ``jax.experimental.custom_partitioning`` wrapped around a per-shard twin primitive
 (``P.name + "_shard"``, the same abstract eval and lowerings as P, no transformation rules): XLA's
 partitioner asks :func:`_partition` for the operand and result shardings of one call, and every
 device then runs the twin on its slice. Transformations (vmap, jvp, vjp) stay on P, so the

@@ -577,6 +577,25 @@ def _attend_tokens(queries, keys, values, valid, token_ok, scale, soft_cap=None,
     return jnp.einsum("bk...l,bkld->bk...d", weights, values, precision=_HIGHEST)
 
 
+def merge_attention(out, other, weights, q, check):
+    """Two attentions' outputs merged (the ``jax_tq_merge_attention`` kernels' semantics).
+
+    Args:
+      out, other, q: [T, H, d] of one float dtype; weights float32 [T, H, 2]; check bool [T, H].
+    Returns:
+      [T, H, d] of out's dtype: weights[..., 0] x out + weights[..., 1] x other in float32 (a zero
+      weight's term exactly 0, whatever its operand holds), NaN where ``check`` and q[t, h, :] is
+      not all finite.
+    Source: the log-sum-exp merge of split-KV attention (FlashAttention-2, arXiv 2307.08691, 3.1.1).
+    """
+    def term(w, x):
+        return jnp.where(w[..., None] != 0, w[..., None] * x.astype(jnp.float32), 0.0)
+
+    merged = term(weights[..., 0], out) + term(weights[..., 1], other)
+    poisoned = check & ~jnp.all(jnp.isfinite(q), axis=-1)
+    return jnp.where(poisoned[..., None], jnp.nan, merged).astype(out.dtype)
+
+
 def prefill_row_lens(query_start_loc, seq_lens, num_rows: int, max_tokens: int):
     """Each query row's sequence and causal length (the semantics of format.h's prefill_rows).
 

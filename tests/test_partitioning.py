@@ -162,6 +162,16 @@ SCRIPT = textwrap.dedent('''
     assert_equal_trees(rows(put(x, ("data", "model"))), tq.decompress(*tq.compress(x, codec), codec),
                        rtol=1e-6, atol=1e-6)
 
+    # merge_attention (the dense prefill's merge): rows over "data", heads over "model"
+    from jax_tq.merge_attention import merge_attention
+    parts = [jnp.asarray(rng.normal(size=(16, 8, D)), jnp.bfloat16) for _ in range(3)]
+    w = jnp.asarray(rng.uniform(size=(16, 8, 2)), jnp.float32).at[::3].set(jnp.asarray([1.0, 0.0]))
+    check = jnp.asarray(rng.random((16, 8)) < 0.5)
+    merge = jax.jit(merge_attention)
+    args = [put(x, "data", "model") for x in (parts[0], parts[1], w, parts[2], check)]
+    no_collectives(merge, *args)
+    assert_equal_trees(merge(*args), merge_attention(parts[0], parts[1], w, parts[2], check))
+
     try:
         tq.shard_cache(tq.PagedKVCache.create(num_pages=NP, page_size=PAGE, num_kv_heads=2, preset="k4v4",
                                               head_dim=D, window=0), mesh)

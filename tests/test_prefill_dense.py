@@ -397,7 +397,7 @@ def test_dense_path_treats_non_finite_norms_as_the_kernel_does(rng):
 def test_gpu_dense_prefill_matches_the_float64_oracle(rng, seq_len, q_len, lead, tail, bad_page):
     """jax_tq.paged_prefill with bf16 queries on one sequence (the planned dense path): a whole prompt,
     a chunk after cached tokens, rows before the start, a page id outside the pool in the prefix
-    (page 5) or in the chunk (page 60)."""
+    (page 5) or in the chunk (page 60); rows whose query holds NaN or an infinity are NaN."""
     from test_prefill import prefill_f64
     cache = random_cache(rng, num_pages=200, page_size=16, num_kv_heads=2, head_dim=128, k_bits=4, v_bits=4,
                          seed=int(rng.integers(1 << 16)))
@@ -407,6 +407,9 @@ def test_gpu_dense_prefill_matches_the_float64_oracle(rng, seq_len, q_len, lead,
     starts = np.asarray([lead, lead + q_len], np.int32)
     q = jnp.asarray(rng.normal(size=(lead + q_len + tail, 8, 128)), jnp.bfloat16)
     q = q.at[lead + q_len // 2, 3, 0].set(jnp.nan)
+    # +inf and -inf in one coordinate of two heads of the first row (one KV head): on a row that
+    # sees one key, one of them makes every score -inf (cuDNN's lse -inf, its output finite)
+    q = q.at[lead, 0, 7].set(jnp.inf).at[lead, 1, 7].set(-jnp.inf)
     call = jax.jit(tq.paged_prefill)
     args = (q, cache, jnp.asarray(tables), jnp.asarray([seq_len], jnp.int32), jnp.asarray(starts))
     hlo = call.lower(*args).as_text()
@@ -414,7 +417,7 @@ def test_gpu_dense_prefill_matches_the_float64_oracle(rng, seq_len, q_len, lead,
     got = np.asarray(call(*args), np.float32)
     want = prefill_f64(q.astype(jnp.float32), cache, tables, [seq_len], starts)
     nan = np.isnan(got)
-    assert nan[lead + q_len // 2, 3].all() and nan.sum() == 128
+    assert nan[lead + q_len // 2, 3].all() and nan[lead, :2].all() and nan.sum() == 3 * 128
     assert rel_err(np.where(nan, 0, got), np.where(nan, 0, want)) < 1e-2
     assert np.all(got[:lead] == 0) and np.all(got[got.shape[0] - tail:] == 0)
 

@@ -498,6 +498,38 @@ inline ffi::Error validate_variants(const Op& op, const ffi::Buffer<ffi::F32>& s
 }
 
 // ---------------------------------------------------------------------------
+// jax_tq_merge_attention: out [T, H, d] f32|bf16|f16 (in place), other and q [T, H, d] of out's
+//   dtype, weights f32 [T, H, 2], check pred [T, H] -> out [T, H, d]
+// ---------------------------------------------------------------------------
+struct MergeDims {
+  int64_t rows, d;  // rows: T x H
+};
+
+inline ffi::Error validate_merge_attention(const Op& op, const ffi::AnyBuffer& out, const ffi::AnyBuffer& other,
+                                           const ffi::Buffer<ffi::F32>& weights, const ffi::AnyBuffer& q,
+                                           const ffi::Buffer<ffi::PRED>& check, const ffi::AnyBuffer& result,
+                                           MergeDims* dims) {
+  const auto od = out.dimensions();
+  JTQ_RETURN_IF_ERROR(check_rank(op, od, 3, "out must be rank 3 [T, H, d]"));
+  const int64_t T = od[0], H = od[1], d = od[2];
+  const ffi::DataType t = out.element_type();
+  if (t != ffi::DataType::F32 && t != ffi::DataType::BF16 && t != ffi::DataType::F16)
+    return op.invalid("out: dtype must be float32, bfloat16 or float16");
+  if (d % 2 != 0 || d > kMaxHeadDim)
+    return op.invalid("head_dim must be even and at most " + std::to_string(kMaxHeadDim) + ", got " +
+                      std::to_string(d));
+  const std::pair<const char*, const ffi::AnyBuffer*> rows[] = {{"other", &other}, {"q", &q}, {"result", &result}};
+  for (const auto& [name, buf] : rows) {
+    JTQ_RETURN_IF_ERROR(check_dims(op, name, buf->dimensions(), {T, H, d}));
+    if (buf->element_type() != t) return op.invalid(std::string(name) + " must have out's dtype");
+  }
+  JTQ_RETURN_IF_ERROR(check_dims(op, "weights", weights.dimensions(), {T, H, 2}));
+  JTQ_RETURN_IF_ERROR(check_dims(op, "check", check.dimensions(), {T, H}));
+  *dims = MergeDims{T * H, d};
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------
 // Operand / result / attribute binding of each FFI target (docs/DESIGN.md), for
 // XLA_FFI_DEFINE_HANDLER_SYMBOL. `b` is ffi::Ffi::Bind() on CPU and
 // ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>() on CUDA.
@@ -628,6 +660,17 @@ auto BindPagedPrefill(B b) {
       .template Attr<bool>("f16_products")          // float16 tensor-core products allowed (CUDA)
       .template Attr<int32_t>("sliding_window")     // 0: none
       .template Attr<float>("soft_cap");            // 0: none
+}
+
+// jax_tq_merge_attention: two attentions' outputs merged in place (merge_attention.cc).
+template <typename B>
+auto BindMergeAttention(B b) {
+  return std::move(b).template Arg<ffi::AnyBuffer>()           // out [T, H, d] (the result aliases it)
+      .template Arg<ffi::AnyBuffer>()               // other [T, H, d]
+      .template Arg<ffi::Buffer<ffi::F32>>()        // weights [T, H, 2]: out's, other's
+      .template Arg<ffi::AnyBuffer>()               // q [T, H, d]
+      .template Arg<ffi::Buffer<ffi::PRED>>()       // check [T, H]
+      .template Ret<ffi::AnyBuffer>();              // out [T, H, d]
 }
 
 }  // namespace ffi_checks

@@ -12,6 +12,7 @@
   X(paged_decode, PagedDecode)    \
   X(qjl_compress, QjlCompress)    \
   X(qjl_scores, QjlScores)        \
-  X(paged_prefill, PagedPrefill)
+  X(paged_prefill, PagedPrefill)  \
+  X(merge_attention, MergeAttention)
 
 #endif  // JAX_TQ_OPS_H_
