@@ -29,37 +29,43 @@ def merge_attention(out, other, weights, q, check):
 
     Args:
       out: [T, H, d] float32 / bfloat16 / float16: the first attention's output (the result reuses
-        its buffer where XLA can); float64 (an oracle's precision) runs the reference, as does
-        backend "xla".
+        its buffer where XLA can); float64 (an oracle's precision) runs the reference in float64,
+        as backend "xla" runs it for every dtype.
       other: [T, H, d] of out's dtype: the second attention's output.
-      weights: float32 [T, H, 2] (float64 with float64 out): (w0, w1) per (row, head). A zero weight's term is exactly 0
-        whatever its operand holds (its rows need not be written); NaN weights give NaN rows.
+      weights: [T, H, 2] float32 (or float64 with float64 out): (w0, w1) per (row, head). A zero
+        weight's term is exactly 0 whatever its operand holds (the kernels do not read it); NaN
+        weights give NaN rows.
       q: [T, H, d] of out's dtype: the rows' queries.  check: bool [T, H]: rows whose query is read.
     Returns:
-      [T, H, d] of out's dtype: (w0 x out + w1 x other) in float32, rounded once; NaN where
-      ``check`` and any of q[t, h, :] is not finite. Rows with weights (1, 0) keep out's values.
+      [T, H, d] of out's dtype: w0 x out + w1 x other computed in float32 (float64 for float64
+      out); NaN where ``check`` and any of q[t, h, :] is not finite. Rows with weights (1, 0) keep
+      out's values (the kernels leave their bytes as they are).
     Raises:
-      TypeError / ValueError: dtypes or shapes other than the above (d even, at most 256).
+      TypeError / ValueError: operands other than the above, naming the argument (d even, at
+        most 256), on every backend.
+    Not differentiable (no JVP rule): the dense prefill differentiates through its own VJP.
     Source: the log-sum-exp merge of split-KV attention (FlashAttention-2, arXiv 2307.08691, 3.1.1).
     """
+    out, other, weights, q, check = (jnp.asarray(x) for x in (out, other, weights, q, check))
+    _check(out, other, weights, q, check)
     backend = get_backend()
     if backend == "xla" or jnp.dtype(out.dtype) == jnp.float64:
         return reference.merge_attention(out, other, weights, q, check)
-    _check(out, other, weights, q, check)
     (merged,) = pu.bind(merge_attention_p, out, other, weights, q, check, backend=backend)
     return merged
 
 
 def _check(out, other, weights, q, check):
     op = "jax_tq.merge_attention"
-    if out.ndim != 3 or jnp.dtype(out.dtype) not in _FLOATS:
+    if out.ndim != 3 or jnp.dtype(out.dtype) not in _FLOATS + (jnp.dtype(jnp.float64),):
         raise TypeError(f"{op}: out must be float32, bfloat16 or float16 [T, H, d], got {out.dtype}{tuple(out.shape)}")
     if out.shape[2] % 2 or out.shape[2] > 256:
         raise ValueError(f"{op}: head_dim must be even and at most 256, got {out.shape[2]}")
     for name, x in (("other", other), ("q", q)):
         if x.shape != out.shape or x.dtype != out.dtype:
             raise TypeError(f"{op}: {name} must be {out.dtype}{tuple(out.shape)}, got {x.dtype}{tuple(x.shape)}")
-    if weights.shape != out.shape[:2] + (2,) or weights.dtype != jnp.float32:
+    weight_dtypes = (jnp.dtype(jnp.float32), jnp.dtype(out.dtype))
+    if weights.shape != out.shape[:2] + (2,) or jnp.dtype(weights.dtype) not in weight_dtypes:
         raise TypeError(f"{op}: weights must be float32{out.shape[:2] + (2,)}, got {weights.dtype}{tuple(weights.shape)}")
     if check.shape != out.shape[:2] or check.dtype != jnp.bool_:
         raise TypeError(f"{op}: check must be bool{out.shape[:2]}, got {check.dtype}{tuple(check.shape)}")

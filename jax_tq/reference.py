@@ -583,13 +583,15 @@ def merge_attention(out, other, weights, q, check):
     Args:
       out, other, q: [T, H, d] of one float dtype; weights float32 [T, H, 2]; check bool [T, H].
     Returns:
-      [T, H, d] of out's dtype: weights[..., 0] x out + weights[..., 1] x other in float32 (a zero
-      weight's term exactly 0, whatever its operand holds), NaN where ``check`` and q[t, h, :] is
-      not all finite.
+      [T, H, d] of out's dtype: weights[..., 0] x out + weights[..., 1] x other in float32 (float64
+      for float64 out; a zero weight's term exactly 0, whatever its operand holds), NaN where
+      ``check`` and q[t, h, :] is not all finite.
     Source: the log-sum-exp merge of split-KV attention (FlashAttention-2, arXiv 2307.08691, 3.1.1).
     """
+    compute = jnp.promote_types(out.dtype, jnp.float32)
+
     def term(w, x):
-        return jnp.where(w[..., None] != 0, w[..., None] * x.astype(jnp.float32), 0.0)
+        return jnp.where(w[..., None] != 0, w[..., None].astype(compute) * x.astype(compute), 0.0)
 
     merged = term(weights[..., 0], out) + term(weights[..., 1], other)
     poisoned = check & ~jnp.all(jnp.isfinite(q), axis=-1)

@@ -13,7 +13,7 @@ from jax_tq import _compat
 from jax_tq.merge_attention import merge_attention
 
 #: relative error of one rounding to each dtype, doubled (float32 sum, then the dtype's rounding)
-TOLERANCE = {jnp.float32: 2 ** -22, jnp.bfloat16: 2 ** -7, jnp.float16: 2 ** -10}
+TOLERANCE = {jnp.float32: 2 ** -22, jnp.bfloat16: 2 ** -7, jnp.float16: 2 ** -10, jnp.float64: 2 ** -50}
 
 
 def _case(rng, num_rows, num_heads, head_dim, dtype):
@@ -67,8 +67,8 @@ def _assert_matches(got, oracle, dtype):
                                             (256, jnp.bfloat16)])
 def test_merge_matches_the_float64_oracle(rng, backend, head_dim, dtype):
     operands, want = _case(rng, 37, 6, head_dim, dtype)
-    with tq.use_backend(backend):
-        got = jax.jit(merge_attention)(*operands)
+    with tq.use_backend(backend):   # a fresh jit per backend: a jitted function's cache ignores the backend
+        got = jax.jit(lambda *a: merge_attention(*a))(*operands)
     assert got.dtype == dtype
     _assert_matches(got, want, dtype)
 
@@ -84,12 +84,23 @@ def test_merge_under_vmap_is_one_call_over_the_folded_rows(rng):
         _assert_matches(g, want, jnp.bfloat16)
 
 
-def test_float64_rows_merge_through_the_reference(rng):
+def test_float64_rows_merge_through_the_reference_in_float64(rng):
     with _compat.enable_x64():
-        operands, want = _case(rng, 5, 2, 64, jnp.float64)
-        got = merge_attention(*operands[:2], operands[2].astype(jnp.float64), *operands[3:])
+        operands, (want, magnitude) = _case(rng, 5, 2, 64, jnp.float64)
+        weights = operands[2].astype(jnp.float64) * (1 + 1e-12)   # not representable in float32
+        got = merge_attention(*operands[:2], weights, *operands[3:])
         assert got.dtype == jnp.float64
-        _assert_matches(got, want, jnp.float32)
+        _assert_matches(got, (want * (1 + 1e-12), magnitude), jnp.float64)
+
+
+@pytest.mark.parametrize("backend", ["ffi", "xla"])
+def test_bad_operands_raise_on_every_backend(backend):
+    out = jnp.zeros((4, 2, 64), jnp.bfloat16)
+    w, check = jnp.zeros((4, 2, 2), jnp.float32), jnp.zeros((4, 2), bool)
+    with tq.use_backend(backend), pytest.raises(TypeError, match="weights"):
+        merge_attention(out, out, w[:1], out, check)
+    with tq.use_backend(backend), pytest.raises(TypeError, match="q must be"):
+        merge_attention(out, out, w, out.astype(jnp.float32), check)
 
 
 def test_bad_operands_raise_naming_them():
