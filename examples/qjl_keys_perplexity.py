@@ -79,7 +79,7 @@ def main():
     ap.add_argument("--num-chunks", type=int, default=4)
     ap.add_argument("--chunk-len", type=int, default=512)
     ap.add_argument("--bits", default="3,4", help="total key bits to compare (3, 4 or 5)")
-    ap.add_argument("--data", default=os.path.join(os.path.dirname(REPO), "shared", "data", "wikitext2_test.txt"))
+    ap.add_argument("--data", default=os.path.join(REPO, "data", "wikitext2_test.txt"))
     args = ap.parse_args()
     model, tokenizer, config = load_smollm2()
     head_dim = config.head_dim

@@ -206,6 +206,7 @@ def decode_rows(cache: PagedKVCache, block_tables, position, seq_lens, window_id
     Raises:
       ValueError: window_ids not integer ``[S]``.
     """
+    position, seq_lens = jnp.asarray(position), jnp.asarray(seq_lens)
     slots = jnp.where(seq_lens > 0, slot_mapping(block_tables, position.astype(jnp.int32), cache.page_size), -1)
     if not cache.window:
         return CacheRows(slots, block_tables, seq_lens, page_size=cache.page_size)

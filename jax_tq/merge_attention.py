@@ -64,7 +64,8 @@ def _check(out, other, weights, q, check):
     for name, x in (("other", other), ("q", q)):
         if x.shape != out.shape or x.dtype != out.dtype:
             raise TypeError(f"{op}: {name} must be {out.dtype}{tuple(out.shape)}, got {x.dtype}{tuple(x.shape)}")
-    weight_dtypes = (jnp.dtype(jnp.float32), jnp.dtype(out.dtype))
+    f64 = jnp.dtype(jnp.float64)
+    weight_dtypes = (jnp.dtype(jnp.float32), f64) if jnp.dtype(out.dtype) == f64 else (jnp.dtype(jnp.float32),)
     if weights.shape != out.shape[:2] + (2,) or jnp.dtype(weights.dtype) not in weight_dtypes:
         raise TypeError(f"{op}: weights must be float32{out.shape[:2] + (2,)}, got {weights.dtype}{tuple(weights.shape)}")
     if check.shape != out.shape[:2] or check.dtype != jnp.bool_:

@@ -112,6 +112,8 @@ def test_bad_operands_raise_naming_them():
         merge_attention(out, out, w, out[:3], check)
     with pytest.raises(TypeError, match="weights"):
         merge_attention(out, out, w[..., :1], out, check)
+    with pytest.raises(TypeError, match="weights must be float32"):   # the kernels read float32 weights
+        merge_attention(out, out, w.astype(jnp.bfloat16), out, check)
     with pytest.raises(TypeError, match="check"):
         merge_attention(out, out, w, out, check.astype(jnp.int32))
     with pytest.raises(TypeError, match="out must be"):

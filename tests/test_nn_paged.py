@@ -352,7 +352,7 @@ def test_attend_over_the_callers_shared_pool_equals_float64_attention(rng):
     np.testing.assert_allclose(np.asarray(out), want[0][5:8], rtol=2e-5, atol=2e-5)
 
     position = jnp.asarray([8, 3], jnp.int32)
-    rows = tq.decode_rows(cache, tables, position, position + 1)
+    rows = tq.decode_rows(cache, tables, [8, 3], [9, 4])   # Python lists, as the other ops take them
     out, cache = m.attend(jnp.asarray(np.stack([seqs[0][8], seqs[1][3]])), position, cache, rows)
     np.testing.assert_allclose(np.asarray(out), np.stack([want[0][8], want[1][3]]), rtol=2e-5, atol=2e-5)
 

@@ -597,7 +597,7 @@ def _split_sequences(mesh, config: LlamaConfig, caches, tables, positions, promp
 
 
 def greedy_generate(model: Llama, prompt_ids: Sequence[int], max_new_tokens: int = 32,
-                    cache_config=(4, 4), eos_token_id: int | None = None, batch: int = 1,
+                    cache_config="k4v4", eos_token_id: int | None = None, batch: int = 1,
                     uncompressed_dtype=jnp.bfloat16, mesh=None) -> dict:
     """Greedy decoding of ``batch`` copies of one prompt with a jitted decode step.
 
@@ -617,7 +617,8 @@ def greedy_generate(model: Llama, prompt_ids: Sequence[int], max_new_tokens: int
         the decode loop every op then runs on each device's slice (no gather of the caches), and
         the tokens are the unsharded run's.
 
-    ``cache_config``: a compressed paged cache spec (see :func:`parse_cache_config`), or None /
+    ``cache_config``: a compressed paged cache spec (see :func:`parse_cache_config`; by default
+    the ``"k4v4"`` preset), or None /
     ``"none"`` for the uncompressed baseline, paged too (``preset="none"``, pages of
     ``uncompressed_dtype``, 16 tokens each); sequence ``b`` owns its own pages.
 

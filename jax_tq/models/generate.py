@@ -45,7 +45,7 @@ def _sequences(seqs, vocab_size: int, min_len: int, name: str, where: str) -> li
     return out
 
 
-def generate(model: Llama, prompts, max_new_tokens: int = 32, cache_config=(4, 4), *, temperature: float = 0.0,
+def generate(model: Llama, prompts, max_new_tokens: int = 32, cache_config="k4v4", *, temperature: float = 0.0,
              top_k: int | None = None, seed: int = 0, stop_tokens=(), uncompressed_dtype=jnp.bfloat16) -> dict:
     """Generate from a batch of different prompts: one prefill for all of them, then one jitted
     decoding loop in which each sequence stops on its own.
@@ -68,9 +68,10 @@ def generate(model: Llama, prompts, max_new_tokens: int = 32, cache_config=(4, 4
       model: :class:`jax_tq.models.Llama`.
       prompts: list of prompts, each a non-empty list (or 1-D array) of token ids.
       max_new_tokens: an int >= 1, tokens generated per prompt at most.
-      cache_config: a compressed cache spec (:func:`jax_tq.models.parse_cache_config`: ``(k, v)``,
-        ``"k4v4"``, a :class:`jax_tq.models.CacheConfig`), or None / ``"none"``: uncompressed pages
-        of ``uncompressed_dtype``, 16 tokens each.
+      cache_config: a compressed cache spec (:func:`jax_tq.models.parse_cache_config`: a preset's
+        name, by default ``"k4v4"``; ``(k, v)`` for the plain codecs; a
+        :class:`jax_tq.models.CacheConfig`), or None / ``"none"``: uncompressed pages of
+        ``uncompressed_dtype``, 16 tokens each.
       temperature: a number >= 0; top_k: None or an int in ``[1, vocab_size]`` (1: greedy).
       seed: an int, the ``jax.random.PRNGKey`` seed.
       stop_tokens: a sequence of token ids (e.g. ``(eos_id,)``); a sequence stops after the first.
