@@ -321,9 +321,9 @@ def _split_heads(x, num_heads: int):
 def _merge_weights(part_a, lse_b, skipped_b, sinks=None):
     """[T, H, 2] in promote(lse dtype, float32): the shares of part b's output and part a's in the
     softmax-weighted merge of two attentions over disjoint key sets (0 where the joint sum is not
-    positive). part_a is
-    (lse [T, H], has [T]: whether part a has keys for the row, skipped [T, H]), part b its lse;
-    each sum less its ``skipped`` zero slots, plus exp(sinks [H]) in the denominator where given."""
+    positive). part_a is (lse [T, H], has [T]: whether part a has keys for the row, skipped
+    [T, H]), part b its lse; each sum less its ``skipped`` zero slots, plus exp(sinks [H]) in the
+    denominator where given."""
     dtype = jnp.promote_types(lse_b.dtype, jnp.float32)
     lse_a, has_a, skipped_a = part_a
     lse_a = jnp.where(has_a[:, None], lse_a.astype(dtype), -jnp.inf)
