@@ -382,7 +382,8 @@ def window_slot_mapping(window_ids, positions, seq_lens, window: int):
       ValueError: window < 1; numpy values outside int32.  TypeError: a non-integer array.
     """
     if not _is_int(window) or window < 1:
-        raise ValueError(f"window must be an int >= 1, got {window!r}")
+        hint = " (a cache without a window: write_cache takes no window_slots)" if window == 0 else ""
+        raise ValueError(f"jax_tq.window_slot_mapping: window must be an int >= 1, got {window!r}{hint}")
     named = (("window_ids", window_ids), ("positions", positions), ("seq_lens", seq_lens))
     modules = {_array_module(a) for _, a in named}
     xp = np if modules == {np} else (modules - {np}).pop()
