@@ -39,14 +39,16 @@ ffi::Error MergeAttentionImpl(ffi::AnyBuffer out, ffi::AnyBuffer other, ffi::Buf
       for (int i = 0; i < n; ++i) poisoned = poisoned || !std::isfinite(x[i]);
     }
     const float w0 = w[2 * r], w1 = w[2 * r + 1];
-    if (!poisoned && w0 == 1.0f && w1 == 0.0f) continue;
-    std::fill(a.begin(), a.end(), 0.0f);
-    std::fill(b.begin(), b.end(), 0.0f);
-    if (w0 != 0.0f) cpu_floats::load_row(result->untyped_data(), kind, start, n, a.data());
-    if (w1 != 0.0f) cpu_floats::load_row(other.untyped_data(), kind, start, n, b.data());
-    for (int i = 0; i < n; ++i)
-      x[i] = poisoned ? std::numeric_limits<float>::quiet_NaN()
-                      : (w0 != 0.0f ? w0 * a[i] : 0.0f) + (w1 != 0.0f ? w1 * b[i] : 0.0f);
+    if (poisoned) {
+      std::fill(x.begin(), x.end(), std::numeric_limits<float>::quiet_NaN());
+    } else {
+      if (w0 == 1.0f && w1 == 0.0f) continue;
+      std::fill(a.begin(), a.end(), 0.0f);
+      std::fill(b.begin(), b.end(), 0.0f);
+      if (w0 != 0.0f) cpu_floats::load_row(result->untyped_data(), kind, start, n, a.data());
+      if (w1 != 0.0f) cpu_floats::load_row(other.untyped_data(), kind, start, n, b.data());
+      for (int i = 0; i < n; ++i) x[i] = (w0 != 0.0f ? w0 * a[i] : 0.0f) + (w1 != 0.0f ? w1 * b[i] : 0.0f);
+    }
     cpu_floats::store_row(result->untyped_data(), kind, start, n, x.data());
   }
   return ffi::Error::Success();

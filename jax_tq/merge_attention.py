@@ -58,7 +58,8 @@ def merge_attention(out, other, weights, q, check):
 def _check(out, other, weights, q, check):
     op = "jax_tq.merge_attention"
     if out.ndim != 3 or jnp.dtype(out.dtype) not in _FLOATS + (jnp.dtype(jnp.float64),):
-        raise TypeError(f"{op}: out must be float32, bfloat16 or float16 [T, H, d], got {out.dtype}{tuple(out.shape)}")
+        raise TypeError(f"{op}: out must be float32, bfloat16, float16 (or float64) [T, H, d], got "
+                        f"{out.dtype}{tuple(out.shape)}")
     if out.shape[2] % 2 or out.shape[2] > 256:
         raise ValueError(f"{op}: head_dim must be even and at most 256, got {out.shape[2]}")
     for name, x in (("other", other), ("q", q)):
