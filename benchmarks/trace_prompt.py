@@ -1,0 +1,99 @@
+"""Fresh prompts: cuDNN's causal attention alone against ``jax_tq.prompt_attention`` (the same
+attention plus the cache write), as one jitted program of chained calls with the cache donated.
+
+Per shape and program it prints the host clock per call of a 4-call and a 24-call program (median
+of 7 runs, no profiler: the steadier ratio), the GPU span and kernel time per call of the 4-call
+program (JAX profiler, CUPTI), and that program's first three calls kernel by kernel (start, duration,
+stream): which kernels run, in what order, and the launch gaps between them.
+
+Usage: PYTHONPATH=benchmarks python benchmarks/trace_prompt.py [1x2048 8x1024 ...] (num_seqs x
+prompt_len; a GPU with cuDNN, elsewhere XLA's attention; 32 / 8 heads, head_dim 128, K4V4
+Hadamard, bf16 queries, as bench_prefill.py)
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+import jax_tq as tq
+import bench_prefill as bp
+import device_time as dt
+
+REPS = 7
+
+
+def programs(num_seqs, seq_len, inner):
+    """(cache, queries, {name: fn(cache, queries) -> (outs, cache)}) at one shape."""
+    key = jax.random.PRNGKey(0)
+    cache, tables, k, v = bp.compressed_setup(num_seqs, seq_len, key)
+    qs = [jax.random.normal(jax.random.fold_in(key, 100 + i), (num_seqs, seq_len, bp.HEADS, bp.HEAD_DIM),
+                            jnp.bfloat16) for i in range(inner)]
+    kd = k.reshape(num_seqs, seq_len, bp.KV_HEADS, bp.HEAD_DIM)
+    vd = v.reshape(num_seqs, seq_len, bp.KV_HEADS, bp.HEAD_DIM)
+
+    impl = "cudnn" if jax.default_backend() == "gpu" else None  # (XLA's code elsewhere: a smoke run)
+
+    def cudnn(cache, qs):
+        return [jax.nn.dot_product_attention(q, kd, vd, is_causal=True, implementation=impl) for q in qs], cache
+
+    def prompt(cache, qs):
+        outs = []
+        for q in qs:
+            out, cache = tq.prompt_attention(q, kd, vd, cache, tables)
+            outs.append(out)
+        return outs, cache
+    return cache, qs, {"cudnn": cudnn, "prompt_attention": prompt}
+
+
+def runner(fn, cache, qs):
+    """A blocking run() of fn jitted over its own copy of the cache (donated, so updated in place)."""
+    f = jax.jit(fn, donate_argnums=(0,))
+    state = [jax.tree.map(jnp.copy, cache)]
+
+    def run():
+        out = f(state[0], qs)
+        state[0] = out[1]
+        jax.block_until_ready(out)
+    run()
+    run()
+    return run
+
+
+def report(shape, name, inner, run):
+    times = []
+    for _ in range(REPS):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    line = f"{shape} {name:17s} inner {inner:2d}: host {statistics.median(times) / inner * 1e6:7.1f} us/call"
+    runs = dt.traced_runs(run, 3) if inner == 4 else None
+    if not runs:
+        print(line, flush=True)
+        return
+    middle = sorted(runs, key=dt.span_us)[1]
+    t0 = min(e["ts"] for e in middle)
+    print(f"{line}; span {dt.span_us(middle) / inner:.1f} us/call, kernels "
+          f"{sum(e['dur'] for e in middle) / inner:.1f}")
+    for e in middle[: 3 * len(middle) // inner + 2]:
+        print(f"    {e['ts'] - t0:8.1f} +{e['dur']:7.1f}  tid {str(e.get('tid'))[-6:]:>6s}  {str(e.get('name'))[:70]}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("shapes", nargs="*", default=["1x2048", "8x1024"], help="num_seqs x prompt_len")
+    args = ap.parse_args()
+    for shape in args.shapes:
+        num_seqs, seq_len = (int(x) for x in shape.split("x"))
+        for inner in (4, 24):
+            cache, qs, progs = programs(num_seqs, seq_len, inner)
+            for name, fn in progs.items():
+                report((num_seqs, seq_len), name, inner, runner(fn, cache, qs))
+            del cache, qs
+
+
+if __name__ == "__main__":
+    main()
