@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on the GPU machine: build jax_tq with CUDA, run the GPU tests, the benchmarks,
 # and optionally the main job; print short tables. Usage: bash scripts/gpu_run.sh [build tests bench model]
-# stages: build ab kernels phases ncu ncuw trace tests dtests ftests fbench regress qjl variants prefill ttft sharded cmdbuf bits hd rot bench graphs profile breakdown mstep model (default: build tests bench). Logs go to $OUT (the device tool brings them back).
+# stages: build ab kernels phases ncu ncuw trace prompt tests dtests ftests fbench regress qjl variants prefill ttft sharded cmdbuf bits hd rot bench graphs profile breakdown mstep model (default: build tests bench). Logs go to $OUT (the device tool brings them back).
 # One device call may run 600 s at most: "build tests" (~9 min on the H200) and "bench" (~4 min) fit
 # in two back-to-back calls; the build stays while the machine is warm (30 s after a call).
 set -uo pipefail
@@ -53,13 +53,17 @@ if has ab; then  # A/B in one call, on one machine: each source tree of AB_TREES
   # commit's tree with: mkdir -p ab/base && git archive <rev> | tar -x -C ab/base (untracked, so it
   # travels; delete it afterwards). The working tree's install is restored at the end.
   # CUDAFLAGS=-DJTQ_DEV_ONLY_D=128 builds head_dim 128's kernels only (~60 s per tree instead of ~150).
-  # AB_PREFILL=1 times bench_prefill.py instead of bench_decode.py (test a tree with the prefill stage).
+  # AB_PREFILL=1 times bench_prefill.py instead of bench_decode.py (test a tree with the prefill stage);
+  # AB_PROMPT=1 runs trace_prompt.py (prompt_attention against cuDNN alone, host-timed chains).
   for tree in ${AB_TREES:-. ab/base .}; do
     echo "== A/B: $tree"
     if ! (cd "$tree" && cuda_install >"$OUT/build_ab.log" 2>&1); then
       tail -n 40 "$OUT/build_ab.log"; echo "A/B BUILD FAILED: $tree"; continue
     fi
-    if [ "${AB_PREFILL:-0}" = 1 ]; then
+    if [ "${AB_PROMPT:-0}" = 1 ]; then
+      (cd "$tree" && PYTHONPATH=benchmarks:${PYTHONPATH:-} timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/trace_prompt.py \
+        ${PROMPT_SHAPES:-1x2048 8x1024} 2>&1 | grep -v "^    ")
+    elif [ "${AB_PREFILL:-0}" = 1 ]; then
       (cd "$tree" && PYTHONPATH=benchmarks:${PYTHONPATH:-} timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/bench_prefill.py \
         --no-decode-rows 2>&1 | grep "^| (" | cut -d'|' -f2-5)
     else
@@ -203,6 +207,10 @@ fi
 if has trace; then  # the device timeline of one call in the benchmark chain (JAX profiler, CUPTI)
   PYTHONPATH=benchmarks:${PYTHONPATH:-} timeout ${TRACE_TIMEOUT:-150} python3 benchmarks/trace_decode.py ${TRACE_SHAPES:-32x8192 1x32768} 2>&1 \
     | tee "$OUT/trace.txt" | grep -E "^==|^\|" | head -n 60
+fi
+if has prompt; then  # fresh prompts: prompt_attention against cuDNN alone (host-timed chains, each call's kernels)
+  PYTHONPATH=benchmarks:${PYTHONPATH:-} timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/trace_prompt.py \
+    ${PROMPT_SHAPES:-1x2048 8x1024} 2>&1 | tee "$OUT/trace_prompt.txt" | grep -v "^    "
 fi
 if has breakdown; then  # every kernel of profile_kernels.py (decode calls, a cache write, a compress) with its duration
   env $ncu_env timeout ${NCU_TIMEOUT:-200} ncu --clock-control none --metrics gpu__time_duration.sum --csv \
