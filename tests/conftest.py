@@ -27,11 +27,23 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-_SEED = np.random.SeedSequence(int(os.environ["JAX_TQ_TEST_SEED"]) if "JAX_TQ_TEST_SEED" in os.environ else None)
+# One seed per run: chosen here unless given, and put in the environment so that pytest-xdist's
+# workers, started after this file is imported, draw from the same one.
+os.environ.setdefault("JAX_TQ_TEST_SEED", str(np.random.SeedSequence().entropy))
+_SEED = np.random.SeedSequence(int(os.environ["JAX_TQ_TEST_SEED"]))
+
+
+def _seed_line():
+    return f"jax_tq random inputs: JAX_TQ_TEST_SEED={_SEED.entropy} reproduces this run"
 
 
 def pytest_report_header(config):
-    return f"jax_tq random inputs: JAX_TQ_TEST_SEED={_SEED.entropy} reproduces this run"
+    return _seed_line()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if exitstatus != 0:  # the header is not printed under -q (CI's run)
+        terminalreporter.write_line(_seed_line())
 
 
 @pytest.fixture
