@@ -171,9 +171,15 @@ def test_batch_log_likelihoods_equal_each_sequence_alone(tiny, cache, rng):
     seqs[0] = seqs[0][:2]
     got = batch_log_likelihoods(tiny, seqs, cache)
     assert [g.shape for g in got] == [(len(s) - 1,) for s in seqs]
+    # With a compressed cache the batched and the lone forwards may store different codes: their
+    # float32 K / V differ by rounding (XLA's reductions over other shapes), and a coordinate within
+    # that of a codebook boundary takes the neighbouring code (one CI run: later tokens moved by
+    # 2.8e-3). The cache itself moves these log-likelihoods by ~0.6-0.9 against none, and attending to
+    # another sequence's tokens by 1-3.
+    atol = 1e-5 if cache is None else 2e-2
     for s, g in zip(seqs, got):
         assert g.dtype == np.float64 and (g < 0).all()
-        np.testing.assert_allclose(g, token_log_likelihoods(tiny, s, cache), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(g, token_log_likelihoods(tiny, s, cache), rtol=1e-5, atol=atol)
     if cache is None:  # the float64 log-softmax of each sequence's own forward
         for s, g in zip(seqs, got):
             logits = np.asarray(forward_logits(tiny, np.asarray(s, np.int32)), np.float64)
