@@ -618,9 +618,9 @@ def greedy_generate(model: Llama, prompt_ids: Sequence[int], max_new_tokens: int
         the tokens are the unsharded run's.
 
     ``cache_config``: a compressed paged cache spec (see :func:`parse_cache_config`; by default
-    the ``"k4v4"`` preset), or None /
-    ``"none"`` for the uncompressed baseline, paged too (``preset="none"``, pages of
-    ``uncompressed_dtype``, 16 tokens each); sequence ``b`` owns its own pages.
+    the ``"k4v4"`` preset), or None / ``"none"`` for the uncompressed baseline, paged too
+    (``preset="none"``, pages of ``uncompressed_dtype``, 16 tokens each); sequence ``b`` owns its
+    own pages.
 
     The prompts go through one forward (:func:`jax_tq.models.llama.make_prefill`: exact attention
     over the prompt's own K / V, which it writes into the caches), compiled before it is timed; the
