@@ -505,6 +505,33 @@ def test_prompt_attention_variants_bad_arguments(rng):
         tq.prompt_attention(q, k, v, cache, tables, lens, sinks=np.zeros(3, np.float32))
 
 
+@pytest.mark.parametrize("kind", ["hadamard", "window"])
+def test_prompt_attention_chain_with_the_cache_donated_writes_every_prompt(rng, kind):
+    """Three jitted prompt_attention calls on one donated cache, each on new pages and windows: the
+    cache after each is write_cache of the calls so far bit for bit (the pools updated in place
+    call after call), the outputs exact."""
+    cache = make_cache(rng, kind, head_dim=128, num_pages=3 * 4 * 64 // 8, window=8, num_windows=12)
+    step = jax.jit(tq.prompt_attention, donate_argnums=3)
+    want = jax.tree_util.tree_map(jnp.copy, cache)
+    free = rng.permutation(cache.num_pages)
+    for call in range(3):
+        q, k, v, _, lens = prompt_case(rng, cache, (64, 50, 64, 9), 64, dtype=jnp.bfloat16)
+        tables = free[call * 32:(call + 1) * 32].reshape(4, 8).astype(np.int32)
+        ids = np.arange(4, dtype=np.int32) + 4 * call
+        out, cache = step(q, k, v, cache, tables, lens, window_ids=jnp.asarray(ids) if kind == "window" else None)
+        pos = np.arange(64)[None, :]
+        real = pos < lens[:, None]
+        slots = np.where(real, tables[:, pos[0] // 8] * 8 + pos % 8, -1).reshape(-1).astype(np.int32)
+        wslots = np.where(real & (pos >= lens[:, None] - 8), ids[:, None] * 8 + pos % 8, -1).reshape(-1)
+        flat = (-1,) + k.shape[2:]
+        want = tq.write_cache(want, k.reshape(flat), v.reshape(flat), jnp.asarray(slots),
+                              jnp.asarray(wslots, jnp.int32) if kind == "window" else None)
+        for name, leaf in leaves(cache).items():
+            np.testing.assert_array_equal(leaf, leaves(want)[name], err_msg=f"call {call}: {name}")
+        f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+        assert rel_err(np.asarray(out, np.float32), prompt_f64(f32(q), f32(k), f32(v), lens)) < 2e-2
+
+
 def test_prompt_attention_is_not_the_compressed_prefill(rng):
     """The same prompt through ragged_paged_attention reads its tokens back compressed: the two
     differ by the quantization error (and agree over an uncompressed float32 cache)."""
