@@ -20,6 +20,18 @@ from oracle import exact_attend, random_cache, random_tables, random_window_cach
 prefill_module = importlib.import_module("jax_tq.paged_prefill")  # the module (jax_tq.paged_prefill is the function)
 
 
+@pytest.fixture(autouse=True)
+def on_the_cpu_unless_marked_gpu(request):
+    """The unmarked tests compare the dense path in float64 (and float32 to 1e-5) with the CPU
+    handlers: on a machine with a GPU they run on its CPU, where they mean the same (the CUDA
+    kernels take no float64, and XLA's float32 products on the GPU default to TF32)."""
+    if "gpu" in request.keywords or jax.devices()[0].platform == "cpu":
+        yield
+        return
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
+
+
 def _operands(cache, q, tables, lens, starts, window_ids=None):
     """The primitive's operands (q rotated by K's Pi), in float64."""
     k, v = cache.k_codec, cache.v_codec
