@@ -384,6 +384,19 @@ def prompt_case(rng, cache, prompt_lens, seq_len, *, group=2, dtype=jnp.float32,
     return jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype), tables, prompt_lens
 
 
+def prompt_slots(tables, prompt_lens, seq_len, page_size, window, window_ids):
+    """The (slots, window slots) int32 [batch * seq_len] prompt_attention writes: position p of prompt
+    b at its page where the table covers it, and its window entry among the prompt's last ``window``."""
+    batch = len(prompt_lens)
+    slots, window_slots = np.full((batch, seq_len), -1, np.int32), np.full((batch, seq_len), -1, np.int32)
+    for b, n in enumerate(prompt_lens):
+        for p in range(min(int(n), seq_len, tables.shape[1] * page_size)):   # the positions the table covers
+            slots[b, p] = tables[b, p // page_size] * page_size + p % page_size
+            if window and p >= n - window:
+                window_slots[b, p] = window_ids[b] * window + p % window
+    return slots.reshape(-1), window_slots.reshape(-1)
+
+
 def check_prompts(rng, cache, prompt_lens, seq_len, *, group=2, dtype=jnp.float32, window_ids=None, max_pages=None):
     q, k, v, tables, prompt_lens = prompt_case(rng, cache, prompt_lens, seq_len, group=group, dtype=dtype,
                                                max_pages=max_pages)
@@ -391,16 +404,8 @@ def check_prompts(rng, cache, prompt_lens, seq_len, *, group=2, dtype=jnp.float3
     out, new = jax.jit(tq.prompt_attention)(q, k, v, cache, tables, prompt_lens,
                                             window_ids=None if window_ids is None else jnp.asarray(window_ids))
     assert out.shape == q.shape and out.dtype == q.dtype
-    batch = len(prompt_lens)
-    ids = np.arange(batch) if window_ids is None else np.asarray(window_ids)
-    slots, window_slots = np.full((batch, seq_len), -1, np.int32), np.full((batch, seq_len), -1, np.int32)
-    page_size, window = cache.page_size, cache.window
-    for b, n in enumerate(prompt_lens):
-        for p in range(min(int(n), seq_len, tables.shape[1] * page_size)):   # the positions the table covers
-            slots[b, p] = tables[b, p // page_size] * page_size + p % page_size
-            if window and p >= n - window:
-                window_slots[b, p] = ids[b] * window + p % window
-    slots, window_slots = slots.reshape(-1), window_slots.reshape(-1)
+    ids = np.arange(len(prompt_lens)) if window_ids is None else np.asarray(window_ids)
+    slots, window_slots = prompt_slots(tables, prompt_lens, seq_len, cache.page_size, cache.window, ids)
     flat = (-1,) + k.shape[2:]
     assert_cache_is_the_write(new, cache, k.reshape(flat), v.reshape(flat), slots, window_slots)
     want = prompt_f64(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), prompt_lens)
@@ -519,13 +524,10 @@ def test_prompt_attention_chain_with_the_cache_donated_writes_every_prompt(rng, 
         tables = free[call * 32:(call + 1) * 32].reshape(4, 8).astype(np.int32)
         ids = np.arange(4, dtype=np.int32) + 4 * call
         out, cache = step(q, k, v, cache, tables, lens, window_ids=jnp.asarray(ids) if kind == "window" else None)
-        pos = np.arange(64)[None, :]
-        real = pos < lens[:, None]
-        slots = np.where(real, tables[:, pos[0] // 8] * 8 + pos % 8, -1).reshape(-1).astype(np.int32)
-        wslots = np.where(real & (pos >= lens[:, None] - 8), ids[:, None] * 8 + pos % 8, -1).reshape(-1)
+        slots, wslots = prompt_slots(tables, lens, 64, cache.page_size, cache.window, ids)
         flat = (-1,) + k.shape[2:]
         want = tq.write_cache(want, k.reshape(flat), v.reshape(flat), jnp.asarray(slots),
-                              jnp.asarray(wslots, jnp.int32) if kind == "window" else None)
+                              jnp.asarray(wslots) if kind == "window" else None)
         for name, leaf in leaves(cache).items():
             np.testing.assert_array_equal(leaf, leaves(want)[name], err_msg=f"call {call}: {name}")
         f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
