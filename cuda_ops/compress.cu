@@ -27,6 +27,7 @@
 #include <atomic>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "jax_tq/cuda_launch.h"
 #include "jax_tq/dispatch.h"
@@ -253,16 +254,12 @@ __device__ __noinline__ float scaled_row_norm(const void* x, int dtype, int64_t 
   return ldexpf(sqrtf(s), e);
 }
 
-// The norms of rows r0, r1 (v0 / v1: the rows exist) from a quad's partial sums of squares ss0,
-// ss1: a quad butterfly (bitwise identical in its 4 lanes, t = lane & 3), then the scaled re-read
-// where a sum left its safe range (the same in the quad's 4 lanes: they all take it); stored_norm.
+// The norms of rows r0, r1 (v0 / v1: the rows exist) from their whole sums of squares ss0, ss1, the
+// same in a quad's 4 lanes (t = lane & 3): the scaled re-read where a sum left its safe range (the
+// quad's 4 lanes all take it); stored_norm.
 template <int D>
-__device__ __forceinline__ float2 quad_row_norms(float ss0, float ss1, bool v0, bool v1, const void* x, int dtype,
-                                                 int64_t r0, int64_t r1, int t) {
-  ss0 += __shfl_xor_sync(0xFFFFFFFFu, ss0, 1);
-  ss0 += __shfl_xor_sync(0xFFFFFFFFu, ss0, 2);
-  ss1 += __shfl_xor_sync(0xFFFFFFFFu, ss1, 1);
-  ss1 += __shfl_xor_sync(0xFFFFFFFFu, ss1, 2);
+__device__ __forceinline__ float2 quad_norms_of_sums(float ss0, float ss1, bool v0, bool v1, const void* x, int dtype,
+                                                     int64_t r0, int64_t r1, int t) {
   float n0 = sqrtf(ss0), n1 = sqrtf(ss1);
   if (v0 && needs_scaled_norm(ss0)) {
     const float scaled = scaled_row_norm<D, 4>(x, dtype, r0, t);
@@ -273,6 +270,18 @@ __device__ __forceinline__ float2 quad_row_norms(float ss0, float ss1, bool v0, 
     if (scaled >= 0.f) n1 = scaled;
   }
   return make_float2(stored_norm(n0), stored_norm(n1));
+}
+
+// quad_norms_of_sums of a quad's partial sums of squares ss0, ss1 after a quad butterfly (bitwise
+// identical in its 4 lanes).
+template <int D>
+__device__ __forceinline__ float2 quad_row_norms(float ss0, float ss1, bool v0, bool v1, const void* x, int dtype,
+                                                 int64_t r0, int64_t r1, int t) {
+  ss0 += __shfl_xor_sync(0xFFFFFFFFu, ss0, 1);
+  ss0 += __shfl_xor_sync(0xFFFFFFFFu, ss0, 2);
+  ss1 += __shfl_xor_sync(0xFFFFFFFFu, ss1, 1);
+  ss1 += __shfl_xor_sync(0xFFFFFFFFu, ss1, 2);
+  return quad_norms_of_sums<D>(ss0, ss1, v0, v1, x, dtype, r0, r1, t);
 }
 
 // Packed group word w (8 codes, format.h) to its bits bytes at dst.
@@ -1823,14 +1832,20 @@ __device__ __forceinline__ void load8_as_float(const void* x, int64_t i, bool va
 constexpr int kLutCells = 256;
 constexpr float kLutScale = 119.0f;
 constexpr float kLutRound = 12582912.0f + kLutCells / 2;  // 1.5 x 2^23: the FFMA rounds to an integer in the low bits
+constexpr float kLutEdge = -0.5f;  // cell c holds y kLutScale in [c - kLutCells / 2 + edge, + 1)
+// The 8x table of tq_hadamard_mma_kernel: the FFMA rounds 8 y kLutScale, whose low bits masked by
+// 8 (kLutCells - 1) are cell c's byte offset, c = floor(round(8 y kLutScale) / 8) + kLutCells / 2.
+constexpr float kLutRound8 = 12582912.0f + 8 * (kLutCells / 2);
+constexpr float kLutEdge8 = -1.0f / 16;
 
 // Fills lut (kLutCells entries) for the boundaries bnd (16, ascending, +inf padded) in units of
 // `unit` per y; returns whether every two boundaries lie at least a cell apart (else the table is
 // not exact and bucketize_fit must serve).
-__device__ __forceinline__ bool fill_code_lut(uint2* lut, const float* bnd, float unit, int tid, int nthreads) {
+__device__ __forceinline__ bool fill_code_lut(uint2* lut, const float* bnd, float unit, int tid, int nthreads,
+                                              float edge = kLutEdge) {
   for (int c = tid; c < kLutCells; c += nthreads) {
-    const float lo = unit * ((c - kLutCells / 2 - 0.5f) / kLutScale);
-    const float hi = unit * ((c - kLutCells / 2 + 0.5f) / kLutScale);
+    const float lo = unit * ((c - kLutCells / 2 + edge) / kLutScale);
+    const float hi = unit * ((c - kLutCells / 2 + edge + 1.0f) / kLutScale);
     uint32_t below = 0;
     float inside = INFINITY;
     for (int i = 0; i < 15; ++i) {
@@ -1854,21 +1869,17 @@ __device__ __forceinline__ uint32_t lut_code(float z, const uint2* lut, float sc
   return e.x + (__uint_as_float(e.y) < z ? 1u : 0u);
 }
 
-// lut_code(z) added to group at its place (place = 1 << its bit offset).
-__device__ __forceinline__ void add_lut_code(uint32_t& group, float z, uint32_t place, const uint2* lut, float scale) {
-  group += lut_code(z, lut, scale) * place;
-}
-
-// Codes of a lane's chunk of 8 (x[8 ch ..]) packed as their 8-code group word (format.h: LSB first).
+// Codes of a lane's chunk of 8 (x[8 ch ..]) packed as their 8-code group word (format.h: LSB first),
+// the last code first: group = group * 2^bits + code (one IMAD per code).
 template <bool LUT, int C>
 __device__ __forceinline__ uint32_t chunk_group(const float (&x)[C], int ch, int bits, const uint2* lut, float scale,
                                                 const float* bnd, float b3, float b7, float b11) {
+  const uint32_t radix = 1u << bits;
   uint32_t group = 0;
 #pragma unroll
-  for (int e = 0; e < 8; ++e) {
+  for (int e = 7; e >= 0; --e) {
     const float z = x[8 * ch + e];
-    if constexpr (LUT) add_lut_code(group, z, 1u << (bits * e), lut, scale);
-    else group |= bucketize_fit(z, bnd, b3, b7, b11) << (bits * e);
+    group = group * radix + (LUT ? lut_code(z, lut, scale) : bucketize_fit(z, bnd, b3, b7, b11));
   }
   return group;
 }
@@ -2023,6 +2034,300 @@ __global__ void __launch_bounds__(kQuadWarps * 32) tq_hadamard_quad_kernel(const
     }
     store_quad_row<D>(p, n, valid, row, g, groups, nrm, nrm, x);  // norm slot ||x|| (0 for a zero vector)
   });
+}
+
+// =============================================================================================
+// The plain codec's write of Hadamard codecs (head_dim 64 / 128) from bf16 / f16 x on tensor
+// cores (tq_hadamard_mma_kernel): z = M x with M = d Pi, whose entries are integers of magnitude
+// <= d (exact in bf16 and f16), one MMA per k16 step; a warp takes 16 rows at a time.
+// =============================================================================================
+constexpr int kMmaWriteWarps = 16;
+
+// Row of M (an output coordinate) in m16 tile `mt` (< 4) of pass `pass` (coordinates 64 pass ..),
+// fragment row m (< 16): lane g's rows m = g, g + 8 of the four tiles are 64 pass + 8 g .. + 7.
+__device__ __forceinline__ int mma_write_coord(int pass, int mt, int m) {
+  return 64 * pass + 8 * (m & 7) + 2 * mt + (m >> 3);
+}
+
+// M's A fragments in shared memory: fragment f = ((pass KC + j) 2 + s) 4 + mt (k16 step s of
+// k chunk j), lane l's 16 bytes at (32 f + l) x 16: words {M[g][k0, k0 + 1], M[g + 8][k0, ..],
+// M[g][k0 + 2, k0 + 3], M[g + 8][k0 + 2, ..]} of the tile's rows, k0 = 32 j + 8 t + 4 s (the
+// fragment's logical columns 2 t, 2 t + 8 in the k order of the B loads). In XT's 16-bit type
+// (exact).
+template <int D, int XT, int THREADS>
+__device__ __forceinline__ void stage_hadamard_fragments(const float* rot, uint4* frag, int tid) {
+  constexpr int KC = D / 32, kFrags = (D / 64) * KC * 2 * 4 * 32, kPer = kFrags / THREADS;
+  static_assert(kFrags % THREADS == 0, "staging split");
+  float4 v[kPer][2];
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int e = tid + i * THREADS, l = e & 31, f = e >> 5;
+    const int mt = f & 3, s = (f >> 2) & 1, j = (f >> 3) % KC, pass = (f >> 3) / KC;
+    const int g = l >> 2, t = l & 3, k0 = 32 * j + 8 * t + 4 * s;
+    v[i][0] = __ldg(reinterpret_cast<const float4*>(rot + mma_write_coord(pass, mt, g) * D + k0));
+    v[i][1] = __ldg(reinterpret_cast<const float4*>(rot + mma_write_coord(pass, mt, g + 8) * D + k0));
+  }
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const float4 a = v[i][0], b = v[i][1];
+    auto pair = [](float x, float y) {
+      if constexpr (XT == static_cast<int>(FType::kBF16)) return bf2_bits(__floats2bfloat162_rn(D * x, D * y));
+      else return h2_bits(__floats2half2_rn(D * x, D * y));
+    };
+    frag[tid + i * THREADS] = make_uint4(pair(a.x, a.y), pair(b.x, b.y), pair(a.z, a.w), pair(b.z, b.w));
+  }
+}
+
+// Sums of squares of lane (g, t)'s rows g of the tile's two halves, the same in the quad's 4 lanes: the
+// diagonals of the Gram products X X^T (A = both halves' rows from the B fragments' own words: rows g
+// and 8 + g; B = one half), one MMA per half and k16 step; the diagonal entry of row v of half h sits
+// in lane (v, v / 2), element 2 h + v % 2, and a shuffle hands it to the quad.
+template <int D, int XT>
+__device__ __forceinline__ float2 tile_sums_of_squares(const XRaw<XT, 8> (&x)[2][D / 32], int g) {
+  float gram[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+  for (int j = 0; j < D / 32; ++j)
+#pragma unroll
+    for (int s = 0; s < 2; ++s)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint32_t a0 = x[0][j].w[2 * s], a1 = x[1][j].w[2 * s], a2 = x[0][j].w[2 * s + 1], a3 = x[1][j].w[2 * s + 1];
+        if constexpr (XT == static_cast<int>(FType::kBF16)) mma_bf16(gram[h], a0, a1, a2, a3, x[h][j].w[2 * s], x[h][j].w[2 * s + 1]);
+        else mma_f16(gram[h], a0, a1, a2, a3, x[h][j].w[2 * s], x[h][j].w[2 * s + 1]);
+      }
+  const int diag = 4 * g + (g >> 1);
+  const float d0 = (g & 1) ? gram[0][1] : gram[0][0], d1 = (g & 1) ? gram[1][3] : gram[1][2];
+  return make_float2(__shfl_sync(0xFFFFFFFFu, d0, diag), __shfl_sync(0xFFFFFFFFu, d1, diag));
+}
+
+// x <- x 2^-32 (bf16 pairs; exact but for elements below 2^-94, which cannot matter next to a norm
+// above 2^100).
+template <int KC>
+__device__ __forceinline__ void scale_down_bf16(XRaw<static_cast<int>(FType::kBF16), 8> (&x)[KC]) {
+  const __nv_bfloat162 s = __floats2bfloat162_rn(0x1p-32f, 0x1p-32f);
+#pragma unroll
+  for (int j = 0; j < KC; ++j)
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      __nv_bfloat162 h;
+      memcpy(&h, &x[j].w[k], 4);
+      x[j].w[k] = bf2_bits(__hmul2(h, s));
+    }
+}
+
+// bf16(||x|| z / d) of an 8-coordinate group of z into window row wrow.
+template <int D>
+__device__ __forceinline__ void store_window_group(uint16_t* win, int64_t wrow, int group, float nrm,
+                                                   const float (&z)[8]) {
+  const float s = nrm * (1.0f / D);
+  uint32_t* dst = reinterpret_cast<uint32_t*>(win + wrow * D + 8 * group);
+#pragma unroll
+  for (int e = 0; e < 8; e += 2) dst[e / 2] = bf2_bits(__floats2bfloat162_rn(s * z[e], s * z[e + 1]));
+}
+// Shared memory of tq_hadamard_mma_kernel: M's fragments, then per warp two 16-row tiles of x
+// (double buffer), rows of 2 d bytes at a stride of bt_stride_bytes(d) (two rows' 64-byte quarter-warp
+// loads fall on distinct banks).
+template <int D>
+struct MmaWriteSmem {
+  static constexpr int kFrags = (D / 64) * (D / 32) * 2 * 4 * 32;  // uint4 each
+  static constexpr int kRowStride = bt_stride_bytes(D);
+  static constexpr int kTile = 16 * kRowStride;
+  static constexpr int kBytes = kFrags * 16 + kMmaWriteWarps * 2 * kTile;
+};
+
+// 16 bytes global -> shared, asynchronously; src_bytes 0: zeros (src is not read).
+__device__ __forceinline__ void cp_async16_zfill(void* dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
+               "l"(src), "r"(src_bytes)
+               : "memory");
+}
+
+// The warp's copies of tile `tile` (rows 16 tile .. + 15 of x, zeros past N) into dst: lane l copies
+// piece l % P (16 bytes) of rows l / P + (32 / P) i (P pieces per row), at immediate offsets.
+template <int D>
+__device__ __forceinline__ void copy_x_tile(const GemmParams& p, int64_t tile, uint8_t* dst, int lane) {
+  constexpr int kPieces = 2 * D / 16, kStep = 32 / kPieces;
+  const int row0 = lane / kPieces, piece = lane % kPieces;
+  const int64_t first = tile * 16 + row0, left = p.N - first;
+  const uint8_t* src = static_cast<const uint8_t*>(p.x) + 16 * piece;
+  src += first < p.N ? first * 2 * D : 0;
+  dst += row0 * MmaWriteSmem<D>::kRowStride + 16 * piece;
+#pragma unroll
+  for (int i = 0; i < 16 / kStep; ++i) {
+    const bool valid = kStep * i < left;  // src stays inside x: the rows past N are not read
+    cp_async16_zfill(dst + kStep * i * MmaWriteSmem<D>::kRowStride, valid ? src + kStep * i * 2 * D : src, valid ? 16 : 0);
+  }
+}
+
+__device__ __forceinline__ void cp_async_commit_group() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait_group() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
+// Lane (g, t)'s B fragments of a tile's two 8-row halves h from shared memory: row 8 h + g at
+// k = 32 j + 8 t .. + 7 (the k order of the staged A fragments).
+template <int D, int XT>
+__device__ __forceinline__ void load_b_fragments(const uint8_t* tile_s, int g, int t, XRaw<XT, 8> (&x)[2][D / 32]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int j = 0; j < D / 32; ++j) {
+      const uint4 w = *reinterpret_cast<const uint4*>(tile_s + (8 * h + g) * MmaWriteSmem<D>::kRowStride +
+                                                      2 * (32 * j + 8 * t));
+      x[h][j].w[0] = w.x;
+      x[h][j].w[1] = w.y;
+      x[h][j].w[2] = w.z;
+      x[h][j].w[3] = w.w;
+    }
+}
+
+// The code word of 8 coordinates from the 8x code table (kLutEdge8 cells): the last code first,
+// group = group radix + code (radix = 2^bits).
+__device__ __forceinline__ uint32_t lut8_group(const float (&z)[8], const uint2* lut, float scale8, uint32_t radix) {
+  uint32_t group = 0;
+#pragma unroll
+  for (int e = 7; e >= 0; --e) {
+    const uint32_t off = __float_as_uint(fmaf(z[e], scale8, kLutRound8)) & ((kLutCells - 1) * 8);
+    const uint2 c = *reinterpret_cast<const uint2*>(reinterpret_cast<const char*>(lut) + off);
+    group = group * radix + c.x;
+    asm("{\n .reg .pred above;\n setp.lt.f32 above, %1, %2;\n @above add.u32 %0, %0, 1;\n}"
+        : "+r"(group) : "f"(__uint_as_float(c.y)), "f"(z[e]));  // + (boundary < z): one predicated add
+  }
+  return group;
+}
+
+// The plain write of Hadamard codecs (head_dim 64 / 128) from bf16 / f16 x on tensor cores.
+// M = d Pi = H D2 P H D1 has integer entries of magnitude <= d, exact in bf16 and f16, so
+// z = M x / ||x|| (tq_hadamard_quad_kernel's z: d times the unit rotated vector) takes ONE MMA per
+// k16 step, with exact products and fp32 sums. A = M's fragments, staged once per CTA in fragment
+// order (one 16-byte load per fragment); B = a warp's tile of 16 rows of x (cp.async, double
+// buffered), lane (g, t) reading row g of each 8-row half at k = 32 j + 8 t .. + 7 (the k order of
+// the staged A). M's rows are staged in an order that leaves lane (g, t), for rows 2 t and 2 t + 1
+// of each half, the coordinates 8 g .. 8 g + 7 of each pass (64 coordinates): whole 8-code groups,
+// coded from the 8x table (lut8_group) with no exchange. Norms: the sums of squares from Gram MMAs
+// (tile_sums_of_squares), then quad_row_norms' rule (the scaled re-read where a sum leaves its safe
+// range); a row whose norm exceeds 2^100 enters the product scaled by 2^-32 (exact) so that no
+// fp32 sum overflows. Lane v < 16 finds tile row v's pool row, lane 16 + v its window row, and
+// shuffles hand them out.
+template <int D, int XT>
+__global__ void __launch_bounds__(kMmaWriteWarps * 32, 1) tq_hadamard_mma_kernel(const GemmParams p0,
+                                                                                   const GemmParams p1) {
+  static_assert(XT != static_cast<int>(FType::kF32), "bf16 / f16 x: exact MMA operands");
+  using S = MmaWriteSmem<D>;
+  const GemmParams p = blockIdx.z == 0 ? p0 : p1;
+  constexpr int KC = D / 32, PASSES = D / 64, kThr = kMmaWriteWarps * 32;
+  constexpr bool BF16 = XT == static_cast<int>(FType::kBF16);
+  constexpr unsigned kAll = 0xFFFFFFFFu;
+  extern __shared__ uint4 mma_write_smem[];
+  uint4* frag_s = mma_write_smem;
+  __shared__ __align__(16) float bnd_s[16];  // d x the centroids' midpoints, +inf padded
+  __shared__ uint2 lut_s[kLutCells];
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  uint8_t* x_s = reinterpret_cast<uint8_t*>(frag_s + S::kFrags) + warp * 2 * S::kTile;
+  const int64_t ntiles = (p.N + 15) / 16, stride = static_cast<int64_t>(gridDim.x) * kMmaWriteWarps;
+  int64_t tile = static_cast<int64_t>(blockIdx.x) * kMmaWriteWarps + warp;
+  if (tile < ntiles) copy_x_tile<D>(p, tile, x_s, lane);  // in flight during the staging below
+  cp_async_commit_group();
+  const int bits = p.bits, pb = D * bits / 8;
+  if (tid < 16) bnd_s[tid] = tid < (1 << bits) - 1 ? static_cast<float>(D) * centroid_boundary(p.cent, tid) : INFINITY;
+  stage_hadamard_fragments<D, XT, kThr>(p.rot, frag_s, tid);
+  __syncthreads();
+  const bool lut = fill_code_lut(lut_s, bnd_s, static_cast<float>(D), tid, kThr, kLutEdge8);
+  __syncthreads();
+  const float b3 = bnd_s[3], b7 = bnd_s[7], b11 = bnd_s[11], lut_scale8 = 8.0f * kLutScale / D;
+  uint32_t radix;
+  asm("mov.u32 %0, %1;" : "=r"(radix) : "r"(1u << bits));  // group * radix + code: one IMAD
+  for (int buf = 0; tile < ntiles; tile += stride, buf ^= 1) {
+    if (tile + stride < ntiles) copy_x_tile<D>(p, tile + stride, x_s + (buf ^ 1) * S::kTile, lane);
+    cp_async_commit_group();
+    // Row 16 tile + v's pool row (lane v < 16) or window row (lane 16 + v), -1: none.
+    const int64_t mine = tile * 16 + (lane & 15);
+    int32_t where = -1;
+    if (mine < p.N) {
+      if (lane < 16) where = static_cast<int32_t>(dest_row32(p, mine));
+      else if (p.win != nullptr) where = static_cast<int32_t>(window_row(p, mine));
+    }
+    cp_async_wait_group<1>();
+    __syncwarp();
+    XRaw<XT, 8> x[2][KC];
+    load_b_fragments<D, XT>(x_s + buf * S::kTile, g, t, x);
+    __syncwarp();  // the buffer is refilled by the next iteration's copies
+    const int64_t r[2] = {tile * 16 + g, tile * 16 + 8 + g};
+    float2 ss = tile_sums_of_squares<D, XT>(x, g);
+    const float2 nn = quad_norms_of_sums<D>(ss.x, ss.y, r[0] < p.N, r[1] < p.N, p.x, p.dtype, r[0], r[1], t);
+    const bool big[2] = {BF16 && nn.x > 0x1p100f, BF16 && nn.y > 0x1p100f};  // x enters scaled by 2^-32
+    const float inv[2] = {(nn.x > 0.f ? 1.0f / nn.x : 0.f) * (big[0] ? 0x1p32f : 1.f),
+                          (nn.y > 0.f ? 1.0f / nn.y : 0.f) * (big[1] ? 0x1p32f : 1.f)};  // z = acc * inv
+    if constexpr (BF16) {
+      if (__any_sync(kAll, big[0] || big[1])) {  // rare
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          if (big[h]) scale_down_bf16<KC>(x[h]);
+      }
+    }
+    // What lane (g, t) codes: row 2 t + i of half h, held (norm, scale) by lane 4 (2 t + i).
+    int32_t dest[2][2], wrow[2][2];
+    float nrm[2][2], scale[2][2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int v = 2 * t + i, src = 4 * v;
+        dest[h][i] = __shfl_sync(kAll, where, 8 * h + v);
+        wrow[h][i] = __shfl_sync(kAll, where, 16 + 8 * h + v);
+        nrm[h][i] = __shfl_sync(kAll, h == 0 ? nn.x : nn.y, src);
+        scale[h][i] = __shfl_sync(kAll, inv[h], src);
+      }
+    float acc[2][4][4];
+#pragma unroll
+    for (int pass = 0; pass < PASSES; ++pass) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int mt = 0; mt < 4; ++mt) acc[h][mt][0] = acc[h][mt][1] = acc[h][mt][2] = acc[h][mt][3] = 0.f;
+#pragma unroll
+      for (int j = 0; j < KC; ++j)
+#pragma unroll
+        for (int s = 0; s < 2; ++s)
+#pragma unroll
+          for (int mt = 0; mt < 4; ++mt) {
+            const uint4 a = frag_s[((((pass * KC + j) * 2 + s) * 4 + mt) << 5) + lane];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              if constexpr (BF16) mma_bf16(acc[h][mt], a.x, a.y, a.z, a.w, x[h][j].w[2 * s], x[h][j].w[2 * s + 1]);
+              else mma_f16(acc[h][mt], a.x, a.y, a.z, a.w, x[h][j].w[2 * s], x[h][j].w[2 * s + 1]);
+            }
+          }
+      auto code_rows = [&](auto table) {
+        constexpr bool kLut = decltype(table)::value;
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {  // accumulator column 2 t + i: rows m = g (c[i]), g + 8 (c[2 + i])
+            float z[8];
+#pragma unroll
+            for (int mt = 0; mt < 4; ++mt) {
+              z[2 * mt] = acc[h][mt][i] * scale[h][i];
+              z[2 * mt + 1] = acc[h][mt][2 + i] * scale[h][i];
+            }
+            const uint32_t word = kLut ? lut8_group(z, lut_s, lut_scale8, radix)
+                                       : chunk_group<false, 8>(z, 0, bits, lut_s, 0.f, bnd_s, b3, b7, b11);
+            if (dest[h][i] >= 0) store_group(p.codes + static_cast<int64_t>(dest[h][i]) * pb + (8 * pass + g) * bits, word, bits);
+            if (wrow[h][i] >= 0) store_window_group<D>(p.win, wrow[h][i], 8 * pass + g, nrm[h][i], z);
+          }
+      };
+      if (lut) code_rows(std::true_type{});
+      else code_rows(std::false_type{});
+    }
+    if (g == 0) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+          if (dest[h][i] >= 0) p.norms[dest[h][i]] = nrm[h][i];  // 0 for a zero vector
+    }
+  }
+  cp_async_wait_group<0>();
 }
 
 // =============================================================================================
@@ -2315,6 +2620,46 @@ ffi::Error launch_hadamard_quad(const char* op, cudaStream_t stream, int d, cons
   });
 }
 
+// The plain write of Hadamard codecs from bf16 / f16 x on tensor cores (tq_hadamard_mma_kernel): a
+// persistent grid of the occupancy's CTAs at most.
+template <int D, int XT>
+ffi::Error launch_hadamard_mma_t(const char* op, cudaStream_t stream, const GemmParams& p, const GemmParams* p1) {
+  auto kernel = tq_hadamard_mma_kernel<D, XT>;
+  constexpr int smem = MmaWriteSmem<D>::kBytes;
+  static std::atomic<uint64_t> smem_set{0};
+  if (cudaError_t e = allow_dynamic_smem(smem_set, kernel, smem); e != cudaSuccess)
+    return cuda_error(op, "shared memory attribute", e);
+  static const KernelCfg cfg = occupancy_cfg(kernel, kMmaWriteWarps * 32, smem);
+  if (cfg.err != cudaSuccess) return cuda_error(op, "kernel setup", cfg.err);
+  const unsigned nz = p1 != nullptr ? 2u : 1u;
+  const int64_t rows_per_cta = kMmaWriteWarps * 16;
+  const int64_t cap = std::max<int64_t>(1, static_cast<int64_t>(cfg.blocks_per_sm) * sm_count() / nz);
+  const int64_t ctas = std::min<int64_t>((p.N + rows_per_cta - 1) / rows_per_cta, cap);
+  kernel<<<dim3(static_cast<unsigned>(ctas), 1, nz), kMmaWriteWarps * 32, smem, stream>>>(p, p1 ? *p1 : p);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return cuda_error(op, "kernel launch", e);
+  return ffi::Error::Success();
+}
+
+// The plain write of Hadamard codecs (hadamard_kernel_serves): from kMmaWriteMinRows vectors of
+// bf16 / f16 x on tensor cores (their elements and M = d Pi's are exact MMA operands; each CTA
+// stages M first, which smaller writes do not repay); else, and for float32 x, the quad kernel.
+constexpr int64_t kMmaWriteMinRows = 16384;
+
+ffi::Error launch_hadamard_write(const char* op, cudaStream_t stream, int d, const GemmParams& p,
+                                 const GemmParams* p1) {
+  auto rows_fit32 = [](const GemmParams& q) {  // the tensor-core kernel's 32-bit pool and window rows
+    return q.vec_io && q.total_slots * q.Hkv < (int64_t(1) << 31) && q.win_entries * q.Hkv < (int64_t(1) << 31);
+  };
+  if (p.dtype == static_cast<int>(FType::kF32) || p.N < kMmaWriteMinRows || !rows_fit32(p) || (p1 != nullptr && !rows_fit32(*p1)))
+    return launch_hadamard_quad<false>(op, stream, d, p, p1);
+  if (p.dtype == static_cast<int>(FType::kBF16))
+    return d == 64 ? launch_hadamard_mma_t<64, static_cast<int>(FType::kBF16)>(op, stream, p, p1)
+                   : launch_hadamard_mma_t<128, static_cast<int>(FType::kBF16)>(op, stream, p, p1);
+  return d == 64 ? launch_hadamard_mma_t<64, static_cast<int>(FType::kF16)>(op, stream, p, p1)
+                 : launch_hadamard_mma_t<128, static_cast<int>(FType::kF16)>(op, stream, p, p1);
+}
+
 // The fitted-scale compress: Hadamard codecs of head_dim 64 / 128 with their spec words (p.rot_spec,
 // and p1's) in the quad layout from kQuadFitMinRows rows, one warp per
 // vector below; else tensor cores for d <= 128 (tq_fit_mma_kernel), the v1 fp32 kernel
@@ -2585,7 +2930,7 @@ ffi::Error launch_write(const char* op, cudaStream_t stream, int d, bool fit, co
                         const GemmParams* p1 = nullptr) {
   if (fit) return launch_fit(op, stream, d, p, p1);
   if (p.N == 0) return ffi::Error::Success();
-  if (hadamard_kernel_serves(d, p, p1)) return launch_hadamard_quad<false>(op, stream, d, p, p1);
+  if (hadamard_kernel_serves(d, p, p1)) return launch_hadamard_write(op, stream, d, p, p1);
   return p.win != nullptr ? launch_compress<true>(op, stream, d, p, p1) : launch_compress(op, stream, d, p, p1);
 }
 

@@ -712,14 +712,16 @@ def test_write_cache_prefill_size_one_launch(rng, rotation):
         assert int(np.isnan(np.asarray(getattr(out, f"{name}_norms"))).sum()) == (num_pages * page_size - t) * hkv
 
 
-def hadamard_write_check(request, rng, head_dim, bits, dtype, special=True):
-    """write_cache of plain Hadamard codecs (the quad-per-vector CUDA kernel) into poisoned pools:
-    603 vectors per pool (groups of 8 per warp, the last one partly empty), zero, one-spike, NaN and
+def hadamard_write_check(request, rng, head_dim, bits, dtype, special=True, tokens=201):
+    """write_cache of plain Hadamard codecs into poisoned pools: 3 x ``tokens`` vectors per pool (201:
+    603, the quad-per-vector CUDA kernel, groups of 8 per warp, the last one partly empty; from 16384
+    bfloat16 / float16 vectors the tensor-core kernel, 16 per warp), zero, one-spike, NaN and
     (for bfloat16 / float32) huge, dense ~2^120, tiny, 2^127-spike and below-MIN_NORM (stored as zero)
     vectors, a padding and an out-of-pool slot.
     Every written token has the float64 oracle's codes (ties aside) and norm (NaN for the NaN rows);
     every other slot keeps its poison."""
-    hkv, page_size, num_pages, t = 3, 16, 16, 201
+    hkv, page_size, t = 3, 16, tokens
+    num_pages = t // page_size + 4
     k_codec = tq.TurboQuant(head_dim, bits[0], int(rng.integers(1000)), "hadamard")
     v_codec = tq.TurboQuant(head_dim, bits[1], int(rng.integers(1000)), "hadamard")
     cache = tq.PagedKVCache.create(num_pages=num_pages, page_size=page_size, num_kv_heads=hkv, k_codec=k_codec,
@@ -774,11 +776,22 @@ def test_gpu_hadamard_write_matches_the_float64_oracle(request, rng, head_dim, b
 
 
 @pytest.mark.gpu
-def test_gpu_hadamard_write_with_close_boundaries(request, rng, monkeypatch):
+@pytest.mark.parametrize("head_dim", (64, 128))
+@pytest.mark.parametrize("bits", ((4, 3), (2, 4)))
+@pytest.mark.parametrize("dtype", (jnp.bfloat16, jnp.float16))
+def test_gpu_tensor_core_hadamard_write_matches_the_float64_oracle(request, rng, head_dim, bits, dtype):
+    """A prompt-size write (16500 vectors per pool: the tensor-core kernel), the same special rows."""
+    hadamard_write_check(request, rng, head_dim, bits, dtype, tokens=5500)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", (201, 5500))
+def test_gpu_hadamard_write_with_close_boundaries(request, rng, monkeypatch, tokens):
     """Centroids two of whose boundaries lie closer than a cell of the kernel's code table (no codec
-    of the library has such; the kernel then searches the boundaries): the same checks."""
+    of the library has such; the kernel then searches the boundaries): the same checks, on the quad
+    and the tensor-core kernel."""
     monkeypatch.setattr(tq.TurboQuant, "centroids", property(close_centroids))
-    hadamard_write_check(request, rng, 128, (4, 3), jnp.bfloat16, special=False)
+    hadamard_write_check(request, rng, 128, (4, 3), jnp.bfloat16, special=False, tokens=tokens)
 
 
 def test_code_table_is_exact_for_the_codebooks_of_the_hadamard_write():
@@ -830,14 +843,20 @@ def test_write_cache_chain_with_produced_inputs(rng):
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", (64, 128))
 @pytest.mark.parametrize("fit", ("norm", "fit"))
-def test_gpu_write_cache_window_rows_match_the_cpu_s(request, rng, head_dim, fit):
-    cache = random_window_cache(rng, head_dim=head_dim, window=64, num_windows=2, num_pages=8, page_size=16)
+@pytest.mark.parametrize("tokens", (40, 8200))  # 8200 x 2 plain: the tensor-core write
+def test_gpu_write_cache_window_rows_match_the_cpu_s(request, rng, head_dim, fit, tokens):
+    num_pages = tokens // 16 + 8
+    cache = random_window_cache(rng, head_dim=head_dim, window=64, num_windows=2, num_pages=num_pages, page_size=16)
     cache = dataclasses.replace(cache, k_codec=tq.TurboQuant(head_dim, 4, 1, "hadamard", fit),
                                 v_codec=tq.TurboQuant(head_dim, 3, 2, "hadamard", fit))
-    k = jnp.asarray(rng.normal(size=(40, 2, head_dim)), jnp.bfloat16)
-    v = jnp.asarray(rng.normal(size=(40, 2, head_dim)), jnp.bfloat16)
-    slots = jnp.asarray(rng.permutation(128)[:40].astype(np.int32))
-    wslots = jnp.asarray(np.where(np.arange(40) % 3 == 0, -1, rng.permutation(128)[:40]).astype(np.int32))
+    k = jnp.asarray(rng.normal(size=(tokens, 2, head_dim)), jnp.bfloat16)
+    v = jnp.asarray(rng.normal(size=(tokens, 2, head_dim)), jnp.bfloat16)
+    slots = jnp.asarray(rng.permutation(num_pages * 16)[:tokens].astype(np.int32))
+    wslots = np.full(tokens, -1, np.int32)  # 128 window entries, each written by one token at most
+    chosen = rng.choice(tokens, size=min(tokens, 128), replace=False)
+    wslots[chosen] = rng.permutation(128)[:len(chosen)]
+    wslots[chosen[::3]] = -1
+    wslots = jnp.asarray(wslots)
     with kernel_backend(request, ["jax_tq_write_cache"]):
         gpu = jax.jit(tq.write_cache)(cache, k, v, slots, wslots)
     cpu_device = jax.devices("cpu")[0]
