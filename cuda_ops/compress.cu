@@ -2643,15 +2643,23 @@ ffi::Error launch_hadamard_mma_t(const char* op, cudaStream_t stream, const Gemm
 
 // The plain write of Hadamard codecs (hadamard_kernel_serves): from kMmaWriteMinRows vectors of
 // bf16 / f16 x on tensor cores (their elements and M = d Pi's are exact MMA operands; each CTA
-// stages M first, which smaller writes do not repay); else, and for float32 x, the quad kernel.
+// stages M first, which smaller writes do not repay) where the device gives a CTA its shared
+// memory (sm_90: yes; sm_80: head_dim 64 only; sm_86 / sm_89: neither); else, and for float32 x,
+// the quad kernel.
 constexpr int64_t kMmaWriteMinRows = 16384;
+
+bool mma_write_fits(int d) {
+  const int smem = (d == 64 ? MmaWriteSmem<64>::kBytes : MmaWriteSmem<128>::kBytes) + 16 * int(sizeof(float)) +
+                   kLutCells * int(sizeof(uint2));  // + the kernel's static arrays
+  return smem <= device_block_smem_optin();
+}
 
 ffi::Error launch_hadamard_write(const char* op, cudaStream_t stream, int d, const GemmParams& p,
                                  const GemmParams* p1) {
   auto rows_fit32 = [](const GemmParams& q) {  // the tensor-core kernel's 32-bit pool and window rows
     return q.vec_io && q.total_slots * q.Hkv < (int64_t(1) << 31) && q.win_entries * q.Hkv < (int64_t(1) << 31);
   };
-  if (p.dtype == static_cast<int>(FType::kF32) || p.N < kMmaWriteMinRows || !rows_fit32(p) || (p1 != nullptr && !rows_fit32(*p1)))
+  if (p.dtype == static_cast<int>(FType::kF32) || p.N < kMmaWriteMinRows || !mma_write_fits(d) || !rows_fit32(p) || (p1 != nullptr && !rows_fit32(*p1)))
     return launch_hadamard_quad<false>(op, stream, d, p, p1);
   if (p.dtype == static_cast<int>(FType::kBF16))
     return d == 64 ? launch_hadamard_mma_t<64, static_cast<int>(FType::kBF16)>(op, stream, p, p1)
