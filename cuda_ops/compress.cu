@@ -29,6 +29,7 @@
 #include <string>
 #include <type_traits>
 
+#include "jax_tq/cp_async.cuh"
 #include "jax_tq/cuda_launch.h"
 #include "jax_tq/dispatch.h"
 #include "jax_tq/ffi_checks.h"
@@ -2135,13 +2136,6 @@ struct MmaWriteSmem {
   static constexpr int kBytes = kFrags * 16 + kMmaWriteWarps * 2 * kTile;
 };
 
-// 16 bytes global -> shared, asynchronously; src_bytes 0: zeros (src is not read).
-__device__ __forceinline__ void cp_async16_zfill(void* dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
-               "l"(src), "r"(src_bytes)
-               : "memory");
-}
-
 // The warp's copies of tile `tile` (rows 16 tile .. + 15 of x, zeros past N) into dst: lane l copies
 // piece l % P (16 bytes) of rows l / P + (32 / P) i (P pieces per row), at immediate offsets.
 template <int D>
@@ -2158,11 +2152,6 @@ __device__ __forceinline__ void copy_x_tile(const GemmParams& p, int64_t tile, u
     cp_async16_zfill(dst + kStep * i * MmaWriteSmem<D>::kRowStride, valid ? src + kStep * i * 2 * D : src, valid ? 16 : 0);
   }
 }
-
-__device__ __forceinline__ void cp_async_commit_group() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-
-template <int N>
-__device__ __forceinline__ void cp_async_wait_group() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
 // Lane (g, t)'s B fragments of a tile's two 8-row halves h from shared memory: row 8 h + g at
 // k = 32 j + 8 t .. + 7 (the k order of the staged A fragments).
@@ -2227,7 +2216,7 @@ __global__ void __launch_bounds__(kMmaWriteWarps * 32, 1) tq_hadamard_mma_kernel
   const int64_t ntiles = (p.N + 15) / 16, stride = static_cast<int64_t>(gridDim.x) * kMmaWriteWarps;
   int64_t tile = static_cast<int64_t>(blockIdx.x) * kMmaWriteWarps + warp;
   if (tile < ntiles) copy_x_tile<D>(p, tile, x_s, lane);  // in flight during the staging below
-  cp_async_commit_group();
+  cp_async_commit();
   const int bits = p.bits, pb = D * bits / 8;
   if (tid < 16) bnd_s[tid] = tid < (1 << bits) - 1 ? static_cast<float>(D) * centroid_boundary(p.cent, tid) : INFINITY;
   stage_hadamard_fragments<D, XT, kThr>(p.rot, frag_s, tid);
@@ -2239,7 +2228,7 @@ __global__ void __launch_bounds__(kMmaWriteWarps * 32, 1) tq_hadamard_mma_kernel
   asm("mov.u32 %0, %1;" : "=r"(radix) : "r"(1u << bits));  // group * radix + code: one IMAD
   for (int buf = 0; tile < ntiles; tile += stride, buf ^= 1) {
     if (tile + stride < ntiles) copy_x_tile<D>(p, tile + stride, x_s + (buf ^ 1) * S::kTile, lane);
-    cp_async_commit_group();
+    cp_async_commit();
     // Row 16 tile + v's pool row (lane v < 16) or window row (lane 16 + v), -1: none.
     const int64_t mine = tile * 16 + (lane & 15);
     int32_t where = -1;
@@ -2247,7 +2236,7 @@ __global__ void __launch_bounds__(kMmaWriteWarps * 32, 1) tq_hadamard_mma_kernel
       if (lane < 16) where = static_cast<int32_t>(dest_row32(p, mine));
       else if (p.win != nullptr) where = static_cast<int32_t>(window_row(p, mine));
     }
-    cp_async_wait_group<1>();
+    cp_async_wait<1>();
     __syncwarp();
     XRaw<XT, 8> x[2][KC];
     load_b_fragments<D, XT>(x_s + buf * S::kTile, g, t, x);
@@ -2327,7 +2316,7 @@ __global__ void __launch_bounds__(kMmaWriteWarps * 32, 1) tq_hadamard_mma_kernel
           if (dest[h][i] >= 0) p.norms[dest[h][i]] = nrm[h][i];  // 0 for a zero vector
     }
   }
-  cp_async_wait_group<0>();
+  cp_async_wait<0>();
 }
 
 // =============================================================================================

@@ -14,6 +14,7 @@
 #include <cstdint>
 
 #include "jax_tq/attention_variants.cuh"
+#include "jax_tq/cp_async.cuh"
 #include "jax_tq/format.h"
 
 namespace jax_tq {
@@ -30,10 +31,6 @@ constexpr float kLn2 = 0.6931471805599453f;
 // ---------------------------------------------------------------------------------------------
 // Small device helpers.
 // ---------------------------------------------------------------------------------------------
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
 template <int BYTES>
 __device__ __forceinline__ void cp_async(void* dst_smem, const void* src_gmem) {
   static_assert(BYTES == 4 || BYTES == 8 || BYTES == 16, "cp.async size");
@@ -82,15 +79,6 @@ __device__ __forceinline__ int4 ld_early(const int4* src) {
                : "l"(src)
                : "memory");
   return v;
-}
-
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 __device__ __forceinline__ float fast_exp2(float x) {
