@@ -1,6 +1,6 @@
 """A prefill's cache write for Nsight Compute: 8192 tokens x 8 KV heads, head_dim 128, bf16 K / V,
 written twice per codec (the first call warms up), for the plain Hadamard codec (K4V4,
-tq_hadamard_mma_kernel: bf16 K / V from 16384 rows per pool) and the k4v4 preset (fitted scale, 65536 rows per call:
+tq_hadamard_wgmma_kernel on Hopper: bf16 K / V from 16384 rows per pool) and the k4v4 preset (fitted scale, 65536 rows per call:
 tq_hadamard_quad_fit_kernel).
 
 Usage: ncu --clock-control none -k regex:tq_hadamard --launch-skip 1 --launch-count 1 \

@@ -1,7 +1,8 @@
-// Hopper warpgroup MMA (wgmma, sm_90a) helpers for the tensor-core prefill kernel: the A operand
-// from registers (the m16n8k16 A fragment of each warp, warp w holding rows 16w .. 16w + 15 of the
-// warpgroup's 64), B from shared memory through a matrix descriptor, f32 accumulators in the layout
-// of eight m16n8 C fragments (d[j]: columns 8j + 2 (lane % 4), +1 of rows lane / 4 and + 8).
+// Hopper warpgroup MMA (wgmma, sm_90a) helpers for the tensor-core prefill kernel (A from registers:
+// the m16n8k16 A fragment of each warp, warp w holding rows 16w .. 16w + 15 of the warpgroup's 64)
+// and the cache write of compress.cu (A from shared memory); B from shared memory through a matrix
+// descriptor, f32 accumulators in the layout of eight m16n8 C fragments (d[j]: columns
+// 8j + 2 (lane % 4), +1 of rows lane / 4 and + 8).
 // PTX ISA, "Asynchronous Warpgroup Level Matrix Multiply-Accumulate" (wgmma.mma_async, matrix
 // descriptor format, canonical 128-byte swizzle layouts).
 //
@@ -62,6 +63,36 @@ __device__ __forceinline__ void wgmma_m64n64k16(float (&d)[8][4], const uint32_t
         "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
         "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate), "n"(TRANS_B));
+}
+// d (64 x 64, f32) = A (64 x 16) * B (16 x 64) + (accumulate ? d : 0), both from shared memory
+// through descriptors, both K-major; BF16: bf16 operands, else f16.
+template <bool BF16>
+__device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[8][4], uint64_t adesc, uint64_t bdesc, int accumulate) {
+#define JTQ_WGMMA_SS(TYPE)                                                                                           \
+  asm volatile(                                                                                                      \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                                                   \
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " "                                                 \
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                     \
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "                           \
+      "%32, %33, p, 1, 1, 0, 0;\n}\n"                                                                               \
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),    \
+        "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),    \
+        "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]),    \
+        "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),    \
+        "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])                                                  \
+      : "l"(adesc), "l"(bdesc), "r"(accumulate))
+  if constexpr (BF16) JTQ_WGMMA_SS("bf16");
+  else JTQ_WGMMA_SS("f16");
+#undef JTQ_WGMMA_SS
+}
+
+// Waits until at most N of the warp's committed wgmma groups are in flight.
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+
+// The 128 threads of warpgroup `wg` of the CTA meet at named barrier 1 + wg (0 is __syncthreads').
+__device__ __forceinline__ void warpgroup_barrier(int wg) {
+  asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");
 }
 #endif  // JTQ_WGMMA
 
