@@ -2889,45 +2889,37 @@ ffi::Error launch_hadamard_quad(const char* op, cudaStream_t stream, int d, cons
   });
 }
 
-// The plain write of Hadamard codecs from bf16 / f16 x on tensor cores (tq_hadamard_mma_kernel): a
-// persistent grid of the occupancy's CTAs at most.
-template <int D, int XT>
-ffi::Error launch_hadamard_mma_t(const char* op, cudaStream_t stream, const GemmParams& p, const GemmParams* p1) {
-  auto kernel = tq_hadamard_mma_kernel<D, XT>;
-  constexpr int smem = MmaWriteSmem<D>::kBytes;
+// A tensor-core write kernel on a persistent grid of the occupancy's CTAs at most (threads each,
+// smem bytes of dynamic shared memory, rows_per_cta rows per CTA and step); p1: grid.z = 2.
+template <auto Kernel>
+ffi::Error launch_persistent_write(const char* op, cudaStream_t stream, int threads, int smem, int64_t rows_per_cta,
+                                   const GemmParams& p, const GemmParams* p1) {
   static std::atomic<uint64_t> smem_set{0};
-  if (cudaError_t e = allow_dynamic_smem(smem_set, kernel, smem); e != cudaSuccess)
+  if (cudaError_t e = allow_dynamic_smem(smem_set, Kernel, smem); e != cudaSuccess)
     return cuda_error(op, "shared memory attribute", e);
-  static const KernelCfg cfg = occupancy_cfg(kernel, kMmaWriteWarps * 32, smem);
+  static const KernelCfg cfg = occupancy_cfg(Kernel, threads, smem);
   if (cfg.err != cudaSuccess) return cuda_error(op, "kernel setup", cfg.err);
   const unsigned nz = p1 != nullptr ? 2u : 1u;
-  const int64_t rows_per_cta = kMmaWriteWarps * 16;
   const int64_t cap = std::max<int64_t>(1, static_cast<int64_t>(cfg.blocks_per_sm) * sm_count() / nz);
   const int64_t ctas = std::min<int64_t>((p.N + rows_per_cta - 1) / rows_per_cta, cap);
-  kernel<<<dim3(static_cast<unsigned>(ctas), 1, nz), kMmaWriteWarps * 32, smem, stream>>>(p, p1 ? *p1 : p);
+  Kernel<<<dim3(static_cast<unsigned>(ctas), 1, nz), threads, smem, stream>>>(p, p1 ? *p1 : p);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return cuda_error(op, "kernel launch", e);
   return ffi::Error::Success();
 }
 
-// The same on Hopper's warpgroup MMA (tq_hadamard_wgmma_kernel): a persistent grid likewise.
+// The plain write of Hadamard codecs from bf16 / f16 x on tensor cores: mma.sync
+// (tq_hadamard_mma_kernel, 16 rows per warp) or wgmma (tq_hadamard_wgmma_kernel, 64 per warpgroup).
+template <int D, int XT>
+ffi::Error launch_hadamard_mma_t(const char* op, cudaStream_t stream, const GemmParams& p, const GemmParams* p1) {
+  return launch_persistent_write<tq_hadamard_mma_kernel<D, XT>>(op, stream, kMmaWriteWarps * 32, MmaWriteSmem<D>::kBytes,
+                                                                 kMmaWriteWarps * 16, p, p1);
+}
+
 template <int D, int XT>
 ffi::Error launch_hadamard_wgmma_t(const char* op, cudaStream_t stream, const GemmParams& p, const GemmParams* p1) {
-  auto kernel = tq_hadamard_wgmma_kernel<D, XT>;
-  constexpr int smem = WgmmaWriteSmem<D>::kBytes;
-  static std::atomic<uint64_t> smem_set{0};
-  if (cudaError_t e = allow_dynamic_smem(smem_set, kernel, smem); e != cudaSuccess)
-    return cuda_error(op, "shared memory attribute", e);
-  static const KernelCfg cfg = occupancy_cfg(kernel, kWgmmaWriteGroups * 128, smem);
-  if (cfg.err != cudaSuccess) return cuda_error(op, "kernel setup", cfg.err);
-  const unsigned nz = p1 != nullptr ? 2u : 1u;
-  const int64_t rows_per_cta = kWgmmaWriteGroups * 64;
-  const int64_t cap = std::max<int64_t>(1, static_cast<int64_t>(cfg.blocks_per_sm) * sm_count() / nz);
-  const int64_t ctas = std::min<int64_t>((p.N + rows_per_cta - 1) / rows_per_cta, cap);
-  kernel<<<dim3(static_cast<unsigned>(ctas), 1, nz), kWgmmaWriteGroups * 128, smem, stream>>>(p, p1 ? *p1 : p);
-  cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return cuda_error(op, "kernel launch", e);
-  return ffi::Error::Success();
+  return launch_persistent_write<tq_hadamard_wgmma_kernel<D, XT>>(op, stream, kWgmmaWriteGroups * 128,
+                                                                   WgmmaWriteSmem<D>::kBytes, kWgmmaWriteGroups * 64, p, p1);
 }
 
 // Whether the device runs tq_hadamard_wgmma_kernel's sm_90a code (a Hopper GPU, and a build for
