@@ -2171,6 +2171,22 @@ __device__ __forceinline__ void load_b_fragments(const uint8_t* tile_s, int g, i
     }
 }
 
+// Lane v < 16's pool row of row base + v, lane 16 + v's window row of it (-1: none), for the
+// tensor-core writes' 16-row tiles (shuffled to the lanes that code the row).
+__device__ __forceinline__ int32_t tile_row_slots(const GemmParams& p, int64_t base, int lane) {
+  const int64_t mine = base + (lane & 15);
+  if (mine >= p.N) return -1;
+  if (lane < 16) return static_cast<int32_t>(dest_row32(p, mine));
+  return p.win != nullptr ? static_cast<int32_t>(window_row(p, mine)) : -1;
+}
+
+// group + (boundary < z) as one predicated add (nvcc makes the plain expression an add and a select).
+__device__ __forceinline__ uint32_t plus_if_below(uint32_t group, float boundary, float z) {
+  asm("{\n .reg .pred above;\n setp.lt.f32 above, %1, %2;\n @above add.u32 %0, %0, 1;\n}"
+      : "+r"(group) : "f"(boundary), "f"(z));
+  return group;
+}
+
 // The code word of 8 coordinates from the 8x code table (kLutEdge8 cells): the last code first,
 // group = group radix + code (radix = 2^bits).
 __device__ __forceinline__ uint32_t lut8_group(const float (&z)[8], const uint2* lut, float scale8, uint32_t radix) {
@@ -2179,9 +2195,7 @@ __device__ __forceinline__ uint32_t lut8_group(const float (&z)[8], const uint2*
   for (int e = 7; e >= 0; --e) {
     const uint32_t off = __float_as_uint(fmaf(z[e], scale8, kLutRound8)) & ((kLutCells - 1) * 8);
     const uint2 c = *reinterpret_cast<const uint2*>(reinterpret_cast<const char*>(lut) + off);
-    group = group * radix + c.x;
-    asm("{\n .reg .pred above;\n setp.lt.f32 above, %1, %2;\n @above add.u32 %0, %0, 1;\n}"
-        : "+r"(group) : "f"(__uint_as_float(c.y)), "f"(z[e]));  // + (boundary < z): one predicated add
+    group = plus_if_below(group * radix + c.x, __uint_as_float(c.y), z[e]);
   }
   return group;
 }
@@ -2230,13 +2244,7 @@ __global__ void __launch_bounds__(kMmaWriteWarps * 32, 1) tq_hadamard_mma_kernel
   for (int buf = 0; tile < ntiles; tile += stride, buf ^= 1) {
     if (tile + stride < ntiles) copy_x_tile<D>(p, tile + stride, x_s + (buf ^ 1) * S::kTile, lane);
     cp_async_commit();
-    // Row 16 tile + v's pool row (lane v < 16) or window row (lane 16 + v), -1: none.
-    const int64_t mine = tile * 16 + (lane & 15);
-    int32_t where = -1;
-    if (mine < p.N) {
-      if (lane < 16) where = static_cast<int32_t>(dest_row32(p, mine));
-      else if (p.win != nullptr) where = static_cast<int32_t>(window_row(p, mine));
-    }
+    const int32_t where = tile_row_slots(p, tile * 16, lane);
     cp_async_wait<1>();
     __syncwarp();
     XRaw<XT, 8> x[2][KC];
@@ -2419,9 +2427,7 @@ __device__ __forceinline__ uint32_t lut4_group(const float (&z)[8], const uint32
   for (int e = 7; e >= 0; --e) {
     const uint32_t off = __float_as_uint(fmaf(z[e], scale4, kLutRound4)) & ((kLutCells - 1) * 4);
     const uint32_t c = *reinterpret_cast<const uint32_t*>(reinterpret_cast<const char*>(lut4) + off);
-    group = group * radix + (c & 15u);
-    asm("{\n .reg .pred above;\n setp.lt.f32 above, %1, %2;\n @above add.u32 %0, %0, 1;\n}"
-        : "+r"(group) : "f"(__uint_as_float(c)), "f"(z[e]));  // + (boundary < z): one predicated add
+    group = plus_if_below(group * radix + (c & 15u), __uint_as_float(c), z[e]);
   }
   return group;
 }
@@ -2514,13 +2520,8 @@ __global__ void __launch_bounds__(kWgmmaWriteGroups * 128, 1) tq_hadamard_wgmma_
   const uint32_t m_addr = smem_addr(m_s);
   for (int buf = 0; tile < ntiles; tile += stride, buf ^= 1) {
     uint8_t* cur = x_s + buf * S::kTile;
-    // Row 64 tile + 16 wq + v's pool row (lane v < 16) or window row (lane 16 + v), -1: none.
-    const int64_t base = tile * 64 + 16 * wq, mine = base + (lane & 15);
-    int32_t where = -1;
-    if (mine < p.N) {
-      if (lane < 16) where = static_cast<int32_t>(dest_row32(p, mine));
-      else if (p.win != nullptr) where = static_cast<int32_t>(window_row(p, mine));
-    }
+    const int64_t base = tile * 64 + 16 * wq;  // the warp's 16 rows
+    const int32_t where = tile_row_slots(p, base, lane);
     cp_async_wait<0>();
     __syncwarp();
     XRaw<XT, 8> x[2][KC];
