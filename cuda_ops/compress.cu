@@ -2415,7 +2415,8 @@ constexpr float kLutEdge4 = -1.0f / 8;
 __device__ __forceinline__ void pack_code_lut4(uint32_t* lut4, const uint2* lut, int tid, int nthreads) {
   for (int c = tid; c < kLutCells; c += nthreads) {
     const uint2 e = lut[c];
-    const uint32_t b = __uint_as_float(e.y) == INFINITY ? __float_as_uint(FLT_MAX) : e.y;
+    // -0 as +0 (else the count in the low bits makes it a negative denormal, below a z of 0)
+    const uint32_t b = __uint_as_float(e.y) == INFINITY ? __float_as_uint(FLT_MAX) : (e.y << 1) == 0 ? 0u : e.y;
     lut4[c] = (b & ~15u) | e.x;
   }
 }
@@ -2923,17 +2924,22 @@ ffi::Error launch_hadamard_wgmma_t(const char* op, cudaStream_t stream, const Ge
                                                                    WgmmaWriteSmem<D>::kBytes, kWgmmaWriteGroups * 64, p, p1);
 }
 
-// Whether the device runs tq_hadamard_wgmma_kernel's sm_90a code (a Hopper GPU, and a build for
-// 90a: elsewhere the kernel was compiled without wgmma).
+// Whether the current device runs tq_hadamard_wgmma_kernel's sm_90a code (asked once per device
+// 0..63). Its static shared arrays exist only there: the code the driver loads elsewhere (sm_80, a
+// plain sm_90 build, PTX JIT-compiled for a later GPU) is the kernel's trap and has none.
 bool wgmma_write_available() {
-  static const bool ok = [] {
-    cudaFuncAttributes attr{};
-    if (cudaFuncGetAttributes(&attr, tq_hadamard_wgmma_kernel<128, static_cast<int>(FType::kBF16)>) != cudaSuccess) {
-      (void)cudaGetLastError();
-      return false;
-    }
-    return attr.binaryVersion == 90 && attr.ptxVersion >= 90;
-  }();
+  static std::atomic<int> known[64];  // 0: not asked, 1: yes, 2: no
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  if (const int k = known[dev].load(std::memory_order_acquire); k != 0) return k == 1;
+  cudaFuncAttributes attr{};
+  bool ok = cudaFuncGetAttributes(&attr, tq_hadamard_wgmma_kernel<128, static_cast<int>(FType::kBF16)>) == cudaSuccess;
+  if (!ok) (void)cudaGetLastError();
+  ok = ok && attr.sharedSizeBytes > 0;
+  known[dev].store(ok ? 1 : 2, std::memory_order_release);
   return ok;
 }
 
