@@ -796,12 +796,14 @@ def test_gpu_hadamard_write_with_close_boundaries(request, rng, monkeypatch, tok
 
 def test_code_table_is_exact_for_the_codebooks_of_the_hadamard_write():
     """The CUDA write of Hadamard codecs (head_dim 64 / 128, 2-4 bits) reads codes from a table of
-    cells 1 / 119 wide (compress.cu kLutScale): exact where no two boundaries are closer than a
-    cell, which holds for every codebook it serves."""
+    cells 1 / 119 wide (compress.cu kLutScale; the wgmma kernel's 1 / 56, kLutScale4): exact where
+    no two boundaries are closer than a cell, which holds for every codebook it serves (else the
+    kernels search the boundaries: correct, slower)."""
     for head_dim in (64, 128):
         for bits in (2, 3, 4):
             boundaries = np.asarray(tq.TurboQuant(head_dim, bits, 0, "hadamard").boundaries, np.float64)
             assert np.min(np.diff(boundaries)) > 1.5 / 119, (head_dim, bits)
+            assert np.min(np.diff(boundaries)) > 1.2 / 56, (head_dim, bits)
 
 
 @pytest.mark.gpu
