@@ -58,10 +58,12 @@ SCRIPT = textwrap.dedent('''
 
     def assert_same_writes(got, want):
         """Caches written by a sharded and an unsharded program. Their float32 rounding differs, so
-        a vector whose rotated coordinate sits on a codebook boundary (or whose fitted scales tie)
-        may take neighbouring codes in one of them: at most 1 in 128 vectors may differ, by at most
-        10% of its norm once decoded; every other vector has the same codes and its norm to 1e-6,
-        and the exact window rows are equal."""
+        at most 1 in 128 vectors may differ, in one of two ways once decoded. A rotated coordinate
+        on a codebook boundary takes a neighbouring code: the vectors differ by at most 10% of the
+        norm. Two scales of the fit's grid tie: each vector is a least-squares fit of the same input
+        (its norm is ||x|| sqrt(gain)), so the norms agree to 1e-5 and the vectors differ by at most
+        half the norm. Every other vector has the same codes and its norm to 1e-6, and the exact
+        window rows are equal."""
         assert_equal_trees((got.k_window, got.v_window), (want.k_window, want.v_window))
         for pools in (("k_codes", "k_norms", "k_codec"), ("v_codes", "v_norms", "v_codec")):
             codes, norms = ([np.asarray(getattr(c, name)) for c in (got, want)] for name in pools[:2])
@@ -69,7 +71,9 @@ SCRIPT = textwrap.dedent('''
             same = np.all(codes[0] == codes[1], axis=-1) & np.isclose(norms[0], norms[1], rtol=1e-6, atol=0)
             assert same.mean() >= 1 - 1 / 128, (pools[0], int((~same).sum()))
             a, b = (np.asarray(tq.decompress(c[~same], n[~same], codec)) for c, n in zip(codes, norms))
-            assert np.all(np.linalg.norm(a - b, axis=-1) <= 0.1 * np.linalg.norm(b, axis=-1)), pools[0]
+            size, gap = np.linalg.norm(b, axis=-1), np.linalg.norm(a - b, axis=-1)
+            scale_tie = np.isclose(np.linalg.norm(a, axis=-1), size, rtol=1e-5, atol=0) & (gap <= 0.5 * size)
+            assert np.all((gap <= 0.1 * size) | scale_tie), (pools[0], gap / size)
 
     def unsharded(cache):
         """The cache's values on one device: the reference calls of the ops that read it."""
