@@ -15,6 +15,7 @@ Public API::
     out = tq.paged_prefill(q_new, cache, block_tables, seq_lens, query_start_loc)  # causal, new tokens
     out, cache = tq.ragged_paged_attention(q, k, v, cache, kv_lens, block_tables, cu_q_lens)  # write + attend
     out, cache = tq.prompt_attention(q, k, v, cache, block_tables, prompt_lens)   # exact over the prompt
+    cache = tq.fill_window(cache, block_tables, prefix_lens)   # shared prefix pages / rollback: windows from pages
     rows = tq.decode_rows(cache, block_tables, positions, seq_lens)   # or prompt_rows / chunk_rows / CacheRows(...)
     out, cache = tq.attend_rows(q, k, v, cache, rows)   # a decoder layer's write + attention, as rows say
     alloc = tq.PageAllocator(num_pages, page_size, max_pages_per_seq)   # host-side pages per sequence
@@ -42,6 +43,7 @@ from jax_tq.qjl import QJLCodes, qjl_compress, qjl_decompress, qjl_scores
 from jax_tq.ragged import prompt_attention, ragged_paged_attention
 from jax_tq.cache_rows import CacheRows, attend_rows, chunk_rows, decode_rows, prompt_rows
 from jax_tq.sharding import cache_partition_specs, shard_cache
+from jax_tq.window import fill_window
 from jax_tq import nn  # noqa: E402  (flax is imported only when nn needs it)
 
 __version__ = "0.2.0"
@@ -64,6 +66,7 @@ __all__ = [
     "compress",
     "decode_rows",
     "decompress",
+    "fill_window",
     "get_backend",
     "get_preset",
     "kernels_available",

@@ -10,11 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_tq import reference
-from jax_tq.checks import check_slot_mapping, check_window_slots
+from jax_tq.checks import check_slot_mapping, check_window_slots, index_array
 from jax_tq.codec import TurboQuant
 from jax_tq.compress import (FLOAT_DTYPES, check_float_input, check_packed_codec, check_slot_mapping_shape,
                              write_cache_pools)
-from jax_tq.format import (INDEX_MAX, MAX_WINDOW, cache_codes_shape, cache_norms_shape, check_bits,
+from jax_tq.format import (INDEX_MAX, MAX_WINDOW, cache_codes_shape, cache_norms_shape, check_bits, check_head_dim,
                            check_index_dtype, window_shape)
 
 
@@ -176,6 +176,7 @@ class PagedKVCache:
             if head_dim is None:
                 raise ValueError("PagedKVCache.create: a preset needs head_dim")
             preset = get_preset(preset)
+            check_head_dim(head_dim, name="PagedKVCache.create: head_dim")
             k_codec, v_codec = preset.codecs(head_dim, seed)
             window = preset.window if window is None else window
         elif k_codec is None or v_codec is None:
@@ -482,6 +483,29 @@ def _window_slots(cache, window_slots, num_tokens: int):
         raise error(f"{spec}, got {window_slots.dtype}{tuple(window_slots.shape)}")
     check_window_slots(window_slots, num_entries=cache.num_windows * cache.window)
     return window_slots
+
+
+def window_ids_of(cache: PagedKVCache, window_ids, num_seqs: int, op: str):
+    """int32 [num_seqs] window ids (default ``arange(num_seqs)``) for a cache with a window; None
+    without one.
+
+    Raises:
+      ValueError: window_ids given for a cache without a window; window_ids=None with more
+        sequences than the cache has window ids (the default ids would drop the last tokens of the
+        sequences past them).
+      TypeError / ValueError: window_ids not int32 [num_seqs].
+    """
+    if not cache.window:
+        if window_ids is not None:
+            raise ValueError(f"jax_tq.{op}: window_ids given but the cache has no window")
+        return None
+    if window_ids is None:
+        if num_seqs > cache.num_windows:
+            raise ValueError(f"jax_tq.{op}: {num_seqs} sequences but the cache has {cache.num_windows} window ids; "
+                             "pass window_ids (each sequence's window id) or create the cache with num_windows >= "
+                             "the number of sequences")
+        return jnp.arange(num_seqs, dtype=jnp.int32)
+    return index_array(window_ids, "window_ids", f"[num_seqs={num_seqs}]", op, shape=(num_seqs,))
 
 
 def slot_mapping(block_tables, positions, page_size: int, seq_ids=None):

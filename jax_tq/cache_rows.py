@@ -143,7 +143,7 @@ def rows_cache(caches: Sequence[PagedKVCache]) -> PagedKVCache:
     return next((c for c in caches if c.window), caches[0])
 
 
-def chunk_rows(cache: PagedKVCache, block_table, start: int, num_tokens: int, window_id=0) -> CacheRows:
+def chunk_rows(cache: PagedKVCache, block_table, start: int, num_tokens: int, window_id=None) -> CacheRows:
     """The :class:`CacheRows` of positions ``start .. start + num_tokens - 1`` of one sequence.
 
     Args:
@@ -151,14 +151,16 @@ def chunk_rows(cache: PagedKVCache, block_table, start: int, num_tokens: int, wi
       block_table: int32 ``[max_pages]``, the sequence's pages.
       start: static int, the position of the chunk's first token (tokens before it are cached).
       num_tokens: static int >= 1.
-      window_id: int32 scalar, the sequence's window id (caches with a window).
+      window_id: int32 scalar, the sequence's window id: required for a cache with several windows
+        (default: 0 where the cache has one window; ignored without a window).
     Returns:
       rows for :func:`jax_tq.paged_prefill`: one sequence, or (with a window) one sequence per row over
       its own window view (``view_start``).
     Raises:
       TypeError: ``start`` or ``num_tokens`` not a Python int (they fix shapes and positions).
-      ValueError: ``start < 0``, ``num_tokens < 1``, ``block_table`` not 1-D, or the chunk running past
-        the table's ``max_pages * page_size`` tokens (its rows' positions would shift).
+      ValueError: ``start < 0``, ``num_tokens < 1``, ``block_table`` not 1-D, the chunk running past
+        the table's ``max_pages * page_size`` tokens (its rows' positions would shift), or no
+        ``window_id`` for a cache with several windows (another sequence's ring would be overwritten).
     """
     where = "chunk_rows"
     for name, value, least in (("start", start, 0), ("num_tokens", num_tokens, 1)):
@@ -178,6 +180,11 @@ def chunk_rows(cache: PagedKVCache, block_table, start: int, num_tokens: int, wi
     if not cache.window:
         return CacheRows(slots, block_table[None], jnp.asarray([start + num_tokens], jnp.int32),
                          jnp.asarray([0, num_tokens], jnp.int32), page_size=cache.page_size)
+    if window_id is None:
+        if cache.num_windows > 1:
+            raise ValueError(f"{where}: window_id is required: the cache has {cache.num_windows} windows (the "
+                             "sequence's own ring; another sequence's would be overwritten)")
+        window_id = 0
     ids = jnp.full((num_tokens,), window_id, jnp.int32)
     ends = jnp.full((num_tokens,), start + num_tokens, jnp.int32)
     rows = jnp.arange(num_tokens, dtype=jnp.int32)

@@ -18,7 +18,7 @@ import functools
 import jax.numpy as jnp
 from jax.experimental import checkify
 
-from jax_tq.format import INDEX_MAX
+from jax_tq.format import INDEX_MAX, check_index_dtype
 
 _enabled: contextvars.ContextVar[bool] = contextvars.ContextVar("jax_tq_checked", default=False)
 
@@ -219,3 +219,16 @@ def check_at_most(values, bound: int, *, op: str, name: str, bound_name: str) ->
     first = jnp.argmax(bad)
     checkify.check(~jnp.any(bad), f"jax_tq.{op}: {name}[{{i}}] = {{n}} is past {bound_name} = {bound}",
                    i=first, n=values[first])
+
+
+def index_array(x, name: str, spec: str, op: str, *, ndim=None, leading=None, shape=None):
+    """x as an int32 array; TypeError (dtype) / ValueError (rank or shape) naming ``jax_tq.{op}``,
+    ``name`` and its ``spec`` (e.g. "[num_seqs]")."""
+    what = f"jax_tq.{op}: {name} must be int32 {spec}"
+    check_index_dtype(x, what)
+    x = jnp.asarray(x)
+    wrong_shape = ((ndim is not None and x.ndim != ndim) or (shape is not None and tuple(x.shape) != shape)
+                   or (leading is not None and x.ndim >= 1 and x.shape[0] != leading))
+    if x.dtype != jnp.int32 or wrong_shape:
+        raise (TypeError if x.dtype != jnp.int32 else ValueError)(f"{what}, got {x.dtype}{tuple(x.shape)}")
+    return x

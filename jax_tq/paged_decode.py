@@ -22,7 +22,7 @@ from jax_tq import _ffi as ffi_loader
 from jax_tq import _primitive_utils as pu
 from jax_tq.partitioning import Layout
 from jax_tq.backend import get_backend
-from jax_tq.cache import check_cache
+from jax_tq.cache import check_cache, window_ids_of
 from jax_tq.checks import check_decode_indices, check_window_ids, reject_checkify_residuals
 from jax_tq.compress import empty_window
 from jax_tq.variants import check_variants, as_keywords
@@ -50,8 +50,10 @@ def paged_decode(q, cache, block_tables, seq_lens, *, window_ids=None, scale=Non
         [0, max_pages * page_size]. A sequence with 0 tokens gets an all-zero output.
       window_ids: int32 [num_seqs], for a cache with a window: the window id of each sequence, whose
         last min(seq_len, window) tokens are read from the window (exact) instead of the pages, in the
-        same softmax; default ``arange(num_seqs)``. An id outside [0, num_windows) contributes no
-        window token (checked mode reports it). Must be None for a cache without a window.
+        same softmax; default ``arange(num_seqs)`` (num_seqs <= num_windows). An id outside
+        [0, num_windows) contributes no window token (checked mode reports it). Must be None for a
+        cache without a window. The ring must hold those tokens (:func:`jax_tq.fill_window` after
+        sharing pages or rolling back).
       scale: softmax scale, a finite Python or NumPy number with |scale| * log2(e) within float32
         (|scale| <= ~2.36e38; static: not a traced value); default 1 / sqrt(head_dim).
       num_splits: split-K count, a Python or NumPy integer >= 1 (static); default chosen per platform to fill
@@ -103,7 +105,8 @@ def paged_decode(q, cache, block_tables, seq_lens, *, window_ids=None, scale=Non
       ValueError: wrong ranks or shapes, head_dim differs from the cache's codecs, num_heads not a
         multiple of num_kv_heads, num_splits < 1, a non-finite or float32-overflowing scale, an
         unknown precision; ``JAX_TQ_DECODE_KERNEL`` set to something other than a kernel family;
-        sliding_window < 1, soft_cap <= 0 or not finite, sinks not [num_heads].
+        sliding_window < 1, soft_cap <= 0 or not finite, sinks not [num_heads]; window_ids None
+        with more sequences than the cache's num_windows, or given for a cache without a window.
       BackendUnavailableError: backend "ffi" on a GPU with a variant set (when the call is lowered).
 
     Source: TurboQuant (arXiv 2504.19874), Algorithm 1: scores <Pi_k q, c[idx]> * ||k|| against the
@@ -175,22 +178,14 @@ def window_operands(cache, window_ids, seq_lens, op: str):
     int32 [num_seqs] ids (default arange), or an empty window and zero ids for a cache without one.
 
     Raises:
-      TypeError / ValueError: window_ids given for a cache without a window, or not int32 [num_seqs].
+      TypeError / ValueError: window_ids given for a cache without a window, or not int32 [num_seqs];
+        window_ids=None with more sequences than window ids (:func:`jax_tq.cache.window_ids_of`).
     """
     num_seqs = seq_lens.shape[0]
-    if not cache.window:
-        if window_ids is not None:
-            raise ValueError(f"jax_tq.{op}: window_ids given but the cache has no window")
+    window_ids = window_ids_of(cache, window_ids, num_seqs, op)
+    if window_ids is None:
         empty = empty_window(cache.num_kv_heads, cache.head_dim)
         return empty, empty, jnp.zeros((num_seqs,), jnp.int32)
-    spec = f"jax_tq.{op}: window_ids must be int32 [num_seqs={num_seqs}]"
-    if window_ids is None:
-        window_ids = jnp.arange(num_seqs, dtype=jnp.int32)
-    tq_format.check_index_dtype(window_ids, spec)
-    window_ids = jnp.asarray(window_ids)
-    if window_ids.dtype != jnp.int32 or window_ids.shape != (num_seqs,):
-        error = TypeError if window_ids.dtype != jnp.int32 else ValueError
-        raise error(f"{spec}, got {window_ids.dtype}{tuple(window_ids.shape)}")
     check_window_ids(window_ids, seq_lens, num_windows=cache.num_windows, op=op)
     # The window rows are bfloat16 copies that get no gradient, on every backend (the kernels' rules).
     return jax.lax.stop_gradient(cache.k_window), jax.lax.stop_gradient(cache.v_window), window_ids

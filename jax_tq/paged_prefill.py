@@ -52,8 +52,8 @@ def paged_prefill(q, cache, block_tables, seq_lens, query_start_loc, *, window_i
         FlashInfer's qo_indptr, flash-attn's cu_seqlens_q). Row i of sequence s (of q_len_s rows)
         sits at position seq_lens[s] - q_len_s + i and attends to the sequence's tokens [0, that
         position]: chunked prefill (earlier tokens already cached) is the case q_len_s < seq_lens[s].
-      window_ids: int32 [num_seqs], for a cache with a window (default ``arange(num_seqs)``; None
-        without one). Rows see the cache as it stands: the sequence's last min(seq_len, window)
+      window_ids: int32 [num_seqs], for a cache with a window (default ``arange(num_seqs)``, which
+        needs num_seqs <= num_windows; None without one). Rows see the cache as it stands: the sequence's last min(seq_len, window)
         tokens from its window, the others from the pages (a row earlier than the window's first
         token sees only compressed tokens).
       scale: softmax scale, a finite Python number (static); default 1 / sqrt(head_dim).
@@ -96,7 +96,8 @@ def paged_prefill(q, cache, block_tables, seq_lens, query_start_loc, *, window_i
     Raises:
       TypeError: q not float32/bfloat16/float16; an index array not int32; cache not a PagedKVCache.
       ValueError: wrong ranks or shapes, head_dim differs from the cache's codecs, num_heads not a
-        multiple of num_kv_heads, query_start_loc not [num_seqs + 1], a bad scale.
+        multiple of num_kv_heads, query_start_loc not [num_seqs + 1], a bad scale; window_ids None
+        with more sequences than the cache's num_windows, or given for a cache without a window.
       TypeError / ValueError: a bad sliding_window (not an int >= 1), soft_cap (not a finite
         number > 0) or sinks (not float [num_heads]), naming it.
       BackendUnavailableError: backend "ffi" on a GPU with a variant set (when the call is lowered).

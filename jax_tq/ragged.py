@@ -17,8 +17,9 @@ import jax
 import jax.numpy as jnp
 
 from jax_tq import format as tq_format
-from jax_tq.cache import PagedKVCache, check_cache, slot_mapping, write_cache
-from jax_tq.checks import check_at_most, check_decode_indices, check_query_start_loc, check_window_ids, unchecked
+from jax_tq.cache import PagedKVCache, check_cache, slot_mapping, window_ids_of, write_cache
+from jax_tq.checks import (check_at_most, check_decode_indices, check_query_start_loc, check_window_ids,
+                            index_array, unchecked)
 from jax_tq.compress import check_float_input
 from jax_tq.paged_decode import _static_scale, paged_decode
 from jax_tq.paged_prefill import paged_prefill
@@ -120,16 +121,16 @@ def ragged_paged_attention(q, k, v, cache: PagedKVCache, kv_lens, block_tables, 
     check_cache(cache, op)
     q, k, v = _check_new_tokens(q, k, v, cache, op, "num_tokens")
     num_tokens = q.shape[0]
-    kv_lens = _index_array(kv_lens, "kv_lens", "[num_seqs]", op, ndim=1)
+    kv_lens = index_array(kv_lens, "kv_lens", "[num_seqs]", op, ndim=1)
     num_seqs = kv_lens.shape[0]
-    block_tables = _index_array(block_tables, "block_tables", f"[num_seqs={num_seqs} (kv_lens' length), max_pages]",
+    block_tables = index_array(block_tables, "block_tables", f"[num_seqs={num_seqs} (kv_lens' length), max_pages]",
                                 op, ndim=2, leading=num_seqs)
-    cu_q_lens = _index_array(cu_q_lens, "cu_q_lens", f"[num_seqs + 1 = {num_seqs + 1}] (kv_lens' length + 1)", op,
+    cu_q_lens = index_array(cu_q_lens, "cu_q_lens", f"[num_seqs + 1 = {num_seqs + 1}] (kv_lens' length + 1)", op,
                              shape=(num_seqs + 1,))
     scale = _static_scale(scale, f"jax_tq.{op}")
     sliding_window, soft_cap, sinks = check_variants(sliding_window, soft_cap, sinks, q.shape[1], op)
     variants = as_keywords(sliding_window, soft_cap, sinks)  # checked: the ops take them as they are
-    window_ids = _window_ids(cache, window_ids, num_seqs, op)
+    window_ids = window_ids_of(cache, window_ids, num_seqs, op)
     check_decode_indices(block_tables, kv_lens, num_pages=cache.num_pages, page_size=cache.page_size, op=op,
                          lens_name="kv_lens")
     check_query_start_loc(cu_q_lens, kv_lens, num_rows=num_tokens, op=op, starts_name="cu_q_lens",
@@ -248,17 +249,17 @@ def prompt_attention(q, k, v, cache: PagedKVCache, block_tables, prompt_lens=Non
             raise ValueError(f"jax_tq.{op}: {name} must be [batch, seq_len, num_kv_heads, head_dim] = {want}, got "
                              f"shape {tuple(x.shape)}")
     _check_heads(q.shape[2], q.shape[3], cache, op)
-    block_tables = _index_array(block_tables, "block_tables", f"[batch={batch}, max_pages]", op, ndim=2,
+    block_tables = index_array(block_tables, "block_tables", f"[batch={batch}, max_pages]", op, ndim=2,
                                 leading=batch)
     padded = prompt_lens is not None
     if padded:
-        prompt_lens = _index_array(prompt_lens, "prompt_lens", f"[batch={batch}]", op, shape=(batch,))
+        prompt_lens = index_array(prompt_lens, "prompt_lens", f"[batch={batch}]", op, shape=(batch,))
     else:
         prompt_lens = jnp.full((batch,), seq_len, jnp.int32)
     scale = _static_scale(scale, f"jax_tq.{op}")
     if implementation not in (None, "xla", "cudnn"):
         raise ValueError(f"jax_tq.{op}: implementation must be None, 'xla' or 'cudnn', got {implementation!r}")
-    window_ids = _window_ids(cache, window_ids, batch, op)
+    window_ids = window_ids_of(cache, window_ids, batch, op)
     sliding_window, soft_cap, sinks = check_variants(sliding_window, soft_cap, sinks, q.shape[2], op)
     check_decode_indices(block_tables, jnp.minimum(prompt_lens, seq_len), num_pages=cache.num_pages,
                          page_size=cache.page_size, op=op,
@@ -393,30 +394,3 @@ def _check_heads(num_heads: int, head_dim: int, cache, op: str) -> None:
     if num_heads % cache.num_kv_heads:
         raise ValueError(f"jax_tq.{op}: num_heads {num_heads} is not a multiple of the cache's num_kv_heads "
                          f"{cache.num_kv_heads} (GQA)")
-
-
-def _index_array(x, name: str, spec: str, op: str, *, ndim=None, leading=None, shape=None):
-    """x as an int32 array; TypeError (dtype) / ValueError (rank or shape) naming it and its spec."""
-    what = f"jax_tq.{op}: {name} must be int32 {spec}"
-    tq_format.check_index_dtype(x, what)
-    x = jnp.asarray(x)
-    wrong_shape = ((ndim is not None and x.ndim != ndim) or (shape is not None and tuple(x.shape) != shape)
-                   or (leading is not None and x.ndim >= 1 and x.shape[0] != leading))
-    if x.dtype != jnp.int32 or wrong_shape:
-        raise (TypeError if x.dtype != jnp.int32 else ValueError)(f"{what}, got {x.dtype}{tuple(x.shape)}")
-    return x
-
-
-def _window_ids(cache, window_ids, num_seqs: int, op: str):
-    """int32 [num_seqs] window ids (default arange) for a cache with a window; None without one."""
-    if not cache.window:
-        if window_ids is not None:
-            raise ValueError(f"jax_tq.{op}: window_ids given but the cache has no window")
-        return None
-    if window_ids is None:
-        if num_seqs > cache.num_windows:  # the default ids would run past the windows: those rows 0
-            raise ValueError(f"jax_tq.{op}: {num_seqs} sequences but the cache has {cache.num_windows} window ids; "
-                             "pass window_ids (each sequence's window id) or create the cache with num_windows >= "
-                             "the number of sequences")
-        return jnp.arange(num_seqs, dtype=jnp.int32)
-    return _index_array(window_ids, "window_ids", f"[num_seqs={num_seqs}]", op, shape=(num_seqs,))

@@ -238,6 +238,8 @@ def test_skipped_padding_token_with_nan_gets_zero_gradient(backend, rng):
 def test_refuses_bad_codec_and_cache_parameters():
     with pytest.raises(ValueError, match=r"head_dim must be one of \(64, 80, 96, 128, 192, 256\), got 100"):
         tq.TurboQuant(head_dim=100, bits=4)
+    with pytest.raises(ValueError, match=r"^PagedKVCache.create: head_dim must be one of .*, got 100"):
+        tq.PagedKVCache.create(num_pages=2, page_size=4, num_kv_heads=1, preset="k4v4", head_dim=100, num_windows=1)
     with pytest.raises(ValueError, match=r"bits must be one of \(1, 2, 3, 4\), got 5"):
         tq.TurboQuant(head_dim=64, bits=5)
     one_bit = tq.TurboQuant(head_dim=64, bits=1)

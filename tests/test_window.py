@@ -1,0 +1,192 @@
+"""fill_window: window entries rewritten from the pages (prefix reuse, rollback) against a float64
+oracle on random pages and poisoned rings; the attention ops after it read the tokens the pages
+hold; the checks, the default window ids and donation."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_tq as tq
+from jax_tq.format import unpack_codes
+from oracle import attend_f64, decompress_f64, random_tables, random_window_cache, rel_err, to_f64
+
+BF16_ULP = 2.0 ** -8  # bfloat16's relative spacing (8 significant bits)
+
+
+def filled_rings_f64(cache, tables, seq_lens, window_ids, stop):
+    """The rings fill_window must leave (float64): entry p % W of window window_ids[s] holds the
+    decoded rotated row norm * c[code] of position p of sequence s for max(L - W, 0) <= p < min(stop, L)
+    where the page is in the pool; every other entry keeps the cache's row."""
+    tables, window = np.asarray(tables), cache.window
+    rings = []
+    for ring, codes, norms, codec in ((cache.k_window, cache.k_codes, cache.k_norms, cache.k_codec),
+                                      (cache.v_window, cache.v_codes, cache.v_norms, cache.v_codec)):
+        ring = to_f64(ring).copy()
+        centroids = to_f64(codec.centroids)
+        for s, length in enumerate(np.asarray(seq_lens)):
+            w = int(window_ids[s])
+            if not 0 <= w < cache.num_windows:
+                continue
+            for p in range(max(int(length) - window, 0), min(int(stop[s]), int(length))):
+                page = int(tables[s, p // cache.page_size])
+                if 0 <= page < cache.num_pages:
+                    code = unpack_codes(np.asarray(codes[page, :, p % cache.page_size]), codec.bits, cache.head_dim)
+                    ring[w, :, p % window] = to_f64(norms[page, :, p % cache.page_size])[:, None] * centroids[code]
+        rings.append(ring)
+    return rings
+
+
+def assert_rings(got, want):
+    """Equal to want up to the final rounding to bfloat16 (one ulp)."""
+    for ring, expected in zip((got.k_window, got.v_window), want):
+        np.testing.assert_allclose(to_f64(ring), expected, rtol=BF16_ULP, atol=0)
+
+
+def test_fill_window_matches_float64_oracle(rng):
+    cache = random_window_cache(rng, window=5, num_windows=4, page_size=4, num_pages=24)
+    seq_lens = np.asarray([13, 3, 0, 9, 7, 6], np.int32)
+    tables = np.array(random_tables(rng, seq_lens, 4, 24, max_pages=4))
+    tables[3, 1] = -1        # positions 4 .. 7 of sequence 3 have no page: their entries stay
+    window_ids = np.asarray([2, 0, 4, 3, 1, 7], np.int32)   # ids 4 and 7 are past the windows: nothing written
+    stop = np.asarray([11, 100, 0, 8, 4, 100], np.int32)
+    got = tq.fill_window(cache, jnp.asarray(tables), jnp.asarray(seq_lens), window_ids=jnp.asarray(window_ids),
+                         stop=jnp.asarray(stop))
+    want = filled_rings_f64(cache, tables, seq_lens, window_ids, stop)
+    assert_rings(got, want)
+    changed = np.any(to_f64(got.k_window) != to_f64(cache.k_window), axis=(1, 3))   # [num_windows, W]
+    assert changed.sum() == 3 + 3 + 2, changed   # positions 8 .. 10 of sequence 0, 0 .. 2 of 1, 2 .. 3 of 4
+    for name in ("k_codes", "k_norms", "v_codes", "v_norms"):
+        np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(cache, name)))
+
+
+def sequence_f64(cache, table, positions, new_rows=None):
+    """float64 K and V [len(positions), Hkv, d] as the pages decode them (and, for positions in
+    ``new_rows`` {p: (k, v)}, the given exact rows)."""
+    keys, values = [], []
+    for p in positions:
+        if new_rows is not None and p in new_rows:
+            k, v = new_rows[p]
+        else:
+            page, offset = int(table[p // cache.page_size]), p % cache.page_size
+            k = decompress_f64(np.asarray(cache.k_codes[page, :, offset]), np.asarray(cache.k_norms[page, :, offset]),
+                               cache.k_codec)
+            v = decompress_f64(np.asarray(cache.v_codes[page, :, offset]), np.asarray(cache.v_norms[page, :, offset]),
+                               cache.v_codec)
+        keys.append(k)
+        values.append(v)
+    return np.stack(keys), np.stack(values)
+
+
+def write_tokens(cache, k, v, table, start, window_id, seq_len):
+    """write_cache of tokens at positions start .. of one sequence (its length after: seq_len)."""
+    n = k.shape[0]
+    positions = jnp.arange(start, start + n, dtype=jnp.int32)
+    slots = tq.slot_mapping(jnp.asarray(table)[None], positions, cache.page_size, jnp.zeros(n, jnp.int32))
+    window_slots = tq.window_slot_mapping(jnp.full(n, window_id, jnp.int32), positions,
+                                          jnp.full(n, seq_len, jnp.int32), cache.window)
+    return tq.write_cache(cache, k, v, slots, window_slots)
+
+
+def small_window_cache(window):
+    codecs = [tq.TurboQuant(64, bits, seed, "hadamard", "fit") for bits, seed in ((4, 0), (3, 1))]
+    return tq.PagedKVCache.create(num_pages=12, page_size=4, num_kv_heads=2, k_codec=codecs[0], v_codec=codecs[1],
+                                  window=window, num_windows=2)
+
+
+def test_prefix_reuse_reads_the_shared_pages(rng):
+    """Sequence B's table starts with two pages that sequence A wrote (8 tokens); after fill_window,
+    B's step of 3 new tokens attends over the prefix as the pages hold it and its own tokens."""
+    cache = small_window_cache(8)
+    table_a, table_b = np.asarray([0, 1, 2, 3], np.int32), np.asarray([0, 1, 6, 7], np.int32)
+    k, v = (jnp.asarray(rng.normal(size=(14, 2, 64)), jnp.float32) for _ in range(2))
+    cache = write_tokens(cache, k, v, table_a, 0, 0, 14)
+    k_new, v_new = (jnp.asarray(rng.normal(size=(3, 2, 64)), jnp.float32) for _ in range(2))
+    q = jnp.asarray(rng.normal(size=(3, 4, 64)), jnp.float32)
+    tables, ids = jnp.asarray(table_b[None]), jnp.asarray([1], jnp.int32)
+
+    def step(cache):
+        return tq.ragged_paged_attention(q, k_new, v_new, cache, jnp.asarray([11], jnp.int32), tables,
+                                         jnp.asarray([0, 3], jnp.int32), window_ids=ids)[0]
+
+    filled = tq.fill_window(cache, tables, jnp.asarray([8], jnp.int32), window_ids=ids)
+    new_rows = {8 + i: (np.asarray(k_new[i], np.float64), np.asarray(v_new[i], np.float64)) for i in range(3)}
+    keys, values = sequence_f64(cache, table_b, range(11), new_rows)
+    want = np.stack([attend_f64(np.asarray(q[i]), keys[:9 + i], values[:9 + i], np.ones(9 + i, bool), 1 / 8)
+                     for i in range(3)])
+    assert rel_err(np.asarray(step(filled)), want) < 1e-2   # the window's bf16 rows
+    assert rel_err(np.asarray(step(cache)), want) > 0.1     # without it: B's ring holds nothing of the prefix
+
+
+def test_rollback_restores_the_overwritten_entries(rng):
+    """14 tokens written, the last 3 rejected: the entries of positions 6 .. 8 (overwritten by 11 .. 13)
+    come back from the pages, those of 9, 10 keep their exact rows, and decode reads 11 tokens."""
+    window, old, new = 5, 14, 11
+    table = np.asarray([3, 7, 1, 9], np.int32)
+    k, v = (jnp.asarray(rng.normal(size=(old, 2, 64)), jnp.float32) for _ in range(2))
+    cache = write_tokens(small_window_cache(window), k, v, table, 0, 1, old)
+    tables, ids = jnp.asarray(table[None]), jnp.asarray([1], jnp.int32)
+    rolled = jax.jit(tq.fill_window, donate_argnums=0)(jax.tree.map(jnp.copy, cache), tables,
+                                                       jnp.asarray([new], jnp.int32), window_ids=ids,
+                                                       stop=jnp.asarray([old - window], jnp.int32))
+    exact = write_tokens(small_window_cache(window), k[:new], v[:new], table, 0, 1, new)
+    for ring, want in ((rolled.k_window, exact.k_window), (rolled.v_window, exact.v_window)):
+        for p in (9, 10):
+            np.testing.assert_array_equal(np.asarray(ring[1, :, p % window]), np.asarray(want[1, :, p % window]))
+    assert_rings(rolled, filled_rings_f64(cache, table[None], [new], [1], [old - window]))
+    q = jnp.asarray(rng.normal(size=(1, 4, 64)), jnp.float32)
+    exact_rows = {p: (np.asarray(k[p], np.float64), np.asarray(v[p], np.float64)) for p in (9, 10)}
+    keys, values = sequence_f64(cache, table, range(new), exact_rows)
+    want = attend_f64(np.asarray(q[0]), keys, values, np.ones(new, bool), 1 / 8)
+
+    def decode(c):
+        return np.asarray(tq.paged_decode(q, c, tables, jnp.asarray([new], jnp.int32), window_ids=ids))[0]
+
+    assert rel_err(decode(rolled), want) < 1e-2
+    assert rel_err(decode(cache), want) > 0.05   # the rejected tokens' rows in entries 1 .. 3
+
+
+def test_fill_window_checks_its_arguments(rng):
+    cache = small_window_cache(5)
+    tables, lens = jnp.zeros((3, 4), jnp.int32), jnp.asarray([1, 2, 3], jnp.int32)
+    with pytest.raises(ValueError, match="fill_window: 3 sequences but the cache has 2 window ids"):
+        tq.fill_window(cache, tables, lens)
+    with pytest.raises(TypeError, match="fill_window: seq_lens must be int32"):
+        tq.fill_window(cache, tables[:2], np.asarray([1, 2], np.int64))
+    with pytest.raises(ValueError, match="fill_window: stop must be int32 \\[num_seqs=2\\]"):
+        tq.fill_window(cache, tables[:2], lens[:2], stop=lens)
+    with pytest.raises(ValueError, match="fill_window: block_tables must be int32"):
+        tq.fill_window(cache, tables[0], lens[:1])
+    with pytest.raises(TypeError, match="fill_window: window_ids must be int32"):
+        tq.fill_window(cache, tables, lens, window_ids=jnp.zeros(3, jnp.float32))
+    plain = tq.PagedKVCache.create(num_pages=4, page_size=4, num_kv_heads=2, k_codec=cache.k_codec,
+                                   v_codec=cache.v_codec)
+    assert tq.fill_window(plain, tables, lens) is plain
+    with pytest.raises(ValueError, match="fill_window: window_ids given but the cache has no window"):
+        tq.fill_window(plain, tables, lens, window_ids=lens)
+
+
+def test_default_window_ids_of_more_sequences_than_windows_raise(rng):
+    """paged_decode / paged_prefill's default ids arange(num_seqs) would run past the windows (those
+    sequences' last tokens silently missing): a trace-time error, as in ragged_paged_attention."""
+    cache = small_window_cache(5)
+    tables, lens = jnp.zeros((3, 4), jnp.int32), jnp.asarray([1, 2, 3], jnp.int32)
+    q = jnp.zeros((3, 4, 64), jnp.float32)
+    with pytest.raises(ValueError, match="paged_decode: 3 sequences but the cache has 2 window ids"):
+        tq.paged_decode(q, cache, tables, lens)
+    with pytest.raises(ValueError, match="paged_prefill: 3 sequences but the cache has 2 window ids"):
+        tq.paged_prefill(q, cache, tables, lens, jnp.asarray([0, 1, 2, 3], jnp.int32))
+    out = tq.paged_decode(q, cache, tables, lens, window_ids=jnp.asarray([0, 1, 5], jnp.int32))
+    assert out.shape == q.shape   # explicit ids past the windows stay legal (checked mode reports them)
+
+
+def test_chunk_rows_needs_the_window_id_where_the_cache_has_several():
+    table = jnp.arange(4, dtype=jnp.int32)
+    with pytest.raises(ValueError, match="chunk_rows: window_id is required: the cache has 2 windows"):
+        tq.chunk_rows(small_window_cache(5), table, 0, 3)
+    rows = tq.chunk_rows(small_window_cache(5), table, 0, 3, window_id=1)
+    np.testing.assert_array_equal(np.asarray(rows.window_slots), [5, 6, 7])   # entries 1 * 5 + p % 5
+    single = tq.PagedKVCache.create(num_pages=4, page_size=4, num_kv_heads=2, preset="k4v4", head_dim=64,
+                                    num_windows=1)
+    np.testing.assert_array_equal(np.asarray(tq.chunk_rows(single, table, 0, 3).window_slots), [0, 1, 2])
