@@ -422,7 +422,9 @@ def write_cache(cache: PagedKVCache, k, v, slot_mapping, window_slots=None) -> P
 
     Differentiable in k and v through the written norms (d norm = <x, dx> / norm; for fitted scales
     d scale = <dx, Pi^T c[codes]> / |c[codes]|^2), and in the pools' norms for the slots not
-    written, the same on every backend; the codes and the bfloat16 window rows get no gradient.
+    written, and in the window rows: a written entry's tangent is Pi k_dot (the row Pi k with its
+    rounding to bfloat16 taken as exact), the others keep the pool's; the same on every backend. The
+    codes are integers and get no gradient.
 
     Source: TurboQuant (arXiv 2504.19874), Algorithm 1 (Quant_mse) per token and KV head; page
     layout of docs/FORMAT.md; the exact recent-token window of KIVI (Liu et al., arXiv 2402.02750).

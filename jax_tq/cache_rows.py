@@ -77,8 +77,8 @@ def attend_rows(q, k, v, cache: PagedKVCache, rows: CacheRows, *, sliding_window
 
     Gradients flow to q always, and to k / v where the attention reads them as given: fresh prompts
     (``prompt_attention`` attends over the k / v passed in) and uncompressed pages. Compressed pages
-    hold integer codes (a gradient reaches k / v through their norms only) and the window's bfloat16
-    rows get none (:func:`jax_tq.write_cache`): train through prompt rows or an uncompressed cache.
+    hold integer codes (a gradient reaches k / v through their norms only); the window's bfloat16 rows
+    pass it on as Pi k / Pi v (:func:`jax_tq.write_cache`).
 
     Args:
       q: float ``[T, num_heads, head_dim]`` (float32, bfloat16 or float16).

@@ -278,8 +278,8 @@ def empty_window(num_kv_heads: int, head_dim: int):
 def _write_cache_kernel(k, v, k_codes, k_norms, v_codes, v_norms, slot_mapping, k_window, v_window, window_slots,
                      k_codec, v_codec, backend):
     """The fused K+V write; its JVP carries the pools' norm tangents, with the written slots'
-    replaced by the new tokens' scale tangents (the codes are integers, the window rows bfloat16
-    copies that get no tangent)."""
+    replaced by the new tokens' scale tangents, and the windows' tangents, with the written entries'
+    replaced by Pi k_dot / Pi v_dot (the codes are integers)."""
     return tuple(pu.bind(
         write_cache_p, k, v, k_codes, k_norms, v_codes, v_norms, k_codec.rotation, k_codec.centroids, v_codec.rotation,
         v_codec.centroids, slot_mapping, k_window, v_window, window_slots, rotation_spec(k_codec, v_codec),
@@ -338,9 +338,26 @@ def _write_cache_kernel_jvp(k_codec, v_codec, backend, primals, tangents):
 
     k_norms_dot = scatter(tangents[3], k, tangents[0], outs[0], outs[1], k_codec)
     v_norms_dot = scatter(tangents[5], v, tangents[1], outs[2], outs[3], v_codec)
+    k_window_dot = _window_tangent(tangents[7], tangents[0], window_slots, k_codec.rotation)
+    v_window_dot = _window_tangent(tangents[8], tangents[1], window_slots, v_codec.rotation)
     zero = _float0_zeros
-    return outs, (zero(k_codes), k_norms_dot, zero(v_codes), v_norms_dot, jnp.zeros_like(outs[4]),
-                  jnp.zeros_like(outs[5]))
+    return outs, (zero(k_codes), k_norms_dot, zero(v_codes), v_norms_dot, k_window_dot, v_window_dot)
+
+
+def _window_tangent(window_dot, x_dot, window_slots, rotation):
+    """The window pool's tangent after a write: Pi x_dot (the rows are Pi x, rounded to bfloat16,
+    taken as exact) at the entries written, the pool's own tangent at the others."""
+    num_windows, _, length, _ = window_dot.shape
+    if num_windows * length == 0:
+        return window_dot
+    valid = (window_slots >= 0) & (window_slots < num_windows * length)
+    ids = jnp.where(valid, window_slots // length, num_windows)   # not written: dropped by the scatters
+    entries = jnp.where(valid, window_slots % length, 0)
+    rows = jnp.matmul(x_dot.astype(jnp.float32), rotation.T, precision=jax.lax.Precision.HIGHEST)
+    zeros = jnp.zeros(window_dot.shape, jnp.float32)
+    written = zeros.at[ids, :, entries].add(1.0, mode="drop") > 0
+    kept = jnp.where(written, 0.0, window_dot.astype(jnp.float32))
+    return (kept + zeros.at[ids, :, entries].add(rows, mode="drop")).astype(window_dot.dtype)
 
 
 def _check_write_args(x, codes, norms, codec, slot_mapping, name="k/v") -> None:
@@ -427,8 +444,7 @@ def _window_write_reference(x, window, rotation, window_slots):
     if window.size == 0:  # no window
         return window
     flat = window.reshape((-1,) + window.shape[-3:])  # vmap's leading axes folded into num_windows
-    # bfloat16 copies that get no gradient, as the kernels' rule has it
-    rows = reference.window_write(jax.lax.stop_gradient(x), jax.lax.stop_gradient(flat), rotation, window_slots)
+    rows = reference.window_write(x, flat, rotation, window_slots)
     return rows.reshape(window.shape)
 
 

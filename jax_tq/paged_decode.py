@@ -93,9 +93,10 @@ def paged_decode(q, cache, block_tables, seq_lens, *, window_ids=None, scale=Non
     Returns:
       [num_seqs, num_heads, head_dim] array of q's dtype. A query row holding a NaN or inf gives a
       NaN output row, and so does a finite one whose rotation overflows float32 (|q| near
-      float32's max). Differentiable in q, in the cache's norms and in sinks (``jax.grad``/``vjp``, reverse
-      mode only: a custom VJP whose backward pass runs the jnp reference). The codes are integers
-      and get no gradient (:func:`jax_tq.compress` passes gradients through the norms only).
+      float32's max). Differentiable in q, in the cache's norms, window rows and sinks
+      (``jax.grad``/``vjp``, reverse mode only: a custom VJP whose backward pass runs the jnp
+      reference; the rows' cotangents are bfloat16). The codes are integers and get no gradient
+      (:func:`jax_tq.compress` passes gradients through the norms only).
 
     Raises:
       TypeError: q not float32/bfloat16/float16; block_tables or seq_lens not int32; cache not a
@@ -187,8 +188,7 @@ def window_operands(cache, window_ids, seq_lens, op: str):
         empty = empty_window(cache.num_kv_heads, cache.head_dim)
         return empty, empty, jnp.zeros((num_seqs,), jnp.int32)
     check_window_ids(window_ids, seq_lens, num_windows=cache.num_windows, op=op)
-    # The window rows are bfloat16 copies that get no gradient, on every backend (the kernels' rules).
-    return jax.lax.stop_gradient(cache.k_window), jax.lax.stop_gradient(cache.v_window), window_ids
+    return cache.k_window, cache.v_window, window_ids
 
 
 #: The primitive's rotation operand when q is already rotated (q_rot) and the output stays rotated.
@@ -386,8 +386,8 @@ _NUM_OPERANDS = 14  # q, the four pools, two centroids, block_tables, seq_lens, 
 def _decode(q, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, k_window, v_window, window_ids,
             rotation, sinks, k_bits, v_bits, scale, num_splits, f16_products, kernel, backend, sliding_window,
             soft_cap):
-    """The kernel call, differentiable in q, k_norms, v_norms and sinks (the codes are integers, the
-    window rows bfloat16 copies). With rotation [2, 0], q is q_rot and the result out_rot; with [2, d]
+    """The kernel call, differentiable in q, k_norms, v_norms, the window rows and sinks (the codes
+    are integers). With rotation [2, 0], q is q_rot and the result out_rot; with [2, d]
     (the fused rotation) both are unrotated. A row whose q_rot is not all finite gives a NaN output
     row. sinks float32 [H] or [0] (none); sliding_window 0 and soft_cap 0.0: none."""
     (out,) = pu.bind(
@@ -412,14 +412,14 @@ def _decode_bwd(k_bits, v_bits, scale, num_splits, f16_products, kernel, backend
                               block_tables=(tables, jnp.int32), seq_lens=(lens, jnp.int32),
                               window_ids=(ids, jnp.int32), rotation=(rotation, jnp.int32))
 
-    def attend(q, kn, vn, sinks):  # the xla backend's function: the same gradient on both backends
-        return _reference_any(q, k_codes, kn, v_codes, vn, k_cent, v_cent, tables, lens, k_window, v_window, ids,
+    def attend(q, kn, vn, kw, vw, sinks):  # the xla backend's function: the same gradient on both backends
+        return _reference_any(q, k_codes, kn, v_codes, vn, k_cent, v_cent, tables, lens, kw, vw, ids,
                               rotation, sinks, k_bits=k_bits, v_bits=v_bits, scale=scale,
                               sliding_window=sliding_window, soft_cap=soft_cap)
 
-    _, vjp = jax.vjp(attend, q, k_norms, v_norms, sinks)
-    dq, dk_norms, dv_norms, dsinks = vjp(cotangent)
-    return (dq, None, dk_norms, None, dv_norms) + (None,) * (_NUM_OPERANDS - 6) + (dsinks,)
+    _, vjp = jax.vjp(attend, q, k_norms, v_norms, k_window, v_window, sinks)
+    dq, dk_norms, dv_norms, dk_window, dv_window, dsinks = vjp(cotangent)
+    return (dq, None, dk_norms, None, dv_norms, None, None, None, None, dk_window, dv_window, None, None, dsinks)
 
 
 _decode.defvjp(_decode_fwd, _decode_bwd)

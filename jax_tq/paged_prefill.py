@@ -224,8 +224,8 @@ def _bind(operands, sinks, k_bits, v_bits, scale, f16_products, backend, sliding
 @functools.partial(jax.custom_vjp, nondiff_argnums=tuple(range(_NUM_OPERANDS, _NUM_OPERANDS + 7)))
 def _prefill(q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, k_window, v_window, window_ids,
              starts, sinks, k_bits, v_bits, scale, f16_products, backend, sliding_window, soft_cap):
-    """The kernel call, differentiable in q_rot, k_norms, v_norms and sinks (the codes are integers,
-    the window rows bfloat16 copies)."""
+    """The kernel call, differentiable in q_rot, k_norms, v_norms, the window rows and sinks (the
+    codes are integers)."""
     operands = (q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, k_window, v_window, window_ids,
                 starts)
     return _bind(operands, sinks, k_bits, v_bits, scale, f16_products, backend, sliding_window, soft_cap)
@@ -250,7 +250,7 @@ def _prefill_dense(q, k_rotation, v_rotation, k_codes, k_norms, v_codes, v_norms
                    k_window, v_window, window_ids, starts, sinks, k_bits, v_bits, scale, f16_products, backend):
     """The dense plan: on CUDA attention over the decoded span in the model's space (no query rotated),
     elsewhere the kernel between bfloat16 rotations; bfloat16 [T, H, d] either way, differentiable in
-    q, k_norms, v_norms and sinks (through the reference)."""
+    q, k_norms, v_norms, the window rows and sinks (through the reference)."""
     operands = (k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, k_window, v_window, window_ids,
                 starts)
 
@@ -288,18 +288,19 @@ _prefill_dense.defvjp(_prefill_dense_fwd, _prefill_dense_bwd)
 
 
 def _differentiable(operands):
-    """(q_rot, k_norms, v_norms, sinks) of the primitive's operands."""
-    return operands[0], operands[2], operands[4], operands[13]
+    """(q_rot, k_norms, v_norms, k_window, v_window, sinks) of the primitive's operands."""
+    return operands[0], operands[2], operands[4], operands[9], operands[10], operands[13]
 
 
 def _reference_of(operands, k_bits, v_bits, scale, sliding_window, soft_cap):
-    """The reference as a function of the differentiable operands (q_rot, k_norms, v_norms, sinks)."""
-    (_, k_codes, _, v_codes, _, k_cent, v_cent, tables, lens, k_window, v_window, ids, starts, _) = operands
+    """The reference as a function of the differentiable operands (q_rot, k_norms, v_norms, k_window,
+    v_window, sinks)."""
+    (_, k_codes, _, v_codes, _, k_cent, v_cent, tables, lens, _, _, ids, starts, _) = operands
     reject_checkify_residuals("paged_prefill", k_codes=(k_codes, jnp.uint8), v_codes=(v_codes, jnp.uint8),
                               block_tables=(tables, jnp.int32), seq_lens=(lens, jnp.int32),
                               window_ids=(ids, jnp.int32), query_start_loc=(starts, jnp.int32))
 
-    def attend(q_rot, k_norms, v_norms, sinks):
+    def attend(q_rot, k_norms, v_norms, k_window, v_window, sinks):
         return _reference(q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, k_window,
                           v_window, ids, starts, sinks, k_bits=k_bits, v_bits=v_bits, scale=scale,
                           sliding_window=sliding_window, soft_cap=soft_cap)[0]
@@ -307,9 +308,10 @@ def _reference_of(operands, k_bits, v_bits, scale, sliding_window, soft_cap):
 
 
 def _cotangents(grads):
-    """The primitive's operands' cotangents from those of (q_rot, k_norms, v_norms, sinks)."""
-    dq, dk_norms, dv_norms, dsinks = grads
-    return (dq, None, dk_norms, None, dv_norms) + (None,) * (_NUM_OPERANDS - 6) + (dsinks,)
+    """The primitive's operands' cotangents from those of (q_rot, k_norms, v_norms, k_window,
+    v_window, sinks)."""
+    dq, dk_norms, dv_norms, dk_window, dv_window, dsinks = grads
+    return (dq, None, dk_norms, None, dv_norms, None, None, None, None, dk_window, dv_window, None, None, dsinks)
 
 
 def _abstract(q_rot, *operands, **params):

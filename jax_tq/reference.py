@@ -205,9 +205,11 @@ def fit_codes(y, centroids):
     return best_codes, best_dot / best_sq
 
 
+@jax.custom_jvp
 def window_rows(x, rotation):
     """The window's stored rows of vectors x: bfloat16 of ||x|| * (Pi x / ||x||), i.e. Pi x
-    rounded once to bfloat16 (docs/FORMAT.md "Window").
+    rounded once to bfloat16 (docs/FORMAT.md "Window"). Differentiable as Pi x (the rounding taken
+    as exact), the zero vector included.
 
     Args:
       x: float [..., d].  rotation: float [d, d], Pi.
@@ -216,6 +218,14 @@ def window_rows(x, rotation):
     """
     norms, rotated = _rotated_unit(jnp.asarray(x), jnp.asarray(rotation))
     return (norms[..., None] * rotated).astype(jnp.float32).astype(jnp.bfloat16)
+
+
+@window_rows.defjvp
+def _window_rows_jvp(primals, tangents):
+    (x, rotation), (x_dot, rotation_dot) = primals, tangents
+    dot = (jnp.matmul(jnp.asarray(x_dot, jnp.float32), jnp.asarray(rotation, jnp.float32).T, precision=_HIGHEST)
+           + jnp.matmul(jnp.asarray(x, jnp.float32), jnp.asarray(rotation_dot, jnp.float32).T, precision=_HIGHEST))
+    return window_rows(x, rotation), dot.astype(jnp.bfloat16)
 
 
 def window_write(x, window, rotation, window_slots):

@@ -534,24 +534,6 @@ def test_a_padding_token_is_written_nowhere_not_even_in_the_window(rng, backend)
 
 
 @pytest.mark.backend(None)
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_window_rows_get_no_gradient_on_any_backend(rng, backend):
-    cache = random_window_cache(rng, window=8, num_windows=2)
-    k = jnp.asarray(rng.normal(size=(3, 2, 64)), jnp.float32)
-    slots = jnp.asarray([0, 1, 2], jnp.int32)
-    window_slots = jnp.asarray([0, 1, 2], jnp.int32)
-    tables = jnp.asarray([[0, 1, 2], [3, 4, 5]], jnp.int32)
-    lens = jnp.asarray([3, 3], jnp.int32)
-    q = jnp.asarray(rng.normal(size=(2, 2, 64)), jnp.float32)
-    with tq.use_backend(backend):
-        via_write = jax.jit(jax.grad(
-            lambda kk: tq.write_cache(cache, kk, kk, slots, window_slots).k_window.astype(jnp.float32).sum()))(k)
-        via_decode = jax.jit(jax.grad(
-            lambda w: tq.paged_decode(q, dataclasses.replace(cache, k_window=w), tables, lens).sum()))(cache.k_window)
-    assert float(jnp.abs(via_write).max()) == 0.0 and float(jnp.abs(via_decode.astype(jnp.float32)).max()) == 0.0
-
-
-@pytest.mark.backend(None)
 def test_window_presets_and_create():
     assert set(tq.PRESETS) == {"k4v4", "k3v3", "k2v2"}
     p = tq.get_preset("K4V4")

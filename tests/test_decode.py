@@ -975,8 +975,8 @@ def test_vmap_over_caches_with_windows(rng, backend):
 @pytest.mark.backend(None)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_decode_gradient_with_a_window(rng, backend):
-    """The gradient in q and the page norms flows through the reference on every backend; the
-    window rows are bfloat16 copies without one."""
+    """The gradient in q and the page norms flows through the reference on every backend (the
+    window rows': test_window.py)."""
     cache = random_window_cache(rng)
     tables = jnp.asarray(np.stack([rng.permutation(24)[:6] for _ in range(2)]).astype(np.int32))
     lens = jnp.asarray([12, 30], jnp.int32)

@@ -3,12 +3,15 @@ oracle on random pages and poisoned rings; the attention ops after it read the t
 hold; the checks, the default window ids and donation."""
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jax_tq as tq
+from jax_tq import _compat
 from jax_tq.format import unpack_codes
 from oracle import attend_f64, decompress_f64, random_tables, random_window_cache, rel_err, to_f64
 
@@ -190,3 +193,150 @@ def test_chunk_rows_needs_the_window_id_where_the_cache_has_several():
     single = tq.PagedKVCache.create(num_pages=4, page_size=4, num_kv_heads=2, preset="k4v4", head_dim=64,
                                     num_windows=1)
     np.testing.assert_array_equal(np.asarray(tq.chunk_rows(single, table, 0, 3).window_slots), [0, 1, 2])
+
+
+# ------------------------------------------------------------------------ gradients through the window
+
+def decode_f64_of_rings(q, cache, tables, lens, ids, k_ring, v_ring):
+    """paged_decode in float64 (jnp under x64, differentiable in the rings): sequence s's last
+    min(L, W) tokens are its ring's rows rotated back, the others its pages' decoded tokens."""
+    window, group = cache.window, q.shape[1] // cache.num_kv_heads
+    k_rot, v_rot = to_f64(cache.k_codec.rotation), to_f64(cache.v_codec.rotation)
+    outs = []
+    for s, length in enumerate(np.asarray(lens)):
+        first = max(int(length) - window, 0)
+        keys, values = sequence_f64(cache, np.asarray(tables[s]), range(first)) if first else (None, None)
+        ring_k = jnp.stack([k_ring[ids[s], :, p % window] for p in range(first, int(length))]) @ k_rot
+        ring_v = jnp.stack([v_ring[ids[s], :, p % window] for p in range(first, int(length))]) @ v_rot
+        keys = ring_k if keys is None else jnp.concatenate([jnp.asarray(keys), ring_k])
+        values = ring_v if values is None else jnp.concatenate([jnp.asarray(values), ring_v])
+        heads = []
+        for h in range(q.shape[1]):
+            p = jax.nn.softmax(keys[:, h // group] @ to_f64(q[s, h]) / np.sqrt(cache.head_dim))
+            heads.append(p @ values[:, h // group])
+        outs.append(jnp.stack(heads))
+    return jnp.stack(outs)
+
+
+@pytest.mark.parametrize("backend", ["ffi", "xla"])
+def test_decode_and_prefill_gradients_in_the_window_rows(rng, backend):
+    """d loss / d rings of paged_decode (and of paged_prefill with one row per sequence) against the
+    float64 oracle's autodiff; the cotangents are bfloat16 like the rings."""
+    cache = random_window_cache(rng, window=5, num_windows=3, page_size=4, num_pages=24)
+    lens = np.asarray([9, 3, 14], np.int32)
+    tables = random_tables(rng, lens, 4, 24, max_pages=4)
+    ids = np.asarray([2, 0, 1], np.int32)
+    q = jnp.asarray(rng.normal(size=(3, 4, 64)), jnp.float32)
+    weights = jnp.asarray(rng.normal(size=(3, 4, 64)), jnp.float32)
+    args = (tables, jnp.asarray(lens))
+
+    def decode(k_ring, v_ring):
+        c = dataclasses.replace(cache, k_window=k_ring, v_window=v_ring)
+        return jnp.sum(tq.paged_decode(q, c, *args, window_ids=jnp.asarray(ids)) * weights)
+
+    def prefill(k_ring, v_ring):
+        c = dataclasses.replace(cache, k_window=k_ring, v_window=v_ring)
+        out = tq.paged_prefill(q, c, *args, jnp.arange(4, dtype=jnp.int32), window_ids=jnp.asarray(ids))
+        return jnp.sum(out * weights)
+
+    with tq.use_backend(backend):
+        got = [jax.jit(jax.grad(f, argnums=(0, 1)))(cache.k_window, cache.v_window) for f in (decode, prefill)]
+    with _compat.enable_x64():
+        want = jax.grad(lambda kr, vr: jnp.sum(decode_f64_of_rings(q, cache, tables, lens, ids, kr, vr)
+                                               * to_f64(weights)), argnums=(0, 1))(
+            jnp.asarray(to_f64(cache.k_window)), jnp.asarray(to_f64(cache.v_window)))
+        want = [np.asarray(w) for w in want]
+    for grads in got:
+        for g, w in zip(grads, want):
+            assert g.dtype == jnp.bfloat16
+            assert rel_err(to_f64(g), w) < 1e-2
+    assert np.abs(want[0]).sum() > 0
+
+
+@pytest.mark.parametrize("backend", ["ffi", "xla"])
+def test_write_cache_tangent_of_the_window_rows(rng, backend):
+    """The written entries' tangent is Pi k_dot (the rows are Pi k, rounded to bfloat16); the other
+    entries keep the ring's tangent; a padding token's entry is not written."""
+    cache = random_window_cache(rng, window=4, num_windows=2)
+    k, v, k_dot, v_dot = (jnp.asarray(rng.normal(size=(3, 2, 64)), jnp.float32) for _ in range(4))
+    ring_dot = jnp.asarray(rng.normal(size=cache.k_window.shape), jnp.bfloat16)
+    slots = jnp.asarray([0, -1, 2], jnp.int32)            # token 1 is padding: not written anywhere
+    window_slots = jnp.asarray([5, 6, 1], jnp.int32)      # window 1 entry 1, -, window 0 entry 1
+
+    def write(k, v, k_ring, v_ring):
+        c = dataclasses.replace(cache, k_window=k_ring, v_window=v_ring)
+        new = tq.write_cache(c, k, v, slots, window_slots)
+        return new.k_window, new.v_window
+
+    with tq.use_backend(backend):
+        _, (dk_ring, dv_ring) = jax.jvp(write, (k, v, cache.k_window, cache.v_window),
+                                        (k_dot, v_dot, ring_dot, ring_dot))
+    for got, x_dot, codec in ((dk_ring, k_dot, cache.k_codec), (dv_ring, v_dot, cache.v_codec)):
+        want = to_f64(ring_dot).copy()
+        rows = to_f64(x_dot) @ to_f64(codec.rotation).T
+        want[1, :, 1], want[0, :, 1] = rows[0], rows[2]
+        assert got.dtype == jnp.bfloat16
+        np.testing.assert_allclose(to_f64(got), want, rtol=2 * BF16_ULP, atol=1e-6 * np.abs(rows).max())
+
+
+def test_gradient_through_write_and_decode_reaches_the_window_tokens(rng):
+    """A sequence of 6 tokens with a window of 4: d loss / d k of its last 4 tokens is the float64
+    oracle's for the exact rows (not 0), on both backends alike."""
+    cache = small_window_cache(4)
+    table = np.asarray([2, 5], np.int32)
+    k, v = (jnp.asarray(rng.normal(size=(6, 2, 64)), jnp.float32) for _ in range(2))
+    q = jnp.asarray(rng.normal(size=(1, 4, 64)), jnp.float32)
+
+    def loss(k, v):
+        c = write_tokens(cache, k, v, table, 0, 1, 6)
+        return jnp.sum(tq.paged_decode(q, c, jnp.asarray(table[None]), jnp.asarray([6], jnp.int32),
+                                       window_ids=jnp.asarray([1], jnp.int32)))
+
+    grads = {}
+    for backend in ("ffi", "xla"):
+        with tq.use_backend(backend):
+            grads[backend] = jax.grad(loss, argnums=(0, 1))(k, v)
+    written = write_tokens(cache, k, v, table, 0, 1, 6)
+    pages = sequence_f64(written, table, range(2))
+
+    def oracle(k_last, v_last):   # the last 4 tokens exact, the first 2 as their pages hold them
+        keys = jnp.concatenate([jnp.asarray(pages[0]), k_last])
+        values = jnp.concatenate([jnp.asarray(pages[1]), v_last])
+        heads = [jax.nn.softmax(keys[:, h // 2] @ to_f64(q[0, h]) / 8.0) @ values[:, h // 2] for h in range(4)]
+        return jnp.sum(jnp.stack(heads))
+
+    with _compat.enable_x64():
+        want = [np.asarray(w) for w in jax.grad(oracle, argnums=(0, 1))(jnp.asarray(to_f64(k[2:])),
+                                                                         jnp.asarray(to_f64(v[2:])))]
+    for backend, (dk, dv) in grads.items():
+        assert rel_err(to_f64(dk[2:]), want[0]) < 2e-2, backend
+        assert rel_err(to_f64(dv[2:]), want[1]) < 2e-2, backend
+        assert np.abs(to_f64(dk[:2])).sum() > 0, backend   # the pages' tokens: through their scales
+
+
+def test_window_gradient_of_a_zero_vector_and_a_nan_padding_token(rng):
+    """A zero K vector in the window gets the gradient Pi^T (its row's cotangent) on both backends;
+    a NaN padding token (slot -1) gets exactly 0 and leaves every gradient finite."""
+    cache = small_window_cache(8)
+    k = rng.normal(size=(4, 2, 64)).astype(np.float32)
+    k[1], k[3] = 0.0, np.nan
+    k, v = jnp.asarray(k), jnp.asarray(rng.normal(size=(4, 2, 64)), jnp.float32)
+    table = np.asarray([0, 1], np.int32)
+    slots = jnp.asarray([0, 1, 2, -1], jnp.int32)
+    positions = jnp.arange(4, dtype=jnp.int32)
+    window_slots = tq.window_slot_mapping(jnp.zeros(4, jnp.int32), positions, jnp.full(4, 3, jnp.int32), 8)
+    q = jnp.asarray(rng.normal(size=(1, 4, 64)), jnp.float32)
+
+    def loss(k, v):
+        c = tq.write_cache(cache, k, v, slots, window_slots)
+        return jnp.sum(tq.paged_decode(q, c, jnp.asarray(table[None]), jnp.asarray([3], jnp.int32)))
+
+    grads = []
+    for backend in ("ffi", "xla"):
+        with tq.use_backend(backend):
+            grads.append([np.asarray(g) for g in jax.grad(loss, argnums=(0, 1))(k, v)])
+    for dk, dv in grads:
+        assert np.isfinite(dk).all() and np.isfinite(dv).all()
+        assert np.all(dk[3] == 0) and np.all(dv[3] == 0)
+        assert np.abs(dk[1]).max() > 0.01
+    np.testing.assert_allclose(grads[0][0], grads[1][0], rtol=1e-2, atol=1e-3)
