@@ -48,8 +48,8 @@ class PageAllocator:
     """Owner of a pool of ``num_pages`` pages of ``page_size`` tokens: gives each sequence the pages
     its tokens need, at most ``max_pages_per_seq``, and takes them back.
 
-    Free pages are handed out lowest index first (a heap), so a freed page is the next one reused
-    and allocation is deterministic. Every method leaves the allocator as it was when it raises.
+    Free pages are handed out lowest index first (a heap): a freed page is reused before any
+    higher one, and allocation is deterministic. Every method leaves the allocator as it was when it raises.
 
     Args:
       num_pages: pages in the pool (``cache.num_pages``), an int >= 1.

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_tq.cache import PagedKVCache, slot_mapping, write_cache
+from jax_tq.checks import check_decode_indices, check_window_ids
 from jax_tq.format import window_slot_mapping
 from jax_tq.paged_decode import paged_decode
 from jax_tq.paged_prefill import paged_prefill
@@ -214,10 +215,15 @@ def decode_rows(cache: PagedKVCache, block_tables, position, seq_lens, window_id
       ValueError: window_ids not integer ``[S]``.
     """
     position, seq_lens = jnp.asarray(position), jnp.asarray(seq_lens)
+    block_tables = jnp.asarray(block_tables)
+    # checked mode: the arguments named here, before write_cache sees the slots made of them
+    check_decode_indices(block_tables, seq_lens, num_pages=cache.num_pages, page_size=cache.page_size,
+                         op="decode_rows")
     slots = jnp.where(seq_lens > 0, slot_mapping(block_tables, position.astype(jnp.int32), cache.page_size), -1)
     if not cache.window:
         return CacheRows(slots, block_tables, seq_lens, page_size=cache.page_size)
     ids = _window_ids(window_ids, position.shape[0], "decode_rows")
+    check_window_ids(ids, seq_lens, num_windows=cache.num_windows, op="decode_rows", distinct=True)
     return CacheRows(slots, block_tables, seq_lens, window_slots=window_slot_mapping(ids, position, seq_lens,
                                                                                      cache.window), window_ids=ids,
                      page_size=cache.page_size)

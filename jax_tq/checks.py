@@ -196,17 +196,34 @@ def check_window_slots(window_slots, *, num_entries: int) -> None:
     )
 
 
-def check_window_ids(window_ids, seq_lens, *, num_windows: int, op: str = "paged_decode") -> None:
+def check_window_ids(window_ids, seq_lens, *, num_windows: int, op: str = "paged_decode",
+                     distinct: bool = False) -> None:
     """Insert a check that every sequence with tokens has a window id in [0, num_windows) (its last
-    tokens live there). No-op outside checked mode."""
+    tokens live there) and, with ``distinct`` (ops that write the rings), that no two such
+    sequences share one. No-op outside checked mode."""
     if not checks_enabled() or window_ids.size == 0:
         return
-    bad = (seq_lens > 0) & ((window_ids < 0) | (window_ids >= num_windows))
+    live = seq_lens > 0
+    bad = live & ((window_ids < 0) | (window_ids >= num_windows))
     first = jnp.argmax(bad)
     checkify.check(
         ~jnp.any(bad),
         f"jax_tq.{op}: window_ids[{{i}}] = {{w}} is outside [0, {num_windows}) but sequence {{i}} has tokens",
         i=first, w=window_ids[first],
+    )
+    if not distinct or window_ids.size < 2:
+        return
+    # sequences without tokens (or with an id outside the windows) get distinct negative keys
+    keys = jnp.where(live & ~bad, window_ids, -1 - jnp.arange(window_ids.size, dtype=window_ids.dtype))
+    order = jnp.argsort(keys)
+    shared = keys[order][1:] == keys[order][:-1]
+    pair = jnp.argmax(shared)
+    checkify.check(
+        ~jnp.any(shared),
+        f"jax_tq.{op}: window_ids[{{i}}] = window_ids[{{j}}] = {{w}}: two sequences with tokens share a window "
+        "(each writes its last tokens into it)",
+        i=jnp.minimum(order[pair], order[pair + 1]), j=jnp.maximum(order[pair], order[pair + 1]),
+        w=keys[order][pair],
     )
 
 

@@ -91,7 +91,8 @@ class PagedAttention(nnx.Module):
         anything runs; under ``jit`` a host callback (``jax.debug.callback``, one per call: a
         device-to-host copy of the lengths) fails the run, and with the module donated its cache
         buffers are gone (call :meth:`init_cache` again). False skips the callback (no host
-        round trip); such a row's output is then NaN and nothing is written.
+        round trip); such a row's output is then NaN, nothing is written and its length stays
+        ``max_length``.
       sliding_window, soft_cap: the attention variants of :mod:`jax_tq.variants` (static; row p
         sees positions p - sliding_window + 1 .. p; logits capped to soft_cap * tanh(l / soft_cap)),
         in every mode.
@@ -228,7 +229,7 @@ class PagedAttention(nnx.Module):
           ``self.lengths[b] = lengths[b]``; whatever the row held before is forgotten.
         * ``decode=True``: ``inputs_q [batch, 1, features]``, one new token per row at position
           ``self.lengths[b]``: written (:func:`jax_tq.write_cache`), attended with the row's
-          cached tokens (:func:`jax_tq.paged_decode`), and ``self.lengths += 1``.
+          cached tokens (:func:`jax_tq.paged_decode`), and ``self.lengths += 1`` (a full row's stays).
 
         Under ``nnx.jit(..., donate_argnums=...)`` with the module (or a model holding it)
         donated, the cache is updated in place.
@@ -348,7 +349,7 @@ class PagedAttention(nnx.Module):
         out, cache = attend_rows(q[:, 0], k[:, 0], v[:, 0], cache, rows, **self._variants())
         out = jnp.where(full[:, None, None], jnp.nan, out)
         self.cache.set_value(cache)
-        self.lengths[...] = lens + 1
+        self.lengths[...] = new_lens  # a full row keeps max_length
         return self.out(out[:, None])
 
     def _qkv(self, x, positions):

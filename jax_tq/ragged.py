@@ -136,7 +136,7 @@ def ragged_paged_attention(q, k, v, cache: PagedKVCache, kv_lens, block_tables, 
     check_query_start_loc(cu_q_lens, kv_lens, num_rows=num_tokens, op=op, starts_name="cu_q_lens",
                           lens_name="kv_lens", padding=True, hint="kv_lens counts the new tokens too")
     if window_ids is not None:
-        check_window_ids(window_ids, kv_lens, num_windows=cache.num_windows, op=op)
+        check_window_ids(window_ids, kv_lens, num_windows=cache.num_windows, op=op, distinct=True)
 
     if num_seqs == 0 or num_tokens == 0:  # nothing to write or attend to
         return jnp.zeros_like(q), cache
@@ -267,7 +267,7 @@ def prompt_attention(q, k, v, cache: PagedKVCache, block_tables, prompt_lens=Non
     if padded:
         check_at_most(prompt_lens, seq_len, op=op, name="prompt_lens", bound_name="seq_len")
     if window_ids is not None:
-        check_window_ids(window_ids, prompt_lens, num_windows=cache.num_windows, op=op)
+        check_window_ids(window_ids, prompt_lens, num_windows=cache.num_windows, op=op, distinct=True)
     if batch == 0 or seq_len == 0:
         return jnp.zeros_like(q), cache
 

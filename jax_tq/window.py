@@ -41,8 +41,8 @@ def fill_window(cache: PagedKVCache, block_tables, seq_lens, *, window_ids=None,
       block_tables: int32 [num_seqs, max_pages], the sequences' pages.
       seq_lens: int32 [num_seqs], each sequence's tokens (its positions 0 .. seq_len - 1 are in its
         pages); lengths are clipped to [0, max_pages * page_size].
-      window_ids: int32 [num_seqs], distinct per sequence (default ``arange(num_seqs)``, which
-        needs num_seqs <= num_windows).
+      window_ids: int32 [num_seqs], distinct per sequence with tokens (default ``arange(num_seqs)``,
+        which needs num_seqs <= num_windows; checked mode reports a shared one).
       stop: int32 [num_seqs] or None (``seq_lens``): positions at or past ``stop[s]`` keep their
         entries.
     Returns:
@@ -67,7 +67,7 @@ def fill_window(cache: PagedKVCache, block_tables, seq_lens, *, window_ids=None,
     check_decode_indices(block_tables, seq_lens, num_pages=cache.num_pages, page_size=cache.page_size, op=op)
     if window_ids is None:
         return cache
-    check_window_ids(window_ids, seq_lens, num_windows=cache.num_windows, op=op)
+    check_window_ids(window_ids, seq_lens, num_windows=cache.num_windows, op=op, distinct=True)
     return _fill(cache, block_tables, seq_lens, window_ids, stop)
 
 

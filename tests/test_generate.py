@@ -141,6 +141,17 @@ def test_sample_tokens_draws_from_the_tempered_top_k_softmax(rng):
     np.testing.assert_array_equal(np.asarray(sample_tokens(jnp.asarray(logits)[None], None)), [logits.argmax()])
 
 
+def test_sample_tokens_at_tiny_temperatures_is_greedy(rng):
+    """logits / temperature overflows float32 (1e-30) or the temperature is a subnormal that the CPU
+    flushes to 0 (1e-38): the largest logit still wins, not token 0."""
+    logits = jnp.asarray(rng.normal(size=(8, 50)), jnp.float32).at[:, 0].set(-3.0)
+    for temperature in (1e-30, 1e-38, 1e-45):
+        for top_k in (None, 2):
+            for seed in range(3):
+                got = sample_tokens(logits, jax.random.PRNGKey(seed), temperature, top_k)
+                np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.argmax(logits, axis=-1)))
+
+
 def test_generate_and_sampling_refuse_bad_arguments(tiny):
     ok = [[1, 2, 3]]
     for bad, exc, match in (([], ValueError, "prompts is empty"), ([[1], []], ValueError, r"prompts\[1\]"),

@@ -272,6 +272,7 @@ def test_full_rows_give_nan_without_the_check(rng):
     m(jnp.asarray(rng.normal(size=(2, 3, 32)), jnp.float32), decode=False, lengths=jnp.asarray([3, 1], jnp.int32))
     out = np.asarray(nnx.jit(lambda mod, t: mod(t, decode=True))(m, jnp.ones((2, 1, 32), jnp.float32)))
     assert np.all(np.isnan(out[0])) and np.all(np.isfinite(out[1]))
+    np.testing.assert_array_equal(np.asarray(m.lengths[...]), [3, 2])   # the full row wrote nothing
 
 
 def test_example_converts_a_decoder_with_identical_uncompressed_tokens():

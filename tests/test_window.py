@@ -340,3 +340,46 @@ def test_window_gradient_of_a_zero_vector_and_a_nan_padding_token(rng):
         assert np.all(dk[3] == 0) and np.all(dv[3] == 0)
         assert np.abs(dk[1]).max() > 0.01
     np.testing.assert_allclose(grads[0][0], grads[1][0], rtol=1e-2, atol=1e-3)
+
+
+def test_checked_reports_a_window_shared_by_two_live_sequences(rng):
+    """Ops that write the rings (ragged_paged_attention, prompt_attention, decode_rows, fill_window)
+    report two sequences with tokens sharing a window id, naming both; an idle one may share it.
+    decode_rows names its own arguments before write_cache sees the slots made of them."""
+    cache = small_window_cache(5)
+    cache = dataclasses.replace(cache, k_window=jnp.zeros((3,) + cache.k_window.shape[1:], jnp.bfloat16),
+                                v_window=jnp.zeros((3,) + cache.v_window.shape[1:], jnp.bfloat16))
+    q = jnp.asarray(rng.normal(size=(4, 4, 64)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(4, 2, 64)), jnp.float32)
+    tables = jnp.asarray([[0, 1, 2], [3, 4, 5]], jnp.int32)
+    ragged = jax.jit(tq.checked(tq.ragged_paged_attention))
+
+    def ragged_error(kv_lens, cu_q_lens, ids):
+        err, _ = ragged(q, k, k, cache, jnp.asarray(kv_lens, jnp.int32), tables, jnp.asarray(cu_q_lens, jnp.int32),
+                        window_ids=jnp.asarray(ids, jnp.int32))
+        return err.get()
+
+    assert "ragged_paged_attention: window_ids[0] = window_ids[1] = 2: two sequences with tokens share a window" in \
+        ragged_error([9, 3], [0, 1, 4], [2, 2])
+    assert ragged_error([9, 3], [0, 1, 4], [2, 0]) is None
+    assert ragged_error([9, 0], [0, 1, 1], [2, 2]) is None   # sequence 1 has no tokens
+
+    prompt = jax.jit(tq.checked(tq.prompt_attention))
+    err, _ = prompt(q.reshape(2, 2, 4, 64), k.reshape(2, 2, 2, 64), k.reshape(2, 2, 2, 64), cache, tables,
+                    jnp.asarray([2, 1], jnp.int32), window_ids=jnp.asarray([1, 1], jnp.int32))
+    assert "prompt_attention: window_ids[0] = window_ids[1] = 1" in err.get()
+
+    def decode_error(tables, ids):
+        step = jax.jit(tq.checked(lambda c, t, w: tq.attend_rows(
+            q[:2], k[:2], k[:2], c, tq.decode_rows(c, t, jnp.asarray([5, 2]), jnp.asarray([6, 3]), w))))
+        return step(cache, jnp.asarray(tables, jnp.int32), jnp.asarray(ids, jnp.int32))[0].get()
+
+    assert "decode_rows: window_ids[0] = window_ids[1] = 1" in decode_error([[0, 1, 2], [3, 4, 5]], [1, 1])
+    assert "decode_rows: window_ids[1] = 7 is outside [0, 3)" in decode_error([[0, 1, 2], [3, 4, 5]], [0, 7])
+    assert "decode_rows: block_tables[0, 1] = 12 is outside the pool [0, 12)" in \
+        decode_error([[0, 12, 2], [3, 4, 5]], [0, 1])
+    assert decode_error([[0, 1, 2], [3, 4, 5]], [0, 1]) is None
+
+    fill = jax.jit(tq.checked(tq.fill_window))
+    err, _ = fill(cache, tables, jnp.asarray([4, 4], jnp.int32), window_ids=jnp.asarray([0, 0], jnp.int32))
+    assert "fill_window: window_ids[0] = window_ids[1] = 0" in err.get()

@@ -49,9 +49,11 @@ def stop_token_array(stop_tokens, vocab_size: int, where: str) -> np.ndarray:
 
 
 def _sample(logits, key, temperature: float, top_k):
-    if temperature == 0.0:
+    if temperature < np.finfo(np.float32).tiny:  # 0, or a float32 subnormal that may flush to 0
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    scaled = logits.astype(jnp.float32) / temperature
+    logits = logits.astype(jnp.float32)
+    # shifted so that the largest is 0: a tiny temperature sends the others to -inf, never the largest
+    scaled = (logits - jnp.max(logits, axis=-1, keepdims=True)) / jnp.float32(temperature)
     if top_k is not None and top_k < scaled.shape[-1]:
         kth = jax.lax.top_k(scaled, top_k)[0][..., -1:]
         scaled = jnp.where(scaled >= kth, scaled, -jnp.inf)
@@ -62,9 +64,9 @@ _sample_jit = jax.jit(_sample, static_argnums=(2, 3))
 
 
 def sample_tokens(logits, key, temperature: float = 0.0, top_k: int | None = None) -> jax.Array:
-    """One token per row of ``logits``: greedy (argmax) at ``temperature`` 0, else a draw from
-    ``softmax(logits / temperature)`` restricted to the ``top_k`` largest logits (ties with the
-    k-th kept) when ``top_k`` is given.
+    """One token per row of ``logits``: greedy (argmax) at ``temperature`` 0 (and below float32's
+    smallest normal, ~1.2e-38), else a draw from ``softmax(logits / temperature)`` restricted to the
+    ``top_k`` largest logits (ties with the k-th kept) when ``top_k`` is given.
 
     Args:
       logits: float ``[..., vocab]``.
