@@ -49,7 +49,8 @@ class PageAllocator:
     its tokens need, at most ``max_pages_per_seq``, and takes them back.
 
     Free pages are handed out lowest index first (a heap): a freed page is reused before any
-    higher one, and allocation is deterministic. Every method leaves the allocator as it was when it raises.
+    higher one, and allocation is deterministic. Every method leaves the allocator as it was when
+    it raises.
 
     Args:
       num_pages: pages in the pool (``cache.num_pages``), an int >= 1.

@@ -215,11 +215,10 @@ def decode_rows(cache: PagedKVCache, block_tables, position, seq_lens, window_id
       ValueError: window_ids not integer ``[S]``.
     """
     position, seq_lens = jnp.asarray(position), jnp.asarray(seq_lens)
-    block_tables = jnp.asarray(block_tables)
-    # checked mode: the arguments named here, before write_cache sees the slots made of them
-    check_decode_indices(block_tables, seq_lens, num_pages=cache.num_pages, page_size=cache.page_size,
-                         op="decode_rows")
     slots = jnp.where(seq_lens > 0, slot_mapping(block_tables, position.astype(jnp.int32), cache.page_size), -1)
+    # checked mode: the arguments named here, before write_cache sees the slots made of them
+    check_decode_indices(jnp.asarray(block_tables), seq_lens, num_pages=cache.num_pages, page_size=cache.page_size,
+                         op="decode_rows")
     if not cache.window:
         return CacheRows(slots, block_tables, seq_lens, page_size=cache.page_size)
     ids = _window_ids(window_ids, position.shape[0], "decode_rows")

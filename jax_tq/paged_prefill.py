@@ -53,9 +53,9 @@ def paged_prefill(q, cache, block_tables, seq_lens, query_start_loc, *, window_i
         sits at position seq_lens[s] - q_len_s + i and attends to the sequence's tokens [0, that
         position]: chunked prefill (earlier tokens already cached) is the case q_len_s < seq_lens[s].
       window_ids: int32 [num_seqs], for a cache with a window (default ``arange(num_seqs)``, which
-        needs num_seqs <= num_windows; None without one). Rows see the cache as it stands: the sequence's last min(seq_len, window)
-        tokens from its window, the others from the pages (a row earlier than the window's first
-        token sees only compressed tokens).
+        needs num_seqs <= num_windows; None without one). Rows see the cache as it stands: the
+        sequence's last min(seq_len, window) tokens from its window, the others from the pages (a
+        row earlier than the window's first token sees only compressed tokens).
       scale: softmax scale, a finite Python number (static); default 1 / sqrt(head_dim).
       precision: as for :func:`jax_tq.paged_decode`: ``HIGHEST`` keeps the products float32-accurate;
         ``DEFAULT`` / ``HIGH`` let the CUDA kernel round q (scaled by a power of two), the softmax

@@ -124,9 +124,9 @@ def ragged_paged_attention(q, k, v, cache: PagedKVCache, kv_lens, block_tables, 
     kv_lens = index_array(kv_lens, "kv_lens", "[num_seqs]", op, ndim=1)
     num_seqs = kv_lens.shape[0]
     block_tables = index_array(block_tables, "block_tables", f"[num_seqs={num_seqs} (kv_lens' length), max_pages]",
-                                op, ndim=2, leading=num_seqs)
+                               op, ndim=2, leading=num_seqs)
     cu_q_lens = index_array(cu_q_lens, "cu_q_lens", f"[num_seqs + 1 = {num_seqs + 1}] (kv_lens' length + 1)", op,
-                             shape=(num_seqs + 1,))
+                            shape=(num_seqs + 1,))
     scale = _static_scale(scale, f"jax_tq.{op}")
     sliding_window, soft_cap, sinks = check_variants(sliding_window, soft_cap, sinks, q.shape[1], op)
     variants = as_keywords(sliding_window, soft_cap, sinks)  # checked: the ops take them as they are
@@ -250,7 +250,7 @@ def prompt_attention(q, k, v, cache: PagedKVCache, block_tables, prompt_lens=Non
                              f"shape {tuple(x.shape)}")
     _check_heads(q.shape[2], q.shape[3], cache, op)
     block_tables = index_array(block_tables, "block_tables", f"[batch={batch}, max_pages]", op, ndim=2,
-                                leading=batch)
+                               leading=batch)
     padded = prompt_lens is not None
     if padded:
         prompt_lens = index_array(prompt_lens, "prompt_lens", f"[batch={batch}]", op, shape=(batch,))
