@@ -44,6 +44,20 @@ def float0_zeros_like(value):
         return zeros
 
 
+def varying_like(x, like):
+    """``x`` varying over the shard_map mesh axes that ``like`` varies over (a tangent built from
+    inputs that vary over fewer, e.g. instantiated zeros, must match its primal under check_vma);
+    ``x`` itself outside shard_map or where this JAX has no ``lax.pcast``."""
+    axes = tuple(sorted(_varying(getattr(like, "aval", like)) - _varying(getattr(x, "aval", x))))
+    cast = getattr(jax.lax, "pcast", None)
+    if not axes or cast is None:
+        return x
+    try:
+        return cast(x, axes, to="varying")
+    except (TypeError, ValueError):  # pragma: no cover - other JAX
+        return x
+
+
 def output_aval(shape, dtype, *inputs) -> ShapedArray:
     """``ShapedArray(shape, dtype)`` for a primitive's output that varies, inside shard_map, over
     the mesh axes of its most-varying input (a fresh ShapedArray would claim it varies over none:

@@ -338,8 +338,10 @@ def _write_cache_kernel_jvp(k_codec, v_codec, backend, primals, tangents):
 
     k_norms_dot = scatter(tangents[3], k, tangents[0], outs[0], outs[1], k_codec)
     v_norms_dot = scatter(tangents[5], v, tangents[1], outs[2], outs[3], v_codec)
-    k_window_dot = _window_tangent(tangents[7], tangents[0], window_slots, k_codec.rotation)
-    v_window_dot = _window_tangent(tangents[8], tangents[1], window_slots, v_codec.rotation)
+    k_window_dot = _compat.varying_like(_window_tangent(tangents[7], tangents[0], window_slots, k_codec.rotation),
+                                        outs[4])
+    v_window_dot = _compat.varying_like(_window_tangent(tangents[8], tangents[1], window_slots, v_codec.rotation),
+                                        outs[5])
     zero = _float0_zeros
     return outs, (zero(k_codes), k_norms_dot, zero(v_codes), v_norms_dot, k_window_dot, v_window_dot)
 
