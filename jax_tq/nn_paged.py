@@ -274,8 +274,10 @@ class PagedAttention(nnx.Module):
         if self.cache is not None:
             if batch != self.lengths.shape[0]:
                 raise ValueError(f"{where}: the cache holds {self.lengths.shape[0]} rows, inputs_q has batch {batch}")
-            if length > self.max_length:
-                raise ValueError(f"{where}: a prompt of {length} tokens does not fit the cache's max_length "
+            # padding past max_length is fine where the real prompts (concrete lengths) fit
+            longest = int(np.max(np.asarray(lens), initial=0)) if lengths is not None and _is_concrete(lens) else length
+            if longest > self.max_length:
+                raise ValueError(f"{where}: a prompt of {longest} tokens does not fit the cache's max_length "
                                  f"{self.max_length} (init_cache(batch_size, max_length))")
         positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
         q, k, v = self._qkv(x, positions)
@@ -287,7 +289,8 @@ class PagedAttention(nnx.Module):
         attn, cache = attend_rows(flat(q), flat(k), flat(v), cache, prompt_rows(cache, self.block_tables[...], lens,
                                                                                   length), **self._variants())
         self.cache.set_value(cache)
-        self.lengths[...] = jnp.clip(lens, 0, length)  # as prompt_attention read them (traced lengths are unchecked)
+        # as prompt_attention read them, at most what the cache holds (traced lengths are unchecked)
+        self.lengths[...] = jnp.clip(lens, 0, min(length, self.max_length))
         return self.out(attn.reshape(q.shape))
 
     def attend(self, inputs: jax.Array, positions: jax.Array, cache: PagedKVCache, rows: CacheRows):

@@ -246,6 +246,8 @@ def test_errors(rng):
     m.init_cache(2, 5)
     with pytest.raises(ValueError, match="max_length 5"):
         m(jnp.zeros((2, 6, 32), jnp.float32), decode=False)
+    with pytest.raises(ValueError, match="a prompt of 6 tokens does not fit the cache's max_length 5"):
+        m(jnp.zeros((2, 8, 32), jnp.float32), decode=False, lengths=jnp.asarray([6, 1], jnp.int32))
     with pytest.raises(ValueError, match=r"lengths must lie in \[0, L=4\]"):
         m(jnp.zeros((2, 4, 32), jnp.float32), decode=False, lengths=jnp.asarray([5, 1]))
     with pytest.raises(ValueError, match="one token per cached row"):
@@ -408,3 +410,21 @@ def test_attend_and_qk_norm_errors(rng):
                          rngs=nnx.Rngs(0))
     assert isinstance(rms.query_ln, nnx.RMSNorm) and rms.query_ln.epsilon == 1e-5
     assert rms.out.bias is None and rms.query.bias is not None
+
+
+def test_prefill_padded_past_max_length_where_the_prompts_fit(rng):
+    """A batch padded to 8 tokens into a cache of max_length 5, real prompts of 5 and 3 tokens:
+    the same outputs, cache and lengths as the batch cut to 5, and decode goes on from there."""
+    m = make(rng, heads=2, kv_heads=1, features=32, head_dim=8)
+    prompt = jnp.asarray(rng.normal(size=(2, 8, 32)), jnp.float32)
+    lens = jnp.asarray([5, 3], jnp.int32)
+    results = []
+    for x in (prompt, prompt[:, :5]):
+        m.init_cache(2, 6)
+        out = np.asarray(m(x, decode=False, lengths=lens))
+        results.append((out[:, :5], np.asarray(m.lengths[...]), jax.tree.leaves(m.cache.get_value())))
+    np.testing.assert_allclose(results[0][0][0], results[1][0][0], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(results[0][0][1, :3], results[1][0][1, :3], rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(results[0][1], [5, 3])
+    for a, b in zip(results[0][2], results[1][2]):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
