@@ -170,38 +170,34 @@ def _infer(layout, params, mesh, arg_shapes, result_shape):
 
 
 def _sharding_rule(layout, params, mesh, value_types, result_types):
-    """The Shardy rule (an SdyShardingRule, built from public classes): one factor per role (query
-    heads the compound ``(k g)``: KV head major, its group minor), every never-split dim its own
-    need-replication factor, and so the group factor ``g`` and the roles in ``layout.whole``."""
-    from jax.experimental.custom_partitioning import ArrayMapping, CompoundFactor, SdyShardingRule
+    """The Shardy rule (an SdyShardingRule, built from public classes): one factor per role, every
+    never-split dim its own need-replication factor, and so the roles in ``layout.whole``. Query
+    heads are a factor of their own, not the compound (KV head, group): Shardy would then shard
+    them over a sub-axis where the KV heads do not fill a mesh axis (4 KV heads, 8 devices), which
+    custom_partitioning cannot express. :func:`decide` ties them to the KV heads' axes."""
+    from jax.experimental.custom_partitioning import ArrayMapping, SdyShardingRule
 
     shapes = [tuple(_compat.ir.RankedTensorType(t).shape) for t in value_types]
     layout = _fitted(layout, shapes)
-    kv = _dims_with(layout.operands, shapes, "kv")
-    heads = _dims_with(layout.operands, shapes, "head")
-    group = heads[0] // kv[0] if heads and kv and kv[0] else 1
-    names = {"kv": "k", "seq": "s", "tok": "n", "page": "p", "window": "w"}
+    names = {"kv": "k", "head": "h", "seq": "s", "tok": "n", "page": "p", "window": "w"}
     order = []  # factors in the order they first appear (Shardy wants the special ones so sorted)
-    replicate = {names[r] for r in layout.whole if r in names} | ({"g"} if heads else set())
+    replicate = {names[r] for r in layout.whole if r in names}
 
     def mapping(roles):
         dims = []
         for r in roles:
-            if r == "head":
-                factors = ("k", "g")
-                dims.append(CompoundFactor(*factors))
-            else:
-                factors = (names[r],) if r is not None else (f"x{len(order)}",)
-                replicate.update(factors if r is None else ())
-                dims.append(factors[0])
-            order.extend(f for f in factors if f not in order)
+            factor = names[r] if r is not None else f"x{len(order)}"
+            if r is None:
+                replicate.add(factor)
+            dims.append(factor)
+            if factor not in order:
+                order.append(factor)
         return ArrayMapping(*dims)
 
     operands = tuple(mapping(roles) for roles in layout.operands)
     results = tuple(mapping(roles) for roles in layout.results)
     special = tuple(f for f in order if f in replicate)
-    sizes = {"g": group} if heads else {}
-    return SdyShardingRule(operands, results, need_replication_factors=special, **sizes)
+    return SdyShardingRule(operands, results, need_replication_factors=special)
 
 
 def lowering(prim, twin, layout: Layout) -> Callable:

@@ -197,6 +197,11 @@ SCRIPT = textwrap.dedent('''
     no_collectives(merge, *args)
     assert_equal_trees(merge(*args), merge_attention(parts[0], parts[1], w, parts[2], check))
 
+    # q's 8 heads over 8 devices, the 4 KV heads of an unsharded cache: q is gathered, the result the same
+    mesh8 = Mesh(np.array(jax.devices()), ("model",))
+    q8 = jax.device_put(q, NamedSharding(mesh8, P(None, "model")))
+    assert_equal_trees(decode(q8, want, tables, lens), tq.paged_decode(q, want, tables, lens), rtol=1e-6, atol=1e-6)
+
     try:
         tq.shard_cache(tq.PagedKVCache.create(num_pages=NP, page_size=PAGE, num_kv_heads=2, preset="k4v4",
                                               head_dim=D, window=0), mesh)
