@@ -33,15 +33,7 @@ def _varying(aval) -> frozenset:
 def float0_zeros_like(value):
     """The float0 zero tangent of an integer ``value``, varying over the same shard_map mesh axes
     (a plain numpy float0 array varies over none, which custom_jvp rejects under check_vma)."""
-    zeros = np.zeros(value.shape, jax.dtypes.float0)
-    axes = tuple(sorted(_varying(getattr(value, "aval", value))))
-    cast = getattr(jax.lax, "pcast", None)
-    if not axes or cast is None:
-        return zeros
-    try:
-        return cast(zeros, axes, to="varying")
-    except (TypeError, ValueError):  # pragma: no cover - other JAX
-        return zeros
+    return varying_like(np.zeros(value.shape, jax.dtypes.float0), value)
 
 
 def varying_like(x, like):
