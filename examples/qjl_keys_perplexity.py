@@ -37,8 +37,9 @@ import jax_tq as tq  # noqa: E402
 from jax_tq.models import llama  # noqa: E402
 from jax_tq.models.evaluate import chunk_token_ids  # noqa: E402
 from jax_tq.models.gguf_loader import load_smollm2  # noqa: E402
+from jax_tq.nn_paged import PagedAttention  # noqa: E402  (the models' attention layer)
 
-_qkv = llama.Attention.qkv
+_qkv = PagedAttention._qkv
 
 
 def mse_keys(bits, head_dim):
@@ -60,7 +61,7 @@ def perplexity(model, chunks, key_fn, value_fn):
         v = v if value_fn is None else value_fn(v.astype(jnp.float32)).astype(v.dtype)
         return q, k, v
 
-    llama.Attention.qkv = qkv
+    PagedAttention._qkv = qkv
     jax.clear_caches()  # forward_logits' jit keeps the projection it traced
     try:
         nll = []
@@ -70,7 +71,7 @@ def perplexity(model, chunks, key_fn, value_fn):
             logp = jax.nn.log_softmax(logits[:-1].astype(jnp.float32), axis=-1)
             nll.append(-np.asarray(jnp.take_along_axis(logp, ids[1:, None], axis=-1))[:, 0])
     finally:
-        llama.Attention.qkv = _qkv
+        PagedAttention._qkv = _qkv
     return float(math.exp(np.mean(np.concatenate(nll))))
 
 

@@ -809,6 +809,33 @@ def test_example_refuses_bad_arguments_before_loading_the_model(argv, message, t
     assert message in err and "GGUF weights not found" not in err, err
 
 
+def test_qjl_example_perplexity_applies_its_key_codec(tiny, rng):
+    """examples/qjl_keys_perplexity.py's perplexity(): with no codec it is the model's own (the
+    uncompressed forward's NLL), a key codec changes it, and the layer's projection is restored
+    afterwards (it patched a class the models no longer had, and crashed at import)."""
+    import importlib.util
+    import math
+
+    from jax_tq.nn_paged import PagedAttention
+
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
+                          "qjl_keys_perplexity.py")
+    spec = importlib.util.spec_from_file_location("qjl_keys_perplexity_example", script)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    original = PagedAttention._qkv
+    chunks = [rng.integers(0, TINY.vocab_size, 24).tolist() for _ in range(2)]
+    exact = example.perplexity(tiny, chunks, None, None)
+    nll = []
+    for chunk in chunks:
+        ids = jnp.asarray(chunk, jnp.int32)
+        logp = jax.nn.log_softmax(forward_logits(tiny, ids)[:-1].astype(jnp.float32), axis=-1)
+        nll.append(-np.asarray(jnp.take_along_axis(logp, ids[1:, None], axis=-1))[:, 0])
+    assert exact == pytest.approx(math.exp(np.mean(np.concatenate(nll))), rel=1e-5)
+    assert abs(example.perplexity(tiny, chunks, lambda k: 0 * k, None) - exact) > 1e-3 * exact
+    assert PagedAttention._qkv is original
+
+
 # ---------------------------------------------------------------------------------------------
 # Llama-family GGUF files written as llama.cpp's convert_hf_to_gguf.py would (llama, qwen2, qwen3)
 # ---------------------------------------------------------------------------------------------
