@@ -23,8 +23,10 @@ Each op declares a :class:`Layout`: the role of every dimension of its operands 
   ``None``    never split (head_dim, page_size, codec tables, query_start_loc, ...).
 
 A layout whose shardings do not fit (KV heads not divisible by the model axis, sequences not
-divisible by the data axis, pages split over another axis than the sequences) falls back to a
-whole dim there: XLA then gathers that operand, and the result still equals the unsharded call.
+divisible by the data axis) falls back to a whole dim there: XLA then gathers that operand, and the
+result still equals the unsharded call. Pages that come in split are the exception: their ids are
+shard-local, so a call that cannot keep them split (sequences or new tokens not split over the same
+axes, or an op that never splits them) raises instead of reading local ids as global.
 """
 from __future__ import annotations
 
@@ -102,11 +104,16 @@ def _dims_with(layout_dims, shapes, role):
     return [shapes[i][d] for i, roles in enumerate(layout_dims) for d, r in enumerate(roles) if r == role]
 
 
-def decide(layout: Layout, mesh, shapes: Sequence[tuple], shardings: Sequence) -> dict:
+def decide(layout: Layout, mesh, shapes: Sequence[tuple], shardings: Sequence, op: str = "op",
+           refuse: bool = True) -> dict:
     """Mesh axes per role for one call, from the operands' shapes and (suggested) shardings.
 
     Returns:
       dict role -> tuple of mesh axis names (empty: whole).
+    Raises:
+      ValueError (with ``refuse``): the page pools come in split (``shard_cache(..., page_axis=...)``:
+        block tables, slots and window ids are shard-local) but this call cannot keep them split:
+        gathered, they would be read and written with shard-local ids as if global.
     """
     def pick(role):
         at = _first(layout.operands, role)
@@ -127,6 +134,17 @@ def decide(layout: Layout, mesh, shapes: Sequence[tuple], shardings: Sequence) -
     if layout.seq_needs_pages and not split_pages:
         seq = ()
     page_axes = seq if split_pages else ()
+    at = _first(layout.operands, "page")
+    split_in = _spec_axes(shardings[at[0]], at[1]) if at is not None else ()
+    if refuse and split_in and not page_axes:
+        where = (f"jax_tq.{op}: the page pools are split over {split_in} (page_axis: shard-local block tables, "
+                 "slots and window ids), which this call cannot keep")
+        if {"seq", "tok"} & layout.whole:
+            raise ValueError(f"{where}: it does not run per page shard; keep the pages whole for it (shard_cache "
+                             "without page_axis)")
+        raise ValueError(f"{where}: its sequences (write_cache: its new tokens and slots) come in split over "
+                         f"{pick('seq') or 'no axis'}; pass them split over {split_in}, each shard's own "
+                         "(docs/USAGE.md \"Sharding\")")
     return {"kv": kv, "head": kv, "seq": seq, "page": page_axes, "window": page_axes, None: ()}
 
 
@@ -150,10 +168,14 @@ def _shapes(arg_shapes):
     return [tuple(a.shape) for a in arg_shapes]
 
 
+def _op_name(prim) -> str:
+    return prim.name.removeprefix("jax_tq_").removesuffix("_shard")
+
+
 def _partition(prim, layout, params, mesh, arg_shapes, result_shape):
     layout = _fitted(layout, _shapes(arg_shapes))
     shardings = [a.sharding for a in arg_shapes]
-    axes = decide(layout, mesh, _shapes(arg_shapes), shardings)
+    axes = decide(layout, mesh, _shapes(arg_shapes), shardings, _op_name(prim))
     arg_shardings = tuple(_sharding(mesh, roles, axes) for roles in layout.operands)
     result_shardings = tuple(_sharding(mesh, roles, axes) for roles in layout.results)
 
@@ -163,9 +185,10 @@ def _partition(prim, layout, params, mesh, arg_shapes, result_shape):
     return mesh, lower, result_shardings, arg_shardings
 
 
-def _infer(layout, params, mesh, arg_shapes, result_shape):
+def _infer(prim, layout, params, mesh, arg_shapes, result_shape):
     layout = _fitted(layout, _shapes(arg_shapes))
-    axes = decide(layout, mesh, _shapes(arg_shapes), [a.sharding for a in arg_shapes])
+    # GSPMD's propagation aborts the process on an exception here: the refusal waits for _partition
+    axes = decide(layout, mesh, _shapes(arg_shapes), [a.sharding for a in arg_shapes], _op_name(prim), refuse=False)
     return tuple(_sharding(mesh, roles, axes) for roles in layout.results)
 
 
@@ -215,7 +238,7 @@ def _partitioned_call(twin, layout):
     wrapped = custom_partitioning(call, static_argnums=(0,))
     wrapped.def_partition(
         partition=functools.partial(_partition_static, twin, layout),
-        infer_sharding_from_operands=functools.partial(_infer_static, layout),
+        infer_sharding_from_operands=functools.partial(_infer_static, twin, layout),
         sharding_rule=functools.partial(_rule_static, layout),
     )
     return wrapped
@@ -226,8 +249,8 @@ def _partition_static(twin, layout, params, mesh, arg_shapes, result_shape):
     return _partition(twin, layout, params, mesh, arg_shapes, result_shape)
 
 
-def _infer_static(layout, params, mesh, arg_shapes, result_shape):
-    return _infer(layout, params, mesh, arg_shapes, result_shape)
+def _infer_static(twin, layout, params, mesh, arg_shapes, result_shape):
+    return _infer(twin, layout, params, mesh, arg_shapes, result_shape)
 
 
 def _rule_static(layout, params, mesh, value_types, result_types):

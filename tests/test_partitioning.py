@@ -4,6 +4,7 @@ unsharded call, and write_cache gives back the cache with the sharding it came i
 The mesh tests run in a subprocess with 8 host-platform CPU devices (fixed at JAX start)."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -169,6 +170,13 @@ SCRIPT = textwrap.dedent('''
     no_collectives(decode, *args)
     assert_equal_trees(decode(*args), tq.paged_decode(q, want, global_tables, lens), rtol=1e-6, atol=1e-6)
 
+    # paged_prefill never splits its sequences: over split pages it is refused, not run with local ids as global
+    try:
+        jax.jit(tq.paged_prefill)(put(qp, None, "model"), got, put(local_tables, "data"), put(lens, "data"), starts)
+        raise AssertionError("paged_prefill over split pages ran")
+    except Exception as err:  # XLA wraps the partitioner's ValueError
+        assert "does not run per page shard" in str(err), str(err)[-500:]
+
     # shard_map (every mesh axis manual) still runs the per-shard kernel as it is
     shard_map = getattr(jax, "shard_map", None)
     if shard_map is None:  # older JAX
@@ -275,8 +283,14 @@ def test_decide_falls_back_to_whole_dims_that_do_not_divide():
     axes = partitioning.decide(layout, _Mesh, [(4, 18, 64), (16, 6, 8)], [_named("data", "model"),
                                                                           _named(None, "model")])
     assert axes["kv"] == () and axes["seq"] == ("data",)  # 6 KV heads do not split 4 ways: whole
-    axes = partitioning.decide(layout, _Mesh, [(3, 12, 64), (16, 4, 8)], [_named("data"), _named("data", "model")])
-    assert axes["seq"] == () and axes["page"] == ()  # 3 sequences over 2: whole, and so the pages
+    # 3 sequences over 2 cannot follow pages split over "data" (their ids are shard-local): refused,
+    # not gathered and read as global ids
+    with pytest.raises(ValueError, match=r"jax_tq.op: the page pools are split over \('data',\).*come in split over "
+                                         r"no axis; pass them split over \('data',\)"):
+        partitioning.decide(layout, _Mesh, [(3, 12, 64), (16, 4, 8)], [_named("data"), _named("data", "model")])
+    prefill = dataclasses.replace(layout, whole=frozenset({"seq"}))
+    with pytest.raises(ValueError, match="does not run per page shard; keep the pages whole"):
+        partitioning.decide(prefill, _Mesh, shapes, [_named("data"), _named("data", "model")])
     axes = partitioning.decide(layout, _Mesh, shapes, [_named("data"), _named("data", "model")])
     assert axes["page"] == ("data",)  # pages split with the sequences
     write = partitioning.Layout(operands=(("seq", "kv"), ("page", "kv")), results=(("page", "kv"),),
