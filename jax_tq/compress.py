@@ -330,11 +330,7 @@ def _write_cache_kernel_jvp(k_codec, v_codec, backend, primals, tangents):
         rows_codes = new_codes[jnp.minimum(page, num_pages - 1)[:, None], heads, offset[:, None]]
         dn = _scale_tangent(flat_x, flat_dot, rows_norms, rows_codes.reshape(-1, rows_codes.shape[-1]), codec)
         dn = jnp.where(valid[:, None], dn.reshape(x.shape[:2]), 0.0)
-        # set = keep the unwritten rows + add at the written ones (a scatter-add transposes; a
-        # scatter-set does only with unique indices).
-        zeros = jnp.zeros_like(pool_dot)
-        written = zeros.at[page, :, offset].add(1.0, mode="drop") > 0
-        return jnp.where(written, 0.0, pool_dot) + zeros.at[page, :, offset].add(dn, mode="drop")
+        return _tangent_set(pool_dot, page, offset, dn)
 
     k_norms_dot = scatter(tangents[3], k, tangents[0], outs[0], outs[1], k_codec)
     v_norms_dot = scatter(tangents[5], v, tangents[1], outs[2], outs[3], v_codec)
@@ -356,10 +352,17 @@ def _window_tangent(window_dot, x_dot, window_slots, rotation):
     ids = jnp.where(valid, window_slots // length, num_windows)   # not written: dropped by the scatters
     entries = jnp.where(valid, window_slots % length, 0)
     rows = jnp.matmul(x_dot.astype(jnp.float32), rotation.T, precision=jax.lax.Precision.HIGHEST)
-    zeros = jnp.zeros(window_dot.shape, jnp.float32)
-    written = zeros.at[ids, :, entries].add(1.0, mode="drop") > 0
-    kept = jnp.where(written, 0.0, window_dot.astype(jnp.float32))
-    return (kept + zeros.at[ids, :, entries].add(rows, mode="drop")).astype(window_dot.dtype)
+    return _tangent_set(window_dot, ids, entries, rows)
+
+
+def _tangent_set(pool_dot, first, second, values):
+    """``pool_dot`` with entries ``[first[i], :, second[i]]`` set to ``values[i]`` (out of range:
+    dropped), as the unwritten entries kept plus a scatter-add at the written ones: a scatter-add
+    transposes, a scatter-set does only with unique indices."""
+    zeros = jnp.zeros(pool_dot.shape, jnp.float32)
+    written = zeros.at[first, :, second].add(1.0, mode="drop") > 0
+    kept = jnp.where(written, 0.0, pool_dot.astype(jnp.float32))
+    return (kept + zeros.at[first, :, second].add(values, mode="drop")).astype(pool_dot.dtype)
 
 
 def _check_write_args(x, codes, norms, codec, slot_mapping, name="k/v") -> None:
