@@ -202,14 +202,17 @@ __device__ __forceinline__ int64_t dest_row(const GemmParams& p, int64_t n) {
 }
 
 // Row of vector n (token n / Hkv, KV head n % Hkv) in write_cache's window [num_windows, Hkv, W]:
-// entry slot % W of window slot / W (slot = win_slots[token]), or -1: not written.
-__device__ __forceinline__ int64_t window_row(const GemmParams& p, int64_t n) {
-  const int64_t t = n / p.Hkv;
-  const int64_t h = n - t * p.Hkv;
-  const int64_t s = p.win_slots[t];
+// entry s % W of window s / W, s = win_slots[token] its token's window slot, or -1: not written.
+__device__ __forceinline__ int64_t window_row_of_slot(const GemmParams& p, int64_t n, int64_t s) {
   if (s < 0 || s >= p.win_entries) return -1;
+  const int64_t h = n - (n / p.Hkv) * p.Hkv;
   const int64_t w = s / p.win_len;
   return (w * p.Hkv + h) * p.win_len + (s - w * p.win_len);
+}
+
+// window_row_of_slot with the token's slot read from win_slots.
+__device__ __forceinline__ int64_t window_row(const GemmParams& p, int64_t n) {
+  return window_row_of_slot(p, n, p.win_slots[n / p.Hkv]);
 }
 
 // code = number of boundaries strictly less than y; bnd: 15 ascending midpoints padded with +inf
@@ -1690,16 +1693,20 @@ __device__ __forceinline__ void load_lane(const GemmParams& p, int64_t n, int la
   for (int j = 0; j < C; ++j) x[j] = load_elem(p.x, p.dtype, i + j);
 }
 
-// dest_row for the Hadamard kernels: 32-bit divisions (their launch requires N < 2^31; slots are int32).
-__device__ __forceinline__ int64_t dest_row32(const GemmParams& p, int64_t n) {
-  if (p.slots == nullptr) return n;
-  const uint32_t t = static_cast<uint32_t>(n) / static_cast<uint32_t>(p.Hkv);
-  const uint32_t h = static_cast<uint32_t>(n) - t * static_cast<uint32_t>(p.Hkv);
-  const int32_t s = p.slots[t];
+// dest_row for the Hadamard kernels: 32-bit divisions (their launch requires N < 2^31; slots are int32),
+// from vector n's slot s = slots[n / Hkv] (-1: not written).
+__device__ __forceinline__ int64_t dest_row32_of_slot(const GemmParams& p, int64_t n, int32_t s) {
   if (s < 0 || s >= p.total_slots) return -1;
+  const uint32_t h = static_cast<uint32_t>(n) % static_cast<uint32_t>(p.Hkv);
   const uint32_t page = static_cast<uint32_t>(s) / static_cast<uint32_t>(p.page_size);
   const uint32_t off = static_cast<uint32_t>(s) - page * static_cast<uint32_t>(p.page_size);
   return (static_cast<int64_t>(page) * p.Hkv + h) * p.page_size + off;  // row index into [P, Hkv, page]
+}
+
+// dest_row for the Hadamard kernels.
+__device__ __forceinline__ int64_t dest_row32(const GemmParams& p, int64_t n) {
+  if (p.slots == nullptr) return n;
+  return dest_row32_of_slot(p, n, p.slots[static_cast<uint32_t>(n) / static_cast<uint32_t>(p.Hkv)]);
 }
 
 template <int D>
@@ -2171,13 +2178,27 @@ __device__ __forceinline__ void load_b_fragments(const uint8_t* tile_s, int g, i
     }
 }
 
-// Lane v < 16's pool row of row base + v, lane 16 + v's window row of it (-1: none), for the
-// tensor-core writes' 16-row tiles (shuffled to the lanes that code the row).
-__device__ __forceinline__ int32_t tile_row_slots(const GemmParams& p, int64_t base, int lane) {
+// The slot that lane v < 16 reads for row base + v (slots), lane 16 + v for its window (win_slots); -1
+// where there is none to read. Loaded a tile ahead, it leaves its latency to the tile before.
+__device__ __forceinline__ int32_t tile_row_slot(const GemmParams& p, int64_t base, int lane) {
   const int64_t mine = base + (lane & 15);
   if (mine >= p.N) return -1;
-  if (lane < 16) return static_cast<int32_t>(dest_row32(p, mine));
-  return p.win != nullptr ? static_cast<int32_t>(window_row(p, mine)) : -1;
+  if (lane < 16) return p.slots != nullptr ? p.slots[static_cast<uint32_t>(mine) / static_cast<uint32_t>(p.Hkv)] : 0;
+  return p.win != nullptr ? p.win_slots[mine / p.Hkv] : -1;
+}
+
+// Lane v < 16's pool row of row base + v, lane 16 + v's window row of it (-1: none), from the slot
+// that tile_row_slot gave the lane, for the tensor-core writes' 16-row tiles (shuffled to the lanes
+// that code the row).
+__device__ __forceinline__ int32_t tile_row_of_slot(const GemmParams& p, int64_t base, int lane, int32_t slot) {
+  const int64_t mine = base + (lane & 15);
+  if (mine >= p.N) return -1;
+  if (lane < 16) return static_cast<int32_t>(p.slots != nullptr ? dest_row32_of_slot(p, mine, slot) : mine);
+  return p.win != nullptr ? static_cast<int32_t>(window_row_of_slot(p, mine, slot)) : -1;
+}
+
+__device__ __forceinline__ int32_t tile_row_slots(const GemmParams& p, int64_t base, int lane) {
+  return tile_row_of_slot(p, base, lane, tile_row_slot(p, base, lane));
 }
 
 // group + (boundary < z) as one predicated add (nvcc makes the plain expression an add and a select).
@@ -2359,20 +2380,29 @@ struct WgmmaWriteSmem {
   static constexpr int kBytes = 1024 + kM + kWgmmaWriteGroups * 2 * kTile;
 };
 
-// M = d Pi in XT's 16-bit type into m_s: row n = M's row wgmma_write_coord(n).
+// M = d Pi in XT's 16-bit type into m_s: row n = M's row wgmma_write_coord(n). A thread issues all
+// its loads before its first conversion (one latency, not one per chunk).
 template <int D, int XT, int THREADS>
 __device__ __forceinline__ void stage_hadamard_b(const float* rot, uint8_t* m_s, int tid) {
-  constexpr int kChunks = D * D / 8;
-  for (int e = tid; e < kChunks; e += THREADS) {
-    const int n = e / (D / 8), chunk = e % (D / 8);
+  constexpr int kChunks = D * D / 8, kPer = kChunks / THREADS;
+  static_assert(kChunks % THREADS == 0, "whole rounds of chunks");
+  float4 a[kPer], b[kPer];
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int e = tid + i * THREADS, n = e / (D / 8), chunk = e % (D / 8);
     const float* src = rot + wgmma_write_coord(n) * D + 8 * chunk;
-    const float4 a = __ldg(reinterpret_cast<const float4*>(src)), b = __ldg(reinterpret_cast<const float4*>(src + 4));
-    auto pair = [](float x, float y) {
-      if constexpr (XT == static_cast<int>(FType::kBF16)) return bf2_bits(__floats2bfloat162_rn(D * x, D * y));
-      else return h2_bits(__floats2half2_rn(D * x, D * y));
-    };
+    a[i] = __ldg(reinterpret_cast<const float4*>(src));
+    b[i] = __ldg(reinterpret_cast<const float4*>(src + 4));
+  }
+  auto pair = [](float x, float y) {
+    if constexpr (XT == static_cast<int>(FType::kBF16)) return bf2_bits(__floats2bfloat162_rn(D * x, D * y));
+    else return h2_bits(__floats2half2_rn(D * x, D * y));
+  };
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int e = tid + i * THREADS, n = e / (D / 8), chunk = e % (D / 8);
     *reinterpret_cast<uint4*>(m_s + sw128_offset(D, n, chunk)) =
-        make_uint4(pair(a.x, a.y), pair(a.z, a.w), pair(b.x, b.y), pair(b.z, b.w));
+        make_uint4(pair(a[i].x, a[i].y), pair(a[i].z, a[i].w), pair(b[i].x, b[i].y), pair(b[i].z, b[i].w));
   }
 }
 
@@ -2507,8 +2537,11 @@ __global__ void __launch_bounds__(kWgmmaWriteGroups * 128, 1) tq_hadamard_wgmma_
   int64_t tile = static_cast<int64_t>(blockIdx.x) * kWgmmaWriteGroups + wg;
   if (tile < ntiles) copy_x_rows<D>(p, tile, x_s, wq, lane);  // in flight during the staging below
   cp_async_commit();
-  if (tid < 16) bnd_s[tid] = tid < (1 << p.bits) - 1 ? static_cast<float>(D) * centroid_boundary(p.cent, tid) : INFINITY;
+  int32_t slot = tile < ntiles ? tile_row_slot(p, tile * 64 + 16 * wq, lane) : -1;
+  float cent[2] = {0.f, 0.f};  // centroids tid, tid + 1: their loads in flight with the staging's
+  if (tid < (1 << p.bits) - 1) cent[0] = __ldg(p.cent + tid), cent[1] = __ldg(p.cent + tid + 1);
   stage_hadamard_b<D, XT, kThr>(p.rot, m_s, tid);
+  if (tid < 16) bnd_s[tid] = tid < (1 << p.bits) - 1 ? static_cast<float>(D) * centroid_boundary(cent, 0) : INFINITY;
   fence_async_shared();
   __syncthreads();
   const bool lut = fill_code_lut(lut_s, bnd_s, static_cast<float>(D), tid, kThr, kLutEdge4, kLutScale4);
@@ -2518,11 +2551,12 @@ __global__ void __launch_bounds__(kWgmmaWriteGroups * 128, 1) tq_hadamard_wgmma_
   const float b3 = bnd_s[3], b7 = bnd_s[7], b11 = bnd_s[11], scale4 = 4.0f * kLutScale4 / D;
   uint32_t radix;
   asm("mov.u32 %0, %1;" : "=r"(radix) : "r"(1u << p.bits));  // group * radix + code: one IMAD
-  const uint32_t m_addr = smem_addr(m_s);
+  const uint64_t m_desc = sw128_desc(smem_addr(m_s), 16, 1024), x_desc0 = sw128_desc(smem_addr(x_s), 16, 1024);
   for (int buf = 0; tile < ntiles; tile += stride, buf ^= 1) {
     uint8_t* cur = x_s + buf * S::kTile;
     const int64_t base = tile * 64 + 16 * wq;  // the warp's 16 rows
-    const int32_t where = tile_row_slots(p, base, lane);
+    const int32_t this_slot = slot;
+    if (tile + stride < ntiles) slot = tile_row_slot(p, base + 64 * stride, lane);
     cp_async_wait<0>();
     __syncwarp();
     XRaw<XT, 8> x[2][KC];
@@ -2560,19 +2594,19 @@ __global__ void __launch_bounds__(kWgmmaWriteGroups * 128, 1) tq_hadamard_wgmma_
     if (tile + stride < ntiles) copy_x_rows<D>(p, tile + stride, x_s + (buf ^ 1) * S::kTile, wq, lane);
     cp_async_commit();
     float acc[CHUNKS][8][4];
-    const uint32_t x_addr = smem_addr(cur);
+    const uint64_t x_desc = desc_advance(x_desc0, buf * S::kTile);
     wgmma_fence();
 #pragma unroll
     for (int c = 0; c < CHUNKS; ++c) {
 #pragma unroll
       for (int ks = 0; ks < D / 16; ++ks)
-        wgmma_m64n64k16_ss<BF16>(acc[c], sw128_desc(x_addr + (ks >> 2) * (64 * 128) + (ks & 3) * 32, 16, 1024),
-                                 sw128_desc(m_addr + (ks >> 2) * (D * 128) + c * (64 * 128) + (ks & 3) * 32, 16, 1024),
-                                 ks > 0);
+        wgmma_m64n64k16_ss<BF16>(acc[c], desc_advance(x_desc, (ks >> 2) * (64 * 128) + (ks & 3) * 32),
+                                 desc_advance(m_desc, (ks >> 2) * (D * 128) + c * (64 * 128) + (ks & 3) * 32), ks > 0);
       wgmma_commit();
     }
     // Lane (g, t) codes rows g (rh 0) and g + 8 (rh 1) of the warp's 16, whose norms it holds.
     const float nrm[2] = {nn.x, nn.y};
+    const int32_t where = tile_row_of_slot(p, base, lane, this_slot);
     const int32_t dest[2] = {__shfl_sync(kAll, where, g), __shfl_sync(kAll, where, 8 + g)};
     const int32_t wrow[2] = {__shfl_sync(kAll, where, 16 + g), __shfl_sync(kAll, where, 24 + g)};
     auto code = [&](auto table) {
