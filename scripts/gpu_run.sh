@@ -253,12 +253,18 @@ if has sharded; then  # issue 34 (an nvidia-h200-x2 machine): the decode step wi
   echo "sharded: $(( $(date +%s) - t0 )) s"
 fi
 if has cmdbuf; then  # the over-pages crash (issue 31): one 8192-token prompt, windowed k4v4, CMDBUF_LAYERS layers,
-  # under each XLA command-buffer set of CMDBUF_SETS ("default" = XLA's; names joined by +, "none" = off)
+  # under each XLA command-buffer set of CMDBUF_SETS ("default" = XLA's; names joined by +, "none" = off);
+  # CMDBUF_SANITIZE=1: then under compute-sanitizer (branch exp/write-cmdbuf has write_cache captured)
   for set in ${CMDBUF_SETS:-default FUSION+CUBLAS+CUBLASLT+CUDNN+DYNAMIC_SLICE_FUSION FUSION+CUBLAS+CUBLASLT+CUSTOM_CALL+CUDNN}; do
-    flags=""; [ "$set" != default ] && flags="--xla_gpu_enable_command_buffer=$( [ "$set" = none ] || echo "${set//+/,}")"
+    flags="${XLA_FLAGS:-}"  # no stray space: XLA reads a XLA_FLAGS that does not start with -- as a file name
+    [ "$set" != default ] && flags="${flags:+$flags }--xla_gpu_enable_command_buffer=$( [ "$set" = none ] || echo "${set//+/,}")"
     echo "== command buffers: $set"
-    (cd benchmarks && XLA_FLAGS="${XLA_FLAGS:-} $flags" timeout ${BENCH_TIMEOUT:-150} python3 -c "import bench_ttft as b, jax.numpy as jnp; from flax import nnx; m = b.Llama(b.LlamaConfig(num_layers=${CMDBUF_LAYERS:-8}), dtype=jnp.bfloat16, rngs=nnx.Rngs(0)); print('ok', b.chunk_over_pages(m, 'k4v4', 8192, 1))" 2>&1 | grep -E "^ok|Error" | cut -c1-200 | head -2)
+    (cd benchmarks && XLA_FLAGS="$flags" timeout ${BENCH_TIMEOUT:-150} python3 -c "import bench_ttft as b, jax.numpy as jnp; from flax import nnx; m = b.Llama(b.LlamaConfig(num_layers=${CMDBUF_LAYERS:-8}), dtype=jnp.bfloat16, rngs=nnx.Rngs(0)); print('ok', b.chunk_over_pages(m, 'k4v4', 8192, 1))" 2>&1 | grep -iE "^ok|error" | cut -c1-200 | head -4)
   done
+  if [ -n "${CMDBUF_SANITIZE:-}" ]; then  # XLA's default set under compute-sanitizer: which kernel faults, where
+    (cd benchmarks && timeout ${SANITIZE_TIMEOUT:-400} compute-sanitizer --tool memcheck --print-limit 5 python3 -c "import bench_ttft as b, jax.numpy as jnp; from flax import nnx; m = b.Llama(b.LlamaConfig(num_layers=${CMDBUF_LAYERS:-8}), dtype=jnp.bfloat16, rngs=nnx.Rngs(0)); print('ok', b.chunk_over_pages(m, 'k4v4', 8192, 1))" 2>&1 \
+      | grep -E "^ok|=========" | head -n 30)
+  fi
   echo "cmdbuf: $(( $(date +%s) - t0 )) s"
 fi
 if has mstep; then  # one SmolLM2 decode step's time, dense bf16 vs paged K4V4 (needs $JAX_TQ_GGUF; MSTEP_ARGS)
