@@ -152,8 +152,8 @@ class _BackendScope:
         _override.reset(self._tokens.pop())
         return False
 
-    def __del__(self):
+    def __del__(self, _warn=warnings.warn, _env=ENV_VAR):  # bound now: at exit the module globals may be None
         if not self._entered:
-            warnings.warn(f"jax_tq.use_backend({self._name!r}) was called without `with`, so it changed "
-                          f"nothing: use `with jax_tq.use_backend({self._name!r}):`, or the {ENV_VAR} "
-                          f"environment variable for a process-wide default", RuntimeWarning, stacklevel=2)
+            _warn(f"jax_tq.use_backend({self._name!r}) was called without `with`, so it changed "
+                  f"nothing: use `with jax_tq.use_backend({self._name!r}):`, or the {_env} "
+                  f"environment variable for a process-wide default", RuntimeWarning, stacklevel=2)

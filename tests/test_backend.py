@@ -62,6 +62,17 @@ def test_use_backend_without_with_warns_and_changes_nothing():
     assert tq.get_backend() == before
 
 
+def test_bare_use_backend_kept_until_exit_warns_cleanly():
+    """A bare call's scope that lives until interpreter exit still warns (its message intact), not
+    an AttributeError from a module torn down before it."""
+    import subprocess
+    import sys
+    code = "import jax_tq as tq\nkeep = tq.use_backend('xla')\n"
+    err = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stderr
+    assert "Error" not in err, err
+    assert "without `with`" in err and "JAX_TQ_BACKEND" in err, err
+
+
 def test_explicit_ffi_backend_raises_where_no_kernel(monkeypatch, rng):
     from jax_tq import _ffi
     monkeypatch.setattr(_ffi, "kernels_available", lambda platform: False)
