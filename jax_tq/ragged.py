@@ -21,7 +21,7 @@ from jax_tq.cache import PagedKVCache, check_cache, slot_mapping, window_ids_of,
 from jax_tq.checks import (check_at_most, check_decode_indices, check_query_start_loc, check_window_ids,
                             index_array, unchecked)
 from jax_tq.compress import check_float_input
-from jax_tq.paged_decode import _static_scale, paged_decode
+from jax_tq.paged_decode import _static_scale, allows_f16_products, paged_decode
 from jax_tq.paged_prefill import paged_prefill
 from jax_tq.reference import _attend_tokens
 from jax_tq.variants import check_variants, as_keywords
@@ -76,9 +76,8 @@ def ragged_paged_attention(q, k, v, cache: PagedKVCache, kv_lens, block_tables, 
       soft_cap: None, or a finite number > 0 (static): logits l become soft_cap * tanh(l / soft_cap)
         (Gemma 2; tpu-inference's ``soft_cap``).
       sinks: None, or float32 [num_heads]: per-head logits joining the softmax denominator only
-        (gpt-oss's attention sinks). The three as :func:`jax_tq.paged_decode` (:mod:`jax_tq.variants`);
-        on the GPU a call that sets any of them runs XLA's code of the reference (the CUDA kernels do
-        not implement them yet).
+        (gpt-oss's attention sinks). The three as :func:`jax_tq.paged_decode` (:mod:`jax_tq.variants`),
+        served by the CPU and CUDA kernels of paged_decode / paged_prefill.
 
     Returns:
       ``(out, cache)``: out [num_tokens, num_heads, head_dim] of q's dtype, and the cache after the
@@ -89,7 +88,10 @@ def ragged_paged_attention(q, k, v, cache: PagedKVCache, kv_lens, block_tables, 
       it is written). Where
       cu_q_lens decreases its values are raised to their running maximum (the sequence gets no
       rows), values outside [0, num_tokens] are clamped. A block-table entry outside the pool is
-      neither written nor read (as in the ops). Sequences whose tables share a page must not write
+      neither written nor read (as in the ops), but with a window the sequence's last ``window``
+      positions are read from its ring whatever its table says, and a token whose page entry is
+      outside the pool is not written there either: its entry keeps what it held (see
+      docs/USAGE.md, "Errors and edge cases"; ``jax_tq.checked`` reports the entry). Sequences whose tables share a page must not write
       the same slot (which token stays is unspecified, as in write_cache). Any other row whose
       query is not finite is NaN. ``jax_tq.checked`` reports kv_lens outside [0, capacity], a used block-table
       entry outside the pool, cu_q_lens not rising from 0 to at most num_tokens, q_len_s >
@@ -100,8 +102,8 @@ def ragged_paged_attention(q, k, v, cache: PagedKVCache, kv_lens, block_tables, 
       TypeError: q, k or v not float32 / bfloat16 / float16; kv_lens, block_tables, cu_q_lens or
         window_ids not int32; cache not a PagedKVCache; scale not a concrete Python number.
       ValueError: wrong ranks or shapes (naming the argument), head_dim or num_kv_heads of k / v
-        other than the cache's, num_heads not a multiple of num_kv_heads, a bad scale, window_ids
-        given for a cache without a window.
+        other than the cache's, num_heads not a multiple of num_kv_heads, a bad scale or precision,
+        window_ids given for a cache without a window.
       TypeError / ValueError: a bad sliding_window, soft_cap or sinks, naming it.
 
     Example::
@@ -128,6 +130,7 @@ def ragged_paged_attention(q, k, v, cache: PagedKVCache, kv_lens, block_tables, 
     cu_q_lens = index_array(cu_q_lens, "cu_q_lens", f"[num_seqs + 1 = {num_seqs + 1}] (kv_lens' length + 1)", op,
                             shape=(num_seqs + 1,))
     scale = _static_scale(scale, f"jax_tq.{op}")
+    allows_f16_products(precision, q.dtype, f"jax_tq.{op}")  # a bad precision named as this op's
     sliding_window, soft_cap, sinks = check_variants(sliding_window, soft_cap, sinks, q.shape[1], op)
     variants = as_keywords(sliding_window, soft_cap, sinks)  # checked: the ops take them as they are
     window_ids = window_ids_of(cache, window_ids, num_seqs, op)

@@ -363,6 +363,8 @@ def test_bad_arguments_raise_naming_them(rng):
         f(q, k, v, cache, kv_lens, tables, cu_q_lens, window_ids=np.zeros(2, np.int32))
     with pytest.raises(ValueError, match="ragged_paged_attention: scale must be finite"):
         f(q, k, v, cache, kv_lens, tables, cu_q_lens, scale=float("nan"))
+    with pytest.raises(ValueError, match="ragged_paged_attention: precision must be"):
+        f(q, k, v, cache, kv_lens, tables, cu_q_lens, precision="bogus")
     window_cache = make_cache(rng, "window")
     with pytest.raises(ValueError, match=r"window_ids must be int32 \[num_seqs=2\]"):
         f(q, k, v, window_cache, kv_lens, tables, cu_q_lens, window_ids=np.zeros(3, np.int32))
