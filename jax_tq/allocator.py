@@ -10,8 +10,8 @@ for all layers, since every layer's pool has the same pages) and hands
 Unused table entries are :data:`PageAllocator.UNUSED` (-1), never a real page: for a position that
 an entry of -1 covers, :func:`jax_tq.slot_mapping` gives slot -1, which :func:`jax_tq.write_cache`
 skips, and the attention ops read no tokens from it (with a window, a sequence's last ``window``
-positions come from its ring: extend before writing, or a position that was not written reads its
-ring entry's older token). A 0 there would be page 0, owned by some other sequence: a position run
+positions come from its ring, where the serving ops still write a live token whose page is
+missing). A 0 there would be page 0, owned by some other sequence: a position run
 past a sequence's pages would overwrite that sequence's token.
 """
 from __future__ import annotations

@@ -429,6 +429,14 @@ def write_cache(cache: PagedKVCache, k, v, slot_mapping, window_slots=None) -> P
     Source: TurboQuant (arXiv 2504.19874), Algorithm 1 (Quant_mse) per token and KV head; page
     layout of docs/FORMAT.md; the exact recent-token window of KIVI (Liu et al., arXiv 2402.02750).
     """
+    return write_tokens(cache, k, v, slot_mapping, window_slots, window_needs_slot=True)
+
+
+def write_tokens(cache: PagedKVCache, k, v, slot_mapping, window_slots=None, *, window_needs_slot: bool):
+    """:func:`write_cache`, and for the library's serving ops (``window_needs_slot=False``) the same
+    with ``window_slots`` taken as given: a live token whose page entry is missing (slot -1) still
+    enters its ring, which the attention ops read for a sequence's last ``window`` positions
+    whatever its table says (the callers pass -1 for their padding tokens themselves)."""
     check_cache(cache, "write_cache")
     k, v = jnp.asarray(k), jnp.asarray(v)
     for name, x in (("k", k), ("v", v)):
@@ -444,7 +452,7 @@ def write_cache(cache: PagedKVCache, k, v, slot_mapping, window_slots=None) -> P
     window_slots = _window_slots(cache, window_slots, k.shape[0])
     if not cache.compressed:
         return _write_pages(cache, k, v, slot_mapping)
-    if window_slots is not None:  # a padding token (negative slot) is written nowhere
+    if window_slots is not None and window_needs_slot:  # a padding token (negative slot) is written nowhere
         window_slots = jnp.where(slot_mapping < 0, -1, window_slots)
     windows = (cache.k_window, cache.v_window) if cache.window else None
     outs = write_cache_pools(k, v, (cache.k_codes, cache.k_norms), (cache.v_codes, cache.v_norms), cache.k_codec,

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_tq.cache import PagedKVCache, slot_mapping, write_cache
+from jax_tq.cache import PagedKVCache, slot_mapping, write_cache, write_tokens
 from jax_tq.checks import check_decode_indices, check_window_ids
 from jax_tq.format import window_slot_mapping
 from jax_tq.paged_decode import paged_decode
@@ -40,8 +40,11 @@ class CacheRows:
       block_tables: int32 ``[S, max_pages]``; seq_lens: int32 ``[S]`` (new tokens included).
       query_start_loc: int32 ``[S + 1]``: the rows of each sequence (:func:`jax_tq.paged_prefill`),
         or None: row ``s`` is sequence ``s``'s one new token (:func:`jax_tq.paged_decode`).
-      window_slots, window_ids: int32 ``[T]`` window ring entries of the new tokens and ``[S]`` the
-        sequences' window ids, for caches with a window (else None; caches without one ignore them).
+      window_slots, window_ids: int32 ``[T]`` window ring entries of the new tokens (-1: not
+        written; an entry is written even where the token's slot is -1, a page not allocated, as
+        the ring is what a sequence's last ``window`` positions read: give padding tokens -1) and
+        ``[S]`` the sequences' window ids, for caches with a window (else None; caches without
+        one ignore them).
       view_start, view_window_id: for a chunk of one sequence through caches with a window, the
         position of row 0 (static) and the sequence's window id: each row is then a sequence of its
         own over :func:`row_windows`'s view, reading its own last ``window`` tokens exactly, as
@@ -106,7 +109,7 @@ def attend_rows(q, k, v, cache: PagedKVCache, rows: CacheRows, *, sliding_window
                                         v.reshape(shape + v.shape[1:]).astype(q.dtype), cache, rows.block_tables,
                                         rows.seq_lens, window_ids=rows.window_ids, **variants)
         return out.reshape(q.shape), written
-    written = write_cache(cache, k, v, rows.slots, rows.window_slots)
+    written = write_tokens(cache, k, v, rows.slots, rows.window_slots, window_needs_slot=False)
     seen = written if rows.view_start is None else row_windows(written, cache, k, v, rows.view_start,
                                                                rows.view_window_id)
     if rows.query_start_loc is None:
@@ -210,7 +213,9 @@ def decode_rows(cache: PagedKVCache, block_tables, position, seq_lens, window_id
         split over a mesh's data axis take shard-local ids (``cache_partition_specs(page_axis=...)``).
     Returns:
       rows for :func:`jax_tq.paged_decode`. A position the block table does not cover (past its
-      pages, or an entry of -1: a page not yet allocated) is neither written nor read.
+      pages, or an entry of -1: a page not yet allocated) is neither written to the pages nor read
+      from them; with a window its token still enters the sequence's ring, which serves the
+      sequence's last ``window`` positions.
     Raises:
       ValueError: window_ids not integer ``[S]``.
     """

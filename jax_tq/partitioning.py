@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Callable, Optional, Sequence
+from typing import Callable, Sequence
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec

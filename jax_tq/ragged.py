@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_tq import format as tq_format
-from jax_tq.cache import PagedKVCache, check_cache, slot_mapping, window_ids_of, write_cache
+from jax_tq.cache import PagedKVCache, check_cache, slot_mapping, window_ids_of, write_tokens
 from jax_tq.checks import (check_at_most, check_decode_indices, check_query_start_loc, check_window_ids,
                             index_array, unchecked)
 from jax_tq.compress import check_float_input
@@ -88,10 +88,9 @@ def ragged_paged_attention(q, k, v, cache: PagedKVCache, kv_lens, block_tables, 
       it is written). Where
       cu_q_lens decreases its values are raised to their running maximum (the sequence gets no
       rows), values outside [0, num_tokens] are clamped. A block-table entry outside the pool is
-      neither written nor read (as in the ops), but with a window the sequence's last ``window``
-      positions are read from its ring whatever its table says, and a token whose page entry is
-      outside the pool is not written there either: its entry keeps what it held (see
-      docs/USAGE.md, "Errors and edge cases"; ``jax_tq.checked`` reports the entry). Sequences whose tables share a page must not write
+      neither written nor read (as in the ops); with a window a live token still enters its ring,
+      which serves the sequence's last ``window`` positions whatever its table says
+      (``jax_tq.checked`` reports the entry). Sequences whose tables share a page must not write
       the same slot (which token stays is unspecified, as in write_cache). Any other row whose
       query is not finite is NaN. ``jax_tq.checked`` reports kv_lens outside [0, capacity], a used block-table
       entry outside the pool, cu_q_lens not rising from 0 to at most num_tokens, q_len_s >
@@ -159,12 +158,13 @@ def ragged_paged_attention(q, k, v, cache: PagedKVCache, kv_lens, block_tables, 
     live = owned & (positions >= 0)
     slots = slot_mapping(block_tables, jnp.where(live, positions, -1), cache.page_size, seq)
     window_slots = None
-    if cache.window:  # (write_cache skips the window entry of a token whose slot is -1)
-        window_slots = tq_format.window_slot_mapping(window_ids[seq], positions, lens[seq], cache.window)
+    if cache.window:  # a live token enters its ring even where its page is missing (the ring is read whatever)
+        window_slots = jnp.where(live, tq_format.window_slot_mapping(window_ids[seq], positions, lens[seq],
+                                                                     cache.window), -1)
     decoding = q_lens == 1
     q_decode = jnp.where(decoding[:, None, None], q[jnp.maximum(starts[1:] - 1, 0)], 0)
     with unchecked():  # the arguments are checked above; the ops' checks would name (or refuse) derived ones
-        cache = write_cache(cache, k, v, slots, window_slots)
+        cache = write_tokens(cache, k, v, slots, window_slots, window_needs_slot=False)
         out_prefill = paged_prefill(q, cache, block_tables, jnp.where(q_lens >= 2, lens, 0), starts,
                                     window_ids=window_ids, scale=scale, precision=precision, **variants)
         out_decode = paged_decode(q_decode, cache, block_tables, jnp.where(decoding, lens, 0),
@@ -287,7 +287,7 @@ def prompt_attention(q, k, v, cache: PagedKVCache, block_tables, prompt_lens=Non
         window_slots = tq_format.window_slot_mapping(window_ids[seq], positions, lens[seq], cache.window)
     flat = (batch * seq_len, cache.num_kv_heads, cache.head_dim)
     with unchecked():
-        cache = write_cache(cache, k.reshape(flat), v.reshape(flat), slots, window_slots)
+        cache = write_tokens(cache, k.reshape(flat), v.reshape(flat), slots, window_slots, window_needs_slot=False)
     return out, cache
 
 

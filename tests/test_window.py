@@ -383,3 +383,37 @@ def test_checked_reports_a_window_shared_by_two_live_sequences(rng):
     fill = jax.jit(tq.checked(tq.fill_window))
     err, _ = fill(cache, tables, jnp.asarray([4, 4], jnp.int32), window_ids=jnp.asarray([0, 0], jnp.int32))
     assert "fill_window: window_ids[0] = window_ids[1] = 0" in err.get()
+
+
+@pytest.mark.parametrize("path", ["ragged", "decode_rows"])
+@pytest.mark.parametrize("backend", ["ffi", "xla"])
+def test_a_token_past_the_allocated_pages_enters_its_ring(rng, path, backend):
+    """Sequence B takes over window id 0 from a finished A and decodes past its allocated page (its
+    next entry -1, no extend): the token enters B's ring (not the pages), and B attends over its own
+    five tokens, not over A's token 4 left in the ring (float64 oracle; A's pages untouched)."""
+    cache = small_window_cache(8)
+    k_a, v_a = (jnp.asarray(rng.normal(size=(8, 2, 64)), jnp.float32) for _ in range(2))
+    cache = write_tokens(cache, k_a, v_a, np.asarray([0, 1, -1, -1], np.int32), 0, 0, 8)
+    k_b, v_b = (jnp.asarray(rng.normal(size=(5, 2, 64)), jnp.float32) for _ in range(2))
+    q = jnp.asarray(rng.normal(size=(1, 4, 64)), jnp.float32)
+    table_b, ids = jnp.asarray([[2, -1, -1, -1]], jnp.int32), jnp.asarray([0], jnp.int32)
+    with tq.use_backend(backend):
+        _, cache = tq.ragged_paged_attention(jnp.zeros((4, 4, 64)), k_b[:4], v_b[:4], cache,
+                                             jnp.asarray([4], jnp.int32), table_b, jnp.asarray([0, 4], jnp.int32),
+                                             window_ids=ids)
+        pages_before = [np.asarray(x) for x in (cache.k_codes, cache.k_norms, cache.v_codes, cache.v_norms)]
+        if path == "ragged":
+            out, cache = tq.ragged_paged_attention(q, k_b[4:], v_b[4:], cache, jnp.asarray([5], jnp.int32), table_b,
+                                                   jnp.asarray([0, 1], jnp.int32), window_ids=ids)
+        else:
+            rows = tq.decode_rows(cache, table_b, jnp.asarray([4], jnp.int32), jnp.asarray([5], jnp.int32), ids)
+            out, cache = tq.attend_rows(q, k_b[4:], v_b[4:], cache, rows)
+    for before, after in zip(pages_before, (cache.k_codes, cache.k_norms, cache.v_codes, cache.v_norms)):
+        np.testing.assert_array_equal(before, np.asarray(after))   # no page holds token 4
+    keys, values = to_f64(k_b), to_f64(v_b)
+    want = attend_f64(np.asarray(q[0]), keys, values, np.ones(5, bool), 1 / 8)
+    stale_keys, stale_values = keys.copy(), values.copy()
+    stale_keys[4], stale_values[4] = to_f64(k_a[4]), to_f64(v_a[4])
+    stale = attend_f64(np.asarray(q[0]), stale_keys, stale_values, np.ones(5, bool), 1 / 8)
+    assert rel_err(np.asarray(out[0]), want) < 1e-2   # the ring's bf16 rows
+    assert rel_err(stale, want) > 0.05                # the two outcomes are told apart
