@@ -375,12 +375,12 @@ def _check_write_args(x, codes, norms, codec, slot_mapping, name="k/v") -> None:
     if codes.ndim == 4 and codes.shape[3] == codec.packed_bytes and codes.shape[1] != num_kv_heads:
         raise ValueError(
             f"jax_tq.{op}: {name} has {num_kv_heads} KV heads (shape {tuple(x.shape)}) but the cache has "
-            f"{codes.shape[1]} (its {name} codes are {tuple(codes.shape)} = [num_pages, num_kv_heads, page_size, "
+            f"{codes.shape[1]} (its {name}_codes are {tuple(codes.shape)} = [num_pages, num_kv_heads, page_size, "
             f"packed_bytes])"
         )
     if codes.ndim != 4 or codes.shape[3] != codec.packed_bytes:
         raise ValueError(
-            f"jax_tq.{op}: cache {name} codes have shape {tuple(codes.shape)}, expected [num_pages, {num_kv_heads}, "
+            f"jax_tq.{op}: cache.{name}_codes has shape {tuple(codes.shape)}, expected [num_pages, {num_kv_heads}, "
             f"page_size, {codec.packed_bytes}] for {name} with {num_kv_heads} KV heads and the codec "
             f"(head_dim {codec.head_dim}, bits {codec.bits})"
         )

@@ -335,6 +335,12 @@ def causal_self_attention(q, k, v, lens, scale: float, implementation, sliding_w
                                          cuda=attend_cuda, default=attend)
     elif q.dtype == jnp.float16 and implementation != "cudnn":
         out = jax.lax.platform_dependent(q, k, v, cpu=attend_f32, default=attend)
+    elif implementation == "cudnn":
+        try:
+            out = attend(q, k, v)
+        except RuntimeError as err:  # jax.nn's own message names neither the op nor the argument
+            raise ValueError(f"jax_tq.prompt_attention: implementation='cudnn' cannot serve this call ({err}); "
+                             "pass None to let the platform choose") from err
     else:
         out = attend(q, k, v)
     return (jnp.where(keep, out, 0) if padded else out).astype(q.dtype)

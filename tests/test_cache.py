@@ -269,7 +269,7 @@ def test_refuses_cache_whose_codec_does_not_match_its_pools():
         trace(dataclasses.replace(cache, v_codec=tq.TurboQuant(64, bits=4)))
     with pytest.raises(ValueError, match=r"v_norms is float32\(3, 1, 8\), expected float32\(3, 2, 8\)"):
         trace(dataclasses.replace(cache, v_norms=cache.v_norms[:, :1]))
-    with pytest.raises(ValueError, match=r"cache k codes have shape \(3, 2, 8, 32\), expected \[num_pages, 2, page_size, 16\]"):
+    with pytest.raises(ValueError, match=r"cache.k_codes has shape \(3, 2, 8, 32\), expected \[num_pages, 2, page_size, 16\]"):
         jax.eval_shape(tq.write_cache, dataclasses.replace(cache, k_codec=tq.TurboQuant(64, bits=2)),
                        jnp.zeros((1, 2, 64)), jnp.zeros((1, 2, 64)), jnp.zeros((1,), jnp.int32))
 

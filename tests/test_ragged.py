@@ -587,6 +587,10 @@ def test_prompt_attention_bad_arguments(rng):
         f(q, k, v, cache, tables[0], lens)
     with pytest.raises(ValueError, match="implementation must be None, 'xla' or 'cudnn'"):
         f(q, k, v, cache, tables, lens, implementation="flash")
+    if jax.devices()[0].platform == "cpu":  # no cuDNN: named as this op's argument
+        with pytest.raises(ValueError, match="prompt_attention: implementation='cudnn' cannot serve this call"):
+            f(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), cache, tables, lens,
+              implementation="cudnn")
 
 
 def test_more_sequences_than_windows_need_window_ids_and_lengths_are_named():
