@@ -62,6 +62,16 @@ def cache_partition_specs(cache: PagedKVCache, *, kv_head_axis="model", page_axi
 def shard_cache(cache: PagedKVCache, mesh: jax.sharding.Mesh, *, kv_head_axis="model", page_axis=None) -> PagedKVCache:
     """``cache`` placed on ``mesh`` with :func:`cache_partition_specs` (``jax.device_put``).
 
+    Args:
+      cache: a :class:`jax_tq.PagedKVCache` (any pools: codes, norms, windows, uncompressed pages).
+      mesh: the ``jax.sharding.Mesh`` to place it on.
+      kv_head_axis: mesh axis name (or tuple of names, or None) that splits dim 1 of every pool,
+        the KV heads; default ``"model"``.
+      page_axis: mesh axis name(s) that split the pages (dim 0 of the page pools) and the windows
+        (dim 0 of the rings), or None (default): every device holds all pages. Split pages take
+        shard-local page and window ids (docs/USAGE.md "Sharding").
+    Returns:
+      the same cache, each leaf a ``jax.Array`` sharded by its ``PartitionSpec``; no value changes.
     Raises:
       TypeError / ValueError: as :func:`cache_partition_specs`; ValueError when an axis is not one of
         the mesh's, or does not divide the dim it splits (num_kv_heads, num_pages, num_windows).
