@@ -233,3 +233,16 @@ def cudnn_attention_with_lse(q, k, v, q_lens, kv_lens, *, scale: float, causal: 
     index = jnp.clip(rows[:, 0] - starts[segment], 0, q.shape[1] - 1)
     lse = stats[jnp.clip(rank[segment], 0, stats.shape[0] - 1), :, index]                     # [T, N]
     return out, jnp.where(jnp.any(inside, axis=1)[:, None], lse, 0.0)[None]
+
+
+def exportable_pytree(cls):
+    """``cls`` (a registered pytree node whose aux data is a tuple of ints, floats, strings and
+    None) made serializable in ``jax.export`` programs (``Exported.serialize``) under the name
+    ``jax_tq.<class name>``, its aux data as JSON; a JAX without the registry leaves it as it is."""
+    import json
+    register = getattr(getattr(jax, "export", None), "register_pytree_node_serialization", None)
+    if register is not None:
+        register(cls, serialized_name=f"jax_tq.{cls.__name__}",
+                 serialize_auxdata=lambda aux: json.dumps(list(aux)).encode(),
+                 deserialize_auxdata=lambda data: tuple(json.loads(data)))
+    return cls

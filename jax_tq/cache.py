@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_tq import reference
+from jax_tq import _compat, reference
 from jax_tq.checks import check_slot_mapping, check_window_slots, index_array
 from jax_tq.codec import TurboQuant
 from jax_tq.compress import (FLOAT_DTYPES, check_float_input, check_packed_codec, check_slot_mapping_shape,
@@ -91,6 +91,7 @@ def get_preset(preset) -> CachePreset:
     return found
 
 
+@_compat.exportable_pytree
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PagedKVCache:
@@ -158,7 +159,7 @@ class PagedKVCache:
         Raises:
           TypeError: a size that is not a Python int; a codec that is not a TurboQuant; a preset
             that is not a name or CachePreset.
-          ValueError: non-positive sizes, page_size > 256, codecs with different head_dim or
+          ValueError: non-positive sizes, page_size > 256, num_pages * page_size past int32, codecs with different head_dim or
             unsupported bits; both or neither of codecs and preset; a preset without head_dim; an
             unknown preset; a window outside [0, 256] or one without num_windows >= 1; num_windows
             without a window; head_dim or seed with codecs (they carry their own); dtype without
@@ -309,7 +310,8 @@ class PagedKVCache:
 
 
 def _check_sizes(**sizes) -> None:
-    """TypeError unless each size is an int, ValueError unless >= 1 (and a page_size <= 256)."""
+    """TypeError unless each size is an int, ValueError unless >= 1 (and a page_size <= 256, and
+    num_pages * page_size within int32)."""
     for name, value in sizes.items():
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
             raise TypeError(f"PagedKVCache.create: {name} must be an int, got {type(value).__name__} {value!r}")
@@ -317,6 +319,10 @@ def _check_sizes(**sizes) -> None:
             raise ValueError(f"PagedKVCache.create: {name} must be >= 1, got {value}")
     if sizes["page_size"] > MAX_PAGE_SIZE:
         raise ValueError(f"PagedKVCache.create: page_size must be <= {MAX_PAGE_SIZE}, got {sizes['page_size']}")
+    slots = int(sizes["num_pages"]) * int(sizes["page_size"])
+    if slots > INDEX_MAX:  # slot ids are int32 (slot_mapping, the kernels), as PageAllocator requires
+        raise ValueError(f"PagedKVCache.create: num_pages * page_size = {sizes['num_pages']} * {sizes['page_size']} = "
+                         f"{slots} slots exceed int32 (the ops' slot indices)")
 
 
 #: Largest page_size (tokens per page) the kernels serve.

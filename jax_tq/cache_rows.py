@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_tq import _compat
 from jax_tq.cache import PagedKVCache, slot_mapping, write_cache, write_tokens
 from jax_tq.checks import check_decode_indices, check_window_ids
 from jax_tq.format import window_slot_mapping
@@ -28,6 +29,7 @@ from jax_tq.ragged import prompt_attention
 __all__ = ["CacheRows", "attend_rows", "chunk_rows", "decode_rows", "prompt_rows", "row_windows", "rows_cache"]
 
 
+@_compat.exportable_pytree
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class CacheRows:

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_tq import codebook, format as tq_format, rotation as tq_rotation
+from jax_tq import _compat, codebook, format as tq_format, rotation as tq_rotation
 
 __all__ = ["TurboQuant", "TurboQuantProd", "CODEC_BITS", "PROD_BITS"]
 
@@ -113,6 +113,7 @@ class _SpecCodec:
         return hash((type(self).__name__, self.spec))
 
 
+@_compat.exportable_pytree
 @jax.tree_util.register_pytree_node_class
 class TurboQuant(_SpecCodec):
     """TurboQuant_mse codec parameters (arXiv 2504.19874, Algorithm 1).
@@ -226,6 +227,7 @@ def _device_sketch(head_dim: int, seed: int):
     return sketch
 
 
+@_compat.exportable_pytree
 @jax.tree_util.register_pytree_node_class
 class TurboQuantProd(_SpecCodec):
     """TurboQuant_prod codec: unbiased inner products (arXiv 2504.19874, Algorithm 2).

@@ -134,3 +134,20 @@ def test_api_errors_found_by_the_docs_audit():
                                 dtype=jnp.int32)
     with pytest.raises(TypeError, match=r"y must have a floating dtype"):
         tq.reference.quantize_rotated(jnp.zeros((2, 64), jnp.int32), codec.centroids)
+
+
+def test_xla_backend_programs_serialize_and_kernel_ones_are_refused(rng):
+    """jax.export of paged_decode over a cache (codecs in its tree) serializes under the xla backend
+    and the deserialized call equals the jitted one; under ffi jax.export refuses the kernel."""
+    from jax import export
+    cache = random_cache(rng, num_pages=6, page_size=4, num_kv_heads=2, head_dim=64, k_bits=4, v_bits=3)
+    q = jnp.asarray(rng.normal(size=(2, 4, 64)), jnp.float32)
+    tables, lens = jnp.asarray([[0, 1, 2], [3, 4, 5]], jnp.int32), jnp.asarray([9, 12], jnp.int32)
+    with tq.use_backend("xla"):
+        exported = export.export(jax.jit(tq.paged_decode))(q, cache, tables, lens)
+        want = np.asarray(jax.jit(lambda *a: tq.paged_decode(*a))(q, cache, tables, lens))
+    got = np.asarray(export.deserialize(exported.serialize()).call(q, cache, tables, lens))
+    assert np.abs(want).max() > 0
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    with tq.use_backend("ffi"), pytest.raises(ValueError, match="custom calls whose targets have no compatibility"):
+        export.export(jax.jit(lambda *a: tq.paged_decode(*a)))(q, cache, tables, lens).serialize()

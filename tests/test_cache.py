@@ -253,6 +253,11 @@ def test_refuses_bad_codec_and_cache_parameters():
         with pytest.raises(ValueError, match=match):
             tq.PagedKVCache.create(num_pages=2, page_size=page_size, num_kv_heads=1,
                                    k_codec=tq.TurboQuant(64, 4), v_codec=tq.TurboQuant(64, 4))
+    with pytest.raises(ValueError, match=r"num_pages \* page_size = 8388608 \* 256 = 2147483648 slots exceed int32"):
+        jax.eval_shape(lambda: tq.PagedKVCache.create(num_pages=2**23, page_size=256, num_kv_heads=1, preset="k4v4",
+                                                      head_dim=64, num_windows=1))   # one slot past int32: refused, as PageAllocator does
+    jax.eval_shape(lambda: tq.PagedKVCache.create(num_pages=2**23 - 1, page_size=256, num_kv_heads=1, preset="k4v4",
+                                                  head_dim=64, num_windows=1))
     with pytest.raises(ValueError, match=r"k_codec\.head_dim 64 != v_codec\.head_dim 128"):
         tq.PagedKVCache.create(num_pages=2, page_size=8, num_kv_heads=1,
                                k_codec=tq.TurboQuant(64, 4), v_codec=tq.TurboQuant(128, 4))
