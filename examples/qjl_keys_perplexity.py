@@ -79,7 +79,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--num-chunks", type=int, default=4)
     ap.add_argument("--chunk-len", type=int, default=512)
-    ap.add_argument("--bits", default="3,4", help="total key bits to compare (3, 4 or 5)")
+    ap.add_argument("--bits", default="3,4", help="comma-separated total key bits to compare, each 3, 4 or 5 (default 3,4)")
     ap.add_argument("--data", default=os.path.join(REPO, "data", "wikitext2_test.txt"))
     args = ap.parse_args()
     model, tokenizer, config = load_smollm2()

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_tq import _compat
-from jax_tq.cache import PagedKVCache, slot_mapping, write_cache, write_tokens
+from jax_tq.cache import PagedKVCache, slot_mapping, window_ids_of, write_cache, write_tokens
 from jax_tq.checks import check_decode_indices, check_window_ids
 from jax_tq.format import window_slot_mapping
 from jax_tq.paged_decode import paged_decode
@@ -219,7 +219,8 @@ def decode_rows(cache: PagedKVCache, block_tables, position, seq_lens, window_id
       from them; with a window its token still enters the sequence's ring, which serves the
       sequence's last ``window`` positions.
     Raises:
-      ValueError: window_ids not integer ``[S]``.
+      ValueError: window_ids not integer ``[S]``; window_ids=None with more rows than the cache's
+        window ids (the default ids past them would write no window).
     """
     position, seq_lens = jnp.asarray(position), jnp.asarray(seq_lens)
     slots = jnp.where(seq_lens > 0, slot_mapping(block_tables, position.astype(jnp.int32), cache.page_size), -1)
@@ -228,7 +229,7 @@ def decode_rows(cache: PagedKVCache, block_tables, position, seq_lens, window_id
                          op="decode_rows")
     if not cache.window:
         return CacheRows(slots, block_tables, seq_lens, page_size=cache.page_size)
-    ids = _window_ids(window_ids, position.shape[0], "decode_rows")
+    ids = _window_ids(window_ids, position.shape[0], cache, "decode_rows")
     check_window_ids(ids, seq_lens, num_windows=cache.num_windows, op="decode_rows", distinct=True)
     return CacheRows(slots, block_tables, seq_lens, window_slots=window_slot_mapping(ids, position, seq_lens,
                                                                                      cache.window), window_ids=ids,
@@ -249,7 +250,7 @@ def prompt_rows(cache: PagedKVCache, block_tables, prompt_lens, prompt_len: int,
     Raises:
       TypeError: ``prompt_len`` not a Python int.
       ValueError: ``prompt_len < 1``; concrete ``prompt_lens`` outside ``[0, prompt_len]``; window_ids
-        not integer ``[S]``.
+        not integer ``[S]``, or None with more prompts than the cache's window ids.
     """
     if isinstance(prompt_len, bool) or not isinstance(prompt_len, (int, np.integer)):
         raise TypeError(f"prompt_rows: prompt_len must be a Python int, got {type(prompt_len).__name__}")
@@ -259,15 +260,15 @@ def prompt_rows(cache: PagedKVCache, block_tables, prompt_lens, prompt_len: int,
         lens = np.asarray(prompt_lens)
         if lens.size and (lens.min() < 0 or lens.max() > prompt_len):
             raise ValueError(f"prompt_rows: prompt_lens must lie in [0, prompt_len={prompt_len}], got {lens.tolist()}")
-    ids = _window_ids(window_ids, prompt_lens.shape[0], "prompt_rows") if cache.window else None
+    ids = _window_ids(window_ids, prompt_lens.shape[0], cache, "prompt_rows") if cache.window else None
     unused = jnp.full((prompt_lens.shape[0] * prompt_len,), -1, jnp.int32)  # prompt_attention writes
     return CacheRows(unused, block_tables, prompt_lens, window_ids=ids, prompt_len=int(prompt_len),
                      page_size=cache.page_size)
 
 
-def _window_ids(window_ids, num_seqs: int, where: str):
-    if window_ids is None:
-        return jnp.arange(num_seqs, dtype=jnp.int32)
+def _window_ids(window_ids, num_seqs: int, cache: PagedKVCache, where: str):
+    if window_ids is None:  # the default ids 0 .. num_seqs - 1, refused past the cache's window ids
+        return window_ids_of(cache, None, num_seqs, where)
     ids = jnp.asarray(window_ids)
     if ids.shape != (num_seqs,) or not jnp.issubdtype(ids.dtype, jnp.integer):
         raise ValueError(f"{where}: window_ids must be integer [num_seqs={num_seqs}], got {ids.dtype} "

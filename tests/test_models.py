@@ -440,6 +440,13 @@ def test_prefill_of_fresh_prompts_is_the_exact_forward_and_fills_the_caches(tiny
         make_prefill(tiny)(fresh, prompts, np.array([7, 0, 9], np.int32), tables)
     with pytest.raises(ValueError, match="does not fit its block table"):
         make_prefill(tiny)(fresh, np.zeros((3, 13), np.int32), np.array([13, 1, 1], np.int32), tables)
+    if window:  # 3 prompts, 2 window ids, default ids: refused (prompt 2 would get no window)
+        two = init_caches(TINY, *bits, num_pages=9, page_size=4, seed=2, window=window, num_windows=2,
+                          exact_layers=exact)
+        with pytest.raises(ValueError, match="prefill: 3 sequences but the caches hold 2 windows"):
+            make_prefill(tiny)(two, prompts, lens, tables)
+        with pytest.raises(ValueError, match="decode_step: 3 sequences but the caches hold 2 windows"):
+            make_decode_step(tiny)(two, prompts[:, 0], np.zeros(3, np.int32), tables, np.ones(3, np.int32))
 
 
 def test_compressed_chunked_prefill_and_closeness(tiny):

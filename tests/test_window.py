@@ -417,3 +417,17 @@ def test_a_token_past_the_allocated_pages_enters_its_ring(rng, path, backend):
     stale = attend_f64(np.asarray(q[0]), stale_keys, stale_values, np.ones(5, bool), 1 / 8)
     assert rel_err(np.asarray(out[0]), want) < 1e-2   # the ring's bf16 rows
     assert rel_err(stale, want) > 0.05                # the two outcomes are told apart
+
+
+def test_rows_with_default_window_ids_past_the_caches_are_refused():
+    """decode_rows / prompt_rows with window_ids=None and more rows than window ids raise (the rows
+    past them would write no window), as the attention ops do; explicit ids within range pass."""
+    cache = small_window_cache(8)   # 2 window ids
+    tables = jnp.asarray([[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]], jnp.int32)
+    with pytest.raises(ValueError, match="decode_rows: 3 sequences but the cache has 2 window ids"):
+        tq.decode_rows(cache, tables, jnp.zeros(3, jnp.int32), jnp.ones(3, jnp.int32))
+    with pytest.raises(ValueError, match="prompt_rows: 3 sequences but the cache has 2 window ids"):
+        tq.prompt_rows(cache, tables, jnp.ones(3, jnp.int32), 4)
+    rows = tq.decode_rows(cache, tables, jnp.zeros(3, jnp.int32), jnp.asarray([1, 0, 1], jnp.int32),
+                          jnp.asarray([0, 1, 1], jnp.int32))   # rows 1 (idle) and 2 share id 1
+    assert rows.window_ids.tolist() == [0, 1, 1]

@@ -149,14 +149,18 @@ def check_window_id(window_id, caches, where: str) -> None:
 def window_ids(ids, num_seqs: int, caches, where: str):
     """None, or ``ids`` as int32 ``[num_seqs]``: each sequence's window id in the caches with a
     window (shard-local ids where the windows are split over a mesh axis). TypeError for non-integers;
-    ValueError for another shape or a concrete id outside [0, num_windows)."""
+    ValueError for another shape or a concrete id outside [0, num_windows), or for None (the default
+    ids 0 .. num_seqs - 1) with more sequences than the caches' window ids."""
+    windows = min((c.num_windows for c in caches if c.window), default=None)
     if ids is None:
+        if windows is not None and num_seqs > windows:
+            raise ValueError(f"{where}: {num_seqs} sequences but the caches hold {windows} windows (sequence s uses "
+                             f"window id s): pass window_ids, or create them with num_windows >= {num_seqs}")
         return None
     host = is_host_value(ids)
     ids = int32(ids, "window_ids", where)
     if ids.shape != (num_seqs,):
         raise ValueError(f"{where}: window_ids must be [S={num_seqs}], got shape {tuple(ids.shape)}")
-    windows = min((c.num_windows for c in caches if c.window), default=None)
     if host and windows is not None and ids.size and not (0 <= int(ids.min()) and int(ids.max()) < windows):
         raise ValueError(f"{where}: window_ids must lie in the caches' window ids 0..{windows - 1}, got "
                          f"{np.asarray(ids).tolist()}")
