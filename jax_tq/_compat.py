@@ -5,6 +5,7 @@ Nothing else in jax_tq imports from ``jax._src`` or relies on a version-specific
 from __future__ import annotations
 
 import functools
+import json
 
 import jax
 import numpy as np
@@ -239,7 +240,6 @@ def exportable_pytree(cls):
     """``cls`` (a registered pytree node whose aux data is a tuple of ints, floats, strings and
     None) made serializable in ``jax.export`` programs (``Exported.serialize``) under the name
     ``jax_tq.<class name>``, its aux data as JSON; a JAX without the registry leaves it as it is."""
-    import json
     register = getattr(getattr(jax, "export", None), "register_pytree_node_serialization", None)
     if register is not None:
         register(cls, serialized_name=f"jax_tq.{cls.__name__}",

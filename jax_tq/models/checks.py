@@ -128,11 +128,17 @@ def decode_args(caches, num_layers: int, vocab_size: int, token, position, block
     if block_tables.ndim != 2 or block_tables.shape[0] != num_seqs or block_tables.shape[1] < 1:
         raise ValueError(f"{where}: block_tables must be [S={num_seqs}, max_pages >= 1], got shape "
                          f"{block_tables.shape}")
+    check_enough_windows(caches, num_seqs, where)
+    return page_size, token, position, block_tables, seq_lens
+
+
+def check_enough_windows(caches, num_seqs: int, where: str) -> None:
+    """ValueError when caches with a window hold fewer window ids than ``num_seqs`` sequences
+    (sequence s uses window id s: the rest would write and read no window)."""
     windows = min((c.num_windows for c in caches if c.window), default=num_seqs)
-    if windows < num_seqs:  # sequence s decodes through window id s: the rest would read no window
+    if windows < num_seqs:
         raise ValueError(f"{where}: {num_seqs} sequences but the caches hold {windows} windows (sequence s uses "
                          f"window id s); create them with num_windows >= {num_seqs} (init_caches(..., num_windows=))")
-    return page_size, token, position, block_tables, seq_lens
 
 
 def check_window_id(window_id, caches, where: str) -> None:
@@ -151,12 +157,10 @@ def window_ids(ids, num_seqs: int, caches, where: str):
     window (shard-local ids where the windows are split over a mesh axis). TypeError for non-integers;
     ValueError for another shape or a concrete id outside [0, num_windows), or for None (the default
     ids 0 .. num_seqs - 1) with more sequences than the caches' window ids."""
-    windows = min((c.num_windows for c in caches if c.window), default=None)
     if ids is None:
-        if windows is not None and num_seqs > windows:
-            raise ValueError(f"{where}: {num_seqs} sequences but the caches hold {windows} windows (sequence s uses "
-                             f"window id s): pass window_ids, or create them with num_windows >= {num_seqs}")
+        check_enough_windows(caches, num_seqs, where)
         return None
+    windows = min((c.num_windows for c in caches if c.window), default=None)
     host = is_host_value(ids)
     ids = int32(ids, "window_ids", where)
     if ids.shape != (num_seqs,):
