@@ -187,21 +187,24 @@ def fit_codes(y, centroids):
     """
     boundaries = ((centroids[1:] + centroids[:-1]) * 0.5).astype(jnp.float32)
     values = centroids.astype(y.dtype)
-    best_codes = jnp.zeros(y.shape, jnp.uint8)
-    best_dot = jnp.zeros(y.shape[:-1], y.dtype)
-    best_sq = jnp.ones(y.shape[:-1], y.dtype)
-    best_gain = jnp.full(y.shape[:-1], -1.0, y.dtype)
-    for s in tq_format.FIT_GRID:
-        scaled = (jnp.float32(s) * boundaries).astype(y.dtype)  # fl32(s_k * b_i), exact in y's dtype
-        codes = jnp.sum(y[..., None] > scaled, axis=-1, dtype=jnp.int32)
+    # fl32(s_k * b_i) for every candidate, exact in y's dtype; one loop body (lax.scan) rather than
+    # FIT_GRID's 17 unrolled copies keeps the compiled program small (XLA's compile time).
+    scaled = (jnp.asarray(tq_format.FIT_GRID, jnp.float32)[:, None] * boundaries).astype(y.dtype)
+
+    def candidate(best, scaled_k):
+        best_codes, best_dot, best_sq, best_gain = best
+        codes = jnp.sum(y[..., None] > scaled_k, axis=-1, dtype=jnp.int32)
         c = values[codes]
         dot = jnp.sum(y * c, axis=-1)
         sq = jnp.sum(c * c, axis=-1)
         gain = dot * dot / sq
         better = gain > best_gain
-        best_codes = jnp.where(better[..., None], codes.astype(jnp.uint8), best_codes)
-        best_dot, best_sq = jnp.where(better, dot, best_dot), jnp.where(better, sq, best_sq)
-        best_gain = jnp.where(better, gain, best_gain)
+        return (jnp.where(better[..., None], codes.astype(jnp.uint8), best_codes), jnp.where(better, dot, best_dot),
+                jnp.where(better, sq, best_sq), jnp.where(better, gain, best_gain)), None
+
+    first = (jnp.zeros(y.shape, jnp.uint8), jnp.zeros(y.shape[:-1], y.dtype), jnp.ones(y.shape[:-1], y.dtype),
+             jnp.full(y.shape[:-1], -1.0, y.dtype))
+    (best_codes, best_dot, best_sq, _), _ = jax.lax.scan(candidate, first, scaled)
     return best_codes, best_dot / best_sq
 
 
