@@ -174,6 +174,21 @@ def test_plain_codec_ops_run_xla_code_on_the_cpu(rng):
 
 
 @_cpu_kernels
+@pytest.mark.parametrize("preset_or_codecs", ["k4v4", "plain"])
+def test_small_writes_run_the_handler_below_cpu_handler_rows(rng, preset_or_codecs):
+    cache = _cache(preset_or_codecs if preset_or_codecs != "plain"
+                   else (tq.TurboQuant(128, 4, 0), tq.TurboQuant(128, 4, 1)))
+    tokens = backend.CPU_HANDLER_ROWS // cache.num_kv_heads
+    assert _write(cache, 1, rng) == {"jax_tq_write_cache"}  # a decode step
+    assert _write(cache, tokens - 1, rng) == {"jax_tq_write_cache"}
+    assert _write(cache, tokens, rng) == set()
+    codec = tq.TurboQuant(128, 4, 0)
+    small = jnp.asarray(rng.normal(size=(backend.CPU_HANDLER_ROWS - 1, 128)), jnp.float32)
+    assert _custom_calls(lambda x: tq.compress(x, codec), small) == {"jax_tq_compress"}
+    assert _custom_calls(lambda x: tq.compress(x, codec), jnp.concatenate([small, small[:1]])) == set()
+
+
+@_cpu_kernels
 def test_fitted_writes_switch_to_the_handler_at_cpu_fit_rows(rng):
     cache = _cache("k4v4")
     tokens = backend.CPU_FIT_ROWS // cache.num_kv_heads
@@ -203,7 +218,7 @@ def test_qjl_ops_run_xla_code_and_attention_the_handlers(rng):
 
 @_cpu_kernels
 def test_the_policy_leaves_other_platforms_and_explicit_backends_alone(rng):
-    aval = jax.core.ShapedArray((16, 128), jnp.float32)
+    aval = jax.core.ShapedArray((backend.CPU_HANDLER_ROWS, 128), jnp.float32)
     assert backend.auto_uses_reference("cpu", "jax_tq_compress", [aval], {"fit_scale": False})
     assert not backend.auto_uses_reference("cuda", "jax_tq_compress", [aval], {"fit_scale": False})
     assert not backend.auto_uses_reference("cpu", "jax_tq_paged_decode", [aval], {})
