@@ -148,7 +148,8 @@ def decompress(codes, norms, codec, dtype=jnp.float32):
 def window_rows(x, codec):
     """The rows a cache's recent-token window stores for vectors x: Pi x (the codec's rotation)
     rounded once to bfloat16 (docs/FORMAT.md "Window"); what :func:`jax_tq.write_cache` writes
-    into the window, computed in jnp (float32, highest precision).
+    into the window to within one bfloat16 ulp (0.01-0.2% of the entries differ: the kernels round
+    y in float32 differently), computed in jnp (float32, highest precision).
 
     Args:
       x: [..., head_dim] float32 / bfloat16 / float16.

@@ -104,7 +104,7 @@ def paged_decode(q, cache, block_tables, seq_lens, *, window_ids=None, scale=Non
         num_splits not a concrete Python number of the right kind; sliding_window not an int,
         soft_cap not a concrete number, sinks not of a float dtype.
       ValueError: wrong ranks or shapes, head_dim differs from the cache's codecs, num_heads not a
-        multiple of num_kv_heads, num_splits < 1, a non-finite or float32-overflowing scale, an
+        positive multiple of num_kv_heads, num_splits < 1, a non-finite or float32-overflowing scale, an
         unknown precision; ``JAX_TQ_DECODE_KERNEL`` set to something other than a kernel family;
         sliding_window < 1, soft_cap <= 0 or not finite, sinks not [num_heads]; window_ids None
         with more sequences than the cache's num_windows, or given for a cache without a window.
@@ -444,10 +444,9 @@ def _check_decode_args(q, cache, block_tables, seq_lens, num_splits, op="jax_tq.
         _check_code_pools(cache, head_dim, op)
     elif cache.head_dim != head_dim:
         raise ValueError(f"{op}: q has head_dim {head_dim} but the cache's pages have head_dim {cache.head_dim}")
-    if num_heads % cache.num_kv_heads != 0:
-        raise ValueError(
-            f"{op}: num_heads {num_heads} is not a multiple of the cache's num_kv_heads {cache.num_kv_heads} (GQA)"
-        )
+    if num_heads == 0 or num_heads % cache.num_kv_heads != 0:
+        raise ValueError(f"{op}: num_heads {num_heads} is not a positive multiple of the cache's num_kv_heads "
+                         f"{cache.num_kv_heads} (GQA)")
     tables_spec = f"{op}: block_tables must be int32 [num_seqs={num_seqs}, max_pages]"
     lens_spec = f"{op}: seq_lens must be int32 [num_seqs={num_seqs}]"
     tq_format.check_index_dtype(block_tables, tables_spec)

@@ -96,7 +96,7 @@ def paged_prefill(q, cache, block_tables, seq_lens, query_start_loc, *, window_i
     Raises:
       TypeError: q not float32/bfloat16/float16; an index array not int32; cache not a PagedKVCache.
       ValueError: wrong ranks or shapes, head_dim differs from the cache's codecs, num_heads not a
-        multiple of num_kv_heads, query_start_loc not [num_seqs + 1], a bad scale; window_ids None
+        positive multiple of num_kv_heads, query_start_loc not [num_seqs + 1], a bad scale; window_ids None
         with more sequences than the cache's num_windows, or given for a cache without a window.
       TypeError / ValueError: a bad sliding_window (not an int >= 1), soft_cap (not a finite
         number > 0) or sinks (not float [num_heads]), naming it.

@@ -101,7 +101,7 @@ def ragged_paged_attention(q, k, v, cache: PagedKVCache, kv_lens, block_tables, 
       TypeError: q, k or v not float32 / bfloat16 / float16; kv_lens, block_tables, cu_q_lens or
         window_ids not int32; cache not a PagedKVCache; scale not a concrete Python number.
       ValueError: wrong ranks or shapes (naming the argument), head_dim or num_kv_heads of k / v
-        other than the cache's, num_heads not a multiple of num_kv_heads, a bad scale or precision,
+        other than the cache's, num_heads not a positive multiple of num_kv_heads, a bad scale or precision,
         window_ids given for a cache without a window.
       TypeError / ValueError: a bad sliding_window, soft_cap or sinks, naming it.
 
@@ -143,7 +143,7 @@ def ragged_paged_attention(q, k, v, cache: PagedKVCache, kv_lens, block_tables, 
     if num_seqs == 0 or num_tokens == 0:  # nothing to write or attend to
         return jnp.zeros_like(q), cache
 
-    capacity = block_tables.shape[1] * cache.page_size
+    capacity = min(block_tables.shape[1] * cache.page_size, tq_format.INDEX_MAX)  # kv_lens are int32
     starts = jax.lax.cummax(jnp.clip(cu_q_lens, 0, num_tokens))  # monotone: paged_prefill's rows own the same rows
     q_lens = starts[1:] - starts[:-1]
     served = (kv_lens >= 0) & (kv_lens <= capacity)
@@ -229,7 +229,7 @@ def prompt_attention(q, k, v, cache: PagedKVCache, block_tables, prompt_lens=Non
         prompt_lens or window_ids not int32; cache not a PagedKVCache; scale not a concrete number;
         sliding_window, soft_cap or sinks of a wrong type (:func:`jax_tq.variants.check_variants`).
       ValueError: wrong ranks or shapes (naming the argument), head_dim or num_kv_heads of k / v
-        other than the cache's, num_heads not a multiple of num_kv_heads, a bad scale or
+        other than the cache's, num_heads not a positive multiple of num_kv_heads, a bad scale or
         implementation, window_ids given for a cache without a window; sliding_window < 1,
         soft_cap <= 0, sinks not [num_heads].
 
@@ -400,6 +400,6 @@ def _check_new_tokens(q, k, v, cache, op: str, rows: str):
 def _check_heads(num_heads: int, head_dim: int, cache, op: str) -> None:
     if head_dim != cache.head_dim:
         raise ValueError(f"jax_tq.{op}: q has head_dim {head_dim} but the cache has head_dim {cache.head_dim}")
-    if num_heads % cache.num_kv_heads:
-        raise ValueError(f"jax_tq.{op}: num_heads {num_heads} is not a multiple of the cache's num_kv_heads "
+    if num_heads == 0 or num_heads % cache.num_kv_heads:
+        raise ValueError(f"jax_tq.{op}: num_heads {num_heads} is not a positive multiple of the cache's num_kv_heads "
                          f"{cache.num_kv_heads} (GQA)")

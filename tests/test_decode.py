@@ -784,8 +784,10 @@ def test_refuses_bad_decode_arguments_at_trace_time():
     q, tables, lens = decode_args()
     trace = lambda *a, **kw: jax.eval_shape(lambda q, c, t, s: tq.paged_decode(q, c, t, s, **kw), *a)  # noqa: E731
     trace(q, cache, tables, lens)  # the valid call traces
-    with pytest.raises(ValueError, match=r"num_heads 5 is not a multiple of the cache's num_kv_heads 2"):
+    with pytest.raises(ValueError, match=r"num_heads 5 is not a positive multiple of the cache's num_kv_heads 2"):
         trace(jnp.zeros((2, 5, 64)), cache, tables, lens)
+    with pytest.raises(ValueError, match=r"paged_decode: num_heads 0 is not a positive multiple"):
+        trace(jnp.zeros((2, 0, 64)), cache, tables, lens)
     with pytest.raises(ValueError, match=r"q has head_dim 100 but the cache's k_codec has head_dim 64"):
         trace(jnp.zeros((2, 4, 100)), cache, tables, lens)
     with pytest.raises(TypeError, match=r"q must be float32, bfloat16 or float16, got int32"):

@@ -200,7 +200,7 @@ def test_bad_inputs_raise_clear_errors(rng):
         tq.paged_prefill(q, cache, tables, lens, np.asarray(starts, np.int64))
     with pytest.raises(ValueError, match=r"q must be \[num_tokens, num_heads, head_dim\]"):
         tq.paged_prefill(q[0], cache, tables, lens, starts)
-    with pytest.raises(ValueError, match="not a multiple of the cache's num_kv_heads"):
+    with pytest.raises(ValueError, match="not a positive multiple of the cache's num_kv_heads"):
         tq.paged_prefill(q[:, :5], cache, tables, lens, starts)
     with pytest.raises(ValueError, match=r"seq_lens must be int32 \[num_seqs=4\]"):
         tq.paged_prefill(q, cache, tables, lens[:3], starts)

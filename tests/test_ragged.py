@@ -346,7 +346,9 @@ def test_bad_arguments_raise_naming_them(rng):
         ((q, k, v, cache, kv_lens, tables[:1], cu_q_lens), ValueError,
          r"block_tables must be int32 \[num_seqs=2 \(kv_lens. length\), max_pages\], got int32\(1, 2\)"),
         ((q[:, :3], k, v, cache, kv_lens, tables, cu_q_lens), ValueError,
-         "num_heads 3 is not a multiple of the cache's num_kv_heads 2"),
+         "num_heads 3 is not a positive multiple of the cache's num_kv_heads 2"),
+        ((q[:, :0], k, v, cache, kv_lens, tables, cu_q_lens), ValueError,
+         "ragged_paged_attention: num_heads 0 is not a positive multiple"),
         ((q, k[:, :1], v, cache, kv_lens, tables, cu_q_lens), ValueError,
          r"k must be \[num_tokens, num_kv_heads, head_dim\] = \(3, 2, 64\)"),
         ((q, k, v[:2], cache, kv_lens, tables, cu_q_lens), ValueError, r"v must be \[num_tokens"),
@@ -581,7 +583,7 @@ def test_prompt_attention_bad_arguments(rng):
         f(q, k, v[:, :5], cache, tables, lens)
     with pytest.raises(ValueError, match=r"q must be \[batch, seq_len, num_heads, head_dim\]"):
         f(q[0], k, v, cache, tables, lens)
-    with pytest.raises(ValueError, match="num_heads 3 is not a multiple"):
+    with pytest.raises(ValueError, match="num_heads 3 is not a positive multiple"):
         f(q[:, :, :3], k, v, cache, tables, lens)
     with pytest.raises(ValueError, match=r"block_tables must be int32 \[batch=2, max_pages\]"):
         f(q, k, v, cache, tables[0], lens)
@@ -610,3 +612,17 @@ def test_more_sequences_than_windows_need_window_ids_and_lengths_are_named():
         tq.prompt_attention(q[:, None], kv[:, None], kv[:, None], cache, tables, lens)
     with pytest.raises(ValueError, match="kv_lens' length"):
         tq.ragged_paged_attention(q, kv, kv, cache, lens[:2], tables, starts)
+
+
+def test_a_table_wider_than_int32_positions_is_served(rng):
+    """block_tables' width x page_size past 2^31 tokens: kv_lens (int32) all fit, nothing overflows."""
+    cache = tq.PagedKVCache.create(num_pages=4, page_size=256, num_kv_heads=1, k_codec=tq.TurboQuant(64, 4, 0),
+                                   v_codec=tq.TurboQuant(64, 4, 1))
+    tables = jnp.full((1, 2**23 + 1), -1, jnp.int32).at[0, 0].set(0)
+    q = jnp.asarray(rng.normal(size=(2, 2, 64)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(2, 1, 64)), jnp.float32)
+    out, _ = tq.ragged_paged_attention(q, k, k, cache, jnp.asarray([2], jnp.int32), tables, jnp.asarray([0, 2], jnp.int32))
+    narrow, _ = tq.ragged_paged_attention(q, k, k, cache, jnp.asarray([2], jnp.int32), tables[:, :1],
+                                          jnp.asarray([0, 2], jnp.int32))
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(narrow))
+    assert np.abs(np.asarray(out)).max() > 0

@@ -137,7 +137,7 @@ def test_uncompressed_layout_refuses_what_does_not_fit():
     tables, lens = jnp.zeros((1, 2), jnp.int32), jnp.ones(1, jnp.int32)
     with pytest.raises(ValueError, match="q has head_dim 4 but the cache's pages have head_dim 8"):
         tq.paged_decode(jnp.zeros((1, 2, 4)), cache, tables, lens)
-    with pytest.raises(ValueError, match="not a multiple of the cache's num_kv_heads 2"):
+    with pytest.raises(ValueError, match="not a positive multiple of the cache's num_kv_heads 2"):
         tq.paged_decode(jnp.zeros((1, 3, 8)), cache, tables, lens)
     with pytest.raises(ValueError, match="window_ids given but the cache has no window"):
         tq.paged_prefill(jnp.zeros((1, 2, 8)), cache, tables, lens, jnp.asarray([0, 1], jnp.int32),
