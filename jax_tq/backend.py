@@ -4,9 +4,9 @@ Backends:
   ``"auto"`` (default): the faster of the compiled FFI kernel and the pure-jnp reference for the
       platform the op is lowered for (:func:`auto_uses_reference`: on the GPU the kernels, except
       for the attention variants they do not implement yet, :func:`kernel_lacks`; on the CPU the
-      C++ handlers of the attention ops, of calls under 128 rows (decode steps) and of fitted-scale
-      writes of >= 1024 rows, XLA's code of the rest); the reference where there is no kernel (e.g. a GPU build without CUDA
-      kernels, or TPU).
+      C++ handlers of the attention ops and of fitted-scale compress / writes, XLA's code of the
+      rest); the reference for float64 operands (x64) and where there is no kernel (e.g. a GPU
+      build without CUDA kernels, or TPU).
   ``"ffi"``: the compiled FFI kernel only; lowering for a platform without one raises
       :class:`BackendUnavailableError`.
   ``"xla"``: the pure-jnp reference (:mod:`jax_tq.reference`), compiled by XLA.
@@ -33,21 +33,14 @@ _override: contextvars.ContextVar[str | None] = contextvars.ContextVar("jax_tq_b
 #: Backend "auto" on the CPU: the ops whose jnp reference, compiled by XLA, beats the C++ handler
 #: (2 cores, head_dim 64 / 128; docs/performance.md "CPU"): the handlers rotate in float64 one row at
 #: a time, XLA in float32 as a matrix product. Fitted-scale compress / write_cache keep the handler
-#: from CPU_FIT_ROWS rows (a prefill): clearly faster at 2 and 3 bits (k2v2, 1024 tokens x 8 heads,
-#: d64: 28.8 ms against 53.0), a near tie at 4 bits (d64 faster, d128 slower by up to ~1.3x), and
-#: the path the README's quality table was measured through (the two round the fitted scale's ties
-#: differently: k4v4 over one 512-token chunk of SmolLM2 gives 16.848 through the handler, 16.898
-#: through XLA's code).
+#: at every size: XLA's candidate search compiles 20-30x slower per call site (1.3-1.8 s: a 30-layer
+#: model's prefill and decode loop spend a minute compiling it), and runs at most ~2x faster (64-256
+#: tokens x 8 heads, d128), slower from 1024 rows at 2 and 3 bits (k2v2, 1024 tokens x 8 heads, d64:
+#: 53.0 ms against 28.8); a fitted row's codes then do not depend on the call's size or sharding
+#: (the two paths round the candidates' ties differently), and the handler is the path the quality
+#: tables were measured through.
 _CPU_REFERENCE_OPS = ("jax_tq_compress", "jax_tq_decompress", "jax_tq_write_cache", "jax_tq_qjl_compress",
                       "jax_tq_qjl_scores")
-#: Rows (tokens x KV heads) from which a fitted-scale compress / write_cache runs the CPU handler:
-#: 128 tokens x 8 heads, k3v3, d128: 13.9 ms against XLA's 18.4 (64 tokens: 14.5 vs 6.2).
-CPU_FIT_ROWS = 1024
-#: Rows below which compress, decompress, write_cache and qjl_compress run the CPU handler (decode
-#: steps, short prompts): as fast as XLA's code there or faster (a k4v4 write of 1 / 8 tokens x 3
-#: heads, d64: 0.60 / 0.52 ms against 0.64 / 1.49; plain K4V4: 0.08 / 0.17 against 0.38 / 0.30), and
-#: compiled 20-30x faster (0.04 s against 0.5-1.7 s per call site: a 30-layer model's decode loop).
-CPU_HANDLER_ROWS = 128
 
 
 def auto_uses_reference(platform: str, target: str, avals_in, params: dict) -> bool:
@@ -56,18 +49,14 @@ def auto_uses_reference(platform: str, target: str, avals_in, params: dict) -> b
 
     Args:
       platform: "cpu", "cuda", ...; target: the FFI target name ("jax_tq_compress", ...).
-      avals_in: the call's operand avals (operand 0: the rows, [rows, ...] or [tokens, heads, ...]).
+      avals_in: the call's operand avals.
       params: the primitive's params (``fit_scale``, or ``k_fit_scale`` / ``v_fit_scale``).
     """
     if kernel_lacks(platform, target, avals_in, params):
         return True
     if platform != "cpu" or target not in _CPU_REFERENCE_OPS:
         return False
-    rows = int(np.prod(avals_in[0].shape[:-1])) if avals_in else 0
-    if rows < CPU_HANDLER_ROWS and target != "jax_tq_qjl_scores":  # qjl_scores' work is its keys, not its rows
-        return False
-    fitted = any(params.get(prefix + "fit_scale") for prefix in ("", "k_", "v_"))
-    return not (fitted and rows >= CPU_FIT_ROWS)
+    return not any(params.get(prefix + "fit_scale") for prefix in ("", "k_", "v_"))
 
 
 #: The attention targets, whose last operand is the per-head sinks (float32 [num_heads], or [0]: none).
@@ -77,8 +66,8 @@ ATTENTION_TARGETS = ("jax_tq_paged_decode", "jax_tq_paged_prefill")
 def kernel_lacks(platform: str, target: str, avals_in, params: dict) -> str | None:
     """What the kernel of ``target`` on ``platform`` does not implement in this call, or None.
 
-    The attention variants (``sliding_window``, ``soft_cap``, ``sinks``: :mod:`jax_tq.variants`)
-    are served where the platform's kernel module lists the target in its ``variant_targets``: the
+    No kernel takes float64 operands (the reference's, under ``jax_enable_x64``). The attention
+    variants (``sliding_window``, ``soft_cap``, ``sinks``: :mod:`jax_tq.variants`) are served where the platform's kernel module lists the target in its ``variant_targets``: the
     CPU handlers and the CUDA ``paged_decode`` and ``paged_prefill`` kernels (a module without the
     list, e.g. an older build, serves none). Backend "auto" lowers another such call to the
     reference (XLA's code); backend "ffi" raises :class:`BackendUnavailableError` with this reason.
@@ -86,6 +75,8 @@ def kernel_lacks(platform: str, target: str, avals_in, params: dict) -> str | No
     Args:
       platform, target, avals_in, params: as :func:`auto_uses_reference`.
     """
+    if any(getattr(a, "dtype", None) == np.float64 for a in avals_in):
+        return "float64 operands (the kernels take float32, bfloat16 and float16; float64 is the reference's, under x64)"
     if platform == "cpu" or target not in ATTENTION_TARGETS:
         return None
     used = [name for name in ("sliding_window", "soft_cap") if params.get(name)]

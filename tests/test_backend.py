@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 
 import jax_tq as tq
+from jax_tq import _primitive_utils as pu
+from jax_tq.compress import decompress_p
 from jax_tq import backend
 from jax_tq.paged_decode import paged_decode_p
 
@@ -174,29 +176,42 @@ def test_plain_codec_ops_run_xla_code_on_the_cpu(rng):
 
 
 @_cpu_kernels
-@pytest.mark.parametrize("preset_or_codecs", ["k4v4", "plain"])
-def test_small_writes_run_the_handler_below_cpu_handler_rows(rng, preset_or_codecs):
-    cache = _cache(preset_or_codecs if preset_or_codecs != "plain"
-                   else (tq.TurboQuant(128, 4, 0), tq.TurboQuant(128, 4, 1)))
-    tokens = backend.CPU_HANDLER_ROWS // cache.num_kv_heads
-    assert _write(cache, 1, rng) == {"jax_tq_write_cache"}  # a decode step
-    assert _write(cache, tokens - 1, rng) == {"jax_tq_write_cache"}
-    assert _write(cache, tokens, rng) == set()
-    codec = tq.TurboQuant(128, 4, 0)
-    small = jnp.asarray(rng.normal(size=(backend.CPU_HANDLER_ROWS - 1, 128)), jnp.float32)
-    assert _custom_calls(lambda x: tq.compress(x, codec), small) == {"jax_tq_compress"}
-    assert _custom_calls(lambda x: tq.compress(x, codec), jnp.concatenate([small, small[:1]])) == set()
+def test_fitted_writes_run_the_handler_at_every_size(rng):
+    cache = _cache("k4v4")
+    for tokens in (1, 7, 128, 1024 // cache.num_kv_heads):
+        assert _write(cache, tokens, rng) == {"jax_tq_write_cache"}
+    fitted = tq.TurboQuant(128, 2, 0, scale="fit")
+    for rows in (1, 1024):
+        x = jnp.asarray(rng.normal(size=(rows, 128)), jnp.float32)
+        assert _custom_calls(lambda x: tq.compress(x, fitted), x) == {"jax_tq_compress"}
+    plain = _cache((tq.TurboQuant(128, 4, 0), tq.TurboQuant(128, 4, 1)))
+    assert _write(plain, 1, rng) == set()  # a plain decode step: XLA's code
 
 
 @_cpu_kernels
-def test_fitted_writes_switch_to_the_handler_at_cpu_fit_rows(rng):
-    cache = _cache("k4v4")
-    tokens = backend.CPU_FIT_ROWS // cache.num_kv_heads
-    assert _write(cache, tokens - 1, rng) == set()
-    assert _write(cache, tokens, rng) == {"jax_tq_write_cache"}
-    fitted = tq.TurboQuant(128, 2, 0, scale="fit")
-    x = jnp.asarray(rng.normal(size=(backend.CPU_FIT_ROWS, 128)), jnp.float32)
-    assert _custom_calls(lambda x: tq.compress(x, fitted), x) == {"jax_tq_compress"}
+@pytest.mark.parametrize("backend_name", ["auto", "ffi"])
+def test_float64_operands_take_the_reference_or_raise_at_trace_time(rng, backend_name):
+    """Under x64 the float64 operands of an internal decode (paged_prefill_dense's) are the
+    reference's: "auto" runs it, "ffi" refuses the call when it is lowered (not the handler at run
+    time, which takes float32)."""
+    codec = tq.TurboQuant(64, 4, 0)
+    codes, norms = tq.compress(jnp.asarray(rng.normal(size=(8, 64)), jnp.float32), codec)
+    with jax.enable_x64(True):
+        operands = (codes, norms.astype(jnp.float64), jnp.asarray(codec.rotation, jnp.float64),
+                    jnp.asarray(codec.centroids, jnp.float64))
+
+        def fn(*ops):
+            return pu.bind(decompress_p, *ops, bits=4, dtype=jnp.dtype(jnp.float64), backend=backend_name)[0]
+
+        traced = jax.jit(fn).trace(*operands)
+        if backend_name == "ffi":
+            with pytest.raises(backend.BackendUnavailableError, match="float64 operands"):
+                traced.lower(lowering_platforms=("cpu",))
+            return
+        assert "jax_tq_decompress" not in traced.lower(lowering_platforms=("cpu",)).as_text()
+        got = np.asarray(jax.jit(fn)(*operands))
+    assert got.dtype == np.float64
+    np.testing.assert_allclose(got, np.asarray(tq.decompress(codes, norms, codec), np.float64), rtol=1e-5, atol=1e-6)
 
 
 @_cpu_kernels
@@ -218,7 +233,7 @@ def test_qjl_ops_run_xla_code_and_attention_the_handlers(rng):
 
 @_cpu_kernels
 def test_the_policy_leaves_other_platforms_and_explicit_backends_alone(rng):
-    aval = jax.core.ShapedArray((backend.CPU_HANDLER_ROWS, 128), jnp.float32)
+    aval = jax.core.ShapedArray((16, 128), jnp.float32)
     assert backend.auto_uses_reference("cpu", "jax_tq_compress", [aval], {"fit_scale": False})
     assert not backend.auto_uses_reference("cuda", "jax_tq_compress", [aval], {"fit_scale": False})
     assert not backend.auto_uses_reference("cpu", "jax_tq_paged_decode", [aval], {})
