@@ -67,16 +67,17 @@ def kernel_lacks(platform: str, target: str, avals_in, params: dict) -> str | No
     """What the kernel of ``target`` on ``platform`` does not implement in this call, or None.
 
     No kernel takes float64 operands (the reference's, under ``jax_enable_x64``). The attention
-    variants (``sliding_window``, ``soft_cap``, ``sinks``: :mod:`jax_tq.variants`) are served where the platform's kernel module lists the target in its ``variant_targets``: the
-    CPU handlers and the CUDA ``paged_decode`` and ``paged_prefill`` kernels (a module without the
-    list, e.g. an older build, serves none). Backend "auto" lowers another such call to the
+    variants (``sliding_window``, ``soft_cap``, ``sinks``: :mod:`jax_tq.variants`) are served where
+    the platform's kernel module lists the target in its ``variant_targets``: the CPU handlers and
+    the CUDA ``paged_decode`` and ``paged_prefill`` kernels (a module without the list, e.g. an
+    older build, serves none). Backend "auto" lowers another such call to the
     reference (XLA's code); backend "ffi" raises :class:`BackendUnavailableError` with this reason.
 
     Args:
       platform, target, avals_in, params: as :func:`auto_uses_reference`.
     """
     if any(getattr(a, "dtype", None) == np.float64 for a in avals_in):
-        return "float64 operands (the kernels take float32, bfloat16 and float16; float64 is the reference's, under x64)"
+        return "float64 operands (the kernels take float32, bfloat16 and float16; float64 is the reference's)"
     if platform == "cpu" or target not in ATTENTION_TARGETS:
         return None
     used = [name for name in ("sliding_window", "soft_cap") if params.get(name)]

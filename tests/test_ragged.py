@@ -621,8 +621,8 @@ def test_a_table_wider_than_int32_positions_is_served(rng):
     tables = jnp.full((1, 2**23 + 1), -1, jnp.int32).at[0, 0].set(0)
     q = jnp.asarray(rng.normal(size=(2, 2, 64)), jnp.float32)
     k = jnp.asarray(rng.normal(size=(2, 1, 64)), jnp.float32)
-    out, _ = tq.ragged_paged_attention(q, k, k, cache, jnp.asarray([2], jnp.int32), tables, jnp.asarray([0, 2], jnp.int32))
-    narrow, _ = tq.ragged_paged_attention(q, k, k, cache, jnp.asarray([2], jnp.int32), tables[:, :1],
-                                          jnp.asarray([0, 2], jnp.int32))
+    lens, starts = jnp.asarray([2], jnp.int32), jnp.asarray([0, 2], jnp.int32)
+    out, _ = tq.ragged_paged_attention(q, k, k, cache, lens, tables, starts)
+    narrow, _ = tq.ragged_paged_attention(q, k, k, cache, lens, tables[:, :1], starts)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(narrow))
     assert np.abs(np.asarray(out)).max() > 0
