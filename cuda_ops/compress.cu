@@ -3364,8 +3364,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTqDecompressCuda, jax_tq::cuda::DecompressCudaI
 // Not command-buffer compatible: captured into XLA's CUDA graphs together with fusions and cuDNN
 // (XLA's default command-buffer set), a model's 8192-token prompt through forward_compressed failed
 // with CUDA_ERROR_LAUNCH_FAILED (H200, jax 0.11.2, 8 layers; H100, 8 layers and 1 layer); with
-// CUSTOM_CALL alone, or without it, it ran. prompt_attention's write captured the same way ran. Captured, it would remove the launch gaps that prompt_attention's
-// chains pay (docs/performance.md, Prefill).
+// CUSTOM_CALL alone, or without it, it ran. prompt_attention's write captured the same way ran.
+// Captured, it would remove the launch gaps that prompt_attention's chains pay (docs/performance.md,
+// Prefill).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTqWriteCacheCuda, jax_tq::cuda::WriteCacheCudaImpl,
                               jax_tq::ffi_checks::BindWriteCache(
                                   ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
