@@ -2,9 +2,12 @@
 attention plus the cache write), as one jitted program of chained calls with the cache donated.
 
 Per shape and program it prints the host clock per call of a 4-call and a 24-call program (median
-of 7 runs, no profiler: the steadier ratio), the GPU span and kernel time per call of the 4-call
-program (JAX profiler, CUPTI), and that program's first three calls kernel by kernel (start, duration,
-stream): which kernels run, in what order, and the launch gaps between them.
+of 7 runs, no profiler), the GPU span and kernel time per call of the 4-call program (JAX profiler,
+CUPTI), and that program's first three calls kernel by kernel (start, duration, stream): which
+kernels run, in what order, and the launch gaps between them. The two 24-call programs run
+alternately (21 pairs: drifts of the GPU's clock or memory placement reach both alike), and the
+"ratio" line gives prompt_attention's time over cuDNN's alone: the median of the pairs' ratios, with
+their range.
 
 Usage: PYTHONPATH=benchmarks python benchmarks/trace_prompt.py [1x2048 8x1024 ...] (num_seqs x
 prompt_len; a GPU with cuDNN, elsewhere XLA's attention; 32 / 8 heads, head_dim 128, K4V4
@@ -24,6 +27,7 @@ import bench_prefill as bp
 import device_time as dt
 
 REPS = 7
+PAIRS = 21
 
 
 def programs(num_seqs, seq_len, inner):
@@ -82,6 +86,25 @@ def report(shape, name, inner, run):
         print(f"    {e['ts'] - t0:8.1f} +{e['dur']:7.1f}  tid {str(e.get('tid'))[-6:]:>6s}  {str(e.get('name'))[:70]}")
 
 
+def report_pairs(shape, inner, runs):
+    """The programs of ``runs`` ({name: run}) run alternately PAIRS times: each one's host median per
+    call, and the median (range) of the later program's time over the first's."""
+    times = {name: [] for name in runs}
+    for _ in range(PAIRS):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+    for name, ts in times.items():
+        print(f"{shape} {name:17s} inner {inner:2d}: host {statistics.median(ts) / inner * 1e6:7.1f} us/call "
+              f"(alternating)", flush=True)
+    base, other = times.values()
+    ratios = sorted(b / a for a, b in zip(base, other))
+    names = list(times)
+    print(f"{shape} ratio {names[1]} / {names[0]}, inner {inner}: {statistics.median(ratios):.3f} "
+          f"(range {ratios[0]:.3f} .. {ratios[-1]:.3f} over {PAIRS} pairs)", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("shapes", nargs="*", default=["1x2048", "8x1024"], help="num_seqs x prompt_len")
@@ -90,9 +113,12 @@ def main():
         num_seqs, seq_len = (int(x) for x in shape.split("x"))
         for inner in (4, 24):
             cache, qs, progs = programs(num_seqs, seq_len, inner)
-            for name, fn in progs.items():
-                report((num_seqs, seq_len), name, inner, runner(fn, cache, qs))
-            del cache, qs
+            runs = {name: runner(fn, cache, qs) for name, fn in progs.items()}
+            for name, run in runs.items():
+                report((num_seqs, seq_len), name, inner, run)
+            if inner == 24:
+                report_pairs((num_seqs, seq_len), inner, runs)
+            del cache, qs, runs
 
 
 if __name__ == "__main__":
