@@ -3361,12 +3361,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTqDecompressCuda, jax_tq::cuda::DecompressCudaI
                                   ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
-// Not command-buffer compatible: captured into XLA's CUDA graphs together with fusions and cuDNN
-// (XLA's default command-buffer set), a model's 8192-token prompt through forward_compressed failed
-// with CUDA_ERROR_LAUNCH_FAILED (H200, jax 0.11.2, 8 layers; H100, 8 layers and 1 layer); with
-// CUSTOM_CALL alone, or without it, it ran. prompt_attention's write captured the same way ran.
-// Captured, it would remove the launch gaps that prompt_attention's chains pay (docs/performance.md,
-// Prefill).
+// Not command-buffer compatible: captured into XLA's CUDA graphs (XLA's default set), a model's
+// 8192-token prompt through forward_compressed fails with CUDA_ERROR_LAUNCH_FAILED with a window
+// (fitted or norm scale) and runs without one, or at 2048 tokens (H100, jax 0.11.2, one layer;
+// serial command-buffer scheduling, ALWAYS_UPDATE, eager module loading do not change it). Captured,
+// prompt_attention's chains gain ~1 us per call (XLA issues a chain's writes back to back).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTqWriteCacheCuda, jax_tq::cuda::WriteCacheCudaImpl,
                               jax_tq::ffi_checks::BindWriteCache(
                                   ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
