@@ -1,13 +1,12 @@
 """Fresh prompts: cuDNN's causal attention alone against ``jax_tq.prompt_attention`` (the same
 attention plus the cache write), as one jitted program of chained calls with the cache donated.
 
-Per shape and program it prints the host clock per call of a 4-call and a 24-call program (median
-of 7 runs, no profiler), the GPU span and kernel time per call of the 4-call program (JAX profiler,
-CUPTI), and that program's first three calls kernel by kernel (start, duration, stream): which
-kernels run, in what order, and the launch gaps between them. The two 24-call programs run
-alternately (21 pairs: drifts of the GPU's clock or memory placement reach both alike), and the
-"ratio" line gives prompt_attention's time over cuDNN's alone: the median of the pairs' ratios, with
-their range.
+Per shape and program it prints, for a 4-call program, the host clock per call (median of 7 runs),
+the GPU span and kernel time per call (JAX profiler, CUPTI) and the first three calls kernel by
+kernel (start, duration, stream): which kernels run, in what order, and the launch gaps between
+them. The two 24-call programs run alternately (21 pairs: drifts of the GPU's clock or memory
+placement reach both alike): each one's host median per call, and a "ratio" line with
+prompt_attention's time over cuDNN's alone, the median of the pairs' ratios and their range.
 
 Usage: PYTHONPATH=benchmarks python benchmarks/trace_prompt.py [1x2048 8x1024 ...] (num_seqs x
 prompt_len; a GPU with cuDNN, elsewhere XLA's attention; 32 / 8 heads, head_dim 128, K4V4
@@ -74,7 +73,7 @@ def report(shape, name, inner, run):
         run()
         times.append(time.perf_counter() - start)
     line = f"{shape} {name:17s} inner {inner:2d}: host {statistics.median(times) / inner * 1e6:7.1f} us/call"
-    runs = dt.traced_runs(run, 3) if inner == 4 else None
+    runs = dt.traced_runs(run, 3)
     if not runs:
         print(line, flush=True)
         return
@@ -96,8 +95,8 @@ def report_pairs(shape, inner, runs):
             run()
             times[name].append(time.perf_counter() - start)
     for name, ts in times.items():
-        print(f"{shape} {name:17s} inner {inner:2d}: host {statistics.median(ts) / inner * 1e6:7.1f} us/call "
-              f"(alternating)", flush=True)
+        print(f"{shape} {name:17s} inner {inner:2d}: host {statistics.median(ts) / inner * 1e6:7.1f} us/call",
+              flush=True)
     base, other = times.values()
     ratios = sorted(b / a for a, b in zip(base, other))
     names = list(times)
@@ -114,10 +113,11 @@ def main():
         for inner in (4, 24):
             cache, qs, progs = programs(num_seqs, seq_len, inner)
             runs = {name: runner(fn, cache, qs) for name, fn in progs.items()}
-            for name, run in runs.items():
-                report((num_seqs, seq_len), name, inner, run)
             if inner == 24:
                 report_pairs((num_seqs, seq_len), inner, runs)
+            else:
+                for name, run in runs.items():
+                    report((num_seqs, seq_len), name, inner, run)
             del cache, qs, runs
 
 
