@@ -4,6 +4,7 @@ exactly, named presets, and the compress-and-write into them; or the same pages 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -501,9 +502,10 @@ def _window_slots(cache, window_slots, num_tokens: int):
     return window_slots
 
 
-def window_ids_of(cache: PagedKVCache, window_ids, num_seqs: int, op: str):
-    """int32 [num_seqs] window ids (default ``arange(num_seqs)``) for a cache with a window; None
-    without one.
+def window_ids_of(cache: PagedKVCache, window_ids, num_seqs: int, op: str, block_tables=None):
+    """int32 [num_seqs] window ids for a cache with a window; None without one. The default:
+    sequence s uses window s (:func:`default_window_ids`, numbered across the elements of a
+    ``jax.vmap`` over sequences when ``block_tables`` is given).
 
     Raises:
       ValueError: window_ids given for a cache without a window; window_ids=None with more
@@ -520,8 +522,54 @@ def window_ids_of(cache: PagedKVCache, window_ids, num_seqs: int, op: str):
             raise ValueError(f"jax_tq.{op}: {num_seqs} sequences but the cache has {cache.num_windows} window ids; "
                              "pass window_ids (each sequence's window id) or create the cache with num_windows >= "
                              "the number of sequences")
-        return jnp.arange(num_seqs, dtype=jnp.int32)
+        if block_tables is None:
+            return jnp.arange(num_seqs, dtype=jnp.int32)
+        return default_window_ids(cache, block_tables, num_seqs, op)
     return index_array(window_ids, "window_ids", f"[num_seqs={num_seqs}]", op, shape=(num_seqs,))
+
+
+def default_window_ids(cache: PagedKVCache, block_tables, num_seqs: int, op: str):
+    """The window ids of ``window_ids=None``: int32 [num_seqs], ``arange(num_seqs)``, sequence s
+    uses window s, also under ``jax.vmap``: where the vmapped calls' block tables differ and they
+    share the cache's windows, element b's sequence s uses window ``b * num_seqs + s`` (the
+    numbering of one call over all of them); where the block tables are the same in every element
+    (the same sequences), or each element has a cache of its own, every element's ids are
+    ``arange(num_seqs)``.
+
+    Args:
+      cache: a :class:`PagedKVCache` with a window.  block_tables: int32 [num_seqs, max_pages] (a
+        [max_pages] table: the same for every sequence).  num_seqs: the call's sequences.
+    Raises:
+      ValueError (under vmap): the elements' sequences together outnumber the cache's window ids.
+    """
+    tables = jnp.asarray(block_tables)
+    seqs = tables[:, :0] if tables.ndim == 2 else jnp.broadcast_to(tables[None, :0], (num_seqs, 0))
+    windows = jnp.asarray(cache.k_window)[:, 0, 0, :0].astype(jnp.int32)  # [num_windows, 0]
+    return _numbered_ids(op)(seqs.astype(jnp.int32), windows)
+
+
+@functools.lru_cache(maxsize=None)
+def _numbered_ids(op: str):
+    """arange over seqs' rows [num_seqs, 0] with default_window_ids' vmap rule (windows
+    [num_windows, 0]: the window pool, batched where each element has a cache of its own)."""
+    @jax.custom_batching.custom_vmap
+    def ids(seqs, windows):
+        return jnp.arange(seqs.shape[0], dtype=jnp.int32)
+
+    @ids.def_vmap
+    def numbered(size, batched, seqs, windows):
+        seqs_batched, windows_batched = batched
+        if windows_batched or not seqs_batched:  # each element its own windows, or the same sequences
+            one = ids(seqs[0] if seqs_batched else seqs, windows[0] if windows_batched else windows)
+            return jnp.broadcast_to(one, (size,) + one.shape), True
+        total, num_windows = size * seqs.shape[1], windows.shape[0]
+        if total > num_windows:
+            raise ValueError(f"jax_tq.{op}: window_ids=None under vmap numbers the {size} x {seqs.shape[1]} sequences "
+                             f"of the vmapped calls 0 .. {total - 1} but the cache has {num_windows} window ids; pass "
+                             "window_ids (each sequence's window id)")
+        return ids(seqs.reshape((total, 0)), windows).reshape((size, seqs.shape[1])), True
+
+    return ids
 
 
 def slot_mapping(block_tables, positions, page_size: int, seq_ids=None):

@@ -229,7 +229,7 @@ def decode_rows(cache: PagedKVCache, block_tables, position, seq_lens, window_id
                          op="decode_rows")
     if not cache.window:
         return CacheRows(slots, block_tables, seq_lens, page_size=cache.page_size)
-    ids = _window_ids(window_ids, position.shape[0], cache, "decode_rows")
+    ids = _window_ids(window_ids, position.shape[0], cache, "decode_rows", block_tables)
     check_window_ids(ids, seq_lens, num_windows=cache.num_windows, op="decode_rows", distinct=True)
     return CacheRows(slots, block_tables, seq_lens, window_slots=window_slot_mapping(ids, position, seq_lens,
                                                                                      cache.window), window_ids=ids,
@@ -260,15 +260,15 @@ def prompt_rows(cache: PagedKVCache, block_tables, prompt_lens, prompt_len: int,
         lens = np.asarray(prompt_lens)
         if lens.size and (lens.min() < 0 or lens.max() > prompt_len):
             raise ValueError(f"prompt_rows: prompt_lens must lie in [0, prompt_len={prompt_len}], got {lens.tolist()}")
-    ids = _window_ids(window_ids, prompt_lens.shape[0], cache, "prompt_rows") if cache.window else None
+    ids = _window_ids(window_ids, prompt_lens.shape[0], cache, "prompt_rows", block_tables) if cache.window else None
     unused = jnp.full((prompt_lens.shape[0] * prompt_len,), -1, jnp.int32)  # prompt_attention writes
     return CacheRows(unused, block_tables, prompt_lens, window_ids=ids, prompt_len=int(prompt_len),
                      page_size=cache.page_size)
 
 
-def _window_ids(window_ids, num_seqs: int, cache: PagedKVCache, where: str):
+def _window_ids(window_ids, num_seqs: int, cache: PagedKVCache, where: str, block_tables):
     if window_ids is None:  # the default ids 0 .. num_seqs - 1, refused past the cache's window ids
-        return window_ids_of(cache, None, num_seqs, where)
+        return window_ids_of(cache, None, num_seqs, where, block_tables)
     ids = jnp.asarray(window_ids)
     if ids.shape != (num_seqs,) or not jnp.issubdtype(ids.dtype, jnp.integer):
         raise ValueError(f"{where}: window_ids must be integer [num_seqs={num_seqs}], got {ids.dtype} "

@@ -50,7 +50,8 @@ def paged_decode(q, cache, block_tables, seq_lens, *, window_ids=None, scale=Non
         [0, max_pages * page_size]. A sequence with 0 tokens gets an all-zero output.
       window_ids: int32 [num_seqs], for a cache with a window: the window id of each sequence, whose
         last min(seq_len, window) tokens are read from the window (exact) instead of the pages, in the
-        same softmax; default ``arange(num_seqs)`` (num_seqs <= num_windows). An id outside
+        same softmax; default ``arange(num_seqs)`` (num_seqs <= num_windows; under ``jax.vmap`` over
+        sequences numbered across the elements: :func:`jax_tq.cache.default_window_ids`). An id outside
         [0, num_windows) contributes no window token (checked mode reports it). Must be None for a
         cache without a window. The ring must hold those tokens (:func:`jax_tq.fill_window` after
         sharing pages or rolling back).
@@ -126,7 +127,7 @@ def paged_decode(q, cache, block_tables, seq_lens, *, window_ids=None, scale=Non
     if num_splits is not None:
         num_splits = min(num_splits, max(1, block_tables.shape[1]))
     check_decode_indices(block_tables, seq_lens, num_pages=cache.num_pages, page_size=cache.page_size)
-    windows = window_operands(cache, window_ids, seq_lens, "paged_decode")
+    windows = window_operands(cache, window_ids, block_tables, seq_lens, "paged_decode")
     scale = 1.0 / math.sqrt(cache.head_dim) if scale is None else scale
     if not cache.compressed:
         out = reference.paged_decode_pages(q, cache.k_pages, cache.v_pages, block_tables, seq_lens, scale,
@@ -174,7 +175,7 @@ def _reference_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent
     return jnp.where(finite, out_rot, jnp.nan)
 
 
-def window_operands(cache, window_ids, seq_lens, op: str):
+def window_operands(cache, window_ids, block_tables, seq_lens, op: str):
     """(k_window, v_window, window_ids) operands of an attention primitive: the cache's window and
     int32 [num_seqs] ids (default arange), or an empty window and zero ids for a cache without one.
 
@@ -183,7 +184,7 @@ def window_operands(cache, window_ids, seq_lens, op: str):
         window_ids=None with more sequences than window ids (:func:`jax_tq.cache.window_ids_of`).
     """
     num_seqs = seq_lens.shape[0]
-    window_ids = window_ids_of(cache, window_ids, num_seqs, op)
+    window_ids = window_ids_of(cache, window_ids, num_seqs, op, block_tables)
     if window_ids is None:
         empty = empty_window(cache.num_kv_heads, cache.head_dim)
         return empty, empty, jnp.zeros((num_seqs,), jnp.int32)

@@ -53,7 +53,8 @@ def paged_prefill(q, cache, block_tables, seq_lens, query_start_loc, *, window_i
         sits at position seq_lens[s] - q_len_s + i and attends to the sequence's tokens [0, that
         position]: chunked prefill (earlier tokens already cached) is the case q_len_s < seq_lens[s].
       window_ids: int32 [num_seqs], for a cache with a window (default ``arange(num_seqs)``, which
-        needs num_seqs <= num_windows; None without one). Rows see the cache as it stands: the
+        needs num_seqs <= num_windows, numbered across the elements of a ``jax.vmap`` over sequences
+        as :func:`jax_tq.cache.default_window_ids` says; None without one). Rows see the cache as it stands: the
         sequence's last min(seq_len, window) tokens from its window, the others from the pages (a
         row earlier than the window's first token sees only compressed tokens).
       scale: softmax scale, a finite Python number (static); default 1 / sqrt(head_dim).
@@ -118,7 +119,7 @@ def paged_prefill(q, cache, block_tables, seq_lens, query_start_loc, *, window_i
     check_decode_indices(block_tables, seq_lens, num_pages=cache.num_pages, page_size=cache.page_size,
                          op="paged_prefill")
     check_query_start_loc(query_start_loc, seq_lens, num_rows=q.shape[0])
-    windows = window_operands(cache, window_ids, seq_lens, "paged_prefill")
+    windows = window_operands(cache, window_ids, block_tables, seq_lens, "paged_prefill")
     scale = 1.0 / math.sqrt(cache.head_dim) if scale is None else scale
     if not cache.compressed:
         out = reference.paged_prefill_pages(q, cache.k_pages, cache.v_pages, block_tables, seq_lens, query_start_loc,

@@ -132,7 +132,7 @@ def ragged_paged_attention(q, k, v, cache: PagedKVCache, kv_lens, block_tables, 
     allows_f16_products(precision, q.dtype, f"jax_tq.{op}")  # a bad precision named as this op's
     sliding_window, soft_cap, sinks = check_variants(sliding_window, soft_cap, sinks, q.shape[1], op)
     variants = as_keywords(sliding_window, soft_cap, sinks)  # checked: the ops take them as they are
-    window_ids = window_ids_of(cache, window_ids, num_seqs, op)
+    window_ids = window_ids_of(cache, window_ids, num_seqs, op, block_tables)
     check_decode_indices(block_tables, kv_lens, num_pages=cache.num_pages, page_size=cache.page_size, op=op,
                          lens_name="kv_lens")
     check_query_start_loc(cu_q_lens, kv_lens, num_rows=num_tokens, op=op, starts_name="cu_q_lens",
@@ -262,7 +262,7 @@ def prompt_attention(q, k, v, cache: PagedKVCache, block_tables, prompt_lens=Non
     scale = _static_scale(scale, f"jax_tq.{op}")
     if implementation not in (None, "xla", "cudnn"):
         raise ValueError(f"jax_tq.{op}: implementation must be None, 'xla' or 'cudnn', got {implementation!r}")
-    window_ids = window_ids_of(cache, window_ids, batch, op)
+    window_ids = window_ids_of(cache, window_ids, batch, op, block_tables)
     sliding_window, soft_cap, sinks = check_variants(sliding_window, soft_cap, sinks, q.shape[2], op)
     check_decode_indices(block_tables, jnp.minimum(prompt_lens, seq_len), num_pages=cache.num_pages,
                          page_size=cache.page_size, op=op,

@@ -63,7 +63,7 @@ def fill_window(cache: PagedKVCache, block_tables, seq_lens, *, window_ids=None,
     num_seqs = block_tables.shape[0]
     seq_lens = index_array(seq_lens, "seq_lens", f"[num_seqs={num_seqs}]", op, shape=(num_seqs,))
     stop = seq_lens if stop is None else index_array(stop, "stop", f"[num_seqs={num_seqs}]", op, shape=(num_seqs,))
-    window_ids = window_ids_of(cache, window_ids, num_seqs, op)
+    window_ids = window_ids_of(cache, window_ids, num_seqs, op, block_tables)
     check_decode_indices(block_tables, seq_lens, num_pages=cache.num_pages, page_size=cache.page_size, op=op)
     if window_ids is None:
         return cache

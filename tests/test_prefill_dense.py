@@ -36,8 +36,7 @@ def _operands(cache, q, tables, lens, starts, window_ids=None):
     """The primitive's operands (q rotated by K's Pi), in float64."""
     k, v = cache.k_codec, cache.v_codec
     windows = window_operands(cache, None if window_ids is None else jnp.asarray(window_ids, jnp.int32),
-                              jnp.asarray(lens, jnp.int32),
-                              "paged_prefill")
+                              jnp.asarray(tables, jnp.int32), jnp.asarray(lens, jnp.int32), "paged_prefill")
     q_rot = to_f64(q) @ to_f64(k.rotation).T
     return (jnp.asarray(q_rot), cache.k_codes, jnp.asarray(to_f64(cache.k_norms)), cache.v_codes,
             jnp.asarray(to_f64(cache.v_norms)), jnp.asarray(to_f64(k.centroids)), jnp.asarray(to_f64(v.centroids)),
@@ -177,7 +176,7 @@ def test_dense_path_treats_non_finite_window_rows_as_the_kernel_does(rng):
     k_rotation, v_rotation = cache.k_codec.rotation, cache.v_codec.rotation
     ops = (q @ k_rotation.T, cache.k_codes, cache.k_norms, cache.v_codes, cache.v_norms, cache.k_codec.centroids,
            cache.v_codec.centroids, tables, lens,
-           *window_operands(cache, jnp.asarray([2, 0, 1], jnp.int32), lens, "paged_prefill"), starts)
+           *window_operands(cache, jnp.asarray([2, 0, 1], jnp.int32), tables, lens, "paged_prefill"), starts)
     with tq.use_backend("ffi"):
         out_rot = np.asarray(prefill_module._prefill(*ops, jnp.zeros((0,), jnp.float32), 4, 3, 0.125, False, "ffi",
                                                      0, 0.0), np.float64)
@@ -389,7 +388,7 @@ def test_dense_path_treats_non_finite_norms_as_the_kernel_does(rng):
             changed[name] = jnp.asarray(norms)
         bad = dataclasses.replace(cache, **changed)
         ops = (q_rot, bad.k_codes, bad.k_norms, bad.v_codes, bad.v_norms, bad.k_codec.centroids,
-               bad.v_codec.centroids, tables, lens, *window_operands(bad, None, lens, "paged_prefill"), starts)
+               bad.v_codec.centroids, tables, lens, *window_operands(bad, None, tables, lens, "paged_prefill"), starts)
         with tq.use_backend("ffi"):
             kernel = np.asarray(prefill_module._prefill(*ops, jnp.zeros((0,), jnp.float32), 4, 4, 0.125, False, "ffi",
                                                         0, 0.0))

@@ -184,6 +184,45 @@ def test_default_window_ids_of_more_sequences_than_windows_raise(rng):
     assert out.shape == q.shape   # explicit ids past the windows stay legal (checked mode reports them)
 
 
+@pytest.mark.parametrize("backend", ["ffi", "xla"])
+def test_vmap_over_sequences_gives_each_its_own_default_window(rng, backend):
+    """jax.vmap of a one-sequence paged_decode / paged_prefill over sequences sharing a window cache:
+    element b's default window id is b, as in one call over all the sequences (each element saw
+    window 0 before: relative error ~0.85); the float64 oracle of ids arange(3)."""
+    cache = random_window_cache(rng, window=5, num_windows=4, page_size=4, num_pages=24)
+    lens = np.asarray([9, 3, 14], np.int32)
+    tables = random_tables(rng, lens, 4, 24, max_pages=4)
+    q = jnp.asarray(rng.normal(size=(3, 4, 64)), jnp.float32)
+    with _compat.enable_x64():
+        want = np.asarray(decode_f64_of_rings(q, cache, tables, lens, np.arange(3), to_f64(cache.k_window),
+                                              to_f64(cache.v_window)))
+    one_row = jnp.asarray([0, 1], jnp.int32)   # query_start_loc of one sequence's one row
+    with tq.use_backend(backend):
+        decode = jax.jit(jax.vmap(lambda q, t, n: tq.paged_decode(q[None], cache, t[None], n[None])[0]))
+        prefill = jax.jit(jax.vmap(lambda q, t, n: tq.paged_prefill(q[None], cache, t[None], n[None], one_row)[0]))
+        for f in (decode, prefill):
+            assert rel_err(np.asarray(f(q, tables, jnp.asarray(lens))), want) < 1e-5
+
+
+def test_default_window_ids_under_vmap():
+    """The default ids under vmap: numbered across elements whose block tables differ over shared
+    windows (nested vmaps too), arange(num_seqs) in each element that has the same tables or its own
+    cache; too many sequences for the windows raise naming window_ids."""
+    cache = small_window_cache(5)   # 2 windows
+    ids = lambda c, t: tq.cache.default_window_ids(c, t, t.shape[0], "paged_decode")
+    tables = jnp.zeros((2, 1, 3), jnp.int32)
+    np.testing.assert_array_equal(jax.vmap(lambda t: ids(cache, t))(tables), [[0], [1]])
+    np.testing.assert_array_equal(jax.vmap(jax.vmap(lambda t: ids(cache, t)))(tables[:, None]), [[[0]], [[1]]])
+    np.testing.assert_array_equal(jax.vmap(lambda x: ids(cache, tables[0]) + 0 * x)(jnp.arange(3)), [[0]] * 3)
+    caches = jax.tree.map(lambda x: jnp.stack([x, x]), cache)
+    np.testing.assert_array_equal(jax.vmap(ids)(caches, tables), [[0], [0]])
+    with pytest.raises(ValueError, match="paged_decode: window_ids=None under vmap numbers the 3 x 1 sequences"):
+        jax.vmap(lambda t: ids(cache, t))(jnp.zeros((3, 1, 3), jnp.int32))
+    q = jnp.zeros((3, 1, 4, 64), jnp.float32)
+    with pytest.raises(ValueError, match="pass window_ids"):
+        jax.vmap(lambda q, t: tq.paged_decode(q, cache, t, jnp.ones(1, jnp.int32)))(q, jnp.zeros((3, 1, 4), jnp.int32))
+
+
 def test_chunk_rows_needs_the_window_id_where_the_cache_has_several():
     table = jnp.arange(4, dtype=jnp.int32)
     with pytest.raises(ValueError, match="chunk_rows: window_id is required: the cache has 2 windows"):
