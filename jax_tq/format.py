@@ -379,9 +379,12 @@ def window_slot_mapping(window_ids, positions, seq_lens, window: int):
     Returns:
       int32 [num_tokens].
     Raises:
-      ValueError: window < 1; numpy values outside int32.  TypeError: a non-integer array.
+      ValueError: window < 1; the three not of one shape [num_tokens]; numpy values outside int32.
+      TypeError: window not an int; a non-integer array.
     """
-    if not _is_int(window) or window < 1:
+    if not _is_int(window):
+        raise TypeError(f"jax_tq.window_slot_mapping: window must be an int >= 1, got {window!r}")
+    if window < 1:
         hint = " (a cache without a window: write_cache takes no window_slots)" if window == 0 else ""
         raise ValueError(f"jax_tq.window_slot_mapping: window must be an int >= 1, got {window!r}{hint}")
     named = (("window_ids", window_ids), ("positions", positions), ("seq_lens", seq_lens))
@@ -395,6 +398,10 @@ def window_slot_mapping(window_ids, positions, seq_lens, window: int):
         if xp is np and a.size and (a.min() < np.iinfo(np.int32).min or a.max() > np.iinfo(np.int32).max):
             raise ValueError(f"window_slot_mapping: {name} holds values outside int32")
         arrays.append(a.astype(xp.int32))
+    if arrays[0].ndim != 1 or any(a.shape != arrays[0].shape for a in arrays):
+        shapes = ", ".join(f"{name} {tuple(a.shape)}" for (name, _), a in zip(named, arrays))
+        raise ValueError(f"jax_tq.window_slot_mapping: window_ids, positions and seq_lens must be [num_tokens] "
+                         f"each (one per token), got {shapes}")
     window_ids, positions, seq_lens = arrays
     max_id = (np.iinfo(np.int32).max - (window - 1)) // window
     kept = ((window_ids >= 0) & (window_ids <= max_id) & (positions >= 0) & (positions < seq_lens)

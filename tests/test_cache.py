@@ -518,6 +518,13 @@ def test_window_slot_mapping_keeps_each_sequence_s_last_tokens():
         tq.window_slot_mapping(np.asarray([2**40]), [3], [4], 2)
     with pytest.raises(TypeError, match="positions must be integers"):
         tq.window_slot_mapping([1], [3.7], [4], 2)
+    with pytest.raises(ValueError, match=r"must be \[num_tokens\] each .*window_ids \(3,\), positions \(7,\), "
+                                         r"seq_lens \(7,\)"):
+        tq.window_slot_mapping(ids[:3], positions, lens, 3)
+    with pytest.raises(ValueError, match=r"seq_lens \(\)"):
+        tq.window_slot_mapping(ids, positions, 4, 3)
+    with pytest.raises(TypeError, match="window must be an int"):
+        tq.window_slot_mapping(ids, positions, lens, 3.0)
     # numpy ids with traced positions: the jnp path
     traced = jax.jit(lambda p: tq.window_slot_mapping(ids, p, lens, 3))(jnp.asarray(positions))
     np.testing.assert_array_equal(traced, got)
