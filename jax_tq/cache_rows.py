@@ -21,7 +21,7 @@ import numpy as np
 from jax_tq import _compat
 from jax_tq.cache import PagedKVCache, slot_mapping, window_ids_of, write_cache, write_tokens
 from jax_tq.checks import check_decode_indices, check_window_ids
-from jax_tq.format import window_slot_mapping
+from jax_tq.format import INDEX_MAX, window_slot_mapping
 from jax_tq.paged_decode import paged_decode
 from jax_tq.paged_prefill import paged_prefill
 from jax_tq.ragged import prompt_attention
@@ -169,6 +169,7 @@ def chunk_rows(cache: PagedKVCache, block_table, start: int, num_tokens: int, wi
         ``window_id`` for a cache with several windows (another sequence's ring would be overwritten).
     """
     where = "chunk_rows"
+    block_table = _listed_as_array(block_table)
     for name, value, least in (("start", start, 0), ("num_tokens", num_tokens, 1)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
             raise TypeError(f"{where}: {name} must be a Python int, got {type(value).__name__}")
@@ -222,6 +223,7 @@ def decode_rows(cache: PagedKVCache, block_tables, position, seq_lens, window_id
       ValueError: window_ids not integer ``[S]``; window_ids=None with more rows than the cache's
         window ids (the default ids past them would write no window).
     """
+    block_tables = _listed_as_array(block_tables)
     position, seq_lens = jnp.asarray(position), jnp.asarray(seq_lens)
     slots = jnp.where(seq_lens > 0, slot_mapping(block_tables, position.astype(jnp.int32), cache.page_size), -1)
     # checked mode: the arguments named here, before write_cache sees the slots made of them
@@ -256,6 +258,7 @@ def prompt_rows(cache: PagedKVCache, block_tables, prompt_lens, prompt_len: int,
         raise TypeError(f"prompt_rows: prompt_len must be a Python int, got {type(prompt_len).__name__}")
     if prompt_len < 1:
         raise ValueError(f"prompt_rows: prompt_len must be >= 1, got {prompt_len}")
+    block_tables, prompt_lens = _listed_as_array(block_tables), _listed_as_array(prompt_lens)
     if not isinstance(prompt_lens, jax.core.Tracer):
         lens = np.asarray(prompt_lens)
         if lens.size and (lens.min() < 0 or lens.max() > prompt_len):
@@ -264,6 +267,15 @@ def prompt_rows(cache: PagedKVCache, block_tables, prompt_lens, prompt_len: int,
     unused = jnp.full((prompt_lens.shape[0] * prompt_len,), -1, jnp.int32)  # prompt_attention writes
     return CacheRows(unused, block_tables, prompt_lens, window_ids=ids, prompt_len=int(prompt_len),
                      page_size=cache.page_size)
+
+
+def _listed_as_array(x):
+    """A Python list or tuple as a numpy array, int32 where its ints fit (the callers check the rest)."""
+    if not isinstance(x, (list, tuple)):
+        return x
+    a = np.asarray(x)
+    fits = np.issubdtype(a.dtype, np.integer) and (a.size == 0 or (a.min() >= -INDEX_MAX - 1 and a.max() <= INDEX_MAX))
+    return a.astype(np.int32) if fits else a
 
 
 def _window_ids(window_ids, num_seqs: int, cache: PagedKVCache, where: str, block_tables):

@@ -19,7 +19,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from jax_tq.cache import PagedKVCache, write_cache
+from jax_tq.cache import PagedKVCache, window_ids_of, write_cache
 from jax_tq.format import window_slot_mapping
 from jax_tq.codec import TurboQuant
 from jax_tq.compress import check_float_input, check_packed_codec, compress, decompress
@@ -133,7 +133,7 @@ def _round_trip_jvp(codec, primals, tangents):
 
 def paged_attention(q, k, v, cache: PagedKVCache, slot_mapping, block_tables, seq_lens, *, window_ids=None,
                     scale=None, num_splits=None, precision=None):
-    """One decode step of attention over a compressed paged cache: write, then attend.
+    """One decode step of attention over a paged cache (compressed or uncompressed): write, then attend.
 
     Args:
       q: [num_seqs, num_heads, head_dim] float32/bfloat16/float16 queries of the new token of each
@@ -166,7 +166,7 @@ def paged_attention(q, k, v, cache: PagedKVCache, slot_mapping, block_tables, se
     window_slots = None
     if cache.window:
         seq_lens = jnp.asarray(seq_lens)
-        window_ids = jnp.arange(seq_lens.shape[0], dtype=jnp.int32) if window_ids is None else window_ids
+        window_ids = window_ids_of(cache, window_ids, seq_lens.shape[0], "nn.paged_attention", block_tables)
         window_slots = window_slot_mapping(window_ids, seq_lens - 1, seq_lens, cache.window)
     cache = write_cache(cache, k, v, slot_mapping, window_slots)
     out = paged_decode(q, cache, block_tables, seq_lens, window_ids=window_ids, scale=scale, num_splits=num_splits,

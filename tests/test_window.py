@@ -204,6 +204,24 @@ def test_vmap_over_sequences_gives_each_its_own_default_window(rng, backend):
             assert rel_err(np.asarray(f(q, tables, jnp.asarray(lens))), want) < 1e-5
 
 
+def test_nn_paged_attention_under_vmap_over_sequences_equals_one_call(rng):
+    """jax_tq.nn.paged_attention's default window ids follow default_window_ids too: a vmap of its
+    one-sequence step over three sequences of a shared cache gives the three-sequence call's
+    outputs (it read window 0 for each before)."""
+    from jax_tq import nn as tq_nn
+    cache = random_window_cache(rng, window=5, num_windows=3, page_size=4, num_pages=24)
+    lens = np.asarray([9, 3, 14], np.int32)
+    tables = random_tables(rng, lens, 4, 24, max_pages=4)
+    q = jnp.asarray(rng.normal(size=(3, 4, 64)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(3, 2, 64)), jnp.float32) for _ in range(2))
+    slots = tq.slot_mapping(tables, jnp.asarray(lens) - 1, 4)
+    want, _ = tq_nn.paged_attention(q, k, v, cache, slots, tables, jnp.asarray(lens))
+    step = jax.vmap(lambda q, k, v, s, t, n: tq_nn.paged_attention(q[None], k[None], v[None], cache, s[None], t[None],
+                                                                  n[None])[0][0])
+    got = jax.jit(step)(q, k, v, slots, tables, jnp.asarray(lens))
+    assert rel_err(np.asarray(got), np.asarray(want)) < 1e-6
+
+
 def test_default_window_ids_under_vmap():
     """The default ids under vmap: numbered across elements whose block tables differ over shared
     windows (nested vmaps too), arange(num_seqs) in each element that has the same tables or its own
@@ -232,6 +250,24 @@ def test_chunk_rows_needs_the_window_id_where_the_cache_has_several():
     single = tq.PagedKVCache.create(num_pages=4, page_size=4, num_kv_heads=2, preset="k4v4", head_dim=64,
                                     num_windows=1)
     np.testing.assert_array_equal(np.asarray(tq.chunk_rows(single, table, 0, 3).window_slots), [0, 1, 2])
+
+
+def test_rows_take_python_lists_as_their_arrays():
+    """chunk_rows / prompt_rows / decode_rows of lists equal those of int32 arrays (lists raised an
+    AttributeError in the first two, and decode_rows kept the table as a list: a pytree of its ints);
+    a list of floats is refused as a float array is."""
+    cache = small_window_cache(5)
+    for rows, want in ((tq.chunk_rows(cache, [3, 1], 2, 3, window_id=1),
+                        tq.chunk_rows(cache, jnp.asarray([3, 1], jnp.int32), 2, 3, window_id=1)),
+                       (tq.prompt_rows(cache, [[0, 1], [2, 3]], [3, 4], 5),
+                        tq.prompt_rows(cache, jnp.asarray([[0, 1], [2, 3]], jnp.int32), jnp.asarray([3, 4], jnp.int32), 5)),
+                       (tq.decode_rows(cache, [[0, 1], [2, 3]], [4, 2], [5, 3]),
+                        tq.decode_rows(cache, jnp.asarray([[0, 1], [2, 3]], jnp.int32), jnp.asarray([4, 2], jnp.int32),
+                                       jnp.asarray([5, 3], jnp.int32)))):
+        for a, b in zip(jax.tree_util.tree_leaves(rows), jax.tree_util.tree_leaves(want), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(TypeError, match="block_tables must be int32"):
+        tq.chunk_rows(cache, [3.0, 1.0], 2, 3, window_id=1)
 
 
 # ------------------------------------------------------------------------ gradients through the window
