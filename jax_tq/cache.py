@@ -534,7 +534,9 @@ def default_window_ids(cache: PagedKVCache, block_tables, num_seqs: int, op: str
     share the cache's windows, element b's sequence s uses window ``b * num_seqs + s`` (the
     numbering of one call over all of them); where the block tables are the same in every element
     (the same sequences), or each element has a cache of its own, every element's ids are
-    ``arange(num_seqs)``.
+    ``arange(num_seqs)``. The windows of a cache that a vmapped :func:`jax_tq.write_cache` wrote are
+    mapped (each element a copy): pass the ids the write used (as :func:`jax_tq.nn.paged_attention`
+    does) rather than None.
 
     Args:
       cache: a :class:`PagedKVCache` with a window.  block_tables: int32 [num_seqs, max_pages] (a
