@@ -502,10 +502,10 @@ def _window_slots(cache, window_slots, num_tokens: int):
     return window_slots
 
 
-def window_ids_of(cache: PagedKVCache, window_ids, num_seqs: int, op: str, block_tables=None):
+def window_ids_of(cache: PagedKVCache, window_ids, num_seqs: int, op: str, block_tables):
     """int32 [num_seqs] window ids for a cache with a window; None without one. The default:
-    sequence s uses window s (:func:`default_window_ids`, numbered across the elements of a
-    ``jax.vmap`` over sequences when ``block_tables`` is given).
+    sequence s uses window s (:func:`default_window_ids`: numbered across the elements of a
+    ``jax.vmap`` over sequences, ``block_tables`` telling which).
 
     Raises:
       ValueError: window_ids given for a cache without a window; window_ids=None with more
@@ -522,8 +522,6 @@ def window_ids_of(cache: PagedKVCache, window_ids, num_seqs: int, op: str, block
             raise ValueError(f"jax_tq.{op}: {num_seqs} sequences but the cache has {cache.num_windows} window ids; "
                              "pass window_ids (each sequence's window id) or create the cache with num_windows >= "
                              "the number of sequences")
-        if block_tables is None:
-            return jnp.arange(num_seqs, dtype=jnp.int32)
         return default_window_ids(cache, block_tables, num_seqs, op)
     return index_array(window_ids, "window_ids", f"[num_seqs={num_seqs}]", op, shape=(num_seqs,))
 
