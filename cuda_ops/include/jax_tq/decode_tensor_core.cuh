@@ -157,14 +157,22 @@ __device__ __forceinline__ void split2_satfinite(float x0, float x1, uint32_t& h
 // lane of a (half-)warp reads its own bank(s), so the random look-ups never conflict. A look-up's
 // shared-memory offset is ONE byte permute: byte 0 = the lane's copy offset (+128 for V), byte 1 =
 // the code byte, bytes 2-3 = 0.
-template <bool SPLIT>
+// KQUAD (2-bit K codes in v4's ring): the K part holds quad entries instead, entry e (a key of
+// four codes) = {f16x2 (c[e & 3], c[(e >> 2) & 3]), f16x2 (c[(e >> 4) & 3], c[e >> 6])}, 16 copies
+// of 8 bytes: one look-up (quad) serves two codes of each of two tokens (tile_dots).
+template <bool SPLIT, bool KQUAD = false>
 struct PairLut {
   const uint8_t* table;
   uint32_t k_lane, v_lane;  // byte-0 offsets of this lane's copy in the K and V parts
   __device__ __forceinline__ PairLut(const uint8_t* smem, int lane)
       : table(smem),
-        k_lane(SPLIT ? 8u * (lane & 15) : 4u * lane),
+        k_lane(SPLIT || KQUAD ? 8u * (lane & 15) : 4u * lane),
         v_lane(128u + (SPLIT ? 8u * (lane & 15) : 4u * lane)) {}
+  // The quad entry of byte j (0..3) of `word` (KQUAD's K part).
+  __device__ __forceinline__ uint2 quad(uint32_t word, int j) const {
+    const uint32_t off = __byte_perm(word, k_lane, 0x7604u | (static_cast<uint32_t>(j) << 4));
+    return *reinterpret_cast<const uint2*>(table + off);
+  }
   // Entry of byte j (0..3) of `word`, from the part at `lane_off` (k_lane or v_lane).
   __device__ __forceinline__ uint2 at(uint32_t word, int j, uint32_t lane_off) const {
     const uint32_t off = __byte_perm(word, lane_off, 0x7604u | (static_cast<uint32_t>(j) << 4));
@@ -182,6 +190,15 @@ __device__ __forceinline__ void store_lut_entry(uint8_t* smem, int is_v, int e, 
   split2(c_lo, c_hi, hi, lo);
   const uint4 v = SPLIT ? make_uint4(hi, lo, hi, lo) : make_uint4(hi, hi, hi, hi);
   uint4* part = reinterpret_cast<uint4*>(smem + e * 256 + is_v * 128);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) part[(j + threadIdx.x) & 7] = v;
+}
+
+// Quad entry e of the K table (PairLut's KQUAD layout) from the 4 centroids c of its codes.
+__device__ __forceinline__ void store_quad_entry(uint8_t* smem, int e, const float (&c)[4]) {
+  const uint32_t q01 = h2_bits(__floats2half2_rn(c[0], c[1])), q23 = h2_bits(__floats2half2_rn(c[2], c[3]));
+  const uint4 v = make_uint4(q01, q23, q01, q23);
+  uint4* part = reinterpret_cast<uint4*>(smem + e * 256);
 #pragma unroll
   for (int j = 0; j < 8; ++j) part[(j + threadIdx.x) & 7] = v;
 }
@@ -206,28 +223,41 @@ __device__ __forceinline__ void build_pair_luts(uint8_t* smem, const float* kcen
 // and one V entry each).
 struct LutSeed {
   float k_lo, k_hi, v_lo, v_hi;
+  float k_q2, k_q3;  // KQUAD: the centroids of the entry's codes 2 and 3 (bits 4-5, 6-7)
 };
 
 // k_shift / v_shift: the tables' key shift S (entry e = (c[e & M], c[(e >> S) & M]), see
 // load_k_keys): 4 for nibble keys, the code width for keys taken straight from 2- / 3-bit codes.
+template <bool KQUAD = false>
 __device__ __forceinline__ LutSeed load_lut_seed(const float* kcent, const float* vcent, int k_bits, int v_bits,
                                                  int k_shift, int v_shift) {
   const int e = threadIdx.x & 255;
   const int km = (1 << k_bits) - 1, vm = (1 << v_bits) - 1;
-  return {ld_early(kcent + (e & km)), ld_early(kcent + ((e >> k_shift) & km)), ld_early(vcent + (e & vm)),
-          ld_early(vcent + ((e >> v_shift) & vm))};
+  LutSeed seed = {ld_early(kcent + (e & km)), ld_early(kcent + ((e >> k_shift) & km)), ld_early(vcent + (e & vm)),
+                  ld_early(vcent + ((e >> v_shift) & vm)), 0.f, 0.f};
+  if constexpr (KQUAD) seed.k_q2 = ld_early(kcent + ((e >> 4) & 3)), seed.k_q3 = ld_early(kcent + ((e >> 6) & 3));
+  return seed;
 }
 
-template <bool SPLIT>
+template <bool KQUAD>
+__device__ __forceinline__ void store_k_entry(uint8_t* smem, int e, const LutSeed& seed) {
+  if constexpr (KQUAD) store_quad_entry(smem, e, {seed.k_lo, seed.k_hi, seed.k_q2, seed.k_q3});
+  else store_lut_entry<false>(smem, 0, e, seed.k_lo, seed.k_hi);
+}
+
+template <bool SPLIT, bool KQUAD = false>
 __device__ __forceinline__ void build_pair_luts(uint8_t* smem, const LutSeed& seed) {
-  store_lut_entry<SPLIT>(smem, 0, threadIdx.x & 255, seed.k_lo, seed.k_hi);
+  static_assert(!(SPLIT && KQUAD), "quad K entries: f16 products");
+  if constexpr (KQUAD) store_k_entry<true>(smem, threadIdx.x & 255, seed);
+  else store_lut_entry<SPLIT>(smem, 0, threadIdx.x & 255, seed.k_lo, seed.k_hi);
   store_lut_entry<SPLIT>(smem, 1, threadIdx.x & 255, seed.v_lo, seed.v_hi);
 }
 
 // Two items per CTA: item 0's 256 threads build the K table, item 1's the V table (entry e = tid).
-template <bool SPLIT>
+template <bool SPLIT, bool KQUAD = false>
 __device__ __forceinline__ void build_item_lut(uint8_t* smem, const LutSeed& seed, int item, int tid) {
-  if (item == 0) store_lut_entry<SPLIT>(smem, 0, tid, seed.k_lo, seed.k_hi);
+  static_assert(!(SPLIT && KQUAD), "quad K entries: f16 products");
+  if (item == 0) store_k_entry<KQUAD>(smem, tid, seed);
   else store_lut_entry<SPLIT>(smem, 1, tid, seed.v_lo, seed.v_hi);
 }
 
@@ -281,6 +311,18 @@ __device__ __forceinline__ void load_v_codes(const uint8_t* src, uint32_t (&w)[N
     w[0] = N == 2 ? Mem::template at<uint32_t>(src) : Mem::template at<unsigned short>(src);
   } else {
     load_nibbles<BITS, N, Mem, AL>(src, w);
+  }
+}
+
+// K codes of a lane for tile_dots: load_k_keys' key words, or with QUAD (2-bit codes) the raw words
+// (N / 2: a byte holds the codes of coordinates 4 b .. 4 b + 3, one quad look-up).
+template <int BITS, int N, class Mem, int AL, bool QUAD>
+__device__ __forceinline__ void load_k_codes(const uint8_t* src, uint32_t (&w)[N]) {
+  if constexpr (QUAD) {
+    static_assert(BITS == 2 && (N == 2 || N == 4), "quad keys: 2-bit K chunks of 4 or 8 bytes");
+    load_words<N / 2, Mem, AL>(src, reinterpret_cast<uint32_t(&)[N / 2]>(w));
+  } else {
+    load_k_keys<BITS, N, Mem, AL>(src, w);
   }
 }
 
@@ -432,15 +474,26 @@ __device__ __forceinline__ void query_fragments(const float* q_s, int gid, int t
 }
 
 // Kdec * Q^T of one tile before the norms (tile_scores' fragment layout).
-template <int D, bool SPLIT>
+template <int D, bool SPLIT, bool KQUAD = false>
 __device__ __forceinline__ void tile_dots(const Tile<D>& cur, const uint32_t (&qh)[Dims<D>::kKS][2],
-                                          const uint32_t (&ql)[Dims<D>::kKS][2], const PairLut<SPLIT>& ilut,
+                                          const uint32_t (&ql)[Dims<D>::kKS][2], const PairLut<SPLIT, KQUAD>& ilut,
                                           float (&s)[4]) {
   float sh[2][4] = {}, sx[2][4] = {};  // even / odd k-steps: two independent MMA chains (sx: SPLIT)
   const uint32_t (&ka)[Dims<D>::kKW] = cur.k0;
   const uint32_t (&kb)[Dims<D>::kKW] = cur.k1;
 #pragma unroll
   for (int ks = 0; ks < Dims<D>::kKS; ++ks) {
+    if constexpr (KQUAD) {
+      // Raw byte ks of a token: coordinates 4ks, 4ks + 1 (k 2t4, 2t4 + 1) in its low nibble, 4ks + 2,
+      // 4ks + 3 (k 2t4 + 8, + 9) in its high one. Keys: the low (high) nibbles of tokens gid and
+      // gid + 8 side by side, so that one quad entry is a0, a1 (a2, a3): adjacent registers.
+      const uint32_t a = ka[ks >> 2], b = kb[ks >> 2];
+      const uint32_t lo = (a & 0x0F0F0F0Fu) | ((b << 4) & 0xF0F0F0F0u), hi = ((a >> 4) & 0x0F0F0F0Fu) | (b & 0xF0F0F0F0u);
+      const uint2 e0 = ilut.quad(lo, ks & 3), e1 = ilut.quad(hi, ks & 3);
+      const uint32_t ahi[4] = {e0.x, e0.y, e1.x, e1.y};
+      mma16816(sh[ks & 1], ahi, qh[ks][0], qh[ks][1]);
+      continue;
+    }
     const int w = ks >> 1;
     const int j0 = (ks & 1) * 2;  // byte of the word: 2ks, then 2ks+1
     const uint2 t00 = ilut.at(ka[w], j0, ilut.k_lane);      // token gid,   byte 2ks
@@ -495,19 +548,19 @@ __device__ __forceinline__ void scale_capped_scores(const DecodeParams& p, const
 
 // S^T = Kdec * Q^T for one tile, in log2 units: s[0] (token gid, head 2t4), s[1] (gid, 2t4+1),
 // s[2] (gid+8, 2t4), s[3] (gid+8, 2t4+1); a masked token (NaN norm) or a NaN product gives -inf.
-template <int D, bool SPLIT>
+template <int D, bool SPLIT, bool KQUAD = false>
 __device__ __forceinline__ void tile_scores(const Tile<D>& cur, const uint32_t (&qh)[Dims<D>::kKS][2],
                                             const uint32_t (&ql)[Dims<D>::kKS][2], float qx0, float qx1,
-                                            const PairLut<SPLIT>& ilut, float (&s)[4]) {
-  tile_dots<D, SPLIT>(cur, qh, ql, ilut, s);
+                                            const PairLut<SPLIT, KQUAD>& ilut, float (&s)[4]) {
+  tile_dots<D, SPLIT, KQUAD>(cur, qh, ql, ilut, s);
   scale_scores<D>(cur, qx0, qx1, s);
 }
 
 // The V MMAs of tile_accumulate_v from nibble words: B = (ph, pl).
-template <int D, bool SPLIT>
+template <int D, bool SPLIT, bool KQ = false>
 __device__ __forceinline__ void tile_accumulate_v_nibbles(const uint32_t (&v)[4][Dims<D>::kVW], uint32_t ph0,
                                                           uint32_t pl0, uint32_t ph1, uint32_t pl1,
-                                                          const PairLut<SPLIT>& ilut, float (&o)[Dims<D>::kKS][4]) {
+                                                          const PairLut<SPLIT, KQ>& ilut, float (&o)[Dims<D>::kKS][4]) {
   constexpr int VW = Dims<D>::kVW;
   uint32_t lo01[VW], hi01[VW], lo23[VW], hi23[VW];  // byte mt of word (mt >> 2): table indices
 #pragma unroll
@@ -542,9 +595,9 @@ __device__ __forceinline__ void tile_accumulate_v_nibbles(const uint32_t (&v)[4]
 // The V MMAs of one tile with P^T's B fragments given: (ph0, pl0) for the k positions of the lane's
 // V rows 0, 1 and (ph1, pl1) for rows 2, 3 (hi / lo, lo 0 unless SPLIT).
 // V2: v holds raw 2-bit codes (load_v_codes), looked up with keys of shift 2.
-template <int D, bool SPLIT, bool V2>
+template <int D, bool SPLIT, bool V2, bool KQ = false>
 __device__ __forceinline__ void tile_accumulate_v_b(const uint32_t (&v)[4][Dims<D>::kVW], uint32_t ph0, uint32_t pl0,
-                                                    uint32_t ph1, uint32_t pl1, const PairLut<SPLIT>& ilut,
+                                                    uint32_t ph1, uint32_t pl1, const PairLut<SPLIT, KQ>& ilut,
                                                     float (&o)[Dims<D>::kKS][4]) {
   if constexpr (V2) {
     // Nibble mt of a raw word holds coordinates 2mt (bits 0-1) and 2mt + 1 (bits 2-3): keys of
@@ -1237,6 +1290,7 @@ struct F16Shape {
   static constexpr int SK = DS * kb / 8, SV = DS * vb / 8;    // ... a stage row's stride
   // Table key shifts (load_k_keys): the ring's 2- / 3-bit K and 2-bit V codes make their own keys.
   static constexpr bool V2 = RING && VB == 2;
+  static constexpr bool QUADK = RING && KB == 2;  // K looked up a code byte (4 codes) at a time: PairLut's KQUAD
   static constexpr int KSHIFT = RING && (KB == 2 || KB == 3) ? KB : 4, VSHIFT = V2 ? 2 : 4;
   // The folded window (format.h "Window"; p.kwin): read by the CTA of split p.window_split, after
   // its page tiles.
@@ -1519,8 +1573,8 @@ struct TileRing {
   __device__ __forceinline__ void read(int st, int n, Tile<S::DW>& t, int gid, int t4, int skip = 0) const {
     const uint8_t* src = ring + st * S::kStage;
     constexpr int KW = Dims<S::DW>::kKW, VW = Dims<S::DW>::kVW;
-    load_k_keys<S::kb, KW, SharedMem, ALK>(src + ring_offset<S::SK>(gid, (S::RK / 4) * t4), t.k0);
-    load_k_keys<S::kb, KW, SharedMem, ALK>(src + ring_offset<S::SK>(gid + 8, (S::RK / 4) * t4), t.k1);
+    load_k_codes<S::kb, KW, SharedMem, ALK, S::QUADK>(src + ring_offset<S::SK>(gid, (S::RK / 4) * t4), t.k0);
+    load_k_codes<S::kb, KW, SharedMem, ALK, S::QUADK>(src + ring_offset<S::SK>(gid + 8, (S::RK / 4) * t4), t.k1);
 #pragma unroll
     for (int e = 0; e < 4; ++e)
       load_v_codes<S::vb, VW, SharedMem, ALV>(
@@ -1610,11 +1664,11 @@ struct SoftmaxState {
 template <class S>
 __device__ __forceinline__ void consume_tile(const DecodeParams& p, const Tile<S::DW>& cur, int xb,
                                              const QueryFragments<S::KS>& q,
-                                             const PairLut<false>& ilut, SoftmaxState<S::KS>& sm, float4* x_s,
+                                             const PairLut<false, S::QUADK>& ilut, SoftmaxState<S::KS>& sm, float4* x_s,
                                              int warp, int stream, int lane) {
   float s[4];
   if constexpr (S::HALVES == 2) {
-    tile_dots<S::DW, false>(cur, q.qh, q.ql, ilut, s);
+    tile_dots<S::DW, false, S::QUADK>(cur, q.qh, q.ql, ilut, s);
     x_s[(2 * warp + xb) * 32 + lane] = make_float4(s[0], s[1], s[2], s[3]);
     asm volatile("bar.sync %0, 64;" ::"r"(1 + stream) : "memory");  // the pair's two warps
     const float4 other = x_s[(2 * (warp ^ 1) + xb) * 32 + lane];
@@ -1624,10 +1678,10 @@ __device__ __forceinline__ void consume_tile(const DecodeParams& p, const Tile<S
     s[3] += other.w;
     scale_scores<S::DW>(cur, q.qx0, q.qx1, s);
   } else if constexpr (S::MASKS) {
-    tile_dots<S::DW, false>(cur, q.qh, q.ql, ilut, s);
+    tile_dots<S::DW, false, S::QUADK>(cur, q.qh, q.ql, ilut, s);
     scale_capped_scores<S::DW>(p, cur, q.qx0, q.qx1, s);
   } else {
-    tile_scores<S::DW, false>(cur, q.qh, q.ql, q.qx0, q.qx1, ilut, s);
+    tile_scores<S::DW, false, S::QUADK>(cur, q.qh, q.ql, q.qx0, q.qx1, ilut, s);
   }
   // The weight is p * v_norm with the norm as stored (a NaN norm gives a NaN output row, as in the
   // reference and v1; masked tokens have norm 0); the max covers log2 |v_norm| (flushed to -inf
@@ -1763,7 +1817,7 @@ __global__ void __launch_bounds__(v4_threads(ITEMS), v4_ctas_per_sm(ITEMS))
   // latency behind them, at the start and again in the fused epilogue.)
   static_assert(kT4 == 256, "one K and one V table entry per thread");
   trace_phase(p, trace_cta, warp, lane, 0);
-  const LutSeed lut_seed = load_lut_seed(p.kcent, p.vcent, p.k_bits, p.v_bits, S::KSHIFT, S::VSHIFT);
+  const LutSeed lut_seed = load_lut_seed<S::QUADK>(p.kcent, p.vcent, p.k_bits, p.v_bits, S::KSHIFT, S::VSHIFT);
   QueryRows<S::QROW, S::HPW> qrows =
       load_query_rows<S::QROW, GT, S::HPW, S::DV, S::DW>(p, seq, kvh, tile, warp, lane);
   const bool fused_epilogue = D == kD && p.rot != nullptr && !writes_partials(p);
@@ -1813,7 +1867,7 @@ __global__ void __launch_bounds__(v4_threads(ITEMS), v4_ctas_per_sm(ITEMS))
     }
   };
   if constexpr (S::kSeveral) first_copies();
-  if constexpr (S::kSeveral) build_item_lut<false>(smem, lut_seed, threadIdx.x >> 8, threadIdx.x & 255);
+  if constexpr (S::kSeveral) build_item_lut<false, S::QUADK>(smem, lut_seed, threadIdx.x >> 8, threadIdx.x & 255);
   stage_queries<S::QROW, S::HPW, S::DV, S::DW>(p, qrows, q_s, qexp_s, bad_s, warp, lane, w_s[slot]);
   if (slot == 0) rot_v_s[lane] = rot_v;
   if constexpr (!S::kSeveral) first_copies();
@@ -1825,10 +1879,10 @@ __global__ void __launch_bounds__(v4_threads(ITEMS), v4_ctas_per_sm(ITEMS))
   q.qx1 = qexp_s[2 * t4 + 1];
   if constexpr (!S::kSeveral) {
     __syncthreads();
-    build_pair_luts<false>(smem, lut_seed);
+    build_pair_luts<false, S::QUADK>(smem, lut_seed);
     __syncthreads();
   }
-  PairLut<false> ilut(smem, lane);
+  PairLut<false, S::QUADK> ilut(smem, lane);
   if constexpr (S::kPinned) asm("" : "+r"(ilut.k_lane), "+r"(ilut.v_lane));
   trace_phase(p, trace_cta, warp, lane, 3);
 
