@@ -157,20 +157,21 @@ __device__ __forceinline__ void split2_satfinite(float x0, float x1, uint32_t& h
 // lane of a (half-)warp reads its own bank(s), so the random look-ups never conflict. A look-up's
 // shared-memory offset is ONE byte permute: byte 0 = the lane's copy offset (+128 for V), byte 1 =
 // the code byte, bytes 2-3 = 0.
-// KQUAD (2-bit K codes in v4's ring): the K part holds quad entries instead, entry e (a key of
-// four codes) = {f16x2 (c[e & 3], c[(e >> 2) & 3]), f16x2 (c[(e >> 4) & 3], c[e >> 6])}, 16 copies
-// of 8 bytes: one look-up (quad) serves two codes of each of two tokens (tile_dots).
-template <bool SPLIT, bool KQUAD = false>
+// KQUAD / VQUAD (2-bit K / V codes in v4's ring): that part holds quad entries instead, entry e (a
+// key of four codes) = {f16x2 (c[e & 3], c[(e >> 2) & 3]), f16x2 (c[(e >> 4) & 3], c[e >> 6])}, 16
+// copies of 8 bytes: one look-up (quad) gives two adjacent registers of an MMA's A fragment
+// (tile_dots, tile_accumulate_v_b).
+template <bool SPLIT, bool KQUAD = false, bool VQUAD = false>
 struct PairLut {
   const uint8_t* table;
   uint32_t k_lane, v_lane;  // byte-0 offsets of this lane's copy in the K and V parts
   __device__ __forceinline__ PairLut(const uint8_t* smem, int lane)
       : table(smem),
         k_lane(SPLIT || KQUAD ? 8u * (lane & 15) : 4u * lane),
-        v_lane(128u + (SPLIT ? 8u * (lane & 15) : 4u * lane)) {}
-  // The quad entry of byte j (0..3) of `word` (KQUAD's K part).
-  __device__ __forceinline__ uint2 quad(uint32_t word, int j) const {
-    const uint32_t off = __byte_perm(word, k_lane, 0x7604u | (static_cast<uint32_t>(j) << 4));
+        v_lane(128u + (SPLIT || VQUAD ? 8u * (lane & 15) : 4u * lane)) {}
+  // The quad entry of byte j (0..3) of `word`, from the (quad) part at `lane_off`.
+  __device__ __forceinline__ uint2 quad(uint32_t word, int j, uint32_t lane_off) const {
+    const uint32_t off = __byte_perm(word, lane_off, 0x7604u | (static_cast<uint32_t>(j) << 4));
     return *reinterpret_cast<const uint2*>(table + off);
   }
   // Entry of byte j (0..3) of `word`, from the part at `lane_off` (k_lane or v_lane).
@@ -194,11 +195,11 @@ __device__ __forceinline__ void store_lut_entry(uint8_t* smem, int is_v, int e, 
   for (int j = 0; j < 8; ++j) part[(j + threadIdx.x) & 7] = v;
 }
 
-// Quad entry e of the K table (PairLut's KQUAD layout) from the 4 centroids c of its codes.
-__device__ __forceinline__ void store_quad_entry(uint8_t* smem, int e, const float (&c)[4]) {
+// Quad entry e of one table (is_v: the V part; PairLut's quad layout) from the 4 centroids c of its codes.
+__device__ __forceinline__ void store_quad_entry(uint8_t* smem, int is_v, int e, const float (&c)[4]) {
   const uint32_t q01 = h2_bits(__floats2half2_rn(c[0], c[1])), q23 = h2_bits(__floats2half2_rn(c[2], c[3]));
   const uint4 v = make_uint4(q01, q23, q01, q23);
-  uint4* part = reinterpret_cast<uint4*>(smem + e * 256);
+  uint4* part = reinterpret_cast<uint4*>(smem + e * 256 + is_v * 128);
 #pragma unroll
   for (int j = 0; j < 8; ++j) part[(j + threadIdx.x) & 7] = v;
 }
@@ -223,42 +224,43 @@ __device__ __forceinline__ void build_pair_luts(uint8_t* smem, const float* kcen
 // and one V entry each).
 struct LutSeed {
   float k_lo, k_hi, v_lo, v_hi;
-  float k_q2, k_q3;  // KQUAD: the centroids of the entry's codes 2 and 3 (bits 4-5, 6-7)
+  float k_q2, k_q3, v_q2, v_q3;  // quad parts: the centroids of the entry's codes 2 and 3 (bits 4-5, 6-7)
 };
 
 // k_shift / v_shift: the tables' key shift S (entry e = (c[e & M], c[(e >> S) & M]), see
 // load_k_keys): 4 for nibble keys, the code width for keys taken straight from 2- / 3-bit codes.
-template <bool KQUAD = false>
+template <bool KQUAD = false, bool VQUAD = false>
 __device__ __forceinline__ LutSeed load_lut_seed(const float* kcent, const float* vcent, int k_bits, int v_bits,
                                                  int k_shift, int v_shift) {
   const int e = threadIdx.x & 255;
   const int km = (1 << k_bits) - 1, vm = (1 << v_bits) - 1;
   LutSeed seed = {ld_early(kcent + (e & km)), ld_early(kcent + ((e >> k_shift) & km)), ld_early(vcent + (e & vm)),
-                  ld_early(vcent + ((e >> v_shift) & vm)), 0.f, 0.f};
+                  ld_early(vcent + ((e >> v_shift) & vm)), 0.f, 0.f, 0.f, 0.f};
   if constexpr (KQUAD) seed.k_q2 = ld_early(kcent + ((e >> 4) & 3)), seed.k_q3 = ld_early(kcent + ((e >> 6) & 3));
+  if constexpr (VQUAD) seed.v_q2 = ld_early(vcent + ((e >> 4) & 3)), seed.v_q3 = ld_early(vcent + ((e >> 6) & 3));
   return seed;
 }
 
-template <bool KQUAD>
-__device__ __forceinline__ void store_k_entry(uint8_t* smem, int e, const LutSeed& seed) {
-  if constexpr (KQUAD) store_quad_entry(smem, e, {seed.k_lo, seed.k_hi, seed.k_q2, seed.k_q3});
-  else store_lut_entry<false>(smem, 0, e, seed.k_lo, seed.k_hi);
+// Entry e of the K (is_v 0) or V table: a quad entry where QUAD, else a pair entry.
+template <bool SPLIT, bool QUAD>
+__device__ __forceinline__ void store_seed_entry(uint8_t* smem, int is_v, int e, const LutSeed& seed) {
+  static_assert(!(SPLIT && QUAD), "quad entries: f16 products");
+  const float lo = is_v ? seed.v_lo : seed.k_lo, hi = is_v ? seed.v_hi : seed.k_hi;
+  if constexpr (QUAD) store_quad_entry(smem, is_v, e, {lo, hi, is_v ? seed.v_q2 : seed.k_q2, is_v ? seed.v_q3 : seed.k_q3});
+  else store_lut_entry<SPLIT>(smem, is_v, e, lo, hi);
 }
 
-template <bool SPLIT, bool KQUAD = false>
+template <bool SPLIT, bool KQUAD = false, bool VQUAD = false>
 __device__ __forceinline__ void build_pair_luts(uint8_t* smem, const LutSeed& seed) {
-  static_assert(!(SPLIT && KQUAD), "quad K entries: f16 products");
-  if constexpr (KQUAD) store_k_entry<true>(smem, threadIdx.x & 255, seed);
-  else store_lut_entry<SPLIT>(smem, 0, threadIdx.x & 255, seed.k_lo, seed.k_hi);
-  store_lut_entry<SPLIT>(smem, 1, threadIdx.x & 255, seed.v_lo, seed.v_hi);
+  store_seed_entry<SPLIT, KQUAD>(smem, 0, threadIdx.x & 255, seed);
+  store_seed_entry<SPLIT, VQUAD>(smem, 1, threadIdx.x & 255, seed);
 }
 
 // Two items per CTA: item 0's 256 threads build the K table, item 1's the V table (entry e = tid).
-template <bool SPLIT, bool KQUAD = false>
+template <bool SPLIT, bool KQUAD = false, bool VQUAD = false>
 __device__ __forceinline__ void build_item_lut(uint8_t* smem, const LutSeed& seed, int item, int tid) {
-  static_assert(!(SPLIT && KQUAD), "quad K entries: f16 products");
-  if (item == 0) store_k_entry<KQUAD>(smem, tid, seed);
-  else store_lut_entry<SPLIT>(smem, 1, tid, seed.v_lo, seed.v_hi);
+  if (item == 0) store_seed_entry<SPLIT, KQUAD>(smem, 0, tid, seed);
+  else store_seed_entry<SPLIT, VQUAD>(smem, 1, tid, seed);
 }
 
 // ---- pair keys: the v4 ring's K codes (and 2-bit V codes) without the spread to nibbles --------
@@ -474,9 +476,9 @@ __device__ __forceinline__ void query_fragments(const float* q_s, int gid, int t
 }
 
 // Kdec * Q^T of one tile before the norms (tile_scores' fragment layout).
-template <int D, bool SPLIT, bool KQUAD = false>
+template <int D, bool SPLIT, bool KQUAD = false, bool VQ = false>
 __device__ __forceinline__ void tile_dots(const Tile<D>& cur, const uint32_t (&qh)[Dims<D>::kKS][2],
-                                          const uint32_t (&ql)[Dims<D>::kKS][2], const PairLut<SPLIT, KQUAD>& ilut,
+                                          const uint32_t (&ql)[Dims<D>::kKS][2], const PairLut<SPLIT, KQUAD, VQ>& ilut,
                                           float (&s)[4]) {
   float sh[2][4] = {}, sx[2][4] = {};  // even / odd k-steps: two independent MMA chains (sx: SPLIT)
   const uint32_t (&ka)[Dims<D>::kKW] = cur.k0;
@@ -489,7 +491,7 @@ __device__ __forceinline__ void tile_dots(const Tile<D>& cur, const uint32_t (&q
       // gid + 8 side by side, so that one quad entry is a0, a1 (a2, a3): adjacent registers.
       const uint32_t a = ka[ks >> 2], b = kb[ks >> 2];
       const uint32_t lo = (a & 0x0F0F0F0Fu) | ((b << 4) & 0xF0F0F0F0u), hi = ((a >> 4) & 0x0F0F0F0Fu) | (b & 0xF0F0F0F0u);
-      const uint2 e0 = ilut.quad(lo, ks & 3), e1 = ilut.quad(hi, ks & 3);
+      const uint2 e0 = ilut.quad(lo, ks & 3, ilut.k_lane), e1 = ilut.quad(hi, ks & 3, ilut.k_lane);
       const uint32_t ahi[4] = {e0.x, e0.y, e1.x, e1.y};
       mma16816(sh[ks & 1], ahi, qh[ks][0], qh[ks][1]);
       continue;
@@ -548,19 +550,19 @@ __device__ __forceinline__ void scale_capped_scores(const DecodeParams& p, const
 
 // S^T = Kdec * Q^T for one tile, in log2 units: s[0] (token gid, head 2t4), s[1] (gid, 2t4+1),
 // s[2] (gid+8, 2t4), s[3] (gid+8, 2t4+1); a masked token (NaN norm) or a NaN product gives -inf.
-template <int D, bool SPLIT, bool KQUAD = false>
+template <int D, bool SPLIT, bool KQUAD = false, bool VQ = false>
 __device__ __forceinline__ void tile_scores(const Tile<D>& cur, const uint32_t (&qh)[Dims<D>::kKS][2],
                                             const uint32_t (&ql)[Dims<D>::kKS][2], float qx0, float qx1,
-                                            const PairLut<SPLIT, KQUAD>& ilut, float (&s)[4]) {
+                                            const PairLut<SPLIT, KQUAD, VQ>& ilut, float (&s)[4]) {
   tile_dots<D, SPLIT, KQUAD>(cur, qh, ql, ilut, s);
   scale_scores<D>(cur, qx0, qx1, s);
 }
 
 // The V MMAs of tile_accumulate_v from nibble words: B = (ph, pl).
-template <int D, bool SPLIT, bool KQ = false>
+template <int D, bool SPLIT, bool KQ = false, bool VQ = false>
 __device__ __forceinline__ void tile_accumulate_v_nibbles(const uint32_t (&v)[4][Dims<D>::kVW], uint32_t ph0,
                                                           uint32_t pl0, uint32_t ph1, uint32_t pl1,
-                                                          const PairLut<SPLIT, KQ>& ilut, float (&o)[Dims<D>::kKS][4]) {
+                                                          const PairLut<SPLIT, KQ, VQ>& ilut, float (&o)[Dims<D>::kKS][4]) {
   constexpr int VW = Dims<D>::kVW;
   uint32_t lo01[VW], hi01[VW], lo23[VW], hi23[VW];  // byte mt of word (mt >> 2): table indices
 #pragma unroll
@@ -595,9 +597,9 @@ __device__ __forceinline__ void tile_accumulate_v_nibbles(const uint32_t (&v)[4]
 // The V MMAs of one tile with P^T's B fragments given: (ph0, pl0) for the k positions of the lane's
 // V rows 0, 1 and (ph1, pl1) for rows 2, 3 (hi / lo, lo 0 unless SPLIT).
 // V2: v holds raw 2-bit codes (load_v_codes), looked up with keys of shift 2.
-template <int D, bool SPLIT, bool V2, bool KQ = false>
+template <int D, bool SPLIT, bool V2, bool KQ = false, bool VQ = false>
 __device__ __forceinline__ void tile_accumulate_v_b(const uint32_t (&v)[4][Dims<D>::kVW], uint32_t ph0, uint32_t pl0,
-                                                    uint32_t ph1, uint32_t pl1, const PairLut<SPLIT, KQ>& ilut,
+                                                    uint32_t ph1, uint32_t pl1, const PairLut<SPLIT, KQ, VQ>& ilut,
                                                     float (&o)[Dims<D>::kKS][4]) {
   if constexpr (V2) {
     // Nibble mt of a raw word holds coordinates 2mt (bits 0-1) and 2mt + 1 (bits 2-3): keys of
@@ -607,14 +609,29 @@ __device__ __forceinline__ void tile_accumulate_v_b(const uint32_t (&v)[4][Dims<
     const uint32_t x0 = v[0][0], x1 = v[1][0], x2 = v[2][0], x3 = v[3][0];
     const uint32_t ev01 = (x0 & kEven) | ((x1 << 2) & ~kEven), od01 = ((x0 >> 2) & kEven) | (x1 & ~kEven);
     const uint32_t ev23 = (x2 & kEven) | ((x3 << 2) & ~kEven), od23 = ((x2 >> 2) & kEven) | (x3 & ~kEven);
-    const uint32_t keys[2][4] = {{ev01, od01, ev23, od23}, {ev01 >> 4, od01 >> 4, ev23 >> 4, od23 >> 4}};
+    if constexpr (VQ) {
+      // Quad keys: nibble mt of the even and of the odd coordinate's key side by side in byte
+      // mt >> 1 (mt even) or of the keys >> 4 (mt odd): one entry is a0, a1 (tokens 0, 1), the
+      // other a2, a3 (tokens 2, 3).
+      constexpr uint32_t kLo = 0x0F0F0F0Fu;
+      const uint32_t q01[2] = {(ev01 & kLo) | ((od01 & kLo) << 4), ((ev01 >> 4) & kLo) | (od01 & ~kLo)};
+      const uint32_t q23[2] = {(ev23 & kLo) | ((od23 & kLo) << 4), ((ev23 >> 4) & kLo) | (od23 & ~kLo)};
 #pragma unroll
-    for (int mt = 0; mt < Dims<D>::kKS; ++mt) {
-      const uint32_t (&k)[4] = keys[mt & 1];
-      const int jb = mt >> 1;
-      const uint32_t ahi[4] = {ilut.at(k[0], jb, ilut.v_lane).x, ilut.at(k[1], jb, ilut.v_lane).x,
-                               ilut.at(k[2], jb, ilut.v_lane).x, ilut.at(k[3], jb, ilut.v_lane).x};
-      mma16816(o[mt], ahi, ph0, ph1);
+      for (int mt = 0; mt < Dims<D>::kKS; ++mt) {
+        const uint2 e0 = ilut.quad(q01[mt & 1], mt >> 1, ilut.v_lane), e1 = ilut.quad(q23[mt & 1], mt >> 1, ilut.v_lane);
+        const uint32_t ahi[4] = {e0.x, e0.y, e1.x, e1.y};
+        mma16816(o[mt], ahi, ph0, ph1);
+      }
+    } else {
+      const uint32_t keys[2][4] = {{ev01, od01, ev23, od23}, {ev01 >> 4, od01 >> 4, ev23 >> 4, od23 >> 4}};
+#pragma unroll
+      for (int mt = 0; mt < Dims<D>::kKS; ++mt) {
+        const uint32_t (&k)[4] = keys[mt & 1];
+        const int jb = mt >> 1;
+        const uint32_t ahi[4] = {ilut.at(k[0], jb, ilut.v_lane).x, ilut.at(k[1], jb, ilut.v_lane).x,
+                                 ilut.at(k[2], jb, ilut.v_lane).x, ilut.at(k[3], jb, ilut.v_lane).x};
+        mma16816(o[mt], ahi, ph0, ph1);
+      }
     }
   } else {
     tile_accumulate_v_nibbles<D, SPLIT>(v, ph0, pl0, ph1, pl1, ilut, o);
@@ -1290,7 +1307,8 @@ struct F16Shape {
   static constexpr int SK = DS * kb / 8, SV = DS * vb / 8;    // ... a stage row's stride
   // Table key shifts (load_k_keys): the ring's 2- / 3-bit K and 2-bit V codes make their own keys.
   static constexpr bool V2 = RING && VB == 2;
-  static constexpr bool QUADK = RING && KB == 2;  // K looked up a code byte (4 codes) at a time: PairLut's KQUAD
+  static constexpr bool QUADK = RING && KB == 2;  // K looked up four codes at a time: PairLut's KQUAD
+  static constexpr bool QUADV = V2;               // ... V: its VQUAD
   static constexpr int KSHIFT = RING && (KB == 2 || KB == 3) ? KB : 4, VSHIFT = V2 ? 2 : 4;
   // The folded window (format.h "Window"; p.kwin): read by the CTA of split p.window_split, after
   // its page tiles.
@@ -1664,7 +1682,8 @@ struct SoftmaxState {
 template <class S>
 __device__ __forceinline__ void consume_tile(const DecodeParams& p, const Tile<S::DW>& cur, int xb,
                                              const QueryFragments<S::KS>& q,
-                                             const PairLut<false, S::QUADK>& ilut, SoftmaxState<S::KS>& sm, float4* x_s,
+                                             const PairLut<false, S::QUADK, S::QUADV>& ilut, SoftmaxState<S::KS>& sm,
+                                             float4* x_s,
                                              int warp, int stream, int lane) {
   float s[4];
   if constexpr (S::HALVES == 2) {
@@ -1817,7 +1836,7 @@ __global__ void __launch_bounds__(v4_threads(ITEMS), v4_ctas_per_sm(ITEMS))
   // latency behind them, at the start and again in the fused epilogue.)
   static_assert(kT4 == 256, "one K and one V table entry per thread");
   trace_phase(p, trace_cta, warp, lane, 0);
-  const LutSeed lut_seed = load_lut_seed<S::QUADK>(p.kcent, p.vcent, p.k_bits, p.v_bits, S::KSHIFT, S::VSHIFT);
+  const LutSeed lut_seed = load_lut_seed<S::QUADK, S::QUADV>(p.kcent, p.vcent, p.k_bits, p.v_bits, S::KSHIFT, S::VSHIFT);
   QueryRows<S::QROW, S::HPW> qrows =
       load_query_rows<S::QROW, GT, S::HPW, S::DV, S::DW>(p, seq, kvh, tile, warp, lane);
   const bool fused_epilogue = D == kD && p.rot != nullptr && !writes_partials(p);
@@ -1867,7 +1886,7 @@ __global__ void __launch_bounds__(v4_threads(ITEMS), v4_ctas_per_sm(ITEMS))
     }
   };
   if constexpr (S::kSeveral) first_copies();
-  if constexpr (S::kSeveral) build_item_lut<false, S::QUADK>(smem, lut_seed, threadIdx.x >> 8, threadIdx.x & 255);
+  if constexpr (S::kSeveral) build_item_lut<false, S::QUADK, S::QUADV>(smem, lut_seed, threadIdx.x >> 8, threadIdx.x & 255);
   stage_queries<S::QROW, S::HPW, S::DV, S::DW>(p, qrows, q_s, qexp_s, bad_s, warp, lane, w_s[slot]);
   if (slot == 0) rot_v_s[lane] = rot_v;
   if constexpr (!S::kSeveral) first_copies();
@@ -1879,10 +1898,10 @@ __global__ void __launch_bounds__(v4_threads(ITEMS), v4_ctas_per_sm(ITEMS))
   q.qx1 = qexp_s[2 * t4 + 1];
   if constexpr (!S::kSeveral) {
     __syncthreads();
-    build_pair_luts<false, S::QUADK>(smem, lut_seed);
+    build_pair_luts<false, S::QUADK, S::QUADV>(smem, lut_seed);
     __syncthreads();
   }
-  PairLut<false, S::QUADK> ilut(smem, lane);
+  PairLut<false, S::QUADK, S::QUADV> ilut(smem, lane);
   if constexpr (S::kPinned) asm("" : "+r"(ilut.k_lane), "+r"(ilut.v_lane));
   trace_phase(p, trace_cta, warp, lane, 3);
 
