@@ -1127,6 +1127,7 @@ static_assert(ring_layout_conflict_free<64>() && ring_layout_conflict_free<32>()
 // v4's running max moves only when a tile's max exceeds it by more than this (log2 units): the
 // f16 V weights stay <= 2^8 and the rescale of o is rare.
 constexpr float kLazyMax = 8.f;
+constexpr float kLazyMaxWeight = 256.f;  // 2^kLazyMax
 
 
 // ---- the folded window (format.h "Window"): its tokens as tiles of v4's loop ------------------
@@ -1624,29 +1625,42 @@ struct SoftmaxState {
   // One tile's scores s (log2 units, tile_scores' layout) with V norms vn0, vn1 of tokens gid,
   // gid + 8: rescales o and l where the running max moves, and gives the V weights p * v_norm as
   // P^T's B fragments ph0 (tokens 2t4, 2t4 + 1), ph1 (2t4 + 8, 2t4 + 9).
-  __device__ __forceinline__ void weigh(float (&s)[4], float vn0, float vn1, uint32_t& ph0, uint32_t& ph1) {
-    const float lv0 = fast_log2(fabsf(vn0)), lv1 = fast_log2(fabsf(vn1));
-    // Lazy rescaling: the running max m moves only when a tile's max exceeds it by more than
-    // kLazyMax (log2 units), so weights up to 2^kLazyMax (f16: fine) and the rescale is rare. Each
-    // lane tests its own two tokens; only when some lane's test passes (a warp vote) is the tile
-    // max of each head reduced over its 8 lanes and m moved: the same m as testing the reduced max
-    // (x - m > kLazyMax is monotonic in x, and fmaxf drops NaN in both), without the 6 shuffles of
-    // the reduction on every tile.
-    float ua[2], ub[2];
-    bool over = false;
+  __device__ __forceinline__ void weigh(const float (&s)[4], float vn0, float vn1, uint32_t& ph0, uint32_t& ph1) {
+    // p = exp2(s - m) (s = -inf -> 0) and the V weights p * v_norm of tokens gid (pa, wa), gid + 8
+    // (pb, wb) for heads 2t4 + hh. |p * v_norm| = exp2(s + log2 |v_norm| - m): one multiply, no
+    // exp2. (At |s| >= 2^28 the sum drops log2 |v_norm|; the f16 conversion then saturates, no inf.)
+    float pa[2], pb[2], wa[2], wb[2];
+    auto weights = [&]() {
 #pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      ua[hh] = s[hh] + lv0;
-      ub[hh] = s[2 + hh] + lv1;
-      // A difference, not m + kLazyMax: at |m| >= 2^27 the sum would round by up to 16.
-      // m = -FLT_MAX: any finite score moves it.
-      over |= fmaxf(fmaxf(s[hh], s[2 + hh]), fmaxf(ua[hh], ub[hh])) - m[hh] > kLazyMax;
-    }
-    if (__any_sync(0xffffffffu, over)) {
+      for (int hh = 0; hh < 2; ++hh) {
+        pa[hh] = fast_exp2(s[hh] - m[hh]);
+        pb[hh] = fast_exp2(s[2 + hh] - m[hh]);
+        wa[hh] = pa[hh] * vn0;
+        wb[hh] = pb[hh] * vn1;
+      }
+    };
+    weights();
+    // Lazy rescaling: the running max m (of s and s + log2 |v_norm|) moves only when a tile's max
+    // exceeds it by more than kLazyMax (log2 units), so weights up to 2^kLazyMax (f16: fine) and
+    // the rescale is rare. Each lane tests its own weights: s + max(0, log2 |v_norm|) - m >
+    // kLazyMax is max(p, |p * v_norm|) > 2^kLazyMax (the p of the lane's two tokens summed, as l
+    // needs them: that may also pass with both <= 2^kLazyMax; the reduction below then leaves m),
+    // computed from the weights themselves: no log2 and no max of s on every tile. (A difference
+    // s - m, as before: at |m| >= 2^27, m + kLazyMax would round by up to 16; m = -FLT_MAX: any
+    // finite score gives p = inf.) fmaxf drops a NaN weight (NaN v_norm, 0 * inf), as the max of
+    // s + log2 |v_norm| did. Only when some lane's test passes (a warp vote) is the tile max of
+    // each head reduced over its 8 lanes and m moved: the same m as testing the reduced max (x - m
+    // > kLazyMax is monotonic in x, and fmaxf drops NaN in both), without the 6 shuffles of the
+    // reduction on every tile.
+    const float pab[2] = {pa[0] + pb[0], pa[1] + pb[1]};
+    const float big = fmaxf(fmaxf(fmaxf(pab[0], pab[1]), fmaxf(fabsf(wa[0]), fabsf(wb[0]))),
+                            fmaxf(fabsf(wa[1]), fabsf(wb[1])));
+    if (__any_sync(0xffffffffu, big > kLazyMaxWeight)) {
+      const float lv0 = fast_log2(fabsf(vn0)), lv1 = fast_log2(fabsf(vn1));  // log2 0 = -inf
       float alpha[2];
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
-        float tm = fmaxf(fmaxf(s[hh], s[2 + hh]), fmaxf(ua[hh], ub[hh]));
+        float tm = fmaxf(fmaxf(s[hh], s[2 + hh]), fmaxf(s[hh] + lv0, s[2 + hh] + lv1));
 #pragma unroll
         for (int off = 4; off < 32; off <<= 1) tm = fmaxf(tm, __shfl_xor_sync(0xffffffffu, tm, off));
         alpha[hh] = 1.f;
@@ -1657,18 +1671,10 @@ struct SoftmaxState {
         l[hh] *= alpha[hh];
       }
       rescale_output(o, alpha);
+      weights();
     }
-    float wa[2], wb[2];  // V weights of tokens gid, gid + 8 for heads 2t4 + hh
 #pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const float pa = fast_exp2(s[hh] - m[hh]);  // s = -inf -> 0
-      const float pb = fast_exp2(s[2 + hh] - m[hh]);
-      l[hh] += pa + pb;
-      // |p * v_norm| = exp2(s + log2 |v_norm| - m) <= 2^kLazyMax: one multiply, no exp2. (At
-      // |s| >= 2^28 the sum drops log2 |v_norm|; the f16 conversion then saturates, no inf.)
-      wa[hh] = pa * vn0;
-      wb[hh] = pb * vn1;
-    }
+    for (int hh = 0; hh < 2; ++hh) l[hh] += pa[hh] + pb[hh];
     // (wa, wb) are rows gid and gid + 8 of the 16 x 8 S^T tile; transposed, each lane holds head
     // gid of tokens 2t4, 2t4 + 1 and 2t4 + 8, 2t4 + 9: P^T's B fragments, no shared memory.
     ph0 = transpose8x8_b16(half2_satfinite(wa[0], wa[1]));
