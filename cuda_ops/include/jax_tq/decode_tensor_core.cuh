@@ -530,6 +530,16 @@ __device__ __forceinline__ void scale_scores(const Tile<D>& cur, float qx0, floa
     if (!(s[c] > -INFINITY)) s[c] = -INFINITY;  // masked token (NaN norm) or NaN: no weight
 }
 
+// The dot products of tile_dots times the K norms (per token; v4: the heads' powers of two and the
+// -inf of masked tokens follow in SoftmaxState::weigh<true>).
+template <int D>
+__device__ __forceinline__ void norm_scores(const Tile<D>& cur, float (&s)[4]) {
+  s[0] *= cur.kn0;
+  s[1] *= cur.kn0;
+  s[2] *= cur.kn1;
+  s[3] *= cur.kn1;
+}
+
 // scale_scores with the logit soft cap (p.soft_cap_log2 > 0) applied before a masked token's NaN
 // becomes -inf (soft_capped_fast keeps NaN): the MASKS kernels'.
 template <int D>
@@ -1622,41 +1632,65 @@ struct SoftmaxState {
   float l[2] = {0.f, 0.f};
   float o[KS][4] = {};
 
-  // One tile's scores s (log2 units, tile_scores' layout) with V norms vn0, vn1 of tokens gid,
-  // gid + 8: rescales o and l where the running max moves, and gives the V weights p * v_norm as
-  // P^T's B fragments ph0 (tokens 2t4, 2t4 + 1), ph1 (2t4 + 8, 2t4 + 9).
-  __device__ __forceinline__ void weigh(const float (&s)[4], float vn0, float vn1, uint32_t& ph0, uint32_t& ph1) {
+  // One tile's scores s = u * qx (log2 units, tile_scores' layout: qx0 / qx1 the powers of two of
+  // heads 2t4 / 2t4 + 1, or 1) with V norms vn0, vn1 of tokens gid, gid + 8: rescales o and l where
+  // the running max moves, and gives the V weights p * v_norm as P^T's B fragments ph0 (tokens
+  // 2t4, 2t4 + 1), ph1 (2t4 + 8, 2t4 + 9). RAW: u may be NaN (a masked token's NaN K norm, a NaN
+  // product): no weight, as s = -inf (else the caller's s are already -inf there).
+  // s - m is one FFMA: qx * u - m rounds once, as fl(s) - m did (s = fl(u * qx) = u * qx exactly:
+  // qx is a power of two).
+  template <bool RAW>
+  __device__ __forceinline__ void weigh(const float (&u)[4], float qx0, float qx1, float vn0, float vn1,
+                                        uint32_t& ph0, uint32_t& ph1) {
+    const float qx[2] = {qx0, qx1};
     // p = exp2(s - m) (s = -inf -> 0) and the V weights p * v_norm of tokens gid (pa, wa), gid + 8
     // (pb, wb) for heads 2t4 + hh. |p * v_norm| = exp2(s + log2 |v_norm| - m): one multiply, no
     // exp2. (At |s| >= 2^28 the sum drops log2 |v_norm|; the f16 conversion then saturates, no inf.)
-    float pa[2], pb[2], wa[2], wb[2];
+    // weights() leaves per head pab = pa + pb (l's increment), the weights as P^T's B fragments
+    // ph0 / ph1 and big, the largest of pab and the |p * v_norm|: only these (and u) stay live
+    // through the vote below.
+    float pab[2], big;
+    auto shifted = [&](int c) {  // s[c] - m (-inf: no weight)
+      const float x = fmaf(qx[c & 1], u[c], -m[c & 1]);
+      return RAW && !(x > -INFINITY) ? -INFINITY : x;
+    };
     auto weights = [&]() {
+      float wa[2], wb[2];  // V weights of tokens gid, gid + 8
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
-        pa[hh] = fast_exp2(s[hh] - m[hh]);
-        pb[hh] = fast_exp2(s[2 + hh] - m[hh]);
-        wa[hh] = pa[hh] * vn0;
-        wb[hh] = pb[hh] * vn1;
+        const float pa = fast_exp2(shifted(hh));  // -inf -> 0
+        const float pb = fast_exp2(shifted(2 + hh));
+        pab[hh] = pa + pb;
+        wa[hh] = pa * vn0;
+        wb[hh] = pb * vn1;
       }
+      big = fmaxf(fmaxf(fmaxf(pab[0], pab[1]), fmaxf(fabsf(wa[0]), fabsf(wb[0]))), fmaxf(fabsf(wa[1]), fabsf(wb[1])));
+      // (wa, wb) are rows gid and gid + 8 of the 16 x 8 S^T tile; transposed, each lane holds head
+      // gid of tokens 2t4, 2t4 + 1 and 2t4 + 8, 2t4 + 9: P^T's B fragments, no shared memory.
+      ph0 = transpose8x8_b16(half2_satfinite(wa[0], wa[1]));
+      ph1 = transpose8x8_b16(half2_satfinite(wb[0], wb[1]));
     };
-    weights();
     // Lazy rescaling: the running max m (of s and s + log2 |v_norm|) moves only when a tile's max
     // exceeds it by more than kLazyMax (log2 units), so weights up to 2^kLazyMax (f16: fine) and
     // the rescale is rare. Each lane tests its own weights: s + max(0, log2 |v_norm|) - m >
-    // kLazyMax is max(p, |p * v_norm|) > 2^kLazyMax (the p of the lane's two tokens summed, as l
-    // needs them: that may also pass with both <= 2^kLazyMax; the reduction below then leaves m),
-    // computed from the weights themselves: no log2 and no max of s on every tile. (A difference
-    // s - m, as before: at |m| >= 2^27, m + kLazyMax would round by up to 16; m = -FLT_MAX: any
-    // finite score gives p = inf.) fmaxf drops a NaN weight (NaN v_norm, 0 * inf), as the max of
-    // s + log2 |v_norm| did. Only when some lane's test passes (a warp vote) is the tile max of
-    // each head reduced over its 8 lanes and m moved: the same m as testing the reduced max (x - m
-    // > kLazyMax is monotonic in x, and fmaxf drops NaN in both), without the 6 shuffles of the
-    // reduction on every tile.
-    const float pab[2] = {pa[0] + pb[0], pa[1] + pb[1]};
-    const float big = fmaxf(fmaxf(fmaxf(pab[0], pab[1]), fmaxf(fabsf(wa[0]), fabsf(wb[0]))),
-                            fmaxf(fabsf(wa[1]), fabsf(wb[1])));
+    // kLazyMax is max(p, |p * v_norm|) > 2^kLazyMax (with the p of the lane's two tokens summed,
+    // as l needs them: that may also pass with both <= 2^kLazyMax; the reduction below then leaves
+    // m), tested on the weights the tile computes anyway: no log2 and no max of s on every tile.
+    // (A difference s - m, as before: at |m| >= 2^27, m + kLazyMax would round by up to 16; m =
+    // -FLT_MAX: any finite score gives p = inf.) fmaxf drops a NaN weight (NaN v_norm, 0 * inf),
+    // as the max of s + log2 |v_norm| did. Only when some lane's test passes (a warp vote) is the
+    // tile max of each head reduced over its 8 lanes and m moved: the same m as testing the
+    // reduced max (x - m > kLazyMax is monotonic in x, and fmaxf drops NaN in both), without the 6
+    // shuffles of the reduction on every tile; the weights are then recomputed.
+    weights();
     if (__any_sync(0xffffffffu, big > kLazyMaxWeight)) {
       const float lv0 = fast_log2(fabsf(vn0)), lv1 = fast_log2(fabsf(vn1));  // log2 0 = -inf
+      float s[4];
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        s[c] = u[c] * qx[c & 1];
+        if (RAW && !(s[c] > -INFINITY)) s[c] = -INFINITY;
+      }
       float alpha[2];
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
@@ -1673,12 +1707,8 @@ struct SoftmaxState {
       rescale_output(o, alpha);
       weights();
     }
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) l[hh] += pa[hh] + pb[hh];
-    // (wa, wb) are rows gid and gid + 8 of the 16 x 8 S^T tile; transposed, each lane holds head
-    // gid of tokens 2t4, 2t4 + 1 and 2t4 + 8, 2t4 + 9: P^T's B fragments, no shared memory.
-    ph0 = transpose8x8_b16(half2_satfinite(wa[0], wa[1]));
-    ph1 = transpose8x8_b16(half2_satfinite(wb[0], wb[1]));
+    l[0] += pab[0];
+    l[1] += pab[1];
   }
 };
 
@@ -1692,27 +1722,28 @@ __device__ __forceinline__ void consume_tile(const DecodeParams& p, const Tile<S
                                              float4* x_s,
                                              int warp, int stream, int lane) {
   float s[4];
-  if constexpr (S::HALVES == 2) {
-    tile_dots<S::DW, false, S::QUADK>(cur, q.qh, q.ql, ilut, s);
-    x_s[(2 * warp + xb) * 32 + lane] = make_float4(s[0], s[1], s[2], s[3]);
-    asm volatile("bar.sync %0, 64;" ::"r"(1 + stream) : "memory");  // the pair's two warps
-    const float4 other = x_s[(2 * (warp ^ 1) + xb) * 32 + lane];
-    s[0] += other.x;  // a + b in one warp, b + a in the other: the same float
-    s[1] += other.y;
-    s[2] += other.z;
-    s[3] += other.w;
-    scale_scores<S::DW>(cur, q.qx0, q.qx1, s);
-  } else if constexpr (S::MASKS) {
-    tile_dots<S::DW, false, S::QUADK>(cur, q.qh, q.ql, ilut, s);
-    scale_capped_scores<S::DW>(p, cur, q.qx0, q.qx1, s);
-  } else {
-    tile_scores<S::DW, false, S::QUADK>(cur, q.qh, q.ql, q.qx0, q.qx1, ilut, s);
-  }
+  uint32_t ph0, ph1;
   // The weight is p * v_norm with the norm as stored (a NaN norm gives a NaN output row, as in the
   // reference and v1; masked tokens have norm 0); the max covers log2 |v_norm| (flushed to -inf
   // below 2^-126), so |weight| <= 2^kLazyMax.
-  uint32_t ph0, ph1;
-  sm.weigh(s, cur.vn0, cur.vn1, ph0, ph1);
+  if constexpr (S::MASKS) {
+    tile_dots<S::DW, false, S::QUADK>(cur, q.qh, q.ql, ilut, s);
+    scale_capped_scores<S::DW>(p, cur, q.qx0, q.qx1, s);
+    sm.template weigh<false>(s, 1.f, 1.f, cur.vn0, cur.vn1, ph0, ph1);
+  } else {
+    tile_dots<S::DW, false, S::QUADK>(cur, q.qh, q.ql, ilut, s);
+    if constexpr (S::HALVES == 2) {
+      x_s[(2 * warp + xb) * 32 + lane] = make_float4(s[0], s[1], s[2], s[3]);
+      asm volatile("bar.sync %0, 64;" ::"r"(1 + stream) : "memory");  // the pair's two warps
+      const float4 other = x_s[(2 * (warp ^ 1) + xb) * 32 + lane];
+      s[0] += other.x;  // a + b in one warp, b + a in the other: the same float
+      s[1] += other.y;
+      s[2] += other.z;
+      s[3] += other.w;
+    }
+    norm_scores<S::DW>(cur, s);
+    sm.template weigh<true>(s, q.qx0, q.qx1, cur.vn0, cur.vn1, ph0, ph1);
+  }
   tile_accumulate_v_b<S::DW, false, S::V2>(cur.v, ph0, 0u, ph1, 0u, ilut, sm.o);
 }
 
@@ -1739,7 +1770,7 @@ __device__ __forceinline__ void fold_window_tiles(const DecodeParams& p, int seq
       if (!(s[c] > -INFINITY)) s[c] = -INFINITY;  // no such token (NaN), or a NaN product
     }
     uint32_t ph0, ph1;
-    sm.weigh(s, kn0 == kn0 ? kWindowNorm : 0.f, kn1 == kn1 ? kWindowNorm : 0.f, ph0, ph1);
+    sm.template weigh<false>(s, 1.f, 1.f, kn0 == kn0 ? kWindowNorm : 0.f, kn1 == kn1 ? kWindowNorm : 0.f, ph0, ph1);
     window_accumulate_v<S::DW>(p, ws, wt * kTT, gid, t4, ph0, ph1, sm.o);
   }
 }
@@ -1908,7 +1939,9 @@ __global__ void __launch_bounds__(v4_threads(ITEMS), v4_ctas_per_sm(ITEMS))
     __syncthreads();
   }
   PairLut<false, S::QUADK, S::QUADV> ilut(smem, lane);
-  if constexpr (S::kPinned) asm("" : "+r"(ilut.k_lane), "+r"(ilut.v_lane));
+  // (Two items: left to the compiler, which then rebuilds them from %tid; pinned, one was spilled
+  // and reloaded in every pass of the loop. Four: pinned spills less.)
+  if constexpr (S::kPinned && S::ITEMS != 2) asm("" : "+r"(ilut.k_lane), "+r"(ilut.v_lane));
   trace_phase(p, trace_cta, warp, lane, 3);
 
   // ---- the tile loop ----
