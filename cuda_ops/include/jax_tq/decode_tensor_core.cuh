@@ -1331,7 +1331,18 @@ struct F16Shape {
   // lane-derived addresses from %tid in every tile (~20 instructions); empty asm statements make
   // them opaque, so they stay in registers (SASS: 1514 -> 1424 instructions per pass of the
   // two-items loop, 4 tiles). At 8 items (3 stages) it made the loop reload a spilled register.
-  static constexpr bool kPinned = ITEMS == 2 || ITEMS == 4;
+  // One item per CTA at head_dim 128 (the same 128 registers): pinned where the loop still fits
+  // without new spills (SASS, sm_90a, common-path instructions per tile: K2V2 248 -> 229, K2V4
+  // 308 -> 281, K4V2 289 -> 265, K3V2 334 -> 324, K3V4 379 -> 363, K4V3 423 -> 411 (its 2
+  // spills as before), K4V4 309 -> 289 (1 spill); K2V3 and K3V3 spilled 3-5 registers).
+  static constexpr bool kPinOne = ITEMS == 1 && D == 128 && HALVES == 1 && !(KB == 3 && VB == 3) &&
+                                  !(KB == 2 && VB == 3) && !(KB == 4 && VB == 4 && MASKS);
+  static constexpr bool kPinned = ITEMS == 2 || ITEMS == 4 || kPinOne;
+  // The lookup tables' lane offsets (ilut) too: where that spilled less (two items and K2V4, K4V2,
+  // K4V3 spill less with the compiler rebuilding them from %tid).
+  static constexpr bool kPinLut =
+      ITEMS == 4 || (kPinOne && ((KB == 2 && VB == 2) || (KB == 3 && VB == 2) || (KB == 3 && VB == 4) ||
+                                 (KB == 4 && VB == 4)));
 };
 
 // K norms of masked tokens (n: the tile's valid count) become NaN, V norms 0.
@@ -1940,8 +1951,8 @@ __global__ void __launch_bounds__(v4_threads(ITEMS), v4_ctas_per_sm(ITEMS))
   }
   PairLut<false, S::QUADK, S::QUADV> ilut(smem, lane);
   // (Two items: left to the compiler, which then rebuilds them from %tid; pinned, one was spilled
-  // and reloaded in every pass of the loop. Four: pinned spills less.)
-  if constexpr (S::kPinned && S::ITEMS != 2) asm("" : "+r"(ilut.k_lane), "+r"(ilut.v_lane));
+  // and reloaded in every pass of the loop. Four: pinned spills less. F16Shape::kPinLut.)
+  if constexpr (S::kPinLut) asm("" : "+r"(ilut.k_lane), "+r"(ilut.v_lane));
   trace_phase(p, trace_cta, warp, lane, 3);
 
   // ---- the tile loop ----
