@@ -48,30 +48,38 @@ if has phases; then  # a build with the phase trace (JAX_TQ_TRACE_PHASES=ON), it
   fi
   cuda_install >"$OUT/build.log" 2>&1
 fi
-if has ab; then  # A/B in one call, on one machine: each source tree of AB_TREES (default ". ab/base .")
-  # built with CUDA, then timed at AB_SHAPES; "." is the working tree. Make another
+if has ab; then  # A/B in one call, on one machine: each source tree of AB_TREES (default ". ab/base") built
+  # with CUDA side by side (pip install --target /tmp/ab_site_N, all at once: ~2 min for three trees
+  # of head_dim 128 kernels on 16 cores), then timed in turn at AB_SHAPES (through
+  # scripts/with_site.py: the editable install stays out of the way); the trees run twice, in
+  # order and back (drifts of the GPU reach all alike). "." is the working tree. Make another
   # commit's tree with: mkdir -p ab/base && git archive <rev> | tar -x -C ab/base (untracked, so it
-  # travels; delete it afterwards). The working tree's install is restored at the end.
-  # CUDAFLAGS=-DJTQ_DEV_ONLY_D=128 builds head_dim 128's kernels only (~60 s per tree instead of ~150).
-  # AB_PREFILL=1 times bench_prefill.py instead of bench_decode.py (test a tree with the prefill stage);
-  # AB_PROMPT=1 runs trace_prompt.py (prompt_attention against cuDNN alone, host-timed chains).
-  for tree in ${AB_TREES:-. ab/base .}; do
+  # travels; delete it afterwards). CUDAFLAGS=-DJTQ_DEV_ONLY_D=128 builds head_dim 128's kernels only.
+  # AB_BITS="2:2 4:4" times those K:V widths; AB_PREFILL=1 times bench_prefill.py instead of
+  # bench_decode.py; AB_PROMPT=1 runs trace_prompt.py (prompt_attention against cuDNN alone).
+  trees=(${AB_TREES:-. ab/base}); n=${#trees[@]}
+  for i in "${!trees[@]}"; do
+    (cd "${trees[$i]}" && rm -rf /tmp/ab_site_$i && JAX_TQ_CUDA=ON JAX_TQ_CUDA_ARCHS=${JAX_TQ_CUDA_ARCHS:-90a} \
+      python3 -m pip install -q --no-build-isolation --no-deps --target /tmp/ab_site_$i . >"$OUT/build_ab_$i.log" 2>&1 \
+      && cp /tmp/ab_site_$i/jax_tq/*.so jax_tq/ || echo "A/B BUILD FAILED: ${trees[$i]} (build_ab_$i.log)") &
+  done
+  wait; echo "ab builds: $(( $(date +%s) - t0 )) s"
+  root=$PWD
+  for i in $(seq 0 $((n - 1))) $(seq $((n - 1)) -1 0); do
+    tree=${trees[$i]}; [ -d /tmp/ab_site_$i/jax_tq ] || continue
     echo "== A/B: $tree"
-    if ! (cd "$tree" && cuda_install >"$OUT/build_ab.log" 2>&1); then
-      tail -n 40 "$OUT/build_ab.log"; echo "A/B BUILD FAILED: $tree"; continue
-    fi
+    run="python3 $root/scripts/with_site.py /tmp/ab_site_$i"
     if [ "${AB_PROMPT:-0}" = 1 ]; then
-      (cd "$tree" && PYTHONPATH=benchmarks:${PYTHONPATH:-} timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/trace_prompt.py \
-        ${PROMPT_SHAPES:-1x2048 8x1024} 2>&1 | grep -v "^    ")
+      (cd "$tree" && timeout ${BENCH_TIMEOUT:-150} $run benchmarks/trace_prompt.py ${PROMPT_SHAPES:-1x2048 8x1024} 2>&1 | grep -v "^    ")
     elif [ "${AB_PREFILL:-0}" = 1 ]; then
-      (cd "$tree" && PYTHONPATH=benchmarks:${PYTHONPATH:-} timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/bench_prefill.py \
-        --no-decode-rows 2>&1 | grep "^| (" | cut -d'|' -f2-5)
+      (cd "$tree" && timeout ${BENCH_TIMEOUT:-150} $run benchmarks/bench_prefill.py --no-decode-rows 2>&1 | grep "^| (" | cut -d'|' -f2-5)
     else
-      (cd "$tree" && timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/bench_decode.py --only-tq --device-time --rotations hadamard \
-        --shapes ${AB_SHAPES:-32x8192} 2>&1 | grep "^|" | grep -v -- "---" | cut -d'|' -f2-3,5)
+      for b in ${AB_BITS:-4:4}; do
+        (cd "$tree" && timeout ${BENCH_TIMEOUT:-150} $run benchmarks/bench_decode.py --only-tq --device-time --rotations hadamard \
+          --bits "$b" --shapes ${AB_SHAPES:-32x8192} 2>&1 | grep "^|" | grep -v -- "---" | cut -d'|' -f2-3,5)
+      done
     fi
   done
-  cuda_install >"$OUT/build_ab.log" 2>&1
   echo "ab: $(( $(date +%s) - t0 )) s"
 fi
 if has kernels; then  # each kernel family (JAX_TQ_DECODE_KERNEL) wherever it runs: the decode GPU tests, then timing
