@@ -169,39 +169,42 @@ struct PairLut {
       : table(smem),
         k_lane(SPLIT || KQUAD ? 8u * (lane & 15) : 4u * lane),
         v_lane(128u + (SPLIT || VQUAD ? 8u * (lane & 15) : 4u * lane)) {}
+  // Shared-memory offset of the entry keyed by byte j (0..3) of `word` in the part at `lane_off`.
+  __device__ __forceinline__ static uint32_t offset(uint32_t word, int j, uint32_t lane_off) {
+    return __byte_perm(word, lane_off, 0x7604u | (static_cast<uint32_t>(j) << 4));
+  }
   // The quad entry of byte j (0..3) of `word`, from the (quad) part at `lane_off`.
   __device__ __forceinline__ uint2 quad(uint32_t word, int j, uint32_t lane_off) const {
-    const uint32_t off = __byte_perm(word, lane_off, 0x7604u | (static_cast<uint32_t>(j) << 4));
-    return *reinterpret_cast<const uint2*>(table + off);
+    return *reinterpret_cast<const uint2*>(table + offset(word, j, lane_off));
   }
   // Entry of byte j (0..3) of `word`, from the part at `lane_off` (k_lane or v_lane).
   __device__ __forceinline__ uint2 at(uint32_t word, int j, uint32_t lane_off) const {
-    const uint32_t off = __byte_perm(word, lane_off, 0x7604u | (static_cast<uint32_t>(j) << 4));
+    const uint32_t off = offset(word, j, lane_off);
     if constexpr (SPLIT) return *reinterpret_cast<const uint2*>(table + off);
     else return make_uint2(*reinterpret_cast<const uint32_t*>(table + off), 0u);
   }
 };
 
-// Entry e of one table (is_v: the V part) = f16x2 (c_lo, c_hi); the thread writes the whole
-// 128-byte part, its 16-byte stores rotated by thread so that a quarter warp's stores hit distinct
-// banks.
-template <bool SPLIT>
-__device__ __forceinline__ void store_lut_entry(uint8_t* smem, int is_v, int e, float c_lo, float c_hi) {
-  uint32_t hi, lo;
-  split2(c_lo, c_hi, hi, lo);
-  const uint4 v = SPLIT ? make_uint4(hi, lo, hi, lo) : make_uint4(hi, hi, hi, hi);
+// The 128-byte part of entry e of one table (is_v: the V part) filled with v: the thread's 16-byte
+// stores rotated by thread so that a quarter warp's stores hit distinct banks.
+__device__ __forceinline__ void store_lut_part(uint8_t* smem, int is_v, int e, uint4 v) {
   uint4* part = reinterpret_cast<uint4*>(smem + e * 256 + is_v * 128);
 #pragma unroll
   for (int j = 0; j < 8; ++j) part[(j + threadIdx.x) & 7] = v;
 }
 
+// Entry e of one table (is_v: the V part) = f16x2 (c_lo, c_hi).
+template <bool SPLIT>
+__device__ __forceinline__ void store_lut_entry(uint8_t* smem, int is_v, int e, float c_lo, float c_hi) {
+  uint32_t hi, lo;
+  split2(c_lo, c_hi, hi, lo);
+  store_lut_part(smem, is_v, e, SPLIT ? make_uint4(hi, lo, hi, lo) : make_uint4(hi, hi, hi, hi));
+}
+
 // Quad entry e of one table (is_v: the V part; PairLut's quad layout) from the 4 centroids c of its codes.
 __device__ __forceinline__ void store_quad_entry(uint8_t* smem, int is_v, int e, const float (&c)[4]) {
   const uint32_t q01 = h2_bits(__floats2half2_rn(c[0], c[1])), q23 = h2_bits(__floats2half2_rn(c[2], c[3]));
-  const uint4 v = make_uint4(q01, q23, q01, q23);
-  uint4* part = reinterpret_cast<uint4*>(smem + e * 256 + is_v * 128);
-#pragma unroll
-  for (int j = 0; j < 8; ++j) part[(j + threadIdx.x) & 7] = v;
+  store_lut_part(smem, is_v, e, make_uint4(q01, q23, q01, q23));
 }
 
 // Fill both tables (T threads, 512 entries).
@@ -560,11 +563,11 @@ __device__ __forceinline__ void scale_capped_scores(const DecodeParams& p, const
 
 // S^T = Kdec * Q^T for one tile, in log2 units: s[0] (token gid, head 2t4), s[1] (gid, 2t4+1),
 // s[2] (gid+8, 2t4), s[3] (gid+8, 2t4+1); a masked token (NaN norm) or a NaN product gives -inf.
-template <int D, bool SPLIT, bool KQUAD = false, bool VQ = false>
+template <int D, bool SPLIT>
 __device__ __forceinline__ void tile_scores(const Tile<D>& cur, const uint32_t (&qh)[Dims<D>::kKS][2],
                                             const uint32_t (&ql)[Dims<D>::kKS][2], float qx0, float qx1,
-                                            const PairLut<SPLIT, KQUAD, VQ>& ilut, float (&s)[4]) {
-  tile_dots<D, SPLIT, KQUAD>(cur, qh, ql, ilut, s);
+                                            const PairLut<SPLIT>& ilut, float (&s)[4]) {
+  tile_dots<D, SPLIT>(cur, qh, ql, ilut, s);
   scale_scores<D>(cur, qx0, qx1, s);
 }
 
@@ -1737,12 +1740,11 @@ __device__ __forceinline__ void consume_tile(const DecodeParams& p, const Tile<S
   // The weight is p * v_norm with the norm as stored (a NaN norm gives a NaN output row, as in the
   // reference and v1; masked tokens have norm 0); the max covers log2 |v_norm| (flushed to -inf
   // below 2^-126), so |weight| <= 2^kLazyMax.
+  tile_dots<S::DW, false, S::QUADK>(cur, q.qh, q.ql, ilut, s);
   if constexpr (S::MASKS) {
-    tile_dots<S::DW, false, S::QUADK>(cur, q.qh, q.ql, ilut, s);
     scale_capped_scores<S::DW>(p, cur, q.qx0, q.qx1, s);
     sm.template weigh<false>(s, 1.f, 1.f, cur.vn0, cur.vn1, ph0, ph1);
   } else {
-    tile_dots<S::DW, false, S::QUADK>(cur, q.qh, q.ql, ilut, s);
     if constexpr (S::HALVES == 2) {
       x_s[(2 * warp + xb) * 32 + lane] = make_float4(s[0], s[1], s[2], s[3]);
       asm volatile("bar.sync %0, 64;" ::"r"(1 + stream) : "memory");  // the pair's two warps
