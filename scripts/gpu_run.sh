@@ -59,9 +59,12 @@ if has ab; then  # A/B in one call, on one machine: each source tree of AB_TREES
   # bench_decode.py; AB_PROMPT=1 runs trace_prompt.py (prompt_attention against cuDNN alone).
   trees=(${AB_TREES:-. ab/base}); n=${#trees[@]}
   for i in "${!trees[@]}"; do
-    (cd "${trees[$i]}" && rm -rf /tmp/ab_site_$i && JAX_TQ_CUDA=ON JAX_TQ_CUDA_ARCHS=${JAX_TQ_CUDA_ARCHS:-90a} \
-      python3 -m pip install -q --no-build-isolation --no-deps --target /tmp/ab_site_$i . >"$OUT/build_ab_$i.log" 2>&1 \
-      && cp /tmp/ab_site_$i/jax_tq/*.so jax_tq/ || echo "A/B BUILD FAILED: ${trees[$i]} (build_ab_$i.log)") &
+    # A build directory of its own (not the tree's build/, which the editable install and earlier
+    # CUDAFLAGS may hold).
+    (cd "${trees[$i]}" && rm -rf /tmp/ab_site_$i /tmp/ab_build_$i && JAX_TQ_CUDA=ON JAX_TQ_CUDA_ARCHS=${JAX_TQ_CUDA_ARCHS:-90a} \
+      python3 -m pip install -q --no-build-isolation --no-deps -C build-dir=/tmp/ab_build_$i --target /tmp/ab_site_$i . \
+      >"$OUT/build_ab_$i.log" 2>&1 \
+      || echo "A/B BUILD FAILED: ${trees[$i]} (build_ab_$i.log)") &
   done
   wait; echo "ab builds: $(( $(date +%s) - t0 )) s"
   root=$PWD
