@@ -163,7 +163,7 @@ class PagedKVCache:
           ValueError: non-positive sizes, page_size > 256, num_pages * page_size past int32, codecs
             with different head_dim or unsupported bits; both or neither of codecs and preset; a
             preset without head_dim; an unknown preset; a window outside [0, 256] or one without
-            num_windows >= 1; num_windows without a window; head_dim or seed with codecs (they carry
+            num_windows >= 1; num_windows * window past int32; num_windows without a window; head_dim or seed with codecs (they carry
             their own); dtype without ``preset="none"``, or a window, a seed or a dtype other than
             float32 / bfloat16 / float16 with it.
         """
@@ -196,6 +196,9 @@ class PagedKVCache:
                              f"sequence that can be live at once), got {num_windows}")
         if not window and num_windows:
             raise ValueError(f"PagedKVCache.create: num_windows={num_windows} given without a window (window=0)")
+        if window and int(num_windows) * window > INDEX_MAX:  # window slot ids are int32, as page slots
+            raise ValueError(f"PagedKVCache.create: num_windows * window = {num_windows} * {window} = "
+                             f"{int(num_windows) * window} window slots exceed int32 (the ops' window_slots)")
         for name, codec in (("k_codec", k_codec), ("v_codec", v_codec)):
             if not isinstance(codec, TurboQuant):
                 raise TypeError(f"PagedKVCache.create: {name} must be a jax_tq.TurboQuant, got {type(codec).__name__}")
@@ -352,6 +355,7 @@ def check_cache(cache, op: str) -> None:
     if cache.k_codec.head_dim != cache.v_codec.head_dim:
         raise ValueError(f"jax_tq.{op}: cache.k_codec.head_dim {cache.k_codec.head_dim} != cache.v_codec.head_dim "
                          f"{cache.v_codec.head_dim}")
+    _check_pool_slots(cache, op)
     if (cache.k_window is None) != (cache.v_window is None):
         raise ValueError(f"jax_tq.{op}: cache.k_window and cache.v_window must both be arrays or both None")
     if cache.k_window is not None:
@@ -373,6 +377,20 @@ def check_cache(cache, op: str) -> None:
         if len(shape) >= 3 and shape[2] > MAX_PAGE_SIZE:
             raise ValueError(f"jax_tq.{op}: cache.{name} has shape {shape}: page_size {shape[2]} is above "
                              f"{MAX_PAGE_SIZE}")
+
+
+def _check_pool_slots(cache, op: str) -> None:
+    """ValueError unless the four pools agree on (num_pages, num_kv_heads, page_size): the norms'
+    last three axes, the codes' axes -4 to -2. The message lists every pool's, so that the odd one
+    shows."""
+    axes = {"k_codes": slice(-4, -1), "k_norms": slice(-3, None), "v_codes": slice(-4, -1), "v_norms": slice(-3, None)}
+    shapes = {name: tuple(getattr(getattr(cache, name), "shape", ())) for name in axes}
+    if any(len(shape) < 3 for shape in shapes.values()):
+        return  # wrong ranks: the ops' shape checks name them
+    slots = {name: shapes[name][axes[name]] for name in axes}
+    if len(set(slots.values())) > 1:
+        listed = ", ".join(f"cache.{name} {slots[name]} (shape {shapes[name]})" for name in axes)
+        raise ValueError(f"jax_tq.{op}: the pools must agree on (num_pages, num_kv_heads, page_size); got {listed}")
 
 
 def _check_pages(cache, op: str) -> None:

@@ -258,6 +258,11 @@ def test_refuses_bad_codec_and_cache_parameters():
                                                       head_dim=64, num_windows=1))   # one slot past int32: refused, as PageAllocator does
     jax.eval_shape(lambda: tq.PagedKVCache.create(num_pages=2**23 - 1, page_size=256, num_kv_heads=1, preset="k4v4",
                                                   head_dim=64, num_windows=1))
+    with pytest.raises(ValueError, match=r"num_windows \* window = 33554432 \* 64 = 2147483648 window slots exceed int32"):
+        jax.eval_shape(lambda: tq.PagedKVCache.create(num_pages=4, page_size=16, num_kv_heads=1, preset="k2v2",
+                                                      head_dim=64, num_windows=2**25))  # window slot ids are int32 too
+    jax.eval_shape(lambda: tq.PagedKVCache.create(num_pages=4, page_size=16, num_kv_heads=1, preset="k2v2",
+                                                  head_dim=64, num_windows=2**25 - 1))
     with pytest.raises(ValueError, match=r"k_codec\.head_dim 64 != v_codec\.head_dim 128"):
         tq.PagedKVCache.create(num_pages=2, page_size=8, num_kv_heads=1,
                                k_codec=tq.TurboQuant(64, 4), v_codec=tq.TurboQuant(128, 4))
@@ -272,8 +277,15 @@ def test_refuses_cache_whose_codec_does_not_match_its_pools():
         trace(dataclasses.replace(cache, k_codec=tq.TurboQuant(64, bits=2)))
     with pytest.raises(ValueError, match=r"v_codes is uint8\(3, 2, 8, 24\), expected uint8\(3, 2, 8, 32\) .*bits 4"):
         trace(dataclasses.replace(cache, v_codec=tq.TurboQuant(64, bits=4)))
-    with pytest.raises(ValueError, match=r"v_norms is float32\(3, 1, 8\), expected float32\(3, 2, 8\)"):
+    # A pool whose (num_pages, num_kv_heads, page_size) differ from the others' is the one named with
+    # its shape (k_norms' axes are the cache's, so its own mistake must not blame another pool).
+    agree = r"paged_decode: the pools must agree on \(num_pages, num_kv_heads, page_size\); got .*"
+    with pytest.raises(ValueError, match=agree + r"cache.v_norms \(3, 1, 8\) \(shape \(3, 1, 8\)\)"):
         trace(dataclasses.replace(cache, v_norms=cache.v_norms[:, :1]))
+    with pytest.raises(ValueError, match=agree + r"cache.k_norms \(3, 1, 8\) \(shape \(3, 1, 8\)\), cache.v_codes \(3, 2, 8\)"):
+        trace(dataclasses.replace(cache, k_norms=cache.k_norms[:, :1]))
+    with pytest.raises(ValueError, match=agree + r"cache.k_codes \(2, 2, 8\) \(shape \(2, 2, 8, 32\)\), cache.k_norms \(3, 2, 8\)"):
+        trace(dataclasses.replace(cache, k_codes=cache.k_codes[:2]))
     with pytest.raises(ValueError, match=r"cache.k_codes has shape \(3, 2, 8, 32\), expected \[num_pages, 2, page_size, 16\]"):
         jax.eval_shape(tq.write_cache, dataclasses.replace(cache, k_codec=tq.TurboQuant(64, bits=2)),
                        jnp.zeros((1, 2, 64)), jnp.zeros((1, 2, 64)), jnp.zeros((1,), jnp.int32))
@@ -358,8 +370,8 @@ def test_refuses_bad_write_and_codec_op_arguments_at_trace_time():
         trace(cache, k, k[:2], slots)
     bigger_v = dataclasses.replace(cache, v_codes=jnp.concatenate([cache.v_codes] * 2),
                                    v_norms=jnp.concatenate([cache.v_norms] * 2))
-    with pytest.raises(ValueError, match=r"K and V pools must have the same num_pages and page_size .*"
-                                         r"K norms \(3, 2, 8\) and V norms \(6, 2, 8\)"):
+    with pytest.raises(ValueError, match=r"write_cache: the pools must agree on \(num_pages, num_kv_heads, page_size\); "
+                                         r"got .*cache.v_codes \(6, 2, 8\) .*cache.v_norms \(6, 2, 8\)"):
         trace(bigger_v, k, k, slots)
     with pytest.raises(TypeError, match=r"slot_mapping must be int32 \[3\], got float32\(3,\)"):
         trace(cache, k, k, slots.astype(jnp.float32))
