@@ -230,8 +230,9 @@ def prompt_attention(q, k, v, cache: PagedKVCache, block_tables, prompt_lens=Non
         sliding_window, soft_cap or sinks of a wrong type (:func:`jax_tq.variants.check_variants`).
       ValueError: wrong ranks or shapes (naming the argument), head_dim or num_kv_heads of k / v
         other than the cache's, num_heads not a positive multiple of num_kv_heads, a bad scale or
-        implementation, window_ids given for a cache without a window; sliding_window < 1,
-        soft_cap <= 0, sinks not [num_heads].
+        implementation, window_ids given for a cache without a window; prompt_lens None with
+        seq_len > max_pages * page_size (tokens no page covers); sliding_window < 1, soft_cap <= 0,
+        sinks not [num_heads].
 
     Source: scaled dot-product attention (Vaswani et al., arXiv 1706.03762) through
     :func:`jax.nn.dot_product_attention` (cuDNN's flash attention, Dao, arXiv 2307.08691, where
@@ -258,6 +259,11 @@ def prompt_attention(q, k, v, cache: PagedKVCache, block_tables, prompt_lens=Non
     if padded:
         prompt_lens = index_array(prompt_lens, "prompt_lens", f"[batch={batch}]", op, shape=(batch,))
     else:
+        capacity = block_tables.shape[1] * cache.page_size
+        if batch and seq_len > capacity:  # every prompt has tokens no page covers: they would be lost
+            raise ValueError(f"jax_tq.{op}: seq_len {seq_len} (every prompt's length, prompt_lens None) exceeds the "
+                             f"block_tables' capacity max_pages * page_size = {block_tables.shape[1]} * "
+                             f"{cache.page_size} = {capacity} tokens")
         prompt_lens = jnp.full((batch,), seq_len, jnp.int32)
     scale = _static_scale(scale, f"jax_tq.{op}")
     if implementation not in (None, "xla", "cudnn"):

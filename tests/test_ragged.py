@@ -552,7 +552,8 @@ def test_prompt_attention_is_not_the_compressed_prefill(rng):
 
 def test_prompt_past_its_block_table_and_checked_mode(rng):
     """A prompt longer than its table writes only the positions the table covers (attending over
-    all of them); checked mode names prompt_lens (or seq_len where prompt_lens is None)."""
+    all of them); checked mode names prompt_lens. Without prompt_lens every prompt is seq_len long:
+    a seq_len past the table's capacity is a trace-time error (tokens that would be lost)."""
     cache = make_cache(rng, "haar")
     check_prompts(rng, cache, (12, 5), 12, max_pages=1)   # 8 positions covered
     q, k, v, tables, lens = prompt_case(rng, cache, (12, 5), 12, max_pages=1)
@@ -560,9 +561,12 @@ def test_prompt_past_its_block_table_and_checked_mode(rng):
     err, _ = step(q, k, v, cache, tables, lens)
     with pytest.raises(Exception, match=r"prompt_attention: prompt_lens\[0\] = 12 is outside \[0, 8\]"):
         err.throw()
-    err, _ = step(q, k, v, cache, tables)  # no prompt_lens: every prompt is seq_len = 12 long
-    with pytest.raises(Exception, match=r"the length \(prompt_lens None: seq_len\) of prompt\[0\] = 12 is outside"):
-        err.throw()
+    with pytest.raises(ValueError, match=r"prompt_attention: seq_len 12 \(every prompt's length, prompt_lens None\) "
+                       r"exceeds the block_tables' capacity max_pages \* page_size = 1 \* 8 = 8 tokens"):
+        step(q, k, v, cache, tables)  # no prompt_lens: every prompt is seq_len = 12 long
+    out, written = jax.jit(tq.prompt_attention)(q[:, :8], k[:, :8], v[:, :8], cache, tables)  # exactly the capacity
+    want, _ = jax.jit(tq.prompt_attention)(q[:, :8], k[:, :8], v[:, :8], cache, tables, np.asarray([8, 8], np.int32))
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
     q, k, v, tables, lens = prompt_case(rng, cache, (12, 12), 12)  # both rows' pages valid up to 16 positions
     err, _ = step(q, k, v, cache, tables, np.asarray([12, 13], np.int32))
     with pytest.raises(Exception, match=r"prompt_lens\[1\] = 13 is past seq_len = 12"):
