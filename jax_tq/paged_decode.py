@@ -78,6 +78,7 @@ def paged_decode(q, cache, block_tables, seq_lens, *, window_ids=None, scale=Non
       sinks: None, or float32 [num_heads] (other float dtypes are cast): a per-head logit that joins
         the softmax denominator only (gpt-oss's attention sinks), neither scaled nor capped:
         out = sum_t exp(l_t - m) v_t / (exp(sinks[h] - m) + sum_t exp(l_t - m)). Differentiable.
+        A sink of -inf is none; NaN or +inf gives head h NaN rows (pass finite sinks).
         On the GPU the float16 tensor-core kernel (head_dim 64 / 128, K and V of one width, pages of
         a multiple of 16 tokens; its soft cap through tanh.approx, an error like rounding the capped
         logit to float16) or else the CUDA-core kernel serves them.

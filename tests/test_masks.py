@@ -418,6 +418,35 @@ def test_a_sliding_window_covering_every_token_changes_nothing(rng, name):
                 rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("name", ["ffi", "xla"])
+def test_non_finite_sinks_as_documented(rng, name):
+    """A sink of -inf is no sink (the same rows, rows with no visible token 0 included); NaN makes
+    its head's rows with visible tokens NaN, +inf makes them 0 (its limit) or NaN; the other heads'
+    rows stay as with their own sinks (variants.py)."""
+    cache = make_cache(rng, "compressed")
+    lens, starts, _, _ = prefill_layout()
+    tables = random_tables(rng, lens, PAGE, PAGES, max_pages=MAX_PAGES)
+    q = jnp.asarray(rng.normal(size=(20, HEADS, HEAD_DIM)) * 3, jnp.float32)
+    finite = jnp.asarray(rng.normal(size=HEADS), jnp.float32)
+    rows = int(starts[-1])  # prefill rows past it belong to no sequence
+    with tq.use_backend(name):
+        decode = lambda sinks: np.asarray(tq.paged_decode(q[:3], cache, tables, jnp.asarray(lens), sinks=sinks))  # noqa: E731
+        prefill = lambda sinks: np.asarray(tq.paged_prefill(q, cache, tables, jnp.asarray(lens), jnp.asarray(starts),  # noqa: E731
+                                                            sinks=sinks))
+        for run, real in ((decode, 3), (prefill, rows)):
+            np.testing.assert_array_equal(run(jnp.full((HEADS,), -jnp.inf)), run(None))
+            want = run(finite)
+            assert not np.isnan(want).any()
+            for bad in (jnp.inf, jnp.nan):
+                got = run(finite.at[3].set(bad))
+                head = got[:real, 3]
+                if bad != bad:
+                    assert np.isnan(head).all()
+                else:
+                    assert all(np.isnan(r).all() or (r == 0).all() for r in head), head
+                np.testing.assert_array_equal(np.delete(got, 3, axis=1), np.delete(want, 3, axis=1))
+
+
 # ----------------------------------------------------------------------------- the GPU policy
 
 def test_a_kernel_module_that_lists_a_target_serves_its_variants(monkeypatch):
