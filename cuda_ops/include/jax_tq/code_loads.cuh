@@ -49,27 +49,35 @@ __device__ __forceinline__ void load_words(const uint8_t* src, uint32_t (&w)[N])
   }
 }
 
+// The 96 bits (a lane's 32 3-bit codes) at src as three words: AL >= 4: three loads; AL = 2: the
+// four words around them, shifted by 16 bits where src is not 4-byte aligned (load_groups3).
+template <class Mem, int AL = 16>
+__device__ __forceinline__ void load_stream3(const uint8_t* src, uint32_t& a, uint32_t& b, uint32_t& c) {
+  if constexpr (AL < 4) {
+    static_assert(AL == 2, "3-bit chunks of 12 bytes: 2-byte aligned");
+    const uint32_t shift = (reinterpret_cast<uintptr_t>(src) & 2u) * 8u;  // 0 or 16
+    const uint8_t* base = src - shift / 8;
+    const uint32_t w0 = Mem::template at<uint32_t>(base), w1 = Mem::template at<uint32_t>(base + 4),
+                   w2 = Mem::template at<uint32_t>(base + 8), w3 = Mem::template at<uint32_t>(base + 12);
+    a = __funnelshift_r(w0, w1, shift);
+    b = __funnelshift_r(w1, w2, shift);
+    c = __funnelshift_r(w2, w3, shift);
+  } else {
+    a = Mem::template at<uint32_t>(src);
+    b = Mem::template at<uint32_t>(src + 4);
+    c = Mem::template at<uint32_t>(src + 8);
+  }
+}
+
 // The N 3-bit groups (8 codes each, code i in bits 3i..3i+2; bits above 24 are not cleared) of a
 // lane's 8N codes at src: N = 4, 12 bytes on an AL-byte boundary (AL >= 4: 3 words; AL = 2: the 4
 // words around them, shifted by 16 bits where src is not 4-byte aligned); N = 2, 6 bytes on a 2-byte
 // boundary (a word and a half); N = 1, 3 bytes.
 template <int N, class Mem, int AL = 16>
 __device__ __forceinline__ void load_groups3(const uint8_t* src, uint32_t (&g)[N]) {
-  if constexpr (N == 4 && AL < 4) {
-    static_assert(AL == 2, "3-bit chunks of 12 bytes: 2-byte aligned");
-    const uint32_t shift = (reinterpret_cast<uintptr_t>(src) & 2u) * 8u;  // 0 or 16
-    const uint8_t* base = src - shift / 8;
-    const uint32_t w0 = Mem::template at<uint32_t>(base), w1 = Mem::template at<uint32_t>(base + 4),
-                   w2 = Mem::template at<uint32_t>(base + 8), w3 = Mem::template at<uint32_t>(base + 12);
-    const uint32_t a = __funnelshift_r(w0, w1, shift), b = __funnelshift_r(w1, w2, shift),
-                   c = __funnelshift_r(w2, w3, shift);
-    g[0] = a;
-    g[1] = __funnelshift_r(a, b, 24);
-    g[2] = __funnelshift_r(b, c, 16);
-    g[3] = c >> 8;
-  } else if constexpr (N == 4) {
-    const uint32_t a = Mem::template at<uint32_t>(src), b = Mem::template at<uint32_t>(src + 4),
-                   c = Mem::template at<uint32_t>(src + 8);
+  if constexpr (N == 4) {
+    uint32_t a, b, c;
+    load_stream3<Mem, AL>(src, a, b, c);
     g[0] = a;
     g[1] = __funnelshift_r(a, b, 24);
     g[2] = __funnelshift_r(b, c, 16);

@@ -319,13 +319,44 @@ __device__ __forceinline__ void load_v_codes(const uint8_t* src, uint32_t (&w)[N
   }
 }
 
+// ---- 3-bit codes looked up straight from their bit stream (v4's ring, head_dim 128) ------------
+// A lane's 32 K codes of a token are 96 bits, three words s[0..2] (load_k_codes with K3); pair p
+// (codes 2p, 2p + 1: one key of shift 3) is the 6 bits at 6p. Pairs p and p + 4 lie 24 bits apart,
+// so one funnel shift of the stream puts both on byte boundaries (bytes 0 and 3 of the word), and
+// pairs 0, 4, 8 and 12 already are (bits 0, 24, 48, 72): the 16 keys are bytes of s[0..2] and of six
+// shifted words (k3_key_words), instead of pair_keys3's words (4 x 6 instructions) made from
+// load_groups3's (3 more). Bits 6-7 of a key byte are the next pair's (or 0): the table ignores them.
+__device__ __forceinline__ void k3_key_words(const uint32_t (&s)[4], uint32_t (&kw)[9]) {
+  kw[0] = s[0];                              // pairs 0, 4 (bytes 0, 3)
+  kw[1] = s[1];                              // pair 8 (byte 2)
+  kw[2] = s[2];                              // pair 12 (byte 1)
+  kw[3] = __funnelshift_r(s[0], s[1], 6);   // pairs 1, 5
+  kw[4] = __funnelshift_r(s[0], s[1], 12);  // pairs 2, 6
+  kw[5] = __funnelshift_r(s[0], s[1], 18);  // pairs 3, 7
+  kw[6] = __funnelshift_r(s[1], s[2], 22);  // pairs 9, 13
+  kw[7] = __funnelshift_r(s[1], s[2], 28);  // pairs 10, 14
+  kw[8] = s[2] >> 2;                        // pairs 11, 15
+}
+// The word of k3_key_words (k3_key_word) and its byte (k3_key_byte) that hold pair p's key.
+__host__ __device__ constexpr int k3_key_word(int p) {
+  return (p & 3) != 0 ? 3 + 3 * (p >> 3) + (p & 3) - 1 : p < 8 ? 0 : p < 12 ? 1 : 2;
+}
+__host__ __device__ constexpr int k3_key_byte(int p) {
+  return (p & 3) != 0 || p < 8 ? 3 * ((p >> 2) & 1) : p < 12 ? 2 : 1;
+}
+
 // K codes of a lane for tile_dots: load_k_keys' key words, or with QUAD (2-bit codes) the raw words
-// (N / 2: a byte holds the codes of coordinates 4 b .. 4 b + 3, one quad look-up).
-template <int BITS, int N, class Mem, int AL, bool QUAD>
+// (N / 2: a byte holds the codes of coordinates 4 b .. 4 b + 3, one quad look-up), or with K3
+// (3-bit codes, N = 4) the 96 raw bits in w[0..2] (k3_key_words; w[3] = 0).
+template <int BITS, int N, class Mem, int AL, bool QUAD, bool K3 = false>
 __device__ __forceinline__ void load_k_codes(const uint8_t* src, uint32_t (&w)[N]) {
   if constexpr (QUAD) {
     static_assert(BITS == 2 && (N == 2 || N == 4), "quad keys: 2-bit K chunks of 4 or 8 bytes");
     load_words<N / 2, Mem, AL>(src, reinterpret_cast<uint32_t(&)[N / 2]>(w));
+  } else if constexpr (K3) {
+    static_assert(BITS == 3 && N == 4, "3-bit stream keys: K chunks of 12 bytes");
+    load_stream3<Mem, AL>(src, w[0], w[1], w[2]);
+    w[3] = 0u;
   } else {
     load_k_keys<BITS, N, Mem, AL>(src, w);
   }
@@ -479,15 +510,29 @@ __device__ __forceinline__ void query_fragments(const float* q_s, int gid, int t
 }
 
 // Kdec * Q^T of one tile before the norms (tile_scores' fragment layout).
-template <int D, bool SPLIT, bool KQUAD = false, bool VQ = false>
+// K3: cur holds 3-bit K streams (load_k_codes' K3), looked up with keys of shift 3 (k3_key_words).
+template <int D, bool SPLIT, bool KQUAD = false, bool VQ = false, bool K3 = false>
 __device__ __forceinline__ void tile_dots(const Tile<D>& cur, const uint32_t (&qh)[Dims<D>::kKS][2],
                                           const uint32_t (&ql)[Dims<D>::kKS][2], const PairLut<SPLIT, KQUAD, VQ>& ilut,
                                           float (&s)[4]) {
   float sh[2][4] = {}, sx[2][4] = {};  // even / odd k-steps: two independent MMA chains (sx: SPLIT)
   const uint32_t (&ka)[Dims<D>::kKW] = cur.k0;
   const uint32_t (&kb)[Dims<D>::kKW] = cur.k1;
+  static_assert(!K3 || (D == 128 && !SPLIT && !KQUAD), "3-bit stream keys: head_dim 128, f16");
+  uint32_t wa[9], wb[9];  // K3: the key words of tokens gid, gid + 8
+  if constexpr (K3) k3_key_words(ka, wa), k3_key_words(kb, wb);
 #pragma unroll
   for (int ks = 0; ks < Dims<D>::kKS; ++ks) {
+    if constexpr (K3) {
+      // Pairs 2ks (coordinates 4ks, 4ks + 1: k 2t4, 2t4 + 1) and 2ks + 1 (k 2t4 + 8, + 9).
+      const uint32_t a0 = ilut.at(wa[k3_key_word(2 * ks)], k3_key_byte(2 * ks), ilut.k_lane).x;
+      const uint32_t a1 = ilut.at(wb[k3_key_word(2 * ks)], k3_key_byte(2 * ks), ilut.k_lane).x;
+      const uint32_t a2 = ilut.at(wa[k3_key_word(2 * ks + 1)], k3_key_byte(2 * ks + 1), ilut.k_lane).x;
+      const uint32_t a3 = ilut.at(wb[k3_key_word(2 * ks + 1)], k3_key_byte(2 * ks + 1), ilut.k_lane).x;
+      const uint32_t ahi[4] = {a0, a1, a2, a3};
+      mma16816(sh[ks & 1], ahi, qh[ks][0], qh[ks][1]);
+      continue;
+    }
     if constexpr (KQUAD) {
       // Raw byte ks of a token: coordinates 4ks, 4ks + 1 (k 2t4, 2t4 + 1) in its low nibble, 4ks + 2,
       // 4ks + 3 (k 2t4 + 8, + 9) in its high one. Keys: the low (high) nibbles of tokens gid and
@@ -1323,6 +1368,7 @@ struct F16Shape {
   static constexpr bool V2 = RING && VB == 2;
   static constexpr bool QUADK = RING && KB == 2;  // K looked up four codes at a time: PairLut's KQUAD
   static constexpr bool QUADV = V2;               // ... V: its VQUAD
+  static constexpr bool K3 = RING && KB == 3 && DW == 128;  // 3-bit K keys from the bit stream (k3_key_words)
   static constexpr int KSHIFT = RING && (KB == 2 || KB == 3) ? KB : 4, VSHIFT = V2 ? 2 : 4;
   // The folded window (format.h "Window"; p.kwin): read by the CTA of split p.window_split, after
   // its page tiles.
@@ -1616,8 +1662,9 @@ struct TileRing {
   __device__ __forceinline__ void read(int st, int n, Tile<S::DW>& t, int gid, int t4, int skip = 0) const {
     const uint8_t* src = ring + st * S::kStage;
     constexpr int KW = Dims<S::DW>::kKW, VW = Dims<S::DW>::kVW;
-    load_k_codes<S::kb, KW, SharedMem, ALK, S::QUADK>(src + ring_offset<S::SK>(gid, (S::RK / 4) * t4), t.k0);
-    load_k_codes<S::kb, KW, SharedMem, ALK, S::QUADK>(src + ring_offset<S::SK>(gid + 8, (S::RK / 4) * t4), t.k1);
+    load_k_codes<S::kb, KW, SharedMem, ALK, S::QUADK, S::K3>(src + ring_offset<S::SK>(gid, (S::RK / 4) * t4), t.k0);
+    load_k_codes<S::kb, KW, SharedMem, ALK, S::QUADK, S::K3>(src + ring_offset<S::SK>(gid + 8, (S::RK / 4) * t4),
+                                                             t.k1);
 #pragma unroll
     for (int e = 0; e < 4; ++e)
       load_v_codes<S::vb, VW, SharedMem, ALV>(
@@ -1740,7 +1787,7 @@ __device__ __forceinline__ void consume_tile(const DecodeParams& p, const Tile<S
   // The weight is p * v_norm with the norm as stored (a NaN norm gives a NaN output row, as in the
   // reference and v1; masked tokens have norm 0); the max covers log2 |v_norm| (flushed to -inf
   // below 2^-126), so |weight| <= 2^kLazyMax.
-  tile_dots<S::DW, false, S::QUADK>(cur, q.qh, q.ql, ilut, s);
+  tile_dots<S::DW, false, S::QUADK, S::QUADV, S::K3>(cur, q.qh, q.ql, ilut, s);
   if constexpr (S::MASKS) {
     scale_capped_scores<S::DW>(p, cur, q.qx0, q.qx1, s);
     sm.template weigh<false>(s, 1.f, 1.f, cur.vn0, cur.vn1, ph0, ph1);
