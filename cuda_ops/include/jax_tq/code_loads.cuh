@@ -69,6 +69,24 @@ __device__ __forceinline__ void load_stream3(const uint8_t* src, uint32_t& a, ui
   }
 }
 
+// The 48 bits (a lane's 16 3-bit codes) at src, 2-byte aligned: lo = bits 0-31, hi = bits 32-47
+// (AL = 2: bits 48-63 of hi are the next bytes' where src is 4-byte aligned). Two word loads at
+// the 4-byte boundary below src and one funnel shift each (no per-lane select of the load widths).
+template <class Mem, int AL = 16>
+__device__ __forceinline__ void load_stream3_48(const uint8_t* src, uint32_t& lo, uint32_t& hi) {
+  static_assert(AL >= 2, "3-bit chunks of 6 bytes: 2-byte aligned");
+  if constexpr (AL < 4) {
+    const uint32_t shift = (reinterpret_cast<uintptr_t>(src) & 2u) * 8u;  // 0 or 16
+    const uint8_t* base = src - shift / 8;
+    const uint32_t w0 = Mem::template at<uint32_t>(base), w1 = Mem::template at<uint32_t>(base + 4);
+    lo = __funnelshift_r(w0, w1, shift);
+    hi = w1 >> shift;
+  } else {
+    lo = Mem::template at<uint32_t>(src);
+    hi = Mem::template at<unsigned short>(src + 4);
+  }
+}
+
 // The N 3-bit groups (8 codes each, code i in bits 3i..3i+2; bits above 24 are not cleared) of a
 // lane's 8N codes at src: N = 4, 12 bytes on an AL-byte boundary (AL >= 4: 3 words; AL = 2: the 4
 // words around them, shifted by 16 bits where src is not 4-byte aligned); N = 2, 6 bytes on a 2-byte

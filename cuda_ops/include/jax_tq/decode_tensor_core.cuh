@@ -7,8 +7,9 @@
 //   for head_dim 128 and 4-bit codes; at 64 a lane holds half the codes (K: (D/4)*t4.., V:
 //   (D/8)*gid..), with half the k-steps and m-tiles, and the ring stores 32-byte rows in the order
 //   ring_row64. 2- and 3-bit codes are spread to the same 4-bit nibbles when loaded (load_nibbles),
-//   or, in v4's ring, turned into table keys of their own width (load_k_keys, 2-bit V in
-//   tile_accumulate_v). The fused rotation is head_dim 128 only.
+//   or, in v4's ring, turned into table keys of their own width (load_k_keys; 3-bit K and V at
+//   head_dim 128 straight from the bit stream: k3_key_words, v3_key_words; 2- and 3-bit V in
+//   tile_accumulate_v_b). The fused rotation is head_dim 128 only.
 // Chosen by plan_decode (jax_tq/decode_plan.h): v3 is the tensor-core float32-accurate kernel, v4
 // the float16 one; the CUDA-core kernel serves every other configuration. v4 (at the end of this file) is
 // v3's tile loop with 8 warps per CTA, for f16 products, with its tiles in registers or (RING, the
@@ -306,10 +307,15 @@ __device__ __forceinline__ void load_k_keys(const uint8_t* src, uint32_t (&w)[N]
 }
 
 // V codes of a lane's chunk for tile_accumulate_v: nibble words, or with BITS 2 the raw codes
-// (D/8 codes = one word at head_dim 128, 16 bits at 64, in w[0]) from which it makes keys itself.
-template <int BITS, int N, class Mem, int AL = 16>
+// (D/8 codes = one word at head_dim 128, 16 bits at 64, in w[0]) from which it makes keys itself,
+// or with V3 (3-bit codes, head_dim 128: N = 2) the 48 raw bits (load_stream3_48: w[0] bits 0-31,
+// w[1] bits 32-47; v3_key_words).
+template <int BITS, int N, class Mem, int AL = 16, bool V3 = false>
 __device__ __forceinline__ void load_v_codes(const uint8_t* src, uint32_t (&w)[N]) {
-  if constexpr (BITS == 2) {
+  if constexpr (V3) {
+    static_assert(BITS == 3 && N == 2, "3-bit V streams: chunks of 6 bytes");
+    load_stream3_48<Mem, AL>(src, w[0], w[1]);
+  } else if constexpr (BITS == 2) {
     static_assert(N == 1 || N == 2, "2-bit V chunks: 2 or 4 bytes");
 #pragma unroll
     for (int i = 0; i < N; ++i) w[i] = 0u;
@@ -343,6 +349,36 @@ __host__ __device__ constexpr int k3_key_word(int p) {
 }
 __host__ __device__ constexpr int k3_key_byte(int p) {
   return (p & 3) != 0 || p < 8 ? 3 * ((p >> 2) & 1) : p < 12 ? 2 : 1;
+}
+
+// (a & m) | (b & ~m) as one LOP3 (written in C, the compiler narrows the masks by the known zero
+// bits of shifted operands and splits the select in two).
+__device__ __forceinline__ uint32_t bit_select(uint32_t a, uint32_t b, uint32_t m) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xE4;" : "=r"(d) : "r"(a), "r"(b), "r"(m));
+  return d;
+}
+// Bits b of a word whose stream positions first + b are the low code of a 6-bit pair (mod 6 < 3).
+__host__ __device__ constexpr uint32_t low_code_bits3(int first) {
+  uint32_t m = 0;
+  for (int b = 0; b < 32; ++b)
+    if ((first + b) % 6 < 3) m |= 1u << b;
+  return m;
+}
+// V keys of shift 3 (tile_accumulate_v_b's V3) from the 48-bit streams (lo, hi) of two tokens x, y
+// (a lane's 16 codes of V rows e, e + 1): the key of m-tile mt's row gid (coordinate 2mt of the
+// chunk) is x[2mt] | y[2mt] << 3, of row gid + 8 x[2mt + 1] | y[2mt + 1] << 3: the even-row stream
+// E = (x & L) | ((y << 3) & ~L) and the odd-row stream O = ((x >> 3) & L) | (y & ~L) (L: the low code
+// of each pair) hold them at bit 6mt, and one funnel shift by 6k puts those of mt = k and k + 4 at
+// bytes 0 and 3: ke[k] / ko[k] (k = mt & 3, byte 3 (mt >> 2)). 14 instructions for the 16 keys.
+__device__ __forceinline__ void v3_key_words(uint32_t xl, uint32_t xh, uint32_t yl, uint32_t yh, uint32_t (&ke)[4],
+                                             uint32_t (&ko)[4]) {
+  constexpr uint32_t kLo = low_code_bits3(0), kHi = low_code_bits3(32);
+  const uint32_t el = bit_select(xl, yl << 3, kLo), eh = bit_select(xh, __funnelshift_l(yl, yh, 3), kHi);
+  const uint32_t ol = bit_select(__funnelshift_r(xl, xh, 3), yl, kLo), oh = bit_select(xh >> 3, yh, kHi);
+  ke[0] = el, ko[0] = ol;
+#pragma unroll
+  for (int k = 1; k < 4; ++k) ke[k] = __funnelshift_r(el, eh, 6 * k), ko[k] = __funnelshift_r(ol, oh, 6 * k);
 }
 
 // K codes of a lane for tile_dots: load_k_keys' key words, or with QUAD (2-bit codes) the raw words
@@ -654,12 +690,25 @@ __device__ __forceinline__ void tile_accumulate_v_nibbles(const uint32_t (&v)[4]
 
 // The V MMAs of one tile with P^T's B fragments given: (ph0, pl0) for the k positions of the lane's
 // V rows 0, 1 and (ph1, pl1) for rows 2, 3 (hi / lo, lo 0 unless SPLIT).
-// V2: v holds raw 2-bit codes (load_v_codes), looked up with keys of shift 2.
-template <int D, bool SPLIT, bool V2, bool KQ = false, bool VQ = false>
+// V2: v holds raw 2-bit codes (load_v_codes), looked up with keys of shift 2. V3: 3-bit streams
+// (load_v_codes' V3), looked up with keys of shift 3 (v3_key_words).
+template <int D, bool SPLIT, bool V2, bool KQ = false, bool VQ = false, bool V3 = false>
 __device__ __forceinline__ void tile_accumulate_v_b(const uint32_t (&v)[4][Dims<D>::kVW], uint32_t ph0, uint32_t pl0,
                                                     uint32_t ph1, uint32_t pl1, const PairLut<SPLIT, KQ, VQ>& ilut,
                                                     float (&o)[Dims<D>::kKS][4]) {
-  if constexpr (V2) {
+  if constexpr (V3) {
+    static_assert(D == 128 && !SPLIT && !V2 && !VQ, "3-bit V streams: head_dim 128, f16");
+    uint32_t e01[4], o01[4], e23[4], o23[4];  // rows gid / gid + 8 of tokens (0, 1) and (2, 3)
+    v3_key_words(v[0][0], v[0][1], v[1][0], v[1][1], e01, o01);
+    v3_key_words(v[2][0], v[2][1], v[3][0], v[3][1], e23, o23);
+#pragma unroll
+    for (int mt = 0; mt < Dims<D>::kKS; ++mt) {
+      const int k = mt & 3, jb = 3 * (mt >> 2);
+      const uint32_t ahi[4] = {ilut.at(e01[k], jb, ilut.v_lane).x, ilut.at(o01[k], jb, ilut.v_lane).x,
+                               ilut.at(e23[k], jb, ilut.v_lane).x, ilut.at(o23[k], jb, ilut.v_lane).x};
+      mma16816(o[mt], ahi, ph0, ph1);
+    }
+  } else if constexpr (V2) {
     // Nibble mt of a raw word holds coordinates 2mt (bits 0-1) and 2mt + 1 (bits 2-3): keys of
     // the even / odd coordinate for tokens (0, 1) and (2, 3) in nibble mt, then byte mt >> 1 of
     // the word (mt even) or of the word >> 4 (mt odd).
@@ -1369,7 +1418,8 @@ struct F16Shape {
   static constexpr bool QUADK = RING && KB == 2;  // K looked up four codes at a time: PairLut's KQUAD
   static constexpr bool QUADV = V2;               // ... V: its VQUAD
   static constexpr bool K3 = RING && KB == 3 && DW == 128;  // 3-bit K keys from the bit stream (k3_key_words)
-  static constexpr int KSHIFT = RING && (KB == 2 || KB == 3) ? KB : 4, VSHIFT = V2 ? 2 : 4;
+  static constexpr bool V3 = RING && VB == 3 && DW == 128;  // ... V keys (v3_key_words)
+  static constexpr int KSHIFT = RING && (KB == 2 || KB == 3) ? KB : 4, VSHIFT = V2 ? 2 : V3 ? 3 : 4;
   // The folded window (format.h "Window"; p.kwin): read by the CTA of split p.window_split, after
   // its page tiles.
   static constexpr bool FOLD = HALVES == 1 && !PADDED && (D == 64 || D == 128);
@@ -1387,11 +1437,13 @@ struct F16Shape {
   static constexpr bool kPinOne = ITEMS == 1 && D == 128 && HALVES == 1 && !(KB == 3 && VB == 3) &&
                                   !(KB == 2 && VB == 3) && !(KB == 4 && VB == 4 && MASKS);
   static constexpr bool kPinned = ITEMS == 2 || ITEMS == 4 || kPinOne;
-  // The lookup tables' lane offsets (ilut) too: where that spilled less (two items and K2V4, K4V2,
-  // K4V3 spill less with the compiler rebuilding them from %tid).
+  // The lookup tables' lane offsets (ilut) too: where that spilled less (two items, K2V4 and K4V2
+  // spill less with the compiler rebuilding them from %tid; K4V3 did too until its V keys came
+  // from the 3-bit stream (v3_key_words): since then unpinned it reloads 7 spilled registers per
+  // pass, pinned none).
   static constexpr bool kPinLut =
       ITEMS == 4 || (kPinOne && ((KB == 2 && VB == 2) || (KB == 3 && VB == 2) || (KB == 3 && VB == 4) ||
-                                 (KB == 4 && VB == 4)));
+                                 (KB == 4 && VB == 4) || (KB == 4 && VB == 3)));
 };
 
 // K norms of masked tokens (n: the tile's valid count) become NaN, V norms 0.
@@ -1667,7 +1719,7 @@ struct TileRing {
                                                              t.k1);
 #pragma unroll
     for (int e = 0; e < 4; ++e)
-      load_v_codes<S::vb, VW, SharedMem, ALV>(
+      load_v_codes<S::vb, VW, SharedMem, ALV, S::V3>(
           src + kTT * S::SK + ring_offset<S::SV>(v4_v_token(t4, e), (S::RV / 8) * gid), t.v[e]);
     const float* norms = reinterpret_cast<const float*>(src + kTT * (S::SK + S::SV));
     const float4 kv = *reinterpret_cast<const float4*>(norms + 4 * gid);
@@ -1804,7 +1856,7 @@ __device__ __forceinline__ void consume_tile(const DecodeParams& p, const Tile<S
     norm_scores<S::DW>(cur, s);
     sm.template weigh<true>(s, q.qx0, q.qx1, cur.vn0, cur.vn1, ph0, ph1);
   }
-  tile_accumulate_v_b<S::DW, false, S::V2>(cur.v, ph0, 0u, ph1, 0u, ilut, sm.o);
+  tile_accumulate_v_b<S::DW, false, S::V2, S::QUADK, S::QUADV, S::V3>(cur.v, ph0, 0u, ph1, 0u, ilut, sm.o);
 }
 
 // The folded window's tiles after the page tiles (in L2 by then: prefetched at the start),
