@@ -72,15 +72,20 @@ __device__ __forceinline__ void load_stream3(const uint8_t* src, uint32_t& a, ui
 // The 48 bits (a lane's 16 3-bit codes) at src, 2-byte aligned: lo = bits 0-31, hi = bits 32-47
 // (AL = 2: bits 48-63 of hi are the next bytes' where src is 4-byte aligned). Two word loads at
 // the 4-byte boundary below src and one funnel shift each (no per-lane select of the load widths).
+// shift: 8 x (src's distance above the 4-byte boundary), 0 or 16, where the caller knows it.
+template <class Mem>
+__device__ __forceinline__ void load_stream3_48_shifted(const uint8_t* src, uint32_t shift, uint32_t& lo,
+                                                        uint32_t& hi) {
+  const uint8_t* base = src - shift / 8;
+  const uint32_t w0 = Mem::template at<uint32_t>(base), w1 = Mem::template at<uint32_t>(base + 4);
+  lo = __funnelshift_r(w0, w1, shift);
+  hi = w1 >> shift;
+}
 template <class Mem, int AL = 16>
 __device__ __forceinline__ void load_stream3_48(const uint8_t* src, uint32_t& lo, uint32_t& hi) {
   static_assert(AL >= 2, "3-bit chunks of 6 bytes: 2-byte aligned");
   if constexpr (AL < 4) {
-    const uint32_t shift = (reinterpret_cast<uintptr_t>(src) & 2u) * 8u;  // 0 or 16
-    const uint8_t* base = src - shift / 8;
-    const uint32_t w0 = Mem::template at<uint32_t>(base), w1 = Mem::template at<uint32_t>(base + 4);
-    lo = __funnelshift_r(w0, w1, shift);
-    hi = w1 >> shift;
+    load_stream3_48_shifted<Mem>(src, (reinterpret_cast<uintptr_t>(src) & 2u) * 8u, lo, hi);
   } else {
     lo = Mem::template at<uint32_t>(src);
     hi = Mem::template at<unsigned short>(src + 4);

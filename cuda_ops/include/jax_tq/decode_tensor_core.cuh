@@ -1629,6 +1629,12 @@ struct TileRing {
   // head_dim 80: 2- to 8-byte; the blocks start on 16-byte boundaries).
   static constexpr int ALK = align_of(S::SK) < align_of(S::RK / 4) ? align_of(S::SK) : align_of(S::RK / 4);
   static constexpr int ALV = align_of(S::SV) < align_of(S::RV / 8) ? align_of(S::SV) : align_of(S::RV / 8);
+  // 3-bit V chunks (V3; 6 bytes at (RV / 8) gid of a row): where the stages, the K block and the V
+  // rows are whole 4-byte units apart, the 4 rows' chunks of a lane lie equally far above a 4-byte
+  // boundary (that of (RV / 8) gid): one shift for all, and one base register (the compiler no
+  // longer masks each row's address).
+  static constexpr bool kV3LaneShift =
+      S::V3 && S::SV % 4 == 0 && (kTT * S::SK) % 4 == 0 && S::kStage % 4 == 0 && kSmemBytes % 4 == 0;
 
   uint8_t* ring;  // the warp's stages
   const uint8_t* k_src;
@@ -1720,10 +1726,19 @@ struct TileRing {
     load_k_codes<S::kb, KW, SharedMem, ALK, S::QUADK, S::K3>(src + ring_offset<S::SK>(gid, (S::RK / 4) * t4), t.k0);
     load_k_codes<S::kb, KW, SharedMem, ALK, S::QUADK, S::K3>(src + ring_offset<S::SK>(gid + 8, (S::RK / 4) * t4),
                                                              t.k1);
+    if constexpr (kV3LaneShift) {
+      static_assert(VW == 2 && (S::RV / 8) % 2 == 0, "3-bit V streams: 48 bits, 2-byte aligned");
+      const uint32_t shift = (((S::RV / 8) * gid) & 3) * 8;  // 0 or 16
 #pragma unroll
-    for (int e = 0; e < 4; ++e)
-      load_v_codes<S::vb, VW, SharedMem, ALV, S::V3>(
-          src + kTT * S::SK + ring_offset<S::SV>(v4_v_token(t4, e), (S::RV / 8) * gid), t.v[e]);
+      for (int e = 0; e < 4; ++e)
+        load_stream3_48_shifted<SharedMem>(src + kTT * S::SK + ring_offset<S::SV>(v4_v_token(t4, e), (S::RV / 8) * gid),
+                                           shift, t.v[e][0], t.v[e][1]);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        load_v_codes<S::vb, VW, SharedMem, ALV, S::V3>(
+            src + kTT * S::SK + ring_offset<S::SV>(v4_v_token(t4, e), (S::RV / 8) * gid), t.v[e]);
+    }
     const float* norms = reinterpret_cast<const float*>(src + kTT * (S::SK + S::SV));
     const float4 kv = *reinterpret_cast<const float4*>(norms + 4 * gid);
     if constexpr (S::MASKS) mask_norms(t, skip, n, gid, kv.x, kv.y, kv.z, kv.w);
