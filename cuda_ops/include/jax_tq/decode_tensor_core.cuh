@@ -1434,11 +1434,9 @@ struct F16Shape {
   // without new spills (SASS, sm_90a, common-path instructions per tile: K2V2 248 -> 229, K2V4
   // 308 -> 281, K4V2 289 -> 265, K3V2 334 -> 324, K3V4 379 -> 363, K4V3 423 -> 411 (its 2
   // spills as before), K4V4 309 -> 289 (1 spill); K2V3 and K3V3 spilled 3-5 registers). With
-  // 3-bit keys from the bit stream (k3_key_words, v3_key_words) they fit: K3V3 351 -> 342 (one
-  // reload per 3-tile pass; not with MASKS: 374 -> 364 with 2), K2V3 327 -> 309 (with kPinLut, one
-  // reload; without, 311 with 3).
-  static constexpr bool kPinOne = ITEMS == 1 && D == 128 && HALVES == 1 && !(KB == 3 && VB == 3 && MASKS) &&
-                                  !(KB == 4 && VB == 4 && MASKS);
+  // 3-bit keys from the bit stream (k3_key_words, v3_key_words) and one V alignment shift per lane
+  // (TileRing::kV3LaneShift) they fit without spills, with kPinLut: K3V3 (and with MASKS) pinned.
+  static constexpr bool kPinOne = ITEMS == 1 && D == 128 && HALVES == 1 && !(KB == 4 && VB == 4 && MASKS);
   static constexpr bool kPinned = ITEMS == 2 || ITEMS == 4 || kPinOne;
   // The lookup tables' lane offsets (ilut) too: where that spilled less (two items, K2V4 and K4V2
   // spill less with the compiler rebuilding them from %tid; K4V3 did too until its V keys came
@@ -1446,7 +1444,8 @@ struct F16Shape {
   // pass, pinned none).
   static constexpr bool kPinLut =
       ITEMS == 4 || (kPinOne && ((KB == 2 && VB == 2) || (KB == 3 && VB == 2) || (KB == 3 && VB == 4) ||
-                                 (KB == 4 && VB == 4) || (KB == 4 && VB == 3) || (KB == 2 && VB == 3)));
+                                 (KB == 4 && VB == 4) || (KB == 4 && VB == 3) || (KB == 2 && VB == 3) ||
+                                 (KB == 3 && VB == 3)));
 };
 
 // K norms of masked tokens (n: the tile's valid count) become NaN, V norms 0.
