@@ -160,12 +160,12 @@ class PagedKVCache:
         Raises:
           TypeError: a size that is not a Python int; a codec that is not a TurboQuant; a preset
             that is not a name or CachePreset.
-          ValueError: non-positive sizes, page_size > 256, num_pages * page_size past int32, codecs
-            with different head_dim or unsupported bits; both or neither of codecs and preset; a
-            preset without head_dim; an unknown preset; a window outside [0, 256] or one without
-            num_windows >= 1; num_windows * window past int32; num_windows without a window; head_dim or seed with codecs (they carry
-            their own); dtype without ``preset="none"``, or a window, a seed or a dtype other than
-            float32 / bfloat16 / float16 with it.
+          ValueError: non-positive sizes, page_size > 256, num_pages * page_size or num_windows *
+            window past int32, codecs with different head_dim or unsupported bits; both or neither
+            of codecs and preset; a preset without head_dim; an unknown preset; a window outside
+            [0, 256] or one without num_windows >= 1; num_windows without a window; head_dim or seed
+            with codecs (they carry their own); dtype without ``preset="none"``, or a window, a seed
+            or a dtype other than float32 / bfloat16 / float16 with it.
         """
         _check_sizes(num_pages=num_pages, page_size=page_size, num_kv_heads=num_kv_heads)
         if _is_uncompressed(preset):
