@@ -4,7 +4,7 @@ kernel of a call with its duration and the idle gap before it, from a JAX profil
 It answers where a call's time goes beyond the split kernel: the XLA ops around it (rotations,
 NaN mask, cast), the combine, the chain's own add / sum, and the launch gaps between them.
 
-Usage: python benchmarks/trace_decode.py [32x8192 ...] [--preset k4v4] (a GPU; one table per shape;
+Usage: python benchmarks/trace_decode.py [32x8192 ...] [--preset k4v4] [--head-dim 64] (a GPU; one table per shape;
 --preset: a cache of that preset, window filled, and also the timeline of a decode step's write)
 """
 from __future__ import annotations
@@ -14,6 +14,7 @@ import argparse
 import jax
 import jax.numpy as jnp
 
+import bench_decode
 import jax_tq as tq
 from bench_decode import make_tq_inputs
 from device_time import span_us, traced_runs
@@ -90,7 +91,9 @@ def main():
     ap.add_argument("shapes", nargs="*", default=["32x8192", "1x32768"], help="NUM_SEQSxSEQ_LEN (default 32x8192 1x32768)")
     ap.add_argument("--rotation", default="haar", choices=["haar", "hadamard"], help="the codecs' rotation kind")
     ap.add_argument("--preset", default=None, choices=["k4v4", "k3v3", "k2v2"], help="a preset's cache instead")
+    ap.add_argument("--head-dim", type=int, default=128, help="head_dim of the plain codecs' cache (default 128)")
     args = ap.parse_args()
+    bench_decode.HEAD_DIM = args.head_dim
     for spec in args.shapes:
         num_seqs, seq_len = (int(v) for v in spec.split("x"))
         try:
