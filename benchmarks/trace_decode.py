@@ -69,10 +69,10 @@ def one_shape(num_seqs, seq_len, rotation, preset=None):
 
 
 def print_timeline(label, kernels):
-    # Calls are delimited by the split kernel: show the kernels after one split kernel (the middle
+    # Calls are delimited by the split kernel (the longest): show the kernels after one split kernel (the middle
     # call's) up to the next, then per-call averages over the whole chain.
-    split_idx = [i for i, e in enumerate(kernels)
-                 if "paged_decode" in e["name"] and "combine" not in e["name"] and "window" not in e["name"]]
+    longest = max(kernels, key=lambda e: e["dur"])["name"]  # the split kernel, once per call
+    split_idx = [i for i, e in enumerate(kernels) if e["name"] == longest]
     span, busy = span_us(kernels) / INNER, sum(e["dur"] for e in kernels) / INNER
     print(f"== {label}: {len(kernels)} kernels in {INNER} calls; per call: span {span:.1f} us, "
           f"kernels busy {busy:.1f} us, idle {span - busy:.1f} us")
