@@ -2201,10 +2201,11 @@ __device__ __forceinline__ int32_t tile_row_slots(const GemmParams& p, int64_t b
   return tile_row_of_slot(p, base, lane, tile_row_slot(p, base, lane));
 }
 
-// group + (boundary < z) as one predicated add (nvcc makes the plain expression an add and a select).
-__device__ __forceinline__ uint32_t plus_if_below(uint32_t group, float boundary, float z) {
-  asm("{\n .reg .pred above;\n setp.lt.f32 above, %1, %2;\n @above add.u32 %0, %0, 1;\n}"
-      : "+r"(group) : "f"(boundary), "f"(z));
+// group + (boundary < z ? one : 0) as one predicated add (nvcc makes the plain expression an add and
+// a select).
+__device__ __forceinline__ uint32_t plus_if_below(uint32_t group, float boundary, float z, uint32_t one = 1u) {
+  asm("{\n .reg .pred above;\n setp.lt.f32 above, %1, %2;\n @above add.u32 %0, %0, %3;\n}"
+      : "+r"(group) : "f"(boundary), "f"(z), "r"(one));
   return group;
 }
 
@@ -2451,16 +2452,20 @@ __device__ __forceinline__ void pack_code_lut4(uint32_t* lut4, const uint2* lut,
   }
 }
 
-// The code word of 8 coordinates from the 4x table: the last code first, group = group radix + code.
-__device__ __forceinline__ uint32_t lut4_group(const float (&z)[8], const uint32_t* lut4, float scale4, uint32_t radix) {
+// The code word of 8 coordinates from the 4x table, codes of BITS bits: the first code first, each
+// entry's count (its low bits) funnelled into the top of the word as the word moves down by BITS (one
+// SHF), plus one there where the entry's boundary lies below z. A code never reaches 2^BITS (a cell
+// with a boundary inside counts one boundary less), so no field carries into the next.
+template <int BITS>
+__device__ __forceinline__ uint32_t lut4_group(const float (&z)[8], const uint32_t* lut4, float scale4) {
   uint32_t group = 0;
 #pragma unroll
-  for (int e = 7; e >= 0; --e) {
+  for (int e = 0; e < 8; ++e) {
     const uint32_t off = __float_as_uint(fmaf(z[e], scale4, kLutRound4)) & ((kLutCells - 1) * 4);
     const uint32_t c = *reinterpret_cast<const uint32_t*>(reinterpret_cast<const char*>(lut4) + off);
-    group = plus_if_below(group * radix + (c & 15u), __uint_as_float(c), z[e]);
+    group = plus_if_below(__funnelshift_r(group, c, BITS), __uint_as_float(c), z[e], 1u << (32 - BITS));
   }
-  return group;
+  return group >> (32 - 8 * BITS);
 }
 
 // Lane t's two adjacent code groups w0, w1 of a row (groups 2 t, 2 t + 1 of a quad's 8: bytes
@@ -2485,14 +2490,16 @@ __device__ __forceinline__ void store_group_pair(uint8_t* dst, uint32_t w0, uint
 
 // Codes of lane (g, t)'s two 8-coordinate groups (2 t, 2 t + 1) of chunk `chunk` for its rows g (rh 0)
 // and g + 8 (rh 1) of the warp's 16, from accumulator acc (z = acc scale), stored with their
-// window rows. LUT: from the 4x table (lut4_group), else the search (chunk_group).
-template <int D, bool LUT>
+// window rows. LUT: from the 4x table (lut4_group, BITS-bit codes), else the search (chunk_group,
+// BITS 0: p.bits).
+template <int D, bool LUT, int BITS>
 __device__ __forceinline__ void code_wgmma_chunk(const GemmParams& p, const float (&acc)[8][4], int chunk, int t,
                                                  const float (&scale)[2], const float (&nrm)[2],
                                                  const int32_t (&dest)[2], const int32_t (&wrow)[2],
-                                                 const uint32_t* lut4, float scale4, uint32_t radix,
+                                                 const uint32_t* lut4, float scale4,
                                                  const float* bnd_s, float b3, float b7, float b11) {
-  const int bits = p.bits, pb = D * bits / 8;
+  static_assert(!LUT || BITS >= 2, "the table's codes: a width known at compile time");
+  const int bits = BITS > 0 ? BITS : p.bits, pb = D * bits / 8;
 #pragma unroll
   for (int rh = 0; rh < 2; ++rh) {
     uint32_t words[2];
@@ -2501,7 +2508,8 @@ __device__ __forceinline__ void code_wgmma_chunk(const GemmParams& p, const floa
       float z[8];
 #pragma unroll
       for (int e = 0; e < 8; ++e) z[e] = acc[4 * q + (e >> 1)][2 * rh + (e & 1)] * scale[rh];
-      words[q] = LUT ? lut4_group(z, lut4, scale4, radix) : chunk_group<false, 8>(z, 0, bits, nullptr, 0.f, bnd_s, b3, b7, b11);
+      if constexpr (LUT) words[q] = lut4_group<BITS>(z, lut4, scale4);
+      else words[q] = chunk_group<false, 8>(z, 0, bits, nullptr, 0.f, bnd_s, b3, b7, b11);
       if (wrow[rh] >= 0) store_window_group<D>(p.win, wrow[rh], 8 * chunk + 2 * t + q, nrm[rh], z);
     }
     store_group_pair(p.codes + static_cast<int64_t>(dest[rh]) * pb + (8 * chunk + 2 * t) * bits, words[0], words[1],
@@ -2549,8 +2557,6 @@ __global__ void __launch_bounds__(kWgmmaWriteGroups * 128, 1) tq_hadamard_wgmma_
   pack_code_lut4(lut4_s, lut_s, tid, kThr);
   __syncthreads();
   const float b3 = bnd_s[3], b7 = bnd_s[7], b11 = bnd_s[11], scale4 = 4.0f * kLutScale4 / D;
-  uint32_t radix;
-  asm("mov.u32 %0, %1;" : "=r"(radix) : "r"(1u << p.bits));  // group * radix + code: one IMAD
   const uint64_t m_desc = sw128_desc(smem_addr(m_s), 16, 1024), x_desc0 = sw128_desc(smem_addr(x_s), 16, 1024);
   for (int buf = 0; tile < ntiles; tile += stride, buf ^= 1) {
     uint8_t* cur = x_s + buf * S::kTile;
@@ -2609,20 +2615,23 @@ __global__ void __launch_bounds__(kWgmmaWriteGroups * 128, 1) tq_hadamard_wgmma_
     const int32_t where = tile_row_of_slot(p, base, lane, this_slot);
     const int32_t dest[2] = {__shfl_sync(kAll, where, g), __shfl_sync(kAll, where, 8 + g)};
     const int32_t wrow[2] = {__shfl_sync(kAll, where, 16 + g), __shfl_sync(kAll, where, 24 + g)};
-    auto code = [&](auto table) {
+    auto code = [&](auto table, auto width) {
       constexpr bool kLut = decltype(table)::value;
+      constexpr int kBits = decltype(width)::value;
       if constexpr (CHUNKS == 2) {
         wgmma_wait<1>();
         fence_operands(acc[0]);
-        code_wgmma_chunk<D, kLut>(p, acc[0], 0, t, scale, nrm, dest, wrow, lut4_s, scale4, radix, bnd_s, b3, b7, b11);
+        code_wgmma_chunk<D, kLut, kBits>(p, acc[0], 0, t, scale, nrm, dest, wrow, lut4_s, scale4, bnd_s, b3, b7, b11);
       }
       wgmma_wait<0>();
       fence_operands(acc[CHUNKS - 1]);
-      code_wgmma_chunk<D, kLut>(p, acc[CHUNKS - 1], CHUNKS - 1, t, scale, nrm, dest, wrow, lut4_s, scale4, radix, bnd_s,
-                                b3, b7, b11);
+      code_wgmma_chunk<D, kLut, kBits>(p, acc[CHUNKS - 1], CHUNKS - 1, t, scale, nrm, dest, wrow, lut4_s, scale4, bnd_s,
+                                       b3, b7, b11);
     };
-    if (lut) code(std::true_type{});
-    else code(std::false_type{});
+    if (!lut) code(std::false_type{}, std::integral_constant<int, 0>{});
+    else if (p.bits == 4) code(std::true_type{}, std::integral_constant<int, 4>{});
+    else if (p.bits == 2) code(std::true_type{}, std::integral_constant<int, 2>{});
+    else code(std::true_type{}, std::integral_constant<int, 3>{});
     if (t == 0) {
 #pragma unroll
       for (int rh = 0; rh < 2; ++rh)
