@@ -2414,7 +2414,17 @@ __device__ __forceinline__ void copy_x_rows(const GemmParams& p, int64_t tile, u
   constexpr int kChunks = D / 8, kStep = 32 / kChunks;
   const int chunk = lane % kChunks, r0 = 16 * warp + lane / kChunks;
   const int64_t first = tile * 64 + r0, left = p.N - first;
-  const uint8_t* src = static_cast<const uint8_t*>(p.x) + 16 * chunk + (first < p.N ? first * 2 * D : 0);
+  const uint8_t* x = static_cast<const uint8_t*>(p.x) + 16 * chunk;
+  if (tile * 64 + 16 * warp + 16 <= p.N) {  // all 16 rows exist (every tile but the last): immediate offsets
+    // Row r0 + kStep i's chunk position is (chunk ^ r0 ^ kStep i) % 8 (r0 % 8 < kStep: no carry), an XOR
+    // on address bits 4-6 of row r0's copy.
+    const uint32_t row0 = smem_addr(x_s) + sw128_offset(64, r0, chunk);
+#pragma unroll
+    for (int i = 0; i < 16 / kStep; ++i)
+      cp_async16_at((row0 ^ (((kStep * i) & 7) << 4)) + kStep * i * 128, x + (first + kStep * i) * 2 * D);
+    return;
+  }
+  const uint8_t* src = x + (first < p.N ? first * 2 * D : 0);
 #pragma unroll
   for (int i = 0; i < 16 / kStep; ++i) {
     const bool valid = kStep * i < left;
@@ -2490,30 +2500,45 @@ __device__ __forceinline__ void store_group_pair(uint8_t* dst, uint32_t w0, uint
 
 // Codes of lane (g, t)'s two 8-coordinate groups (2 t, 2 t + 1) of chunk `chunk` for its rows g (rh 0)
 // and g + 8 (rh 1) of the warp's 16, from accumulator acc (z = acc scale), stored with their
-// window rows. LUT: from the 4x table (lut4_group, BITS-bit codes), else the search (chunk_group,
-// BITS 0: p.bits).
+// window rows (window: the warp has some). LUT: from the 4x table (lut4_group, BITS-bit codes), else
+// the search (chunk_group, BITS 0: p.bits).
 template <int D, bool LUT, int BITS>
 __device__ __forceinline__ void code_wgmma_chunk(const GemmParams& p, const float (&acc)[8][4], int chunk, int t,
                                                  const float (&scale)[2], const float (&nrm)[2],
-                                                 const int32_t (&dest)[2], const int32_t (&wrow)[2],
+                                                 const int32_t (&dest)[2], const int32_t (&wrow)[2], bool window,
                                                  const uint32_t* lut4, float scale4,
                                                  const float* bnd_s, float b3, float b7, float b11) {
   static_assert(!LUT || BITS >= 2, "the table's codes: a width known at compile time");
   const int bits = BITS > 0 ? BITS : p.bits, pb = D * bits / 8;
+  auto z_of = [&](int rh, int q, float (&z)[8]) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) z[e] = acc[4 * q + (e >> 1)][2 * rh + (e & 1)] * scale[rh];
+  };
 #pragma unroll
   for (int rh = 0; rh < 2; ++rh) {
     uint32_t words[2];
 #pragma unroll
     for (int q = 0; q < 2; ++q) {
       float z[8];
-#pragma unroll
-      for (int e = 0; e < 8; ++e) z[e] = acc[4 * q + (e >> 1)][2 * rh + (e & 1)] * scale[rh];
+      z_of(rh, q, z);
       if constexpr (LUT) words[q] = lut4_group<BITS>(z, lut4, scale4);
       else words[q] = chunk_group<false, 8>(z, 0, bits, nullptr, 0.f, bnd_s, b3, b7, b11);
-      if (wrow[rh] >= 0) store_window_group<D>(p.win, wrow[rh], 8 * chunk + 2 * t + q, nrm[rh], z);
     }
     store_group_pair(p.codes + static_cast<int64_t>(dest[rh]) * pb + (8 * chunk + 2 * t) * bits, words[0], words[1],
                      bits, t, dest[rh] >= 0);
+  }
+  if (window) {  // z again (the same products), so that no register holds it across the coding
+#pragma unroll
+    for (int rh = 0; rh < 2; ++rh)
+#pragma unroll
+      for (int q = 0; q < 2; ++q)
+        if (wrow[rh] >= 0) {
+          int32_t row = wrow[rh];
+          asm volatile("" : "+r"(row));  // its address math stays here, not in every tile's path
+          float z[8];
+          z_of(rh, q, z);
+          store_window_group<D>(p.win, row, 8 * chunk + 2 * t + q, nrm[rh], z);
+        }
   }
 }
 
@@ -2615,18 +2640,19 @@ __global__ void __launch_bounds__(kWgmmaWriteGroups * 128, 1) tq_hadamard_wgmma_
     const int32_t where = tile_row_of_slot(p, base, lane, this_slot);
     const int32_t dest[2] = {__shfl_sync(kAll, where, g), __shfl_sync(kAll, where, 8 + g)};
     const int32_t wrow[2] = {__shfl_sync(kAll, where, 16 + g), __shfl_sync(kAll, where, 24 + g)};
+    const bool window = __any_sync(kAll, where >= 0 && lane >= 16);
     auto code = [&](auto table, auto width) {
       constexpr bool kLut = decltype(table)::value;
       constexpr int kBits = decltype(width)::value;
       if constexpr (CHUNKS == 2) {
         wgmma_wait<1>();
         fence_operands(acc[0]);
-        code_wgmma_chunk<D, kLut, kBits>(p, acc[0], 0, t, scale, nrm, dest, wrow, lut4_s, scale4, bnd_s, b3, b7, b11);
+        code_wgmma_chunk<D, kLut, kBits>(p, acc[0], 0, t, scale, nrm, dest, wrow, window, lut4_s, scale4, bnd_s, b3, b7, b11);
       }
       wgmma_wait<0>();
       fence_operands(acc[CHUNKS - 1]);
-      code_wgmma_chunk<D, kLut, kBits>(p, acc[CHUNKS - 1], CHUNKS - 1, t, scale, nrm, dest, wrow, lut4_s, scale4, bnd_s,
-                                       b3, b7, b11);
+      code_wgmma_chunk<D, kLut, kBits>(p, acc[CHUNKS - 1], CHUNKS - 1, t, scale, nrm, dest, wrow, window, lut4_s,
+                                       scale4, bnd_s, b3, b7, b11);
     };
     if (!lut) code(std::false_type{}, std::integral_constant<int, 0>{});
     else if (p.bits == 4) code(std::true_type{}, std::integral_constant<int, 4>{});

@@ -22,6 +22,11 @@ __device__ __forceinline__ void cp_async16_zfill(void* dst_smem, const void* src
                : "memory");
 }
 
+// 16 bytes global -> shared address dst (smem_addr's).
+__device__ __forceinline__ void cp_async16_at(uint32_t dst, const void* src_gmem) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src_gmem) : "memory");
+}
+
 __device__ __forceinline__ void cp_async_commit() {
   asm volatile("cp.async.commit_group;\n" ::: "memory");
 }
