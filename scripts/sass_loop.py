@@ -9,7 +9,8 @@ A developer's check that needs no GPU: compile the decode kernels to a cubin, th
 
 For each kernel whose mangled name matches the regular expression it prints its main loop (the
 first backward branch over 256 instructions or more that is not a divergence handler's): the
-instructions in it, local loads / stores (LDL / STL: spills) and the most frequent opcodes. cuobjdump comes with the
+instructions in it, its common path per 16-token tile (where it has lazy-rescale votes, one per tile),
+local loads / stores (LDL / STL: spills) and the most frequent opcodes. cuobjdump comes with the
 CUDA toolkit or the `nvidia-cuda-cuobjdump` wheel (set CUOBJDUMP to its path).
 """
 from __future__ import annotations
@@ -32,7 +33,7 @@ def kernels(sass: str):
 
 
 def main_loop(rows, min_instructions=256):
-    """Instructions of the first backward branch's span (not BRA.DIV) of at least
+    """(address, instruction) rows of the first backward branch's span (not BRA.DIV) of at least
     min_instructions, or []. (The warp-divergence handlers after the body jump back too, over
     longer spans: the longest span is not the loop.)"""
     for addr, ins in rows:
@@ -40,8 +41,26 @@ def main_loop(rows, min_instructions=256):
         if m and "DIV" not in ins:
             target = int(m.group(1), 16)
             if target < addr and (addr - target) // 16 >= min_instructions:
-                return [i for a, i in rows if target <= a <= addr]
+                return [(a, i) for a, i in rows if target <= a <= addr]
     return []
+
+
+def rare_spans(loop):
+    """(first, last) indices in the loop of each rare branch: the instructions a `VOTE.ANY P; ...; @!P BRA
+    forward` skips when no lane votes (v4's lazy rescale, one per tile)."""
+    addr = {i: a for i, (a, _) in enumerate(loop)}
+    spans = []
+    for i in range(len(loop) - 1):
+        vote = re.match(r"VOTE\.ANY (P\d), \1\b", loop[i][1])
+        if not vote:
+            continue
+        for b in range(i + 1, min(i + 40, len(loop))):  # the branch, a few instructions later
+            m = re.match(rf"@!{vote.group(1)} BRA (0x[0-9a-f]+)", loop[b][1])
+            if m and int(m.group(1), 16) > addr[b]:
+                target = int(m.group(1), 16)
+                spans.append((b + 1, max(j for j in range(b + 1, len(loop)) if addr[j] < target)))
+                break
+    return spans
 
 
 def opcode(ins: str) -> str:
@@ -62,9 +81,14 @@ def main():
         if not re.search(args.pattern, name):
             continue
         loop = main_loop(rows)
-        ops = collections.Counter(opcode(i) for i in loop)
+        ops = collections.Counter(opcode(i) for _, i in loop)
         top = ", ".join(f"{k} {v}" for k, v in ops.most_common(8))
         print(f"{name}\n  loop: {len(loop)} instructions, LDL {ops['LDL']}, STL {ops['STL']}; {top}")
+        spans = rare_spans(loop)
+        if spans:
+            common = len(loop) - sum(last - first + 1 for first, last in spans)
+            print(f"  common path (rare rescale branches left out): {common / len(spans):.1f} per tile, "
+                  f"{len(spans)} tiles")
 
 
 if __name__ == "__main__":
