@@ -158,10 +158,12 @@ __device__ __forceinline__ void split2_satfinite(float x0, float x1, uint32_t& h
 // lane of a (half-)warp reads its own bank(s), so the random look-ups never conflict. A look-up's
 // shared-memory offset is ONE byte permute: byte 0 = the lane's copy offset (+128 for V), byte 1 =
 // the code byte, bytes 2-3 = 0.
-// KQUAD / VQUAD (2-bit K / V codes in v4's ring): that part holds quad entries instead, entry e (a
-// key of four codes) = {f16x2 (c[e & 3], c[(e >> 2) & 3]), f16x2 (c[(e >> 4) & 3], c[e >> 6])}, 16
-// copies of 8 bytes: one look-up (quad) gives two adjacent registers of an MMA's A fragment
-// (tile_dots, tile_accumulate_v_b).
+// KQUAD / VQUAD (2-bit K / V codes in v4's ring): that part holds quad entries instead, 16 copies
+// of 8 bytes: one look-up (quad) gives two adjacent registers of an MMA's A fragment (tile_dots,
+// tile_accumulate_v_b). Entry e (a key of four codes: two nibbles of raw codes, pair_nibbles) of
+// K's = {f16x2 (c[e & 3], c[(e >> 2) & 3]), f16x2 (c[(e >> 4) & 3], c[e >> 6])} (a nibble per
+// register), of V's = {f16x2 (c[e & 3], c[(e >> 4) & 3]), f16x2 (c[(e >> 2) & 3], c[e >> 6])} (a
+// nibble per half: one token's two coordinates are rows gid and gid + 8).
 template <bool SPLIT, bool KQUAD = false, bool VQUAD = false>
 struct PairLut {
   const uint8_t* table;
@@ -228,11 +230,12 @@ __device__ __forceinline__ void build_pair_luts(uint8_t* smem, const float* kcen
 // and one V entry each).
 struct LutSeed {
   float k_lo, k_hi, v_lo, v_hi;
-  float k_q2, k_q3, v_q2, v_q3;  // quad parts: the centroids of the entry's codes 2 and 3 (bits 4-5, 6-7)
+  float k_q2, k_q3, v_q2, v_q3;  // quad entries' second register (PairLut: K bits 4-5 and 6-7, V 2-3 and 6-7)
 };
 
 // k_shift / v_shift: the tables' key shift S (entry e = (c[e & M], c[(e >> S) & M]), see
-// load_k_keys): 4 for nibble keys, the code width for keys taken straight from 2- / 3-bit codes.
+// load_k_keys): 4 for nibble keys, the code width for keys taken straight from 2- / 3-bit codes;
+// of a quad table, that of its entries' first register (K 2, V 4).
 template <bool KQUAD = false, bool VQUAD = false>
 __device__ __forceinline__ LutSeed load_lut_seed(const float* kcent, const float* vcent, int k_bits, int v_bits,
                                                  int k_shift, int v_shift) {
@@ -241,7 +244,7 @@ __device__ __forceinline__ LutSeed load_lut_seed(const float* kcent, const float
   LutSeed seed = {ld_early(kcent + (e & km)), ld_early(kcent + ((e >> k_shift) & km)), ld_early(vcent + (e & vm)),
                   ld_early(vcent + ((e >> v_shift) & vm)), 0.f, 0.f, 0.f, 0.f};
   if constexpr (KQUAD) seed.k_q2 = ld_early(kcent + ((e >> 4) & 3)), seed.k_q3 = ld_early(kcent + ((e >> 6) & 3));
-  if constexpr (VQUAD) seed.v_q2 = ld_early(vcent + ((e >> 4) & 3)), seed.v_q3 = ld_early(vcent + ((e >> 6) & 3));
+  if constexpr (VQUAD) seed.v_q2 = ld_early(vcent + ((e >> 2) & 3)), seed.v_q3 = ld_early(vcent + ((e >> 6) & 3));
   return seed;
 }
 
@@ -357,6 +360,13 @@ __device__ __forceinline__ uint32_t bit_select(uint32_t a, uint32_t b, uint32_t 
   uint32_t d;
   asm("lop3.b32 %0, %1, %2, %3, 0xE4;" : "=r"(d) : "r"(a), "r"(b), "r"(m));
   return d;
+}
+// The nibbles of words a and b paired byte by byte: byte j of lo = (a's low nibble of byte j, b's
+// low nibble above it), of hi the same of their high nibbles. One shift and one LOP3 each.
+__device__ __forceinline__ void pair_nibbles(uint32_t a, uint32_t b, uint32_t& lo, uint32_t& hi) {
+  constexpr uint32_t kLow = 0x0F0F0F0Fu;
+  lo = bit_select(a, b << 4, kLow);
+  hi = bit_select(a >> 4, b, kLow);
 }
 // Bits b of a word whose stream positions first + b are the low code of a 6-bit pair (mod 6 < 3).
 __host__ __device__ constexpr uint32_t low_code_bits3(int first) {
@@ -573,8 +583,8 @@ __device__ __forceinline__ void tile_dots(const Tile<D>& cur, const uint32_t (&q
       // Raw byte ks of a token: coordinates 4ks, 4ks + 1 (k 2t4, 2t4 + 1) in its low nibble, 4ks + 2,
       // 4ks + 3 (k 2t4 + 8, + 9) in its high one. Keys: the low (high) nibbles of tokens gid and
       // gid + 8 side by side, so that one quad entry is a0, a1 (a2, a3): adjacent registers.
-      const uint32_t a = ka[ks >> 2], b = kb[ks >> 2];
-      const uint32_t lo = (a & 0x0F0F0F0Fu) | ((b << 4) & 0xF0F0F0F0u), hi = ((a >> 4) & 0x0F0F0F0Fu) | (b & 0xF0F0F0F0u);
+      uint32_t lo, hi;
+      pair_nibbles(ka[ks >> 2], kb[ks >> 2], lo, hi);
       const uint2 e0 = ilut.quad(lo, ks & 3, ilut.k_lane), e1 = ilut.quad(hi, ks & 3, ilut.k_lane);
       const uint32_t ahi[4] = {e0.x, e0.y, e1.x, e1.y};
       mma16816(sh[ks & 1], ahi, qh[ks][0], qh[ks][1]);
@@ -709,20 +719,18 @@ __device__ __forceinline__ void tile_accumulate_v_b(const uint32_t (&v)[4][Dims<
       mma16816(o[mt], ahi, ph0, ph1);
     }
   } else if constexpr (V2) {
-    // Nibble mt of a raw word holds coordinates 2mt (bits 0-1) and 2mt + 1 (bits 2-3): keys of
+    // Nibble mt of a raw word holds coordinates 2mt (bits 0-1) and 2mt + 1 (bits 2-3). Pair keys:
     // the even / odd coordinate for tokens (0, 1) and (2, 3) in nibble mt, then byte mt >> 1 of
     // the word (mt even) or of the word >> 4 (mt odd).
     constexpr uint32_t kEven = 0x33333333u;
     const uint32_t x0 = v[0][0], x1 = v[1][0], x2 = v[2][0], x3 = v[3][0];
-    const uint32_t ev01 = (x0 & kEven) | ((x1 << 2) & ~kEven), od01 = ((x0 >> 2) & kEven) | (x1 & ~kEven);
-    const uint32_t ev23 = (x2 & kEven) | ((x3 << 2) & ~kEven), od23 = ((x2 >> 2) & kEven) | (x3 & ~kEven);
     if constexpr (VQ) {
-      // Quad keys: nibble mt of the even and of the odd coordinate's key side by side in byte
-      // mt >> 1 (mt even) or of the keys >> 4 (mt odd): one entry is a0, a1 (tokens 0, 1), the
-      // other a2, a3 (tokens 2, 3).
-      constexpr uint32_t kLo = 0x0F0F0F0Fu;
-      const uint32_t q01[2] = {(ev01 & kLo) | ((od01 & kLo) << 4), ((ev01 >> 4) & kLo) | (od01 & ~kLo)};
-      const uint32_t q23[2] = {(ev23 & kLo) | ((od23 & kLo) << 4), ((ev23 >> 4) & kLo) | (od23 & ~kLo)};
+      // Quad keys: nibble mt of two tokens' raw words side by side, in byte mt >> 1 of
+      // pair_nibbles' lo (mt even) or hi (mt odd): the V quad entry (PairLut) a0, a1 of tokens 0, 1,
+      // or a2, a3 of tokens 2, 3.
+      uint32_t q01[2], q23[2];
+      pair_nibbles(x0, x1, q01[0], q01[1]);
+      pair_nibbles(x2, x3, q23[0], q23[1]);
 #pragma unroll
       for (int mt = 0; mt < Dims<D>::kKS; ++mt) {
         const uint2 e0 = ilut.quad(q01[mt & 1], mt >> 1, ilut.v_lane), e1 = ilut.quad(q23[mt & 1], mt >> 1, ilut.v_lane);
@@ -730,6 +738,8 @@ __device__ __forceinline__ void tile_accumulate_v_b(const uint32_t (&v)[4][Dims<
         mma16816(o[mt], ahi, ph0, ph1);
       }
     } else {
+      const uint32_t ev01 = (x0 & kEven) | ((x1 << 2) & ~kEven), od01 = ((x0 >> 2) & kEven) | (x1 & ~kEven);
+      const uint32_t ev23 = (x2 & kEven) | ((x3 << 2) & ~kEven), od23 = ((x2 >> 2) & kEven) | (x3 & ~kEven);
       const uint32_t keys[2][4] = {{ev01, od01, ev23, od23}, {ev01 >> 4, od01 >> 4, ev23 >> 4, od23 >> 4}};
 #pragma unroll
       for (int mt = 0; mt < Dims<D>::kKS; ++mt) {
@@ -1419,7 +1429,7 @@ struct F16Shape {
   static constexpr bool QUADV = V2;               // ... V: its VQUAD
   static constexpr bool K3 = RING && KB == 3 && DW == 128;  // 3-bit K keys from the bit stream (k3_key_words)
   static constexpr bool V3 = RING && VB == 3 && DW == 128;  // ... V keys (v3_key_words)
-  static constexpr int KSHIFT = RING && (KB == 2 || KB == 3) ? KB : 4, VSHIFT = V2 ? 2 : V3 ? 3 : 4;
+  static constexpr int KSHIFT = RING && (KB == 2 || KB == 3) ? KB : 4, VSHIFT = V3 ? 3 : 4;  // (2-bit: quads)
   // The folded window (format.h "Window"; p.kwin): read by the CTA of split p.window_split, after
   // its page tiles.
   static constexpr bool FOLD = HALVES == 1 && !PADDED && (D == 64 || D == 128);
