@@ -1686,6 +1686,7 @@ struct TileRing {
     // reads its four (K gid, K gid + 8, V gid, V gid + 8) as one float4.
     const int n_tok = lane & 15;
     n_src = (lane < 16 ? p.kn : p.vn) + n_tok;
+    if constexpr (S::kPinOne) asm("" : "+l"(n_src));  // (else rebuilt from the lane in every tile)
     const uint32_t ring_s = smem_addr(ring);
     dst_k0 = ring_s + k_stage_unit(lane);
     dst_k1 = ring_s + k_stage_unit(lane + 32);
