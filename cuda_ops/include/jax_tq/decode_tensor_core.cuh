@@ -662,8 +662,10 @@ __device__ __forceinline__ void tile_scores(const Tile<D>& cur, const uint32_t (
   scale_scores<D>(cur, qx0, qx1, s);
 }
 
-// The V MMAs of tile_accumulate_v from nibble words: B = (ph, pl).
-template <int D, bool SPLIT, bool KQ = false, bool VQ = false>
+// The V MMAs of tile_accumulate_v from nibble words: B = (ph, pl). V4: the words are raw 4-bit
+// codes, paired by pair_nibbles (with 3-bit codes spread to nibbles, the compiler pairs the C
+// expression's known-zero bits in fewer instructions).
+template <int D, bool SPLIT, bool KQ = false, bool VQ = false, bool V4 = false>
 __device__ __forceinline__ void tile_accumulate_v_nibbles(const uint32_t (&v)[4][Dims<D>::kVW], uint32_t ph0,
                                                           uint32_t pl0, uint32_t ph1, uint32_t pl1,
                                                           const PairLut<SPLIT, KQ, VQ>& ilut, float (&o)[Dims<D>::kKS][4]) {
@@ -675,10 +677,15 @@ __device__ __forceinline__ void tile_accumulate_v_nibbles(const uint32_t (&v)[4]
     const uint32_t x1 = v[1][wd];
     const uint32_t x2 = v[2][wd];
     const uint32_t x3 = v[3][wd];
-    lo01[wd] = (x0 & 0x0F0F0F0Fu) | ((x1 & 0x0F0F0F0Fu) << 4);
-    hi01[wd] = ((x0 >> 4) & 0x0F0F0F0Fu) | (x1 & 0xF0F0F0F0u);
-    lo23[wd] = (x2 & 0x0F0F0F0Fu) | ((x3 & 0x0F0F0F0Fu) << 4);
-    hi23[wd] = ((x2 >> 4) & 0x0F0F0F0Fu) | (x3 & 0xF0F0F0F0u);
+    if constexpr (V4) {
+      pair_nibbles(x0, x1, lo01[wd], hi01[wd]);
+      pair_nibbles(x2, x3, lo23[wd], hi23[wd]);
+    } else {
+      lo01[wd] = (x0 & 0x0F0F0F0Fu) | ((x1 & 0x0F0F0F0Fu) << 4);
+      hi01[wd] = ((x0 >> 4) & 0x0F0F0F0Fu) | (x1 & 0xF0F0F0F0u);
+      lo23[wd] = (x2 & 0x0F0F0F0Fu) | ((x3 & 0x0F0F0F0Fu) << 4);
+      hi23[wd] = ((x2 >> 4) & 0x0F0F0F0Fu) | (x3 & 0xF0F0F0F0u);
+    }
   }
 #pragma unroll
   for (int mt = 0; mt < Dims<D>::kKS; ++mt) {
@@ -701,8 +708,8 @@ __device__ __forceinline__ void tile_accumulate_v_nibbles(const uint32_t (&v)[4]
 // The V MMAs of one tile with P^T's B fragments given: (ph0, pl0) for the k positions of the lane's
 // V rows 0, 1 and (ph1, pl1) for rows 2, 3 (hi / lo, lo 0 unless SPLIT).
 // V2: v holds raw 2-bit codes (load_v_codes), looked up with keys of shift 2. V3: 3-bit streams
-// (load_v_codes' V3), looked up with keys of shift 3 (v3_key_words).
-template <int D, bool SPLIT, bool V2, bool KQ = false, bool VQ = false, bool V3 = false>
+// (load_v_codes' V3), looked up with keys of shift 3 (v3_key_words). V4: raw 4-bit nibble words.
+template <int D, bool SPLIT, bool V2, bool KQ = false, bool VQ = false, bool V3 = false, bool V4 = false>
 __device__ __forceinline__ void tile_accumulate_v_b(const uint32_t (&v)[4][Dims<D>::kVW], uint32_t ph0, uint32_t pl0,
                                                     uint32_t ph1, uint32_t pl1, const PairLut<SPLIT, KQ, VQ>& ilut,
                                                     float (&o)[Dims<D>::kKS][4]) {
@@ -751,7 +758,7 @@ __device__ __forceinline__ void tile_accumulate_v_b(const uint32_t (&v)[4][Dims<
       }
     }
   } else {
-    tile_accumulate_v_nibbles<D, SPLIT>(v, ph0, pl0, ph1, pl1, ilut, o);
+    tile_accumulate_v_nibbles<D, SPLIT, KQ, VQ, V4>(v, ph0, pl0, ph1, pl1, ilut, o);
   }
 }
 
@@ -1884,7 +1891,8 @@ __device__ __forceinline__ void consume_tile(const DecodeParams& p, const Tile<S
     norm_scores<S::DW>(cur, s);
     sm.template weigh<true>(s, q.qx0, q.qx1, cur.vn0, cur.vn1, ph0, ph1);
   }
-  tile_accumulate_v_b<S::DW, false, S::V2, S::QUADK, S::QUADV, S::V3>(cur.v, ph0, 0u, ph1, 0u, ilut, sm.o);
+  tile_accumulate_v_b<S::DW, false, S::V2, S::QUADK, S::QUADV, S::V3, S::VB == 4>(cur.v, ph0, 0u, ph1, 0u, ilut,
+                                                                                  sm.o);
 }
 
 // The folded window's tiles after the page tiles (in L2 by then: prefetched at the start),
