@@ -1453,16 +1453,19 @@ struct F16Shape {
   // spills as before), K4V4 309 -> 289 (1 spill); K2V3 and K3V3 spilled 3-5 registers). With
   // 3-bit keys from the bit stream (k3_key_words, v3_key_words) and one V alignment shift per lane
   // (TileRing::kV3LaneShift) they fit without spills, with kPinLut: K3V3 (and with MASKS) pinned.
-  static constexpr bool kPinOne = ITEMS == 1 && D == 128 && HALVES == 1 && !(KB == 4 && VB == 4 && MASKS);
+  // Head_dim 64: every width pinned (no spills; per tile K4V4 190.2 -> 187.5, K3V3 287.8 ->
+  // 282.2, K2V2 165.0 -> 163.0); its lane offsets not (kPinLut: K3V4 and K3V2 grow).
+  static constexpr bool kPinOne =
+      ITEMS == 1 && HALVES == 1 && ((D == 128 && !(KB == 4 && VB == 4 && MASKS)) || D == 64);
   static constexpr bool kPinned = ITEMS == 2 || ITEMS == 4 || kPinOne;
   // The lookup tables' lane offsets (ilut) too: where that spilled less (two items, K2V4 and K4V2
   // spill less with the compiler rebuilding them from %tid; K4V3 did too until its V keys came
   // from the 3-bit stream (v3_key_words): since then unpinned it reloads 7 spilled registers per
   // pass, pinned none).
   static constexpr bool kPinLut =
-      ITEMS == 4 || (kPinOne && ((KB == 2 && VB == 2) || (KB == 3 && VB == 2) || (KB == 3 && VB == 4) ||
-                                 (KB == 4 && VB == 4) || (KB == 4 && VB == 3) || (KB == 2 && VB == 3) ||
-                                 (KB == 3 && VB == 3)));
+      ITEMS == 4 || (kPinOne && D == 128 &&
+                     ((KB == 2 && VB == 2) || (KB == 3 && VB == 2) || (KB == 3 && VB == 4) || (KB == 4 && VB == 4) ||
+                      (KB == 4 && VB == 3) || (KB == 2 && VB == 3) || (KB == 3 && VB == 3)));
 };
 
 // K norms of masked tokens (n: the tile's valid count) become NaN, V norms 0.
