@@ -47,7 +47,8 @@ def main_loop(rows, min_instructions=256):
 
 def rare_spans(loop):
     """(first, last) indices in the loop of each rare branch: the instructions a `VOTE.ANY P; ...; @!P BRA
-    forward` skips when no lane votes (v4's lazy rescale, one per tile)."""
+    forward` skips when no lane votes (v4's lazy rescale, or the masked-token path around it, one per
+    tile); branches nested in another are left out."""
     addr = {i: a for i, (a, _) in enumerate(loop)}
     spans = []
     for i in range(len(loop) - 1):
@@ -60,7 +61,8 @@ def rare_spans(loop):
                 target = int(m.group(1), 16)
                 spans.append((b + 1, max(j for j in range(b + 1, len(loop)) if addr[j] < target)))
                 break
-    return spans
+    # A vote inside a rare branch (the lazy rescale inside the masked-token path) is part of it.
+    return [s for s in spans if not any(o != s and o[0] <= s[0] and s[1] <= o[1] for o in spans)]
 
 
 def opcode(ins: str) -> str:

@@ -428,8 +428,8 @@ template <int D>
 struct Tile {
   uint32_t k0[Dims<D>::kKW], k1[Dims<D>::kKW];  // K codes (D/4)*t4 .. of tokens gid, gid + 8
   uint32_t v[4][Dims<D>::kVW];                  // V codes (D/8)*gid .. of tokens 4*t4 + e (v4: v4_v_token)
-  float kn0, kn1;  // K norms of tokens gid, gid + 8 (NaN: token masked)
-  float vn0, vn1;  // V norms of tokens gid, gid + 8 (0 when masked)
+  float kn0, kn1;  // K norms of tokens gid, gid + 8 (NaN: token masked; v4's ring: as stored, see consume_tile)
+  float vn0, vn1;  // V norms of tokens gid, gid + 8 (0 when masked; v4's ring: as stored)
 };
 
 // v4's one-page tile: its block-table entry (-1 past the split's end) and its first row inside the
@@ -634,11 +634,11 @@ __device__ __forceinline__ void norm_scores(const Tile<D>& cur, float (&s)[4]) {
   s[3] *= cur.kn1;
 }
 
-// scale_scores with the logit soft cap (p.soft_cap_log2 > 0) applied before a masked token's NaN
-// becomes -inf (soft_capped_fast keeps NaN): the MASKS kernels'.
+// The MASKS kernels' scores: scale_scores' products with the logit soft cap (p.soft_cap_log2 > 0)
+// applied, a NaN left NaN (soft_capped_fast keeps it; consume_tile makes it -inf).
 template <int D>
-__device__ __forceinline__ void scale_capped_scores(const DecodeParams& p, const Tile<D>& cur, float qx0, float qx1,
-                                                    float (&s)[4]) {
+__device__ __forceinline__ void capped_scores(const DecodeParams& p, const Tile<D>& cur, float qx0, float qx1,
+                                              float (&s)[4]) {
   s[0] *= qx0 * cur.kn0;
   s[1] *= qx1 * cur.kn0;
   s[2] *= qx0 * cur.kn1;
@@ -647,9 +647,6 @@ __device__ __forceinline__ void scale_capped_scores(const DecodeParams& p, const
 #pragma unroll
     for (int c = 0; c < 4; ++c) s[c] = soft_capped_fast(s[c], p.soft_cap_log2, p.soft_cap_inv);
   }
-#pragma unroll
-  for (int c = 0; c < 4; ++c)
-    if (!(s[c] > -INFINITY)) s[c] = -INFINITY;
 }
 
 // S^T = Kdec * Q^T for one tile, in log2 units: s[0] (token gid, head 2t4), s[1] (gid, 2t4+1),
@@ -1392,6 +1389,14 @@ __device__ __forceinline__ void prefetch_window_l2(const DecodeParams& p, int wi
   }
 }
 
+// F16Shape::kLateMask: head_dim 64 K4V4 (MASKS too), K4V3, K3V4, K2V2 (MASKS too); head_dim 128 all
+// but K3V2, K4V2, K4V3, K2V2 with MASKS, K4V4 with one item or (with MASKS) two (these spilled).
+__host__ __device__ constexpr bool late_mask_shape(int d, int kb, int vb, int items, bool masks) {
+  if (d == 64) return (kb == 4 && vb >= 3) || (kb == 3 && vb == 4) || (kb == 2 && vb == 2);
+  if (d != 128 || (vb == 2 && kb != 2) || (kb == 4 && vb == 3) || (kb == 2 && vb == 2 && masks)) return false;
+  return !(kb == 4 && vb == 4 && (items == 1 ? !masks : items == 2 && masks));
+}
+
 // The compile-time shape of one decode_tc_f16_kernel instantiation (its comment says what each
 // parameter selects).
 template <int D_, int GT_, bool RING_, int KB_, int VB_, int HALVES_, int ITEMS_, bool MASKS_>
@@ -1458,6 +1463,9 @@ struct F16Shape {
   static constexpr bool kPinOne =
       ITEMS == 1 && HALVES == 1 && ((D == 128 && !(KB == 4 && VB == 4 && MASKS)) || D == 64);
   static constexpr bool kPinned = ITEMS == 2 || ITEMS == 4 || kPinOne;
+  // Masked tokens and NaN weights handled in a rare branch (consume_tile), where the loop gets
+  // shorter without new spills (SASS).
+  static constexpr bool kLateMask = RING && HALVES == 1 && late_mask_shape(D, KB, VB, ITEMS, MASKS);
   // The lookup tables' lane offsets (ilut) too: where that spilled less (two items, K2V4 and K4V2
   // spill less with the compiler rebuilding them from %tid; K4V3 did too until its V keys came
   // from the 3-bit stream (v3_key_words): since then unpinned it reloads 7 spilled registers per
@@ -1739,7 +1747,8 @@ struct TileRing {
   // bytes (or, past the block's last row, the next block's): codes of finite centroids that meet
   // q's zero padding in the K MMAs and give output coordinates DV.. that the merge drops, as in
   // padded rows.
-  // skip: the MASKS kernels' tokens before the sliding window (mask_norms).
+  // skip: the MASKS kernels' tokens before the sliding window (mask_norms). kLateMask: the norms
+  // as stored, masked tokens' too (consume_tile masks them).
   __device__ __forceinline__ void read(int st, int n, Tile<S::DW>& t, int gid, int t4, int skip = 0) const {
     const uint8_t* src = ring + st * S::kStage;
     constexpr int KW = Dims<S::DW>::kKW, VW = Dims<S::DW>::kVW;
@@ -1761,7 +1770,8 @@ struct TileRing {
     }
     const float* norms = reinterpret_cast<const float*>(src + kTT * (S::SK + S::SV));
     const float4 kv = *reinterpret_cast<const float4*>(norms + 4 * gid);
-    if constexpr (S::MASKS) mask_norms(t, skip, n, gid, kv.x, kv.y, kv.z, kv.w);
+    if constexpr (S::kLateMask) t.kn0 = kv.x, t.kn1 = kv.y, t.vn0 = kv.z, t.vn1 = kv.w;
+    else if constexpr (S::MASKS) mask_norms(t, skip, n, gid, kv.x, kv.y, kv.z, kv.w);
     else mask_norms(t, n, gid, kv.x, kv.y, kv.z, kv.w);
   }
 };
@@ -1861,13 +1871,67 @@ struct SoftmaxState {
     l[0] += pab[0];
     l[1] += pab[1];
   }
+
+  // weigh<false> (no -inf for NaN) on the common path of a tile that has no masked token (full)
+  // and, in every lane, no weight above 2^kLazyMax and no NaN weight (a NaN s - m makes the lane's
+  // p, so pab and max_nan's max, NaN): weigh<RAW> would then find the same weights (no NaN to
+  // replace) and leave m (its vote fails); returns true. Else (a warp vote, rare) it changes nothing
+  // and returns false: the caller masks and calls weigh<RAW>.
+  __device__ __forceinline__ bool weigh_common(const float (&u)[4], float qx0, float qx1, float vn0, float vn1,
+                                               bool full, uint32_t& ph0, uint32_t& ph1) {
+    const float qx[2] = {qx0, qx1};
+    float pab[2], wa[2], wb[2];  // as weigh's
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const float pa = fast_exp2(fmaf(qx[hh], u[hh], -m[hh]));
+      const float pb = fast_exp2(fmaf(qx[hh], u[2 + hh], -m[hh]));
+      pab[hh] = pa + pb;
+      wa[hh] = pa * vn0;
+      wb[hh] = pb * vn1;
+    }
+    ph0 = transpose8x8_b16(half2_satfinite(wa[0], wa[1]));
+    ph1 = transpose8x8_b16(half2_satfinite(wb[0], wb[1]));
+    const float big = max_nan(max_nan(max_nan(pab[0], pab[1]), max_nan(fabsf(wa[0]), fabsf(wb[0]))),
+                              max_nan(fabsf(wa[1]), fabsf(wb[1])));
+    if (__any_sync(0xffffffffu, !full || !(big <= kLazyMaxWeight))) return false;
+    l[0] += pab[0];
+    l[1] += pab[1];
+    return true;
+  }
+
+ private:
+  // The larger of a and b, NaN if either is (fmaxf drops a NaN).
+  static __device__ __forceinline__ float max_nan(float a, float b) {
+    float d;
+    asm("max.NaN.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+    return d;
+  }
 };
 
-// Scores, online softmax and V accumulation of one tile held in registers. Warp pairs: each warp
-// has half of the dot products; they are exchanged through x_s (slot parity xb alternates, so one
-// 64-thread barrier per tile suffices).
+// The rare path of consume_tile: the tile's tokens outside [skip, n) masked (K: score NaN, V: norm
+// 0, as the register variant's load does), then weigh<RAW> (MASKS: on scores whose NaN is -inf).
 template <class S>
-__device__ __forceinline__ void consume_tile(const DecodeParams& p, const Tile<S::DW>& cur, int xb,
+__device__ __forceinline__ void weigh_masked(const float (&s)[4], const Tile<S::DW>& cur, int n, int skip, int gid,
+                                             float qx0, float qx1, SoftmaxState<S::KS>& sm, uint32_t& ph0,
+                                             uint32_t& ph1) {
+  const bool ok0 = gid < n && gid >= skip, ok1 = gid + 8 < n && gid + 8 >= skip;
+  float u[4];
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    u[c] = (c < 2 ? ok0 : ok1) ? s[c] : __int_as_float(0x7fc00000);
+    if (S::MASKS && !(u[c] > -INFINITY)) u[c] = -INFINITY;
+  }
+  sm.template weigh<!S::MASKS>(u, qx0, qx1, ok0 ? cur.vn0 : 0.f, ok1 ? cur.vn1 : 0.f, ph0, ph1);
+}
+
+// Scores, online softmax and V accumulation of one tile held in registers. kLateMask: its tokens
+// outside [skip, n) are masked here (the ring's read leaves the norms as stored), and only a tile
+// with masked tokens or a NaN or large weight (SoftmaxState::weigh_common) takes the masks and the
+// NaN checks; else the tile's norms are masked already.
+// Warp pairs: each warp has half of the dot products; they are exchanged through x_s (slot parity
+// xb alternates, so one 64-thread barrier per tile suffices).
+template <class S>
+__device__ __forceinline__ void consume_tile(const DecodeParams& p, const Tile<S::DW>& cur, int xb, int n, int skip,
                                              const QueryFragments<S::KS>& q,
                                              const PairLut<false, S::QUADK, S::QUADV>& ilut, SoftmaxState<S::KS>& sm,
                                              float4* x_s,
@@ -1879,8 +1943,7 @@ __device__ __forceinline__ void consume_tile(const DecodeParams& p, const Tile<S
   // below 2^-126), so |weight| <= 2^kLazyMax.
   tile_dots<S::DW, false, S::QUADK, S::QUADV, S::K3>(cur, q.qh, q.ql, ilut, s);
   if constexpr (S::MASKS) {
-    scale_capped_scores<S::DW>(p, cur, q.qx0, q.qx1, s);
-    sm.template weigh<false>(s, 1.f, 1.f, cur.vn0, cur.vn1, ph0, ph1);
+    capped_scores<S::DW>(p, cur, q.qx0, q.qx1, s);
   } else {
     if constexpr (S::HALVES == 2) {
       x_s[(2 * warp + xb) * 32 + lane] = make_float4(s[0], s[1], s[2], s[3]);
@@ -1892,7 +1955,19 @@ __device__ __forceinline__ void consume_tile(const DecodeParams& p, const Tile<S
       s[3] += other.w;
     }
     norm_scores<S::DW>(cur, s);
-    sm.template weigh<true>(s, q.qx0, q.qx1, cur.vn0, cur.vn1, ph0, ph1);
+  }
+  const float qx0 = S::MASKS ? 1.f : q.qx0, qx1 = S::MASKS ? 1.f : q.qx1;  // (MASKS: in s)
+  if constexpr (S::kLateMask) {
+    const bool full = n >= kTT && skip <= 0;
+    if (!sm.weigh_common(s, qx0, qx1, cur.vn0, cur.vn1, full, ph0, ph1))
+      weigh_masked<S>(s, cur, n, skip, lane >> 2, qx0, qx1, sm, ph0, ph1);
+  } else if constexpr (S::MASKS) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c)
+      if (!(s[c] > -INFINITY)) s[c] = -INFINITY;
+    sm.template weigh<false>(s, 1.f, 1.f, cur.vn0, cur.vn1, ph0, ph1);
+  } else {
+    sm.template weigh<true>(s, qx0, qx1, cur.vn0, cur.vn1, ph0, ph1);
   }
   tile_accumulate_v_b<S::DW, false, S::V2, S::QUADK, S::QUADV, S::V3, S::VB == 4>(cur.v, ph0, 0u, ph1, 0u, ilut,
                                                                                   sm.o);
@@ -2097,8 +2172,8 @@ __global__ void __launch_bounds__(v4_threads(ITEMS), v4_ctas_per_sm(ITEMS))
 
   // ---- the tile loop ----
   SoftmaxState<S::KS> sm;
-  auto consume = [&](const Tile<S::DW>& t, int xb) {
-    consume_tile<S>(p, t, xb, q, ilut, sm, x_s, warp, stream, lane);
+  auto consume = [&](const Tile<S::DW>& t, int xb, int n, int skip) {
+    consume_tile<S>(p, t, xb, n, skip, q, ilut, sm, x_s, warp, stream, lane);
   };
   if constexpr (RING) {
     // Step of tile ti from stage ST: wait for its group (the newer ones may stay in flight), copy
@@ -2107,11 +2182,13 @@ __global__ void __launch_bounds__(v4_threads(ITEMS), v4_ctas_per_sm(ITEMS))
       constexpr int ST = decltype(st_tag)::value;
       cp_async_wait<kStages - 1>();
       __syncwarp();  // every lane's copies of this stage are visible to the whole warp
-      ring.read(ST, n_st[ST], cur, gid, t4, S::MASKS ? tiles.skip - ti * kTT : 0);
+      const int skip = S::MASKS ? tiles.skip - ti * kTT : 0;
+      ring.read(ST, n_st[ST], cur, gid, t4, skip);
       __syncwarp();  // every lane has read the stage before it is overwritten
+      const int n = n_st[ST];
       n_st[ST] = ring.issue(p, tiles, ti + kStages * NP, ST, page_next, lane);
       page_next = tiles.page<false>(p, ti + (kStages + 1) * NP);
-      consume(cur, (ti / NP) & 1);  // ti = stream + k * NP with stream < NP: k
+      consume(cur, (ti / NP) & 1, n, skip);  // ti = stream + k * NP with stream < NP: k
     };
     // One pass over the ring from stage ST (tile ti), stopping after the last tile.
     auto ring_pass = [&](int ti, auto st_tag, auto& self) -> void {
@@ -2130,7 +2207,7 @@ __global__ void __launch_bounds__(v4_threads(ITEMS), v4_ctas_per_sm(ITEMS))
     auto step = [&](int ti, const Tile<S::DW>& cur, Tile<S::DW>& next) {
       registers.load(p, tiles, ti + NP, next, page_next, gid, t4);
       if (registers.one_page) page_next = tiles.page<false>(p, ti + 2 * NP);
-      consume(cur, 0);
+      consume(cur, 0, kTT, 0);  // (masked by load)
     };
 #pragma unroll 1
     for (int ti = stream; ti < tiles.ntt; ti += 2 * NP) {
