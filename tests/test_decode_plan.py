@@ -223,23 +223,26 @@ def test_a_misspelt_kernel_choice_raises_on_every_backend(monkeypatch, backend, 
 
 
 def test_plan_decode_reports_what_paged_decode_runs():
-    """jax_tq.plan_decode from paged_decode's arguments: the CPU plan here (fused rotation for the
-    presets' Hadamard codecs at head_dim 128, one split unless asked), None under the xla backend,
-    and the lowered call carries the rotation operand exactly when the plan says so."""
+    """jax_tq.plan_decode from paged_decode's arguments: the default device's plan (on a CPU the CPU
+    kernel; fused rotation for the presets' Hadamard codecs at head_dim 128, one split for this short
+    call unless asked), None under the xla backend, and the lowered call carries the rotation operand
+    exactly when the plan says so."""
     import jax
     import jax.numpy as jnp
 
     import jax_tq as tq
 
+    platform = jax.default_backend()
     for head_dim in (64, 128):
         cache = tq.PagedKVCache.create(num_pages=8, page_size=16, num_kv_heads=2, preset="k4v4", head_dim=head_dim,
                                        num_windows=2)
         q = jnp.ones((2, 8, head_dim), jnp.bfloat16)
         tables, lens = jnp.zeros((2, 4), jnp.int32), jnp.full((2,), 20, jnp.int32)
         got = tq.plan_decode(q, cache, tables)
-        assert got["kernel"] == "cpu" and got["num_splits"] == 1 and got["fused_rotation"] == (head_dim == 128)
+        assert (got["kernel"] == "cpu") == (platform == "cpu")
+        assert got["num_splits"] == 1 and got["fused_rotation"] == (head_dim == 128)
         assert tq.plan_decode(q, cache, tables, num_splits=3)["num_splits"] == 3
-        assert tq.plan_decode(q, cache, tables, platform="cpu") == got
+        assert tq.plan_decode(q, cache, tables, platform=platform) == got
         text = jax.jit(lambda q: tq.paged_decode(q, cache, tables, lens)).lower(q).as_text()
         assert (f"tensor<2x{head_dim}xi32>" in text) == got["fused_rotation"]
         with tq.use_backend("xla"):

@@ -420,7 +420,7 @@ def test_a_sliding_window_covering_every_token_changes_nothing(rng, name):
 
 @pytest.mark.parametrize("name", ["ffi", "xla"])
 def test_non_finite_sinks_as_documented(rng, name):
-    """A sink of -inf is no sink (the same rows, rows with no visible token 0 included); NaN makes
+    """A sink of -inf is no sink (the same rows up to rounding, rows with no visible token 0 included); NaN makes
     its head's rows with visible tokens NaN, +inf makes them 0 (its limit) or NaN; the other heads'
     rows stay as with their own sinks (variants.py)."""
     cache = make_cache(rng, "compressed")
@@ -434,7 +434,9 @@ def test_non_finite_sinks_as_documented(rng, name):
         prefill = lambda sinks: np.asarray(tq.paged_prefill(q, cache, tables, jnp.asarray(lens), jnp.asarray(starts),  # noqa: E731
                                                             sinks=sinks))
         for run, real in ((decode, 3), (prefill, rows)):
-            np.testing.assert_array_equal(run(jnp.full((HEADS,), -jnp.inf)), run(None))
+            # the same rows up to float32 rounding: on a GPU any sink sends decode through the split
+            # partials and their combine, another order of the same sums
+            np.testing.assert_allclose(run(jnp.full((HEADS,), -jnp.inf)), run(None), rtol=1e-6, atol=1e-7)
             want = run(finite)
             assert not np.isnan(want).any()
             for bad in (jnp.inf, jnp.nan):
