@@ -60,12 +60,17 @@ def random_cache(rng, *, num_pages, page_size, num_kv_heads, head_dim, k_bits, v
 
 
 def random_tables(rng, seq_lens, page_size, num_pages, max_pages=None):
-    """Block tables mapping each sequence to distinct random pages; unused entries hold garbage ids."""
+    """Block tables mapping each sequence to distinct random pages, no page shared by two sequences
+    where the pool has room (as an allocator gives them: two sequences writing one slot would leave
+    which token stays to the device's scatter order); unused entries hold garbage ids."""
     needed = [-(-int(n) // page_size) for n in seq_lens]
     max_pages = max_pages or max(1, max(needed))
     tables = rng.integers(-5, num_pages + 5, size=(len(seq_lens), max_pages)).astype(np.int32)
+    disjoint = sum(needed) <= num_pages
+    pages, used = rng.permutation(num_pages), 0
     for i, n in enumerate(needed):
-        tables[i, :n] = rng.choice(num_pages, size=n, replace=False)
+        tables[i, :n] = pages[used:used + n] if disjoint else rng.choice(num_pages, size=n, replace=False)
+        used += n
     return jnp.asarray(tables)
 
 
