@@ -157,16 +157,19 @@ def chunk_rows(cache: PagedKVCache, block_table, start: int, num_tokens: int, wi
       block_table: int32 ``[max_pages]``, the sequence's pages.
       start: static int, the position of the chunk's first token (tokens before it are cached).
       num_tokens: static int >= 1.
-      window_id: int32 scalar, the sequence's window id: required for a cache with several windows
-        (default: 0 where the cache has one window; ignored without a window).
+      window_id: integer scalar, the sequence's window id: required for a cache with several windows
+        (default: 0 where the cache has one window; ignored without a window). A traced id outside
+        [0, num_windows) reads no window and writes none (as the ops do for such an id).
     Returns:
       rows for :func:`jax_tq.paged_prefill`: one sequence, or (with a window) one sequence per row over
       its own window view (``view_start``).
     Raises:
-      TypeError: ``start`` or ``num_tokens`` not a Python int (they fix shapes and positions).
+      TypeError: ``start`` or ``num_tokens`` not a Python int (they fix shapes and positions);
+        ``window_id`` not an integer.
       ValueError: ``start < 0``, ``num_tokens < 1``, ``block_table`` not 1-D, the chunk running past
-        the table's ``max_pages * page_size`` tokens (its rows' positions would shift), or no
-        ``window_id`` for a cache with several windows (another sequence's ring would be overwritten).
+        the table's ``max_pages * page_size`` tokens (its rows' positions would shift), no
+        ``window_id`` for a cache with several windows (another sequence's ring would be overwritten),
+        a ``window_id`` that is not a scalar, or a concrete one outside [0, num_windows).
     """
     where = "chunk_rows"
     block_table = _listed_as_array(block_table)
@@ -187,18 +190,37 @@ def chunk_rows(cache: PagedKVCache, block_table, start: int, num_tokens: int, wi
     if not cache.window:
         return CacheRows(slots, block_table[None], jnp.asarray([start + num_tokens], jnp.int32),
                          jnp.asarray([0, num_tokens], jnp.int32), page_size=cache.page_size)
+    window_id = _chunk_window_id(window_id, cache, where)
+    ids = jnp.full((num_tokens,), window_id, jnp.int32)
+    ends = jnp.full((num_tokens,), start + num_tokens, jnp.int32)
+    # Row t reads view window t (row_windows); a (traced) id outside the cache's windows reads none,
+    # as the ops read none for such an id, instead of the ring its clamped index would give.
+    known = (window_id >= 0) & (window_id < cache.num_windows)
+    rows = jnp.where(known, jnp.arange(num_tokens, dtype=jnp.int32), num_tokens)
+    return CacheRows(slots, jnp.broadcast_to(block_table, (num_tokens, block_table.shape[0])), positions + 1,
+                     jnp.arange(num_tokens + 1, dtype=jnp.int32),
+                     window_slot_mapping(ids, positions, ends, cache.window), rows, window_id,
+                     start, page_size=cache.page_size)
+
+
+def _chunk_window_id(window_id, cache: PagedKVCache, where: str):
+    """chunk_rows' ``window_id`` as an int32 scalar: 0 where the cache has one window and none is
+    given; TypeError for a non-integer, ValueError for another shape, a missing id where the cache
+    has several windows, or a concrete id outside [0, num_windows)."""
     if window_id is None:
         if cache.num_windows > 1:
             raise ValueError(f"{where}: window_id is required: the cache has {cache.num_windows} windows (the "
                              "sequence's own ring; another sequence's would be overwritten)")
-        window_id = 0
-    ids = jnp.full((num_tokens,), window_id, jnp.int32)
-    ends = jnp.full((num_tokens,), start + num_tokens, jnp.int32)
-    rows = jnp.arange(num_tokens, dtype=jnp.int32)
-    return CacheRows(slots, jnp.broadcast_to(block_table, (num_tokens, block_table.shape[0])), positions + 1,
-                     jnp.arange(num_tokens + 1, dtype=jnp.int32),
-                     window_slot_mapping(ids, positions, ends, cache.window), rows, jnp.asarray(window_id, jnp.int32),
-                     start, page_size=cache.page_size)
+        return jnp.asarray(0, jnp.int32)
+    if isinstance(window_id, (bool, np.bool_)) or not jnp.issubdtype(jnp.result_type(window_id), jnp.integer):
+        raise TypeError(f"{where}: window_id must be an integer scalar, got {window_id!r}")
+    if jnp.ndim(window_id) != 0:
+        raise ValueError(f"{where}: window_id must be a scalar (the sequence's window id), got shape "
+                         f"{tuple(jnp.shape(window_id))}")
+    if not isinstance(window_id, jax.core.Tracer) and not 0 <= int(window_id) < cache.num_windows:
+        raise ValueError(f"{where}: window_id={int(window_id)} is outside the cache's window ids "
+                         f"[0, {cache.num_windows}) (the chunk would read another sequence's ring)")
+    return jnp.asarray(window_id, jnp.int32)
 
 
 def decode_rows(cache: PagedKVCache, block_tables, position, seq_lens, window_ids=None) -> CacheRows:

@@ -13,7 +13,8 @@ import pytest
 import jax_tq as tq
 from jax_tq import _compat
 from jax_tq.format import unpack_codes
-from oracle import attend_f64, decompress_f64, random_tables, random_window_cache, rel_err, to_f64
+from oracle import (attend_f64, decompress_f64, random_tables, random_window_cache, rel_err, sequence_tokens,
+                    to_f64)
 
 BF16_ULP = 2.0 ** -8  # bfloat16's relative spacing (8 significant bits)
 
@@ -252,6 +253,36 @@ def test_chunk_rows_needs_the_window_id_where_the_cache_has_several():
                                     num_windows=1)
     np.testing.assert_array_equal(np.asarray(tq.chunk_rows(single, table, 0, 3).window_slots), [0, 1, 2])
 
+
+
+@pytest.mark.parametrize("window_id", [5, -1])
+def test_chunk_rows_with_a_window_id_outside_the_windows(rng, window_id):
+    """A concrete id outside [0, num_windows) raises naming window_id (it used to be clamped by the
+    view's indexing: the chunk read window 1, another sequence's ring); a traced one reads no window
+    and writes none, as the ops do for such an id: each row sees its pages' tokens before its
+    last `window` positions only (float64 oracle over the written cache)."""
+    cache = random_window_cache(rng, num_windows=2, window=5, page_size=8, num_pages=24)
+    table, start, T = jnp.asarray([4, 5, 6], jnp.int32), 10, 3
+    q = jnp.asarray(rng.normal(size=(T, 4, 64)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(T, 2, 64)), jnp.float32) for _ in range(2))
+    with pytest.raises(ValueError, match=rf"chunk_rows: window_id={window_id} is outside the cache's window ids "
+                                         r"\[0, 2\)"):
+        tq.chunk_rows(cache, table, start, T, window_id=window_id)
+    with pytest.raises(TypeError, match="chunk_rows: window_id must be an integer scalar"):
+        tq.chunk_rows(cache, table, start, T, window_id=1.0)
+    with pytest.raises(ValueError, match="chunk_rows: window_id must be a scalar"):
+        tq.chunk_rows(cache, table, start, T, window_id=jnp.asarray([1, 0], jnp.int32))
+
+    @jax.jit
+    def step(cache, wid):
+        return tq.attend_rows(q, k, v, cache, tq.chunk_rows(cache, table, start, T, window_id=wid))
+
+    out, written = step(cache, jnp.asarray(window_id, jnp.int32))
+    for name in ("k_window", "v_window"):
+        np.testing.assert_array_equal(np.asarray(getattr(written, name)), np.asarray(getattr(cache, name)))
+    want = np.stack([attend_f64(q[t], *sequence_tokens(written, np.asarray(table), start + t + 1, window_id),
+                                1 / np.sqrt(64)) for t in range(T)])
+    assert rel_err(out, want) < 1e-5
 
 def test_rows_take_python_lists_as_their_arrays():
     """chunk_rows / prompt_rows / decode_rows of lists equal those of int32 arrays (lists raised an
