@@ -169,6 +169,9 @@ class PagedKVCache:
         """
         _check_sizes(num_pages=num_pages, page_size=page_size, num_kv_heads=num_kv_heads)
         if _is_uncompressed(preset):
+            if k_codec is not None or v_codec is not None:
+                raise ValueError("PagedKVCache.create: pass either k_codec / v_codec or preset, not both "
+                                 "(preset='none' stores uncompressed pages: no codec)")
             return cls._uncompressed(num_pages, page_size, num_kv_heads, head_dim, seed, window, num_windows, dtype)
         if dtype is not None:
             raise ValueError("PagedKVCache.create: dtype goes with preset='none' (compressed pools have fixed dtypes)")

@@ -126,6 +126,10 @@ def test_uncompressed_layout_refuses_what_does_not_fit():
         create(head_dim=None)
     with pytest.raises(ValueError, match="dtype goes with preset='none'"):
         create(preset="k4v4", dtype=jnp.float32)
+    codec = tq.TurboQuant(64, 4)  # silently ignored before: an uncompressed cache came back
+    for codecs in (dict(k_codec=codec, v_codec=codec), dict(k_codec=codec), dict(v_codec=codec)):
+        with pytest.raises(ValueError, match=r"pass either k_codec / v_codec or preset, not both \(preset='none'"):
+            create(**codecs)
     cache = create()
     k = jnp.zeros((3, 2, 8))
     with pytest.raises(ValueError, match=r"write_cache: v has shape \(3, 2, 4\)"):
