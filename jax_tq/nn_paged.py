@@ -138,7 +138,8 @@ class PagedAttention(nnx.Module):
                              f"({self.num_heads})")
         if preset not in _PRESETS:
             raise ValueError(f"{where}: preset must be one of {_PRESETS}, got {preset!r}")
-        if not isinstance(page_size, int) or not 1 <= page_size <= 256:
+        if isinstance(page_size, (bool, np.bool_)) or not isinstance(page_size, (int, np.integer)) or not (
+                1 <= page_size <= 256):  # NumPy ints too, as PagedKVCache.create takes them (bools are not sizes)
             raise ValueError(f"{where}: page_size must be an int in [1, 256], got {page_size!r}")
         if rope is not None and not callable(rope):
             raise TypeError(f"{where}: rope must be None or a callable fn(x, positions), got {type(rope).__name__}")
@@ -147,7 +148,7 @@ class PagedAttention(nnx.Module):
             raise ValueError(f"{where}: normalize_qk must be False, True, 'layer' or 'rms', got {normalize_qk!r}")
         self.dtype, self.param_dtype, self.precision = dtype, param_dtype, precision
         self.use_bias, self.normalize_qk, self.decode = use_bias, bool(normalize_qk), decode
-        self.rope, self.preset, self.page_size, self.seed = rope, preset, page_size, seed
+        self.rope, self.preset, self.page_size, self.seed = rope, preset, int(page_size), seed
         self.cache_dtype, self.check_capacity = cache_dtype, check_capacity
         self.sliding_window, self.soft_cap, _ = check_variants(sliding_window, soft_cap, None, self.num_heads,
                                                                "nn.PagedAttention")

@@ -266,6 +266,14 @@ def test_errors(rng):
         PagedAttention(4, 32, num_kv_heads=3, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="preset"):
         PagedAttention(4, 32, preset="k5v5", rngs=nnx.Rngs(0))
+    for bad in (True, 0, 257, 16.0):
+        with pytest.raises(ValueError, match=rf"page_size must be an int in \[1, 256\], got {bad!r}"):
+            PagedAttention(4, 32, page_size=bad, rngs=nnx.Rngs(0))
+    # a NumPy int is an int (it was refused as "must be an int in [1, 256], got np.int64(8)")
+    numpy_sized = PagedAttention(2, 32, num_kv_heads=1, preset="none", page_size=np.int64(8), rngs=nnx.Rngs(0))
+    assert numpy_sized.page_size == 8 and type(numpy_sized.page_size) is int
+    numpy_sized.init_cache(2, 20)
+    assert numpy_sized.cache.get_value().page_size == 8 and numpy_sized.block_tables.shape == (2, 3)
 
 
 def test_full_rows_give_nan_without_the_check(rng):
