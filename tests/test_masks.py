@@ -228,16 +228,18 @@ def long_variant_kwargs(rng, variant):
     return kwargs
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("kind", ["compressed", "window"])
 @pytest.mark.parametrize("variant", list(LONG_VARIANTS))
-def test_decode_variants_over_several_pages(rng, num_splits, dtype, kind, variant):
-    """Sequences of up to 13 pages of 16 tokens at head_dim 128 (on a GPU: the float16 kernel's ring
-    with bfloat16 queries, the CUDA-core kernel with float32 ones): windows of 70 / 100 start inside a
-    page, the splits share the window's pages only; sinks at one split with a folded window. With a
-    window cache (whose bf16 rows outweigh the pages' tokens) the sliding window is 20, inside it."""
-    d, page, pages = 128, 16, 40
+def test_decode_variants_over_several_pages(rng, head_dim, num_splits, dtype, kind, variant):
+    """Sequences of up to 13 pages of 16 tokens at head_dim 64 / 128 (on a GPU: the float16 kernel's
+    ring with bfloat16 queries, its masking variants' late-mask paths among them, the CUDA-core kernel
+    with float32 ones): windows of 70 / 100 start inside a page, the splits share the window's pages
+    only; sinks at one split with a folded window. With a window cache (whose bf16 rows outweigh the
+    pages' tokens) the sliding window is 20, inside it."""
+    d, page, pages = head_dim, 16, 40
     cache = long_cache(rng, kind, d, page, pages)
     lens = np.asarray([200, 37, 0, 129], np.int32)
     tables = random_tables(rng, lens, page, pages, max_pages=16)
