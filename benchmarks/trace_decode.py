@@ -16,7 +16,6 @@ import jax.numpy as jnp
 
 import bench_decode
 import jax_tq as tq
-from bench_decode import make_tq_inputs
 from device_time import span_us, traced_runs
 
 INNER = 8
@@ -40,7 +39,8 @@ def one_shape(num_seqs, seq_len, rotation, preset=None):
         cache, tables, lens = sets[0]
         q = jax.random.normal(jax.random.PRNGKey(0), (num_seqs, 32, 128), jnp.bfloat16)
     else:
-        (q, cache, tables, lens), = make_tq_inputs(num_seqs, seq_len, jax.random.PRNGKey(0), 1, rotation=rotation)
+        (q, cache, tables, lens), = bench_decode.make_tq_inputs(num_seqs, seq_len, jax.random.PRNGKey(0), 1,
+                                                                  rotation=rotation)
     chain = chain_fn(INNER)
     for _ in range(3):
         jax.block_until_ready(chain(q, cache, tables, lens))

@@ -254,7 +254,6 @@ def test_chunk_rows_needs_the_window_id_where_the_cache_has_several():
     np.testing.assert_array_equal(np.asarray(tq.chunk_rows(single, table, 0, 3).window_slots), [0, 1, 2])
 
 
-
 @pytest.mark.parametrize("window_id", [5, -1])
 def test_chunk_rows_with_a_window_id_outside_the_windows(rng, window_id):
     """A concrete id outside [0, num_windows) raises naming window_id (it used to be clamped by the
