@@ -467,6 +467,24 @@ __device__ __forceinline__ float block_reduce(float v, float* red, bool is_max) 
   return v;
 }
 
+// The combine's fused epilogue (warp 0): the combined row of 32 N coordinates (acc_s summed over
+// the groups, over wsum) rotated back by Pi_v^T and stored.
+template <int N>
+__device__ __forceinline__ void combine_rotate_store(const float (&acc_s)[kCombineGroups][kCombineMaxD], float wsum,
+                                                     const int32_t* rot_v, float* buf, float* o, int lane) {
+  float x[N];
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    const int d = N * lane + j;
+    float acc = 0.f;
+#pragma unroll
+    for (int g = 0; g < kCombineGroups; ++g) acc += acc_s[g][d];
+    x[j] = acc / wsum;
+  }
+  rotate_row_inverse(x, rot_v, buf, lane);
+  store_lane_coords(o, lane, x);
+}
+
 __global__ void __launch_bounds__(kCombineThreads, 1)
     paged_decode_combine_kernel(const float* __restrict__ pout, const float* __restrict__ plse,
                                 float* __restrict__ out, int ns, int D, const int32_t* rot_v,
@@ -531,19 +549,11 @@ __global__ void __launch_bounds__(kCombineThreads, 1)
     }
     return;
   }
-  // The fused rotation (D = 128): warp 0 rotates the combined row back, out = Pi_v^T o_rot.
+  // The fused rotation (D = 64 / 128): warp 0 rotates the combined row back, out = Pi_v^T o_rot
+  // (w_s, the split weights, no longer needed, is its buffer).
   if (threadIdx.x < 32) {
-    float x[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int d = 4 * lane + j;
-      float acc = 0.f;
-#pragma unroll
-      for (int g = 0; g < kCombineGroups; ++g) acc += acc_s[g][d];
-      x[j] = acc / wsum;
-    }
-    rotate_row_inverse(x, rot_v, w_s, lane);  // the split weights are no longer needed
-    *reinterpret_cast<float4*>(o + 4 * lane) = make_float4(x[0], x[1], x[2], x[3]);
+    if (D == 128) combine_rotate_store<4>(acc_s, wsum, rot_v, w_s, o, lane);
+    else combine_rotate_store<2>(acc_s, wsum, rot_v, w_s, o, lane);
   }
 }
 
@@ -576,7 +586,7 @@ struct WindowPartialParams {
   const uint32_t* vwin;  // [num_windows, Hkv, W, D] bf16
   const int32_t* sl;     // [S]
   const int32_t* ids;    // [S] window ids
-  const int32_t* rot;    // [2][128] Hadamard spec words (K, V), or nullptr
+  const int32_t* rot;    // [2][D] Hadamard spec words (K, V), or nullptr
   int64_t capacity;      // max_pages * page_size
   int H, Hkv, G, ns, pstride, window, num_windows;
   int hc;                // query heads per CTA, 1 <= hc <= win_heads<D>()
@@ -637,7 +647,7 @@ __global__ void __launch_bounds__(kCombineThreads)
   const int g0 = chunk * p.hc;
   const int gn = p.G - g0 < p.hc ? p.G - g0 : p.hc;  // query heads of this CTA (1 <= gn <= HC)
   const int64_t row0 = static_cast<int64_t>(seq) * p.H + kvh * p.G + g0;  // (seq, first head) row of q
-  const bool fused = D == v3::kD && p.rot != nullptr;
+  const bool fused = fused_rotation_head_dim(D) && p.rot != nullptr;
 
   // The window's tokens: positions [P0, L), P0 raised to L - sliding_window where that is later.
   const int seq_len = p.sl[seq];
@@ -673,17 +683,18 @@ __global__ void __launch_bounds__(kCombineThreads)
     const int g = warp;
     const float* src = p.q + (row0 + g) * D;
     bool finite = true;
-    if constexpr (D == v3::kD) {
+    if constexpr (fused_rotation_head_dim(D)) {
       if (fused) {
-        const float4 v = reinterpret_cast<const float4*>(src)[lane];
-        float x[4] = {v.x, v.y, v.z, v.w};
-        uint32_t w[4];
+        constexpr int N = D / 32;
+        float x[N];
+        load_lane_coords(src, lane, x);
+        uint32_t w[N];
         load_rot_words(p.rot, lane, w);
         rotate_row_forward(x, w, o_s[warp], lane);
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
+        for (int j = 0; j < N; ++j) {
           finite = finite && isfinite(x[j]);
-          q_s[g][4 * lane + j] = x[j] * p.qscale;
+          q_s[g][N * lane + j] = x[j] * p.qscale;
         }
       }
     }
@@ -1267,7 +1278,7 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot,
     return invalid("partial_out workspace is not 16-byte aligned");
   if (combine && d > kCombineMaxD) return invalid("head_dim above the combine kernel's 256");
   if (dims.fused && (!plan.fused_rotation || reinterpret_cast<uintptr_t>(p.rot) % 16 != 0))
-    return invalid(std::string("the fused (Hadamard) rotation runs on the tensor-core kernels only (head_dim 128, K and "
+    return invalid(std::string("the fused (Hadamard) rotation runs on the tensor-core kernels only (head_dim 64 or 128, K and "
                                "V of 2, 3 or 4 bits, code pools aligned to the per-lane loads, a 16-byte aligned "
                                "rotation operand); this call's plan: ") +
                    kDecodeKernelNames[static_cast<int>(plan.kernel)]);

@@ -83,7 +83,7 @@ def paged_decode(q, cache, block_tables, seq_lens, *, window_ids=None, scale=Non
         a multiple of 16 tokens; its soft cap through tanh.approx, an error like rounding the capped
         logit to float16) or else the CUDA-core kernel serves them.
 
-    Rotations: with Hadamard codecs (``rotation="hadamard"``) of head_dim 128 the kernel itself
+    Rotations: with Hadamard codecs (``rotation="hadamard"``) of head_dim 64 or 128 the kernel itself
     computes q_rot = Pi_k q and out = Pi_v^T o_rot (two fast Walsh-Hadamard transforms per row:
     float32 in the CUDA kernels, float64 in the CPU kernel), so no rotation GEMM runs around it.
     That holds on the CPU (the ``ffi``/``auto`` backends) and, on a GPU, where a tensor-core
@@ -227,7 +227,7 @@ def plan(platform: str, *, num_seqs: int, num_heads: int, num_kv_heads: int, hea
       dict with ``kernel`` (``"cpu"``, ``"cuda-core"``, ``"tensor-core-f32"`` or ``"tensor-core-f16"``),
       ``num_splits`` (split-K parts; ``num_splits`` when given, else the count that best fills the
       GPU's waves: 1 on the CPU), ``fused_rotation`` (the kernel rotates q and the output itself:
-      Hadamard codecs of head_dim 128, on the CPU kernel and the tensor-core ones), ``f16_rounding``
+      Hadamard codecs of head_dim 64 or 128, on the CPU kernel and the tensor-core ones), ``f16_rounding``
       (products round to float16), ``folds_window``, ``head_tile``, ``ring``, ``halves``, ``items``
       (the float16 kernel's variant). None where the module is not loaded. ``variants``: the call
       sets sliding_window, soft_cap or sinks (on CUDA the CUDA-core kernel serves them).

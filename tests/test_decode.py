@@ -72,27 +72,28 @@ def test_paged_decode_huge_logits(rng, q_scale):
         assert np.abs(np.asarray(got)).max() > 0
 
 
-def _lowered_rotation_operand(fn, *args) -> bool:
-    """Whether the lowered program passes the fused rotation operand (int32 [2, 128]) to the kernel
-    (and that it calls the kernel: with or without the rotation, never the jnp reference)."""
+def _lowered_rotation_operand(fn, *args, head_dim=128) -> bool:
+    """Whether the lowered program passes the fused rotation operand (int32 [2, head_dim]) to the
+    kernel (and that it calls the kernel: with or without the rotation, never the jnp reference)."""
     text = jax.jit(fn).lower(*args).as_text()
     assert "jax_tq_paged_decode" in text, "the paged_decode kernel is not called"
-    return "tensor<2x128xi32>" in text
+    return f"tensor<2x{head_dim}xi32>" in text
 
 
+@pytest.mark.parametrize("head_dim", (64, 128))
 @pytest.mark.parametrize("k_bits,v_bits,group,num_splits,q_dtype", [
     (4, 4, 4, 1, jnp.bfloat16), (4, 4, 3, 3, jnp.float32), (3, 2, 8, 2, jnp.float16), (2, 4, 1, 5, jnp.float32)])
-def test_paged_decode_fused_hadamard_rotation(rng, k_bits, v_bits, group, num_splits, q_dtype):
-    """Hadamard codecs (head_dim 128): the kernel applies q_rot = Pi_k q and out = Pi_v^T o_rot itself
+def test_paged_decode_fused_hadamard_rotation(rng, head_dim, k_bits, v_bits, group, num_splits, q_dtype):
+    """Hadamard codecs (head_dim 64 / 128): the kernel applies q_rot = Pi_k q and out = Pi_v^T o_rot itself
     (the rotation operand reaches the FFI call; no rotation GEMM), with the same values as the
     float64 oracle, as the xla backend (rotation GEMMs around the reference), and NaN rows where q is
     not finite."""
     seq_lens = jnp.asarray([70, 0, 33, 160], jnp.int32)
     num_pages = 3 + sum(-(-int(n) // 16) for n in seq_lens)
-    cache = random_cache(rng, num_pages=num_pages, page_size=16, num_kv_heads=2, head_dim=128, k_bits=k_bits,
+    cache = random_cache(rng, num_pages=num_pages, page_size=16, num_kv_heads=2, head_dim=head_dim, k_bits=k_bits,
                          v_bits=v_bits, seed=int(rng.integers(100)), rotation="hadamard")
     tables = random_tables(rng, np.asarray(seq_lens), 16, num_pages)
-    q = jnp.asarray(rng.normal(size=(4, 2 * group, 128)) * 3, q_dtype).at[2, 1, 9].set(jnp.nan)
+    q = jnp.asarray(rng.normal(size=(4, 2 * group, head_dim)) * 3, q_dtype).at[2, 1, 9].set(jnp.nan)
     bad = np.zeros(q.shape[:2], bool)
     bad[2, 1] = True
 
@@ -100,7 +101,7 @@ def test_paged_decode_fused_hadamard_rotation(rng, k_bits, v_bits, group, num_sp
         return tq.paged_decode(q, cache, t, s, num_splits=num_splits)
 
     # The CPU kernel and (on a GPU) the tensor-core kernels rotate for every one of these configurations.
-    assert _lowered_rotation_operand(fn, q, tables, seq_lens)
+    assert _lowered_rotation_operand(fn, q, tables, seq_lens, head_dim=head_dim)
     got = np.asarray(jax.jit(fn)(q, tables, seq_lens).astype(jnp.float32), np.float64)
     assert got.dtype == np.float64 and np.all(np.isnan(got[bad])) and np.all(np.isfinite(got[~bad]))
     want = decode_f64(np.asarray(jnp.where(jnp.isnan(q), 0, q), np.float64), cache, tables, seq_lens)
@@ -1339,13 +1340,14 @@ FUSED_CASES = [
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", (64, 128))
 @pytest.mark.parametrize("page_size,group,num_splits,qdtype,precision,tol,bits",
                          [c if len(c) == 7 else (*c, 4) for c in FUSED_CASES])
-def test_paged_decode_fused_rotation(rng, page_size, group, num_splits, qdtype, precision, tol, bits):
+def test_paged_decode_fused_rotation(rng, head_dim, page_size, group, num_splits, qdtype, precision, tol, bits):
     """Against float64, with NaN rows where q is not finite and where a finite q's rotation passes
     float32 (3e38 in every coordinate); the memory is poisoned first, and the rotation operand must
-    reach the kernel wherever the tensor-core kernels run."""
-    q, cache, tables, lens = _decode_inputs(rng, 128, bits, bits, page_size, group, 2, qdtype, max_len=900,
+    reach the kernel wherever the tensor-core kernels run (all of these cases)."""
+    q, cache, tables, lens = _decode_inputs(rng, head_dim, bits, bits, page_size, group, 2, qdtype, max_len=900,
                                             rotation="hadamard")
     q = q.at[2, 1, 17].set(jnp.nan)
     bad = np.zeros(q.shape[:2], bool)
@@ -1354,8 +1356,8 @@ def test_paged_decode_fused_rotation(rng, page_size, group, num_splits, qdtype, 
         q = q.at[3, 0].set(3e38)
         bad[3, 0] = True
     fn = jax.jit(lambda *a: tq.paged_decode(*a, num_splits=num_splits, precision=precision))
-    fused = "tensor<2x128xi32>" in fn.lower(q, cache, tables, lens).as_text()
-    assert fused == tq.plan_decode(q, cache, tables, num_splits=num_splits, precision=precision)["fused_rotation"]
+    fused = f"tensor<2x{head_dim}xi32>" in fn.lower(q, cache, tables, lens).as_text()
+    assert fused and tq.plan_decode(q, cache, tables, num_splits=num_splits, precision=precision)["fused_rotation"]
     poison_device_memory(q.size * 4 * 8 * 70)
     got = np.asarray(fn(q, cache, tables, lens).astype(jnp.float32), np.float64)
     assert np.all(np.isnan(got[bad])) and np.all(np.isfinite(got[~bad])) and np.all(got[0] == 0.0)

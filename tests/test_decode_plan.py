@@ -36,7 +36,8 @@ def kernel(*args, **kw):
 def test_the_cpu_plan():
     got = plan(32, 8, 512, device=None, hadamard=True)
     assert got["kernel"] == "cpu" and got["num_splits"] == 1 and got["fused_rotation"]
-    assert not plan(32, 8, 512, device=None, hadamard=True, head_dim=64)["fused_rotation"]
+    assert plan(32, 8, 512, device=None, hadamard=True, head_dim=64)["fused_rotation"]
+    assert not plan(32, 8, 512, device=None, hadamard=True, head_dim=256)["fused_rotation"]
     assert plan(32, 8, 512, device=None, num_splits=7)["num_splits"] == 7
     assert plan(32, 8, 5, device=None, num_splits=7)["num_splits"] == 5  # at most max_pages
 
@@ -72,11 +73,17 @@ def test_float16_kernel_variants():
     assert plan(32, 8, 512)["f16_rounding"] and not plan(32, 8, 512, f16_products=False)["f16_rounding"]
 
 
-def test_fused_rotation_where_a_tensor_core_kernel_runs_at_head_dim_128():
-    assert plan(8, 8, 64, hadamard=True)["fused_rotation"]
-    assert plan(8, 8, 64, hadamard=True, f16_products=False)["fused_rotation"]
-    assert not plan(8, 8, 64, hadamard=True, head_dim=64)["fused_rotation"]
-    assert not plan(8, 8, 64, hadamard=True, kernel=1)["fused_rotation"]  # the CUDA-core kernel: XLA GEMMs
+def test_fused_rotation_where_a_tensor_core_kernel_runs_at_head_dim_64_and_128():
+    for head_dim in (64, 128):
+        for shape in (dict(), dict(f16_products=False), dict(page_size=8), dict(group=8), dict(k_bits=3, v_bits=2)):
+            assert plan(8, 8, 64, hadamard=True, head_dim=head_dim, **shape)["fused_rotation"], (head_dim, shape)
+        assert plan(1, 4, 2048, hadamard=True, head_dim=head_dim)["num_splits"] > 1  # several splits: the combine's
+        assert plan(1, 4, 2048, hadamard=True, head_dim=head_dim)["fused_rotation"]
+        assert plan(32, 8, 512, hadamard=True, head_dim=head_dim, window=True, variants=True)["fused_rotation"]
+        assert not plan(8, 8, 64, hadamard=True, head_dim=head_dim, kernel=1)["fused_rotation"]  # CUDA-core: GEMMs
+    for head_dim in (256, 96):  # the float16 kernel's warp pairs and padded rows: XLA GEMMs
+        got = plan(8, 8, 64, hadamard=True, head_dim=head_dim)
+        assert got["kernel"] == "tensor-core-f16" and not got["fused_rotation"], (head_dim, got)
     assert not plan(8, 8, 64)["fused_rotation"]
 
 
@@ -87,7 +94,7 @@ def test_the_attention_variants_run_on_the_float16_ring_or_the_cuda_core_kernel(
     CUDA-core kernel (never the float32-accurate one); the CPU kernel serves them as it is."""
     for head_dim in (64, 128):
         for bits in (2, 3, 4):
-            shape = dict(head_dim=head_dim, k_bits=bits, v_bits=bits, hadamard=head_dim == 128, window=True)
+            shape = dict(head_dim=head_dim, k_bits=bits, v_bits=bits, hadamard=True, window=True)
             plain = plan(32, 8, 512, **shape)
             assert plain["kernel"] == "tensor-core-f16" and plain["ring"], plain
             for requested in (0, 2, 3):
@@ -224,7 +231,7 @@ def test_a_misspelt_kernel_choice_raises_on_every_backend(monkeypatch, backend, 
 
 def test_plan_decode_reports_what_paged_decode_runs():
     """jax_tq.plan_decode from paged_decode's arguments: the default device's plan (on a CPU the CPU
-    kernel; fused rotation for the presets' Hadamard codecs at head_dim 128, one split for this short
+    kernel; fused rotation for the presets' Hadamard codecs at head_dim 64 and 128, one split for this short
     call unless asked), None under the xla backend, and the lowered call carries the rotation operand
     exactly when the plan says so."""
     import jax
@@ -240,7 +247,7 @@ def test_plan_decode_reports_what_paged_decode_runs():
         tables, lens = jnp.zeros((2, 4), jnp.int32), jnp.full((2,), 20, jnp.int32)
         got = tq.plan_decode(q, cache, tables)
         assert (got["kernel"] == "cpu") == (platform == "cpu")
-        assert got["num_splits"] == 1 and got["fused_rotation"] == (head_dim == 128)
+        assert got["num_splits"] == 1 and got["fused_rotation"]
         assert tq.plan_decode(q, cache, tables, num_splits=3)["num_splits"] == 3
         assert tq.plan_decode(q, cache, tables, platform=platform) == got
         text = jax.jit(lambda q: tq.paged_decode(q, cache, tables, lens)).lower(q).as_text()

@@ -151,18 +151,19 @@ def test_decode_variants_match_float64_oracle(rng, kind, variant):
     backends_agree(call, want, plain)
 
 
-def test_decode_variants_with_the_fused_hadamard_rotation(rng):
-    """Hadamard codecs of head_dim 128: the CPU handler rotates q and the output itself (plan_decode)."""
-    cache = random_cache(rng, num_pages=PAGES, page_size=PAGE, num_kv_heads=KV_HEADS, head_dim=128, k_bits=3,
+@pytest.mark.parametrize("head_dim", (64, 128))
+def test_decode_variants_with_the_fused_hadamard_rotation(rng, head_dim):
+    """Hadamard codecs of head_dim 64 / 128: the CPU handler rotates q and the output itself (plan_decode)."""
+    cache = random_cache(rng, num_pages=PAGES, page_size=PAGE, num_kv_heads=KV_HEADS, head_dim=head_dim, k_bits=3,
                          v_bits=4, seed=3, rotation="hadamard")
     lens = np.asarray([29, 17], np.int32)
     tables = random_tables(rng, lens, PAGE, PAGES, max_pages=MAX_PAGES)
-    q = jnp.asarray(rng.normal(size=(2, HEADS, 128)) * 3, jnp.float32)
+    q = jnp.asarray(rng.normal(size=(2, HEADS, head_dim)) * 3, jnp.float32)
     with tq.use_backend("ffi"):
         assert tq.plan_decode(q, cache, tables)["fused_rotation"]
     kwargs = variant_kwargs(rng, "all")
     f64 = dict(kwargs, sinks=np.asarray(kwargs["sinks"]))
-    scale = 128 ** -0.5
+    scale = head_dim ** -0.5
     want = rows_f64(cache, np.asarray(tables), lens, np.zeros(2, np.int32), to_f64(q), range(2), lens - 1, scale,
                     **f64)
     plain = rows_f64(cache, np.asarray(tables), lens, np.zeros(2, np.int32), to_f64(q), range(2), lens - 1, scale)

@@ -12,6 +12,7 @@
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "jax_tq/attention_variants.cuh"
 #include "jax_tq/cp_async.cuh"
@@ -70,6 +71,11 @@ __device__ __forceinline__ float ld_early(const float* src) {
 __device__ __forceinline__ int ld_early(const int* src) {
   int v;
   asm volatile("ld.global.s32 %0, [%1];\n" : "=r"(v) : "l"(src) : "memory");
+  return v;
+}
+__device__ __forceinline__ int2 ld_early(const int2* src) {
+  int2 v;
+  asm volatile("ld.global.v2.s32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "l"(src) : "memory");
   return v;
 }
 __device__ __forceinline__ int4 ld_early(const int4* src) {
@@ -248,7 +254,7 @@ struct DecodeParams {
   float qscale;         // scale * log2(e)
   CopyPlan kcopy, vcopy;
   int k_bits, v_bits;
-  const int32_t* rot;   // [2][128] Hadamard spec words (K, V; format.h), or nullptr: q / out rotated outside
+  const int32_t* rot;   // [2][D] Hadamard spec words (K, V; format.h), or nullptr: q / out rotated outside
   unsigned long long* trace;  // v4's phase trace (PhaseTrace below), or nullptr (the default)
   int window;           // the recent-token window W (format.h), 0: none. W > 0: the split kernels stream
                         // the pages' tokens [0, paged_tokens) only; the window's tokens are either
@@ -334,74 +340,120 @@ __device__ __forceinline__ void trace_phase(const DecodeParams& p, unsigned cta,
 }
 
 // ---- The Hadamard rotation applied inside the kernels (rotation spec words: format.h) ---------
-// A warp holds one 128-coordinate row, x[j] = coordinate 4 * lane + j; buf is 128 floats of the
-// warp's own shared memory (the permutation goes through it).
+// A warp holds one row of D = 32 N coordinates (head_dim 64: N = 2, 128: N = 4), x[j] = coordinate
+// N * lane + j; buf is D floats of the warp's own shared memory (the permutation goes through it).
 
-// x <- H_un x, the unnormalized Sylvester Hadamard transform (H_un[i][k] = (-1)^popcount(i & k)).
-__device__ __forceinline__ void warp_fwht128(float (&x)[4], int lane) {
-  const float a0 = x[0] + x[1], a1 = x[0] - x[1], a2 = x[2] + x[3], a3 = x[2] - x[3];
-  x[0] = a0 + a2;
-  x[1] = a1 + a3;
-  x[2] = a0 - a2;
-  x[3] = a1 - a3;
+// A lane's N spec words (or N coordinates of a row) as one vector.
+template <int N>
+using LaneWords = std::conditional_t<N == 2, int2, int4>;
+template <int N>
+using LaneFloats = std::conditional_t<N == 2, float2, float4>;
+
+// x <- H_un x, the unnormalized Sylvester Hadamard transform (H_un[i][k] = (-1)^popcount(i & k)):
+// the lane's own coordinates first, then one shuffle per lane bit.
+template <int N>
+__device__ __forceinline__ void warp_fwht(float (&x)[N], int lane) {
+  static_assert(N == 2 || N == 4, "rows of 64 or 128 coordinates");
+#pragma unroll
+  for (int h = 1; h < N; h <<= 1) {
+#pragma unroll
+    for (int i = 0; i < N; i += 2 * h) {
+#pragma unroll
+      for (int j = i; j < i + h; ++j) {
+        const float a = x[j], b = x[j + h];
+        x[j] = a + b;
+        x[j + h] = a - b;
+      }
+    }
+  }
 #pragma unroll
   for (int m = 1; m < 32; m <<= 1) {
     const bool upper = (lane & m) != 0;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
+    for (int j = 0; j < N; ++j) {
       const float y = __shfl_xor_sync(0xffffffffu, x[j], m);
       x[j] = upper ? y - x[j] : x[j] + y;
     }
   }
 }
 
-__device__ __forceinline__ void load_rot_words(const int32_t* spec, int lane, uint32_t (&w)[4]) {
-  const int4 v = ld_early(reinterpret_cast<const int4*>(spec) + lane);
+__device__ __forceinline__ void rot_words_of(const int4& v, uint32_t (&w)[4]) {
   w[0] = static_cast<uint32_t>(v.x);
   w[1] = static_cast<uint32_t>(v.y);
   w[2] = static_cast<uint32_t>(v.z);
   w[3] = static_cast<uint32_t>(v.w);
 }
+__device__ __forceinline__ void rot_words_of(const int2& v, uint32_t (&w)[2]) {
+  w[0] = static_cast<uint32_t>(v.x);
+  w[1] = static_cast<uint32_t>(v.y);
+}
 
-// x <- Pi x with Pi = H D2 P H D1 (H normalized: the two 1 / sqrt(128) factors are the exact
-// 2^-7 applied first, so no intermediate grows past the normalized transform's values).
-__device__ __forceinline__ void rotate_row_forward(float (&x)[4], const uint32_t (&w)[4], float* buf, int lane) {
+// The lane's words N lane .. N lane + N - 1 of a spec row (one of the kernel's first reads).
+template <int N>
+__device__ __forceinline__ void load_rot_words(const int32_t* spec, int lane, uint32_t (&w)[N]) {
+  rot_words_of(ld_early(reinterpret_cast<const LaneWords<N>*>(spec) + lane), w);
+}
+
+// Coordinates N lane .. N lane + N - 1 of a row (aligned to N floats) as one vector.
+template <int N>
+__device__ __forceinline__ void load_lane_coords(const float* row, int lane, float (&x)[N]) {
+  const LaneFloats<N> v = reinterpret_cast<const LaneFloats<N>*>(row)[lane];
+  x[0] = v.x;
+  x[1] = v.y;
+  if constexpr (N == 4) x[2] = v.z, x[3] = v.w;
+}
+template <int N>
+__device__ __forceinline__ void store_lane_coords(float* row, int lane, const float (&x)[N]) {
+  if constexpr (N == 4) reinterpret_cast<float4*>(row)[lane] = make_float4(x[0], x[1], x[2], x[3]);
+  else reinterpret_cast<float2*>(row)[lane] = make_float2(x[0], x[1]);
+}
+
+// x <- Pi x with Pi = H D2 P H D1 (H normalized: the two 1 / sqrt(D) factors are the exact 1 / D
+// applied first, so no intermediate grows past the normalized transform's values).
+template <int N>
+__device__ __forceinline__ void rotate_row_forward(float (&x)[N], const uint32_t (&w)[N], float* buf, int lane) {
+  constexpr int D = 32 * N;
+  constexpr float kNorm = 1.f / D;
 #pragma unroll
-  for (int j = 0; j < 4; ++j) x[j] = (rot_neg1(w[j]) ? -x[j] : x[j]) * 0x1p-7f;
-  warp_fwht128(x, lane);
+  for (int j = 0; j < N; ++j) x[j] = (rot_neg1(w[j]) ? -x[j] : x[j]) * kNorm;
+  warp_fwht(x, lane);
   __syncwarp();
 #pragma unroll
-  for (int j = 0; j < 4; ++j) buf[4 * lane + j] = x[j];
+  for (int j = 0; j < N; ++j) buf[N * lane + j] = x[j];
   __syncwarp();
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const float z = buf[rot_perm(w[j]) & 127];  // (P v)_i = v_perm[i]
+  for (int j = 0; j < N; ++j) {
+    const float z = buf[rot_perm(w[j]) & (D - 1)];  // (P v)_i = v_perm[i]
     x[j] = rot_neg2(w[j]) ? -z : z;
   }
   __syncwarp();  // buf may be reused at once
-  warp_fwht128(x, lane);
+  warp_fwht(x, lane);
 }
 
 // x <- Pi^T x = D1 H P^T D2 H x.
-__device__ __forceinline__ void rotate_row_inverse(float (&x)[4], const uint32_t (&w)[4], float* buf, int lane) {
+template <int N>
+__device__ __forceinline__ void rotate_row_inverse(float (&x)[N], const uint32_t (&w)[N], float* buf, int lane) {
+  constexpr int D = 32 * N;
+  constexpr float kNorm = 1.f / D;
 #pragma unroll
-  for (int j = 0; j < 4; ++j) x[j] *= 0x1p-7f;
-  warp_fwht128(x, lane);
+  for (int j = 0; j < N; ++j) x[j] *= kNorm;
+  warp_fwht(x, lane);
   __syncwarp();
 #pragma unroll
-  for (int j = 0; j < 4; ++j) buf[rot_perm(w[j]) & 127] = rot_neg2(w[j]) ? -x[j] : x[j];  // (P^T v)_perm[i] = v_i
+  for (int j = 0; j < N; ++j) buf[rot_perm(w[j]) & (D - 1)] = rot_neg2(w[j]) ? -x[j] : x[j];  // (P^T v)_perm[i] = v_i
   __syncwarp();
 #pragma unroll
-  for (int j = 0; j < 4; ++j) x[j] = buf[4 * lane + j];
+  for (int j = 0; j < N; ++j) x[j] = buf[N * lane + j];
   __syncwarp();
-  warp_fwht128(x, lane);
+  warp_fwht(x, lane);
 #pragma unroll
-  for (int j = 0; j < 4; ++j) x[j] = rot_neg1(w[j]) ? -x[j] : x[j];
+  for (int j = 0; j < N; ++j) x[j] = rot_neg1(w[j]) ? -x[j] : x[j];
 }
 
-// The inverse with the spec words read from global memory here (lane's words 4 lane .. 4 lane + 3).
-__device__ __forceinline__ void rotate_row_inverse(float (&x)[4], const int32_t* spec, float* buf, int lane) {
-  uint32_t w[4];
+// The inverse with the spec words read from global memory here.
+template <int N>
+__device__ __forceinline__ void rotate_row_inverse(float (&x)[N], const int32_t* spec, float* buf, int lane) {
+  uint32_t w[N];
   load_rot_words(spec, lane, w);
   rotate_row_inverse(x, w, buf, lane);
 }

@@ -85,7 +85,6 @@ struct DecodePlan {
 // Each split streams at least this many tokens (and 4 pages), so that its prefetch has work to
 // overlap and the combine stays cheap next to the split's own work.
 inline constexpr int64_t kMinTokensPerSplit = 256;
-inline constexpr int64_t kFusedRotationHeadDim = 128;
 
 // Query heads per CTA: the whole group up to 4, else 8 (4 from head_dim 192 on: warp pairs).
 inline int decode_head_tile(int64_t group, int64_t head_dim) {
@@ -210,7 +209,7 @@ inline DecodePlan plan_decode(const DecodeProblem& p, const DeviceCaps& caps) {
   const int64_t max_splits = p.max_pages > 1 ? p.max_pages : 1;
   if (!caps.cuda) {
     plan.kernel = DecodeKernel::kCpu;
-    plan.fused_rotation = p.hadamard && p.head_dim == kFusedRotationHeadDim;
+    plan.fused_rotation = p.hadamard && fused_rotation_head_dim(p.head_dim);
     plan.num_splits = p.num_splits > 0 ? (p.num_splits < max_splits ? p.num_splits : max_splits) : 1;
     return plan;
   }
@@ -236,7 +235,7 @@ inline DecodePlan plan_decode(const DecodeProblem& p, const DeviceCaps& caps) {
                               caps.ring_fits(static_cast<int>(p.head_dim), ring_tile, p.k_bits, p.v_bits, 1, 1));
     plan.folds_window = p.window && unpadded && p.alignment % 16 == 0;
   }
-  plan.fused_rotation = p.hadamard && p.head_dim == kFusedRotationHeadDim && tc;
+  plan.fused_rotation = p.hadamard && fused_rotation_head_dim(p.head_dim) && tc;
   plan.num_splits = p.num_splits > 0 ? (p.num_splits < max_splits ? p.num_splits : max_splits)
                                      : auto_splits(p, caps, plan);
   if (plan.kernel == DecodeKernel::kTensorCoreF16 && unpadded) plan.items = choose_items(p, caps, plan);

@@ -9,7 +9,7 @@
 //   ring_row64. 2- and 3-bit codes are spread to the same 4-bit nibbles when loaded (load_nibbles),
 //   or, in v4's ring, turned into table keys of their own width (load_k_keys; 3-bit K and V at
 //   head_dim 128 straight from the bit stream: k3_key_words, v3_key_words; 2- and 3-bit V in
-//   tile_accumulate_v_b). The fused rotation is head_dim 128 only.
+//   tile_accumulate_v_b). The fused rotation: head_dim 64 and 128 (fused_rotation_head_dim).
 // Chosen by plan_decode (jax_tq/decode_plan.h): v3 is the tensor-core float32-accurate kernel, v4
 // the float16 one; the CUDA-core kernel serves every other configuration. v4 (at the end of this file) is
 // v3's tile loop with 8 warps per CTA, for f16 products, with its tiles in registers or (RING, the
@@ -105,7 +105,6 @@ namespace cuda {
 namespace {
 namespace v3 {
 
-constexpr int kD = 128;     // head_dim of the fused rotation
 constexpr int kNH = 8;      // MMA n: heads per tile (GT padded)
 constexpr int kTT = 16;     // tokens per warp tile
 
@@ -449,7 +448,7 @@ struct TilePage {
 template <int D, int HPW>
 struct QueryRows {
   float x[HPW][Dims<D>::kQL];  // coordinates kQL * lane .. of each head's staged row
-  uint32_t rot[4];             // the fused rotation's spec words 4 lane .. 4 lane + 3
+  uint32_t rot[Dims<D>::kQL];  // the fused rotation's spec words kQL * lane ..
 };
 
 template <int D, int GT, int HPW, int DV = D, int DB = D>
@@ -471,7 +470,7 @@ __device__ __forceinline__ QueryRows<D, HPW> load_query_rows(const DecodeParams&
       }
     }
   }
-  if constexpr (D == kD && DV == DB) {
+  if constexpr (fused_rotation_head_dim(D) && DV == DB) {
     if (p.rot != nullptr) load_rot_words(p.rot, lane, r.rot);  // warp-uniform
   }
   return r;
@@ -483,7 +482,7 @@ __device__ __forceinline__ QueryRows<D, HPW> load_query_rows(const DecodeParams&
 // stay conflict-free.
 __device__ __forceinline__ int q_swizzled_unit(int row, int unit) { return unit ^ ((unit >> 3) | (row & 1) << 2); }
 
-// The rows of load_query_rows, rotated where the rotation is fused (rot_buf: 128 floats of the
+// The rows of load_query_rows, rotated where the rotation is fused (rot_buf: D floats of the
 // warp's shared memory), scaled by scale * log2(e) and then by a per-head power of two so that
 // |q| < 1 (no f16 overflow with huge logits), into q_s [kNH][D]; the powers of two into qexp_s; 1
 // into bad_s where the head's q_rot row is not all finite (its output row is NaN; the row is staged
@@ -496,7 +495,7 @@ __device__ __forceinline__ void stage_queries(const DecodeParams& p, QueryRows<D
   for (int hh = 0; hh < HPW; ++hh) {
     const int g = HPW * warp + hh;
     float (&x)[QL] = r.x[hh];
-    if constexpr (D == kD && DV == DB) {
+    if constexpr (fused_rotation_head_dim(D) && DV == DB) {
       if (p.rot != nullptr) rotate_row_forward(x, r.rot, rot_buf, lane);  // warp-uniform
     }
     bool lane_finite = true;
@@ -777,79 +776,83 @@ __device__ __forceinline__ void tile_accumulate_v(const uint32_t (&v)[4][Dims<D>
   tile_accumulate_v_b<D, SPLIT, false>(v, ph0, pl0, ph1, pl1, ilut, o);
 }
 
-// merge_tile_state's fused-rotation epilogue (head_dim kD, one split, no window).
-template <int GT, int W>
+// Coordinate dd of row g of the fused epilogues' o_s (head_dim D): o_swizzled at 128, plain at 64.
+template <int D>
+__device__ __forceinline__ int o_row_at(int g, int dd) {
+  return D == 128 ? o_swizzled(g, dd) : g * D + dd;
+}
+
+// merge_tile_state's fused-rotation epilogue (head_dim D = 64 / 128, one split, no window).
+// rot_v_s: Pi_v's spec words in shared memory (a lane's N as one vector), or null: read from p.rot.
+template <int D, int GT, int W>
 __device__ __forceinline__ void merge_rotate_and_store(const DecodeParams& p, float (&m_s)[W][kNH],
-                                                       float (&l_s)[W][kNH], float (&o_s)[W][kNH * kD],
+                                                       float (&l_s)[W][kNH], float (&o_s)[W][kNH * D],
                                                        const int* bad_s, int warp, int gid, int t4, int seq,
                                                        int split, int kvh, int tile, float* rot_buf,
-                                                       const int4* rot_v_s) {
-  static_assert((W * kNH + GT) * kD * 4 <= kSmemBytes, "the fused rotation's rows after o_s");
-  float* rows_s = &o_s[0][0] + W * kNH * kD;
-  merge_warps_and_store<kD, GT, kNH, W, 32 * W, true>(p, m_s, l_s, o_s, bad_s, seq, split, kvh, tile, rows_s);
+                                                       const LaneWords<D / 32>* rot_v_s) {
+  constexpr int N = D / 32;  // coordinates per lane
+  static_assert((W * kNH + GT) * D * 4 <= kSmemBytes, "the fused rotation's rows after o_s");
+  float* rows_s = &o_s[0][0] + W * kNH * D;
+  merge_warps_and_store<D, GT, kNH, W, 32 * W, D == 128>(p, m_s, l_s, o_s, bad_s, seq, split, kvh, tile, rows_s);
   __syncthreads();
   const int lane = 4 * gid + t4;
   for (int g = warp; g < GT && tile * GT + g < p.G; g += W) {  // v3: 4 warps, up to 8 rows
-    float x[4];
+    float x[N];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) x[j] = rows_s[g * kD + 4 * lane + j];
+    for (int j = 0; j < N; ++j) x[j] = rows_s[g * D + N * lane + j];
     if (rot_v_s != nullptr) {
-      const int4 v = rot_v_s[lane];
-      const uint32_t w[4] = {static_cast<uint32_t>(v.x), static_cast<uint32_t>(v.y), static_cast<uint32_t>(v.z),
-                             static_cast<uint32_t>(v.w)};
+      uint32_t w[N];
+      rot_words_of(rot_v_s[lane], w);
       rotate_row_inverse(x, w, rot_buf, lane);
     } else {
-      rotate_row_inverse(x, p.rot + kD, rot_buf, lane);
+      rotate_row_inverse(x, p.rot + D, rot_buf, lane);
     }
-    float* dst = p.out + (static_cast<int64_t>(seq) * p.H + kvh * p.G + tile * GT + g) * kD + 4 * lane;
-    *reinterpret_cast<float4*>(dst) = make_float4(x[0], x[1], x[2], x[3]);
+    store_lane_coords(p.out + (static_cast<int64_t>(seq) * p.H + kvh * p.G + tile * GT + g) * D, lane, x);
   }
 }
 
-// The fused epilogue for a CTA of two items (merge_tile_state's FAST): after the warps' states
-// are in shared memory, warp g merges head g's row over the W warps itself (each lane its 4
+// The fused epilogue for a CTA of several items (merge_tile_state's FAST): after the warps' states
+// are in shared memory, warp g merges head g's row over the W warps itself (each lane its N
 // coordinates), rotates it back and stores it: no merged-rows pass and its barrier.
-template <int GT, int W>
+template <int D, int GT, int W>
 __device__ __forceinline__ void merge_rotate_per_warp(const DecodeParams& p, float (&m_s)[W][kNH],
-                                                      float (&l_s)[W][kNH], float (&o_s)[W][kNH * kD],
+                                                      float (&l_s)[W][kNH], float (&o_s)[W][kNH * D],
                                                       const int* bad_s, int warp, int lane, int seq, int kvh,
-                                                      int tile, float* rot_buf, const int4* rot_v_s,
+                                                      int tile, float* rot_buf, const LaneWords<D / 32>* rot_v_s,
                                                       unsigned trace_cta = ~0u) {
+  constexpr int N = D / 32;
   bool stamped = false;
   for (int g = warp; g < GT && tile * GT + g < p.G; g += W) {
     float M = m_s[0][g];
 #pragma unroll
     for (int w = 1; w < W; ++w) M = fmaxf(M, m_s[w][g]);
-    float L = 0.f, x[4] = {0.f, 0.f, 0.f, 0.f};
+    float L = 0.f, x[N] = {};
     if (M > -INFINITY) {
 #pragma unroll
       for (int w = 0; w < W; ++w) {
         const float f = fast_exp2(m_s[w][g] - M);  // m = -inf -> 0 (its l and o are 0)
         L = fmaf(l_s[w][g], f, L);
-        const float4 ow = *reinterpret_cast<const float4*>(&o_s[w][o_swizzled(g, 4 * lane)]);
-        x[0] = fmaf(ow.x, f, x[0]);
-        x[1] = fmaf(ow.y, f, x[1]);
-        x[2] = fmaf(ow.z, f, x[2]);
-        x[3] = fmaf(ow.w, f, x[3]);
+        float ow[N];
+        load_lane_coords(&o_s[w][o_row_at<D>(g, N * lane)], 0, ow);  // the lane's N coordinates
+#pragma unroll
+        for (int j = 0; j < N; ++j) x[j] = fmaf(ow[j], f, x[j]);
       }
     }
     {
-      // head_output_value with one division for the lane's 4 coordinates (f16-product kernels:
+      // head_output_value with one division for the lane's N coordinates (f16-product kernels:
       // x * (1 / L) is within an ulp of x / L)
       const bool bad = bad_s[g] != 0;
       const float inv = L > 0.f ? 1.f / L : 0.f;
 #pragma unroll
-      for (int j = 0; j < 4; ++j) x[j] = bad ? __int_as_float(0x7fc00000) : L > 0.f ? x[j] * inv : 0.f;
+      for (int j = 0; j < N; ++j) x[j] = bad ? __int_as_float(0x7fc00000) : L > 0.f ? x[j] * inv : 0.f;
     }
     if (!stamped) trace_phase(p, trace_cta, warp, lane, 7);
-    const int4 v = rot_v_s[lane];
-    const uint32_t words[4] = {static_cast<uint32_t>(v.x), static_cast<uint32_t>(v.y), static_cast<uint32_t>(v.z),
-                               static_cast<uint32_t>(v.w)};
+    uint32_t words[N];
+    rot_words_of(rot_v_s[lane], words);
     rotate_row_inverse(x, words, rot_buf, lane);
     if (!stamped) trace_phase(p, trace_cta, warp, lane, 8);
     stamped = true;
-    float* dst = p.out + (static_cast<int64_t>(seq) * p.H + kvh * p.G + tile * GT + g) * kD + 4 * lane;
-    *reinterpret_cast<float4*>(dst) = make_float4(x[0], x[1], x[2], x[3]);
+    store_lane_coords(p.out + (static_cast<int64_t>(seq) * p.H + kvh * p.G + tile * GT + g) * D, lane, x);
   }
   if (!stamped) {
     trace_phase(p, trace_cta, warp, lane, 7);
@@ -860,7 +863,8 @@ __device__ __forceinline__ void merge_rotate_per_warp(const DecodeParams& p, flo
 // After a warp-independent tile loop: each warp's (m, l, o) into shared memory (o_s reuses the
 // tables: every warp must be past its loop), merged over the W warps and stored. With the fused
 // rotation and one split, the merged rows go to the table space after o_s and warp w rotates rows
-// w, w + W, ... back (out = Pi_v^T o_rot; rot_buf: the warp's 128 floats, free after its loop;
+// w, w + W, ... back (out = Pi_v^T o_rot, head_dim 64 / 128; rot_buf: the warp's D floats, free
+// after its loop;
 // rot_v_s: Pi_v's spec words staged in shared memory, or null to read them from p.rot).
 // Warp pairs (HALVES = 2): `warp` is the pair (one of W), whose two warps hold the same m and l and
 // the coordinates half * DV .. of o (DV = D / HALVES). A tile of DW > DV coordinates (padded rows)
@@ -871,7 +875,7 @@ __device__ __forceinline__ void merge_tile_state(const DecodeParams& p, const fl
                                                  float (&o_s)[W][kNH * D], float (&m_s)[W][kNH],
                                                  float (&l_s)[W][kNH], const int* bad_s, int warp, int gid,
                                                  int t4, int seq, int split, int kvh, int tile, float* rot_buf,
-                                                 int half = 0, const int4* rot_v_s = nullptr,
+                                                 int half = 0, const LaneWords<D / 32>* rot_v_s = nullptr,
                                                  unsigned trace_cta = ~0u) {
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
@@ -883,7 +887,8 @@ __device__ __forceinline__ void merge_tile_state(const DecodeParams& p, const fl
   trace_phase(p, trace_cta, trace_warp, 4 * gid + t4, 5);
   // Head_dim 128 in one warp: o_swizzled rows, float4 stores of the GT real heads (the lane's
   // coordinates 16 gid + 4 j .. + 3 are o[2 j][hh], o[2 j][2 + hh], o[2 j + 1][hh], o[2 j + 1][2 + hh]).
-  constexpr bool kSwz = D == kD && DW == kD && HALVES == 1;
+  constexpr bool kSwz = D == 128 && DW == 128 && HALVES == 1;
+  constexpr bool kFusedRows = fused_rotation_head_dim(D) && DW == D && HALVES == 1;  // the fused epilogues' rows
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
     constexpr int DV = D / HALVES;
@@ -915,21 +920,20 @@ __device__ __forceinline__ void merge_tile_state(const DecodeParams& p, const fl
     trace_phase(p, trace_cta, trace_warp, 4 * gid + t4, 7);
     trace_phase(p, trace_cta, trace_warp, 4 * gid + t4, 8);
   };
-  if (D != kD || p.rot == nullptr || writes_partials(p)) {
+  if (!kFusedRows || p.rot == nullptr || writes_partials(p)) {
     merge_warps_and_store<D, GT, kNH, W, 32 * W * HALVES, kSwz>(p, m_s, l_s, o_s, bad_s, seq, split, kvh, tile);
     stamp_inner();
     return;
   }
-  static_assert(D != kD || kSwz, "the fused epilogues read o_swizzled rows");
-  if constexpr (D == kD && FAST && HALVES == 1) {
+  if constexpr (kFusedRows && FAST) {
     if (rot_v_s != nullptr) {
-      merge_rotate_per_warp<GT, W>(p, m_s, l_s, o_s, bad_s, warp, 4 * gid + t4, seq, kvh, tile, rot_buf, rot_v_s,
+      merge_rotate_per_warp<D, GT, W>(p, m_s, l_s, o_s, bad_s, warp, 4 * gid + t4, seq, kvh, tile, rot_buf, rot_v_s,
                                    trace_cta);
       return;
     }
   }
-  if constexpr (D == kD)
-    merge_rotate_and_store<GT, W>(p, m_s, l_s, o_s, bad_s, warp, gid, t4, seq, split, kvh, tile, rot_buf, rot_v_s);
+  if constexpr (kFusedRows)
+    merge_rotate_and_store<D, GT, W>(p, m_s, l_s, o_s, bad_s, warp, gid, t4, seq, split, kvh, tile, rot_buf, rot_v_s);
   stamp_inner();
 }
 
@@ -2046,7 +2050,7 @@ __global__ void __launch_bounds__(v4_threads(ITEMS), v4_ctas_per_sm(ITEMS))
   __shared__ float m_all[ITEMS][NP][kNH];
   __shared__ float l_all[ITEMS][NP][kNH];
   __shared__ __align__(16) float4 x_s[HALVES == 2 ? kW4 * 2 * 32 : 1];  // pairs: [warp][tile parity][lane]
-  __shared__ int4 rot_v_s[32];  // the fused epilogue's Pi_v spec words
+  __shared__ LaneWords<D / 32> rot_v_s[32];  // the fused epilogue's Pi_v spec words
   __shared__ __align__(16) float q_sep[S::kSeveral ? ITEMS * kNH * S::QROW : 1];
   const int item = ITEMS == 1 ? 0 : static_cast<int>(threadIdx.x) / (32 * S::IW);
   float* qexp_s = qexp_all[item];
@@ -2063,6 +2067,14 @@ __global__ void __launch_bounds__(v4_threads(ITEMS), v4_ctas_per_sm(ITEMS))
 
   const int tid = threadIdx.x - item * 32 * S::IW;  // in the item's threads
   const int slot = threadIdx.x >> 5;                // the warp's ring and scratch (w_s)
+  // The fused rotation's scratch of the warp (D floats): w_s at head_dim 128; at 64 the tables' last
+  // D floats per warp, free in the prologue (q_s: their first rows) and in the epilogue (o_s and the
+  // merged rows before them), so that the head_dim 64 kernels keep their static shared memory.
+  constexpr int kWarpsAll = v4_threads(ITEMS) / 32;
+  static_assert(D != 64 || (ITEMS == 1 && (kNH * D + (NP * kNH + GT) * D + kWarpsAll * D) * 4 <= kSmemBytes),
+                "head_dim 64: the rotation scratch after q_s and the epilogue's rows");
+  float* rot_buf = D == 64 ? reinterpret_cast<float*>(smem + kSmemBytes) - (slot + 1) * D
+                           : w_s[slot];
   const int warp = tid >> 5;
   const int stream = warp / HALVES;  // this warp's tiles: stream, stream + NP, ...
   const int half = warp % HALVES;    // pairs: coordinates half * DW ..
@@ -2102,9 +2114,9 @@ __global__ void __launch_bounds__(v4_threads(ITEMS), v4_ctas_per_sm(ITEMS))
   const LutSeed lut_seed = load_lut_seed<S::QUADK, S::QUADV>(p.kcent, p.vcent, p.k_bits, p.v_bits, S::KSHIFT, S::VSHIFT);
   QueryRows<S::QROW, S::HPW> qrows =
       load_query_rows<S::QROW, GT, S::HPW, S::DV, S::DW>(p, seq, kvh, tile, warp, lane);
-  const bool fused_epilogue = D == kD && p.rot != nullptr && !writes_partials(p);
-  int4 rot_v = {};
-  if (fused_epilogue && slot == 0) rot_v = ld_early(reinterpret_cast<const int4*>(p.rot + kD) + lane);
+  const bool fused_epilogue = fused_rotation_head_dim(D) && p.rot != nullptr && !writes_partials(p);
+  LaneWords<D / 32> rot_v = {};
+  if (fused_epilogue && slot == 0) rot_v = ld_early(reinterpret_cast<const LaneWords<D / 32>*>(p.rot + D) + lane);
   Tile<S::DW> cur, nxt;
   TilePage page_next = {-1, 0}, first[kStages];  // first: the pages of the warp's first tiles
 #pragma unroll
@@ -2150,7 +2162,7 @@ __global__ void __launch_bounds__(v4_threads(ITEMS), v4_ctas_per_sm(ITEMS))
   };
   if constexpr (S::kSeveral) first_copies();
   if constexpr (S::kSeveral) build_item_lut<false, S::QUADK, S::QUADV>(smem, lut_seed, threadIdx.x >> 8, threadIdx.x & 255);
-  stage_queries<S::QROW, S::HPW, S::DV, S::DW>(p, qrows, q_s, qexp_s, bad_s, warp, lane, w_s[slot]);
+  stage_queries<S::QROW, S::HPW, S::DV, S::DW>(p, qrows, q_s, qexp_s, bad_s, warp, lane, rot_buf);
   if (slot == 0) rot_v_s[lane] = rot_v;
   if constexpr (!S::kSeveral) first_copies();
   trace_phase(p, trace_cta, warp, lane, 2);
@@ -2221,7 +2233,7 @@ __global__ void __launch_bounds__(v4_threads(ITEMS), v4_ctas_per_sm(ITEMS))
   }
   trace_phase(p, trace_cta, warp, lane, 4);
   merge_tile_state<D, GT, NP, S::DW, HALVES, (ITEMS >= 2)>(p, sm.o, sm.m, sm.l, o_s, m_s, l_s, bad_s, stream, gid, t4,
-                                                         seq, split, kvh, tile, w_s[slot], half,
+                                                         seq, split, kvh, tile, rot_buf, half,
                                                          fused_epilogue ? rot_v_s : nullptr, trace_cta);
   trace_phase(p, trace_cta, warp, lane, 9);
 }

@@ -369,6 +369,10 @@ JTQ_HD int rot_perm(uint32_t word) { return static_cast<int>(word & kRotPermMask
 JTQ_HD bool rot_neg1(uint32_t word) { return (word & kRotNeg1Bit) != 0; }
 JTQ_HD bool rot_neg2(uint32_t word) { return (word & kRotNeg2Bit) != 0; }
 
+// The head_dims whose rotations paged_decode's kernels apply themselves (a warp holds a row, 2 or 4
+// coordinates per lane) where its plan (decode_plan.h) says fused_rotation.
+JTQ_HD constexpr bool fused_rotation_head_dim(int64_t d) { return d == 64 || d == 128; }
+
 }  // namespace jax_tq
 
 #endif  // JAX_TQ_FORMAT_H_
