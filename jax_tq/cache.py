@@ -28,7 +28,7 @@ class CachePreset:
       k_bits, v_bits: TurboQuant bits per coordinate of K and V (2, 3 or 4).
       scale: the codecs' per-vector scale (``"fit"``: the fitted least-squares scale).
       window: recent tokens of each sequence kept exactly (bfloat16 rows of the rotated vectors).
-      rotation: the codecs' rotation (``"hadamard"``: applied inside the decode kernel at head_dim 128).
+      rotation: the codecs' rotation (``"hadamard"``: applied inside the decode kernel at head_dim 64 and 128).
 
     Compressed bytes per token and KV head: ``head_dim * (k_bits + v_bits) / 8 + 8`` (the same as the
     plain codec's: the fitted scale takes the norm's slot); the window costs ``4 * head_dim`` bytes

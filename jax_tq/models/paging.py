@@ -34,7 +34,7 @@ def init_caches(config: LlamaConfig, k_bits: int | None, v_bits: int | None, num
       k_bits, v_bits: TurboQuant bits per coordinate (2, 3 or 4), or both None (uncompressed).
       num_pages: physical pages per layer pool; page_size: tokens per page (1 to 256).
       seed: codec seed.
-      rotation: codec rotation, ``"haar"`` or ``"hadamard"`` (at head_dim 128
+      rotation: codec rotation, ``"haar"`` or ``"hadamard"`` (at head_dim 64 and 128
         :func:`jax_tq.paged_decode` applies it inside the kernel where one runs).
       scale: the codecs' per-vector scale, ``"norm"`` or ``"fit"`` (:class:`jax_tq.TurboQuant`).
       window: recent tokens kept exactly per sequence (0: none); num_windows: window ids (one per
