@@ -35,7 +35,6 @@
 #include "jax_tq/ffi_checks.h"
 #include "jax_tq/format.h"
 #include "jax_tq/hadamard.cuh"
-#include "jax_tq/uint_div.h"
 #include "jax_tq/wgmma.cuh"
 #include "xla/ffi/api/ffi.h"
 
@@ -102,8 +101,6 @@ struct GemmParams {
   int64_t win_entries;     // num_windows * win_len
   int win_len;             // W
   const int32_t* rot_spec;  // [D] Hadamard spec words of rot (format.h), or nullptr: rot only
-  // Hkv, page_size and win_len as dividers of the Hadamard kernels' row math (rows < 2^31)
-  UintDiv hkv_div, page_div, win_div;
 };
 
 __device__ __forceinline__ float load_elem(const void* base, int dtype, int64_t i) {
@@ -1696,12 +1693,12 @@ __device__ __forceinline__ void load_lane(const GemmParams& p, int64_t n, int la
   for (int j = 0; j < C; ++j) x[j] = load_elem(p.x, p.dtype, i + j);
 }
 
-// dest_row for the Hadamard kernels: divisions by the host's dividers (their launch requires
-// N < 2^31; slots are int32), from vector n's slot s = slots[n / Hkv] (-1: not written).
+// dest_row for the Hadamard kernels: 32-bit divisions (their launch requires N < 2^31; slots are int32),
+// from vector n's slot s = slots[n / Hkv] (-1: not written).
 __device__ __forceinline__ int64_t dest_row32_of_slot(const GemmParams& p, int64_t n, int32_t s) {
   if (s < 0 || s >= p.total_slots) return -1;
-  const uint32_t h = p.hkv_div.mod(static_cast<uint32_t>(n));
-  const uint32_t page = p.page_div.div(static_cast<uint32_t>(s));
+  const uint32_t h = static_cast<uint32_t>(n) % static_cast<uint32_t>(p.Hkv);
+  const uint32_t page = static_cast<uint32_t>(s) / static_cast<uint32_t>(p.page_size);
   const uint32_t off = static_cast<uint32_t>(s) - page * static_cast<uint32_t>(p.page_size);
   return (static_cast<int64_t>(page) * p.Hkv + h) * p.page_size + off;  // row index into [P, Hkv, page]
 }
@@ -1709,18 +1706,7 @@ __device__ __forceinline__ int64_t dest_row32_of_slot(const GemmParams& p, int64
 // dest_row for the Hadamard kernels.
 __device__ __forceinline__ int64_t dest_row32(const GemmParams& p, int64_t n) {
   if (p.slots == nullptr) return n;
-  return dest_row32_of_slot(p, n, p.slots[p.hkv_div.div(static_cast<uint32_t>(n))]);
-}
-
-// window_row for the Hadamard kernels (n < 2^31, the window's slots int32): by the host's dividers.
-__device__ __forceinline__ int64_t window_row32(const GemmParams& p, int64_t n) {
-  const uint32_t token = p.hkv_div.div(static_cast<uint32_t>(n));
-  const int32_t s = p.win_slots[token];
-  if (s < 0 || s >= p.win_entries) return -1;
-  const uint32_t h = static_cast<uint32_t>(n) - token * static_cast<uint32_t>(p.Hkv);
-  const uint32_t w = p.win_div.div(static_cast<uint32_t>(s));
-  const uint32_t off = static_cast<uint32_t>(s) - w * static_cast<uint32_t>(p.win_len);
-  return (static_cast<int64_t>(w) * p.Hkv + h) * p.win_len + off;
+  return dest_row32_of_slot(p, n, p.slots[static_cast<uint32_t>(n) / static_cast<uint32_t>(p.Hkv)]);
 }
 
 template <int D>
@@ -1762,7 +1748,7 @@ __global__ void __launch_bounds__(kHadWarps * 32, 8) tq_hadamard_fit_kernel(cons
 #pragma unroll
     for (int j = 0; j < C; ++j) y[j] = x[j] * inv;
     if (p.win != nullptr) {  // write_cache's window row: bf16(||x|| * y)
-      const int64_t wr = window_row32(p, n);
+      const int64_t wr = window_row(p, n);
       if (wr >= 0) {
         __nv_bfloat16* dst = reinterpret_cast<__nv_bfloat16*>(p.win) + wr * D + C * lane;
 #pragma unroll
@@ -1995,7 +1981,7 @@ __device__ __forceinline__ void store_quad_row(const GemmParams& p, int64_t n, b
   }
   if (row >= 0 && g == 0) p.norms[row] = slot;
   if (p.win != nullptr && valid) {
-    const int64_t wr = window_row32(p, n);
+    const int64_t wr = window_row(p, n);
     if (wr >= 0) {
       const float s = nrm * (1.0f / D);
       uint32_t* dst = reinterpret_cast<uint32_t*>(p.win + wr * D);
@@ -2196,25 +2182,19 @@ __device__ __forceinline__ void load_b_fragments(const uint8_t* tile_s, int g, i
 // where there is none to read. Loaded a tile ahead, it leaves its latency to the tile before.
 __device__ __forceinline__ int32_t tile_row_slot(const GemmParams& p, int64_t base, int lane) {
   const int64_t mine = base + (lane & 15);
-  const int32_t* slots = lane < 16 ? p.slots : p.win != nullptr ? p.win_slots : nullptr;
-  if (mine >= p.N || slots == nullptr) return lane < 16 && mine < p.N ? 0 : -1;
-  return slots[p.hkv_div.div(static_cast<uint32_t>(mine))];
+  if (mine >= p.N) return -1;
+  if (lane < 16) return p.slots != nullptr ? p.slots[static_cast<uint32_t>(mine) / static_cast<uint32_t>(p.Hkv)] : 0;
+  return p.win != nullptr ? p.win_slots[mine / p.Hkv] : -1;
 }
 
 // Lane v < 16's pool row of row base + v, lane 16 + v's window row of it (-1: none), from the slot
 // that tile_row_slot gave the lane, for the tensor-core writes' 16-row tiles (shuffled to the lanes
-// that code the row). The two halves run one computation, (q Hkv + h) len + s - q len with q = s / len,
-// on their own len (page_size, win_len) and bound (launch_hadamard_write: rows < 2^31).
+// that code the row).
 __device__ __forceinline__ int32_t tile_row_of_slot(const GemmParams& p, int64_t base, int lane, int32_t slot) {
   const int64_t mine = base + (lane & 15);
   if (mine >= p.N) return -1;
-  const bool pool = lane < 16;
-  if (pool && p.slots == nullptr) return static_cast<int32_t>(mine);
-  if (slot < 0 || slot >= (pool ? p.total_slots : p.win_entries)) return -1;  // no window: slot -1
-  const UintDiv by = pool ? p.page_div : p.win_div;
-  const uint32_t s = static_cast<uint32_t>(slot), q = by.div(s);
-  const uint32_t h = p.hkv_div.mod(static_cast<uint32_t>(mine));
-  return static_cast<int32_t>((q * static_cast<uint32_t>(p.Hkv) + h) * by.d + (s - q * by.d));
+  if (lane < 16) return static_cast<int32_t>(p.slots != nullptr ? dest_row32_of_slot(p, mine, slot) : mine);
+  return p.win != nullptr ? static_cast<int32_t>(window_row_of_slot(p, mine, slot)) : -1;
 }
 
 __device__ __forceinline__ int32_t tile_row_slots(const GemmParams& p, int64_t base, int lane) {
@@ -3311,8 +3291,6 @@ ffi::Error prepare_write(const char* op, const char* name, cudaStream_t stream,
   p->vec_io = aligned16(p->x);
   p->Hkv = static_cast<int>(hkv);
   p->page_size = static_cast<int>(page_size);
-  p->hkv_div = UintDiv(hkv);
-  p->page_div = UintDiv(page_size);
   p->total_slots = num_pages * page_size;
   if (!aligned16(p->rot)) return invalid(op, "rotation buffer is not 16-byte aligned");
   return ffi::Error::Success();
@@ -3336,7 +3314,6 @@ ffi::Error prepare_window(const char* op, cudaStream_t stream, const ffi_checks:
   p->win_slots = window_slots.typed_data();
   p->win_entries = win.num_windows * win.window;
   p->win_len = static_cast<int>(win.window);
-  p->win_div = UintDiv(win.window);
   p->N = vectors;
   return ffi::Error::Success();
 }
