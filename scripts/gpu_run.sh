@@ -55,7 +55,7 @@ if has ab; then  # A/B in one call, on one machine: each source tree of AB_TREES
   # order and back (drifts of the GPU reach all alike). "." is the working tree. Make another
   # commit's tree with: mkdir -p ab/base && git archive <rev> | tar -x -C ab/base (untracked, so it
   # travels; delete it afterwards). CUDAFLAGS=-DJTQ_DEV_ONLY_D=128 builds head_dim 128's kernels only.
-  # AB_BITS="2:2 4:4" times those K:V widths; AB_PREFILL=1 times bench_prefill.py instead of
+  # AB_BITS="2:2 4:4" times those K:V widths (AB_HEAD_DIM=64: at head_dim 64, with CUDAFLAGS=-DJTQ_DEV_ONLY_D=64); AB_PREFILL=1 times bench_prefill.py instead of
   # bench_decode.py; AB_PROMPT=1 runs trace_prompt.py (prompt_attention against cuDNN alone).
   trees=(${AB_TREES:-. ab/base}); n=${#trees[@]}
   for i in "${!trees[@]}"; do
@@ -79,7 +79,7 @@ if has ab; then  # A/B in one call, on one machine: each source tree of AB_TREES
     else
       for b in ${AB_BITS:-4:4}; do
         (cd "$tree" && timeout ${BENCH_TIMEOUT:-150} $run benchmarks/bench_decode.py --only-tq --device-time --rotations hadamard \
-          --bits "$b" --shapes ${AB_SHAPES:-32x8192} 2>&1 | grep "^|" | grep -v -- "---" | cut -d'|' -f2-3,5)
+          --bits "$b" --head-dim ${AB_HEAD_DIM:-128} --shapes ${AB_SHAPES:-32x8192} 2>&1 | grep "^|" | grep -v -- "---" | cut -d'|' -f2-3,5)
       done
     fi
   done
