@@ -417,6 +417,14 @@ def _valid_token_mask(block_tables, seq_lens, num_pages, page_size):
     return (positions[None, :] < lengths[:, None]) & token_page_ok
 
 
+def _soft_capped(logits, cap):
+    """cap * tanh(logits / cap) (Gemma 2's logit soft cap, arXiv 2408.00118), with the logit itself
+    where |logits| <= cap * 2**-12 (tanh x rounds to x in float32 there): for a cap near float32's
+    largest, logits / cap is a subnormal that XLA:CPU flushes to 0, which made every logit 0."""
+    small = jnp.abs(logits) <= cap * 2.0**-12
+    return jnp.where(small, logits, cap * jnp.tanh(logits / cap))
+
+
 def _masked_softmax_weights(scores, valid, scale, soft_cap=None, sinks=None):
     """softmax_t(logit_t) over the last axis restricted to ``valid``, logit_t = scale * scores_t
     (soft-capped to soft_cap * tanh(logit_t / soft_cap) where soft_cap is given); all-invalid rows
@@ -432,8 +440,7 @@ def _masked_softmax_weights(scores, valid, scale, soft_cap=None, sinks=None):
     scores = scores * jnp.where(scale < 0, -1.0, 1.0).astype(scores.dtype)
     magnitude = jnp.abs(scale).astype(scores.dtype)
     if soft_cap is not None:
-        cap = jnp.asarray(soft_cap, scores.dtype)
-        scores = cap * jnp.tanh(magnitude * scores / cap)
+        scores = _soft_capped(magnitude * scores, jnp.asarray(soft_cap, scores.dtype))
         magnitude = jnp.ones((), scores.dtype)
     row_max = jnp.max(jnp.where(valid, scores, -jnp.inf), axis=-1, keepdims=True, initial=-jnp.inf)
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)

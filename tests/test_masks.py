@@ -422,6 +422,30 @@ def test_a_sliding_window_covering_every_token_changes_nothing(rng, name):
 
 
 @pytest.mark.parametrize("name", ["ffi", "xla"])
+def test_a_soft_cap_near_float32s_largest_changes_nothing(rng, name):
+    """A cap of 1e38 .. 3.4e38 (accepted: any normal float32) leaves logits of ~1 as they are, in the
+    outputs and in the gradient (the reference's: logit / cap is a subnormal that XLA:CPU flushes to 0)."""
+    cache = make_cache(rng, "window")
+    lens, starts, _, _ = prefill_layout()
+    tables = random_tables(rng, lens, PAGE, PAGES, max_pages=MAX_PAGES)
+    ids = jnp.asarray(WINDOW_IDS[:3])
+    q = jnp.asarray(rng.normal(size=(20, HEADS, HEAD_DIM)) * 3, jnp.float32)
+    lens, starts = jnp.asarray(lens), jnp.asarray(starts)
+    decode = lambda q, **kw: tq.paged_decode(q, cache, tables, lens, window_ids=ids, **kw)
+    prefill = lambda q, **kw: tq.paged_prefill(q, cache, tables, lens, starts, window_ids=ids, **kw)
+    weights = jnp.asarray(rng.normal(size=(3, HEADS, HEAD_DIM)), jnp.float32)
+    loss = lambda q, **kw: jnp.sum(decode(q, **kw) * weights)
+    with tq.use_backend(name):
+        plain = [np.asarray(decode(q[:3])), np.asarray(prefill(q)), np.asarray(jax.grad(loss)(q[:3]))]
+        for cap in (1e38, 3.4e38):
+            capped = [np.asarray(decode(q[:3], soft_cap=cap)), np.asarray(prefill(q, soft_cap=cap)),
+                      np.asarray(jax.grad(lambda q: loss(q, soft_cap=cap))(q[:3]))]
+            for got, want in zip(capped, plain):
+                assert np.all(np.isfinite(want)) and np.abs(want).max() > 0.1
+                np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["ffi", "xla"])
 def test_non_finite_sinks_as_documented(rng, name):
     """A sink of -inf is no sink (the same rows up to rounding, rows with no visible token 0 included); NaN makes
     its head's rows with visible tokens NaN, +inf makes them 0 (its limit) or NaN; the other heads'
