@@ -25,7 +25,7 @@ from flax import nnx
 
 from jax_tq.cache import PagedKVCache, slot_mapping
 from jax_tq.cache_rows import CacheRows, attend_rows, prompt_rows
-from jax_tq.format import SUPPORTED_HEAD_DIMS, window_slot_mapping
+from jax_tq.format import SUPPORTED_HEAD_DIMS, _is_int, window_slot_mapping
 from jax_tq.ragged import causal_self_attention
 from jax_tq.variants import check_variants
 
@@ -138,8 +138,7 @@ class PagedAttention(nnx.Module):
                              f"({self.num_heads})")
         if preset not in _PRESETS:
             raise ValueError(f"{where}: preset must be one of {_PRESETS}, got {preset!r}")
-        if isinstance(page_size, (bool, np.bool_)) or not isinstance(page_size, (int, np.integer)) or not (
-                1 <= page_size <= 256):  # NumPy ints too, as PagedKVCache.create takes them (bools are not sizes)
+        if not _is_int(page_size) or not 1 <= page_size <= 256:  # NumPy ints too, as PagedKVCache.create
             raise ValueError(f"{where}: page_size must be an int in [1, 256], got {page_size!r}")
         if rope is not None and not callable(rope):
             raise TypeError(f"{where}: rope must be None or a callable fn(x, positions), got {type(rope).__name__}")
@@ -446,6 +445,6 @@ def _raise_if_full(lens, max_length):
 
 
 def _positive(x, name, where):
-    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)) or x < 1:
+    if not _is_int(x) or x < 1:
         raise ValueError(f"{where}: {name} must be a positive int, got {x!r}")
     return int(x)

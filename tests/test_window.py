@@ -283,6 +283,7 @@ def test_chunk_rows_with_a_window_id_outside_the_windows(rng, window_id):
                                 1 / np.sqrt(64)) for t in range(T)])
     assert rel_err(out, want) < 1e-5
 
+
 def test_rows_take_python_lists_as_their_arrays():
     """chunk_rows / prompt_rows / decode_rows of lists equal those of int32 arrays (lists raised an
     AttributeError in the first two, and decode_rows kept the table as a list: a pytree of its ints);
