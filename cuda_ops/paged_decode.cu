@@ -36,7 +36,8 @@
 //      Writes (o / l, m + log l) per head into the workspace, or the final output when
 //      num_splits == 1 and there is no window.
 //   2. combine kernel (num_splits > 1, or a window the split kernel does not fold), one CTA per
-//      (sequence, query head): log-sum-exp merge of the head's partials. With a window (W > 0) the
+//      (sequence, query head), a programmatic dependent launch of the split kernel (sm_90 on; its CTAs
+//      wait for the split kernel's end at griddepcontrol.wait): log-sum-exp merge of the head's partials. With a window (W > 0) the
 //      split kernels stream the pages' tokens [0, paged_tokens) only, the workspace holds
 //      num_splits + 1 partials per (sequence, head) (pstride; the window's last) and the combine
 //      merges those written (a folded window with one split writes none).
@@ -443,43 +444,34 @@ __global__ void __launch_bounds__(kThreads)
 
 
 // ---------------------------------------------------------------------------------------------
-// Combine kernel: one CTA of kCombineThreads per (seq, head). The split weights
-// w_s = exp(lse_s - max lse) go through shared memory first; then each warp sums every
-// kCombineGroups-th split's partial output (float4 columns), so that the loads are independent of
-// each other and spread over the whole CTA, and the warps' sums are added through shared memory.
-// (One dependent load + exp per split per thread took 24 us for 49 splits on the H200.)
+// Combine kernel: one CTA of kCombineThreads per (seq, head), launched as a programmatic dependent
+// of the split kernel (its CTAs start while the split kernel's last ones run, and wait for its end
+// at pdl_wait). Warp g takes the splits g, g + kCombineGroups, ...: their lse and partial rows in
+// one batch of independent loads (one memory latency, not one per split, nor one for the lse and
+// another for the rows), merged with a running max of its own (online softmax); then the warps'
+// (max, sum, row) states are merged through shared memory.
 // ---------------------------------------------------------------------------------------------
 constexpr int kCombineThreads = 256;
 constexpr int kCombineGroups = kCombineThreads / 32;
-constexpr int kCombineMaxSplits = 1024;  // weights staged in shared memory; more splits: exp inline
-constexpr int kCombineMaxD = 256;        // the largest head_dim the handlers accept
+constexpr int kCombineBatch = 8;   // splits per warp loaded at once: 64 splits in one pass
+constexpr int kCombineMaxD = 256;  // the largest head_dim the handlers accept
+constexpr int kCombineCols = kCombineMaxD / 4 / 32;  // float4 columns per lane at most
 
-__device__ __forceinline__ float block_reduce(float v, float* red, bool is_max) {
-  for (int off = 16; off > 0; off >>= 1) {
-    const float o = __shfl_xor_sync(0xffffffffu, v, off);
-    v = is_max ? fmaxf(v, o) : v + o;
-  }
-  __syncthreads();  // red is reused between calls
-  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
-  __syncthreads();
-  v = red[0];
-  for (int w = 1; w < kCombineGroups; ++w) v = is_max ? fmaxf(v, red[w]) : v + red[w];
-  return v;
-}
-
-// The combine's fused epilogue (warp 0): the combined row of 32 N coordinates (acc_s summed over
-// the groups, over wsum) rotated back by Pi_v^T and stored.
+// The combine's fused epilogue (warp 0): the lane's 32 N coordinates of the merged row (each
+// warp's row acc_s[g] weighted by f[g], over wsum), rotated back by Pi_v^T and stored.
 template <int N>
-__device__ __forceinline__ void combine_rotate_store(const float (&acc_s)[kCombineGroups][kCombineMaxD], float wsum,
+__device__ __forceinline__ void combine_rotate_store(const float4 (&acc_s)[kCombineGroups][kCombineMaxD / 4],
+                                                     const float (&f)[kCombineGroups], float wsum,
                                                      const int32_t* rot_v, float* buf, float* o, int lane) {
+  const float* acc = reinterpret_cast<const float*>(&acc_s[0][0]);
   float x[N];
 #pragma unroll
   for (int j = 0; j < N; ++j) {
     const int d = N * lane + j;
-    float acc = 0.f;
+    float sum = 0.f;
 #pragma unroll
-    for (int g = 0; g < kCombineGroups; ++g) acc += acc_s[g][d];
-    x[j] = acc / wsum;
+    for (int g = 0; g < kCombineGroups; ++g) sum = f[g] != 0.f ? fmaf(f[g], acc[g * kCombineMaxD + d], sum) : sum;
+    x[j] = sum / wsum;
   }
   rotate_row_inverse(x, rot_v, buf, lane);
   store_lane_coords(o, lane, x);
@@ -489,71 +481,96 @@ __global__ void __launch_bounds__(kCombineThreads, 1)
     paged_decode_combine_kernel(const float* __restrict__ pout, const float* __restrict__ plse,
                                 float* __restrict__ out, int ns, int D, const int32_t* rot_v,
                                 const float* __restrict__ sinks, int H) {
-  __shared__ float w_s[kCombineMaxSplits];
-  __shared__ float red[kCombineGroups];
-  __shared__ __align__(16) float acc_s[kCombineGroups][kCombineMaxD];
+  __shared__ float m_s[kCombineGroups], l_s[kCombineGroups];
+  __shared__ __align__(16) float4 acc_s[kCombineGroups][kCombineMaxD / 4];
+  __shared__ __align__(16) float buf[kCombineMaxD];
   const int64_t sh = blockIdx.x;
+  const int group = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int cols = D / 4;  // float4 columns of a row (head_dim is a multiple of 16)
   const float* lse = plse + sh * ns;
   const float* po = pout + sh * ns * D;
   float* o = out + sh * D;
-  float gmax = -INFINITY;
-  for (int s = threadIdx.x; s < ns; s += kCombineThreads) gmax = fmaxf(gmax, lse[s]);
-  gmax = block_reduce(gmax, red, true);
-  // A sink (natural log units, as lse): one more term of the denominator only. The weights are taken
-  // against top = max(lse max, sink), as the CPU handler does: a NaN or +inf sink gives a NaN row.
+  // A sink (natural log units, as lse): one more term of the denominator only (sinks are an input,
+  // not the split kernel's: read before the wait).
   const float sink = sinks != nullptr ? sinks[sh % H] : -INFINITY;
-  const float top = sink != sink ? sink : fmaxf(gmax, sink);
+  pdl_wait();
+  float m = -INFINITY, l = 0.f;
+  float4 a[kCombineCols];
+#pragma unroll
+  for (int c = 0; c < kCombineCols; ++c) a[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int s0 = group; s0 < ns; s0 += kCombineGroups * kCombineBatch) {
+    float ls[kCombineBatch];
+    float4 v[kCombineBatch][kCombineCols];
+#pragma unroll
+    for (int b = 0; b < kCombineBatch; ++b) {
+      const int s = s0 + b * kCombineGroups;
+      ls[b] = s < ns ? __ldcg(lse + s) : -INFINITY;  // (through L2: written by the grid before)
+#pragma unroll
+      for (int c = 0; c < kCombineCols; ++c) {
+        const int col = lane + 32 * c;
+        v[b][c] = s < ns && col < cols ? __ldcg(reinterpret_cast<const float4*>(po + static_cast<int64_t>(s) * D) + col)
+                                       : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+    }
+    float mb = m;
+#pragma unroll
+    for (int b = 0; b < kCombineBatch; ++b) mb = fmaxf(mb, ls[b]);
+    if (mb == -INFINITY) continue;  // no split of this batch or before it has a token
+    const float f = expf(m - mb);   // 0 where m = -inf; NaN where both are +inf (a NaN row)
+    l *= f;
+#pragma unroll
+    for (int c = 0; c < kCombineCols; ++c) a[c] = make_float4(a[c].x * f, a[c].y * f, a[c].z * f, a[c].w * f);
+#pragma unroll
+    for (int b = 0; b < kCombineBatch; ++b) {
+      const float w = ls[b] == -INFINITY ? 0.f : expf(ls[b] - mb);
+      if (w == 0.f) continue;  // an empty split's partial row is never written: skipped, not scaled by 0
+      l += w;
+#pragma unroll
+      for (int c = 0; c < kCombineCols; ++c) {
+        a[c].x = fmaf(w, v[b][c].x, a[c].x);
+        a[c].y = fmaf(w, v[b][c].y, a[c].y);
+        a[c].z = fmaf(w, v[b][c].z, a[c].z);
+        a[c].w = fmaf(w, v[b][c].w, a[c].w);
+      }
+    }
+    m = mb;
+  }
+  if (lane == 0) m_s[group] = m, l_s[group] = l;
+#pragma unroll
+  for (int c = 0; c < kCombineCols; ++c)
+    if (lane + 32 * c < cols) acc_s[group][lane + 32 * c] = a[c];
+  __syncthreads();
+  // The weights are taken against top = max(lse max, sink), as the CPU handler does: a NaN or +inf
+  // sink gives a NaN row; every lse -inf: a row of 0.
+  float gmax = m_s[0];
+#pragma unroll
+  for (int g = 1; g < kCombineGroups; ++g) gmax = fmaxf(gmax, m_s[g]);
   if (gmax == -INFINITY) {
     for (int d = threadIdx.x; d < D; d += kCombineThreads) o[d] = 0.f;
     return;
   }
-  const int staged = ns < kCombineMaxSplits ? ns : kCombineMaxSplits;
-  float wpart = 0.f;
-  for (int s = threadIdx.x; s < ns; s += kCombineThreads) {
-    const float ls = lse[s];
-    const float w = ls == -INFINITY ? 0.f : expf(ls - top);
-    if (s < staged) w_s[s] = w;
-    wpart += w;
-  }
-  float wsum = block_reduce(wpart, red, false);  // > 0 (or NaN): the max term has weight 1
-  if (sinks != nullptr) wsum += expf(sink - top);  // exp(-inf) = 0; NaN stays NaN
-  const int group = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  for (int c = lane; c < D / 4; c += 32) {
-    float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 4
-    for (int s = group; s < ns; s += kCombineGroups) {
-      float w;
-      if (s < staged) {
-        w = w_s[s];
-      } else {
-        const float ls = lse[s];
-        w = ls == -INFINITY ? 0.f : expf(ls - top);
-      }
-      const float4 v = *reinterpret_cast<const float4*>(po + static_cast<int64_t>(s) * D + 4 * c);
-      if (w != 0.f) {  // an empty split's partial output is never written: skip it
-        a.x = fmaf(w, v.x, a.x);
-        a.y = fmaf(w, v.y, a.y);
-        a.z = fmaf(w, v.z, a.z);
-        a.w = fmaf(w, v.w, a.w);
-      }
-    }
-    *reinterpret_cast<float4*>(&acc_s[group][4 * c]) = a;
-  }
-  __syncthreads();
-  if (rot_v == nullptr) {
-    for (int d = threadIdx.x; d < D; d += kCombineThreads) {
-      float acc = 0.f;
+  const float top = sink != sink ? sink : fmaxf(gmax, sink);
+  float f[kCombineGroups], wsum = 0.f;
 #pragma unroll
-      for (int g = 0; g < kCombineGroups; ++g) acc += acc_s[g][d];
-      o[d] = acc / wsum;
+  for (int g = 0; g < kCombineGroups; ++g) {
+    f[g] = m_s[g] == -INFINITY ? 0.f : expf(m_s[g] - top);  // NaN where both are +inf
+    wsum = f[g] != 0.f ? fmaf(f[g], l_s[g], wsum) : wsum;  // > 0 (or NaN): the max term has weight 1
+  }
+  if (sinks != nullptr) wsum += expf(sink - top);  // exp(-inf) = 0; NaN stays NaN
+  if (rot_v == nullptr) {
+    const float* acc = reinterpret_cast<const float*>(&acc_s[0][0]);
+    for (int d = threadIdx.x; d < D; d += kCombineThreads) {
+      float sum = 0.f;
+#pragma unroll
+      for (int g = 0; g < kCombineGroups; ++g) sum = f[g] != 0.f ? fmaf(f[g], acc[g * kCombineMaxD + d], sum) : sum;
+      o[d] = sum / wsum;
     }
     return;
   }
-  // The fused rotation (D = 64 / 128): warp 0 rotates the combined row back, out = Pi_v^T o_rot
-  // (w_s, the split weights, no longer needed, is its buffer).
+  // The fused rotation (D = 64 / 128): warp 0 rotates the combined row back, out = Pi_v^T o_rot.
   if (threadIdx.x < 32) {
-    if (D == 128) combine_rotate_store<4>(acc_s, wsum, rot_v, w_s, o, lane);
-    else combine_rotate_store<2>(acc_s, wsum, rot_v, w_s, o, lane);
+    if (D == 128) combine_rotate_store<4>(acc_s, f, wsum, rot_v, buf, o, lane);
+    else combine_rotate_store<2>(acc_s, f, wsum, rot_v, buf, o, lane);
   }
 }
 
@@ -1321,10 +1338,9 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot,
   if (auto e = launch_plan(plan, static_cast<int>(d), stream, p, grid); e.failure()) return e;
   if (combine) {
     // ns = pstride: the combine's partial count and stride (the window's partial is the last).
-    paged_decode_combine_kernel<<<static_cast<unsigned>(S * H), kCombineThreads, 0, stream>>>(
-        p.pout, p.plse, p.out, static_cast<int>(pstride), static_cast<int>(d), p.rot ? p.rot + d : nullptr, p.sinks,
-        p.H);
-    cudaError_t e = cudaGetLastError();
+    cudaError_t e = launch_dependent(paged_decode_combine_kernel, dim3(static_cast<unsigned>(S * H)),
+                                     dim3(kCombineThreads), 0, stream, p.pout, p.plse, p.out, static_cast<int>(pstride),
+                                     static_cast<int>(d), p.rot ? p.rot + d : nullptr, p.sinks, p.H);
     if (e != cudaSuccess) return cuda_error("combine kernel launch", e);
   }
   return ffi::Error::Success();

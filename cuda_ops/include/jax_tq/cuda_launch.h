@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <utility>
 
 namespace jax_tq {
 namespace cuda {
@@ -56,6 +57,42 @@ inline int device_block_smem_optin() {
   }
   known[dev].store(n, std::memory_order_release);
   return n;
+}
+
+// The current device's compute capability major (asked once per device 0..63), or 0 where the
+// runtime does not answer.
+inline int device_cc_major() {
+  static std::atomic<int> known[64];
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 0;
+  int n = known[dev].load(std::memory_order_acquire);
+  if (n > 0) return n;
+  if (cudaDeviceGetAttribute(&n, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess || n <= 0) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  known[dev].store(n, std::memory_order_release);
+  return n;
+}
+
+// Launch `kernel` as a programmatic dependent of the kernel before it on `stream` (sm_90 on: CUDA's
+// programmatic dependent launch): its CTAs may start once every CTA of the kernel before has run
+// griddepcontrol.launch_dependents (pdl_launch_dependents), and must run griddepcontrol.wait
+// (pdl_wait) before they read what that kernel writes. Older devices: an ordinary launch.
+template <typename... Params, typename... Args>
+cudaError_t launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                             Args&&... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = device_cc_major() >= 9 ? 1 : 0;
+  return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 
 }  // namespace cuda

@@ -339,6 +339,21 @@ __device__ __forceinline__ void trace_phase(const DecodeParams& p, unsigned cta,
 #endif
 }
 
+// ---- Programmatic dependent launch (cuda_launch.h launch_dependent; sm_90 on, no-ops before) ----
+// The kernel after this one on the stream may start its CTAs (once every CTA of this grid has run
+// this); it still waits for this grid's end before it reads this grid's writes (pdl_wait).
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+// Waits until the grids this one depends on have ended and their writes are visible.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // ---- The Hadamard rotation applied inside the kernels (rotation spec words: format.h) ---------
 // A warp holds one row of D = 32 N coordinates (head_dim 64: N = 2, 128: N = 4), x[j] = coordinate
 // N * lane + j; buf is D floats of the warp's own shared memory (the permutation goes through it).

@@ -2040,6 +2040,7 @@ __global__ void __launch_bounds__(v4_threads(ITEMS), v4_ctas_per_sm(ITEMS))
     decode_tc_f16_kernel(const DecodeParams p) {
   using S = F16Shape<D, GT, RING, KB, VB, HALVES, ITEMS, MASKS>;
   constexpr int NP = S::NP, kStages = S::kStages;
+  pdl_launch_dependents();  // the combine kernel's CTAs may take the SMs' spare room now (they wait for this grid's end)
 
   // kSmemBytes: interleaved K / V tables; RING: then ring_bytes() of per-warp rings.
   // Per item (ITEMS > 1): qexp_s, bad_s, m_s, l_s, q_sep and o_s.
