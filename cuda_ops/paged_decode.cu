@@ -513,9 +513,13 @@ __global__ void __launch_bounds__(kCombineThreads, 1)
       }
     }
     float mb = m;
+    bool nan_lse = false;  // (a window partial's lse may be NaN: its row then is NaN, as any split's weight)
 #pragma unroll
-    for (int b = 0; b < kCombineBatch; ++b) mb = fmaxf(mb, ls[b]);
-    if (mb == -INFINITY) continue;  // no split of this batch or before it has a token
+    for (int b = 0; b < kCombineBatch; ++b) mb = fmaxf(mb, ls[b]), nan_lse |= ls[b] != ls[b];
+    if (mb == -INFINITY) {  // no split of this batch or before it has a token
+      if (nan_lse) m = NAN;  // (fmaxf skips NaN): the warp's weight below is NaN
+      continue;
+    }
     const float f = expf(m - mb);   // 0 where m = -inf; NaN where both are +inf (a NaN row)
     l *= f;
 #pragma unroll
@@ -1338,7 +1342,9 @@ ffi::Error PagedDecodeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q_rot,
   if (auto e = launch_plan(plan, static_cast<int>(d), stream, p, grid); e.failure()) return e;
   if (combine) {
     // ns = pstride: the combine's partial count and stride (the window's partial is the last).
-    cudaError_t e = launch_dependent(paged_decode_combine_kernel, dim3(static_cast<unsigned>(S * H)),
+    static std::atomic<int> combine_code[64];
+    cudaError_t e = launch_dependent(compiled_for_sm90(combine_code, paged_decode_combine_kernel),
+                                     paged_decode_combine_kernel, dim3(static_cast<unsigned>(S * H)),
                                      dim3(kCombineThreads), 0, stream, p.pout, p.plse, p.out, static_cast<int>(pstride),
                                      static_cast<int>(d), p.rot ? p.rot + d : nullptr, p.sinks, p.H);
     if (e != cudaSuccess) return cuda_error("combine kernel launch", e);

@@ -75,13 +75,32 @@ inline int device_cc_major() {
   return n;
 }
 
-// Launch `kernel` as a programmatic dependent of the kernel before it on `stream` (sm_90 on: CUDA's
-// programmatic dependent launch): its CTAs may start once every CTA of the kernel before has run
-// griddepcontrol.launch_dependents (pdl_launch_dependents), and must run griddepcontrol.wait
-// (pdl_wait) before they read what that kernel writes. Older devices: an ordinary launch.
+// Whether `kernel`'s code on the current device was compiled for sm_90 or later (its PTX version: code
+// JIT-compiled from compute_80 PTX, e.g. on a newer device than the build's SASS, has no
+// griddepcontrol), asked once per device 0..63 (`known`: one per kernel, static at the call site).
+template <typename Kernel>
+bool compiled_for_sm90(std::atomic<int> (&known)[64], Kernel kernel) {
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
+  int state = known[dev].load(std::memory_order_acquire);  // 0: not asked yet, 1: no, 2: yes
+  if (state == 0) {
+    cudaFuncAttributes attributes = {};
+    const bool yes = cudaFuncGetAttributes(&attributes, kernel) == cudaSuccess && attributes.ptxVersion >= 90;
+    (void)cudaGetLastError();
+    state = yes ? 2 : 1;
+    known[dev].store(state, std::memory_order_release);
+  }
+  return state == 2;
+}
+
+// Launch `kernel` as a programmatic dependent of the kernel before it on `stream` where `dependent`
+// (the kernel runs griddepcontrol.wait: compiled_for_sm90) and the device has it (sm_90 on): its
+// CTAs may start once every CTA of the kernel before has run griddepcontrol.launch_dependents
+// (pdl_launch_dependents), and wait (pdl_wait) before they read what that kernel writes. Else an
+// ordinary launch.
 template <typename... Params, typename... Args>
-cudaError_t launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-                             Args&&... args) {
+cudaError_t launch_dependent(bool dependent, void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                             cudaStream_t stream, Args&&... args) {
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;
@@ -91,7 +110,7 @@ cudaError_t launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, s
   attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute[0].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attribute;
-  config.numAttrs = device_cc_major() >= 9 ? 1 : 0;
+  config.numAttrs = dependent && device_cc_major() >= 9 ? 1 : 0;
   return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 
