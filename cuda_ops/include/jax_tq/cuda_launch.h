@@ -59,22 +59,6 @@ inline int device_block_smem_optin() {
   return n;
 }
 
-// The current device's compute capability major (asked once per device 0..63), or 0 where the
-// runtime does not answer.
-inline int device_cc_major() {
-  static std::atomic<int> known[64];
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 0;
-  int n = known[dev].load(std::memory_order_acquire);
-  if (n > 0) return n;
-  if (cudaDeviceGetAttribute(&n, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess || n <= 0) {
-    (void)cudaGetLastError();
-    return 0;
-  }
-  known[dev].store(n, std::memory_order_release);
-  return n;
-}
-
 // Whether `kernel`'s code on the current device was compiled for sm_90 or later (its PTX version: code
 // JIT-compiled from compute_80 PTX, e.g. on a newer device than the build's SASS, has no
 // griddepcontrol), asked once per device 0..63 (`known`: one per kernel, static at the call site).
@@ -94,7 +78,7 @@ bool compiled_for_sm90(std::atomic<int> (&known)[64], Kernel kernel) {
 }
 
 // Launch `kernel` as a programmatic dependent of the kernel before it on `stream` where `dependent`
-// (the kernel runs griddepcontrol.wait: compiled_for_sm90) and the device has it (sm_90 on): its
+// (the kernel runs griddepcontrol.wait: compiled_for_sm90, so the device is sm_90 or later): its
 // CTAs may start once every CTA of the kernel before has run griddepcontrol.launch_dependents
 // (pdl_launch_dependents), and wait (pdl_wait) before they read what that kernel writes. Else an
 // ordinary launch.
@@ -110,7 +94,7 @@ cudaError_t launch_dependent(bool dependent, void (*kernel)(Params...), dim3 gri
   attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute[0].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attribute;
-  config.numAttrs = dependent && device_cc_major() >= 9 ? 1 : 0;
+  config.numAttrs = dependent ? 1 : 0;
   return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 
