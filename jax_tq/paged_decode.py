@@ -110,7 +110,7 @@ def paged_decode(q, cache, block_tables, seq_lens, *, window_ids=None, scale=Non
         unknown precision; ``JAX_TQ_DECODE_KERNEL`` set to something other than a kernel family;
         sliding_window < 1, soft_cap <= 0 or not finite, sinks not [num_heads]; window_ids None
         with more sequences than the cache's num_windows, or given for a cache without a window.
-      BackendUnavailableError: backend "ffi" on a GPU with a variant set (when the call is lowered).
+      BackendUnavailableError: backend "ffi" where no kernel serves the call (when it is lowered).
 
     Source: TurboQuant (arXiv 2504.19874), Algorithm 1: scores <Pi_k q, c[idx]> * ||k|| against the
     stored codes, the output rotated back once by Pi_v^T; split-K with a log-sum-exp combine
@@ -230,7 +230,7 @@ def plan(platform: str, *, num_seqs: int, num_heads: int, num_kv_heads: int, hea
       Hadamard codecs of head_dim 64 or 128, on the CPU kernel and the tensor-core ones), ``f16_rounding``
       (products round to float16), ``folds_window``, ``head_tile``, ``ring``, ``halves``, ``items``
       (the float16 kernel's variant). None where the module is not loaded. ``variants``: the call
-      sets sliding_window, soft_cap or sinks (on CUDA the CUDA-core kernel serves them).
+      sets sliding_window, soft_cap or sinks (on CUDA the float16 tensor-core kernel where they fit, else the CUDA-core kernel).
     """
     module = ffi_loader.module(platform)
     if module is None:

@@ -101,7 +101,7 @@ def paged_prefill(q, cache, block_tables, seq_lens, query_start_loc, *, window_i
         with more sequences than the cache's num_windows, or given for a cache without a window.
       TypeError / ValueError: a bad sliding_window (not an int >= 1), soft_cap (not a finite
         number > 0) or sinks (not float [num_heads]), naming it.
-      BackendUnavailableError: backend "ffi" on a GPU with a variant set (when the call is lowered).
+      BackendUnavailableError: backend "ffi" where no kernel serves the call (when it is lowered).
 
     Source: TurboQuant (arXiv 2504.19874), Algorithm 1 applied to attention (scores
     <Pi_k q, c[idx]> * ||k||, output rotated back by Pi_v^T once); causal prefill over a paged cache

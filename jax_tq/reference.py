@@ -592,9 +592,48 @@ def _attend_tokens(queries, keys, values, valid, token_ok, scale, soft_cap=None,
     # that 0 * NaN leaks into neither the output nor its gradient.
     keys = jnp.where(token_ok, keys.astype(dtype), 0)
     values = jnp.where(token_ok, values.astype(dtype), 0)
-    scores = jnp.einsum("bk...d,bkld->bk...l", queries.astype(dtype), keys, precision=_HIGHEST)
-    weights = _masked_softmax_weights(scores, valid, jnp.asarray(scale, dtype), soft_cap, sinks)
-    return jnp.einsum("bk...l,bkld->bk...d", weights, values, precision=_HIGHEST)
+    queries = queries.astype(dtype)
+    scale = jnp.asarray(scale, dtype)
+
+    def plain(keys, values):
+        scores = jnp.einsum("bk...d,bkld->bk...l", queries, keys, precision=_HIGHEST)
+        weights = _masked_softmax_weights(scores, valid, scale, soft_cap, sinks)
+        return jnp.einsum("bk...l,bkld->bk...d", weights, values, precision=_HIGHEST)
+
+    def hidden_safe(keys, values):
+        return _attend_nonfinite_tokens(queries, keys, values, valid, scale, soft_cap, sinks)
+
+    # A token some rows see and others do not (causal or sliding-window masks) may still hold NaN or
+    # an infinity: then the products are taken so that only the rows that see it get its value.
+    finite = jnp.all(jnp.isfinite(keys)) & jnp.all(jnp.isfinite(values))
+    return jax.lax.cond(finite, plain, hidden_safe, keys, values)
+
+
+def _attend_nonfinite_tokens(queries, keys, values, valid, scale, soft_cap, sinks):
+    """:func:`_attend_tokens` where keys / values hold NaN or infinities: each row gets exactly the
+    products of the tokens it sees (p_t x v_t, an infinity times a weight that underflowed to 0
+    giving NaN as in the kernels), and nothing of the others; the gradient, likewise, reaches
+    through no hidden token."""
+    key_finite = jnp.all(jnp.isfinite(keys), axis=-1)  # [B, Hkv, L]
+    finite_keys = jnp.where(key_finite[..., None], keys, 0)
+    scores = jnp.einsum("bk...d,bkld->bk...l", queries, finite_keys, precision=_HIGHEST)
+    raw = jax.lax.stop_gradient(jnp.einsum("bk...d,bkld->bk...l", queries, keys, precision=_HIGHEST))
+    key_finite = key_finite.reshape(key_finite.shape[:2] + (1,) * (scores.ndim - 3) + key_finite.shape[2:])
+    scores = jnp.where(key_finite, scores, raw)  # (a hidden token's score is masked below)
+    weights = _masked_softmax_weights(scores, valid, scale, soft_cap, sinks)
+    finite_values = jnp.where(jnp.isfinite(values), values, 0)
+    out = jnp.einsum("bk...l,bkld->bk...d", weights, finite_values, precision=_HIGHEST)
+    sees = jnp.broadcast_to(valid, weights.shape)
+
+    def hits(rows, tokens):  # per (row, coordinate): does a token of `rows` hold `tokens` there?
+        return jnp.einsum("bk...l,bkld->bk...d", rows.astype(out.dtype), tokens.astype(out.dtype),
+                          precision=_HIGHEST) > 0
+
+    weighted = sees & (weights > 0)
+    nan = hits(sees, jnp.isnan(values)) | hits(sees & (weights == 0), jnp.isinf(values))
+    pos, neg = hits(weighted, values == jnp.inf), hits(weighted, values == -jnp.inf)
+    out = jnp.where(pos, jnp.inf, jnp.where(neg, -jnp.inf, out))
+    return jnp.where(nan | (pos & neg), jnp.nan, out)
 
 
 def merge_attention(out, other, weights, q, check):

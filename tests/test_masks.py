@@ -570,3 +570,59 @@ def test_a_traced_sliding_window_or_soft_cap_is_refused():
         jax.jit(lambda c: tq.paged_decode(q, cache, tables, lens, soft_cap=c))(2.0)
     with pytest.raises(TypeError, match="sliding_window must be a concrete"):
         jax.jit(lambda w: tq.paged_decode(q, cache, tables, lens, sliding_window=w))(3)
+
+
+def _poisoned_pair(rng, preset, poison):
+    """Two caches of one 40-token sequence (pages 0-2 of 16 tokens), the second with `poison`
+    applied to its K / V before the write; plus the block tables and seq_lens."""
+    n, tables, pos = 40, jnp.asarray([[0, 1, 2]], jnp.int32), jnp.arange(40, dtype=jnp.int32)
+    k = jnp.asarray(rng.normal(size=(n, 2, HEAD_DIM)), jnp.float32)
+    v = jnp.asarray(rng.normal(size=(n, 2, HEAD_DIM)), jnp.float32)
+    slots = tq.slot_mapping(tables, pos, 16, jnp.zeros(n, jnp.int32))
+
+    def cache(k, v):
+        if preset == "none":
+            empty = tq.PagedKVCache.create(num_pages=4, page_size=16, num_kv_heads=2, preset="none", head_dim=HEAD_DIM)
+        else:
+            empty = tq.PagedKVCache.create(num_pages=4, page_size=16, num_kv_heads=2,
+                                           k_codec=tq.TurboQuant(HEAD_DIM, 4, seed=1),
+                                           v_codec=tq.TurboQuant(HEAD_DIM, 4, seed=2))
+        return tq.write_cache(empty, k, v, slots)
+
+    return cache(k, v), cache(*poison(k, v)), tables, jnp.asarray([n], jnp.int32)
+
+
+@pytest.mark.parametrize("preset", ["none", "plain"])
+@pytest.mark.parametrize("name", ["ffi", "xla"])
+def test_non_finite_tokens_reach_only_the_rows_that_see_them(rng, preset, name):
+    """NaN / infinities in K / V of a token a row does not see (before its sliding window, or after
+    its position in a prefill) change neither its output nor its gradient (0 * NaN nowhere)."""
+    def hide_first(k, v):  # token 0: outside every row's 8-token window below
+        return k.at[0, :, 3].set(jnp.inf), v.at[0].set(jnp.nan)
+
+    clean, poisoned, tables, lens = _poisoned_pair(rng, preset, hide_first)
+    q = jnp.asarray(rng.normal(size=(4, 4, HEAD_DIM)), jnp.float32)
+    starts = jnp.asarray([0, 4], jnp.int32)  # prefill rows at positions 36..39
+    weights = jnp.asarray(rng.normal(size=(1, 4, HEAD_DIM)), jnp.float32)
+    with tq.use_backend(name):
+        outs = []
+        for cache in (clean, poisoned):
+            decode = lambda q: tq.paged_decode(q, cache, tables, lens, sliding_window=8)
+            outs.append([np.asarray(decode(q[:1])),
+                         np.asarray(jax.grad(lambda q: jnp.sum(decode(q) * weights))(q[:1])),
+                         np.asarray(tq.paged_prefill(q, cache, tables, lens, starts, sliding_window=8))])
+    for want, got in zip(*outs):
+        assert np.all(np.isfinite(want)) and np.abs(want).max() > 1e-3
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+
+    def poison_last(k, v):  # token 39: seen by the last prefill row only
+        return k, v.at[39, :, 5].set(jnp.nan)
+
+    clean, poisoned, tables, lens = _poisoned_pair(rng, preset, poison_last)
+    with tq.use_backend(name):
+        want = np.asarray(tq.paged_prefill(q, clean, tables, lens, starts))
+        got = np.asarray(tq.paged_prefill(q, poisoned, tables, lens, starts))
+    np.testing.assert_allclose(got[:3], want[:3], rtol=1e-6, atol=1e-7)
+    assert np.all(np.isnan(got[3, :, 5]))  # (a compressed vector with a NaN is NaN throughout: its norm)
+    if preset == "none":
+        assert np.all(np.isfinite(np.delete(got[3], 5, axis=-1)))
