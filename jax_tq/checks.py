@@ -84,10 +84,13 @@ def checked(fn):
 
 
 def check_decode_indices(block_tables, seq_lens, *, num_pages: int, page_size: int, op: str = "paged_decode",
-                         lens_name: str = "seq_lens") -> None:
+                         lens_name: str = "seq_lens", sliding_window: int = 0, row_starts=None) -> None:
     """Insert checks: 0 <= seq_lens <= max_pages * page_size, and every block-table entry a sequence
     uses lies in [0, num_pages); messages name ``jax_tq.{op}`` and call seq_lens ``lens_name``.
-    No-op outside checked mode."""
+    With a ``sliding_window`` (0: none), pages wholly before the window of the sequence's first
+    query row are not used (a server may have freed them); that row is at position seq_lens -
+    its rows (``row_starts``: int [S + 1], sequence s owning rows row_starts[s] .. row_starts[s + 1];
+    None: one row per sequence, a decode). No-op outside checked mode."""
     if not checks_enabled():
         return
     capacity = block_tables.shape[1] * page_size
@@ -107,13 +110,17 @@ def check_decode_indices(block_tables, seq_lens, *, num_pages: int, page_size: i
     lengths = jnp.clip(seq_lens, 0, int32_cap)
     pages_used = lengths // page_size + (lengths % page_size > 0)  # ceil, without int32 overflow
     used = jnp.arange(block_tables.shape[1])[None, :] < pages_used[:, None]
+    if sliding_window:
+        first_row = jnp.maximum(lengths - (1 if row_starts is None else jnp.diff(row_starts)), 0)
+        first_seen = jnp.maximum(first_row - (min(sliding_window, int32_cap) - 1), 0)
+        used = used & (jnp.arange(block_tables.shape[1])[None, :] >= (first_seen // page_size)[:, None])
     bad = used & ((block_tables < 0) | (block_tables >= num_pages))
     flat = jnp.argmax(bad.reshape(-1))
     row, col = flat // block_tables.shape[1], flat % block_tables.shape[1]
     checkify.check(
         ~jnp.any(bad),
         f"jax_tq.{op}: block_tables[{{r}}, {{c}}] = {{p}} is outside the pool [0, {num_pages}) but the sequence "
-        "uses that page",
+        "uses that page" + (" (inside its sliding window)" if sliding_window else ""),
         r=row, c=col, p=block_tables.reshape(-1)[flat],
     )
 

@@ -127,7 +127,8 @@ def paged_decode(q, cache, block_tables, seq_lens, *, window_ids=None, scale=Non
     f16_products = allows_f16_products(precision, q.dtype)
     if num_splits is not None:
         num_splits = min(num_splits, max(1, block_tables.shape[1]))
-    check_decode_indices(block_tables, seq_lens, num_pages=cache.num_pages, page_size=cache.page_size)
+    check_decode_indices(block_tables, seq_lens, num_pages=cache.num_pages, page_size=cache.page_size,
+                         sliding_window=sliding_window)
     windows = window_operands(cache, window_ids, block_tables, seq_lens, "paged_decode")
     scale = 1.0 / math.sqrt(cache.head_dim) if scale is None else scale
     if not cache.compressed:

@@ -117,7 +117,7 @@ def paged_prefill(q, cache, block_tables, seq_lens, query_start_loc, *, window_i
     query_start_loc = _check_query_start_loc(query_start_loc, seq_lens.shape[0])
     sliding_window, soft_cap, sinks = check_variants(sliding_window, soft_cap, sinks, q.shape[1], "paged_prefill")
     check_decode_indices(block_tables, seq_lens, num_pages=cache.num_pages, page_size=cache.page_size,
-                         op="paged_prefill")
+                         op="paged_prefill", sliding_window=sliding_window, row_starts=query_start_loc)
     check_query_start_loc(query_start_loc, seq_lens, num_rows=q.shape[0])
     windows = window_operands(cache, window_ids, block_tables, seq_lens, "paged_prefill")
     scale = 1.0 / math.sqrt(cache.head_dim) if scale is None else scale

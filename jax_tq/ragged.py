@@ -134,7 +134,7 @@ def ragged_paged_attention(q, k, v, cache: PagedKVCache, kv_lens, block_tables, 
     variants = as_keywords(sliding_window, soft_cap, sinks)  # checked: the ops take them as they are
     window_ids = window_ids_of(cache, window_ids, num_seqs, op, block_tables)
     check_decode_indices(block_tables, kv_lens, num_pages=cache.num_pages, page_size=cache.page_size, op=op,
-                         lens_name="kv_lens")
+                         lens_name="kv_lens", sliding_window=sliding_window, row_starts=cu_q_lens)
     check_query_start_loc(cu_q_lens, kv_lens, num_rows=num_tokens, op=op, starts_name="cu_q_lens",
                           lens_name="kv_lens", padding=True, hint="kv_lens counts the new tokens too")
     if window_ids is not None:

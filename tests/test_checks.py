@@ -147,3 +147,28 @@ def test_checked_mode_names_bad_window_ids_and_slots(rng):
                                                  jnp.asarray([-1, 15], jnp.int32))
     with pytest.raises(Exception, match=r"window_slots\[1\] = 15 is outside the window"):
         err.throw()
+
+
+def test_checked_mode_accepts_pages_freed_before_a_sliding_window(rng):
+    """With a sliding window, pages wholly before the first query row's window may be freed (-1):
+    checked mode accepts them, the outputs equal those over the real pages, and a freed page inside
+    the window is still reported."""
+    cache = _cache(rng)
+    q = jnp.asarray(rng.normal(size=(3, 2, 64)), jnp.float32)
+    full = jnp.asarray([[3, 4, 5, 6]], jnp.int32)
+    lens, starts = jnp.asarray([60], jnp.int32), jnp.asarray([0, 3], jnp.int32)  # prefill rows at 57, 58, 59
+    decode = jax.jit(tq.checked(lambda q, t: tq.paged_decode(q, cache, t, lens, sliding_window=20)))
+    prefill = jax.jit(tq.checked(lambda q, t: tq.paged_prefill(q, cache, t, lens, starts, sliding_window=20)))
+    freed = jnp.asarray([[-1, -1, 5, 6]], jnp.int32)  # tokens 0-31: before position 59 - 19 = 40 and 57 - 19 = 38
+    for call, rows in ((decode, q[:1]), (prefill, q)):
+        err, got = call(rows, freed)
+        err.throw()
+        _, want = call(rows, full)
+        assert np.all(np.isfinite(np.asarray(want)))
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        err, _ = call(rows, jnp.asarray([[-1, 4, -1, 6]], jnp.int32))  # tokens 32-47: inside the window
+        with pytest.raises(Exception, match=r"block_tables\[0, 2\] = -1 .*inside its sliding window"):
+            err.throw()
+    err, _ = jax.jit(tq.checked(lambda q, t: tq.paged_prefill(q, cache, t, lens, starts, sliding_window=27)))(q, freed)
+    with pytest.raises(Exception, match=r"block_tables\[0, 1\] = -1"):  # row 57 sees position 31
+        err.throw()
