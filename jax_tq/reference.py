@@ -455,7 +455,8 @@ def _masked_softmax_weights(scores, valid, scale, soft_cap=None, sinks=None):
     lift = jnp.maximum(sink_shift, 0.0)
     weights = jnp.where(valid, jnp.exp(shifted - lift), 0.0)
     total = jnp.sum(weights, axis=-1, keepdims=True) + jnp.exp(sink_shift - lift)
-    return weights / jnp.where(total == 0, 1.0, total)  # 0: no valid token and a sink of -inf (NaN stays)
+    weights = weights / jnp.where(total == 0, 1.0, total)  # 0: no valid token and a sink of -inf
+    return jnp.where(jnp.any(valid, axis=-1, keepdims=True), weights, 0.0)  # no valid token: 0 whatever the sink
 
 
 def paged_decode_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids,

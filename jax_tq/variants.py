@@ -10,9 +10,9 @@ Semantics (the same on every backend; the reference is :mod:`jax_tq.reference`):
       softmax (Gemma 2's ``attn_logit_softcapping``; tpu-inference's ``soft_cap``).
   ``sinks`` [num_heads]: a per-head logit that joins the softmax denominator only (gpt-oss's
       attention sinks): out = sum_j exp(l_j - m) v_j / (exp(sink - m) + sum_j exp(l_j - m)); it is
-      neither scaled nor capped, and a row with no visible token still outputs 0. A sink of -inf
-      is no sink; NaN gives its head NaN rows; +inf gives rows of 0 (the limit) or NaN, depending
-      on the op and backend: pass finite sinks.
+      neither scaled nor capped, and a row with no visible token outputs 0 whatever its sink. A
+      sink of -inf is no sink; NaN gives its head's other rows NaN; +inf gives them 0 (the limit)
+      or NaN, depending on the op and backend: pass finite sinks.
 
 The CPU handlers and the CUDA kernels serve them; where a platform's kernels do not (e.g. TPU, or a
 GPU build without CUDA kernels) backend "auto" runs XLA's code of the reference for a call that sets

@@ -474,6 +474,11 @@ def test_non_finite_sinks_as_documented(rng, name):
                 else:
                     assert all(np.isnan(r).all() or (r == 0).all() for r in head), head
                 np.testing.assert_array_equal(np.delete(got, 3, axis=1), np.delete(want, 3, axis=1))
+        # a row with no visible token outputs 0 whatever its sink (the kernels' combine and the reference)
+        for bad in (jnp.nan, jnp.inf, -jnp.inf):
+            empty = np.asarray(tq.paged_decode(q[:3], cache, tables, jnp.asarray([0, lens[1], 0]),
+                                               sinks=finite.at[3].set(bad)))
+            assert (empty[[0, 2]] == 0).all() and np.isfinite(np.delete(empty[1], 3, axis=0)).all()
 
 
 # ----------------------------------------------------------------------------- the GPU policy
