@@ -368,10 +368,12 @@ def check_cache(cache, op: str) -> None:
                 raise TypeError(f"jax_tq.{op}: cache.{name} must be bfloat16, got {getattr(pool, 'dtype', None)}")
             want = (cache.num_kv_heads, cache.head_dim)
             shape = tuple(pool.shape)
-            if len(shape) < 4 or (shape[-3], shape[-1]) != want or shape != tuple(cache.k_window.shape) or (
-                    shape[-2] < 1 or shape[-4] < 1):
+            if name == "v_window" and shape != tuple(cache.k_window.shape):
+                raise ValueError(f"jax_tq.{op}: cache.k_window has shape {tuple(cache.k_window.shape)} and "
+                                 f"cache.v_window {shape}: they must be equal")
+            if len(shape) < 4 or (shape[-3], shape[-1]) != want or (shape[-2] < 1 or shape[-4] < 1):
                 raise ValueError(f"jax_tq.{op}: cache.{name} has shape {shape}, expected [num_windows >= 1, "
-                                 f"{want[0]}, window >= 1, {want[1]}] (and K's and V's equal)")
+                                 f"{want[0]}, window >= 1, {want[1]}]")
     for name in _POOL_DTYPES:
         shape = tuple(getattr(getattr(cache, name), "shape", ()))
         if len(shape) >= 3 and min(shape[:3]) < 1:

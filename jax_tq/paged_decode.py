@@ -272,8 +272,8 @@ def plan_decode(q, cache, block_tables, *, num_splits=None, precision=None, plat
     block_tables, _ = _check_decode_args(q, cache, block_tables, lens, num_splits, op="jax_tq.plan_decode")
     if num_splits is not None:
         num_splits = min(num_splits, max(1, block_tables.shape[1]))
-    f16_products = allows_f16_products(precision, q.dtype)
-    sliding_window, soft_cap, sinks = check_variants(sliding_window, soft_cap, sinks, q.shape[1], "jax_tq.plan_decode")
+    f16_products = allows_f16_products(precision, q.dtype, "jax_tq.plan_decode")
+    sliding_window, soft_cap, sinks = check_variants(sliding_window, soft_cap, sinks, q.shape[1], "plan_decode")
     platform = platform or _trace_platform(get_backend())
     if platform is None or not cache.compressed:
         return None
