@@ -133,6 +133,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--presets", default="none,k4v4")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    for flag in ("layers", "d_model", "heads", "vocab", "batch", "prompt_len", "new_tokens"):
+        if getattr(args, flag) < 1:
+            ap.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.d_model % args.heads:
+        ap.error(f"--heads ({args.heads}) must divide --d-model ({args.d_model})")
     max_len = args.prompt_len + args.new_tokens
     size = (args.vocab, args.d_model, args.heads, args.layers, max_len)
 
