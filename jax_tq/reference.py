@@ -572,9 +572,9 @@ def _attend_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids, v_ce
         values = jnp.concatenate([values.astype(compute_dtype), win_values.astype(compute_dtype)], axis=2)
         valid = jnp.concatenate([valid, win_valid], axis=1)
         positions = jnp.concatenate([positions, win_positions], axis=1)
-    token_ok = valid
-    if sliding_window is not None:
+    if sliding_window is not None:  # (tokens before the window are hidden from the product too)
         valid = valid & (positions >= (row_len.astype(jnp.int32) - sliding_window)[:, None])
+    token_ok = valid  # one query position per row: the tokens it sees
     queries = q_rot.astype(compute_dtype).reshape(num_seqs, num_kv_heads, group, head_dim)
     head_sinks = None if sinks is None else sinks.reshape(1, num_kv_heads, group, 1)
     out = _attend_tokens(queries, keys, values, valid[:, None, None, :], token_ok[:, None, :, None], scale,
@@ -593,48 +593,9 @@ def _attend_tokens(queries, keys, values, valid, token_ok, scale, soft_cap=None,
     # that 0 * NaN leaks into neither the output nor its gradient.
     keys = jnp.where(token_ok, keys.astype(dtype), 0)
     values = jnp.where(token_ok, values.astype(dtype), 0)
-    queries = queries.astype(dtype)
-    scale = jnp.asarray(scale, dtype)
-
-    def plain(keys, values):
-        scores = jnp.einsum("bk...d,bkld->bk...l", queries, keys, precision=_HIGHEST)
-        weights = _masked_softmax_weights(scores, valid, scale, soft_cap, sinks)
-        return jnp.einsum("bk...l,bkld->bk...d", weights, values, precision=_HIGHEST)
-
-    def hidden_safe(keys, values):
-        return _attend_nonfinite_tokens(queries, keys, values, valid, scale, soft_cap, sinks)
-
-    # A token some rows see and others do not (causal or sliding-window masks) may still hold NaN or
-    # an infinity: then the products are taken so that only the rows that see it get its value.
-    finite = jnp.all(jnp.isfinite(keys)) & jnp.all(jnp.isfinite(values))
-    return jax.lax.cond(finite, plain, hidden_safe, keys, values)
-
-
-def _attend_nonfinite_tokens(queries, keys, values, valid, scale, soft_cap, sinks):
-    """:func:`_attend_tokens` where keys / values hold NaN or infinities: each row gets exactly the
-    products of the tokens it sees (p_t x v_t, an infinity times a weight that underflowed to 0
-    giving NaN as in the kernels), and nothing of the others; the gradient, likewise, reaches
-    through no hidden token."""
-    key_finite = jnp.all(jnp.isfinite(keys), axis=-1)  # [B, Hkv, L]
-    finite_keys = jnp.where(key_finite[..., None], keys, 0)
-    scores = jnp.einsum("bk...d,bkld->bk...l", queries, finite_keys, precision=_HIGHEST)
-    raw = jax.lax.stop_gradient(jnp.einsum("bk...d,bkld->bk...l", queries, keys, precision=_HIGHEST))
-    key_finite = key_finite.reshape(key_finite.shape[:2] + (1,) * (scores.ndim - 3) + key_finite.shape[2:])
-    scores = jnp.where(key_finite, scores, raw)  # (a hidden token's score is masked below)
-    weights = _masked_softmax_weights(scores, valid, scale, soft_cap, sinks)
-    finite_values = jnp.where(jnp.isfinite(values), values, 0)
-    out = jnp.einsum("bk...l,bkld->bk...d", weights, finite_values, precision=_HIGHEST)
-    sees = jnp.broadcast_to(valid, weights.shape)
-
-    def hits(rows, tokens):  # per (row, coordinate): does a token of `rows` hold `tokens` there?
-        return jnp.einsum("bk...l,bkld->bk...d", rows.astype(out.dtype), tokens.astype(out.dtype),
-                          precision=_HIGHEST) > 0
-
-    weighted = sees & (weights > 0)
-    nan = hits(sees, jnp.isnan(values)) | hits(sees & (weights == 0), jnp.isinf(values))
-    pos, neg = hits(weighted, values == jnp.inf), hits(weighted, values == -jnp.inf)
-    out = jnp.where(pos, jnp.inf, jnp.where(neg, -jnp.inf, out))
-    return jnp.where(nan | (pos & neg), jnp.nan, out)
+    scores = jnp.einsum("bk...d,bkld->bk...l", queries.astype(dtype), keys, precision=_HIGHEST)
+    weights = _masked_softmax_weights(scores, valid, jnp.asarray(scale, dtype), soft_cap, sinks)
+    return jnp.einsum("bk...l,bkld->bk...d", weights, values, precision=_HIGHEST)
 
 
 def merge_attention(out, other, weights, q, check):
@@ -917,7 +878,7 @@ def paged_decode_pages(q, k_pages, v_pages, block_tables, seq_lens, scale, *, sl
         sees = valid & (jnp.arange(valid.shape[1])[None, :] >= (ends - sliding_window)[:, None])
     sinks = _sinks_or_none(sinks)
     head_sinks = None if sinks is None else sinks.reshape(1, num_kv_heads, -1, 1)
-    out = _attend_tokens(queries, keys, values, sees[:, None, None, :], valid[:, None, :, None], scale, soft_cap,
+    out = _attend_tokens(queries, keys, values, sees[:, None, None, :], sees[:, None, :, None], scale, soft_cap,
                          head_sinks)
     out = out.reshape(num_seqs, num_heads, head_dim)
     return jnp.where(jnp.all(jnp.isfinite(q), axis=-1, keepdims=True), out, jnp.nan).astype(out.dtype)
@@ -957,7 +918,7 @@ def paged_prefill_pages(q, k_pages, v_pages, block_tables, seq_lens, query_start
         return jnp.swapaxes(tokens, 0, 1).reshape(1, num_kv_heads, num_seqs * length, head_dim)
 
     queries = jnp.swapaxes(q.reshape(num_rows, num_kv_heads, -1, head_dim), 0, 1)[None]  # [1, Hkv, T, G, d]
-    token_ok = valid.reshape(1, 1, -1, 1)
+    token_ok = jnp.any(sees, axis=0).reshape(1, 1, -1, 1)  # the tokens some row sees
     out = _attend_tokens(queries, flat(keys), flat(values), sees.reshape(1, 1, num_rows, 1, -1), token_ok, scale,
                          soft_cap, head_sinks)
     return jnp.swapaxes(out[0], 0, 1).reshape(num_rows, num_heads, head_dim)
