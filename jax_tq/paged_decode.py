@@ -231,7 +231,8 @@ def plan(platform: str, *, num_seqs: int, num_heads: int, num_kv_heads: int, hea
       Hadamard codecs of head_dim 64 or 128, on the CPU kernel and the tensor-core ones), ``f16_rounding``
       (products round to float16), ``folds_window``, ``head_tile``, ``ring``, ``halves``, ``items``
       (the float16 kernel's variant). None where the module is not loaded. ``variants``: the call
-      sets sliding_window, soft_cap or sinks (on CUDA the float16 tensor-core kernel where they fit, else the CUDA-core kernel).
+      sets sliding_window, soft_cap or sinks (on CUDA the float16 tensor-core kernel where they fit,
+      else the CUDA-core kernel).
     """
     module = ffi_loader.module(platform)
     if module is None:

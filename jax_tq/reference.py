@@ -455,7 +455,7 @@ def _masked_softmax_weights(scores, valid, scale, soft_cap=None, sinks=None):
     lift = jnp.maximum(sink_shift, 0.0)
     weights = jnp.where(valid, jnp.exp(shifted - lift), 0.0)
     total = jnp.sum(weights, axis=-1, keepdims=True) + jnp.exp(sink_shift - lift)
-    weights = weights / jnp.where(total == 0, 1.0, total)  # 0: no valid token and a sink of -inf
+    weights = weights / jnp.where(total == 0, 1.0, total)  # (no 0 / 0: no valid token, a sink of -inf)
     return jnp.where(jnp.any(valid, axis=-1, keepdims=True), weights, 0.0)  # no valid token: 0 whatever the sink
 
 
@@ -572,12 +572,12 @@ def _attend_rotated(q_rot, k_codes, k_norms, v_codes, v_norms, k_centroids, v_ce
         values = jnp.concatenate([values.astype(compute_dtype), win_values.astype(compute_dtype)], axis=2)
         valid = jnp.concatenate([valid, win_valid], axis=1)
         positions = jnp.concatenate([positions, win_positions], axis=1)
-    if sliding_window is not None:  # (tokens before the window are hidden from the product too)
+    if sliding_window is not None:
         valid = valid & (positions >= (row_len.astype(jnp.int32) - sliding_window)[:, None])
-    token_ok = valid  # one query position per row: the tokens it sees
     queries = q_rot.astype(compute_dtype).reshape(num_seqs, num_kv_heads, group, head_dim)
     head_sinks = None if sinks is None else sinks.reshape(1, num_kv_heads, group, 1)
-    out = _attend_tokens(queries, keys, values, valid[:, None, None, :], token_ok[:, None, :, None], scale,
+    # one query position per row: the tokens it sees are also the only ones its products touch
+    out = _attend_tokens(queries, keys, values, valid[:, None, None, :], valid[:, None, :, None], scale,
                          soft_cap, head_sinks)
     return out.reshape(num_seqs, num_heads, head_dim)
 
