@@ -132,7 +132,7 @@ def _round_trip_jvp(codec, primals, tangents):
 
 
 def paged_attention(q, k, v, cache: PagedKVCache, slot_mapping, block_tables, seq_lens, *, window_ids=None,
-                    scale=None, num_splits=None, precision=None):
+                    scale=None, num_splits=None, precision=None, sliding_window=None, soft_cap=None, sinks=None):
     """One decode step of attention over a paged cache (compressed or uncompressed): write, then attend.
 
     Args:
@@ -145,8 +145,10 @@ def paged_attention(q, k, v, cache: PagedKVCache, slot_mapping, block_tables, se
       block_tables: int32 [num_seqs, max_pages]; seq_lens: int32 [num_seqs], lengths INCLUDING the new token.
       window_ids: int32 [num_seqs] window id of each sequence, for a cache with a window (default
         ``arange(num_seqs)``): the new token also goes to entry (seq_lens - 1) % window of it.
-      scale, num_splits, precision: as in :func:`jax_tq.paged_decode` (softmax scale, default
-        1/sqrt(head_dim); split-K count; product precision).
+      scale, num_splits, precision, sliding_window, soft_cap, sinks: as in
+        :func:`jax_tq.paged_decode` (softmax scale, default 1/sqrt(head_dim); split-K count; product
+        precision; the query's last sliding_window tokens only; Gemma 2's logit soft cap; gpt-oss's
+        float32 [num_heads] per-head sink logits).
 
     Returns:
       (out [num_seqs, num_heads, head_dim] of q's dtype, updated cache). Gradients: as in
@@ -170,7 +172,7 @@ def paged_attention(q, k, v, cache: PagedKVCache, slot_mapping, block_tables, se
         window_slots = window_slot_mapping(window_ids, seq_lens - 1, seq_lens, cache.window)
     cache = write_cache(cache, k, v, slot_mapping, window_slots)
     out = paged_decode(q, cache, block_tables, seq_lens, window_ids=window_ids, scale=scale, num_splits=num_splits,
-                       precision=precision)
+                       precision=precision, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks)
     return out, cache
 
 

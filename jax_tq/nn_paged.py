@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jax_tq.cache import PagedKVCache, slot_mapping
+from jax_tq.cache import PRESETS, UNCOMPRESSED, PagedKVCache, slot_mapping
 from jax_tq.cache_rows import CacheRows, attend_rows, prompt_rows
 from jax_tq.format import SUPPORTED_HEAD_DIMS, _is_int, window_slot_mapping
 from jax_tq.ragged import causal_self_attention
@@ -31,7 +31,7 @@ from jax_tq.variants import check_variants
 
 __all__ = ["PagedAttention", "linen_paged_attention"]
 
-_PRESETS = ("k4v4", "k3v3", "k2v2", "none")
+_PRESETS = (*PRESETS, UNCOMPRESSED)
 
 
 def _is_concrete(x) -> bool:
@@ -136,6 +136,8 @@ class PagedAttention(nnx.Module):
         if self.qkv_features % self.num_heads:
             raise ValueError(f"{where}: qkv_features ({self.qkv_features}) must be a multiple of num_heads "
                              f"({self.num_heads})")
+        if isinstance(preset, str):  # case and spaces as PagedKVCache.create
+            preset = preset.strip().lower()
         if preset not in _PRESETS:
             raise ValueError(f"{where}: preset must be one of {_PRESETS}, got {preset!r}")
         if not _is_int(page_size) or not 1 <= page_size <= 256:  # NumPy ints too, as PagedKVCache.create

@@ -76,6 +76,12 @@ def test_paged_attention_step_equals_write_then_decode(rng):
     again = tq.paged_decode(q, new_cache, tables, lens)
     np.testing.assert_allclose(np.asarray(out), np.asarray(again), rtol=1e-6, atol=1e-6)
     assert float(new_cache.k_norms[1, 0, 4]) == pytest.approx(float(jnp.linalg.norm(k[0, 0])), rel=1e-6)
+    # the variants reach the decode: the same as paged_decode with them, and not the plain output
+    variants = dict(sliding_window=5, soft_cap=0.5, sinks=jnp.asarray(rng.normal(size=4), jnp.float32))
+    varied, _ = paged_attention(q, k, k, new_cache, slots, tables, lens, **variants)  # the same slot again
+    np.testing.assert_allclose(np.asarray(varied), np.asarray(tq.paged_decode(q, new_cache, tables, lens, **variants)),
+                               rtol=1e-6, atol=1e-6)
+    assert float(jnp.max(jnp.abs(varied - out))) > 1e-2
 
 
 def test_paged_attention_refuses_k_v_without_one_token_per_sequence():

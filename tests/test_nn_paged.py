@@ -266,6 +266,7 @@ def test_errors(rng):
         PagedAttention(4, 32, num_kv_heads=3, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="preset"):
         PagedAttention(4, 32, preset="k5v5", rngs=nnx.Rngs(0))
+    assert PagedAttention(4, 32, preset=" K4V4 ", rngs=nnx.Rngs(0)).preset == "k4v4"  # as PagedKVCache.create
     for bad in (True, 0, 257, 16.0):
         with pytest.raises(ValueError, match=rf"page_size must be an int in \[1, 256\], got {bad!r}"):
             PagedAttention(4, 32, page_size=bad, rngs=nnx.Rngs(0))
