@@ -354,6 +354,12 @@ def main(argv=None) -> int:
         print(f"error: --chunks length {longest} exceeds the model's context length "
               f"{cfg.max_position_embeddings}", file=sys.stderr)
         return 2
+    for c in [gen_cfg, *(c for cs in configs.values() for c in cs if c is not None)]:
+        bad = [i for i in c.exact_layers if not -cfg.num_layers <= i < cfg.num_layers]
+        if bad:  # the layer count is known only now
+            print(f"error: --configs / --gen-bits {c.name!r}: exact layers {bad} outside the model's "
+                  f"{cfg.num_layers} layers (0..{cfg.num_layers - 1}, or negative from the end)", file=sys.stderr)
+            return 2
     try:  # before any timing: each text must hold every chunking's tokens
         for name, text in texts.items():
             for n, length in chunkings:

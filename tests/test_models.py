@@ -816,6 +816,24 @@ def test_example_refuses_bad_arguments_before_loading_the_model(argv, message, t
     assert message in err and "GGUF weights not found" not in err, err
 
 
+def test_example_refuses_exact_layers_outside_the_model(tmp_path, capsys):
+    """examples/smollm2_wikitext.py --configs k4v4@5 on a 2-layer model: 'error: ...' and exit code 2
+    once the model's layer count is known (was a ValueError traceback)."""
+    import importlib.util
+
+    arch, hp = _FAMILY["llama"]
+    path = tmp_path / "tiny.gguf"
+    _write_family_gguf(path, arch, hp, _hf_weights(hp, len(_TINY_TOKENS), num_layers=2, seed=0))
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "smollm2_wikitext.py")
+    spec = importlib.util.spec_from_file_location("smollm2_wikitext_example", script)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    for configs, bad in (("none,k4v4@5", "[5]"), ("k4v4@0:-3", "[-3]")):
+        assert example.main(["--configs", configs, "--chunks", "1x64", "--max-new-tokens", "0", "--gguf", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert f"exact layers {bad} outside the model's 2 layers" in err, err
+
+
 def test_qjl_example_perplexity_applies_its_key_codec(tiny, rng):
     """examples/qjl_keys_perplexity.py's perplexity(): with no codec it is the model's own (the
     uncompressed forward's NLL), a key codec changes it, and the layer's projection is restored
