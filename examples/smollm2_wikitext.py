@@ -33,7 +33,6 @@ Merity et al. 2016 (CC BY-SA 3.0); tiny shakespeare: public domain; see data/REA
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import textwrap

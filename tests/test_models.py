@@ -834,6 +834,36 @@ def test_example_refuses_exact_layers_outside_the_model(tmp_path, capsys):
         assert f"exact layers {bad} outside the model's 2 layers" in err, err
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["--bits", "2"], "--bits must name key bit widths of 3, 4 or 5"),
+    (["--bits", "4,x"], "--bits must be comma-separated integers"),
+    (["--bits", ","], "--bits must name key bit widths"),
+    (["--num-chunks", "0"], "--num-chunks must be >= 1"),
+    (["--chunk-len", "1"], "--chunk-len >= 2"),
+    (["--data", "NO_SUCH_FILE"], "--data: "),
+])
+def test_qjl_example_refuses_bad_arguments_before_loading_the_model(argv, message, tmp_path, capsys):
+    """examples/qjl_keys_perplexity.py: an argparse error (exit code 2) naming the argument, before
+    the weights load (bad --bits ended in a traceback after the model loaded)."""
+    import importlib.util
+
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
+                          "qjl_keys_perplexity.py")
+    spec = importlib.util.spec_from_file_location("qjl_keys_perplexity_example", script)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+
+    def no_load():
+        raise AssertionError("the model loaded before the arguments were checked")
+
+    example.load_smollm2 = no_load
+    argv = [str(tmp_path / a) if a == "NO_SUCH_FILE" else a for a in argv]
+    with pytest.raises(SystemExit) as exited:
+        example.main(argv)
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 def test_qjl_example_perplexity_applies_its_key_codec(tiny, rng):
     """examples/qjl_keys_perplexity.py's perplexity(): with no codec it is the model's own (the
     uncompressed forward's NLL), a key codec changes it, and the layer's projection is restored
