@@ -583,7 +583,9 @@ def _numbered_ids(op: str):
     def numbered(size, batched, seqs, windows):
         seqs_batched, windows_batched = batched
         if windows_batched or not seqs_batched:  # each element its own windows, or the same sequences
-            one = ids(seqs[0] if seqs_batched else seqs, windows[0] if windows_batched else windows)
+            # element 0's (empty) arrays: [:1] and a reshape, which a batch of size 0 also has
+            first = lambda x, batched: x[:1].reshape(x.shape[1:]) if batched else x  # noqa: E731
+            one = ids(first(seqs, seqs_batched), first(windows, windows_batched))
             return jnp.broadcast_to(one, (size,) + one.shape), True
         total, num_windows = size * seqs.shape[1], windows.shape[0]
         if total > num_windows:

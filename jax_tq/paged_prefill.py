@@ -192,10 +192,10 @@ def _check_query_start_loc(query_start_loc, num_seqs: int):
     return query_start_loc
 
 
-def _owned_rows(q_rot, k_codes, tables, lens, starts):
-    """bool [T, 1, 1]: the rows some sequence owns (the others are 0 whatever their query holds)."""
-    owned = reference.prefill_row_lens(starts, lens, q_rot.shape[0], tables.shape[1] * k_codes.shape[2])[2]
-    return owned[:, None, None]
+def _owned_rows(num_rows, max_tokens, lens, starts):
+    """bool [num_rows, 1, 1]: the rows some sequence owns (the others are 0 whatever their query
+    holds); max_tokens: a block table's tokens (max_pages * page_size)."""
+    return reference.prefill_row_lens(starts, lens, num_rows, max_tokens)[2][:, None, None]
 
 
 def _reference(q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables, lens, k_window, v_window,
@@ -208,7 +208,7 @@ def _reference(q_rot, k_codes, k_norms, v_codes, v_norms, k_cent, v_cent, tables
                                               k_cent, v_cent, tables, lens, starts, k_bits, v_bits, scale,
                                               window=(k_window, v_window, window_ids),
                                               **as_keywords(sliding_window, soft_cap, sinks))
-    nan_rows = ~finite & _owned_rows(q_rot, k_codes, tables, lens, starts)
+    nan_rows = ~finite & _owned_rows(q_rot.shape[0], tables.shape[1] * k_codes.shape[2], lens, starts)
     return (jnp.where(nan_rows, jnp.nan, out_rot).astype(jnp.float32),)
 
 
@@ -342,7 +342,8 @@ def _batch(args, dims, **params):
     lens = pu.move_batch_to_front(lens, dims[8], size)
     starts = pu.move_batch_to_front(starts, dims[12], size)
     num_tokens, max_pages = q.shape[1], tables.shape[-1]
-    owned = jax.vmap(lambda q, lens, starts: _owned_rows(q, pools[0], tables[0], lens, starts))(q, lens, starts)
+    owned = jax.vmap(lambda lens, starts: _owned_rows(num_tokens, max_pages * pools[0].shape[2], lens, starts))(
+        lens, starts)
     q = jnp.where(owned, q, 0)  # rows of no sequence stay 0 once a gap sequence owns them
     # Each element's boundaries clamped to its own rows before the offset (the kernel clamps to all rows).
     starts = jnp.clip(starts, 0, num_tokens) + (jnp.arange(size, dtype=jnp.int32) * num_tokens)[:, None]

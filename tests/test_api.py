@@ -50,6 +50,41 @@ def test_empty_batches(rng):
     assert out.shape == (2, 4, 64) and np.all(np.asarray(out) == 0)
 
 
+@pytest.mark.parametrize("backend", ["ffi", "xla"])
+def test_vmap_of_size_zero_over_the_attention_ops(rng, backend):
+    """jax.vmap over a batch of 0 (legal in JAX) gives empty outputs for prefill and the serving call
+    over a shared cache or a cache per element, with and without windows (the batching rules took
+    element 0 of their inputs: IndexError; a fresh helper's trial)."""
+    heads, d = 4, 64
+    plain = random_cache(rng, num_pages=4, page_size=4, num_kv_heads=2, head_dim=d, k_bits=4, v_bits=4)
+    windowed = tq.PagedKVCache.create(num_pages=4, page_size=4, num_kv_heads=2, preset="k4v4", head_dim=d,
+                                      num_windows=1)
+    tables, lens, starts = jnp.asarray([[0, 1]], jnp.int32), jnp.asarray([3], jnp.int32), jnp.asarray([0, 3], jnp.int32)
+    per_element = lambda c, n: jax.tree.map(lambda x: jnp.broadcast_to(x[None], (n,) + x.shape), c)  # noqa: E731
+
+    def prefill(q, c):
+        return tq.paged_prefill(q, c, tables, lens, starts)
+
+    def ragged(q, c):
+        kv = q[:, :2]
+        return tq.ragged_paged_attention(q, kv, kv, c, lens, tables, starts)[0]
+
+    def decode(q, c):
+        return tq.paged_decode(q[:1], c, tables, lens)
+
+    with tq.use_backend(backend):
+        for cache in (plain, windowed):
+            for fn in (prefill, ragged, decode):
+                for n in (2, 0):
+                    q = jnp.asarray(rng.normal(size=(n, 3, heads, d)), jnp.float32)
+                    rows = 1 if fn is decode else 3
+                    shared = jax.vmap(fn, in_axes=(0, None))(q, cache)
+                    own = jax.vmap(fn)(q, per_element(cache, n))
+                    assert shared.shape == own.shape == (n, rows, heads, d), (fn.__name__, n)
+                    if n:  # the batch's results are each element's
+                        np.testing.assert_allclose(np.asarray(own[1]), np.asarray(fn(q[1], cache)), rtol=1e-5, atol=1e-6)
+
+
 def test_numpy_int64_indices_are_refused_not_wrapped():
     """With x64 off, jnp.asarray casts NumPy int64 to int32, so 2^32 + 5 would have become slot /
     page 5 and a seq_len of 2^32 zero; they are refused with the dtype the caller passed
