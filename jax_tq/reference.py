@@ -871,7 +871,10 @@ def paged_decode_pages(q, k_pages, v_pages, block_tables, seq_lens, scale, *, sl
     num_seqs, num_heads, head_dim = q.shape
     keys, values, valid = _sequence_pages(k_pages, v_pages, block_tables, seq_lens)
     num_kv_heads = k_pages.shape[1]
-    queries = q.reshape(num_seqs, num_kv_heads, -1, head_dim)
+    finite = jnp.all(jnp.isfinite(q), axis=-1, keepdims=True)
+    # A row that is not all finite attends as zeros (its output is NaN below), so that no 0 x NaN
+    # reaches the gradients of the tokens it shares (a NaN row that the loss masks out)
+    queries = jnp.where(finite, q, 0).reshape(num_seqs, num_kv_heads, -1, head_dim)
     sees = valid
     if sliding_window is not None:
         ends = jnp.clip(seq_lens.astype(jnp.int32), 0, valid.shape[1])
@@ -881,7 +884,7 @@ def paged_decode_pages(q, k_pages, v_pages, block_tables, seq_lens, scale, *, sl
     out = _attend_tokens(queries, keys, values, sees[:, None, None, :], sees[:, None, :, None], scale, soft_cap,
                          head_sinks)
     out = out.reshape(num_seqs, num_heads, head_dim)
-    return jnp.where(jnp.all(jnp.isfinite(q), axis=-1, keepdims=True), out, jnp.nan).astype(out.dtype)
+    return jnp.where(finite, out, jnp.nan).astype(out.dtype)
 
 
 @_jit("sliding_window", "soft_cap")
@@ -899,14 +902,15 @@ def paged_prefill_pages(q, k_pages, v_pages, block_tables, seq_lens, query_start
     Returns:
       [T, H, d] in promote(q, pages, float32): row i attends to its sequence's tokens up to its
       position (:func:`prefill_row_lens`); rows of no sequence, or before their sequence's start,
-      are 0. Every row is scored against every sequence's tokens (then masked): memory and time
+      are 0; rows a sequence owns whose q is not all finite NaN (as the compressed caches'
+      prefill). Every row is scored against every sequence's tokens (then masked): memory and time
       O(T x H x S x max_pages x page_size), the cost of causal attention for one sequence.
     """
     num_rows, num_heads, head_dim = q.shape
     num_kv_heads = k_pages.shape[1]
     keys, values, valid = _sequence_pages(k_pages, v_pages, block_tables, seq_lens)
     num_seqs, length = valid.shape
-    seq, lens, _ = prefill_row_lens(query_start_loc, seq_lens, num_rows, length)
+    seq, lens, owned = prefill_row_lens(query_start_loc, seq_lens, num_rows, length)
     sees = ((seq[:, None] == jnp.arange(num_seqs)[None, :])[:, :, None]
             & (jnp.arange(length)[None, None, :] < lens[:, None, None]) & valid[None])      # [T, S, L]
     if sliding_window is not None:
@@ -917,11 +921,15 @@ def paged_prefill_pages(q, k_pages, v_pages, block_tables, seq_lens, query_start
     def flat(tokens):  # [S, Hkv, L, d] -> [1, Hkv, S*L, d]: one key sequence for all rows
         return jnp.swapaxes(tokens, 0, 1).reshape(1, num_kv_heads, num_seqs * length, head_dim)
 
-    queries = jnp.swapaxes(q.reshape(num_rows, num_kv_heads, -1, head_dim), 0, 1)[None]  # [1, Hkv, T, G, d]
+    finite = jnp.all(jnp.isfinite(q), axis=-1, keepdims=True)
+    # as in paged_decode_pages; rows of no sequence too: they are scored against every token
+    queries = jnp.where(finite, q, 0).reshape(num_rows, num_kv_heads, -1, head_dim)
+    queries = jnp.swapaxes(queries, 0, 1)[None]  # [1, Hkv, T, G, d]
     token_ok = jnp.any(sees, axis=0).reshape(1, 1, -1, 1)  # the tokens some row sees
     out = _attend_tokens(queries, flat(keys), flat(values), sees.reshape(1, 1, num_rows, 1, -1), token_ok, scale,
                          soft_cap, head_sinks)
-    return jnp.swapaxes(out[0], 0, 1).reshape(num_rows, num_heads, head_dim)
+    out = jnp.swapaxes(out[0], 0, 1).reshape(num_rows, num_heads, head_dim)
+    return jnp.where(~finite & owned[:, None, None], jnp.nan, out).astype(out.dtype)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -169,6 +169,48 @@ def test_a_non_finite_query_row_gives_nan_as_in_compressed_caches(rng):
     assert np.isfinite(out[1]).all() and np.abs(out[1]).max() > 0
 
 
+@pytest.mark.parametrize("op", ["decode", "prefill"])
+def test_a_nan_query_row_leaves_the_other_gradients_as_with_a_finite_one(rng, op):
+    """A NaN query in a row of no sequence (prefill's padding) or in a row the loss masks out: the
+    gradients in q, K and V equal those with a finite query there, as with compressed caches (they
+    were NaN for every token: 0 x NaN in dK; a fresh helper's trial). The masked row's output is NaN,
+    the padding row's 0."""
+    cache = tq.PagedKVCache.create(num_pages=4, page_size=4, num_kv_heads=2, preset="none", head_dim=8)
+    tables, lens = jnp.asarray([[0, 1], [2, 3]], jnp.int32), jnp.asarray([6, 5], jnp.int32)
+    slots = jnp.asarray(_slots(tables, [6, 5], 4))
+    k, v = (jnp.asarray(rng.normal(size=(11, 2, 8)), jnp.float32) for _ in range(2))
+    if op == "decode":
+        q = jnp.asarray(rng.normal(size=(2, 4, 8)), jnp.float32)
+        nan_rows = [(0, 1)]  # (row, head) the loss masks out
+        attend = lambda q, c: tq.paged_decode(q, c, tables, lens)  # noqa: E731
+    else:  # rows 0-2: sequence 0, rows 3-4: sequence 1, row 5: none
+        q = jnp.asarray(rng.normal(size=(6, 4, 8)), jnp.float32)
+        nan_rows = [(1, 2), (5, 0)]
+        attend = lambda q, c: tq.paged_prefill(q, c, tables, lens, jnp.asarray([0, 3, 5], jnp.int32))  # noqa: E731
+    masked = jnp.zeros(q.shape[:2] + (1,), bool)
+    for row, head in nan_rows:
+        masked = masked.at[row, head].set(True)
+
+    def loss(q, k, v):
+        out = attend(q, tq.write_cache(cache, k, v, slots))
+        return jnp.sum(jnp.where(masked, 0.0, out) ** 2)
+
+    poisoned = q
+    for row, head in nan_rows:
+        poisoned = poisoned.at[row, head, 3].set(jnp.nan)
+    for backend in ("ffi", "xla"):
+        with tq.use_backend(backend):
+            grads = jax.grad(loss, argnums=(0, 1, 2))(poisoned, k, v)
+            clean = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+            out = np.asarray(attend(poisoned, tq.write_cache(cache, k, v, slots)))
+        for got, want in zip(grads, clean):
+            assert np.abs(np.asarray(want)).max() > 0
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-7)
+        assert np.isnan(out[nan_rows[0]]).all()
+        if op == "prefill":
+            assert (out[5] == 0).all()
+
+
 def test_checked_mode_names_a_bad_block_table_entry():
     """jax_tq.checked reports an out-of-pool page of the uncompressed layout as of the compressed one."""
     cache = tq.PagedKVCache.create(num_pages=2, page_size=4, num_kv_heads=1, preset="none", head_dim=8)
