@@ -133,7 +133,8 @@ def reject_checkify_residuals(op: str, **wanted) -> None:
         if jnp.result_type(value) != jnp.dtype(dtype):
             raise TypeError(
                 f"jax_tq.{op}: its backward pass got {name} as {jnp.result_type(value)}, not {jnp.dtype(dtype)}: "
-                f"jax.grad of a checked {op} is not supported; differentiate inside the check, "
+                f"jax.grad of a checked function (here of its {op}, which jax_tq ops such as "
+                f"ragged_paged_attention call) is not supported; differentiate inside the check, "
                 f"jax_tq.checked(jax.grad(f))")
 
 

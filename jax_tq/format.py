@@ -64,17 +64,30 @@ def check_index_dtype(x, what: str) -> None:
     """Refuses an index operand (block_tables, seq_lens, slot_mapping) given with a dtype other than
     int32, before ``jnp.asarray`` sees it: with x64 off that casts NumPy int64 to int32, wrapping
     values past 2^31 - 1 into valid-looking indices, and float64 to float32 (the error would then
-    name the wrong dtype). Values without a dtype (lists, Python ints) are left to ``jnp.asarray``.
+    name the wrong dtype). Values without a dtype (lists, Python ints) are left to ``jnp.asarray``,
+    after a check that their integers fit int32 (``jnp.asarray`` raises a bare OverflowError).
 
     Args:
       x: the operand as the user passed it (NumPy or JAX array, list, scalar).
       what: the message's start, e.g. "jax_tq.paged_decode: block_tables must be int32 [num_seqs=2, max_pages]".
     Raises:
       TypeError: "{what}, got {dtype}{shape}" where x has a dtype other than int32.
+      ValueError: a list or Python int holding an integer outside int32.
     """
     dtype = getattr(x, "dtype", None)
     if dtype is not None and np.dtype(dtype) != np.int32:
         raise TypeError(f"{what}, got {np.dtype(dtype)}{tuple(np.shape(x))}")
+    if dtype is None and isinstance(x, (int, list, tuple)):
+        info = np.iinfo(np.int32)
+        try:
+            values = np.asarray(x, np.int64)
+        except OverflowError:  # past int64
+            raise ValueError(f"{what}, got an integer outside int32") from None
+        except (TypeError, ValueError):  # not integers alone (tracers, ragged lists): jnp.asarray decides
+            return
+        outside = values[(values < info.min) | (values > info.max)]
+        if outside.size:
+            raise ValueError(f"{what}, got {outside[0]}, outside int32")
 
 
 def _is_int(value) -> bool:

@@ -103,6 +103,13 @@ def test_numpy_int64_indices_are_refused_not_wrapped():
         tq.paged_decode(q, cache, tables, np.full((2,), 2**32, np.int64))
     with pytest.raises(TypeError, match=r"block_tables must be int32 .*, got float64\(2, 3\)"):
         tq.paged_decode(q, cache, np.zeros((2, 3)), lens)
+    # Python lists / ints past int32 name the argument (jnp.asarray's bare OverflowError did not)
+    with pytest.raises(ValueError, match=r"paged_decode: seq_lens must be int32 \[num_seqs=2\], got 4294967296, outside"):
+        tq.paged_decode(q, cache, tables, [5, 2**32])
+    with pytest.raises(ValueError, match=r"write_cache: slot_mapping must be int32 \[1\], got -2147483649, outside"):
+        tq.write_cache(cache, k, k, [-2**31 - 1])
+    with pytest.raises(ValueError, match=r"ragged_paged_attention: kv_lens must be int32 .*, got an integer outside"):
+        tq.ragged_paged_attention(q[:1], k, k, cache, [2**70], tables[:1], [0, 1])
     # NumPy int32 and Python lists stay accepted
     out = tq.paged_decode(q, cache, np.asarray(tables), [5, 5])
     assert out.shape == q.shape
