@@ -2997,19 +2997,14 @@ ffi::Error launch_hadamard_wgmma_t(const char* op, cudaStream_t stream, const Ge
 // 0..63). Its static shared arrays exist only there: the code the driver loads elsewhere (sm_80, a
 // plain sm_90 build, PTX JIT-compiled for a later GPU) is the kernel's trap and has none.
 bool wgmma_write_available() {
-  static std::atomic<int> known[64];  // 0: not asked, 1: yes, 2: no
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) {
-    (void)cudaGetLastError();
-    return false;
-  }
-  if (const int k = known[dev].load(std::memory_order_acquire); k != 0) return k == 1;
-  cudaFuncAttributes attr{};
-  bool ok = cudaFuncGetAttributes(&attr, tq_hadamard_wgmma_kernel<128, static_cast<int>(FType::kBF16)>) == cudaSuccess;
-  if (!ok) (void)cudaGetLastError();
-  ok = ok && attr.sharedSizeBytes > 0;
-  known[dev].store(ok ? 1 : 2, std::memory_order_release);
-  return ok;
+  static std::atomic<int> known[64];
+  constexpr int kNo = 1, kYes = 2;
+  return once_per_device(known, kNo, [](int) {
+    cudaFuncAttributes attr{};
+    const bool ok = cudaFuncGetAttributes(&attr, tq_hadamard_wgmma_kernel<128, static_cast<int>(FType::kBF16)>) ==
+                    cudaSuccess;
+    return ok && attr.sharedSizeBytes > 0 ? kYes : kNo;
+  }) == kYes;
 }
 
 bool wgmma_write_fits(int d) {

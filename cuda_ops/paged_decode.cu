@@ -937,24 +937,18 @@ ffi::Error launch_tc_f16(cudaStream_t stream, const DecodeParams& p, dim3 grid) 
 
 // ---- what the planner asks of the device --------------------------------------------------------
 
-// Resident CTAs per SM of `kernel` on the current device (asked once per device 0..63), at most `cap`.
+// Resident CTAs per SM of `kernel` on the current device (asked once per device), at most `cap`.
 template <auto kKernel>
 int64_t resident_ctas(int threads, int smem, int cap) {
-  static std::atomic<int> known[64];  // 0: not asked yet, else the answer + 1
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 1;
-  int state = known[dev].load(std::memory_order_acquire);
-  if (state == 0) {
+  static std::atomic<int> known[64];
+  return once_per_device(known, 1, [threads, smem, cap](int) {
     int ctas = 0;
     if (cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess ||
         cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kKernel, threads, smem) != cudaSuccess) {
-      (void)cudaGetLastError();  // a refused attribute is an answer here, not an error to keep
       ctas = 1;
     }
-    state = (ctas < 1 ? 1 : ctas > cap ? cap : ctas) + 1;
-    known[dev].store(state, std::memory_order_release);
-  }
-  return state - 1;
+    return ctas < 1 ? 1 : ctas > cap ? cap : ctas;
+  });
 }
 
 // Whether the float16 kernel's ring variant keeps its residency (v4_ctas_per_sm) on the current

@@ -27,54 +27,52 @@ cudaError_t allow_dynamic_smem(std::atomic<uint64_t>& done, Kernel kernel, int s
   return e;
 }
 
-// Streaming multiprocessors of the current device (asked once per device 0..63), or `fallback`
-// where the runtime does not answer.
-inline int device_sm_count(int fallback) {
-  static std::atomic<int> known[64];
+// What `ask(device)` answers for the current device (a positive int; <= 0: no answer), asked once
+// per device 0..63 and kept in `known` (one per question, static at its call site), or `fallback`
+// where the device or the answer is unknown (not kept: asked again at the next call).
+template <typename Ask>
+int once_per_device(std::atomic<int> (&known)[64], int fallback, Ask ask) {
   int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return fallback;
-  int n = known[dev].load(std::memory_order_acquire);
-  if (n > 0) return n;
-  if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n <= 0) {
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) {
     (void)cudaGetLastError();
     return fallback;
   }
+  int n = known[dev].load(std::memory_order_acquire);
+  if (n > 0) return n;
+  n = ask(dev);
+  (void)cudaGetLastError();  // a refusal is an answer here, not an error for the next launch to find
+  if (n <= 0) return fallback;
   known[dev].store(n, std::memory_order_release);
   return n;
 }
 
-// The shared memory one CTA may opt in to on the current device (asked once per device 0..63; 227
-// KB on sm_90, 163 KB on sm_80, 99 KB on sm_86 / sm_89), or 48 KB where the runtime does not answer.
-inline int device_block_smem_optin() {
+// A device attribute of the current device (once per device), or `fallback`.
+template <cudaDeviceAttr kAttribute>
+int device_attribute(int fallback) {
   static std::atomic<int> known[64];
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 48 * 1024;
-  int n = known[dev].load(std::memory_order_acquire);
-  if (n > 0) return n;
-  if (cudaDeviceGetAttribute(&n, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess || n <= 0) {
-    (void)cudaGetLastError();
-    return 48 * 1024;
-  }
-  known[dev].store(n, std::memory_order_release);
-  return n;
+  return once_per_device(known, fallback, [](int dev) {
+    int n = 0;
+    return cudaDeviceGetAttribute(&n, kAttribute, dev) == cudaSuccess ? n : 0;
+  });
 }
+
+// Streaming multiprocessors of the current device, or `fallback` where the runtime does not answer.
+inline int device_sm_count(int fallback) { return device_attribute<cudaDevAttrMultiProcessorCount>(fallback); }
+
+// The shared memory one CTA may opt in to on the current device (227 KB on sm_90, 163 KB on sm_80,
+// 99 KB on sm_86 / sm_89), or 48 KB where the runtime does not answer.
+inline int device_block_smem_optin() { return device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(48 * 1024); }
 
 // Whether `kernel`'s code on the current device was compiled for sm_90 or later (its PTX version: code
 // JIT-compiled from compute_80 PTX, e.g. on a newer device than the build's SASS, has no
-// griddepcontrol), asked once per device 0..63 (`known`: one per kernel, static at the call site).
+// griddepcontrol), asked once per device (`known`: one per kernel, static at the call site).
 template <typename Kernel>
 bool compiled_for_sm90(std::atomic<int> (&known)[64], Kernel kernel) {
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
-  int state = known[dev].load(std::memory_order_acquire);  // 0: not asked yet, 1: no, 2: yes
-  if (state == 0) {
+  constexpr int kNo = 1, kYes = 2;
+  return once_per_device(known, kNo, [kernel](int) {
     cudaFuncAttributes attributes = {};
-    const bool yes = cudaFuncGetAttributes(&attributes, kernel) == cudaSuccess && attributes.ptxVersion >= 90;
-    (void)cudaGetLastError();
-    state = yes ? 2 : 1;
-    known[dev].store(state, std::memory_order_release);
-  }
-  return state == 2;
+    return cudaFuncGetAttributes(&attributes, kernel) == cudaSuccess && attributes.ptxVersion >= 90 ? kYes : kNo;
+  }) == kYes;
 }
 
 // Launch `kernel` as a programmatic dependent of the kernel before it on `stream` where `dependent`
