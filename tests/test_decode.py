@@ -1357,7 +1357,8 @@ def test_paged_decode_fused_rotation(rng, head_dim, page_size, group, num_splits
         bad[3, 0] = True
     fn = jax.jit(lambda *a: tq.paged_decode(*a, num_splits=num_splits, precision=precision))
     fused = f"tensor<2x{head_dim}xi32>" in fn.lower(q, cache, tables, lens).as_text()
-    assert fused and tq.plan_decode(q, cache, tables, num_splits=num_splits, precision=precision)["fused_rotation"]
+    assert fused == tq.plan_decode(q, cache, tables, num_splits=num_splits, precision=precision)["fused_rotation"]
+    assert fused or os.environ.get("JAX_TQ_DECODE_KERNEL") == "cuda-core"  # which rotates in XLA
     poison_device_memory(q.size * 4 * 8 * 70)
     got = np.asarray(fn(q, cache, tables, lens).astype(jnp.float32), np.float64)
     assert np.all(np.isnan(got[bad])) and np.all(np.isfinite(got[~bad])) and np.all(got[0] == 0.0)
