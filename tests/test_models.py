@@ -787,6 +787,17 @@ def test_loader_and_evaluation_helpers_name_bad_input(tmp_path):
             models.chunk_token_ids(None, "text", *counts)
 
 
+def _example(name: str):
+    """examples/{name}.py imported as a module (its main() called by the tests)."""
+    import importlib.util
+
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"{name}_example", script)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    return example
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--seeds", "0,-1"], "--seeds must be >= 0"),
     (["--seeds", "a"], "--seeds must be comma-separated integers"),
@@ -802,15 +813,10 @@ def test_loader_and_evaluation_helpers_name_bad_input(tmp_path):
 def test_example_refuses_bad_arguments_before_loading_the_model(argv, message, tmp_path, capsys):
     """examples/smollm2_wikitext.py: each bad argument ends with 'error: ...' and exit code 2 before
     the model loads (they used to run the benchmarks first, or pass silently)."""
-    import importlib.util
-
     binary = tmp_path / "binary.bin"
     binary.write_bytes(bytes(range(256)))
     argv = [str(binary) if a == "BINARY" else a for a in argv]
-    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "smollm2_wikitext.py")
-    spec = importlib.util.spec_from_file_location("smollm2_wikitext_example", script)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    example = _example("smollm2_wikitext")
     assert example.main(argv + ["--gguf", str(tmp_path / "no_such.gguf")]) == 2
     err = capsys.readouterr().err
     assert message in err and "GGUF weights not found" not in err, err
@@ -819,15 +825,10 @@ def test_example_refuses_bad_arguments_before_loading_the_model(argv, message, t
 def test_example_refuses_exact_layers_outside_the_model(tmp_path, capsys):
     """examples/smollm2_wikitext.py --configs k4v4@5 on a 2-layer model: 'error: ...' and exit code 2
     once the model's layer count is known (was a ValueError traceback)."""
-    import importlib.util
-
     arch, hp = _FAMILY["llama"]
     path = tmp_path / "tiny.gguf"
     _write_family_gguf(path, arch, hp, _hf_weights(hp, len(_TINY_TOKENS), num_layers=2, seed=0))
-    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "smollm2_wikitext.py")
-    spec = importlib.util.spec_from_file_location("smollm2_wikitext_example", script)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    example = _example("smollm2_wikitext")
     for configs, bad in (("none,k4v4@5", "[5]"), ("k4v4@0:-3", "[-3]")):
         assert example.main(["--configs", configs, "--chunks", "1x64", "--max-new-tokens", "0", "--gguf", str(path)]) == 2
         err = capsys.readouterr().err
@@ -845,13 +846,7 @@ def test_example_refuses_exact_layers_outside_the_model(tmp_path, capsys):
 def test_qjl_example_refuses_bad_arguments_before_loading_the_model(argv, message, tmp_path, capsys):
     """examples/qjl_keys_perplexity.py: an argparse error (exit code 2) naming the argument, before
     the weights load (bad --bits ended in a traceback after the model loaded)."""
-    import importlib.util
-
-    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
-                          "qjl_keys_perplexity.py")
-    spec = importlib.util.spec_from_file_location("qjl_keys_perplexity_example", script)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    example = _example("qjl_keys_perplexity")
 
     def no_load():
         raise AssertionError("the model loaded before the arguments were checked")
@@ -868,16 +863,11 @@ def test_qjl_example_perplexity_applies_its_key_codec(tiny, rng):
     """examples/qjl_keys_perplexity.py's perplexity(): with no codec it is the model's own (the
     uncompressed forward's NLL), a key codec changes it, and the layer's projection is restored
     afterwards (it patched a class the models no longer had, and crashed at import)."""
-    import importlib.util
     import math
 
     from jax_tq.nn_paged import PagedAttention
 
-    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
-                          "qjl_keys_perplexity.py")
-    spec = importlib.util.spec_from_file_location("qjl_keys_perplexity_example", script)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    example = _example("qjl_keys_perplexity")
     original = PagedAttention._qkv
     chunks = [rng.integers(0, TINY.vocab_size, 24).tolist() for _ in range(2)]
     exact = example.perplexity(tiny, chunks, None, None)
