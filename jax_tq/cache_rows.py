@@ -20,7 +20,7 @@ import numpy as np
 
 from jax_tq import _compat
 from jax_tq.cache import PagedKVCache, slot_mapping, window_ids_of, write_cache, write_tokens
-from jax_tq.checks import check_decode_indices, check_window_ids
+from jax_tq.checks import check_decode_indices, check_window_ids, index_array
 from jax_tq.format import INDEX_MAX, window_slot_mapping
 from jax_tq.paged_decode import paged_decode
 from jax_tq.paged_prefill import paged_prefill
@@ -242,12 +242,15 @@ def decode_rows(cache: PagedKVCache, block_tables, position, seq_lens, window_id
       from them; with a window its token still enters the sequence's ring, which serves the
       sequence's last ``window`` positions.
     Raises:
+      TypeError / ValueError: position or seq_lens not int32 ``[S]``.
       ValueError: window_ids not integer ``[S]``; window_ids=None with more rows than the cache's
         window ids (the default ids past them would write no window).
     """
     block_tables = _listed_as_array(block_tables)
-    position, seq_lens = jnp.asarray(position), jnp.asarray(seq_lens)
-    slots = jnp.where(seq_lens > 0, slot_mapping(block_tables, position.astype(jnp.int32), cache.page_size), -1)
+    position = index_array(position, "position", "[num_seqs]", "decode_rows", ndim=1)
+    seq_lens = index_array(seq_lens, "seq_lens", f"[num_seqs={position.shape[0]}] (position's length)", "decode_rows",
+                           shape=position.shape)
+    slots = jnp.where(seq_lens > 0, slot_mapping(block_tables, position, cache.page_size), -1)
     # checked mode: the arguments named here, before write_cache sees the slots made of them
     check_decode_indices(jnp.asarray(block_tables), seq_lens, num_pages=cache.num_pages, page_size=cache.page_size,
                          op="decode_rows")

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_tq.cache import PagedKVCache, window_ids_of, write_cache
+from jax_tq.checks import index_array
 from jax_tq.format import window_slot_mapping
 from jax_tq.codec import TurboQuant
 from jax_tq.compress import check_float_input, check_packed_codec, compress, decompress
@@ -159,15 +160,16 @@ def paged_attention(q, k, v, cache: PagedKVCache, slot_mapping, block_tables, se
 
     Raises:
       ValueError: k or v without one token per sequence of q (their first axis must be num_seqs).
+      TypeError / ValueError: seq_lens not int32 [num_seqs].
       TypeError / ValueError from :func:`jax_tq.write_cache` and :func:`jax_tq.paged_decode`.
     """
     for name, x in (("k", k), ("v", v)):
         if jnp.ndim(q) >= 1 and jnp.ndim(x) >= 1 and jnp.shape(x)[0] != jnp.shape(q)[0]:
             raise ValueError(f"jax_tq.nn.paged_attention: {name} must hold one token per sequence, "
                              f"[num_seqs={jnp.shape(q)[0]}, num_kv_heads, head_dim], got shape {tuple(jnp.shape(x))}")
+    seq_lens = index_array(seq_lens, "seq_lens", "[num_seqs]", "nn.paged_attention", ndim=1)
     window_slots = None
     if cache.window:
-        seq_lens = jnp.asarray(seq_lens)
         window_ids = window_ids_of(cache, window_ids, seq_lens.shape[0], "nn.paged_attention", block_tables)
         window_slots = window_slot_mapping(window_ids, seq_lens - 1, seq_lens, cache.window)
     cache = write_cache(cache, k, v, slot_mapping, window_slots)

@@ -202,9 +202,9 @@ class PagedAttention(nnx.Module):
                              f"{SUPPORTED_HEAD_DIMS}, got {self.qkv_features} / {self.num_heads} = {self.head_dim} "
                              f"(preset='none' takes any head_dim)")
         if isinstance(batch_size, (tuple, list)):
-            if max_length is not None or len(batch_size) != 3:
+            if max_length is not None or len(batch_size) != 3 or batch_size[2] != self.in_features:
                 raise ValueError(f"{where}: give (batch_size, max_length) or an input shape (batch_size, max_length, "
-                                 f"features), got {batch_size!r} and max_length={max_length!r}")
+                                 f"features={self.in_features}), got {batch_size!r} and max_length={max_length!r}")
             batch_size, max_length = batch_size[0], batch_size[1]
         batch = _positive(batch_size, "batch_size", where)
         max_length = _positive(max_length, "max_length", where)
@@ -401,7 +401,7 @@ def linen_paged_attention(num_heads: int, in_features: int, *, batch_size: int, 
     Usage::
 
         attn = jax_tq.nn.linen_paged_attention(8, 512, num_kv_heads=2, batch_size=4, max_length=2048)
-        variables = attn.init(key, prompt, decode=False)          # params and a cache
+        variables = attn.init(key, prompt, decode=False)          # params and an empty cache
         out, mutated = attn.apply(variables, prompt, decode=False, lengths=lens, mutable=["cache"])
         variables = {**variables, **mutated}
         step = jax.jit(lambda params, cache, x: attn.apply({"params": params, "cache": cache}, x,
@@ -417,8 +417,9 @@ def linen_paged_attention(num_heads: int, in_features: int, *, batch_size: int, 
       A ``flax.nnx.bridge.ToLinen`` module whose ``__call__`` takes ``PagedAttention.__call__``'s
       arguments (``inputs_q``, ``decode=``, ``lengths=``). Variables: ``"params"`` (the projections,
       named as :class:`PagedAttention`'s) and ``"cache"`` (``cache``: the
-      :class:`jax_tq.PagedKVCache`; ``block_tables``; ``lengths``); ``init`` runs the call it is
-      given, so its cache holds that call's tokens.
+      :class:`jax_tq.PagedKVCache`; ``block_tables``; ``lengths``). ``init`` returns the cache
+      before the call it runs (flax's ToLinen keeps the variables as initialised): empty, lengths
+      0; the prefill ``apply`` above fills it.
     Raises:
       As :class:`PagedAttention` and :meth:`PagedAttention.init_cache`, when the module is first
       initialised.

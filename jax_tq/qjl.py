@@ -204,8 +204,9 @@ def qjl_decompress(keys, codec, dtype=jnp.float32):
     rotated residual. The mse part runs the decompress kernel, the sign part one XLA product.
     """
     _check_prod_codec(codec, "qjl_decompress")
-    if jnp.dtype(dtype) not in [jnp.dtype(d) for d in FLOAT_DTYPES]:
-        raise TypeError(f"jax_tq.qjl_decompress: dtype must be float32, bfloat16 or float16, got {jnp.dtype(dtype).name}")
+    if dtype is None or jnp.dtype(dtype) not in [jnp.dtype(d) for d in FLOAT_DTYPES]:
+        got = "None" if dtype is None else jnp.dtype(dtype).name  # jnp.dtype(None) is float64
+        raise TypeError(f"jax_tq.qjl_decompress: dtype must be float32, bfloat16 or float16, got {got}")
     keys = _check_keys(keys, codec, None, "jax_tq.qjl_decompress")
     mse = decompress(keys.codes, keys.norms, codec.mse, jnp.float32)
     signs = unpack_signs(keys.signs, codec.head_dim).astype(jnp.float32)

@@ -174,6 +174,9 @@ def test_generate_and_sampling_refuse_bad_arguments(tiny):
             generate(tiny, ok, **(dict(max_new_tokens=3) | kwargs))
     with pytest.raises(ValueError, match="top_k"):
         sample_tokens(jnp.zeros((2, 5)), jax.random.PRNGKey(0), 1.0, 6)
+    for logits in (jnp.float32(1.0), jnp.zeros((2, 0))):  # no vocabulary axis (IndexError), or an empty one
+        with pytest.raises(ValueError, match=r"sample_tokens: logits must be float \[..., vocab\] with vocab >= 1"):
+            sample_tokens(logits, jax.random.PRNGKey(0), 1.0)
 
 
 @pytest.mark.parametrize("cache", [None, (4, 3)])

@@ -95,6 +95,12 @@ def test_paged_attention_refuses_k_v_without_one_token_per_sequence():
                        jnp.arange(3, dtype=jnp.int32), tables, lens)
     with pytest.raises(ValueError, match=r"paged_attention: v must hold one token per sequence"):
         jax.eval_shape(paged_attention, q, kv, jnp.zeros((3, 2, 64)), cache, slots, tables, lens)
+    # float seq_lens: named here (on a window cache the error came from window_slot_mapping's positions)
+    windowed = tq.PagedKVCache.create(num_pages=4, page_size=8, num_kv_heads=2, preset="k4v4", head_dim=64,
+                                      num_windows=2)
+    for c in (cache, windowed):
+        with pytest.raises(TypeError, match=r"nn.paged_attention: seq_lens must be int32 \[num_seqs\], got float32"):
+            jax.eval_shape(paged_attention, q, kv, kv, c, slots, tables, lens.astype(jnp.float32))
 
 
 def test_linen_multihead_attention_with_turboquant_kv(rng):

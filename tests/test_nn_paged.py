@@ -266,6 +266,8 @@ def test_errors(rng):
         PagedAttention(4, 32, num_kv_heads=3, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="preset"):
         PagedAttention(4, 32, preset="k5v5", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"input shape \(batch_size, max_length, features=32\), got \(2, 4, 16\)"):
+        PagedAttention(4, 32, preset="none", rngs=nnx.Rngs(0)).init_cache((2, 4, 16))
     assert PagedAttention(4, 32, preset=" K4V4 ", rngs=nnx.Rngs(0)).preset == "k4v4"  # as PagedKVCache.create
     for bad in (True, 0, 257, 16.0):
         with pytest.raises(ValueError, match=rf"page_size must be an int in \[1, 256\], got {bad!r}"):
@@ -315,6 +317,7 @@ def test_linen_wrapper_prefills_and_decodes_as_float64_attention(rng):
     steps = jnp.asarray(rng.normal(size=(batch, steps_n, features)), jnp.float32)
     lens = jnp.asarray([6, 4], jnp.int32)
     variables = attn.init(jax.random.key(int(rng.integers(1 << 30))), prompt, decode=False)
+    assert (np.asarray(variables["cache"]["lengths"]) == 0).all()  # as the docstring says: prefill with apply
     params = jax.tree.map(lambda a: jnp.asarray(rng.normal(size=a.shape) * 0.3, a.dtype) if a.ndim == 1 else a,
                           variables["params"])   # non-zero biases, so the oracle sees them
     variables = {**variables, "params": params}

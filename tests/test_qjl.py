@@ -274,6 +274,8 @@ def test_bad_inputs_raise_clear_errors(rng):
     q_random = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
     np.testing.assert_array_equal(np.asarray(tq.qjl_scores(q_random, list(keys), codec)),
                                   np.asarray(tq.qjl_scores(q_random, keys, codec)))
+    with pytest.raises(TypeError, match="qjl_decompress: dtype must be float32, bfloat16 or float16, got None"):
+        tq.qjl_decompress(keys, codec, None)   # jnp.dtype(None) is float64: the message said float64
     with pytest.raises(AttributeError, match="immutable"):
         codec.bits = 3
 

@@ -538,3 +538,10 @@ def test_rows_with_default_window_ids_past_the_caches_are_refused():
     rows = tq.decode_rows(cache, tables, jnp.zeros(3, jnp.int32), jnp.asarray([1, 0, 1], jnp.int32),
                           jnp.asarray([0, 1, 1], jnp.int32))   # rows 1 (idle) and 2 share id 1
     assert rows.window_ids.tolist() == [0, 1, 1]
+    # float positions and lengths are refused, not truncated (2.9 was position 2 without a window)
+    plain = tq.PagedKVCache.create(num_pages=12, page_size=4, num_kv_heads=1, preset="none", head_dim=64)
+    for c in (plain, cache):
+        with pytest.raises(TypeError, match=r"decode_rows: position must be int32 \[num_seqs\], got float32\(2,\)"):
+            tq.decode_rows(c, tables[:2], jnp.asarray([2.9, 5.5]), jnp.asarray([3, 6], jnp.int32))
+        with pytest.raises(TypeError, match=r"decode_rows: seq_lens must be int32 \[num_seqs=2\]"):
+            tq.decode_rows(c, tables[:2], jnp.asarray([2, 5], jnp.int32), jnp.asarray([3.0, 6.0]))

@@ -77,8 +77,12 @@ def sample_tokens(logits, key, temperature: float = 0.0, top_k: int | None = Non
       int32 ``[...]`` token ids.
     Raises:
       TypeError: temperature not a number, top_k not an int.
-      ValueError: temperature negative or not finite, top_k outside ``[1, vocab]``.
+      ValueError: logits without a vocabulary axis (0-d, or vocab 0), temperature negative or not
+        finite, top_k outside ``[1, vocab]``.
     """
+    if np.ndim(logits) < 1 or np.shape(logits)[-1] < 1:
+        raise ValueError(f"sample_tokens: logits must be float [..., vocab] with vocab >= 1, got shape "
+                         f"{tuple(np.shape(logits))}")
     temperature, top_k = _check_sampling(temperature, top_k, int(np.shape(logits)[-1]), "sample_tokens")
     return _sample_jit(logits, key, temperature, top_k)
 
