@@ -112,7 +112,8 @@ class PagedAttention(nnx.Module):
         ``num_heads``, an unknown ``preset``, a bad ``page_size``, a non-positive size,
         ``sliding_window < 1``, ``soft_cap <= 0``, a ``normalize_qk`` other than False, True,
         ``"layer"`` or ``"rms"``. (A compressed preset's head_dim is checked by :meth:`init_cache`.)
-      TypeError: ``rope`` not callable; ``sliding_window`` / ``soft_cap`` not numbers; ``sinks`` not a bool.
+      TypeError: ``rope`` not callable; ``sliding_window`` / ``soft_cap`` not numbers; ``sinks`` or
+        ``check_capacity`` not a bool; ``decode`` neither a bool nor None.
     """
 
     def __init__(self, num_heads: int, in_features: int, qkv_features: int | None = None,
@@ -145,8 +146,11 @@ class PagedAttention(nnx.Module):
         if rope is not None and not callable(rope):
             raise TypeError(f"{where}: rope must be None or a callable fn(x, positions), got {type(rope).__name__}")
         self.head_dim = self.qkv_features // self.num_heads
-        if normalize_qk not in (False, True, "layer", "rms"):
+        if not (isinstance(normalize_qk, (bool, np.bool_)) or normalize_qk in ("layer", "rms")):
             raise ValueError(f"{where}: normalize_qk must be False, True, 'layer' or 'rms', got {normalize_qk!r}")
+        for name, flag, may_be_none in (("decode", decode, True), ("check_capacity", check_capacity, False)):
+            if not (isinstance(flag, (bool, np.bool_)) or (may_be_none and flag is None)):
+                raise TypeError(f"{where}: {name} must be a bool{' or None' if may_be_none else ''}, got {flag!r}")
         self.dtype, self.param_dtype, self.precision = dtype, param_dtype, precision
         self.use_bias, self.normalize_qk, self.decode = use_bias, bool(normalize_qk), decode
         self.rope, self.preset, self.page_size, self.seed = rope, preset, int(page_size), seed

@@ -486,6 +486,10 @@ def test_token_log_likelihoods_and_bytes(tiny):
     assert ev.kv_bytes_per_token(smol, 3, 3) == 30 * 3 * (24 + 4 + 24 + 4)
     assert ev.kv_bytes_per_token(smol, 2, 2, (0, -1, 29)) == 28 * 3 * (16 + 4 + 16 + 4) + 2 * 3 * 64 * 2 * 2
     assert ev.window_bytes_per_sequence(smol, 64, (0, -1)) == 28 * 3 * 64 * 64 * 2 * 2
+    with pytest.raises(ValueError, match=r"kv_bytes_per_token: exact_layers entries must be ints in \[-30, 30\), got 30"):
+        ev.kv_bytes_per_token(smol, 4, 4, (30,))  # was layer 0 (30 % 30), where init_caches refuses it
+    with pytest.raises(ValueError, match=r"window_bytes_per_sequence: exact_layers .* got -31"):
+        ev.window_bytes_per_sequence(smol, 64, (-31,))
     assert ev.compression_ratio_vs_bf16(smol, 2, 2) == pytest.approx(23040 / (90 * 40))
     with pytest.raises(ValueError, match=r"k_bits must be one of \(2, 3, 4\)"):
         ev.kv_bytes_per_token(smol, 5, 4)  # no packed format: was computed as if it had one

@@ -269,6 +269,11 @@ def test_errors(rng):
     with pytest.raises(ValueError, match=r"input shape \(batch_size, max_length, features=32\), got \(2, 4, 16\)"):
         PagedAttention(4, 32, preset="none", rngs=nnx.Rngs(0)).init_cache((2, 4, 16))
     assert PagedAttention(4, 32, preset=" K4V4 ", rngs=nnx.Rngs(0)).preset == "k4v4"  # as PagedKVCache.create
+    for kwargs, exc, match in ((dict(decode="no"), TypeError, "decode must be a bool or None, got 'no'"),
+                               (dict(check_capacity="yes"), TypeError, "check_capacity must be a bool, got 'yes'"),
+                               (dict(normalize_qk=1.0), ValueError, "normalize_qk must be False, True")):
+        with pytest.raises(exc, match=match):  # were taken as truthy
+            PagedAttention(4, 32, rngs=nnx.Rngs(0), **kwargs)
     for bad in (True, 0, 257, 16.0):
         with pytest.raises(ValueError, match=rf"page_size must be an int in \[1, 256\], got {bad!r}"):
             PagedAttention(4, 32, page_size=bad, rngs=nnx.Rngs(0))

@@ -34,7 +34,7 @@ from jax_tq.sharding import shard_cache
 from .checks import check_token_ids, token_vector
 from .config import LlamaConfig
 from .llama import Llama, forward_compressed, forward_logits, make_decode_loop, make_decode_step, make_prefill
-from .paging import init_caches
+from .paging import init_caches, layer_indices
 
 __all__ = [
     "CacheConfig",
@@ -380,10 +380,11 @@ def kv_bytes_per_token(config: LlamaConfig, k_bits: int | None, v_bits: int | No
     Returns:
       bytes per token (float).
     Raises:
-      TypeError / ValueError: a bit width other than an int 2, 3, 4 or None (no packed format).
+      TypeError / ValueError: a bit width other than an int 2, 3, 4 or None (no packed format);
+        exact_layers not ints in [-num_layers, num_layers) (as :func:`init_caches`).
     """
     d, h, L = config.head_dim, config.num_kv_heads, config.num_layers
-    exact = len({int(i) % L for i in exact_layers})
+    exact = len(layer_indices(exact_layers, L, "kv_bytes_per_token"))
     if k_bits is None or v_bits is None:
         return float(L * h * 2 * d * 2)
     for name, bits in (("k_bits", k_bits), ("v_bits", v_bits)):
@@ -402,8 +403,10 @@ def window_bytes_per_sequence(config: LlamaConfig, window: int, exact_layers: Se
       exact_layers: layers kept uncompressed (negative indices from the end).
     Returns:
       bytes (int).
+    Raises:
+      TypeError / ValueError: exact_layers not ints in [-num_layers, num_layers).
     """
-    layers = config.num_layers - len({int(i) % config.num_layers for i in exact_layers})
+    layers = config.num_layers - len(layer_indices(exact_layers, config.num_layers, "window_bytes_per_sequence"))
     return int(layers * config.num_kv_heads * window * config.head_dim * 2 * 2)
 
 

@@ -56,7 +56,7 @@ def init_caches(config: LlamaConfig, k_bits: int | None, v_bits: int | None, num
     if (k_bits is None) != (v_bits is None):
         raise ValueError(f"init_caches: k_bits and v_bits must both be None (uncompressed) or both bits, got "
                          f"{k_bits!r} and {v_bits!r}")
-    exact = _layer_indices(exact_layers, config.num_layers)
+    exact = layer_indices(exact_layers, config.num_layers)
     plain = tq.PagedKVCache.create(**sizes, preset="none", head_dim=config.head_dim, dtype=dtype)
     if k_bits is None:
         cache = plain
@@ -67,16 +67,17 @@ def init_caches(config: LlamaConfig, k_bits: int | None, v_bits: int | None, num
     return [jax.tree_util.tree_map(jnp.copy, plain if i in exact else cache) for i in range(config.num_layers)]
 
 
-def _layer_indices(layers: Sequence[int], num_layers: int) -> set:
+def layer_indices(layers: Sequence[int], num_layers: int, where: str = "init_caches") -> set:
     """``layers`` (a sequence or array of ints) as indices in [0, num_layers); TypeError for a
-    scalar or None, ValueError for an entry outside [-num_layers, num_layers) or not an int."""
+    scalar or None, ValueError for an entry outside [-num_layers, num_layers) or not an int (the
+    messages name ``where``'s exact_layers)."""
     if layers is None or np.ndim(layers) != 1:
-        raise TypeError(f"init_caches: exact_layers must be a sequence of layer indices, e.g. (0, -1), got "
+        raise TypeError(f"{where}: exact_layers must be a sequence of layer indices, e.g. (0, -1), got "
                         f"{type(layers).__name__} {layers!r}")
     out = set()
     for i in np.asarray(layers).tolist() if hasattr(layers, "shape") else layers:
         if isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)) or not -num_layers <= i < num_layers:
-            raise ValueError(f"init_caches: exact_layers entries must be ints in [-{num_layers}, {num_layers}), got "
+            raise ValueError(f"{where}: exact_layers entries must be ints in [-{num_layers}, {num_layers}), got "
                              f"{i!r}")
         out.add(int(i) % num_layers)
     return out
