@@ -30,6 +30,14 @@ def _validate_scale(scale) -> None:
         raise ValueError(f"scale must be one of {tq_format.SCALE_KINDS}, got {scale!r}")
 
 
+def _named(where: str, check, *args) -> None:
+    """check(*args), its TypeError / ValueError prefixed with ``where`` (the constructor)."""
+    try:
+        check(*args)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{where}: {e}") from None
+
+
 def _validate_spec(head_dim, bits, seed, rotation) -> None:
     """Raise TypeError / ValueError naming the offending constructor argument."""
     tq_format.check_head_dim(head_dim)
@@ -148,8 +156,8 @@ class TurboQuant(_SpecCodec):
 
     def __init__(self, head_dim: int = 128, bits: int = 4, seed: int = 0,
                  rotation: str = "haar", scale: str = "norm"):
-        _validate_spec(head_dim, bits, seed, rotation)
-        _validate_scale(scale)
+        _named("jax_tq.TurboQuant", _validate_spec, head_dim, bits, seed, rotation)
+        _named("jax_tq.TurboQuant", _validate_scale, scale)
         spec = (int(head_dim), int(bits), int(seed), rotation, scale)
         _float32_parameters(*spec[:4])  # computed (and cached) now, not inside a trace
         self._set_fields(spec)
@@ -263,11 +271,11 @@ class TurboQuantProd(_SpecCodec):
 
     def __init__(self, head_dim: int = 128, bits: int = 4, seed: int = 0, rotation: str = "haar"):
         if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)):
-            raise TypeError(f"bits must be an int, got {type(bits).__name__} ({bits!r})")
+            raise TypeError(f"jax_tq.TurboQuantProd: bits must be an int, got {type(bits).__name__} ({bits!r})")
         if bits not in PROD_BITS:
-            raise ValueError(f"TurboQuantProd bits must be one of {PROD_BITS} (a packed mse code of bits - 1 "
+            raise ValueError(f"jax_tq.TurboQuantProd: bits must be one of {PROD_BITS} (a packed mse code of bits - 1 "
                              f"in 2..4 plus one QJL bit), got {bits}")
-        _validate_spec(head_dim, bits - 1, seed, rotation)
+        _named("jax_tq.TurboQuantProd", _validate_spec, head_dim, bits - 1, seed, rotation)
         spec = (int(head_dim), int(bits), int(seed), rotation)
         _float32_parameters(spec[0], spec[1] - 1, spec[2], spec[3])
         tq_rotation.gaussian_sketch(spec[0], spec[2])

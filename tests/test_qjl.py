@@ -253,8 +253,12 @@ def test_bad_inputs_raise_clear_errors(rng):
     keys = random_keys(rng, codec, (2, 10))
     q = jnp.zeros((2, 3, 64), jnp.float32)
     for bits in (2, 6):
-        with pytest.raises(ValueError, match="TurboQuantProd bits must be one of"):
+        with pytest.raises(ValueError, match="TurboQuantProd: bits must be one of"):
             tq.TurboQuantProd(64, bits)
+    with pytest.raises(ValueError, match=r"^jax_tq.TurboQuantProd: head_dim must be one of"):
+        tq.TurboQuantProd(63, 4)
+    with pytest.raises(ValueError, match=r"^jax_tq.TurboQuant: seed must be >= 0, got -1"):  # the class named
+        tq.TurboQuant(64, 4, seed=-1)
     with pytest.raises(TypeError, match="TurboQuantProd"):
         tq.qjl_scores(q, keys, tq.TurboQuant(64, 3))
     with pytest.raises(TypeError, match="TurboQuantProd"):
