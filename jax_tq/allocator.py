@@ -60,7 +60,7 @@ class PageAllocator:
       max_pages_per_seq: the block tables' width (pages one sequence may own), an int >= 1.
     Raises:
       TypeError: an argument that is not an int (bools refused).
-      ValueError: an argument < 1.
+      ValueError: an argument < 1; num_pages * page_size slots past int32 (the ops' slot indices).
 
     Example::
 
@@ -107,7 +107,8 @@ class PageAllocator:
         return len(self._pages)
 
     def pages_for(self, num_tokens: int) -> int:
-        """Pages that ``num_tokens`` tokens occupy: ``ceil(num_tokens / page_size)``."""
+        """Pages that ``num_tokens`` tokens occupy: ``ceil(num_tokens / page_size)``. TypeError:
+        ``num_tokens`` not an int; ValueError: negative."""
         return -(-_count(num_tokens, "num_tokens", "pages_for") // self.page_size)
 
     def pages(self, seq_id) -> list[int]:

@@ -446,6 +446,7 @@ def write_cache(cache: PagedKVCache, k, v, slot_mapping, window_slots=None) -> P
       caller's arrays are left untouched (XLA copies first).
 
     Raises:
+      BackendUnavailableError: backend "ffi" where no kernel serves the call (when it is lowered).
       TypeError / ValueError: cache not a PagedKVCache; dtypes or shapes that do not match the cache
         (message names the argument); window_slots missing for a cache with a window, or given for
         one without.

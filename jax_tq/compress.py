@@ -69,6 +69,7 @@ def compress(x, codec):
       ``jax_tq.format.MIN_NORM`` (2^-64), gives norm 0 and the codes of the zero vector.
 
     Raises:
+      BackendUnavailableError: backend "ffi" where no kernel serves the call (when it is lowered).
       TypeError: x is not a float32/bfloat16/float16 array; codec is not a TurboQuant.
       ValueError: the last axis of x is not codec.head_dim; codec.bits has no packed format.
 
@@ -108,6 +109,7 @@ def decompress(codes, norms, codec, dtype=jnp.float32):
       [..., head_dim] array of ``dtype``.
 
     Raises:
+      BackendUnavailableError: backend "ffi" where no kernel serves the call (when it is lowered).
       TypeError: codes not uint8, norms not float32, unsupported dtype, codec not a TurboQuant.
       ValueError: shapes disagree with each other or with the codec; codec.bits has no packed
         format.

@@ -26,6 +26,8 @@ from jax_tq.codec import TurboQuant
 from jax_tq.compress import check_float_input, check_packed_codec, compress, decompress
 from jax_tq.paged_decode import paged_decode
 
+__all__ = ["turboquant_attention_fn", "paged_attention", "PagedAttention", "linen_paged_attention"]
+
 
 def turboquant_attention_fn(k_codec: TurboQuant, v_codec: TurboQuant, base_attention_fn: Callable | None = None):
     """An ``attention_fn`` that compresses K and V with TurboQuant before ``base_attention_fn``.

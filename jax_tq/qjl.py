@@ -66,6 +66,7 @@ def qjl_compress(x, codec):
       gamma = ||r|| and signs[j] = (S r)_j >= 0. A zero vector gets norm 0 (its scores are 0).
 
     Raises:
+      BackendUnavailableError: backend "ffi" where no kernel serves the call (when it is lowered).
       TypeError: x not float32/bfloat16/float16; codec not a TurboQuantProd.
       ValueError: the last axis of x is not codec.head_dim.
 
@@ -115,6 +116,7 @@ def qjl_scores(q, keys, codec):
       with E ||r||^2 = D_mse(bits-1) per unit key, arXiv 2504.19874 / 2406.03482).
 
     Raises:
+      BackendUnavailableError: backend "ffi" where no kernel serves the call (when it is lowered).
       TypeError: q not float32/bfloat16/float16, key arrays of the wrong dtype, codec not a
         TurboQuantProd.
       ValueError: q's last axis is not codec.head_dim, or the key arrays' shapes do not match each
@@ -199,6 +201,7 @@ def qjl_decompress(keys, codec, dtype=jnp.float32):
     Returns:
       [..., head_dim] array of ``dtype``.
     Raises:
+      BackendUnavailableError: backend "ffi" where no kernel serves the call (when it is lowered).
       TypeError / ValueError: as :func:`qjl_scores` for the key arrays; an unsupported dtype.
     Source: TurboQuant (arXiv 2504.19874), Algorithm 2 (DeQuant_prod), with the sketch on the
     rotated residual. The mse part runs the decompress kernel, the sign part one XLA product.

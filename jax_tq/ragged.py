@@ -102,8 +102,10 @@ def ragged_paged_attention(q, k, v, cache: PagedKVCache, kv_lens, block_tables, 
         window_ids not int32; cache not a PagedKVCache; scale not a concrete Python number.
       ValueError: wrong ranks or shapes (naming the argument), head_dim or num_kv_heads of k / v
         other than the cache's, num_heads not a positive multiple of num_kv_heads, a bad scale or precision,
-        window_ids given for a cache without a window.
+        window_ids given for a cache without a window; window_ids=None with more sequences than
+        the cache has window ids.
       TypeError / ValueError: a bad sliding_window, soft_cap or sinks, naming it.
+      BackendUnavailableError: backend "ffi" where no kernel serves the call (when it is lowered).
 
     Example::
 
@@ -230,9 +232,12 @@ def prompt_attention(q, k, v, cache: PagedKVCache, block_tables, prompt_lens=Non
         sliding_window, soft_cap or sinks of a wrong type (:func:`jax_tq.variants.check_variants`).
       ValueError: wrong ranks or shapes (naming the argument), head_dim or num_kv_heads of k / v
         other than the cache's, num_heads not a positive multiple of num_kv_heads, a bad scale or
-        implementation, window_ids given for a cache without a window; prompt_lens None with
+        implementation, window_ids given for a cache without a window, window_ids=None with more
+        sequences than the cache has window ids; prompt_lens None with
         seq_len > max_pages * page_size (tokens no page covers); sliding_window < 1, soft_cap <= 0,
         sinks not [num_heads].
+      BackendUnavailableError: backend "ffi" where no kernel serves the cache write (when it is
+        lowered).
 
     Source: scaled dot-product attention (Vaswani et al., arXiv 1706.03762) through
     :func:`jax.nn.dot_product_attention` (cuDNN's flash attention, Dao, arXiv 2307.08691, where
