@@ -88,12 +88,15 @@ class CacheConfig:
 
         Raises:
           ValueError / TypeError: an unknown preset (from :func:`jax_tq.get_preset`).
+          ValueError: page_size or seed as :class:`CacheConfig` refuses them.
         """
         p = get_preset(preset)
         return cls(p.k_bits, p.v_bits, page_size, seed, p.rotation, p.scale, p.window)
 
     def with_run(self, page_size: int, seed: int, rotation: str | None = None) -> "CacheConfig":
-        """This config with another page size, seed and (unless None) rotation."""
+        """This config with another page size, seed and (unless None) rotation. ValueError: those
+        :class:`CacheConfig` refuses (a page_size outside [1, 256], a negative seed, an unknown
+        rotation)."""
         return dataclasses.replace(self, page_size=page_size, seed=seed, rotation=rotation or self.rotation)
 
     @property

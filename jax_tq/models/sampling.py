@@ -79,6 +79,8 @@ def sample_tokens(logits, key, temperature: float = 0.0, top_k: int | None = Non
       TypeError: temperature not a number, top_k not an int.
       ValueError: logits without a vocabulary axis (0-d, or vocab 0), temperature negative or not
         finite, top_k outside ``[1, vocab]``.
+    Source: softmax sampling with a temperature, truncated to the top k logits (top-k sampling:
+      Fan, Lewis and Dauphin, "Hierarchical Neural Story Generation", arXiv 1805.04833).
     """
     if np.ndim(logits) < 1 or np.shape(logits)[-1] < 1:
         raise ValueError(f"sample_tokens: logits must be float [..., vocab] with vocab >= 1, got shape "
