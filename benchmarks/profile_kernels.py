@@ -1,7 +1,7 @@
 """A few launches of each jax_tq CUDA kernel, for `ncu` (Nsight Compute) to profile: decode, a
 decode step's write, a prefill's write of Hadamard codecs (8192 tokens), a compress.
 
-Usage: ncu --clock-control none -k regex:"tq_|paged_decode" --section SpeedOfLight \
+Usage: ncu --clock-control none -k regex:"tq_|decode_" --section SpeedOfLight \
            --section LaunchStats --section Occupancy python3 benchmarks/profile_kernels.py
 """
 from __future__ import annotations

@@ -175,9 +175,9 @@ if has bench; then
   echo "bench: $(( $(date +%s) - t0 )) s"
 fi
 if has profile; then
-  env $ncu_env ncu --clock-control none -k regex:"tq_|paged_decode" --section SpeedOfLight --section LaunchStats \
+  env $ncu_env ncu --clock-control none -k regex:"tq_|decode_" --section SpeedOfLight --section LaunchStats \
       --section Occupancy python3 benchmarks/profile_kernels.py >"$OUT/ncu.txt" 2>&1
-  grep -E "tq_|paged_decode|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)|Registers Per|Achieved Occupancy|Grid Size" "$OUT/ncu.txt" | head -n 80
+  grep -E "tq_|decode_|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)|Registers Per|Achieved Occupancy|Grid Size" "$OUT/ncu.txt" | head -n 80
 fi
 if has graphs; then  # the same decode timing with XLA command buffers (CUDA graphs) including custom calls
   XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN --xla_gpu_graph_min_graph_size=1" \
