@@ -37,13 +37,23 @@ class OutOfPagesError(RuntimeError):
         self.free = free
 
 
-def _count(value, name: str, where: str) -> int:
-    """``value`` as a Python int >= 0: TypeError unless an int (not bool), ValueError if negative."""
+def _count(value, name: str, where: str, least: int = 0) -> int:
+    """``value`` as a Python int >= ``least``: TypeError unless an int (not bool), ValueError below."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"PageAllocator.{where}: {name} must be an int, got {value!r}")
-    if value < 0:
-        raise ValueError(f"PageAllocator.{where}: {name} must be >= 0, got {value}")
+    if value < least:
+        raise ValueError(f"PageAllocator.{where}: {name} must be >= {least}, got {value}")
     return int(value)
+
+
+def _hashable(seq_id, where: str):
+    """``seq_id`` itself; TypeError naming it where it cannot key the allocator's tables."""
+    try:
+        hash(seq_id)
+    except TypeError:
+        raise TypeError(f"PageAllocator.{where}: seq_id must be hashable (an int or str request id), "
+                        f"got {type(seq_id).__name__}") from None
+    return seq_id
 
 
 class PageAllocator:
@@ -77,8 +87,7 @@ class PageAllocator:
     def __init__(self, num_pages: int, page_size: int, max_pages_per_seq: int):
         for name, value in (("num_pages", num_pages), ("page_size", page_size),
                             ("max_pages_per_seq", max_pages_per_seq)):
-            if _count(value, name, "__init__") < 1:
-                raise ValueError(f"PageAllocator: {name} must be >= 1, got {value}")
+            _count(value, name, "__init__", least=1)
         if int(num_pages) * int(page_size) > np.iinfo(np.int32).max:
             raise ValueError(f"PageAllocator: num_pages * page_size = {int(num_pages) * int(page_size)} slots "
                              f"exceed int32 (the ops' slot indices)")
@@ -101,7 +110,10 @@ class PageAllocator:
         return list(self._pages)
 
     def __contains__(self, seq_id) -> bool:
-        return seq_id in self._pages
+        try:
+            return seq_id in self._pages
+        except TypeError:  # an unhashable value is no allocated id
+            return False
 
     def __len__(self) -> int:
         return len(self._pages)
@@ -112,15 +124,18 @@ class PageAllocator:
         return -(-_count(num_tokens, "num_tokens", "pages_for") // self.page_size)
 
     def pages(self, seq_id) -> list[int]:
-        """The physical pages of ``seq_id``, in logical order (a copy). KeyError: unknown ``seq_id``."""
+        """The physical pages of ``seq_id``, in logical order (a copy). KeyError: unknown ``seq_id``;
+        TypeError: an unhashable one."""
         return list(self._pages[self._known(seq_id, "pages")])
 
     def num_tokens(self, seq_id) -> int:
-        """The token count ``seq_id`` was last allocated or extended to. KeyError: unknown ``seq_id``."""
+        """The token count ``seq_id`` was last allocated or extended to. KeyError: unknown ``seq_id``;
+        TypeError: an unhashable one."""
         return self._tokens[self._known(seq_id, "num_tokens")]
 
     def capacity(self, seq_id) -> int:
-        """Tokens ``seq_id``'s pages hold: ``len(pages) * page_size``. KeyError: unknown ``seq_id``."""
+        """Tokens ``seq_id``'s pages hold: ``len(pages) * page_size``. KeyError: unknown ``seq_id``;
+        TypeError: an unhashable one."""
         return len(self._pages[self._known(seq_id, "capacity")]) * self.page_size
 
     # ----------------------------------------------------------------------------------------
@@ -136,9 +151,10 @@ class PageAllocator:
           ValueError: ``seq_id`` already allocated (free it first), or more pages than
             ``max_pages_per_seq``.
           TypeError / ValueError: ``num_tokens`` not an int / negative.
+          TypeError: ``seq_id`` not hashable.
           OutOfPagesError: fewer free pages than needed (``needed`` and ``free`` attributes).
         """
-        if seq_id in self._pages:
+        if _hashable(seq_id, "allocate") in self._pages:
             raise ValueError(f"PageAllocator.allocate: seq_id {seq_id!r} is already allocated "
                              f"({len(self._pages[seq_id])} pages); extend() it or free() it first")
         num_tokens = _count(num_tokens, "num_tokens", "allocate")
@@ -157,7 +173,7 @@ class PageAllocator:
           the pages added (possibly none), lowest free first.
         Raises:
           KeyError: unknown ``seq_id``.
-          TypeError: ``new_total_tokens`` not an int.
+          TypeError: ``new_total_tokens`` not an int, or ``seq_id`` not hashable.
           ValueError: ``new_total_tokens`` below the current count (pages are not shrunk; free
             the sequence instead), or more pages than ``max_pages_per_seq``.
           OutOfPagesError: fewer free pages than needed; the sequence keeps its pages.
@@ -174,7 +190,7 @@ class PageAllocator:
 
     def free(self, seq_id) -> list[int]:
         """Return ``seq_id``'s pages to the pool and forget it. Returns the freed pages.
-        KeyError: unknown ``seq_id`` (also on a second free)."""
+        KeyError: unknown ``seq_id`` (also on a second free); TypeError: an unhashable one."""
         self._known(seq_id, "free")
         pages = self._pages.pop(seq_id)
         del self._tokens[seq_id]
@@ -188,6 +204,7 @@ class PageAllocator:
 
         Raises:
           KeyError: an unknown seq_id.
+          TypeError: an unhashable one.
         """
         seq_ids = list(seq_ids)
         tables = np.full((len(seq_ids), self.max_pages_per_seq), self.UNUSED, np.int32)
@@ -198,7 +215,7 @@ class PageAllocator:
 
     # ----------------------------------------------------------------------------------------
     def _known(self, seq_id, where: str):
-        if seq_id not in self._pages:
+        if _hashable(seq_id, where) not in self._pages:
             raise KeyError(f"PageAllocator.{where}: unknown seq_id {seq_id!r} (not allocated, or freed)")
         return seq_id
 

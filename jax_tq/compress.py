@@ -36,6 +36,28 @@ def check_float_input(x, name: str, op: str) -> None:
         raise TypeError(f"jax_tq.{op}: {name} must be float32, bfloat16 or float16, got {x.dtype}")
 
 
+def as_array(x, name: str, op: str):
+    """``jnp.asarray(x)``; TypeError naming ``jax_tq.{op}`` and ``name`` where x is no array (None, a
+    string, a codec passed in its place)."""
+    try:
+        return jnp.asarray(x)
+    except (TypeError, ValueError):
+        raise TypeError(f"jax_tq.{op}: {name} must be an array, got {type(x).__name__}") from None
+
+
+def output_dtype(dtype, op: str):
+    """``dtype`` as a jnp.dtype of FLOAT_DTYPES; TypeError naming ``jax_tq.{op}`` otherwise (None
+    included: ``jnp.dtype(None)`` is float64)."""
+    try:
+        got = None if dtype is None else jnp.dtype(dtype)
+    except TypeError:
+        got = None
+    if got is None or got not in [jnp.dtype(d) for d in FLOAT_DTYPES]:
+        shown = repr(dtype) if got is None else got.name
+        raise TypeError(f"jax_tq.{op}: dtype must be float32, bfloat16 or float16, got {shown}")
+    return got
+
+
 def check_last_dim(x, head_dim: int, name: str, op: str) -> None:
     """Raise ValueError unless the last axis of ``x`` is the codec's ``head_dim``."""
     if x.ndim < 1 or x.shape[-1] != head_dim:
@@ -80,7 +102,7 @@ def compress(x, codec):
     linear in x for fixed codes); the codes are integers and get no gradient (rounding to centroids
     has none worth using).
     """
-    x = jnp.asarray(x)
+    x = as_array(x, "x", "compress")
     check_packed_codec(codec, "compress")
     check_float_input(x, "x", "compress")
     check_last_dim(x, codec.head_dim, "x", "compress")
@@ -110,23 +132,17 @@ def decompress(codes, norms, codec, dtype=jnp.float32):
 
     Raises:
       BackendUnavailableError: backend "ffi" where no kernel serves the call (when it is lowered).
-      TypeError: codes not uint8, norms not float32, unsupported dtype, codec not a TurboQuant.
+      TypeError: codes not uint8, norms not float32 (or either not an array), unsupported dtype, codec
+        not a TurboQuant.
       ValueError: shapes disagree with each other or with the codec; codec.bits has no packed
         format.
 
     Differentiable in ``norms`` (x_hat is linear in them: d x_hat = d norm * Pi^T c[codes]) on every
     backend; the codes are integers and get no gradient.
     """
-    codes, norms = jnp.asarray(codes), jnp.asarray(norms)
+    codes, norms = as_array(codes, "codes", "decompress"), as_array(norms, "norms", "decompress")
     check_packed_codec(codec, "decompress")
-    if dtype is None:
-        raise TypeError("jax_tq.decompress: dtype must be float32, bfloat16 or float16, got None")
-    try:
-        dtype = jnp.dtype(dtype)
-    except TypeError as err:
-        raise TypeError(f"jax_tq.decompress: dtype must be float32, bfloat16 or float16, got {dtype!r}") from err
-    if dtype not in [jnp.dtype(d) for d in FLOAT_DTYPES]:
-        raise TypeError(f"jax_tq.decompress: dtype must be float32, bfloat16 or float16, got {dtype}")
+    dtype = output_dtype(dtype, "decompress")
     if codes.dtype != jnp.uint8:
         raise TypeError(f"jax_tq.decompress: codes must be uint8, got {codes.dtype}")
     if norms.dtype != jnp.float32:
@@ -162,7 +178,7 @@ def window_rows(x, codec):
       TypeError / ValueError: as :func:`compress` (x's dtype, a codec that is not a TurboQuant, a
         last axis other than codec.head_dim).
     """
-    x = jnp.asarray(x)
+    x = as_array(x, "x", "window_rows")
     if not isinstance(codec, TurboQuant):
         raise TypeError(f"jax_tq.window_rows: codec must be a jax_tq.TurboQuant, got {type(codec).__name__}")
     check_float_input(x, "x", "window_rows")

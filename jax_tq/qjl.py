@@ -20,7 +20,7 @@ from jax_tq import _compat, reference
 from jax_tq import _primitive_utils as pu
 from jax_tq.backend import get_backend
 from jax_tq.codec import TurboQuantProd
-from jax_tq.compress import FLOAT_DTYPES, check_float_input, check_last_dim, decompress
+from jax_tq.compress import as_array, check_float_input, check_last_dim, decompress, output_dtype
 from jax_tq.format import unpack_signs
 
 __all__ = ["QJLCodes", "qjl_compress", "qjl_decompress", "qjl_scores"]
@@ -67,7 +67,7 @@ def qjl_compress(x, codec):
 
     Raises:
       BackendUnavailableError: backend "ffi" where no kernel serves the call (when it is lowered).
-      TypeError: x not float32/bfloat16/float16; codec not a TurboQuantProd.
+      TypeError: x not a float32/bfloat16/float16 array; codec not a TurboQuantProd.
       ValueError: the last axis of x is not codec.head_dim.
 
     float64 x is cast to float32 where x64 is off (as ``jnp.asarray`` does). A NaN in a vector gives a
@@ -77,7 +77,7 @@ def qjl_compress(x, codec):
     rotated residual (S Pi is again an i.i.d. Gaussian matrix). Differentiable in x through norms
     and gamma (the reference's derivatives on every backend); codes and signs get none.
     """
-    x = jnp.asarray(x)
+    x = as_array(x, "x", "qjl_compress")
     _check_prod_codec(codec, "qjl_compress")
     check_float_input(x, "x", "qjl_compress")
     check_last_dim(x, codec.head_dim, "x", "qjl_compress")
@@ -117,8 +117,8 @@ def qjl_scores(q, keys, codec):
 
     Raises:
       BackendUnavailableError: backend "ffi" where no kernel serves the call (when it is lowered).
-      TypeError: q not float32/bfloat16/float16, key arrays of the wrong dtype, codec not a
-        TurboQuantProd.
+      TypeError: q not a float32/bfloat16/float16 array, key arrays not arrays or of the wrong dtype,
+        codec not a TurboQuantProd.
       ValueError: q's last axis is not codec.head_dim, or the key arrays' shapes do not match each
         other, the codec, or q's leading axes.
 
@@ -127,7 +127,7 @@ def qjl_scores(q, keys, codec):
     Differentiable in q, keys.norms and keys.gamma on every backend (the reference's derivatives).
     float64 q is cast to float32 where x64 is off.
     """
-    q = jnp.asarray(q)
+    q = as_array(q, "q", "qjl_scores")
     _check_prod_codec(codec, "qjl_scores")
     check_float_input(q, "q", "qjl_scores")
     check_last_dim(q, codec.head_dim, "q", "qjl_scores")
@@ -207,9 +207,7 @@ def qjl_decompress(keys, codec, dtype=jnp.float32):
     rotated residual. The mse part runs the decompress kernel, the sign part one XLA product.
     """
     _check_prod_codec(codec, "qjl_decompress")
-    if dtype is None or jnp.dtype(dtype) not in [jnp.dtype(d) for d in FLOAT_DTYPES]:
-        got = "None" if dtype is None else jnp.dtype(dtype).name  # jnp.dtype(None) is float64
-        raise TypeError(f"jax_tq.qjl_decompress: dtype must be float32, bfloat16 or float16, got {got}")
+    dtype = output_dtype(dtype, "qjl_decompress")
     keys = _check_keys(keys, codec, None, "jax_tq.qjl_decompress")
     mse = decompress(keys.codes, keys.norms, codec.mse, jnp.float32)
     signs = unpack_signs(keys.signs, codec.head_dim).astype(jnp.float32)
@@ -224,7 +222,7 @@ def _check_keys(keys, codec, lead, op="jax_tq.qjl_scores") -> QJLCodes:
     ``lead``: the leading axes the keys must have before num_keys (None: any)."""
     if not isinstance(keys, (tuple, list)) or len(keys) != 4:
         raise TypeError(f"{op}: keys must be a jax_tq.QJLCodes (codes, norms, signs, gamma), got {type(keys).__name__}")
-    keys = QJLCodes(*(jnp.asarray(a) for a in keys))
+    keys = QJLCodes(*(as_array(a, f"keys.{f}", op.removeprefix("jax_tq.")) for f, a in zip(QJLCodes._fields, keys)))
     for name, want in (("codes", jnp.uint8), ("norms", jnp.float32), ("signs", jnp.uint8), ("gamma", jnp.float32)):
         got = getattr(keys, name).dtype
         if got != want:

@@ -110,6 +110,11 @@ def test_errors_name_the_problem_and_change_nothing():
             alloc.allocate("d", bad)
     with pytest.raises(ValueError, match="num_tokens must be >= 0"):
         alloc.allocate("d", -1)
+    for method, args in (("allocate", ([1], 3)), ("extend", ([7], 12)), ("free", ({},)), ("pages", (np.arange(2),)),
+                         ("capacity", ([7],)), ("block_tables", ([[7]],))):  # was Python's bare "unhashable type"
+        with pytest.raises(TypeError, match=f"PageAllocator.{method}: seq_id must be hashable"):
+            getattr(alloc, method)(*args)
+    assert [7] not in alloc and 7 in alloc
     assert alloc.pages(7) == [0, 1, 2] and alloc.num_tokens(7) == 9 and alloc.free_pages == 2 and len(alloc) == 1
     alloc.free(7)
     with pytest.raises(KeyError, match="unknown seq_id 7"):
@@ -121,6 +126,9 @@ def test_errors_name_the_problem_and_change_nothing():
         args = dict(num_pages=4, page_size=4, max_pages_per_seq=2) | kwargs
         with pytest.raises(exc, match=next(iter(kwargs))):
             tq.PageAllocator(**args)
+    for num_pages in (-1, 0):  # one message for both (-1 said ">= 0", which 0 also fails)
+        with pytest.raises(ValueError, match=f"num_pages must be >= 1, got {num_pages}"):
+            tq.PageAllocator(num_pages, 4, 2)
 
 
 def test_block_tables_keep_writes_past_a_sequences_pages_off_other_pages(rng):

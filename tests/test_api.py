@@ -162,6 +162,15 @@ def test_api_errors_found_by_the_docs_audit():
     cache = tq.PagedKVCache.create(num_pages=2, page_size=4, num_kv_heads=1, k_codec=codec, v_codec=codec)
     with pytest.raises(TypeError, match=r"jax_tq.decompress: dtype must be float32, bfloat16 or float16, got 'foo'"):
         tq.decompress(jnp.zeros((2, 32), jnp.uint8), jnp.ones((2,)), codec, dtype="foo")
+    # Not arrays at all (JAX's own errors named neither the argument nor the op):
+    with pytest.raises(TypeError, match=r"jax_tq.compress: x must be an array, got NoneType"):
+        tq.compress(None, codec)
+    with pytest.raises(TypeError, match=r"jax_tq.compress: x must be an array, got TurboQuant"):
+        tq.compress(codec, jnp.ones((2, 64)))  # arguments swapped
+    with pytest.raises(TypeError, match=r"jax_tq.decompress: norms must be an array, got str"):
+        tq.decompress(jnp.zeros((2, 32), jnp.uint8), "norms", codec)
+    with pytest.raises(TypeError, match=r"jax_tq.window_rows: x must be an array, got NoneType"):
+        tq.window_rows(None, codec)
     with pytest.raises(TypeError, match=r"nn.turboquant_attention_fn: k_codec must be a jax_tq.TurboQuant"):
         tq.nn.turboquant_attention_fn(None, codec)
     q, tables, lens = jnp.ones((1, 1, 64)), jnp.zeros((1, 2), jnp.int32), jnp.array([3], jnp.int32)

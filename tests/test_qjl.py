@@ -280,6 +280,15 @@ def test_bad_inputs_raise_clear_errors(rng):
                                   np.asarray(tq.qjl_scores(q_random, keys, codec)))
     with pytest.raises(TypeError, match="qjl_decompress: dtype must be float32, bfloat16 or float16, got None"):
         tq.qjl_decompress(keys, codec, None)   # jnp.dtype(None) is float64: the message said float64
+    for bad, shown in (("foo", "'foo'"), (3, "3"), (jnp.int8, "int8")):  # were NumPy's own errors
+        with pytest.raises(TypeError, match=f"qjl_decompress: dtype must be float32, bfloat16 or float16, got {shown}"):
+            tq.qjl_decompress(keys, codec, bad)
+    with pytest.raises(TypeError, match="qjl_scores: q must be an array, got NoneType"):
+        tq.qjl_scores(None, keys, codec)
+    with pytest.raises(TypeError, match="qjl_scores: keys.gamma must be an array, got str"):
+        tq.qjl_scores(q, keys._replace(gamma="gamma"), codec)
+    with pytest.raises(TypeError, match="qjl_compress: x must be an array, got TurboQuantProd"):
+        tq.qjl_compress(codec, codec)
     with pytest.raises(AttributeError, match="immutable"):
         codec.bits = 3
 
