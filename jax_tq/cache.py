@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_tq import _compat, reference
-from jax_tq.checks import check_slot_mapping, check_window_slots, index_array
+from jax_tq.checks import as_array, check_slot_mapping, check_window_slots, index_array
 from jax_tq.codec import TurboQuant
 from jax_tq.compress import (FLOAT_DTYPES, check_float_input, check_packed_codec, check_slot_mapping_shape,
                              write_cache_pools)
@@ -469,7 +469,7 @@ def write_tokens(cache: PagedKVCache, k, v, slot_mapping, window_slots=None, *, 
     enters its ring, which the attention ops read for a sequence's last ``window`` positions
     whatever its table says (the callers pass -1 for their padding tokens themselves)."""
     check_cache(cache, "write_cache")
-    k, v = jnp.asarray(k), jnp.asarray(v)
+    k, v = as_array(k, "k", "write_cache"), as_array(v, "v", "write_cache")
     for name, x in (("k", k), ("v", v)):
         if x.ndim != 3:
             raise ValueError(f"jax_tq.write_cache: {name} must be [num_tokens, num_kv_heads, head_dim], got shape "

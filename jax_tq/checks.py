@@ -246,6 +246,15 @@ def check_at_most(values, bound: int, *, op: str, name: str, bound_name: str) ->
                    i=first, n=values[first])
 
 
+def as_array(x, name: str, op: str):
+    """``jnp.asarray(x)``; TypeError naming ``jax_tq.{op}`` and ``name`` where x is no array (None, a
+    string, a codec passed in its place)."""
+    try:
+        return jnp.asarray(x)
+    except (TypeError, ValueError):
+        raise TypeError(f"jax_tq.{op}: {name} must be an array, got {type(x).__name__}") from None
+
+
 def index_array(x, name: str, spec: str, op: str, *, ndim=None, leading=None, shape=None):
     """x as an int32 array; TypeError (dtype) / ValueError (rank or shape) naming ``jax_tq.{op}``,
     ``name`` and its ``spec`` (e.g. "[num_seqs]")."""

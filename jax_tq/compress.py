@@ -19,6 +19,7 @@ from jax_tq import _primitive_utils as pu
 from jax_tq.partitioning import Layout
 from jax_tq.backend import get_backend
 from jax_tq.codec import TurboQuant
+from jax_tq.checks import as_array
 from jax_tq.format import check_bits, packed_bytes
 
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -34,15 +35,6 @@ def check_float_input(x, name: str, op: str) -> None:
     """Raise TypeError unless ``x`` is float32, bfloat16 or float16."""
     if jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in FLOAT_DTYPES]:
         raise TypeError(f"jax_tq.{op}: {name} must be float32, bfloat16 or float16, got {x.dtype}")
-
-
-def as_array(x, name: str, op: str):
-    """``jnp.asarray(x)``; TypeError naming ``jax_tq.{op}`` and ``name`` where x is no array (None, a
-    string, a codec passed in its place)."""
-    try:
-        return jnp.asarray(x)
-    except (TypeError, ValueError):
-        raise TypeError(f"jax_tq.{op}: {name} must be an array, got {type(x).__name__}") from None
 
 
 def output_dtype(dtype, op: str):

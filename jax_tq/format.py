@@ -71,12 +71,15 @@ def check_index_dtype(x, what: str) -> None:
       x: the operand as the user passed it (NumPy or JAX array, list, scalar).
       what: the message's start, e.g. "jax_tq.paged_decode: block_tables must be int32 [num_seqs=2, max_pages]".
     Raises:
-      TypeError: "{what}, got {dtype}{shape}" where x has a dtype other than int32.
+      TypeError: "{what}, got {dtype}{shape}" where x has a dtype other than int32; x neither an
+        array nor a number or list (None, a string).
       ValueError: a list or Python int holding an integer outside int32.
     """
     dtype = getattr(x, "dtype", None)
     if dtype is not None and np.dtype(dtype) != np.int32:
         raise TypeError(f"{what}, got {np.dtype(dtype)}{tuple(np.shape(x))}")
+    if dtype is None and not isinstance(x, (int, float, list, tuple)):  # None, a string, another object
+        raise TypeError(f"{what}, got {type(x).__name__}")
     if dtype is None and isinstance(x, (int, list, tuple)):
         info = np.iinfo(np.int32)
         try:
@@ -392,24 +395,28 @@ def window_slot_mapping(window_ids, positions, seq_lens, window: int):
     Returns:
       int32 [num_tokens].
     Raises:
-      ValueError: window < 1; the three not of one shape [num_tokens]; numpy values outside int32.
-      TypeError: window not an int; a non-integer array.
+      ValueError: window < 1 or past int32; the three not of one shape [num_tokens]; numpy values
+        outside int32.
+      TypeError: window not an int; a non-integer array, or not an array (None, a string).
     """
     if not _is_int(window):
         raise TypeError(f"jax_tq.window_slot_mapping: window must be an int >= 1, got {window!r}")
-    if window < 1:
+    if window < 1 or window > np.iinfo(np.int32).max:
         hint = " (a cache without a window: write_cache takes no window_slots)" if window == 0 else ""
-        raise ValueError(f"jax_tq.window_slot_mapping: window must be an int >= 1, got {window!r}{hint}")
+        raise ValueError(f"jax_tq.window_slot_mapping: window must be an int in [1, 2^31 - 1], got {window!r}{hint}")
     named = (("window_ids", window_ids), ("positions", positions), ("seq_lens", seq_lens))
     modules = {_array_module(a) for _, a in named}
     xp = np if modules == {np} else (modules - {np}).pop()
     arrays = []
     for name, a in named:
-        a = xp.asarray(a)
+        try:
+            a = xp.asarray(a)
+        except (TypeError, ValueError):
+            raise TypeError(f"jax_tq.window_slot_mapping: {name} must be an integer array, got {type(a).__name__}") from None
         if not np.issubdtype(a.dtype, np.integer):
-            raise TypeError(f"window_slot_mapping: {name} must be integers, got {a.dtype}")
+            raise TypeError(f"jax_tq.window_slot_mapping: {name} must be integers, got {a.dtype}")
         if xp is np and a.size and (a.min() < np.iinfo(np.int32).min or a.max() > np.iinfo(np.int32).max):
-            raise ValueError(f"window_slot_mapping: {name} holds values outside int32")
+            raise ValueError(f"jax_tq.window_slot_mapping: {name} holds values outside int32")
         arrays.append(a.astype(xp.int32))
     if arrays[0].ndim != 1 or any(a.shape != arrays[0].shape for a in arrays):
         shapes = ", ".join(f"{name} {tuple(a.shape)}" for (name, _), a in zip(named, arrays))

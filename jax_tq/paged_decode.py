@@ -23,7 +23,7 @@ from jax_tq import _primitive_utils as pu
 from jax_tq.partitioning import Layout
 from jax_tq.backend import get_backend
 from jax_tq.cache import check_cache, window_ids_of
-from jax_tq.checks import check_decode_indices, check_window_ids, reject_checkify_residuals
+from jax_tq.checks import as_array, check_decode_indices, check_window_ids, reject_checkify_residuals
 from jax_tq.compress import empty_window
 from jax_tq.variants import check_variants, as_keywords
 
@@ -120,7 +120,7 @@ def paged_decode(q, cache, block_tables, seq_lens, *, window_ids=None, scale=Non
     """
     check_cache(cache, "paged_decode")
     kernel = requested_kernel()  # a misspelt kernel choice raises on every backend and query dtype
-    q = jnp.asarray(q)
+    q = as_array(q, "q", "paged_decode")
     scale, num_splits = _static_scale(scale), _static_num_splits(num_splits)
     block_tables, seq_lens = _check_decode_args(q, cache, block_tables, seq_lens, num_splits)
     sliding_window, soft_cap, sinks = check_variants(sliding_window, soft_cap, sinks, q.shape[1], "paged_decode")
@@ -451,8 +451,9 @@ def _check_decode_args(q, cache, block_tables, seq_lens, num_splits, op="jax_tq.
     if num_heads == 0 or num_heads % cache.num_kv_heads != 0:
         raise ValueError(f"{op}: num_heads {num_heads} is not a positive multiple of the cache's num_kv_heads "
                          f"{cache.num_kv_heads} (GQA)")
-    tables_spec = f"{op}: block_tables must be int32 [num_seqs={num_seqs}, max_pages]"
-    lens_spec = f"{op}: seq_lens must be int32 [num_seqs={num_seqs}]"
+    seqs = "num_seqs" if isinstance(num_seqs, str) else f"num_seqs={num_seqs}"
+    tables_spec = f"{op}: block_tables must be int32 [{seqs}, max_pages]"
+    lens_spec = f"{op}: seq_lens must be int32 [{seqs}]"
     tq_format.check_index_dtype(block_tables, tables_spec)
     tq_format.check_index_dtype(seq_lens, lens_spec)
     block_tables, seq_lens = _as_array(block_tables), _as_array(seq_lens)

@@ -20,7 +20,7 @@ from jax_tq import format as tq_format
 from jax_tq import _primitive_utils as pu
 from jax_tq.backend import get_backend
 from jax_tq.cache import check_cache
-from jax_tq.checks import check_decode_indices, check_query_start_loc, reject_checkify_residuals
+from jax_tq.checks import as_array, check_decode_indices, check_query_start_loc, reject_checkify_residuals
 from jax_tq.paged_decode import (POOLS, WINDOWS, _check_decode_args, _static_scale, allows_f16_products,
                                  fold_batched_pools, window_operands)
 from jax_tq.partitioning import Layout
@@ -109,7 +109,7 @@ def paged_prefill(q, cache, block_tables, seq_lens, query_start_loc, *, window_i
     soft-capping (Gemma 2, arXiv 2408.00118), attention sinks (arXiv 2309.17453; gpt-oss).
     """
     check_cache(cache, "paged_prefill")
-    q = jnp.asarray(q)
+    q = as_array(q, "q", "paged_prefill")
     scale = _static_scale(scale, "jax_tq.paged_prefill")
     f16_products = allows_f16_products(precision, q.dtype, "jax_tq.paged_prefill")
     block_tables, seq_lens = _check_decode_args(q, cache, block_tables, seq_lens, None, op="jax_tq.paged_prefill",

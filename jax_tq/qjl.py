@@ -20,7 +20,8 @@ from jax_tq import _compat, reference
 from jax_tq import _primitive_utils as pu
 from jax_tq.backend import get_backend
 from jax_tq.codec import TurboQuantProd
-from jax_tq.compress import as_array, check_float_input, check_last_dim, decompress, output_dtype
+from jax_tq.checks import as_array
+from jax_tq.compress import check_float_input, check_last_dim, decompress, output_dtype
 from jax_tq.format import unpack_signs
 
 __all__ = ["QJLCodes", "qjl_compress", "qjl_decompress", "qjl_scores"]

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from jax_tq import format as tq_format
 from jax_tq.cache import PagedKVCache, check_cache, slot_mapping, window_ids_of, write_tokens
-from jax_tq.checks import (check_at_most, check_decode_indices, check_query_start_loc, check_window_ids,
+from jax_tq.checks import (as_array, check_at_most, check_decode_indices, check_query_start_loc, check_window_ids,
                             index_array, unchecked)
 from jax_tq.compress import check_float_input
 from jax_tq.paged_decode import _static_scale, allows_f16_products, paged_decode
@@ -245,7 +245,7 @@ def prompt_attention(q, k, v, cache: PagedKVCache, block_tables, prompt_lens=Non
     """
     op = "prompt_attention"
     check_cache(cache, op)
-    q, k, v = (jnp.asarray(x) for x in (q, k, v))
+    q, k, v = (as_array(x, name, op) for x, name in ((q, "q"), (k, "k"), (v, "v")))
     check_float_input(q, "q", op)
     if q.ndim != 4:
         raise ValueError(f"jax_tq.{op}: q must be [batch, seq_len, num_heads, head_dim], got shape {tuple(q.shape)}")
@@ -394,7 +394,7 @@ def _exact_attention(q, k, v, lens, scale: float, sliding_window: int, soft_cap:
 
 def _check_new_tokens(q, k, v, cache, op: str, rows: str):
     """q, k, v as arrays; TypeError / ValueError naming the one whose dtype or shape is wrong."""
-    q, k, v = (jnp.asarray(x) for x in (q, k, v))
+    q, k, v = (as_array(x, name, op) for x, name in ((q, "q"), (k, "k"), (v, "v")))
     check_float_input(q, "q", op)
     if q.ndim != 3:
         raise ValueError(f"jax_tq.{op}: q must be [{rows}, num_heads, head_dim], got shape {tuple(q.shape)}")

@@ -916,18 +916,19 @@ def paged_prefill_pages(q, k_pages, v_pages, block_tables, seq_lens, query_start
     if sliding_window is not None:
         sees = sees & (jnp.arange(length)[None, None, :] >= (lens - sliding_window)[:, None, None])
     sinks = _sinks_or_none(sinks)
-    head_sinks = None if sinks is None else sinks.reshape(1, num_kv_heads, 1, -1, 1)
+    group = num_heads // num_kv_heads  # explicit sizes: -1 is ambiguous when a call has 0 rows or tokens
+    head_sinks = None if sinks is None else sinks.reshape(1, num_kv_heads, 1, group, 1)
 
     def flat(tokens):  # [S, Hkv, L, d] -> [1, Hkv, S*L, d]: one key sequence for all rows
         return jnp.swapaxes(tokens, 0, 1).reshape(1, num_kv_heads, num_seqs * length, head_dim)
 
     finite = jnp.all(jnp.isfinite(q), axis=-1, keepdims=True)
     # as in paged_decode_pages; rows of no sequence too: they are scored against every token
-    queries = jnp.where(finite, q, 0).reshape(num_rows, num_kv_heads, -1, head_dim)
+    queries = jnp.where(finite, q, 0).reshape(num_rows, num_kv_heads, group, head_dim)
     queries = jnp.swapaxes(queries, 0, 1)[None]  # [1, Hkv, T, G, d]
-    token_ok = jnp.any(sees, axis=0).reshape(1, 1, -1, 1)  # the tokens some row sees
-    out = _attend_tokens(queries, flat(keys), flat(values), sees.reshape(1, 1, num_rows, 1, -1), token_ok, scale,
-                         soft_cap, head_sinks)
+    token_ok = jnp.any(sees, axis=0).reshape(1, 1, num_seqs * length, 1)  # the tokens some row sees
+    out = _attend_tokens(queries, flat(keys), flat(values), sees.reshape(1, 1, num_rows, 1, num_seqs * length),
+                         token_ok, scale, soft_cap, head_sinks)
     out = jnp.swapaxes(out[0], 0, 1).reshape(num_rows, num_heads, head_dim)
     return jnp.where(~finite & owned[:, None, None], jnp.nan, out).astype(out.dtype)
 

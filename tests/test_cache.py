@@ -537,6 +537,10 @@ def test_window_slot_mapping_keeps_each_sequence_s_last_tokens():
         tq.window_slot_mapping(ids, positions, 4, 3)
     with pytest.raises(TypeError, match="window must be an int"):
         tq.window_slot_mapping(ids, positions, lens, 3.0)
+    with pytest.raises(ValueError, match=r"window must be an int in \[1, 2\^31 - 1\], got 2147483648"):
+        tq.window_slot_mapping(ids, positions, lens, 2**31)  # was NumPy's bare OverflowError
+    with pytest.raises(TypeError, match="jax_tq.window_slot_mapping: positions must be an integer array, got NoneType"):
+        tq.window_slot_mapping(jnp.asarray(ids), None, lens, 3)
     # numpy ids with traced positions: the jnp path
     traced = jax.jit(lambda p: tq.window_slot_mapping(ids, p, lens, 3))(jnp.asarray(positions))
     np.testing.assert_array_equal(traced, got)

@@ -206,6 +206,12 @@ def test_bad_inputs_raise_clear_errors(rng):
         tq.paged_prefill(q, cache, tables, lens[:3], starts)
     with pytest.raises(ValueError, match="jax_tq.paged_prefill: scale must be finite"):
         tq.paged_prefill(q, cache, tables, lens, starts, scale=float("inf"))
+    with pytest.raises(ValueError, match=r"block_tables must be int32 \[num_seqs, max_pages\], got int32\(1, "):
+        tq.paged_prefill(q, cache, tables[None], lens, starts)  # said [num_seqs=num_seqs, max_pages]
+    with pytest.raises(TypeError, match="jax_tq.paged_prefill: q must be an array, got NoneType"):
+        tq.paged_prefill(None, cache, tables, lens, starts)
+    with pytest.raises(TypeError, match=r"query_start_loc must be int32 \[num_seqs \+ 1 = 5\], got str"):
+        tq.paged_prefill(q, cache, tables, lens, "starts")
 
 
 @pytest.mark.parametrize("starts,lens,match", [

@@ -357,6 +357,12 @@ def test_bad_arguments_raise_naming_them(rng):
         ((q[0], k, v, cache, kv_lens, tables, cu_q_lens), ValueError, r"q must be \[num_tokens, num_heads, head_dim\]"),
         ((q[..., :32], k, v, cache, kv_lens, tables, cu_q_lens), ValueError, "q has head_dim 32 but the cache"),
         ((q, k, v, None, kv_lens, tables, cu_q_lens), TypeError, "cache must be a jax_tq.PagedKVCache"),
+        # not arrays at all (were JAX's errors naming neither the argument nor the op)
+        ((None, k, v, cache, kv_lens, tables, cu_q_lens), TypeError,
+         "ragged_paged_attention: q must be an array, got NoneType"),
+        ((q, k, "v", cache, kv_lens, tables, cu_q_lens), TypeError, "ragged_paged_attention: v must be an array, got str"),
+        ((q, k, v, cache, None, tables, cu_q_lens), TypeError, r"kv_lens must be int32 \[num_seqs\], got NoneType"),
+        ((q, k, v, cache, kv_lens, "tables", cu_q_lens), TypeError, "block_tables must be int32 .*, got str"),
     ]
     for args, error, match in cases:
         with pytest.raises(error, match=match):

@@ -98,6 +98,22 @@ def test_write_then_prefill_matches_float64_oracle(rng, dtype, page_size, num_he
     assert not np.any(np.asarray(out[-1], np.float32))
 
 
+@pytest.mark.parametrize("backend", ["ffi", "xla"])
+def test_prefill_of_no_rows_or_no_sequences_is_empty(rng, backend):
+    """0 query rows (with or without sequences): an empty output, as compressed caches give (the
+    reference's reshapes divided by 0: ZeroDivisionError)."""
+    cache, tables, _ = _filled(rng, [5, 9], page_size=4, num_kv_heads=2, head_dim=8, dtype=jnp.float32)
+    lens = jnp.asarray([5, 9], jnp.int32)
+    with tq.use_backend(backend):
+        for q, t, n, starts in ((jnp.zeros((0, 4, 8)), tables, lens, jnp.zeros(3, jnp.int32)),
+                                (jnp.zeros((0, 4, 8)), tables[:0], lens[:0], jnp.zeros(1, jnp.int32))):
+            out = tq.paged_prefill(q, cache, t, n, starts)
+            assert out.shape == (0, 4, 8) and out.dtype == jnp.float32
+        q = jnp.asarray(rng.standard_normal((3, 4, 8)), jnp.float32)  # rows, no sequence: zeros
+        out = tq.paged_prefill(q, cache, tables[:0], lens[:0], jnp.zeros(1, jnp.int32))
+        assert out.shape == (3, 4, 8) and not np.any(np.asarray(out))
+
+
 def test_write_cache_rounds_to_the_pages_and_skips_padding(rng):
     """Rows are stored in the pages' dtype at their slots; slots -1 and past the pool write nothing."""
     cache = tq.PagedKVCache.create(num_pages=2, page_size=3, num_kv_heads=1, preset="none", head_dim=4,
