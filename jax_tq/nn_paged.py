@@ -253,9 +253,10 @@ class PagedAttention(nnx.Module):
         Raises:
           ValueError: ``inputs_q`` not ``[batch, L, in_features]``; decode with no cache
             (call ``init_cache`` first), with ``L != 1``, another batch or ``lengths``; prefill of
-            another batch than the cache's rows, or longer than ``max_length``; ``lengths`` of the wrong shape or (concrete) outside ``[0, L]``; a decode
-            step into a row holding ``max_length`` tokens (eagerly; under ``jit`` the run fails with
-            the same message from a host callback unless ``check_capacity=False``).
+            another batch than the cache's rows, or longer than ``max_length``; ``lengths`` of the
+            wrong shape or (concrete) outside ``[0, L]``; a decode step into a row holding
+            ``max_length`` tokens (eagerly; under ``jit`` the run fails with the same message from
+            a host callback unless ``check_capacity=False``).
           TypeError: ``lengths`` not integer, ``decode`` not given anywhere.
         """
         where = "jax_tq.nn.PagedAttention"

@@ -267,7 +267,7 @@ def plan_decode(q, cache, block_tables, *, num_splits=None, precision=None, plat
     kernel = requested_kernel()
     if platform not in (None, "cpu", "cuda"):
         raise ValueError(f"jax_tq.plan_decode: platform must be 'cpu', 'cuda' or None, got {platform!r}")
-    q = _as_array(q)
+    q = _array_or_shape(q)
     num_splits = _static_num_splits(num_splits)
     lens = jax.ShapeDtypeStruct((q.shape[0],) if q.ndim == 3 else (0,), jnp.int32)
     block_tables, _ = _check_decode_args(q, cache, block_tables, lens, num_splits, op="jax_tq.plan_decode")
@@ -429,7 +429,7 @@ def _decode_bwd(k_bits, v_bits, scale, num_splits, f16_products, kernel, backend
 _decode.defvjp(_decode_fwd, _decode_bwd)
 
 
-def _as_array(x):
+def _array_or_shape(x):
     """x as a jnp array, or a jax.ShapeDtypeStruct left as it is (shapes only: plan_decode)."""
     return x if isinstance(x, jax.ShapeDtypeStruct) else jnp.asarray(x)
 
@@ -456,7 +456,7 @@ def _check_decode_args(q, cache, block_tables, seq_lens, num_splits, op="jax_tq.
     lens_spec = f"{op}: seq_lens must be int32 [{seqs}]"
     tq_format.check_index_dtype(block_tables, tables_spec)
     tq_format.check_index_dtype(seq_lens, lens_spec)
-    block_tables, seq_lens = _as_array(block_tables), _as_array(seq_lens)
+    block_tables, seq_lens = _array_or_shape(block_tables), _array_or_shape(seq_lens)
     if block_tables.dtype != jnp.int32 or block_tables.ndim != 2 or block_tables.shape[0] != num_seqs:
         error = TypeError if block_tables.dtype != jnp.int32 else ValueError
         raise error(f"{tables_spec}, got {block_tables.dtype}{tuple(block_tables.shape)}")
